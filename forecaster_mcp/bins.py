@@ -1,0 +1,98 @@
+"""The 8 speedup bins: one definition shared by prompt, schema, labels and metrics.
+
+Speedup S = t(baseline) / t(candidate). Bins are symmetric in log2 S with edges
+-2, -1, -0.5, 0, 0.5, 1, 2: (-inf,-2) [-2,-1) [-1,-0.5) [-0.5,0) [0,0.5) [0.5,1) [1,2) [2,inf).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+EDGES_LOG2: tuple[float, ...] = (-2.0, -1.0, -0.5, 0.0, 0.5, 1.0, 2.0)
+N_BINS = 8
+LABELS: tuple[str, ...] = (
+    "(-inf,-2)",
+    "[-2,-1)",
+    "[-1,-0.5)",
+    "[-0.5,0)",
+    "[0,0.5)",
+    "[0.5,1)",
+    "[1,2)",
+    "[2,inf)",
+)
+# Representative log2 speedup of each bin (its midpoint; the open ends at +-2.5).
+CENTERS_LOG2: tuple[float, ...] = (-2.5, -1.5, -0.75, -0.25, 0.25, 0.75, 1.5, 2.5)
+FASTER_BINS = range(4, 8)
+TIE_LOG2 = math.log2(1.03)
+
+
+def describe() -> str:
+    """Human text of the bins, for prompts and docs."""
+    parts = []
+    lo_s = [0.0, 0.25, 0.5, 2**-0.5, 1.0, 2**0.5, 2.0, 4.0]
+    hi_s = [0.25, 0.5, 2**-0.5, 1.0, 2**0.5, 2.0, 4.0, math.inf]
+    for i, label in enumerate(LABELS):
+        parts.append(f"bin {i}: log2 S in {label} (S in [{lo_s[i]:.3g}, {hi_s[i]:.3g}))")
+    return "\n".join(parts)
+
+
+def bin_index(speedup: float) -> int:
+    """The bin holding a speedup S > 0."""
+    if not speedup > 0 or math.isnan(speedup):
+        raise ValueError(f"speedup must be positive, got {speedup}")
+    x = math.log2(speedup)
+    for i, edge in enumerate(EDGES_LOG2):
+        if x < edge:
+            return i
+    return N_BINS - 1
+
+
+def normalize(probs: Sequence[float]) -> list[float]:
+    """Clip to non-negative and renormalise 8 probabilities; uniform if all zero."""
+    if len(probs) != N_BINS:
+        raise ValueError(f"expected {N_BINS} probabilities, got {len(probs)}")
+    clipped = [max(0.0, float(p)) if math.isfinite(p) else 0.0 for p in probs]
+    total = sum(clipped)
+    if total <= 0:
+        return [1.0 / N_BINS] * N_BINS
+    return [p / total for p in clipped]
+
+
+def p_faster(probs: Sequence[float]) -> float:
+    """Mass on S > 1 (log2 S >= 0)."""
+    return float(sum(probs[i] for i in FASTER_BINS))
+
+
+def expected_log2(probs: Sequence[float]) -> float:
+    return float(sum(p * c for p, c in zip(probs, CENTERS_LOG2, strict=True)))
+
+
+def expected_speedup(probs: Sequence[float]) -> float:
+    """Geometric expectation of S from the bin distribution."""
+    return float(2.0 ** expected_log2(probs))
+
+
+def _phi(z: float) -> float:
+    return 0.5 * (1.0 + math.erf(z / math.sqrt(2.0)))
+
+
+def from_normal(mean_log2: float, std_log2: float) -> list[float]:
+    """Bin probabilities of a normal distribution over log2 S."""
+    std = max(std_log2, 1e-6)
+    cdf = [0.0] + [_phi((e - mean_log2) / std) for e in EDGES_LOG2] + [1.0]
+    return normalize([cdf[i + 1] - cdf[i] for i in range(N_BINS)])
+
+
+def from_samples(log2_samples: Sequence[float]) -> list[float]:
+    """Bin histogram of samples of log2 S."""
+    counts = [0.0] * N_BINS
+    for x in log2_samples:
+        counts[bin_index(2.0**x)] += 1.0
+    return normalize(counts)
+
+
+def one_hot(speedup: float) -> list[float]:
+    out = [0.0] * N_BINS
+    out[bin_index(speedup)] = 1.0
+    return out

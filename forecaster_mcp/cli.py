@@ -1,0 +1,109 @@
+"""The `forecaster-mcp` command line. Handlers are imported lazily so start-up stays fast."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from forecaster_mcp import __version__
+from forecaster_mcp.errors import AgentError, OperatorError
+from forecaster_mcp.settings import Settings
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="forecaster-mcp",
+        description="MCP server: forecast which CUDA kernel is faster; measure only when unsure.",
+    )
+    p.add_argument("--version", action="version", version=f"forecaster-mcp {__version__}")
+    p.add_argument("--home", type=Path, help="state directory (env FORECASTER_MCP_HOME)")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser("serve", help="run the MCP server (stdio by default)")
+    serve.add_argument("--http", action="store_true", help="serve streamable HTTP at /mcp instead of stdio")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8765)
+    serve.add_argument("--replay", type=Path, action="append", default=[], help="Kernel Tuner cache to replay")
+    serve.add_argument("--ledger", help="ledger a stdio server charges (env FORECASTER_MCP_LEDGER)")
+    serve.add_argument("--hardware", help="default GPU for forecasts, e.g. H100")
+    serve.add_argument("--measurer", choices=["auto", "replay", "pycuda", "none"])
+    serve.set_defaults(handler="forecaster_mcp.server.app:serve_command")
+
+    ledger = sub.add_parser("ledger", help="operator: create, top up and show GPU-second ledgers")
+    lsub = ledger.add_subparsers(dest="action", required=True)
+    create = lsub.add_parser("create", help="create a ledger with a limit")
+    create.add_argument("name")
+    create.add_argument("--gpu-seconds", type=float, required=True)
+    topup = lsub.add_parser("topup", help="raise a ledger's limit")
+    topup.add_argument("name")
+    topup.add_argument("--gpu-seconds", type=float, required=True)
+    show = lsub.add_parser("show", help="show one ledger or all")
+    show.add_argument("name", nargs="?")
+    show.add_argument("--json", action="store_true")
+    ledger.set_defaults(handler="forecaster_mcp.store.admin:ledger_command")
+
+    token = sub.add_parser("token", help="operator: issue and revoke bearer tokens for HTTP")
+    tsub = token.add_subparsers(dest="action", required=True)
+    issue = tsub.add_parser("issue", help="issue a token for a ledger (printed once)")
+    issue.add_argument("--ledger", required=True)
+    issue.add_argument("--label", default=None)
+    revoke = tsub.add_parser("revoke", help="revoke a token")
+    revoke.add_argument("token")
+    tsub.add_parser("list", help="list tokens (never their secret)")
+    token.set_defaults(handler="forecaster_mcp.store.admin:token_command")
+
+    ev = sub.add_parser("eval", help="forecaster metrics on a pairs file (JSON lines)")
+    ev.add_argument("pairs", type=Path)
+    ev.add_argument("--out", type=Path, default=Path("eval-out"), help="folder for metrics.json and plots")
+    ev.add_argument("--forecaster", default="local", help="local, claude or local+claude")
+    ev.add_argument("--target-error", type=float, default=None)
+    ev.add_argument("--calibrate-on", type=Path, default=None, help="pairs file to fit calibration on first")
+    ev.set_defaults(handler="forecaster_mcp.forecast.evaluate:eval_command")
+
+    mp = sub.add_parser("make-pairs", help="write a pairs file sampled from Kernel Tuner recordings")
+    mp.add_argument("recordings", type=Path, nargs="+")
+    mp.add_argument("-n", type=int, default=1000, help="pairs per recording")
+    mp.add_argument("--seed", type=int, default=0)
+    mp.add_argument("--out", type=Path, required=True)
+    mp.set_defaults(handler="forecaster_mcp.forecast.evaluate:make_pairs_command")
+
+    se = sub.add_parser("search", help="budgeted search over a replay space through the MCP tools")
+    se.add_argument("recording", type=Path)
+    se.add_argument("--measurements", type=int, default=100)
+    se.add_argument("--seeds", type=int, default=5)
+    se.add_argument("--strategy", choices=["forecast", "random", "both"], default="both")
+    se.add_argument("--out", type=Path, default=None, help="write the report as JSON here")
+    se.set_defaults(handler="forecaster_mcp.search:search_command")
+
+    demo = sub.add_parser("demo", help="start a server and drive it as an MCP client: the whole idea in one screen")
+    demo.add_argument("--replay", type=Path, action="append", default=[], help="recording to measure against")
+    demo.set_defaults(handler="forecaster_mcp.demo:demo_command")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        settings = Settings.from_env(
+            home=args.home,
+            replay=getattr(args, "replay", None),
+            ledger=getattr(args, "ledger", None) if args.command == "serve" else None,
+            hardware=getattr(args, "hardware", None),
+            measurer=getattr(args, "measurer", None),
+        )
+        module_name, func_name = args.handler.split(":")
+        handler = getattr(importlib.import_module(module_name), func_name)
+        code: int = handler(settings, args)
+        return code
+    except (OperatorError, AgentError) as exc:
+        print(f"forecaster-mcp: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

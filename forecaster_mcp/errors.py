@@ -1,0 +1,42 @@
+"""One exception tree for the whole package.
+
+Every error an agent could have avoided derives from `AgentError`; the MCP layer turns those into
+`ToolError` with the message unchanged, so messages are written for the agent's next move.
+Anything else is an internal error.
+"""
+
+
+class ForecasterMcpError(Exception):
+    """Base of every error this package raises on purpose."""
+
+
+class AgentError(ForecasterMcpError):
+    """A request the caller can fix: the message says what was wrong and what to do next."""
+
+
+class InvalidRequest(AgentError):
+    """Bad ids, sizes, dtypes, launch dimensions and the like."""
+
+
+class UnknownLedger(AgentError):
+    """The ledger named by settings, token or CLI does not exist."""
+
+
+class BudgetExhausted(AgentError):
+    """The ledger cannot cover the reservation a measurement needs."""
+
+
+class NotMeasurable(AgentError):
+    """No measurer can run this kernel here (not in any recording, no such device, no backend)."""
+
+
+class MeasurementInProgress(AgentError):
+    """A measurement with the same idempotency key is still running."""
+
+
+class OperatorError(ForecasterMcpError):
+    """A CLI (operator) command failed in a way the operator can fix."""
+
+
+class WorkerCrashed(ForecasterMcpError):
+    """A measurement worker process died; the supervisor starts a fresh one."""

@@ -1,0 +1,1 @@
+"""Forecasting layers: measured truth, local model, Claude, calibration and the selective policy."""

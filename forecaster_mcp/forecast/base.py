@@ -1,0 +1,73 @@
+"""The forecaster seam: (baseline, candidate, workload, hardware) -> 8-bin distribution."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from forecaster_mcp import bins
+from forecaster_mcp.hardware.specs import GpuSpec
+from forecaster_mcp.models import Kernel, Workload
+
+
+@dataclass(frozen=True)
+class PairQuery:
+    """One question: is `candidate` faster than `baseline` on `hardware` for `workload`?"""
+
+    baseline: Kernel
+    candidate: Kernel
+    workload: Workload
+    hardware_name: str  # canonical name when known, else what the caller passed
+    hardware: GpuSpec | None  # None: no specification known, hardware-specific features unused
+
+
+@dataclass
+class BinForecast:
+    """A forecaster's answer to one PairQuery."""
+
+    probs: list[float]  # 8 probabilities over bins.LABELS
+    rationale: str = ""
+    # Extra numbers a combiner or calibrator may use (e.g. the local model's predicted mean/std).
+    extras: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.probs = bins.normalize(self.probs)
+
+    @property
+    def p_faster(self) -> float:
+        return bins.p_faster(self.probs)
+
+
+class Forecaster(Protocol):
+    """Anything that forecasts pairs. `name` and `version` are shown to the agent."""
+
+    name: str
+    version: str
+
+    async def forecast(self, queries: Sequence[PairQuery]) -> list[BinForecast]:
+        """One BinForecast per query, in order."""
+        ...
+
+
+class ScriptedForecaster:
+    """A fake for tests: answers from a queue of scripted forecasts, records every query."""
+
+    name = "scripted"
+    version = "0"
+
+    def __init__(self, default: Sequence[float] | None = None) -> None:
+        self._queue: list[BinForecast] = []
+        self._default = list(default) if default is not None else [1.0 / bins.N_BINS] * bins.N_BINS
+        self.history: list[PairQuery] = []
+
+    def enqueue(self, *forecasts: Sequence[float] | BinForecast) -> None:
+        for f in forecasts:
+            self._queue.append(f if isinstance(f, BinForecast) else BinForecast(list(f), "scripted"))
+
+    async def forecast(self, queries: Sequence[PairQuery]) -> list[BinForecast]:
+        out = []
+        for q in queries:
+            self.history.append(q)
+            out.append(self._queue.pop(0) if self._queue else BinForecast(list(self._default), "scripted"))
+        return out

@@ -1,0 +1,1 @@
+"""GPU specifications and forgiving GPU-name matching."""

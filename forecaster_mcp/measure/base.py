@@ -1,0 +1,46 @@
+"""The measurement seam. Backends know nothing of MCP or of the ledger."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from forecaster_mcp.models import Kernel, MeasureResult, Workload
+
+# progress(done, total, message) -> awaitable; the server forwards it as MCP progress.
+ProgressCallback = Callable[[float, float | None, str | None], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class MeasureRequest:
+    kernel: Kernel
+    workload: Workload
+    device: str  # canonical device name the caller asked for (a name `devices()` returned)
+    reference: Kernel | None = None
+    atol: float = 1e-5
+    rtol: float = 1e-3
+    max_seconds: float = 10.0  # hard cap on GPU occupancy for this measurement
+    max_runs: int = 1000
+    seed: int = 0
+
+
+class Measurer(Protocol):
+    """One backend. `devices()` is cheap; `measure` may take seconds."""
+
+    name: str
+
+    def devices(self) -> list[str]:
+        """Canonical names of the devices this backend can measure on."""
+        ...
+
+    def reservation_seconds(self, request: MeasureRequest) -> float:
+        """The most GPU-seconds `measure` may charge for this request (reserved before it runs)."""
+        ...
+
+    async def measure(self, request: MeasureRequest, progress: ProgressCallback | None = None) -> MeasureResult:
+        """Run (or look up) the measurement. `result.cost.gpu_seconds` is what the ledger commits.
+
+        Raises NotMeasurable when this backend cannot measure the kernel (nothing is charged).
+        """
+        ...

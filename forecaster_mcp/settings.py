@@ -1,0 +1,67 @@
+"""Settings: every field has an environment variable FORECASTER_MCP_<FIELD> (lists: os.pathsep-separated)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field, ValidationError
+
+from forecaster_mcp.errors import OperatorError
+
+ENV_PREFIX = "FORECASTER_MCP_"
+
+
+def default_home() -> Path:
+    from platformdirs import user_data_dir
+
+    return Path(user_data_dir("forecaster-mcp", appauthor=False))
+
+
+class Settings(BaseModel):
+    home: Path = Field(default_factory=default_home, description="state directory (database, caches)")
+    ledger: str = Field(default="default", description="ledger a stdio server charges")
+    default_ledger_gpu_seconds: float = Field(
+        default=600.0, ge=0, description="limit of the 'default' ledger when a stdio server creates it"
+    )
+    replay: list[Path] = Field(default_factory=list, description="Kernel Tuner cache files to replay")
+    measurer: Literal["auto", "replay", "pycuda", "none"] = "auto"
+    hardware: str | None = Field(default=None, description="default GPU for forecasts")
+    target_error: float = Field(default=0.1, gt=0, lt=0.5)
+    max_measure_seconds: float = Field(default=30.0, gt=0, description="cap on one measurement's GPU time")
+    anthropic_api_key: str | None = None
+    claude_model: str = "claude-sonnet-4-5"
+    claude_samples: int = Field(default=3, ge=1, le=16)
+    nvcc: str | None = Field(default=None, description="path to nvcc; default: found on PATH")
+
+    @property
+    def db_path(self) -> Path:
+        return self.home / "forecaster.sqlite3"
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None, **overrides: object) -> Settings:
+        """Read FORECASTER_MCP_* variables (and ANTHROPIC_API_KEY), then apply non-None overrides."""
+        env = dict(os.environ if environ is None else environ)
+        values: dict[str, object] = {}
+        for name, field in cls.model_fields.items():
+            raw = env.get(ENV_PREFIX + name.upper())
+            if raw is None or raw == "":
+                continue
+            if field.annotation == list[Path]:
+                values[name] = [p for p in raw.split(os.pathsep) if p]
+            else:
+                values[name] = raw
+        if "anthropic_api_key" not in values and env.get("ANTHROPIC_API_KEY"):
+            values["anthropic_api_key"] = env["ANTHROPIC_API_KEY"]
+        for key, value in overrides.items():
+            if value is not None and value != []:
+                values[key] = value
+        try:
+            return cls.model_validate(values)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            field_name = ".".join(str(p) for p in first["loc"])
+            raise OperatorError(
+                f"bad setting {field_name} (env {ENV_PREFIX}{field_name.upper()}): {first['msg']}"
+            ) from exc

@@ -1,0 +1,56 @@
+"""Shared fixtures: every test gets its own state directory; paid API calls fail loudly."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+DATASETS = SHARED / "datasets" / "kernel_tuner_benchmark_hub"
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(autouse=True)
+def _isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    home = tmp_path / "home"
+    monkeypatch.setenv("FORECASTER_MCP_HOME", str(home))
+    monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
+    monkeypatch.delenv("FORECASTER_MCP_ANTHROPIC_API_KEY", raising=False)
+    # Any real Anthropic call in tests must fail loudly (the Claude tests inject a MockTransport).
+    monkeypatch.setenv("ANTHROPIC_BASE_URL", "http://127.0.0.1:9/forbidden-real-api-call-in-tests")
+    monkeypatch.setenv("FORECASTER_MCP_FORBID_REAL_API", "1")
+    yield home
+
+
+def dataset(*parts: str) -> Path:
+    """Path of a shared dataset file; skips the test when ../shared is not beside the checkout."""
+    path = DATASETS.joinpath(*parts)
+    if not path.exists():
+        pytest.skip(f"shared dataset missing: {path}")
+    return path
+
+
+@pytest.fixture
+def conv_a100() -> Path:
+    return dataset("cachefiles", "convolution_milo", "A100.json.gz")
+
+
+@pytest.fixture
+def dedisp_a100() -> Path:
+    return dataset("cachefiles", "dedispersion_milo", "A100.json.gz")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get("FORECASTER_MCP_GPU_TESTS") == "1":
+        return
+    skip = pytest.mark.skip(reason="GPU test: needs an NVIDIA GPU and pycuda (set FORECASTER_MCP_GPU_TESTS=1)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
