@@ -34,6 +34,10 @@ class Measurer(Protocol):
         """Canonical names of the devices this backend can measure on."""
         ...
 
+    def device_fingerprint(self, device: str) -> str:
+        """Identity of the device for the measurement cache: name plus driver/recording, whatever changes results."""
+        ...
+
     def reservation_seconds(self, request: MeasureRequest) -> float:
         """The most GPU-seconds `measure` may charge for this request (reserved before it runs)."""
         ...
