@@ -1,19 +1,59 @@
 """The one SQLite database (aiosqlite, WAL): ledgers, events, tokens, measurements, forecasts.
 
-This module owns every SQL string in the package.
+This module owns every SQL string in the package (the schema lives in `migrations.py`).
 
 INTERFACE CONTRACT (signatures fixed; bodies are the store work). All methods are coroutines and safe to call
 from many coroutines at once (one connection, an asyncio.Lock around each transaction) and from several
 processes on one database file (BEGIN IMMEDIATE for every write transaction, busy_timeout).
+
+Money is stored as integer micro-GPU-seconds so ledgers balance exactly; the API speaks float GPU-seconds.
+Every transaction runs in its own task shielded from the caller's cancellation: a cancelled caller never
+leaves the connection mid-transaction, and a reservation whose caller was cancelled is released again.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import secrets
+import socket
+import statistics
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
+import aiosqlite
+
+from forecaster_mcp import bins
+from forecaster_mcp.errors import BudgetExhausted, InvalidRequest, OperatorError, UnknownLedger
 from forecaster_mcp.models import MeasureResult
+from forecaster_mcp.store.migrations import migrate
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+MICRO = 1_000_000
+MAX_GPU_SECONDS = (
+    1e12  # ~31,000 GPU-years: far above any real budget, far below int64 overflow in micro units
+)
+BUSY_TIMEOUT_S = 30.0
+TOKEN_PREFIX = "fmcp_"
+FINGERPRINT_CHARS = 12
+_LEDGER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:@+-]{0,127}$")
+# A live process's measurement may wait in a queue before it runs, so expiry is generous and only applies
+# to owners whose liveness cannot be checked (another host or PID namespace, no /proc).
+EXPIRY_FACTOR = 2.0
+EXPIRY_GRACE_S = 300.0
+# Statuses that say something about the infrastructure rather than the kernel: never served from cache.
+_NOT_CACHEABLE = ("worker_crashed", "timeout")
 
 
 @dataclass(frozen=True)
@@ -73,67 +113,633 @@ class ForecastRow:
     decided_by: Literal["forecast", "measurement", "cache"]
 
 
+# ---------------------------------------------------------------------------- money and names
+
+
+def to_micro(gpu_seconds: float, what: str, error: type[Exception], *, allow_zero: bool) -> int:
+    """Validate an amount of GPU-seconds and convert it to integer micro-GPU-seconds."""
+    bound = ">= 0" if allow_zero else "> 0"
+    if isinstance(gpu_seconds, bool) or not isinstance(gpu_seconds, int | float):
+        raise error(f"{what} must be a number of GPU-seconds {bound}, got {gpu_seconds!r}")
+    value = float(gpu_seconds)
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        raise error(f"{what} must be a finite number of GPU-seconds {bound}, got {gpu_seconds!r}")
+    if value > MAX_GPU_SECONDS:
+        raise error(f"{what} of {value:g} GPU-seconds is over the {MAX_GPU_SECONDS:g} limit")
+    micro = round(value * MICRO)
+    # A positive amount below a micro-GPU-second still holds something (never a free reservation).
+    return max(micro, 0 if allow_zero else 1)
+
+
+def _gs(micro: int) -> float:
+    return micro / MICRO
+
+
+def fmt_gpu_seconds(value: float) -> str:
+    """Short human form of an amount: at most 6 decimals, no trailing zeros (3.2, 10, 0.000001)."""
+    text = f"{value:.6f}".rstrip("0").rstrip(".")
+    return "0" if text in ("", "-0") else text
+
+
+def _unknown_ledger(name: str) -> UnknownLedger:
+    return UnknownLedger(
+        f"ledger '{name}' does not exist; the operator creates it with: "
+        f"forecaster-mcp ledger create {name} --gpu-seconds N"
+    )
+
+
+def _hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+def _view(row: Any) -> LedgerView:
+    return LedgerView(
+        name=str(row[0]),
+        limit_gpu_seconds=_gs(int(row[1])),
+        spent_gpu_seconds=_gs(int(row[2])),
+        reserved_gpu_seconds=_gs(int(row[3])),
+    )
+
+
+def _result_from_row(row_id: Any, result_json: Any) -> MeasureResult:
+    result = MeasureResult.model_validate_json(str(result_json))
+    return result.model_copy(update={"measurement_id": int(row_id)})
+
+
+def _direction_correct(verdict: str, speedup: float) -> bool:
+    """A decided verdict is right when it names the faster kernel; pairs within noise count as right."""
+    if abs(math.log2(speedup)) <= bins.TIE_LOG2:
+        return True
+    return (verdict == "faster") == (speedup > 1.0)
+
+
+# ---------------------------------------------------------------------------- process identity
+
+_PROC = Path("/proc")
+
+
+def _read_boot_id() -> str | None:
+    try:
+        return (_PROC / "sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _read_pidns() -> str | None:
+    try:
+        return os.readlink(_PROC / "self/ns/pid")
+    except OSError:
+        return None
+
+
+def _proc_start(pid: int, boot_id: str | None) -> str | None:
+    """'<boot id>:<start ticks>' of a live process, None when no such live process exists (or no /proc)."""
+    try:
+        text = (_PROC / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    # Field 2 (comm) may hold spaces and parentheses: split after the last ')'. rest[0] is field 3.
+    rest = text[text.rfind(")") + 2 :].split()
+    if len(rest) < 20 or rest[0] in ("Z", "X"):  # a zombie is dead for our purposes
+        return None
+    return f"{boot_id or '?'}:{rest[19]}"  # field 22: start time in clock ticks since boot
+
+
+@dataclass(frozen=True)
+class _Owner:
+    """Who holds a reservation: enough to tell later whether that process is still alive."""
+
+    pid: int
+    host: str
+    pidns: str | None
+    start: str | None  # None where /proc is unavailable
+
+    @classmethod
+    def current(cls) -> _Owner:
+        pid = os.getpid()
+        return cls(
+            pid=pid, host=socket.gethostname(), pidns=_read_pidns(), start=_proc_start(pid, _read_boot_id())
+        )
+
+
+def _owner_state(me: _Owner, pid: int, host: str, pidns: str | None, start: str | None) -> str:
+    """'dead', 'alive' (verified, same start time) or 'unknown' (cannot check from here)."""
+    if host != me.host or pidns != me.pidns:
+        return "unknown"
+    if me.start is not None and start is not None:
+        my_boot = me.start.split(":", 1)[0]
+        if start.split(":", 1)[0] != my_boot:
+            return "dead"  # the machine rebooted since
+        current = _proc_start(pid, my_boot)
+        if current is None:
+            return "dead"
+        return "alive" if current == start else "dead"  # a different start time: the pid was reused
+    if os.name == "nt":  # os.kill(pid, 0) would send CTRL_C_EVENT on Windows
+        return "unknown"
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return "dead"
+    except OSError:
+        return "unknown"
+    return "unknown"  # exists, but without a start time we cannot rule out pid reuse
+
+
+# ---------------------------------------------------------------------------- SQL
+
+_LEDGER_COLS = "name, limit_micro, spent_micro, reserved_micro"
+_EVENT_INSERT = (
+    "INSERT INTO ledger_events (ledger, kind, amount_micro, limit_delta_micro, spent_delta_micro, "
+    "reserved_delta_micro, reservation_id, detail, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+_LATEST_OK = (
+    "SELECT {col} FROM measurements AS m WHERE m.content_key = forecasts.{key} "
+    "AND m.hardware = forecasts.hardware AND m.workload_key = forecasts.workload_key "
+    "AND m.status = 'ok' AND m.runtime_ms > 0 ORDER BY m.id DESC LIMIT 1"
+)
+# Sets actual_speedup = t(baseline) / t(candidate) from the latest ok measurement of each kernel, for the
+# forecasts selected by the WHERE clause appended by the caller.
+_VERIFY = (
+    "UPDATE forecasts SET "
+    f"actual_speedup = ({_LATEST_OK.format(col='m.runtime_ms', key='baseline_key')}) "
+    f"/ ({_LATEST_OK.format(col='m.runtime_ms', key='candidate_key')}), "
+    f"verified_by_measurement = max(({_LATEST_OK.format(col='m.id', key='baseline_key')}), "
+    f"({_LATEST_OK.format(col='m.id', key='candidate_key')})), "
+    "verified_at = ? "
+    f"WHERE EXISTS ({_LATEST_OK.format(col='1', key='baseline_key')}) "
+    f"AND EXISTS ({_LATEST_OK.format(col='1', key='candidate_key')}) AND "
+)
+
+
 class Store:
-    """Async facade over the database file. Open with `await Store.open(path)`; close with `await store.close()`."""
+    """Async facade over the database file.
+
+    Open with `await Store.open(path)`; close with `await store.close()`."""
+
+    def __init__(self, conn: Any, path: Path) -> None:
+        self._conn: Any = conn
+        self.path = path
+        self._lock = asyncio.Lock()
+        self._owner = _Owner.current()
+        self._background: set[asyncio.Future[Any]] = set()
 
     @classmethod
     async def open(cls, path: Path) -> Store:
         """Create the folder and file if needed, enable WAL, apply pending migrations, release orphan
         reservations (owner process dead on this host, or expired)."""
-        raise NotImplementedError
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # isolation_level=None: we issue BEGIN IMMEDIATE / COMMIT ourselves.
+        conn = await aiosqlite.connect(str(path), timeout=BUSY_TIMEOUT_S, isolation_level=None)
+        try:
+            await conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+            await conn.execute("PRAGMA journal_mode = WAL")
+            # NORMAL survives process crashes in WAL mode; only a power cut may lose the last commits.
+            await conn.execute("PRAGMA synchronous = NORMAL")
+            await conn.execute("PRAGMA foreign_keys = ON")
+            await migrate(conn)
+            store = cls(conn, path)
+            released = await store._write(lambda c: store._release_orphans(c, time.time()))
+        except BaseException:
+            await conn.close()
+            raise
+        if released:
+            log.warning("released %d orphan reservation(s) left by dead or expired owners", released)
+        return store
 
     async def close(self) -> None:
-        raise NotImplementedError
+        """Finish transactions still running for cancelled callers, then close the connection."""
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
+        if self._conn is not None:
+            conn, self._conn = self._conn, None
+            await conn.close()
 
-    # ---- ledgers (operator actions and reads)
+    # ---------------------------------------------------------------- transactions
+
+    def _track(self, fut: asyncio.Future[Any]) -> None:
+        self._background.add(fut)
+        fut.add_done_callback(self._background.discard)
+
+    async def _locked(self, body: Callable[[Any], Awaitable[T]], begin: str | None) -> T:
+        async with self._lock:
+            conn = self._conn
+            if conn is None:
+                raise RuntimeError("the store is closed")
+            if begin is None:
+                return await body(conn)
+            await conn.execute(begin)
+            try:
+                result = await body(conn)
+                await conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    await conn.execute("ROLLBACK")
+                raise
+            return result
+
+    async def _run(
+        self,
+        body: Callable[[Any], Awaitable[T]],
+        begin: str | None,
+        on_abandoned: Callable[[T], Awaitable[Any]] | None = None,
+    ) -> T:
+        # The transaction runs in its own task: a caller's cancellation (an anyio scope re-cancels every
+        # await) cannot interrupt it between BEGIN and COMMIT.
+        task = asyncio.ensure_future(self._locked(body, begin))
+        self._track(task)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if on_abandoned is not None:
+                undo = on_abandoned
+
+                def _after(t: asyncio.Future[T]) -> None:
+                    if not t.cancelled() and t.exception() is None:
+                        self._track(asyncio.ensure_future(undo(t.result())))
+
+                task.add_done_callback(_after)
+            raise
+
+    async def _write(self, body: Callable[[Any], Awaitable[T]]) -> T:
+        return await self._run(body, "BEGIN IMMEDIATE")
+
+    async def _read_tx(self, body: Callable[[Any], Awaitable[T]]) -> T:
+        return await self._run(body, "BEGIN")
+
+    async def _fetch(self, sql: str, params: tuple[Any, ...] = ()) -> list[Any]:
+        async def body(conn: Any) -> list[Any]:
+            return list(await conn.execute_fetchall(sql, params))
+
+        return await self._run(body, None)
+
+    @staticmethod
+    async def _event(
+        conn: Any,
+        ledger: str,
+        kind: str,
+        amount: int,
+        *,
+        limit_delta: int = 0,
+        spent_delta: int = 0,
+        reserved_delta: int = 0,
+        reservation_id: int | None = None,
+        detail: str | None = None,
+        now: float,
+    ) -> None:
+        await conn.execute(
+            _EVENT_INSERT,
+            (ledger, kind, amount, limit_delta, spent_delta, reserved_delta, reservation_id, detail, now),
+        )
+
+    @staticmethod
+    async def _ledger_row(conn: Any, name: str) -> Any:
+        rows = await conn.execute_fetchall(f"SELECT {_LEDGER_COLS} FROM ledgers WHERE name = ?", (name,))
+        return rows[0] if rows else None
+
+    # ---------------------------------------------------------------- ledgers (operator actions and reads)
+
     async def create_ledger(self, name: str, gpu_seconds: float) -> LedgerView:
         """OperatorError if it exists or the amount is not a finite number >= 0."""
-        raise NotImplementedError
+        if not isinstance(name, str) or not _LEDGER_NAME.match(name):
+            raise OperatorError(
+                f"ledger name {str(name)[:80]!r} is not allowed: use 1 to 128 letters, digits "
+                "and _ . : @ + - (starting with a letter or digit)"
+            )
+        amount = to_micro(gpu_seconds, "--gpu-seconds", OperatorError, allow_zero=True)
+
+        async def body(conn: Any) -> LedgerView:
+            if await self._ledger_row(conn, name) is not None:
+                raise OperatorError(
+                    f"ledger '{name}' already exists; raise its limit with: "
+                    f"forecaster-mcp ledger topup {name} --gpu-seconds N"
+                )
+            now = time.time()
+            await conn.execute(
+                "INSERT INTO ledgers (name, limit_micro, created_at, updated_at) VALUES (?, ?, ?, ?)",
+                (name, amount, now, now),
+            )
+            await self._event(conn, name, "create", amount, limit_delta=amount, now=now)
+            return LedgerView(name, _gs(amount), 0.0, 0.0)
+
+        return await self._write(body)
+
+    async def ensure_ledger(self, name: str, gpu_seconds: float) -> LedgerView:
+        """The ledger, created with `gpu_seconds` if it does not exist yet (atomic across processes)."""
+        try:
+            return await self.create_ledger(name, gpu_seconds)
+        except OperatorError:
+            view = await self.get_ledger(name)
+            if view is None:
+                raise
+            return view
 
     async def topup_ledger(self, name: str, gpu_seconds: float) -> LedgerView:
-        raise NotImplementedError
+        """Raise a ledger's limit by a finite amount > 0. OperatorError if it does not exist."""
+        amount = to_micro(gpu_seconds, "--gpu-seconds", OperatorError, allow_zero=False)
+
+        async def body(conn: Any) -> LedgerView:
+            row = await self._ledger_row(conn, name)
+            if row is None:
+                raise OperatorError(str(_unknown_ledger(name)))
+            if _gs(int(row[1]) + amount) > MAX_GPU_SECONDS:
+                raise OperatorError(f"ledger '{name}' would exceed the {MAX_GPU_SECONDS:g} GPU-second limit")
+            now = time.time()
+            await conn.execute(
+                "UPDATE ledgers SET limit_micro = limit_micro + ?, updated_at = ? WHERE name = ?",
+                (amount, now, name),
+            )
+            await self._event(conn, name, "topup", amount, limit_delta=amount, now=now)
+            return _view(await self._ledger_row(conn, name))
+
+        return await self._write(body)
 
     async def get_ledger(self, name: str) -> LedgerView | None:
-        raise NotImplementedError
+        rows = await self._fetch(f"SELECT {_LEDGER_COLS} FROM ledgers WHERE name = ?", (name,))
+        return _view(rows[0]) if rows else None
 
     async def list_ledgers(self) -> list[LedgerView]:
-        raise NotImplementedError
+        return [_view(r) for r in await self._fetch(f"SELECT {_LEDGER_COLS} FROM ledgers ORDER BY name")]
 
-    # ---- budget: reserve -> run -> commit actual / release rest
+    async def ledger_events(self, name: str) -> list[dict[str, Any]]:
+        """The ledger's append-only history, oldest first (amounts in GPU-seconds)."""
+        rows = await self._fetch(
+            "SELECT id, kind, amount_micro, limit_delta_micro, spent_delta_micro, reserved_delta_micro, "
+            "reservation_id, detail, created_at FROM ledger_events WHERE ledger = ? ORDER BY id",
+            (name,),
+        )
+        return [
+            {
+                "id": int(r[0]),
+                "kind": str(r[1]),
+                "gpu_seconds": _gs(int(r[2])),
+                "limit_delta_gpu_seconds": _gs(int(r[3])),
+                "spent_delta_gpu_seconds": _gs(int(r[4])),
+                "reserved_delta_gpu_seconds": _gs(int(r[5])),
+                "reservation_id": r[6],
+                "detail": r[7],
+                "created_at": float(r[8]),
+            }
+            for r in rows
+        ]
+
+    # ---------------------------------------------------------------- budget: reserve, run, commit/release
+
     async def reserve(self, ledger: str, gpu_seconds: float, purpose: str) -> Reservation:
         """Atomically hold `gpu_seconds`. UnknownLedger / BudgetExhausted (message names what is left and
         that forecasts are free). The reservation records this process (pid, host, start time) and an
         expiry so a crashed owner's hold is released on the next open."""
-        raise NotImplementedError
+        amount = to_micro(gpu_seconds, "the reservation", InvalidRequest, allow_zero=False)
+        me = self._owner
+
+        async def body(conn: Any) -> Reservation | Exception:
+            now = time.time()
+            await self._release_orphans(conn, now)
+            row = await self._ledger_row(conn, ledger)
+            if row is None:
+                return _unknown_ledger(ledger)
+            limit, spent, reserved = int(row[1]), int(row[2]), int(row[3])
+            if limit - spent - reserved < amount:
+                # Returned, not raised: orphans released above must still be committed.
+                return _exhausted(ledger, limit, spent, reserved, amount)
+            expires = now + EXPIRY_FACTOR * _gs(amount) + EXPIRY_GRACE_S
+            cur = await conn.execute(
+                "INSERT INTO reservations (ledger, amount_micro, purpose, owner_pid, owner_host, "
+                "owner_pidns, owner_start, created_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (ledger, amount, purpose, me.pid, me.host, me.pidns, me.start, now, expires),
+            )
+            rid = int(cur.lastrowid)
+            await conn.execute(
+                "UPDATE ledgers SET reserved_micro = reserved_micro + ?, updated_at = ? WHERE name = ?",
+                (amount, now, ledger),
+            )
+            await self._event(
+                conn,
+                ledger,
+                "reserve",
+                amount,
+                reserved_delta=amount,
+                reservation_id=rid,
+                detail=purpose,
+                now=now,
+            )
+            return Reservation(id=rid, ledger=ledger, gpu_seconds=_gs(amount))
+
+        async def undo(outcome: Reservation | Exception) -> None:
+            if isinstance(outcome, Reservation):
+                await self.release(outcome)
+
+        outcome = await self._run(body, "BEGIN IMMEDIATE", on_abandoned=undo)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    async def _settle(self, reservation: Reservation, actual_micro: int | None) -> int:
+        """Commit (actual_micro not None) or release a held reservation; 0, no change if settled."""
+
+        async def body(conn: Any) -> int:
+            rows = await conn.execute_fetchall(
+                "SELECT ledger, amount_micro, state FROM reservations WHERE id = ?", (reservation.id,)
+            )
+            if not rows or str(rows[0][0]) != reservation.ledger:
+                raise ValueError(
+                    f"no reservation {reservation.id} on ledger '{reservation.ledger}' in {self.path}"
+                )
+            held, state = int(rows[0][1]), str(rows[0][2])
+            if state != "open":
+                return 0
+            charged = 0 if actual_micro is None else min(actual_micro, held)
+            now = time.time()
+            await conn.execute(
+                "UPDATE ledgers SET spent_micro = spent_micro + ?, reserved_micro = reserved_micro - ?, "
+                "updated_at = ? WHERE name = ?",
+                (charged, held, now, reservation.ledger),
+            )
+            new_state = "released" if actual_micro is None else "committed"
+            await conn.execute(
+                "UPDATE reservations SET state = ?, charged_micro = ?, settled_at = ? WHERE id = ?",
+                (new_state, charged, now, reservation.id),
+            )
+            if actual_micro is None:
+                await self._event(
+                    conn, reservation.ledger, "release", held, reserved_delta=-held,
+                    reservation_id=reservation.id, now=now,
+                )  # fmt: skip
+            else:
+                await self._event(
+                    conn, reservation.ledger, "commit", charged, spent_delta=charged, reserved_delta=-held,
+                    reservation_id=reservation.id, detail=f"released {fmt_gpu_seconds(_gs(held - charged))}",
+                    now=now,
+                )  # fmt: skip
+            return charged
+
+        return await self._write(body)
 
     async def commit(self, reservation: Reservation, actual_gpu_seconds: float) -> float:
-        """Charge min(actual, reserved), release the rest, append an event. Returns the charge."""
-        raise NotImplementedError
+        """Charge min(actual, reserved), release the rest, append an event. Returns the charge.
+
+        A negative actual charges 0; a NaN or infinite one charges the whole hold. Committing or releasing a
+        reservation already settled (or released as an orphan) changes nothing and returns 0."""
+        actual = float(actual_gpu_seconds)
+        if not math.isfinite(actual):
+            actual_micro = round(MAX_GPU_SECONDS * MICRO)
+        else:
+            actual_micro = round(min(max(actual, 0.0), MAX_GPU_SECONDS) * MICRO)
+        return _gs(await self._settle(reservation, actual_micro))
 
     async def release(self, reservation: Reservation) -> None:
         """Release the whole hold, charging nothing (the measurement did not happen)."""
-        raise NotImplementedError
+        await self._settle(reservation, None)
 
-    # ---- tokens (HTTP): stored hashed
+    async def _release_orphans(self, conn: Any, now: float) -> int:
+        """In a write transaction: release holds whose owner is dead, or expired and not provably alive."""
+        me = self._owner
+        rows = await conn.execute_fetchall(
+            "SELECT id, ledger, amount_micro, owner_pid, owner_host, owner_pidns, owner_start, expires_at "
+            "FROM reservations WHERE state = 'open' "
+            "AND NOT (owner_pid = ? AND owner_host = ? AND owner_start IS ?)",
+            (me.pid, me.host, me.start),
+        )
+        released = 0
+        for rid, ledger, amount, pid, host, pidns, start, expires_at in rows:
+            state = _owner_state(me, int(pid), str(host), pidns, start)
+            if state == "alive" or (state == "unknown" and float(expires_at) >= now):
+                continue
+            reason = (
+                f"owner pid {pid} on {host} is gone"
+                if state == "dead"
+                else f"expired (owner pid {pid} on {host} cannot be checked from here)"
+            )
+            await conn.execute(
+                "UPDATE reservations SET state = 'orphan_released', charged_micro = 0, settled_at = ? "
+                "WHERE id = ?",
+                (now, rid),
+            )
+            await conn.execute(
+                "UPDATE ledgers SET reserved_micro = reserved_micro - ?, updated_at = ? WHERE name = ?",
+                (amount, now, ledger),
+            )
+            await self._event(
+                conn, str(ledger), "orphan_release", int(amount), reserved_delta=-int(amount),
+                reservation_id=int(rid), detail=reason, now=now,
+            )  # fmt: skip
+            log.warning("released orphan reservation %s on ledger %r: %s", rid, ledger, reason)
+            released += 1
+        return released
+
+    async def reservations(self, ledger: str | None = None, state: str | None = None) -> list[dict[str, Any]]:
+        """Reservations for inspection (newest first), optionally filtered by ledger and state."""
+        rows = await self._fetch(
+            "SELECT id, ledger, amount_micro, purpose, owner_pid, owner_host, state, charged_micro, "
+            "created_at, expires_at, settled_at FROM reservations "
+            "WHERE (? IS NULL OR ledger = ?) AND (? IS NULL OR state = ?) ORDER BY id DESC",
+            (ledger, ledger, state, state),
+        )
+        return [
+            {
+                "id": int(r[0]),
+                "ledger": str(r[1]),
+                "gpu_seconds": _gs(int(r[2])),
+                "purpose": str(r[3]),
+                "owner_pid": int(r[4]),
+                "owner_host": str(r[5]),
+                "state": str(r[6]),
+                "charged_gpu_seconds": None if r[7] is None else _gs(int(r[7])),
+                "created_at": float(r[8]),
+                "expires_at": float(r[9]),
+                "settled_at": None if r[10] is None else float(r[10]),
+            }
+            for r in rows
+        ]
+
+    # ---------------------------------------------------------------- tokens (HTTP): stored hashed
+
     async def issue_token(self, ledger: str, label: str | None = None) -> str:
-        raise NotImplementedError
+        """A new bearer token for `ledger`; only its SHA-256 is stored: this is the one chance to see it."""
+        token = TOKEN_PREFIX + secrets.token_urlsafe(32)
+
+        async def body(conn: Any) -> str:
+            if await self._ledger_row(conn, ledger) is None:
+                raise OperatorError(str(_unknown_ledger(ledger)))
+            await conn.execute(
+                "INSERT INTO tokens (token_sha256, ledger, label, created_at) VALUES (?, ?, ?, ?)",
+                (_hash_token(token), ledger, label, time.time()),
+            )
+            return token
+
+        return await self._write(body)
 
     async def revoke_token(self, token: str) -> bool:
-        raise NotImplementedError
+        """Revoke by the token itself or by the fingerprint `list_tokens` shows. True if an active token was
+        revoked; OperatorError if a fingerprint matches several active tokens."""
+        token = token.strip()
+
+        async def body(conn: Any) -> bool:
+            if token.startswith(TOKEN_PREFIX):
+                rows = await conn.execute_fetchall(
+                    "SELECT id FROM tokens WHERE token_sha256 = ? AND revoked_at IS NULL",
+                    (_hash_token(token),),
+                )
+            elif re.fullmatch(r"[0-9a-f]{8,64}", token):
+                rows = await conn.execute_fetchall(
+                    "SELECT id FROM tokens WHERE substr(token_sha256, 1, ?) = ? AND revoked_at IS NULL",
+                    (len(token), token),
+                )
+            else:
+                return False
+            if len(rows) > 1:
+                raise OperatorError(f"fingerprint {token} matches {len(rows)} tokens: give more characters")
+            if not rows:
+                return False
+            await conn.execute("UPDATE tokens SET revoked_at = ? WHERE id = ?", (time.time(), rows[0][0]))
+            return True
+
+        return await self._write(body)
 
     async def ledger_for_token(self, token: str) -> str | None:
-        raise NotImplementedError
+        rows = await self._fetch(
+            "SELECT ledger FROM tokens WHERE token_sha256 = ? AND revoked_at IS NULL", (_hash_token(token),)
+        )
+        return str(rows[0][0]) if rows else None
 
     async def list_tokens(self) -> list[dict[str, Any]]:
-        raise NotImplementedError
+        """Every token, never its secret: id, fingerprint (hash prefix), ledger, label, timestamps."""
+        rows = await self._fetch(
+            "SELECT id, token_sha256, ledger, label, created_at, revoked_at FROM tokens ORDER BY id"
+        )
+        return [
+            {
+                "id": int(r[0]),
+                "fingerprint": str(r[1])[:FINGERPRINT_CHARS],
+                "ledger": str(r[2]),
+                "label": r[3],
+                "created_at": float(r[4]),
+                "revoked_at": None if r[5] is None else float(r[5]),
+            }
+            for r in rows
+        ]
 
-    # ---- measurements
+    # ---------------------------------------------------------------- measurements
+
     async def find_measurement(self, cache_key: str) -> MeasureResult | None:
-        """A stored result for this exact (kernel, workload, device fingerprint), if any."""
-        raise NotImplementedError
+        """A stored result for this exact (kernel, workload, device fingerprint), if any.
+
+        The latest original (not a cache-hit copy) of any status except worker_crashed and timeout, as it was
+        stored (its cost is the original run's), with measurement_id set to its row."""
+        rows = await self._fetch(
+            "SELECT id, result_json FROM measurements WHERE cache_key = ? AND status NOT IN (?, ?) "
+            "ORDER BY cached ASC, id DESC LIMIT 1",
+            (cache_key, *_NOT_CACHEABLE),
+        )
+        return _result_from_row(*rows[0]) if rows else None
 
     async def find_idempotent(self, ledger: str, idempotency_key: str) -> MeasureResult | None:
-        raise NotImplementedError
+        """The result stored under (ledger, idempotency_key) as first saved, with measurement_id set."""
+        rows = await self._fetch(
+            "SELECT id, result_json FROM measurements WHERE ledger = ? AND idempotency_key = ?",
+            (ledger, idempotency_key),
+        )
+        return _result_from_row(*rows[0]) if rows else None
 
     async def save_measurement(
         self,
@@ -151,26 +757,158 @@ class Store:
         cached: bool,
     ) -> int:
         """Store a measurement with full provenance (result JSON holds device provenance) and verify every
-        stored forecast whose two kernels are now both measured on this hardware and workload. Returns its id."""
-        raise NotImplementedError
+        stored forecast whose two kernels are now both measured on this hardware and workload. Returns its id.
+
+        A second save under the same (ledger, idempotency_key) inserts nothing and returns the first id."""
+        charged = to_micro(charged_gpu_seconds, "charged_gpu_seconds", ValueError, allow_zero=True)
+        kernel = json.loads(kernel_json)
+        defines_json = json.dumps(kernel.get("defines") or {}, sort_keys=True)
+        launch = kernel.get("launch")
+        launch_json = None if launch is None else json.dumps(launch, sort_keys=True)
+        runtime = (
+            result.runtime_ms.median if result.status == "ok" and result.runtime_ms is not None else None
+        )
+        result_json = result.model_dump_json()
+
+        async def body(conn: Any) -> int:
+            if idempotency_key is not None:
+                rows = await conn.execute_fetchall(
+                    "SELECT id FROM measurements WHERE ledger IS ? AND idempotency_key = ?",
+                    (ledger, idempotency_key),
+                )
+                if rows:
+                    return int(rows[0][0])
+            if ledger is not None and await self._ledger_row(conn, ledger) is None:
+                raise _unknown_ledger(ledger)
+            saved = 0
+            if cached:
+                rows = await conn.execute_fetchall(
+                    # What the result served from cache cost when it was measured (see find_measurement).
+                    "SELECT charged_micro FROM measurements WHERE cache_key = ? AND cached = 0 "
+                    "AND status NOT IN (?, ?) ORDER BY id DESC LIMIT 1",
+                    (cache_key, *_NOT_CACHEABLE),
+                )
+                saved = int(rows[0][0]) if rows else 0
+            now = time.time()
+            cur = await conn.execute(
+                "INSERT INTO measurements (cache_key, ledger, idempotency_key, kernel_json, defines_json, "
+                "launch_json, workload_key, family_key, content_key, hardware, result_json, status, "
+                "runtime_ms, charged_micro, saved_micro, cached, created_at) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    cache_key, ledger, idempotency_key, kernel_json, defines_json, launch_json, workload_key,
+                    family_key, content_key, hardware, result_json, result.status, runtime, charged, saved,
+                    int(cached), now,
+                ),
+            )  # fmt: skip
+            mid = int(cur.lastrowid)
+            if runtime is not None and runtime > 0:
+                await conn.execute(
+                    # A UNION of two index lookups: an OR would scan every forecast on this workload.
+                    _VERIFY + "id IN (SELECT id FROM forecasts WHERE hardware = ? AND workload_key = ? "
+                    "AND baseline_key = ? UNION SELECT id FROM forecasts WHERE hardware = ? "
+                    "AND workload_key = ? AND candidate_key = ?)",
+                    (now, hardware, workload_key, content_key, hardware, workload_key, content_key),
+                )
+            return mid
+
+        return await self._write(body)
 
     async def family_points(self, family_key: str, hardware: str, workload_key: str) -> list[FamilyPoint]:
-        """Every stored measurement of this family on this hardware and workload (latest per content_key)."""
-        raise NotImplementedError
+        """Every stored measurement of this family on this hardware and workload (latest per content_key).
+
+        Per kernel, the latest ok measurement if there is one, else the latest of any status."""
+        rows = await self._fetch(
+            "SELECT defines_json, launch_json, status, runtime_ms, content_key FROM ("
+            "SELECT defines_json, launch_json, status, runtime_ms, content_key, row_number() OVER "
+            "(PARTITION BY content_key ORDER BY (status = 'ok') DESC, id DESC) AS rn "
+            "FROM measurements WHERE family_key = ? AND hardware = ? AND workload_key = ?"
+            ") WHERE rn = 1 ORDER BY content_key",
+            (family_key, hardware, workload_key),
+        )
+        return [
+            FamilyPoint(
+                defines=json.loads(r[0]),
+                launch=None if r[1] is None else json.loads(r[1]),
+                status=str(r[2]),
+                runtime_ms=None if r[3] is None else float(r[3]),
+                content_key=str(r[4]),
+            )
+            for r in rows
+        ]
 
     async def measured_runtime(self, content_key: str, hardware: str, workload_key: str) -> float | None:
-        """Median runtime (ms) of an ok measurement of this exact kernel, if stored."""
-        raise NotImplementedError
+        """Median runtime (ms) of an ok measurement of this exact kernel, if stored (the latest one)."""
+        rows = await self._fetch(
+            "SELECT runtime_ms FROM measurements WHERE content_key = ? AND hardware = ? AND workload_key = ? "
+            "AND status = 'ok' AND runtime_ms > 0 ORDER BY id DESC LIMIT 1",
+            (content_key, hardware, workload_key),
+        )
+        return float(rows[0][0]) if rows else None
 
-    # ---- forecasts
+    # ---------------------------------------------------------------- forecasts
+
     async def save_forecasts(self, rows: list[ForecastRow]) -> list[int]:
         """Store forecasts; any whose two kernels are already measured are verified at once."""
-        raise NotImplementedError
+        if not rows:
+            return []
+        params = []
+        now = time.time()
+        for r in rows:
+            if len(r.probs) != bins.N_BINS or not all(math.isfinite(p) for p in r.probs):
+                raise ValueError(f"a forecast needs {bins.N_BINS} finite probabilities, got {r.probs!r}")
+            params.append(
+                (
+                    r.ledger, r.forecaster, r.hardware, r.workload_key, r.baseline_key, r.candidate_key,
+                    json.dumps([float(p) for p in r.probs]), float(r.p_faster), r.verdict, r.decided_by, now,
+                )
+            )  # fmt: skip
+        ledgers = sorted({r.ledger for r in rows if r.ledger is not None})
 
-    async def verified_pairs(self, forecaster: str | None = None, hardware: str | None = None) -> list[VerifiedPair]:
-        raise NotImplementedError
+        async def body(conn: Any) -> list[int]:
+            for name in ledgers:
+                if await self._ledger_row(conn, name) is None:
+                    raise _unknown_ledger(name)
+            before = await conn.execute_fetchall("SELECT coalesce(max(id), 0) FROM forecasts")
+            first = int(before[0][0])
+            await conn.executemany(
+                "INSERT INTO forecasts (ledger, forecaster, hardware, workload_key, baseline_key, "
+                "candidate_key, probs_json, p_faster, verdict, decided_by, created_at) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                params,
+            )
+            # We hold the write lock, so the new rows are exactly those above the previous maximum id.
+            ids = await conn.execute_fetchall("SELECT id FROM forecasts WHERE id > ? ORDER BY id", (first,))
+            await conn.execute(_VERIFY + "id > ?", (now, first))
+            return [int(i[0]) for i in ids]
 
-    # ---- Claude usage
+        return await self._write(body)
+
+    async def verified_pairs(
+        self, forecaster: str | None = None, hardware: str | None = None
+    ) -> list[VerifiedPair]:
+        """Forecasts checked by measurements, oldest first; rows decided by cache (measured truth) omitted."""
+        rows = await self._fetch(
+            "SELECT forecaster, hardware, probs_json, p_faster, actual_speedup, verdict, created_at "
+            "FROM forecasts WHERE actual_speedup IS NOT NULL AND decided_by != 'cache' "
+            "AND (? IS NULL OR forecaster = ?) AND (? IS NULL OR hardware = ?) ORDER BY id",
+            (forecaster, forecaster, hardware, hardware),
+        )
+        return [
+            VerifiedPair(
+                forecaster=str(r[0]),
+                hardware=str(r[1]),
+                probs=[float(p) for p in json.loads(r[2])],
+                p_faster=float(r[3]),
+                actual_speedup=float(r[4]),
+                verdict=str(r[5]),
+                created_at=float(r[6]),
+            )
+            for r in rows
+        ]
+
+    # ---------------------------------------------------------------- Claude usage
+
     async def record_llm_usage(
         self,
         *,
@@ -182,19 +920,150 @@ class Store:
         cache_write_tokens: int,
         cost_usd: float,
     ) -> None:
-        raise NotImplementedError
+        async def body(conn: Any) -> None:
+            if ledger is not None and await self._ledger_row(conn, ledger) is None:
+                raise _unknown_ledger(ledger)
+            await conn.execute(
+                "INSERT INTO llm_usage (ledger, model, input_tokens, output_tokens, cache_read_tokens, "
+                "cache_write_tokens, cost_usd, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    ledger, model, int(input_tokens), int(output_tokens), int(cache_read_tokens),
+                    int(cache_write_tokens), float(cost_usd), time.time(),
+                ),
+            )  # fmt: skip
 
-    # ---- calibration state (opaque JSON per forecaster and hardware)
+        await self._write(body)
+
+    # ---------------------------------------------------------------- calibration state (opaque JSON)
+
     async def save_calibration(self, forecaster: str, hardware: str, state_json: str) -> None:
-        raise NotImplementedError
+        async def body(conn: Any) -> None:
+            await conn.execute(
+                "INSERT INTO calibration (forecaster, hardware, state_json, updated_at) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT (forecaster, hardware) DO UPDATE SET state_json = excluded.state_json, "
+                "updated_at = excluded.updated_at",
+                (forecaster, hardware, state_json, time.time()),
+            )
+
+        await self._write(body)
 
     async def load_calibration(self, forecaster: str, hardware: str) -> str | None:
-        raise NotImplementedError
+        rows = await self._fetch(
+            "SELECT state_json FROM calibration WHERE forecaster = ? AND hardware = ?", (forecaster, hardware)
+        )
+        return str(rows[0][0]) if rows else None
 
-    # ---- reports
+    # ---------------------------------------------------------------- reports
+
     async def ledger_report(self, ledger: str) -> dict[str, Any]:
         """Everything budget_status shows: limit/spent/reserved/remaining; measurements (count, cache_hits,
         failures); forecasts (count, decided, deferred, verified, verified_correct); gpu_seconds_saved
         (cache hits' recorded cost + estimated cost of measurements decided forecasts avoided);
-        llm usage (calls, tokens, cost_usd). UnknownLedger if missing."""
-        raise NotImplementedError
+        llm usage (calls, tokens, cost_usd). UnknownLedger if missing.
+
+        Definitions (rows of this ledger only):
+        - measurements.count includes cache hits; failures: rows whose status is not ok.
+        - forecasts.decided: decided_by forecast with verdict faster/slower; deferred: verdict unsure or
+          decided_by measurement; rows decided by cache count only in `count`.
+        - forecasts.verified: decided forecasts whose two kernels were later measured; verified_correct: those
+          naming the faster kernel (pairs within bins.TIE_LOG2 count as correct); accuracy: correct/verified.
+        - gpu_seconds_saved.cache: what the results served from cache cost when measured; .forecasts: decided
+          times the median charge of this ledger's non-cached measurements.
+        - calibration: Brier of p_faster against S > 1 over every verified forecast not decided by cache
+          (unsure ones included)."""
+
+        async def body(conn: Any) -> dict[str, Any] | None:
+            row = await self._ledger_row(conn, ledger)
+            if row is None:
+                return None
+            m = (
+                await conn.execute_fetchall(
+                    "SELECT count(*), coalesce(sum(cached), 0), coalesce(sum(status != 'ok'), 0), "
+                    "coalesce(sum(charged_micro), 0), coalesce(sum(saved_micro), 0) "
+                    "FROM measurements WHERE ledger = ?",
+                    (ledger,),
+                )
+            )[0]
+            costs = await conn.execute_fetchall(
+                "SELECT charged_micro FROM measurements WHERE ledger = ? AND cached = 0", (ledger,)
+            )
+            f = (
+                await conn.execute_fetchall(
+                    "SELECT count(*), "
+                    "coalesce(sum(decided_by = 'forecast' AND verdict != 'unsure'), 0), "
+                    "coalesce(sum(verdict = 'unsure' OR decided_by = 'measurement'), 0) "
+                    "FROM forecasts WHERE ledger = ?",
+                    (ledger,),
+                )
+            )[0]
+            verified = await conn.execute_fetchall(
+                "SELECT verdict, decided_by, p_faster, actual_speedup FROM forecasts "
+                "WHERE ledger = ? AND actual_speedup IS NOT NULL AND decided_by != 'cache'",
+                (ledger,),
+            )
+            llm = (
+                await conn.execute_fetchall(
+                    "SELECT count(*), coalesce(sum(input_tokens), 0), coalesce(sum(output_tokens), 0), "
+                    "coalesce(sum(cost_usd), 0.0) FROM llm_usage WHERE ledger = ?",
+                    (ledger,),
+                )
+            )[0]
+            return {"ledger": row, "m": m, "costs": costs, "f": f, "verified": verified, "llm": llm}
+
+        raw = await self._read_tx(body)
+        if raw is None:
+            raise _unknown_ledger(ledger)
+        limit, spent, reserved = (int(x) for x in raw["ledger"][1:4])
+        m, f, llm = raw["m"], raw["f"], raw["llm"]
+        decided_checked = [
+            (str(v), float(s)) for v, by, _, s in raw["verified"] if by == "forecast" and v != "unsure"
+        ]
+        correct = sum(_direction_correct(v, s) for v, s in decided_checked)
+        outcomes = [(float(p), 1.0 if float(s) > 1.0 else 0.0) for _, _, p, s in raw["verified"]]
+        decided = int(f[1])
+        typical_cost = statistics.median(int(c[0]) for c in raw["costs"]) if raw["costs"] else 0
+        return {
+            "limit_gpu_seconds": _gs(limit),
+            "spent_gpu_seconds": _gs(spent),
+            "reserved_gpu_seconds": _gs(reserved),
+            "remaining_gpu_seconds": _gs(limit - spent - reserved),
+            "measurements": {
+                "count": int(m[0]),
+                "cache_hits": int(m[1]),
+                "failures": int(m[2]),
+                "gpu_seconds": _gs(int(m[3])),
+            },
+            "forecasts": {
+                "count": int(f[0]),
+                "decided": decided,
+                "deferred": int(f[2]),
+                "verified": len(decided_checked),
+                "verified_correct": correct,
+                "accuracy": correct / len(decided_checked) if decided_checked else None,
+            },
+            "gpu_seconds_saved": {
+                "cache": _gs(int(m[4])),
+                "forecasts": decided * typical_cost / MICRO,
+            },
+            "llm": {
+                "calls": int(llm[0]),
+                "input_tokens": int(llm[1]),
+                "output_tokens": int(llm[2]),
+                "cost_usd": float(llm[3]),
+            },
+            "calibration": {
+                "verified_pairs": len(outcomes),
+                "brier": sum((p - y) ** 2 for p, y in outcomes) / len(outcomes) if outcomes else None,
+            },
+        }
+
+
+def _exhausted(ledger: str, limit: int, spent: int, reserved: int, amount: int) -> BudgetExhausted:
+    held = f", {fmt_gpu_seconds(_gs(reserved))} held by measurements in progress" if reserved else ""
+    return BudgetExhausted(
+        f"ledger '{ledger}' has {fmt_gpu_seconds(_gs(limit - spent - reserved))} GPU-seconds left "
+        f"(limit {fmt_gpu_seconds(_gs(limit))}, spent {fmt_gpu_seconds(_gs(spent))}{held}); "
+        f"this measurement needs up to {fmt_gpu_seconds(_gs(amount))}. "
+        "Forecasts with compare_kernels are free; "
+        f"ask the operator to top up (forecaster-mcp ledger topup {ledger} --gpu-seconds N)"
+    )

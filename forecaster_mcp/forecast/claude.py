@@ -1,0 +1,663 @@
+"""Claude as a forecaster: the paper's LLM surrogate with structured output, sampling, caching and batches.
+
+Only this module imports anthropic, and only when a ClaudeForecaster is built (the SDK takes over a second
+to import, which the server's start-up path must not pay when no key is configured).
+
+How one pair is forecast:
+- the prompt is a fixed system prompt (instructions, the 8 bins from `forecaster_mcp.bins`, output rules)
+  marked for prompt caching, then a per-pair user message (kernels, launch, workload, GPU, static features);
+- the answer is forced structured output: a forced tool call, or on models that refuse forced tool use
+  (Opus 5.5, Sonnet 5.5, ...) a JSON-schema output format;
+- `samples` separate requests are sampled, validated, averaged, and shrunk toward uniform by how much
+  their p_faster disagree (their spread is a signal of uncertainty the mean alone hides);
+- the SDK retries rate limits and server errors itself; tenacity retries only unusable answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import statistics
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
+
+from forecaster_mcp import bins
+from forecaster_mcp.errors import ForecasterMcpError
+from forecaster_mcp.forecast import prompt
+from forecaster_mcp.forecast.base import BinForecast, PairQuery
+
+if TYPE_CHECKING:
+    import httpx2
+    from anthropic import AsyncAnthropic
+    from anthropic.types import Message, Usage
+
+log = logging.getLogger(__name__)
+
+FORBID_REAL_API_ENV = "FORECASTER_MCP_FORBID_REAL_API"
+OutputMode = Literal["auto", "tool", "json"]
+_T = TypeVar("_T")
+
+# Models documented to reject a forced tool_choice (400): they get the JSON-schema output format instead.
+# Any other model that rejects it is switched at run time on the first such error.
+_NO_FORCED_TOOL_PREFIXES = (
+    "claude-opus-5-5",
+    "claude-sonnet-5-5",
+    "claude-haiku-5-5",
+    "claude-fable-5-1",
+    "claude-mythos-5-1",
+)
+# The prompt cache lives 5 minutes from its last use; re-warm a little before that.
+_CACHE_TTL_S = 270.0
+# Message Batches limits: 100,000 requests and 256 MB per batch; stay well under both.
+_BATCH_MAX_REQUESTS = 10_000
+_BATCH_MAX_BYTES = 100 * 2**20
+_TRANSIENT_BATCH_ERRORS = {"rate_limit_error", "api_error", "overloaded_error", "timeout_error"}
+
+
+class ClaudeUnavailable(ForecasterMcpError):
+    """Claude gave no usable forecast (no key, API failure, or every sample invalid for some pair).
+
+    `partial` holds the forecasts that did succeed, in query order (None where a pair failed), so a
+    bulk evaluation keeps what it paid for.
+    """
+
+    def __init__(self, message: str, partial: list[BinForecast | None] | None = None) -> None:
+        super().__init__(message)
+        self.partial = partial
+
+
+class RealApiCallForbidden(RuntimeError):
+    """A test built a ClaudeForecaster that would call the real, paid API."""
+
+
+class UsageSink(Protocol):
+    """Where token usage and its cost are recorded (the Store implements this)."""
+
+    async def record_llm_usage(
+        self,
+        *,
+        ledger: str | None,
+        model: str,
+        input_tokens: int,
+        output_tokens: int,
+        cache_read_tokens: int,
+        cache_write_tokens: int,
+        cost_usd: float,
+    ) -> None: ...
+
+
+# ---------------------------------------------------------------- prices
+
+
+@dataclass(frozen=True)
+class ModelPrice:
+    """USD per million tokens. cache_write is the 5-minute cache write (1.25x input on most models)."""
+
+    input: float
+    output: float
+    cache_write: float
+    cache_read: float
+
+
+# From platform.claude.com/docs/en/about-claude/pricing (checked against the model pages, October 2026).
+# Haiku 5.5 has a second, higher band for prompts over 100k tokens; the prompts here are far below it.
+PRICES: dict[str, ModelPrice] = {
+    "claude-fable-5-1": ModelPrice(10.0, 50.0, 12.5, 0.25),
+    "claude-mythos-5-1": ModelPrice(10.0, 50.0, 12.5, 0.25),
+    "claude-fable-5": ModelPrice(10.0, 50.0, 12.5, 1.0),
+    "claude-mythos-5": ModelPrice(10.0, 50.0, 12.5, 1.0),
+    "claude-opus-5-5": ModelPrice(4.0, 20.0, 5.0, 0.20),
+    "claude-opus-5": ModelPrice(5.0, 25.0, 6.25, 0.50),
+    "claude-opus-4-8": ModelPrice(5.0, 25.0, 6.25, 0.50),
+    "claude-opus-4-7": ModelPrice(5.0, 25.0, 6.25, 0.50),
+    "claude-opus-4-6": ModelPrice(5.0, 25.0, 6.25, 0.50),
+    "claude-opus-4-5": ModelPrice(5.0, 25.0, 6.25, 0.50),
+    "claude-opus-4-1": ModelPrice(15.0, 75.0, 18.75, 1.50),
+    "claude-opus-4-0": ModelPrice(15.0, 75.0, 18.75, 1.50),
+    "claude-opus-4": ModelPrice(15.0, 75.0, 18.75, 1.50),
+    "claude-sonnet-5-5": ModelPrice(2.0, 10.0, 2.5, 0.10),  # cache reads cut from 0.20 on 2026-10-07
+    "claude-sonnet-5": ModelPrice(2.0, 10.0, 2.5, 0.20),
+    "claude-sonnet-4-6": ModelPrice(3.0, 15.0, 3.75, 0.30),
+    "claude-sonnet-4-5": ModelPrice(3.0, 15.0, 3.75, 0.30),
+    "claude-sonnet-4-0": ModelPrice(3.0, 15.0, 3.75, 0.30),
+    "claude-sonnet-4": ModelPrice(3.0, 15.0, 3.75, 0.30),
+    "claude-3-7-sonnet": ModelPrice(3.0, 15.0, 3.75, 0.30),
+    "claude-haiku-5-5": ModelPrice(0.10, 0.50, 0.125, 0.01),
+    "claude-haiku-4-5": ModelPrice(1.0, 5.0, 1.25, 0.10),
+    "claude-3-5-haiku": ModelPrice(0.80, 4.0, 1.0, 0.08),
+}
+BATCH_DISCOUNT = 0.5  # the Batches API bills every token category at half price
+_warned_unknown: set[str] = set()
+
+
+def price_for(model: str) -> ModelPrice | None:
+    """The price row of a model id, allowing a date suffix (`claude-sonnet-4-5-20250929`)."""
+    if model in PRICES:
+        return PRICES[model]
+    for key in sorted(PRICES, key=len, reverse=True):
+        if model.startswith(key) and re.fullmatch(r"(-\d{8})?(-v\d+(:\d+)?)?", model[len(key) :]):
+            return PRICES[key]
+    return None
+
+
+@dataclass
+class TokenUsage:
+    """Tokens spent (summed over requests)."""
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cache_read_tokens: int = 0
+    cache_write_tokens: int = 0
+    requests: int = 0
+
+    def add_usage(self, usage: Usage) -> None:
+        self.input_tokens += usage.input_tokens
+        self.output_tokens += usage.output_tokens
+        self.cache_read_tokens += usage.cache_read_input_tokens or 0
+        self.cache_write_tokens += usage.cache_creation_input_tokens or 0
+        self.requests += 1
+
+    def add(self, other: TokenUsage) -> None:
+        self.input_tokens += other.input_tokens
+        self.output_tokens += other.output_tokens
+        self.cache_read_tokens += other.cache_read_tokens
+        self.cache_write_tokens += other.cache_write_tokens
+        self.requests += other.requests
+
+
+def cost_usd(model: str, usage: TokenUsage, *, batch: bool = False) -> float:
+    """Dollar cost of `usage`; 0 with a warning (once per model) when the model's price is unknown."""
+    price = price_for(model)
+    if price is None:
+        if model not in _warned_unknown:
+            _warned_unknown.add(model)
+            log.warning("no price known for model %r: its usage is recorded with cost 0", model)
+        return 0.0
+    dollars = (
+        usage.input_tokens * price.input
+        + usage.output_tokens * price.output
+        + usage.cache_read_tokens * price.cache_read
+        + usage.cache_write_tokens * price.cache_write
+    ) / 1e6
+    return dollars * (BATCH_DISCOUNT if batch else 1.0)
+
+
+# ---------------------------------------------------------------- answers
+
+
+@dataclass(frozen=True)
+class _Sample:
+    probs: list[float]
+    reasoning: str
+
+
+class _Truncated(prompt.InvalidAnswer):
+    """Output hit max_tokens before the answer was complete: retried with a larger max_tokens."""
+
+
+class _Dropped(Exception):
+    """An answer that retrying would not fix (a refusal, a prompt over the context window)."""
+
+
+class _Transient(Exception):
+    """An API failure left after the SDK's own retries (rate limits, overload, connection)."""
+
+
+class ClaudeForecaster:
+    """Claude forecasts the 8-bin speedup distribution of each pair (see the module docstring)."""
+
+    name = "claude"
+
+    def __init__(
+        self,
+        api_key: str,
+        model: str,
+        samples: int = 3,
+        usage_sink: UsageSink | None = None,
+        http_client: httpx2.AsyncClient | None = None,
+        max_concurrency: int = 8,
+        *,
+        ledger: str | None = None,
+        max_retries: int = 2,
+        invalid_retries: int = 2,
+        output_mode: OutputMode = "auto",
+        max_tokens: int | None = None,
+        request_timeout_s: float = 120.0,
+        features: prompt.FeaturesFn | Literal["auto"] | None = "auto",
+        warm_cache: bool = True,
+        batch_poll_interval_s: float = 30.0,
+        batch_max_wait_s: float = 25 * 3600.0,
+        sleep: Callable[[float], Awaitable[None]] | None = None,
+    ) -> None:
+        if http_client is None and os.environ.get(FORBID_REAL_API_ENV) == "1":
+            raise RealApiCallForbidden(
+                f"REFUSING TO CALL THE REAL ANTHROPIC API: {FORBID_REAL_API_ENV}=1 is set (tests) and no "
+                "http_client was injected. Pass "
+                "http_client=httpx2.AsyncClient(transport=httpx2.MockTransport(handler))."
+            )
+        if http_client is None and not api_key:
+            raise ClaudeUnavailable(
+                "no Anthropic API key: set FORECASTER_MCP_ANTHROPIC_API_KEY (or ANTHROPIC_API_KEY) "
+                "to use Claude"
+            )
+        if samples < 1 or max_concurrency < 1 or invalid_retries < 0:
+            raise ValueError("samples and max_concurrency must be >= 1, invalid_retries >= 0")
+        import anthropic  # lazily: see the module docstring
+
+        self._anthropic = anthropic
+        self._client: AsyncAnthropic = anthropic.AsyncAnthropic(
+            api_key=api_key or "injected-http-client",
+            http_client=http_client,
+            max_retries=max_retries,
+            timeout=request_timeout_s,
+        )
+        self.model = model
+        self.version = model
+        self.samples = samples
+        self.ledger = ledger
+        self.invalid_retries = invalid_retries
+        self._usage_sink = usage_sink
+        self._semaphore = asyncio.Semaphore(max_concurrency)
+        self._output_mode = output_mode
+        self._mode: Literal["tool", "json"] = (
+            output_mode
+            if output_mode != "auto"
+            else ("json" if model.startswith(_NO_FORCED_TOOL_PREFIXES) else "tool")
+        )
+        self._max_tokens_override = max_tokens
+        self._features: prompt.FeaturesFn | Literal["auto"] | None = features
+        self._warm_cache = warm_cache
+        self._cache_warm_until = 0.0
+        self._batch_poll_interval_s = batch_poll_interval_s
+        self._batch_max_wait_s = batch_max_wait_s
+        self._sleep = sleep or asyncio.sleep
+        self.usage_total = TokenUsage()
+        self.cost_usd_total = 0.0
+
+    # ------------------------------------------------------------ public
+
+    async def forecast(self, queries: Sequence[PairQuery]) -> list[BinForecast]:
+        """One BinForecast per query. ClaudeUnavailable when some pair got no usable sample."""
+        usage = TokenUsage()
+        problems: list[str] = []
+        try:
+            texts = await self._user_texts(queries)
+            first: list[_Sample | None] | None = None
+            if queries and self._warm_cache and time.monotonic() >= self._cache_warm_until:
+                # One request alone writes the shared system-prompt cache that every other request reads.
+                first = [await self._sample(texts[0], usage, problems)]
+            results = await _gather_or_cancel(
+                [
+                    self._forecast_one(text, usage, problems, first if i == 0 else None)
+                    for i, text in enumerate(texts)
+                ]
+            )
+        finally:
+            await self._record(usage, batch=False)
+        return self._finish(results, problems)
+
+    async def forecast_batch(self, queries: Sequence[PairQuery]) -> list[BinForecast]:
+        """Forecast many pairs through the Message Batches API (half price, minutes to hours).
+
+        Every (pair, sample) is one batch request; unusable answers are resubmitted in up to
+        `invalid_retries` further batches. Polls every `batch_poll_interval_s` for at most `batch_max_wait_s`.
+        """
+        usage = TokenUsage()
+        problems: list[str] = []
+        samples: list[list[_Sample]] = [[] for _ in queries]
+        try:
+            texts = await self._user_texts(queries)
+            pending = {(i, j): self._max_tokens() for i in range(len(queries)) for j in range(self.samples)}
+            for round_no in range(1 + self.invalid_retries):
+                if not pending:
+                    break
+                mode = self._mode
+                requests = {
+                    f"q{i}-s{j}-r{round_no}": self._params(texts[i], mode, max_tokens)
+                    for (i, j), max_tokens in pending.items()
+                }
+                outcomes = await self._run_batches(requests)
+                retry: dict[tuple[int, int], int] = {}
+                for (i, j), max_tokens in pending.items():
+                    outcome = outcomes.get(f"q{i}-s{j}-r{round_no}")
+                    again = self._batch_outcome(outcome, mode, max_tokens, usage, problems, samples[i])
+                    if again is not None:
+                        retry[(i, j)] = again
+                pending = retry
+        finally:
+            await self._record(usage, batch=True)
+        return self._finish([self._aggregate(s) if s else None for s in samples], problems)
+
+    async def aclose(self) -> None:
+        """Close the HTTP client (also an injected one)."""
+        await self._client.close()
+
+    # ------------------------------------------------------------ one pair, one sample
+
+    async def _forecast_one(
+        self, text: str, usage: TokenUsage, problems: list[str], done: list[_Sample | None] | None
+    ) -> BinForecast | None:
+        got: list[_Sample | None] = list(done or [])
+        if not got and self._warm_cache and self.samples > 1:
+            # The first sample writes this pair's cache entry; the others then read the long kernel text.
+            got.append(await self._sample(text, usage, problems))
+        remaining = self.samples - len(got)
+        got.extend(await _gather_or_cancel([self._sample(text, usage, problems) for _ in range(remaining)]))
+        valid = [s for s in got if s is not None]
+        return self._aggregate(valid) if valid else None
+
+    async def _sample(self, text: str, usage: TokenUsage, problems: list[str]) -> _Sample | None:
+        """One validated sample, or None (dropped) when it stays unusable after the retries."""
+        from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt
+
+        max_tokens = self._max_tokens()
+        try:
+            async for attempt in AsyncRetrying(
+                stop=stop_after_attempt(1 + self.invalid_retries),
+                retry=retry_if_exception_type(prompt.InvalidAnswer),
+                reraise=True,
+            ):
+                with attempt:
+                    message, mode = await self._create(text, self._mode, max_tokens, usage)
+                    try:
+                        return self._interpret(message, mode)
+                    except _Truncated:
+                        max_tokens = min(2 * max_tokens, 8 * self._max_tokens())
+                        raise
+        except prompt.InvalidAnswer as exc:
+            problems.append(f"unusable answer after {1 + self.invalid_retries} attempts: {exc}")
+        except (_Dropped, _Transient) as exc:
+            problems.append(str(exc))
+        log.info("claude sample dropped: %s", problems[-1])
+        return None
+
+    async def _create(
+        self, text: str, mode: Literal["tool", "json"], max_tokens: int, usage: TokenUsage
+    ) -> tuple[Message, Literal["tool", "json"]]:
+        """One request; returns the message and the output mode it was made in."""
+        an = self._anthropic
+        message: Message
+        async with self._semaphore:
+            try:
+                try:
+                    message = await self._client.messages.create(**self._params(text, mode, max_tokens))
+                except an.BadRequestError as exc:
+                    if not self._switch_to_json(mode, str(exc)):
+                        raise
+                    mode = "json"
+                    max_tokens = max(max_tokens, self._max_tokens())
+                    message = await self._client.messages.create(**self._params(text, mode, max_tokens))
+            except (
+                an.AuthenticationError,
+                an.PermissionDeniedError,
+                an.NotFoundError,
+                an.BadRequestError,
+            ) as exc:
+                raise ClaudeUnavailable(f"Claude request rejected ({type(exc).__name__}): {exc}") from exc
+            except (an.APIStatusError, an.APIConnectionError) as exc:
+                raise _Transient(f"Claude API error after retries ({type(exc).__name__}): {exc}") from exc
+        usage.add_usage(message.usage)
+        self._cache_warm_until = time.monotonic() + _CACHE_TTL_S
+        return message, mode
+
+    def _switch_to_json(self, mode: str, error: str) -> bool:
+        """A model that rejects forced tool use, or turning thinking off for it, gets JSON output instead."""
+        if mode != "tool" or self._output_mode != "auto":
+            return False
+        if "tool_choice" not in error and "thinking" not in error:
+            return False
+        if self._mode == "tool":
+            log.warning("%s rejects forced tool use; switching to JSON-schema output: %s", self.model, error)
+            self._mode = "json"
+        return True
+
+    def _interpret(self, message: Message, mode: Literal["tool", "json"]) -> _Sample:
+        """Validate one response into a sample (InvalidAnswer / _Truncated / _Dropped otherwise)."""
+        stop = message.stop_reason
+        if stop == "refusal":
+            detail = message.stop_details.explanation if message.stop_details else None
+            raise _Dropped(f"Claude refused to answer{': ' + detail if detail else ''}")
+        if stop == "model_context_window_exceeded":
+            raise _Dropped("the pair's prompt exceeds the model's context window")
+        payload: object = None
+        for block in message.content:
+            if mode == "tool" and block.type == "tool_use" and block.name == prompt.TOOL_NAME:
+                payload = block.input
+            elif mode == "json" and block.type == "text":
+                payload = (payload if isinstance(payload, str) else "") + block.text
+        try:
+            if payload is None:
+                raise prompt.InvalidAnswer(f"no {'tool call' if mode == 'tool' else 'text'} in the answer")
+            probs, reasoning = prompt.parse_answer(payload)
+        except prompt.InvalidAnswer as exc:
+            if stop == "max_tokens":
+                raise _Truncated(f"answer cut off at max_tokens ({exc})") from exc
+            raise
+        return _Sample(probs, reasoning)
+
+    # ------------------------------------------------------------ requests
+
+    def _max_tokens(self) -> int:
+        if self._max_tokens_override is not None:
+            return self._max_tokens_override
+        # JSON mode is used on models that think by default, and thinking counts against max_tokens.
+        return 1024 if self._mode == "tool" else 4096
+
+    def _params(self, text: str, mode: Literal["tool", "json"], max_tokens: int) -> dict[str, Any]:
+        """Request body. Cache order is tools -> system -> messages, so the breakpoint on the system block
+        covers the tool definition too; the second breakpoint (several samples) covers the pair's text."""
+        user_block: dict[str, Any] = {"type": "text", "text": text}
+        if self.samples > 1:
+            user_block["cache_control"] = {"type": "ephemeral"}
+        params: dict[str, Any] = {
+            "model": self.model,
+            "max_tokens": max_tokens,
+            "system": [
+                {"type": "text", "text": prompt.SYSTEM_PROMPT, "cache_control": {"type": "ephemeral"}}
+            ],
+            "messages": [{"role": "user", "content": [user_block]}],
+        }
+        if mode == "tool":
+            # Forced tool use is refused while thinking is on (the default on some models): turn it off.
+            params["thinking"] = {"type": "disabled"}
+            params["tools"] = [prompt.tool_definition()]
+            params["tool_choice"] = {
+                "type": "tool",
+                "name": prompt.TOOL_NAME,
+                "disable_parallel_tool_use": True,
+            }
+        else:
+            params["output_config"] = {
+                "format": {"type": "json_schema", "schema": prompt.answer_schema(strict=True)}
+            }
+        return params
+
+    async def _user_texts(self, queries: Sequence[PairQuery]) -> list[str]:
+        if self._features == "auto":
+            self._features = prompt.default_features_fn()
+        fn = self._features
+        if fn is None:
+            return [prompt.build_user_prompt(q) for q in queries]
+
+        def build(q: PairQuery) -> str:
+            return prompt.build_user_prompt(q, prompt.features_text(fn, q))
+
+        # Feature extraction may run nvcc/ptxas: keep it off the event loop.
+        return list(await asyncio.gather(*(asyncio.to_thread(build, q) for q in queries)))
+
+    # ------------------------------------------------------------ batches
+
+    async def _run_batches(self, requests: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """Submit `requests` (custom_id -> params) as one or more batches; custom_id -> result object."""
+        chunks: list[list[Any]] = [[]]
+        size = 0
+        for custom_id, params in requests.items():
+            entry = {"custom_id": custom_id, "params": params}
+            n = len(json.dumps(entry))
+            if chunks[-1] and (len(chunks[-1]) >= _BATCH_MAX_REQUESTS or size + n > _BATCH_MAX_BYTES):
+                chunks.append([])
+                size = 0
+            chunks[-1].append(entry)
+            size += n
+        an = self._anthropic
+        outcomes: dict[str, Any] = {}
+        try:
+            created = [await self._client.messages.batches.create(requests=c) for c in chunks if c]
+            for batch in created:
+                await self._wait_batch(batch.id)
+                decoder = await self._client.messages.batches.results(batch.id)
+                async for item in decoder:
+                    outcomes[item.custom_id] = item.result
+        except (an.APIStatusError, an.APIConnectionError) as exc:
+            raise ClaudeUnavailable(f"Claude batch failed ({type(exc).__name__}): {exc}") from exc
+        return outcomes
+
+    async def _wait_batch(self, batch_id: str) -> None:
+        waited = 0.0
+        while True:
+            batch = await self._client.messages.batches.retrieve(batch_id)
+            if batch.processing_status == "ended":
+                return
+            if waited >= self._batch_max_wait_s:
+                try:
+                    await self._client.messages.batches.cancel(batch_id)
+                except self._anthropic.APIError as exc:
+                    log.warning("could not cancel batch %s: %s", batch_id, exc)
+                raise ClaudeUnavailable(
+                    f"Claude batch {batch_id} still {batch.processing_status} after {waited:.0f} s; "
+                    "cancelled it"
+                )
+            await self._sleep(self._batch_poll_interval_s)
+            waited += self._batch_poll_interval_s
+
+    def _batch_outcome(
+        self,
+        result: Any,
+        mode: Literal["tool", "json"],
+        max_tokens: int,
+        usage: TokenUsage,
+        problems: list[str],
+        into: list[_Sample],
+    ) -> int | None:
+        """Handle one batch result: append a valid sample, or return max_tokens for a retry (None: drop)."""
+        if result is None:
+            problems.append("batch result missing")
+            return max_tokens
+        if result.type == "succeeded":
+            message = result.message
+            usage.add_usage(message.usage)
+            try:
+                into.append(self._interpret(message, mode))
+            except _Truncated as exc:
+                problems.append(str(exc))
+                return min(2 * max_tokens, 8 * self._max_tokens())
+            except prompt.InvalidAnswer as exc:
+                problems.append(f"unusable answer: {exc}")
+                return max_tokens
+            except _Dropped as exc:
+                problems.append(str(exc))
+            return None
+        if result.type == "errored":
+            error = result.error.error
+            problems.append(f"batch request errored: {error.type}: {error.message}")
+            if error.type in _TRANSIENT_BATCH_ERRORS or self._switch_to_json(mode, error.message):
+                return self._max_tokens() if mode != self._mode else max_tokens
+            if error.type == "invalid_request_error":
+                return None
+            raise ClaudeUnavailable(f"Claude batch request rejected: {error.type}: {error.message}")
+        problems.append(f"batch request {result.type}")  # canceled or expired: worth one more try
+        return max_tokens
+
+    # ------------------------------------------------------------ aggregation and accounting
+
+    def _aggregate(self, samples: list[_Sample]) -> BinForecast:
+        """Mean of the sample distributions, shrunk toward uniform by the spread of their p_faster.
+
+        Shrink weight = min(1, 2 * population std of p_faster): 0 when samples agree, 1 when they split
+        evenly between sure-faster and sure-slower. Uniform has p_faster 0.5, so disagreement lowers
+        confidence in the direction as well as in the bin.
+        """
+        n = len(samples)
+        mean = [sum(s.probs[k] for s in samples) / n for k in range(bins.N_BINS)]
+        pfs = [bins.p_faster(s.probs) for s in samples]
+        spread = statistics.pstdev(pfs) if n > 1 else 0.0
+        shrink = min(1.0, 2.0 * spread)
+        probs = [(1.0 - shrink) * m + shrink / bins.N_BINS for m in mean]
+        p_agg = bins.p_faster(probs)
+        best = min(range(n), key=lambda i: abs(pfs[i] - p_agg))
+        reason = " ".join(samples[best].reasoning.split())[:300] or "no reasoning given"
+        rationale = f"{reason} (Claude {self.model}, {n} sample{'s' if n > 1 else ''}"
+        rationale += f", p_faster {'/'.join(f'{p:.2f}' for p in pfs)})" if n > 1 else ")"
+        extras: dict[str, float] = {
+            "claude_samples": float(n),
+            "claude_samples_requested": float(self.samples),
+            "claude_p_faster_spread": spread,
+            "claude_shrink": shrink,
+        }
+        for i, p in enumerate(pfs):
+            extras[f"claude_p_faster_s{i}"] = p
+        return BinForecast(probs, rationale, extras)
+
+    def _finish(self, results: list[BinForecast | None], problems: list[str]) -> list[BinForecast]:
+        failed = sum(r is None for r in results)
+        if failed:
+            last = problems[-1] if problems else "no detail"
+            raise ClaudeUnavailable(
+                f"Claude gave no usable forecast for {failed} of {len(results)} pair(s) "
+                f"(last problem: {last})",
+                partial=results,
+            )
+        return [r for r in results if r is not None]
+
+    async def _record(self, usage: TokenUsage, *, batch: bool) -> None:
+        if usage.requests == 0:
+            return
+        cost = cost_usd(self.model, usage, batch=batch)
+        self.usage_total.add(usage)
+        self.cost_usd_total += cost
+        if self._usage_sink is None:
+            return
+        try:
+            await self._usage_sink.record_llm_usage(
+                ledger=self.ledger,
+                model=self.model,
+                input_tokens=usage.input_tokens,
+                output_tokens=usage.output_tokens,
+                cache_read_tokens=usage.cache_read_tokens,
+                cache_write_tokens=usage.cache_write_tokens,
+                cost_usd=cost,
+            )
+        except Exception:
+            # Accounting must not turn a paid, successful forecast into a failure.
+            log.exception("could not record Claude usage (%d requests, $%.4f)", usage.requests, cost)
+
+
+async def _gather_or_cancel(coros: Sequence[Coroutine[Any, Any, _T]]) -> list[_T]:
+    """gather(), but the first exception cancels the siblings (no paid requests left running)."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+__all__ = [
+    "BATCH_DISCOUNT",
+    "PRICES",
+    "ClaudeForecaster",
+    "ClaudeUnavailable",
+    "ModelPrice",
+    "RealApiCallForbidden",
+    "TokenUsage",
+    "UsageSink",
+    "cost_usd",
+    "price_for",
+]

@@ -1,0 +1,450 @@
+"""The text Claude sees: a fixed, cacheable system prompt and a per-pair user message.
+
+The bins come from `forecaster_mcp.bins` only, so the prompt, the answer schema, the labels of the
+evaluation data and the metrics all use the same edges (the paper's code told the model one set of
+edges and labelled its data with another). Nothing here imports anthropic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import json
+import logging
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from forecaster_mcp import bins
+from forecaster_mcp.forecast.base import PairQuery
+from forecaster_mcp.hardware.specs import GpuSpec
+from forecaster_mcp.models import BufferArg, Kernel, ScalarArg, Workload
+
+log = logging.getLogger(__name__)
+
+TOOL_NAME = "report_speedup_forecast"
+MAX_REASONING_CHARS = 2000
+# A source over this many characters is cut in the prompt: a 1 MB source would not fit most context
+# windows, and the kernel's hot loop is rarely past the first 100k characters.
+MAX_SOURCE_CHARS = 100_000
+_FENCE_LANGUAGE = {"cuda": "cuda", "hip": "hip", "opencl": "opencl", "triton": "python", "python": "python"}
+
+SYSTEM_PROMPT = f"""You are an expert GPU performance engineer. You forecast the relative runtime of two GPU \
+kernels (a BASELINE and a CANDIDATE) on a named GPU for a given workload, as a calibrated probability \
+distribution. Your forecast decides whether an automated kernel search spends real GPU time measuring the \
+candidate, so calibration matters more than boldness: a confident wrong answer wastes budget and hides a \
+better kernel, while an honest spread of probability tells the search to measure.
+
+# The quantity
+Speedup S = t(BASELINE) / t(CANDIDATE), where t is the median kernel runtime with a cold L2 cache.
+S > 1 means the candidate is faster. Forecast log2 S over exactly these {bins.N_BINS} bins \
+(bin index, interval of log2 S, interval of S):
+{bins.describe()}
+The probability that the candidate is faster is the total mass on bins {bins.FASTER_BINS.start} to \
+{bins.FASTER_BINS.stop - 1}. Runtimes within about 3% of each other (|log2 S| < {bins.TIE_LOG2:.3f}) are \
+ties within measurement noise: when you expect a tie, put most mass on bins 3 and 4, split by which side \
+you lean to.
+
+# How to reason
+Work like a performance engineer reading both kernels, briefly:
+1. What differs? Often the two kernels share source and differ only in tuning parameters (preprocessor \
+defines) and launch shape. Then reason about what those parameters change: tile sizes, work per thread, \
+unrolling, vector width, use of shared memory or registers, loop order.
+2. Which resource bounds each kernel on this GPU? Compare arithmetic intensity (FLOP per DRAM byte) with \
+the GPU's machine balance (peak FLOP/s over peak bandwidth). Memory-bound kernels gain from coalesced, \
+vectorised, reused accesses; compute-bound ones from instruction-level parallelism, fewer instructions per \
+result, tensor cores and less address arithmetic.
+3. Occupancy and latency hiding: threads per block, registers per thread, shared memory per block and the \
+GPU's per-SM limits set how many warps are resident. Low occupancy hurts latency-bound code; extra \
+occupancy rarely helps a kernel that already saturates bandwidth. Register spills to local memory are \
+costly.
+4. Parallelism and tails: the number of blocks against the number of SMs (waves). Too few blocks leave SMs \
+idle; a partial last wave wastes part of the GPU; very small blocks hit the per-SM block limit.
+5. Memory details: coalescing, shared-memory bank conflicts, L2 reuse when the working set fits, \
+redundant global loads, atomics and their contention, divergence, synchronisation frequency.
+6. Problem size matters: a kernel tuned for large inputs can lose on small ones (launch latency, tails), \
+and the reverse.
+7. Static features, when given (register counts, spills, occupancy from the compiler), are measured facts \
+about the compiled code; prefer them to guesses.
+
+# Calibration rules
+- Spread probability in proportion to your uncertainty. Do not put more than 0.9 on one bin unless the \
+difference is structural and large (for example an algorithmic change from O(n^2) to O(n log n) work, or \
+one kernel doing several times the DRAM traffic of the other).
+- Neighbouring bins should usually carry some mass: the distribution is over a continuous quantity.
+- Tuning-parameter changes within one kernel family usually move runtime by tens of percent, not by 4x.
+- If the information is not enough to tell, say so in the reasoning and keep the forecast wide and near \
+symmetric around S = 1.
+
+# Output
+Answer only through the structured output you are given (the `{TOOL_NAME}` tool, or the JSON format \
+requested): `reasoning` first, at most 60 words naming the deciding factor; then `probabilities`, a list \
+of exactly {bins.N_BINS} non-negative numbers summing to 1, one per bin in bin order 0 to \
+{bins.N_BINS - 1} (slowest candidate first, fastest candidate last). No other text."""
+
+
+def answer_schema(strict: bool = False) -> dict[str, Any]:
+    """JSON schema of an answer. `strict` drops keywords structured outputs cannot enforce."""
+    probs: dict[str, Any] = {
+        "type": "array",
+        "items": {"type": "number"} if strict else {"type": "number", "minimum": 0},
+        "description": (
+            f"exactly {bins.N_BINS} probabilities, one per bin in order {', '.join(bins.LABELS)} "
+            "(bins of log2 S), summing to 1"
+        ),
+    }
+    if not strict:
+        probs["minItems"] = bins.N_BINS
+        probs["maxItems"] = bins.N_BINS
+    return {
+        "type": "object",
+        "properties": {
+            "reasoning": {"type": "string", "description": "at most 60 words: the deciding factor"},
+            "probabilities": probs,
+        },
+        "required": ["reasoning", "probabilities"],
+        "additionalProperties": False,
+    }
+
+
+def tool_definition() -> dict[str, Any]:
+    """The tool Claude is forced to call (tool mode)."""
+    return {
+        "name": TOOL_NAME,
+        "description": (
+            "Report the forecast distribution of log2 speedup S = t(baseline)/t(candidate) over the "
+            f"{bins.N_BINS} bins defined in the instructions, with a short reasoning."
+        ),
+        "input_schema": answer_schema(strict=False),
+    }
+
+
+class InvalidAnswer(ValueError):
+    """The model's answer does not hold 8 usable probabilities."""
+
+
+def parse_answer(payload: object) -> tuple[list[float], str]:
+    """Validate an answer (a tool input dict, or JSON text) into (normalised probabilities, reasoning).
+
+    Valid: exactly 8 finite numbers, all >= 0, with a positive sum (then normalised). Anything else raises
+    InvalidAnswer; nothing is clipped or padded, since a malformed answer says the model lost the thread.
+    """
+    if isinstance(payload, str):
+        try:
+            payload = json.loads(_strip_code_fence(payload))
+        except json.JSONDecodeError as exc:
+            raise InvalidAnswer(f"answer is not JSON: {exc.msg}") from exc
+    if not isinstance(payload, Mapping):
+        raise InvalidAnswer(f"answer is a {type(payload).__name__}, not an object")
+    raw = payload.get("probabilities")
+    if isinstance(raw, str):
+        # Some models string-encode the array inside a tool call.
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise InvalidAnswer("probabilities is a string that is not a JSON list") from exc
+    if not isinstance(raw, list):
+        raise InvalidAnswer("probabilities missing or not a list")
+    if len(raw) != bins.N_BINS:
+        raise InvalidAnswer(f"expected {bins.N_BINS} probabilities, got {len(raw)}")
+    values: list[float] = []
+    for p in raw:
+        if isinstance(p, bool) or not isinstance(p, int | float):
+            raise InvalidAnswer(f"probability {p!r} is not a number")
+        value = float(p)
+        if not math.isfinite(value) or value < 0:
+            raise InvalidAnswer(f"probability {p!r} is negative or not finite")
+        values.append(value)
+    total = sum(values)
+    if total <= 0:
+        raise InvalidAnswer("probabilities sum to zero")
+    reasoning = payload.get("reasoning", "")
+    text = reasoning.strip()[:MAX_REASONING_CHARS] if isinstance(reasoning, str) else ""
+    return [v / total for v in values], text
+
+
+def _strip_code_fence(text: str) -> str:
+    match = re.fullmatch(r"\s*```[a-zA-Z]*\s*\n(.*?)\n?```\s*", text, flags=re.DOTALL)
+    return match.group(1) if match else text
+
+
+# ---------------------------------------------------------------- the per-pair message
+
+
+def build_user_prompt(query: PairQuery, static_features: str | None = None) -> str:
+    """The per-pair part: hardware, workload, both kernels and (when available) static features."""
+    parts = [
+        "Forecast S = t(BASELINE) / t(CANDIDATE) for the pair below.",
+        "## GPU\n" + describe_hardware(query.hardware_name, query.hardware),
+        "## Workload\n" + describe_workload(query.workload, query.hardware),
+    ]
+    base, cand = query.baseline, query.candidate
+    same_source = base.source == cand.source and base.language == cand.language
+    parts.append("## BASELINE kernel\n" + describe_kernel(base, query.hardware, with_source=True))
+    if same_source:
+        parts.append(
+            "## CANDIDATE kernel\nThe candidate has the SAME source as the baseline (shown above); only the "
+            "settings below differ.\n" + describe_kernel(cand, query.hardware, with_source=False)
+        )
+    else:
+        parts.append("## CANDIDATE kernel\n" + describe_kernel(cand, query.hardware, with_source=True))
+    diff = describe_differences(base, cand)
+    if diff:
+        parts.append("## What differs\n" + diff)
+    if static_features:
+        parts.append("## Static features (from the compiler and the GPU specification)\n" + static_features)
+    parts.append(
+        f"Answer with `reasoning` and the {bins.N_BINS} `probabilities` in bin order "
+        f"({bins.LABELS[0]} first, {bins.LABELS[-1]} last)."
+    )
+    return "\n\n".join(parts)
+
+
+def describe_hardware(name: str, spec: GpuSpec | None) -> str:
+    if spec is None:
+        return (
+            f"unknown GPU: {name!r} (no specification known). Reason from what the name suggests and from "
+            "the kernels themselves."
+        )
+    balance = spec.fp32_tflops * 1e12 / (spec.mem_bandwidth_gbs * 1e9) if spec.mem_bandwidth_gbs > 0 else 0.0
+    rows = [
+        f"name: {spec.name} ({spec.vendor}, {spec.arch}"
+        + (f", compute capability {spec.compute_capability}" if spec.compute_capability else "")
+        + ")",
+        f"SMs (or CUs): {spec.sms}; warp size {spec.warp_size}",
+        f"per SM: {spec.max_threads_per_sm} threads, {spec.max_blocks_per_sm} blocks, "
+        f"{spec.registers_per_sm} 32-bit registers, {_kib(spec.shared_mem_per_sm_bytes)} shared memory",
+        f"per thread: at most {spec.max_registers_per_thread} registers; per block: at most "
+        f"{_kib(spec.max_shared_mem_per_block_bytes)} shared memory",
+        f"L2: {spec.l2_bytes / 2**20:.1f} MiB; "
+        f"memory: {spec.mem_gib:g} GiB at {spec.mem_bandwidth_gbs:g} GB/s",
+        f"peak: {spec.fp32_tflops:g} FP32 TFLOP/s, {spec.fp16_tensor_tflops:g} FP16 tensor TFLOP/s; "
+        f"machine balance {balance:.1f} FP32 FLOP per DRAM byte",
+    ]
+    return "\n".join(rows)
+
+
+def describe_workload(workload: Workload, spec: GpuSpec | None) -> str:
+    rows: list[str] = []
+    if workload.name:
+        rows.append(f"name: {workload.name}")
+    if workload.problem:
+        rows.append("problem sizes: " + ", ".join(f"{k}={v}" for k, v in workload.problem.items()))
+    if workload.args:
+        rows.append("arguments, in kernel order:")
+        for arg in workload.args:
+            if isinstance(arg, BufferArg):
+                rows.append(
+                    f"- {arg.name}: buffer {arg.dtype}[{', '.join(str(d) for d in arg.shape)}] "
+                    f"({arg.elements} elements, {_bytes(arg.nbytes)}), {arg.intent}"
+                )
+            elif isinstance(arg, ScalarArg):
+                rows.append(f"- {arg.name}: scalar {arg.dtype} = {arg.value}")
+        floor = workload.bytes_moved_floor()
+        if floor:
+            line = f"DRAM traffic floor (each input read once, each output written once): {_bytes(floor)}"
+            if spec is not None and spec.mem_bandwidth_gbs > 0:
+                line += f", at least {floor / (spec.mem_bandwidth_gbs * 1e9) * 1e3:.4g} ms at peak bandwidth"
+            rows.append(line)
+    if not rows:
+        rows.append("no sizes given: infer them from the kernels (defines, launch)")
+    return "\n".join(rows)
+
+
+def describe_kernel(kernel: Kernel, spec: GpuSpec | None, *, with_source: bool) -> str:
+    rows = [f"id: {kernel.id or '-'}; entry: {kernel.entry}; language: {kernel.language}"]
+    if kernel.launch is not None:
+        la = kernel.launch
+        line = (
+            f"launch: grid {list(la.grid)}, block {list(la.block)} "
+            f"({la.threads_per_block} threads per block, {la.blocks} blocks), "
+            f"dynamic shared memory {la.shared_mem_bytes} B"
+        )
+        if spec is not None and spec.sms > 0:
+            line += f"; {la.blocks / spec.sms:.2f} blocks per SM"
+        rows.append(line)
+    else:
+        rows.append("launch: not given (derived by the caller from the defines)")
+    if kernel.defines:
+        rows.append("defines: " + ", ".join(f"{k}={kernel.defines[k]}" for k in sorted(kernel.defines)))
+    else:
+        rows.append("defines: none")
+    if kernel.compile_options:
+        rows.append("compile options: " + " ".join(kernel.compile_options))
+    if with_source:
+        rows.append("source:\n" + fence(kernel.source, kernel.language))
+    return "\n".join(rows)
+
+
+def describe_differences(base: Kernel, cand: Kernel) -> str:
+    """The settings that differ, side by side (the model should not have to diff them itself)."""
+    rows = []
+    for key in sorted(set(base.defines) | set(cand.defines)):
+        a, b = base.defines.get(key), cand.defines.get(key)
+        if a != b:
+            rows.append(f"- {key}: baseline {_or_unset(a)} -> candidate {_or_unset(b)}")
+    if (base.launch and base.launch.model_dump()) != (cand.launch and cand.launch.model_dump()):
+        rows.append(f"- launch: baseline {_launch_text(base)} -> candidate {_launch_text(cand)}")
+    if base.compile_options != cand.compile_options:
+        rows.append(
+            f"- compile options: baseline {' '.join(base.compile_options) or 'none'} -> "
+            f"candidate {' '.join(cand.compile_options) or 'none'}"
+        )
+    if base.entry != cand.entry:
+        rows.append(f"- entry: baseline {base.entry} -> candidate {cand.entry}")
+    if base.source != cand.source:
+        rows.append("- source differs (both shown above)")
+    return "\n".join(rows)
+
+
+def fence(source: str, language: str) -> str:
+    """Source in a Markdown code fence tagged by language, longer than any backtick run inside."""
+    text = source
+    if len(text) > MAX_SOURCE_CHARS:
+        text = text[:MAX_SOURCE_CHARS] + f"\n/* ... {len(source) - MAX_SOURCE_CHARS} more characters cut */"
+    longest = max((len(m) for m in re.findall(r"`+", text)), default=0)
+    ticks = "`" * max(3, longest + 1)
+    return f"{ticks}{_FENCE_LANGUAGE.get(language, language)}\n{text.rstrip()}\n{ticks}"
+
+
+# ---------------------------------------------------------------- static features (optional helper module)
+
+FeaturesFn = Callable[[PairQuery], object]
+
+
+def default_features_fn() -> FeaturesFn | None:
+    """The feature extractor of `forecaster_mcp.forecast.features`, if that module is present.
+
+    Looked up lazily (the module may call nvcc, and may not exist in a given build), in this order:
+    `describe_pair(query)`, `pair_features(query)`, else `kernel_features(...)` called once per kernel with
+    its parameters filled by name (kernel, workload, hardware/spec/gpu, hardware_name). Results may be text,
+    a mapping, a dataclass or a pydantic model.
+    """
+    try:
+        features = importlib.import_module("forecaster_mcp.forecast.features")
+    except Exception as exc:  # absent or broken: the prompt simply goes without features
+        log.debug("static features unavailable: %s", exc)
+        return None
+    for attr in ("describe_pair", "pair_features"):
+        fn = getattr(features, attr, None)
+        if callable(fn):
+            return fn  # type: ignore[no-any-return]
+    per_kernel = getattr(features, "kernel_features", None)
+    if callable(per_kernel):
+        return _per_kernel_adapter(per_kernel)
+    log.debug("forecaster_mcp.forecast.features has no describe_pair, pair_features or kernel_features")
+    return None
+
+
+def _per_kernel_adapter(fn: Callable[..., object]) -> FeaturesFn:
+    params = inspect.signature(fn).parameters
+
+    def pair(query: PairQuery) -> object:
+        out = {}
+        for role, kernel in (("baseline", query.baseline), ("candidate", query.candidate)):
+            by_name: dict[str, object] = {
+                "kernel": kernel,
+                "workload": query.workload,
+                "hardware": query.hardware,
+                "spec": query.hardware,
+                "gpu": query.hardware,
+                "hardware_name": query.hardware_name,
+            }
+            kwargs = {name: by_name[name] for name in params if name in by_name}
+            out[role] = fn(**kwargs)
+        return out
+
+    return pair
+
+
+_features_warned = False
+
+
+def features_text(fn: FeaturesFn | None, query: PairQuery) -> str | None:
+    """Run a feature extractor and format its result; any failure means no features, never a crash."""
+    global _features_warned
+    if fn is None:
+        return None
+    try:
+        return format_features(fn(query))
+    except Exception as exc:
+        # Warn once: a broken extractor fails the same way for every pair.
+        level = logging.DEBUG if _features_warned else logging.WARNING
+        _features_warned = True
+        log.log(level, "static features failed (%s/%s): %r", query.baseline.id, query.candidate.id, exc)
+        return None
+
+
+def format_features(value: object) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value.strip() or None
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)
+    elif hasattr(value, "model_dump"):
+        value = value.model_dump()
+    if isinstance(value, Mapping):
+        lines = _flatten(value, "")
+        return "\n".join(lines) or None
+    return str(value)
+
+
+def _flatten(mapping: Mapping[str, Any], prefix: str) -> list[str]:
+    lines: list[str] = []
+    for key, val in mapping.items():
+        name = f"{prefix}{key}"
+        if dataclasses.is_dataclass(val) and not isinstance(val, type):
+            val = dataclasses.asdict(val)
+        elif hasattr(val, "model_dump"):
+            val = val.model_dump()
+        if isinstance(val, Mapping):
+            lines.extend(_flatten(val, f"{name}."))
+        elif val is None:
+            continue
+        elif isinstance(val, float):
+            lines.append(f"- {name}: {val:.4g}")
+        elif isinstance(val, Sequence) and not isinstance(val, str):
+            lines.append(f"- {name}: {list(val)}")
+        else:
+            lines.append(f"- {name}: {val}")
+    return lines
+
+
+def _kib(n: int) -> str:
+    return f"{n / 1024:g} KiB"
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n} B"
+
+
+def _or_unset(v: object) -> str:
+    return "unset" if v is None else str(v)
+
+
+def _launch_text(k: Kernel) -> str:
+    if k.launch is None:
+        return "not given"
+    return f"grid {list(k.launch.grid)} block {list(k.launch.block)} smem {k.launch.shared_mem_bytes}"
+
+
+__all__ = [
+    "MAX_SOURCE_CHARS",
+    "SYSTEM_PROMPT",
+    "TOOL_NAME",
+    "InvalidAnswer",
+    "answer_schema",
+    "build_user_prompt",
+    "default_features_fn",
+    "describe_hardware",
+    "features_text",
+    "fence",
+    "parse_answer",
+    "tool_definition",
+]

@@ -1,0 +1,186 @@
+"""Operator commands: `forecaster-mcp ledger ...` and `forecaster-mcp token ...`.
+
+These are the only ways to create or raise a budget and to issue tokens; no MCP tool can.
+Operator mistakes raise OperatorError (cli.main prints it and exits 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+from forecaster_mcp.errors import OperatorError
+from forecaster_mcp.settings import Settings
+from forecaster_mcp.store.db import LedgerView, Store, fmt_gpu_seconds
+
+T = TypeVar("T")
+
+
+def _with_store(settings: Settings, action: Callable[[Store], Awaitable[T]]) -> T:
+    async def run() -> T:
+        store = await Store.open(settings.db_path)
+        try:
+            return await action(store)
+        finally:
+            await store.close()
+
+    return asyncio.run(run())
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(header, widths, strict=True)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+def _when(ts: float | None) -> str:
+    return "-" if ts is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+
+
+def _ledger_line(view: LedgerView) -> str:
+    return (
+        f"ledger '{view.name}': limit {fmt_gpu_seconds(view.limit_gpu_seconds)}, "
+        f"spent {fmt_gpu_seconds(view.spent_gpu_seconds)}, "
+        f"reserved {fmt_gpu_seconds(view.reserved_gpu_seconds)}, "
+        f"remaining {fmt_gpu_seconds(view.remaining_gpu_seconds)} GPU-seconds"
+    )
+
+
+def _report_text(name: str, r: dict[str, Any]) -> str:
+    m, f, saved = r["measurements"], r["forecasts"], r["gpu_seconds_saved"]
+    llm, cal = r["llm"], r["calibration"]
+    accuracy = "-" if f["accuracy"] is None else f"{100 * f['accuracy']:.1f}%"
+    brier = "-" if cal["brier"] is None else f"{cal['brier']:.3f}"
+    rows = [
+        ("limit", f"{fmt_gpu_seconds(r['limit_gpu_seconds'])} GPU-seconds"),
+        ("spent", f"{fmt_gpu_seconds(r['spent_gpu_seconds'])} GPU-seconds"),
+        ("reserved", f"{fmt_gpu_seconds(r['reserved_gpu_seconds'])} GPU-seconds"),
+        ("remaining", f"{fmt_gpu_seconds(r['remaining_gpu_seconds'])} GPU-seconds"),
+        (
+            "measurements",
+            f"{m['count']} ({m['cache_hits']} cache hits, {m['failures']} failures), "
+            f"{fmt_gpu_seconds(m['gpu_seconds'])} GPU-seconds charged",
+        ),
+        (
+            "forecasts",
+            f"{f['count']} ({f['decided']} decided, {f['deferred']} deferred); "
+            f"{f['verified']} verified, {f['verified_correct']} correct, accuracy {accuracy}",
+        ),
+        (
+            "saved",
+            f"cache {fmt_gpu_seconds(saved['cache'])}, "
+            f"forecasts {fmt_gpu_seconds(saved['forecasts'])} GPU-seconds (estimated)",
+        ),
+        (
+            "llm",
+            f"{llm['calls']} calls, {llm['input_tokens']} input / {llm['output_tokens']} output tokens, "
+            f"${llm['cost_usd']:.4f}",
+        ),
+        ("calibration", f"{cal['verified_pairs']} verified pairs, Brier {brier}"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join([f"ledger '{name}'", *(f"  {k.ljust(width)}  {v}" for k, v in rows)])
+
+
+def ledger_command(settings: Settings, args: argparse.Namespace) -> int:
+    """`ledger create|topup|show`: prints a human summary, or JSON for `show --json`."""
+    action = args.action
+    if action == "create":
+        view = _with_store(settings, lambda s: s.create_ledger(args.name, args.gpu_seconds))
+        print(f"created {_ledger_line(view)}")
+        return 0
+    if action == "topup":
+        view = _with_store(settings, lambda s: s.topup_ledger(args.name, args.gpu_seconds))
+        print(f"topped up {_ledger_line(view)}")
+        return 0
+    if action == "show":
+        return _show(settings, getattr(args, "name", None), bool(getattr(args, "json", False)))
+    raise OperatorError(f"unknown ledger action {action!r}: use create, topup or show")
+
+
+def _show(settings: Settings, name: str | None, as_json: bool) -> int:
+    if name is not None:
+        report = _with_store(settings, lambda s: s.ledger_report(name))
+        print(json.dumps({"name": name, **report}, indent=2) if as_json else _report_text(name, report))
+        return 0
+    views = _with_store(settings, lambda s: s.list_ledgers())
+    if as_json:
+        print(
+            json.dumps(
+                [
+                    {
+                        "name": v.name,
+                        "limit_gpu_seconds": v.limit_gpu_seconds,
+                        "spent_gpu_seconds": v.spent_gpu_seconds,
+                        "reserved_gpu_seconds": v.reserved_gpu_seconds,
+                        "remaining_gpu_seconds": v.remaining_gpu_seconds,
+                    }
+                    for v in views
+                ],
+                indent=2,
+            )
+        )
+        return 0
+    if not views:
+        print("no ledgers yet; create one with: forecaster-mcp ledger create NAME --gpu-seconds N")
+        return 0
+    rows = [
+        [
+            v.name,
+            fmt_gpu_seconds(v.limit_gpu_seconds),
+            fmt_gpu_seconds(v.spent_gpu_seconds),
+            fmt_gpu_seconds(v.reserved_gpu_seconds),
+            fmt_gpu_seconds(v.remaining_gpu_seconds),
+        ]
+        for v in views
+    ]
+    print(_table(["ledger", "limit", "spent", "reserved", "remaining"], rows))
+    print("(GPU-seconds)")
+    return 0
+
+
+def token_command(settings: Settings, args: argparse.Namespace) -> int:
+    """`token issue|revoke|list`. `issue` prints the token alone on a stdout line, once; notes: stderr."""
+    action = args.action
+    if action == "issue":
+        token = _with_store(settings, lambda s: s.issue_token(args.ledger, args.label))
+        print(token)
+        print(
+            f"issued a token for ledger '{args.ledger}'; it is shown only this once and stored hashed. "
+            "Clients send it as: Authorization: Bearer <token>",
+            file=sys.stderr,
+        )
+        return 0
+    if action == "revoke":
+        if not _with_store(settings, lambda s: s.revoke_token(args.token)):
+            raise OperatorError(
+                "no active token matches; pass the token itself or its fingerprint "
+                "from `forecaster-mcp token list`"
+            )
+        print("revoked")
+        return 0
+    if action == "list":
+        tokens = _with_store(settings, lambda s: s.list_tokens())
+        if not tokens:
+            print("no tokens yet; issue one with: forecaster-mcp token issue --ledger NAME")
+            return 0
+        rows = [
+            [
+                str(t["id"]),
+                t["fingerprint"],
+                t["ledger"],
+                t["label"] or "-",
+                _when(t["created_at"]),
+                "active" if t["revoked_at"] is None else f"revoked {_when(t['revoked_at'])}",
+            ]
+            for t in tokens
+        ]
+        print(_table(["id", "fingerprint", "ledger", "label", "created", "status"], rows))
+        return 0
+    raise OperatorError(f"unknown token action {action!r}: use issue, revoke or list")

@@ -1,0 +1,194 @@
+"""Numbered schema migrations, only ever appended: a released migration is never edited.
+
+`PRAGMA user_version` holds how many migrations a database file has applied; the `schema_version`
+table records when each one ran. Money columns are integer micro-GPU-seconds (`*_micro`) so a ledger
+balances exactly, with no float drift.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from forecaster_mcp.errors import OperatorError
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    name: str
+    statements: tuple[str, ...]
+
+
+_INITIAL = (
+    """CREATE TABLE IF NOT EXISTS schema_version (
+        version INTEGER PRIMARY KEY,
+        name TEXT NOT NULL,
+        applied_at REAL NOT NULL
+    )""",
+    """CREATE TABLE ledgers (
+        name TEXT PRIMARY KEY,
+        limit_micro INTEGER NOT NULL,
+        spent_micro INTEGER NOT NULL DEFAULT 0,
+        reserved_micro INTEGER NOT NULL DEFAULT 0,
+        created_at REAL NOT NULL,
+        updated_at REAL NOT NULL,
+        CHECK (limit_micro >= 0 AND spent_micro >= 0 AND reserved_micro >= 0),
+        CHECK (spent_micro + reserved_micro <= limit_micro)
+    )""",
+    # Every change of a ledger is one row; summing the deltas reproduces the ledger row exactly.
+    """CREATE TABLE ledger_events (
+        id INTEGER PRIMARY KEY,
+        ledger TEXT NOT NULL REFERENCES ledgers(name),
+        kind TEXT NOT NULL CHECK (kind IN
+            ('create', 'topup', 'reserve', 'commit', 'release', 'orphan_release')),
+        amount_micro INTEGER NOT NULL,
+        limit_delta_micro INTEGER NOT NULL DEFAULT 0,
+        spent_delta_micro INTEGER NOT NULL DEFAULT 0,
+        reserved_delta_micro INTEGER NOT NULL DEFAULT 0,
+        reservation_id INTEGER,
+        detail TEXT,
+        created_at REAL NOT NULL
+    )""",
+    "CREATE INDEX ledger_events_ledger ON ledger_events(ledger, id)",
+    """CREATE TRIGGER ledger_events_no_update BEFORE UPDATE ON ledger_events
+        BEGIN SELECT RAISE(ABORT, 'ledger_events is append-only'); END""",
+    """CREATE TRIGGER ledger_events_no_delete BEFORE DELETE ON ledger_events
+        BEGIN SELECT RAISE(ABORT, 'ledger_events is append-only'); END""",
+    """CREATE TABLE reservations (
+        id INTEGER PRIMARY KEY,
+        ledger TEXT NOT NULL REFERENCES ledgers(name),
+        amount_micro INTEGER NOT NULL CHECK (amount_micro > 0),
+        purpose TEXT NOT NULL,
+        owner_pid INTEGER NOT NULL,
+        owner_host TEXT NOT NULL,
+        owner_pidns TEXT,
+        owner_start TEXT,
+        created_at REAL NOT NULL,
+        expires_at REAL NOT NULL,
+        state TEXT NOT NULL DEFAULT 'open'
+            CHECK (state IN ('open', 'committed', 'released', 'orphan_released')),
+        charged_micro INTEGER,
+        settled_at REAL
+    )""",
+    "CREATE INDEX reservations_state ON reservations(state, owner_host, owner_pid)",
+    """CREATE TABLE tokens (
+        id INTEGER PRIMARY KEY,
+        token_sha256 TEXT NOT NULL UNIQUE,
+        ledger TEXT NOT NULL REFERENCES ledgers(name),
+        label TEXT,
+        created_at REAL NOT NULL,
+        revoked_at REAL
+    )""",
+    """CREATE TABLE measurements (
+        id INTEGER PRIMARY KEY,
+        cache_key TEXT NOT NULL,
+        ledger TEXT REFERENCES ledgers(name),
+        idempotency_key TEXT,
+        kernel_json TEXT NOT NULL,
+        defines_json TEXT NOT NULL,
+        launch_json TEXT,
+        workload_key TEXT NOT NULL,
+        family_key TEXT NOT NULL,
+        content_key TEXT NOT NULL,
+        hardware TEXT NOT NULL,
+        result_json TEXT NOT NULL,
+        status TEXT NOT NULL,
+        runtime_ms REAL,
+        charged_micro INTEGER NOT NULL DEFAULT 0,
+        saved_micro INTEGER NOT NULL DEFAULT 0,
+        cached INTEGER NOT NULL DEFAULT 0,
+        created_at REAL NOT NULL,
+        UNIQUE (ledger, idempotency_key)
+    )""",
+    "CREATE INDEX measurements_cache ON measurements(cache_key, id)",
+    "CREATE INDEX measurements_content ON measurements(content_key, hardware, workload_key, status, id)",
+    "CREATE INDEX measurements_family ON measurements(family_key, hardware, workload_key)",
+    "CREATE INDEX measurements_ledger ON measurements(ledger)",
+    """CREATE TABLE forecasts (
+        id INTEGER PRIMARY KEY,
+        ledger TEXT REFERENCES ledgers(name),
+        forecaster TEXT NOT NULL,
+        hardware TEXT NOT NULL,
+        workload_key TEXT NOT NULL,
+        baseline_key TEXT NOT NULL,
+        candidate_key TEXT NOT NULL,
+        probs_json TEXT NOT NULL,
+        p_faster REAL NOT NULL,
+        verdict TEXT NOT NULL CHECK (verdict IN ('faster', 'slower', 'unsure')),
+        decided_by TEXT NOT NULL CHECK (decided_by IN ('forecast', 'measurement', 'cache')),
+        actual_speedup REAL,
+        verified_by_measurement INTEGER REFERENCES measurements(id),
+        verified_at REAL,
+        created_at REAL NOT NULL
+    )""",
+    "CREATE INDEX forecasts_baseline ON forecasts(hardware, workload_key, baseline_key)",
+    "CREATE INDEX forecasts_candidate ON forecasts(hardware, workload_key, candidate_key)",
+    "CREATE INDEX forecasts_ledger ON forecasts(ledger)",
+    "CREATE INDEX forecasts_verified ON forecasts(forecaster, hardware) WHERE actual_speedup IS NOT NULL",
+    """CREATE TABLE llm_usage (
+        id INTEGER PRIMARY KEY,
+        ledger TEXT REFERENCES ledgers(name),
+        model TEXT NOT NULL,
+        input_tokens INTEGER NOT NULL,
+        output_tokens INTEGER NOT NULL,
+        cache_read_tokens INTEGER NOT NULL,
+        cache_write_tokens INTEGER NOT NULL,
+        cost_usd REAL NOT NULL,
+        created_at REAL NOT NULL
+    )""",
+    "CREATE INDEX llm_usage_ledger ON llm_usage(ledger)",
+    """CREATE TABLE calibration (
+        forecaster TEXT NOT NULL,
+        hardware TEXT NOT NULL,
+        state_json TEXT NOT NULL,
+        updated_at REAL NOT NULL,
+        PRIMARY KEY (forecaster, hardware)
+    )""",
+)
+
+# Append new migrations at the end; never edit or reorder a released one.
+MIGRATIONS: tuple[Migration, ...] = (Migration(1, "initial schema", _INITIAL),)
+
+
+def latest_version() -> int:
+    return MIGRATIONS[-1].version
+
+
+async def migrate(conn: Any) -> int:
+    """Apply pending migrations in one write transaction (safe when several processes open at once).
+
+    `conn` is an aiosqlite connection in autocommit mode. Returns the schema version after migrating.
+    """
+    cursor = await conn.execute("PRAGMA user_version")
+    row = await cursor.fetchone()
+    if row is not None and int(row[0]) == latest_version():
+        return latest_version()
+    await conn.execute("BEGIN IMMEDIATE")
+    try:
+        # Re-read under the write lock: another process may have migrated while we waited.
+        cursor = await conn.execute("PRAGMA user_version")
+        row = await cursor.fetchone()
+        current = int(row[0]) if row is not None else 0
+        if current > latest_version():
+            raise OperatorError(
+                f"the database has schema version {current}, newer than this forecaster-mcp knows "
+                f"({latest_version()}): upgrade forecaster-mcp or point FORECASTER_MCP_HOME elsewhere"
+            )
+        for migration in MIGRATIONS:
+            if migration.version <= current:
+                continue
+            for statement in migration.statements:
+                await conn.execute(statement)
+            await conn.execute(
+                "INSERT INTO schema_version (version, name, applied_at) VALUES (?, ?, ?)",
+                (migration.version, migration.name, time.time()),
+            )
+            # PRAGMA takes no bound parameters; the value is our own integer.
+            await conn.execute(f"PRAGMA user_version = {int(migration.version)}")
+        await conn.execute("COMMIT")
+    except BaseException:
+        await conn.execute("ROLLBACK")
+        raise
+    return latest_version()

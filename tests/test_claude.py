@@ -1,0 +1,556 @@
+"""The Claude forecaster, driven through the real anthropic SDK over httpx2.MockTransport."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import subprocess
+import sys
+import types
+from dataclasses import dataclass
+from typing import Any
+
+import httpx2
+import pytest
+
+from forecaster_mcp import bins
+from forecaster_mcp.errors import ForecasterMcpError
+from forecaster_mcp.forecast import prompt
+from forecaster_mcp.forecast.base import PairQuery
+from forecaster_mcp.forecast.claude import (
+    PRICES,
+    ClaudeForecaster,
+    ClaudeUnavailable,
+    RealApiCallForbidden,
+    TokenUsage,
+    cost_usd,
+    price_for,
+)
+from forecaster_mcp.hardware.specs import GpuSpec
+from forecaster_mcp.models import BufferArg, Kernel, Launch, ScalarArg, Workload
+from tests._anthropic_mock import (
+    AnthropicMock,
+    error,
+    json_answer,
+    rate_limited,
+    refusal,
+    text_answer,
+    tool_answer,
+    tool_input,
+    usage,
+)
+
+MODEL = "claude-sonnet-5"  # takes forced tool use (with thinking off)
+A100 = GpuSpec(
+    name="A100-PCIE-40GB",
+    vendor="nvidia",
+    arch="sm_80",
+    compute_capability="8.0",
+    sms=108,
+    max_threads_per_sm=2048,
+    max_blocks_per_sm=32,
+    registers_per_sm=65536,
+    max_registers_per_thread=255,
+    shared_mem_per_sm_bytes=167936,
+    max_shared_mem_per_block_bytes=166912,
+    l2_bytes=40 * 2**20,
+    mem_bandwidth_gbs=1555.0,
+    fp32_tflops=19.5,
+    fp16_tensor_tflops=312.0,
+    mem_gib=40.0,
+)
+NAIVE = """__global__ void saxpy(int n, float a, const float* x, float* y) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = a * x[i] + y[i];
+}"""
+VEC4 = """__global__ void saxpy4(int n, float a, const float4* x, float4* y) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n / 4) { float4 v = x[i]; float4 w = y[i];
+        w.x += a * v.x; w.y += a * v.y; w.z += a * v.z; w.w += a * v.w; y[i] = w; }
+}"""
+WORKLOAD = Workload(
+    args=[
+        ScalarArg(name="n", dtype="int32", value=1 << 24),
+        ScalarArg(name="a", dtype="float32", value=2.0),
+        BufferArg(name="x", dtype="float32", shape=[1 << 24]),
+        BufferArg(name="y", dtype="float32", shape=[1 << 24], intent="inout"),
+    ],
+    problem={"N": 1 << 24},
+)
+FASTER = [0.0, 0.0, 0.0, 0.05, 0.15, 0.5, 0.25, 0.05]  # p_faster 0.95
+SLOWER = list(reversed(FASTER))  # p_faster 0.05
+
+
+def pair(hardware: GpuSpec | None = A100, same_source: bool = False) -> PairQuery:
+    base = Kernel(
+        id="k0",
+        source=NAIVE,
+        entry="saxpy",
+        launch=Launch(grid=(65536, 1, 1), block=(256, 1, 1)),
+        defines={"BLOCK": 256},
+    )
+    cand = Kernel(
+        id="k1",
+        source=NAIVE if same_source else VEC4,
+        entry="saxpy" if same_source else "saxpy4",
+        launch=Launch(grid=(16384, 1, 1), block=(256, 1, 1)),
+        defines={"BLOCK": 256, "VEC": 4},
+        compile_options=["-O3"],
+    )
+    return PairQuery(base, cand, WORKLOAD, hardware.name if hardware else "RTX 9999", hardware)
+
+
+def make(mock: AnthropicMock, **kw: Any) -> ClaudeForecaster:
+    kw.setdefault("samples", 1)
+    kw.setdefault("features", None)
+    return ClaudeForecaster("test-key", kw.pop("model", MODEL), http_client=mock.client(), **kw)
+
+
+def scripted(*answers: Any) -> AnthropicMock:
+    """Answers in arrival order; the last one repeats."""
+    queue = list(answers)
+    return AnthropicMock(lambda body: queue.pop(0) if len(queue) > 1 else queue[0])
+
+
+class FakeSink:
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+
+    async def record_llm_usage(self, **kw: Any) -> None:
+        self.calls.append(kw)
+
+
+# ---------------------------------------------------------------- request and answer
+
+
+@pytest.mark.anyio
+async def test_good_answer_and_request_body() -> None:
+    mock = scripted(tool_answer([x * 10 for x in FASTER], "float4 loads quarter the instructions"))
+    f = make(mock)
+    [out] = await f.forecast([pair()])
+
+    assert (f.name, f.version) == ("claude", MODEL)
+    assert out.probs == pytest.approx(FASTER)  # normalised from percentages
+    assert out.p_faster == pytest.approx(0.95)
+    assert "float4 loads quarter the instructions" in out.rationale
+    [body] = mock.message_bodies
+    assert body["model"] == MODEL
+    assert "temperature" not in body
+    system = body["system"]
+    assert system[0]["cache_control"] == {"type": "ephemeral"}
+    assert system[0]["text"] == prompt.SYSTEM_PROMPT
+    assert body["thinking"] == {"type": "disabled"}  # forced tool use is refused while thinking
+    assert body["tool_choice"]["type"] == "tool"
+    assert body["tool_choice"]["name"] == body["tools"][0]["name"] == prompt.TOOL_NAME
+    schema = body["tools"][0]["input_schema"]["properties"]["probabilities"]
+    assert schema["minItems"] == schema["maxItems"] == bins.N_BINS
+    user = body["messages"][0]["content"][0]["text"]
+    assert f"```cuda\n{NAIVE}\n```" in user
+    assert f"```cuda\n{VEC4}\n```" in user
+    for needle in (
+        "A100-PCIE-40GB",
+        "SMs (or CUs): 108",
+        "1555 GB/s",
+        "N=16777216",
+        "x: buffer float32[16777216]",
+    ):
+        assert needle in user
+    assert "grid [16384, 1, 1], block [256, 1, 1]" in user
+    assert "VEC: baseline unset -> candidate 4" in user
+    assert "compile options: -O3" in user
+    # one sample: no second cache breakpoint on the per-pair text
+    assert "cache_control" not in body["messages"][0]["content"][0]
+
+
+def test_bins_come_from_the_one_definition() -> None:
+    # The exact text of bins.describe() and every label: the prompt cannot drift from labels and metrics.
+    assert bins.describe() in prompt.SYSTEM_PROMPT
+    for label in bins.LABELS:
+        assert label in prompt.tool_definition()["input_schema"]["properties"]["probabilities"]["description"]
+    assert "bins 4 to 7" in prompt.SYSTEM_PROMPT
+
+
+@pytest.mark.anyio
+async def test_several_samples_mark_the_pair_text_for_caching_and_average() -> None:
+    other = [0.0, 0.0, 0.0, 0.05, 0.35, 0.5, 0.1, 0.0]  # p_faster 0.95 too: the samples agree
+    mock = scripted(tool_answer(FASTER), tool_answer(other), tool_answer(FASTER))
+    [out] = await make(mock, samples=3).forecast([pair()])
+    bodies = mock.message_bodies
+    assert len(bodies) == 3
+    assert all(b["messages"][0]["content"][0]["cache_control"] == {"type": "ephemeral"} for b in bodies)
+    assert out.extras["claude_shrink"] == 0.0
+    assert out.probs == pytest.approx([(2 * a + b) / 3 for a, b in zip(FASTER, other, strict=True)])
+
+
+@pytest.mark.anyio
+async def test_disagreeing_samples_lower_confidence() -> None:
+    agree = await make(scripted(tool_answer(FASTER)), samples=3).forecast([pair()])
+    split = await make(
+        scripted(tool_answer(FASTER), tool_answer(FASTER), tool_answer(SLOWER)), samples=3
+    ).forecast([pair()])
+    a, s = agree[0], split[0]
+    assert a.p_faster == pytest.approx(0.95)
+    mean_p = (0.95 + 0.95 + 0.05) / 3
+    assert s.p_faster < mean_p - 0.05  # shrunk toward 0.5 beyond plain averaging
+    assert s.p_faster > 0.5
+    assert s.extras["claude_shrink"] > 0.5
+    assert sorted(s.extras[f"claude_p_faster_s{i}"] for i in range(3)) == pytest.approx([0.05, 0.95, 0.95])
+    assert "0.95/0.95/0.05" in s.rationale
+
+
+# ---------------------------------------------------------------- unusable answers
+
+
+@pytest.mark.anyio
+async def test_invalid_answers_are_retried_then_the_sample_is_dropped() -> None:
+    mock = scripted(
+        tool_answer(FASTER[:7]),  # 7 probabilities
+        tool_answer("[0.1, 0.2"),  # a string that is not JSON
+        tool_answer([-1.0, *FASTER[1:]]),  # negative
+        tool_answer(FASTER),  # the second sample
+    )
+    [out] = await make(mock, samples=2).forecast([pair()])
+    assert len(mock.message_bodies) == 4  # 1 + 2 retries for the first sample, then the second
+    assert out.probs == pytest.approx(FASTER)
+    assert out.extras["claude_samples"] == 1
+    assert out.extras["claude_samples_requested"] == 2
+
+
+@pytest.mark.anyio
+async def test_every_sample_invalid_raises_claude_unavailable_with_partial() -> None:
+    mock = scripted(tool_answer([0.5, 0.5]))
+    f = make(mock, samples=2, invalid_retries=1)
+    with pytest.raises(ClaudeUnavailable, match="expected 8 probabilities, got 2") as info:
+        await f.forecast([pair()])
+    assert isinstance(info.value, ForecasterMcpError)
+    assert info.value.partial == [None]
+    assert len(mock.message_bodies) == 2 * 2
+
+
+@pytest.mark.anyio
+async def test_malformed_json_in_json_mode_is_retried() -> None:
+    mock = scripted(text_answer('{"reasoning": "x", "probabilities": [0.1,'), json_answer(FASTER))
+    [out] = await make(mock, output_mode="json").forecast([pair()])
+    assert out.probs == pytest.approx(FASTER)
+    first = mock.message_bodies[0]
+    assert "tool_choice" not in first and "tools" not in first
+    fmt = first["output_config"]["format"]
+    assert fmt["type"] == "json_schema"
+    assert fmt["schema"]["required"] == ["reasoning", "probabilities"]
+    assert len(mock.message_bodies) == 2
+
+
+@pytest.mark.anyio
+async def test_truncated_answer_is_retried_with_a_larger_max_tokens() -> None:
+    mock = scripted(
+        tool_input({"reasoning": "the vectorised"}, stop_reason="max_tokens"), tool_answer(FASTER)
+    )
+    [out] = await make(mock, max_tokens=300).forecast([pair()])
+    assert out.probs == pytest.approx(FASTER)
+    assert [b["max_tokens"] for b in mock.message_bodies] == [300, 600]
+
+
+@pytest.mark.anyio
+async def test_refusal_is_dropped_without_retry() -> None:
+    mock = scripted(refusal("cyber"), tool_answer(FASTER))
+    [out] = await make(mock, samples=2).forecast([pair()])
+    assert len(mock.message_bodies) == 2
+    assert out.extras["claude_samples"] == 1
+
+    with pytest.raises(ClaudeUnavailable, match="refused to answer: cyber"):
+        await make(scripted(refusal("cyber")), samples=2).forecast([pair()])
+
+
+# ---------------------------------------------------------------- API errors and retries
+
+
+@pytest.mark.anyio
+async def test_rate_limit_is_retried_by_the_sdk_not_stacked() -> None:
+    mock = scripted(rate_limited(), tool_answer(FASTER))
+    [out] = await make(mock, max_retries=2).forecast([pair()])
+    assert out.probs == pytest.approx(FASTER)
+    posts = [r for r in mock.requests if r.path == "/v1/messages"]
+    assert len(posts) == 2
+    assert posts[1].headers.get("x-stainless-retry-count") == "1"
+
+    # Rate limited for good: the SDK's retries are the only ones (1 + max_retries requests), then it fails.
+    always = scripted(rate_limited())
+    with pytest.raises(ClaudeUnavailable, match="RateLimitError"):
+        await make(always, max_retries=1, invalid_retries=2).forecast([pair()])
+    assert len(always.message_bodies) == 2
+
+
+@pytest.mark.anyio
+async def test_bad_key_fails_at_once() -> None:
+    mock = scripted(error(401, "authentication_error", "invalid x-api-key"))
+    with pytest.raises(ClaudeUnavailable, match="AuthenticationError"):
+        await make(mock, samples=3).forecast([pair(), pair()])
+    assert len(mock.message_bodies) == 1  # the first failure stops every other request
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "rejection",
+    [
+        "tool_choice: forced tool use is not supported for this model",
+        '"thinking.type.disabled" is not supported for this model.',
+    ],
+)
+async def test_model_rejecting_forced_tool_use_switches_to_json_output(rejection: str) -> None:
+    def responder(body: dict[str, Any]) -> Any:
+        if "tool_choice" in body:
+            return error(400, "invalid_request_error", rejection)
+        return json_answer(FASTER)
+
+    mock = AnthropicMock(responder)
+    f = make(mock, samples=2)
+    [out] = await f.forecast([pair()])
+    assert out.probs == pytest.approx(FASTER)
+    bodies = mock.message_bodies
+    assert "tool_choice" in bodies[0]
+    assert all("output_config" in b for b in bodies[1:])
+    assert len(bodies) == 3  # rejected once, then both samples in JSON mode
+
+    # Models documented to reject forced tool use start in JSON mode.
+    mock2 = scripted(json_answer(FASTER))
+    await make(mock2, model="claude-sonnet-5-5").forecast([pair()])
+    assert "output_config" in mock2.message_bodies[0] and "tool_choice" not in mock2.message_bodies[0]
+
+
+@pytest.mark.anyio
+async def test_concurrency_is_bounded_by_the_semaphore() -> None:
+    in_flight = 0
+    peak = 0
+    two_in = asyncio.Event()
+
+    async def handler(request: httpx2.Request) -> httpx2.Response:
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        if in_flight >= 2:
+            two_in.set()
+        await asyncio.wait_for(two_in.wait(), timeout=5)
+        in_flight -= 1
+        body = json.loads(request.content)
+        return httpx2.Response(200, json={**tool_answer(FASTER), "model": body["model"]})
+
+    client = httpx2.AsyncClient(transport=httpx2.MockTransport(handler))
+    f = ClaudeForecaster(
+        "k", MODEL, samples=1, http_client=client, max_concurrency=2, features=None, warm_cache=False
+    )
+    out = await f.forecast([pair() for _ in range(6)])
+    assert len(out) == 6
+    assert peak == 2
+
+
+# ---------------------------------------------------------------- usage and cost
+
+
+@pytest.mark.anyio
+async def test_usage_is_recorded_with_cost() -> None:
+    tokens = usage(input_tokens=1000, output_tokens=200, cache_read=5000, cache_write=3000)
+    mock = scripted(tool_answer(FASTER, tokens=tokens))
+    sink = FakeSink()
+    f = make(mock, samples=2, usage_sink=sink, ledger="run-7")
+    await f.forecast([pair()])
+    expected = (2000 * 2.0 + 400 * 10.0 + 10000 * 0.20 + 6000 * 2.5) / 1e6  # Sonnet 5 prices
+    assert sink.calls == [
+        {
+            "ledger": "run-7",
+            "model": MODEL,
+            "input_tokens": 2000,
+            "output_tokens": 400,
+            "cache_read_tokens": 10000,
+            "cache_write_tokens": 6000,
+            "cost_usd": pytest.approx(expected),
+        }
+    ]
+    assert f.cost_usd_total == pytest.approx(expected)
+    assert f.usage_total.requests == 2
+
+
+@pytest.mark.anyio
+async def test_usage_of_failed_requests_is_still_recorded() -> None:
+    sink = FakeSink()
+    with pytest.raises(ClaudeUnavailable):
+        await make(scripted(tool_answer([1.0])), usage_sink=sink, invalid_retries=1).forecast([pair()])
+    assert sink.calls[0]["input_tokens"] == 2000  # two paid, unusable answers
+
+
+def test_prices_and_unknown_model(caplog: pytest.LogCaptureFixture) -> None:
+    assert price_for("claude-sonnet-4-5-20250929") == PRICES["claude-sonnet-4-5"]
+    assert price_for("claude-opus-5-5") == PRICES["claude-opus-5-5"] != PRICES["claude-opus-5"]
+    assert price_for("claude-opus-4-20250514") == PRICES["claude-opus-4"]
+    assert price_for("claude-opus-4-9") is None  # not priced like Opus 4 by a loose prefix match
+    u = TokenUsage(input_tokens=1_000_000, output_tokens=1_000_000)
+    assert cost_usd("claude-haiku-4-5", u) == pytest.approx(6.0)
+    assert cost_usd("claude-haiku-4-5", u, batch=True) == pytest.approx(3.0)
+    with caplog.at_level(logging.WARNING):
+        assert cost_usd("claude-nonesuch-9", u) == 0.0
+    assert "no price known for model 'claude-nonesuch-9'" in caplog.text
+
+
+# ---------------------------------------------------------------- prompt content
+
+
+@pytest.mark.anyio
+async def test_same_source_is_shown_once_and_unknown_gpu_is_named() -> None:
+    mock = scripted(tool_answer(FASTER))
+    await make(mock).forecast([pair(hardware=None, same_source=True)])
+    user = mock.message_bodies[0]["messages"][0]["content"][0]["text"]
+    assert user.count("```cuda") == 1
+    assert "SAME source" in user
+    assert "unknown GPU: 'RTX 9999'" in user
+    assert "blocks per SM" not in user  # needs the SM count
+
+
+@pytest.mark.anyio
+async def test_static_features_are_included_and_their_failure_is_tolerated() -> None:
+    mock = scripted(tool_answer(FASTER))
+    feats = {"baseline": {"registers": 16, "occupancy": 1.0}, "candidate": {"registers": 24, "spills": 0}}
+    await make(mock, features=lambda q: feats).forecast([pair()])
+    user = mock.message_bodies[0]["messages"][0]["content"][0]["text"]
+    assert "## Static features" in user
+    assert "- baseline.registers: 16" in user and "- candidate.registers: 24" in user
+
+    def broken(q: PairQuery) -> object:
+        raise RuntimeError("ptxas crashed")
+
+    mock2 = scripted(tool_answer(FASTER))
+    [out] = await make(mock2, features=broken).forecast([pair()])
+    assert out.probs == pytest.approx(FASTER)
+    assert "## Static features" not in mock2.message_bodies[0]["messages"][0]["content"][0]["text"]
+
+
+@dataclass
+class _Feats:
+    registers: int
+    occupancy: float
+
+
+@pytest.mark.anyio
+async def test_default_features_adapt_a_per_kernel_extractor(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = types.ModuleType("forecaster_mcp.forecast.features")
+    seen: list[tuple[str, str | None]] = []
+
+    def kernel_features(kernel: Kernel, spec: GpuSpec | None) -> _Feats:
+        seen.append((kernel.entry, spec.name if spec else None))
+        return _Feats(registers=32 if kernel.entry == "saxpy4" else 16, occupancy=0.5)
+
+    fake.kernel_features = kernel_features  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "forecaster_mcp.forecast.features", fake)
+    mock = scripted(tool_answer(FASTER))
+    f = ClaudeForecaster("k", MODEL, samples=1, http_client=mock.client())  # features="auto"
+    await f.forecast([pair()])
+    user = mock.message_bodies[0]["messages"][0]["content"][0]["text"]
+    assert "- baseline.registers: 16" in user and "- candidate.registers: 32" in user
+    assert seen == [("saxpy", "A100-PCIE-40GB"), ("saxpy4", "A100-PCIE-40GB")]
+
+    monkeypatch.setitem(sys.modules, "forecaster_mcp.forecast.features", types.ModuleType("empty"))
+    assert prompt.default_features_fn() is None
+
+
+def test_fence_outlasts_backticks_in_the_source() -> None:
+    src = "// a comment with ``` inside\n__global__ void k() {}"
+    fenced = prompt.fence(src, "cuda")
+    assert fenced.startswith("````cuda\n") and fenced.endswith("\n````")
+    assert prompt.fence("x = 1", "triton").startswith("```python\n")
+
+
+@pytest.mark.parametrize(
+    ("payload", "problem"),
+    [
+        ({"probabilities": [0.1] * 9}, "got 9"),
+        ({"probabilities": [0.0] * 8}, "sum to zero"),
+        ({"probabilities": [math.inf, *[0.1] * 7]}, "not finite"),
+        ({"probabilities": [True, *[0.1] * 7]}, "not a number"),
+        ({"reasoning": "no numbers"}, "missing"),
+        ("not json", "not JSON"),
+        ([0.1] * 8, "not an object"),
+    ],
+)
+def test_parse_answer_rejects(payload: object, problem: str) -> None:
+    with pytest.raises(prompt.InvalidAnswer, match=problem):
+        prompt.parse_answer(payload)
+
+
+def test_parse_answer_accepts_string_encoded_and_fenced_json() -> None:
+    probs, reason = prompt.parse_answer({"probabilities": json.dumps(FASTER), "reasoning": " r "})
+    assert probs == pytest.approx(FASTER) and reason == "r"
+    probs, _ = prompt.parse_answer("```json\n" + json.dumps({"probabilities": [1] * 8}) + "\n```")
+    assert probs == pytest.approx([0.125] * 8)
+
+
+# ---------------------------------------------------------------- batches
+
+
+@pytest.mark.anyio
+async def test_batch_flow() -> None:
+    def responder(params: dict[str, Any]) -> Any:
+        text = params["messages"][0]["content"][0]["text"]
+        bad = "saxpy4" in text and params["max_tokens"] == 1024 and responder.bad_left > 0  # type: ignore[attr-defined]
+        if bad:
+            responder.bad_left -= 1  # type: ignore[attr-defined]
+            return tool_answer([0.5] * 3)
+        return tool_answer(FASTER if "saxpy4" in text else SLOWER)
+
+    responder.bad_left = 1  # type: ignore[attr-defined]
+    mock = AnthropicMock(responder, batch_polls_in_progress=1)
+    slept: list[float] = []
+
+    async def fake_sleep(s: float) -> None:
+        slept.append(s)
+
+    sink = FakeSink()
+    f = make(mock, samples=2, usage_sink=sink, sleep=fake_sleep, batch_poll_interval_s=7.0)
+    out = await f.forecast_batch([pair(), pair(same_source=True)])
+
+    assert out[0].probs == pytest.approx(FASTER) and out[0].extras["claude_samples"] == 2
+    assert out[1].probs == pytest.approx(SLOWER)
+    assert not mock.message_bodies  # nothing went through the synchronous endpoint
+    first, second = mock.batches.values()
+    assert sorted(r["custom_id"] for r in first.requests) == ["q0-s0-r0", "q0-s1-r0", "q1-s0-r0", "q1-s1-r0"]
+    assert [r["custom_id"] for r in second.requests] in (["q0-s0-r1"], ["q0-s1-r1"])  # only the bad one again
+    assert first.requests[0]["params"]["system"][0]["cache_control"] == {"type": "ephemeral"}
+    assert slept == [7.0, 7.0]  # one in_progress poll per batch
+    assert sink.calls[0]["input_tokens"] == 5 * 1000
+    assert sink.calls[0]["cost_usd"] == pytest.approx(cost_usd(MODEL, TokenUsage(5000, 500)) / 2)
+
+
+@pytest.mark.anyio
+async def test_batch_wait_is_bounded_and_cancels() -> None:
+    mock = AnthropicMock(lambda body: tool_answer(FASTER), batch_never_ends=True)
+    slept: list[float] = []
+
+    async def fake_sleep(s: float) -> None:
+        slept.append(s)
+
+    f = make(mock, sleep=fake_sleep, batch_poll_interval_s=60.0, batch_max_wait_s=300.0)
+    with pytest.raises(ClaudeUnavailable, match="still in_progress after 300 s; cancelled"):
+        await f.forecast_batch([pair()])
+    assert len(slept) == 5
+    [batch] = mock.batches.values()
+    assert batch.canceled
+
+
+# ---------------------------------------------------------------- guards
+
+
+def test_forbid_real_api_guard_raises_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
+    # conftest sets FORECASTER_MCP_FORBID_REAL_API=1 for every test
+    with pytest.raises(RealApiCallForbidden, match="REFUSING TO CALL THE REAL ANTHROPIC API"):
+        ClaudeForecaster("sk-ant-real-looking-key", MODEL)
+    monkeypatch.delenv("FORECASTER_MCP_FORBID_REAL_API")
+    with pytest.raises(ClaudeUnavailable, match="FORECASTER_MCP_ANTHROPIC_API_KEY"):
+        ClaudeForecaster("", MODEL)
+
+
+def test_importing_the_module_does_not_import_the_sdk() -> None:
+    code = (
+        "import sys, forecaster_mcp.forecast.claude\n"
+        "print('anthropic' in sys.modules, 'httpx2' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.split() == ["False", "False"]

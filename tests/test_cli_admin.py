@@ -1,0 +1,155 @@
+"""Operator commands through the real entry point: ledgers and tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from forecaster_mcp.cli import main
+from forecaster_mcp.settings import Settings
+from forecaster_mcp.store.db import Store
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_ledger_create_topup_show(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "ledger", "create", "team-a", "--gpu-seconds", "10")
+    assert code == 0 and "created ledger 'team-a': limit 10" in out
+    code, out, _ = run(capsys, "ledger", "topup", "team-a", "--gpu-seconds", "2.5")
+    assert code == 0 and "limit 12.5" in out and "remaining 12.5 GPU-seconds" in out
+    run(capsys, "ledger", "create", "team-b", "--gpu-seconds", "0")
+
+    code, out, _ = run(capsys, "ledger", "show")
+    lines = out.splitlines()
+    assert code == 0 and lines[0].split() == ["ledger", "limit", "spent", "reserved", "remaining"]
+    assert lines[1].split() == ["team-a", "12.5", "0", "0", "12.5"]
+    assert lines[2].split() == ["team-b", "0", "0", "0", "0"]
+
+    code, out, _ = run(capsys, "ledger", "show", "team-a")
+    assert code == 0 and "ledger 'team-a'" in out and "remaining" in out and "12.5 GPU-seconds" in out
+
+    code, out, _ = run(capsys, "ledger", "show", "team-a", "--json")
+    report = json.loads(out)
+    assert code == 0 and report["name"] == "team-a" and report["remaining_gpu_seconds"] == 12.5
+    assert report["measurements"]["count"] == 0 and report["forecasts"]["accuracy"] is None
+
+    code, out, _ = run(capsys, "ledger", "show", "--json")
+    assert [v["name"] for v in json.loads(out)] == ["team-a", "team-b"]
+
+
+def test_ledger_show_reflects_spending(capsys: pytest.CaptureFixture[str]) -> None:
+    run(capsys, "ledger", "create", "x", "--gpu-seconds", "10")
+
+    async def spend() -> None:
+        store = await Store.open(Settings.from_env().db_path)
+        try:
+            hold = await store.reserve("x", 5, "m")
+            await store.commit(hold, 3.25)
+        finally:
+            await store.close()
+
+    asyncio.run(spend())
+    code, out, _ = run(capsys, "ledger", "show", "x", "--json")
+    report = json.loads(out)
+    assert code == 0 and (report["spent_gpu_seconds"], report["remaining_gpu_seconds"]) == (3.25, 6.75)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["ledger", "create", "dup", "--gpu-seconds", "1"], "already exists"),
+        (["ledger", "create", "neg", "--gpu-seconds", "-1"], "finite number"),
+        (["ledger", "create", "nan", "--gpu-seconds", "nan"], "finite number"),
+        (["ledger", "topup", "ghost", "--gpu-seconds", "1"], "ledger 'ghost' does not exist"),
+        (["ledger", "topup", "dup", "--gpu-seconds", "0"], "> 0"),
+        (["ledger", "show", "ghost"], "forecaster-mcp ledger create ghost"),
+        (["token", "issue", "--ledger", "ghost"], "ledger 'ghost' does not exist"),
+        (["token", "revoke", "fmcp_not-a-real-token"], "no active token matches"),
+    ],
+)
+def test_operator_mistakes_exit_2_with_a_message(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    run(capsys, "ledger", "create", "dup", "--gpu-seconds", "1")
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == ""
+    assert err.startswith("forecaster-mcp: ") and message in err
+
+
+def test_token_issue_list_revoke(capsys: pytest.CaptureFixture[str]) -> None:
+    run(capsys, "ledger", "create", "agent-1", "--gpu-seconds", "5")
+    code, out, err = run(capsys, "token", "issue", "--ledger", "agent-1", "--label", "run 1")
+    assert code == 0 and "shown only this once" in err
+    [token] = out.splitlines()  # the token, alone on its line, and nothing else on stdout
+    assert token.startswith("fmcp_") and token in out
+
+    code, out, _ = run(capsys, "token", "list")
+    assert code == 0 and token not in out and token[5:] not in out
+    header, row = out.splitlines()
+    assert header.split()[:4] == ["id", "fingerprint", "ledger", "label"]
+    assert row.split()[2] == "agent-1" and row.rstrip().endswith("active")
+
+    async def ledger_of(t: str) -> str | None:
+        store = await Store.open(Settings.from_env().db_path)
+        try:
+            return await store.ledger_for_token(t)
+        finally:
+            await store.close()
+
+    assert asyncio.run(ledger_of(token)) == "agent-1"
+    code, out, _ = run(capsys, "token", "revoke", token)
+    assert code == 0 and out.strip() == "revoked"
+    assert asyncio.run(ledger_of(token)) is None
+    code, out, _ = run(capsys, "token", "list")
+    assert "revoked" in out.splitlines()[1]
+
+    # A lost token can be revoked by the fingerprint `token list` shows.
+    run(capsys, "token", "issue", "--ledger", "agent-1")
+    code, out, _ = run(capsys, "token", "list")
+    fingerprint = out.splitlines()[2].split()[1]
+    code, out, _ = run(capsys, "token", "revoke", fingerprint)
+    assert code == 0 and out.strip() == "revoked"
+
+
+def test_empty_listings_say_what_to_do(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "ledger create NAME" in run(capsys, "ledger", "show")[1]
+    assert "token issue --ledger NAME" in run(capsys, "token", "list")[1]
+
+
+def test_python_dash_m_entry_point(tmp_path: Path) -> None:
+    env = dict(os.environ, FORECASTER_MCP_HOME=str(tmp_path / "home"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    cmd = [sys.executable, "-m", "forecaster_mcp"]
+    made = subprocess.run(
+        [*cmd, "ledger", "create", "ci", "--gpu-seconds", "7.5"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert made.returncode == 0, made.stderr
+    shown = subprocess.run(
+        [*cmd, "ledger", "show", "ci", "--json"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["limit_gpu_seconds"] == 7.5
+    again = subprocess.run(
+        [*cmd, "ledger", "create", "ci", "--gpu-seconds", "1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert again.returncode == 2 and "already exists" in again.stderr

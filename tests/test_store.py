@@ -1,0 +1,573 @@
+"""The store: ledgers balance exactly, measurements are idempotent, forecasts get verified, tokens hashed."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import sqlite3
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from forecaster_mcp.errors import BudgetExhausted, InvalidRequest, OperatorError, UnknownLedger
+from forecaster_mcp.models import DeviceProvenance, Kernel, Launch, MeasureCost, MeasureResult, RuntimeStats
+from forecaster_mcp.store import migrations
+from forecaster_mcp.store.db import MICRO, ForecastRow, Store
+
+pytestmark = pytest.mark.anyio
+
+SOURCE = "__global__ void k(float* x) { x[threadIdx.x] *= 2.0f; }"
+
+
+def kernel(block: int = 32, **defines: int) -> Kernel:
+    launch = Launch(grid=(4, 1, 1), block=(block, 1, 1))
+    return Kernel(source=SOURCE, entry="k", defines=dict(defines), launch=launch)
+
+
+def result(status: str = "ok", median: float = 1.0, gpu_seconds: float = 0.5) -> MeasureResult:
+    stats = None
+    if status == "ok":
+        stats = RuntimeStats(
+            median=median, mean=median, min=median, p10=median, p90=median, std=0.0,
+            ci95_low=median, ci95_high=median, runs=10,
+        )  # fmt: skip
+    return MeasureResult(
+        kernel_id="k0",
+        status=status,  # type: ignore[arg-type]
+        runtime_ms=stats,
+        device=DeviceProvenance(name="A100", backend="fake", driver="550.1"),
+        cost=MeasureCost(gpu_seconds=gpu_seconds),
+    )
+
+
+async def save(
+    store: Store,
+    k: Kernel,
+    median: float = 1.0,
+    *,
+    ledger: str | None = "x",
+    status: str = "ok",
+    charged: float = 1.0,
+    cached: bool = False,
+    idem: str | None = None,
+    hardware: str = "A100",
+    workload_key: str = "w",
+    cache_key: str | None = None,
+) -> int:
+    return await store.save_measurement(
+        cache_key=cache_key or f"{k.content_key()}/{hardware}/{workload_key}",
+        ledger=ledger,
+        idempotency_key=idem,
+        kernel_json=k.model_dump_json(),
+        workload_key=workload_key,
+        family_key=k.family_key(),
+        content_key=k.content_key(),
+        hardware=hardware,
+        result=result(status, median, charged),
+        charged_gpu_seconds=0.0 if cached else charged,
+        cached=cached,
+    )
+
+
+def forecast(
+    base: Kernel,
+    cand: Kernel,
+    p_faster: float,
+    verdict: str,
+    *,
+    decided_by: str = "forecast",
+    ledger: str | None = "x",
+    hardware: str = "A100",
+    forecaster: str = "local",
+) -> ForecastRow:
+    probs = [(1 - p_faster) / 4] * 4 + [p_faster / 4] * 4
+    return ForecastRow(
+        ledger=ledger,
+        forecaster=forecaster,
+        hardware=hardware,
+        workload_key="w",
+        baseline_key=base.content_key(),
+        candidate_key=cand.content_key(),
+        probs=probs,
+        p_faster=p_faster,
+        verdict=verdict,  # type: ignore[arg-type]
+        decided_by=decided_by,  # type: ignore[arg-type]
+    )
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> Any:
+    s = await Store.open(tmp_path / "state" / "forecaster.sqlite3")
+    await s.create_ledger("x", 10.0)
+    yield s
+    await s.close()
+
+
+def raw(path: Path) -> sqlite3.Connection:
+    return sqlite3.connect(path)
+
+
+async def event_sums(store: Store, name: str) -> tuple[int, int, int]:
+    events = await store.ledger_events(name)
+    return (
+        sum(round(e["limit_delta_gpu_seconds"] * MICRO) for e in events),
+        sum(round(e["spent_delta_gpu_seconds"] * MICRO) for e in events),
+        sum(round(e["reserved_delta_gpu_seconds"] * MICRO) for e in events),
+    )
+
+
+# ------------------------------------------------------------------------------------------- ledgers
+
+
+async def test_create_topup_list_and_operator_mistakes(store: Store) -> None:
+    assert (await store.topup_ledger("x", 2.5)).limit_gpu_seconds == 12.5
+    await store.create_ledger("agent-7", 0)
+    assert [v.name for v in await store.list_ledgers()] == ["agent-7", "x"]
+    assert await store.get_ledger("nope") is None
+    with pytest.raises(OperatorError, match=r"already exists.*ledger topup x"):
+        await store.create_ledger("x", 1)
+    for bad in (-1.0, math.nan, math.inf):
+        with pytest.raises(OperatorError, match="finite number"):
+            await store.create_ledger("y", bad)
+    with pytest.raises(OperatorError, match="> 0"):
+        await store.topup_ledger("x", 0)
+    with pytest.raises(OperatorError, match=r"ledger 'ghost' does not exist.*ledger create ghost"):
+        await store.topup_ledger("ghost", 1)
+    with pytest.raises(OperatorError, match="not allowed"):
+        await store.create_ledger("two words", 1)
+    assert (await store.ensure_ledger("x", 99)).limit_gpu_seconds == 12.5
+    assert (await store.ensure_ledger("fresh", 3)).limit_gpu_seconds == 3
+
+
+async def test_commit_charges_at_most_the_hold_and_settles_once(store: Store) -> None:
+    hold = await store.reserve("x", 5.0, "measure k")
+    view = await store.get_ledger("x")
+    assert view is not None and view.reserved_gpu_seconds == 5.0 and view.remaining_gpu_seconds == 5.0
+    assert await store.commit(hold, 7.5) == 5.0  # clamped to the hold
+    assert await store.commit(hold, 1.0) == 0.0  # already settled: no double charge
+    await store.release(hold)  # no-op too
+    view = await store.get_ledger("x")
+    assert view is not None and (view.spent_gpu_seconds, view.reserved_gpu_seconds) == (5.0, 0.0)
+
+    h2 = await store.reserve("x", 2.0, "m")
+    assert await store.commit(h2, -3.0) == 0.0  # negative actual charges nothing
+    h3 = await store.reserve("x", 2.0, "m")
+    assert await store.commit(h3, math.nan) == 2.0  # unknown actual charges the whole hold
+    h4 = await store.reserve("x", 1.0, "m")
+    await store.release(h4)
+    assert await store.commit(h4, 1.0) == 0.0
+    view = await store.get_ledger("x")
+    assert view is not None and (view.spent_gpu_seconds, view.reserved_gpu_seconds) == (7.0, 0.0)
+    kinds = [e["kind"] for e in await store.ledger_events("x")]
+    assert kinds == [
+        "create",
+        "reserve",
+        "commit",
+        "reserve",
+        "commit",
+        "reserve",
+        "commit",
+        "reserve",
+        "release",
+    ]
+    assert await event_sums(store, "x") == (10 * MICRO, 7 * MICRO, 0)
+
+
+async def test_budget_exhausted_names_what_is_left_and_charges_nothing(store: Store) -> None:
+    hold = await store.reserve("x", 6.8, "m")
+    await store.commit(hold, 6.8)
+    with pytest.raises(BudgetExhausted) as err:
+        await store.reserve("x", 5.0, "m")
+    text = str(err.value)
+    assert "ledger 'x' has 3.2 GPU-seconds left (limit 10, spent 6.8)" in text
+    assert "needs up to 5." in text and "compare_kernels are free" in text
+    assert "forecaster-mcp ledger topup x --gpu-seconds N" in text
+    view = await store.get_ledger("x")
+    assert view is not None and view.reserved_gpu_seconds == 0.0
+    assert len(await store.reservations("x")) == 1
+    # Exactly the remainder can still be reserved: the comparison is exact, in micro-GPU-seconds.
+    assert (await store.reserve("x", 3.2, "m")).gpu_seconds == 3.2
+
+
+async def test_reserve_rejects_unknown_ledgers_and_bad_amounts(store: Store) -> None:
+    with pytest.raises(UnknownLedger, match=r"'ghost' does not exist.*ledger create ghost --gpu-seconds"):
+        await store.reserve("ghost", 1.0, "m")
+    for bad in (0.0, -1.0, math.nan, math.inf, 1e13):
+        with pytest.raises(InvalidRequest):
+            await store.reserve("x", bad, "m")
+    with pytest.raises(UnknownLedger):
+        await store.ledger_report("ghost")
+
+
+async def test_ledger_events_are_append_only(store: Store) -> None:
+    await store.reserve("x", 1.0, "m")
+    with raw(store.path) as conn, pytest.raises(sqlite3.IntegrityError, match="append-only"):
+        conn.execute("UPDATE ledger_events SET amount_micro = 0")
+    with raw(store.path) as conn, pytest.raises(sqlite3.IntegrityError, match="append-only"):
+        conn.execute("DELETE FROM ledger_events")
+
+
+# ------------------------------------------------------------------------------------------- property test
+
+amounts = st.floats(min_value=1e-7, max_value=40.0, allow_nan=False, allow_infinity=False)
+actuals = st.one_of(st.floats(min_value=-5.0, max_value=60.0), st.just(math.nan))
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("reserve"), amounts),
+        st.tuples(st.just("commit"), st.integers(0, 30), actuals),
+        st.tuples(st.just("release"), st.integers(0, 30)),
+        st.tuples(st.just("topup"), amounts),
+    ),
+    max_size=25,
+)
+
+
+def micro_of(x: float) -> int:
+    return max(round(x * MICRO), 1)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(limit=st.floats(min_value=0, max_value=60), steps=ops)
+def test_ledger_invariants_under_random_operations(limit: float, steps: list[tuple[Any, ...]]) -> None:
+    async def scenario(path: Path) -> None:
+        store = await Store.open(path)
+        try:
+            await store.create_ledger("p", limit)
+            m_limit, m_spent, m_reserved = round(limit * MICRO), 0, 0
+            holds: list[Any] = []
+            open_holds: dict[int, int] = {}
+            for step in steps:
+                if step[0] == "reserve":
+                    need = micro_of(step[1])
+                    if m_limit - m_spent - m_reserved >= need:
+                        hold = await store.reserve("p", step[1], "prop")
+                        holds.append(hold)
+                        open_holds[hold.id] = need
+                        m_reserved += need
+                    else:
+                        with pytest.raises(BudgetExhausted):
+                            await store.reserve("p", step[1], "prop")
+                elif step[0] == "topup":
+                    await store.topup_ledger("p", step[1])
+                    m_limit += micro_of(step[1])
+                elif holds:
+                    hold = holds[step[1] % len(holds)]
+                    held = open_holds.pop(hold.id, None)
+                    if step[0] == "release":
+                        await store.release(hold)
+                        expected = 0
+                    else:
+                        actual = step[2]
+                        charged = await store.commit(hold, actual)
+                        if held is None:
+                            expected = 0
+                        elif math.isnan(actual):
+                            expected = held
+                        else:
+                            expected = min(round(max(actual, 0.0) * MICRO), held)
+                        assert round(charged * MICRO) == expected
+                    if held is not None:
+                        m_reserved -= held
+                        m_spent += expected
+                view = await store.get_ledger("p")
+                assert view is not None
+                got = (
+                    round(view.limit_gpu_seconds * MICRO),
+                    round(view.spent_gpu_seconds * MICRO),
+                    round(view.reserved_gpu_seconds * MICRO),
+                )
+                assert got == (m_limit, m_spent, m_reserved)
+                assert 0 <= m_spent and 0 <= m_reserved and m_spent + m_reserved <= m_limit
+                assert view.remaining_gpu_seconds >= -1e-9
+                assert await event_sums(store, "p") == got
+        finally:
+            await store.close()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        asyncio.run(scenario(Path(tmp) / "db.sqlite3"))
+
+
+# ------------------------------------------------------------------------------------------- measurements
+
+
+async def test_idempotency_key_stores_one_measurement_per_ledger(store: Store) -> None:
+    await store.create_ledger("y", 1)
+    k = kernel()
+    first = await save(store, k, 2.0, idem="run-1")
+    again = await save(store, k, 9.0, idem="run-1")
+    other_ledger = await save(store, k, 3.0, idem="run-1", ledger="y")
+    assert again == first and other_ledger != first
+    found = await store.find_idempotent("x", "run-1")
+    assert found is not None and found.measurement_id == first
+    assert found.runtime_ms is not None and found.runtime_ms.median == 2.0
+    assert await store.find_idempotent("x", "run-2") is None
+    report = await store.ledger_report("x")
+    assert report["measurements"]["count"] == 1
+
+
+async def test_cache_lookup_prefers_originals_and_skips_infrastructure_failures(store: Store) -> None:
+    k = kernel()
+    assert await store.find_measurement("ck") is None
+    ok_id = await save(store, k, 4.0, cache_key="ck", charged=2.5)
+    await save(store, k, status="worker_crashed", cache_key="ck")
+    hit = await store.find_measurement("ck")
+    assert hit is not None and hit.measurement_id == ok_id and hit.status == "ok"
+    assert hit.device.driver == "550.1"  # provenance round-trips
+    await save(store, k, 4.0, cache_key="ck", cached=True)
+    again = await store.find_measurement("ck")
+    assert again is not None and again.measurement_id == ok_id
+    report = await store.ledger_report("x")
+    assert report["measurements"]["cache_hits"] == 1
+    assert report["gpu_seconds_saved"]["cache"] == 2.5
+    # A compile error is a property of the kernel, so it is served from cache like a runtime.
+    bad = await save(store, kernel(block=64), status="compile_error", cache_key="bad")
+    found = await store.find_measurement("bad")
+    assert found is not None and found.measurement_id == bad and found.status == "compile_error"
+
+
+async def test_unknown_ledger_in_saves_is_reported(store: Store) -> None:
+    with pytest.raises(UnknownLedger):
+        await save(store, kernel(), ledger="ghost")
+    with pytest.raises(UnknownLedger):
+        await store.save_forecasts([forecast(kernel(), kernel(64), 0.5, "unsure", ledger="ghost")])
+    assert await save(store, kernel(), ledger=None) > 0
+
+
+async def test_family_points_latest_per_kernel_preferring_ok(store: Store) -> None:
+    a, b, c = kernel(BS=1), kernel(BS=2), kernel(BS=3)
+    await save(store, a, 3.0)
+    await save(store, a, 2.0)
+    await save(store, b, 1.5)
+    await save(store, b, status="worker_crashed")
+    await save(store, c, status="compile_error")
+    await save(store, kernel(BS=4), 1.0, hardware="H100")
+    points = {p.defines["BS"]: p for p in await store.family_points(a.family_key(), "A100", "w")}
+    assert set(points) == {1, 2, 3}
+    assert points[1].runtime_ms == 2.0 and points[2].runtime_ms == 1.5 and points[2].status == "ok"
+    assert points[3].status == "compile_error" and points[3].runtime_ms is None
+    assert points[1].launch == {"grid": [4, 1, 1], "block": [32, 1, 1], "shared_mem_bytes": 0}
+    assert points[1].content_key == a.content_key()
+    assert await store.measured_runtime(a.content_key(), "A100", "w") == 2.0
+    assert await store.measured_runtime(c.content_key(), "A100", "w") is None
+    assert await store.measured_runtime(a.content_key(), "H100", "w") is None
+
+
+# ------------------------------------------------------------------------------------------- forecasts
+
+
+async def test_forecasts_are_verified_when_both_kernels_get_measured(store: Store) -> None:
+    base, cand = kernel(BS=1), kernel(BS=2)
+    [fid] = await store.save_forecasts([forecast(base, cand, 0.9, "faster")])
+    await store.save_forecasts([forecast(base, cand, 0.9, "faster", hardware="H100")])
+    assert await store.verified_pairs() == []
+    await save(store, base, 3.0)
+    assert await store.verified_pairs() == []  # only one side measured
+    await save(store, cand, status="compile_error")
+    assert await store.verified_pairs() == []  # a failed run verifies nothing
+    cand_id = await save(store, cand, 1.5)
+    [pair] = await store.verified_pairs()
+    assert (pair.forecaster, pair.hardware, pair.actual_speedup, pair.verdict) == (
+        "local",
+        "A100",
+        2.0,
+        "faster",
+    )
+    assert pair.p_faster == 0.9 and len(pair.probs) == 8
+    with raw(store.path) as conn:
+        assert conn.execute(
+            "SELECT verified_by_measurement FROM forecasts WHERE id = ?", (fid,)
+        ).fetchone() == (cand_id,)
+    # The latest ok measurement of each kernel defines the truth.
+    await save(store, cand, 6.0)
+    [pair] = await store.verified_pairs()
+    assert pair.actual_speedup == 0.5
+
+
+async def test_save_forecasts_verifies_at_once_and_filters(store: Store) -> None:
+    base, cand = kernel(BS=1), kernel(BS=2)
+    await save(store, base, 2.0)
+    await save(store, cand, 4.0)
+    ids = await store.save_forecasts(
+        [
+            forecast(base, cand, 0.2, "slower"),
+            forecast(base, cand, 0.6, "unsure", forecaster="claude"),
+            forecast(base, cand, 0.0, "slower", decided_by="cache"),
+        ]
+    )
+    assert len(ids) == 3 and ids == sorted(ids)
+    pairs = await store.verified_pairs()
+    assert [(p.forecaster, p.actual_speedup) for p in pairs] == [("local", 0.5), ("claude", 0.5)]
+    assert [p.forecaster for p in await store.verified_pairs(forecaster="claude")] == ["claude"]
+    assert await store.verified_pairs(hardware="H100") == []
+    assert await store.save_forecasts([]) == []
+
+
+async def test_ledger_report_counts_everything(store: Store) -> None:
+    a, b, c, d = kernel(BS=1), kernel(BS=2), kernel(BS=3), kernel(BS=4)
+    await save(store, a, 2.0, charged=1.0, cache_key="a")
+    await save(store, b, 1.0, charged=3.0)
+    await save(store, c, status="compile_error", charged=2.0)
+    await save(store, a, 2.0, cached=True, cache_key="a")
+    await store.save_forecasts(
+        [
+            forecast(a, b, 0.9, "faster"),  # verified, right (S = 2)
+            forecast(b, a, 0.8, "faster"),  # verified, wrong (S = 0.5)
+            forecast(a, d, 0.7, "faster"),  # decided, not verified
+            forecast(a, b, 0.55, "unsure"),  # deferred, verified (counts for calibration only)
+            forecast(a, b, 1.0, "faster", decided_by="cache"),
+            forecast(a, d, 0.5, "unsure", ledger=None),  # another ledger's row
+        ]
+    )
+    await store.record_llm_usage(
+        ledger="x", model="claude", input_tokens=100, output_tokens=20, cache_read_tokens=5,
+        cache_write_tokens=0, cost_usd=0.25,
+    )  # fmt: skip
+    await store.record_llm_usage(
+        ledger=None, model="claude", input_tokens=7, output_tokens=7, cache_read_tokens=0,
+        cache_write_tokens=0, cost_usd=1.0,
+    )  # fmt: skip
+    hold = await store.reserve("x", 1.5, "m")
+    await store.commit(hold, 1.25)
+    await store.reserve("x", 2.0, "m")
+    report = await store.ledger_report("x")
+    assert report == {
+        "limit_gpu_seconds": 10.0,
+        "spent_gpu_seconds": 1.25,
+        "reserved_gpu_seconds": 2.0,
+        "remaining_gpu_seconds": 6.75,
+        "measurements": {"count": 4, "cache_hits": 1, "failures": 1, "gpu_seconds": 6.0},
+        "forecasts": {
+            "count": 5,
+            "decided": 3,
+            "deferred": 1,
+            "verified": 2,
+            "verified_correct": 1,
+            "accuracy": 0.5,
+        },
+        # 3 decided forecasts x the median (2.0) of this ledger's charged measurements (1, 3, 2).
+        "gpu_seconds_saved": {"cache": 1.0, "forecasts": 6.0},
+        "llm": {"calls": 1, "input_tokens": 100, "output_tokens": 20, "cost_usd": 0.25},
+        "calibration": {
+            "verified_pairs": 3,
+            "brier": pytest.approx(((0.9 - 1) ** 2 + (0.8 - 0) ** 2 + (0.55 - 1) ** 2) / 3),
+        },
+    }
+
+
+async def test_calibration_state_upserts(store: Store) -> None:
+    assert await store.load_calibration("local", "A100") is None
+    await store.save_calibration("local", "A100", '{"a": 1}')
+    await store.save_calibration("local", "A100", '{"a": 2}')
+    await store.save_calibration("local", "H100", '{"a": 3}')
+    assert await store.load_calibration("local", "A100") == '{"a": 2}'
+    assert await store.load_calibration("local", "H100") == '{"a": 3}'
+
+
+# ------------------------------------------------------------------------------------------- tokens
+
+
+async def test_tokens_are_stored_hashed_and_can_be_revoked(store: Store) -> None:
+    token = await store.issue_token("x", label="agent run 1")
+    second = await store.issue_token("x")
+    assert token.startswith("fmcp_") and len(token) > 40 and token != second
+    assert await store.ledger_for_token(token) == "x"
+    assert await store.ledger_for_token("fmcp_wrong") is None
+    listed = await store.list_tokens()
+    assert [t["label"] for t in listed] == ["agent run 1", None]
+    assert all(token not in str(t) for t in listed)
+    for path in store.path.parent.iterdir():  # the database, its WAL and shared-memory files
+        data = path.read_bytes()
+        assert token.encode() not in data and token[5:].encode() not in data, path
+    assert await store.revoke_token(token) is True
+    assert await store.revoke_token(token) is False
+    assert await store.ledger_for_token(token) is None
+    assert await store.revoke_token(listed[1]["fingerprint"]) is True
+    assert await store.ledger_for_token(second) is None
+    assert await store.revoke_token("not-a-token") is False
+    with pytest.raises(OperatorError, match="does not exist"):
+        await store.issue_token("ghost")
+
+
+# ------------------------------------------------------------------------------------------- migrations
+
+
+async def test_reopen_is_idempotent_and_keeps_data(tmp_path: Path) -> None:
+    path = tmp_path / "db.sqlite3"
+    for _ in range(3):
+        s = await Store.open(path)
+        await s.ensure_ledger("x", 5)
+        await s.close()
+    with raw(path) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone() == (migrations.latest_version(),)
+        versions = conn.execute("SELECT version FROM schema_version").fetchall()
+        assert versions == [(m.version,) for m in migrations.MIGRATIONS]
+        assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+        assert conn.execute("SELECT count(*) FROM ledgers").fetchone() == (1,)
+
+
+async def test_a_newer_schema_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "db.sqlite3"
+    await (await Store.open(path)).close()
+    with raw(path) as conn:
+        conn.execute(f"PRAGMA user_version = {migrations.latest_version() + 1}")
+    with pytest.raises(OperatorError, match="newer than this forecaster-mcp"):
+        await Store.open(path)
+
+
+# ------------------------------------------------------------------------------------------- orphans
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait(timeout=30)
+    return proc.pid
+
+
+async def test_orphans_of_dead_or_reused_pids_are_released_on_open(tmp_path: Path) -> None:
+    path = tmp_path / "db.sqlite3"
+    s = await Store.open(path)
+    await s.create_ledger("x", 10)
+    dead = await s.reserve("x", 1.0, "dead owner")
+    reused = await s.reserve("x", 2.0, "pid reused")
+    mine = await s.reserve("x", 3.0, "live owner, expired")
+    await s.close()
+    with raw(path) as conn:
+        conn.execute("UPDATE reservations SET owner_pid = ? WHERE id = ?", (_dead_pid(), dead.id))
+        conn.execute("UPDATE reservations SET owner_start = '?:1' WHERE id = ?", (reused.id,))
+        conn.execute("UPDATE reservations SET expires_at = 0 WHERE id = ?", (mine.id,))
+    s = await Store.open(path)
+    try:
+        states = {r["id"]: r["state"] for r in await s.reservations("x")}
+        if (Path("/proc") / "self" / "stat").exists():
+            assert states[reused.id] == "orphan_released"
+        assert states[dead.id] == "orphan_released"
+        # This process is alive: a queued measurement may outlive the expiry, so its hold stays.
+        assert states[mine.id] == "open"
+        view = await s.get_ledger("x")
+        assert view is not None and view.reserved_gpu_seconds == (3.0 if states[reused.id] != "open" else 5.0)
+        assert [e["kind"] for e in await s.ledger_events("x")].count("orphan_release") == 2
+        assert await s.commit(dead, 1.0) == 0.0  # a released orphan is never charged later
+    finally:
+        await s.close()
+
+
+async def test_expired_holds_of_unverifiable_owners_are_released_at_reserve(store: Store) -> None:
+    far = await store.reserve("x", 4.0, "other host, expired")
+    near = await store.reserve("x", 4.0, "other host, not expired")
+    with raw(store.path) as conn:
+        conn.execute(
+            "UPDATE reservations SET owner_host = 'elsewhere', expires_at = 0 WHERE id = ?", (far.id,)
+        )
+        conn.execute("UPDATE reservations SET owner_host = 'far' WHERE id = ?", (near.id,))
+    # 2 GPU-seconds left until the expired hold is released inside this reserve's transaction.
+    await store.reserve("x", 6.0, "needs the expired hold")
+    states = {r["id"]: r["state"] for r in await store.reservations("x")}
+    assert states[far.id] == "orphan_released" and states[near.id] == "open"
+    events = await store.ledger_events("x")
+    assert next(e["detail"] for e in events if e["kind"] == "orphan_release").startswith("expired")
