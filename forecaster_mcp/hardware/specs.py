@@ -1,14 +1,37 @@
 """A table of GPU specifications and a forgiving name matcher.
 
-INTERFACE (fixed; the table and matcher are filled in by the hardware work):
+INTERFACE (fixed):
 - GpuSpec: frozen dataclass below.
 - lookup(name) -> GpuSpec | None: `A100`, `NVIDIA A100-PCIE-40GB`, `a100 80gb`, `H100`, `MI250X`... match.
 - all_specs() -> list[GpuSpec].
+- canonical_name(name) -> str, suggest(name) -> list[str].
+
+Sources: vendor datasheets and whitepapers for SM counts, clocks, bandwidth, L2 and throughput; the CUDA
+Programming Guide's per-compute-capability table and `cuda_occupancy.h` (CUDA 13) for per-SM limits.
+Conventions, so rows are comparable:
+- `fp32_tflops`: peak non-tensor FP32 at boost clock.
+- `fp16_tensor_tflops`: dense (no 2:4 sparsity) FP16 inputs with FP32 accumulation, the mode GEMMs use by
+  default. GeForce cards run that mode at half their FP16-accumulate rate, so their figure is the halved one.
+  AMD parts without matrix units (MI50, RDNA2) list packed FP16 vector throughput instead.
+- `mem_gib`: nominal capacity as marketed (GB).
+- `shared_mem_per_sm_bytes` / `max_shared_mem_per_block_bytes`: the largest carveout and the opt-in per-block
+  maximum (`cudaDevAttrMaxSharedMemoryPerBlockOptin`).
+- AMD rows: `sms` counts compute units as HIP reports them (an MI250X is two devices of 110 CUs each, so
+  its row is one GCD); per-CU limits are approximate (no vendor occupancy calculator); warp size is the
+  wavefront size.
+
+Matching rules (`lookup`): case, spaces, dashes and underscores do not matter; vendor and brand words
+(NVIDIA, AMD, GeForce, Radeon, Instinct, Tesla, Quadro, "GPU") are ignored; a memory size ("80GB") and a
+form factor ("SXM4", "PCIe", "NVL") narrow the choice and never widen it; a bare family name picks the
+family's first row in the table (the SXM part with the most memory). The model itself must match exactly,
+so "A10" never becomes "A100" and "RTX 3060" (desktop) never becomes the laptop part.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal
 
 
@@ -34,12 +57,451 @@ class GpuSpec:
     aliases: tuple[str, ...] = ()
 
 
-_SPECS: list[GpuSpec] = []
+KIB = 1024
+MIB = 1024 * 1024
+
+# Per-SM limits by compute capability: (arch, max threads/SM, max blocks/SM, shared memory per SM,
+# opt-in shared memory per block). Registers are 64K per SM and 255 per thread on every row below.
+_CC: dict[str, tuple[str, int, int, int, int]] = {
+    "7.0": ("sm_70", 2048, 32, 96 * KIB, 96 * KIB),
+    "7.5": ("sm_75", 1024, 16, 64 * KIB, 64 * KIB),
+    "8.0": ("sm_80", 2048, 32, 164 * KIB, 163 * KIB),
+    "8.6": ("sm_86", 1536, 16, 100 * KIB, 99 * KIB),
+    "8.9": ("sm_89", 1536, 24, 100 * KIB, 99 * KIB),
+    "9.0": ("sm_90", 2048, 32, 228 * KIB, 227 * KIB),
+    "10.0": ("sm_100", 2048, 32, 228 * KIB, 227 * KIB),
+    # cuda_occupancy.h (CUDA 13) caps 12.x at 24 resident blocks per SM.
+    "12.0": ("sm_120", 1536, 24, 100 * KIB, 99 * KIB),
+}
+
+
+def _nv(
+    name: str,
+    cc: str,
+    *,
+    sms: int,
+    l2: int,
+    bw: float,
+    fp32: float,
+    fp16: float,
+    mem: float,
+    aliases: tuple[str, ...] = (),
+) -> GpuSpec:
+    arch, threads, blocks, smem_sm, smem_block = _CC[cc]
+    return GpuSpec(
+        name=name,
+        vendor="nvidia",
+        arch=arch,
+        compute_capability=cc,
+        sms=sms,
+        max_threads_per_sm=threads,
+        max_blocks_per_sm=blocks,
+        registers_per_sm=65536,
+        max_registers_per_thread=255,
+        shared_mem_per_sm_bytes=smem_sm,
+        max_shared_mem_per_block_bytes=smem_block,
+        l2_bytes=l2,
+        mem_bandwidth_gbs=bw,
+        fp32_tflops=fp32,
+        fp16_tensor_tflops=fp16,
+        mem_gib=mem,
+        warp_size=32,
+        aliases=aliases,
+    )
+
+
+# AMD per-CU limits by ISA: (wave size, max threads/CU, registers/CU, max VGPRs/thread).
+# CDNA/GCN: 4 SIMDs per CU; gfx906 holds 10 waves per SIMD, gfx90a/gfx942 8, with 256 (gfx906) or 512
+# (unified arch+acc) VGPRs per lane. RDNA in CU mode: 2 SIMD32 of 16 waves; 1024 VGPRs per lane (RDNA2)
+# or 1536 (Navi 31). LLVM's AMDGPU backend caps workgroups per CU at 16.
+_AMD: dict[str, tuple[int, int, int, int]] = {
+    "gfx906": (64, 2560, 65536, 256),
+    "gfx90a": (64, 2048, 131072, 512),
+    "gfx942": (64, 2048, 131072, 512),
+    "gfx1032": (32, 1024, 65536, 256),
+    "gfx1100": (32, 1024, 98304, 256),
+}
+
+
+def _amd(
+    name: str,
+    arch: str,
+    *,
+    cus: int,
+    l2: int,
+    bw: float,
+    fp32: float,
+    fp16: float,
+    mem: float,
+    aliases: tuple[str, ...] = (),
+) -> GpuSpec:
+    wave, threads, regs, max_regs = _AMD[arch]
+    return GpuSpec(
+        name=name,
+        vendor="amd",
+        arch=arch,
+        compute_capability=None,
+        sms=cus,
+        max_threads_per_sm=threads,
+        max_blocks_per_sm=16,
+        registers_per_sm=regs,
+        max_registers_per_thread=max_regs,
+        shared_mem_per_sm_bytes=64 * KIB,  # LDS per CU (per WGP half on RDNA)
+        max_shared_mem_per_block_bytes=64 * KIB,
+        l2_bytes=l2,
+        mem_bandwidth_gbs=bw,
+        fp32_tflops=fp32,
+        fp16_tensor_tflops=fp16,
+        mem_gib=mem,
+        warp_size=wave,
+        aliases=aliases,
+    )
+
+
+# Within a family the first row is what a bare family name resolves to.
+_SPECS: list[GpuSpec] = [
+    # Volta, GV100: 80 SMs, 6 MB L2, 900 GB/s HBM2. SXM2 boost 1530 MHz, PCIe 1380 MHz.
+    _nv(
+        "V100-SXM2-32GB", "7.0", sms=80, l2=6 * MIB, bw=900, fp32=15.7, fp16=125.0, mem=32, aliases=("V100",)
+    ),
+    _nv(
+        "V100-SXM2-16GB", "7.0", sms=80, l2=6 * MIB, bw=900, fp32=15.7, fp16=125.0, mem=16, aliases=("V100",)
+    ),
+    _nv(
+        "V100-PCIE-32GB", "7.0", sms=80, l2=6 * MIB, bw=900, fp32=14.0, fp16=112.0, mem=32, aliases=("V100",)
+    ),
+    _nv(
+        "V100-PCIE-16GB", "7.0", sms=80, l2=6 * MIB, bw=900, fp32=14.0, fp16=112.0, mem=16, aliases=("V100",)
+    ),
+    # Ampere, GA100: 108 SMs at 1410 MHz, 40 MB L2; bandwidth differs by memory (HBM2 vs HBM2e) and board.
+    _nv(
+        "A100-SXM4-80GB",
+        "8.0",
+        sms=108,
+        l2=40 * MIB,
+        bw=2039,
+        fp32=19.5,
+        fp16=312.0,
+        mem=80,
+        aliases=("A100",),
+    ),
+    _nv(
+        "A100-SXM4-40GB",
+        "8.0",
+        sms=108,
+        l2=40 * MIB,
+        bw=1555,
+        fp32=19.5,
+        fp16=312.0,
+        mem=40,
+        aliases=("A100",),
+    ),
+    _nv(
+        "A100-PCIE-40GB",
+        "8.0",
+        sms=108,
+        l2=40 * MIB,
+        bw=1555,
+        fp32=19.5,
+        fp16=312.0,
+        mem=40,
+        aliases=("A100",),
+    ),
+    _nv(
+        "A100-PCIE-80GB",
+        "8.0",
+        sms=108,
+        l2=40 * MIB,
+        bw=1935,
+        fp32=19.5,
+        fp16=312.0,
+        mem=80,
+        aliases=("A100",),
+    ),
+    # Hopper, GH100: 50 MB L2. SXM5 132 SMs; PCIe 114 SMs (HBM2e); NVL 132 SMs at a lower clock.
+    _nv(
+        "H100-SXM5-80GB",
+        "9.0",
+        sms=132,
+        l2=50 * MIB,
+        bw=3350,
+        fp32=66.9,
+        fp16=989.4,
+        mem=80,
+        aliases=("H100",),
+    ),
+    _nv(
+        "H100-PCIE-80GB",
+        "9.0",
+        sms=114,
+        l2=50 * MIB,
+        bw=2000,
+        fp32=51.2,
+        fp16=756.5,
+        mem=80,
+        aliases=("H100",),
+    ),
+    _nv(
+        "H100-NVL-94GB",
+        "9.0",
+        sms=132,
+        l2=50 * MIB,
+        bw=3900,
+        fp32=60.0,
+        fp16=835.5,
+        mem=94,
+        aliases=("H100",),
+    ),
+    # H200: the GH100 of the H100 SXM with 141 GB HBM3e.
+    _nv(
+        "H200-SXM-141GB",
+        "9.0",
+        sms=132,
+        l2=50 * MIB,
+        bw=4800,
+        fp32=66.9,
+        fp16=989.4,
+        mem=141,
+        aliases=("H200",),
+    ),
+    _nv(
+        "H200-NVL-141GB",
+        "9.0",
+        sms=132,
+        l2=50 * MIB,
+        bw=4800,
+        fp32=60.0,
+        fp16=835.5,
+        mem=141,
+        aliases=("H200",),
+    ),
+    # Blackwell B200 (HGX, 1000 W): 148 SMs, 180 GB usable HBM3e at 8 TB/s, FP16 tensor 2.25 PFLOPS dense.
+    # NVIDIA publishes no L2 figure; 126 MB is what the CUDA runtime reports for the two dies together.
+    _nv("B200", "10.0", sms=148, l2=126 * MIB, bw=8000, fp32=80.0, fp16=2250.0, mem=180),
+    # Ada, AD102/AD104.
+    _nv("L40S", "8.9", sms=142, l2=96 * MIB, bw=864, fp32=91.6, fp16=362.05, mem=48),
+    _nv("L4", "8.9", sms=58, l2=48 * MIB, bw=300, fp32=30.3, fp16=121.0, mem=24),
+    _nv("RTX 4090", "8.9", sms=128, l2=72 * MIB, bw=1008, fp32=82.6, fp16=165.2, mem=24),
+    # Blackwell GB202 (CC 12.0). RTX PRO 6000 Workstation: 188 SMs at 2617 MHz (fp16 = 188 x 1024 x 2.617).
+    _nv("RTX 5090", "12.0", sms=170, l2=96 * MIB, bw=1792, fp32=104.8, fp16=209.5, mem=32),
+    _nv(
+        "RTX PRO 6000 Blackwell",
+        "12.0",
+        sms=188,
+        l2=128 * MIB,
+        bw=1792,
+        fp32=125.0,
+        fp16=503.8,
+        mem=96,
+        aliases=("RTX PRO 6000", "RTX PRO 6000 Blackwell Workstation Edition"),
+    ),
+    # Ampere GA10x (CC 8.6).
+    _nv("A10", "8.6", sms=72, l2=6 * MIB, bw=600, fp32=31.2, fp16=125.0, mem=24),
+    _nv("RTX A6000", "8.6", sms=84, l2=6 * MIB, bw=768, fp32=38.7, fp16=154.8, mem=48),
+    _nv("RTX A4000", "8.6", sms=48, l2=4 * MIB, bw=448, fp32=19.2, fp16=76.7, mem=16),
+    _nv("RTX 3090", "8.6", sms=82, l2=6 * MIB, bw=936, fp32=35.6, fp16=71.2, mem=24),
+    # Max-TGP laptop part (1703 MHz boost); lower-power laptops run slower.
+    _nv(
+        "RTX 3060 Laptop",
+        "8.6",
+        sms=30,
+        l2=3 * MIB,
+        bw=336,
+        fp32=13.1,
+        fp16=26.2,
+        mem=6,
+        aliases=("RTX 3060 Mobile",),
+    ),
+    # Turing (CC 7.5). 2080 Ti at the reference 1545 MHz boost.
+    _nv("T4", "7.5", sms=40, l2=4 * MIB, bw=320, fp32=8.1, fp16=65.0, mem=16),
+    _nv("RTX 2080 Ti", "7.5", sms=68, l2=5632 * KIB, bw=616, fp32=13.4, fp16=53.8, mem=11),
+    _nv(
+        "TITAN RTX", "7.5", sms=72, l2=6 * MIB, bw=672, fp32=16.3, fp16=130.5, mem=24, aliases=("RTX Titan",)
+    ),
+    # AMD CDNA. MI250X: one of its two GCDs (HIP sees each as a device); the package is 220 CUs, 128 GB,
+    # 3.2 TB/s, 47.9 TFLOPS FP32, 383 TFLOPS FP16 matrix.
+    _amd("MI250X", "gfx90a", cus=110, l2=8 * MIB, bw=1638.4, fp32=23.95, fp16=191.5, mem=64),
+    # MI300X: 304 CUs, 4 MB L2 per XCD (8 XCDs) in front of 256 MB Infinity Cache.
+    _amd("MI300X", "gfx942", cus=304, l2=32 * MIB, bw=5300, fp32=81.7, fp16=1307.4, mem=192),
+    # MI50 (Vega 20, 16 GB): no matrix units; fp16 is packed vector FP16.
+    _amd("MI50", "gfx906", cus=60, l2=4 * MIB, bw=1024, fp32=13.3, fp16=26.5, mem=16),
+    # RDNA workstation cards (Infinity Cache 32 MB / 64 MB behind the L2).
+    _amd(
+        "Radeon PRO W6600",
+        "gfx1032",
+        cus=28,
+        l2=2 * MIB,
+        bw=224,
+        fp32=10.4,
+        fp16=20.8,
+        mem=8,
+        aliases=("W6600",),
+    ),
+    _amd(
+        "Radeon PRO W7800",
+        "gfx1100",
+        cus=70,
+        l2=6 * MIB,
+        bw=576,
+        fp32=45.2,
+        fp16=90.5,
+        mem=32,
+        aliases=("W7800",),
+    ),
+]
 
 
 def all_specs() -> list[GpuSpec]:
     return list(_SPECS)
 
 
+# ---------------------------------------------------------------- matching
+
+# Vendor and brand words that never distinguish one GPU from another.
+_NOISE = frozenset(
+    {
+        "nvidia",
+        "amd",
+        "geforce",
+        "radeon",
+        "instinct",
+        "tesla",
+        "quadro",
+        "gpu",
+        "graphics",
+        "accelerator",
+        "workstation",
+        "edition",
+        "card",
+        "hbm",
+        "hbm2",
+        "hbm2e",
+        "hbm3",
+        "hbm3e",
+        "gddr6",
+        "gddr6x",
+        "gddr7",
+    }
+)
+_MEM = re.compile(r"(\d+)\s*gi?b\b")
+_FORM = re.compile(r"^(.*?)(sxm\d?|pcie|nvl|hgx|dgx)$")
+_SEP = re.compile(r"[\s\-_/,.()\[\]:+]+")
+
+
+@dataclass(frozen=True)
+class _Query:
+    model: str  # tokens joined without separators: "rtx4090", "a100", "rtx3060laptop"
+    form: str | None  # "sxm", "pcie", "nvl"
+    mem_gb: int | None
+
+
+def _parse(name: str) -> _Query:
+    text = name.lower().replace("laptop gpu", "laptop")
+    mem: int | None = None
+    found = _MEM.search(text)
+    if found:
+        mem = int(found.group(1))
+        text = text[: found.start()] + " " + text[found.end() :]
+    form: str | None = None
+    words: list[str] = []
+    for token in _SEP.split(text):
+        if not token or token in _NOISE:
+            continue
+        split = _FORM.match(token)
+        if split:
+            kind = split.group(2)
+            form = "sxm" if kind.startswith(("sxm", "hgx", "dgx")) else kind
+            if split.group(1):
+                words.append(split.group(1))
+            continue
+        words.append("laptop" if token == "mobile" else token)
+    return _Query("".join(words), form, mem)
+
+
+@dataclass(frozen=True)
+class _Row:
+    spec: GpuSpec
+    models: frozenset[str]
+    form: str | None
+    mem_gb: int
+
+
+def _model_keys(name: str) -> set[str]:
+    model = _parse(name).model
+    keys = {model}
+    # "4090" and "a6000" name their cards unambiguously; "titan" alone does not.
+    if model.startswith("rtx") and any(c.isdigit() for c in model[3:]):
+        keys.add(model[3:])
+    if model.startswith("pro") and any(c.isdigit() for c in model[3:]):
+        keys.add(model[3:])
+    return keys
+
+
+@lru_cache(maxsize=1)
+def _rows() -> tuple[_Row, ...]:
+    rows = []
+    for spec in _SPECS:
+        parsed = _parse(spec.name)
+        models = _model_keys(spec.name)
+        for alias in spec.aliases:
+            models |= _model_keys(alias)
+        mem = parsed.mem_gb if parsed.mem_gb is not None else round(spec.mem_gib)
+        rows.append(_Row(spec, frozenset(models), parsed.form, mem))
+    return tuple(rows)
+
+
+def _match(query: _Query) -> GpuSpec | None:
+    if not query.model:
+        return None
+    for row in _rows():
+        if query.model not in row.models:
+            continue
+        # A stated form factor or memory size must agree; an unstated one takes the family default.
+        # Rows without a form factor come in one form only, so any stated form is accepted.
+        if query.form is not None and row.form is not None and query.form != row.form:
+            continue
+        if query.mem_gb is not None and query.mem_gb != row.mem_gb:
+            continue
+        return row.spec
+    return None
+
+
+@lru_cache(maxsize=512)
 def lookup(name: str) -> GpuSpec | None:
-    raise NotImplementedError
+    """The spec for a GPU name as a person, nvidia-smi or rocm-smi would write it; None when unknown."""
+    if not name or len(name) > 200:
+        return None
+    spec = _match(_parse(name))
+    if spec is None and "/" in name:
+        # Driver names such as "AMD Instinct MI50/MI60" list siblings: the first one that matches wins.
+        for part in name.split("/"):
+            spec = _match(_parse(part))
+            if spec is not None:
+                break
+    return spec
+
+
+def canonical_name(name: str) -> str:
+    """The table's name for a known GPU, else the input stripped."""
+    spec = lookup(name)
+    return spec.name if spec is not None else name.strip()
+
+
+def suggest(name: str, limit: int = 5) -> list[str]:
+    """Known GPU names close to `name`, for "did you mean" messages (same family first)."""
+    import difflib  # only error paths need it; keep it off the start-up path
+
+    query = _parse(name)
+    out: list[str] = []
+    if query.model:
+        out += [row.spec.name for row in _rows() if query.model in row.models]
+    by_key: dict[str, str] = {}
+    for row in _rows():
+        for key in row.models:
+            by_key.setdefault(key, row.spec.name)
+        by_key.setdefault(row.spec.name.lower(), row.spec.name)
+    probe = query.model or name.lower().strip()
+    for key in difflib.get_close_matches(probe, list(by_key), n=limit * 2, cutoff=0.6):
+        out.append(by_key[key])
+    unique = list(dict.fromkeys(out))
+    return unique[:limit]

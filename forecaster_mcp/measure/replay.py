@@ -1,0 +1,736 @@
+"""Replay of recorded measurements from Kernel Tuner cache files (`.json` or `.json.gz`).
+
+A "measurement" is a lookup: the kernel's `entry` must equal the recording's `kernel_name` and its `defines`
+must be exactly the recorded tuning parameters (values compared forgivingly: 16 == 16.0 == "16"). Anything
+else is refused with `NotMeasurable`, naming what the recording does hold, as Kernel Tuner's simulation mode
+refuses a configuration it has not seen.
+
+Start-up is cheap: construction reads only each file's header (the keys before `"cache"`, which Kernel Tuner
+writes first). The entries are parsed on first use: in a worker thread by `measure`, in place by
+`reservation_seconds` (a sync call that must know the exact cost; 0.1-0.4 s once per file), or all at once
+off the event loop by `await preload()`, which a server should call at start-up.
+
+Cost, the GPU-seconds a replayed measurement charges: the recorded device time, i.e. the sum of the
+recorded kernel runs plus the recorded verification time (both in ms in the file). Compile time is reported
+as `compile_seconds` and never charged; a configuration that failed to compile or launch occupied no GPU time
+worth charging, so it charges 0. The request's caps apply as they would on a GPU: only the recorded runs that
+fit in `max_runs` and `max_seconds` are used, and a single run longer than `max_seconds` is a `timeout` that
+charges the cap.
+"""
+
+from __future__ import annotations
+
+import codecs
+import gzip
+import hashlib
+import json
+import logging
+import math
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import IO, Any, Literal, cast
+
+from forecaster_mcp.errors import NotMeasurable, OperatorError
+from forecaster_mcp.hardware.specs import canonical_name, lookup
+from forecaster_mcp.measure.base import MeasureRequest, ProgressCallback
+from forecaster_mcp.models import (
+    Correctness,
+    DeviceProvenance,
+    Kernel,
+    MeasureCost,
+    MeasureResult,
+    RuntimeStats,
+)
+
+log = logging.getLogger(__name__)
+
+ReplayStatus = Literal["ok", "compile_error", "launch_error"]
+_FAILURES: dict[str, ReplayStatus] = {
+    "CompilationFailedConfig": "compile_error",
+    "RuntimeFailedConfig": "launch_error",
+}
+_MIN_RESERVATION_SECONDS = 0.001  # the ledger refuses a zero hold
+
+
+# ---------------------------------------------------------------- statistics
+
+
+def _percentile(ordered: Sequence[float], q: float) -> float:
+    """Linear interpolation between order statistics (numpy's default method)."""
+    pos = q * (len(ordered) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+@lru_cache(maxsize=512)
+def median_ci_ranks(n: int, confidence: float = 0.95) -> tuple[int, int]:
+    """0-based order-statistic indices (lo, hi) bracketing the median with at least `confidence`.
+
+    Distribution-free: the number of samples below the median is Binomial(n, 1/2). With too few samples for
+    the asked confidence (n < 6 at 95%) the interval is the full range.
+    """
+    if n <= 1:
+        return (0, max(n - 1, 0))
+    tail = (1.0 - confidence) / 2.0
+    if n > 2000:
+        # Normal approximation; the exact sum below needs huge integers for no visible gain.
+        j = math.floor(n / 2 - 1.959964 * math.sqrt(n) / 2)
+        return (max(j - 1, 0), min(n - j, n - 1)) if j >= 1 else (0, n - 1)
+    total = 2**n
+    below = 0
+    j = 0  # largest 1-based rank j with P(B <= j - 1) <= tail
+    for k in range(n + 1):
+        below += math.comb(n, k)
+        if below / total > tail:
+            break
+        j = k + 1
+    if j == 0:
+        return (0, n - 1)
+    return (j - 1, n - j)
+
+
+def runtime_stats(times_ms: Sequence[float]) -> RuntimeStats:
+    """Summary of repeated runtimes (ms): std is the sample standard deviation (ddof=1)."""
+    if not times_ms:
+        raise ValueError("runtime_stats needs at least one time")
+    ordered = sorted(float(t) for t in times_ms)
+    n = len(ordered)
+    mean = math.fsum(ordered) / n
+    std = math.sqrt(math.fsum((t - mean) ** 2 for t in ordered) / (n - 1)) if n > 1 else 0.0
+    median = _percentile(ordered, 0.5)
+    lo, hi = median_ci_ranks(n)
+    ci_low, ci_high = ordered[lo], ordered[hi]
+    noise = (ci_high - ci_low) / 2.0 / median if median > 0 else 0.0
+    return RuntimeStats(
+        median=median,
+        mean=mean,
+        min=ordered[0],
+        p10=_percentile(ordered, 0.1),
+        p90=_percentile(ordered, 0.9),
+        std=std,
+        ci95_low=ci_low,
+        ci95_high=ci_high,
+        runs=n,
+        relative_noise=noise,
+    )
+
+
+# ---------------------------------------------------------------- value matching
+
+
+def normalize_value(value: Any) -> int | float | str:
+    """Tuning-parameter values compared forgivingly: 16 == 16.0 == "16", True == 1, " 0.5" == 0.5."""
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else value
+    text = str(value).strip()
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        number = float(text)
+    except ValueError:
+        return text
+    if math.isfinite(number) and number.is_integer():
+        return int(number)
+    return number
+
+
+def _fmt(value: Any) -> str:
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def _fmt_values(values: Sequence[Any], limit: int = 24) -> str:
+    shown = ", ".join(_fmt(v) for v in values[:limit])
+    return shown + (f", ... ({len(values)} values)" if len(values) > limit else "")
+
+
+# ---------------------------------------------------------------- the recording format
+
+
+@dataclass(slots=True)
+class ReplayEntry:
+    """One recorded configuration."""
+
+    params: dict[str, Any]
+    time_ms: float | None  # the recorded mean; None for a failed configuration
+    status: ReplayStatus
+    times: list[float]  # every recorded run (ms); empty for a failed configuration
+    message: str | None = None  # the recorded failure string
+    compile_time_ms: float | None = None
+    verification_time_ms: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+@dataclass(frozen=True)
+class ReplayHeader:
+    """What a recording holds, read without parsing its entries."""
+
+    path: Path
+    device: str  # canonical name
+    recorded_device_name: str  # as written in the file ("" in the MI250X files)
+    kernel_name: str
+    problem_size: Any
+    param_keys: tuple[str, ...]
+    tune_params: Mapping[str, list[Any]]
+
+
+@dataclass
+class ReplaySpace:
+    """A whole recorded search space: one kernel on one device."""
+
+    path: Path
+    device: str
+    recorded_device_name: str
+    kernel_name: str
+    problem_size: Any
+    param_keys: list[str]
+    tune_params: dict[str, list[Any]]
+    entries: list[ReplayEntry]
+    best_time_ms: float | None  # fastest valid configuration's recorded time
+    _index: dict[tuple[Any, ...], ReplayEntry] | None = field(default=None, repr=False, compare=False)
+
+    def key(self, params: Mapping[str, Any]) -> tuple[Any, ...] | None:
+        """The normalized lookup key of a parameter mapping; None unless it names exactly `param_keys`."""
+        if set(params) != set(self.param_keys):
+            return None
+        return tuple(normalize_value(params[k]) for k in self.param_keys)
+
+    def find(self, params: Mapping[str, Any]) -> ReplayEntry | None:
+        """The recorded entry for exactly these tuning parameters, or None."""
+        key = self.key(params)
+        return None if key is None else self.index().get(key)
+
+    def index(self) -> dict[tuple[Any, ...], ReplayEntry]:
+        """Entries by normalized parameter tuple (in `param_keys` order), built once."""
+        if self._index is None:
+            self._index = {
+                tuple(normalize_value(e.params.get(k)) for k in self.param_keys): e for e in self.entries
+            }
+        return self._index
+
+    def valid_entries(self) -> list[ReplayEntry]:
+        return [e for e in self.entries if e.ok]
+
+
+def _open_binary(path: Path) -> IO[bytes]:
+    if path.name.endswith(".gz"):
+        return cast(IO[bytes], gzip.open(path, "rb"))
+    return path.open("rb")
+
+
+def _skip_ws(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in " \t\r\n":
+        pos += 1
+    return pos
+
+
+def _scan_header(text: str, decoder: json.JSONDecoder) -> tuple[dict[str, Any], bool] | None:
+    """Top-level keys before "cache" -> (header, reached_cache); None when `text` is too short to tell."""
+    pos = _skip_ws(text, 0)
+    if pos >= len(text):
+        return None
+    if text[pos] != "{":
+        raise ValueError("the file is not a JSON object")
+    pos += 1
+    header: dict[str, Any] = {}
+    while True:
+        pos = _skip_ws(text, pos)
+        if pos >= len(text):
+            return None
+        if text[pos] == "}":
+            return header, False
+        try:
+            key, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return None
+        pos = _skip_ws(text, pos)
+        if pos >= len(text):
+            return None
+        if text[pos] != ":" or not isinstance(key, str):
+            raise ValueError("the file is not a JSON object")
+        pos = _skip_ws(text, pos + 1)
+        if pos >= len(text):
+            return None
+        if key == "cache":
+            return header, True
+        try:
+            value, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return None
+        # A number that ends the buffer may continue in the next chunk.
+        pos = _skip_ws(text, pos)
+        if pos >= len(text):
+            return None
+        header[key] = value
+        if text[pos] == ",":
+            pos += 1
+        elif text[pos] == "}":
+            return header, False
+        else:
+            raise ValueError("the file is not a JSON object")
+
+
+def _read_header_fields(path: Path, max_chars: int = 8 * 2**20) -> dict[str, Any] | None:
+    """The keys before "cache", streamed; None when "cache" does not come last (parse the whole file)."""
+    decoder = json.JSONDecoder()
+    utf8 = codecs.getincrementaldecoder("utf-8")()
+    text = ""
+    with _open_binary(path) as f:
+        while True:
+            chunk = f.read(16384)
+            text += utf8.decode(chunk, final=not chunk)
+            scanned = _scan_header(text, decoder)
+            if scanned is not None:
+                header, reached_cache = scanned
+                if reached_cache and "kernel_name" in header and "tune_params_keys" in header:
+                    return header
+                return None
+            if not chunk:
+                raise ValueError("the file ends before its first key/value pairs are complete")
+            if len(text) > max_chars:
+                return None
+
+
+def _load_json(path: Path) -> dict[str, Any]:
+    with _open_binary(path) as f:
+        raw = f.read()
+    try:
+        doc = json.loads(raw)
+    except json.JSONDecodeError:
+        # Kernel Tuner leaves a cache file open-ended while tuning and closes it this way when reading it.
+        text = raw.decode("utf-8").rstrip().rstrip(",")
+        doc = json.loads(text + "}}")
+    if not isinstance(doc, dict):
+        raise ValueError("the file is not a JSON object")
+    return doc
+
+
+def _device_of(header: Mapping[str, Any], path: Path) -> tuple[str, str]:
+    recorded = str(header.get("device_name") or "").strip()
+    if recorded:
+        return canonical_name(recorded), recorded
+    # The MI250X recordings leave device_name empty: the file is named after the device.
+    stem = path.name.removesuffix(".gz").removesuffix(".json")
+    return canonical_name(stem), ""
+
+
+def _make_header(path: Path, fields: Mapping[str, Any]) -> ReplayHeader:
+    keys = fields.get("tune_params_keys")
+    kernel = fields.get("kernel_name")
+    if not isinstance(keys, list) or not isinstance(kernel, str) or not kernel:
+        raise ValueError("it has no kernel_name / tune_params_keys: not a Kernel Tuner cache file")
+    tune = fields.get("tune_params")
+    tune_params = {str(k): list(v) for k, v in tune.items()} if isinstance(tune, dict) else {}
+    device, recorded = _device_of(fields, path)
+    return ReplayHeader(
+        path=path,
+        device=device,
+        recorded_device_name=recorded,
+        kernel_name=kernel,
+        problem_size=fields.get("problem_size"),
+        param_keys=tuple(str(k) for k in keys),
+        tune_params=tune_params,
+    )
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def _times(raw: Any) -> list[float]:
+    if not isinstance(raw, list):
+        return []
+    try:
+        # Fast path for the usual all-numeric list: fsum runs in C and rejects strings and None.
+        if math.isfinite(math.fsum(raw)) and not any(isinstance(t, bool) for t in raw):
+            return raw
+    except TypeError:
+        pass
+    return [float(t) for t in raw if _number(t) is not None]
+
+
+def _entry(key: str, rec: Mapping[str, Any], param_keys: Sequence[str]) -> ReplayEntry:
+    if all(k in rec for k in param_keys):
+        params = {k: rec[k] for k in param_keys}
+    else:
+        params = dict(zip(param_keys, key.split(","), strict=False))
+    compile_ms = _number(rec.get("compile_time"))
+    verify_ms = _number(rec.get("verification_time"))
+    time = rec.get("time")
+    number = _number(time)
+    if number is not None:
+        return ReplayEntry(
+            params, number, "ok", _times(rec.get("times")) or [number], None, compile_ms, verify_ms
+        )
+    if isinstance(time, str):
+        return ReplayEntry(params, None, _FAILURES.get(time, "launch_error"), [], time, compile_ms, verify_ms)
+    return ReplayEntry(
+        params, None, "launch_error", [], f"no usable time recorded ({time!r})", compile_ms, verify_ms
+    )
+
+
+def _space_from(path: Path, doc: Mapping[str, Any]) -> ReplaySpace:
+    header = _make_header(path, doc)
+    cache = doc.get("cache")
+    if not isinstance(cache, dict):
+        raise ValueError("it has no 'cache' object: not a Kernel Tuner cache file")
+    keys = list(header.param_keys)
+    entries = [_entry(str(k), rec, keys) for k, rec in cache.items() if isinstance(rec, dict)]
+    tune_params = dict(header.tune_params)
+    if not tune_params:
+        for k in keys:
+            tune_params[k] = list(dict.fromkeys(e.params.get(k) for e in entries))
+    valid = [e.time_ms for e in entries if e.time_ms is not None]
+    return ReplaySpace(
+        path=path,
+        device=header.device,
+        recorded_device_name=header.recorded_device_name,
+        kernel_name=header.kernel_name,
+        problem_size=header.problem_size,
+        param_keys=keys,
+        tune_params=tune_params,
+        entries=entries,
+        best_time_ms=min(valid) if valid else None,
+    )
+
+
+def load_space(path: Path | str) -> ReplaySpace:
+    """Parse one Kernel Tuner cache file completely. ValueError when it is not one."""
+    path = Path(path)
+    try:
+        return _space_from(path, _load_json(path))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError, EOFError) as exc:
+        raise ValueError(f"cannot read replay recording {path}: {exc}") from exc
+
+
+def read_header(path: Path | str) -> ReplayHeader:
+    """The header of one cache file, streaming only its first bytes when "cache" comes last (Kernel Tuner's
+    layout); otherwise by parsing the file. ValueError when it is not a cache file."""
+    path = Path(path)
+    try:
+        fields = _read_header_fields(path)
+        if fields is None:
+            fields = _load_json(path)
+        return _make_header(path, fields)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError, EOFError) as exc:
+        raise ValueError(f"cannot read replay recording {path}: {exc}") from exc
+
+
+# ---------------------------------------------------------------- the measurer
+
+
+@dataclass
+class _Recording:
+    header: ReplayHeader
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    space: ReplaySpace | None = None
+    digest: str | None = None
+
+    def load(self) -> ReplaySpace:
+        # Concurrent first uses parse once: the others wait here, in their own worker threads.
+        with self.lock:
+            if self.space is None:
+                space = load_space(self.header.path)
+                space.index()  # built here, off the event loop
+                self.space = space
+            return self.space
+
+    def file_digest(self) -> str:
+        if self.digest is None:
+            h = hashlib.sha256()
+            with self.header.path.open("rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
+            self.digest = h.hexdigest()
+        return self.digest
+
+
+def _expand(paths: Sequence[Path | str]) -> Iterator[tuple[Path, bool]]:
+    """(file, named explicitly) for each path; folders yield their cache files, sorted."""
+    for raw in paths:
+        path = Path(raw).expanduser()
+        if path.is_dir():
+            found = [p for p in path.rglob("*") if p.is_file() and p.name.endswith((".json", ".json.gz"))]
+            for p in sorted(found):
+                yield p, False
+        elif path.is_file():
+            yield path, True
+        else:
+            raise OperatorError(f"replay recording not found: {path}")
+
+
+class ReplayMeasurer:
+    """Answers measurements from recorded Kernel Tuner search spaces (`--replay PATH`, file or folder)."""
+
+    name = "replay"
+
+    def __init__(self, paths: Sequence[Path | str]) -> None:
+        recordings: dict[tuple[str, str, frozenset[str]], _Recording] = {}
+        for path, explicit in _expand(paths):
+            try:
+                header = read_header(path)
+            except ValueError as exc:
+                if explicit:
+                    raise OperatorError(f"{exc}; pass a Kernel Tuner cache file (.json or .json.gz)") from exc
+                log.warning("skipping %s", exc)
+                continue
+            key = (header.device, header.kernel_name, frozenset(header.param_keys))
+            if key in recordings:
+                log.warning(
+                    "replay: %s replaces %s for %s on %s (same tuning parameters; the later file wins)",
+                    path,
+                    recordings[key].header.path,
+                    header.kernel_name,
+                    header.device,
+                )
+                del recordings[key]
+            recordings[key] = _Recording(header)
+        if not recordings:
+            raise OperatorError(f"no Kernel Tuner cache files found in {', '.join(str(p) for p in paths)}")
+        self._recordings = list(recordings.values())
+
+    # ---- listing (cheap: headers only)
+
+    def devices(self) -> list[str]:
+        return list(dict.fromkeys(r.header.device for r in self._recordings))
+
+    def headers(self) -> list[ReplayHeader]:
+        return [r.header for r in self._recordings]
+
+    def kernels(self, device: str) -> list[str]:
+        resolved = self._device_or_none(device)
+        return list(
+            dict.fromkeys(r.header.kernel_name for r in self._recordings if r.header.device == resolved)
+        )
+
+    def spaces(self) -> list[ReplaySpace]:
+        """Every recorded space, fully parsed (blocking; about 0.1-0.3 s per large file on first call)."""
+        return [r.load() for r in self._recordings]
+
+    async def preload(self) -> None:
+        """Parse every recording in a worker thread, so no later call waits for a parse."""
+        import anyio.to_thread
+
+        for r in self._recordings:
+            await anyio.to_thread.run_sync(r.load)
+
+    # ---- resolution and refusals
+
+    def _device_or_none(self, device: str) -> str | None:
+        known = self.devices()
+        if device in known:
+            return device
+        canonical = canonical_name(device)
+        if canonical in known:
+            return canonical
+        folded = device.strip().lower()
+        for d in known:
+            if d.lower() == folded:
+                return d
+        return None
+
+    def _device(self, device: str) -> str:
+        resolved = self._device_or_none(device)
+        if resolved is None:
+            raise NotMeasurable(
+                f"no replay recording for device {device!r}. Recorded devices: {', '.join(self.devices())}. "
+                "Measure on one of these, or ask compare_kernels for a forecast (free) instead."
+            )
+        return resolved
+
+    def _recording(self, device: str, kernel: Kernel) -> _Recording:
+        mine = [r for r in self._recordings if r.header.device == device]
+        same_kernel = [r for r in mine if r.header.kernel_name == kernel.entry]
+        if not same_kernel:
+            names = ", ".join(dict.fromkeys(r.header.kernel_name for r in mine))
+            raise NotMeasurable(
+                f"kernel entry {kernel.entry!r} is not recorded on {device}. Recorded kernels on {device}: "
+                f"{names}. Replay matches kernel.entry to the recording's kernel_name; other kernels can "
+                "only be forecast here."
+            )
+        given = set(kernel.defines)
+        for r in same_kernel:
+            if set(r.header.param_keys) == given:
+                return r
+        raise NotMeasurable(self._keys_message(device, kernel, same_kernel))
+
+    @staticmethod
+    def _keys_message(device: str, kernel: Kernel, candidates: Sequence[_Recording]) -> str:
+        given = set(kernel.defines)
+        best = min(candidates, key=lambda r: len(given ^ set(r.header.param_keys)))
+        expected = list(best.header.param_keys)
+        missing = [k for k in expected if k not in given]
+        extra = sorted(given - set(expected))
+        parts = [
+            f"{kernel.entry} on {device} is recorded with defines = exactly its tuning parameters "
+            f"{', '.join(expected)}."
+        ]
+        if missing:
+            parts.append(f"Missing: {', '.join(missing)}.")
+        if extra:
+            parts.append(f"Not tuning parameters of this recording (remove them): {', '.join(extra)}.")
+        if len(candidates) > 1:
+            others = "; ".join(", ".join(r.header.param_keys) for r in candidates if r is not best)
+            parts.append(f"Other recordings of this kernel on {device} take: {others}.")
+        allowed = "; ".join(
+            f"{k}: {_fmt_values(best.header.tune_params[k])}"
+            for k in expected
+            if k in best.header.tune_params
+        )
+        if allowed:
+            parts.append(f"Allowed values: {allowed}.")
+        return " ".join(parts)
+
+    @staticmethod
+    def _values_message(device: str, kernel: Kernel, space: ReplaySpace) -> str:
+        bad = []
+        for k in space.param_keys:
+            allowed = {normalize_value(v) for v in space.tune_params.get(k, [])}
+            if allowed and normalize_value(kernel.defines[k]) not in allowed:
+                bad.append(f"{k}={_fmt(kernel.defines[k])} (allowed: {_fmt_values(space.tune_params[k])})")
+        if bad:
+            return (
+                f"{kernel.entry} on {device}: these values are not in the recorded space: {'; '.join(bad)}. "
+                "Pick recorded values, or ask compare_kernels for a forecast (free) instead."
+            )
+        wanted = space.key(kernel.defines) or ()
+        nearest = min(
+            space.entries,
+            key=lambda e: (
+                sum(
+                    normalize_value(e.params.get(k)) != w
+                    for k, w in zip(space.param_keys, wanted, strict=True)
+                ),
+                not e.ok,
+            ),
+            default=None,
+        )
+        hint = ""
+        if nearest is not None:
+            hint = (
+                " The closest recorded configuration is "
+                + ", ".join(f"{k}={_fmt(nearest.params.get(k))}" for k in space.param_keys)
+                + "."
+            )
+        return (
+            f"{kernel.entry} on {device}: every value is in the space, but this combination was not recorded "
+            f"(the tuner's restrictions excluded it).{hint}"
+        )
+
+    # ---- the Measurer protocol
+
+    def device_fingerprint(self, device: str) -> str:
+        resolved = self._device(device)
+        digests = sorted(r.file_digest() for r in self._recordings if r.header.device == resolved)
+        combined = hashlib.sha256("\n".join(digests).encode()).hexdigest()[:16]
+        return f"replay:{resolved}:{combined}"
+
+    def reservation_seconds(self, request: MeasureRequest) -> float:
+        """The exact charge of the recorded entry (parsing its file here on first use, so the hold is never
+        short), or a small hold when the recording will refuse the request (a refusal charges nothing)."""
+        fallback = max(min(request.max_seconds, 1.0), _MIN_RESERVATION_SECONDS)
+        try:
+            device = self._device(request.device)
+            rec = self._recording(device, request.kernel)
+        except NotMeasurable:
+            return fallback
+        entry = rec.load().find(request.kernel.defines)
+        if entry is None:
+            return fallback
+        return max(_charge(entry, request).gpu_seconds, _MIN_RESERVATION_SECONDS)
+
+    async def measure(
+        self, request: MeasureRequest, progress: ProgressCallback | None = None
+    ) -> MeasureResult:
+        device = self._device(request.device)
+        rec = self._recording(device, request.kernel)
+        space = rec.space
+        if space is None:
+            import anyio.to_thread
+
+            if progress is not None:
+                await progress(0.0, 1.0, f"loading recording {rec.header.path.name}")
+            space = await anyio.to_thread.run_sync(rec.load)
+        entry = space.find(request.kernel.defines)
+        if entry is None:
+            raise NotMeasurable(self._values_message(device, request.kernel, space))
+        result = _result(request, device, space, entry)
+        if progress is not None:
+            await progress(1.0, 1.0, f"replayed from {rec.header.path.name}")
+        return result
+
+
+@dataclass(frozen=True)
+class _Charge:
+    status: Literal["ok", "compile_error", "launch_error", "timeout"]
+    times: list[float]
+    gpu_seconds: float
+    flags: tuple[str, ...]
+    message: str | None
+
+
+def _charge(entry: ReplayEntry, request: MeasureRequest) -> _Charge:
+    """What replaying `entry` under the request's caps uses and charges."""
+    if not entry.ok:
+        return _Charge(entry.status, [], 0.0, (), entry.message)
+    cap_ms = request.max_seconds * 1000.0
+    spent = entry.verification_time_ms or 0.0
+    used: list[float] = []
+    flags: list[str] = []
+    for i, t in enumerate(entry.times):
+        if i >= max(request.max_runs, 1):
+            flags.append("runs_capped_by_max_runs")
+            break
+        if spent + t > cap_ms:
+            if not used:
+                return _Charge(
+                    "timeout",
+                    [],
+                    request.max_seconds,
+                    (),
+                    f"a recorded run takes {t:.3f} ms (plus {spent:.1f} ms verification), "
+                    f"over max_seconds={request.max_seconds:g}",
+                )
+            flags.append("runs_capped_by_max_seconds")
+            break
+        used.append(t)
+        spent += t
+    return _Charge("ok", used, spent / 1000.0, tuple(flags), None)
+
+
+def _result(request: MeasureRequest, device: str, space: ReplaySpace, entry: ReplayEntry) -> MeasureResult:
+    charge = _charge(entry, request)
+    spec = lookup(device)
+    compile_seconds = (entry.compile_time_ms or 0.0) / 1000.0
+    detail = "replay of a recording: outputs were not re-checked"
+    if request.reference is not None:
+        detail += " (a reference kernel cannot be run against a recording)"
+    return MeasureResult(
+        kernel_id=request.kernel.id or "k0",
+        status=charge.status,
+        message=charge.message,
+        runtime_ms=runtime_stats(charge.times) if charge.times else None,
+        correctness=Correctness(checked=False, detail=detail),
+        device=DeviceProvenance(
+            name=device,
+            backend="replay",
+            compute_capability=spec.compute_capability if spec is not None else None,
+            recording=str(space.path),
+        ),
+        cost=MeasureCost(gpu_seconds=charge.gpu_seconds, compile_seconds=compile_seconds),
+        flags=list(charge.flags),
+    )

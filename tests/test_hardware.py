@@ -1,0 +1,270 @@
+"""GPU spec table, forgiving name matching, occupancy and waves."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from forecaster_mcp.hardware.occupancy import (
+    active_blocks_per_sm,
+    occupancy_limits,
+    theoretical_occupancy,
+    waves,
+)
+from forecaster_mcp.hardware.specs import GpuSpec, all_specs, canonical_name, lookup, suggest
+
+
+def spec(name: str) -> GpuSpec:
+    found = lookup(name)
+    assert found is not None, name
+    return found
+
+
+# ---------------------------------------------------------------- name matching
+
+
+@pytest.mark.parametrize(
+    ("query", "expected"),
+    [
+        ("A100", "A100-SXM4-80GB"),
+        ("a100 80gb", "A100-SXM4-80GB"),
+        ("A100-80GB", "A100-SXM4-80GB"),
+        ("a100 40gb", "A100-SXM4-40GB"),
+        ("NVIDIA A100-PCIE-40GB", "A100-PCIE-40GB"),
+        ("nvidia a100 pcie 40 GB", "A100-PCIE-40GB"),
+        ("a100 pcie", "A100-PCIE-40GB"),
+        ("NVIDIA A100 80GB PCIe", "A100-PCIE-80GB"),
+        ("a100_sxm4_40gb", "A100-SXM4-40GB"),
+        ("H100", "H100-SXM5-80GB"),
+        ("h100 pcie", "H100-PCIE-80GB"),
+        ("NVIDIA H100 PCIe", "H100-PCIE-80GB"),
+        ("NVIDIA H100 80GB HBM3", "H100-SXM5-80GB"),
+        ("H100SXM", "H100-SXM5-80GB"),
+        ("NVIDIA H100 NVL", "H100-NVL-94GB"),
+        ("h200", "H200-SXM-141GB"),
+        ("H200 NVL", "H200-NVL-141GB"),
+        ("B200", "B200"),
+        ("Tesla V100-SXM2-16GB", "V100-SXM2-16GB"),
+        ("v100 pcie 32gb", "V100-PCIE-32GB"),
+        ("A10", "A10"),
+        ("NVIDIA A10", "A10"),
+        ("Tesla T4", "T4"),
+        ("NVIDIA L4", "L4"),
+        ("l40s", "L40S"),
+        ("4090", "RTX 4090"),
+        ("NVIDIA GeForce RTX 4090", "RTX 4090"),
+        ("geforce rtx 5090", "RTX 5090"),
+        ("NVIDIA GeForce RTX 3090", "RTX 3090"),
+        ("rtx a6000", "RTX A6000"),
+        ("A6000", "RTX A6000"),
+        ("NVIDIA RTX PRO 6000 Blackwell Workstation Edition", "RTX PRO 6000 Blackwell"),
+        ("RTX PRO 6000", "RTX PRO 6000 Blackwell"),
+        # Names as the shared recordings write them (device_name, or the file stem).
+        ("NVIDIA RTX A4000", "RTX A4000"),
+        ("a4000", "RTX A4000"),
+        ("AMD Radeon PRO W6600", "Radeon PRO W6600"),
+        ("W7800", "Radeon PRO W7800"),
+        ("AMD Instinct MI50/MI60", "MI50"),
+        ("mi50", "MI50"),
+        ("MI250X", "MI250X"),
+        ("AMD Instinct MI300X", "MI300X"),
+        ("NVIDIA GeForce RTX 2080 Ti", "RTX 2080 Ti"),
+        ("RTX_2080_Ti", "RTX 2080 Ti"),
+        ("NVIDIA GeForce RTX 3060 Laptop GPU", "RTX 3060 Laptop"),
+        ("RTX_3060_laptop", "RTX 3060 Laptop"),
+        ("NVIDIA TITAN RTX", "TITAN RTX"),
+        ("RTX_Titan", "TITAN RTX"),
+    ],
+)
+def test_lookup_is_forgiving(query: str, expected: str) -> None:
+    assert spec(query).name == expected
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        "",
+        "   ",
+        "foo",
+        "A100 16GB",  # no such memory size: never guess another row
+        "RTX 3060",  # the desktop card is not the laptop part
+        "L40",  # not the L40S
+        "Quadro RTX 6000",  # not the RTX PRO 6000 Blackwell
+        "RTX PRO 6000 Blackwell Max-Q Workstation Edition",
+        "MI250",
+        "MI300A",
+        "RTX 4090 D",
+        "A100X",
+        "H100 NVL 80GB",
+    ],
+)
+def test_lookup_refuses_unknown_names(query: str) -> None:
+    assert lookup(query) is None
+
+
+def test_a10_never_becomes_a100() -> None:
+    assert spec("A10").sms == 72
+    assert spec("A100").sms == 108
+
+
+def test_every_name_and_alias_round_trips_and_names_are_unique() -> None:
+    names = [s.name for s in all_specs()]
+    assert len(names) == len(set(names))
+    for s in all_specs():
+        assert lookup(s.name) is s
+        assert lookup(s.name.lower().replace("-", " ")) is s
+        for alias in s.aliases:
+            found = lookup(alias)
+            assert found is not None and found.arch == s.arch, alias
+
+
+def test_canonical_name_and_suggest() -> None:
+    assert canonical_name("nvidia a100-pcie-40gb") == "A100-PCIE-40GB"
+    assert canonical_name("  My Custom GPU  ") == "My Custom GPU"
+    close = suggest("A100 16GB")
+    assert close[:4] == ["A100-SXM4-80GB", "A100-SXM4-40GB", "A100-PCIE-40GB", "A100-PCIE-80GB"]
+    assert "H100-SXM5-80GB" in suggest("H10")
+    assert "RTX 4090" in suggest("rtx 4080")
+    assert suggest("zzzzzzzz") == []
+
+
+def test_table_covers_the_required_gpus() -> None:
+    for name in [
+        "V100 16GB", "V100 32GB", "A100-PCIE-40GB", "A100-SXM4-40GB", "A100 80GB", "H100 SXM", "H100 PCIe",
+        "H200", "B200", "L40S", "RTX 3090", "RTX 4090", "RTX 5090", "RTX A6000", "RTX PRO 6000 Blackwell",
+        "MI250X", "MI300X", "RTX A4000", "Radeon PRO W6600", "W7800", "MI50", "RTX 2080 Ti",
+        "RTX 3060 Laptop", "TITAN RTX", "T4", "L4", "A10",
+    ]:  # fmt: skip
+        assert lookup(name) is not None, name
+
+
+def test_table_is_internally_consistent() -> None:
+    for s in all_specs():
+        assert s.max_shared_mem_per_block_bytes <= s.shared_mem_per_sm_bytes
+        assert s.max_threads_per_sm % s.warp_size == 0
+        assert s.fp16_tensor_tflops >= s.fp32_tflops > 0
+        assert s.mem_bandwidth_gbs > 0 and s.l2_bytes > 0 and s.mem_gib > 0
+        if s.vendor == "nvidia":
+            assert s.compute_capability is not None
+            assert s.arch == "sm_" + s.compute_capability.replace(".", "")
+            assert s.warp_size == 32
+        else:
+            assert s.compute_capability is None and s.arch.startswith("gfx")
+
+
+def test_datasheet_spot_values() -> None:
+    a100 = spec("A100-PCIE-40GB")
+    assert (a100.sms, a100.mem_bandwidth_gbs, a100.l2_bytes, a100.fp16_tensor_tflops) == (
+        108,
+        1555,
+        40 * 2**20,
+        312,
+    )
+    assert spec("A100 80GB").mem_bandwidth_gbs == 2039
+    h100 = spec("H100")
+    assert (h100.sms, h100.shared_mem_per_sm_bytes, h100.max_shared_mem_per_block_bytes) == (
+        132,
+        233472,
+        232448,
+    )
+    assert spec("H100 PCIe").sms == 114
+    assert spec("H200").mem_gib == 141 and spec("H200").mem_bandwidth_gbs == 4800
+    assert (
+        spec("RTX 4090").sms,
+        spec("RTX 4090").max_threads_per_sm,
+        spec("RTX 4090").max_blocks_per_sm,
+    ) == (
+        128,
+        1536,
+        24,
+    )
+    assert spec("T4").max_threads_per_sm == 1024 and spec("T4").max_blocks_per_sm == 16
+    assert spec("MI250X").warp_size == 64 and spec("W6600").warp_size == 32
+
+
+def test_specs_import_stays_light() -> None:
+    code = (
+        "import sys, forecaster_mcp.hardware.specs, forecaster_mcp.hardware.occupancy;"
+        "print(sorted(m for m in ('numpy', 'difflib', 'pydantic', 'scipy') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+# ---------------------------------------------------------------- occupancy
+
+# Expected resident blocks per SM from NVIDIA's cuda_occupancy.h (CUDA 13), default carveout.
+# (The implementation was also checked against it on 20,000 random launches.)
+OCCUPANCY_CASES = [
+    ("A100-PCIE-40GB", 256, 32, 0, 8, 1.0),
+    ("A100-PCIE-40GB", 256, 64, 0, 4, 0.5),
+    ("A100-PCIE-40GB", 128, 255, 0, 2, 0.125),
+    ("A100-PCIE-40GB", 256, 32, 49152, 3, 0.375),
+    ("A100-PCIE-40GB", 32, 16, 0, 32, 0.5),
+    ("A100-PCIE-40GB", 256, 0, 166912, 1, 0.125),
+    ("A100-PCIE-40GB", 256, 0, 166913, 0, 0.0),
+    ("RTX 3090", 1024, 32, 0, 1, 2 / 3),
+    ("RTX 3090", 96, 40, 20000, 4, 0.25),
+    ("T4", 1024, 64, 0, 1, 1.0),
+    ("V100-SXM2-16GB", 1024, 65, 0, 0, 0.0),
+    ("V100-SXM2-16GB", 1024, 64, 0, 1, 0.5),
+    ("H100", 384, 168, 100000, 1, 0.1875),
+    ("H100", 128, 90, 0, 5, 0.3125),
+    ("L4", 128, 0, 0, 12, 1.0),
+    ("RTX 5090", 64, 0, 0, 24, 1.0),
+]
+
+
+@pytest.mark.parametrize(("gpu", "threads", "regs", "smem", "blocks", "occupancy"), OCCUPANCY_CASES)
+def test_occupancy_matches_nvidia_calculator(
+    gpu: str, threads: int, regs: int, smem: int, blocks: int, occupancy: float
+) -> None:
+    s = spec(gpu)
+    assert active_blocks_per_sm(s, threads, regs, smem) == blocks
+    assert theoretical_occupancy(s, threads, regs, smem) == pytest.approx(occupancy)
+
+
+def test_occupancy_names_the_limiting_resource() -> None:
+    a100 = spec("A100-PCIE-40GB")
+    assert occupancy_limits(a100, 256, 64, 0).limited_by == "registers"
+    assert occupancy_limits(a100, 256, 32, 49152).limited_by == "shared_memory"
+    assert occupancy_limits(a100, 32, 16, 0).limited_by == "blocks"
+    assert occupancy_limits(spec("RTX 3090"), 1024, 32, 0).limited_by == "warps"
+    limits = occupancy_limits(a100, 2048, 32, 0)
+    assert not limits.launchable and limits.occupancy == 0.0 and limits.limited_by == "none"
+
+
+def test_amd_occupancy_follows_wavefront_rules() -> None:
+    mi250x = spec("MI250X")
+    # llvm-calc-occupancy's documented example: gfx90a, 512 work-items, 50 VGPRs -> 8 waves per SIMD (full).
+    assert theoretical_occupancy(mi250x, 512, 50, 0) == 1.0
+    assert theoretical_occupancy(mi250x, 256, 128, 0) == 0.5  # 4 waves per SIMD
+    assert active_blocks_per_sm(mi250x, 256, 0, 32768) == 2  # 64 KB LDS per CU
+    assert active_blocks_per_sm(mi250x, 64, 0, 0) == 16  # workgroup cap per CU
+
+
+@given(
+    gpu=st.sampled_from([s.name for s in all_specs()]),
+    threads=st.integers(1, 1024),
+    regs=st.integers(0, 255),
+    smem=st.integers(0, 100_000),
+)
+def test_occupancy_is_bounded_and_monotone(gpu: str, threads: int, regs: int, smem: int) -> None:
+    s = spec(gpu)
+    occ = theoretical_occupancy(s, threads, regs, smem)
+    assert 0.0 <= occ <= 1.0
+    assert theoretical_occupancy(s, threads, min(regs + 8, 255), smem) <= occ
+    assert theoretical_occupancy(s, threads, regs, smem + 4096) <= occ
+
+
+def test_waves() -> None:
+    a100 = spec("A100-PCIE-40GB")
+    assert waves(a100, 216, 2) == 1.0
+    assert waves(a100, 217, 2) == pytest.approx(217 / 216)
+    assert waves(a100, 0, 2) == 0.0
+    assert math.isinf(waves(a100, 10, 0))
