@@ -1,0 +1,8 @@
+// Vector add, one float per thread: c[i] = a[i] + b[i].
+extern "C" __global__ void vector_add_naive(const float* __restrict__ a, const float* __restrict__ b,
+                                            float* __restrict__ c, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        c[i] = a[i] + b[i];
+    }
+}

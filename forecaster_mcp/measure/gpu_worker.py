@@ -1,0 +1,695 @@
+"""The GPU worker process: owns one device's CUDA context, on its main thread, and runs measurement jobs.
+
+Started by the supervisor (`pycuda_measurer`) as `python -m forecaster_mcp.measure.gpu_worker --device N` in
+its own process group; speaks `worker_protocol` frames over stdin/stdout. The only module of the package that
+imports pycuda (lazily, so importing this module without pycuda works and the worker can report why).
+
+A job: load the compiled kernel (and reference) into fresh modules; inputs from the workload and seed in
+buffers with guard regions; one run checked against the reference; warm-up; timed samples, each after an L2
+flush (a memset of exactly the L2 size), bracketed by CUDA events and followed by a device-wide synchronize,
+until the median's 95% interval is narrow or a cap is hit; a few host wall-clock samples; then a check on a
+fresh input set (new random seed) so a kernel cannot replay a cached answer. Guard regions are checked after
+every phase. A CUDA error ends the job with `restart` set: the context may be damaged, so the worker exits
+and the supervisor starts a fresh one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ctypes.util
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, BinaryIO, Protocol
+
+import numpy as np
+
+from forecaster_mcp.measure.inputs import (
+    STORAGE,
+    Comparison,
+    HostArg,
+    compare_outputs,
+    correctness_of,
+    generate_inputs,
+    output_names,
+    param_format,
+)
+from forecaster_mcp.measure.timing import AdaptiveStopper, StoppingRule
+from forecaster_mcp.measure.worker_protocol import (
+    DeviceInfo,
+    Fatal,
+    JobResult,
+    KernelImage,
+    MeasureJob,
+    Progress,
+    ProtocolError,
+    Ready,
+    Shutdown,
+    StopReason,
+    decode_supervisor_message,
+    read_frame_sync,
+    write_frame_sync,
+)
+from forecaster_mcp.models import BufferArg, MeasureStatus, Workload
+
+GUARD_BYTES = 64 * 1024
+GUARD_PATTERN = 0xA5
+# Fraction of max_seconds the worker plans to use; the rest is headroom before the supervisor's kill.
+BUDGET_FRACTION = 0.9
+WARMUP_MIN_RUNS = 2
+WARMUP_MAX_RUNS = 100
+WARMUP_SECONDS = 0.05
+WALL_SAMPLES = 3
+_THROTTLE_BITS = {
+    0x1: "gpu_idle",
+    0x2: "applications_clocks_setting",
+    0x4: "sw_power_cap",
+    0x8: "hw_slowdown",
+    0x10: "sync_boost",
+    0x20: "sw_thermal_slowdown",
+    0x40: "hw_thermal_slowdown",
+    0x80: "hw_power_brake_slowdown",
+    0x100: "display_clock_setting",
+}
+_SLOWDOWNS = {
+    "sw_power_cap",
+    "hw_slowdown",
+    "sw_thermal_slowdown",
+    "hw_thermal_slowdown",
+    "hw_power_brake_slowdown",
+}
+
+Send = Callable[[Progress], None]
+
+
+class SetupError(Exception):
+    """The worker cannot serve this device (no pycuda, no such device)."""
+
+
+class JobFailure(Exception):
+    """A job ends early with a status (a failing kernel is a result, not an error)."""
+
+    def __init__(self, status: MeasureStatus, message: str, restart: bool = False) -> None:
+        super().__init__(message)
+        self.status: MeasureStatus = status
+        self.message = message
+        self.restart = restart
+
+
+# ---------------------------------------------------------------- device buffers with guard regions
+
+
+class GuardedBuffers:
+    """One device allocation per buffer argument: guard | data | guard, guards filled with a byte pattern.
+
+    A write a little past either end lands in a guard and is found by `check()`, instead of silently
+    corrupting whatever the allocator placed next (the next run's inputs, the reference's outputs).
+    """
+
+    def __init__(self, cuda: Any, workload: Workload, host: Sequence[HostArg]) -> None:
+        self.cuda = cuda
+        self.workload = workload
+        self.allocs: list[Any] = []
+        self.params: list[int | float | bool] = []
+        try:
+            for arg, value in zip(workload.args, host, strict=True):
+                if isinstance(arg, BufferArg):
+                    alloc = cuda.mem_alloc(GUARD_BYTES + arg.nbytes + GUARD_BYTES)
+                    self.allocs.append(alloc)
+                    self.params.append(int(alloc) + GUARD_BYTES)
+                else:
+                    self.allocs.append(None)
+                    assert not isinstance(value, np.ndarray)
+                    self.params.append(value)
+            self.fill_guards()
+            self.upload(host)
+        except BaseException:
+            self.free()
+            raise
+
+    def _buffers(self) -> list[tuple[BufferArg, Any]]:
+        return [
+            (a, m) for a, m in zip(self.workload.args, self.allocs, strict=True) if isinstance(a, BufferArg)
+        ]
+
+    def fill_guards(self) -> None:
+        for arg, alloc in self._buffers():
+            self.cuda.memset_d8(int(alloc), GUARD_PATTERN, GUARD_BYTES)
+            self.cuda.memset_d8(int(alloc) + GUARD_BYTES + arg.nbytes, GUARD_PATTERN, GUARD_BYTES)
+
+    def upload(self, host: Sequence[HostArg]) -> None:
+        for arg, alloc, value in zip(self.workload.args, self.allocs, host, strict=True):
+            if isinstance(arg, BufferArg):
+                assert isinstance(value, np.ndarray)
+                self.cuda.memcpy_htod(int(alloc) + GUARD_BYTES, np.ascontiguousarray(value))
+
+    def download(self, names: Sequence[str]) -> dict[str, np.ndarray]:
+        out: dict[str, np.ndarray] = {}
+        for arg, alloc in self._buffers():
+            if arg.name in names:
+                host = np.empty(tuple(arg.shape), dtype=STORAGE[arg.dtype])
+                self.cuda.memcpy_dtoh(host, int(alloc) + GUARD_BYTES)
+                out[arg.name] = host
+        return out
+
+    def check(self) -> str | None:
+        """A description of the first damaged guard, or None when all are intact."""
+        guard = np.empty(GUARD_BYTES, dtype=np.uint8)
+        for arg, alloc in self._buffers():
+            for side, offset in (("before", 0), ("after", GUARD_BYTES + arg.nbytes)):
+                self.cuda.memcpy_dtoh(guard, int(alloc) + offset)
+                bad = np.flatnonzero(guard != GUARD_PATTERN)
+                if bad.size:
+                    if side == "before":
+                        where = f"{GUARD_BYTES - int(bad[0])} bytes before its start"
+                    else:
+                        where = f"{int(bad[-1]) + 1} bytes past its end"
+                    return (
+                        f"the kernel wrote outside buffer {arg.name!r}: {bad.size} guard bytes changed, "
+                        f"up to {where}"
+                    )
+        return None
+
+    def free(self) -> None:
+        for alloc in self.allocs:
+            if alloc is not None:
+                alloc.free()
+        self.allocs = [None] * len(self.allocs)
+
+
+# ---------------------------------------------------------------- the session
+
+
+@dataclass
+class Loaded:
+    image: KernelImage
+    module: Any
+    function: Any
+    fmt: str
+
+
+class GpuSession:
+    """The CUDA context of one device and everything a job needs (stream, events, L2 flush buffer)."""
+
+    def __init__(self, index: int) -> None:
+        try:
+            import pycuda.driver as cuda
+        except ImportError as exc:
+            raise SetupError(
+                f"pycuda is not importable in {sys.executable} ({exc}): pip install 'forecaster-mcp[gpu]'"
+            ) from exc
+        self.cuda = cuda
+        try:
+            cuda.init()
+            count = cuda.Device.count()
+        except cuda.Error as exc:
+            raise SetupError(f"CUDA driver initialisation failed: {exc}") from exc
+        if not 0 <= index < count:
+            raise SetupError(f"no CUDA device {index}: this machine has {count}")
+        self.index = index
+        self.device = cuda.Device(index)
+        # The primary context is the one the runtime API and other libraries (torch, triton) share.
+        self.context = self.device.retain_primary_context()
+        self.context.push()
+        self.stream = cuda.Stream()
+        self.start = cuda.Event()
+        self.end = cuda.Event()
+        attr = cuda.device_attribute
+        get = self.device.get_attribute
+        self.l2_bytes = int(get(attr.L2_CACHE_SIZE))
+        self.flush_buffer = cuda.mem_alloc(max(self.l2_bytes, 1))
+        self._flush_value = 0
+        self.pci_bus_id = str(self.device.pci_bus_id())
+        self.libcuda = _load_libcuda()
+        self.telemetry = Telemetry(self.pci_bus_id)
+        self.info = DeviceInfo(
+            index=index,
+            name=str(self.device.name()),
+            compute_capability="{}.{}".format(*self.device.compute_capability()),
+            pci_bus_id=self.pci_bus_id,
+            driver=self.telemetry.driver_version() or _driver_api_version(cuda),
+            sm_count=int(get(attr.MULTIPROCESSOR_COUNT)),
+            l2_bytes=self.l2_bytes,
+            max_threads_per_sm=int(get(attr.MAX_THREADS_PER_MULTIPROCESSOR)),
+            max_blocks_per_sm=int(get(attr.MAX_BLOCKS_PER_MULTIPROCESSOR)),
+            registers_per_sm=int(get(attr.MAX_REGISTERS_PER_MULTIPROCESSOR)),
+            shared_mem_per_sm_bytes=int(get(attr.MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)),
+            max_shared_mem_per_block_bytes=int(get(attr.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)),
+            total_mem_bytes=int(self.device.total_memory()),
+            mem_bandwidth_gbs=_bandwidth_gbs(cuda, self.device),
+            pid=os.getpid(),
+            pgid=os.getpgid(0),
+        )
+
+    def close(self) -> None:
+        try:
+            self.flush_buffer.free()
+            self.context.pop()
+        except Exception:  # best effort at exit; the process is ending anyway
+            pass
+
+    # ---------------------------------------------------------------- primitives
+
+    def sync(self) -> None:
+        # Device-wide, not just our stream: work the kernel put elsewhere must finish inside the sample too.
+        self.cuda.Context.synchronize()
+
+    def flush_l2(self) -> None:
+        self._flush_value = (self._flush_value + 1) & 0xFF
+        self.cuda.memset_d8_async(self.flush_buffer, self._flush_value, self.l2_bytes, self.stream)
+
+    def reset_persisting_l2(self) -> None:
+        fn = getattr(self.libcuda, "cuCtxResetPersistingL2Cache", None) if self.libcuda else None
+        if fn is not None:
+            fn()  # a failure (unsupported device) leaves nothing persisting to reset; ignore its status
+
+    def load(self, image: KernelImage, workload: Workload) -> Loaded:
+        cuda = self.cuda
+        try:
+            module = cuda.module_from_file(image.cubin_path)
+        except cuda.Error as exc:
+            raise JobFailure(
+                "launch_error", f"could not load the compiled kernel {image.entry}: {exc}"
+            ) from exc
+        try:
+            function = module.get_function(image.symbol)
+        except cuda.Error as exc:
+            raise JobFailure(
+                "launch_error", f"entry {image.entry} not found in the compiled module: {exc}"
+            ) from exc
+        fmt = param_format(workload)
+        function.prepare(fmt)
+        shared = image.launch.shared_mem_bytes
+        if shared > 48 * 1024:
+            # Above 48 KiB of dynamic shared memory a kernel must opt in before launch.
+            function.set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, shared)
+        return Loaded(image, module, function, fmt)
+
+    def launch(self, kernel: Loaded, buffers: GuardedBuffers) -> None:
+        launch = kernel.image.launch
+        kernel.function.prepared_async_call(
+            tuple(launch.grid),
+            tuple(launch.block),
+            self.stream,
+            *buffers.params,
+            shared_size=launch.shared_mem_bytes,
+        )
+
+    def timed_sample(self, kernel: Loaded, buffers: GuardedBuffers) -> float:
+        """One sample in ms: L2 flush, start event, launch, end event, device-wide synchronize."""
+        self.flush_l2()
+        self.start.record(self.stream)
+        self.launch(kernel, buffers)
+        self.end.record(self.stream)
+        self.sync()
+        return float(self.end.time_since(self.start))
+
+    def wall_sample(self, kernel: Loaded, buffers: GuardedBuffers) -> float:
+        """Host wall clock (ms) around one launch and a device-wide synchronize, L2 flushed beforehand."""
+        self.flush_l2()
+        self.sync()
+        t0 = time.perf_counter()
+        self.launch(kernel, buffers)
+        self.sync()
+        return (time.perf_counter() - t0) * 1e3
+
+    # ---------------------------------------------------------------- a job
+
+    def run(self, job: MeasureJob, send: Send) -> JobResult:
+        t0 = time.perf_counter()
+        try:
+            result = self._run(job, send, t0)
+        except JobFailure as failure:
+            result = JobResult(
+                job_id=job.job_id, status=failure.status, message=failure.message, restart=failure.restart
+            )
+        except self.cuda.MemoryError as exc:
+            result = JobResult(
+                job_id=job.job_id,
+                status="launch_error",
+                restart=True,
+                message=f"out of device memory for this workload: {exc}",
+            )
+        except self.cuda.Error as exc:
+            result = JobResult(
+                job_id=job.job_id, status="launch_error", restart=True, message=f"CUDA error: {exc}"
+            )
+        result.worker_seconds = time.perf_counter() - t0
+        return result
+
+    def _run(self, job: MeasureJob, send: Send, t0: float) -> JobResult:
+        workload = job.workload
+        deadline = t0 + job.max_seconds * BUDGET_FRACTION
+        outputs = output_names(workload)
+
+        def progress(done: float, message: str) -> None:
+            send(Progress(job_id=job.job_id, done=done, total=float(job.max_runs), message=message))
+
+        kernel = self.load(job.kernel, workload)
+        reference = self.load(job.reference, workload) if job.reference is not None else None
+        self.reset_persisting_l2()
+
+        comparisons: list[Comparison] = []
+        buffers = GuardedBuffers(self.cuda, workload, generate_inputs(workload, job.seed))
+        try:
+            # First input set: one run, guards, reference.
+            t_check = time.perf_counter()
+            self.launch(kernel, buffers)
+            self.sync()
+            self._guards(buffers, "on its first run")
+            if reference is not None:
+                got = buffers.download(outputs)
+                want = self._reference(reference, workload, job.seed, outputs)
+                comparisons.append(compare_outputs(workload, got, want, job.atol, job.rtol))
+                if not comparisons[0].passed:
+                    # Already wrong: timing it would only spend the caller's budget.
+                    correctness = correctness_of(comparisons)
+                    return JobResult(
+                        job_id=job.job_id,
+                        status="wrong_output",
+                        message=correctness.detail,
+                        correctness=correctness,
+                    )
+            check_seconds = time.perf_counter() - t_check
+            # The fresh-input check after timing costs about as much again: keep it in reserve.
+            reserve = 1.5 * check_seconds + 0.01
+            progress(0, "first input set checked; warming up")
+
+            samples, warmups, stop = self._sample(job, kernel, buffers, deadline, reserve, progress)
+            self._guards(buffers, "during timing")
+            sm_mhz, mem_mhz, reasons = self.telemetry.clocks()
+            wall: list[float] = []
+            for _ in range(WALL_SAMPLES):
+                if time.perf_counter() + reserve + 2 * (sum(samples[-1:]) / 1e3) > deadline:
+                    break
+                wall.append(self.wall_sample(kernel, buffers))
+            if not samples:
+                raise JobFailure(
+                    "timeout",
+                    f"one checked run takes {check_seconds:.3g} s, which leaves no time for timed runs "
+                    f"within max_seconds={job.max_seconds:g}: raise max_seconds",
+                )
+
+            # Fresh input set, new random seed: a kernel that replays an earlier answer fails here.
+            fresh_seed = secrets.randbits(62)
+            fresh = generate_inputs(workload, fresh_seed)
+            buffers.upload(fresh)
+            self.launch(kernel, buffers)
+            self.sync()
+            self._guards(buffers, "on the fresh input set")
+            if reference is not None:
+                got = buffers.download(outputs)
+                want = self._reference(reference, workload, fresh_seed, outputs)
+                comparisons.append(compare_outputs(workload, got, want, job.atol, job.rtol))
+        finally:
+            buffers.free()
+
+        note = None if reference is not None else "no reference kernel given: outputs were not checked"
+        correctness = correctness_of(comparisons, note)
+        if correctness.checked and len(comparisons) == 2:
+            correctness.detail = (
+                correctness.detail or f"input sets: seed {job.seed} and fresh seed {fresh_seed}"
+            )
+        function = kernel.function
+        flags = ["clock_throttled"] if _SLOWDOWNS.intersection(reasons) else []
+        status: MeasureStatus = "wrong_output" if correctness.passed is False else "ok"
+        return JobResult(
+            job_id=job.job_id,
+            status=status,
+            message=correctness.detail if status == "wrong_output" else None,
+            samples_ms=samples,
+            warmup_runs=warmups,
+            stop_reason=stop,
+            wall_ms=wall,
+            correctness=correctness,
+            registers=int(function.num_regs),
+            static_shared_bytes=int(function.shared_size_bytes),
+            local_bytes=int(function.local_size_bytes),
+            sm_clock_mhz=sm_mhz,
+            mem_clock_mhz=mem_mhz,
+            throttle_reasons=reasons,
+            flags=flags,
+        )
+
+    def _guards(self, buffers: GuardedBuffers, when: str) -> None:
+        damage = buffers.check()
+        if damage is not None:
+            # What lies beyond a guard may be damaged too: start clean.
+            raise JobFailure("out_of_bounds_write", f"{damage} ({when})", restart=True)
+
+    def _reference(
+        self, reference: Loaded, workload: Workload, seed: int, outputs: Sequence[str]
+    ) -> dict[str, np.ndarray]:
+        buffers = GuardedBuffers(self.cuda, workload, generate_inputs(workload, seed))
+        try:
+            self.launch(reference, buffers)
+            self.sync()
+            damage = buffers.check()
+            if damage is not None:
+                raise JobFailure("out_of_bounds_write", f"reference kernel: {damage}", restart=True)
+            return buffers.download(outputs)
+        finally:
+            buffers.free()
+
+    def _sample(
+        self,
+        job: MeasureJob,
+        kernel: Loaded,
+        buffers: GuardedBuffers,
+        deadline: float,
+        reserve: float,
+        progress: Callable[[float, str], None],
+    ) -> tuple[list[float], int, StopReason]:
+        """Warm-up then adaptive timed sampling; returns (samples ms, warm-up runs, why it stopped)."""
+        per_sample = 0.0  # host seconds per sample, a running maximum-biased estimate
+        warm = 0
+        warm_end = time.perf_counter() + WARMUP_SECONDS
+        while warm < WARMUP_MAX_RUNS:
+            now = time.perf_counter()
+            if now + per_sample + reserve > deadline:
+                break
+            if warm >= WARMUP_MIN_RUNS and now >= warm_end:
+                break
+            self.timed_sample(kernel, buffers)
+            per_sample = max(per_sample * 0.5, time.perf_counter() - now)
+            warm += 1
+        self.reset_persisting_l2()
+
+        rule = StoppingRule(
+            target_relative_noise=job.target_relative_noise,
+            min_runs=min(job.min_runs, job.max_runs),
+            max_runs=job.max_runs,
+        )
+        stopper = AdaptiveStopper(rule)
+        next_progress = time.perf_counter() + 0.5
+        while True:
+            now = time.perf_counter()
+            reason = stopper.reason(deadline - reserve - now, per_sample)
+            if reason is not None:
+                return stopper.samples, warm, reason
+            stopper.add(self.timed_sample(kernel, buffers))
+            took = time.perf_counter() - now
+            # Decays slowly, jumps up at once: the deadline check must not underestimate a sample.
+            per_sample = max(took, 0.9 * per_sample)
+            if time.perf_counter() >= next_progress:
+                next_progress += 0.5
+                progress(len(stopper.samples), f"{len(stopper.samples)} timed runs")
+
+
+# ---------------------------------------------------------------- clocks, throttling, driver
+
+
+class Telemetry:
+    """Clocks and throttle reasons through NVML when pynvml imports, else nvidia-smi; absent is fine."""
+
+    def __init__(self, pci_bus_id: str) -> None:
+        self.pci_bus_id = pci_bus_id
+        self.nvml: Any = None
+        self.handle: Any = None
+        try:
+            import pynvml  # type: ignore[import-not-found,unused-ignore]
+
+            pynvml.nvmlInit()
+            self.handle = pynvml.nvmlDeviceGetHandleByPciBusId(pci_bus_id)
+            self.nvml = pynvml
+        except Exception:  # NVML is optional: missing module, library or permission
+            self.nvml = None
+        self.smi = shutil.which("nvidia-smi")
+
+    def driver_version(self) -> str | None:
+        if self.nvml is not None:
+            try:
+                version = self.nvml.nvmlSystemGetDriverVersion()
+                return version.decode() if isinstance(version, bytes) else str(version)
+            except Exception:
+                pass
+        row = self._smi(["driver_version"])
+        return row[0] if row else None
+
+    def clocks(self) -> tuple[float | None, float | None, list[str]]:
+        """(SM MHz, memory MHz, active throttle reasons) right now."""
+        if self.nvml is not None:
+            try:
+                nv = self.nvml
+                sm = float(nv.nvmlDeviceGetClockInfo(self.handle, nv.NVML_CLOCK_SM))
+                mem = float(nv.nvmlDeviceGetClockInfo(self.handle, nv.NVML_CLOCK_MEM))
+                getter = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None)
+                getter = getter or nv.nvmlDeviceGetCurrentClocksThrottleReasons
+                return sm, mem, throttle_names(int(getter(self.handle)))
+            except Exception:
+                pass
+        for reasons_field in ("clocks_event_reasons.active", "clocks_throttle_reasons.active"):
+            row = self._smi(["clocks.sm", "clocks.mem", reasons_field])
+            if row and len(row) == 3:
+                try:
+                    return float(row[0]), float(row[1]), throttle_names(int(row[2], 16))
+                except ValueError:
+                    continue
+        return None, None, []
+
+    def _smi(self, fields: list[str]) -> list[str] | None:
+        if self.smi is None:
+            return None
+        try:
+            out = subprocess.run(
+                [
+                    self.smi,
+                    f"--query-gpu={','.join(fields)}",
+                    "--format=csv,noheader,nounits",
+                    "-i",
+                    self.pci_bus_id,
+                ],
+                capture_output=True,
+                text=True,
+                timeout=5,
+                check=True,
+            ).stdout
+        except (OSError, subprocess.SubprocessError):
+            return None
+        line = out.strip().splitlines()[0] if out.strip() else ""
+        return [part.strip() for part in line.split(",")] if line else None
+
+
+def throttle_names(mask: int) -> list[str]:
+    """NVML clock event (throttle) reason bits as names."""
+    return [name for bit, name in _THROTTLE_BITS.items() if mask & bit]
+
+
+def _load_libcuda() -> Any:
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        name = ctypes.util.find_library("cuda")
+        return ctypes.CDLL(name) if name else None
+
+
+def _driver_api_version(cuda: Any) -> str:
+    v = int(cuda.get_driver_version())
+    return f"CUDA driver API {v // 1000}.{(v % 1000) // 10}"
+
+
+def _bandwidth_gbs(cuda: Any, device: Any) -> float | None:
+    """Peak DRAM bandwidth from memory clock (kHz) and bus width (bits), double data rate."""
+    try:
+        khz = int(device.get_attribute(cuda.device_attribute.MEMORY_CLOCK_RATE))
+        bits = int(device.get_attribute(cuda.device_attribute.GLOBAL_MEMORY_BUS_WIDTH))
+    except Exception:  # newer drivers may drop the attribute
+        return None
+    if khz <= 0 or bits <= 0:
+        return None
+    return 2.0 * khz * 1e3 * bits / 8 / 1e9
+
+
+# ---------------------------------------------------------------- process plumbing
+
+
+def _claim_stdout() -> BinaryIO:
+    """A private handle on the protocol pipe; fd 1 then points at stderr, so device printf and stray
+    prints from libraries cannot corrupt the frames."""
+    proto = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return os.fdopen(proto, "wb")
+
+
+def _die_with_parent() -> None:
+    """Exit when the supervisor dies, even in the middle of a hung kernel."""
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    except (OSError, AttributeError):
+        pass
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(70)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+class Session(Protocol):
+    """What `serve` needs: the device description and a job runner (the stand-in worker in the tests
+    provides its own)."""
+
+    info: DeviceInfo
+
+    def run(self, job: MeasureJob, send: Send) -> JobResult: ...
+
+
+def serve(session: Session, stdin: BinaryIO, stdout: BinaryIO) -> int:
+    """Answer jobs until shutdown or end of input. Returns the exit status."""
+    write_frame_sync(stdout, Ready(device=session.info))
+    while True:
+        try:
+            payload = read_frame_sync(stdin)
+        except ProtocolError as exc:
+            print(f"gpu_worker: {exc}", file=sys.stderr)
+            return 3
+        if payload is None:
+            return 0
+        try:
+            message = decode_supervisor_message(payload)
+        except ProtocolError as exc:
+            print(f"gpu_worker: {exc}", file=sys.stderr)
+            return 3
+        if isinstance(message, Shutdown):
+            return 0
+        result = session.run(message, lambda p: write_frame_sync(stdout, p))
+        write_frame_sync(stdout, result)
+        if result.restart:
+            # The context may be unusable; the supervisor starts a fresh worker for the next job.
+            return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="forecaster-mcp GPU measurement worker (speaks frames on stdio)"
+    )
+    parser.add_argument("--device", type=int, default=0, help="CUDA device ordinal")
+    args = parser.parse_args(argv)
+    stdout = _claim_stdout()
+    stdin = sys.stdin.buffer
+    _die_with_parent()
+    try:
+        session = GpuSession(args.device)
+    except SetupError as exc:
+        write_frame_sync(stdout, Fatal(message=str(exc)))
+        return 2
+    code = serve(session, stdin, stdout)
+    stdout.flush()
+    # Skip interpreter teardown: pycuda's exit hooks can block on a context a faulted kernel left behind.
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,273 @@
+"""Kernel inputs from a Workload and a seed, kernel-parameter packing, and output comparison.
+
+Host-side numpy only, so the GPU worker, the stand-in worker in the tests and the tests themselves share it.
+numpy has no bfloat16: those buffers are stored as their raw 16-bit patterns (uint16) and decoded to float
+for comparison.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from forecaster_mcp.models import BufferArg, Correctness, ScalarArg, Workload
+
+# Storage dtype on the host and the device, per workload dtype.
+STORAGE: dict[str, np.dtype[np.generic]] = {
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(np.uint16),
+    "float32": np.dtype(np.float32),
+    "float64": np.dtype(np.float64),
+    "int8": np.dtype(np.int8),
+    "int16": np.dtype(np.int16),
+    "int32": np.dtype(np.int32),
+    "int64": np.dtype(np.int64),
+    "uint8": np.dtype(np.uint8),
+    "uint16": np.dtype(np.uint16),
+    "uint32": np.dtype(np.uint32),
+    "uint64": np.dtype(np.uint64),
+    "bool": np.dtype(np.bool_),
+}
+# struct format characters for kernel parameters; 16-bit floats travel as their bit patterns.
+PARAM_CHARS: dict[str, str] = {
+    "float16": "H",
+    "bfloat16": "H",
+    "float32": "f",
+    "float64": "d",
+    "int8": "b",
+    "int16": "h",
+    "int32": "i",
+    "int64": "q",
+    "uint8": "B",
+    "uint16": "H",
+    "uint32": "I",
+    "uint64": "Q",
+    "bool": "?",
+}
+_FLOATS = {"float16", "bfloat16", "float32", "float64"}
+# Random integers stay small so index-like arguments stay in range and int8 does not wrap.
+_INT_HIGH = 64
+
+HostArg = np.ndarray | int | float | bool
+
+
+def is_float(dtype: str) -> bool:
+    return dtype in _FLOATS
+
+
+def float32_to_bfloat16_bits(values: np.ndarray) -> np.ndarray:
+    """Round-to-nearest-even float32 -> bfloat16 bit patterns (uint16); NaN stays NaN."""
+    f32 = np.ascontiguousarray(values, dtype=np.float32)
+    bits = f32.view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = np.isnan(f32)
+    if nan.any():
+        rounded[nan] = 0x7FC0
+    return rounded
+
+
+def bfloat16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def _buffer(arg: BufferArg, rng: np.random.Generator) -> np.ndarray:
+    storage = STORAGE[arg.dtype]
+    shape = tuple(arg.shape)
+    n = arg.elements
+    if arg.init == "zeros":
+        return np.zeros(shape, dtype=storage)
+    if arg.init == "ones":
+        if arg.dtype == "bfloat16":
+            return float32_to_bfloat16_bits(np.ones(shape, dtype=np.float32))
+        return np.ones(shape, dtype=storage)
+    if arg.init == "arange":
+        ramp = np.arange(n, dtype=np.float64).reshape(shape)
+        if arg.dtype == "bfloat16":
+            return float32_to_bfloat16_bits(ramp.astype(np.float32))
+        # Integer types wrap modulo their range: an index pattern, not a value range, is what arange is for.
+        return ramp.astype(np.int64).astype(storage) if not is_float(arg.dtype) else ramp.astype(storage)
+    if arg.dtype == "bool":
+        return rng.integers(0, 2, size=shape).astype(np.bool_)
+    if is_float(arg.dtype):
+        if arg.init == "random_normal":
+            values = rng.standard_normal(size=shape)
+        else:
+            values = rng.random(size=shape)
+        if arg.dtype == "bfloat16":
+            return float32_to_bfloat16_bits(values.astype(np.float32))
+        return values.astype(storage)
+    if arg.init == "random_normal":
+        info = np.iinfo(arg.dtype)
+        ints = np.rint(rng.standard_normal(size=shape) * 8.0)
+        return np.clip(ints, info.min, info.max).astype(storage)
+    return rng.integers(0, _INT_HIGH, size=shape).astype(storage)
+
+
+def scalar_param(arg: ScalarArg) -> int | float | bool:
+    """The value to pack for a scalar kernel parameter (16-bit floats as bit patterns)."""
+    if arg.dtype == "float16":
+        return int(np.array(arg.value, dtype=np.float16).view(np.uint16))
+    if arg.dtype == "bfloat16":
+        return int(float32_to_bfloat16_bits(np.array([arg.value], dtype=np.float32))[0])
+    if arg.dtype == "bool":
+        return bool(arg.value)
+    if is_float(arg.dtype):
+        return float(arg.value)
+    info = np.iinfo(arg.dtype)
+    value = int(arg.value)
+    if not info.min <= value <= info.max:
+        raise ValueError(f"scalar {arg.name}={value} does not fit {arg.dtype}")
+    return value
+
+
+def generate_inputs(workload: Workload, seed: int) -> list[HostArg]:
+    """One host value per workload argument: arrays for buffers (every intent), packed values for scalars.
+
+    The same (workload, seed) always gives the same values; each buffer draws from a stream keyed by its
+    name, so adding or reordering arguments does not change the others.
+    """
+    out: list[HostArg] = []
+    for arg in workload.args:
+        if isinstance(arg, BufferArg):
+            rng = np.random.default_rng([seed & 0xFFFFFFFFFFFFFFFF, zlib.crc32(arg.name.encode())])
+            out.append(np.ascontiguousarray(_buffer(arg, rng)))
+        else:
+            out.append(scalar_param(arg))
+    return out
+
+
+def param_format(workload: Workload) -> str:
+    """struct format of the kernel's parameter list: P per buffer pointer, a type char per scalar."""
+    return "".join("P" if isinstance(a, BufferArg) else PARAM_CHARS[a.dtype] for a in workload.args)
+
+
+def param_sizes(workload: Workload) -> list[int]:
+    """Expected byte size of each kernel parameter (8 for a device pointer)."""
+    from forecaster_mcp.models import DTYPE_BYTES
+
+    return [8 if isinstance(a, BufferArg) else DTYPE_BYTES[a.dtype] for a in workload.args]
+
+
+def output_names(workload: Workload) -> list[str]:
+    return [a.name for a in workload.args if isinstance(a, BufferArg) and a.intent in ("out", "inout")]
+
+
+def as_float64(values: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":
+        return bfloat16_bits_to_float32(values).astype(np.float64)
+    return np.asarray(values).astype(np.float64)
+
+
+# ---------------------------------------------------------------- comparison
+
+
+@dataclass(frozen=True)
+class Comparison:
+    passed: bool
+    max_abs_error: float
+    max_rel_error: float
+    detail: str | None = None
+
+
+def _fmt_index(flat: int, shape: Sequence[int]) -> str:
+    idx = np.unravel_index(flat, tuple(shape))
+    return "[" + ", ".join(str(int(i)) for i in idx) + "]"
+
+
+def compare_buffer(
+    name: str, dtype: str, got: np.ndarray, want: np.ndarray, atol: float, rtol: float
+) -> Comparison:
+    """|got - want| <= atol + rtol * |want| elementwise; NaN positions must match and infinities must match
+    in position and sign. Errors are over elements where both are finite."""
+    if got.shape != want.shape:
+        return Comparison(
+            False, np.inf, np.inf, f"{name}: shape {got.shape} differs from reference {want.shape}"
+        )
+    a = as_float64(got, dtype).ravel()
+    b = as_float64(want, dtype).ravel()
+    nan_a, nan_b = np.isnan(a), np.isnan(b)
+    finite = np.isfinite(a) & np.isfinite(b)
+    diff = np.zeros_like(a)
+    scale = np.zeros_like(b)
+    rel = np.zeros_like(a)
+    diff[finite] = np.abs(a[finite] - b[finite])
+    scale[finite] = np.abs(b[finite])
+    nonzero = finite & (scale > 0)
+    rel[nonzero] = diff[nonzero] / scale[nonzero]
+    max_abs = float(diff.max()) if diff.size else 0.0
+    max_rel = float(rel.max()) if rel.size else 0.0
+    shape = got.shape
+
+    bad_nan = np.flatnonzero(nan_a != nan_b)
+    if bad_nan.size:
+        i = int(bad_nan[0])
+        return Comparison(
+            False,
+            max_abs,
+            max_rel,
+            f"{name}{_fmt_index(i, shape)}: got {a[i]:.9g}, reference {b[i]:.9g} (NaN positions differ at "
+            f"{bad_nan.size} elements)",
+        )
+    inf_any = (np.isinf(a) | np.isinf(b)) & ~(nan_a | nan_b)
+    bad_inf = np.flatnonzero(inf_any & (a != b))
+    if bad_inf.size:
+        i = int(bad_inf[0])
+        return Comparison(
+            False,
+            max_abs,
+            max_rel,
+            f"{name}{_fmt_index(i, shape)}: got {a[i]:.9g}, reference {b[i]:.9g} (infinities differ at "
+            f"{bad_inf.size} elements)",
+        )
+    bad = np.flatnonzero(finite & (diff > atol + rtol * scale))
+    if bad.size:
+        i = int(bad[0])
+        return Comparison(
+            False,
+            max_abs,
+            max_rel,
+            f"{name}{_fmt_index(i, shape)}: got {a[i]:.9g}, reference {b[i]:.9g}; {bad.size} of {a.size} "
+            f"elements outside atol={atol:g} + rtol={rtol:g}*|reference|",
+        )
+    return Comparison(True, max_abs, max_rel)
+
+
+def compare_outputs(
+    workload: Workload,
+    got: Mapping[str, np.ndarray],
+    want: Mapping[str, np.ndarray],
+    atol: float,
+    rtol: float,
+) -> Comparison:
+    """Compare every out/inout buffer; the first failing buffer's detail is reported."""
+    max_abs = 0.0
+    max_rel = 0.0
+    failure: str | None = None
+    for arg in workload.args:
+        if not isinstance(arg, BufferArg) or arg.intent not in ("out", "inout"):
+            continue
+        c = compare_buffer(arg.name, arg.dtype, got[arg.name], want[arg.name], atol, rtol)
+        max_abs = max(max_abs, c.max_abs_error)
+        max_rel = max(max_rel, c.max_rel_error)
+        if not c.passed and failure is None:
+            failure = c.detail
+    return Comparison(failure is None, max_abs, max_rel, failure)
+
+
+def correctness_of(comparisons: Sequence[Comparison], note: str | None = None) -> Correctness:
+    """Merge the comparisons of several input sets into the public Correctness record."""
+    if not comparisons:
+        return Correctness(checked=False, passed=None, input_sets=0, detail=note)
+    failed = [c for c in comparisons if not c.passed]
+    detail = failed[0].detail if failed else note
+    return Correctness(
+        checked=True,
+        passed=not failed,
+        max_abs_error=max(c.max_abs_error for c in comparisons),
+        max_rel_error=max(c.max_rel_error for c in comparisons),
+        input_sets=len(comparisons),
+        detail=detail,
+    )

@@ -1,0 +1,1161 @@
+"""Measure CUDA kernels on the local NVIDIA GPUs: a supervisor in the server, one worker process per device.
+
+The supervisor never touches CUDA. It compiles with nvcc (to a cubin for the device's architecture, cached by
+content), then hands the cubin to the device's worker (`gpu_worker`, the only pycuda importer) over framed
+stdin/stdout. Each worker runs in its own process group: a kernel that hangs past its time cap is killed with
+the whole group, a crash or garbage on the pipe becomes a `worker_crashed` result, and the next request gets a
+fresh worker. Requests to one device are serialised; devices run in parallel.
+
+Gas: `cost.gpu_seconds` is the wall time the worker held the device for the request (inputs, warm-up, timed
+runs, correctness), capped at `max_seconds`; a hung kernel is charged the cap. Compiling is `compile_seconds`
+and worker start-up is free.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import hashlib
+import importlib.util
+import itertools
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import anyio
+from anyio.abc import Process
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+from forecaster_mcp.errors import InvalidRequest, NotMeasurable
+from forecaster_mcp.measure.base import MeasureRequest, ProgressCallback
+from forecaster_mcp.measure.inputs import param_sizes
+from forecaster_mcp.measure.timing import (
+    below_physical_floor,
+    events_disagree,
+    floor_bytes,
+    physical_floor_ms,
+    summarize,
+)
+from forecaster_mcp.measure.worker_protocol import (
+    HEADER,
+    PROTOCOL_VERSION,
+    DeviceInfo,
+    Fatal,
+    JobResult,
+    KernelImage,
+    MeasureJob,
+    Progress,
+    ProtocolError,
+    Ready,
+    Shutdown,
+    decode_worker_message,
+    encode_frame,
+    parse_header,
+)
+from forecaster_mcp.models import (
+    BufferArg,
+    Correctness,
+    DeviceProvenance,
+    Kernel,
+    MeasureCost,
+    MeasureResult,
+    MeasureStatus,
+    ResourceUsage,
+    Workload,
+)
+
+log = logging.getLogger(__name__)
+
+NAME = "pycuda"
+TARGET_RELATIVE_NOISE = 0.01
+MIN_RUNS = 10
+_MESSAGE_LIMIT = 4000
+_STDERR_TAIL = 2000
+
+_last_reason = "GPU detection has not run yet"
+# The worker imports the package from here even when it is not installed (a checkout on PYTHONPATH).
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+
+
+def detect_reason() -> str:
+    """Why the last `PycudaMeasurer.detect` found no usable GPU ("" when it found one)."""
+    return _last_reason
+
+
+# ---------------------------------------------------------------- detection (no pycuda import here)
+
+
+@dataclass(frozen=True)
+class GpuListing:
+    names: list[str]
+    driver: str | None
+
+
+def _visible_indices() -> list[int] | None:
+    """CUDA_VISIBLE_DEVICES as ordinals, None when unset; [] when it names devices by UUID or MIG id."""
+    raw = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if raw is None:
+        return None
+    out: list[int] = []
+    for part in raw.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if not part.lstrip("-").isdigit():
+            return []
+        if int(part) < 0:
+            break  # CUDA stops at the first invalid ordinal
+        out.append(int(part))
+    return out
+
+
+def _list_with_nvidia_smi() -> GpuListing | None:
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        out = subprocess.run(
+            [smi, "--query-gpu=index,name,driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    rows = [[p.strip() for p in line.split(",")] for line in out.strip().splitlines() if line.strip()]
+    by_index = {int(r[0]): r for r in rows if len(r) >= 3 and r[0].isdigit()}
+    visible = _visible_indices()
+    if visible == []:
+        return None  # UUID / MIG selection: only the driver can map it
+    order = visible if visible is not None else sorted(by_index)
+    picked = [by_index[i] for i in order if i in by_index]
+    if not picked:
+        return GpuListing([], None)
+    return GpuListing([r[1] for r in picked], picked[0][2])
+
+
+def _list_with_libcuda() -> GpuListing | None:
+    """Device names through the driver API itself (cuInit creates no context)."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    if lib.cuInit(0) != 0:
+        return GpuListing([], None)
+    count = ctypes.c_int(0)
+    if lib.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return GpuListing([], None)
+    names: list[str] = []
+    for i in range(count.value):
+        dev = ctypes.c_int(0)
+        buf = ctypes.create_string_buffer(256)
+        if lib.cuDeviceGet(ctypes.byref(dev), i) == 0 and lib.cuDeviceGetName(buf, 256, dev) == 0:
+            names.append(buf.value.decode(errors="replace"))
+    version = ctypes.c_int(0)
+    driver = None
+    if lib.cuDriverGetVersion(ctypes.byref(version)) == 0:
+        driver = f"CUDA driver API {version.value // 1000}.{(version.value % 1000) // 10}"
+    return GpuListing(names, driver)
+
+
+def _libcuda_present() -> bool:
+    if ctypes.util.find_library("cuda") is not None:
+        return True
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
+def canonical_device_name(raw: str) -> str:
+    """The spec table's name for a GPU ("NVIDIA H100 80GB HBM3" -> "H100-SXM5-80GB"), else the raw name."""
+    try:
+        from forecaster_mcp.hardware.specs import canonical_name
+
+        return canonical_name(raw)
+    except Exception:  # the table is optional here; the driver's name is still a name
+        return raw.strip()
+
+
+# ---------------------------------------------------------------- nvcc
+
+
+@dataclass(frozen=True)
+class CompiledKernel:
+    """A cubin in the compile cache plus what ptxas and the PTX say about the entry."""
+
+    cubin_path: str
+    symbol: str
+    param_sizes: list[int] | None
+    registers: int | None
+    static_shared_bytes: int | None
+    spill_bytes: int | None
+    stack_bytes: int | None
+
+
+@dataclass(frozen=True)
+class CompileFailure:
+    message: str
+
+
+_RDC_FLAGS = {"-rdc=true", "--relocatable-device-code=true", "-rdc", "-dc", "--device-c"}
+_ARCH_FLAGS = ("-arch", "--gpu-architecture", "-gencode", "--generate-code", "-code", "--gpu-code")
+_PTXAS_DETAIL = re.compile(r"^\s+\d+ bytes stack frame")
+_PATH = re.compile(r"(?<![\w.~-])/(?:[^\s:'\"()<>,]+/)+([^\s/:'\"()<>,]+)")
+
+
+def trim_compiler_message(text: str, workdir: str | Path | None = None, limit: int = _MESSAGE_LIMIT) -> str:
+    """The compiler's diagnostics for an agent: no host paths, no ptxas info chatter, bounded length."""
+    if workdir is not None:
+        for w in {str(workdir), os.path.realpath(workdir)}:
+            text = text.replace(w + os.sep, "").replace(w, "")
+    text = _PATH.sub(r"\1", text)
+    lines = [ln.rstrip() for ln in text.splitlines()]
+    lines = [ln for ln in lines if ln and not ln.startswith("ptxas info") and not _PTXAS_DETAIL.match(ln)]
+    kept: list[str] = []
+    size = 0
+    for i, ln in enumerate(lines):
+        if size + len(ln) + 1 > limit:
+            kept.append(f"... ({len(lines) - i} more lines)")
+            break
+        kept.append(ln)
+        size += len(ln) + 1
+    return "\n".join(kept).strip()
+
+
+def _itanium_function_name(symbol: str) -> str | None:
+    """The unqualified name in an Itanium-mangled symbol (`_Z3addPf` -> add, `_ZN2ns3addE...` -> add)."""
+    if not symbol.startswith("_Z"):
+        return None
+    i = 2
+    nested = symbol.startswith("_ZN")
+    if nested:
+        i = 3
+    name: str | None = None
+    while i < len(symbol) and symbol[i].isdigit():
+        j = i
+        while j < len(symbol) and symbol[j].isdigit():
+            j += 1
+        length = int(symbol[i:j])
+        name = symbol[j : j + length]
+        i = j + length
+        if not nested:
+            break
+    return name
+
+
+def resolve_symbol(entry: str, symbols: Sequence[str]) -> str | CompileFailure:
+    """The symbol of `entry` among the cubin's entry functions."""
+    if entry in symbols:
+        return entry
+    matches = [s for s in symbols if _itanium_function_name(s) == entry]
+    if len(matches) == 1:
+        return matches[0]
+    found = ", ".join(symbols) if symbols else "none"
+    if len(matches) > 1:
+        return CompileFailure(
+            f"entry {entry!r} names {len(matches)} kernels (overloads or template instances: "
+            f'{", ".join(matches)}); declare the one to run extern "C" or instantiate the template once'
+        )
+    return CompileFailure(
+        f"no __global__ function named {entry!r} in the compiled source (entry functions found: {found}); "
+        "check the name, and instantiate templates explicitly"
+    )
+
+
+_PTXAS_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+
+
+def parse_ptxas(stderr: str) -> dict[str, dict[str, int]]:
+    """Per entry symbol: registers, static shared memory, stack and spill bytes from `ptxas -v` output."""
+    out: dict[str, dict[str, int]] = {}
+    current: dict[str, int] | None = None
+    for line in stderr.splitlines():
+        m = _PTXAS_ENTRY.search(line)
+        if m:
+            current = out.setdefault(m.group(1), {})
+            continue
+        if current is None:
+            continue
+        if (r := re.search(r"Used (\d+) registers", line)) is not None:
+            current["registers"] = int(r.group(1))
+        if (s := re.search(r"(\d+) bytes smem", line)) is not None:
+            current["shared"] = int(s.group(1))
+        if f := re.search(
+            r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line
+        ):
+            current["stack"] = int(f.group(1))
+            current["spill_stores"] = int(f.group(2))
+            current["spill_loads"] = int(f.group(3))
+    return out
+
+
+_PTX_SIZES = {"8": 1, "16": 2, "32": 4, "64": 8}
+
+
+def parse_ptx_params(ptx: str, symbol: str) -> list[int] | None:
+    """Byte size of each parameter of `.entry symbol` in PTX text; None when the entry is not there."""
+    m = re.search(r"\.entry\s+" + re.escape(symbol) + r"\s*\((.*?)\)", ptx, re.S)
+    if m is None:
+        m = re.search(r"\.entry\s+" + re.escape(symbol) + r"\s*\(\s*\)", ptx)
+        return [] if m is not None else None
+    sizes: list[int] = []
+    for decl in m.group(1).split(","):
+        decl = decl.strip()
+        if not decl.startswith(".param"):
+            continue
+        array = re.search(r"\[(\d+)\]\s*$", decl)
+        if array:
+            sizes.append(int(array.group(1)))
+            continue
+        kind = re.search(r"\.[usbf](8|16|32|64)\b", decl)
+        if kind is None:
+            return None
+        sizes.append(_PTX_SIZES[kind.group(1)])
+    return sizes
+
+
+class NvccCompiler:
+    """nvcc to cubin with `-Xptxas -v`, cached by content under `cache_dir/kernels`."""
+
+    FLOW = "cubin-v1"  # bump when the compile flow changes what a cached entry means
+
+    def __init__(
+        self, cache_dir: Path, nvcc: str | Sequence[str] | None = None, timeout_s: float = 120.0
+    ) -> None:
+        self.cache_dir = cache_dir
+        self.timeout_s = timeout_s
+        if nvcc is None:
+            found = shutil.which("nvcc") or next(
+                (p for p in ("/usr/local/cuda/bin/nvcc",) if os.access(p, os.X_OK)), None
+            )
+            self.command: list[str] | None = [found] if found else None
+        elif isinstance(nvcc, str):
+            self.command = [nvcc]
+        else:
+            self.command = list(nvcc)
+        self._version: str | None = None
+
+    @property
+    def available(self) -> bool:
+        return self.command is not None
+
+    def version(self) -> str:
+        """The compiler's version line (part of every cache key); 'unavailable' without nvcc."""
+        if self._version is None:
+            if self.command is None:
+                self._version = "unavailable"
+            else:
+                try:
+                    out = subprocess.run(
+                        [*self.command, "--version"], capture_output=True, text=True, timeout=30
+                    )
+                    lines = [ln for ln in out.stdout.splitlines() if ln.strip()]
+                    self._version = lines[-1] if lines else "unknown"
+                except (OSError, subprocess.SubprocessError):
+                    self._version = "unknown"
+        return self._version
+
+    def key(self, kernel: Kernel, arch: str) -> str:
+        payload = {
+            "flow": self.FLOW,
+            "nvcc": self.version(),
+            "arch": arch,
+            "source": kernel.source_hash(),
+            "entry": kernel.entry,
+            "defines": {k: kernel.defines[k] for k in sorted(kernel.defines)},
+            "options": kernel.compile_options,
+        }
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+    async def compile(self, kernel: Kernel, arch: str) -> CompiledKernel | CompileFailure:
+        if self.command is None:
+            raise NotMeasurable(
+                "nvcc (the CUDA toolkit) is not installed on the measurement machine; install it or set "
+                "FORECASTER_MCP_NVCC to its path"
+            )
+        key = self.key(kernel, arch)
+        entry_dir = self.cache_dir / "kernels" / key
+        meta_path = entry_dir / "meta.json"
+        cached = _read_meta(meta_path)
+        if cached is not None:
+            return cached
+        result, cacheable = await self._compile_fresh(kernel, arch, entry_dir)
+        if cacheable:
+            _write_meta(meta_path, result)
+        return result
+
+    def _command(self, kernel: Kernel, arch: str, relocatable: bool, out_name: str) -> list[str]:
+        assert self.command is not None
+        cmd = [*self.command, "-cubin"]
+        if not any(opt.split("=")[0] in _ARCH_FLAGS for opt in kernel.compile_options):
+            cmd.append(f"-arch={arch}")
+        if relocatable and not any(opt in _RDC_FLAGS for opt in kernel.compile_options):
+            cmd.append("-rdc=true")
+        cmd += ["-Xptxas", "-v", "--keep", "--keep-dir", "keep"]
+        cmd += [f"-D{name}={value}" for name, value in kernel.defines.items()]
+        cmd += [opt for opt in kernel.compile_options if opt not in ("-dc", "--device-c")]
+        cmd += ["-o", out_name, "kernel.cu"]
+        return cmd
+
+    async def _compile_fresh(
+        self, kernel: Kernel, arch: str, entry_dir: Path
+    ) -> tuple[CompiledKernel | CompileFailure, bool]:
+        """The outcome and whether to cache it (a timeout may pass on retry; a compiler error will not)."""
+        (self.cache_dir / "tmp").mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix="nvcc-", dir=self.cache_dir / "tmp"))
+        try:
+            (work / "keep").mkdir()
+            (work / "kernel.cu").write_text(kernel.source, encoding="utf-8", errors="surrogatepass")
+            relocatable = any(opt in _RDC_FLAGS for opt in kernel.compile_options)
+            out_name = "device.cubin" if relocatable else "kernel.cubin"
+            rc, output = await _run_bounded(
+                self._command(kernel, arch, relocatable, out_name), work, self.timeout_s
+            )
+            if rc is None:
+                return CompileFailure(f"nvcc did not finish within {self.timeout_s:g} s"), False
+            if rc != 0:
+                return CompileFailure(
+                    trim_compiler_message(output, work) or f"nvcc failed (exit status {rc})"
+                ), True
+            if relocatable:
+                # Device-side launches need the device runtime linked in: device-link to one cubin.
+                assert self.command is not None
+                link = [
+                    *self.command,
+                    "-dlink",
+                    "-cubin",
+                    f"-arch={arch}",
+                    "-o",
+                    "kernel.cubin",
+                    out_name,
+                    "-lcudadevrt",
+                ]
+                rc, link_output = await _run_bounded(link, work, self.timeout_s)
+                if rc is None:
+                    return CompileFailure(f"nvcc -dlink did not finish within {self.timeout_s:g} s"), False
+                if rc != 0:
+                    return CompileFailure(
+                        trim_compiler_message(link_output, work) or "device link failed"
+                    ), True
+            return _install(kernel.entry, output, work, entry_dir), True
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _install(entry: str, ptxas_output: str, work: Path, entry_dir: Path) -> CompiledKernel | CompileFailure:
+    """Move a fresh cubin into the cache and describe its entry (symbol, parameters, resources)."""
+    infos = parse_ptxas(ptxas_output)
+    symbol = resolve_symbol(entry, list(infos))
+    if isinstance(symbol, CompileFailure):
+        return symbol
+    ptx_files = sorted((work / "keep").glob("*.ptx"))
+    params = parse_ptx_params(ptx_files[0].read_text(errors="replace"), symbol) if ptx_files else None
+    info = infos.get(symbol, {})
+    entry_dir.mkdir(parents=True, exist_ok=True)
+    cubin = entry_dir / "kernel.cubin"
+    os.replace(work / "kernel.cubin", cubin)
+    return CompiledKernel(
+        cubin_path=str(cubin),
+        symbol=symbol,
+        param_sizes=params,
+        registers=info.get("registers"),
+        static_shared_bytes=info.get("shared", 0) if info else None,
+        spill_bytes=(info["spill_stores"] + info["spill_loads"]) if "spill_stores" in info else None,
+        stack_bytes=info.get("stack"),
+    )
+
+
+def _read_meta(path: Path) -> CompiledKernel | CompileFailure | None:
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if "error" in meta:
+        return CompileFailure(str(meta["error"]))
+    try:
+        compiled = CompiledKernel(**meta)
+    except TypeError:
+        return None
+    return compiled if Path(compiled.cubin_path).exists() else None
+
+
+def _write_meta(path: Path, result: CompiledKernel | CompileFailure) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = asdict(result) if isinstance(result, CompiledKernel) else {"error": result.message}
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(payload))
+    os.replace(tmp, path)  # atomic: a reader never sees half an entry
+
+
+async def _run_bounded(cmd: list[str], cwd: Path, timeout_s: float) -> tuple[int | None, str]:
+    """Run in its own process group; (exit status or None on timeout, stdout+stderr)."""
+    # nvcc's own temporaries go in the work directory too: a failed front end leaves files behind.
+    env = {**os.environ, "TMPDIR": str(cwd)}
+    process = await anyio.open_process(
+        cmd,
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    chunks: list[bytes] = []
+    try:
+        with anyio.move_on_after(timeout_s) as scope:
+            assert process.stdout is not None
+            async for chunk in process.stdout:
+                chunks.append(chunk)
+            await process.wait()
+        if scope.cancelled_caught:
+            return None, b"".join(chunks).decode(errors="replace")
+        return process.returncode, b"".join(chunks).decode(errors="replace")
+    finally:
+        with anyio.CancelScope(shield=True):
+            if process.returncode is None:
+                _killpg(process.pid)
+                with anyio.move_on_after(5):
+                    await process.wait()
+            await process.aclose()
+
+
+def _killpg(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+# ---------------------------------------------------------------- worker processes
+
+
+class WorkerGone(Exception):
+    """The worker's output ended (it exited or was killed)."""
+
+
+class _Worker:
+    """One running worker process, its framed pipes, and its stderr (kept in an unlinked temp file)."""
+
+    def __init__(self, process: Process, stderr: IO[bytes]) -> None:
+        self.process = process
+        self.stderr = stderr
+        assert process.stdout is not None and process.stdin is not None
+        self.reader = BufferedByteReceiveStream(process.stdout)
+        self.writer = process.stdin
+        self.info: DeviceInfo | None = None
+
+    @property
+    def pgid(self) -> int:
+        return self.process.pid  # start_new_session: the worker leads its own group
+
+    async def send(self, message: MeasureJob | Shutdown) -> None:
+        try:
+            await self.writer.send(encode_frame(message))
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
+            raise WorkerGone("the worker's input pipe is closed") from exc
+
+    async def receive(self) -> Ready | Fatal | Progress | JobResult:
+        try:
+            header = await self.reader.receive_exactly(HEADER.size)
+            payload = await self.reader.receive_exactly(parse_header(header))
+        except (
+            anyio.IncompleteRead,
+            anyio.EndOfStream,
+            anyio.BrokenResourceError,
+            anyio.ClosedResourceError,
+        ) as exc:
+            raise WorkerGone("the worker's output ended") from exc
+        return decode_worker_message(payload)
+
+    def stderr_tail(self, limit: int = _STDERR_TAIL) -> str:
+        try:
+            fd = self.stderr.fileno()
+            size = os.fstat(fd).st_size
+            start = max(0, size - limit)
+            return os.pread(fd, size - start, start).decode(errors="replace").strip()
+        except (OSError, ValueError):
+            return ""
+
+    def exit_description(self) -> str:
+        code = self.process.returncode
+        if code is None:
+            return "the worker stopped answering"
+        if code < 0:
+            try:
+                return f"the worker was killed by signal {signal.Signals(-code).name}"
+            except ValueError:
+                return f"the worker was killed by signal {-code}"
+        return f"the worker exited with status {code}"
+
+    async def kill(self) -> None:
+        """Kill the whole process group (the worker and anything it started) and reap the worker."""
+        with anyio.CancelScope(shield=True):
+            _killpg(self.pgid)
+            with anyio.move_on_after(5):
+                await self.process.wait()
+            with contextlib.suppress(Exception):
+                await self.process.aclose()
+
+    def close_log(self) -> None:
+        self.stderr.close()
+
+    async def shutdown(self, grace_s: float = 2.0) -> None:
+        with anyio.CancelScope(shield=True):
+            if self.process.returncode is None:
+                with contextlib.suppress(WorkerGone):
+                    await self.send(Shutdown())
+                with anyio.move_on_after(grace_s):
+                    await self.process.wait()
+            await self.kill()
+            self.close_log()
+
+
+@dataclass
+class _Slot:
+    """One device: its lock (requests are serialised), its worker, and what the worker reported."""
+
+    index: int
+    name: str
+    lock: anyio.Lock
+    worker: _Worker | None = None
+    info: DeviceInfo | None = None
+
+
+@dataclass(frozen=True)
+class _JobOutcome:
+    result: JobResult | None
+    status: MeasureStatus
+    message: str | None
+    gpu_seconds: float
+
+
+# ---------------------------------------------------------------- the measurer
+
+
+class PycudaMeasurer:
+    """The `pycuda` backend of the Measurer seam: real runs on local NVIDIA GPUs through worker processes."""
+
+    name = NAME
+
+    def __init__(
+        self,
+        cache_dir: Path,
+        worker_cmd: list[str] | None = None,
+        device_names: list[str] | None = None,
+        *,
+        nvcc: str | Sequence[str] | None = None,
+        driver: str | None = None,
+        startup_grace_s: float = 60.0,
+        compile_timeout_s: float = 120.0,
+        kill_slack_s: float = 1.0,
+        target_relative_noise: float = TARGET_RELATIVE_NOISE,
+    ) -> None:
+        """`worker_cmd` defaults to this interpreter running `gpu_worker`; `--device N` is appended.
+        `device_names` (CUDA ordinal order) default to what nvidia-smi or the driver lists."""
+        self.cache_dir = Path(cache_dir)
+        self.worker_cmd = (
+            list(worker_cmd) if worker_cmd else [sys.executable, "-m", "forecaster_mcp.measure.gpu_worker"]
+        )
+        if device_names is None:
+            listing = _list_with_nvidia_smi() or _list_with_libcuda() or GpuListing([], None)
+            device_names = listing.names
+            driver = driver or listing.driver
+        self._slots = [
+            _Slot(index=i, name=canonical_device_name(raw), lock=anyio.Lock())
+            for i, raw in enumerate(device_names)
+        ]
+        self._driver = driver
+        self.compiler = NvccCompiler(self.cache_dir, nvcc, compile_timeout_s)
+        self.startup_grace_s = startup_grace_s
+        self.kill_slack_s = kill_slack_s
+        self.target_relative_noise = target_relative_noise
+        self._job_ids = itertools.count(1)
+        self._round_robin = itertools.count()
+        self._closed = False
+
+    # ---------------------------------------------------------------- detection
+
+    @classmethod
+    def detect(cls, cache_dir: Path, **kwargs: Any) -> PycudaMeasurer | None:
+        """A measurer for this machine's GPUs, or None (reason in `detect_reason()`). Never imports pycuda."""
+        global _last_reason
+        if importlib.util.find_spec("pycuda") is None:
+            _last_reason = f"pycuda is not installed for {sys.executable} (pip install 'forecaster-mcp[gpu]')"
+            return None
+        if not _libcuda_present():
+            _last_reason = "no NVIDIA driver here (libcuda not found), so no local GPU to measure on"
+            return None
+        listing = _list_with_nvidia_smi() or _list_with_libcuda()
+        if listing is None or not listing.names:
+            _last_reason = (
+                "the NVIDIA driver reports no usable GPU (check CUDA_VISIBLE_DEVICES and nvidia-smi)"
+            )
+            return None
+        _last_reason = ""
+        return cls(Path(cache_dir), device_names=listing.names, driver=listing.driver, **kwargs)
+
+    detect_reason = staticmethod(detect_reason)
+
+    # ---------------------------------------------------------------- Measurer seam
+
+    def devices(self) -> list[str]:
+        return list(dict.fromkeys(slot.name for slot in self._slots))
+
+    def device_fingerprint(self, device: str) -> str:
+        return f"{NAME}|{device}|driver={self._driver or 'unknown'}|nvcc={self.compiler.version()}"
+
+    def reservation_seconds(self, request: MeasureRequest) -> float:
+        # The most a request is charged: a hung kernel costs its whole cap, nothing costs more.
+        return float(request.max_seconds)
+
+    async def measure(
+        self, request: MeasureRequest, progress: ProgressCallback | None = None
+    ) -> MeasureResult:
+        result, _ = await self.measure_with_samples(request, progress)
+        return result
+
+    async def measure_with_samples(
+        self, request: MeasureRequest, progress: ProgressCallback | None = None
+    ) -> tuple[MeasureResult, list[float]]:
+        """`measure`, plus the raw timed samples in ms (for recordings such as Kernel Tuner cache files)."""
+        if self._closed:
+            raise NotMeasurable("the GPU measurer is shut down")
+        _check_runnable(request.kernel, "kernel", request.workload)
+        if request.reference is not None:
+            _check_runnable(request.reference, "reference", request.workload)
+        slot = self._slot_for(request.device)
+        info = await self._device_info(slot)
+
+        t_compile = time.perf_counter()
+        compiled = await self.compiler.compile(request.kernel, info.arch)
+        ref_compiled = (
+            await self.compiler.compile(request.reference, info.arch)
+            if request.reference is not None
+            else None
+        )
+        compile_seconds = time.perf_counter() - t_compile
+        for what, built in (("", compiled), ("reference kernel: ", ref_compiled)):
+            if isinstance(built, CompileFailure):
+                failed = self._result(
+                    request, slot, "compile_error", what + built.message, 0.0, compile_seconds
+                )
+                return failed, []
+        assert isinstance(compiled, CompiledKernel)
+        assert ref_compiled is None or isinstance(ref_compiled, CompiledKernel)
+        for what, ck, k in (
+            ("kernel", compiled, request.kernel),
+            ("reference", ref_compiled, request.reference),
+        ):
+            if ck is not None and k is not None:
+                mismatch = _parameter_mismatch(what, k, ck, request.workload)
+                if mismatch is not None:
+                    refused = self._result(
+                        request, slot, "launch_error", mismatch, 0.0, compile_seconds, compiled=compiled
+                    )
+                    return refused, []
+
+        job = MeasureJob(
+            job_id=next(self._job_ids),
+            kernel=_image(request.kernel, compiled),
+            reference=_image(request.reference, ref_compiled) if request.reference and ref_compiled else None,
+            workload=request.workload,
+            atol=request.atol,
+            rtol=request.rtol,
+            max_seconds=request.max_seconds,
+            max_runs=max(1, min(request.max_runs, 100_000)),
+            seed=request.seed,
+            target_relative_noise=self.target_relative_noise,
+            min_runs=MIN_RUNS,
+        )
+        async with slot.lock:
+            outcome = await self._run_job(slot, job, progress)
+        result = self._result(
+            request,
+            slot,
+            outcome.status,
+            outcome.message,
+            outcome.gpu_seconds,
+            compile_seconds,
+            compiled=compiled,
+            job=outcome.result,
+        )
+        return result, list(outcome.result.samples_ms) if outcome.result else []
+
+    def device_info(self, device: str) -> DeviceInfo | None:
+        """What the worker reported about `device` (L2, SMs, bandwidth...); None before it first started."""
+        for slot in self._slots:
+            if slot.name == device and slot.info is not None:
+                return slot.info
+        return None
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def aclose(self) -> None:
+        """Stop every worker (a running job is killed)."""
+        self._closed = True
+        for slot in self._slots:
+            worker, slot.worker = slot.worker, None
+            if worker is not None:
+                await worker.shutdown()
+
+    async def __aenter__(self) -> PycudaMeasurer:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def worker_pid(self, device: str) -> int | None:
+        """The pid of a live worker for `device` (diagnostics and tests)."""
+        for slot in self._slots:
+            if slot.name == device and slot.worker is not None and slot.worker.process.returncode is None:
+                return slot.worker.process.pid
+        return None
+
+    # ---------------------------------------------------------------- internals
+
+    def _slot_for(self, device: str) -> _Slot:
+        slots = [s for s in self._slots if s.name == device]
+        if not slots:
+            have = ", ".join(self.devices()) or "none"
+            raise NotMeasurable(f"no local GPU named {device!r}; this machine has: {have}")
+        free = [s for s in slots if not s.lock.locked()]
+        if free:
+            return free[0]
+        return slots[next(self._round_robin) % len(slots)]
+
+    async def _device_info(self, slot: _Slot) -> DeviceInfo:
+        if slot.info is not None:
+            return slot.info
+        async with slot.lock:
+            await self._ensure_worker(slot)
+        assert slot.info is not None
+        return slot.info
+
+    async def _ensure_worker(self, slot: _Slot) -> _Worker:
+        """The slot's live worker, starting one if needed (start-up is never charged)."""
+        if slot.worker is not None and slot.worker.process.returncode is None:
+            return slot.worker
+        if slot.worker is not None:
+            await self._retire(slot)
+        env = dict(os.environ)
+        # Ordinals in PCI order match nvidia-smi's indices, which named the devices.
+        env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH", "")) if p)
+        stderr = tempfile.TemporaryFile(prefix="gpu-worker-")
+        try:
+            process = await anyio.open_process(
+                [*self.worker_cmd, "--device", str(slot.index)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                env=env,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            stderr.close()
+            raise NotMeasurable(f"cannot start the GPU worker ({self.worker_cmd[0]}): {exc}") from exc
+        worker = _Worker(process, stderr)
+        failure: str | None = None
+        try:
+            with anyio.fail_after(self.startup_grace_s):
+                message = await worker.receive()
+        except TimeoutError:
+            failure = f"it did not become ready within {self.startup_grace_s:g} s"
+        except (WorkerGone, ProtocolError) as exc:
+            if isinstance(exc, WorkerGone):
+                with anyio.move_on_after(1.0):
+                    await worker.process.wait()
+                what = worker.exit_description()
+            else:
+                what = f"it broke the protocol ({exc})"
+            await worker.kill()
+            tail = trim_compiler_message(worker.stderr_tail(), limit=1500) or "no stderr"
+            failure = f"{what} during start-up; its stderr ends: {tail}"
+            message = None
+        else:
+            if isinstance(message, Fatal):
+                failure = message.message
+            elif not isinstance(message, Ready) or message.protocol != PROTOCOL_VERSION:
+                failure = f"it spoke an unexpected first message ({type(message).__name__})"
+        if failure is not None:
+            await worker.kill()
+            worker.close_log()
+            raise NotMeasurable(
+                f"the GPU worker for device {slot.index} ({slot.name}) cannot start: {failure}"
+            )
+        assert isinstance(message, Ready)
+        worker.info = message.device
+        slot.info = message.device
+        slot.worker = worker
+        if canonical_device_name(message.device.name) != slot.name:
+            log.warning("device %d reports %r, expected %r", slot.index, message.device.name, slot.name)
+        return worker
+
+    async def _retire(self, slot: _Slot) -> None:
+        worker, slot.worker = slot.worker, None
+        if worker is not None:
+            await worker.kill()
+            worker.close_log()
+
+    async def _run_job(self, slot: _Slot, job: MeasureJob, progress: ProgressCallback | None) -> _JobOutcome:
+        """Run one job on the slot's worker under the time cap; the caller holds the slot's lock."""
+        worker = await self._ensure_worker(slot)
+        cap = job.max_seconds
+        started = time.perf_counter()
+        done = False
+        result: JobResult | None = None
+        try:
+            try:
+                await worker.send(job)
+                with anyio.move_on_after(cap + self.kill_slack_s) as scope:
+                    while True:
+                        message = await worker.receive()
+                        if isinstance(message, Progress):
+                            if message.job_id != job.job_id:
+                                raise ProtocolError(
+                                    f"progress for job {message.job_id} during job {job.job_id}"
+                                )
+                            if progress is not None:
+                                await progress(message.done, message.total, message.message)
+                            continue
+                        if isinstance(message, JobResult) and message.job_id == job.job_id:
+                            result = message
+                            break
+                        raise ProtocolError(f"unexpected {type(message).__name__} message during a job")
+            except (WorkerGone, ProtocolError) as exc:
+                elapsed = time.perf_counter() - started
+                if isinstance(exc, WorkerGone):
+                    # It is exiting on its own: let it, so its exit status says how it died.
+                    with anyio.move_on_after(1.0):
+                        await worker.process.wait()
+                    what = worker.exit_description()
+                else:
+                    what = f"the worker broke the protocol ({exc})"
+                slot.worker = None
+                await worker.kill()
+                tail = worker.stderr_tail()
+                worker.close_log()
+                if tail:
+                    what += "; its stderr ends: " + trim_compiler_message(tail, limit=1500)
+                done = True
+                return _JobOutcome(
+                    None,
+                    "worker_crashed",
+                    f"{what}. The device went to a fresh worker; check the kernel for faults, or retry.",
+                    min(elapsed, cap),
+                )
+            elapsed = time.perf_counter() - started
+            if scope.cancelled_caught:
+                await self._retire(slot)
+                done = True
+                return _JobOutcome(
+                    None,
+                    "timeout",
+                    f"the kernel did not finish within max_seconds={cap:g} (a hang, or runs too slow for the "
+                    "cap); the worker and its process group were killed and the cap was charged",
+                    cap,
+                )
+            assert result is not None
+            if result.restart:
+                await self._retire(slot)
+            done = True
+            return _JobOutcome(result, result.status, result.message, min(elapsed, cap))
+        finally:
+            if not done:
+                # Cancelled from outside (client went away): the worker is mid-job and cannot be reused.
+                await self._retire(slot)
+
+    def _result(
+        self,
+        request: MeasureRequest,
+        slot: _Slot,
+        status: MeasureStatus,
+        message: str | None,
+        gpu_seconds: float,
+        compile_seconds: float,
+        *,
+        compiled: CompiledKernel | None = None,
+        job: JobResult | None = None,
+    ) -> MeasureResult:
+        info = slot.info
+        flags = list(job.flags) if job is not None else []
+        stats = summarize(job.samples_ms) if job is not None and job.samples_ms else None
+        notes: list[str] = [message] if message else []
+        if stats is not None and job is not None:
+            if job.stop_reason != "noise_target" and stats.relative_noise > self.target_relative_noise:
+                flags.append("noise_target_not_reached")
+            peak = _peak_bandwidth_gbs(slot.name, info)
+            if peak is not None:
+                moved = floor_bytes(request.workload, info.l2_bytes if info else 0)
+                if below_physical_floor(stats.median, moved, peak):
+                    flags.append("below_physical_floor")
+                    notes.append(
+                        f"below_physical_floor: median {stats.median:.4g} ms is under the "
+                        f"{physical_floor_ms(moved, peak):.4g} ms it takes to move {moved} bytes at "
+                        f"{peak:g} GB/s; check that the kernel does all its work and reads all of its inputs"
+                    )
+            if events_disagree(stats.median, job.wall_ms):
+                flags.append("events_disagree_with_wall_clock")
+                notes.append(
+                    f"events_disagree_with_wall_clock: host wall clock ({min(job.wall_ms):.4g} ms) is far "
+                    f"above the event median ({stats.median:.4g} ms): work outside the timed stream may be "
+                    "unaccounted"
+                )
+        resources = ResourceUsage()
+        if compiled is not None or job is not None:
+            registers = (job.registers if job else None) or (compiled.registers if compiled else None)
+            static_shared = job.static_shared_bytes if job else None
+            if static_shared is None and compiled is not None:
+                static_shared = compiled.static_shared_bytes
+            launch = request.kernel.launch
+            dynamic = launch.shared_mem_bytes if launch else 0
+            shared = (static_shared or 0) + dynamic
+            resources = ResourceUsage(
+                registers=registers,
+                shared_mem_bytes=shared,
+                spill_bytes=compiled.spill_bytes if compiled else None,
+                occupancy=_occupancy(info, launch.threads_per_block if launch else 0, registers or 0, shared),
+            )
+        device = DeviceProvenance(
+            name=slot.name,
+            backend="pycuda",
+            compute_capability=info.compute_capability if info else None,
+            driver=self._driver or (info.driver if info else None),
+            sm_clock_mhz=job.sm_clock_mhz if job else None,
+            mem_clock_mhz=job.mem_clock_mhz if job else None,
+            throttle_reasons=list(job.throttle_reasons) if job else [],
+        )
+        return MeasureResult(
+            kernel_id=request.kernel.id or "k0",
+            status=status,
+            message=_bounded("; ".join(notes)) if notes else None,
+            runtime_ms=stats,
+            correctness=job.correctness if job is not None else Correctness(),
+            resources=resources,
+            device=device,
+            cost=MeasureCost(
+                gpu_seconds=max(0.0, gpu_seconds), compile_seconds=compile_seconds, cached=False
+            ),
+            flags=flags,
+        )
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _bounded(text: str, limit: int = _MESSAGE_LIMIT) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _check_runnable(kernel: Kernel, what: str, workload: Workload) -> None:
+    if kernel.language != "cuda":
+        raise NotMeasurable(
+            f"the {what} is {kernel.language}; the local GPU backend runs CUDA C++ kernels only "
+            "(other languages can be forecast, or measured through a replay recording)"
+        )
+    if kernel.launch is None:
+        raise InvalidRequest(
+            f"{what}.launch is required to run it: give grid and block, e.g. "
+            '{"grid": [4096, 1, 1], "block": [256, 1, 1]}'
+        )
+    if not workload.args:
+        raise InvalidRequest(
+            "workload.args is required to run a kernel: list its parameters in order, buffers as "
+            '{"name", "dtype", "shape", "init", "intent"} and scalars as {"name", "dtype", "value"}'
+        )
+
+
+def _parameter_mismatch(
+    what: str, kernel: Kernel, compiled: CompiledKernel, workload: Workload
+) -> str | None:
+    """Explain a disagreement between the kernel's parameter list and workload.args, before anything runs."""
+    if compiled.param_sizes is None:
+        return None
+    want = param_sizes(workload)
+    have = compiled.param_sizes
+    described = ", ".join(
+        f"{a.name} ({'pointer' if isinstance(a, BufferArg) else a.dtype})" for a in workload.args
+    )
+    if len(have) != len(want):
+        return (
+            f"{what} {kernel.entry} takes {len(have)} parameters "
+            f"({', '.join(f'{s} bytes' for s in have) or 'none'}) but workload.args lists {len(want)}: "
+            f"{described}; list one argument per kernel parameter, in order"
+        )
+    for i, (h, w, arg) in enumerate(zip(have, want, workload.args, strict=True)):
+        if h != w:
+            kind = "a device pointer (8 bytes)" if isinstance(arg, BufferArg) else f"{arg.dtype} ({w} bytes)"
+            return (
+                f"{what} {kernel.entry} parameter {i} is {h} bytes but workload argument {arg.name!r} "
+                f"is {kind}; fix the argument's dtype or order"
+            )
+    return None
+
+
+def _image(kernel: Kernel, compiled: CompiledKernel) -> KernelImage:
+    assert kernel.launch is not None
+    return KernelImage(
+        cubin_path=compiled.cubin_path, symbol=compiled.symbol, entry=kernel.entry, launch=kernel.launch
+    )
+
+
+def _peak_bandwidth_gbs(name: str, info: DeviceInfo | None) -> float | None:
+    """The larger of the spec table's and the device's own figure: the floor must never be too high."""
+    figures: list[float] = []
+    try:
+        from forecaster_mcp.hardware.specs import lookup
+
+        spec = lookup(name)
+        if spec is not None:
+            figures.append(spec.mem_bandwidth_gbs)
+    except Exception:  # the spec table is optional
+        pass
+    if info is not None and info.mem_bandwidth_gbs:
+        figures.append(info.mem_bandwidth_gbs)
+    return max(figures) if figures else None
+
+
+def _occupancy(info: DeviceInfo | None, threads: int, registers: int, shared: int) -> float | None:
+    """Theoretical occupancy from the device's own limits (hardware.occupancy), None when unavailable."""
+    if info is None or threads <= 0:
+        return None
+    try:
+        from forecaster_mcp.hardware.occupancy import theoretical_occupancy
+        from forecaster_mcp.hardware.specs import GpuSpec
+    except ImportError:
+        return None
+    spec = GpuSpec(
+        name=info.name,
+        vendor="nvidia",
+        arch=info.arch,
+        compute_capability=info.compute_capability,
+        sms=info.sm_count,
+        max_threads_per_sm=info.max_threads_per_sm,
+        max_blocks_per_sm=info.max_blocks_per_sm,
+        registers_per_sm=info.registers_per_sm,
+        max_registers_per_thread=info.max_registers_per_thread,
+        shared_mem_per_sm_bytes=info.shared_mem_per_sm_bytes,
+        max_shared_mem_per_block_bytes=info.max_shared_mem_per_block_bytes,
+        l2_bytes=info.l2_bytes,
+        mem_bandwidth_gbs=info.mem_bandwidth_gbs or 0.0,
+        fp32_tflops=0.0,
+        fp16_tensor_tflops=0.0,
+        mem_gib=info.total_mem_bytes / 2**30,
+    )
+    try:
+        return float(theoretical_occupancy(spec, threads, registers, shared))
+    except Exception:  # a helper's failure must not fail a measurement
+        return None
