@@ -26,7 +26,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--http", action="store_true", help="serve streamable HTTP at /mcp instead of stdio")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8765)
-    serve.add_argument("--replay", type=Path, action="append", default=[], help="Kernel Tuner cache to replay")
+    serve.add_argument(
+        "--replay", type=Path, action="append", default=[], help="Kernel Tuner cache to replay"
+    )
     serve.add_argument("--ledger", help="ledger a stdio server charges (env FORECASTER_MCP_LEDGER)")
     serve.add_argument("--hardware", help="default GPU for forecasts, e.g. H100")
     serve.add_argument("--measurer", choices=["auto", "replay", "pycuda", "none"])
@@ -78,7 +80,9 @@ def _parser() -> argparse.ArgumentParser:
     se.add_argument("--out", type=Path, default=None, help="write the report as JSON here")
     se.set_defaults(handler="forecaster_mcp.search:search_command")
 
-    demo = sub.add_parser("demo", help="start a server and drive it as an MCP client: the whole idea in one screen")
+    demo = sub.add_parser(
+        "demo", help="start a server and drive it as an MCP client: the whole idea in one screen"
+    )
     demo.add_argument("--replay", type=Path, action="append", default=[], help="recording to measure against")
     demo.set_defaults(handler="forecaster_mcp.demo:demo_command")
     return p

@@ -150,7 +150,9 @@ class Kernel(_Strict):
             if not opt.startswith("-") or "\n" in opt or len(opt) > 256:
                 raise ValueError(f"compile option {opt[:80]!r} must be a single nvcc flag starting with '-'")
             if opt.split("=")[0] in {"-o", "--output-file", "-odir", "--output-directory", "-ccbin"}:
-                raise ValueError(f"compile option {opt!r} is not allowed: the server chooses outputs and host compiler")
+                raise ValueError(
+                    f"compile option {opt!r} is not allowed: the server chooses outputs and host compiler"
+                )
         return v
 
     def source_hash(self) -> str:

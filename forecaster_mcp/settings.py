@@ -26,12 +26,17 @@ class Settings(BaseModel):
         default=600.0, ge=0, description="limit of the 'default' ledger when a stdio server creates it"
     )
     replay: list[Path] = Field(default_factory=list, description="Kernel Tuner cache files to replay")
+    replay_realtime: float = Field(
+        default=0.0,
+        ge=0,
+        description="wall-clock seconds a replayed measurement takes per recorded GPU-second",
+    )
     measurer: Literal["auto", "replay", "pycuda", "none"] = "auto"
     hardware: str | None = Field(default=None, description="default GPU for forecasts")
     target_error: float = Field(default=0.1, gt=0, lt=0.5)
     max_measure_seconds: float = Field(default=30.0, gt=0, description="cap on one measurement's GPU time")
     anthropic_api_key: str | None = None
-    claude_model: str = "claude-sonnet-4-5"
+    claude_model: str = "claude-sonnet-5-5"
     claude_samples: int = Field(default=3, ge=1, le=16)
     nvcc: str | None = Field(default=None, description="path to nvcc; default: found on PATH")
 

@@ -50,7 +50,9 @@ def dedisp_a100() -> Path:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if os.environ.get("FORECASTER_MCP_GPU_TESTS") == "1":
         return
-    skip = pytest.mark.skip(reason="GPU test: needs an NVIDIA GPU and pycuda (set FORECASTER_MCP_GPU_TESTS=1)")
+    skip = pytest.mark.skip(
+        reason="GPU test: needs an NVIDIA GPU and pycuda (set FORECASTER_MCP_GPU_TESTS=1)"
+    )
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

@@ -42,7 +42,9 @@ class Measurer(Protocol):
         """The most GPU-seconds `measure` may charge for this request (reserved before it runs)."""
         ...
 
-    async def measure(self, request: MeasureRequest, progress: ProgressCallback | None = None) -> MeasureResult:
+    async def measure(
+        self, request: MeasureRequest, progress: ProgressCallback | None = None
+    ) -> MeasureResult:
         """Run (or look up) the measurement. `result.cost.gpu_seconds` is what the ledger commits.
 
         Raises NotMeasurable when this backend cannot measure the kernel (nothing is charged).

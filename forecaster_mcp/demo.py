@@ -1,0 +1,149 @@
+"""`forecaster-mcp demo`: start a server over stdio and drive it as an MCP client, in one screen."""
+
+from __future__ import annotations
+
+import argparse
+import random
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from forecaster_mcp.server.client import ToolCaller, ToolCallFailed, connect_stdio
+from forecaster_mcp.settings import Settings
+
+SHARED_HINT = "../shared/datasets/kernel_tuner_benchmark_hub/cachefiles/convolution_milo/A100.json.gz"
+
+
+def _row(c: dict[str, Any]) -> str:
+    return (
+        f"  {c['id']:<22} p_faster {c['p_faster']:5.2f}  ~{c['expected_speedup']:5.2f}x  "
+        f"{c['verdict']:<7} {c['decided_by']:<11} {c['rationale'][:70]}"
+    )
+
+
+async def _forecast_examples(call: ToolCaller, hardware: str) -> None:
+    from forecaster_mcp.examples import load_examples
+
+    print(f"\n== 1. Forecasts on bundled example kernels (hardware {hardware}; free, no GPU needed)")
+    for suite in load_examples():
+        if suite.name.startswith("bad"):
+            continue
+        kernels = [k.kernel.model_dump(exclude_none=True) for k in suite.kernels]
+        out = await call(
+            "compare_kernels",
+            {
+                "candidates": kernels,
+                "workload": suite.workload.model_dump(exclude_none=True),
+                "baseline": suite.reference_id,
+                "hardware": hardware,
+            },
+        )
+        print(f"{suite.name}: {suite.description}")
+        print(f"  baseline {out['baseline']}; ranking {' > '.join(out['ranking'])}")
+        for c in out["candidates"]:
+            print(_row(c))
+    print(f"  forecaster: {out['forecaster']['name']} {out['forecaster']['version']}")
+
+
+async def _measure_without_gpu(call: ToolCaller) -> None:
+    from forecaster_mcp.examples import load_examples
+
+    suite = load_examples()[0]
+    print("\n== 2. Measuring needs a GPU or a recording")
+    try:
+        await call(
+            "measure_kernel",
+            {
+                "kernel": suite.kernels[0].kernel.model_dump(exclude_none=True),
+                "workload": suite.workload.model_dump(),
+            },
+        )
+        print("  measured on this machine's GPU")
+    except ToolCallFailed as exc:
+        print(f"  the server answers the agent: {exc}")
+    print(
+        "  To see the full loop (forecast -> measure the unsure -> the forecaster learns), pass a Kernel Tuner\n"
+        f"  recording to replay: forecaster-mcp demo --replay {SHARED_HINT}"
+    )
+
+
+async def _replay_loop(call: ToolCaller, recording: Path, rounds: int = 6) -> None:
+    from forecaster_mcp.measure.replay import load_space
+
+    space = load_space(recording)
+    valid = [e for e in space.entries if e.time_ms is not None]
+    rng = random.Random(7)
+    source = f"// {space.kernel_name}: tuning space replayed from {recording.name} (source not bundled)\n"
+
+    def kernel(kid: str, params: dict[str, Any]) -> dict[str, Any]:
+        return {"id": kid, "source": source, "entry": space.kernel_name, "defines": params}
+
+    print(
+        f"\n== 2. Forecast-first search over {len(space.entries)} recorded configurations of "
+        f"{space.kernel_name} on {space.device}"
+    )
+    best = rng.choice(valid).params
+    first = await call("measure_kernel", {"kernel": kernel("start", best)})
+    best_ms = first["runtime_ms"]["median"]
+    spent = first["cost"]["gpu_seconds"]
+    considered = 1
+    for r in range(rounds):
+        pool = [kernel(f"c{r}_{i}", e.params) for i, e in enumerate(rng.sample(space.entries, 16))]
+        out = await call("compare_kernels", {"candidates": [kernel("best", best), *pool], "baseline": "best"})
+        considered += len(pool)
+        decided = sum(c["verdict"] != "unsure" for c in out["candidates"])
+        to_measure = [i for i in out["measure_next"] if i != "best"][:3]
+        print(
+            f"  round {r + 1}: 16 candidates, {decided} decided by forecast, measuring {len(to_measure)} "
+            f"({', '.join(to_measure) or '-'})"
+        )
+        by_id = {k["id"]: k for k in pool}
+        for kid in to_measure:
+            res = await call("measure_kernel", {"kernel": by_id[kid]})
+            spent += res["cost"]["gpu_seconds"]
+            if res["status"] == "ok" and res["runtime_ms"]["median"] < best_ms:
+                best_ms, best = res["runtime_ms"]["median"], by_id[kid]["defines"]
+                print(f"    new best {kid}: {best_ms:.4g} ms")
+            elif res["status"] != "ok":
+                print(f"    {kid}: {res['status']}")
+    space_best = min(e.time_ms for e in valid if e.time_ms is not None)
+    print(
+        f"  best found {best_ms:.4g} ms = {space_best / best_ms:.2f} of the space's best ({space_best:.4g} ms); "
+        f"{considered} candidates considered for {spent:.3f} GPU-seconds"
+    )
+
+
+async def _demo(settings: Settings, replay: list[Path], home: Path) -> None:
+    async with connect_stdio(home, replay=replay) as (client, call):
+        tools = [t.name for t in (await client.list_tools()).tools]
+        print(f"Started `forecaster-mcp serve` over stdio (state in {home}); tools: {', '.join(tools)}")
+        await _forecast_examples(call, settings.hardware or "H100")
+        if replay:
+            await _replay_loop(call, replay[0])
+        else:
+            await _measure_without_gpu(call)
+        status = await call("budget_status", {})
+        print(
+            f"\n== 3. Budget (ledger {status['ledger']}): limit {status['limit_gpu_seconds']:.1f} GPU-s, "
+            f"spent {status['spent_gpu_seconds']:.3f}, remaining {status['remaining_gpu_seconds']:.3f}; "
+            f"{status['measurements']['count']} measurements ({status['measurements']['cache_hits']} cache hits); "
+            f"{status['forecasts']['count']} forecasts, {status['forecasts']['decided']} decided, "
+            f"{status['forecasts']['verified']} verified"
+        )
+
+
+def demo_command(settings: Settings, args: argparse.Namespace) -> int:
+    """Run the demo in a throw-away state directory unless --home was given."""
+    replay = [Path(p) for p in (args.replay or [])]
+    missing = [str(p) for p in replay if not p.exists()]
+    if missing:
+        print(f"forecaster-mcp demo: recording not found: {', '.join(missing)} (try {SHARED_HINT})")
+        return 2
+    if args.home is not None:
+        anyio.run(_demo, settings, replay, Path(args.home))
+        return 0
+    with tempfile.TemporaryDirectory(prefix="forecaster-mcp-demo-") as tmp:
+        anyio.run(_demo, settings, replay, Path(tmp))
+    return 0

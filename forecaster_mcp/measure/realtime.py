@@ -1,0 +1,37 @@
+"""Replay in real time: a recorded measurement occupies the (simulated) device for its recorded duration.
+
+Agent evaluations that care about wall-clock behaviour, and crash tests that must kill a server in the middle
+of a measurement, need replayed measurements to take time like real ones.
+"""
+
+from __future__ import annotations
+
+import anyio
+
+from forecaster_mcp.measure.base import Measurer, MeasureRequest, ProgressCallback
+from forecaster_mcp.models import MeasureResult
+
+
+class RealtimeReplay:
+    """Wraps a measurer; sleeps `scale` wall-clock seconds per GPU-second the result charges."""
+
+    def __init__(self, inner: Measurer, scale: float) -> None:
+        self.inner = inner
+        self.scale = scale
+        self.name = inner.name
+
+    def devices(self) -> list[str]:
+        return self.inner.devices()
+
+    def device_fingerprint(self, device: str) -> str:
+        return self.inner.device_fingerprint(device)
+
+    def reservation_seconds(self, request: MeasureRequest) -> float:
+        return self.inner.reservation_seconds(request)
+
+    async def measure(
+        self, request: MeasureRequest, progress: ProgressCallback | None = None
+    ) -> MeasureResult:
+        result = await self.inner.measure(request, progress)
+        await anyio.sleep(result.cost.gpu_seconds * self.scale)
+        return result

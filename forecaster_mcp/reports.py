@@ -1,0 +1,117 @@
+"""Output models of `budget_status` and the gpu-specs resource."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from forecaster_mcp.hardware.specs import GpuSpec
+from forecaster_mcp.models import ForecasterInfo
+
+
+class MeasurementCounts(BaseModel):
+    count: int = 0
+    cache_hits: int = 0
+    failures: int = 0
+    gpu_seconds: float = 0.0
+
+
+class ForecastCounts(BaseModel):
+    count: int = 0
+    decided: int = 0
+    deferred: int = 0
+    verified: int = 0
+    verified_correct: int = 0
+    accuracy: float | None = Field(default=None, description="accuracy of the verified forecasts")
+
+
+class Savings(BaseModel):
+    cache: float = Field(default=0.0, description="GPU-seconds cache hits would have cost")
+    forecasts: float = Field(default=0.0, description="estimated GPU-seconds decided forecasts avoided")
+
+
+class LlmUsage(BaseModel):
+    calls: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cost_usd: float = 0.0
+
+
+class CalibrationSummary(BaseModel):
+    verified_pairs: int = 0
+    brier: float | None = None
+
+
+class BudgetStatus(BaseModel):
+    """What `budget_status` returns: the caller's ledger and how the forecaster has done on it."""
+
+    ledger: str
+    limit_gpu_seconds: float
+    spent_gpu_seconds: float
+    reserved_gpu_seconds: float
+    remaining_gpu_seconds: float
+    measurements: MeasurementCounts
+    forecasts: ForecastCounts
+    gpu_seconds_saved: Savings
+    llm: LlmUsage
+    calibration: CalibrationSummary
+    forecaster: ForecasterInfo
+    devices: list[str] = Field(description="devices this server can measure on")
+    notes: list[str] = Field(default_factory=list)
+
+    @classmethod
+    def from_report(
+        cls,
+        *,
+        ledger: str,
+        report: dict[str, Any],
+        forecaster: ForecasterInfo,
+        devices: list[str],
+        notes: list[str],
+    ) -> BudgetStatus:
+        return cls(
+            ledger=ledger,
+            limit_gpu_seconds=report["limit_gpu_seconds"],
+            spent_gpu_seconds=report["spent_gpu_seconds"],
+            reserved_gpu_seconds=report["reserved_gpu_seconds"],
+            remaining_gpu_seconds=report["remaining_gpu_seconds"],
+            measurements=MeasurementCounts.model_validate(report.get("measurements", {})),
+            forecasts=ForecastCounts.model_validate(report.get("forecasts", {})),
+            gpu_seconds_saved=Savings.model_validate(report.get("gpu_seconds_saved", {})),
+            llm=LlmUsage.model_validate(report.get("llm", {})),
+            calibration=CalibrationSummary.model_validate(report.get("calibration", {})),
+            forecaster=forecaster,
+            devices=devices,
+            notes=notes,
+        )
+
+
+class GpuSpecRow(BaseModel):
+    name: str
+    vendor: str
+    arch: str
+    compute_capability: str | None
+    sms: int
+    l2_bytes: int
+    mem_bandwidth_gbs: float
+    fp32_tflops: float
+    fp16_tensor_tflops: float
+    mem_gib: float
+    aliases: list[str]
+
+    @classmethod
+    def from_spec(cls, s: GpuSpec) -> GpuSpecRow:
+        return cls(
+            name=s.name,
+            vendor=s.vendor,
+            arch=s.arch,
+            compute_capability=s.compute_capability,
+            sms=s.sms,
+            l2_bytes=s.l2_bytes,
+            mem_bandwidth_gbs=s.mem_bandwidth_gbs,
+            fp32_tflops=s.fp32_tflops,
+            fp16_tensor_tflops=s.fp16_tensor_tflops,
+            mem_gib=s.mem_gib,
+            aliases=list(s.aliases),
+        )

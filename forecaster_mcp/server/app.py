@@ -1,0 +1,300 @@
+"""The MCP surface: three tools, a resource and a prompt over a `Service`.
+
+Tool functions know MCP and the service, nothing of vendors or SQL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any, TypeVar
+
+import anyio
+from mcp.server.auth.middleware.auth_context import get_access_token
+from mcp.server.auth.provider import AccessToken
+from mcp.server.auth.settings import AuthSettings
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+from mcp.types import ToolAnnotations
+from pydantic import AnyHttpUrl, Field
+
+from forecaster_mcp import __version__, bins
+from forecaster_mcp.errors import AgentError
+from forecaster_mcp.models import CompareResult, Kernel, MeasureResult, Workload
+from forecaster_mcp.reports import BudgetStatus, GpuSpecRow
+from forecaster_mcp.service import Service
+from forecaster_mcp.settings import Settings
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+INSTRUCTIONS = """\
+forecaster-mcp forecasts whether one GPU kernel is faster than another, says how sure it is, and measures on a
+metered GPU budget only when asked. Workflow: call compare_kernels first (free) with all your candidates and the
+current best as baseline; trust verdicts 'faster'/'slower' (their error rate is kept under target_error); measure
+only the ids in measure_next with measure_kernel (charged in GPU-seconds); check budget_status before long searches.
+"""
+
+WORKFLOW_PROMPT = """\
+You are optimising a GPU kernel with a forecaster and a metered GPU budget.
+
+1. Write several candidate kernels (or tuning-parameter variants: same source, different `defines`).
+2. Call `compare_kernels` with all candidates (2-64), `baseline` = your current best, and `hardware` = the target
+   GPU. Forecasts are free.
+3. Read each candidate's `verdict`:
+   - `faster` / `slower`: decided by the forecaster; the error rate among decided verdicts is kept below
+     `target_error`. Drop the slower ones without measuring.
+   - `unsure`: the forecaster cannot tell reliably. `measure_next` lists these, most valuable first
+     (chance and size of beating the baseline).
+4. Measure only the head of `measure_next` with `measure_kernel` (or pass `measure_if_unsure=true` with
+   `max_measurements`). Each measurement is charged in GPU-seconds; identical re-measurements are free (cache),
+   and an `idempotency_key` makes retries safe.
+5. A measured kernel becomes the new baseline when it is faster. Every measurement also teaches the forecaster:
+   tuning variants of a measured kernel family get sharper forecasts as you go.
+6. Call `budget_status` to see what is left and how accurate the forecaster has been on your verified pairs.
+
+The 8 speedup bins (S = t(baseline)/t(candidate), in log2 S):
+""" + bins.describe()
+
+
+class LedgerTokenVerifier:
+    """Bearer tokens map to ledgers; unknown or revoked tokens are refused (401) before any tool runs."""
+
+    def __init__(self, service: Service) -> None:
+        self._service = service
+
+    async def verify_token(self, token: str) -> AccessToken | None:
+        if not token or len(token) > 512:
+            return None
+        ledger = await self._service.store.ledger_for_token(token)
+        if ledger is None:
+            return None
+        return AccessToken(token=token, client_id=ledger, scopes=[])
+
+
+async def _call(fn: Callable[[], Awaitable[T]]) -> T:
+    try:
+        return await fn()
+    except AgentError as exc:
+        raise ToolError(str(exc)) from exc
+
+
+def build_server(
+    service: Service, *, http: bool = False, host: str = "127.0.0.1", port: int = 8765
+) -> MCPServer:
+    """The MCP server over `service`. With `http=True`, every request must carry a bearer token."""
+    auth_kwargs: dict[str, Any] = {}
+    if http:
+        url = f"http://{host}:{port}"
+        auth_kwargs = {
+            "token_verifier": LedgerTokenVerifier(service),
+            "auth": AuthSettings(
+                issuer_url=AnyHttpUrl(url),
+                resource_server_url=AnyHttpUrl(f"{url}/mcp"),
+                validate_token_resource=False,
+            ),
+        }
+    mcp = MCPServer(
+        name="forecaster-mcp",
+        title="GPU kernel forecaster",
+        version=__version__,
+        instructions=INSTRUCTIONS,
+        **auth_kwargs,
+    )
+
+    def ledger_for(requested: str | None) -> str:
+        token = get_access_token()
+        own = token.client_id if token is not None else service.settings.ledger
+        if http and token is None:
+            raise ToolError("this HTTP server needs a bearer token (Authorization: Bearer <token>)")
+        if requested is not None and requested != own:
+            raise ToolError(
+                f"this connection is bound to ledger {own!r}; it cannot use ledger {requested!r}. "
+                "Omit `ledger`, or connect with that ledger's token."
+            )
+        return own
+
+    def progress_of(ctx: Context) -> Callable[[float, float | None, str | None], Awaitable[None]]:
+        async def report(done: float, total: float | None, message: str | None) -> None:
+            await ctx.report_progress(done, total, message)
+
+        return report
+
+    @mcp.tool(
+        title="Forecast which kernels are faster",
+        annotations=ToolAnnotations(
+            title="Forecast which kernels are faster",
+            read_only_hint=False,
+            destructive_hint=False,
+            idempotent_hint=False,
+            open_world_hint=False,
+        ),
+    )
+    async def compare_kernels(
+        candidates: Annotated[
+            list[Kernel], Field(description="2 to 64 kernels; ids unique (default k0, k1, ...)")
+        ],
+        ctx: Context,
+        workload: Annotated[
+            Workload, Field(description="what the kernels run on; problem sizes are shown to forecasters")
+        ] = Workload(),  # noqa: B008 - frozen model, safe as a default
+        baseline: Annotated[str | None, Field(description="id of the baseline; default the first")] = None,
+        hardware: Annotated[str | None, Field(description="target GPU, e.g. 'H100' or 'A100-80GB'")] = None,
+        target_error: Annotated[
+            float | None,
+            Field(description="largest acceptable error rate among decided verdicts (default 0.1)"),
+        ] = None,
+        measure_if_unsure: Annotated[
+            bool, Field(description="measure unsure candidates on the GPU, charged to your budget")
+        ] = False,
+        max_measurements: Annotated[int, Field(description="cap on measurements when measure_if_unsure")] = 4,
+        ledger: Annotated[
+            str | None, Field(description="must match this connection's ledger if given")
+        ] = None,
+    ) -> CompareResult:
+        """Forecast, for every candidate, the probability it is faster than the baseline and a verdict
+        (faster / slower / unsure) whose error rate stays under target_error. Free unless measure_if_unsure."""
+        own = ledger_for(ledger)
+        return await _call(
+            lambda: service.compare(
+                ledger=own,
+                candidates=candidates,
+                workload=workload,
+                baseline=baseline,
+                hardware=hardware,
+                target_error=target_error,
+                measure_if_unsure=measure_if_unsure,
+                max_measurements=max_measurements,
+                progress=progress_of(ctx),
+            )
+        )
+
+    @mcp.tool(
+        title="Measure a kernel on the GPU",
+        annotations=ToolAnnotations(
+            title="Measure a kernel on the GPU",
+            read_only_hint=False,
+            destructive_hint=False,
+            idempotent_hint=False,
+            open_world_hint=False,
+        ),
+    )
+    async def measure_kernel(
+        kernel: Annotated[Kernel, Field(description="the kernel; launch is required on a real GPU")],
+        ctx: Context,
+        workload: Annotated[
+            Workload, Field(description="arguments (required on a real GPU) and sizes")
+        ] = Workload(),  # noqa: B008
+        reference: Annotated[
+            Kernel | None, Field(description="correctness oracle run on the same inputs")
+        ] = None,
+        atol: float = 1e-5,
+        rtol: float = 1e-3,
+        max_seconds: Annotated[
+            float | None, Field(description="cap on GPU-seconds for this measurement")
+        ] = None,
+        max_runs: Annotated[int, Field(description="cap on timed runs")] = 1000,
+        idempotency_key: Annotated[
+            str | None,
+            Field(description="retries with the same key are answered from the first, never re-charged"),
+        ] = None,
+        hardware: Annotated[
+            str | None, Field(description="device to measure on; default the server's first")
+        ] = None,
+        ledger: Annotated[
+            str | None, Field(description="must match this connection's ledger if given")
+        ] = None,
+    ) -> MeasureResult:
+        """Measure one kernel on a GPU (or a replay recording), charging GPU-seconds to your ledger.
+        A kernel that fails to compile, hangs or gives wrong output is a result with a status, not an error."""
+        own = ledger_for(ledger)
+        return await _call(
+            lambda: service.measure(
+                ledger=own,
+                kernel=kernel,
+                workload=workload,
+                reference=reference,
+                atol=atol,
+                rtol=rtol,
+                max_seconds=max_seconds,
+                max_runs=max_runs,
+                idempotency_key=idempotency_key,
+                hardware=hardware,
+                progress=progress_of(ctx),
+            )
+        )
+
+    @mcp.tool(
+        title="GPU budget and forecaster record",
+        annotations=ToolAnnotations(
+            title="GPU budget and forecaster record",
+            read_only_hint=True,
+            destructive_hint=False,
+            idempotent_hint=True,
+            open_world_hint=False,
+        ),
+    )
+    async def budget_status(
+        ledger: Annotated[
+            str | None, Field(description="must match this connection's ledger if given")
+        ] = None,
+    ) -> BudgetStatus:
+        """Your ledger: limit, spent, reserved and remaining GPU-seconds; measurements; forecasts and how many
+        were verified right; GPU-seconds saved by forecasts and cache."""
+        own = ledger_for(ledger)
+        return await _call(lambda: service.budget_status(own))
+
+    @mcp.resource(
+        "forecaster://gpu-specs",
+        name="gpu-specs",
+        title="GPU specifications known to the forecaster",
+        mime_type="application/json",
+    )
+    def gpu_specs() -> str:
+        """Every GPU the forecaster has a specification row for (SMs, L2, bandwidth, peak throughput)."""
+        rows: list[GpuSpecRow] = service.gpu_specs()
+        return json.dumps([r.model_dump() for r in rows], indent=1)
+
+    @mcp.prompt(name="forecast_first", title="Forecast first, measure when unsure")
+    def forecast_first() -> str:
+        """How to use the forecaster and the GPU budget together in a kernel-optimisation loop."""
+        return WORKFLOW_PROMPT
+
+    return mcp
+
+
+# ---------------------------------------------------------------------- running
+
+
+async def serve(settings: Settings, *, http: bool, host: str, port: int) -> None:
+    """Open the service once, serve until stopped, close it."""
+    service = await Service.open(settings)
+    try:
+        server = build_server(service, http=http, host=host, port=port)
+        async with anyio.create_task_group() as tg:
+            # Parse recordings in the background so the first tools/list is not kept waiting.
+            tg.start_soon(service.preload)
+            if http:
+                await server.run_streamable_http_async(host=host, port=port)
+            else:
+                await server.run_stdio_async()
+            tg.cancel_scope.cancel()
+    finally:
+        with anyio.CancelScope(shield=True):
+            await service.close()
+
+
+def serve_command(settings: Settings, args: argparse.Namespace) -> int:
+    """`forecaster-mcp serve [--http --host H --port P] [--replay PATH]... [--ledger NAME]`."""
+    logging.basicConfig(
+        level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s"
+    )
+    if args.http:
+        print(
+            f"forecaster-mcp: serving streamable HTTP at http://{args.host}:{args.port}/mcp", file=sys.stderr
+        )
+    anyio.run(lambda: serve(settings, http=args.http, host=args.host, port=args.port))
+    return 0

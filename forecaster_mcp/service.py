@@ -1,0 +1,675 @@
+"""The product's behaviour, free of MCP: compare, measure and budget on top of the seams.
+
+The MCP layer (server/app.py) maps tool calls onto `Service` methods and `AgentError`s onto `ToolError`s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from forecaster_mcp import __version__, bins
+from forecaster_mcp.errors import InvalidRequest, NotMeasurable, UnknownLedger
+from forecaster_mcp.forecast.base import Forecaster, PairQuery
+from forecaster_mcp.hardware import specs
+from forecaster_mcp.measure.base import Measurer, MeasureRequest, ProgressCallback
+from forecaster_mcp.models import (
+    MAX_CANDIDATES,
+    MIN_CANDIDATES,
+    CandidateForecast,
+    CompareResult,
+    Kernel,
+    MeasureCost,
+    MeasureResult,
+    Workload,
+)
+from forecaster_mcp.reports import BudgetStatus, GpuSpecRow
+from forecaster_mcp.settings import Settings
+from forecaster_mcp.store.db import ForecastRow, Store
+
+log = logging.getLogger(__name__)
+
+_NORM = re.compile(r"[^a-z0-9]+")
+
+
+def _norm(name: str) -> str:
+    return _NORM.sub("", name.lower().replace("nvidia", "").replace("geforce", ""))
+
+
+@dataclass
+class HardwareChoice:
+    name: str  # canonical name used for storage and answers
+    spec: specs.GpuSpec | None
+    device_of: Measurer | None  # the measurer that has this device, if any
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Pair:
+    candidate: Kernel
+    truth: CandidateForecast | None = None
+    query: PairQuery | None = None
+
+
+class Service:
+    """Compare, measure and report, for one server process. Open with `await Service.open(settings)`."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        store: Store,
+        forecasters: Sequence[Forecaster],
+        measurers: Sequence[Measurer],
+        measurer_notes: Sequence[str] = (),
+    ) -> None:
+        from forecaster_mcp.forecast.engine import ForecastEngine
+
+        self.settings = settings
+        self.store = store
+        self.engine = ForecastEngine(list(forecasters), store)
+        self.measurers = list(measurers)
+        self.measurer_notes = list(measurer_notes)
+        self._inflight: dict[tuple[str, str], anyio.Event] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @classmethod
+    async def open(cls, settings: Settings) -> Service:
+        """Open the store and build the forecasters and measurers the settings and machine allow."""
+        store = await Store.open(settings.db_path)
+        try:
+            forecasters = build_forecasters(settings, store)
+            measurers, notes = build_measurers(settings)
+            if settings.ledger == "default":
+                await store.ensure_ledger("default", settings.default_ledger_gpu_seconds)
+        except BaseException:
+            await store.close()
+            raise
+        return cls(settings, store, forecasters, measurers, notes)
+
+    async def preload(self) -> None:
+        """Warm what the first measurement would otherwise wait for (parsing replay recordings)."""
+        for m in self.measurers:
+            warm = getattr(m, "preload", None) or getattr(getattr(m, "inner", None), "preload", None)
+            if warm is not None:
+                try:
+                    await warm()
+                except Exception:  # a bad recording is reported when it is used, not at start-up
+                    log.warning("preloading %s failed", m.name, exc_info=True)
+
+    async def close(self) -> None:
+        for m in self.measurers:
+            closer = getattr(m, "aclose", None)
+            if closer is not None:
+                await closer()
+        await self.store.close()
+
+    # ------------------------------------------------------------------ hardware
+
+    def devices(self) -> list[str]:
+        return [d for m in self.measurers for d in m.devices()]
+
+    def resolve_hardware(self, hardware: str | None) -> HardwareChoice:
+        """Forgiving GPU-name resolution: measurement devices first, then the spec table."""
+        wanted = hardware or self.settings.hardware
+        if wanted is None:
+            for m in self.measurers:
+                for d in m.devices():
+                    return HardwareChoice(d, specs.lookup(d), m)
+            return HardwareChoice(
+                "unknown",
+                None,
+                None,
+                [
+                    "no hardware given and this server has no measurement device: pass hardware (e.g. 'H100') "
+                    "for hardware-aware forecasts"
+                ],
+            )
+        wanted = wanted.strip()
+        if not wanted or len(wanted) > 128:
+            raise InvalidRequest("hardware must be a GPU name such as 'H100' or 'A100-80GB'")
+        spec = specs.lookup(wanted)
+        key = _norm(wanted)
+        for m in self.measurers:
+            for d in m.devices():
+                if (spec is not None and specs.lookup(d) == spec) or _norm(d) == key:
+                    return HardwareChoice(d, spec or specs.lookup(d), m)
+        for m in self.measurers:
+            for d in m.devices():
+                if key and key in _norm(d):
+                    return HardwareChoice(d, specs.lookup(d), m)
+        if spec is not None:
+            return HardwareChoice(spec.name, spec, None)
+        return HardwareChoice(
+            wanted,
+            None,
+            None,
+            [
+                f"no specification known for GPU {wanted!r}: forecast made without hardware-specific features "
+                f"(known GPUs are listed in the gpu-specs resource)"
+            ],
+        )
+
+    def gpu_specs(self) -> list[GpuSpecRow]:
+        return [GpuSpecRow.from_spec(s) for s in specs.all_specs()]
+
+    # ------------------------------------------------------------------ compare_kernels
+
+    async def compare(
+        self,
+        *,
+        ledger: str | None,
+        candidates: Sequence[Kernel],
+        workload: Workload,
+        baseline: str | None,
+        hardware: str | None,
+        target_error: float | None,
+        measure_if_unsure: bool,
+        max_measurements: int,
+        progress: ProgressCallback | None = None,
+    ) -> CompareResult:
+        kernels = _assign_ids(candidates)
+        base_id = baseline if baseline is not None else kernels[0].id
+        by_id = {k.id: k for k in kernels}
+        if base_id not in by_id:
+            raise InvalidRequest(
+                f"baseline {base_id!r} is not a candidate id; ids in this call: {', '.join(map(str, by_id))}"
+            )
+        target = self.settings.target_error if target_error is None else target_error
+        if not 0.0 < target < 0.5:
+            raise InvalidRequest(
+                "target_error must be between 0 and 0.5 (e.g. 0.1 = at most 10% wrong verdicts)"
+            )
+        if max_measurements < 0 or max_measurements > MAX_CANDIDATES:
+            raise InvalidRequest(f"max_measurements must be between 0 and {MAX_CANDIDATES}")
+        if measure_if_unsure and ledger is not None:
+            await self._require_ledger(ledger)
+        hw = self.resolve_hardware(hardware)
+        base = by_id[base_id]
+        assert base.id is not None
+        wkey = workload.key()
+        others = [k for k in kernels if k.id != base_id]
+
+        runtimes = await self._measured_runtimes(kernels, hw.name, wkey)
+        pairs = [_Pair(k) for k in others]
+        for p in pairs:
+            t_base, t_cand = runtimes.get(base.id), runtimes.get(str(p.candidate.id))
+            if t_base is not None and t_cand is not None:
+                p.truth = _from_measurement(str(p.candidate.id), t_base, t_cand, "cache")
+            else:
+                p.query = PairQuery(base, p.candidate, workload, hw.name, hw.spec)
+
+        queries = [p.query for p in pairs if p.query is not None]
+        forecasts = await self.engine.forecast(queries) if queries else []
+        choice = await self.engine.threshold(hw.name, target) if queries else None
+        from forecaster_mcp.forecast.selective import decide
+
+        results: dict[str, CandidateForecast] = {}
+        fc_by_id = {}
+        it = iter(forecasts)
+        for p in pairs:
+            cid = str(p.candidate.id)
+            if p.truth is not None:
+                results[cid] = p.truth
+                continue
+            f = next(it)
+            fc_by_id[cid] = f
+            verdict = decide(f.p_faster, choice.threshold) if choice is not None else "unsure"
+            results[cid] = CandidateForecast(
+                id=cid,
+                p_faster=f.p_faster,
+                speedup_bins=list(f.probs),
+                expected_speedup=f.expected_speedup,
+                verdict=verdict,
+                decided_by="forecast",
+                rationale=f.rationale,
+                confidence=f.confidence,
+            )
+        await self._save_forecasts(ledger, hw.name, wkey, base, others, results, fc_by_id)
+
+        measure_next = self._measure_next(base, runtimes, results, fc_by_id)
+        notes = list(hw.notes)
+        if choice is not None:
+            notes.append(f"verdicts decided at confidence >= {choice.threshold:.3f} ({choice.reason})")
+        measurements: list[MeasureResult] = []
+        charged = 0.0
+        if measure_if_unsure and measure_next:
+            if ledger is None:
+                raise InvalidRequest("measure_if_unsure needs a ledger; this server has none configured")
+            measurements, charged = await self._measure_unsure(
+                ledger, base, by_id, measure_next, max_measurements, workload, hw, progress
+            )
+            runtimes = await self._measured_runtimes(kernels, hw.name, wkey)
+            t_base = runtimes.get(base.id)
+            for cid in list(results):
+                t_cand = runtimes.get(cid)
+                if t_base is not None and t_cand is not None and results[cid].decided_by == "forecast":
+                    results[cid] = _from_measurement(cid, t_base, t_cand, "measurement")
+            measure_next = self._measure_next(base, runtimes, results, fc_by_id)
+
+        ordered = [results[str(k.id)] for k in others]
+        speed = {base.id: 1.0, **{r.id: r.measured_speedup or r.expected_speedup for r in ordered}}
+        ranking = sorted(speed, key=lambda i: -speed[i])
+        return CompareResult(
+            baseline=base.id,
+            hardware=hw.name,
+            hardware_known=hw.spec is not None,
+            candidates=ordered,
+            ranking=ranking,
+            measure_next=measure_next,
+            forecaster=self.engine.info(),
+            target_error=target,
+            gpu_seconds_charged=charged,
+            measurements=measurements,
+            notes=notes,
+            bins=list(bins.LABELS),
+        )
+
+    async def _measured_runtimes(
+        self, kernels: Sequence[Kernel], hardware: str, wkey: str
+    ) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for k in kernels:
+            t = await self.store.measured_runtime(k.content_key(), hardware, wkey)
+            if t is not None and t > 0:
+                out[str(k.id)] = t
+        return out
+
+    def _measure_next(
+        self,
+        base: Kernel,
+        runtimes: dict[str, float],
+        results: dict[str, CandidateForecast],
+        fc_by_id: dict[str, Any],
+    ) -> list[str]:
+        from forecaster_mcp.forecast.acquisition import AcqItem, rank_for_measurement
+
+        unsure = [
+            AcqItem(id=cid, probs=fc_by_id[cid].probs, extras=fc_by_id[cid].extras, p_faster=r.p_faster)
+            for cid, r in results.items()
+            if r.verdict == "unsure" and r.decided_by == "forecast" and cid not in runtimes
+        ]
+        ranked = rank_for_measurement(unsure) if unsure else []
+        if ranked and str(base.id) not in runtimes:
+            # A candidate's measurement only settles the pair once the baseline is measured too.
+            ranked = [str(base.id), *ranked]
+        return ranked
+
+    async def _save_forecasts(
+        self,
+        ledger: str | None,
+        hardware: str,
+        wkey: str,
+        base: Kernel,
+        others: Sequence[Kernel],
+        results: dict[str, CandidateForecast],
+        fc_by_id: dict[str, Any],
+    ) -> None:
+        name = self.engine.info().name
+        rows = []
+        for k in others:
+            r = results[str(k.id)]
+            if r.decided_by != "forecast":
+                continue
+            rows.append(
+                ForecastRow(
+                    ledger=ledger,
+                    forecaster=name,
+                    hardware=hardware,
+                    workload_key=wkey,
+                    baseline_key=base.content_key(),
+                    candidate_key=k.content_key(),
+                    probs=list(r.speedup_bins),
+                    p_faster=r.p_faster,
+                    verdict=r.verdict,
+                    decided_by="forecast",
+                )
+            )
+            per = getattr(fc_by_id[str(k.id)], "per_forecaster", None) or {}
+            for comp, probs in per.items():
+                if comp == name:
+                    continue
+                # Component rows feed per-forecaster calibration only; they are not the caller's forecasts.
+                rows.append(
+                    ForecastRow(
+                        ledger=None,
+                        forecaster=comp,
+                        hardware=hardware,
+                        workload_key=wkey,
+                        baseline_key=base.content_key(),
+                        candidate_key=k.content_key(),
+                        probs=list(probs),
+                        p_faster=bins.p_faster(probs),
+                        verdict="unsure",
+                        decided_by="forecast",
+                    )
+                )
+        if rows:
+            await self.store.save_forecasts(rows)
+
+    async def _measure_unsure(
+        self,
+        ledger: str,
+        base: Kernel,
+        by_id: dict[str | None, Kernel],
+        measure_next: list[str],
+        max_measurements: int,
+        workload: Workload,
+        hw: HardwareChoice,
+        progress: ProgressCallback | None,
+    ) -> tuple[list[MeasureResult], float]:
+        if hw.device_of is None:
+            raise NotMeasurable(self._no_device_message(hw.name))
+        out: list[MeasureResult] = []
+        charged = 0.0
+        for n, kid in enumerate(measure_next[:max_measurements]):
+            if progress is not None:
+                await progress(n, min(len(measure_next), max_measurements), f"measuring {kid}")
+            res = await self.measure(ledger=ledger, kernel=by_id[kid], workload=workload, hardware=hw.name)
+            out.append(res)
+            charged += res.cost.gpu_seconds
+        return out, charged
+
+    # ------------------------------------------------------------------ measure_kernel
+
+    def _no_device_message(self, hardware: str | None) -> str:
+        have = self.devices()
+        if not have:
+            why = "; ".join(self.measurer_notes) or "no GPU backend is configured"
+            return (
+                f"this server cannot measure: {why}. compare_kernels forecasts are free and work without a GPU; "
+                "to measure, run the server on a machine with an NVIDIA GPU and pycuda "
+                "(pip install 'forecaster-mcp[gpu]') or start it with --replay RECORDING."
+            )
+        return f"this server has no device {hardware!r}; it can measure on: {', '.join(have)}"
+
+    def _pick_measurer(self, hardware: str | None) -> tuple[Measurer, str]:
+        if not self.measurers or not self.devices():
+            raise NotMeasurable(self._no_device_message(hardware))
+        if hardware is None:
+            for m in self.measurers:
+                for d in m.devices():
+                    return m, d
+        hw = self.resolve_hardware(hardware)
+        if hw.device_of is None:
+            raise NotMeasurable(self._no_device_message(hardware))
+        return hw.device_of, hw.name
+
+    async def _require_ledger(self, ledger: str) -> None:
+        if await self.store.get_ledger(ledger) is None:
+            raise UnknownLedger(
+                f"ledger {ledger!r} does not exist; an operator creates it with "
+                f"`forecaster-mcp ledger create {ledger} --gpu-seconds N`. Forecasts (compare_kernels) are free."
+            )
+
+    async def measure(
+        self,
+        *,
+        ledger: str,
+        kernel: Kernel,
+        workload: Workload,
+        reference: Kernel | None = None,
+        atol: float = 1e-5,
+        rtol: float = 1e-3,
+        max_seconds: float | None = None,
+        max_runs: int = 1000,
+        idempotency_key: str | None = None,
+        hardware: str | None = None,
+        progress: ProgressCallback | None = None,
+    ) -> MeasureResult:
+        """Measure one kernel, charging the ledger; cached and idempotent results are free."""
+        if not (math.isfinite(atol) and atol >= 0 and math.isfinite(rtol) and rtol >= 0):
+            raise InvalidRequest("atol and rtol must be finite and >= 0")
+        cap = self.settings.max_measure_seconds
+        if max_seconds is not None and not (math.isfinite(max_seconds) and max_seconds > 0):
+            raise InvalidRequest(f"max_seconds must be > 0 (at most {cap} on this server)")
+        if max_runs < 1:
+            raise InvalidRequest("max_runs must be at least 1")
+        if idempotency_key is not None and not 1 <= len(idempotency_key) <= 200:
+            raise InvalidRequest("idempotency_key must be 1 to 200 characters")
+        kid = kernel.id or "k0"
+        kernel = kernel.model_copy(update={"id": kid})
+        measurer, device = self._pick_measurer(hardware)
+        await self._require_ledger(ledger)
+
+        if idempotency_key is not None:
+            flight = (ledger, idempotency_key)
+            while flight in self._inflight:
+                await self._inflight[flight].wait()
+            prior = await self.store.find_idempotent(ledger, idempotency_key)
+            if prior is not None:
+                return _free_copy(prior, kid)
+            done = anyio.Event()
+            self._inflight[flight] = done
+            try:
+                return await self._measure_uncached(
+                    ledger,
+                    kernel,
+                    workload,
+                    reference,
+                    atol,
+                    rtol,
+                    max_seconds,
+                    max_runs,
+                    idempotency_key,
+                    measurer,
+                    device,
+                    progress,
+                )
+            finally:
+                del self._inflight[flight]
+                done.set()
+        return await self._measure_uncached(
+            ledger,
+            kernel,
+            workload,
+            reference,
+            atol,
+            rtol,
+            max_seconds,
+            max_runs,
+            None,
+            measurer,
+            device,
+            progress,
+        )
+
+    async def _measure_uncached(
+        self,
+        ledger: str,
+        kernel: Kernel,
+        workload: Workload,
+        reference: Kernel | None,
+        atol: float,
+        rtol: float,
+        max_seconds: float | None,
+        max_runs: int,
+        idempotency_key: str | None,
+        measurer: Measurer,
+        device: str,
+        progress: ProgressCallback | None,
+    ) -> MeasureResult:
+        cap = min(max_seconds or self.settings.max_measure_seconds, self.settings.max_measure_seconds)
+        request = MeasureRequest(
+            kernel=kernel,
+            workload=workload,
+            device=device,
+            reference=reference,
+            atol=atol,
+            rtol=rtol,
+            max_seconds=cap,
+            max_runs=max_runs,
+        )
+        cache_key = _cache_key(request, measurer.device_fingerprint(device))
+        save: dict[str, Any] = {
+            "cache_key": cache_key,
+            "ledger": ledger,
+            "idempotency_key": idempotency_key,
+            "kernel_json": kernel.model_dump_json(),
+            "workload_key": workload.key(),
+            "family_key": kernel.family_key(),
+            "content_key": kernel.content_key(),
+            "hardware": device,
+        }
+        hit = await self.store.find_measurement(cache_key)
+        if hit is not None:
+            result = _free_copy(hit, str(kernel.id))
+            result.measurement_id = await self.store.save_measurement(
+                **save, result=result, charged_gpu_seconds=0.0, cached=True
+            )
+            return result
+
+        hold = await self.store.reserve(
+            ledger, measurer.reservation_seconds(request), f"measure {kernel.entry}"
+        )
+        settled = False
+        try:
+            result = await measurer.measure(request, progress)
+            with anyio.CancelScope(shield=True):
+                charged = await self.store.commit(hold, result.cost.gpu_seconds)
+                settled = True
+                result = result.model_copy(
+                    update={
+                        "kernel_id": kernel.id,
+                        "cost": result.cost.model_copy(update={"gpu_seconds": charged}),
+                    }
+                )
+                result.measurement_id = await self.store.save_measurement(
+                    **save, result=result, charged_gpu_seconds=charged, cached=False
+                )
+            return result
+        finally:
+            if not settled:
+                with anyio.CancelScope(shield=True):
+                    await self.store.release(hold)
+
+    # ------------------------------------------------------------------ budget_status
+
+    async def budget_status(self, ledger: str) -> BudgetStatus:
+        await self._require_ledger(ledger)
+        report = await self.store.ledger_report(ledger)
+        return BudgetStatus.from_report(
+            ledger=ledger,
+            report=report,
+            forecaster=self.engine.info(),
+            devices=self.devices(),
+            notes=self.measurer_notes,
+        )
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _assign_ids(candidates: Sequence[Kernel]) -> list[Kernel]:
+    if not MIN_CANDIDATES <= len(candidates) <= MAX_CANDIDATES:
+        raise InvalidRequest(
+            f"compare_kernels takes {MIN_CANDIDATES} to {MAX_CANDIDATES} candidates, got {len(candidates)}; "
+            "split larger sets into several calls against the same baseline"
+        )
+    out = [k if k.id else k.model_copy(update={"id": f"k{i}"}) for i, k in enumerate(candidates)]
+    seen: set[str] = set()
+    for k in out:
+        assert k.id is not None
+        if k.id in seen:
+            raise InvalidRequest(f"candidate id {k.id!r} appears twice; give every candidate a unique id")
+        seen.add(k.id)
+    return out
+
+
+def _from_measurement(cid: str, t_base_ms: float, t_cand_ms: float, by: str) -> CandidateForecast:
+    s = t_base_ms / t_cand_ms
+    probs = bins.one_hot(s)
+    p = 1.0 if s > 1 else 0.0
+    return CandidateForecast(
+        id=cid,
+        p_faster=p,
+        speedup_bins=probs,
+        expected_speedup=s,
+        verdict="faster" if s > 1 else "slower",
+        decided_by="cache" if by == "cache" else "measurement",
+        rationale=f"measured: baseline {t_base_ms:.4g} ms, candidate {t_cand_ms:.4g} ms (speedup {s:.3f}x)",
+        confidence=1.0,
+        measured_speedup=s,
+    )
+
+
+def _free_copy(result: MeasureResult, kernel_id: str) -> MeasureResult:
+    return result.model_copy(
+        update={
+            "kernel_id": kernel_id,
+            "cost": MeasureCost(gpu_seconds=0.0, compile_seconds=0.0, cached=True),
+        }
+    )
+
+
+def _cache_key(request: MeasureRequest, fingerprint: str) -> str:
+    payload = {
+        "kernel": request.kernel.content_key(),
+        "workload": request.workload.key(),
+        "device": fingerprint,
+        "reference": request.reference.content_key() if request.reference else None,
+        "atol": request.atol,
+        "rtol": request.rtol,
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def build_forecasters(settings: Settings, store: Store) -> list[Forecaster]:
+    from forecaster_mcp.forecast.local import LocalForecaster
+
+    out: list[Forecaster] = [LocalForecaster(store, nvcc=settings.nvcc, cache_dir=settings.home / "cache")]
+    if settings.anthropic_api_key:
+        from forecaster_mcp.forecast.claude import ClaudeForecaster
+
+        out.append(
+            ClaudeForecaster(
+                api_key=settings.anthropic_api_key,
+                model=settings.claude_model,
+                samples=settings.claude_samples,
+                usage_sink=store,
+                ledger=settings.ledger,
+            )
+        )
+    return out
+
+
+def build_measurers(settings: Settings) -> tuple[list[Measurer], list[str]]:
+    """Replay recordings when given; pycuda on a local GPU when present (auto)."""
+    measurers: list[Measurer] = []
+    notes: list[str] = []
+    if settings.measurer in ("auto", "replay") and settings.replay:
+        from forecaster_mcp.measure.replay import ReplayMeasurer
+
+        missing = [str(p) for p in settings.replay if not p.exists()]
+        if missing:
+            from forecaster_mcp.errors import OperatorError
+
+            raise OperatorError(f"replay recording not found: {', '.join(missing)}")
+        replay: Measurer = ReplayMeasurer(list(settings.replay))
+        if settings.replay_realtime > 0:
+            from forecaster_mcp.measure.realtime import RealtimeReplay
+
+            replay = RealtimeReplay(replay, settings.replay_realtime)
+        measurers.append(replay)
+    if settings.measurer in ("auto", "pycuda"):
+        from forecaster_mcp.measure.pycuda_measurer import PycudaMeasurer, detect_reason
+
+        gpu = PycudaMeasurer.detect(settings.home / "compile-cache")
+        if gpu is not None:
+            measurers.append(gpu)
+        else:
+            notes.append(f"no local GPU measurement: {detect_reason()}")
+    if settings.measurer == "replay" and not settings.replay:
+        notes.append("measurer 'replay' chosen but no --replay recording given")
+    return measurers, notes
+
+
+__all__ = ["HardwareChoice", "Service", "__version__", "build_forecasters", "build_measurers"]

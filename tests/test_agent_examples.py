@@ -1,0 +1,72 @@
+"""Every ready-made client configuration parses and starts the server it names."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mcp import Client
+from mcp.client.stdio import StdioServerParameters
+from serverproc import cli, start_http
+
+from forecaster_mcp.server.client import connect_http
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "agent_examples"
+STDIO_FILES = ["claude_code.mcp.json", "cursor.mcp.json", "vscode.mcp.json"]
+
+
+def _server_entry(doc: dict[str, Any]) -> dict[str, Any]:
+    servers = doc.get("mcpServers") or doc.get("servers")
+    assert isinstance(servers, dict) and "forecaster" in servers
+    entry = servers["forecaster"]
+    assert isinstance(entry, dict)
+    return entry
+
+
+def _command(name: str) -> str:
+    """The configs name `forecaster-mcp` as installed on PATH; in tests use this venv's copy."""
+    found = shutil.which(name) or str(Path(sys.executable).with_name(name))
+    if not Path(found).exists():
+        pytest.skip(f"{name} is not installed in this environment (pip install -e .)")
+    return found
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("filename", STDIO_FILES)
+async def test_stdio_config_starts_a_working_server(filename: str, tmp_path: Path) -> None:
+    entry = _server_entry(json.loads((EXAMPLES / filename).read_text()))
+    assert entry.get("type", "stdio") == "stdio"
+    env = {**entry.get("env", {}), "FORECASTER_MCP_HOME": str(tmp_path), "PATH": os.environ.get("PATH", "")}
+    params = StdioServerParameters(command=_command(entry["command"]), args=entry["args"], env=env)
+    async with Client(params, read_timeout_seconds=60) as client:
+        names = {t.name for t in (await client.list_tools()).tools}
+        assert names == {"compare_kernels", "measure_kernel", "budget_status"}
+        status = (await client.call_tool("budget_status", {})).structured_content
+        assert status is not None and status["ledger"] == entry["env"]["FORECASTER_MCP_LEDGER"]
+
+
+@pytest.mark.anyio
+async def test_http_config_reaches_a_token_protected_server(tmp_path: Path) -> None:
+    entry = _server_entry(json.loads((EXAMPLES / "shared_http.mcp.json").read_text()))
+    assert entry["type"] == "http"
+    home = tmp_path / "srv"
+    cli(home, "ledger", "create", "agent-run-1", "--gpu-seconds", "10")
+    token = cli(home, "token", "issue", "--ledger", "agent-run-1").stdout.strip().splitlines()[-1]
+    port_in_config = int(re.search(r":(\d+)/mcp", entry["url"]).group(1))  # type: ignore[union-attr]
+    srv = start_http(home)
+    try:
+        url = entry["url"].replace(str(port_in_config), str(srv.port))
+        header = entry["headers"]["Authorization"].replace("${FORECASTER_MCP_TOKEN}", token)
+        assert header == f"Bearer {token}"
+        async with connect_http(url, token) as (_, call):
+            status = await call("budget_status", {})
+            assert status["ledger"] == "agent-run-1"
+            assert status["limit_gpu_seconds"] == 10
+    finally:
+        srv.stop()

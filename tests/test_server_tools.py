@@ -1,0 +1,263 @@
+"""The three tools through the in-memory MCP client, against a real SQLite store and a replay recording."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mcp import Client
+
+from forecaster_mcp.server.app import build_server
+from forecaster_mcp.server.client import ToolCallFailed, structured
+from forecaster_mcp.service import Service
+from forecaster_mcp.settings import Settings
+
+pytestmark = pytest.mark.anyio
+
+CONV_SOURCE = "// convolution_kernel from benchmark_hub kernels/convolution_milo.cu (source not bundled)\n"
+FAST = {
+    "block_size_x": 32,
+    "block_size_y": 4,
+    "tile_size_x": 1,
+    "tile_size_y": 3,
+    "read_only": 1,
+    "use_padding": 0,
+    "use_shmem": 1,
+    "use_cmem": 1,
+    "filter_height": 15,
+    "filter_width": 15,
+}
+SLOW = {**FAST, "block_size_x": 16, "block_size_y": 8, "tile_size_x": 4, "tile_size_y": 4, "use_shmem": 0}
+FAILS = {**FAST, "block_size_y": 16, "tile_size_x": 2, "tile_size_y": 4, "use_shmem": 0}
+
+
+def conv(kid: str, params: dict[str, int]) -> dict[str, Any]:
+    return {"id": kid, "source": CONV_SOURCE, "entry": "convolution_kernel", "defines": params}
+
+
+@asynccontextmanager
+async def running(home: Path, replay: list[Path], ledger_seconds: float | None = 100.0) -> AsyncIterator[Any]:
+    settings = Settings.from_env(home=home, replay=replay, measurer="replay", ledger="team")
+    service = await Service.open(settings)
+    try:
+        if ledger_seconds is not None:
+            await service.store.create_ledger("team", ledger_seconds)
+        async with Client(build_server(service)) as client:
+            yield client, service
+    finally:
+        await service.close()
+
+
+async def call(client: Client, name: str, args: dict[str, Any]) -> dict[str, Any]:
+    return structured(await client.call_tool(name, args))
+
+
+async def error_of(client: Client, name: str, args: dict[str, Any]) -> str:
+    with pytest.raises(ToolCallFailed) as info:
+        await call(client, name, args)
+    return str(info.value)
+
+
+async def test_tools_listed_with_annotations_and_flat_params(tmp_path: Path, conv_a100: Path) -> None:
+    async with running(tmp_path, [conv_a100]) as (client, _):
+        tools = {t.name: t for t in (await client.list_tools()).tools}
+        assert set(tools) == {"compare_kernels", "measure_kernel", "budget_status"}
+        assert tools["budget_status"].annotations is not None
+        assert tools["budget_status"].annotations.read_only_hint is True
+        assert tools["measure_kernel"].annotations is not None
+        assert tools["measure_kernel"].annotations.read_only_hint is False
+        props = tools["compare_kernels"].input_schema["properties"]
+        for name in ("candidates", "workload", "baseline", "hardware", "target_error", "measure_if_unsure"):
+            assert name in props
+        assert tools["compare_kernels"].output_schema is not None
+        for name in (
+            "kernel",
+            "workload",
+            "reference",
+            "atol",
+            "rtol",
+            "max_seconds",
+            "max_runs",
+            "idempotency_key",
+        ):
+            assert name in tools["measure_kernel"].input_schema["properties"]
+
+
+async def test_compare_fills_every_contract_field(tmp_path: Path, conv_a100: Path) -> None:
+    async with running(tmp_path, [conv_a100]) as (client, _):
+        out = await call(client, "compare_kernels", {"candidates": [conv("a", FAST), conv("b", SLOW)]})
+        assert out["baseline"] == "a"
+        assert out["hardware"]  # defaults to the measurement device
+        (cand,) = out["candidates"]
+        for field in ("p_faster", "speedup_bins", "expected_speedup", "verdict", "decided_by", "rationale"):
+            assert field in cand
+        assert len(cand["speedup_bins"]) == 8
+        assert abs(sum(cand["speedup_bins"]) - 1) < 1e-6
+        assert cand["verdict"] in ("faster", "slower", "unsure")
+        assert set(out["ranking"]) == {"a", "b"}
+        assert out["forecaster"]["name"]
+        assert out["gpu_seconds_charged"] == 0
+
+
+async def test_measure_charges_recorded_time_and_cache_is_free(tmp_path: Path, conv_a100: Path) -> None:
+    async with running(tmp_path, [conv_a100]) as (client, _):
+        first = await call(client, "measure_kernel", {"kernel": conv("a", FAST)})
+        assert first["status"] == "ok"
+        assert first["runtime_ms"]["runs"] == 32
+        assert 0.5 < first["runtime_ms"]["median"] < 0.7
+        charged = first["cost"]["gpu_seconds"]
+        assert charged > 0 and not first["cost"]["cached"]
+        again = await call(client, "measure_kernel", {"kernel": conv("a2", FAST)})
+        assert again["cost"]["cached"] is True and again["cost"]["gpu_seconds"] == 0
+        status = await call(client, "budget_status", {})
+        assert status["spent_gpu_seconds"] == pytest.approx(charged, abs=1e-6)
+        assert status["remaining_gpu_seconds"] == pytest.approx(100 - charged, abs=1e-6)
+        assert status["measurements"]["cache_hits"] == 1
+
+
+async def test_recorded_failure_is_a_result(tmp_path: Path, conv_a100: Path) -> None:
+    async with running(tmp_path, [conv_a100]) as (client, _):
+        out = await call(client, "measure_kernel", {"kernel": conv("x", FAILS)})
+        assert out["status"] == "launch_error"
+        assert out["runtime_ms"] is None
+
+
+async def test_idempotency_key_never_charges_twice(tmp_path: Path, conv_a100: Path) -> None:
+    async with running(tmp_path, [conv_a100]) as (client, _):
+        args = {"kernel": conv("s", SLOW), "idempotency_key": "run-1/step-7"}
+        first = await call(client, "measure_kernel", args)
+        second = await call(client, "measure_kernel", args)
+        assert second["runtime_ms"] == first["runtime_ms"]
+        assert second["cost"]["gpu_seconds"] == 0
+        status = await call(client, "budget_status", {})
+        assert status["spent_gpu_seconds"] == pytest.approx(first["cost"]["gpu_seconds"], abs=1e-6)
+
+
+async def test_measured_pairs_answer_from_measurements(tmp_path: Path, conv_a100: Path) -> None:
+    async with running(tmp_path, [conv_a100]) as (client, _):
+        await call(client, "measure_kernel", {"kernel": conv("a", FAST)})
+        await call(client, "measure_kernel", {"kernel": conv("b", SLOW)})
+        out = await call(client, "compare_kernels", {"candidates": [conv("a", FAST), conv("b", SLOW)]})
+        (cand,) = out["candidates"]
+        assert cand["decided_by"] == "cache"
+        assert cand["verdict"] == "slower"
+        assert cand["expected_speedup"] < 0.1  # 0.55 ms vs 32 ms
+        assert out["ranking"] == ["a", "b"]
+
+
+async def test_measure_if_unsure_measures_and_charges(tmp_path: Path, conv_a100: Path) -> None:
+    async with running(tmp_path, [conv_a100]) as (client, _):
+        near = {**FAST, "block_size_x": 48}
+        out = await call(
+            client,
+            "compare_kernels",
+            {
+                "candidates": [conv("a", FAST), conv("b", near)],
+                "measure_if_unsure": True,
+                "max_measurements": 2,
+            },
+        )
+        (cand,) = out["candidates"]
+        if cand["decided_by"] == "forecast":
+            assert cand["verdict"] != "unsure"  # decided without measuring
+            assert out["gpu_seconds_charged"] == 0
+        else:
+            assert cand["decided_by"] == "measurement"
+            assert out["gpu_seconds_charged"] > 0
+            status = await call(client, "budget_status", {})
+            assert status["spent_gpu_seconds"] == pytest.approx(out["gpu_seconds_charged"], abs=1e-6)
+
+
+async def test_forgiving_gpu_names_and_unknown_gpu_note(tmp_path: Path, conv_a100: Path) -> None:
+    async with running(tmp_path, [conv_a100]) as (client, _):
+        pair = [conv("a", FAST), conv("b", SLOW)]
+        for name in ("A100", "NVIDIA A100-PCIE-40GB", "a100 pcie 40gb"):
+            out = await call(client, "compare_kernels", {"candidates": pair, "hardware": name})
+            assert out["hardware_known"] is True, name
+        out = await call(client, "compare_kernels", {"candidates": pair, "hardware": "Imaginary GPU 9000"})
+        assert out["hardware_known"] is False
+        assert any("hardware-specific" in n for n in out["notes"])
+        assert len(out["candidates"]) == 1
+
+
+async def _unchanged(client: Client, spent: float) -> None:
+    status = await call(client, "budget_status", {})
+    assert status["spent_gpu_seconds"] == pytest.approx(spent, abs=1e-9)
+    assert status["reserved_gpu_seconds"] == 0
+
+
+async def test_bad_input_is_a_clear_error_and_charges_nothing(tmp_path: Path, conv_a100: Path) -> None:
+    async with running(tmp_path, [conv_a100]) as (client, service):
+        a, b = conv("a", FAST), conv("b", SLOW)
+        msg = await error_of(client, "compare_kernels", {"candidates": [a, b], "baseline": "zzz"})
+        assert "zzz" in msg and "a, b" in msg
+        msg = await error_of(client, "compare_kernels", {"candidates": [a, {**b, "id": "a"}]})
+        assert "twice" in msg
+        msg = await error_of(client, "compare_kernels", {"candidates": [a]})
+        assert "2 to 64" in msg
+        many = [conv(f"c{i}", FAST) for i in range(65)]
+        msg = await error_of(client, "compare_kernels", {"candidates": many})
+        assert "2 to 64" in msg
+        msg = await error_of(client, "measure_kernel", {"kernel": {**a, "source": "   "}})
+        assert "source is empty" in msg
+        msg = await error_of(client, "measure_kernel", {"kernel": {**a, "source": "x" * 1_000_001}})
+        assert "limit" in msg
+        bad_dtype = {"args": [{"name": "x", "dtype": "float7", "shape": [4]}]}
+        msg = await error_of(client, "measure_kernel", {"kernel": a, "workload": bad_dtype})
+        assert "float7" in msg or "dtype" in msg
+        zero_launch = {**a, "launch": {"grid": [0, 1, 1], "block": [128, 1, 1]}}
+        msg = await error_of(client, "measure_kernel", {"kernel": zero_launch})
+        assert "positive" in msg
+        msg = await error_of(client, "measure_kernel", {"kernel": a, "hardware": "H100"})
+        assert "can measure on" in msg
+        msg = await error_of(client, "budget_status", {"ledger": "someone-else"})
+        assert "bound to ledger 'team'" in msg
+        unknown = {**a, "entry": "not_recorded"}
+        msg = await error_of(client, "measure_kernel", {"kernel": unknown})
+        assert "convolution_kernel" in msg
+        await _unchanged(client, 0.0)
+        assert await service.store.find_idempotent("team", "nope") is None
+
+
+async def test_exhausted_ledger_refuses_and_names_what_is_left(tmp_path: Path, conv_a100: Path) -> None:
+    async with running(tmp_path, [conv_a100], ledger_seconds=0.001) as (client, _):
+        msg = await error_of(client, "measure_kernel", {"kernel": conv("s", SLOW)})
+        assert "left" in msg and "free" in msg
+        await _unchanged(client, 0.0)
+
+
+async def test_unknown_ledger_tells_the_operator_command(tmp_path: Path, conv_a100: Path) -> None:
+    async with running(tmp_path, [conv_a100], ledger_seconds=None) as (client, _):
+        msg = await error_of(client, "measure_kernel", {"kernel": conv("s", SLOW)})
+        assert "ledger create team" in msg
+
+
+async def test_no_measurer_says_forecasts_are_free(tmp_path: Path) -> None:
+    settings = Settings.from_env(home=tmp_path, measurer="none", ledger="default")
+    service = await Service.open(settings)
+    try:
+        async with Client(build_server(service)) as client:
+            msg = await error_of(client, "measure_kernel", {"kernel": conv("a", FAST)})
+            assert "cannot measure" in msg and "free" in msg
+            out = await call(client, "compare_kernels", {"candidates": [conv("a", FAST), conv("b", SLOW)]})
+            assert out["hardware"] == "unknown"
+    finally:
+        await service.close()
+
+
+async def test_resource_lists_gpu_specs_and_prompt_teaches_workflow(tmp_path: Path, conv_a100: Path) -> None:
+    async with running(tmp_path, [conv_a100]) as (client, _):
+        resources = (await client.list_resources()).resources
+        assert any(str(r.uri) == "forecaster://gpu-specs" for r in resources)
+        content = (await client.read_resource("forecaster://gpu-specs")).contents[0]
+        rows = json.loads(getattr(content, "text", "[]"))
+        names = {r["name"] for r in rows}
+        assert any("H100" in n for n in names) and any("A100" in n for n in names)
+        prompts = (await client.list_prompts()).prompts
+        assert [p.name for p in prompts] == ["forecast_first"]
+        text = (await client.get_prompt("forecast_first")).messages[0].content
+        assert "measure_next" in getattr(text, "text", "")
