@@ -63,6 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--forecaster", default="local", help="local, claude or local+claude")
     ev.add_argument("--target-error", type=float, default=None)
     ev.add_argument("--calibrate-on", type=Path, default=None, help="pairs file to fit calibration on first")
+    ev.add_argument("--no-ptxas", action="store_true", help="skip nvcc/ptxas resource features")
     ev.set_defaults(handler="forecaster_mcp.forecast.evaluate:eval_command")
 
     mp = sub.add_parser("make-pairs", help="write a pairs file sampled from Kernel Tuner recordings")
@@ -70,6 +71,12 @@ def _parser() -> argparse.ArgumentParser:
     mp.add_argument("-n", type=int, default=1000, help="pairs per recording")
     mp.add_argument("--seed", type=int, default=0)
     mp.add_argument("--out", type=Path, required=True)
+    mp.add_argument(
+        "--history",
+        type=int,
+        default=0,
+        help="also write K measured configurations per recording as history (kept out of the pairs)",
+    )
     mp.set_defaults(handler="forecaster_mcp.forecast.evaluate:make_pairs_command")
 
     se = sub.add_parser("search", help="budgeted search over a replay space through the MCP tools")

@@ -545,6 +545,8 @@ class Service:
                 result.measurement_id = await self.store.save_measurement(
                     **save, result=result, charged_gpu_seconds=charged, cached=False
                 )
+                # New verified pairs: let calibration and the threshold see them on the next call.
+                self.engine.mark_stale()
             return result
         finally:
             if not settled:

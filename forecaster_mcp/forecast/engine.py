@@ -1,0 +1,435 @@
+"""The forecast engine: run every forecaster, calibrate each, combine, and choose the selective threshold.
+
+Rows the server stores (ForecastRow.forecaster names), and what the engine reads back:
+- `info().name` (e.g. "local" or "local+claude"): the engine's final, calibrated and combined forecast as
+  it was issued. Its verified pairs choose the selective threshold (a forecast made before its outcome was
+  known is an honest sample of the policy's error).
+- `raw:<component>` (e.g. "raw:local", "raw:claude"): each component's uncalibrated forecast, the keys of
+  `EngineForecast.per_forecaster`. Their verified pairs fit that component's calibration and, joined on
+  (hardware, measured speedup), the combination weights.
+Calibration state is persisted with `save_calibration(<component>, "*")` and, with several components,
+`save_calibration(info().name, "*")` for the combiner.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Protocol
+
+import anyio
+import numpy as np
+
+from forecaster_mcp import bins
+from forecaster_mcp.forecast.base import BinForecast, Forecaster, PairQuery
+from forecaster_mcp.forecast.calibration import Calibrator
+from forecaster_mcp.forecast.combine import Combiner
+from forecaster_mcp.forecast.selective import ThresholdChoice, choose_threshold, default_min_history
+from forecaster_mcp.models import ForecasterInfo
+
+if TYPE_CHECKING:
+    from forecaster_mcp.store.db import VerifiedPair
+
+log = logging.getLogger(__name__)
+
+RAW_PREFIX = "raw:"
+POOLED = "*"  # the `hardware` key of persisted engine state (it holds every GPU's calibration)
+STATE_VERSION = 1
+_EMPTY = np.zeros(0)
+
+
+def raw_name(component: str) -> str:
+    """The forecaster name under which a component's uncalibrated forecasts are stored."""
+    return RAW_PREFIX + component
+
+
+class CalibrationStore(Protocol):
+    """The part of the store the engine reads and writes."""
+
+    async def verified_pairs(
+        self, forecaster: str | None = None, hardware: str | None = None
+    ) -> list[VerifiedPair]: ...
+
+    async def save_calibration(self, forecaster: str, hardware: str, state_json: str) -> None: ...
+
+    async def load_calibration(self, forecaster: str, hardware: str) -> str | None: ...
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A verified pair: the components' raw forecasts and the measured speedup."""
+
+    hardware: str
+    speedup: float
+    raw: Mapping[str, Sequence[float]]
+
+
+@dataclass
+class EngineForecast:
+    """The engine's answer to one PairQuery."""
+
+    probs: list[float]  # final 8 bins: calibrated, combined
+    p_faster: float
+    confidence: float  # max(p_faster, 1 - p_faster)
+    expected_speedup: float
+    rationale: str
+    raw: dict[str, list[float]] = field(default_factory=dict)  # component -> uncalibrated bins
+    calibrated: dict[str, list[float]] = field(default_factory=dict)  # component -> calibrated bins
+    # Flat numbers for ranking measurements: the first component's extras as they are (the local model's
+    # mu_log2 / sd_log2 / p_fail), and every component's under "<component>.<key>".
+    extras: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    # Extra rows to store beside the final one: forecaster name ("raw:<component>") -> bins.
+    per_forecaster: dict[str, list[float]] = field(default_factory=dict)
+
+
+def _is_tie(speedup: float) -> bool:
+    return abs(math.log2(speedup)) <= bins.TIE_LOG2
+
+
+def _one_line(text: str, limit: int = 400) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
+class ForecastEngine:
+    """Glue between forecasters, calibration, combination and the selective policy.
+
+    Hot path: `forecast` and `threshold` only touch the store when the cached state is older than
+    `refresh_interval_s` or `mark_stale()` was called; a refresh re-reads verified pairs and refits only what
+    their counts say changed.
+    """
+
+    def __init__(
+        self,
+        forecasters: Sequence[Forecaster],
+        store: CalibrationStore | None = None,
+        *,
+        refresh_interval_s: float = 5.0,
+        delta: float = 0.05,
+        timeout_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not forecasters:
+            raise ValueError("the engine needs at least one forecaster")
+        names = [f.name for f in forecasters]
+        if len(set(names)) != len(names):
+            raise ValueError(f"forecaster names must be unique: {names}")
+        self._forecasters = list(forecasters)
+        self._names = names
+        self._store = store
+        self._refresh_interval_s = refresh_interval_s
+        self._delta = delta
+        self._timeout_s = timeout_s
+        self._clock = clock
+        self._calibrators: dict[str, Calibrator] = {n: Calibrator.identity() for n in names}
+        self._combiner = Combiner.equal(names)
+        self._fit_counts: dict[str, int] = {}  # raw rows per component at the last calibration fit
+        self._combiner_counts: dict[str, int] = {}
+        self._history: dict[str, tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]] = {}
+        self._history_count = -1
+        self._thresholds: dict[tuple[str, float], ThresholdChoice] = {}
+        self._loaded = False
+        self._stale = True
+        self._fresh_until = -math.inf
+        self._lock = anyio.Lock()
+
+    # ------------------------------------------------------------------ identity
+
+    @property
+    def name(self) -> str:
+        return "+".join(self._names)
+
+    def info(self) -> ForecasterInfo:
+        return ForecasterInfo(
+            name=self.name,
+            version="+".join(f.version for f in self._forecasters),
+            components=[f"{f.name}@{f.version}" for f in self._forecasters],
+        )
+
+    def row_names(self) -> list[str]:
+        """Every forecaster name the engine reads verified pairs under."""
+        return [self.name, *(raw_name(n) for n in self._names)]
+
+    # ------------------------------------------------------------------ forecasting
+
+    async def forecast(self, queries: Sequence[PairQuery]) -> list[EngineForecast]:
+        """One EngineForecast per query. A forecaster that raises (or times out) is skipped with a note."""
+        if not queries:
+            return []
+        await self._maybe_refresh()
+        answers: list[list[BinForecast] | Exception | None] = [None] * len(self._forecasters)
+
+        async def run(i: int, f: Forecaster) -> None:
+            try:
+                scope: AbstractContextManager[Any] = (
+                    anyio.fail_after(self._timeout_s) if self._timeout_s is not None else nullcontext()
+                )
+                with scope:
+                    out = await f.forecast(queries)
+                if len(out) != len(queries):
+                    raise ValueError(f"answered {len(out)} of {len(queries)} queries")
+                answers[i] = list(out)
+            except Exception as exc:
+                log.warning("forecaster %s failed; skipped", f.name, exc_info=exc)
+                answers[i] = exc
+
+        async with anyio.create_task_group() as tg:
+            for i, f in enumerate(self._forecasters):
+                tg.start_soon(run, i, f)
+
+        notes = [
+            f"forecaster {name} skipped: {type(a).__name__}: {_one_line(str(a), 200)}"
+            for name, a in zip(self._names, answers, strict=True)
+            if isinstance(a, Exception)
+        ]
+        answered = [(n, a) for n, a in zip(self._names, answers, strict=True) if isinstance(a, list)]
+        out: list[EngineForecast] = []
+        for i, q in enumerate(queries):
+            per = {n: a[i] for n, a in answered}
+            out.append(self._assemble(q.hardware_name, per, notes))
+        return out
+
+    def _assemble(self, hardware: str, per: Mapping[str, BinForecast], notes: list[str]) -> EngineForecast:
+        if not per:
+            probs = [1.0 / bins.N_BINS] * bins.N_BINS
+            return EngineForecast(
+                probs=probs,
+                p_faster=0.5,
+                confidence=0.5,
+                expected_speedup=1.0,
+                rationale="no forecaster answered: " + "; ".join(notes),
+                notes=list(notes),
+            )
+        raw = {n: list(f.probs) for n, f in per.items()}
+        calibrated = {n: self._calibrators[n].probs(p, hardware) for n, p in raw.items()}
+        probs = self._combiner.combine(calibrated)
+        p = bins.p_faster(probs)
+        if len(self._names) == 1:
+            rationale = _one_line(next(iter(per.values())).rationale)
+        else:
+            rationale = _one_line("; ".join(f"{n}: {f.rationale}" for n, f in per.items()))
+        extras: dict[str, float] = {}
+        for n, f in per.items():
+            extras.update({f"{n}.{k}": float(v) for k, v in f.extras.items()})
+        first = self._names[0]
+        if first in per:
+            extras.update({k: float(v) for k, v in per[first].extras.items()})
+        return EngineForecast(
+            probs=probs,
+            p_faster=p,
+            confidence=max(p, 1.0 - p),
+            expected_speedup=bins.expected_speedup(probs),
+            rationale=rationale,
+            raw=raw,
+            calibrated=calibrated,
+            extras=extras,
+            notes=list(notes),
+            per_forecaster={raw_name(n): v for n, v in raw.items()},
+        )
+
+    def combine_raw(self, raw: Mapping[str, Sequence[float]], hardware: str) -> list[float]:
+        """The final bins the current calibration and combination give for components' raw bins."""
+        calibrated = {n: self._calibrators[n].probs(p, hardware) for n, p in raw.items()}
+        return self._combiner.combine(calibrated)
+
+    # ------------------------------------------------------------------ selective threshold
+
+    async def threshold(self, hardware: str, target_error: float) -> ThresholdChoice:
+        """The confidence threshold for verdicts on this GPU (history of this GPU, else pooled over GPUs)."""
+        await self._maybe_refresh()
+        key = (hardware, round(float(target_error), 9))
+        cached = self._thresholds.get(key)
+        if cached is not None:
+            return cached
+        conf, correct = self._history.get(hardware, (_EMPTY, _EMPTY))
+        pooled = self._history.get(POOLED, (_EMPTY, _EMPTY))
+        if conf.size < default_min_history(target_error, self._delta) and pooled[0].size > conf.size:
+            choice = choose_threshold(pooled[0], pooled[1], target_error, self._delta)
+            choice = replace(choice, reason=f"{self.name}, pooled over GPUs: {choice.reason}")
+        else:
+            choice = choose_threshold(conf, correct, target_error, self._delta)
+            choice = replace(choice, reason=f"{self.name} on {hardware}: {choice.reason}")
+        self._thresholds[key] = choice
+        return choice
+
+    def set_history(
+        self, hardware: Sequence[str], p_faster: Sequence[float], speedups: Sequence[float]
+    ) -> None:
+        """Use these verified final forecasts for thresholds (evaluation; a store refresh replaces them)."""
+        if not (len(hardware) == len(p_faster) == len(speedups)):
+            raise ValueError("hardware, p_faster and speedups must have the same length")
+        by_hw: dict[str, tuple[list[float], list[float]]] = {}
+        for hw, p, s in zip(hardware, p_faster, speedups, strict=True):
+            if _is_tie(s):
+                continue
+            right = 0.5 if p == 0.5 else float((p > 0.5) == (s > 1.0))
+            for key in (hw, POOLED):
+                conf_list, correct_list = by_hw.setdefault(key, ([], []))
+                conf_list.append(max(p, 1.0 - p))
+                correct_list.append(right)
+        self._history = {k: (np.array(c), np.array(r)) for k, (c, r) in by_hw.items()}
+        self._history_count = len(p_faster)
+        self._thresholds.clear()
+
+    # ------------------------------------------------------------------ fitting
+
+    def fit(self, outcomes: Sequence[Outcome]) -> None:
+        """Fit every component's calibration and the combination weights from verified outcomes."""
+        by_name: dict[str, list[Outcome]] = {n: [] for n in self._names}
+        for o in outcomes:
+            for n in o.raw:
+                if n in by_name:
+                    by_name[n].append(o)
+        for n, rows in by_name.items():
+            self._calibrators[n] = self._fit_calibrator(n, rows)
+        if len(self._names) > 1:
+            self._combiner = self._fit_combiner([o for o in outcomes if all(n in o.raw for n in self._names)])
+        self._thresholds.clear()
+
+    @staticmethod
+    def _fit_calibrator(name: str, rows: Sequence[Outcome]) -> Calibrator:
+        scored = [o for o in rows if not _is_tie(o.speedup)]
+        return Calibrator.fit(
+            [bins.p_faster(o.raw[name]) for o in scored],
+            [o.speedup > 1.0 for o in scored],
+            [o.hardware for o in scored],
+        )
+
+    def _fit_combiner(self, joint: Sequence[Outcome]) -> Combiner:
+        scored = [o for o in joint if not _is_tie(o.speedup)]
+        p = [
+            [bins.p_faster(self._calibrators[n].probs(o.raw[n], o.hardware)) for n in self._names]
+            for o in scored
+        ]
+        return Combiner.fit(
+            self._names, np.array(p).reshape(-1, len(self._names)), [o.speedup > 1 for o in scored]
+        )
+
+    # ------------------------------------------------------------------ store refresh
+
+    def mark_stale(self) -> None:
+        """New measurements may have verified forecasts: re-read the store on the next call."""
+        self._stale = True
+
+    async def _maybe_refresh(self) -> None:
+        if self._store is None or (not self._stale and self._clock() < self._fresh_until):
+            return
+        try:
+            await self.refresh()
+        except Exception:
+            # A store hiccup must not fail a forecast: keep the last state and retry after the interval.
+            log.warning("calibration refresh failed; using the previous state", exc_info=True)
+            self._stale = False
+            self._fresh_until = self._clock() + self._refresh_interval_s
+
+    async def refresh(self, force: bool = False) -> None:
+        """Re-read verified pairs; refit and persist what changed (cheap when counts are unchanged)."""
+        store = self._store
+        if store is None:
+            return
+        async with self._lock:
+            if not force and not self._stale and self._clock() < self._fresh_until:
+                return  # another caller refreshed while we waited
+            if not self._loaded:
+                await self._load(store)
+                self._loaded = True
+            rows = {n: await store.verified_pairs(forecaster=raw_name(n)) for n in self._names}
+            counts = {n: len(r) for n, r in rows.items()}
+            outcomes = {
+                n: [Outcome(v.hardware, v.actual_speedup, {n: v.probs}) for v in r] for n, r in rows.items()
+            }
+            for n in self._names:
+                if counts[n] != self._fit_counts.get(n):
+                    self._calibrators[n] = self._fit_calibrator(n, outcomes[n])
+                    self._fit_counts[n] = counts[n]
+                    await store.save_calibration(n, POOLED, self._calibration_state(n))
+            if len(self._names) > 1 and counts != self._combiner_counts:
+                self._combiner = self._fit_combiner(_join(rows, self._names))
+                self._combiner_counts = dict(counts)
+                await store.save_calibration(self.name, POOLED, self._combiner_state())
+            final = await store.verified_pairs(forecaster=self.name)
+            if len(final) != self._history_count:
+                self.set_history(
+                    [v.hardware for v in final],
+                    [v.p_faster for v in final],
+                    [v.actual_speedup for v in final],
+                )
+            self._stale = False
+            self._fresh_until = self._clock() + self._refresh_interval_s
+
+    def _calibration_state(self, name: str) -> str:
+        return json.dumps(
+            {
+                "kind": "engine-calibration",
+                "version": STATE_VERSION,
+                "n_rows": self._fit_counts.get(name, 0),
+                "calibrator": self._calibrators[name].to_dict(),
+            },
+            sort_keys=True,
+        )
+
+    def _combiner_state(self) -> str:
+        return json.dumps(
+            {
+                "kind": "engine-combiner",
+                "version": STATE_VERSION,
+                "n_rows": self._combiner_counts,
+                "combiner": self._combiner.to_dict(),
+            },
+            sort_keys=True,
+        )
+
+    async def _load(self, store: CalibrationStore) -> None:
+        """Start from the persisted state; an unreadable one is ignored and refitted from the pairs."""
+        for n in self._names:
+            text = await store.load_calibration(n, POOLED)
+            if text is None:
+                continue
+            try:
+                d = json.loads(text)
+                if d.get("kind") != "engine-calibration" or d.get("version") != STATE_VERSION:
+                    raise ValueError(f"unknown state {d.get('kind')}/{d.get('version')}")
+                self._calibrators[n] = Calibrator.from_dict(d["calibrator"])
+                self._fit_counts[n] = int(d["n_rows"])
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                log.warning("ignoring unreadable calibration state of %s: %s", n, exc)
+        if len(self._names) > 1:
+            text = await store.load_calibration(self.name, POOLED)
+            if text is None:
+                return
+            try:
+                d = json.loads(text)
+                if d.get("kind") != "engine-combiner" or d.get("version") != STATE_VERSION:
+                    raise ValueError(f"unknown state {d.get('kind')}/{d.get('version')}")
+                combiner = Combiner.from_dict(d["combiner"])
+                if list(combiner.names) != self._names:
+                    raise ValueError(f"combiner pools {list(combiner.names)}, engine has {self._names}")
+                self._combiner = combiner
+                self._combiner_counts = {str(k): int(v) for k, v in d["n_rows"].items()}
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                log.warning("ignoring unreadable combiner state of %s: %s", self.name, exc)
+
+
+def _join(rows: Mapping[str, Sequence[VerifiedPair]], names: Sequence[str]) -> list[Outcome]:
+    """Joint outcomes: rows of every component for the same verified pair.
+
+    Verified rows carry no pair id, but rows verified by the same two measurements share hardware and the
+    exact measured speedup; within such a group the k-th row of each component (oldest first) is paired.
+    """
+    groups: dict[tuple[str, float], dict[str, list[VerifiedPair]]] = {}
+    for n in names:
+        for v in rows.get(n, []):
+            groups.setdefault((v.hardware, v.actual_speedup), {}).setdefault(n, []).append(v)
+    out: list[Outcome] = []
+    for (hw, speedup), by_name in groups.items():
+        if len(by_name) < len(names):
+            continue
+        for k in range(min(len(v) for v in by_name.values())):
+            out.append(Outcome(hw, speedup, {n: by_name[n][k].probs for n in names}))
+    return out

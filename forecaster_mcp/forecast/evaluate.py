@@ -1,0 +1,641 @@
+"""`forecaster-mcp eval PAIRS.jsonl` and `forecaster-mcp make-pairs REC...`.
+
+eval writes into --out: metrics.json (metrics.summarize of each component, raw and calibrated, and of the
+final forecast with the selective verdicts), predictions.jsonl (one line per pair), reliability.png and
+risk_coverage.png (skipped with a note when matplotlib is missing).
+
+Pairs file (JSON lines, DESIGN.md "Formats"): one pair per line, `{"id", "hardware", "workload",
+"baseline": Kernel, "candidate": Kernel, "speedup": t_base / t_cand, "source"}`.
+A line may instead be `{"history": point}` or `{"history": [point, ...]}` with
+`point = {"hardware", "workload", "kernel": Kernel, "runtime_ms", "status"}` (status defaults to "ok"):
+measurements the local model may learn from (the kernel family's online model), as the server's store
+would hold them. Pairs never share a kernel with history written by make-pairs.
+
+`--calibrate-on CAL.jsonl` forecasts CAL's pairs first and splits them alternately: even lines fit the
+calibration and combination, odd lines (forecast with that calibration) choose the selective threshold,
+so the threshold is certified on pairs the calibration never saw. Then PAIRS is evaluated.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
+
+import numpy as np
+from pydantic import ValidationError
+
+from forecaster_mcp.errors import OperatorError
+from forecaster_mcp.forecast import metrics as M
+from forecaster_mcp.forecast.selective import ThresholdChoice, decide
+from forecaster_mcp.models import Kernel, Workload
+
+if TYPE_CHECKING:
+    import argparse
+
+    from forecaster_mcp.forecast.base import Forecaster, PairQuery
+    from forecaster_mcp.forecast.engine import EngineForecast, ForecastEngine
+    from forecaster_mcp.settings import Settings
+    from forecaster_mcp.store.db import FamilyPoint
+
+KNOWN_FORECASTERS = ("local", "claude")
+# make-pairs writes this into the stand-in source of recorded kernels: there is nothing to compile.
+PLACEHOLDER_MARKER = "the kernel source is not included"
+DELTA = 0.05
+
+
+# ---------------------------------------------------------------- reading pairs files
+
+
+@dataclass(frozen=True)
+class EvalPair:
+    id: str
+    hardware: str
+    workload: Workload
+    baseline: Kernel
+    candidate: Kernel
+    speedup: float
+    source: str
+    line: int
+
+
+@dataclass(frozen=True)
+class HistoryPoint:
+    hardware: str
+    workload: Workload
+    kernel: Kernel
+    runtime_ms: float | None
+    status: str
+
+
+@dataclass
+class PairsFile:
+    path: Path
+    pairs: list[EvalPair] = field(default_factory=list)
+    history: list[HistoryPoint] = field(default_factory=list)
+
+
+def _bad(path: Path, line: int, message: str) -> OperatorError:
+    return OperatorError(f"{path}:{line}: {message}")
+
+
+def _validation_message(exc: ValidationError) -> str:
+    first = exc.errors()[0]
+    where = ".".join(str(p) for p in first["loc"])
+    return f"{where}: {first['msg']}" if where else str(first["msg"])
+
+
+def _model(path: Path, line: int, what: str, value: Any, cls: type[Kernel] | type[Workload]) -> Any:
+    if not isinstance(value, dict):
+        raise _bad(path, line, f"'{what}' must be a JSON object")
+    try:
+        return cls.model_validate(value)
+    except ValidationError as exc:
+        raise _bad(path, line, f"bad {what}: {_validation_message(exc)}") from exc
+
+
+def _positive(path: Path, line: int, what: str, value: Any) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise _bad(path, line, f"'{what}' must be a positive finite number, got {value!r}")
+    return float(value)
+
+
+def _history_point(path: Path, line: int, d: Any) -> HistoryPoint:
+    if not isinstance(d, dict):
+        raise _bad(path, line, "each history point must be a JSON object")
+    missing = [k for k in ("hardware", "workload", "kernel") if k not in d]
+    if missing:
+        raise _bad(path, line, f"history point lacks {', '.join(missing)}")
+    status = str(d.get("status", "ok"))
+    runtime = d.get("runtime_ms")
+    return HistoryPoint(
+        hardware=str(d["hardware"]),
+        workload=_model(path, line, "workload", d["workload"], Workload),
+        kernel=_model(path, line, "kernel", d["kernel"], Kernel),
+        runtime_ms=_positive(path, line, "runtime_ms", runtime) if status == "ok" else None,
+        status=status,
+    )
+
+
+def read_pairs_file(path: Path) -> PairsFile:
+    """Parse a pairs file; OperatorError naming the file and line for anything malformed."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise OperatorError(f"cannot read pairs file {path}: {exc}") from exc
+    out = PairsFile(path)
+    for n, raw in enumerate(text.splitlines(), start=1):
+        if not raw.strip():
+            continue
+        try:
+            d = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise _bad(path, n, f"not valid JSON ({exc.msg} at column {exc.colno})") from exc
+        if not isinstance(d, dict):
+            raise _bad(path, n, "each line must be a JSON object")
+        if "history" in d:
+            points = d["history"] if isinstance(d["history"], list) else [d["history"]]
+            out.history.extend(_history_point(path, n, p) for p in points)
+            continue
+        missing = [k for k in ("hardware", "baseline", "candidate", "speedup") if k not in d]
+        if missing:
+            raise _bad(
+                path, n, f"missing {', '.join(missing)} (a pair needs hardware, baseline, candidate, speedup)"
+            )
+        if not isinstance(d["hardware"], str) or not d["hardware"].strip():
+            raise _bad(path, n, "'hardware' must be a GPU name such as \"A100\"")
+        out.pairs.append(
+            EvalPair(
+                id=str(d.get("id", f"line{n}")),
+                hardware=d["hardware"],
+                workload=_model(path, n, "workload", d.get("workload", {}), Workload),
+                baseline=_model(path, n, "baseline", d["baseline"], Kernel),
+                candidate=_model(path, n, "candidate", d["candidate"], Kernel),
+                speedup=_positive(path, n, "speedup", d["speedup"]),
+                source=str(d.get("source", "")),
+                line=n,
+            )
+        )
+    if not out.pairs:
+        raise OperatorError(f"{path}: no pairs in the file")
+    return out
+
+
+# ---------------------------------------------------------------- in-file history for the local model
+
+
+def _canonical(hardware: str) -> str:
+    from forecaster_mcp.hardware.specs import canonical_name
+
+    return canonical_name(hardware)
+
+
+class MemoryHistory:
+    """A FamilyHistory over the pairs file's history points (what the store would hold)."""
+
+    def __init__(self, points: Sequence[HistoryPoint]) -> None:
+        from forecaster_mcp.store.db import FamilyPoint
+
+        latest: dict[tuple[str, str, str], dict[str, FamilyPoint]] = {}
+        for p in points:
+            key = (p.kernel.family_key(), _canonical(p.hardware), p.workload.key())
+            latest.setdefault(key, {})[p.kernel.content_key()] = FamilyPoint(
+                defines=dict(p.kernel.defines),
+                launch=p.kernel.launch.model_dump() if p.kernel.launch else None,
+                status=p.status,
+                runtime_ms=p.runtime_ms,
+                content_key=p.kernel.content_key(),
+            )
+        self._points = {k: list(v.values()) for k, v in latest.items()}
+
+    async def family_points(self, family_key: str, hardware: str, workload_key: str) -> list[FamilyPoint]:
+        return list(self._points.get((family_key, hardware, workload_key), []))
+
+
+# ---------------------------------------------------------------- running forecasters
+
+
+def parse_forecaster_arg(arg: str) -> list[str]:
+    names = [n.strip() for n in arg.split("+") if n.strip()]
+    unknown = [n for n in names if n not in KNOWN_FORECASTERS]
+    if not names or unknown or len(set(names)) != len(names):
+        raise OperatorError(f"--forecaster must be local, claude or local+claude, got {arg!r}")
+    return names
+
+
+def build_forecasters(
+    names: Sequence[str], settings: Settings, history: MemoryHistory | None, *, ptxas: bool = True
+) -> list[Forecaster]:
+    """The forecasters named by --forecaster; `ptxas=False` stops the local model compiling kernels."""
+    out: list[Forecaster] = []
+    for name in names:
+        if name == "local":
+            from forecaster_mcp.forecast.local import LocalForecaster
+
+            cache_dir = settings.home / "cache"
+            if ptxas:
+                out.append(LocalForecaster(history, nvcc=settings.nvcc, cache_dir=cache_dir))
+            else:
+                out.append(
+                    LocalForecaster(history, nvcc=settings.nvcc, cache_dir=cache_dir, ptxas_wait_s=0.0)
+                )
+        elif name == "claude":
+            if not settings.anthropic_api_key:
+                raise OperatorError(
+                    "--forecaster claude needs an Anthropic API key: set FORECASTER_MCP_ANTHROPIC_API_KEY "
+                    "(or ANTHROPIC_API_KEY)"
+                )
+            from forecaster_mcp.forecast.claude import ClaudeForecaster
+
+            try:
+                out.append(
+                    ClaudeForecaster(
+                        api_key=settings.anthropic_api_key,
+                        model=settings.claude_model,
+                        samples=settings.claude_samples,
+                    )
+                )
+            except Exception as exc:  # the SDK's own refusals (forbidden in tests, missing key)
+                raise OperatorError(f"cannot start the Claude forecaster: {exc}") from exc
+    return out
+
+
+def _worth_compiling(f: PairsFile) -> bool:
+    """False when every kernel is a make-pairs stand-in: ptxas would learn nothing from a declaration."""
+    return any(PLACEHOLDER_MARKER not in k.source for p in f.pairs for k in (p.baseline, p.candidate))
+
+
+def _queries(pairs: Sequence[EvalPair]) -> list[PairQuery]:
+    from forecaster_mcp.forecast.base import PairQuery
+    from forecaster_mcp.hardware.specs import lookup
+
+    out = []
+    for p in pairs:
+        spec = lookup(p.hardware)
+        out.append(
+            PairQuery(p.baseline, p.candidate, p.workload, spec.name if spec else p.hardware.strip(), spec)
+        )
+    return out
+
+
+@dataclass
+class _Calibration:
+    fit_outcomes: list[Any]
+    history_hw: list[str]
+    history_raw: list[dict[str, list[float]]]
+    history_speedups: list[float]
+    n_pairs: int
+
+
+async def _calibrate_phase(
+    names: Sequence[str], settings: Settings, cal: PairsFile, ptxas: bool
+) -> tuple[_Calibration, list[str]]:
+    from forecaster_mcp.forecast.engine import ForecastEngine, Outcome
+
+    forecasters = build_forecasters(
+        names, settings, MemoryHistory(cal.history), ptxas=ptxas and _worth_compiling(cal)
+    )
+    engine = ForecastEngine(forecasters, None)
+    queries = _queries(cal.pairs)
+    forecasts = await engine.forecast(queries)
+    fit, hw, raw, speedups = [], [], [], []
+    for i, (q, p, f) in enumerate(zip(queries, cal.pairs, forecasts, strict=True)):
+        if not f.raw:
+            continue
+        if i % 2 == 0:
+            fit.append(Outcome(q.hardware_name, p.speedup, dict(f.raw)))
+        else:
+            hw.append(q.hardware_name)
+            raw.append(dict(f.raw))
+            speedups.append(p.speedup)
+    notes = sorted({n for f in forecasts for n in f.notes})
+    return _Calibration(fit, hw, raw, speedups, len(cal.pairs)), notes
+
+
+def _apply_calibration(engine: ForecastEngine, cal: _Calibration) -> None:
+    from forecaster_mcp import bins
+
+    engine.fit(cal.fit_outcomes)
+    finals = [
+        bins.p_faster(engine.combine_raw(r, hw))
+        for r, hw in zip(cal.history_raw, cal.history_hw, strict=True)
+    ]
+    engine.set_history(cal.history_hw, finals, cal.history_speedups)
+
+
+# ---------------------------------------------------------------- the report
+
+
+def _fmt(v: Any, width: int = 9) -> str:
+    if v is None:
+        return "-".rjust(width)
+    if isinstance(v, float):
+        return f"{v:.3f}".rjust(width)
+    return str(v).rjust(width)
+
+
+def print_table(report: dict[str, Any], out: TextIO) -> None:
+    cols = [
+        ("pairs", "n_pairs"),
+        ("acc", "pairwise_accuracy"),
+        ("bin_acc", "bin_accuracy"),
+        ("brier", "brier"),
+        ("ece", "ece"),
+        ("aurc", "aurc"),
+        ("risk@80", "risk_at_80"),
+        ("cover", "coverage"),
+        ("dec_acc", "decided_accuracy"),
+    ]
+    rows: list[tuple[str, dict[str, Any]]] = []
+    for name, comp in report["components"].items():
+        rows.append((f"{name} raw", comp["raw"]))
+        if "calibrated" in comp:
+            rows.append((f"{name} calibrated", comp["calibrated"]))
+    rows.append((f"{report['forecaster']['name']} final", report["final"]))
+    width = max(len(r[0]) for r in rows) + 2
+    print("forecaster".ljust(width) + "".join(_fmt(c) for c, _ in cols), file=out)
+    for label, m in rows:
+        print(label.ljust(width) + "".join(_fmt(m.get(k)) for _, k in cols), file=out)
+    print(
+        f"ties (|log2 S| <= log2 1.03) left out of direction metrics: {report['final']['n_ties']}", file=out
+    )
+    for hw, choice in report["thresholds"].items():
+        print(f"threshold on {hw}: {choice['threshold']:.3f} ({choice['reason']})", file=out)
+
+
+def _finite(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_finite(x) for x in v]
+    return v
+
+
+async def _forecast_all(
+    names: Sequence[str],
+    settings: Settings,
+    main: PairsFile,
+    cal_file: PairsFile | None,
+    target: float,
+    ptxas: bool,
+) -> tuple[
+    ForecastEngine,
+    list[PairQuery],
+    list[EngineForecast],
+    dict[str, ThresholdChoice],
+    _Calibration | None,
+    list[str],
+]:
+    from forecaster_mcp.forecast.engine import ForecastEngine
+
+    notes: list[str] = []
+    calibration = None
+    if cal_file is not None:
+        calibration, cal_notes = await _calibrate_phase(names, settings, cal_file, ptxas)
+        notes += [f"calibration file: {n}" for n in cal_notes]
+    forecasters = build_forecasters(
+        names, settings, MemoryHistory(main.history), ptxas=ptxas and _worth_compiling(main)
+    )
+    engine = ForecastEngine(forecasters, None)
+    if calibration is not None:
+        _apply_calibration(engine, calibration)
+    queries = _queries(main.pairs)
+    forecasts = await engine.forecast(queries)
+    notes += sorted({n for f in forecasts for n in f.notes})
+    thresholds = {
+        hw: await engine.threshold(hw, target) for hw in dict.fromkeys(q.hardware_name for q in queries)
+    }
+    return engine, queries, forecasts, thresholds, calibration, notes
+
+
+def run_eval(
+    settings: Settings,
+    pairs_path: Path,
+    out_dir: Path,
+    forecaster: str = "local",
+    target_error: float | None = None,
+    calibrate_on: Path | None = None,
+    stdout: TextIO | None = None,
+    ptxas: bool = True,
+) -> dict[str, Any]:
+    """Evaluate, write metrics.json and the plots into `out_dir`, print the table; returns the report.
+
+    Runs its own event loop (anyio.run): call it from synchronous code."""
+    import anyio
+
+    out = stdout or sys.stdout
+    started = time.perf_counter()
+    target = settings.target_error if target_error is None else target_error
+    if not 0.0 < target < 0.5:
+        raise OperatorError(f"--target-error must be between 0 and 0.5, got {target}")
+    names = parse_forecaster_arg(forecaster)
+    main = read_pairs_file(pairs_path)
+    cal_file = read_pairs_file(calibrate_on) if calibrate_on is not None else None
+    engine, queries, forecasts, thresholds, calibration, notes = anyio.run(
+        _forecast_all, names, settings, main, cal_file, target, ptxas
+    )
+    speedups = np.array([p.speedup for p in main.pairs])
+    hardware = [q.hardware_name for q in queries]
+
+    final_probs = np.array([f.probs for f in forecasts])
+    final = M.summarize(final_probs, speedups)
+    verdicts = [
+        decide(f.p_faster, thresholds[hw].threshold) for f, hw in zip(forecasts, hardware, strict=True)
+    ]
+    d = M.decided_summary(verdicts, speedups)
+    final.update(
+        {
+            "coverage": d.coverage,
+            "n_decided": d.n_decided,
+            "decided_accuracy": None if math.isnan(d.accuracy) else d.accuracy,
+            "decided_error": None if math.isnan(d.error) else d.error,
+        }
+    )
+    components: dict[str, dict[str, Any]] = {}
+    series: dict[str, tuple[list[float], list[float]]] = {}
+    for name in names:
+        idx = [i for i, f in enumerate(forecasts) if name in f.raw]
+        if not idx:
+            continue
+        raw = [forecasts[i].raw[name] for i in idx]
+        s = speedups[idx]
+        comp = {"n_answered": len(idx), "raw": M.summarize(raw, s)}
+        series[f"{name} raw"] = ([float(x) for x in M.p_faster_of(raw)], s.tolist())
+        if calibration is not None:
+            calibrated = [forecasts[i].calibrated[name] for i in idx]
+            comp["calibrated"] = M.summarize(calibrated, s)
+        components[name] = comp
+    info = engine.info()
+    final_label = f"{info.name} final" + (" (calibrated)" if calibration is not None else "")
+    series[final_label] = ([f.p_faster for f in forecasts], speedups.tolist())
+    by_hw: dict[str, Any] = {}
+    if len(thresholds) > 1:
+        for hw in thresholds:
+            idx = [i for i, h in enumerate(hardware) if h == hw]
+            by_hw[hw] = M.summarize(final_probs[idx], speedups[idx])
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plots: list[str] = []
+    from forecaster_mcp.forecast.plots import PlotsUnavailable, reliability_png, risk_coverage_png
+
+    try:
+        reliability_png(out_dir / "reliability.png", series)
+        risk_coverage_png(out_dir / "risk_coverage.png", series, target)
+        plots = ["reliability.png", "risk_coverage.png"]
+    except PlotsUnavailable as exc:
+        notes.append(f"plots skipped: {exc}")
+    with (out_dir / "predictions.jsonl").open("w", encoding="utf-8") as f:
+        for p, q, fc, verdict in zip(main.pairs, queries, forecasts, verdicts, strict=True):
+            row = {
+                "id": p.id,
+                "hardware": q.hardware_name,
+                "speedup": p.speedup,
+                "p_faster": fc.p_faster,
+                "verdict": verdict,
+                "probs": fc.probs,
+                "raw": fc.raw,
+            }
+            f.write(json.dumps(row) + "\n")
+
+    report: dict[str, Any] = {
+        "pairs_file": str(pairs_path),
+        "calibrate_on": str(calibrate_on) if calibrate_on is not None else None,
+        "calibration_pairs": calibration.n_pairs if calibration is not None else 0,
+        "history_points": len(main.history),
+        "forecaster": info.model_dump(),
+        "target_error": target,
+        "delta": DELTA,
+        "n_pairs": len(main.pairs),
+        "thresholds": {hw: c.to_dict() for hw, c in thresholds.items()},
+        "final": final,
+        "components": components,
+        "by_hardware": by_hw,
+        "plots": plots,
+        "notes": notes,
+        "elapsed_s": round(time.perf_counter() - started, 3),
+    }
+    report = _finite(report)
+    (out_dir / "metrics.json").write_text(
+        json.dumps(report, indent=2, sort_keys=False) + "\n", encoding="utf-8"
+    )
+    print_table(report, out)
+    for n in notes:
+        print(f"note: {n}", file=out)
+    written = ", ".join(["metrics.json", "predictions.jsonl", *plots])
+    print(f"wrote {written} to {out_dir}", file=out)
+    return report
+
+
+def eval_command(settings: Settings, args: argparse.Namespace) -> int:
+    """`forecaster-mcp eval PAIRS.jsonl [--out DIR] [--forecaster F] [--target-error E] [--calibrate-on F]`"""
+    # --no-ptxas (when the parser has it): skip compiling kernels for static features, e.g. to go fast.
+    ptxas = not getattr(args, "no_ptxas", False)
+    run_eval(
+        settings, args.pairs, args.out, args.forecaster, args.target_error, args.calibrate_on, ptxas=ptxas
+    )
+    return 0
+
+
+# ---------------------------------------------------------------- make-pairs
+
+
+def _placeholder_source(kernel_name: str, recording: Path) -> str:
+    # One source per recording's kernel, so every configuration shares a kernel family.
+    return (
+        f"// {kernel_name}: a Kernel Tuner recording ({recording.name}); {PLACEHOLDER_MARKER}.\n"
+        "// Tuning parameters are passed as -D macros (see `defines`).\n"
+        f"__global__ void {kernel_name}();\n"
+    )
+
+
+def _workload(kernel_name: str, problem_size: Any) -> Workload:
+    problem: dict[str, int | float | str] = {}
+    if isinstance(problem_size, list | tuple):
+        for axis, v in zip("xyz", problem_size, strict=False):
+            if isinstance(v, int | float | str) and not isinstance(v, bool):
+                problem[f"size_{axis}"] = v
+    elif isinstance(problem_size, int | float | str) and not isinstance(problem_size, bool):
+        problem["size_x"] = problem_size
+    return Workload(problem=problem, name=kernel_name)
+
+
+def _defines(params: dict[str, Any]) -> dict[str, int | float | str]:
+    out: dict[str, int | float | str] = {}
+    for k, v in params.items():
+        out[k] = int(v) if isinstance(v, bool) else v if isinstance(v, int | float | str) else str(v)
+    return out
+
+
+def _kernel_dict(params: dict[str, Any], kid: str, source: str, entry: str) -> dict[str, Any]:
+    kernel = Kernel(id=kid, source=source, entry=entry, defines=_defines(params))  # validates
+    return {"id": kernel.id, "source": kernel.source, "entry": kernel.entry, "defines": kernel.defines}
+
+
+def make_pairs(
+    recordings: Sequence[Path], n_per_recording: int, seed: int, history_per_recording: int = 0
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Sample (pairs, history points) from Kernel Tuner recordings; both kernels of a pair from one file."""
+    from forecaster_mcp.measure.replay import load_space
+
+    if n_per_recording < 1:
+        raise OperatorError(f"-n must be at least 1, got {n_per_recording}")
+    pairs: list[dict[str, Any]] = []
+    history: list[dict[str, Any]] = []
+    for r, path in enumerate(recordings):
+        try:
+            space = load_space(path)
+        except ValueError as exc:
+            raise OperatorError(str(exc)) from exc
+        valid = [e for e in space.entries if e.ok and e.times]
+        if len(valid) - history_per_recording < 2:
+            raise OperatorError(
+                f"{path}: {len(valid)} valid configurations, too few for pairs"
+                + (f" after {history_per_recording} history points" if history_per_recording else "")
+            )
+        rng = np.random.default_rng([seed, r])
+        order = rng.permutation(len(valid))
+        hist_idx, pool = order[:history_per_recording], order[history_per_recording:]
+        source = _placeholder_source(space.kernel_name, path)
+        workload = _workload(space.kernel_name, space.problem_size).model_dump(exclude_none=True)
+        median = {id(e): statistics.median(e.times) for e in valid}
+
+        for i in hist_idx:
+            e = valid[int(i)]
+            history.append(
+                {
+                    "history": {
+                        "hardware": space.device,
+                        "workload": workload,
+                        "kernel": _kernel_dict(e.params, f"h{len(history)}", source, space.kernel_name),
+                        "runtime_ms": median[id(e)],
+                        "status": "ok",
+                    }
+                }
+            )
+        seen: set[tuple[int, int]] = set()
+        max_pairs = len(pool) * (len(pool) - 1)
+        want = min(n_per_recording, max_pairs)
+        while len(seen) < want:
+            a, b = (int(x) for x in rng.choice(pool, size=2, replace=False))
+            if (a, b) in seen:
+                continue
+            seen.add((a, b))
+            base, cand = valid[a], valid[b]
+            pairs.append(
+                {
+                    "id": f"{path.parent.name}-{path.name.split('.')[0]}-{len(seen) - 1}",
+                    "hardware": space.device,
+                    "workload": workload,
+                    "baseline": _kernel_dict(base.params, "baseline", source, space.kernel_name),
+                    "candidate": _kernel_dict(cand.params, "candidate", source, space.kernel_name),
+                    "speedup": median[id(base)] / median[id(cand)],
+                    "source": f"kernel_tuner:{path}",
+                }
+            )
+    return pairs, history
+
+
+def make_pairs_command(settings: Settings, args: argparse.Namespace) -> int:
+    """`forecaster-mcp make-pairs REC... -n N --seed S --out F [--history K]`."""
+    history_n = int(getattr(args, "history", 0) or 0)
+    pairs, history = make_pairs(args.recordings, args.n, args.seed, history_n)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with args.out.open("w", encoding="utf-8") as f:
+        for row in [*history, *pairs]:
+            f.write(json.dumps(row, sort_keys=False) + "\n")
+    extra = f" and {len(history)} history points" if history else ""
+    print(f"wrote {len(pairs)} pairs{extra} from {len(args.recordings)} recordings to {args.out}")
+    return 0

@@ -1,0 +1,200 @@
+"""The selective policy: decide faster/slower only when calibrated confidence clears a certified threshold.
+
+A threshold t is certified when the Clopper-Pearson upper confidence bound (level 1 - delta) on the error
+rate of history pairs with confidence >= t is at most `target_error`. Candidate thresholds are tested in a
+fixed sequence from high to low and testing stops at the first failure, which controls the chance that
+*any* accepted threshold has a true error above target at delta without splitting delta across the
+thresholds (fixed-sequence testing, as in Learn-then-Test). We return the lowest accepted threshold.
+
+While history is short we use a default threshold of 1 - target_error / 2: a calibrated forecaster errs with
+probability at most 1 - confidence on each decided pair, so its decided error stays below target_error / 2.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from forecaster_mcp.models import Verdict
+
+# Thresholds tested, high to low: a fixed grid, so the sequence never depends on the outcomes.
+GRID: tuple[float, ...] = tuple(round(0.995 - 0.005 * i, 3) for i in range(99))
+NEVER = 1.0  # a threshold of 1.0 decides nothing (calibrated confidences stay below 1)
+
+ChoiceSource = Literal["history", "default", "never"]
+
+
+@dataclass(frozen=True)
+class ThresholdChoice:
+    """A confidence threshold and why it was chosen."""
+
+    threshold: float
+    n_history: int  # scored (non-tie) history pairs considered
+    error_ucb: float | None  # upper bound on the decided error at this threshold; None when not certified
+    reason: str
+    source: ChoiceSource = "default"
+    n_above: int = 0  # history pairs with confidence >= threshold
+    target_error: float = 0.1
+    delta: float = 0.05
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def default_threshold(target_error: float) -> float:
+    """The threshold used while history is short: safe for a calibrated forecaster."""
+    return 1.0 - target_error / 2.0
+
+
+def min_count_zero_errors(target_error: float, delta: float) -> int:
+    """Fewest pairs for which zero errors certify `target_error` (1 - delta**(1/n) <= target)."""
+    return math.ceil(math.log(delta) / math.log(1.0 - target_error))
+
+
+def default_min_history(target_error: float, delta: float) -> int:
+    """History needed before a threshold is tested: twice the zero-error minimum, so one unlucky
+    error at the top of the sequence does not end it."""
+    return 2 * min_count_zero_errors(target_error, delta)
+
+
+def binom_cdf(k: int, n: int, p: float) -> float:
+    """P(X <= k) for X ~ Binomial(n, p), summed in log space."""
+    if k < 0:
+        return 0.0
+    if k >= n:
+        return 1.0
+    if p <= 0.0:
+        return 1.0
+    if p >= 1.0:
+        return 0.0
+    j = np.arange(1, k + 1, dtype=np.float64)
+    log_comb = np.r_[0.0, np.cumsum(np.log(n - j + 1.0) - np.log(j))]
+    jj = np.arange(0, k + 1, dtype=np.float64)
+    log_pmf = log_comb + jj * math.log(p) + (n - jj) * math.log1p(-p)
+    top = float(log_pmf.max())
+    return float(min(1.0, math.exp(top) * np.exp(log_pmf - top).sum()))
+
+
+def clopper_pearson_upper(k: int, n: int, delta: float) -> float:
+    """One-sided upper confidence bound (level 1 - delta) on a binomial proportion with k of n."""
+    if n <= 0:
+        return 1.0
+    if k >= n:
+        return 1.0
+    lo, hi = k / n, 1.0
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        if binom_cdf(k, n, mid) > delta:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+def _certifies(k: int, n: int, target_error: float, delta: float) -> bool:
+    # UCB <= target  <=>  P(X <= k; n, target) <= delta (the CDF falls as p grows).
+    return n > 0 and binom_cdf(k, n, target_error) <= delta
+
+
+def choose_threshold(
+    confidences: Sequence[float] | np.ndarray[Any, Any],
+    correct: Sequence[float] | np.ndarray[Any, Any],
+    target_error: float,
+    delta: float = 0.05,
+    *,
+    min_history: int | None = None,
+) -> ThresholdChoice:
+    """The lowest confidence threshold certified on history (see the module docstring).
+
+    `confidences`: calibrated confidence (max(p, 1 - p)) of each verified non-tie forecast, as it was
+    issued; `correct`: 1 if its direction was right, 0 if wrong (fractions are rounded up as errors).
+    """
+    if not 0.0 < target_error < 0.5:
+        raise ValueError(f"target_error must be in (0, 0.5), got {target_error}")
+    if not 0.0 < delta < 1.0:
+        raise ValueError(f"delta must be in (0, 1), got {delta}")
+    conf = np.asarray(confidences, dtype=np.float64)
+    err = 1.0 - np.asarray(correct, dtype=np.float64)
+    if conf.shape != err.shape:
+        raise ValueError("confidences and correct must have the same length")
+    n = int(conf.size)
+    default = default_threshold(target_error)
+    need = default_min_history(target_error, delta) if min_history is None else max(1, min_history)
+
+    def choice(
+        threshold: float, ucb: float | None, reason: str, source: ChoiceSource, n_above: int
+    ) -> ThresholdChoice:
+        return ThresholdChoice(threshold, n, ucb, reason, source, n_above, target_error, delta)
+
+    def above(t: float) -> tuple[int, int]:
+        sel = conf >= t
+        # Half-credit coin flips count as errors: the bound must stay conservative.
+        return int(sel.sum()), math.ceil(float(err[sel].sum()) - 1e-9)
+
+    if n < need:
+        n_d, _ = above(default)
+        return choice(
+            default,
+            None,
+            f"{n} verified pairs, fewer than the {need} needed to certify a threshold: "
+            f"default {default:.3f} (safe if the forecaster is calibrated)",
+            "default",
+            n_d,
+        )
+
+    accepted: tuple[float, int, int] | None = None
+    for t in GRID:
+        n_t, k_t = above(t)
+        if n_t < need:
+            continue  # too few pairs this high to be worth a test; skipping depends on confidences only
+        if not _certifies(k_t, n_t, target_error, delta):
+            break
+        accepted = (t, n_t, k_t)
+    if accepted is not None:
+        t, n_t, k_t = accepted
+        # Tighten to the least confident history pair it admits: the same pairs, the same bound, and no
+        # decisions extrapolated to confidences history never saw.
+        t = float(conf[conf >= t].min())
+        ucb = clopper_pearson_upper(k_t, n_t, delta)
+        return choice(
+            t,
+            ucb,
+            f"certified on {n_t} of {n} verified pairs: {k_t} errors, "
+            f"error bound {ucb:.3f} <= target {target_error:g} at delta {delta:g}",
+            "history",
+            n_t,
+        )
+
+    # Nothing certified. Keep the default unless history shows it errs above target (one-sided test).
+    n_d, k_d = above(default)
+    if n_d > 0 and 1.0 - binom_cdf(k_d - 1, n_d, target_error) <= delta:
+        return choice(
+            NEVER,
+            None,
+            f"at confidence >= {default:.3f} the forecaster erred on {k_d} of {n_d} verified pairs, "
+            f"above target {target_error:g}: no forecast is decided until it is recalibrated",
+            "never",
+            0,
+        )
+    return choice(
+        default,
+        None,
+        f"no threshold certified on {n} verified pairs: default {default:.3f}",
+        "default",
+        n_d,
+    )
+
+
+def decide(p_faster: float, threshold: float) -> Verdict:
+    """ "faster" / "slower" when that direction's probability clears the threshold, else "unsure"."""
+    if threshold >= NEVER or not math.isfinite(p_faster):
+        return "unsure"
+    if p_faster > 0.5 and p_faster >= threshold:
+        return "faster"
+    if p_faster < 0.5 and 1.0 - p_faster >= threshold:
+        return "slower"
+    return "unsure"

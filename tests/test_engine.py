@@ -1,0 +1,311 @@
+"""The forecast engine with scripted forecasters and an in-memory calibration store."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Sequence
+
+import anyio
+import numpy as np
+import pytest
+
+from forecaster_mcp import bins
+from forecaster_mcp.forecast.base import BinForecast, PairQuery, ScriptedForecaster
+from forecaster_mcp.forecast.calibration import logit, sigmoid, with_p_faster
+from forecaster_mcp.forecast.engine import EngineForecast, ForecastEngine, Outcome, raw_name
+from forecaster_mcp.models import Kernel, Workload
+from forecaster_mcp.store.db import VerifiedPair
+
+SRC = "__global__ void k(float* x) { x[threadIdx.x] = 0; }"
+
+
+def _query(i: int = 0, hardware: str = "A100") -> PairQuery:
+    base = Kernel(id="base", source=SRC, entry="k", defines={"V": 0})
+    cand = Kernel(id=f"c{i}", source=SRC, entry="k", defines={"V": i + 1})
+    return PairQuery(base, cand, Workload(), hardware, None)
+
+
+def _scripted(name: str, default: Sequence[float] | None = None) -> ScriptedForecaster:
+    f = ScriptedForecaster(default)
+    f.name = name
+    return f
+
+
+class FakeStore:
+    """In-memory CalibrationStore; counts calls so tests can see what the hot path touches."""
+
+    def __init__(self) -> None:
+        self.pairs: list[VerifiedPair] = []
+        self.states: dict[tuple[str, str], str] = {}
+        self.reads = 0
+        self.saves: list[tuple[str, str]] = []
+        self.fail = False
+
+    def add(self, forecaster: str, hardware: str, probs: Sequence[float], speedup: float) -> None:
+        p = list(bins.normalize(probs))
+        self.pairs.append(
+            VerifiedPair(forecaster, hardware, p, bins.p_faster(p), speedup, "unsure", float(len(self.pairs)))
+        )
+
+    async def verified_pairs(
+        self, forecaster: str | None = None, hardware: str | None = None
+    ) -> list[VerifiedPair]:
+        self.reads += 1
+        if self.fail:
+            raise OSError("database is locked")
+        return [
+            v
+            for v in self.pairs
+            if (forecaster is None or v.forecaster == forecaster)
+            and (hardware is None or v.hardware == hardware)
+        ]
+
+    async def save_calibration(self, forecaster: str, hardware: str, state_json: str) -> None:
+        self.saves.append((forecaster, hardware))
+        self.states[(forecaster, hardware)] = state_json
+
+    async def load_calibration(self, forecaster: str, hardware: str) -> str | None:
+        return self.states.get((forecaster, hardware))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _bins_with(p: float) -> list[float]:
+    return with_p_faster(bins.from_normal(0.0, 1.0), p)
+
+
+def test_info_names_the_combination() -> None:
+    engine = ForecastEngine([_scripted("local"), _scripted("claude")])
+    info = engine.info()
+    assert info.name == "local+claude"
+    assert info.components == ["local@0", "claude@0"]
+    assert engine.row_names() == ["local+claude", "raw:local", "raw:claude"]
+    assert ForecastEngine([_scripted("local")]).info().name == "local"
+    with pytest.raises(ValueError):
+        ForecastEngine([_scripted("x"), _scripted("x")])
+
+
+@pytest.mark.anyio
+async def test_two_forecasters_are_pooled_without_history() -> None:
+    a, b = _scripted("a"), _scripted("b")
+    a.enqueue(BinForecast(_bins_with(0.8), "a thinks faster", {"mu_log2": 0.4, "sd_log2": 0.3}))
+    b.enqueue(BinForecast(_bins_with(0.6), "b leans faster"))
+    engine = ForecastEngine([a, b], None)
+    [f] = await engine.forecast([_query()])
+    assert isinstance(f, EngineForecast)
+    # Equal log-odds weights: logit p = (logit 0.8 + logit 0.6) / 2.
+    expected = float(sigmoid((logit(0.8) + logit(0.6)) / 2))
+    assert f.p_faster == pytest.approx(expected)
+    assert f.confidence == pytest.approx(max(expected, 1 - expected))
+    assert sum(f.probs) == pytest.approx(1.0) and len(f.probs) == 8
+    assert f.expected_speedup == pytest.approx(bins.expected_speedup(f.probs))
+    assert set(f.per_forecaster) == {"raw:a", "raw:b"}
+    assert bins.p_faster(f.per_forecaster["raw:a"]) == pytest.approx(0.8)
+    assert f.extras["mu_log2"] == 0.4 and f.extras["a.sd_log2"] == 0.3
+    assert "a: a thinks faster" in f.rationale and "b: b leans faster" in f.rationale
+    assert f.notes == []
+    assert a.history[0].candidate.id == "c0" and len(b.history) == 1
+
+
+class Broken:
+    name = "broken"
+    version = "1"
+
+    async def forecast(self, queries: Sequence[PairQuery]) -> list[BinForecast]:
+        raise RuntimeError("model server unreachable")
+
+
+class Short:
+    name = "short"
+    version = "1"
+
+    async def forecast(self, queries: Sequence[PairQuery]) -> list[BinForecast]:
+        return []
+
+
+class Hangs:
+    name = "hangs"
+    version = "1"
+
+    async def forecast(self, queries: Sequence[PairQuery]) -> list[BinForecast]:
+        await anyio.Event().wait()  # never set: only the engine's timeout ends this
+        return []
+
+
+@pytest.mark.anyio
+async def test_a_failing_forecaster_is_skipped_with_a_note() -> None:
+    good = _scripted("local", _bins_with(0.9))
+    engine = ForecastEngine([good, Broken(), Short()], None)
+    out = await engine.forecast([_query(0), _query(1)])
+    assert len(out) == 2
+    for f in out:
+        assert f.p_faster == pytest.approx(0.9)  # the one answer, passed through
+        assert set(f.per_forecaster) == {"raw:local"}
+        assert any("broken skipped: RuntimeError: model server unreachable" in n for n in f.notes)
+        assert any("short skipped" in n for n in f.notes)
+
+
+@pytest.mark.anyio
+async def test_all_forecasters_failing_gives_an_undecidable_forecast() -> None:
+    engine = ForecastEngine([Broken()], None)
+    [f] = await engine.forecast([_query()])
+    assert f.p_faster == 0.5 and f.confidence == 0.5
+    assert f.per_forecaster == {} and "no forecaster answered" in f.rationale
+    assert await engine.forecast([]) == []
+
+
+@pytest.mark.anyio
+async def test_a_hanging_forecaster_times_out() -> None:
+    engine = ForecastEngine([_scripted("local", _bins_with(0.7)), Hangs()], None, timeout_s=0.2)
+    with anyio.fail_after(10):
+        [f] = await engine.forecast([_query()])
+    assert f.p_faster == pytest.approx(0.7)
+    assert any("hangs skipped: TimeoutError" in n for n in f.notes)
+
+
+def _overconfident_history(
+    store: FakeStore, name: str, n: int, rng: np.random.Generator, hw: str = "A100"
+) -> None:
+    """`name` says 0.95 or 0.05 but is right only 70% of the time."""
+    for _ in range(n):
+        faster = bool(rng.random() < 0.5)
+        says_faster = faster if rng.random() < 0.7 else not faster
+        store.add(raw_name(name), hw, _bins_with(0.95 if says_faster else 0.05), 2.0 if faster else 0.5)
+
+
+@pytest.mark.anyio
+async def test_calibration_is_fitted_from_the_store_and_persisted() -> None:
+    store = FakeStore()
+    _overconfident_history(store, "local", 400, np.random.default_rng(0))
+    engine = ForecastEngine([_scripted("local", _bins_with(0.95))], store)
+    [f] = await engine.forecast([_query()])
+    assert 0.6 < f.p_faster < 0.8  # pulled from 0.95 towards the observed 70%
+    assert bins.p_faster(f.raw["local"]) == pytest.approx(0.95)
+    assert ("local", "*") in store.saves
+    state = json.loads(store.states[("local", "*")])
+    assert state["n_rows"] == 400 and state["calibrator"]["kind"] == "platt"
+
+    # A fresh engine (server restart) starts from the saved state and does not refit: counts unchanged.
+    store.saves.clear()
+    again = ForecastEngine([_scripted("local", _bins_with(0.95))], store)
+    [g] = await again.forecast([_query()])
+    assert g.p_faster == pytest.approx(f.p_faster)
+    assert store.saves == []
+
+
+@pytest.mark.anyio
+async def test_combination_weights_follow_the_better_forecaster() -> None:
+    store = FakeStore()
+    rng = np.random.default_rng(1)
+    for i in range(600):
+        faster = bool(rng.random() < 0.5)
+        speedup = (2.0 + i * 1e-4) if faster else 1 / (2.0 + i * 1e-4)  # distinct: rows join on it
+        good = 0.9 if faster else 0.1  # always right
+        noise = 0.9 if rng.random() < 0.5 else 0.1  # a coin
+        store.add("raw:good", "A100", _bins_with(good), speedup)
+        store.add("raw:noise", "A100", _bins_with(noise), speedup)
+    good_f, noise_f = _scripted("good", _bins_with(0.9)), _scripted("noise", _bins_with(0.1))
+    engine = ForecastEngine([good_f, noise_f], store)
+    [f] = await engine.forecast([_query()])
+    assert f.p_faster > 0.9  # the good one wins the disagreement
+    state = json.loads(store.states[("good+noise", "*")])
+    w_good, w_noise = state["combiner"]["weights"]
+    # The coin calibrates to p ~ 0.5 (log-odds ~ 0), so only the good one's weight is identifiable.
+    assert w_good > 0.8 and w_noise >= 0.0
+    assert state["n_rows"] == {"good": 600, "noise": 600}
+
+
+@pytest.mark.anyio
+async def test_threshold_default_then_certified_then_cached() -> None:
+    store = FakeStore()
+    clock = Clock()
+    engine = ForecastEngine([_scripted("local")], store, clock=clock, refresh_interval_s=5.0)
+    first = await engine.threshold("A100", 0.1)
+    assert first.source == "default" and first.threshold == pytest.approx(0.95)
+    assert "local on A100" in first.reason
+
+    # 300 verified final forecasts at confidence 0.9, right 99% of the time.
+    for i in range(300):
+        store.add("local", "A100", _bins_with(0.9), 0.5 if i % 100 == 0 else 2.0)
+    assert (await engine.threshold("A100", 0.1)).source == "default"  # cached until stale or expired
+    engine.mark_stale()
+    second = await engine.threshold("A100", 0.1)
+    assert second.source == "history"
+    assert second.threshold == pytest.approx(0.9, abs=1e-9)
+    assert second.error_ucb is not None and second.error_ucb <= 0.1
+
+    # Hot path: no store read while fresh, and cheap.
+    reads = store.reads
+    start = time.perf_counter()
+    for _ in range(1000):
+        await engine.threshold("A100", 0.1)
+    per_call_ms = (time.perf_counter() - start) * 1000 / 1000
+    assert store.reads == reads
+    assert per_call_ms < 1.0
+
+    # After the interval a refresh re-reads the counts; nothing changed, nothing refitted or saved.
+    saves = len(store.saves)
+    clock.now += 6.0
+    await engine.threshold("A100", 0.1)
+    assert store.reads > reads and len(store.saves) == saves
+
+
+@pytest.mark.anyio
+async def test_threshold_falls_back_to_history_pooled_over_gpus() -> None:
+    store = FakeStore()
+    for i in range(300):
+        store.add("local", "A100", _bins_with(0.1), 2.0 if i % 100 == 0 else 0.5)
+    engine = ForecastEngine([_scripted("local")], store)
+    choice = await engine.threshold("H100", 0.1)
+    assert choice.source == "history" and "pooled over GPUs" in choice.reason
+    assert choice.threshold == pytest.approx(0.9, abs=1e-9)
+
+
+@pytest.mark.anyio
+async def test_a_store_failure_never_breaks_a_forecast() -> None:
+    store = FakeStore()
+    store.fail = True
+    engine = ForecastEngine([_scripted("local", _bins_with(0.8))], store)
+    [f] = await engine.forecast([_query()])
+    assert f.p_faster == pytest.approx(0.8)
+    assert (await engine.threshold("A100", 0.1)).source == "default"
+    with pytest.raises(OSError):
+        await engine.refresh(force=True)
+
+
+@pytest.mark.anyio
+async def test_unreadable_saved_state_is_refitted() -> None:
+    store = FakeStore()
+    store.states[("local", "*")] = "{not json"
+    _overconfident_history(store, "local", 200, np.random.default_rng(2))
+    engine = ForecastEngine([_scripted("local", _bins_with(0.95))], store)
+    [f] = await engine.forecast([_query()])
+    assert f.p_faster < 0.85
+    assert json.loads(store.states[("local", "*")])["n_rows"] == 200
+
+
+@pytest.mark.anyio
+async def test_in_memory_fit_and_history_for_evaluation() -> None:
+    rng = np.random.default_rng(3)
+    outcomes = []
+    for _ in range(500):
+        faster = bool(rng.random() < 0.5)
+        right = rng.random() < 0.7
+        p = 0.95 if faster == right else 0.05
+        outcomes.append(Outcome("A100", 2.0 if faster else 0.5, {"local": _bins_with(p)}))
+    engine = ForecastEngine([_scripted("local", _bins_with(0.95))], None)
+    engine.fit(outcomes)
+    final = engine.combine_raw({"local": _bins_with(0.95)}, "A100")
+    assert 0.6 < bins.p_faster(final) < 0.8
+    engine.set_history(["A100"] * 100, [0.99] * 100, [2.0] * 100)
+    choice = await engine.threshold("A100", 0.1)
+    assert choice.source == "history" and choice.threshold == pytest.approx(0.99)
+    assert math.isclose(choice.n_history, 100)

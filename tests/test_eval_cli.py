@@ -1,0 +1,220 @@
+"""`forecaster-mcp eval` and `make-pairs` through the CLI entry point."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from forecaster_mcp.cli import main
+from forecaster_mcp.forecast import metrics as M
+from forecaster_mcp.forecast.evaluate import MemoryHistory, read_pairs_file
+from forecaster_mcp.hardware.specs import canonical_name
+from forecaster_mcp.models import Kernel, Workload
+
+SRC = """
+__global__ void scale(float* out, const float* in, int n) {
+    int i = blockIdx.x * BLOCK + threadIdx.x;
+    if (i < n) out[i] = 2.0f * in[i];
+}
+"""
+WORKLOAD = {
+    "args": [
+        {"name": "out", "dtype": "float32", "shape": [1 << 20], "intent": "out"},
+        {"name": "in", "dtype": "float32", "shape": [1 << 20]},
+        {"name": "n", "dtype": "int32", "value": 1 << 20},
+    ],
+    "problem": {"n": 1 << 20},
+}
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _kernel(block: int) -> dict[str, Any]:
+    return {
+        "source": SRC,
+        "entry": "scale",
+        "defines": {"BLOCK": block},
+        "launch": {"grid": [(1 << 20) // block, 1, 1], "block": [block, 1, 1]},
+    }
+
+
+def _pair(i: int, base: int, cand: int, speedup: float, hardware: str = "A100") -> dict[str, Any]:
+    return {
+        "id": f"p{i}",
+        "hardware": hardware,
+        "workload": WORKLOAD,
+        "baseline": _kernel(base),
+        "candidate": _kernel(cand),
+        "speedup": speedup,
+        "source": "hand-written",
+    }
+
+
+def _write(path: Path, rows: list[dict[str, Any] | str]) -> Path:
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+TINY = [
+    _pair(0, 32, 256, 1.8),
+    _pair(1, 256, 32, 1 / 1.8),
+    _pair(2, 128, 256, 1.01),  # a tie
+    _pair(3, 64, 512, 1.3),
+    _pair(4, 512, 64, 0.7),
+    _pair(5, 1024, 128, 1.1, hardware="H100"),
+]
+
+
+def test_eval_writes_metrics_predictions_and_plots(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pairs = _write(tmp_path / "pairs.jsonl", [*TINY])
+    out = tmp_path / "out"
+    assert main(["eval", str(pairs), "--out", str(out), "--target-error", "0.2"]) == 0
+    report = json.loads((out / "metrics.json").read_text())
+    assert report["n_pairs"] == 6 and report["target_error"] == 0.2
+    assert report["forecaster"]["name"] == "local"
+    final = report["final"]
+    assert final["n_pairs"] == 6 and final["n_ties"] == 1
+    assert set(report["thresholds"]) == {canonical_name("A100"), canonical_name("H100")}
+    for choice in report["thresholds"].values():
+        assert choice["source"] == "default" and choice["threshold"] == pytest.approx(0.9)
+    assert report["components"]["local"]["n_answered"] == 6
+
+    # The metrics agree with the per-pair predictions written beside them.
+    preds = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    assert [p["id"] for p in preds] == [f"p{i}" for i in range(6)]
+    p_faster = [p["p_faster"] for p in preds]
+    speedups = [p["speedup"] for p in preds]
+    assert final["pairwise_accuracy"] == pytest.approx(M.pairwise_accuracy(p_faster, speedups))
+    assert final["brier"] == pytest.approx(M.brier(p_faster, speedups))
+    assert final["ece"] == pytest.approx(M.ece(p_faster, speedups))
+    decided = M.decided_summary([p["verdict"] for p in preds], speedups)
+    assert final["coverage"] == pytest.approx(decided.coverage)
+    assert all(p["verdict"] == "unsure" or max(p["p_faster"], 1 - p["p_faster"]) >= 0.9 for p in preds)
+
+    for name in ("reliability.png", "risk_coverage.png"):
+        assert (out / name).read_bytes()[:8] == PNG_MAGIC
+    printed = capsys.readouterr().out
+    assert printed.splitlines()[0].split()[:3] == ["forecaster", "pairs", "acc"]
+    assert "local final" in printed and "threshold on" in printed
+
+
+def test_bad_lines_name_the_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cases = {
+        "not json": "not valid JSON",
+        json.dumps({**TINY[0], "speedup": -1}): "'speedup' must be a positive finite number",
+        json.dumps({k: v for k, v in TINY[0].items() if k != "candidate"}): "missing candidate",
+        json.dumps({**TINY[0], "baseline": {"source": SRC, "entry": "not an identifier"}}): "bad baseline",
+        "[1, 2]": "each line must be a JSON object",
+    }
+    for bad, message in cases.items():
+        pairs = _write(tmp_path / "bad.jsonl", [TINY[0], "", bad])
+        assert main(["eval", str(pairs), "--out", str(tmp_path / "o")]) == 2
+        err = capsys.readouterr().err
+        assert f"bad.jsonl:3: {message}" in err, err
+    assert not (tmp_path / "o" / "metrics.json").exists()
+
+
+def test_bad_options_are_operator_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pairs = _write(tmp_path / "pairs.jsonl", [*TINY])
+    assert main(["eval", str(pairs), "--forecaster", "oracle"]) == 2
+    assert "local, claude or local+claude" in capsys.readouterr().err
+    assert main(["eval", str(pairs), "--forecaster", "claude"]) == 2
+    assert "ANTHROPIC_API_KEY" in capsys.readouterr().err
+    assert main(["eval", str(tmp_path / "missing.jsonl")]) == 2
+    assert "cannot read pairs file" in capsys.readouterr().err
+    empty = _write(tmp_path / "empty.jsonl", [""])
+    assert main(["eval", str(empty)]) == 2
+    assert "no pairs" in capsys.readouterr().err
+
+
+@pytest.mark.anyio
+async def test_in_file_history_feeds_the_family_model(tmp_path: Path) -> None:
+    hist = [
+        {
+            "history": {
+                "hardware": "A100",
+                "workload": WORKLOAD,
+                "kernel": _kernel(b),
+                "runtime_ms": 1.0 + b / 1000,
+            }
+        }
+        for b in (32, 64, 128)
+    ]
+    failed_point: dict[str, Any] = {
+        "hardware": "A100",
+        "workload": WORKLOAD,
+        "kernel": _kernel(256),
+        "status": "timeout",
+    }
+    as_list: dict[str, Any] = {"history": [failed_point]}  # a line may hold a list of points
+    hist.append(as_list)
+    parsed = read_pairs_file(_write(tmp_path / "p.jsonl", [*hist, TINY[0]]))
+    assert len(parsed.pairs) == 1 and len(parsed.history) == 4
+    history = MemoryHistory(parsed.history)
+    k = Kernel.model_validate(_kernel(32))
+    points = await history.family_points(
+        k.family_key(), canonical_name("A100"), Workload.model_validate(WORKLOAD).key()
+    )
+    assert sorted(p.defines["BLOCK"] for p in points) == [32, 64, 128, 256]
+    failed = next(p for p in points if p.defines["BLOCK"] == 256)
+    assert failed.status == "timeout" and failed.runtime_ms is None
+    assert await history.family_points(k.family_key(), canonical_name("H100"), "x") == []
+
+
+def test_make_pairs_then_eval_with_calibration(
+    conv_a100: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from forecaster_mcp.measure.replay import load_space
+
+    pairs, cal, again = tmp_path / "pairs.jsonl", tmp_path / "cal.jsonl", tmp_path / "again.jsonl"
+    assert main(["make-pairs", str(conv_a100), "-n", "80", "--seed", "1", "--out", str(pairs)]) == 0
+    assert main(["make-pairs", str(conv_a100), "-n", "80", "--seed", "1", "--out", str(again)]) == 0
+    assert pairs.read_bytes() == again.read_bytes()  # the seed fixes the sample
+    assert main(["make-pairs", str(conv_a100), "-n", "120", "--seed", "2", "--out", str(cal)]) == 0
+    assert "wrote 80 pairs" in capsys.readouterr().out
+
+    rows = [json.loads(line) for line in pairs.read_text().splitlines()]
+    assert len(rows) == 80 and len({r["id"] for r in rows}) == 80
+    space = load_space(conv_a100)
+    medians = {tuple(sorted(e.params.items())): statistics.median(e.times) for e in space.entries if e.ok}
+    for r in rows[:10]:
+        assert r["baseline"]["entry"] == r["candidate"]["entry"] == space.kernel_name
+        assert r["baseline"]["source"] == r["candidate"]["source"]  # one family
+        t_base = medians[tuple(sorted(r["baseline"]["defines"].items()))]
+        t_cand = medians[tuple(sorted(r["candidate"]["defines"].items()))]
+        assert r["speedup"] == pytest.approx(t_base / t_cand)
+        assert r["hardware"] == space.device
+
+    out = tmp_path / "out"
+    assert main(["eval", str(pairs), "--calibrate-on", str(cal), "--out", str(out)]) == 0
+    report = json.loads((out / "metrics.json").read_text())
+    assert report["calibration_pairs"] == 120 and report["n_pairs"] == 80
+    assert "calibrated" in report["components"]["local"]
+    [choice] = report["thresholds"].values()
+    assert choice["n_history"] <= 60  # the odd half of the calibration file, ties left out
+    assert not math.isnan(report["final"]["multiclass_brier"])
+    assert "local calibrated" in capsys.readouterr().out
+
+
+def test_history_in_the_pairs_file_teaches_the_local_model(conv_a100: Path, tmp_path: Path) -> None:
+    from forecaster_mcp.forecast.evaluate import make_pairs
+
+    pairs, history = make_pairs([conv_a100], 150, seed=3, history_per_recording=60)
+    assert len(pairs) == 150 and len(history) == 60
+    measured = {json.dumps(h["history"]["kernel"]["defines"], sort_keys=True) for h in history}
+    for p in pairs:  # no pair kernel is in the history: the model must predict both
+        for side in ("baseline", "candidate"):
+            assert json.dumps(p[side]["defines"], sort_keys=True) not in measured
+    path = _write(tmp_path / "hist.jsonl", [*history, *pairs])
+    out = tmp_path / "out"
+    assert main(["eval", str(path), "--out", str(out)]) == 0
+    report = json.loads((out / "metrics.json").read_text())
+    assert report["history_points"] == 60
+    # The family model learns from 60 measurements what the bare prior cannot know.
+    assert report["final"]["pairwise_accuracy"] > 0.7

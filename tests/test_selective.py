@@ -1,0 +1,114 @@
+"""Selective policy: decided error stays under target with the promised probability, and it still decides."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from forecaster_mcp.forecast.selective import (
+    NEVER,
+    binom_cdf,
+    choose_threshold,
+    clopper_pearson_upper,
+    decide,
+    default_min_history,
+    default_threshold,
+    min_count_zero_errors,
+)
+
+TARGET = 0.1
+DELTA = 0.05
+
+
+def test_binomial_helpers_match_brute_force() -> None:
+    for k, n, p in [(0, 10, 0.1), (3, 10, 0.3), (7, 40, 0.2), (12, 12, 0.5)]:
+        brute = sum(math.comb(n, j) * p**j * (1 - p) ** (n - j) for j in range(k + 1))
+        assert binom_cdf(k, n, p) == pytest.approx(brute, rel=1e-9)
+    # With zero errors in n the bound is 1 - delta^(1/n).
+    assert clopper_pearson_upper(0, 29, 0.05) == pytest.approx(1 - 0.05 ** (1 / 29), rel=1e-6)
+    # The bound is where P(X <= k) equals delta.
+    u = clopper_pearson_upper(5, 100, 0.05)
+    assert binom_cdf(5, 100, u) == pytest.approx(0.05, rel=1e-4)
+    assert clopper_pearson_upper(3, 3, 0.05) == 1.0
+    assert min_count_zero_errors(0.1, 0.05) == 29
+
+
+def test_short_history_uses_the_default() -> None:
+    choice = choose_threshold([0.99] * 10, [1] * 10, TARGET)
+    assert choice.threshold == pytest.approx(default_threshold(TARGET)) == pytest.approx(0.95)
+    assert choice.source == "default" and choice.n_history == 10 and choice.error_ucb is None
+    assert "fewer than" in choice.reason
+
+
+def test_a_clean_history_certifies_a_low_threshold() -> None:
+    conf = np.linspace(0.6, 1.0, 400)
+    choice = choose_threshold(conf, np.ones_like(conf), TARGET)
+    assert choice.source == "history"
+    assert choice.threshold == pytest.approx(0.6)  # the least confident pair, not a grid point below it
+    assert choice.error_ucb is not None and choice.error_ucb <= TARGET
+    assert choice.n_above == 400
+
+
+def _true_error_uniform(t: float, slope: float) -> float:
+    """Error among decided pairs when confidence c ~ U(0.5, 1) and P(right | c) = 0.5 + slope * (c - 0.5)."""
+    mean_c = (t + 1.0) / 2.0
+    return 1.0 - (0.5 + slope * (mean_c - 0.5))
+
+
+@pytest.mark.parametrize(("n_history", "slope"), [(400, 1.0), (1500, 1.0), (1500, 0.5)])
+def test_decided_error_stays_under_target_across_draws(n_history: int, slope: float) -> None:
+    """slope 1: calibrated; slope 0.5: overconfident (right 75% of the time at confidence 1)."""
+    rng = np.random.default_rng(n_history + int(slope * 10))
+    draws = 200
+    violations = 0
+    thresholds = []
+    for _ in range(draws):
+        conf = rng.uniform(0.5, 1.0, n_history)
+        correct = (rng.random(n_history) < 0.5 + slope * (conf - 0.5)).astype(float)
+        choice = choose_threshold(conf, correct, TARGET, DELTA)
+        thresholds.append(choice.threshold)
+        if choice.source == "history" and _true_error_uniform(choice.threshold, slope) > TARGET:
+            violations += 1
+    # At most delta of the draws may certify a threshold whose true error exceeds the target
+    # (binomial slack of about three standard deviations on top).
+    assert violations <= DELTA * draws + 3 * math.sqrt(draws * DELTA * (1 - DELTA))
+    if slope == 1.0:
+        # And it decides: the median threshold leaves a useful share of pairs decided.
+        coverage = [(1.0 - t) / 0.5 for t in thresholds]
+        assert float(np.median(coverage)) >= (0.1 if n_history == 400 else 0.2)
+    else:
+        # An overconfident forecaster errs 26% of the time even above 0.95: it is told to stop deciding.
+        assert sum(t >= NEVER for t in thresholds) >= 0.9 * draws
+
+
+def test_certified_thresholds_hold_on_a_forecaster_only_sharp_at_the_top() -> None:
+    rng = np.random.default_rng(3)
+    n = 2000
+    sharp = rng.random(n) < 0.3
+    conf = np.where(sharp, rng.uniform(0.97, 1.0, n), rng.uniform(0.5, 0.7, n))
+    correct = (rng.random(n) < conf).astype(float)
+    choice = choose_threshold(conf, correct, TARGET)
+    assert choice.source == "history"
+    assert 0.66 <= choice.threshold <= 0.97
+    assert choice.n_above >= 0.3 * n
+
+
+def test_min_history_knob_and_validation() -> None:
+    assert default_min_history(TARGET, DELTA) == 58
+    conf = np.full(40, 0.99)
+    assert choose_threshold(conf, np.ones(40), TARGET, min_history=30).source == "history"
+    with pytest.raises(ValueError):
+        choose_threshold([0.9], [1], 0.6)
+    with pytest.raises(ValueError):
+        choose_threshold([0.9, 0.8], [1], 0.1)
+
+
+def test_decide() -> None:
+    assert decide(0.97, 0.95) == "faster"
+    assert decide(0.03, 0.95) == "slower"
+    assert decide(0.94, 0.95) == "unsure"
+    assert decide(0.95, 0.95) == "faster"
+    assert decide(0.999999, NEVER) == "unsure"
+    assert decide(float("nan"), 0.9) == "unsure"
