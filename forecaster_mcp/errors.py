@@ -40,3 +40,7 @@ class OperatorError(ForecasterMcpError):
 
 class WorkerCrashed(ForecasterMcpError):
     """A measurement worker process died; the supervisor starts a fresh one."""
+
+
+class AlreadyMeasured(ForecasterMcpError):
+    """Internal: a measurement under this idempotency key was saved (possibly by another process)."""

@@ -17,7 +17,7 @@ from typing import Any
 import anyio
 
 from forecaster_mcp import __version__, bins
-from forecaster_mcp.errors import InvalidRequest, NotMeasurable, UnknownLedger
+from forecaster_mcp.errors import AlreadyMeasured, InvalidRequest, NotMeasurable, UnknownLedger
 from forecaster_mcp.forecast.base import Forecaster, PairQuery
 from forecaster_mcp.hardware import specs
 from forecaster_mcp.measure.base import Measurer, MeasureRequest, ProgressCallback
@@ -527,24 +527,35 @@ class Service:
             )
             return result
 
-        hold = await self.store.reserve(
-            ledger, measurer.reservation_seconds(request), f"measure {kernel.entry}"
-        )
+        try:
+            hold = await self.store.reserve(
+                ledger, measurer.reservation_seconds(request), f"measure {kernel.entry}", idempotency_key
+            )
+        except AlreadyMeasured:
+            # Another server process on this database finished the same key first.
+            assert idempotency_key is not None
+            prior = await self.store.find_idempotent(ledger, idempotency_key)
+            assert prior is not None
+            return _free_copy(prior, str(kernel.id))
         settled = False
         try:
             result = await measurer.measure(request, progress)
             with anyio.CancelScope(shield=True):
-                charged = await self.store.commit(hold, result.cost.gpu_seconds)
-                settled = True
+                # Saved before the commit: a retry under the same key in another process then finds it
+                # (no window in which neither the hold nor the measurement carries the key).
+                expected = max(0.0, min(result.cost.gpu_seconds, hold.gpu_seconds))
                 result = result.model_copy(
                     update={
                         "kernel_id": kernel.id,
-                        "cost": result.cost.model_copy(update={"gpu_seconds": charged}),
+                        "cost": result.cost.model_copy(update={"gpu_seconds": expected}),
                     }
                 )
                 result.measurement_id = await self.store.save_measurement(
-                    **save, result=result, charged_gpu_seconds=charged, cached=False
+                    **save, result=result, charged_gpu_seconds=expected, cached=False
                 )
+                charged = await self.store.commit(hold, result.cost.gpu_seconds)
+                settled = True
+                result.cost.gpu_seconds = charged
                 # New verified pairs: let calibration and the threshold see them on the next call.
                 self.engine.mark_stale()
             return result

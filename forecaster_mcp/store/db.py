@@ -32,7 +32,14 @@ from typing import Any, Literal, TypeVar
 import aiosqlite
 
 from forecaster_mcp import bins
-from forecaster_mcp.errors import BudgetExhausted, InvalidRequest, OperatorError, UnknownLedger
+from forecaster_mcp.errors import (
+    AlreadyMeasured,
+    BudgetExhausted,
+    InvalidRequest,
+    MeasurementInProgress,
+    OperatorError,
+    UnknownLedger,
+)
 from forecaster_mcp.models import MeasureResult
 from forecaster_mcp.store.migrations import migrate
 
@@ -485,10 +492,15 @@ class Store:
 
     # ---------------------------------------------------------------- budget: reserve, run, commit/release
 
-    async def reserve(self, ledger: str, gpu_seconds: float, purpose: str) -> Reservation:
+    async def reserve(
+        self, ledger: str, gpu_seconds: float, purpose: str, idempotency_key: str | None = None
+    ) -> Reservation:
         """Atomically hold `gpu_seconds`. UnknownLedger / BudgetExhausted (message names what is left and
         that forecasts are free). The reservation records this process (pid, host, start time) and an
-        expiry so a crashed owner's hold is released on the next open."""
+        expiry so a crashed owner's hold is released on the next open.
+
+        With an idempotency key, across every process on this database: AlreadyMeasured when a measurement
+        was saved under it, MeasurementInProgress while another hold carries it."""
         amount = to_micro(gpu_seconds, "the reservation", InvalidRequest, allow_zero=False)
         me = self._owner
 
@@ -498,6 +510,22 @@ class Store:
             row = await self._ledger_row(conn, ledger)
             if row is None:
                 return _unknown_ledger(ledger)
+            if idempotency_key is not None:
+                done = await conn.execute_fetchall(
+                    "SELECT 1 FROM measurements WHERE ledger = ? AND idempotency_key = ? LIMIT 1",
+                    (ledger, idempotency_key),
+                )
+                if done:
+                    return AlreadyMeasured(idempotency_key)
+                running = await conn.execute_fetchall(
+                    "SELECT 1 FROM reservations WHERE ledger = ? AND idempotency_key = ? AND state = 'open'",
+                    (ledger, idempotency_key),
+                )
+                if running:
+                    return MeasurementInProgress(
+                        f"a measurement with idempotency_key {idempotency_key!r} is still running on ledger "
+                        f"{ledger!r}; call again with the same key when it has finished (it will not be charged twice)"
+                    )
             limit, spent, reserved = int(row[1]), int(row[2]), int(row[3])
             if limit - spent - reserved < amount:
                 # Returned, not raised: orphans released above must still be committed.
@@ -505,8 +533,9 @@ class Store:
             expires = now + EXPIRY_FACTOR * _gs(amount) + EXPIRY_GRACE_S
             cur = await conn.execute(
                 "INSERT INTO reservations (ledger, amount_micro, purpose, owner_pid, owner_host, "
-                "owner_pidns, owner_start, created_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (ledger, amount, purpose, me.pid, me.host, me.pidns, me.start, now, expires),
+                "owner_pidns, owner_start, created_at, expires_at, idempotency_key) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (ledger, amount, purpose, me.pid, me.host, me.pidns, me.start, now, expires, idempotency_key),
             )
             rid = int(cur.lastrowid)
             await conn.execute(

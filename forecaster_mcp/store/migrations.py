@@ -149,7 +149,18 @@ _INITIAL = (
 )
 
 # Append new migrations at the end; never edit or reorder a released one.
-MIGRATIONS: tuple[Migration, ...] = (Migration(1, "initial schema", _INITIAL),)
+# A measurement under an idempotency key holds its key while it runs, so a retry arriving at another server
+# process on the same database is told it is in progress instead of being charged a second time.
+_RESERVATION_IDEMPOTENCY = (
+    "ALTER TABLE reservations ADD COLUMN idempotency_key TEXT",
+    """CREATE UNIQUE INDEX reservations_open_idempotency ON reservations(ledger, idempotency_key)
+        WHERE state = 'open' AND idempotency_key IS NOT NULL""",
+)
+
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(1, "initial schema", _INITIAL),
+    Migration(2, "idempotency keys on open reservations", _RESERVATION_IDEMPOTENCY),
+)
 
 
 def latest_version() -> int:
