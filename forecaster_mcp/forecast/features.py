@@ -1,0 +1,388 @@
+"""Static features of a kernel: launch shape, source constructs, ptxas resources, and a prior from them.
+
+Source features are counted on the comment-stripped source after conditional compilation with the
+kernel's `defines` (so `#if USE_SHMEM` blocks count only when enabled). Counts are regex-based: they say
+"this kernel uses vector loads / tensor cores / shared memory", not how often at run time.
+
+`prior_shift` turns the differences between two kernels' features into a mild log2-speedup shift with a
+wide spread: these heuristics point the right way more often than not, but they are far from a model.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from forecaster_mcp.forecast.ptxas import PtxasEntry
+from forecaster_mcp.hardware.specs import GpuSpec
+from forecaster_mcp.models import Kernel, Workload
+
+# ---------------------------------------------------------------- comments and the preprocessor
+
+_COMMENT_OR_STRING = re.compile(
+    r'//[^\n]*|/\*.*?\*/|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'',
+    re.DOTALL,
+)
+
+
+def strip_comments(source: str) -> str:
+    """Remove // and /* */ comments (keeping line breaks and string literals)."""
+
+    def repl(m: re.Match[str]) -> str:
+        text = m.group(0)
+        if text.startswith("/"):
+            return "\n" * text.count("\n") if text.startswith("/*") else ""
+        return text
+
+    return _COMMENT_OR_STRING.sub(repl, source)
+
+
+_DIRECTIVE = re.compile(r"^\s*#\s*(\w+)\s*(.*)$")
+_DEFINE = re.compile(r"^([A-Za-z_]\w*)(?:\s+(.*))?$")
+_IDENT = re.compile(r"\b[A-Za-z_]\w*\b")
+_INT_SUFFIX = re.compile(r"\b(0[xX][0-9a-fA-F]+|\d+)[uUlL]+\b")
+_ALLOWED_NODES = (
+    ast.Expression,
+    ast.BoolOp,
+    ast.BinOp,
+    ast.UnaryOp,
+    ast.Compare,
+    ast.Constant,
+    ast.IfExp,
+    ast.And,
+    ast.Or,
+    ast.Not,
+    ast.Add,
+    ast.Sub,
+    ast.Mult,
+    ast.FloorDiv,
+    ast.Mod,
+    ast.USub,
+    ast.UAdd,
+    ast.Invert,
+    ast.Eq,
+    ast.NotEq,
+    ast.Lt,
+    ast.LtE,
+    ast.Gt,
+    ast.GtE,
+    ast.BitAnd,
+    ast.BitOr,
+    ast.BitXor,
+    ast.LShift,
+    ast.RShift,
+)
+
+
+def _eval_condition(expr: str, macros: dict[str, str]) -> bool | None:
+    """Evaluate a #if expression; None when it cannot be evaluated safely (then both branches count)."""
+    expr = re.sub(r"\bdefined\s*\(\s*(\w+)\s*\)", lambda m: "1" if m.group(1) in macros else "0", expr)
+    expr = re.sub(r"\bdefined\s+(\w+)", lambda m: "1" if m.group(1) in macros else "0", expr)
+    for _ in range(8):  # macros expanding to macros, a few levels deep
+        new = _IDENT.sub(
+            lambda m: f"({macros[m.group(0)]})" if macros.get(m.group(0), "") != "" else m.group(0), expr
+        )
+        if new == expr:
+            break
+        expr = new
+    expr = _INT_SUFFIX.sub(r"\1", expr)
+    expr = _IDENT.sub("0", expr)  # C: identifiers left after expansion are 0
+    # The C ternary `a ? b : c` has no direct Python spelling; such conditions are left undecided.
+    if "?" in expr:
+        return None
+    expr = expr.replace("&&", " and ").replace("||", " or ").replace("/", "//")
+    expr = re.sub(r"!(?!=)", " not ", expr)
+    try:
+        tree = ast.parse(expr.strip(), mode="eval")
+    except SyntaxError:
+        return None
+    if not all(isinstance(node, _ALLOWED_NODES) for node in ast.walk(tree)):
+        return None
+    try:
+        value = eval(compile(tree, "<cpp>", "eval"), {"__builtins__": {}}, {})
+    except (ArithmeticError, ValueError, TypeError):
+        return None
+    return bool(value)
+
+
+def preprocess(source: str, defines: dict[str, Any]) -> str:
+    """Comment-stripped source with inactive #if/#ifdef branches removed, under `defines`.
+
+    Object-like #defines in the source count too. Conditions that cannot be evaluated keep their text.
+    """
+    macros: dict[str, str] = {k: str(int(v) if isinstance(v, bool) else v) for k, v in defines.items()}
+    out: list[str] = []
+    # Stack of (parent_active, this_branch_active, a_branch_surely_taken). A condition that cannot be
+    # evaluated makes its branch active without closing the others, so every branch then counts.
+    stack: list[tuple[bool, bool, bool]] = []
+    active = True
+    text = strip_comments(source).replace("\\\n", " ")
+    for line in text.splitlines():
+        m = _DIRECTIVE.match(line)
+        if not m:
+            if active:
+                out.append(line)
+            continue
+        name, rest = m.group(1), m.group(2).strip()
+        if name in ("if", "ifdef", "ifndef"):
+            if name == "if":
+                cond = _eval_condition(rest, macros)
+            else:
+                word = rest.split()[0] if rest.split() else ""
+                cond = (word in macros) == (name == "ifdef")
+            taken = True if cond is None else cond
+            stack.append((active, taken, cond is True))
+            active = active and taken
+        elif name == "elif" and stack:
+            parent, _, done = stack[-1]
+            cond = _eval_condition(rest, macros)
+            branch = (not done) and (True if cond is None else cond)
+            stack[-1] = (parent, branch, done or (branch and cond is True))
+            active = parent and branch
+        elif name == "else" and stack:
+            parent, _, done = stack[-1]
+            stack[-1] = (parent, not done, True)
+            active = parent and not done
+        elif name == "endif" and stack:
+            parent, _, _ = stack.pop()
+            active = parent
+        elif name == "define" and active:
+            d = _DEFINE.match(rest)
+            if d and "(" not in d.group(1):
+                macros.setdefault(d.group(1), (d.group(2) or "").strip())
+            out.append(line)
+        elif name == "undef" and active:
+            macros.pop(rest.split()[0] if rest.split() else "", None)
+        elif active:
+            out.append(line)
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------- source features
+
+_PATTERNS: dict[str, re.Pattern[str]] = {
+    "shared": re.compile(r"__shared__"),
+    "vector_types": re.compile(
+        r"\b(?:float[24]|double2|int[24]|uint[24]|longlong2|half2|__half2|nv_bfloat162|__nv_bfloat162|short4|char4|uchar4)\b"
+    ),
+    "unroll_pragmas": re.compile(r"#\s*pragma\s+unroll"),
+    "loops": re.compile(r"\b(?:for|while)\s*\("),
+    "tensor_core": re.compile(r"\b(?:wmma::|mma_sync|mma\.sync|wgmma|ldmatrix|__hmma|nvcuda::wmma|tcgen05)"),
+    "async_copy": re.compile(
+        r"\b(?:cp\.async|memcpy_async|__pipeline_memcpy_async|cp_async|cuda::pipeline|tma|cp\.async\.bulk|"
+        r"cuTensorMap|CUtensorMap)\b"
+    ),
+    "atomics": re.compile(r"\batomic\w*\s*\(|\bred\.\w+"),
+    "barriers": re.compile(r"__syncthreads\w*\s*\(|__syncwarp\s*\(|\bbar\.sync\b|\.sync\s*\(\s*\)|__barrier"),
+    "readonly": re.compile(r"__ldg\s*\(|\bconst\s+[\w:<>]+\s*\*\s*(?:const\s+)?__restrict__"),
+    "warp_shuffles": re.compile(r"__shfl\w*\s*\(|__reduce_\w+_sync\s*\("),
+    "divisions": re.compile(r"[^/*]/(?![/*=])|%(?!=)"),
+    "transcendentals": re.compile(
+        r"\b(?:__)?(?:exp|exp2|expf|exp2f|__expf|log|logf|log2f|__logf|pow|powf|__powf|sin|sinf|__sinf|cos|cosf|"
+        r"__cosf|tanh|tanhf|sqrt|sqrtf|rsqrtf|erf|erff)\s*\("
+    ),
+    "fp64": re.compile(r"\bdouble\b"),
+    "half": re.compile(r"\b(?:__half|half|__nv_bfloat16|nv_bfloat16|bfloat16)\b"),
+}
+
+
+@dataclass(frozen=True)
+class SourceFeatures:
+    """Counts of source constructs, after comments and inactive #if branches are removed."""
+
+    shared: int = 0
+    vector_types: int = 0
+    unroll_pragmas: int = 0
+    loops: int = 0
+    tensor_core: int = 0
+    async_copy: int = 0
+    atomics: int = 0
+    barriers: int = 0
+    readonly: int = 0
+    warp_shuffles: int = 0
+    divisions: int = 0
+    transcendentals: int = 0
+    fp64: int = 0
+    half: int = 0
+    lines: int = 0
+
+
+def source_features(source: str, defines: dict[str, Any]) -> SourceFeatures:
+    """Count source constructs in `source` preprocessed under `defines`."""
+    text = preprocess(source, defines)
+    counts = {name: len(p.findall(text)) for name, p in _PATTERNS.items()}
+    lines = sum(1 for line in text.splitlines() if line.strip())
+    return SourceFeatures(lines=lines, **counts)
+
+
+# ---------------------------------------------------------------- launch, occupancy, all together
+
+
+@dataclass(frozen=True)
+class StaticFeatures:
+    """Everything known about one kernel before it runs."""
+
+    source: SourceFeatures
+    threads_per_block: int | None = None
+    blocks: int | None = None
+    dynamic_shared_bytes: int | None = None
+    registers: int | None = None  # ptxas, per thread
+    static_shared_bytes: int | None = None  # ptxas
+    spill_bytes: int | None = None  # ptxas stores + loads
+    occupancy: float | None = None  # theoretical, needs the spec (and registers when known)
+    blocks_per_sm: int | None = None
+    waves: float | None = None  # blocks / (SMs x resident blocks per SM)
+    sm_utilisation: float | None = None  # busy fraction of SMs averaged over waves (tail effect)
+    numeric_defines: dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, float]:
+        """Flat numeric view (for logs, prompts and tests); unknown values are left out."""
+        out: dict[str, float] = {f"src_{k}": float(v) for k, v in vars(self.source).items()}
+        for name in (
+            "threads_per_block",
+            "blocks",
+            "dynamic_shared_bytes",
+            "registers",
+            "static_shared_bytes",
+            "spill_bytes",
+            "occupancy",
+            "blocks_per_sm",
+            "waves",
+            "sm_utilisation",
+        ):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = float(value)
+        out.update({f"define_{k}": v for k, v in self.numeric_defines.items()})
+        return out
+
+
+def _numeric_defines(defines: dict[str, Any]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for k, v in defines.items():
+        if isinstance(v, bool):
+            out[k] = float(v)
+        elif isinstance(v, int | float):
+            out[k] = float(v)
+        elif isinstance(v, str):
+            try:
+                out[k] = float(v)
+            except ValueError:
+                continue
+    return out
+
+
+def _occupancy(spec: GpuSpec, threads: int, registers: int, shared: int) -> tuple[float, int] | None:
+    """(occupancy, resident blocks per SM) from the hardware module, None if it is unavailable."""
+    try:
+        from forecaster_mcp.hardware.occupancy import occupancy_limits
+    except ImportError:  # the hardware helper is optional for forecasting
+        return None
+    limits = occupancy_limits(spec, threads, registers, shared)
+    return limits.occupancy, limits.active_blocks
+
+
+def kernel_features(
+    kernel: Kernel, workload: Workload | None, spec: GpuSpec | None, ptxas: PtxasEntry | None = None
+) -> StaticFeatures:
+    """Static features of one kernel; hardware-specific ones only when `spec` is known."""
+    del workload  # sizes enter through the launch; kept in the signature for forecasters that use it
+    src = source_features(kernel.source, dict(kernel.defines))
+    threads = blocks = dyn = None
+    if kernel.launch is not None:
+        threads = kernel.launch.threads_per_block
+        blocks = kernel.launch.blocks
+        dyn = kernel.launch.shared_mem_bytes
+    registers = ptxas.registers if ptxas else None
+    static_smem = ptxas.shared_bytes if ptxas else None
+    spills = ptxas.spill_bytes if ptxas else None
+    occupancy = blocks_per_sm = waves = util = None
+    if spec is not None and threads is not None:
+        occ = _occupancy(spec, threads, registers or 0, (static_smem or 0) + (dyn or 0))
+        if occ is not None:
+            occupancy, blocks_per_sm = occ
+            if blocks is not None and blocks_per_sm > 0:
+                slots = spec.sms * blocks_per_sm
+                waves = blocks / slots
+                full = math.ceil(waves)
+                util = waves / full if full > 0 else 0.0
+    return StaticFeatures(
+        source=src,
+        threads_per_block=threads,
+        blocks=blocks,
+        dynamic_shared_bytes=dyn,
+        registers=registers,
+        static_shared_bytes=static_smem,
+        spill_bytes=spills,
+        occupancy=occupancy,
+        blocks_per_sm=blocks_per_sm,
+        waves=waves,
+        sm_utilisation=util,
+        numeric_defines=_numeric_defines(dict(kernel.defines)),
+    )
+
+
+# ---------------------------------------------------------------- the static prior
+
+
+@dataclass(frozen=True)
+class PriorShift:
+    """A heuristic belief about log2 S = log2(t_baseline / t_candidate) from static features."""
+
+    mean_log2: float
+    sd_log2: float
+    reasons: list[str]
+
+
+# The spread of log2 speedups between two unrelated kernels is wide; a shift never exceeds MAX_SHIFT.
+PRIOR_SD_LOG2 = 1.0
+MAX_SHIFT_LOG2 = 0.6
+
+
+def _presence(a: int, b: int) -> int:
+    """+1 when only the candidate (b) uses a construct, -1 when only the baseline (a) does."""
+    return int(b > 0) - int(a > 0)
+
+
+def prior_shift(baseline: StaticFeatures, candidate: StaticFeatures) -> PriorShift:
+    """A mild shift in log2 speedup from feature differences, with a wide spread (see module doc)."""
+    shift = 0.0
+    reasons: list[str] = []
+
+    def add(value: float, why: str) -> None:
+        nonlocal shift
+        if value != 0.0:
+            shift += value
+            reasons.append(f"{why} ({'+' if value > 0 else '-'})")
+
+    a, b = baseline, candidate
+    if a.spill_bytes is not None and b.spill_bytes is not None and a.spill_bytes != b.spill_bytes:
+        # Spilled bytes go through local memory; a few bytes are cheap, hundreds are not.
+        add(-0.12 * (math.log2(1 + b.spill_bytes / 8) - math.log2(1 + a.spill_bytes / 8)), "register spills")
+    if a.occupancy is not None and b.occupancy is not None and min(a.occupancy, b.occupancy) > 0:
+        # Occupancy matters mostly when it is low: above one half, latency is usually hidden.
+        lo_a, lo_b = min(a.occupancy, 0.5), min(b.occupancy, 0.5)
+        add(0.25 * math.log2(lo_b / lo_a), "occupancy")
+    elif a.occupancy is not None and b.occupancy == 0.0:
+        add(-MAX_SHIFT_LOG2, "candidate cannot launch at this block size")
+    if a.sm_utilisation is not None and b.sm_utilisation is not None and a.sm_utilisation > 0:
+        if b.sm_utilisation > 0:
+            add(0.4 * math.log2(b.sm_utilisation / a.sm_utilisation), "SM utilisation (waves)")
+    if a.threads_per_block is not None and b.threads_per_block is not None:
+        add(0.1 * (int(a.threads_per_block % 32 != 0) - int(b.threads_per_block % 32 != 0)), "partial warps")
+        add(0.1 * (int(a.threads_per_block < 64) - int(b.threads_per_block < 64)), "tiny blocks")
+    sa, sb = a.source, b.source
+    add(0.35 * _presence(sa.tensor_core, sb.tensor_core), "tensor cores")
+    add(0.12 * _presence(sa.vector_types, sb.vector_types), "vector loads")
+    add(0.12 * _presence(sa.shared * sa.barriers, sb.shared * sb.barriers), "shared-memory tiling")
+    add(0.08 * _presence(sa.async_copy, sb.async_copy), "async copies")
+    add(0.05 * _presence(sa.readonly, sb.readonly), "read-only loads")
+    add(0.06 * _presence(sa.warp_shuffles, sb.warp_shuffles), "warp shuffles")
+    add(0.04 * _presence(sa.unroll_pragmas, sb.unroll_pragmas), "unrolling")
+    add(-0.1 * _presence(sa.atomics, sb.atomics), "atomics")
+    add(-0.1 * _presence(sa.fp64, sb.fp64), "fp64 arithmetic")
+    shift = max(-MAX_SHIFT_LOG2, min(MAX_SHIFT_LOG2, shift))
+    return PriorShift(shift, PRIOR_SD_LOG2, reasons)

@@ -1,0 +1,1011 @@
+"""The local forecaster: an online Gaussian-process model per kernel family, plus a static-feature prior.
+
+Candidates that differ only in tuning parameters (`defines`, launch) are the everyday case of autotuning.
+For those, every stored measurement of the family on the same hardware and workload trains a Gaussian
+process on log2 runtime over the encoded tuning parameters (Matern 5/2, one lengthscale per parameter,
+hyperparameters by maximum a-posteriori marginal likelihood). A pair's log2 speedup is then the
+difference of two runtime beliefs: a measured runtime where one exists, else the GP's predictive
+distribution, with the GP's covariance between the two kernels (their model errors are correlated, so the
+difference is more certain than either runtime). Predictive spread is rescaled by leave-one-out residuals
+and given a heavier tail, because ML-II hyperparameters are over-confident on a few dozen points.
+
+With too few measurements, or for two unrelated kernels, a heuristic over static features (occupancy,
+spills, vector loads, shared-memory tiling, tensor cores, waves) gives a mild shift with wide uncertainty.
+
+Speedup bins are conditional on both kernels running; the chance that the candidate fails to compile or
+run is reported separately in `extras["p_fail"]` (a kernel measured as failed puts all its mass on the
+slowest bin instead).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import anyio
+import anyio.to_thread
+import numpy as np
+from numpy.typing import NDArray
+
+from forecaster_mcp import bins
+from forecaster_mcp.forecast.base import BinForecast, PairQuery
+from forecaster_mcp.forecast.features import StaticFeatures, kernel_features, prior_shift
+from forecaster_mcp.models import Kernel
+from forecaster_mcp.store.db import FamilyPoint
+
+Array = NDArray[np.float64]
+
+VERSION = "1.0"
+# Fewer ok measurements than this and the family model is not trusted; the static prior answers instead.
+MIN_FAMILY_POINTS = 4
+# Hyperparameters are fitted on at most this many points (the posterior still uses all of them, up to
+# MAX_POSTERIOR_POINTS): fitting is O(n^3) per optimiser step, the posterior is one factorisation.
+MAX_FIT_POINTS = 200
+MAX_POSTERIOR_POINTS = 1500
+# A measured runtime is still a noisy sample: floor and cap of its log2 standard deviation.
+MEASURED_SD_FLOOR_LOG2 = 0.01
+MEASURED_SD_CAP_LOG2 = 0.1
+# Tail: the predictive distribution is a two-component scale mixture of normals (heavier than a normal).
+TAIL_WEIGHT = 0.1
+TAIL_SCALE = 2.5
+# The prior path compiles with nvcc only when a call brings at most this many kernels it has not seen.
+MAX_PTXAS_PER_CALL = 8
+_SQRT5 = math.sqrt(5.0)
+_OK_STATUS = "ok"
+
+
+class FamilyHistory(Protocol):
+    """Where the family model's measurements come from (the Store implements it)."""
+
+    async def family_points(self, family_key: str, hardware: str, workload_key: str) -> list[FamilyPoint]: ...
+
+
+# ---------------------------------------------------------------- encoding tuning parameters
+
+
+def _as_number(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, int | float):
+        return float(value) if math.isfinite(value) else None
+    if isinstance(value, str):
+        try:
+            number = float(value.strip())
+        except ValueError:
+            return None
+        return number if math.isfinite(number) else None
+    return None
+
+
+def _launch_values(launch: dict[str, Any] | None) -> dict[str, float]:
+    """Launch shape as numbers the model can use (empty when there is no launch)."""
+    if not launch:
+        return {}
+    grid = list(launch.get("grid") or (1, 1, 1))
+    block = list(launch.get("block") or (1, 1, 1))
+    out = {
+        "@block_x": float(block[0]),
+        "@block_y": float(block[1] if len(block) > 1 else 1),
+        "@block_z": float(block[2] if len(block) > 2 else 1),
+        "@threads": float(math.prod(int(b) for b in block)),
+        "@blocks": float(math.prod(int(g) for g in grid)),
+        "@dyn_smem": float(launch.get("shared_mem_bytes") or 0) + 1.0,
+    }
+    return out
+
+
+def kernel_params(defines: dict[str, Any], launch: dict[str, Any] | None) -> dict[str, Any]:
+    """Everything that varies inside a family: the defines plus numeric launch fields."""
+    params: dict[str, Any] = dict(defines)
+    params.update(_launch_values(launch))
+    return params
+
+
+@dataclass
+class _Column:
+    name: str
+    kind: str  # "num" or "cat"
+    log: bool = False
+    lo: float = 0.0
+    span: float = 1.0
+    categories: tuple[str, ...] = ()
+    default: float = 0.5  # encoded value used when a kernel lacks this parameter
+
+
+_BLOCK_NAME = re.compile(r"^block_?size_?[xyz]$", re.IGNORECASE)
+
+
+def _is_pow2(x: float) -> bool:
+    if x <= 0 or x != int(x):
+        return False
+    n = int(x)
+    return n & (n - 1) == 0
+
+
+def _threads(row: dict[str, Any], block_names: Sequence[str]) -> float | None:
+    """Threads per block from Kernel Tuner's block_size_x/y/z convention (missing ones count as 1)."""
+    total = 1.0
+    for name in block_names:
+        value = _as_number(row.get(name, 1))
+        if value is None or value <= 0:
+            return None
+        total *= value
+    return total
+
+
+class ParamEncoder:
+    """Maps a family member's parameters to a point in [0, 1]^d.
+
+    Numbers are log-scaled when they span a wide positive range, strings are one-hot. Integer parameters
+    also get alignment indicators (power of two; multiple of 32 and 64) because GPU runtimes jump at
+    those boundaries (whole warps and wavefronts, shifts instead of divisions, bank-conflict-free strides)
+    rather than varying smoothly; and Kernel Tuner's block_size_x/y/z give threads per block (with its
+    own warp-multiple indicator), an interaction a stationary kernel over the separate sizes misses.
+    Built from the training points only, so it is stable between refits; values outside the trained range
+    extrapolate beyond [0, 1].
+    """
+
+    def __init__(self, rows: Sequence[dict[str, Any]]) -> None:
+        names = sorted({k for r in rows for k in r})
+        self.columns: list[_Column] = []
+        self.flags: list[tuple[str, str]] = []  # (parameter, "pow2" | "mod32" | "mod64")
+        for name in names:
+            values = [r[name] for r in rows if name in r]
+            numbers = [_as_number(v) for v in values]
+            if values and all(n is not None for n in numbers):
+                nums = [float(n) for n in numbers if n is not None]
+                lo, hi = min(nums), max(nums)
+                use_log = lo > 0 and hi / lo >= 4.0
+                if use_log:
+                    lo, hi = math.log2(lo), math.log2(hi)
+                span = hi - lo if hi > lo else 1.0
+                col = _Column(name, "num", use_log, lo, span)
+                col.default = 0.5 if hi > lo else 0.0
+                self.columns.append(col)
+                self.flags.extend((name, f) for f in self._flags_for(nums))
+            else:
+                cats = tuple(sorted({str(v) for v in values}))
+                self.columns.append(_Column(name, "cat", categories=cats))
+        self.block_names = [n for n in names if _BLOCK_NAME.match(n)]
+        self.threads_col: _Column | None = None
+        self.threads_mod32 = False
+        if len(self.block_names) >= 2:
+            threads = [t for t in (_threads(r, self.block_names) for r in rows) if t is not None]
+            if threads and min(threads) > 0 and max(threads) > min(threads):
+                lo, hi = math.log2(min(threads)), math.log2(max(threads))
+                self.threads_col = _Column("threads", "num", True, lo, hi - lo)
+                mods = [t % 32 == 0 for t in threads]
+                self.threads_mod32 = any(mods) and not all(mods)
+        self.dim_names: list[str] = []
+        for c in self.columns:
+            if c.kind == "cat":
+                self.dim_names.extend(f"{c.name}={v}" for v in c.categories)
+            else:
+                self.dim_names.append(c.name)
+        self.dim_names.extend(f"{n}:{f}" for n, f in self.flags)
+        if self.threads_col is not None:
+            self.dim_names.append("threads")
+        if self.threads_mod32:
+            self.dim_names.append("threads:mod32")
+        self.dim = len(self.dim_names)
+
+    @staticmethod
+    def _flags_for(nums: list[float]) -> list[str]:
+        distinct = sorted(set(nums))
+        if len(distinct) < 3 or any(v != int(v) or v <= 0 for v in distinct):
+            return []
+        out = []
+        pow2 = [_is_pow2(v) for v in distinct]
+        if any(pow2) and not all(pow2):
+            out.append("pow2")
+        for m in (32, 64):
+            mods = [v % m == 0 for v in distinct]
+            if any(mods) and not all(mods) and max(distinct) >= 2 * m:
+                out.append(f"mod{m}")
+        return out
+
+    def encode(self, rows: Sequence[dict[str, Any]]) -> Array:
+        out = np.zeros((len(rows), self.dim), dtype=np.float64)
+        for i, row in enumerate(rows):
+            j = 0
+            for c in self.columns:
+                if c.kind == "cat":
+                    value = row.get(c.name)
+                    if value is not None and str(value) in c.categories:
+                        out[i, j + c.categories.index(str(value))] = 1.0
+                    j += len(c.categories)
+                    continue
+                number = _as_number(row.get(c.name))
+                if number is None:
+                    out[i, j] = c.default
+                else:
+                    if c.log:
+                        number = math.log2(number) if number > 0 else c.lo - 1.0
+                    out[i, j] = (number - c.lo) / c.span
+                j += 1
+            for name, flag in self.flags:
+                number = _as_number(row.get(name))
+                if number is not None:
+                    if flag == "pow2":
+                        out[i, j] = float(_is_pow2(number))
+                    else:
+                        out[i, j] = float(number == int(number) and int(number) % int(flag[3:]) == 0)
+                else:
+                    out[i, j] = 0.5
+                j += 1
+            if self.threads_col is not None or self.threads_mod32:
+                threads = _threads(row, self.block_names)
+                if self.threads_col is not None:
+                    col = self.threads_col
+                    out[i, j] = 0.5 if threads is None else (math.log2(threads) - col.lo) / col.span
+                    j += 1
+                if self.threads_mod32:
+                    out[i, j] = 0.5 if threads is None else float(threads % 32 == 0)
+                    j += 1
+        return out
+
+    def unknown_names(self, row: dict[str, Any]) -> list[str]:
+        """Parameters of `row` the family has never been measured with."""
+        known = {c.name for c in self.columns}
+        return [k for k in row if k not in known]
+
+
+# ---------------------------------------------------------------- Gaussian process
+
+
+def _sqdist_per_dim(x1: Array, x2: Array) -> Array:
+    """(d, n1, n2) squared differences per dimension."""
+    diff = x1.T[:, :, None] - x2.T[:, None, :]
+    return np.asarray(diff * diff)
+
+
+def _matern(r: Array, sf2: float) -> Array:
+    s = _SQRT5 * r
+    return np.asarray(sf2 * (1.0 + s + s * s / 3.0) * np.exp(-s))
+
+
+def _scaled_r(x1: Array, x2: Array, ls: Array) -> Array:
+    z1 = x1 / ls
+    z2 = x2 / ls
+    r2 = (z1 * z1).sum(1)[:, None] + (z2 * z2).sum(1)[None, :] - 2.0 * (z1 @ z2.T)
+    return np.asarray(np.sqrt(np.maximum(r2, 0.0)))
+
+
+def _additive(x1: Array, x2: Array, ls: Array, sa2: float) -> Array:
+    """sa2 * mean over dimensions of a squared-exponential in that dimension alone."""
+    if sa2 <= 0.0:
+        return np.zeros((x1.shape[0], x2.shape[0]))
+    total = np.zeros((x1.shape[0], x2.shape[0]))
+    for j in range(x1.shape[1]):
+        diff = (x1[:, j][:, None] - x2[:, j][None, :]) / ls[j]
+        total += np.exp(-0.5 * diff * diff)
+    return np.asarray(total * (sa2 / max(1, x1.shape[1])))
+
+
+def kernel_matrix(x1: Array, x2: Array, ls: Array, sf2: float, sa2: float) -> Array:
+    """The family model's covariance: a Matern 5/2 over all parameters jointly (interactions) plus an
+    additive part (main effects that hold across the rest of the space)."""
+    return _matern(_scaled_r(x1, x2, ls), sf2) + _additive(x1, x2, ls, sa2)
+
+
+def _lbfgs(fg: Any, x0: Array, max_iter: int, memory: int = 8) -> Array:
+    """Minimise fg(x) -> (f, grad) with L-BFGS and a backtracking line search (no scipy needed)."""
+    x = x0.copy()
+    f, g = fg(x)
+    if not math.isfinite(f):
+        return x0
+    s_hist: list[Array] = []
+    y_hist: list[Array] = []
+    for _ in range(max_iter):
+        q = g.copy()
+        coefs: list[tuple[float, float]] = []
+        for s, y in zip(reversed(s_hist), reversed(y_hist), strict=True):
+            rho = 1.0 / float(y @ s)
+            a = rho * float(s @ q)
+            q -= a * y
+            coefs.append((rho, a))
+        gamma = float(s_hist[-1] @ y_hist[-1]) / float(y_hist[-1] @ y_hist[-1]) if s_hist else 0.1
+        r = gamma * q
+        for (rho, a), s, y in zip(reversed(coefs), s_hist, y_hist, strict=True):
+            b = rho * float(y @ r)
+            r += s * (a - b)
+        d = -r
+        slope = float(g @ d)
+        if slope >= 0:
+            d, slope = -g, -float(g @ g)
+            s_hist.clear()
+            y_hist.clear()
+        step_norm = float(np.max(np.abs(d)))
+        t = min(1.0, 2.0 / step_norm) if step_norm > 0 else 1.0
+        while True:
+            xn = x + t * d
+            fn, gn = fg(xn)
+            if math.isfinite(fn) and fn <= f + 1e-4 * t * slope:
+                break
+            t *= 0.5
+            if t < 1e-6:
+                return x
+        s_new, y_new = xn - x, gn - g
+        if float(s_new @ y_new) > 1e-10:
+            s_hist.append(s_new)
+            y_hist.append(y_new)
+            if len(s_hist) > memory:
+                s_hist.pop(0)
+                y_hist.pop(0)
+        converged = abs(f - fn) < 1e-7 * max(1.0, abs(f))
+        x, f, g = xn, fn, gn
+        if converged or float(np.max(np.abs(g))) < 1e-5:
+            break
+    return x
+
+
+@dataclass
+class GPFit:
+    """A fitted GP on standardised targets; predictions are returned in the original units."""
+
+    x: Array
+    y_mean: float
+    y_std: float
+    ls: Array
+    sf2: float  # joint (interaction) part
+    sa2: float  # additive (main-effect) part
+    sn2: float
+    alpha: Array
+    kinv: Array
+    loo_scale: float  # predictive standard deviations are multiplied by this (>= 1 typically)
+    theta: Array  # log hyperparameters, for warm starts
+
+    def kernel(self, x1: Array, x2: Array) -> Array:
+        return kernel_matrix(x1, x2, self.ls, self.sf2, self.sa2)
+
+    def predict(self, xq: Array) -> tuple[Array, Array]:
+        """Latent mean and full covariance (original units) of f at xq."""
+        ks = self.kernel(xq, self.x)
+        mean = ks @ self.alpha
+        cov = self.kernel(xq, xq) - ks @ self.kinv @ ks.T
+        cov = 0.5 * (cov + cov.T)
+        d = np.diag(cov).copy()
+        np.fill_diagonal(cov, np.maximum(d, 1e-12))
+        return self.y_mean + self.y_std * mean, cov * self.y_std**2
+
+    def predict_marginal(self, xq: Array) -> tuple[Array, Array]:
+        """Latent mean and variance only (cheap for many points)."""
+        ks = self.kernel(xq, self.x)
+        mean = ks @ self.alpha
+        var = (self.sf2 + self.sa2) - np.einsum("ij,jk,ik->i", ks, self.kinv, ks)
+        return self.y_mean + self.y_std * mean, np.maximum(var, 1e-12) * self.y_std**2
+
+    @property
+    def prior_var(self) -> float:
+        return (self.sf2 + self.sa2) * self.y_std**2
+
+    @property
+    def noise_sd(self) -> float:
+        return float(math.sqrt(self.sn2) * self.y_std)
+
+
+# Hyperpriors on the log hyperparameters, in standardised target units and [0, 1] inputs.
+_LS_PRIOR_MEAN = math.log(0.5)
+_LS_PRIOR_SD = 1.0
+_SF2_PRIOR_MEAN = 0.0
+_SF2_PRIOR_SD = 1.0
+_SA2_PRIOR_MEAN = math.log(0.3)
+_SA2_PRIOR_SD = 1.5
+_SN2_PRIOR_MEAN = math.log(0.02)
+_SN2_PRIOR_SD = 1.5
+_LOG_SN2_MIN = math.log(1e-5)
+_LOG_LS_MIN = math.log(0.02)
+_LOG_LS_MAX = math.log(50.0)
+USE_ADDITIVE = True
+
+
+def _unpack(theta: Array, d: int) -> tuple[Array, float, float, float]:
+    log_ls = np.clip(theta[:d], _LOG_LS_MIN, _LOG_LS_MAX)
+    log_sf2 = float(np.clip(theta[d], -6.0, 4.0))
+    log_sn2 = float(np.clip(theta[d + 1], _LOG_SN2_MIN, 1.0))
+    log_sa2 = float(np.clip(theta[d + 2], -8.0, 4.0)) if len(theta) > d + 2 else -math.inf
+    return log_ls, log_sf2, log_sn2, log_sa2
+
+
+def _neg_log_posterior(theta: Array, sq: Array, y: Array) -> tuple[float, Array]:
+    d = sq.shape[0]
+    n = y.shape[0]
+    log_ls, log_sf2, log_sn2, log_sa2 = _unpack(theta, d)
+    additive = len(theta) > d + 2
+    ls2 = np.exp(2.0 * log_ls)
+    sf2, sn2 = math.exp(log_sf2), math.exp(log_sn2)
+    scaled = sq / ls2[:, None, None]
+    r = np.sqrt(np.maximum(scaled.sum(axis=0), 0.0))
+    s = _SQRT5 * r
+    e = np.exp(-s)
+    kf = sf2 * (1.0 + s + s * s / 3.0) * e
+    k = kf + (sn2 + 1e-8) * np.eye(n)
+    if additive:
+        sa2 = math.exp(log_sa2)
+        per_dim = np.exp(-0.5 * scaled)  # (d, n, n)
+        ka = per_dim.sum(axis=0) * (sa2 / d)
+        k = k + ka
+    try:
+        chol = np.linalg.cholesky(k)
+    except np.linalg.LinAlgError:
+        return math.inf, np.zeros_like(theta)
+    linv = np.linalg.inv(chol)
+    kinv = linv.T @ linv
+    alpha = kinv @ y
+    nll = 0.5 * float(y @ alpha) + float(np.log(np.diag(chol)).sum()) + 0.5 * n * math.log(2 * math.pi)
+    w = np.outer(alpha, alpha) - kinv
+    # dK/dlog(ls_k) = sf2 * 5/3 * (1 + s) * exp(-s) * sq_k / ls_k^2  (+ additive: sa2/d * e_k * sq_k / ls_k^2)
+    gmat = sf2 * (5.0 / 3.0) * (1.0 + s) * e
+    grad = np.zeros_like(theta)
+    grad[:d] = -0.5 * np.tensordot(scaled, w * gmat, axes=([1, 2], [0, 1]))
+    grad[d] = -0.5 * float((w * kf).sum())
+    grad[d + 1] = -0.5 * sn2 * float(np.trace(w))
+    if additive:
+        grad[:d] += (
+            -0.5 * (sa2 / d) * np.einsum("kij,kij->k", per_dim * scaled, np.broadcast_to(w, scaled.shape))
+        )
+        grad[d + 2] = -0.5 * float((w * ka).sum())
+    # Gaussian hyperpriors (negative log density and its gradient).
+    nlp = 0.5 * float((((log_ls - _LS_PRIOR_MEAN) / _LS_PRIOR_SD) ** 2).sum())
+    nlp += 0.5 * ((log_sf2 - _SF2_PRIOR_MEAN) / _SF2_PRIOR_SD) ** 2
+    nlp += 0.5 * ((log_sn2 - _SN2_PRIOR_MEAN) / _SN2_PRIOR_SD) ** 2
+    grad[:d] += (log_ls - _LS_PRIOR_MEAN) / _LS_PRIOR_SD**2
+    grad[d] += (log_sf2 - _SF2_PRIOR_MEAN) / _SF2_PRIOR_SD**2
+    grad[d + 1] += (log_sn2 - _SN2_PRIOR_MEAN) / _SN2_PRIOR_SD**2
+    if additive:
+        nlp += 0.5 * ((log_sa2 - _SA2_PRIOR_MEAN) / _SA2_PRIOR_SD) ** 2
+        grad[d + 2] += (log_sa2 - _SA2_PRIOR_MEAN) / _SA2_PRIOR_SD**2
+    return nll + nlp, grad
+
+
+def _fit_subset(n: int, y: Array, cap: int, rng: np.random.Generator) -> NDArray[np.intp]:
+    """Indices for hyperparameter fitting: the best quarter always, the rest at random."""
+    if n <= cap:
+        return np.arange(n, dtype=np.intp)
+    order = np.argsort(y)
+    keep_best = order[: cap // 4]
+    rest = rng.choice(order[cap // 4 :], size=cap - cap // 4, replace=False)
+    return np.sort(np.concatenate([keep_best, rest]))
+
+
+def fit_gp(
+    x: Array,
+    y: Array,
+    warm: Array | None = None,
+    max_iter: int = 60,
+    seed: int = 0,
+    additive: bool | None = None,
+) -> GPFit:
+    """Fit hyperparameters (MAP, from defaults and from `warm`) and the posterior."""
+    additive = USE_ADDITIVE if additive is None else additive
+    n, d = x.shape
+    rng = np.random.default_rng(seed)
+    y_mean = float(np.mean(y))
+    y_std = float(np.std(y))
+    if not y_std > 1e-9:
+        y_std = max(abs(y_mean) * 1e-3, 1e-3)
+    ys = (y - y_mean) / y_std
+    idx = _fit_subset(n, y, MAX_FIT_POINTS, rng)
+    sq = _sqdist_per_dim(x[idx], x[idx])
+    default = [*([_LS_PRIOR_MEAN] * d), 0.0, _SN2_PRIOR_MEAN]
+    if additive:
+        default.append(_SA2_PRIOR_MEAN)
+    starts: list[Array] = [np.asarray(default, dtype=np.float64)]
+    if warm is not None and warm.shape == starts[0].shape:
+        starts.insert(0, warm.copy())
+    best_theta, best_f = starts[-1], math.inf
+    for start in starts:
+        iters = max_iter // 2 if start is not starts[-1] else max_iter
+        theta = _lbfgs(lambda t: _neg_log_posterior(t, sq, ys[idx]), start, iters)
+        f, _ = _neg_log_posterior(theta, sq, ys[idx])
+        if f < best_f:
+            best_theta, best_f = theta, f
+    log_ls, log_sf2, log_sn2, log_sa2 = _unpack(best_theta, d)
+    ls = np.exp(log_ls)
+    sf2, sn2 = math.exp(log_sf2), math.exp(log_sn2)
+    sa2 = math.exp(log_sa2) if additive else 0.0
+    # Posterior on (a capped subset of) all points.
+    post = _fit_subset(n, y, MAX_POSTERIOR_POINTS, rng)
+    xp, yp = x[post], ys[post]
+    k = kernel_matrix(xp, xp, ls, sf2, sa2) + (sn2 + 1e-8) * np.eye(len(post))
+    jitter = 1e-8
+    while True:
+        try:
+            chol = np.linalg.cholesky(k)
+            break
+        except np.linalg.LinAlgError:
+            jitter *= 10.0
+            k += jitter * np.eye(len(post))
+    linv = np.linalg.inv(chol)
+    kinv = linv.T @ linv
+    alpha = kinv @ yp
+    # Leave-one-out standardised residuals: how wrong the predictive spread is on this family.
+    diag = np.maximum(np.diag(kinv), 1e-12)
+    loo_scale = _loo_scale(alpha / np.sqrt(diag))
+    theta = np.concatenate([log_ls, best_theta[d:]])
+    return GPFit(xp, y_mean, y_std, ls, sf2, sa2, sn2, alpha, kinv, loo_scale, theta)
+
+
+# With few points the LOO residuals say little; their spread is shrunk towards this prior factor.
+LOO_PRIOR_SCALE = 1.0
+LOO_PRIOR_WEIGHT_N = 5.0
+
+
+def _loo_scale(z: Array) -> float:
+    """Factor on predictive sd so leave-one-out residuals have unit spread (robust; shrunk for small n)."""
+    n = len(z)
+    if n < 3:
+        return LOO_PRIOR_SCALE
+    # A 20%-trimmed second moment resists a few wild points; the tail component covers those.
+    zz = np.sort(z * z)
+    kept = zz[: max(2, math.ceil(0.8 * n))]
+    trimmed = float(kept.mean()) / 0.4377  # E[z^2 | |z| below its 80th percentile] for a standard normal
+    w = n / (n + LOO_PRIOR_WEIGHT_N)
+    return float(math.sqrt(max(0.25, w * trimmed + (1 - w) * LOO_PRIOR_SCALE**2)))
+
+
+# ---------------------------------------------------------------- the family model
+
+
+@dataclass
+class Measured:
+    """A family member's stored measurement."""
+
+    ok: bool
+    log2_ms: float | None
+    status: str
+
+
+@dataclass
+class FamilyModel:
+    """The fitted state of one (family, hardware, workload): GP on log2 runtime + failure smoother."""
+
+    encoder: ParamEncoder | None
+    gp: GPFit | None
+    measured: dict[str, Measured]
+    x_all: Array  # encoded parameters of every stored point (ok and failed)
+    failed_all: Array  # 1.0 where that point failed
+    n_ok: int
+    n_failed: int
+    fail_ls: Array = field(default_factory=lambda: np.zeros(0))
+
+    @property
+    def usable(self) -> bool:
+        return self.gp is not None and self.encoder is not None
+
+    @property
+    def measurement_sd_log2(self) -> float:
+        noise = self.gp.noise_sd if self.gp is not None else MEASURED_SD_FLOOR_LOG2
+        return min(MEASURED_SD_CAP_LOG2, max(MEASURED_SD_FLOOR_LOG2, noise))
+
+    def predict(self, rows: Sequence[dict[str, Any]]) -> tuple[Array, Array]:
+        """Predictive mean and covariance of log2 runtime (ms) for family members with these parameters.
+
+        The covariance includes the LOO spread correction (on the latent part) and the measurement noise
+        on the diagonal: it describes the runtime a measurement of each member would report.
+        """
+        assert self.gp is not None and self.encoder is not None
+        xq = self.encoder.encode(rows)
+        mean, cov = self.gp.predict(xq)
+        cov = cov * self.gp.loo_scale**2
+        cov[np.diag_indices_from(cov)] += self.gp.noise_sd**2
+        # A parameter the family was never measured with: its effect is unknown, so the prediction falls
+        # back to the family's spread around its mean.
+        for i, row in enumerate(rows):
+            if self.encoder.unknown_names(row):
+                cov[i, :] = 0.0
+                cov[:, i] = 0.0
+                cov[i, i] = self.gp.prior_var * self.gp.loo_scale**2 + self.gp.noise_sd**2
+                mean[i] = self.gp.y_mean
+        return mean, cov
+
+    def p_fail(self, rows: Sequence[dict[str, Any]]) -> Array:
+        """Chance each member fails to compile or run: nearby stored outcomes, weighted by closeness."""
+        n = len(self.failed_all)
+        if n == 0 or self.encoder is None:
+            return np.full(len(rows), 0.02)
+        if self.n_failed == 0:
+            return np.full(len(rows), 0.5 / (n + 1.0))
+        xq = self.encoder.encode(rows)
+        return _smoothed_fail(xq, self.x_all, self.failed_all, self.fail_ls)
+
+
+_FAIL_STRENGTH = 2.0  # pseudo-observations of the family's overall failure rate
+
+
+def _smoothed_fail(xq: Array, x: Array, failed: Array, ls: Array, exclude_self: bool = False) -> Array:
+    base = (failed.sum() + 0.5) / (len(failed) + 1.0)
+    w = _matern(_scaled_r(xq, x, ls), 1.0)
+    if exclude_self:
+        np.fill_diagonal(w, 0.0)
+    return np.asarray((_FAIL_STRENGTH * base + w @ failed) / (_FAIL_STRENGTH + w.sum(axis=1)))
+
+
+def _fail_lengthscales(x: Array, failed: Array, gp_ls: Array | None) -> Array:
+    """Lengthscales for the failure smoother: the runtime GP's (or 0.3) times the factor with the best
+    leave-one-out likelihood of the stored outcomes. Failures are usually sharp resource limits, so the
+    runtime's smoothness is only a starting point."""
+    base = gp_ls if gp_ls is not None else np.full(x.shape[1], 0.3)
+    best, best_ll = base, -math.inf
+    for factor in (0.1, 0.2, 0.4, 0.8, 1.6):
+        ls = np.maximum(base * factor, 0.02)
+        p = np.clip(_smoothed_fail(x, x, failed, ls, exclude_self=True), 1e-3, 1 - 1e-3)
+        ll = float(np.sum(failed * np.log(p) + (1 - failed) * np.log(1 - p)))
+        if ll > best_ll:
+            best, best_ll = ls, ll
+    return best
+
+
+def points_signature(points: Sequence[FamilyPoint]) -> str:
+    """Changes whenever the family's stored measurements do (count, keys, statuses or runtimes)."""
+    h = hashlib.sha1(usedforsecurity=False)
+    for p in points:
+        h.update(f"{p.content_key}|{p.status}|{p.runtime_ms!r};".encode())
+    return f"{len(points)}:{h.hexdigest()}"
+
+
+def fit_family(points: Sequence[FamilyPoint], warm: Array | None = None) -> FamilyModel:
+    """Fit the family model on stored points (the latest measurement per content key)."""
+    measured: dict[str, Measured] = {}
+    rows: list[dict[str, Any]] = []
+    ok_rows: list[int] = []
+    y: list[float] = []
+    failed: list[float] = []
+    for p in points:
+        ok = p.status == _OK_STATUS and p.runtime_ms is not None and p.runtime_ms > 0
+        log2_ms = math.log2(p.runtime_ms) if ok and p.runtime_ms is not None else None
+        measured[p.content_key] = Measured(ok, log2_ms, p.status)
+        rows.append(kernel_params(p.defines, p.launch))
+        failed.append(0.0 if ok else 1.0)
+        if ok and log2_ms is not None:
+            ok_rows.append(len(rows) - 1)
+            y.append(log2_ms)
+    if not rows:
+        return FamilyModel(None, None, measured, np.zeros((0, 0)), np.zeros(0), 0, 0)
+    encoder = ParamEncoder(rows)
+    x_all = encoder.encode(rows)
+    gp = None
+    if len(ok_rows) >= MIN_FAMILY_POINTS:
+        gp = fit_gp(x_all[ok_rows], np.asarray(y), warm=warm)
+    n_failed = int(sum(failed))
+    failed_arr = np.asarray(failed)
+    fail_ls = (
+        _fail_lengthscales(x_all, failed_arr, gp.ls if gp is not None else None) if n_failed else np.zeros(0)
+    )
+    return FamilyModel(encoder, gp, measured, x_all, failed_arr, len(ok_rows), n_failed, fail_ls)
+
+
+# ---------------------------------------------------------------- the forecaster
+
+
+def _tail_sd_factor() -> float:
+    """Overall sd of the tail mixture over its core sd."""
+    return math.sqrt((1.0 - TAIL_WEIGHT) + TAIL_WEIGHT * TAIL_SCALE**2)
+
+
+def _mixture_bins(mean: float, core_sd: float, tail: bool) -> list[float]:
+    """8 bins of a normal, or of the heavier-tailed scale mixture (1-w) N(mean, sd) + w N(mean, k sd).
+
+    The GP's (LOO-corrected) spread fits the bulk of held-out errors; about one error in ten is a surprise
+    two or more sds out, which the wide component carries.
+    """
+    if not tail:
+        return bins.from_normal(mean, core_sd)
+    a = bins.from_normal(mean, core_sd)
+    b = bins.from_normal(mean, core_sd * TAIL_SCALE)
+    return [(1.0 - TAIL_WEIGHT) * p + TAIL_WEIGHT * q for p, q in zip(a, b, strict=True)]
+
+
+def _fmt_ms(log2_ms: float) -> str:
+    ms = 2.0**log2_ms
+    return f"{ms:.3g} ms"
+
+
+@dataclass
+class _Belief:
+    """What is known about one kernel's log2 runtime in one query."""
+
+    kind: str  # "measured" | "failed" | "model" | "unknown"
+    mean: float = 0.0
+    var: float = 0.0
+    group: tuple[str, str, str] | None = None
+    index: int = -1
+    p_fail: float = 0.0
+    status: str = ""
+    cov_row: Array | None = None  # covariance with every kernel predicted in the same batch
+
+
+@dataclass
+class _GroupState:
+    signature: str
+    model: FamilyModel
+
+
+class LocalForecaster:
+    """The default, offline forecaster (see the module doc). Implements `Forecaster`."""
+
+    name = "local"
+    version = VERSION
+
+    def __init__(
+        self,
+        history: FamilyHistory | None,
+        nvcc: str | None = None,
+        cache_dir: Path | None = None,
+        *,
+        ptxas_wait_s: float = 10.0,
+        max_cached_families: int = 64,
+    ) -> None:
+        from forecaster_mcp.forecast.ptxas import find_nvcc
+
+        self._history = history
+        self._nvcc = find_nvcc(nvcc)
+        self._cache_dir = cache_dir
+        self._ptxas_wait_s = ptxas_wait_s
+        self._models: OrderedDict[tuple[str, str, str], _GroupState] = OrderedDict()
+        self._warm: dict[tuple[str, str, str], Array] = {}
+        self._locks: dict[tuple[str, str, str], anyio.Lock] = {}
+        self._max_cached = max_cached_families
+        self._features: OrderedDict[tuple[str, str], StaticFeatures] = OrderedDict()
+        self.fits = 0  # how many family models were fitted (tests and benchmarks read it)
+
+    # ---- family models
+
+    async def _model(self, key: tuple[str, str, str]) -> FamilyModel | None:
+        if self._history is None:
+            return None
+        points = await self._history.family_points(*key)
+        if not points:
+            return None
+        signature = points_signature(points)
+        state = self._models.get(key)
+        if state is not None and state.signature == signature:
+            self._models.move_to_end(key)
+            return state.model
+        lock = self._locks.setdefault(key, anyio.Lock())
+        async with lock:
+            state = self._models.get(key)
+            if state is not None and state.signature == signature:
+                return state.model
+            warm = self._warm.get(key)
+            n_ok = sum(1 for p in points if p.status == _OK_STATUS)
+            if n_ok > 40:
+                # Big fits take tens of milliseconds or more: keep the event loop free meanwhile.
+                model = await anyio.to_thread.run_sync(fit_family, points, warm)
+            else:
+                model = fit_family(points, warm)
+            self.fits += 1
+            if model.gp is not None:
+                self._warm[key] = model.gp.theta
+            self._models[key] = _GroupState(signature, model)
+            self._models.move_to_end(key)
+            while len(self._models) > self._max_cached:
+                old, _ = self._models.popitem(last=False)
+                self._warm.pop(old, None)
+                self._locks.pop(old, None)
+        return model
+
+    # ---- static features (prior path)
+
+    async def _static(self, kernels: Sequence[Kernel], q: PairQuery) -> dict[str, StaticFeatures]:
+        from forecaster_mcp.forecast.ptxas import ptxas_usage
+
+        spec = q.hardware
+        arch = spec.arch if spec is not None and spec.vendor == "nvidia" else "sm_80"
+        out: dict[str, StaticFeatures] = {}
+        todo: list[Kernel] = []
+        for k in kernels:
+            key = (k.content_key(), q.hardware_name)
+            cached = self._features.get(key)
+            if cached is not None:
+                out[k.content_key()] = cached
+            else:
+                todo.append(k)
+        if not todo:
+            return out
+        usage: dict[str, Any] = {}
+        # nvcc takes a second or two per kernel: worth it for the few kernels of an agent's question, not
+        # for a screening call over dozens of configurations (those have the family model, or nothing).
+        compilable = [k for k in todo if k.language == "cuda" and "__global__" in k.source]
+        if self._nvcc is not None and self._ptxas_wait_s > 0 and 0 < len(compilable) <= MAX_PTXAS_PER_CALL:
+            limiter = anyio.CapacityLimiter(2)
+
+            async def compile_one(k: Kernel) -> None:
+                async with limiter:
+                    usage[k.content_key()] = await ptxas_usage(
+                        k, arch, self._nvcc, self._cache_dir, timeout_s=self._ptxas_wait_s
+                    )
+
+            with anyio.move_on_after(self._ptxas_wait_s + 1.0):
+                async with anyio.create_task_group() as tg:
+                    for k in compilable:
+                        tg.start_soon(compile_one, k)
+        for k in todo:
+            u = usage.get(k.content_key())
+            entry = u.for_entry(k.entry) if u is not None else None
+            feats = kernel_features(k, q.workload, spec, entry)
+            out[k.content_key()] = feats
+            self._features[(k.content_key(), q.hardware_name)] = feats
+            while len(self._features) > 4096:
+                self._features.popitem(last=False)
+        return out
+
+    # ---- forecasting
+
+    async def forecast(self, queries: Sequence[PairQuery]) -> list[BinForecast]:
+        """One BinForecast per query (bins conditional on both kernels running; see module doc)."""
+        # Hashing a kernel is not free (its source is hashed): once per kernel object per call.
+        keys: dict[int, tuple[str, str]] = {}
+        workload_keys: dict[int, str] = {}
+        for q in queries:
+            for k in (q.baseline, q.candidate):
+                if id(k) not in keys:
+                    keys[id(k)] = (k.family_key(), k.content_key())
+            if id(q.workload) not in workload_keys:
+                workload_keys[id(q.workload)] = q.workload.key()
+
+        def group_of(k: Kernel, q: PairQuery) -> tuple[str, str, str]:
+            return (keys[id(k)][0], q.hardware_name, workload_keys[id(q.workload)])
+
+        groups: dict[tuple[str, str, str], FamilyModel | None] = {}
+        for q in queries:
+            for k in (q.baseline, q.candidate):
+                key = group_of(k, q)
+                if key not in groups:
+                    groups[key] = await self._model(key)
+
+        # Batch every unmeasured kernel of a usable family into one joint prediction.
+        wanted: dict[tuple[str, str, str], dict[str, tuple[int, dict[str, Any]]]] = {}
+        for q in queries:
+            for k in (q.baseline, q.candidate):
+                key = group_of(k, q)
+                model = groups[key]
+                ck = keys[id(k)][1]
+                if model is None or ck in model.measured or not model.usable:
+                    continue
+                slots = wanted.setdefault(key, {})
+                if ck not in slots:
+                    slots[ck] = (len(slots), kernel_params(dict(k.defines), _launch_dict(k)))
+        predictions: dict[tuple[str, str, str], tuple[Array, Array, Array]] = {}
+        for key, slots in wanted.items():
+            model = groups[key]
+            assert model is not None
+            rows = [row for _, row in sorted(slots.values(), key=lambda s: s[0])]
+            mean, cov = model.predict(rows)
+            predictions[key] = (mean, cov, model.p_fail(rows))
+
+        out: list[BinForecast] = []
+        for q in queries:
+            kb, kc = group_of(q.baseline, q), group_of(q.candidate, q)
+            b = self._belief(
+                q.baseline, keys[id(q.baseline)][1], kb, groups[kb], wanted.get(kb), predictions.get(kb)
+            )
+            c = self._belief(
+                q.candidate, keys[id(q.candidate)][1], kc, groups[kc], wanted.get(kc), predictions.get(kc)
+            )
+            if b.kind == "unknown" or c.kind == "unknown":
+                out.append(await self._prior_forecast(q, b, c, groups[kc]))
+            else:
+                out.append(self._pair_forecast(b, c, groups[kb], groups[kc]))
+        return out
+
+    def _belief(
+        self,
+        kernel: Kernel,
+        ck: str,
+        key: tuple[str, str, str],
+        model: FamilyModel | None,
+        slots: dict[str, tuple[int, dict[str, Any]]] | None,
+        prediction: tuple[Array, Array, Array] | None,
+    ) -> _Belief:
+        if model is None:
+            return _Belief("unknown")
+        m = model.measured.get(ck)
+        if m is not None:
+            if m.ok and m.log2_ms is not None:
+                return _Belief("measured", m.log2_ms, model.measurement_sd_log2**2, status=m.status)
+            return _Belief("failed", p_fail=1.0, status=m.status)
+        if slots is None or prediction is None or ck not in slots:
+            return _Belief(
+                "unknown", p_fail=float(model.p_fail([kernel_params(dict(kernel.defines), None)])[0])
+            )
+        i = slots[ck][0]
+        mean, cov, pf = prediction
+        return _Belief("model", float(mean[i]), float(cov[i, i]), key, i, float(pf[i]), cov_row=cov[i])
+
+    def _pair_forecast(
+        self, b: _Belief, c: _Belief, base_model: FamilyModel | None, cand_model: FamilyModel | None
+    ) -> BinForecast:
+        model = cand_model or base_model
+        n_points = float(len(model.measured)) if model is not None else 0.0
+        n_ok = float(model.n_ok) if model is not None else 0.0
+        extras = {
+            "n_family_points": n_points,
+            "n_family_ok": n_ok,
+            "p_fail": c.p_fail,
+            "p_fail_baseline": b.p_fail,
+            "measured": 1.0 if c.kind in ("measured", "failed") else 0.0,
+            "baseline_measured": 1.0 if b.kind in ("measured", "failed") else 0.0,
+        }
+        if c.kind == "failed":
+            extras.update(mu_log2=-4.0, sd_log2=0.0)
+            return BinForecast(bins.one_hot(2.0**-4), f"candidate failed when measured ({c.status})", extras)
+        if b.kind == "failed":
+            extras.update(mu_log2=4.0, sd_log2=0.0)
+            return BinForecast(bins.one_hot(16.0), f"baseline failed when measured ({b.status})", extras)
+        mean = b.mean - c.mean
+        var = b.var + c.var
+        if b.kind == "model" and c.kind == "model" and b.group == c.group and b.cov_row is not None:
+            # Model errors of two members of one family are correlated: the GP's joint posterior says how much.
+            var -= 2.0 * float(b.cov_row[c.index])
+        sd = math.sqrt(max(var, 1e-8))
+        tail = b.kind == "model" or c.kind == "model"
+        # sd_log2 is the overall spread; acquisition recovers the core from it and the tail shape.
+        extras.update(mu_log2=mean, sd_log2=sd * _tail_sd_factor() if tail else sd)
+        if tail:
+            extras.update(tail_weight=TAIL_WEIGHT, tail_scale=TAIL_SCALE)
+        probs = _mixture_bins(mean, sd, tail)
+        return BinForecast(probs, self._rationale(b, c, mean, sd, n_points, model), extras)
+
+    def _rationale(
+        self, b: _Belief, c: _Belief, mean: float, sd: float, n_points: float, model: FamilyModel | None
+    ) -> str:
+        speed = 2.0**mean
+        if b.kind == "measured" and c.kind == "measured":
+            return f"both measured: {_fmt_ms(c.mean)} vs baseline {_fmt_ms(b.mean)}"
+        n_ok = model.n_ok if model is not None else 0
+        fails = f", {model.n_failed} failed" if model is not None and model.n_failed else ""
+        parts = [f"family model on {n_ok} measurements{fails}"]
+        if c.kind == "model":
+            parts.append(
+                f"candidate predicted {_fmt_ms(c.mean)} (±{(2.0 ** math.sqrt(c.var) - 1) * 100:.0f}%)"
+            )
+        else:
+            parts.append(f"candidate measured {_fmt_ms(c.mean)}")
+        if b.kind == "measured":
+            parts.append(f"baseline measured {_fmt_ms(b.mean)}")
+        else:
+            parts.append(f"baseline predicted {_fmt_ms(b.mean)}")
+        parts.append(f"speedup ~{speed:.2f}x (log2 sd {sd:.2f})")
+        if c.p_fail >= 0.2:
+            parts.append(f"P(candidate fails) {c.p_fail:.2f}")
+        return "; ".join(parts)
+
+    async def _prior_forecast(
+        self, q: PairQuery, b: _Belief, c: _Belief, cand_model: FamilyModel | None
+    ) -> BinForecast:
+        feats = await self._static([q.baseline, q.candidate], q)
+        fb, fc = feats[q.baseline.content_key()], feats[q.candidate.content_key()]
+        shift = prior_shift(fb, fc)
+        n_points = float(len(cand_model.measured)) if cand_model is not None else 0.0
+        extras = {
+            "mu_log2": shift.mean_log2,
+            "sd_log2": shift.sd_log2,
+            "p_fail": c.p_fail,
+            "p_fail_baseline": b.p_fail,
+            "n_family_points": n_points,
+            "n_family_ok": float(cand_model.n_ok) if cand_model is not None else 0.0,
+            "measured": 0.0,
+            "baseline_measured": 1.0 if b.kind in ("measured", "failed") else 0.0,
+            "prior": 1.0,
+        }
+        same_family = q.baseline.family_key() == q.candidate.family_key()
+        if same_family:
+            why = f"only {int(extras['n_family_ok'])} measurements of this family (need {MIN_FAMILY_POINTS})"
+        else:
+            why = "different kernels, not both measured or modelled"
+        if shift.reasons:
+            rationale = f"static prior ({why}): " + ", ".join(shift.reasons[:4])
+        else:
+            rationale = f"static prior ({why}): no informative static difference, near 50/50"
+        return BinForecast(bins.from_normal(shift.mean_log2, shift.sd_log2), rationale, extras)
+
+
+def _launch_dict(kernel: Kernel) -> dict[str, Any] | None:
+    return kernel.launch.model_dump() if kernel.launch is not None else None

@@ -1,0 +1,242 @@
+"""Resource usage from `ptxas -v`: registers, shared memory and spills per entry, when nvcc is present.
+
+Compiling takes a second or two, so results are cached on disk by content hash and architecture (failed
+compiles too; a timeout is not cached). Anything that stops a compile (no nvcc, a language nvcc does not
+take, a compile error, a timeout) gives None: the forecaster then works without these features.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from forecaster_mcp.models import Kernel
+
+log = logging.getLogger(__name__)
+
+CACHE_VERSION = "1"
+# nvcc flags that change code generation but cannot read or write files outside the temp dir.
+_ALLOWED_FLAG = re.compile(
+    r"^(?:"
+    r"-O[0-3]|--?std=c\+\+(?:11|14|17|20)|-std=c\+\+(?:11|14|17|20)"
+    r"|--?use_fast_math|-ftz=(?:true|false)|-prec-div=(?:true|false)|-prec-sqrt=(?:true|false)"
+    r"|-fmad=(?:true|false)|--?maxrregcount=\d{1,3}|--?extra-device-vectorization|--?restrict"
+    r"|-lineinfo|--?expt-relaxed-constexpr|--?expt-extended-lambda"
+    r"|-D[A-Za-z_][A-Za-z0-9_]*(?:=[A-Za-z0-9_.+\-]*)?|-U[A-Za-z_][A-Za-z0-9_]*"
+    r")$"
+)
+_ARCH = re.compile(r"^sm_\d{2,3}[a-z]?$")
+_RE_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+_RE_PROPS = re.compile(r"Function properties for (\S+)")
+_RE_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_RE_USED = re.compile(r"Used (\d+) registers")
+_RE_SMEM = re.compile(r"(\d+) bytes smem")
+
+
+@dataclass(frozen=True)
+class PtxasEntry:
+    """What ptxas reported for one entry function."""
+
+    name: str  # as ptxas names it (mangled unless extern "C")
+    registers: int
+    shared_bytes: int  # static shared memory
+    spill_stores_bytes: int
+    spill_loads_bytes: int
+    stack_frame_bytes: int
+
+    @property
+    def spill_bytes(self) -> int:
+        return self.spill_stores_bytes + self.spill_loads_bytes
+
+
+@dataclass(frozen=True)
+class PtxasUsage:
+    """Per-entry resource usage of one compiled kernel source for one architecture."""
+
+    arch: str
+    entries: tuple[PtxasEntry, ...]
+
+    def for_entry(self, entry: str) -> PtxasEntry | None:
+        """The entry named `entry` (matches extern "C" names and Itanium-mangled `_Z<len><name>...`)."""
+        mangled = f"_Z{len(entry)}{entry}"
+        for e in self.entries:
+            if e.name == entry or e.name.startswith(mangled):
+                return e
+        return self.entries[0] if len(self.entries) == 1 else None
+
+
+def find_nvcc(configured: str | None) -> str | None:
+    """The nvcc to use: the configured path or name, else PATH, $CUDA_HOME, $CUDA_PATH, /usr/local/cuda."""
+    if configured:
+        path = Path(configured)
+        if path.is_file() and os.access(path, os.X_OK):
+            return str(path)
+        return shutil.which(configured)
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root:
+            candidate = Path(root) / "bin" / "nvcc"
+            if candidate.is_file() and os.access(candidate, os.X_OK):
+                return str(candidate)
+    return None
+
+
+def safe_options(options: list[str]) -> list[str]:
+    """The kernel's compile options that are safe to pass (others are dropped, not an error)."""
+    return [o for o in options if _ALLOWED_FLAG.match(o)]
+
+
+def _define_flag(name: str, value: int | float | str) -> str:
+    if isinstance(value, bool):
+        value = int(value)
+    return f"-D{name}={value}"
+
+
+def parse_ptxas(output: str) -> tuple[PtxasEntry, ...]:
+    """Parse `ptxas -v` output into per-entry records."""
+    frames: dict[str, tuple[int, int, int]] = {}
+    used: dict[str, tuple[int, int]] = {}
+    order: list[str] = []
+    current_entry: str | None = None
+    props_for: str | None = None
+    for line in output.splitlines():
+        if m := _RE_ENTRY.search(line):
+            current_entry = m.group(1)
+            if current_entry not in order:
+                order.append(current_entry)
+            continue
+        if m := _RE_PROPS.search(line):
+            props_for = m.group(1)
+            continue
+        if (m := _RE_FRAME.search(line)) and props_for is not None:
+            frames[props_for] = (int(m.group(1)), int(m.group(2)), int(m.group(3)))
+            continue
+        if (m := _RE_USED.search(line)) and current_entry is not None:
+            smem_match = _RE_SMEM.search(line)
+            used[current_entry] = (int(m.group(1)), int(smem_match.group(1)) if smem_match else 0)
+    out = []
+    for name in order:
+        regs, smem = used.get(name, (0, 0))
+        stack, stores, loads = frames.get(name, (0, 0, 0))
+        out.append(PtxasEntry(name, regs, smem, stores, loads, stack))
+    return tuple(out)
+
+
+def _cache_key(kernel: Kernel, arch: str, nvcc: str, flags: list[str]) -> str:
+    payload = {"v": CACHE_VERSION, "source": kernel.source_hash(), "arch": arch, "nvcc": nvcc, "flags": flags}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:40]
+
+
+def _read_cache(path: Path) -> tuple[bool, PtxasUsage | None]:
+    """(hit, usage): a cached failure is a hit with usage None."""
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False, None
+    if not raw.get("ok"):
+        return True, None
+    try:
+        entries = tuple(PtxasEntry(**e) for e in raw["entries"])
+        return True, PtxasUsage(raw["arch"], entries)
+    except (KeyError, TypeError):
+        return False, None
+
+
+def _write_cache(path: Path, usage: PtxasUsage | None) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        body: dict[str, Any] = {"ok": False}
+        if usage is not None:
+            body = {"ok": True, "arch": usage.arch, "entries": [asdict(e) for e in usage.entries]}
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(body))
+        tmp.replace(path)
+    except OSError as exc:  # a read-only or full cache dir only costs a recompile next time
+        log.debug("ptxas cache write failed: %s", exc)
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+async def ptxas_usage(
+    kernel: Kernel, arch: str, nvcc: str | None, cache_dir: Path | None, timeout_s: float = 20.0
+) -> PtxasUsage | None:
+    """Compile `kernel` with `nvcc -c -arch=<arch> -Xptxas -v` and report per-entry resources, or None."""
+    if kernel.language != "cuda" or nvcc is None or not _ARCH.match(arch):
+        return None
+    flags = [_define_flag(k, v) for k, v in sorted(kernel.defines.items())] + safe_options(
+        kernel.compile_options
+    )
+    cache_path = cache_dir / "ptxas" / f"{_cache_key(kernel, arch, nvcc, flags)}.json" if cache_dir else None
+    if cache_path is not None:
+        hit, cached = _read_cache(cache_path)
+        if hit:
+            return cached
+    with tempfile.TemporaryDirectory(prefix="fmcp-ptxas-") as tmp:
+        src = Path(tmp) / "kernel.cu"
+        src.write_text(kernel.source)
+        cmd = [
+            nvcc,
+            "-c",
+            f"-arch={arch}",
+            "-Xptxas",
+            "-v",
+            *flags,
+            "-o",
+            str(Path(tmp) / "kernel.o"),
+            str(src),
+        ]
+        try:
+            proc = await anyio.open_process(
+                cmd, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        except OSError as exc:
+            log.info("nvcc could not start (%s): ptxas features unavailable", exc)
+            return None
+        chunks: list[bytes] = []
+        timed_out = True
+        try:
+            with anyio.move_on_after(timeout_s):
+                if proc.stdout is not None:
+                    async for chunk in proc.stdout:
+                        chunks.append(chunk)
+                await proc.wait()
+                timed_out = False
+        finally:
+            if timed_out or proc.returncode is None:
+                # nvcc runs cicc and ptxas as children: kill the whole session we started.
+                _kill_group(proc.pid)
+                with anyio.CancelScope(shield=True):
+                    await proc.wait()
+            await proc.aclose()
+    if timed_out:
+        log.info("nvcc timed out after %.0f s on %s: ptxas features unavailable", timeout_s, kernel.entry)
+        return None
+    output = b"".join(chunks).decode("utf-8", "replace")
+    usage: PtxasUsage | None = None
+    if proc.returncode == 0:
+        entries = parse_ptxas(output)
+        usage = PtxasUsage(arch, entries) if entries else None
+    else:
+        log.debug("nvcc failed (rc=%s) on %s: %s", proc.returncode, kernel.entry, output[-500:])
+    if cache_path is not None:
+        _write_cache(cache_path, usage)
+    return usage

@@ -1,0 +1,543 @@
+"""Budgeted search over a replay space, driven through the MCP tools (`compare_kernels`, `measure_kernel`).
+
+The strategies talk to an abstract async tool caller, `ToolCaller(tool_name, arguments) -> structuredContent`,
+so the same code runs against a real server (stdio client) or the in-process `ToolEmulator` used for tuning
+and tests. They read only the space's list of configurations (never its recorded times) and learn runtimes
+only by measuring.
+
+Forecast-guided search, per measurement:
+1. candidates: every untried one-parameter step from the best few measured configurations (local moves a
+   model can rank well) plus `pool_size` random untried configurations per screening call (global reach);
+2. screening: `compare_kernels` of the candidates against the best measured configuration (the baseline),
+   in calls of at most 63 candidates; each call's `measure_next` head and any candidate forecast `faster`
+   go to a final round;
+3. the final round is one more `compare_kernels` among the finalists; its `measure_next` head is measured.
+The first `n_init` measurements are random (the family model needs a few points before it can rank).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+ToolCaller = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
+
+MAX_PER_CALL = 63  # candidates per compare_kernels call besides the baseline (the tool takes 2..64 kernels)
+N_INIT = 10
+LOCAL_STARTS = 5  # neighbours of this many best configurations are always screened
+PAIR_STARTS = 2  # ... and two-step neighbours of this many
+
+
+class EntryLike(Protocol):
+    """What a search needs of one configuration of a space (measure.replay.ReplayEntry fits)."""
+
+    @property
+    def params(self) -> dict[str, Any]: ...
+
+    @property
+    def time_ms(self) -> float | None: ...
+
+
+class SpaceLike(Protocol):
+    """What a search needs of a replay space (measure.replay.ReplaySpace fits)."""
+
+    @property
+    def device(self) -> str: ...
+
+    @property
+    def kernel_name(self) -> str: ...
+
+    @property
+    def param_keys(self) -> list[str]: ...
+
+    @property
+    def entries(self) -> Sequence[EntryLike]: ...
+
+    @property
+    def best_time_ms(self) -> float | None: ...
+
+
+@dataclass
+class SearchTrace:
+    """What one search run did and found."""
+
+    strategy: str
+    seed: int
+    best_time_ms: float | None  # recorded runtime of the fastest configuration the search measured
+    best_space_ms: float | None  # the space's best recorded runtime
+    fraction: float  # best_space_ms / best_time_ms (1.0 = found the optimum; 0 when nothing ran)
+    measurements: int
+    candidates_considered: int  # distinct configurations forecast (screened) plus measured
+    forecast_calls: int
+    gpu_seconds: float
+    best_params: dict[str, Any] | None
+    per_step_best: list[float] = field(default_factory=list)  # fraction after each measurement
+    wall_seconds: float = 0.0
+
+
+def placeholder_source(kernel_name: str) -> str:
+    """The fixed text standing in for a replayed kernel's source (one family for the whole space)."""
+    return (
+        f"// {kernel_name}: a configuration of a recorded Kernel Tuner search space.\n"
+        "// The kernel source is not part of the recording; the tuning parameters are its -D defines.\n"
+    )
+
+
+def kernel_dict(space: SpaceLike, index: int) -> dict[str, Any]:
+    """The Kernel dict naming configuration `index` of the space."""
+    return {
+        "id": f"c{index}",
+        "source": placeholder_source(space.kernel_name),
+        "entry": space.kernel_name,
+        "defines": dict(space.entries[index].params),
+    }
+
+
+class _Tracker:
+    """Measurements made, the best so far, and what they cost."""
+
+    def __init__(self, space: SpaceLike, strategy: str, seed: int) -> None:
+        self.space = space
+        self.strategy = strategy
+        self.seed = seed
+        self.measured: dict[int, float | None] = {}  # index -> measured median (None: failed)
+        self.considered: set[int] = set()
+        self.forecast_calls = 0
+        self.gpu_seconds = 0.0
+        self.per_step: list[float] = []
+        self.started = time.perf_counter()
+
+    @property
+    def best_index(self) -> int | None:
+        ok = [(t, i) for i, t in self.measured.items() if t is not None]
+        return min(ok)[1] if ok else None
+
+    async def measure(self, call: ToolCaller, index: int) -> None:
+        result = await call("measure_kernel", {"kernel": kernel_dict(self.space, index), "workload": {}})
+        runtime = result.get("runtime_ms")
+        ok = result.get("status") == "ok" and isinstance(runtime, Mapping) and runtime.get("median")
+        self.measured[index] = float(runtime["median"]) if ok and isinstance(runtime, Mapping) else None
+        self.considered.add(index)
+        cost = result.get("cost") or {}
+        self.gpu_seconds += float(cost.get("gpu_seconds", 0.0) or 0.0)
+        self.per_step.append(self._fraction())
+
+    def _recorded_best(self) -> tuple[float | None, int | None]:
+        best: tuple[float | None, int | None] = (None, None)
+        for i, t in self.measured.items():
+            rec = self.space.entries[i].time_ms
+            if t is not None and rec is not None and (best[0] is None or rec < best[0]):
+                best = (rec, i)
+        return best
+
+    def _fraction(self) -> float:
+        found, _ = self._recorded_best()
+        best = self.space.best_time_ms
+        if found is None or best is None or found <= 0:
+            return 0.0
+        return best / found
+
+    def trace(self) -> SearchTrace:
+        found, idx = self._recorded_best()
+        return SearchTrace(
+            strategy=self.strategy,
+            seed=self.seed,
+            best_time_ms=found,
+            best_space_ms=self.space.best_time_ms,
+            fraction=self._fraction(),
+            measurements=len(self.measured),
+            candidates_considered=len(self.considered),
+            forecast_calls=self.forecast_calls,
+            gpu_seconds=self.gpu_seconds,
+            best_params=dict(self.space.entries[idx].params) if idx is not None else None,
+            per_step_best=list(self.per_step),
+            wall_seconds=time.perf_counter() - self.started,
+        )
+
+
+async def random_search(call: ToolCaller, space: SpaceLike, measurements: int, seed: int) -> SearchTrace:
+    """Measure `measurements` distinct configurations drawn uniformly at random."""
+    rng = random.Random(seed)
+    tracker = _Tracker(space, "random", seed)
+    order = rng.sample(range(len(space.entries)), min(measurements, len(space.entries)))
+    for index in order:
+        await tracker.measure(call, index)
+    return tracker.trace()
+
+
+def _neighbours(space: SpaceLike, index: int, lookup: Mapping[tuple[Any, ...], int]) -> list[int]:
+    """Configurations one step away in one parameter (adjacent value in that parameter's sorted values)."""
+    params = space.entries[index].params
+    keys = space.param_keys
+    out = []
+    for k in keys:
+        values = _values(space)[k]
+        pos = values.index(params[k]) if params[k] in values else -1
+        for step in (-1, 1):
+            j = pos + step
+            if pos < 0 or not 0 <= j < len(values):
+                continue
+            moved = tuple(values[j] if kk == k else params[kk] for kk in keys)
+            hit = lookup.get(moved)
+            if hit is not None:
+                out.append(hit)
+    return out
+
+
+_VALUES_CACHE: dict[int, dict[str, list[Any]]] = {}
+
+
+def _values(space: SpaceLike) -> dict[str, list[Any]]:
+    cached = _VALUES_CACHE.get(id(space))
+    if cached is None:
+        cached = {}
+        for k in space.param_keys:
+            seen = {json.dumps(e.params[k]): e.params[k] for e in space.entries}
+            cached[k] = sorted(seen.values(), key=_sort_key)
+        _VALUES_CACHE.clear()
+        _VALUES_CACHE[id(space)] = cached
+    return cached
+
+
+def _sort_key(value: Any) -> tuple[int, float, str]:
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return (0, float(value), "")
+    return (1, 0.0, str(value))
+
+
+def _index_of(space: SpaceLike) -> dict[tuple[Any, ...], int]:
+    keys = space.param_keys
+    return {tuple(e.params[k] for k in keys): i for i, e in enumerate(space.entries)}
+
+
+async def _compare(
+    call: ToolCaller, space: SpaceLike, baseline: int, candidates: Sequence[int], tracker: _Tracker
+) -> dict[str, Any]:
+    tracker.forecast_calls += 1
+    tracker.considered.update(candidates)
+    kernels = [kernel_dict(space, baseline), *(kernel_dict(space, i) for i in candidates)]
+    return await call(
+        "compare_kernels",
+        {"candidates": kernels, "workload": {}, "baseline": f"c{baseline}", "hardware": space.device},
+    )
+
+
+def _finalists(result: Mapping[str, Any], take: int) -> list[int]:
+    """The head of measure_next plus every candidate the forecast calls faster (a decided verdict is left
+    out of measure_next by servers that only list unsure candidates, yet it is exactly what a search wants)."""
+    out: list[int] = []
+    for cid in list(result.get("measure_next") or [])[:take]:
+        if isinstance(cid, str) and cid.startswith("c"):
+            out.append(int(cid[1:]))
+    faster = [
+        c
+        for c in result.get("candidates") or []
+        if c.get("verdict") == "faster" and c.get("decided_by") == "forecast"
+    ]
+    faster.sort(key=lambda c: -float(c.get("p_faster", 0.0)))
+    for c in faster[:take]:
+        idx = int(str(c["id"])[1:])
+        if idx not in out:
+            out.append(idx)
+    return out
+
+
+def _pick(result: Mapping[str, Any], allowed: set[int]) -> int | None:
+    """The candidate to measure from a final round: the measure_next head, unless candidates the forecast
+    calls faster (left out of measure_next by servers that list only unsure ones) are worth more by the
+    same acquisition value, computed from what the answer carries (exact when it carries the extras)."""
+    from forecaster_mcp.forecast.acquisition import AcqItem, measurement_value
+
+    by_id = {
+        int(str(c["id"])[1:]): c for c in result.get("candidates") or [] if int(str(c["id"])[1:]) in allowed
+    }
+    head = [int(c[1:]) for c in result.get("measure_next") or [] if isinstance(c, str) and c[1:].isdigit()]
+    head = [i for i in head if i in allowed][:1]
+    faster = [
+        i for i, c in by_id.items() if c.get("verdict") == "faster" and c.get("decided_by") == "forecast"
+    ]
+    options = list(dict.fromkeys([*head, *faster]))
+    if not options:
+        return max(by_id, key=lambda i: float(by_id[i].get("p_faster", 0.0))) if by_id else None
+    if len(options) == 1:
+        return options[0]
+
+    def value(i: int) -> float:
+        c = by_id.get(i, {})
+        extras = c.get("extras") if isinstance(c.get("extras"), Mapping) else {}
+        probs = c.get("speedup_bins") or [1.0 / 8] * 8
+        return measurement_value(AcqItem(str(i), probs, extras or {}, float(c.get("p_faster", 0.5))))
+
+    return max(options, key=value)
+
+
+async def forecast_guided_search(
+    call: ToolCaller,
+    space: SpaceLike,
+    measurements: int,
+    seed: int,
+    pool_size: int = 64,
+    *,
+    screens_per_step: int = 4,
+    n_init: int = N_INIT,
+    local_moves: bool = True,
+) -> SearchTrace:
+    """Search with `measurements` measurements, screening candidates through compare_kernels (module doc).
+
+    `pool_size` random untried configurations join each screening call (so one step screens about
+    `screens_per_step * pool_size` random ones plus the local moves); forecasts are free, measurements are not.
+    `local_moves=False, screens_per_step=1, pool_size=63` is the plainest client: one random pool per step.
+    """
+    rng = random.Random(seed)
+    tracker = _Tracker(space, "forecast", seed)
+    n = len(space.entries)
+    budget = min(measurements, n)
+    lookup = _index_of(space)
+    for index in rng.sample(range(n), min(n_init, budget)):
+        await tracker.measure(call, index)
+    while len(tracker.measured) < budget:
+        base = tracker.best_index
+        untried = [i for i in range(n) if i not in tracker.measured]
+        if base is None:  # everything so far failed: keep sampling
+            await tracker.measure(call, rng.choice(untried))
+            continue
+        ok = sorted((t, i) for i, t in tracker.measured.items() if t is not None)
+        local: list[int] = []
+        for rank, (_, start) in enumerate(ok[:LOCAL_STARTS] if local_moves else []):
+            near = _neighbours(space, start, lookup)
+            local.extend(j for j in near if j not in tracker.measured)
+            if rank < PAIR_STARTS:
+                # Two coordinated changes: rugged spaces hide the best configurations behind a pair of
+                # parameters that each look worse alone.
+                for j in near:
+                    local.extend(m for m in _neighbours(space, j, lookup) if m not in tracker.measured)
+        local = list(dict.fromkeys(local))
+        rand_pool = rng.sample(untried, min(len(untried), pool_size * screens_per_step))
+        pool = list(dict.fromkeys([*local, *rand_pool]))
+        chunks = [pool[i : i + MAX_PER_CALL] for i in range(0, len(pool), MAX_PER_CALL)]
+        finalists: list[int] = []
+        for chunk in chunks:
+            result = await _compare(call, space, base, chunk, tracker)
+            finalists.extend(i for i in _finalists(result, 2) if i not in finalists)
+        if not finalists:
+            finalists = [rng.choice(untried)]
+        choice: int | None = finalists[0]
+        if len(finalists) > 1:
+            final = await _compare(call, space, base, finalists[:MAX_PER_CALL], tracker)
+            choice = _pick(final, set(finalists))
+        if choice is None or choice in tracker.measured:
+            choice = rng.choice(untried)
+        await tracker.measure(call, choice)
+    return tracker.trace()
+
+
+# ---------------------------------------------------------------- offline stand-in for the two tools
+
+
+class ToolEmulator:
+    """In-process stand-in for `compare_kernels` and `measure_kernel` over one replay space, for tuning and
+    tests without a server: LocalForecaster + a dict-backed FamilyHistory + the acquisition ranking.
+
+    Not the server: there is no ledger, calibration or stored forecasts. Verdicts use a fixed confidence
+    threshold. `measure_next_unsure_only` mimics a server that lists only unsure candidates in measure_next.
+    """
+
+    def __init__(
+        self,
+        space: SpaceLike,
+        *,
+        threshold: float = 0.9,
+        measure_next_unsure_only: bool = True,
+        verification_ms: Mapping[int, float] | None = None,
+    ) -> None:
+        from forecaster_mcp.forecast.local import LocalForecaster
+
+        self.space = space
+        self.threshold = threshold
+        self.unsure_only = measure_next_unsure_only
+        self.history = DictHistory()
+        self.forecaster = LocalForecaster(self.history, nvcc=None, ptxas_wait_s=0.0)
+        self._lookup = _index_of(space)
+        self._runtime: dict[str, float | None] = {}
+        self.calls: dict[str, int] = {"compare_kernels": 0, "measure_kernel": 0}
+
+    async def __call__(self, tool: str, args: dict[str, Any]) -> dict[str, Any]:
+        self.calls[tool] = self.calls.get(tool, 0) + 1
+        if tool == "compare_kernels":
+            return await self._compare(args)
+        if tool == "measure_kernel":
+            return self._measure(args)
+        raise ValueError(f"unknown tool {tool!r}")
+
+    def _measure(self, args: dict[str, Any]) -> dict[str, Any]:
+        from forecaster_mcp.models import Kernel, Workload
+        from forecaster_mcp.store.db import FamilyPoint
+
+        kernel = Kernel.model_validate(args["kernel"])
+        workload = Workload.model_validate(args.get("workload") or {})
+        key = tuple(kernel.defines.get(k) for k in self.space.param_keys)
+        index = self._lookup.get(key)
+        if index is None:
+            raise ValueError(f"configuration {kernel.defines} is not in the recording")
+        entry = self.space.entries[index]
+        times = list(getattr(entry, "times", []) or [])
+        ok = entry.time_ms is not None
+        median = statistics.median(times) if ok and times else entry.time_ms
+        status = "ok" if ok else str(getattr(entry, "status", "launch_error"))
+        self._runtime[kernel.content_key()] = median
+        self.history.add(
+            (kernel.family_key(), self.space.device, workload.key()),
+            FamilyPoint(dict(kernel.defines), None, status, median, kernel.content_key()),
+        )
+        gpu_seconds = (sum(times) + float(getattr(entry, "verification_time_ms", 0.0) or 0.0)) / 1000.0
+        return {
+            "kernel_id": kernel.id,
+            "status": status,
+            "runtime_ms": {"median": median} if ok else None,
+            "cost": {"gpu_seconds": gpu_seconds if ok else 0.0, "cached": False},
+        }
+
+    async def _compare(self, args: dict[str, Any]) -> dict[str, Any]:
+        from forecaster_mcp import bins
+        from forecaster_mcp.forecast.acquisition import AcqItem, rank_for_measurement
+        from forecaster_mcp.forecast.base import PairQuery
+        from forecaster_mcp.hardware.specs import lookup
+        from forecaster_mcp.models import Kernel, Workload
+
+        kernels = [Kernel.model_validate(k) for k in args["candidates"]]
+        workload = Workload.model_validate(args.get("workload") or {})
+        base_id = args.get("baseline") or kernels[0].id
+        base = next(k for k in kernels if k.id == base_id)
+        others = [k for k in kernels if k.id != base_id]
+        hardware = str(args.get("hardware") or self.space.device)
+        spec = lookup(hardware)
+        queries = [PairQuery(base, k, workload, hardware, spec) for k in others]
+        forecasts = await self.forecaster.forecast(queries)
+        t_base = self._runtime.get(base.content_key())
+        out: list[dict[str, Any]] = []
+        items: list[AcqItem] = []
+        for k, f in zip(others, forecasts, strict=True):
+            t_cand = self._runtime.get(k.content_key())
+            measured = t_base is not None and t_cand is not None and k.content_key() in self._runtime
+            p = f.p_faster
+            verdict = "faster" if p >= self.threshold else "slower" if p <= 1 - self.threshold else "unsure"
+            decided_by = "cache" if measured else "forecast"
+            out.append(
+                {
+                    "id": k.id,
+                    "p_faster": p,
+                    "speedup_bins": f.probs,
+                    "expected_speedup": bins.expected_speedup(f.probs),
+                    "verdict": verdict,
+                    "decided_by": decided_by,
+                    "rationale": f.rationale,
+                }
+            )
+            if decided_by == "forecast" and (verdict == "unsure" or not self.unsure_only):
+                items.append(AcqItem(str(k.id), f.probs, f.extras, p))
+        ranking = sorted(out, key=lambda c: -float(c["expected_speedup"]))
+        return {
+            "baseline": base_id,
+            "candidates": out,
+            "ranking": [base_id, *[c["id"] for c in ranking]],
+            "measure_next": rank_for_measurement(items),
+        }
+
+
+class DictHistory:
+    """A FamilyHistory kept in a dict (latest measurement per content key), for tests and tuning."""
+
+    def __init__(self) -> None:
+        self._points: dict[tuple[str, str, str], dict[str, Any]] = {}
+
+    def add(self, key: tuple[str, str, str], point: Any) -> None:
+        self._points.setdefault(key, {})[point.content_key] = point
+
+    async def family_points(self, family_key: str, hardware: str, workload_key: str) -> list[Any]:
+        return list(self._points.get((family_key, hardware, workload_key), {}).values())
+
+
+# ---------------------------------------------------------------- the CLI
+
+
+def summarize(traces: Sequence[SearchTrace]) -> dict[str, Any]:
+    """Median / min / max best-fraction and mean cost per strategy."""
+    out: dict[str, Any] = {}
+    for strategy in sorted({t.strategy for t in traces}):
+        ts = [t for t in traces if t.strategy == strategy]
+        fr = [t.fraction for t in ts]
+        out[strategy] = {
+            "runs": len(ts),
+            "fraction_median": statistics.median(fr),
+            "fraction_min": min(fr),
+            "fraction_max": max(fr),
+            "measurements_mean": statistics.fmean(t.measurements for t in ts),
+            "candidates_considered_mean": statistics.fmean(t.candidates_considered for t in ts),
+            "gpu_seconds_mean": statistics.fmean(t.gpu_seconds for t in ts),
+            "candidates_per_gpu_second": statistics.fmean(
+                t.candidates_considered / t.gpu_seconds if t.gpu_seconds > 0 else math.inf for t in ts
+            ),
+        }
+    return out
+
+
+def search_command(settings: Any, args: Any) -> int:
+    """`forecaster-mcp search RECORDING`: run the strategies over seeds through a stdio server per run."""
+    import tempfile
+
+    import anyio
+
+    from forecaster_mcp.measure.replay import load_space
+
+    space = load_space(args.recording)
+    # The servers this command starts charge their default ledger: make it large enough for the runs
+    # (measured GPU-seconds are still reported per run).
+    os.environ.setdefault("FORECASTER_MCP_DEFAULT_LEDGER_GPU_SECONDS", "1000000000")
+    del settings  # each run gets its own state directory; nothing else in the settings applies
+    strategies = ["forecast", "random"] if args.strategy == "both" else [args.strategy]
+    traces: list[SearchTrace] = []
+
+    async def one(strategy: str, seed: int) -> SearchTrace:
+        from forecaster_mcp.server.client import connect_stdio
+
+        # A fresh state directory per run: the family model must not learn from another run's measurements.
+        with tempfile.TemporaryDirectory(prefix="fmcp-search-") as home:
+            async with connect_stdio(Path(home), replay=[Path(args.recording)]) as (_client, call):
+                if strategy == "random":
+                    return await random_search(call, space, args.measurements, seed)
+                return await forecast_guided_search(call, space, args.measurements, seed)
+
+    async def main() -> None:
+        for seed in range(args.seeds):
+            for strategy in strategies:
+                t = await one(strategy, seed)
+                traces.append(t)
+                print(
+                    f"{strategy:8s} seed {seed}: best {t.fraction:.3f} of the space's best after "
+                    f"{t.measurements} measurements, {t.candidates_considered} candidates considered, "
+                    f"{t.gpu_seconds:.1f} GPU-s",
+                    file=sys.stderr,
+                )
+
+    anyio.run(main)
+    summary = summarize(traces)
+    for strategy, s in summary.items():
+        print(
+            f"{strategy:8s} best-fraction median {s['fraction_median']:.3f} min {s['fraction_min']:.3f} "
+            f"over {s['runs']} seeds; {s['candidates_considered_mean']:.0f} candidates considered, "
+            f"{s['gpu_seconds_mean']:.1f} GPU-s per run"
+        )
+    if args.out is not None:
+        Path(args.out).write_text(
+            json.dumps({"summary": summary, "runs": [asdict(t) for t in traces]}, indent=2, default=str)
+        )
+    return 0

@@ -1,0 +1,231 @@
+"""Static features: comments, the mini preprocessor, source constructs, launch/occupancy, the prior, ptxas."""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+from pathlib import Path
+
+import pytest
+
+from forecaster_mcp.forecast.features import (
+    MAX_SHIFT_LOG2,
+    PRIOR_SD_LOG2,
+    kernel_features,
+    preprocess,
+    prior_shift,
+    source_features,
+    strip_comments,
+)
+from forecaster_mcp.forecast.ptxas import find_nvcc, parse_ptxas, ptxas_usage, safe_options
+from forecaster_mcp.hardware.specs import lookup
+from forecaster_mcp.models import Kernel, Launch, Workload
+
+TILED = """
+// a comment with __shared__ and float4 that must not count
+#define TILE 16
+/* block comment: wmma::mma_sync( */
+__global__ void mm(const float* __restrict__ a, float* c, int n) {
+#if USE_SHMEM
+    __shared__ float tile[TILE][TILE];
+    tile[threadIdx.y][threadIdx.x] = a[threadIdx.x];
+    __syncthreads();
+#else
+    float v = __ldg(&a[threadIdx.x]);
+#endif
+    #pragma unroll
+    for (int i = 0; i < n; i++) { c[i] += expf(a[i]) / 3.0f; }
+}
+"""
+
+
+def test_strip_comments_keeps_code_strings_and_line_count() -> None:
+    src = 'int a; // x\nconst char* s = "// not a comment";\n/* two\nlines */ int b;'
+    out = strip_comments(src)
+    assert "x" not in out.split("\n")[0]
+    assert '"// not a comment"' in out
+    assert "int b;" in out
+    assert out.count("\n") == src.count("\n")
+
+
+def test_preprocess_follows_defines_through_if_else() -> None:
+    with_shmem = source_features(TILED, {"USE_SHMEM": 1})
+    without = source_features(TILED, {"USE_SHMEM": 0})
+    assert with_shmem.shared == 1 and with_shmem.barriers == 1
+    assert without.shared == 0 and without.barriers == 0 and without.readonly >= 1
+    # The comment's __shared__ / wmma text never counts.
+    assert with_shmem.tensor_core == 0
+
+
+def test_preprocess_undecidable_condition_keeps_both_branches() -> None:
+    src = "#if FOO ? 1 : 0\nA_BRANCH\n#else\nB_BRANCH\n#endif\n"
+    out = preprocess(src, {})
+    assert "A_BRANCH" in out and "B_BRANCH" in out
+
+
+def test_preprocess_ifdef_elif_and_source_macros() -> None:
+    src = (
+        "#define LEVEL 2\n#ifdef MISSING\nX1\n#elif LEVEL > 1 && defined(LEVEL)\nX2\n#else\nX3\n#endif\n"
+        "#ifndef MISSING\nX4\n#endif\n"
+    )
+    out = preprocess(src, {})
+    assert "X1" not in out and "X2" in out and "X3" not in out and "X4" in out
+    # A -D define overrides the source's own default.
+    assert "X2" not in preprocess(src, {"LEVEL": 0})
+
+
+def test_source_features_find_the_constructs() -> None:
+    src = """
+    __global__ void k(float4* v, int* cnt) {
+        float4 x = v[threadIdx.x];
+        atomicAdd(cnt, 1);
+        float s = __shfl_down_sync(0xffffffff, x.x, 1);
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" :: "r"(0), "l"(v));
+        wmma::mma_sync(acc, a_frag, b_frag, acc);
+        double d = sin(1.0);
+    }
+    """
+    f = source_features(src, {})
+    assert f.vector_types >= 2
+    assert f.atomics == 1
+    assert f.warp_shuffles == 1
+    assert f.async_copy >= 1
+    assert f.tensor_core >= 1
+    assert f.fp64 == 1 and f.transcendentals >= 1
+
+
+def test_kernel_features_use_the_spec_only_when_known() -> None:
+    k = Kernel(
+        source=TILED, entry="mm", launch=Launch(grid=[432, 1, 1], block=[256, 1, 1]), defines={"USE_SHMEM": 1}
+    )
+    spec = lookup("A100")
+    assert spec is not None
+    known = kernel_features(k, Workload(), spec)
+    assert known.threads_per_block == 256 and known.blocks == 432
+    assert known.occupancy is not None and 0 < known.occupancy <= 1
+    assert known.waves is not None and known.waves > 0
+    assert known.sm_utilisation is not None and 0 < known.sm_utilisation <= 1
+    assert known.numeric_defines == {"USE_SHMEM": 1.0}
+    unknown = kernel_features(k, Workload(), None)
+    assert unknown.occupancy is None and unknown.waves is None
+    assert unknown.threads_per_block == 256
+
+
+def test_prior_is_neutral_without_differences_and_mild_with_them() -> None:
+    plain = Kernel(source="__global__ void k(float* a) { a[threadIdx.x] *= 2.0f; }", entry="k")
+    same = prior_shift(kernel_features(plain, None, None), kernel_features(plain, None, None))
+    assert same.mean_log2 == 0.0 and same.sd_log2 == PRIOR_SD_LOG2 and same.reasons == []
+
+    fancy = Kernel(
+        source="__global__ void k(float4* a) { float4 v = a[threadIdx.x]; wmma::mma_sync(c, x, y, c); }",
+        entry="k",
+    )
+    better = prior_shift(kernel_features(plain, None, None), kernel_features(fancy, None, None))
+    assert 0 < better.mean_log2 <= MAX_SHIFT_LOG2
+    assert any("tensor cores" in r for r in better.reasons)
+    worse = prior_shift(kernel_features(fancy, None, None), kernel_features(plain, None, None))
+    assert worse.mean_log2 == pytest.approx(-better.mean_log2)
+
+
+# ---------------------------------------------------------------- ptxas
+
+PTXAS_OUTPUT = """ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function '_Z3addPfPKfi' for 'sm_80'
+ptxas info    : Function properties for _Z3addPfPKfi
+    8 bytes stack frame, 4 bytes spill stores, 12 bytes spill loads
+ptxas info    : Used 40 registers, used 1 barriers, 1024 bytes smem, 372 bytes cmem[0]
+ptxas info    : Compiling entry function 'other' for 'sm_80'
+ptxas info    : Function properties for other
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 8 registers, used 0 barriers, 360 bytes cmem[0]
+"""
+
+
+def test_parse_ptxas_reads_each_entry() -> None:
+    entries = parse_ptxas(PTXAS_OUTPUT)
+    assert [e.name for e in entries] == ["_Z3addPfPKfi", "other"]
+    add = entries[0]
+    assert (add.registers, add.shared_bytes, add.spill_stores_bytes, add.spill_loads_bytes) == (
+        40,
+        1024,
+        4,
+        12,
+    )
+    assert add.spill_bytes == 16 and entries[1].shared_bytes == 0
+
+
+def test_safe_options_drop_anything_touching_files() -> None:
+    opts = [
+        "-O3",
+        "--use_fast_math",
+        "-maxrregcount=64",
+        "-I/etc",
+        "--include-path=/x",
+        "-Xcompiler=-fplugin=x",
+    ]
+    assert safe_options(opts) == ["-O3", "--use_fast_math", "-maxrregcount=64"]
+
+
+SMALL = """
+#ifndef BS
+#define BS 128
+#endif
+__global__ void add(float* a, const float* __restrict__ b, int n) {
+  __shared__ float s[BS];
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  s[threadIdx.x] = b[i];
+  __syncthreads();
+  if (i < n) a[i] += s[(threadIdx.x + 1) % BS];
+}
+"""
+
+
+@pytest.mark.anyio
+async def test_ptxas_really_compiles_and_caches(tmp_path: Path) -> None:
+    nvcc = find_nvcc(None)
+    if nvcc is None:
+        pytest.skip("nvcc is not installed here")
+    k = Kernel(source=SMALL, entry="add", defines={"BS": 256})
+    usage = await ptxas_usage(k, "sm_80", nvcc, tmp_path)
+    assert usage is not None
+    entry = usage.for_entry("add")  # found through the Itanium-mangled name
+    assert entry is not None and entry.registers > 0
+    assert entry.shared_bytes == 256 * 4  # the define reached the compiler
+    assert len(list((tmp_path / "ptxas").glob("*.json"))) == 1
+    t0 = time.perf_counter()
+    again = await ptxas_usage(k, "sm_80", nvcc, tmp_path)
+    assert again == usage and time.perf_counter() - t0 < 0.5  # from the cache, no second compile
+
+
+@pytest.mark.anyio
+async def test_ptxas_returns_none_when_it_cannot_compile(tmp_path: Path) -> None:
+    k = Kernel(source=SMALL, entry="add")
+    assert find_nvcc("/nonexistent/bin/nvcc") is None
+    assert await ptxas_usage(k, "sm_80", "/nonexistent/bin/nvcc", tmp_path) is None
+    assert await ptxas_usage(k.model_copy(update={"language": "opencl"}), "sm_80", "nvcc", tmp_path) is None
+    assert await ptxas_usage(k, "not-an-arch", "nvcc", tmp_path) is None
+    nvcc = find_nvcc(None)
+    if nvcc is not None:
+        broken = Kernel(source="__global__ void add( { syntax error", entry="add")
+        assert await ptxas_usage(broken, "sm_80", nvcc, tmp_path) is None
+
+
+@pytest.mark.anyio
+async def test_ptxas_kills_a_hung_compiler(tmp_path: Path) -> None:
+    pid_file = tmp_path / "pid"
+    fake = tmp_path / "nvcc"
+    # Stands in for a compiler that hangs: it records its pid and never finishes on its own.
+    fake.write_text(f"#!/bin/sh\necho $$ > {pid_file}\nexec sleep 60\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    k = Kernel(source=SMALL, entry="add")
+    t0 = time.perf_counter()
+    assert await ptxas_usage(k, "sm_80", str(fake), tmp_path / "cache", timeout_s=0.5) is None
+    assert time.perf_counter() - t0 < 5.0
+    pid = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    # A timeout is not cached: the next call tries again.
+    assert not (tmp_path / "cache" / "ptxas").exists() or not list(
+        (tmp_path / "cache" / "ptxas").glob("*.json")
+    )

@@ -1,0 +1,267 @@
+"""The local forecaster: family model, measured truth, failures, refits, the static prior, a real space."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from forecaster_mcp import bins
+from forecaster_mcp.forecast.base import Forecaster, PairQuery
+from forecaster_mcp.forecast.local import MIN_FAMILY_POINTS, LocalForecaster, ParamEncoder, fit_gp
+from forecaster_mcp.hardware.specs import lookup
+from forecaster_mcp.models import Kernel, Workload
+from forecaster_mcp.store.db import FamilyPoint
+
+SOURCE = "__global__ void k(float* a) { a[threadIdx.x] *= 2.0f; }  // family under test\n"
+HW = "A100-PCIE-40GB"
+WL = Workload(problem={"n": 1 << 20})
+
+
+class FakeHistory:
+    """In-memory FamilyHistory: the latest point per content key, like the store."""
+
+    def __init__(self) -> None:
+        self.points: dict[tuple[str, str, str], dict[str, FamilyPoint]] = {}
+        self.calls = 0
+
+    def add(self, kernel: Kernel, runtime_ms: float | None, status: str = "ok", hardware: str = HW) -> None:
+        key = (kernel.family_key(), hardware, WL.key())
+        self.points.setdefault(key, {})[kernel.content_key()] = FamilyPoint(
+            dict(kernel.defines), None, status, runtime_ms, kernel.content_key()
+        )
+
+    async def family_points(self, family_key: str, hardware: str, workload_key: str) -> list[FamilyPoint]:
+        self.calls += 1
+        return list(self.points.get((family_key, hardware, workload_key), {}).values())
+
+
+def member(bs: int, unroll: int = 1, source: str = SOURCE, kid: str | None = None) -> Kernel:
+    return Kernel(
+        id=kid or f"bs{bs}u{unroll}", source=source, entry="k", defines={"BS": bs, "UNROLL": unroll}
+    )
+
+
+def runtime(bs: int, unroll: int) -> float:
+    """A smooth synthetic family: best near BS=256, unrolling helps a little."""
+    return 1.0 + 0.6 * abs(math.log2(bs) - 8.0) ** 1.5 - 0.05 * math.log2(unroll)
+
+
+def query(base: Kernel, cand: Kernel, hardware: str = HW) -> PairQuery:
+    return PairQuery(base, cand, WL, hardware, lookup(hardware))
+
+
+def trained(points: list[tuple[int, int]]) -> FakeHistory:
+    h = FakeHistory()
+    for bs, u in points:
+        h.add(member(bs, u), runtime(bs, u))
+    return h
+
+
+GRID = [(bs, u) for bs in (32, 64, 128, 256, 512, 1024) for u in (1, 2, 4, 8)]
+
+
+def test_it_is_a_forecaster() -> None:
+    f: Forecaster = LocalForecaster(None)
+    assert f.name == "local" and f.version
+
+
+@pytest.mark.anyio
+async def test_no_history_means_near_even_odds_and_says_so() -> None:
+    f = LocalForecaster(FakeHistory(), ptxas_wait_s=0.0)
+    [out] = await f.forecast([query(member(64), member(256))])
+    assert out.p_faster == pytest.approx(0.5, abs=0.02)
+    assert "static prior" in out.rationale and "50/50" in out.rationale
+    assert out.extras["prior"] == 1.0 and out.extras["n_family_points"] == 0.0
+
+
+@pytest.mark.anyio
+async def test_family_model_ranks_unmeasured_members() -> None:
+    train = GRID[::2]
+    f = LocalForecaster(trained(train), ptxas_wait_s=0.0)
+    test = [p for p in GRID if p not in train]
+    queries, truth = [], []
+    for i, a in enumerate(test):
+        for b in test[i + 1 :]:
+            s = runtime(*a) / runtime(*b)
+            if abs(math.log2(s)) > 0.2:
+                queries.append(query(member(*a), member(*b)))
+                truth.append(s > 1)
+    out = await f.forecast(queries)
+    correct = [(fc.p_faster > 0.5) == t for fc, t in zip(out, truth, strict=True)]
+    assert statistics.fmean(correct) >= 0.85
+    fc = out[0]
+    for key in ("mu_log2", "sd_log2", "p_fail", "n_family_points", "tail_weight"):
+        assert key in fc.extras
+    assert fc.extras["n_family_points"] == len(train)
+    assert "family model on" in fc.rationale
+
+
+@pytest.mark.anyio
+async def test_measured_kernels_use_their_measurements() -> None:
+    h = trained(GRID)
+    f = LocalForecaster(h, ptxas_wait_s=0.0)
+    [out] = await f.forecast([query(member(32, 1), member(256, 8))])
+    true_log2 = math.log2(runtime(32, 1) / runtime(256, 8))
+    assert out.extras["mu_log2"] == pytest.approx(true_log2, abs=1e-9)
+    assert out.extras["measured"] == 1.0 and out.extras["baseline_measured"] == 1.0
+    assert out.extras["sd_log2"] < 0.2
+    assert out.probs[bins.bin_index(2.0**true_log2)] > 0.9
+    assert "both measured" in out.rationale
+
+
+@pytest.mark.anyio
+async def test_failures_are_learned_and_measured_failures_are_certain() -> None:
+    h = FakeHistory()
+    for bs, u in GRID:
+        if bs >= 512:
+            h.add(member(bs, u), None, status="compile_error")
+        else:
+            h.add(member(bs, u), runtime(bs, u))
+    f = LocalForecaster(h, ptxas_wait_s=0.0)
+    near_fail = member(1024, 3)  # never measured: an unroll factor between measured ones, failing size
+    safe = member(128, 3)
+    failed = member(1024, 1)
+    out = await f.forecast(
+        [query(member(256, 1), near_fail), query(member(256, 1), safe), query(member(256, 1), failed)]
+    )
+    assert out[0].extras["p_fail"] > 0.5
+    assert out[1].extras["p_fail"] < 0.2
+    [far] = await f.forecast([query(member(256, 1), member(768, 2))])
+    assert far.extras["p_fail"] > out[1].extras["p_fail"]
+    assert out[2].extras["p_fail"] == 1.0 and out[2].p_faster == 0.0
+    assert "failed when measured" in out[2].rationale
+
+
+@pytest.mark.anyio
+async def test_refits_only_when_the_family_changes() -> None:
+    h = trained(GRID[:12])
+    f = LocalForecaster(h, ptxas_wait_s=0.0)
+    q = [query(member(64, 1), member(512, 4))]
+    first = await f.forecast(q)
+    await f.forecast(q)
+    await f.forecast(q)
+    assert f.fits == 1
+    h.add(member(512, 4), runtime(512, 4))
+    after = await f.forecast(q)
+    assert f.fits == 2
+    assert after[0].extras["measured"] == 1.0 and first[0].extras["measured"] == 0.0
+
+
+@pytest.mark.anyio
+async def test_correlated_errors_make_close_siblings_more_certain() -> None:
+    f = LocalForecaster(trained(GRID[::3]), ptxas_wait_s=0.0)
+    # Two unmeasured members that differ only slightly share most of their model error.
+    close, far = await f.forecast(
+        [query(member(200, 3), member(210, 3)), query(member(200, 3), member(40, 3))]
+    )
+    assert close.extras["sd_log2"] < 0.5 * far.extras["sd_log2"]
+
+
+@pytest.mark.anyio
+async def test_unknown_hardware_and_separate_histories_per_gpu() -> None:
+    h = trained(GRID)
+    f = LocalForecaster(h, ptxas_wait_s=0.0)
+    [unknown] = await f.forecast([query(member(32), member(256), hardware="Some Future GPU")])
+    assert unknown.p_faster == pytest.approx(0.5, abs=0.02)  # no measurements on that GPU
+    [known] = await f.forecast([query(member(32), member(256))])
+    assert known.p_faster > 0.95
+
+
+@pytest.mark.anyio
+async def test_different_families_combine_their_own_models() -> None:
+    h = trained(GRID)
+    other_src = SOURCE.replace("2.0f", "3.0f")
+    other = member(128, 1, source=other_src)
+    h.add(other, 0.5)  # measured in its own (one-point) family
+    f = LocalForecaster(h, ptxas_wait_s=0.0)
+    [out] = await f.forecast([query(member(32, 1), other)])
+    assert out.extras["mu_log2"] == pytest.approx(math.log2(runtime(32, 1) / 0.5), abs=1e-9)
+    assert out.p_faster > 0.95
+    unmeasured_other = member(64, 1, source=other_src)
+    [prior] = await f.forecast([query(member(32, 1), unmeasured_other)])
+    assert "static prior" in prior.rationale
+
+
+@pytest.mark.anyio
+async def test_static_prior_leans_towards_better_source() -> None:
+    plain = Kernel(id="a", source=SOURCE, entry="k")
+    vector = Kernel(
+        id="b",
+        source="__global__ void k(float4* a) { float4 v = a[threadIdx.x]; v.x *= 2.0f; a[threadIdx.x] = v; }",
+        entry="k",
+    )
+    f = LocalForecaster(FakeHistory(), ptxas_wait_s=0.0)
+    [out] = await f.forecast([query(plain, vector)])
+    assert 0.5 < out.p_faster < 0.75  # a mild lean, never a confident call from source alone
+    assert "vector loads" in out.rationale
+
+
+def test_encoder_adds_alignment_and_thread_features() -> None:
+    rows: list[dict[str, Any]] = [
+        {"block_size_x": bx, "block_size_y": by, "variant": v}
+        for bx in (16, 48, 64, 96, 128)
+        for by in (1, 2, 4)
+        for v in ("a", "b")
+    ]
+    enc = ParamEncoder(rows)
+    assert "block_size_x:pow2" in enc.dim_names and "threads" in enc.dim_names
+    assert "variant=a" in enc.dim_names
+    x = enc.encode([{"block_size_x": 64, "block_size_y": 2, "variant": "b"}])
+    assert x.shape == (1, enc.dim)
+    assert x[0, enc.dim_names.index("block_size_x:pow2")] == 1.0
+    assert x[0, enc.dim_names.index("variant=b")] == 1.0
+
+
+def test_gp_recovers_a_smooth_function_with_honest_spread() -> None:
+    rng = np.random.default_rng(0)
+    x = rng.random((60, 2))
+    y = np.sin(4 * x[:, 0]) + 0.5 * x[:, 1] + 0.02 * rng.standard_normal(60)
+    gp = fit_gp(x, y)
+    xt = rng.random((200, 2))
+    yt = np.sin(4 * xt[:, 0]) + 0.5 * xt[:, 1]
+    mean, var = gp.predict_marginal(xt)
+    assert float(np.sqrt(np.mean((mean - yt) ** 2))) < 0.1
+    z = (mean - yt) / np.sqrt(var * gp.loo_scale**2)  # latent spread against the noise-free truth
+    assert 0.2 < float(np.median(np.abs(z))) < 1.5
+
+
+@pytest.mark.anyio
+async def test_real_space_pairs_and_latency(conv_a100: Path) -> None:
+    from forecaster_mcp.measure.replay import load_space
+
+    space = load_space(conv_a100)
+    rng = np.random.default_rng(1)
+    order = rng.permutation(len(space.entries))
+    src = "// convolution_kernel configuration (source not included)\n"
+    h = FakeHistory()
+
+    def kern(i: int) -> Kernel:
+        return Kernel(id=f"c{i}", source=src, entry=space.kernel_name, defines=dict(space.entries[i].params))
+
+    for i in order[:100]:
+        e = space.entries[int(i)]
+        h.add(kern(int(i)), statistics.median(e.times) if e.ok else None, e.status)
+    f = LocalForecaster(h, ptxas_wait_s=0.0)
+    valid = [int(i) for i in order[100:] if space.entries[int(i)].ok][:401]
+    base = kern(valid[0])
+    queries = [query(base, kern(i)) for i in valid[1:]]
+    out = await f.forecast(queries)
+    t = {i: statistics.median(space.entries[i].times) for i in valid}
+    right = [
+        (fc.p_faster > 0.5) == (t[valid[0]] > t[i])
+        for fc, i in zip(out, valid[1:], strict=True)
+        if abs(math.log2(t[valid[0]] / t[i])) > bins.TIE_LOG2
+    ]
+    assert statistics.fmean(right) > 0.8
+    two = queries[:1]
+    t0 = time.perf_counter()
+    for _ in range(20):
+        await f.forecast(two)
+    assert (time.perf_counter() - t0) / 20 < 0.02  # cached model: a 2-candidate compare stays in milliseconds
+    assert MIN_FAMILY_POINTS <= 10

@@ -1,0 +1,181 @@
+"""Acquisition ranking and the budgeted searches (through the emulated tools; small spaces, few seeds)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+
+import pytest
+
+from forecaster_mcp import bins
+from forecaster_mcp.forecast.acquisition import (
+    AcqItem,
+    expected_improvement,
+    measurement_value,
+    rank_for_measurement,
+)
+from forecaster_mcp.measure.replay import ReplayEntry, ReplaySpace, load_space
+from forecaster_mcp.search import (
+    SearchTrace,
+    ToolEmulator,
+    forecast_guided_search,
+    kernel_dict,
+    random_search,
+    summarize,
+)
+
+
+def item(cid: str, mu: float, sd: float, p_fail: float = 0.0, **extra: float) -> AcqItem:
+    probs = bins.from_normal(mu, sd)
+    return AcqItem(
+        cid, probs, {"mu_log2": mu, "sd_log2": sd, "p_fail": p_fail, **extra}, bins.p_faster(probs)
+    )
+
+
+# ---------------------------------------------------------------- acquisition
+
+
+def test_value_is_chance_and_size_of_improvement_not_uncertainty() -> None:
+    likely_small_win = item("small", 0.15, 0.1)
+    wild_but_slower = item("wild", -1.5, 0.6)
+    maybe_big_win = item("big", 0.0, 1.0)
+    order = rank_for_measurement([wild_but_slower, likely_small_win, maybe_big_win])
+    assert order == ["big", "small", "wild"]
+    # At equal chance of winning, more room to win is worth more.
+    assert expected_improvement(item("a", 0.0, 0.5)) > expected_improvement(item("b", 0.0, 0.1))
+
+
+def test_failure_risk_discounts_and_measured_candidates_drop_out() -> None:
+    risky = item("risky", 0.5, 0.2, p_fail=0.8)
+    safe = item("safe", 0.3, 0.2)
+    done = item("done", 2.0, 0.1, measured=1.0)
+    assert rank_for_measurement([risky, safe, done]) == ["safe", "risky"]
+    assert measurement_value(risky) == pytest.approx(0.2 * expected_improvement(risky))
+
+
+def test_tail_shape_is_used_when_present() -> None:
+    core_only = item("n", -1.0, 0.3)
+    tailed = item("t", -1.0, 0.3, tail_weight=0.1, tail_scale=2.5)
+    # The wide component keeps some hope for a candidate predicted clearly slower.
+    assert expected_improvement(tailed) > 0.0 and expected_improvement(core_only) > 0.0
+    assert not math.isclose(expected_improvement(tailed), expected_improvement(core_only))
+
+
+def test_bins_only_fallback_orders_by_faster_mass() -> None:
+    better = AcqItem("b", bins.from_normal(0.8, 0.3), {}, 0.99)
+    worse = AcqItem("w", bins.from_normal(-0.8, 0.3), {}, 0.01)
+    tie = AcqItem("t", [1 / 8] * 8, {}, 0.5)
+    assert rank_for_measurement([worse, tie, better]) == ["b", "t", "w"]
+
+
+# ---------------------------------------------------------------- a synthetic space
+
+
+def synthetic_space() -> ReplaySpace:
+    """A structured 640-configuration space with a narrow optimum and a failing corner."""
+    entries = []
+    for bx in range(16, 257, 16):
+        for by in (1, 2, 4, 8):
+            for tile in (1, 2, 3, 4):
+                for flag in (0, 1):
+                    params = {"block_size_x": bx, "block_size_y": by, "tile": tile, "flag": flag}
+                    threads = bx * by
+                    if threads * tile > 2048:
+                        entries.append(
+                            ReplayEntry(params, None, "compile_error", [], "CompilationFailedConfig")
+                        )
+                        continue
+                    t = (
+                        1.0
+                        + 0.8 * (math.log2(threads) - 7.0) ** 2 / 4.0
+                        + 0.3 * abs(tile - 3)
+                        + (0.25 if flag == 0 else 0.0)
+                        + (0.0 if bx & (bx - 1) == 0 else 0.4)
+                    )
+                    entries.append(ReplayEntry(params, t, "ok", [t, t * 1.01, t * 0.99]))
+    best = min(e.time_ms for e in entries if e.time_ms is not None)
+    return ReplaySpace(
+        path=Path("synthetic.json"),
+        device="A100-PCIE-40GB",
+        recorded_device_name="NVIDIA A100-PCIE-40GB",
+        kernel_name="synthetic_kernel",
+        problem_size=[1024],
+        param_keys=["block_size_x", "block_size_y", "tile", "flag"],
+        tune_params={},
+        entries=entries,
+        best_time_ms=best,
+    )
+
+
+def check_trace(trace: SearchTrace, measurements: int) -> None:
+    assert trace.measurements == measurements == len(trace.per_step_best)
+    assert all(b >= a for a, b in zip(trace.per_step_best, trace.per_step_best[1:], strict=False))
+    assert trace.fraction == trace.per_step_best[-1]
+    assert trace.gpu_seconds > 0 and trace.best_params is not None
+
+
+@pytest.mark.anyio
+async def test_random_search_measures_distinct_configurations() -> None:
+    space = synthetic_space()
+    emu = ToolEmulator(space)
+    trace = await random_search(emu, space, 30, seed=3)
+    check_trace(trace, 30)
+    assert emu.calls["measure_kernel"] == 30 and emu.calls["compare_kernels"] == 0
+    assert trace.candidates_considered == 30
+
+
+@pytest.mark.anyio
+async def test_forecast_guided_search_beats_random_on_a_structured_space() -> None:
+    space = synthetic_space()
+    guided, rand = [], []
+    for seed in range(3):
+        emu = ToolEmulator(space)
+        t = await forecast_guided_search(emu, space, 25, seed, pool_size=32, screens_per_step=2)
+        check_trace(t, 25)
+        assert t.candidates_considered > 10 * t.measurements  # forecasts screen many more than are measured
+        assert emu.calls["measure_kernel"] == 25
+        guided.append(t.fraction)
+        rand.append((await random_search(ToolEmulator(space), space, 25, seed)).fraction)
+    assert statistics.median(guided) >= 0.97
+    assert min(guided) > min(rand) and statistics.fmean(guided) > statistics.fmean(rand)
+    summary = summarize(
+        [SearchTrace("forecast", i, 1.0, 1.0, f, 25, 100, 5, 1.0, {}) for i, f in enumerate(guided)]
+    )
+    assert summary["forecast"]["fraction_min"] == min(guided)
+
+
+@pytest.mark.anyio
+async def test_search_uses_faster_verdicts_even_when_measure_next_lists_only_unsure() -> None:
+    space = synthetic_space()
+    strict = await forecast_guided_search(
+        ToolEmulator(space, measure_next_unsure_only=True), space, 20, 1, pool_size=32, screens_per_step=1
+    )
+    assert strict.fraction >= 0.9
+
+
+def test_kernel_dicts_name_the_configuration_and_share_a_family() -> None:
+    space = synthetic_space()
+    a, b = kernel_dict(space, 0), kernel_dict(space, 1)
+    assert a["entry"] == b["entry"] == "synthetic_kernel" and a["source"] == b["source"]
+    assert a["defines"] == space.entries[0].params and a["id"] != b["id"]
+
+
+@pytest.mark.anyio
+async def test_real_space_slice(conv_a100: Path) -> None:
+    full = load_space(conv_a100)
+    keep = [e for e in full.entries if e.params["read_only"] == 1 and e.params["use_padding"] == 0]
+    best = min(e.time_ms for e in keep if e.time_ms is not None)
+    space = ReplaySpace(
+        full.path, full.device, full.recorded_device_name, full.kernel_name, full.problem_size,
+        full.param_keys, full.tune_params, keep, best,
+    )  # fmt: skip
+    results: dict[str, list[float]] = {"forecast": [], "random": []}
+    for seed in range(2):
+        g = await forecast_guided_search(
+            ToolEmulator(space), space, 30, seed, pool_size=48, screens_per_step=1
+        )
+        results["forecast"].append(g.fraction)
+        results["random"].append((await random_search(ToolEmulator(space), space, 30, seed)).fraction)
+    assert min(results["forecast"]) > max(results["random"])
+    assert min(results["forecast"]) >= 0.85
