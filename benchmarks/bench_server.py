@@ -32,24 +32,18 @@ from forecaster_mcp.settings import Settings  # noqa: E402
 
 DEFAULT = ROOT.parent / "shared/datasets/kernel_tuner_benchmark_hub/cachefiles/convolution_milo/A100.json.gz"
 SRC = "// convolution_kernel from benchmark_hub (source not bundled)\n"
-KEYS = {
-    "block_size_x": [16, 32, 48, 64, 80, 96, 112, 128],
-    "block_size_y": [1, 2, 4, 8],
-    "tile_size_x": [1, 2, 3, 4],
-    "tile_size_y": [1, 2, 3, 4],
-    "read_only": [0, 1],
-    "use_padding": [0, 1],
-    "use_shmem": [0, 1],
-}
+_CONFIGS: list[dict[str, Any]] = []
 
 
-def config(rng: random.Random) -> dict[str, Any]:
-    d = {k: rng.choice(v) for k, v in KEYS.items()}
-    return {**d, "use_cmem": 1, "filter_height": 15, "filter_width": 15}
+def load_configs(recording: Path) -> None:
+    """Benchmark kernels are drawn from the recorded space (a replay refuses anything else)."""
+    from forecaster_mcp.measure.replay import load_space
+
+    _CONFIGS[:] = [e.params for e in load_space(recording).entries]
 
 
 def kernel(rng: random.Random, kid: str) -> dict[str, Any]:
-    return {"id": kid, "source": SRC, "entry": "convolution_kernel", "defines": config(rng)}
+    return {"id": kid, "source": SRC, "entry": "convolution_kernel", "defines": rng.choice(_CONFIGS)}
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -159,6 +153,7 @@ async def over_http(recording: Path, n: int = 200) -> dict[str, Any]:
 
 async def main() -> None:
     recording = Path(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT
+    load_configs(recording)
     report = {
         "cold_start": await cold_start(recording),
         "in_process": await in_process(recording),

@@ -102,6 +102,7 @@ def build_server(
         title="GPU kernel forecaster",
         version=__version__,
         instructions=INSTRUCTIONS,
+        log_level="WARNING",
         **auth_kwargs,
     )
 
