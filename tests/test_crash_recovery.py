@@ -9,23 +9,10 @@ from typing import Any
 
 import anyio
 import pytest
+from replay_kernels import conv_block
 from serverproc import cli, start_http
 
 from forecaster_mcp.server.client import ToolCallFailed, connect_http
-
-CONV = "// convolution_kernel from benchmark_hub (source not bundled)\n"
-BASE = {
-    "block_size_x": 32,
-    "block_size_y": 4,
-    "tile_size_x": 1,
-    "tile_size_y": 3,
-    "read_only": 1,
-    "use_padding": 0,
-    "use_shmem": 1,
-    "use_cmem": 1,
-    "filter_height": 15,
-    "filter_width": 15,
-}
 
 
 def ledger(home: Path) -> dict[str, Any]:
@@ -44,7 +31,7 @@ def test_sigkill_mid_measurement_then_restart_balances(tmp_path: Path, conv_a100
 
     async def fire() -> None:
         async def one(bx: int) -> None:
-            kernel = {"source": CONV, "entry": "convolution_kernel", "defines": {**BASE, "block_size_x": bx}}
+            kernel = conv_block(bx, 4)
             try:
                 async with connect_http(srv.url, token) as (_, call):
                     await call("measure_kernel", {"kernel": kernel})

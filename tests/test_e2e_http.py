@@ -10,32 +10,10 @@ from typing import Any
 import anyio
 import httpx2
 import pytest
+from replay_kernels import conv_block as kernel
 from serverproc import HttpServer, cli, start_http
 
 from forecaster_mcp.server.client import ToolCallFailed, connect_http
-
-CONV = "// convolution_kernel from benchmark_hub (source not bundled)\n"
-BASE = {
-    "block_size_x": 32,
-    "block_size_y": 4,
-    "tile_size_x": 1,
-    "tile_size_y": 3,
-    "read_only": 1,
-    "use_padding": 0,
-    "use_shmem": 1,
-    "use_cmem": 1,
-    "filter_height": 15,
-    "filter_width": 15,
-}
-
-
-def kernel(bx: int, by: int, kid: str = "k") -> dict[str, Any]:
-    return {
-        "id": kid,
-        "source": CONV,
-        "entry": "convolution_kernel",
-        "defines": {**BASE, "block_size_x": bx, "block_size_y": by},
-    }
 
 
 @pytest.fixture

@@ -5,31 +5,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from replay_kernels import FAST, conv
 
 from forecaster_mcp.server.client import connect_stdio
 
 pytestmark = pytest.mark.anyio
-
-CONV = "// convolution_kernel from benchmark_hub (source not bundled)\n"
-FAST = {
-    "block_size_x": 32,
-    "block_size_y": 4,
-    "tile_size_x": 1,
-    "tile_size_y": 3,
-    "read_only": 1,
-    "use_padding": 0,
-    "use_shmem": 1,
-    "use_cmem": 1,
-    "filter_height": 15,
-    "filter_width": 15,
-}
 
 
 async def test_stdio_server_lists_and_calls_tools(tmp_path: Path, conv_a100: Path) -> None:
     async with connect_stdio(tmp_path / "home", replay=[conv_a100]) as (client, call):
         names = {t.name for t in (await client.list_tools()).tools}
         assert names == {"compare_kernels", "measure_kernel", "budget_status"}
-        k = {"source": CONV, "entry": "convolution_kernel", "defines": FAST}
+        k = conv(None, FAST)
         measured = await call("measure_kernel", {"kernel": k})
         assert measured["status"] == "ok"
         assert measured["device"]["backend"] == "replay"

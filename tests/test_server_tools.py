@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from mcp import Client
+from replay_kernels import FAILS, FAST, SLOW, conv
 
 from forecaster_mcp.server.app import build_server
 from forecaster_mcp.server.client import ToolCallFailed, structured
@@ -17,26 +18,6 @@ from forecaster_mcp.service import Service
 from forecaster_mcp.settings import Settings
 
 pytestmark = pytest.mark.anyio
-
-CONV_SOURCE = "// convolution_kernel from benchmark_hub kernels/convolution_milo.cu (source not bundled)\n"
-FAST = {
-    "block_size_x": 32,
-    "block_size_y": 4,
-    "tile_size_x": 1,
-    "tile_size_y": 3,
-    "read_only": 1,
-    "use_padding": 0,
-    "use_shmem": 1,
-    "use_cmem": 1,
-    "filter_height": 15,
-    "filter_width": 15,
-}
-SLOW = {**FAST, "block_size_x": 16, "block_size_y": 8, "tile_size_x": 4, "tile_size_y": 4, "use_shmem": 0}
-FAILS = {**FAST, "block_size_y": 16, "tile_size_x": 2, "tile_size_y": 4, "use_shmem": 0}
-
-
-def conv(kid: str, params: dict[str, int]) -> dict[str, Any]:
-    return {"id": kid, "source": CONV_SOURCE, "entry": "convolution_kernel", "defines": params}
 
 
 @asynccontextmanager

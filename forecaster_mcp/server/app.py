@@ -75,6 +75,18 @@ class LedgerTokenVerifier:
         return AccessToken(token=token, client_id=ledger, scopes=[])
 
 
+def _annotations(title: str, *, read_only: bool) -> ToolAnnotations:
+    # No tool destroys anything or reaches beyond this server; only budget_status is read-only
+    # (compare_kernels records forecasts and may measure).
+    return ToolAnnotations(
+        title=title,
+        read_only_hint=read_only,
+        destructive_hint=False,
+        idempotent_hint=read_only,
+        open_world_hint=False,
+    )
+
+
 async def _call(fn: Callable[[], Awaitable[T]]) -> T:
     try:
         return await fn()
@@ -126,13 +138,7 @@ def build_server(
 
     @mcp.tool(
         title="Forecast which kernels are faster",
-        annotations=ToolAnnotations(
-            title="Forecast which kernels are faster",
-            read_only_hint=False,
-            destructive_hint=False,
-            idempotent_hint=False,
-            open_world_hint=False,
-        ),
+        annotations=_annotations("Forecast which kernels are faster", read_only=False),
     )
     async def compare_kernels(
         candidates: Annotated[
@@ -175,13 +181,7 @@ def build_server(
 
     @mcp.tool(
         title="Measure a kernel on the GPU",
-        annotations=ToolAnnotations(
-            title="Measure a kernel on the GPU",
-            read_only_hint=False,
-            destructive_hint=False,
-            idempotent_hint=False,
-            open_world_hint=False,
-        ),
+        annotations=_annotations("Measure a kernel on the GPU", read_only=False),
     )
     async def measure_kernel(
         kernel: Annotated[Kernel, Field(description="the kernel; launch is required on a real GPU")],
@@ -230,13 +230,7 @@ def build_server(
 
     @mcp.tool(
         title="GPU budget and forecaster record",
-        annotations=ToolAnnotations(
-            title="GPU budget and forecaster record",
-            read_only_hint=True,
-            destructive_hint=False,
-            idempotent_hint=True,
-            open_world_hint=False,
-        ),
+        annotations=_annotations("GPU budget and forecaster record", read_only=True),
     )
     async def budget_status(
         ledger: Annotated[
