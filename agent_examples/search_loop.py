@@ -43,6 +43,7 @@ async def tool(client: Client, name: str, args: dict[str, Any]) -> dict[str, Any
 
 async def search(recording: Path, measurements: int, pool_size: int, seed: int) -> None:
     entry, configs = load_space(recording)
+    pool_size = min(pool_size, 63)  # compare_kernels takes 64 kernels: the pool plus the best so far
     rng = random.Random(seed)
     source = f"// {entry} (tuning space replayed from {recording.name})\n"
 
