@@ -2,16 +2,20 @@
 
 The strategies talk to an abstract async tool caller, `ToolCaller(tool_name, arguments) -> structuredContent`,
 so the same code runs against a real server (stdio client) or the in-process `ToolEmulator` used for tuning
-and tests. They read only the space's list of configurations (never its recorded times) and learn runtimes
-only by measuring.
+and tests. They choose from the space's list of configurations and learn runtimes only by measuring; the
+recorded times are read only to report how close a run came to the space's best.
 
 Forecast-guided search, per measurement:
-1. candidates: every untried one-parameter step from the best few measured configurations (local moves a
-   model can rank well) plus `pool_size` random untried configurations per screening call (global reach);
+1. candidates: every untried one-parameter step from the best few measured configurations and every
+   two-parameter step from the best two (local moves: rugged spaces hide their best configurations
+   behind pairs of changes that each look worse alone), plus `pool_size` random untried configurations per
+   screening call (global reach);
 2. screening: `compare_kernels` of the candidates against the best measured configuration (the baseline),
    in calls of at most 63 candidates; each call's `measure_next` head and any candidate forecast `faster`
    go to a final round;
-3. the final round is one more `compare_kernels` among the finalists; its `measure_next` head is measured.
+3. the final round is one more `compare_kernels` among the finalists; its `measure_next` head is measured
+   (or a finalist forecast `faster` that the acquisition value ranks higher, for servers that list only
+   unsure candidates in measure_next).
 The first `n_init` measurements are random (the family model needs a few points before it can rank).
 """
 
