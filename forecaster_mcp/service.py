@@ -241,11 +241,14 @@ class Service:
             notes.append(f"verdicts decided at confidence >= {choice.threshold:.3f} ({choice.reason})")
         measurements: list[MeasureResult] = []
         charged = 0.0
-        if measure_if_unsure and measure_next:
+        unsure = [i for i in measure_next if i != base.id and results[i].verdict == "unsure"]
+        if measure_if_unsure and unsure:
             if ledger is None:
                 raise InvalidRequest("measure_if_unsure needs a ledger; this server has none configured")
+            if measure_next[0] == base.id:
+                unsure.insert(0, base.id)
             measurements, charged = await self._measure_unsure(
-                ledger, base, by_id, measure_next, max_measurements, workload, hw, progress
+                ledger, base, by_id, unsure, max_measurements, workload, hw, progress
             )
             runtimes = await self._measured_runtimes(kernels, hw.name, wkey)
             t_base = runtimes.get(base.id)
@@ -295,7 +298,8 @@ class Service:
         unsure = [
             AcqItem(id=cid, probs=fc_by_id[cid].probs, extras=fc_by_id[cid].extras, p_faster=r.p_faster)
             for cid, r in results.items()
-            if r.verdict == "unsure" and r.decided_by == "forecast" and cid not in runtimes
+            # A candidate decided faster is what a search wants to measure next, as much as an unsure one.
+            if r.verdict != "slower" and r.decided_by == "forecast" and cid not in runtimes
         ]
         ranked = rank_for_measurement(unsure) if unsure else []
         if ranked and str(base.id) not in runtimes:
