@@ -5,6 +5,7 @@ The MCP layer (server/app.py) maps tool calls onto `Service` methods and `AgentE
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -444,34 +445,8 @@ class Service:
         measurer, device = self._pick_measurer(hardware)
         await self._require_ledger(ledger)
 
-        if idempotency_key is not None:
-            flight = (ledger, idempotency_key)
-            while flight in self._inflight:
-                await self._inflight[flight].wait()
-            prior = await self.store.find_idempotent(ledger, idempotency_key)
-            if prior is not None:
-                return _free_copy(prior, kid)
-            done = anyio.Event()
-            self._inflight[flight] = done
-            try:
-                return await self._measure_uncached(
-                    ledger,
-                    kernel,
-                    workload,
-                    reference,
-                    atol,
-                    rtol,
-                    max_seconds,
-                    max_runs,
-                    idempotency_key,
-                    measurer,
-                    device,
-                    progress,
-                )
-            finally:
-                del self._inflight[flight]
-                done.set()
-        return await self._measure_uncached(
+        run = functools.partial(
+            self._measure_uncached,
             ledger,
             kernel,
             workload,
@@ -480,11 +455,26 @@ class Service:
             rtol,
             max_seconds,
             max_runs,
-            None,
+            idempotency_key,
             measurer,
             device,
             progress,
         )
+        if idempotency_key is None:
+            return await run()
+        flight = (ledger, idempotency_key)
+        while flight in self._inflight:
+            await self._inflight[flight].wait()
+        prior = await self.store.find_idempotent(ledger, idempotency_key)
+        if prior is not None:
+            return _free_copy(prior, kid)
+        done = anyio.Event()
+        self._inflight[flight] = done
+        try:
+            return await run()
+        finally:
+            del self._inflight[flight]
+            done.set()
 
     async def _measure_uncached(
         self,
