@@ -8,6 +8,7 @@ Spaces are split: TUNE spaces were used to make design choices, HELDOUT spaces (
 never looked at while tuning) are only reported.
 
     python benchmarks/tune_local.py search --set heldout --seeds 10
+    python benchmarks/tune_local.py search --set heldout --opts '{"local_moves": false, "screens_per_step": 1, "pool_size": 63}'
     python benchmarks/tune_local.py model --set heldout
     python benchmarks/tune_local.py latency
     python benchmarks/tune_local.py all --seeds 10 --out bench.json
@@ -112,7 +113,7 @@ def _search_job(job: tuple[str, str, int, int, dict[str, Any]]) -> dict[str, Any
     name, strategy, seed, measurements, opts = job
     _apply_patches(opts.get("patch", {}))
     sp = space(name)
-    emu = ToolEmulator(sp, measure_next_unsure_only=opts.get("unsure_only", True))
+    emu = ToolEmulator(sp, measure_next=opts.get("measure_next", "server"))
 
     async def run() -> Any:
         if strategy == "random":

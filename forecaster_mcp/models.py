@@ -356,7 +356,10 @@ class CompareResult(BaseModel):
     hardware_known: bool
     candidates: list[CandidateForecast]
     ranking: list[str] = Field(description="all ids, fastest first (by expected speedup)")
-    measure_next: list[str] = Field(description="unsure ids worth measuring, most valuable first")
+    measure_next: list[str] = Field(
+        description="ids worth measuring, most valuable first: unsure and faster candidates, and slower ones "
+        "whose wide forecast still leaves a real expected gain"
+    )
     forecaster: ForecasterInfo
     target_error: float
     gpu_seconds_charged: float = 0.0

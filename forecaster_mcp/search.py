@@ -347,27 +347,35 @@ async def forecast_guided_search(
 # ---------------------------------------------------------------- offline stand-in for the two tools
 
 
+MEASURE_NEXT_POLICIES = ("server", "unsure", "all")
+
+
 class ToolEmulator:
     """In-process stand-in for `compare_kernels` and `measure_kernel` over one replay space, for tuning and
     tests without a server: LocalForecaster + a dict-backed FamilyHistory + the acquisition ranking.
 
     Not the server: there is no ledger, calibration or stored forecasts. Verdicts use a fixed confidence
-    threshold. `measure_next_unsure_only` mimics a server that lists only unsure candidates in measure_next.
+    threshold (the server's default while its verified history is short). `measure_next` says which candidates
+    measure_next lists, ranked by the acquisition value: "server" (as the server does: unsure and faster ones,
+    and slower ones while their expected gain is real; `acquisition.worth_measuring`), "unsure" (a server that
+    lists only unsure ones) or "all".
     """
 
     def __init__(
         self,
         space: SpaceLike,
         *,
-        threshold: float = 0.9,
-        measure_next_unsure_only: bool = True,
+        threshold: float = 0.95,
+        measure_next: str = "server",
         verification_ms: Mapping[int, float] | None = None,
     ) -> None:
         from forecaster_mcp.forecast.local import LocalForecaster
 
         self.space = space
         self.threshold = threshold
-        self.unsure_only = measure_next_unsure_only
+        if measure_next not in MEASURE_NEXT_POLICIES:
+            raise ValueError(f"measure_next must be one of {MEASURE_NEXT_POLICIES}, not {measure_next!r}")
+        self.policy = measure_next
         self.history = DictHistory()
         self.forecaster = LocalForecaster(self.history, nvcc=None, ptxas_wait_s=0.0)
         self._lookup = _index_of(space)
@@ -412,7 +420,7 @@ class ToolEmulator:
 
     async def _compare(self, args: dict[str, Any]) -> dict[str, Any]:
         from forecaster_mcp import bins
-        from forecaster_mcp.forecast.acquisition import AcqItem, rank_for_measurement
+        from forecaster_mcp.forecast.acquisition import AcqItem, rank_for_measurement, worth_measuring
         from forecaster_mcp.forecast.base import PairQuery
         from forecaster_mcp.hardware.specs import lookup
         from forecaster_mcp.models import Kernel, Workload
@@ -446,8 +454,14 @@ class ToolEmulator:
                     "rationale": f.rationale,
                 }
             )
-            if decided_by == "forecast" and (verdict == "unsure" or not self.unsure_only):
-                items.append(AcqItem(str(k.id), f.probs, f.extras, p))
+            item = AcqItem(str(k.id), f.probs, f.extras, p)
+            listed = {
+                "server": worth_measuring(item, verdict),
+                "unsure": verdict == "unsure",
+                "all": True,
+            }[self.policy]
+            if decided_by == "forecast" and listed:
+                items.append(item)
         ranking = sorted(out, key=lambda c: -float(c["expected_speedup"]))
         return {
             "baseline": base_id,

@@ -294,15 +294,17 @@ class Service:
         results: dict[str, CandidateForecast],
         fc_by_id: dict[str, Any],
     ) -> list[str]:
-        from forecaster_mcp.forecast.acquisition import AcqItem, rank_for_measurement
+        from forecaster_mcp.forecast.acquisition import AcqItem, rank_for_measurement, worth_measuring
 
-        unsure = [
+        # A candidate decided faster is what a search wants to measure next, as much as an unsure one; one
+        # decided slower only while its expected gain is still real (acquisition.MIN_VALUE_LOG2).
+        items = [
             AcqItem(id=cid, probs=fc_by_id[cid].probs, extras=fc_by_id[cid].extras, p_faster=r.p_faster)
             for cid, r in results.items()
-            # A candidate decided faster is what a search wants to measure next, as much as an unsure one.
-            if r.verdict != "slower" and r.decided_by == "forecast" and cid not in runtimes
+            if r.decided_by == "forecast" and cid not in runtimes
         ]
-        ranked = rank_for_measurement(unsure) if unsure else []
+        listed = [it for it in items if worth_measuring(it, results[it.id].verdict)]
+        ranked = rank_for_measurement(listed) if listed else []
         if ranked and str(base.id) not in runtimes:
             # A candidate's measurement only settles the pair once the baseline is measured too.
             ranked = [str(base.id), *ranked]

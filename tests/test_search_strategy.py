@@ -14,6 +14,7 @@ from forecaster_mcp.forecast.acquisition import (
     expected_improvement,
     measurement_value,
     rank_for_measurement,
+    worth_measuring,
 )
 from forecaster_mcp.measure.replay import ReplayEntry, ReplaySpace, load_space
 from forecaster_mcp.search import (
@@ -60,6 +61,15 @@ def test_tail_shape_is_used_when_present() -> None:
     # The wide component keeps some hope for a candidate predicted clearly slower.
     assert expected_improvement(tailed) > 0.0 and expected_improvement(core_only) > 0.0
     assert not math.isclose(expected_improvement(tailed), expected_improvement(core_only))
+
+
+def test_slower_verdicts_are_listed_only_while_a_real_gain_is_possible() -> None:
+    wide = item("wide", -0.8, 0.6, tail_weight=0.1, tail_scale=2.5)  # probably slower, might be much faster
+    narrow = item("narrow", -0.8, 0.05)  # surely slower
+    assert wide.p_faster < 0.1 and narrow.p_faster < 0.001
+    assert worth_measuring(wide, "slower") and not worth_measuring(narrow, "slower")
+    # Unsure and faster candidates are always listed, whatever their value.
+    assert worth_measuring(narrow, "unsure") and worth_measuring(narrow, "faster")
 
 
 def test_bins_only_fallback_orders_by_faster_mass() -> None:
@@ -149,7 +159,7 @@ async def test_forecast_guided_search_beats_random_on_a_structured_space() -> No
 async def test_search_uses_faster_verdicts_even_when_measure_next_lists_only_unsure() -> None:
     space = synthetic_space()
     strict = await forecast_guided_search(
-        ToolEmulator(space, measure_next_unsure_only=True), space, 20, 1, pool_size=32, screens_per_step=1
+        ToolEmulator(space, measure_next="unsure"), space, 20, 1, pool_size=32, screens_per_step=1
     )
     assert strict.fraction >= 0.9
 

@@ -46,9 +46,11 @@ You are optimising a GPU kernel with a forecaster and a metered GPU budget.
    GPU. Forecasts are free.
 3. Read each candidate's `verdict`:
    - `faster` / `slower`: decided by the forecaster; the error rate among decided verdicts is kept below
-     `target_error`. Drop the slower ones without measuring.
-   - `unsure`: the forecaster cannot tell reliably. `measure_next` lists these, most valuable first
-     (chance and size of beating the baseline).
+     `target_error`. Drop the slower ones without measuring unless `measure_next` still lists them.
+   - `unsure`: the forecaster cannot tell reliably.
+   `measure_next` ranks the candidates worth a measurement, most valuable first (chance and size of beating
+   the baseline): the unsure and faster ones, and a slower one only while its forecast is wide enough that it
+   might still win clearly (an untried corner of a tuning space). A search measures its head.
 4. Measure only the head of `measure_next` with `measure_kernel` (or pass `measure_if_unsure=true` with
    `max_measurements`). Each measurement is charged in GPU-seconds; identical re-measurements are free (cache),
    and an `idempotency_key` makes retries safe.
