@@ -41,7 +41,9 @@ async def tool(client: Client, name: str, args: dict[str, Any]) -> dict[str, Any
     return result.structured_content
 
 
-async def search(recording: Path, measurements: int, pool_size: int, seed: int) -> None:
+async def search(
+    recording: Path, measurements: int, pool_size: int, seed: int, max_idle_rounds: int = 20
+) -> None:
     entry, configs = load_space(recording)
     pool_size = min(pool_size, 63)  # compare_kernels takes 64 kernels: the pool plus the best so far
     rng = random.Random(seed)
@@ -62,7 +64,7 @@ async def search(recording: Path, measurements: int, pool_size: int, seed: int) 
         async with Client(server, read_timeout_seconds=120) as client:
             best: dict[str, Any] | None = None
             best_ms = float("inf")
-            used = considered = 0
+            used = considered = idle = 0
             while used < measurements:
                 pool = [kernel(f"c{considered + i}", p) for i, p in enumerate(propose(pool_size))]
                 considered += len(pool)
@@ -74,6 +76,12 @@ async def search(recording: Path, measurements: int, pool_size: int, seed: int) 
                     )
                     by_id = {k["id"]: k for k in pool}
                     to_measure = [by_id[i] for i in out["measure_next"] if i in by_id][:2]
+                # measure_next is empty when the forecaster is sure every proposal is slower than the best:
+                # propose again, but do not spin forever on a search that has converged.
+                idle = 0 if to_measure else idle + 1
+                if not to_measure and idle >= max_idle_rounds:
+                    print(f"stopping: {idle} rounds in a row had nothing worth measuring")
+                    break
                 for k in to_measure:
                     if used >= measurements:
                         break
@@ -95,8 +103,11 @@ def main() -> None:
     p.add_argument("--measurements", type=int, default=40)
     p.add_argument("--pool", type=int, default=32, help="candidates proposed per round")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--max-idle-rounds", type=int, default=20, help="stop after this many rounds with nothing to measure"
+    )
     a = p.parse_args()
-    anyio.run(search, a.recording, a.measurements, a.pool, a.seed)
+    anyio.run(search, a.recording, a.measurements, a.pool, a.seed, a.max_idle_rounds)
 
 
 if __name__ == "__main__":

@@ -70,3 +70,32 @@ async def test_http_config_reaches_a_token_protected_server(tmp_path: Path) -> N
             assert status["limit_gpu_seconds"] == 10
     finally:
         srv.stop()
+
+
+def test_search_loop_example_runs_a_budgeted_search(conv_a100: Path, tmp_path: Path) -> None:
+    """The loop users copy: it starts a real stdio server on a recording, forecasts, measures measure_next's
+    head, and reports what it spent."""
+    import subprocess
+
+    env = {**os.environ, "FORECASTER_MCP_HOME": str(tmp_path)}
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(EXAMPLES / "search_loop.py"),
+            str(conv_a100),
+            "--measurements",
+            "6",
+            "--pool",
+            "16",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    last = done.stdout.strip().splitlines()[-1]
+    assert re.search(r"after 6 measurements, \d+ candidates considered, [0-9.]+ GPU-seconds spent", last), (
+        last
+    )
+    assert "new best" in done.stdout
