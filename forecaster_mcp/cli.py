@@ -85,6 +85,13 @@ def _parser() -> argparse.ArgumentParser:
     se.add_argument("--measurements", type=int, default=100)
     se.add_argument("--seeds", type=int, default=5)
     se.add_argument("--strategy", choices=["forecast", "random", "both"], default="both")
+    se.add_argument(
+        "--client",
+        choices=["full", "plain"],
+        default="full",
+        help="forecast-guided client: full (local moves + several random pools per step) or plain (one pool of "
+        "63 random untried configurations per compare_kernels call, measure the head of measure_next)",
+    )
     se.add_argument("--out", type=Path, default=None, help="write the report as JSON here")
     se.set_defaults(handler="forecaster_mcp.search:search_command")
 

@@ -36,6 +36,8 @@ from typing import Any, Protocol
 ToolCaller = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
 
 MAX_PER_CALL = 63  # candidates per compare_kernels call besides the baseline (the tool takes 2..64 kernels)
+# The plainest forecast-guided client: one pool of random untried configurations per step, no local moves.
+PLAIN_CLIENT: dict[str, Any] = {"screens_per_step": 1, "local_moves": False}
 N_INIT = 10
 LOCAL_STARTS = 5  # neighbours of this many best configurations are always screened
 PAIR_STARTS = 2  # ... and two-step neighbours of this many
@@ -532,6 +534,10 @@ def search_command(settings: Any, args: Any) -> int:
             async with connect_stdio(Path(home), replay=[Path(args.recording)]) as (_client, call):
                 if strategy == "random":
                     return await random_search(call, space, args.measurements, seed)
+                if getattr(args, "client", "full") == "plain":
+                    return await forecast_guided_search(
+                        call, space, args.measurements, seed, MAX_PER_CALL, **PLAIN_CLIENT
+                    )
                 return await forecast_guided_search(call, space, args.measurements, seed)
 
     async def main() -> None:
@@ -556,6 +562,14 @@ def search_command(settings: Any, args: Any) -> int:
         )
     if args.out is not None:
         Path(args.out).write_text(
-            json.dumps({"summary": summary, "runs": [asdict(t) for t in traces]}, indent=2, default=str)
+            json.dumps(
+                {
+                    "client": getattr(args, "client", "full"),
+                    "summary": summary,
+                    "runs": [asdict(t) for t in traces],
+                },
+                indent=2,
+                default=str,
+            )
         )
     return 0

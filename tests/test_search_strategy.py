@@ -189,3 +189,32 @@ async def test_real_space_slice(conv_a100: Path) -> None:
         results["random"].append((await random_search(ToolEmulator(space), space, 30, seed)).fraction)
     assert min(results["forecast"]) > max(results["random"])
     assert min(results["forecast"]) >= 0.85
+
+
+@pytest.mark.parametrize("client", ["plain", "full"])
+def test_search_command_runs_both_strategies_through_real_servers(
+    conv_a100: Path, tmp_path: Path, client: str
+) -> None:
+    """`forecaster-mcp search` starts a stdio server per run and reports both strategies at equal budgets."""
+    import json
+
+    from serverproc import cli
+
+    out = tmp_path / "search.json"
+    done = cli(
+        tmp_path / "home",
+        *("search", str(conv_a100), "--measurements", "14", "--seeds", "1", "--client", client),
+        *("--out", str(out)),
+    )
+    assert "forecast best-fraction median" in done.stdout and "random   best-fraction" in done.stdout
+    report = json.loads(out.read_text())
+    assert report["client"] == client
+    for strategy in ("forecast", "random"):
+        s = report["summary"][strategy]
+        assert s["runs"] == 1 and s["measurements_mean"] == 14 and 0 < s["fraction_median"] <= 1
+        assert s["gpu_seconds_mean"] > 0
+    forecast = report["summary"]["forecast"]
+    # After the 10 random starting points, forecasts screen many more configurations than are measured; random
+    # search considers only what it measures.
+    assert forecast["candidates_considered_mean"] > 10 + 4 * 60
+    assert report["summary"]["random"]["candidates_considered_mean"] == 14
