@@ -5,6 +5,7 @@ The MCP layer (server/app.py) maps tool calls onto `Service` methods and `AgentE
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -326,37 +327,33 @@ class Service:
             r = results[str(k.id)]
             if r.decided_by != "forecast":
                 continue
-            rows.append(
-                ForecastRow(
-                    ledger=ledger,
-                    forecaster=name,
-                    hardware=hardware,
-                    workload_key=wkey,
-                    baseline_key=base.content_key(),
-                    candidate_key=k.content_key(),
-                    probs=list(r.speedup_bins),
-                    p_faster=r.p_faster,
-                    verdict=r.verdict,
-                    decided_by="forecast",
-                )
+            row = ForecastRow(
+                ledger=ledger,
+                forecaster=name,
+                hardware=hardware,
+                workload_key=wkey,
+                baseline_key=base.content_key(),
+                candidate_key=k.content_key(),
+                probs=list(r.speedup_bins),
+                p_faster=r.p_faster,
+                verdict=r.verdict,
+                decided_by="forecast",
             )
+            rows.append(row)
             per = getattr(fc_by_id[str(k.id)], "per_forecaster", None) or {}
             for comp, probs in per.items():
                 if comp == name:
                     continue
-                # Component rows feed per-forecaster calibration only; they are not the caller's forecasts.
+                # Component rows (same pair) feed per-forecaster calibration only; they are not the caller's
+                # forecasts.
                 rows.append(
-                    ForecastRow(
+                    dataclasses.replace(
+                        row,
                         ledger=None,
                         forecaster=comp,
-                        hardware=hardware,
-                        workload_key=wkey,
-                        baseline_key=base.content_key(),
-                        candidate_key=k.content_key(),
                         probs=list(probs),
                         p_faster=bins.p_faster(probs),
                         verdict="unsure",
-                        decided_by="forecast",
                     )
                 )
         if rows:

@@ -600,6 +600,15 @@ class _Worker:
                 return f"the worker was killed by signal {-code}"
         return f"the worker exited with status {code}"
 
+    async def describe_failure(self, exc: Exception) -> str:
+        """How the worker failed (`WorkerGone` or `ProtocolError`), for the caller's message."""
+        if isinstance(exc, WorkerGone):
+            # It is exiting on its own: let it, so its exit status says how it died.
+            with anyio.move_on_after(1.0):
+                await self.process.wait()
+            return self.exit_description()
+        return f"the worker broke the protocol ({exc})"
+
     async def kill(self) -> None:
         """Kill the whole process group (the worker and anything it started) and reap the worker."""
         with anyio.CancelScope(shield=True):
@@ -875,12 +884,7 @@ class PycudaMeasurer:
         except TimeoutError:
             failure = f"it did not become ready within {self.startup_grace_s:g} s"
         except (WorkerGone, ProtocolError) as exc:
-            if isinstance(exc, WorkerGone):
-                with anyio.move_on_after(1.0):
-                    await worker.process.wait()
-                what = worker.exit_description()
-            else:
-                what = f"it broke the protocol ({exc})"
+            what = await worker.describe_failure(exc)
             await worker.kill()
             tail = trim_compiler_message(worker.stderr_tail(), limit=1500) or "no stderr"
             failure = f"{what} during start-up; its stderr ends: {tail}"
@@ -937,13 +941,7 @@ class PycudaMeasurer:
                         raise ProtocolError(f"unexpected {type(message).__name__} message during a job")
             except (WorkerGone, ProtocolError) as exc:
                 elapsed = time.perf_counter() - started
-                if isinstance(exc, WorkerGone):
-                    # It is exiting on its own: let it, so its exit status says how it died.
-                    with anyio.move_on_after(1.0):
-                        await worker.process.wait()
-                    what = worker.exit_description()
-                else:
-                    what = f"the worker broke the protocol ({exc})"
+                what = await worker.describe_failure(exc)
                 slot.worker = None
                 await worker.kill()
                 tail = worker.stderr_tail()
