@@ -456,13 +456,15 @@ class ToolEmulator:
                     "rationale": f.rationale,
                 }
             )
+            if decided_by != "forecast":
+                continue
             item = AcqItem(str(k.id), f.probs, f.extras, p)
-            listed = {
-                "server": worth_measuring(item, verdict),
-                "unsure": verdict == "unsure",
-                "all": True,
-            }[self.policy]
-            if decided_by == "forecast" and listed:
+            listed = (
+                self.policy == "all"
+                or (self.policy == "unsure" and verdict == "unsure")
+                or (self.policy == "server" and worth_measuring(item, verdict))
+            )
+            if listed:
                 items.append(item)
         ranking = sorted(out, key=lambda c: -float(c["expected_speedup"]))
         return {
@@ -516,9 +518,17 @@ def search_command(settings: Any, args: Any) -> int:
 
     import anyio
 
+    from forecaster_mcp.errors import OperatorError
     from forecaster_mcp.measure.replay import load_space
 
-    space = load_space(args.recording)
+    if args.measurements < 1 or args.seeds < 1:
+        raise OperatorError(
+            f"--measurements and --seeds must be at least 1 (got {args.measurements} and {args.seeds})"
+        )
+    try:
+        space = load_space(args.recording)
+    except ValueError as exc:
+        raise OperatorError(f"{exc}; pass a Kernel Tuner cache file (.json or .json.gz)") from exc
     # The servers this command starts charge their default ledger: make it large enough for the runs
     # (measured GPU-seconds are still reported per run).
     os.environ.setdefault("FORECASTER_MCP_DEFAULT_LEDGER_GPU_SECONDS", "1000000000")
@@ -534,7 +544,7 @@ def search_command(settings: Any, args: Any) -> int:
             async with connect_stdio(Path(home), replay=[Path(args.recording)]) as (_client, call):
                 if strategy == "random":
                     return await random_search(call, space, args.measurements, seed)
-                if getattr(args, "client", "full") == "plain":
+                if args.client == "plain":
                     return await forecast_guided_search(
                         call, space, args.measurements, seed, MAX_PER_CALL, **PLAIN_CLIENT
                     )
@@ -564,7 +574,7 @@ def search_command(settings: Any, args: Any) -> int:
         Path(args.out).write_text(
             json.dumps(
                 {
-                    "client": getattr(args, "client", "full"),
+                    "client": args.client,
                     "summary": summary,
                     "runs": [asdict(t) for t in traces],
                 },

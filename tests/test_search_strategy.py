@@ -218,3 +218,17 @@ def test_search_command_runs_both_strategies_through_real_servers(
     # search considers only what it measures.
     assert forecast["candidates_considered_mean"] > 10 + 4 * 60
     assert report["summary"]["random"]["candidates_considered_mean"] == 14
+
+
+def test_search_command_refuses_bad_input_with_a_message(tmp_path: Path) -> None:
+    from serverproc import cli
+
+    missing = cli(tmp_path, "search", str(tmp_path / "nope.json.gz"), check=False)
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+    assert "cannot read replay recording" in missing.stderr and "Kernel Tuner cache file" in missing.stderr
+    not_space = tmp_path / "other.json"
+    not_space.write_text("{}")
+    wrong = cli(tmp_path, "search", str(not_space), check=False)
+    assert wrong.returncode == 2 and "not a Kernel Tuner cache file" in wrong.stderr
+    zero = cli(tmp_path, "search", str(not_space), "--measurements", "0", check=False)
+    assert zero.returncode == 2 and "--measurements and --seeds must be at least 1" in zero.stderr
