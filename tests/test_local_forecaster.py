@@ -265,3 +265,36 @@ async def test_real_space_pairs_and_latency(conv_a100: Path) -> None:
         await f.forecast(two)
     assert (time.perf_counter() - t0) / 20 < 0.02  # cached model: a 2-candidate compare stays in milliseconds
     assert MIN_FAMILY_POINTS <= 10
+
+
+def test_short_length_scale_companion_widens_only_away_from_the_measurements(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A search measures one basin densely; the companion fit keeps the forecast there and admits, away from
+    it, that the learned length scales may not hold (hyperparameter uncertainty)."""
+    from forecaster_mcp.forecast import local
+
+    rng = np.random.default_rng(3)
+    # Measured: only the first half of `a` (the basin); `b` is a switch seen in both states there.
+    pts = []
+    for i in range(40):
+        a, b = int(rng.integers(1, 17)), int(rng.integers(0, 2))
+        t_ms = 1.0 + 0.05 * a + 0.3 * b + 0.01 * rng.standard_normal()
+        pts.append(FamilyPoint({"a": a, "b": b}, None, "ok", t_ms, f"p{i}"))
+    near = [{"a": 8, "b": 0}, {"a": 9, "b": 1}]
+    far = [{"a": 60, "b": 0}, {"a": 64, "b": 1}]
+    model = local.fit_family(pts)
+    assert model.gp_short is not None
+    mean, cov = model.predict(near + far)
+    monkeypatch.setattr(local, "SHORT_WEIGHT", 0.0)
+    mean0, cov0 = model.predict(near + far)
+    sd, sd0 = np.sqrt(np.diag(cov)), np.sqrt(np.diag(cov0))
+    # Near the measurements the two fits agree: the forecast barely moves.
+    assert np.all(np.abs(mean[:2] - mean0[:2]) < 0.05)
+    assert np.all(sd[:2] < 1.3 * sd0[:2])
+    # Far from them the spread grows (the MAP fit alone extrapolates the basin's trend confidently).
+    assert np.all(sd[2:] > 1.2 * sd0[2:])
+    # The mixture's covariance stays a covariance.
+    assert np.all(np.linalg.eigvalsh(cov) > -1e-9)
+    # Switched off, no companion is fitted at all.
+    assert local.fit_family(pts).gp_short is None

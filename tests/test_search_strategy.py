@@ -181,14 +181,17 @@ async def test_real_space_slice(conv_a100: Path) -> None:
         full.param_keys, full.tune_params, keep, best,
     )  # fmt: skip
     results: dict[str, list[float]] = {"forecast": [], "random": []}
-    for seed in range(2):
+    for seed in range(4):
         g = await forecast_guided_search(
             ToolEmulator(space), space, 30, seed, pool_size=48, screens_per_step=1
         )
         results["forecast"].append(g.fraction)
         results["random"].append((await random_search(ToolEmulator(space), space, 30, seed)).fraction)
-    assert min(results["forecast"]) > max(results["random"])
-    assert min(results["forecast"]) >= 0.85
+    # 30 measurements of a ~1,000-configuration space: single seeds vary (random search: 0.52-0.79 over 12
+    # seeds), so the claims are about the group, with every guided run above random's median.
+    assert statistics.median(results["forecast"]) >= 0.9
+    assert statistics.fmean(results["forecast"]) >= statistics.fmean(results["random"]) + 0.2
+    assert min(results["forecast"]) > statistics.median(results["random"])
 
 
 @pytest.mark.parametrize("client", ["plain", "full"])
