@@ -114,14 +114,26 @@ def _search_job(job: tuple[str, str, int, int, dict[str, Any]]) -> dict[str, Any
     _apply_patches(opts.get("patch", {}))
     sp = space(name)
     emu = ToolEmulator(sp, measure_next=opts.get("measure_next", "server"))
+    verdicts: list[tuple[float, str, float]] = []  # (p_faster, verdict, recorded speedup) of screened pairs
+
+    async def call(tool: str, args: dict[str, Any]) -> dict[str, Any]:
+        """The emulator, with every forecast verdict scored against the recording (ids are c<index>)."""
+        result = await emu(tool, args)
+        if tool == "compare_kernels":
+            t_base = sp.entries[int(str(result["baseline"])[1:])].time_ms
+            for c in result["candidates"]:
+                t_cand = sp.entries[int(str(c["id"])[1:])].time_ms
+                if c["decided_by"] == "forecast" and t_base and t_cand:
+                    verdicts.append((float(c["p_faster"]), str(c["verdict"]), t_base / t_cand))
+        return result
 
     async def run() -> Any:
         if strategy == "random":
-            return await random_search(emu, sp, measurements, seed)
+            return await random_search(call, sp, measurements, seed)
         kw = {
             k: v for k, v in opts.items() if k in ("pool_size", "screens_per_step", "n_init", "local_moves")
         }
-        return await forecast_guided_search(emu, sp, measurements, seed, **kw)
+        return await forecast_guided_search(call, sp, measurements, seed, **kw)
 
     trace = anyio.run(run)
     return {
@@ -133,6 +145,7 @@ def _search_job(job: tuple[str, str, int, int, dict[str, Any]]) -> dict[str, Any
         "gpu_seconds": trace.gpu_seconds,
         "wall_s": trace.wall_seconds,
         "per_step": trace.per_step_best,
+        "verdicts": verdicts,
     }
 
 
@@ -143,6 +156,22 @@ def _pool_map(fn: Any, jobs: list[Any], workers: int) -> list[Any]:
 
     with multiprocessing.get_context("fork").Pool(workers) as pool:
         return list(pool.imap_unordered(fn, jobs, chunksize=1))
+
+
+def _verdict_quality(screened: list[tuple[float, str, float]]) -> dict[str, Any]:
+    """Calibration honesty in the search case: every pair a search screened, scored against the recording."""
+    from forecaster_mcp.forecast import metrics
+
+    p = [v[0] for v in screened]
+    s = [v[2] for v in screened]
+    d = metrics.decided_summary([v[1] for v in screened], s)
+    return {
+        "n_pairs": len(screened),
+        "coverage": d.coverage,
+        "decided_error": d.error,
+        "pairwise_accuracy": metrics.pairwise_accuracy(p, s),
+        "ece": metrics.ece(p, s),
+    }
 
 
 def search_report(
@@ -175,6 +204,14 @@ def search_report(
             f"{s}: {row[s]['median']:.3f} / {row[s]['min']:.3f} / {row[s]['mean']:.3f}" for s in strategies
         )
         print(f"  {n:18s} {cells}")
+        screened = [v for r in results if r["space"] == n for v in r["verdicts"]]
+        if screened:
+            row["verdicts"] = _verdict_quality(screened)
+            q = row["verdicts"]
+            print(
+                f"      verdicts on {q['n_pairs']} screened pairs: decided {q['coverage']:.3f}, "
+                f"error among decided {q['decided_error']:.4f}, ECE {q['ece']:.3f}"
+            )
         if verbose:
             for st in strategies:
                 print(f"      {st} sorted: {' '.join(f'{x:.3f}' for x in row[st]['fractions'])}")
