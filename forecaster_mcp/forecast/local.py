@@ -10,7 +10,9 @@ likelihood (L-BFGS in numpy; refits only when the family's stored points change,
 last fit, hyperparameters on at most MAX_FIT_POINTS points). A pair's log2 speedup is then the
 difference of two runtime beliefs: a measured runtime where one exists, else the GP's predictive
 distribution, with the GP's covariance between the two kernels (their model errors are correlated, so the
-difference is more certain than either runtime). Predictive spread is rescaled by leave-one-out residuals
+difference is more certain than either runtime). The GP's belief is mixed with that of the same fit at
+shorter length scales (a stand-in for uncertainty in the length scales themselves: wider away from the
+measured basin, unchanged near it). Predictive spread is rescaled by leave-one-out residuals
 and given a heavier tail: on held-out members about one error in ten lies beyond two standard deviations.
 The chance that a member fails (compile or launch error) is a kernel-weighted average of stored outcomes.
 
@@ -640,10 +642,9 @@ class FamilyModel:
         if self.gp_short is not None and SHORT_WEIGHT > 0.0:
             m2, c2 = _predict_one(self.gp_short, xq)
             w = SHORT_WEIGHT
-            mix = (1.0 - w) * mean + w * m2
-            cov = (1.0 - w) * (cov + np.outer(mean, mean)) + w * (c2 + np.outer(m2, m2)) - np.outer(mix, mix)
-            cov = 0.5 * (cov + cov.T)
-            mean = mix
+            gap = mean - m2
+            cov = (1.0 - w) * cov + w * c2 + (w * (1.0 - w)) * np.outer(gap, gap)
+            mean = (1.0 - w) * mean + w * m2
         # A parameter the family was never measured with: its effect is unknown, so the prediction falls
         # back to the family's spread around its mean.
         for i, row in enumerate(rows):
