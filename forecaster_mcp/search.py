@@ -37,7 +37,7 @@ ToolCaller = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
 
 MAX_PER_CALL = 63  # candidates per compare_kernels call besides the baseline (the tool takes 2..64 kernels)
 # The plainest forecast-guided client: one pool of random untried configurations per step, no local moves.
-PLAIN_CLIENT: dict[str, Any] = {"screens_per_step": 1, "local_moves": False}
+PLAIN_CLIENT: dict[str, Any] = {"pool_size": MAX_PER_CALL, "screens_per_step": 1, "local_moves": False}
 N_INIT = 10
 LOCAL_STARTS = 5  # neighbours of this many best configurations are always screened
 PAIR_STARTS = 2  # ... and two-step neighbours of this many
@@ -545,9 +545,7 @@ def search_command(settings: Any, args: Any) -> int:
                 if strategy == "random":
                     return await random_search(call, space, args.measurements, seed)
                 if args.client == "plain":
-                    return await forecast_guided_search(
-                        call, space, args.measurements, seed, MAX_PER_CALL, **PLAIN_CLIENT
-                    )
+                    return await forecast_guided_search(call, space, args.measurements, seed, **PLAIN_CLIENT)
                 return await forecast_guided_search(call, space, args.measurements, seed)
 
     async def main() -> None:

@@ -722,8 +722,9 @@ def fit_family(points: Sequence[FamilyPoint], warm: Array | None = None, refit: 
     x_all = encoder.encode(rows)
     gp = gp_short = None
     if len(ok_rows) >= MIN_FAMILY_POINTS:
-        gp = fit_gp(x_all[ok_rows], np.asarray(y), warm=warm, refit=refit)
-        gp_short = _short_companion(gp, x_all[ok_rows], np.asarray(y))
+        x_ok, y_ok = x_all[ok_rows], np.asarray(y)
+        gp = fit_gp(x_ok, y_ok, warm=warm, refit=refit)
+        gp_short = _short_companion(gp, x_ok, y_ok)
     n_failed = int(sum(failed))
     failed_arr = np.asarray(failed)
     fail_ls = (
