@@ -49,11 +49,11 @@ PY
 
 echo "== GPU tests"
 # Only the GPU-marked tests: the CPU tests of the same code run in CI; device time is scarce.
-FORECASTER_MCP_GPU_TESTS=1 PYTHONPATH=. timeout 300 "$VENV/bin/python" -m pytest -q -rs -p no:cacheprovider \
+FORECASTER_MCP_GPU_TESTS=1 PYTHONPATH=. timeout "${TESTS_TIMEOUT:-300}" "$VENV/bin/python" -m pytest -q -rs -p no:cacheprovider \
     --junitxml "$OUT/gpu-tests.xml" tests/test_gpu_real.py || status=1
 
 echo "== examples, recording, noise"
-PYTHONPATH=. timeout 240 "$VENV/bin/python" benchmarks/gpu_check.py --out "$OUT" || status=1
+PYTHONPATH=. timeout "${CHECK_TIMEOUT:-240}" "$VENV/bin/python" benchmarks/gpu_check.py --out "$OUT" ${CHECK_ARGS:-} || status=1
 
 echo "== done (status $status); results in $OUT"
 exit $status

@@ -170,6 +170,23 @@ def test_nan_and_inf_positions_must_match() -> None:
     assert not compare_buffer("y", "float32", finite_for_inf, want, 1e39, 1.0).passed
 
 
+def test_compare_finds_the_first_problem_of_each_kind_across_slices() -> None:
+    # Large outputs are compared a slice at a time; positions, counts and maxima span every slice.
+    n = 3 * (1 << 20) + 17
+    want = np.linspace(1.0, 2.0, n, dtype=np.float32).reshape(n, 1)
+    got = want.copy()
+    got[(1 << 20) + 5, 0] *= 1.5
+    got[n - 1, 0] *= 1.5
+    late = compare_buffer("z", "float32", got, want, atol=0.0, rtol=1e-3)
+    assert not late.passed and late.detail is not None
+    assert late.detail.startswith(f"z[{(1 << 20) + 5}, 0]:") and "2 of " in late.detail
+    assert late.max_rel_error == pytest.approx(0.5, rel=1e-6)
+    got[2 * (1 << 20) + 3, 0] = np.nan  # a NaN mismatch is reported before any tolerance miss
+    nan_first = compare_buffer("z", "float32", got, want, atol=0.0, rtol=1e-3)
+    assert nan_first.detail is not None and nan_first.detail.startswith(f"z[{2 * (1 << 20) + 3}, 0]: got nan")
+    assert compare_buffer("z", "float32", want.copy(), want, 0.0, 0.0).passed
+
+
 def test_compare_bfloat16_integers_and_shapes() -> None:
     want = float32_to_bfloat16_bits(np.array([1.0, 2.0], dtype=np.float32))
     got = float32_to_bfloat16_bits(np.array([1.0, 2.015625], dtype=np.float32))  # one bf16 ulp above 2

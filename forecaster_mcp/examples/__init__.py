@@ -48,8 +48,8 @@ class ExampleSuite:
         raise KeyError(f"suite {self.name} has no kernel {kernel_id!r}")
 
 
-def _kernel(spec: dict[str, Any]) -> ExampleKernel:
-    source = (EXAMPLES_DIR / spec["file"]).read_text(encoding="utf-8")
+def _kernel(spec: dict[str, Any], base: Path) -> ExampleKernel:
+    source = (base / spec["file"]).read_text(encoding="utf-8")
     kernel = Kernel.model_validate(
         {
             "id": spec["id"],
@@ -70,7 +70,8 @@ def _kernel(spec: dict[str, Any]) -> ExampleKernel:
 
 
 def load_examples(index: Path = INDEX) -> list[ExampleSuite]:
-    """Every suite in `examples.json`, kernels validated as Kernel and workloads as Workload."""
+    """Every suite in an index (`examples.json` by default; kernel files beside it), kernels validated as Kernel
+    and workloads as Workload."""
     doc = json.loads(index.read_text(encoding="utf-8"))
     suites: list[ExampleSuite] = []
     for s in doc["suites"]:
@@ -81,7 +82,7 @@ def load_examples(index: Path = INDEX) -> list[ExampleSuite]:
             reference_id=s["reference"],
             atol=float(s["atol"]),
             rtol=float(s["rtol"]),
-            kernels=[_kernel(k) for k in s["kernels"]],
+            kernels=[_kernel(k, index.parent) for k in s["kernels"]],
         )
         suite.kernel(suite.reference_id)  # the reference must be one of the suite's kernels
         suites.append(suite)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -92,18 +92,22 @@ def _buffer(arg: BufferArg, rng: np.random.Generator) -> np.ndarray:
     if arg.dtype == "bool":
         return rng.integers(0, 2, size=shape).astype(np.bool_)
     if is_float(arg.dtype):
+        # Drawn at the precision they are stored in (below float64, float32 draws): a float64 draw then a cast
+        # costs ten times as much, and input generation is charged time on large workloads.
+        draw = np.float64 if arg.dtype == "float64" else np.float32
         if arg.init == "random_normal":
-            values = rng.standard_normal(size=shape)
+            values = rng.standard_normal(size=shape, dtype=draw)
         else:
-            values = rng.random(size=shape)
+            values = rng.random(size=shape, dtype=draw)
         if arg.dtype == "bfloat16":
-            return float32_to_bfloat16_bits(values.astype(np.float32))
-        return values.astype(storage)
+            return float32_to_bfloat16_bits(values)
+        return values if values.dtype == storage else values.astype(storage)
     if arg.init == "random_normal":
         info = np.iinfo(arg.dtype)
-        ints = np.rint(rng.standard_normal(size=shape) * 8.0)
-        return np.clip(ints, info.min, info.max).astype(storage)
-    return rng.integers(0, _INT_HIGH, size=shape).astype(storage)
+        ints = np.rint(rng.standard_normal(size=shape, dtype=np.float32) * 8.0)
+        clipped: np.ndarray = np.clip(ints, info.min, info.max)
+        return clipped.astype(storage)
+    return rng.integers(0, _INT_HIGH, size=shape, dtype=storage)
 
 
 def scalar_param(arg: ScalarArg) -> int | float | bool:
@@ -177,6 +181,47 @@ def _fmt_index(flat: int, shape: Sequence[int]) -> str:
     return "[" + ", ".join(str(int(i)) for i in idx) + "]"
 
 
+# Buffers are compared a slice at a time: whole-array float64 temporaries of a 64M-element output cost
+# seconds of page faults (charged time, since the worker holds the device while it checks).
+_COMPARE_CHUNK = 1 << 20
+
+
+@dataclass
+class _Mismatches:
+    """Counts and first positions of each kind of disagreement, accumulated over slices."""
+
+    max_abs: float = 0.0
+    max_rel: float = 0.0
+    counts: dict[str, int] = field(default_factory=lambda: {"nan": 0, "inf": 0, "tol": 0})
+    first: dict[str, int] = field(default_factory=dict)
+
+    def add(self, kind: str, offset: int, where: np.ndarray) -> None:
+        if where.size:
+            self.counts[kind] += int(where.size)
+            self.first.setdefault(kind, offset + int(where[0]))
+
+
+def _compare_slice(
+    a: np.ndarray, b: np.ndarray, offset: int, atol: float, rtol: float, m: _Mismatches
+) -> None:
+    with np.errstate(invalid="ignore", over="ignore"):
+        diff = np.abs(a - b)
+        scale = np.abs(b)
+    finite = np.isfinite(a) & np.isfinite(b)
+    if not finite.all():
+        nan_a, nan_b = np.isnan(a), np.isnan(b)
+        m.add("nan", offset, np.flatnonzero(nan_a != nan_b))
+        inf_any = (np.isinf(a) | np.isinf(b)) & ~(nan_a | nan_b)
+        m.add("inf", offset, np.flatnonzero(inf_any & (a != b)))
+        diff[~finite] = 0.0
+        scale[~finite] = 0.0
+    if diff.size:
+        rel = np.divide(diff, scale, out=np.zeros_like(diff), where=scale > 0)
+        m.max_abs = max(m.max_abs, float(diff.max()))
+        m.max_rel = max(m.max_rel, float(rel.max()))
+    m.add("tol", offset, np.flatnonzero(diff > atol + rtol * scale))
+
+
 def compare_buffer(
     name: str, dtype: str, got: np.ndarray, want: np.ndarray, atol: float, rtol: float
 ) -> Comparison:
@@ -186,53 +231,32 @@ def compare_buffer(
         return Comparison(
             False, np.inf, np.inf, f"{name}: shape {got.shape} differs from reference {want.shape}"
         )
-    a = as_float64(got, dtype).ravel()
-    b = as_float64(want, dtype).ravel()
-    nan_a, nan_b = np.isnan(a), np.isnan(b)
-    finite = np.isfinite(a) & np.isfinite(b)
-    diff = np.zeros_like(a)
-    scale = np.zeros_like(b)
-    rel = np.zeros_like(a)
-    diff[finite] = np.abs(a[finite] - b[finite])
-    scale[finite] = np.abs(b[finite])
-    nonzero = finite & (scale > 0)
-    rel[nonzero] = diff[nonzero] / scale[nonzero]
-    max_abs = float(diff.max()) if diff.size else 0.0
-    max_rel = float(rel.max()) if rel.size else 0.0
-    shape = got.shape
-
-    bad_nan = np.flatnonzero(nan_a != nan_b)
-    if bad_nan.size:
-        i = int(bad_nan[0])
-        return Comparison(
-            False,
-            max_abs,
-            max_rel,
-            f"{name}{_fmt_index(i, shape)}: got {a[i]:.9g}, reference {b[i]:.9g} (NaN positions differ at "
-            f"{bad_nan.size} elements)",
-        )
-    inf_any = (np.isinf(a) | np.isinf(b)) & ~(nan_a | nan_b)
-    bad_inf = np.flatnonzero(inf_any & (a != b))
-    if bad_inf.size:
-        i = int(bad_inf[0])
-        return Comparison(
-            False,
-            max_abs,
-            max_rel,
-            f"{name}{_fmt_index(i, shape)}: got {a[i]:.9g}, reference {b[i]:.9g} (infinities differ at "
-            f"{bad_inf.size} elements)",
-        )
-    bad = np.flatnonzero(finite & (diff > atol + rtol * scale))
-    if bad.size:
-        i = int(bad[0])
-        return Comparison(
-            False,
-            max_abs,
-            max_rel,
-            f"{name}{_fmt_index(i, shape)}: got {a[i]:.9g}, reference {b[i]:.9g}; {bad.size} of {a.size} "
-            f"elements outside atol={atol:g} + rtol={rtol:g}*|reference|",
-        )
-    return Comparison(True, max_abs, max_rel)
+    flat_got, flat_want = np.ravel(got), np.ravel(want)
+    m = _Mismatches()
+    for lo in range(0, flat_got.size, _COMPARE_CHUNK):
+        hi = lo + _COMPARE_CHUNK
+        a = as_float64(flat_got[lo:hi], dtype)
+        b = as_float64(flat_want[lo:hi], dtype)
+        _compare_slice(a, b, lo, atol, rtol, m)
+    for kind, what in (
+        ("nan", "NaN positions differ at {n} elements"),
+        ("inf", "infinities differ at {n} elements"),
+        ("tol", "{n} of {size} elements outside atol={atol:g} + rtol={rtol:g}*|reference|"),
+    ):
+        if m.counts[kind]:
+            i = m.first[kind]
+            a_i = float(as_float64(flat_got[i : i + 1], dtype)[0])
+            b_i = float(as_float64(flat_want[i : i + 1], dtype)[0])
+            why = what.format(n=m.counts[kind], size=flat_got.size, atol=atol, rtol=rtol)
+            sep = "; " if kind == "tol" else " ("
+            end = "" if kind == "tol" else ")"
+            return Comparison(
+                False,
+                m.max_abs,
+                m.max_rel,
+                f"{name}{_fmt_index(i, got.shape)}: got {a_i:.9g}, reference {b_i:.9g}{sep}{why}{end}",
+            )
+    return Comparison(True, m.max_abs, m.max_rel)
 
 
 def compare_outputs(

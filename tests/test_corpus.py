@@ -1,0 +1,62 @@
+"""The different-kernels corpus (benchmarks/corpus): every index loads, and the H200 measurements of it turn
+into a pairs file the evaluation reads."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from forecaster_mcp.examples import load_examples
+from forecaster_mcp.forecast.evaluate import read_pairs_file
+
+ROOT = Path(__file__).resolve().parents[1]
+CORPUS = ROOT / "benchmarks" / "corpus"
+MEASURED = sorted((CORPUS / "measured").glob("*.jsonl"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from corpus_pairs import build_pairs  # noqa: E402
+
+
+def test_every_index_loads_with_one_reference_per_suite_and_unique_ids() -> None:
+    ids: list[str] = []
+    problems = sorted(CORPUS.glob("*.json"))
+    assert len(problems) >= 9
+    for index in problems:
+        suites = load_examples(index)
+        assert len(suites) == 2, f"{index.name}: two sizes per problem"
+        for suite in suites:
+            assert len(suite.kernels) >= 5
+            # Different kernels: each variant of a suite has its own source.
+            assert len({ex.kernel.source_hash() for ex in suite.kernels}) >= len(suite.kernels) - 1
+            ids += [str(ex.kernel.id) for ex in suite.kernels]
+    assert len(ids) == len(set(ids))
+
+
+@pytest.mark.skipif(not MEASURED, reason="no measured corpus file")
+def test_measured_rows_build_pairs_with_the_measured_ratio(tmp_path: Path) -> None:
+    rows = [json.loads(line) for line in MEASURED[0].read_text().splitlines() if line.strip()]
+    known = {str(ex.kernel.id) for p in CORPUS.glob("*.json") for s in load_examples(p) for ex in s.kernels}
+    assert {r["id"] for r in rows} <= known
+    ok = [r for r in rows if r["result"]["status"] == "ok"]
+    assert len(ok) >= 90
+    pairs = build_pairs(rows, CORPUS, seed=0)
+    by_suite: dict[str, int] = {}
+    for r in ok:
+        by_suite[r["suite"]] = by_suite.get(r["suite"], 0) + 1
+    assert len(pairs) == sum(n * (n - 1) // 2 for n in by_suite.values())
+    median = {r["id"]: r["result"]["runtime_ms"]["median"] for r in ok}
+    first = pairs[0]
+    a, b = first["id"].split(":")[1].split("->")
+    assert first["speedup"] == pytest.approx(median[a] / median[b])
+    # Orientation is drawn, not "reference first": both directions occur.
+    assert 0.3 < sum(p["speedup"] > 1 for p in pairs) / len(pairs) < 0.7
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    parsed = read_pairs_file(path)
+    assert len(parsed.pairs) == len(pairs)
+    assert all(p.baseline.source and p.candidate.source for p in parsed.pairs)
+    assert all(math.isfinite(p.speedup) for p in parsed.pairs)
