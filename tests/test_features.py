@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from forecaster_mcp.forecast.features import (
+    FITTED_TERMS,
     MAX_SHIFT_LOG2,
+    MAX_TOTAL_SHIFT_LOG2,
     PRIOR_SD_LOG2,
     kernel_features,
     preprocess,
@@ -112,20 +114,95 @@ def test_kernel_features_use_the_spec_only_when_known() -> None:
     assert unknown.threads_per_block == 256
 
 
-def test_prior_is_neutral_without_differences_and_mild_with_them() -> None:
+def test_prior_is_neutral_without_differences_hand_terms_mild_fitted_terms_capped() -> None:
     plain = Kernel(source="__global__ void k(float* a) { a[threadIdx.x] *= 2.0f; }", entry="k")
     same = prior_shift(kernel_features(plain, None, None), kernel_features(plain, None, None))
     assert same.mean_log2 == 0.0 and same.sd_log2 == PRIOR_SD_LOG2 and same.reasons == []
+
+    tensor = Kernel(source="__global__ void k(float* a) { wmma::mma_sync(c, x, y, c); }", entry="k")
+    hand = prior_shift(kernel_features(plain, None, None), kernel_features(tensor, None, None))
+    assert 0 < hand.mean_log2 <= MAX_SHIFT_LOG2  # hand-set heuristics stay mild
+    assert any("tensor cores" in r for r in hand.reasons)
 
     fancy = Kernel(
         source="__global__ void k(float4* a) { float4 v = a[threadIdx.x]; wmma::mma_sync(c, x, y, c); }",
         entry="k",
     )
     better = prior_shift(kernel_features(plain, None, None), kernel_features(fancy, None, None))
-    assert 0 < better.mean_log2 <= MAX_SHIFT_LOG2
-    assert any("tensor cores" in r for r in better.reasons)
+    weights = {name: w for name, w, _ in FITTED_TERMS}
+    assert better.mean_log2 == pytest.approx(hand.mean_log2 + weights["vector_types"])
     worse = prior_shift(kernel_features(fancy, None, None), kernel_features(plain, None, None))
     assert worse.mean_log2 == pytest.approx(-better.mean_log2)
+
+    # Every fitted term pointing the same way is still capped.
+    a = Kernel(source=STRIDED_ROW + PER_ELEMENT_ATOMIC, entry="k")
+    b = Kernel(source=WARP_ROW + "__shared__ float t[32]; __syncthreads(); float4 v;", entry="k")
+    capped = prior_shift(kernel_features(a, None, None), kernel_features(b, None, None))
+    assert capped.mean_log2 == MAX_TOTAL_SHIFT_LOG2
+
+
+STRIDED_ROW = """
+__global__ void rows(const float* A, float* y, int M, int N) {
+    int row = blockIdx.x * blockDim.x + threadIdx.x;
+    if (row < M) { const float* a = A + (size_t)row * N; float s = 0; for (int j = 0; j < N; ++j) s += a[j]; y[row] = s; }
+}
+"""
+WARP_ROW = """
+__global__ void rows(const float* A, float* y, int M, int N) {
+    int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    int lane = threadIdx.x % 32;
+    const float* a = A + (size_t)warp * N;
+    float s = 0; for (int j = lane; j < N; j += 32) s += a[j];
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_down_sync(0xffffffff, s, o);
+    if (lane == 0) y[warp] = s;
+}
+"""
+PER_ELEMENT_ATOMIC = """
+__global__ void hist(const int* d, int* h, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) atomicAdd(&h[d[i]], 1);
+}
+"""
+PRIVATISED_ATOMICS = """
+#define BINS 64
+__global__ void hist(const int* d, int* h, int n) {
+    __shared__ int sh[BINS];
+    int* mine = sh;
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) atomicAdd(&mine[d[i]], 1);
+    __syncthreads();
+    for (int b = threadIdx.x; b < BINS; b += blockDim.x) {
+        atomicAdd(&h[b], sh[b]);
+    }
+    if (threadIdx.x == 0) atomicAdd(&h[0], 0);
+}
+"""
+
+
+@pytest.mark.parametrize(
+    ("source", "strided", "atomics"),
+    [
+        (STRIDED_ROW, 1, 0),
+        (WARP_ROW, 0, 0),  # a warp index (x / 32) times N is the same row for the whole warp: coalesced
+        (
+            "__global__ void t(const float* in, float* out, int n) { int x = blockIdx.x * 32 + threadIdx.x; "
+            "int y = blockIdx.y; out[x * n + y] = in[y * n + x]; }",
+            1,
+            0,
+        ),
+        (
+            "#define TILE 32\n__global__ void t(float* a) { __shared__ float s[TILE * TILE]; "
+            "s[threadIdx.x * TILE] = a[blockIdx.x * blockDim.x + threadIdx.x]; }",
+            0,
+            0,
+        ),
+        (PER_ELEMENT_ATOMIC, 0, 1),
+        (PRIVATISED_ATOMICS, 0, 0),
+    ],
+)
+def test_access_pattern_passes(source: str, strided: int, atomics: int) -> None:
+    f = source_features(source, {})
+    assert (f.strided_access, f.thread_atomics) == (strided, atomics)
 
 
 # ---------------------------------------------------------------- ptxas
