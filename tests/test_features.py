@@ -139,6 +139,7 @@ def test_prior_is_neutral_without_differences_hand_terms_mild_fitted_terms_cappe
     b = Kernel(source=WARP_ROW + "__shared__ float t[32]; __syncthreads(); float4 v;", entry="k")
     capped = prior_shift(kernel_features(a, None, None), kernel_features(b, None, None))
     assert capped.mean_log2 == MAX_TOTAL_SHIFT_LOG2
+    assert capped.reasons[0].startswith("one global atomic per element")  # largest contribution first
 
 
 STRIDED_ROW = """

@@ -469,13 +469,13 @@ def _presence(a: int, b: int) -> int:
 def prior_shift(baseline: StaticFeatures, candidate: StaticFeatures) -> PriorShift:
     """A shift in log2 speedup from feature differences, with a wide spread (see module doc and FITTED_TERMS)."""
     shift = 0.0
-    reasons: list[str] = []
+    terms: list[tuple[float, str]] = []
 
     def add(value: float, why: str) -> None:
         nonlocal shift
         if value != 0.0:
             shift += value
-            reasons.append(f"{why} ({'+' if value > 0 else '-'})")
+            terms.append((value, f"{why} ({'+' if value > 0 else '-'})"))
 
     a, b = baseline, candidate
     if a.spill_bytes is not None and b.spill_bytes is not None and a.spill_bytes != b.spill_bytes:
@@ -505,4 +505,6 @@ def prior_shift(baseline: StaticFeatures, candidate: StaticFeatures) -> PriorShi
     for name, weight, why in FITTED_TERMS:
         add(weight * _presence(counts_a[name], counts_b[name]), why)
     shift = max(-MAX_TOTAL_SHIFT_LOG2, min(MAX_TOTAL_SHIFT_LOG2, shift))
+    # Largest contributions first: a rationale shows only the first few.
+    reasons = [why for _, why in sorted(terms, key=lambda t: -abs(t[0]))]
     return PriorShift(shift, PRIOR_SD_LOG2, reasons)
