@@ -226,12 +226,12 @@ def _lane_fast_variables(text: str) -> set[str]:
     return fast
 
 
-def _strided_accesses(text: str) -> int:
+def _strided_accesses(text: str, shared: set[str]) -> int:
     """Products of a lane-fast index with a run-time size (`row * N`, `(size_t)x * n`) outside shared-memory
     subscripts: neighbouring threads then touch addresses a whole row apart (uncoalesced global access).
-    Products with literals or ALL-CAPS constants (tile widths) are left out: those are tiles, not rows."""
+    Products with literals or ALL-CAPS constants (tile widths) are left out: those are tiles, not rows.
+    `shared`: the shared arrays and their aliases (`_shared_names`)."""
     fast = _lane_fast_variables(text)
-    shared = _shared_names(text)
     alt = "|".join(re.escape(n) for n in sorted(fast | {"threadIdx.x"}, key=len, reverse=True))
     fast_times = re.compile(rf"{_CAST}\b(?:{alt})\b\s*\)?\s*\*\s*\(?\s*{_CAST}([A-Za-z_]\w*)")
     times_fast = re.compile(rf"\b([A-Za-z_]\w*)\s*\)?\s*\*\s*\(?\s*{_CAST}\b(?:{alt})\b")
@@ -270,11 +270,10 @@ def _shared_names(text: str) -> set[str]:
     return shared
 
 
-def _thread_atomics(text: str) -> int:
+def _thread_atomics(text: str, shared: set[str]) -> int:
     """Atomics on global memory issued once per element: not on a shared array, not under a one-thread guard
     such as `if (lane == 0)` (same or two lines before), not merging a shared-memory partial (`hist[b] +=
     sh[b]`), not in a loop over a fixed small range (`for (b = tid; b < BINS; ...)`, a per-bin merge)."""
-    shared = _shared_names(text)
     reads_shared = re.compile(r"\b(?:" + "|".join(map(re.escape, shared)) + r")\s*\[") if shared else None
     lines = text.splitlines()
     count = 0
@@ -320,8 +319,12 @@ def source_features(source: str, defines: dict[str, Any]) -> SourceFeatures:
     text = preprocess(source, defines)
     counts = {name: len(p.findall(text)) for name, p in _PATTERNS.items()}
     lines = sum(1 for line in text.splitlines() if line.strip())
+    shared = _shared_names(text)
     return SourceFeatures(
-        lines=lines, strided_access=_strided_accesses(text), thread_atomics=_thread_atomics(text), **counts
+        lines=lines,
+        strided_access=_strided_accesses(text, shared),
+        thread_atomics=_thread_atomics(text, shared),
+        **counts,
     )
 
 

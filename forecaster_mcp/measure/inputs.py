@@ -215,10 +215,9 @@ def _compare_slice(
         m.add("inf", offset, np.flatnonzero(inf_any & (a != b)))
         diff[~finite] = 0.0
         scale[~finite] = 0.0
-    if diff.size:
-        rel = np.divide(diff, scale, out=np.zeros_like(diff), where=scale > 0)
-        m.max_abs = max(m.max_abs, float(diff.max()))
-        m.max_rel = max(m.max_rel, float(rel.max()))
+    rel = np.divide(diff, scale, out=np.zeros_like(diff), where=scale > 0)
+    m.max_abs = max(m.max_abs, float(diff.max()))  # slices are never empty
+    m.max_rel = max(m.max_rel, float(rel.max()))
     m.add("tol", offset, np.flatnonzero(diff > atol + rtol * scale))
 
 
@@ -238,23 +237,21 @@ def compare_buffer(
         a = as_float64(flat_got[lo:hi], dtype)
         b = as_float64(flat_want[lo:hi], dtype)
         _compare_slice(a, b, lo, atol, rtol, m)
-    for kind, what in (
-        ("nan", "NaN positions differ at {n} elements"),
-        ("inf", "infinities differ at {n} elements"),
-        ("tol", "{n} of {size} elements outside atol={atol:g} + rtol={rtol:g}*|reference|"),
+    for kind, why in (
+        ("nan", " (NaN positions differ at {n} elements)"),
+        ("inf", " (infinities differ at {n} elements)"),
+        ("tol", "; {n} of {size} elements outside atol={atol:g} + rtol={rtol:g}*|reference|"),
     ):
         if m.counts[kind]:
             i = m.first[kind]
             a_i = float(as_float64(flat_got[i : i + 1], dtype)[0])
             b_i = float(as_float64(flat_want[i : i + 1], dtype)[0])
-            why = what.format(n=m.counts[kind], size=flat_got.size, atol=atol, rtol=rtol)
-            sep = "; " if kind == "tol" else " ("
-            end = "" if kind == "tol" else ")"
             return Comparison(
                 False,
                 m.max_abs,
                 m.max_rel,
-                f"{name}{_fmt_index(i, got.shape)}: got {a_i:.9g}, reference {b_i:.9g}{sep}{why}{end}",
+                f"{name}{_fmt_index(i, got.shape)}: got {a_i:.9g}, reference {b_i:.9g}"
+                + why.format(n=m.counts[kind], size=flat_got.size, atol=atol, rtol=rtol),
             )
     return Comparison(True, m.max_abs, m.max_rel)
 
