@@ -68,8 +68,8 @@ def test_measured_rows_build_pairs_with_the_measured_ratio(tmp_path: Path) -> No
 def test_static_prior_on_the_measured_different_kernel_pairs(tmp_path: Path) -> None:
     """`forecaster-mcp eval` end to end on the H200 corpus pairs, local forecaster, no history.
 
-    In-sample: FITTED_TERMS were fitted on these pairs (leaving each problem out gave accuracy 0.76 and 27%
-    decided, none wrong). This guards the prior and the eval path against regressions; it is not the estimate
+    In-sample: FITTED_TERMS were fitted on these pairs (leaving each problem out gives accuracy 0.78 and 25%
+    decided, none wrong; benchmarks/corpus_lopo.py). This guards the prior and the eval path against regressions; it is not the estimate
     for unseen kernels. The old hand-set prior scored 0.73 here and decided nothing."""
     rows = [json.loads(line) for line in MEASURED[0].read_text().splitlines() if line.strip()]
     pairs = tmp_path / "pairs.jsonl"

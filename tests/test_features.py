@@ -114,6 +114,30 @@ def test_kernel_features_use_the_spec_only_when_known() -> None:
     assert unknown.threads_per_block == 256
 
 
+def test_sm_utilisation_counts_idle_sms_below_one_wave_and_the_tail_above() -> None:
+    """A grid-stride launch of two blocks per SM keeps every SM busy (it was scored as a quarter-full wave and
+    lost 0.8 log2 to a launch of a million blocks, the opposite of what the H200 measured); fewer blocks than
+    SMs leave SMs idle; past one wave the partial last wave is the loss."""
+    spec = lookup("H200")
+    assert spec is not None
+
+    def util(blocks: int) -> float:
+        k = Kernel(source=TILED, entry="mm", launch=Launch(grid=[blocks, 1, 1], block=[256, 1, 1]))
+        f = kernel_features(k, None, spec)
+        assert f.blocks_per_sm == 8 and f.sm_utilisation is not None  # 256 threads, no registers known
+        return f.sm_utilisation
+
+    assert util(2 * spec.sms) == 1.0  # a quarter of the block slots, every SM busy
+    assert util(spec.sms // 2) == pytest.approx(0.5, abs=0.01)  # half the SMs idle
+    one_wave = 8 * spec.sms
+    assert util(one_wave) == 1.0
+    assert util(one_wave + spec.sms) == pytest.approx((9 / 8) / 2)  # a second wave one-eighth full
+    gridstride = Kernel(source=TILED, entry="mm", launch=Launch(grid=[2 * spec.sms, 1, 1], block=[256, 1, 1]))
+    many = Kernel(source=TILED, entry="mm", launch=Launch(grid=[1 << 20, 1, 1], block=[256, 1, 1]))
+    shift = prior_shift(kernel_features(many, None, spec), kernel_features(gridstride, None, spec))
+    assert abs(shift.mean_log2) < 0.05
+
+
 def test_prior_is_neutral_without_differences_hand_terms_mild_fitted_terms_capped() -> None:
     plain = Kernel(source="__global__ void k(float* a) { a[threadIdx.x] *= 2.0f; }", entry="k")
     same = prior_shift(kernel_features(plain, None, None), kernel_features(plain, None, None))
