@@ -13,7 +13,6 @@ figures do not depend on the nvcc of the machine running this. Also prints the w
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from corpus_pairs import build_pairs  # noqa: E402
+from corpus_pairs import build_pairs, read_measured  # noqa: E402
 
 from forecaster_mcp.forecast import features, metrics  # noqa: E402
 from forecaster_mcp.forecast.ptxas import PtxasEntry  # noqa: E402
@@ -89,7 +88,7 @@ def main() -> int:
     ap.add_argument("--lam", type=float, default=3.0, help="ridge penalty")
     ap.add_argument("--threshold", type=float, default=0.95)
     args = ap.parse_args()
-    rows = [json.loads(line) for line in args.measured.read_text().splitlines() if line.strip()]
+    rows = read_measured(args.measured)
     pairs = build_pairs(rows, args.corpus, seed=0)
     x, rest, y, groups = design(rows, pairs)
     mu, sd = np.zeros_like(y), np.zeros_like(y)

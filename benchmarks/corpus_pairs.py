@@ -24,6 +24,19 @@ sys.path.insert(0, str(ROOT))
 from forecaster_mcp.examples import load_examples  # noqa: E402
 
 
+def read_measured(path: Path) -> list[dict[str, Any]]:
+    """The lines `measure_corpus.py` wrote; a one-line exit for a missing or malformed file."""
+    try:
+        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except OSError as e:
+        raise SystemExit(f"cannot read {path}: {e.strerror}; pass the .jsonl measure_corpus.py wrote") from e
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"{path} is not JSON lines ({e}); pass the .jsonl measure_corpus.py wrote") from e
+    if not all(isinstance(r, dict) and "result" in r and "suite" in r for r in rows):
+        raise SystemExit(f"{path} holds no measure_corpus.py lines (each needs 'suite' and 'result')")
+    return rows
+
+
 def build_pairs(rows: list[dict[str, Any]], corpus: Path, seed: int = 0) -> list[dict[str, Any]]:
     sources = {
         ex.kernel.id: ex.kernel.source
@@ -63,7 +76,7 @@ def main() -> int:
     ap.add_argument("--corpus", type=Path, default=ROOT / "benchmarks" / "corpus")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    rows = [json.loads(line) for line in args.measured.read_text().splitlines() if line.strip()]
+    rows = read_measured(args.measured)
     pairs = build_pairs(rows, args.corpus, args.seed)
     args.out.write_text("".join(json.dumps(p) + "\n" for p in pairs))
     print(f"{len(pairs)} pairs from {len(rows)} measured kernels -> {args.out}")
