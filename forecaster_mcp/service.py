@@ -212,6 +212,12 @@ class Service:
         queries = [p.query for p in pairs if p.query is not None]
         forecasts = await self.engine.forecast(queries) if queries else []
         choice = await self.engine.threshold(hw.name, target) if queries else None
+        # Forecasts made from static priors alone have their own verified history, hence their own threshold.
+        prior_choice = (
+            await self.engine.threshold(hw.name, target, static_prior=True)
+            if any(f.static_prior for f in forecasts)
+            else None
+        )
         from forecaster_mcp.forecast.selective import decide
 
         results: dict[str, CandidateForecast] = {}
@@ -224,7 +230,8 @@ class Service:
                 continue
             f = next(it)
             fc_by_id[cid] = f
-            verdict = decide(f.p_faster, choice.threshold) if choice is not None else "unsure"
+            regime_choice = prior_choice if f.static_prior else choice
+            verdict = decide(f.p_faster, regime_choice.threshold) if regime_choice is not None else "unsure"
             results[cid] = CandidateForecast(
                 id=cid,
                 p_faster=f.p_faster,
@@ -239,8 +246,9 @@ class Service:
 
         measure_next = self._measure_next(base, runtimes, results, fc_by_id)
         notes = list(hw.notes)
-        if choice is not None:
-            notes.append(f"verdicts decided at confidence >= {choice.threshold:.3f} ({choice.reason})")
+        for c in (choice if not all(f.static_prior for f in forecasts) else None, prior_choice):
+            if c is not None:
+                notes.append(f"verdicts decided at confidence >= {c.threshold:.3f} ({c.reason})")
         measurements: list[MeasureResult] = []
         charged = 0.0
         unsure = [i for i in measure_next if i != base.id and results[i].verdict == "unsure"]
@@ -329,7 +337,8 @@ class Service:
                 continue
             row = ForecastRow(
                 ledger=ledger,
-                forecaster=name,
+                # Static-prior forecasts are stored apart: they certify their own threshold.
+                forecaster=self.engine.final_name(fc_by_id[str(k.id)]),
                 hardware=hardware,
                 workload_key=wkey,
                 baseline_key=base.content_key(),

@@ -87,7 +87,14 @@ def test_info_names_the_combination() -> None:
     info = engine.info()
     assert info.name == "local+claude"
     assert info.components == ["local@0", "claude@0"]
-    assert engine.row_names() == ["local+claude", "raw:local", "raw:claude"]
+    assert engine.row_names() == [
+        "local+claude",
+        "local+claude:prior",
+        "raw:local",
+        "raw:local:prior",
+        "raw:claude",
+        "raw:claude:prior",
+    ]
     assert ForecastEngine([_scripted("local")]).info().name == "local"
     with pytest.raises(ValueError):
         ForecastEngine([_scripted("x"), _scripted("x")])
@@ -199,6 +206,55 @@ async def test_calibration_is_fitted_from_the_store_and_persisted() -> None:
     [g] = await again.forecast([_query()])
     assert g.p_faster == pytest.approx(f.p_faster)
     assert store.saves == []
+
+
+@pytest.mark.anyio
+async def test_static_prior_answers_are_calibrated_and_decided_apart_from_model_answers() -> None:
+    """A family model's verified history says nothing about the static prior's answers (two different
+    kernels): it must neither recalibrate them nor lower the threshold they are decided at."""
+    store = FakeStore()
+    rng = np.random.default_rng(3)
+    _overconfident_history(store, "local", 400, rng)  # model answers: 0.95 claimed, 70% right
+    for i in range(300):  # final forecasts at 0.9, right 99%: certifies 0.9
+        store.add("local", "A100", _bins_with(0.9), 0.5 if i % 100 == 0 else 2.0)
+    local = _scripted("local")
+    local.enqueue(
+        BinForecast(_bins_with(0.95), "family model"),
+        BinForecast(_bins_with(0.95), "static prior", {"prior": 1.0}),
+    )
+    engine = ForecastEngine([local], store)
+    model, prior = await engine.forecast([_query(0), _query(1)])
+    assert 0.6 < model.p_faster < 0.8  # recalibrated on the model's verified answers
+    assert prior.p_faster == pytest.approx(0.95)  # its own slot has no history: left as it is
+    assert prior.static_prior and not model.static_prior
+    assert list(model.per_forecaster) == ["raw:local"] and list(prior.per_forecaster) == ["raw:local:prior"]
+    choice = await engine.threshold("A100", 0.1)
+    assert choice.source == "history" and choice.threshold == pytest.approx(0.9)
+    prior_choice = await engine.threshold("A100", 0.1, static_prior=True)
+    assert prior_choice.source == "default" and prior_choice.threshold == pytest.approx(0.95)
+    assert "static prior" in prior_choice.reason
+    assert engine.final_name(model) == "local" and engine.final_name(prior) == "local:prior"
+
+    # The prior's own verified answers calibrate its slot (persisted apart).
+    _overconfident_history(store, "local:prior", 400, rng)
+    engine.mark_stale()
+    local.enqueue(BinForecast(_bins_with(0.95), "static prior", {"prior": 1.0}))
+    [again] = await engine.forecast([_query(2)])
+    assert 0.6 < again.p_faster < 0.8
+    assert json.loads(store.states[("local:prior", "*")])["n_rows"] == 400
+    assert json.loads(store.states[("local", "*")])["n_rows"] == 400
+    # ... and the prior's own verified final forecasts certify its threshold.
+    for i in range(300):
+        store.add("local:prior", "A100", _bins_with(0.85), 0.5 if i % 100 == 0 else 2.0)
+    engine.mark_stale()
+    assert (await engine.threshold("A100", 0.1, static_prior=True)).threshold == pytest.approx(0.85)
+    assert (await engine.threshold("A100", 0.1)).threshold == pytest.approx(0.9)
+
+    # Evaluation: in-memory fits route each outcome to its answer's slot.
+    fresh = ForecastEngine([_scripted("local")])
+    fresh.fit([prior.outcome("A100", 2.0 if i % 10 else 0.5) for i in range(200)])
+    assert bins.p_faster(fresh.combine_raw(prior.raw, "A100", prior.slots)) > 0.9  # 90% right: kept sharp
+    assert bins.p_faster(fresh.combine_raw(model.raw, "A100", model.slots)) == pytest.approx(0.95)
 
 
 @pytest.mark.anyio

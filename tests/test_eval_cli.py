@@ -83,6 +83,9 @@ def test_eval_writes_metrics_predictions_and_plots(
     assert set(report["thresholds"]) == {canonical_name("A100"), canonical_name("H100")}
     for choice in report["thresholds"].values():
         assert choice["source"] == "default" and choice["threshold"] == pytest.approx(0.9)
+    # No history: every forecast came from the static prior, which has its own (default) threshold per GPU.
+    assert set(report["thresholds_static_prior"]) == set(report["thresholds"])
+    assert all("static prior" in c["reason"] for c in report["thresholds_static_prior"].values())
     assert report["components"]["local"]["n_answered"] == 6
 
     # The metrics agree with the per-pair predictions written beside them.

@@ -242,3 +242,19 @@ async def test_resource_lists_gpu_specs_and_prompt_teaches_workflow(tmp_path: Pa
         assert [p.name for p in prompts] == ["forecast_first"]
         text = (await client.get_prompt("forecast_first")).messages[0].content
         assert "measure_next" in getattr(text, "text", "")
+
+
+async def test_static_prior_forecasts_are_stored_and_thresholded_apart(
+    tmp_path: Path, conv_a100: Path
+) -> None:
+    """Before a family has measurements its forecasts come from the static prior: they are stored under
+    their own names (their own calibration and threshold history) and still count in budget_status."""
+    async with running(tmp_path, [conv_a100]) as (client, service):
+        out = await call(client, "compare_kernels", {"candidates": [conv("a", FAST), conv("b", SLOW)]})
+        assert any("(static prior)" in n and n.startswith("verdicts decided at") for n in out["notes"])
+        await call(client, "measure_kernel", {"kernel": conv("a", FAST)})
+        await call(client, "measure_kernel", {"kernel": conv("b", SLOW)})
+        verified = await service.store.verified_pairs()
+        assert sorted(v.forecaster for v in verified) == ["local:prior", "raw:local:prior"]
+        status = await call(client, "budget_status", {})
+        assert status["calibration"]["verified_pairs"] == 1

@@ -3,12 +3,18 @@
 Rows the server stores (ForecastRow.forecaster names), and what the engine reads back:
 - `info().name` (e.g. "local" or "local+claude"): the engine's final, calibrated and combined forecast as
   it was issued. Its verified pairs choose the selective threshold (a forecast made before its outcome was
-  known is an honest sample of the policy's error).
+  known is an honest sample of the policy's error). `<info().name>:prior`: the same for forecasts every
+  component made from a static prior; they choose the threshold of such forecasts (`final_name`).
 - `raw:<component>` (e.g. "raw:local", "raw:claude"): each component's uncalibrated forecast, the keys of
   `EngineForecast.per_forecaster`. Their verified pairs fit that component's calibration and, joined on
   (hardware, measured speedup), the combination weights.
-Calibration state is persisted with `save_calibration(<component>, "*")` and, with several components,
-`save_calibration(info().name, "*")` for the combiner.
+- `raw:<component>:prior`: a component's answers from a static prior instead of a model of measured data
+  (the local forecaster on two different kernels, or a family with too few measurements; `extras["prior"]`).
+  They are calibrated apart: a calibration learned on a family model's verified pairs says nothing about the
+  prior's, and the other way round; likewise a threshold certified on the family model's history does not
+  certify the prior's forecasts, which have their own.
+Calibration state is persisted with `save_calibration(<slot>, "*")` for every slot (`<component>` and
+`<component>:prior`) and, with several components, `save_calibration(info().name, "*")` for the combiner.
 """
 
 from __future__ import annotations
@@ -43,9 +49,17 @@ STATE_VERSION = 1
 _EMPTY = np.zeros(0)
 
 
+PRIOR_SUFFIX = ":prior"
+
+
 def raw_name(component: str) -> str:
-    """The forecaster name under which a component's uncalibrated forecasts are stored."""
+    """The forecaster name under which a component's (or slot's) uncalibrated forecasts are stored."""
     return RAW_PREFIX + component
+
+
+def slot_of(component: str, forecast: BinForecast) -> str:
+    """The calibration slot of one answer: the component, or `<component>:prior` for a static-prior answer."""
+    return component + PRIOR_SUFFIX if forecast.extras.get("prior", 0.0) >= 1.0 else component
 
 
 class CalibrationStore(Protocol):
@@ -67,6 +81,10 @@ class Outcome:
     hardware: str
     speedup: float
     raw: Mapping[str, Sequence[float]]
+    slots: Mapping[str, str] = field(default_factory=dict)  # component -> calibration slot (default: itself)
+
+    def slot(self, component: str) -> str:
+        return self.slots.get(component, component)
 
 
 @dataclass
@@ -84,8 +102,14 @@ class EngineForecast:
     # mu_log2 / sd_log2 / p_fail), and every component's under "<component>.<key>".
     extras: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
-    # Extra rows to store beside the final one: forecaster name ("raw:<component>") -> bins.
+    # Extra rows to store beside the final one: forecaster name ("raw:<slot>") -> bins.
     per_forecaster: dict[str, list[float]] = field(default_factory=dict)
+    slots: dict[str, str] = field(default_factory=dict)  # component -> calibration slot of its answer
+    static_prior: bool = False  # every component answered from a static prior
+
+    def outcome(self, hardware: str, speedup: float) -> Outcome:
+        """This forecast's raw answers as a verified outcome (evaluation)."""
+        return Outcome(hardware, speedup, dict(self.raw), dict(self.slots))
 
 
 def _is_tie(speedup: float) -> bool:
@@ -127,13 +151,15 @@ class ForecastEngine:
         self._delta = delta
         self._timeout_s = timeout_s
         self._clock = clock
-        self._calibrators: dict[str, Calibrator] = {n: Calibrator.identity() for n in names}
+        self._slots = [s for n in names for s in (n, n + PRIOR_SUFFIX)]
+        self._calibrators: dict[str, Calibrator] = {s: Calibrator.identity() for s in self._slots}
         self._combiner = Combiner.equal(names)
-        self._fit_counts: dict[str, int] = {}  # raw rows per component at the last calibration fit
+        self._fit_counts: dict[str, int] = {}  # raw rows per slot at the last calibration fit
         self._combiner_counts: dict[str, int] = {}
-        self._history: dict[str, tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]] = {}
-        self._history_count = -1
-        self._thresholds: dict[tuple[str, float], ThresholdChoice] = {}
+        # Verified final forecasts per regime (True: static prior), then per GPU and pooled.
+        self._history: dict[bool, dict[str, tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]]] = {}
+        self._history_count: dict[bool, int] = {}
+        self._thresholds: dict[tuple[str, float, bool], ThresholdChoice] = {}
         self._loaded = False
         self._stale = True
         self._fresh_until = -math.inf
@@ -154,7 +180,11 @@ class ForecastEngine:
 
     def row_names(self) -> list[str]:
         """Every forecaster name the engine reads verified pairs under."""
-        return [self.name, *(raw_name(n) for n in self._names)]
+        return [self.name, self.name + PRIOR_SUFFIX, *(raw_name(s) for s in self._slots)]
+
+    def final_name(self, forecast: EngineForecast) -> str:
+        """The forecaster name a final forecast is stored under (its regime's threshold history)."""
+        return self.name + PRIOR_SUFFIX if forecast.static_prior else self.name
 
     # ------------------------------------------------------------------ forecasting
 
@@ -207,7 +237,8 @@ class ForecastEngine:
                 notes=list(notes),
             )
         raw = {n: list(f.probs) for n, f in per.items()}
-        calibrated = {n: self._calibrators[n].probs(p, hardware) for n, p in raw.items()}
+        slots = {n: slot_of(n, f) for n, f in per.items()}
+        calibrated = {n: self._calibrators[slots[n]].probs(p, hardware) for n, p in raw.items()}
         probs = self._combiner.combine(calibrated)
         p = bins.p_faster(probs)
         if len(self._names) == 1:
@@ -230,42 +261,69 @@ class ForecastEngine:
             calibrated=calibrated,
             extras=extras,
             notes=list(notes),
-            per_forecaster={raw_name(n): v for n, v in raw.items()},
+            per_forecaster={raw_name(slots[n]): v for n, v in raw.items()},
+            slots=slots,
+            static_prior=all(s.endswith(PRIOR_SUFFIX) for s in slots.values()),
         )
 
-    def combine_raw(self, raw: Mapping[str, Sequence[float]], hardware: str) -> list[float]:
+    def combine_raw(
+        self, raw: Mapping[str, Sequence[float]], hardware: str, slots: Mapping[str, str] | None = None
+    ) -> list[float]:
         """The final bins the current calibration and combination give for components' raw bins."""
-        calibrated = {n: self._calibrators[n].probs(p, hardware) for n, p in raw.items()}
+        slots = slots or {}
+        calibrated = {n: self._calibrators[slots.get(n, n)].probs(p, hardware) for n, p in raw.items()}
         return self._combiner.combine(calibrated)
 
     # ------------------------------------------------------------------ selective threshold
 
-    async def threshold(self, hardware: str, target_error: float) -> ThresholdChoice:
-        """The confidence threshold for verdicts on this GPU (history of this GPU, else pooled over GPUs)."""
+    async def threshold(
+        self, hardware: str, target_error: float, static_prior: bool = False
+    ) -> ThresholdChoice:
+        """The confidence threshold for verdicts on this GPU (history of this GPU, else pooled over GPUs), for
+        model forecasts or, with `static_prior`, for forecasts made from static priors (their own history)."""
         await self._maybe_refresh()
-        key = (hardware, round(float(target_error), 9))
+        key = (hardware, round(float(target_error), 9), static_prior)
         cached = self._thresholds.get(key)
         if cached is not None:
             return cached
-        conf, correct = self._history.get(hardware, (_EMPTY, _EMPTY))
-        pooled = self._history.get(POOLED, (_EMPTY, _EMPTY))
+        history = self._history.get(static_prior, {})
+        conf, correct = history.get(hardware, (_EMPTY, _EMPTY))
+        pooled = history.get(POOLED, (_EMPTY, _EMPTY))
+        who = self.name + (" (static prior)" if static_prior else "")
         if conf.size < default_min_history(target_error, self._delta) and pooled[0].size > conf.size:
             choice = choose_threshold(pooled[0], pooled[1], target_error, self._delta)
-            choice = replace(choice, reason=f"{self.name}, pooled over GPUs: {choice.reason}")
+            choice = replace(choice, reason=f"{who}, pooled over GPUs: {choice.reason}")
         else:
             choice = choose_threshold(conf, correct, target_error, self._delta)
-            choice = replace(choice, reason=f"{self.name} on {hardware}: {choice.reason}")
+            choice = replace(choice, reason=f"{who} on {hardware}: {choice.reason}")
         self._thresholds[key] = choice
         return choice
 
     def set_history(
-        self, hardware: Sequence[str], p_faster: Sequence[float], speedups: Sequence[float]
+        self,
+        hardware: Sequence[str],
+        p_faster: Sequence[float],
+        speedups: Sequence[float],
+        static_prior: Sequence[bool] | None = None,
     ) -> None:
-        """Use these verified final forecasts for thresholds (evaluation; a store refresh replaces them)."""
-        if not (len(hardware) == len(p_faster) == len(speedups)):
-            raise ValueError("hardware, p_faster and speedups must have the same length")
+        """Use these verified final forecasts for thresholds (evaluation; a store refresh replaces them).
+        `static_prior[i]`: forecast i was made from static priors (default: none was)."""
+        flags = [False] * len(p_faster) if static_prior is None else list(static_prior)
+        if not (len(hardware) == len(p_faster) == len(speedups) == len(flags)):
+            raise ValueError("hardware, p_faster, speedups and static_prior must have the same length")
+        for regime in (False, True):
+            self._set_regime_history(
+                regime,
+                [
+                    (h, p, s)
+                    for h, p, s, f in zip(hardware, p_faster, speedups, flags, strict=True)
+                    if f == regime
+                ],
+            )
+
+    def _set_regime_history(self, regime: bool, rows: Sequence[tuple[str, float, float]]) -> None:
         by_hw: dict[str, tuple[list[float], list[float]]] = {}
-        for hw, p, s in zip(hardware, p_faster, speedups, strict=True):
+        for hw, p, s in rows:
             if _is_tie(s):
                 continue
             right = 0.5 if p == 0.5 else float((p > 0.5) == (s > 1.0))
@@ -273,38 +331,39 @@ class ForecastEngine:
                 conf_list, correct_list = by_hw.setdefault(key, ([], []))
                 conf_list.append(max(p, 1.0 - p))
                 correct_list.append(right)
-        self._history = {k: (np.array(c), np.array(r)) for k, (c, r) in by_hw.items()}
-        self._history_count = len(p_faster)
+        self._history[regime] = {k: (np.array(c), np.array(r)) for k, (c, r) in by_hw.items()}
+        self._history_count[regime] = len(rows)
         self._thresholds.clear()
 
     # ------------------------------------------------------------------ fitting
 
     def fit(self, outcomes: Sequence[Outcome]) -> None:
         """Fit every component's calibration and the combination weights from verified outcomes."""
-        by_name: dict[str, list[Outcome]] = {n: [] for n in self._names}
+        by_slot: dict[str, list[tuple[str, Outcome]]] = {s: [] for s in self._slots}
         for o in outcomes:
             for n in o.raw:
-                if n in by_name:
-                    by_name[n].append(o)
-        for n, rows in by_name.items():
-            self._calibrators[n] = self._fit_calibrator(n, rows)
+                if o.slot(n) in by_slot:
+                    by_slot[o.slot(n)].append((n, o))
+        for s, rows in by_slot.items():
+            self._calibrators[s] = self._fit_calibrator(rows)
         if len(self._names) > 1:
             self._combiner = self._fit_combiner([o for o in outcomes if all(n in o.raw for n in self._names)])
         self._thresholds.clear()
 
     @staticmethod
-    def _fit_calibrator(name: str, rows: Sequence[Outcome]) -> Calibrator:
-        scored = [o for o in rows if not _is_tie(o.speedup)]
+    def _fit_calibrator(rows: Sequence[tuple[str, Outcome]]) -> Calibrator:
+        """One slot's calibration from (component, outcome) rows."""
+        scored = [(n, o) for n, o in rows if not _is_tie(o.speedup)]
         return Calibrator.fit(
-            [bins.p_faster(o.raw[name]) for o in scored],
-            [o.speedup > 1.0 for o in scored],
-            [o.hardware for o in scored],
+            [bins.p_faster(o.raw[n]) for n, o in scored],
+            [o.speedup > 1.0 for _, o in scored],
+            [o.hardware for _, o in scored],
         )
 
     def _fit_combiner(self, joint: Sequence[Outcome]) -> Combiner:
         scored = [o for o in joint if not _is_tie(o.speedup)]
         p = [
-            [bins.p_faster(self._calibrators[n].probs(o.raw[n], o.hardware)) for n in self._names]
+            [bins.p_faster(self._calibrators[o.slot(n)].probs(o.raw[n], o.hardware)) for n in self._names]
             for o in scored
         ]
         return Combiner.fit(
@@ -339,27 +398,28 @@ class ForecastEngine:
             if not self._loaded:
                 await self._load(store)
                 self._loaded = True
-            rows = {n: await store.verified_pairs(forecaster=raw_name(n)) for n in self._names}
-            counts = {n: len(r) for n, r in rows.items()}
-            outcomes = {
-                n: [Outcome(v.hardware, v.actual_speedup, {n: v.probs}) for v in r] for n, r in rows.items()
-            }
-            for n in self._names:
-                if counts[n] != self._fit_counts.get(n):
-                    self._calibrators[n] = self._fit_calibrator(n, outcomes[n])
-                    self._fit_counts[n] = counts[n]
-                    await store.save_calibration(n, POOLED, self._calibration_state(n))
+            # Slot s of component n: its rows are "raw:<s>"; the component is s without the prior suffix.
+            rows = {s: await store.verified_pairs(forecaster=raw_name(s)) for s in self._slots}
+            for s in self._slots:
+                if len(rows[s]) != self._fit_counts.get(s):
+                    n = s.removesuffix(PRIOR_SUFFIX)
+                    self._calibrators[s] = self._fit_calibrator(
+                        [(n, Outcome(v.hardware, v.actual_speedup, {n: v.probs}, {n: s})) for v in rows[s]]
+                    )
+                    self._fit_counts[s] = len(rows[s])
+                    await store.save_calibration(s, POOLED, self._calibration_state(s))
+            # The combination weights are learned on the components' model answers (joined per pair).
+            counts = {n: len(rows[n]) for n in self._names}
             if len(self._names) > 1 and counts != self._combiner_counts:
                 self._combiner = self._fit_combiner(_join(rows, self._names))
                 self._combiner_counts = dict(counts)
                 await store.save_calibration(self.name, POOLED, self._combiner_state())
-            final = await store.verified_pairs(forecaster=self.name)
-            if len(final) != self._history_count:
-                self.set_history(
-                    [v.hardware for v in final],
-                    [v.p_faster for v in final],
-                    [v.actual_speedup for v in final],
-                )
+            for regime, name in ((False, self.name), (True, self.name + PRIOR_SUFFIX)):
+                final = await store.verified_pairs(forecaster=name)
+                if len(final) != self._history_count.get(regime):
+                    self._set_regime_history(
+                        regime, [(v.hardware, v.p_faster, v.actual_speedup) for v in final]
+                    )
             self._stale = False
             self._fresh_until = self._clock() + self._refresh_interval_s
 
@@ -387,7 +447,7 @@ class ForecastEngine:
 
     async def _load(self, store: CalibrationStore) -> None:
         """Start from the persisted state; an unreadable one is ignored and refitted from the pairs."""
-        for n in self._names:
+        for n in self._slots:
             text = await store.load_calibration(n, POOLED)
             if text is None:
                 continue

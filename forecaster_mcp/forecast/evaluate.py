@@ -274,6 +274,8 @@ class _Calibration:
     fit_outcomes: list[Any]
     history_hw: list[str]
     history_raw: list[dict[str, list[float]]]
+    history_slots: list[dict[str, str]]
+    history_static: list[bool]
     history_speedups: list[float]
     n_pairs: int
 
@@ -281,7 +283,7 @@ class _Calibration:
 async def _calibrate_phase(
     names: Sequence[str], settings: Settings, cal: PairsFile, ptxas: bool
 ) -> tuple[_Calibration, list[str]]:
-    from forecaster_mcp.forecast.engine import ForecastEngine, Outcome
+    from forecaster_mcp.forecast.engine import ForecastEngine
 
     forecasters = build_forecasters(
         names, settings, MemoryHistory(cal.history), ptxas=ptxas and _worth_compiling(cal)
@@ -289,18 +291,20 @@ async def _calibrate_phase(
     engine = ForecastEngine(forecasters, None)
     queries = _queries(cal.pairs)
     forecasts = await engine.forecast(queries)
-    fit, hw, raw, speedups = [], [], [], []
+    fit, hw, raw, slots, static, speedups = [], [], [], [], [], []
     for i, (q, p, f) in enumerate(zip(queries, cal.pairs, forecasts, strict=True)):
         if not f.raw:
             continue
         if i % 2 == 0:
-            fit.append(Outcome(q.hardware_name, p.speedup, dict(f.raw)))
+            fit.append(f.outcome(q.hardware_name, p.speedup))
         else:
             hw.append(q.hardware_name)
             raw.append(dict(f.raw))
+            slots.append(dict(f.slots))
+            static.append(f.static_prior)
             speedups.append(p.speedup)
     notes = sorted({n for f in forecasts for n in f.notes})
-    return _Calibration(fit, hw, raw, speedups, len(cal.pairs)), notes
+    return _Calibration(fit, hw, raw, slots, static, speedups, len(cal.pairs)), notes
 
 
 def _apply_calibration(engine: ForecastEngine, cal: _Calibration) -> None:
@@ -308,10 +312,10 @@ def _apply_calibration(engine: ForecastEngine, cal: _Calibration) -> None:
 
     engine.fit(cal.fit_outcomes)
     finals = [
-        bins.p_faster(engine.combine_raw(r, hw))
-        for r, hw in zip(cal.history_raw, cal.history_hw, strict=True)
+        bins.p_faster(engine.combine_raw(r, hw, sl))
+        for r, hw, sl in zip(cal.history_raw, cal.history_hw, cal.history_slots, strict=True)
     ]
-    engine.set_history(cal.history_hw, finals, cal.history_speedups)
+    engine.set_history(cal.history_hw, finals, cal.history_speedups, cal.history_static)
 
 
 # ---------------------------------------------------------------- the report
@@ -350,8 +354,9 @@ def print_table(report: dict[str, Any], out: TextIO) -> None:
     print(
         f"ties (|log2 S| <= log2 1.03) left out of direction metrics: {report['final']['n_ties']}", file=out
     )
-    for hw, choice in report["thresholds"].items():
-        print(f"threshold on {hw}: {choice['threshold']:.3f} ({choice['reason']})", file=out)
+    for key, label in (("thresholds", ""), ("thresholds_static_prior", " for static-prior forecasts")):
+        for hw, choice in report[key].items():
+            print(f"threshold on {hw}{label}: {choice['threshold']:.3f} ({choice['reason']})", file=out)
 
 
 def _finite(v: Any) -> Any:
@@ -375,7 +380,7 @@ async def _forecast_all(
     ForecastEngine,
     list[PairQuery],
     list[EngineForecast],
-    dict[str, ThresholdChoice],
+    dict[tuple[str, bool], ThresholdChoice],
     _Calibration | None,
     list[str],
 ]:
@@ -395,9 +400,10 @@ async def _forecast_all(
     queries = _queries(main.pairs)
     forecasts = await engine.forecast(queries)
     notes += sorted({n for f in forecasts for n in f.notes})
-    thresholds = {
-        hw: await engine.threshold(hw, target) for hw in dict.fromkeys(q.hardware_name for q in queries)
-    }
+    # Per GPU the model forecasts' threshold, and the static-prior forecasts' where any were made.
+    keys = [(q.hardware_name, False) for q in queries]
+    keys += [(q.hardware_name, True) for q, f in zip(queries, forecasts, strict=True) if f.static_prior]
+    thresholds = {k: await engine.threshold(k[0], target, static_prior=k[1]) for k in dict.fromkeys(keys)}
     return engine, queries, forecasts, thresholds, calibration, notes
 
 
@@ -433,7 +439,8 @@ def run_eval(
     final_probs = np.array([f.probs for f in forecasts])
     final = M.summarize(final_probs, speedups)
     verdicts = [
-        decide(f.p_faster, thresholds[hw].threshold) for f, hw in zip(forecasts, hardware, strict=True)
+        decide(f.p_faster, thresholds[(hw, f.static_prior)].threshold)
+        for f, hw in zip(forecasts, hardware, strict=True)
     ]
     d = M.decided_summary(verdicts, speedups)
     final.update(
@@ -462,8 +469,8 @@ def run_eval(
     final_label = f"{info.name} final" + (" (calibrated)" if calibration is not None else "")
     series[final_label] = ([f.p_faster for f in forecasts], speedups.tolist())
     by_hw: dict[str, Any] = {}
-    if len(thresholds) > 1:
-        for hw in thresholds:
+    if len({hw for hw, _ in thresholds}) > 1:
+        for hw in dict.fromkeys(hw for hw, _ in thresholds):
             idx = [i for i, h in enumerate(hardware) if h == hw]
             by_hw[hw] = M.summarize(final_probs[idx], speedups[idx])
 
@@ -499,7 +506,9 @@ def run_eval(
         "target_error": target,
         "delta": DELTA,
         "n_pairs": len(main.pairs),
-        "thresholds": {hw: c.to_dict() for hw, c in thresholds.items()},
+        # Per GPU: the threshold of model forecasts, and (when any were made) of static-prior forecasts.
+        "thresholds": {hw: c.to_dict() for (hw, prior), c in thresholds.items() if not prior},
+        "thresholds_static_prior": {hw: c.to_dict() for (hw, prior), c in thresholds.items() if prior},
         "final": final,
         "components": components,
         "by_hardware": by_hw,
