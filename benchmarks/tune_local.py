@@ -281,6 +281,10 @@ def _model_job(job: tuple[str, int, int, int]) -> dict[str, Any]:
         p = np.array([f.p_faster for f in fcs])
         probs = np.array([f.probs for f in fcs])
         s = np.array(speedups)
+        # Verdicts at the server's default threshold (no verified history yet): the honesty that matters.
+        d = metrics.decided_summary(
+            ["faster" if q >= 0.95 else "slower" if q <= 0.05 else "unsure" for q in p], s
+        )
         out[kind] = {
             "pairwise_accuracy": metrics.pairwise_accuracy(p, s),
             "ece": metrics.ece(p, s),
@@ -290,6 +294,8 @@ def _model_job(job: tuple[str, int, int, int]) -> dict[str, Any]:
             "overconfidence": float(np.mean(np.maximum(p, 1 - p)[~metrics.tie_mask(s)]))
             - metrics.pairwise_accuracy(p, s),
             "pairs": len(s),
+            "decided": d.coverage,
+            "decided_error": 0.0 if math.isnan(d.error) else d.error,
         }
     return out
 
@@ -313,9 +319,19 @@ def model_report(
             for kind in ("both_unmeasured", "vs_measured"):
                 row[kind] = {
                     m: statistics.fmean(r[kind][m] for r in rs if not math.isnan(r[kind][m]))
-                    for m in ("pairwise_accuracy", "ece", "brier", "bin_accuracy", "overconfidence")
-                }
-                pooled.setdefault((h, kind), []).append((row[kind]["pairwise_accuracy"], row[kind]["ece"]))
+                    for m in (
+                        "pairwise_accuracy", "ece", "brier", "bin_accuracy", "overconfidence", "decided",
+                        "decided_error",
+                    )
+                }  # fmt: skip
+                pooled.setdefault((h, kind), []).append(
+                    (
+                        row[kind]["pairwise_accuracy"],
+                        row[kind]["ece"],
+                        row[kind]["decided"],
+                        row[kind]["decided_error"],
+                    )
+                )
             table.setdefault(n, {})[h] = row
             a, b = row["both_unmeasured"], row["vs_measured"]
             print(
@@ -326,7 +342,8 @@ def model_report(
     for (h, kind), vals in sorted(pooled.items()):
         print(
             f"  mean over spaces, history {h:4d}, {kind:16s}: accuracy {statistics.fmean(v[0] for v in vals):.3f}"
-            f"  ECE {statistics.fmean(v[1] for v in vals):.3f}"
+            f"  ECE {statistics.fmean(v[1] for v in vals):.3f}  decided at 0.95 {statistics.fmean(v[2] for v in vals):.3f}"
+            f" (error among decided: mean {statistics.fmean(v[3] for v in vals):.3f}, worst space {max(v[3] for v in vals):.3f})"
         )
     return table
 
