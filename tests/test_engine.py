@@ -250,6 +250,14 @@ async def test_static_prior_answers_are_calibrated_and_decided_apart_from_model_
     assert (await engine.threshold("A100", 0.1, static_prior=True)).threshold == pytest.approx(0.85)
     assert (await engine.threshold("A100", 0.1)).threshold == pytest.approx(0.9)
 
+    # With a second forecaster the pair is still outside any family model: its threshold is the prior's.
+    other = _scripted("claude", _bins_with(0.9))
+    local.enqueue(BinForecast(_bins_with(0.95), "static prior", {"prior": 1.0}))
+    both = ForecastEngine([local, other])
+    [mixed] = await both.forecast([_query(3)])
+    assert mixed.static_prior and both.final_name(mixed) == "local+claude:prior"
+    assert set(mixed.per_forecaster) == {"raw:local:prior", "raw:claude"}
+
     # Evaluation: in-memory fits route each outcome to its answer's slot.
     fresh = ForecastEngine([_scripted("local")])
     fresh.fit([prior.outcome("A100", 2.0 if i % 10 else 0.5) for i in range(200)])

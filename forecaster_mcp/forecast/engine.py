@@ -3,8 +3,9 @@
 Rows the server stores (ForecastRow.forecaster names), and what the engine reads back:
 - `info().name` (e.g. "local" or "local+claude"): the engine's final, calibrated and combined forecast as
   it was issued. Its verified pairs choose the selective threshold (a forecast made before its outcome was
-  known is an honest sample of the policy's error). `<info().name>:prior`: the same for forecasts every
-  component made from a static prior; they choose the threshold of such forecasts (`final_name`).
+  known is an honest sample of the policy's error). `<info().name>:prior`: the same for forecasts in which a
+  component answered from a static prior (a pair no family model covers: different kernels, or too few
+  measurements); they choose the threshold of such forecasts (`final_name`).
 - `raw:<component>` (e.g. "raw:local", "raw:claude"): each component's uncalibrated forecast, the keys of
   `EngineForecast.per_forecaster`. Their verified pairs fit that component's calibration and, joined on
   (hardware, measured speedup), the combination weights.
@@ -105,7 +106,7 @@ class EngineForecast:
     # Extra rows to store beside the final one: forecaster name ("raw:<slot>") -> bins.
     per_forecaster: dict[str, list[float]] = field(default_factory=dict)
     slots: dict[str, str] = field(default_factory=dict)  # component -> calibration slot of its answer
-    static_prior: bool = False  # every component answered from a static prior
+    static_prior: bool = False  # some component answered from a static prior: no family model covers the pair
 
     def outcome(self, hardware: str, speedup: float) -> Outcome:
         """This forecast's raw answers as a verified outcome (evaluation)."""
@@ -263,7 +264,7 @@ class ForecastEngine:
             notes=list(notes),
             per_forecaster={raw_name(slots[n]): v for n, v in raw.items()},
             slots=slots,
-            static_prior=all(s.endswith(PRIOR_SUFFIX) for s in slots.values()),
+            static_prior=any(s.endswith(PRIOR_SUFFIX) for s in slots.values()),
         )
 
     def combine_raw(
