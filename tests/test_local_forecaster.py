@@ -13,7 +13,13 @@ import pytest
 
 from forecaster_mcp import bins
 from forecaster_mcp.forecast.base import Forecaster, PairQuery
-from forecaster_mcp.forecast.local import MIN_FAMILY_POINTS, LocalForecaster, ParamEncoder, fit_gp
+from forecaster_mcp.forecast.local import (
+    MIN_FAMILY_POINTS,
+    TAIL_WEIGHT,
+    LocalForecaster,
+    ParamEncoder,
+    fit_gp,
+)
 from forecaster_mcp.hardware.specs import lookup
 from forecaster_mcp.models import Kernel, Workload
 from forecaster_mcp.store.db import FamilyPoint
@@ -100,6 +106,10 @@ async def test_family_model_ranks_unmeasured_members() -> None:
         assert key in fc.extras
     assert fc.extras["n_family_points"] == len(train)
     assert "family model on" in fc.rationale
+    # Two predicted runtimes: a surprise in either is a surprise in the pair (1 - 0.9^2 with TAIL_WEIGHT 0.1).
+    assert fc.extras["tail_weight"] == pytest.approx(1.0 - (1.0 - TAIL_WEIGHT) ** 2)
+    [one] = await f.forecast([query(member(*train[0]), member(*test[0]))])
+    assert one.extras["tail_weight"] == pytest.approx(TAIL_WEIGHT)  # the baseline is measured
 
 
 @pytest.mark.anyio

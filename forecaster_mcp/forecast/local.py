@@ -747,22 +747,28 @@ def fit_family(points: Sequence[FamilyPoint], warm: Array | None = None, refit: 
 # ---------------------------------------------------------------- the forecaster
 
 
-def _tail_sd_factor() -> float:
+def _tail_sd_factor(weight: float) -> float:
     """Overall sd of the tail mixture over its core sd."""
-    return math.sqrt((1.0 - TAIL_WEIGHT) + TAIL_WEIGHT * TAIL_SCALE**2)
+    return math.sqrt((1.0 - weight) + weight * TAIL_SCALE**2)
 
 
-def _mixture_bins(mean: float, core_sd: float, tail: bool) -> list[float]:
-    """8 bins of a normal, or of the heavier-tailed scale mixture (1-w) N(mean, sd) + w N(mean, k sd).
+def _tail_weight(predicted: int) -> float:
+    """Chance of a surprise in a pair with this many predicted (not measured) runtimes: each prediction is a
+    surprise with probability TAIL_WEIGHT, and the pair is one when either is."""
+    return 1.0 - (1.0 - TAIL_WEIGHT) ** predicted
+
+
+def _mixture_bins(mean: float, core_sd: float, weight: float) -> list[float]:
+    """8 bins of a normal (weight 0), or of the heavier-tailed scale mixture (1-w) N(mean, sd) + w N(mean, k sd).
 
     The GP's (LOO-corrected) spread fits the bulk of held-out errors; about one error in ten is a surprise
     two or more sds out, which the wide component carries.
     """
-    if not tail:
+    if weight <= 0.0:
         return bins.from_normal(mean, core_sd)
     a = bins.from_normal(mean, core_sd)
     b = bins.from_normal(mean, core_sd * TAIL_SCALE)
-    return [(1.0 - TAIL_WEIGHT) * p + TAIL_WEIGHT * q for p, q in zip(a, b, strict=True)]
+    return [(1.0 - weight) * p + weight * q for p, q in zip(a, b, strict=True)]
 
 
 def _fmt_ms(log2_ms: float) -> str:
@@ -1037,12 +1043,12 @@ class LocalForecaster:
             # Model errors of two members of one family are correlated: the GP's joint posterior says how much.
             var -= 2.0 * float(b.cov_row[c.index])
         sd = math.sqrt(max(var, 1e-8))
-        tail = b.kind == "model" or c.kind == "model"
+        weight = _tail_weight(int(b.kind == "model") + int(c.kind == "model"))
         # sd_log2 is the overall spread; acquisition recovers the core from it and the tail shape.
-        extras.update(mu_log2=mean, sd_log2=sd * _tail_sd_factor() if tail else sd)
-        if tail:
-            extras.update(tail_weight=TAIL_WEIGHT, tail_scale=TAIL_SCALE)
-        probs = _mixture_bins(mean, sd, tail)
+        extras.update(mu_log2=mean, sd_log2=sd * _tail_sd_factor(weight))
+        if weight > 0.0:
+            extras.update(tail_weight=weight, tail_scale=TAIL_SCALE)
+        probs = _mixture_bins(mean, sd, weight)
         return BinForecast(probs, self._rationale(b, c, mean, sd, n_points, model), extras)
 
     def _rationale(
