@@ -755,7 +755,7 @@ def _tail_sd_factor(weight: float) -> float:
 def _tail_weight(predicted: int) -> float:
     """Chance of a surprise in a pair with this many predicted (not measured) runtimes: each prediction is a
     surprise with probability TAIL_WEIGHT, and the pair is one when either is."""
-    return 1.0 - (1.0 - TAIL_WEIGHT) ** predicted
+    return TAIL_WEIGHT * predicted if predicted <= 1 else 1.0 - (1.0 - TAIL_WEIGHT) ** predicted
 
 
 def _mixture_bins(mean: float, core_sd: float, weight: float) -> list[float]:
