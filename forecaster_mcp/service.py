@@ -212,7 +212,8 @@ class Service:
         queries = [p.query for p in pairs if p.query is not None]
         forecasts = await self.engine.forecast(queries) if queries else []
         choice = await self.engine.threshold(hw.name, target) if queries else None
-        # Forecasts made from static priors alone have their own verified history, hence their own threshold.
+        # Forecasts a static prior answered in (no family model covers the pair) have their own verified
+        # history, hence their own threshold.
         prior_choice = (
             await self.engine.threshold(hw.name, target, static_prior=True)
             if any(f.static_prior for f in forecasts)
