@@ -53,7 +53,6 @@ def design(rows: list[dict[str, Any]], pairs: list[dict[str, Any]]) -> tuple[np.
     resources = {r["id"]: r["result"].get("resources") for r in rows}
     cache: dict[str, features.StaticFeatures] = {}
     x, rest, y, groups = [], [], [], []
-    saved = features.FITTED_TERMS
     for p in pairs:
         fs = []
         for side in ("baseline", "candidate"):
@@ -61,13 +60,8 @@ def design(rows: list[dict[str, Any]], pairs: list[dict[str, Any]]) -> tuple[np.
             if k.id not in cache:
                 cache[k.id] = _features(k, resources.get(k.id), p["hardware"])
             fs.append(cache[k.id])
-        try:
-            features.FITTED_TERMS = ()
-            rest.append(features.prior_shift(fs[0], fs[1]).mean_log2)
-        finally:
-            features.FITTED_TERMS = saved
-        counts = [{**vars(f.source), "tiling": f.source.shared * f.source.barriers} for f in fs]
-        x.append([features._presence(counts[0][n], counts[1][n]) for n in NAMES])
+        rest.append(features.prior_shift(fs[0], fs[1], fitted=False).mean_log2)
+        x.append(features.fitted_presences(fs[0].source, fs[1].source))
         y.append(math.log2(p["speedup"]))
         groups.append(p["source"])
     return np.array(x, float), np.array(rest), np.array(y), np.array(groups)

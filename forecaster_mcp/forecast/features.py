@@ -475,8 +475,20 @@ def _presence(a: int, b: int) -> int:
     return int(b > 0) - int(a > 0)
 
 
-def prior_shift(baseline: StaticFeatures, candidate: StaticFeatures) -> PriorShift:
-    """A shift in log2 speedup from feature differences, with a wide spread (see module doc and FITTED_TERMS)."""
+def _construct_counts(s: SourceFeatures) -> dict[str, int]:
+    """Source counts by name, with "tiling" (shared memory and barriers together)."""
+    return {**vars(s), "tiling": s.shared * s.barriers}
+
+
+def fitted_presences(baseline: SourceFeatures, candidate: SourceFeatures) -> list[int]:
+    """The presence difference (`_presence`) of each FITTED_TERMS construct, in FITTED_TERMS order."""
+    a, b = _construct_counts(baseline), _construct_counts(candidate)
+    return [_presence(a[name], b[name]) for name, _, _ in FITTED_TERMS]
+
+
+def prior_shift(baseline: StaticFeatures, candidate: StaticFeatures, fitted: bool = True) -> PriorShift:
+    """A shift in log2 speedup from feature differences, with a wide spread (see module doc and FITTED_TERMS).
+    `fitted=False` leaves the fitted terms out (the hand-set part alone, which refits start from)."""
     shift = 0.0
     terms: list[tuple[float, str]] = []
 
@@ -509,10 +521,9 @@ def prior_shift(baseline: StaticFeatures, candidate: StaticFeatures) -> PriorShi
     add(0.04 * _presence(sa.unroll_pragmas, sb.unroll_pragmas), "unrolling")
     add(-0.1 * _presence(sa.fp64, sb.fp64), "fp64 arithmetic")
     shift = max(-MAX_SHIFT_LOG2, min(MAX_SHIFT_LOG2, shift))
-    counts_a = {**vars(sa), "tiling": sa.shared * sa.barriers}
-    counts_b = {**vars(sb), "tiling": sb.shared * sb.barriers}
-    for name, weight, why in FITTED_TERMS:
-        add(weight * _presence(counts_a[name], counts_b[name]), why)
+    if fitted:
+        for (_, weight, why), presence in zip(FITTED_TERMS, fitted_presences(sa, sb), strict=True):
+            add(weight * presence, why)
     shift = max(-MAX_TOTAL_SHIFT_LOG2, min(MAX_TOTAL_SHIFT_LOG2, shift))
     # Largest contributions first: a rationale shows only the first few.
     reasons = [why for _, why in sorted(terms, key=lambda t: -abs(t[0]))]
