@@ -28,6 +28,7 @@ from corpus_pairs import build_pairs, read_measured  # noqa: E402
 
 from forecaster_mcp.forecast import features, metrics  # noqa: E402
 from forecaster_mcp.forecast.ptxas import PtxasEntry  # noqa: E402
+from forecaster_mcp.forecast.selective import decide  # noqa: E402
 from forecaster_mcp.hardware.specs import lookup  # noqa: E402
 from forecaster_mcp.models import Kernel  # noqa: E402
 
@@ -95,7 +96,7 @@ def main() -> int:
     p = _phi(mu / sd)
     speedups = 2.0**y
     t = args.threshold
-    verdicts = ["faster" if q >= t else "slower" if q <= 1 - t else "unsure" for q in p]
+    verdicts = [decide(float(q), t) for q in p]
     decided = metrics.decided_summary(verdicts, speedups)
     n_decided = sum(v != "unsure" for v in verdicts)
     print(f"{len(pairs)} pairs, {len(set(groups))} problems, leave-one-problem-out:")

@@ -228,6 +228,7 @@ def _model_job(job: tuple[str, int, int, int]) -> dict[str, Any]:
     from forecaster_mcp.forecast import metrics
     from forecaster_mcp.forecast.base import PairQuery
     from forecaster_mcp.forecast.local import LocalForecaster
+    from forecaster_mcp.forecast.selective import decide
     from forecaster_mcp.models import Kernel, Workload
     from forecaster_mcp.search import DictHistory, placeholder_source
     from forecaster_mcp.store.db import FamilyPoint
@@ -282,9 +283,7 @@ def _model_job(job: tuple[str, int, int, int]) -> dict[str, Any]:
         probs = np.array([f.probs for f in fcs])
         s = np.array(speedups)
         # Verdicts at the server's default threshold (no verified history yet): the honesty that matters.
-        d = metrics.decided_summary(
-            ["faster" if q >= 0.95 else "slower" if q <= 0.05 else "unsure" for q in p], s
-        )
+        d = metrics.decided_summary([decide(float(q), 0.95) for q in p], s)
         out[kind] = {
             "pairwise_accuracy": metrics.pairwise_accuracy(p, s),
             "ece": metrics.ece(p, s),

@@ -424,6 +424,7 @@ class ToolEmulator:
         from forecaster_mcp import bins
         from forecaster_mcp.forecast.acquisition import AcqItem, rank_for_measurement, worth_measuring
         from forecaster_mcp.forecast.base import PairQuery
+        from forecaster_mcp.forecast.selective import decide
         from forecaster_mcp.hardware.specs import lookup
         from forecaster_mcp.models import Kernel, Workload
 
@@ -443,7 +444,7 @@ class ToolEmulator:
             t_cand = self._runtime.get(k.content_key())
             measured = t_base is not None and t_cand is not None and k.content_key() in self._runtime
             p = f.p_faster
-            verdict = "faster" if p >= self.threshold else "slower" if p <= 1 - self.threshold else "unsure"
+            verdict = decide(p, self.threshold)
             decided_by = "cache" if measured else "forecast"
             out.append(
                 {
