@@ -399,8 +399,12 @@ class ForecastEngine:
             if not self._loaded:
                 await self._load(store)
                 self._loaded = True
+            # One read, split by forecaster name (row_names): the raw rows of every slot and the final rows.
+            by_name: dict[str, list[VerifiedPair]] = {}
+            for v in await store.verified_pairs():
+                by_name.setdefault(v.forecaster, []).append(v)
             # Slot s of component n: its rows are "raw:<s>"; the component is s without the prior suffix.
-            rows = {s: await store.verified_pairs(forecaster=raw_name(s)) for s in self._slots}
+            rows = {s: by_name.get(raw_name(s), []) for s in self._slots}
             for s in self._slots:
                 if len(rows[s]) != self._fit_counts.get(s):
                     n = s.removesuffix(PRIOR_SUFFIX)
@@ -416,7 +420,7 @@ class ForecastEngine:
                 self._combiner_counts = dict(counts)
                 await store.save_calibration(self.name, POOLED, self._combiner_state())
             for regime, name in ((False, self.name), (True, self.name + PRIOR_SUFFIX)):
-                final = await store.verified_pairs(forecaster=name)
+                final = by_name.get(name, [])
                 if len(final) != self._history_count.get(regime):
                     self._set_regime_history(
                         regime, [(v.hardware, v.p_faster, v.actual_speedup) for v in final]
