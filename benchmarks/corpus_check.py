@@ -36,7 +36,15 @@ async def check(indexes: list[Path], arch: str, cache: Path) -> int:
     problems = 0
     seen_ids: set[str] = set()
     for index in indexes:
-        for suite in load_examples(index):
+        try:
+            suites = load_examples(index)
+        except (OSError, ValueError, KeyError) as e:
+            print(
+                f"{index}: not a readable corpus index ({type(e).__name__}: {e}); pass benchmarks/corpus/*.json"
+            )
+            problems += 1
+            continue
+        for suite in suites:
             size = sum(getattr(a, "nbytes", 0) for a in suite.workload.args)
             if size > MAX_CORPUS_WORKLOAD_BYTES:
                 print(f"{suite.name}: workload is {size / 2**30:.2f} GiB, keep it under 2 GiB")

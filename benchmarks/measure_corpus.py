@@ -41,6 +41,9 @@ def _suites(corpus: Path) -> list[tuple[str, ExampleSuite]]:
 
 async def run(args: argparse.Namespace) -> int:
     suites = _suites(args.corpus)
+    if not suites:
+        print(f"no corpus index (*.json) in {args.corpus}; pass --corpus benchmarks/corpus", file=sys.stderr)
+        return 2
     if args.only:
         wanted = set(args.only.split(","))
         unknown = wanted - {s.name for _, s in suites}
