@@ -20,7 +20,7 @@ CORPUS = ROOT / "benchmarks" / "corpus"
 MEASURED = sorted((CORPUS / "measured").glob("*.jsonl"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from corpus_pairs import build_pairs  # noqa: E402
+from corpus_pairs import build_pairs, read_measured  # noqa: E402
 
 
 def test_every_index_loads_with_one_reference_per_suite_and_unique_ids() -> None:
@@ -40,7 +40,7 @@ def test_every_index_loads_with_one_reference_per_suite_and_unique_ids() -> None
 
 @pytest.mark.skipif(not MEASURED, reason="no measured corpus file")
 def test_measured_rows_build_pairs_with_the_measured_ratio(tmp_path: Path) -> None:
-    rows = [json.loads(line) for line in MEASURED[0].read_text().splitlines() if line.strip()]
+    rows = read_measured(MEASURED[0])
     known = {str(ex.kernel.id) for p in CORPUS.glob("*.json") for s in load_examples(p) for ex in s.kernels}
     assert {r["id"] for r in rows} <= known
     ok = [r for r in rows if r["result"]["status"] == "ok"]
@@ -69,9 +69,10 @@ def test_static_prior_on_the_measured_different_kernel_pairs(tmp_path: Path) -> 
     """`forecaster-mcp eval` end to end on the H200 corpus pairs, local forecaster, no history.
 
     In-sample: FITTED_TERMS were fitted on these pairs (leaving each problem out gives accuracy 0.78 and 25%
-    decided, none wrong; benchmarks/corpus_lopo.py). This guards the prior and the eval path against regressions; it is not the estimate
-    for unseen kernels. The old hand-set prior scored 0.73 here and decided nothing."""
-    rows = [json.loads(line) for line in MEASURED[0].read_text().splitlines() if line.strip()]
+    decided, none wrong; benchmarks/corpus_lopo.py). This guards the prior and the eval path against
+    regressions; it is not the estimate for unseen kernels. The old hand-set prior scored 0.73 here and decided
+    nothing."""
+    rows = read_measured(MEASURED[0])
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(json.dumps(p) + "\n" for p in build_pairs(rows, CORPUS, seed=0)))
     out = tmp_path / "eval"
