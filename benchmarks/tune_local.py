@@ -225,6 +225,7 @@ def _model_job(job: tuple[str, int, int, int]) -> dict[str, Any]:
     import anyio
     import numpy as np
 
+    from forecaster_mcp import bins
     from forecaster_mcp.forecast import metrics
     from forecaster_mcp.forecast.base import PairQuery
     from forecaster_mcp.forecast.local import LocalForecaster
@@ -284,6 +285,7 @@ def _model_job(job: tuple[str, int, int, int]) -> dict[str, Any]:
         s = np.array(speedups)
         # Verdicts at the server's default threshold (no verified history yet): the honesty that matters.
         d = metrics.decided_summary([decide(float(q), 0.95) for q in p], s)
+        truth2 = list(zip(fcs, np.log2(s), strict=True))
         out[kind] = {
             "pairwise_accuracy": metrics.pairwise_accuracy(p, s),
             "ece": metrics.ece(p, s),
@@ -295,6 +297,14 @@ def _model_job(job: tuple[str, int, int, int]) -> dict[str, Any]:
             "pairs": len(s),
             "decided": d.coverage,
             "decided_error": 0.0 if math.isnan(d.error) else d.error,
+            # how far the expected speedup an agent reads is from the truth (log2), with and without the
+            # forecast's own within-bin means
+            "speedup_error": float(
+                np.mean([abs(bins.expected_log2(f.probs, f.centers) - t) for f, t in truth2])
+            ),
+            "speedup_error_fixed_centres": float(
+                np.mean([abs(bins.expected_log2(f.probs) - t) for f, t in truth2])
+            ),
         }
     return out
 
@@ -320,7 +330,7 @@ def model_report(
                     m: statistics.fmean(r[kind][m] for r in rs if not math.isnan(r[kind][m]))
                     for m in (
                         "pairwise_accuracy", "ece", "brier", "bin_accuracy", "overconfidence", "decided",
-                        "decided_error",
+                        "decided_error", "speedup_error", "speedup_error_fixed_centres",
                     )
                 }  # fmt: skip
                 pooled.setdefault((h, kind), []).append(
@@ -329,6 +339,8 @@ def model_report(
                         row[kind]["ece"],
                         row[kind]["decided"],
                         row[kind]["decided_error"],
+                        row[kind]["speedup_error"],
+                        row[kind]["speedup_error_fixed_centres"],
                     )
                 )
             table.setdefault(n, {})[h] = row
@@ -343,6 +355,8 @@ def model_report(
             f"  mean over spaces, history {h:4d}, {kind:16s}: accuracy {statistics.fmean(v[0] for v in vals):.3f}"
             f"  ECE {statistics.fmean(v[1] for v in vals):.3f}  decided at 0.95 {statistics.fmean(v[2] for v in vals):.3f}"
             f" (error among decided: mean {statistics.fmean(v[3] for v in vals):.3f}, worst space {max(v[3] for v in vals):.3f})"
+            f"; expected-speedup error {statistics.fmean(v[4] for v in vals):.3f} log2"
+            f" (fixed bin centres {statistics.fmean(v[5] for v in vals):.3f})"
         )
     return table
 

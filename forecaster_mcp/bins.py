@@ -64,13 +64,18 @@ def p_faster(probs: Sequence[float]) -> float:
     return float(sum(probs[i] for i in FASTER_BINS))
 
 
-def expected_log2(probs: Sequence[float]) -> float:
-    return float(sum(p * c for p, c in zip(probs, CENTERS_LOG2, strict=True)))
+def expected_log2(probs: Sequence[float], centers: Sequence[float] | None = None) -> float:
+    """Expected log2 S of the bin distribution: each bin's probability times its representative value.
+
+    `centers` are a forecast's own values per bin (its mean within each bin, `normal_bins`); without them the
+    fixed CENTERS_LOG2 stand in, which rounds a confident forecast of S = 1.03 to about 1.15."""
+    values = CENTERS_LOG2 if centers is None else centers
+    return float(sum(p * c for p, c in zip(probs, values, strict=True)))
 
 
-def expected_speedup(probs: Sequence[float]) -> float:
-    """Geometric expectation of S from the bin distribution."""
-    return float(2.0 ** expected_log2(probs))
+def expected_speedup(probs: Sequence[float], centers: Sequence[float] | None = None) -> float:
+    """Geometric expectation of S from the bin distribution (see `expected_log2`)."""
+    return float(2.0 ** expected_log2(probs, centers))
 
 
 def _phi(z: float) -> float:
@@ -79,9 +84,28 @@ def _phi(z: float) -> float:
 
 def from_normal(mean_log2: float, std_log2: float) -> list[float]:
     """Bin probabilities of a normal distribution over log2 S."""
+    return normal_bins(mean_log2, std_log2)[0]
+
+
+def normal_bins(mean_log2: float, std_log2: float) -> tuple[list[float], list[float]]:
+    """Bin probabilities of a normal distribution over log2 S, and its mean within each bin.
+
+    The within-bin means (truncated-normal means) make `expected_log2` return `mean_log2` itself; a bin the
+    normal leaves empty gets the point of the bin nearest the mean."""
     std = max(std_log2, 1e-6)
-    cdf = [0.0] + [_phi((e - mean_log2) / std) for e in EDGES_LOG2] + [1.0]
-    return normalize([cdf[i + 1] - cdf[i] for i in range(N_BINS)])
+    z = [-math.inf, *((e - mean_log2) / std for e in EDGES_LOG2), math.inf]
+    cdf = [_phi(v) if math.isfinite(v) else float(v > 0) for v in z]
+    dens = [math.exp(-0.5 * v * v) / math.sqrt(2.0 * math.pi) if math.isfinite(v) else 0.0 for v in z]
+    edges = [-math.inf, *EDGES_LOG2, math.inf]
+    mass, centers = [], []
+    for i in range(N_BINS):
+        m = cdf[i + 1] - cdf[i]
+        mass.append(m)
+        nearest = min(max(mean_log2, edges[i]), edges[i + 1])
+        # Far in a tail the difference of densities loses its digits: keep the mean inside its bin.
+        c = mean_log2 + std * (dens[i] - dens[i + 1]) / m if m > 1e-12 else nearest
+        centers.append(min(max(c, edges[i]), edges[i + 1]) if math.isfinite(c) else nearest)
+    return normalize(mass), centers
 
 
 def from_samples(log2_samples: Sequence[float]) -> list[float]:

@@ -451,7 +451,7 @@ class ToolEmulator:
                     "id": k.id,
                     "p_faster": p,
                     "speedup_bins": f.probs,
-                    "expected_speedup": bins.expected_speedup(f.probs),
+                    "expected_speedup": bins.expected_speedup(f.probs, f.centers),
                     "verdict": verdict,
                     "decided_by": decided_by,
                     "rationale": f.rationale,

@@ -122,6 +122,23 @@ async def test_two_forecasters_are_pooled_without_history() -> None:
     assert a.history[0].candidate.id == "c0" and len(b.history) == 1
 
 
+@pytest.mark.anyio
+async def test_expected_speedup_uses_each_forecasters_bin_means() -> None:
+    a, b = _scripted("a"), _scripted("b")
+    probs, centers = bins.normal_bins(0.05, 0.05)
+    a.enqueue(*[BinForecast(probs, "a: 3.5% faster", {"mu_log2": 0.05}, centers)] * 2)
+    b.enqueue(BinForecast(probs, "b: the same bins, no distribution behind them"))
+    [f] = await ForecastEngine([a], None).forecast([_query()])
+    assert f.expected_speedup == pytest.approx(2**0.05)
+    # Pooled with a forecaster that has only bins: each bin's value is the mass-weighted mix of the two.
+    [g] = await ForecastEngine([a, b], None).forecast([_query()])
+    mixed = [(c + d) / 2 for c, d in zip(centers, bins.CENTERS_LOG2, strict=True)]
+    assert g.expected_speedup == pytest.approx(bins.expected_speedup(g.probs, mixed))
+    # Neither has one: the fixed bin centres.
+    [h] = await ForecastEngine([_scripted("c", probs)], None).forecast([_query()])
+    assert h.expected_speedup == pytest.approx(bins.expected_speedup(h.probs))
+
+
 class Broken:
     name = "broken"
     version = "1"

@@ -126,6 +126,26 @@ async def test_measured_kernels_use_their_measurements() -> None:
 
 
 @pytest.mark.anyio
+async def test_expected_speedup_is_the_forecast_mean_not_the_bin_centres() -> None:
+    # Two measured members 3% apart: the bins alone would round the expectation to their centre (~1.15x).
+    h = trained(GRID)
+    h.add(member(256, 3, kid="close"), runtime(256, 4) * 1.03)
+    f = LocalForecaster(h, ptxas_wait_s=0.0)
+    [measured, predicted, prior] = await f.forecast(
+        [
+            query(member(256, 3), member(256, 4)),
+            query(member(256, 4), member(128, 16)),
+            query(member(256, 4), member(256, 4, source=SOURCE + "// another kernel\n")),
+        ]
+    )
+    assert bins.expected_speedup(measured.probs, measured.centers) == pytest.approx(1.03, rel=1e-3)
+    assert bins.expected_speedup(measured.probs) > 1.1
+    for out in (predicted, prior):
+        assert out.centers is not None
+        assert bins.expected_log2(out.probs, out.centers) == pytest.approx(out.extras["mu_log2"], abs=1e-6)
+
+
+@pytest.mark.anyio
 async def test_failures_are_learned_and_measured_failures_are_certain() -> None:
     h = FakeHistory()
     for bs, u in GRID:

@@ -124,6 +124,19 @@ def test_summarize_is_json_ready() -> None:
     assert only_ties["pairwise_accuracy"] is None and only_ties["ece"] is None
 
 
+@pytest.mark.parametrize("mean", [-6.0, -2.0, -0.3, 0.0, 0.05, 0.7, 1.5, 3.0, 9.0])
+@pytest.mark.parametrize("sd", [1e-7, 0.05, 0.4, 1.3, 4.0])
+def test_normal_bins_carry_the_mean_within_each_bin(mean: float, sd: float) -> None:
+    probs, centers = bins.normal_bins(mean, sd)
+    assert probs == pytest.approx(bins.from_normal(mean, sd))
+    edges = [-math.inf, *bins.EDGES_LOG2, math.inf]
+    assert all(lo <= c <= hi for c, lo, hi in zip(centers, edges, edges[1:], strict=False))
+    assert bins.expected_log2(probs, centers) == pytest.approx(mean, abs=1e-6)
+    # The fixed centres only agree for a wide distribution inside the open bins' reach.
+    if sd == 0.05 and mean == 0.05:
+        assert bins.expected_log2(probs) > 0.15
+
+
 def test_bad_inputs_are_rejected() -> None:
     with pytest.raises(ValueError):
         M.pairwise_accuracy([0.5], [0.0])

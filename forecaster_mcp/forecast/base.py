@@ -30,9 +30,14 @@ class BinForecast:
     rationale: str = ""
     # Extra numbers a combiner or calibrator may use (e.g. the local model's predicted mean/std).
     extras: dict[str, float] = field(default_factory=dict)
+    # The forecast's mean log2 speedup within each bin, when it has a continuous distribution behind the bins
+    # (bins.normal_bins); expected speedups then use these instead of the fixed bin centres.
+    centers: list[float] | None = None
 
     def __post_init__(self) -> None:
         self.probs = bins.normalize(self.probs)
+        if self.centers is not None and len(self.centers) != bins.N_BINS:
+            raise ValueError(f"expected {bins.N_BINS} bin centres, got {len(self.centers)}")
 
     @property
     def p_faster(self) -> float:

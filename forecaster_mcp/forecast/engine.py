@@ -117,6 +117,24 @@ def _is_tie(speedup: float) -> bool:
     return abs(math.log2(speedup)) <= bins.TIE_LOG2
 
 
+def _combined_centers(
+    calibrated: Mapping[str, Sequence[float]], centers: Mapping[str, Sequence[float] | None]
+) -> list[float] | None:
+    """Each bin's mean log2 speedup across the answering forecasters, weighted by the mass each puts there
+    (the fixed bin centres for one that has no distribution behind its bins); None when none has one."""
+    if all(c is None for c in centers.values()):
+        return None
+    out = []
+    for i, default in enumerate(bins.CENTERS_LOG2):
+        mass = value = 0.0
+        for n, probs in calibrated.items():
+            own = centers.get(n)
+            mass += probs[i]
+            value += probs[i] * (default if own is None else own[i])
+        out.append(value / mass if mass > 1e-15 else default)
+    return out
+
+
 def _one_line(text: str, limit: int = 400) -> str:
     flat = " ".join(text.split())
     return flat if len(flat) <= limit else flat[: limit - 1] + "…"
@@ -242,6 +260,7 @@ class ForecastEngine:
         calibrated = {n: self._calibrators[slots[n]].probs(p, hardware) for n, p in raw.items()}
         probs = self._combiner.combine(calibrated)
         p = bins.p_faster(probs)
+        centers = _combined_centers(calibrated, {n: f.centers for n, f in per.items()})
         if len(self._names) == 1:
             rationale = _one_line(next(iter(per.values())).rationale)
         else:
@@ -256,7 +275,7 @@ class ForecastEngine:
             probs=probs,
             p_faster=p,
             confidence=max(p, 1.0 - p),
-            expected_speedup=bins.expected_speedup(probs),
+            expected_speedup=bins.expected_speedup(probs, centers),
             rationale=rationale,
             raw=raw,
             calibrated=calibrated,

@@ -758,17 +758,23 @@ def _tail_weight(predicted: int) -> float:
     return TAIL_WEIGHT * predicted if predicted <= 1 else 1.0 - (1.0 - TAIL_WEIGHT) ** predicted
 
 
-def _mixture_bins(mean: float, core_sd: float, weight: float) -> list[float]:
-    """8 bins of a normal (weight 0), or of the heavier-tailed scale mixture (1-w) N(mean, sd) + w N(mean, k sd).
+def _mixture_bins(mean: float, core_sd: float, weight: float) -> tuple[list[float], list[float]]:
+    """8 bins of a normal (weight 0), or of the heavier-tailed scale mixture (1-w) N(mean, sd) + w N(mean, k sd),
+    and the mixture's mean within each bin.
 
     The GP's (LOO-corrected) spread fits the bulk of held-out errors; about one error in ten is a surprise
     two or more sds out, which the wide component carries.
     """
+    a, ca = bins.normal_bins(mean, core_sd)
     if weight <= 0.0:
-        return bins.from_normal(mean, core_sd)
-    a = bins.from_normal(mean, core_sd)
-    b = bins.from_normal(mean, core_sd * TAIL_SCALE)
-    return [(1.0 - weight) * p + weight * q for p, q in zip(a, b, strict=True)]
+        return a, ca
+    b, cb = bins.normal_bins(mean, core_sd * TAIL_SCALE)
+    probs, centers = [], []
+    for p, q, x, z in zip(a, b, ca, cb, strict=True):
+        pa, pb = (1.0 - weight) * p, weight * q
+        probs.append(pa + pb)
+        centers.append((pa * x + pb * z) / (pa + pb) if pa + pb > 1e-15 else x)
+    return probs, centers
 
 
 def _fmt_ms(log2_ms: float) -> str:
@@ -1048,8 +1054,8 @@ class LocalForecaster:
         extras.update(mu_log2=mean, sd_log2=sd * _tail_sd_factor(weight))
         if weight > 0.0:
             extras.update(tail_weight=weight, tail_scale=TAIL_SCALE)
-        probs = _mixture_bins(mean, sd, weight)
-        return BinForecast(probs, self._rationale(b, c, mean, sd, n_points, model), extras)
+        probs, centers = _mixture_bins(mean, sd, weight)
+        return BinForecast(probs, self._rationale(b, c, mean, sd, n_points, model), extras, centers)
 
     def _rationale(
         self, b: _Belief, c: _Belief, mean: float, sd: float, n_points: float, model: FamilyModel | None
@@ -1102,7 +1108,8 @@ class LocalForecaster:
             rationale = f"static prior ({why}): " + ", ".join(shift.reasons[:4])
         else:
             rationale = f"static prior ({why}): no informative static difference, near 50/50"
-        return BinForecast(bins.from_normal(shift.mean_log2, shift.sd_log2), rationale, extras)
+        probs, centers = bins.normal_bins(shift.mean_log2, shift.sd_log2)
+        return BinForecast(probs, rationale, extras, centers)
 
 
 def _launch_dict(kernel: Kernel) -> dict[str, Any] | None:
