@@ -229,7 +229,7 @@ def _model_job(job: tuple[str, int, int, int]) -> dict[str, Any]:
     from forecaster_mcp.forecast import metrics
     from forecaster_mcp.forecast.base import PairQuery
     from forecaster_mcp.forecast.local import LocalForecaster
-    from forecaster_mcp.forecast.selective import decide
+    from forecaster_mcp.forecast.selective import choose_threshold, decide
     from forecaster_mcp.models import Kernel, Workload
     from forecaster_mcp.search import DictHistory, placeholder_source
     from forecaster_mcp.store.db import FamilyPoint
@@ -263,6 +263,7 @@ def _model_job(job: tuple[str, int, int, int]) -> dict[str, Any]:
         return float(statistics.median(sp.entries[i].times))
 
     out: dict[str, Any] = {"space": name, "history": history_size, "seed": seed}
+    kept: dict[str, tuple[Any, Any]] = {}
     for kind in ("both_unmeasured", "vs_measured"):
         qs, speedups = [], []
         for _ in range(n_pairs):
@@ -283,6 +284,7 @@ def _model_job(job: tuple[str, int, int, int]) -> dict[str, Any]:
         p = np.array([f.p_faster for f in fcs])
         probs = np.array([f.probs for f in fcs])
         s = np.array(speedups)
+        kept[kind] = (p, s)
         # Verdicts at the server's default threshold (no verified history yet): the honesty that matters.
         d = metrics.decided_summary([decide(float(q), 0.95) for q in p], s)
         truth2 = list(zip(fcs, np.log2(s), strict=True))
@@ -306,6 +308,14 @@ def _model_job(job: tuple[str, int, int, int]) -> dict[str, Any]:
                 np.mean([abs(bins.expected_log2(f.probs) - t) for f, t in truth2])
             ),
         }
+    # Why the two kinds have separate thresholds in the server (forecast/engine.py): a threshold certified on
+    # verified pairs against a measured baseline (the search case), applied to pairs of two predictions.
+    p, s = kept["vs_measured"]
+    keep = ~metrics.tie_mask(s)
+    cert = choose_threshold(np.maximum(p, 1 - p)[keep], metrics.direction_scores(p, s)[keep], 0.1)
+    p, s = kept["both_unmeasured"]
+    d = metrics.decided_summary([decide(float(q), cert.threshold) for q in p], s)
+    out["cross"] = {"threshold": cert.threshold, "decided": d.coverage, "decided_error": d.error}
     return out
 
 
@@ -350,6 +360,22 @@ def model_report(
                 f"{a['bin_accuracy']:.3f} {a['overconfidence']:+.3f} | {b['pairwise_accuracy']:.3f} {b['ece']:.3f} "
                 f"{b['brier']:.3f} {b['bin_accuracy']:.3f} {b['overconfidence']:+.3f}"
             )
+    for h in sizes:
+        cross = [
+            statistics.fmean(0.0 if math.isnan(e) else e for e in errors)
+            for n in names
+            if (
+                errors := [
+                    r["cross"]["decided_error"] for r in results if r["space"] == n and r["history"] == h
+                ]
+            )
+        ]
+        t = statistics.fmean(r["cross"]["threshold"] for r in results if r["history"] == h)
+        print(
+            f"  history {h:4d}: a threshold certified on pairs against a measured baseline (mean {t:.3f}), applied"
+            f" to two unmeasured: error among decided mean {statistics.fmean(cross):.3f}, worst space"
+            f" {max(cross):.3f}, above 0.1 in {sum(c > 0.1 for c in cross)} of {len(cross)} spaces"
+        )
     for (h, kind), vals in sorted(pooled.items()):
         print(
             f"  mean over spaces, history {h:4d}, {kind:16s}: accuracy {statistics.fmean(v[0] for v in vals):.3f}"

@@ -334,7 +334,9 @@ class CandidateForecast(BaseModel):
     id: str
     p_faster: float = Field(description="probability that this candidate is faster than the baseline")
     speedup_bins: list[float] = Field(description="8 probabilities over log2 speedup bins (see bins)")
-    expected_speedup: float = Field(description="t(baseline) / t(candidate), expected")
+    expected_speedup: float = Field(
+        description="t(baseline) / t(candidate), expected (geometric mean of the forecast distribution)"
+    )
     verdict: Verdict
     decided_by: DecidedBy
     rationale: str

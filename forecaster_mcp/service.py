@@ -211,14 +211,12 @@ class Service:
 
         queries = [p.query for p in pairs if p.query is not None]
         forecasts = await self.engine.forecast(queries) if queries else []
-        choice = await self.engine.threshold(hw.name, target) if queries else None
-        # Forecasts a static prior answered in (no family model covers the pair) have their own verified
-        # history, hence their own threshold.
-        prior_choice = (
-            await self.engine.threshold(hw.name, target, static_prior=True)
-            if any(f.static_prior for f in forecasts)
-            else None
-        )
+        # Each regime (a model against a measured kernel, two unmeasured kernels, a static prior) has its own
+        # verified history, hence its own threshold (forecast/engine.py).
+        choices = {
+            r: await self.engine.threshold(hw.name, target, r)
+            for r in dict.fromkeys(f.regime for f in forecasts)
+        }
         from forecaster_mcp.forecast.selective import decide
 
         results: dict[str, CandidateForecast] = {}
@@ -231,8 +229,7 @@ class Service:
                 continue
             f = next(it)
             fc_by_id[cid] = f
-            regime_choice = prior_choice if f.static_prior else choice
-            verdict = decide(f.p_faster, regime_choice.threshold) if regime_choice is not None else "unsure"
+            verdict = decide(f.p_faster, choices[f.regime].threshold)
             results[cid] = CandidateForecast(
                 id=cid,
                 p_faster=f.p_faster,
@@ -247,9 +244,8 @@ class Service:
 
         measure_next = self._measure_next(base, runtimes, results, fc_by_id)
         notes = list(hw.notes)
-        for c in (choice if not all(f.static_prior for f in forecasts) else None, prior_choice):
-            if c is not None:
-                notes.append(f"verdicts decided at confidence >= {c.threshold:.3f} ({c.reason})")
+        for c in choices.values():
+            notes.append(f"verdicts decided at confidence >= {c.threshold:.3f} ({c.reason})")
         measurements: list[MeasureResult] = []
         charged = 0.0
         unsure = [i for i in measure_next if i != base.id and results[i].verdict == "unsure"]
@@ -330,7 +326,6 @@ class Service:
         results: dict[str, CandidateForecast],
         fc_by_id: dict[str, Any],
     ) -> None:
-        name = self.engine.info().name
         rows = []
         for k in others:
             r = results[str(k.id)]
@@ -352,10 +347,8 @@ class Service:
             rows.append(row)
             per = getattr(fc_by_id[str(k.id)], "per_forecaster", None) or {}
             for comp, probs in per.items():
-                if comp == name:
-                    continue
-                # Component rows (same pair) feed per-forecaster calibration only; they are not the caller's
-                # forecasts.
+                # Component rows (same pair, named raw:<slot>, never the engine's own name) feed per-forecaster
+                # calibration only; they are not the caller's forecasts.
                 rows.append(
                     dataclasses.replace(
                         row,

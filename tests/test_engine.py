@@ -89,10 +89,13 @@ def test_info_names_the_combination() -> None:
     assert info.components == ["local@0", "claude@0"]
     assert engine.row_names() == [
         "local+claude",
+        "local+claude:unmeasured",
         "local+claude:prior",
         "raw:local",
+        "raw:local:unmeasured",
         "raw:local:prior",
         "raw:claude",
+        "raw:claude:unmeasured",
         "raw:claude:prior",
     ]
     assert ForecastEngine([_scripted("local")]).info().name == "local"
@@ -243,11 +246,11 @@ async def test_static_prior_answers_are_calibrated_and_decided_apart_from_model_
     model, prior = await engine.forecast([_query(0), _query(1)])
     assert 0.6 < model.p_faster < 0.8  # recalibrated on the model's verified answers
     assert prior.p_faster == pytest.approx(0.95)  # its own slot has no history: left as it is
-    assert prior.static_prior and not model.static_prior
+    assert prior.regime == "prior" and model.regime == "model"
     assert list(model.per_forecaster) == ["raw:local"] and list(prior.per_forecaster) == ["raw:local:prior"]
     choice = await engine.threshold("A100", 0.1)
     assert choice.source == "history" and choice.threshold == pytest.approx(0.9)
-    prior_choice = await engine.threshold("A100", 0.1, static_prior=True)
+    prior_choice = await engine.threshold("A100", 0.1, "prior")
     assert prior_choice.source == "default" and prior_choice.threshold == pytest.approx(0.95)
     assert "static prior" in prior_choice.reason
     assert engine.final_name(model) == "local" and engine.final_name(prior) == "local:prior"
@@ -264,7 +267,7 @@ async def test_static_prior_answers_are_calibrated_and_decided_apart_from_model_
     for i in range(300):
         store.add("local:prior", "A100", _bins_with(0.85), 0.5 if i % 100 == 0 else 2.0)
     engine.mark_stale()
-    assert (await engine.threshold("A100", 0.1, static_prior=True)).threshold == pytest.approx(0.85)
+    assert (await engine.threshold("A100", 0.1, "prior")).threshold == pytest.approx(0.85)
     assert (await engine.threshold("A100", 0.1)).threshold == pytest.approx(0.9)
 
     # With a second forecaster the pair is still outside any family model: its threshold is the prior's.
@@ -272,7 +275,7 @@ async def test_static_prior_answers_are_calibrated_and_decided_apart_from_model_
     local.enqueue(BinForecast(_bins_with(0.95), "static prior", {"prior": 1.0}))
     both = ForecastEngine([local, other])
     [mixed] = await both.forecast([_query(3)])
-    assert mixed.static_prior and both.final_name(mixed) == "local+claude:prior"
+    assert mixed.regime == "prior" and both.final_name(mixed) == "local+claude:prior"
     assert set(mixed.per_forecaster) == {"raw:local:prior", "raw:claude"}
 
     # Evaluation: in-memory fits route each outcome to its answer's slot.
@@ -280,6 +283,54 @@ async def test_static_prior_answers_are_calibrated_and_decided_apart_from_model_
     fresh.fit([prior.outcome("A100", 2.0 if i % 10 else 0.5) for i in range(200)])
     assert bins.p_faster(fresh.combine_raw(prior.raw, "A100", prior.slots)) > 0.9  # 90% right: kept sharp
     assert bins.p_faster(fresh.combine_raw(model.raw, "A100", model.slots)) == pytest.approx(0.95)
+
+
+UNMEASURED = {"measured": 0.0, "baseline_measured": 0.0}
+
+
+@pytest.mark.anyio
+async def test_pairs_of_two_unmeasured_kernels_are_calibrated_and_decided_apart() -> None:
+    """Verified history is mostly forecasts against a measured baseline (the search case); a threshold it
+    certifies does not hold for pairs whose runtimes are both predictions, which err more."""
+    store = FakeStore()
+    for i in range(300):  # final forecasts against a measured kernel at 0.9, right 99%: certifies 0.9
+        store.add("local", "A100", _bins_with(0.9), 0.5 if i % 100 == 0 else 2.0)
+    local = _scripted("local")
+    local.enqueue(
+        BinForecast(_bins_with(0.92), "vs measured", {"measured": 0.0, "baseline_measured": 1.0}),
+        BinForecast(_bins_with(0.92), "both predicted", UNMEASURED),
+        BinForecast(_bins_with(0.92), "both measured", {"measured": 1.0, "baseline_measured": 1.0}),
+    )
+    engine = ForecastEngine([local], store)
+    vs, both, measured = await engine.forecast([_query(0), _query(1), _query(2)])
+    assert (vs.regime, both.regime, measured.regime) == ("model", "unmeasured", "model")
+    assert list(both.per_forecaster) == ["raw:local:unmeasured"]
+    assert engine.final_name(both) == "local:unmeasured"
+    assert "local:unmeasured" in engine.row_names() and "raw:local:unmeasured" in engine.row_names()
+    assert (await engine.threshold("A100", 0.1)).threshold == pytest.approx(0.9)
+    unmeasured = await engine.threshold("A100", 0.1, "unmeasured")
+    assert unmeasured.source == "default" and unmeasured.threshold == pytest.approx(0.95)
+    assert "neither kernel measured" in unmeasured.reason
+    # Its own verified final forecasts certify its own threshold; its raw rows calibrate its own slot.
+    for i in range(300):
+        store.add("local:unmeasured", "A100", _bins_with(0.97), 0.5 if i % 100 == 0 else 2.0)
+    _overconfident_history(store, "local:unmeasured", 400, np.random.default_rng(5))
+    engine.mark_stale()
+    assert (await engine.threshold("A100", 0.1, "unmeasured")).threshold == pytest.approx(0.97)
+    assert (await engine.threshold("A100", 0.1)).threshold == pytest.approx(0.9)
+    local.enqueue(
+        BinForecast(_bins_with(0.95), "both predicted", UNMEASURED), BinForecast(_bins_with(0.95), "vs")
+    )
+    again, model = await engine.forecast([_query(3), _query(4)])
+    assert 0.6 < again.p_faster < 0.8 and model.p_faster == pytest.approx(0.95)
+    # A static-prior answer beside an unmeasured one: the pair is as uncertain as its least modelled part.
+    other = _scripted("claude", _bins_with(0.9))
+    local.enqueue(BinForecast(_bins_with(0.6), "static prior", {"prior": 1.0, **UNMEASURED}))
+    [mixed] = await ForecastEngine([local, other]).forecast([_query(5)])
+    assert mixed.regime == "prior" and set(mixed.per_forecaster) == {"raw:local:prior", "raw:claude"}
+    local.enqueue(BinForecast(_bins_with(0.6), "both predicted", UNMEASURED))
+    [pair] = await ForecastEngine([local, other]).forecast([_query(6)])
+    assert pair.regime == "unmeasured" and set(pair.per_forecaster) == {"raw:local:unmeasured", "raw:claude"}
 
 
 @pytest.mark.anyio

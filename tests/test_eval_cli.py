@@ -199,8 +199,10 @@ def test_make_pairs_then_eval_with_calibration(
     report = json.loads((out / "metrics.json").read_text())
     assert report["calibration_pairs"] == 120 and report["n_pairs"] == 80
     assert "calibrated" in report["components"]["local"]
-    [choice] = report["thresholds"].values()
-    assert choice["n_history"] <= 60  # the odd half of the calibration file, ties left out
+    # No measured history: every pair is answered by the static prior, whose threshold its calibration pairs set.
+    assert report["forecasts_per_regime"] == {"model": 0, "unmeasured": 0, "prior": 80}
+    [choice] = report["thresholds_static_prior"].values()
+    assert 40 < choice["n_history"] <= 60  # the odd half of the calibration file, ties left out
     assert not math.isnan(report["final"]["multiclass_brier"])
     assert "local calibrated" in capsys.readouterr().out
 
@@ -219,5 +221,8 @@ def test_history_in_the_pairs_file_teaches_the_local_model(conv_a100: Path, tmp_
     assert main(["eval", str(path), "--out", str(out)]) == 0
     report = json.loads((out / "metrics.json").read_text())
     assert report["history_points"] == 60
+    # Both kernels of every pair are predictions: their own regime and threshold.
+    assert report["forecasts_per_regime"] == {"model": 0, "unmeasured": 150, "prior": 0}
+    assert "neither kernel measured" in next(iter(report["thresholds_unmeasured"].values()))["reason"]
     # The family model learns from 60 measurements what the bare prior cannot know.
     assert report["final"]["pairwise_accuracy"] > 0.7

@@ -258,3 +258,40 @@ async def test_static_prior_forecasts_are_stored_and_thresholded_apart(
         assert sorted(v.forecaster for v in verified) == ["local:prior", "raw:local:prior"]
         status = await call(client, "budget_status", {})
         assert status["calibration"]["verified_pairs"] == 1
+
+
+async def test_pairs_of_two_unmeasured_kernels_are_stored_and_thresholded_apart(
+    tmp_path: Path, conv_a100: Path
+) -> None:
+    """Once the family model answers, a pair of which neither kernel is measured is a forecast of two
+    predictions: stored under its own names (own calibration and threshold history), said in the notes."""
+    async with running(tmp_path, [conv_a100]) as (client, service):
+        for bx, by in ((16, 2), (32, 8), (64, 4), (128, 1), (48, 2)):
+            await call(
+                client,
+                "measure_kernel",
+                {"kernel": conv(None, {**FAST, "block_size_x": bx, "block_size_y": by})},
+            )
+        a, b = (
+            conv("a", {**FAST, "block_size_x": 32, "block_size_y": 2}),
+            conv("b", {**FAST, "block_size_x": 96}),
+        )
+        measured = conv("m", {**FAST, "block_size_x": 64, "block_size_y": 4})
+        out = await call(client, "compare_kernels", {"candidates": [a, b]})
+        notes = [n for n in out["notes"] if n.startswith("verdicts decided at")]
+        assert len(notes) == 1 and "(neither kernel measured)" in notes[0]
+        out = await call(client, "compare_kernels", {"candidates": [measured, a, b]})
+        notes = [n for n in out["notes"] if n.startswith("verdicts decided at")]
+        assert len(notes) == 1 and "neither kernel measured" not in notes[0]
+        await call(client, "measure_kernel", {"kernel": a})
+        await call(client, "measure_kernel", {"kernel": b})
+        names = sorted(v.forecaster for v in await service.store.verified_pairs())
+        # a vs b (both predicted then), and a, b against the measured baseline.
+        assert names == [
+            "local",
+            "local",
+            "local:unmeasured",
+            "raw:local",
+            "raw:local",
+            "raw:local:unmeasured",
+        ]

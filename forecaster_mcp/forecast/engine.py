@@ -14,8 +14,17 @@ Rows the server stores (ForecastRow.forecaster names), and what the engine reads
   They are calibrated apart: a calibration learned on a family model's verified pairs says nothing about the
   prior's, and the other way round; likewise a threshold certified on the family model's history does not
   certify the prior's forecasts, which have their own.
-Calibration state is persisted with `save_calibration(<slot>, "*")` for every slot (`<component>` and
-`<component>:prior`) and, with several components, `save_calibration(info().name, "*")` for the combiner.
+- `raw:<component>:unmeasured` and `<info().name>:unmeasured`: the same split for model answers on a pair of
+  which neither kernel is measured (`extras["measured"]` and `extras["baseline_measured"]` both 0). Both
+  runtimes are predictions, so these err more than a prediction against a measured baseline (the search case,
+  which dominates verified history): on the 15 held-out replay spaces, a threshold certified on
+  baseline-measured pairs let pairs of two unmeasured kernels err on 14% / 11% of their decided verdicts with
+  30 / 100 measurements (above the 10% target in 14 / 11 of 15 spaces; benchmarks/tune_local.py model).
+Regimes, from the least to the most uncertain: model, unmeasured, prior; a final forecast takes the most
+uncertain regime of its components' answers (`EngineForecast.regime`).
+Calibration state is persisted with `save_calibration(<slot>, "*")` for every slot (`<component>`,
+`<component>:unmeasured`, `<component>:prior`) and, with several components, `save_calibration(info().name,
+"*")` for the combiner.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import anyio
 import numpy as np
@@ -50,7 +59,14 @@ STATE_VERSION = 1
 _EMPTY = np.zeros(0)
 
 
-PRIOR_SUFFIX = ":prior"
+Regime = Literal["model", "unmeasured", "prior"]
+REGIMES: tuple[Regime, ...] = ("model", "unmeasured", "prior")  # least to most uncertain
+_SUFFIX: dict[Regime, str] = {"model": "", "unmeasured": ":unmeasured", "prior": ":prior"}
+_LABEL: dict[Regime, str] = {
+    "model": "",
+    "unmeasured": " (neither kernel measured)",
+    "prior": " (static prior)",
+}
 
 
 def raw_name(component: str) -> str:
@@ -58,9 +74,30 @@ def raw_name(component: str) -> str:
     return RAW_PREFIX + component
 
 
+def regime_of(forecast: BinForecast) -> Regime:
+    """Which regime one answer belongs to (module doc): static prior, two unmeasured kernels, or model."""
+    extras = forecast.extras
+    if extras.get("prior", 0.0) >= 1.0:
+        return "prior"
+    if extras.get("measured", 1.0) == 0.0 and extras.get("baseline_measured", 1.0) == 0.0:
+        return "unmeasured"
+    return "model"
+
+
 def slot_of(component: str, forecast: BinForecast) -> str:
-    """The calibration slot of one answer: the component, or `<component>:prior` for a static-prior answer."""
-    return component + PRIOR_SUFFIX if forecast.extras.get("prior", 0.0) >= 1.0 else component
+    """The calibration slot of one answer: `<component>` plus its regime's suffix."""
+    return component + _SUFFIX[regime_of(forecast)]
+
+
+def _component_of(slot: str) -> str:
+    for suffix in _SUFFIX.values():
+        if suffix and slot.endswith(suffix):
+            return slot.removesuffix(suffix)
+    return slot
+
+
+def _regime_of_slot(slot: str) -> Regime:
+    return next((r for r in REGIMES if _SUFFIX[r] and slot.endswith(_SUFFIX[r])), "model")
 
 
 class CalibrationStore(Protocol):
@@ -106,7 +143,7 @@ class EngineForecast:
     # Extra rows to store beside the final one: forecaster name ("raw:<slot>") -> bins.
     per_forecaster: dict[str, list[float]] = field(default_factory=dict)
     slots: dict[str, str] = field(default_factory=dict)  # component -> calibration slot of its answer
-    static_prior: bool = False  # some component answered from a static prior: no family model covers the pair
+    regime: Regime = "model"  # the most uncertain of its components' regimes (module doc)
 
     def outcome(self, hardware: str, speedup: float) -> Outcome:
         """This forecast's raw answers as a verified outcome (evaluation)."""
@@ -170,15 +207,15 @@ class ForecastEngine:
         self._delta = delta
         self._timeout_s = timeout_s
         self._clock = clock
-        self._slots = [s for n in names for s in (n, n + PRIOR_SUFFIX)]
+        self._slots = [n + _SUFFIX[r] for n in names for r in REGIMES]
         self._calibrators: dict[str, Calibrator] = {s: Calibrator.identity() for s in self._slots}
         self._combiner = Combiner.equal(names)
         self._fit_counts: dict[str, int] = {}  # raw rows per slot at the last calibration fit
         self._combiner_counts: dict[str, int] = {}
-        # Verified final forecasts per regime (True: static prior), then per GPU and pooled.
-        self._history: dict[bool, dict[str, tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]]] = {}
-        self._history_count: dict[bool, int] = {}
-        self._thresholds: dict[tuple[str, float, bool], ThresholdChoice] = {}
+        # Verified final forecasts per regime, then per GPU and pooled.
+        self._history: dict[Regime, dict[str, tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]]] = {}
+        self._history_count: dict[Regime, int] = {}
+        self._thresholds: dict[tuple[str, float, Regime], ThresholdChoice] = {}
         self._loaded = False
         self._stale = True
         self._fresh_until = -math.inf
@@ -199,11 +236,11 @@ class ForecastEngine:
 
     def row_names(self) -> list[str]:
         """Every forecaster name the engine reads verified pairs under."""
-        return [self.name, self.name + PRIOR_SUFFIX, *(raw_name(s) for s in self._slots)]
+        return [*(self.name + _SUFFIX[r] for r in REGIMES), *(raw_name(s) for s in self._slots)]
 
     def final_name(self, forecast: EngineForecast) -> str:
         """The forecaster name a final forecast is stored under (its regime's threshold history)."""
-        return self.name + PRIOR_SUFFIX if forecast.static_prior else self.name
+        return self.name + _SUFFIX[forecast.regime]
 
     # ------------------------------------------------------------------ forecasting
 
@@ -283,7 +320,7 @@ class ForecastEngine:
             notes=list(notes),
             per_forecaster={raw_name(slots[n]): v for n, v in raw.items()},
             slots=slots,
-            static_prior=any(s.endswith(PRIOR_SUFFIX) for s in slots.values()),
+            regime=max((_regime_of_slot(s) for s in slots.values()), key=REGIMES.index),
         )
 
     def combine_raw(
@@ -297,19 +334,19 @@ class ForecastEngine:
     # ------------------------------------------------------------------ selective threshold
 
     async def threshold(
-        self, hardware: str, target_error: float, static_prior: bool = False
+        self, hardware: str, target_error: float, regime: Regime = "model"
     ) -> ThresholdChoice:
-        """The confidence threshold for verdicts on this GPU (history of this GPU, else pooled over GPUs), for
-        model forecasts or, with `static_prior`, for forecasts made from static priors (their own history)."""
+        """The confidence threshold for verdicts on this GPU (history of this GPU, else pooled over GPUs) for
+        forecasts of one regime (module doc), from that regime's own verified history."""
         await self._maybe_refresh()
-        key = (hardware, round(float(target_error), 9), static_prior)
+        key = (hardware, round(float(target_error), 9), regime)
         cached = self._thresholds.get(key)
         if cached is not None:
             return cached
-        history = self._history.get(static_prior, {})
+        history = self._history.get(regime, {})
         conf, correct = history.get(hardware, (_EMPTY, _EMPTY))
         pooled = history.get(POOLED, (_EMPTY, _EMPTY))
-        who = self.name + (" (static prior)" if static_prior else "")
+        who = self.name + _LABEL[regime]
         if conf.size < default_min_history(target_error, self._delta) and pooled[0].size > conf.size:
             choice = choose_threshold(pooled[0], pooled[1], target_error, self._delta)
             choice = replace(choice, reason=f"{who}, pooled over GPUs: {choice.reason}")
@@ -324,14 +361,14 @@ class ForecastEngine:
         hardware: Sequence[str],
         p_faster: Sequence[float],
         speedups: Sequence[float],
-        static_prior: Sequence[bool] | None = None,
+        regimes: Sequence[Regime] | None = None,
     ) -> None:
         """Use these verified final forecasts for thresholds (evaluation; a store refresh replaces them).
-        `static_prior[i]`: forecast i was made from static priors (default: none was)."""
-        flags = [False] * len(p_faster) if static_prior is None else list(static_prior)
+        `regimes[i]`: the regime forecast i was made in (default: "model" for all)."""
+        flags: list[Regime] = ["model"] * len(p_faster) if regimes is None else list(regimes)
         if not (len(hardware) == len(p_faster) == len(speedups) == len(flags)):
-            raise ValueError("hardware, p_faster, speedups and static_prior must have the same length")
-        for regime in (False, True):
+            raise ValueError("hardware, p_faster, speedups and regimes must have the same length")
+        for regime in REGIMES:
             self._set_regime_history(
                 regime,
                 [
@@ -341,7 +378,7 @@ class ForecastEngine:
                 ],
             )
 
-    def _set_regime_history(self, regime: bool, rows: Sequence[tuple[str, float, float]]) -> None:
+    def _set_regime_history(self, regime: Regime, rows: Sequence[tuple[str, float, float]]) -> None:
         by_hw: dict[str, tuple[list[float], list[float]]] = {}
         for hw, p, s in rows:
             if _is_tie(s):
@@ -422,11 +459,11 @@ class ForecastEngine:
             by_name: dict[str, list[VerifiedPair]] = {}
             for v in await store.verified_pairs():
                 by_name.setdefault(v.forecaster, []).append(v)
-            # Slot s of component n: its rows are "raw:<s>"; the component is s without the prior suffix.
+            # Slot s of component n: its rows are "raw:<s>"; the component is s without the regime suffix.
             rows = {s: by_name.get(raw_name(s), []) for s in self._slots}
             for s in self._slots:
                 if len(rows[s]) != self._fit_counts.get(s):
-                    n = s.removesuffix(PRIOR_SUFFIX)
+                    n = _component_of(s)
                     self._calibrators[s] = self._fit_calibrator(
                         [(n, Outcome(v.hardware, v.actual_speedup, {n: v.probs}, {n: s})) for v in rows[s]]
                     )
@@ -438,8 +475,8 @@ class ForecastEngine:
                 self._combiner = self._fit_combiner(_join(rows, self._names))
                 self._combiner_counts = dict(counts)
                 await store.save_calibration(self.name, POOLED, self._combiner_state())
-            for regime, name in ((False, self.name), (True, self.name + PRIOR_SUFFIX)):
-                final = by_name.get(name, [])
+            for regime in REGIMES:
+                final = by_name.get(self.name + _SUFFIX[regime], [])
                 if len(final) != self._history_count.get(regime):
                     self._set_regime_history(
                         regime, [(v.hardware, v.p_faster, v.actual_speedup) for v in final]

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     import argparse
 
     from forecaster_mcp.forecast.base import Forecaster, PairQuery
-    from forecaster_mcp.forecast.engine import EngineForecast, ForecastEngine
+    from forecaster_mcp.forecast.engine import EngineForecast, ForecastEngine, Regime
     from forecaster_mcp.settings import Settings
     from forecaster_mcp.store.db import FamilyPoint
 
@@ -48,6 +48,12 @@ KNOWN_FORECASTERS = ("local", "claude")
 # make-pairs writes this into the stand-in source of recorded kernels: there is nothing to compile.
 PLACEHOLDER_MARKER = "the kernel source is not included"
 DELTA = 0.05
+# metrics.json keys of the per-GPU thresholds, per forecast regime (forecast/engine.py).
+_THRESHOLD_KEYS: tuple[tuple[Regime, str], ...] = (
+    ("model", "thresholds"),
+    ("unmeasured", "thresholds_unmeasured"),
+    ("prior", "thresholds_static_prior"),
+)
 
 
 # ---------------------------------------------------------------- reading pairs files
@@ -275,7 +281,7 @@ class _Calibration:
     history_hw: list[str]
     history_raw: list[dict[str, list[float]]]
     history_slots: list[dict[str, str]]
-    history_static: list[bool]
+    history_regimes: list[Regime]
     history_speedups: list[float]
     n_pairs: int
 
@@ -291,7 +297,8 @@ async def _calibrate_phase(
     engine = ForecastEngine(forecasters, None)
     queries = _queries(cal.pairs)
     forecasts = await engine.forecast(queries)
-    fit, hw, raw, slots, static, speedups = [], [], [], [], [], []
+    fit, hw, raw, slots, speedups = [], [], [], [], []
+    regimes: list[Regime] = []
     for i, (q, p, f) in enumerate(zip(queries, cal.pairs, forecasts, strict=True)):
         if not f.raw:
             continue
@@ -301,10 +308,10 @@ async def _calibrate_phase(
             hw.append(q.hardware_name)
             raw.append(dict(f.raw))
             slots.append(dict(f.slots))
-            static.append(f.static_prior)
+            regimes.append(f.regime)
             speedups.append(p.speedup)
     notes = sorted({n for f in forecasts for n in f.notes})
-    return _Calibration(fit, hw, raw, slots, static, speedups, len(cal.pairs)), notes
+    return _Calibration(fit, hw, raw, slots, regimes, speedups, len(cal.pairs)), notes
 
 
 def _apply_calibration(engine: ForecastEngine, cal: _Calibration) -> None:
@@ -315,7 +322,7 @@ def _apply_calibration(engine: ForecastEngine, cal: _Calibration) -> None:
         bins.p_faster(engine.combine_raw(r, hw, sl))
         for r, hw, sl in zip(cal.history_raw, cal.history_hw, cal.history_slots, strict=True)
     ]
-    engine.set_history(cal.history_hw, finals, cal.history_speedups, cal.history_static)
+    engine.set_history(cal.history_hw, finals, cal.history_speedups, cal.history_regimes)
 
 
 # ---------------------------------------------------------------- the report
@@ -354,7 +361,12 @@ def print_table(report: dict[str, Any], out: TextIO) -> None:
     print(
         f"ties (|log2 S| <= log2 1.03) left out of direction metrics: {report['final']['n_ties']}", file=out
     )
-    for key, label in (("thresholds", ""), ("thresholds_static_prior", " for static-prior forecasts")):
+    used = report.get("forecasts_per_regime", {})
+    for (regime, key), label in zip(
+        _THRESHOLD_KEYS, ("", " for two unmeasured kernels", " for static-prior forecasts"), strict=True
+    ):
+        if not used.get(regime) and (regime != "model" or any(used.values())):
+            continue  # no forecast was made in this regime: its threshold decided nothing
         for hw, choice in report[key].items():
             print(f"threshold on {hw}{label}: {choice['threshold']:.3f} ({choice['reason']})", file=out)
 
@@ -380,7 +392,7 @@ async def _forecast_all(
     ForecastEngine,
     list[PairQuery],
     list[EngineForecast],
-    dict[tuple[str, bool], ThresholdChoice],
+    dict[tuple[str, Regime], ThresholdChoice],
     _Calibration | None,
     list[str],
 ]:
@@ -400,10 +412,10 @@ async def _forecast_all(
     queries = _queries(main.pairs)
     forecasts = await engine.forecast(queries)
     notes += sorted({n for f in forecasts for n in f.notes})
-    # Per GPU the model forecasts' threshold, and the static-prior forecasts' where any were made.
-    keys = [(q.hardware_name, False) for q in queries]
-    keys += [(q.hardware_name, True) for q, f in zip(queries, forecasts, strict=True) if f.static_prior]
-    thresholds = {k: await engine.threshold(k[0], target, static_prior=k[1]) for k in dict.fromkeys(keys)}
+    # Per GPU the threshold of each regime forecasts were made in (module doc of forecast/engine.py).
+    keys: list[tuple[str, Regime]] = [(q.hardware_name, "model") for q in queries]
+    keys += [(q.hardware_name, f.regime) for q, f in zip(queries, forecasts, strict=True)]
+    thresholds = {k: await engine.threshold(k[0], target, k[1]) for k in dict.fromkeys(keys)}
     return engine, queries, forecasts, thresholds, calibration, notes
 
 
@@ -439,7 +451,7 @@ def run_eval(
     final_probs = np.array([f.probs for f in forecasts])
     final = M.summarize(final_probs, speedups)
     verdicts = [
-        decide(f.p_faster, thresholds[(hw, f.static_prior)].threshold)
+        decide(f.p_faster, thresholds[(hw, f.regime)].threshold)
         for f, hw in zip(forecasts, hardware, strict=True)
     ]
     d = M.decided_summary(verdicts, speedups)
@@ -506,9 +518,13 @@ def run_eval(
         "target_error": target,
         "delta": DELTA,
         "n_pairs": len(main.pairs),
-        # Per GPU: the threshold of model forecasts, and (when any were made) of static-prior forecasts.
-        "thresholds": {hw: c.to_dict() for (hw, prior), c in thresholds.items() if not prior},
-        "thresholds_static_prior": {hw: c.to_dict() for (hw, prior), c in thresholds.items() if prior},
+        "forecasts_per_regime": {r: sum(f.regime == r for f in forecasts) for r, _ in _THRESHOLD_KEYS},
+        # Per GPU and regime (when forecasts of it were made): model forecasts against a measured kernel,
+        # forecasts of two unmeasured kernels, static-prior forecasts.
+        **{
+            key: {hw: c.to_dict() for (hw, r), c in thresholds.items() if r == regime}
+            for regime, key in _THRESHOLD_KEYS
+        },
         "final": final,
         "components": components,
         "by_hardware": by_hw,
