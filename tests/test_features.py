@@ -97,6 +97,30 @@ def test_source_features_find_the_constructs() -> None:
     assert f.fp64 == 1 and f.transcendentals >= 1
 
 
+def test_library_warp_reductions_count_as_shuffles() -> None:
+    cg = """
+    namespace cg = cooperative_groups;
+    __global__ void k(const float* x, float* out) {
+        auto tile = cg::tiled_partition<32>(cg::this_thread_block());
+        float v = x[threadIdx.x];
+        for (int o = 16; o > 0; o /= 2) v += tile.shfl_down(v, o);
+        float w = cg::reduce(tile, v, cg::plus<float>());
+        if (tile.thread_rank() == 0) out[blockIdx.x] = v + w;
+    }
+    """
+    cub = """
+    __global__ void k(const float* x, float* out) {
+        typedef cub::BlockReduce<float, 256> BlockReduce;
+        __shared__ typename BlockReduce::TempStorage temp;
+        float s = BlockReduce(temp).Sum(x[threadIdx.x]);
+        if (threadIdx.x == 0) out[blockIdx.x] = s;
+    }
+    """
+    assert source_features(cg, {}).warp_shuffles == 2
+    assert source_features(cub, {}).warp_shuffles >= 1
+    assert source_features("__global__ void k(float* x) { x[0] = 1.0f; }", {}).warp_shuffles == 0
+
+
 def test_kernel_features_use_the_spec_only_when_known() -> None:
     k = Kernel(
         source=TILED, entry="mm", launch=Launch(grid=[432, 1, 1], block=[256, 1, 1]), defines={"USE_SHMEM": 1}

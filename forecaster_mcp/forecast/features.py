@@ -182,7 +182,12 @@ _PATTERNS: dict[str, re.Pattern[str]] = {
     "atomics": re.compile(r"\batomic\w*\s*\(|\bred\.\w+"),
     "barriers": re.compile(r"__syncthreads\w*\s*\(|__syncwarp\s*\(|\bbar\.sync\b|\.sync\s*\(\s*\)|__barrier"),
     "readonly": re.compile(r"__ldg\s*\(|\bconst\s+[\w:<>]+\s*\*\s*(?:const\s+)?__restrict__"),
-    "warp_shuffles": re.compile(r"__shfl\w*\s*\(|__reduce_\w+_sync\s*\("),
+    # Intrinsics, and the library calls agents write instead (cooperative-groups tiles and reduce, CUB's warp
+    # and block reductions), which compile to the same shuffles.
+    "warp_shuffles": re.compile(
+        r"__shfl\w*\s*\(|__reduce_\w+_sync\s*\(|\.shfl(?:_down|_up|_xor)?\s*\(|"
+        r"\b(?:cg|cooperative_groups)::reduce\s*\(|\bcub::(?:WarpReduce|BlockReduce)\b"
+    ),
     "divisions": re.compile(r"[^/*]/(?![/*=])|%(?!=)"),
     "transcendentals": re.compile(
         r"\b(?:__)?(?:exp|exp2|expf|exp2f|__expf|log|logf|log2f|__logf|pow|powf|__powf|sin|sinf|__sinf|cos|cosf|"
