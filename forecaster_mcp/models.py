@@ -357,10 +357,13 @@ class CompareResult(BaseModel):
     hardware: str
     hardware_known: bool
     candidates: list[CandidateForecast]
-    ranking: list[str] = Field(description="all ids, fastest first (by expected speedup)")
+    ranking: list[str] = Field(
+        description="all ids, fastest first (by expected speedup): the best guess now. To choose what to "
+        "measure next in a search, use measure_next (measuring ranking's head every time gets stuck)"
+    )
     measure_next: list[str] = Field(
-        description="ids worth measuring, most valuable first: unsure and faster candidates, and slower ones "
-        "whose wide forecast still leaves a real expected gain"
+        description="ids worth measuring, most valuable first (the chance and size of beating the baseline): "
+        "unsure and faster candidates, and slower ones whose wide forecast still leaves a real expected gain"
     )
     forecaster: ForecasterInfo
     target_error: float
