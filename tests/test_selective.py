@@ -40,6 +40,11 @@ def test_short_history_uses_the_default() -> None:
     assert choice.threshold == pytest.approx(default_threshold(TARGET)) == pytest.approx(0.95)
     assert choice.source == "default" and choice.n_history == 10 and choice.error_ucb is None
     assert "fewer than" in choice.reason
+    # A stricter default where the caller knows its forecasts to be less reliably calibrated.
+    stricter = choose_threshold([0.99] * 10, [1] * 10, TARGET, default=0.975)
+    assert stricter.threshold == pytest.approx(0.975) and stricter.source == "default"
+    with pytest.raises(ValueError):
+        choose_threshold([0.99], [1], TARGET, default=0.4)
 
 
 def test_a_clean_history_certifies_a_low_threshold() -> None:

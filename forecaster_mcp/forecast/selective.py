@@ -8,6 +8,8 @@ thresholds (fixed-sequence testing, as in Learn-then-Test). We return the lowest
 
 While history is short we use a default threshold of 1 - target_error / 2: a calibrated forecaster errs with
 probability at most 1 - confidence on each decided pair, so its decided error stays below target_error / 2.
+A caller that knows its forecasts to be less reliably calibrated passes a stricter default (the engine does
+for pairs of two unmeasured kernels).
 """
 
 from __future__ import annotations
@@ -107,11 +109,13 @@ def choose_threshold(
     delta: float = 0.05,
     *,
     min_history: int | None = None,
+    default: float | None = None,
 ) -> ThresholdChoice:
     """The lowest confidence threshold certified on history (see the module docstring).
 
     `confidences`: calibrated confidence (max(p, 1 - p)) of each verified non-tie forecast, as it was
     issued; `correct`: 1 if its direction was right, 0 if wrong (fractions are rounded up as errors).
+    `default`: the threshold while history is short (default_threshold(target_error) unless given).
     """
     if not 0.0 < target_error < 0.5:
         raise ValueError(f"target_error must be in (0, 0.5), got {target_error}")
@@ -122,7 +126,9 @@ def choose_threshold(
     if conf.shape != err.shape:
         raise ValueError("confidences and correct must have the same length")
     n = int(conf.size)
-    default = default_threshold(target_error)
+    default = default_threshold(target_error) if default is None else default
+    if not 0.5 <= default <= 1.0:
+        raise ValueError(f"default threshold must be in [0.5, 1], got {default}")
     need = default_min_history(target_error, delta) if min_history is None else max(1, min_history)
 
     def choice(
