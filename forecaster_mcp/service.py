@@ -212,10 +212,12 @@ class Service:
         queries = [p.query for p in pairs if p.query is not None]
         forecasts = await self.engine.forecast(queries) if queries else []
         # Each regime (a model against a measured kernel, two unmeasured kernels, a static prior) has its own
-        # verified history, hence its own threshold (forecast/engine.py).
+        # verified history, hence its own threshold, and a kernel family with enough history of its own is
+        # thresholded on it (forecast/engine.py).
+        regime_family = [(f, q.candidate.family_key()) for f, q in zip(forecasts, queries, strict=True)]
         choices = {
-            r: await self.engine.threshold(hw.name, target, r)
-            for r in dict.fromkeys(f.regime for f in forecasts)
+            (f.regime, fam): await self.engine.threshold(hw.name, target, f.regime, fam)
+            for f, fam in regime_family
         }
         from forecaster_mcp.forecast.selective import decide
 
@@ -229,7 +231,7 @@ class Service:
                 continue
             f = next(it)
             fc_by_id[cid] = f
-            verdict = decide(f.p_faster, choices[f.regime].threshold)
+            verdict = decide(f.p_faster, choices[(f.regime, p.candidate.family_key())].threshold)
             results[cid] = CandidateForecast(
                 id=cid,
                 p_faster=f.p_faster,
@@ -244,7 +246,7 @@ class Service:
 
         measure_next = self._measure_next(base, runtimes, results, fc_by_id)
         notes = list(hw.notes)
-        for c in choices.values():
+        for c in dict.fromkeys(choices.values()):
             notes.append(f"verdicts decided at confidence >= {c.threshold:.3f} ({c.reason})")
         measurements: list[MeasureResult] = []
         charged = 0.0
@@ -343,6 +345,7 @@ class Service:
                 p_faster=r.p_faster,
                 verdict=r.verdict,
                 decided_by="forecast",
+                family_key=k.family_key(),
             )
             rows.append(row)
             per = getattr(fc_by_id[str(k.id)], "per_forecaster", None) or {}

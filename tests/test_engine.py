@@ -43,10 +43,19 @@ class FakeStore:
         self.saves: list[tuple[str, str]] = []
         self.fail = False
 
-    def add(self, forecaster: str, hardware: str, probs: Sequence[float], speedup: float) -> None:
+    def add(
+        self,
+        forecaster: str,
+        hardware: str,
+        probs: Sequence[float],
+        speedup: float,
+        family: str | None = None,
+    ) -> None:
         p = list(bins.normalize(probs))
         self.pairs.append(
-            VerifiedPair(forecaster, hardware, p, bins.p_faster(p), speedup, "unsure", float(len(self.pairs)))
+            VerifiedPair(
+                forecaster, hardware, p, bins.p_faster(p), speedup, "unsure", float(len(self.pairs)), family
+            )
         )
 
     async def verified_pairs(
@@ -331,6 +340,39 @@ async def test_pairs_of_two_unmeasured_kernels_are_calibrated_and_decided_apart(
     local.enqueue(BinForecast(_bins_with(0.6), "both predicted", UNMEASURED))
     [pair] = await ForecastEngine([local, other]).forecast([_query(6)])
     assert pair.regime == "unmeasured" and set(pair.per_forecaster) == {"raw:local:unmeasured", "raw:claude"}
+
+
+@pytest.mark.anyio
+async def test_a_family_with_enough_history_of_its_own_is_thresholded_on_it() -> None:
+    """History pooled over kernel families certifies a threshold that a rougher family errs above."""
+    store = FakeStore()
+    for i in range(600):  # a smooth family: right 99% at 0.7
+        store.add("local", "A100", _bins_with(0.7), 0.5 if i % 100 == 0 else 2.0, "smooth")
+    for i in range(100):  # a rough one: right 80% at 0.7, 99% at 0.95
+        store.add("local", "A100", _bins_with(0.7), 0.5 if i % 5 == 0 else 2.0, "rough")
+        store.add("local", "A100", _bins_with(0.95), 0.5 if i % 100 == 0 else 2.0, "rough")
+    engine = ForecastEngine([_scripted("local")], store)
+    gpu = await engine.threshold("A100", 0.1)
+    assert gpu.threshold == pytest.approx(0.7)  # 800 pairs at 0.7, 26 wrong
+    rough = await engine.threshold("A100", 0.1, "model", "rough")
+    assert rough.threshold == pytest.approx(0.95) and "this kernel family" in rough.reason
+    assert (await engine.threshold("A100", 0.1, "model", "smooth")).threshold == pytest.approx(0.7)
+    # A family with too little history of its own, or none known, gets the GPU's.
+    store.add("local", "A100", _bins_with(0.7), 0.5, "new")
+    engine.mark_stale()
+    assert (await engine.threshold("A100", 0.1, "model", "new")).threshold == pytest.approx(0.7)
+    assert (await engine.threshold("A100", 0.1, "model", None)).threshold == pytest.approx(0.7)
+    # The same in memory (evaluation).
+    fresh = ForecastEngine([_scripted("local")])
+    fresh.set_history(
+        ["A100"] * len(store.pairs),
+        [v.p_faster for v in store.pairs],
+        [v.actual_speedup for v in store.pairs],
+        families=[v.family_key for v in store.pairs],
+    )
+    assert (await fresh.threshold("A100", 0.1, "model", "rough")).threshold == pytest.approx(0.95)
+    with pytest.raises(ValueError):
+        fresh.set_history(["A100"], [0.7], [2.0], families=[])
 
 
 @pytest.mark.anyio

@@ -12,6 +12,7 @@ import pytest
 from mcp import Client
 from replay_kernels import FAILS, FAST, SLOW, conv
 
+from forecaster_mcp.models import Kernel
 from forecaster_mcp.server.app import build_server
 from forecaster_mcp.server.client import ToolCallFailed, structured
 from forecaster_mcp.service import Service
@@ -285,7 +286,10 @@ async def test_pairs_of_two_unmeasured_kernels_are_stored_and_thresholded_apart(
         assert len(notes) == 1 and "neither kernel measured" not in notes[0]
         await call(client, "measure_kernel", {"kernel": a})
         await call(client, "measure_kernel", {"kernel": b})
-        names = sorted(v.forecaster for v in await service.store.verified_pairs())
+        verified = await service.store.verified_pairs()
+        # Every row remembers the candidates' kernel family (a family's own history sets its threshold).
+        assert {v.family_key for v in verified} == {Kernel.model_validate(a).family_key()}
+        names = sorted(v.forecaster for v in verified)
         # a vs b (both predicted then), and a, b against the measured baseline.
         assert names == [
             "local",

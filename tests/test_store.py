@@ -511,6 +511,36 @@ async def test_reopen_is_idempotent_and_keeps_data(tmp_path: Path) -> None:
         assert conn.execute("SELECT count(*) FROM ledgers").fetchone() == (1,)
 
 
+async def test_forecasts_stored_before_families_were_kept_migrate_and_still_verify(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "db.sqlite3"
+    with monkeypatch.context() as m:
+        m.setattr(migrations, "MIGRATIONS", migrations.MIGRATIONS[:2])
+        await (await Store.open(path)).close()
+    with raw(path) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone() == (2,)
+        conn.execute(
+            "INSERT INTO forecasts (forecaster, hardware, workload_key, baseline_key, candidate_key, probs_json, "
+            "p_faster, verdict, decided_by, actual_speedup, created_at) "
+            "VALUES ('local', 'A100', 'w', 'a', 'b', '[0,0,0,0.5,0.5,0,0,0]', 0.5, 'unsure', 'forecast', 2.0, 1)"
+        )
+    s = await Store.open(path)
+    try:
+        [old] = await s.verified_pairs()
+        assert old.family_key is None and old.actual_speedup == 2.0
+        probs = [0.0, 0.0, 0.0, 0.2, 0.8, 0.0, 0.0, 0.0]
+        await s.save_forecasts(
+            [ForecastRow(None, "local", "A100", "w", "a", "c", probs, 0.8, "faster", "forecast", "fam")]
+        )
+        rows = await s.verified_pairs()
+        assert [v.family_key for v in rows] == [None] and len(rows) == 1  # c is not measured: unverified
+    finally:
+        await s.close()
+    with raw(path) as conn:
+        assert conn.execute("SELECT family_key FROM forecasts ORDER BY id").fetchall() == [(None,), ("fam",)]
+
+
 async def test_a_newer_schema_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "db.sqlite3"
     await (await Store.open(path)).close()

@@ -22,6 +22,11 @@ Rows the server stores (ForecastRow.forecaster names), and what the engine reads
   30 / 100 measurements (above the 10% target in 14 / 11 of 15 spaces; benchmarks/tune_local.py model).
 Regimes, from the least to the most uncertain: model, unmeasured, prior; a final forecast takes the most
 uncertain regime of its components' answers (`EngineForecast.regime`).
+Within a regime the threshold comes from the verified history of the candidate's kernel family on the GPU when
+it has enough of its own (stored rows carry `family_key`), else of the GPU, else pooled over GPUs. Families
+differ: three A6000 replay spaces served together (convolution, dedispersion, 6-parameter convolution; 100
+measurements each) certified 0.506 on their pooled history, at which the 6-parameter convolution erred on 11.2%
+of its decided verdicts; its own history certifies 0.70-0.77 (benchmarks/family_thresholds.py, 2 seeds).
 Calibration state is persisted with `save_calibration(<slot>, "*")` for every slot (`<component>`,
 `<component>:unmeasured`, `<component>:prior`) and, with several components, `save_calibration(info().name,
 "*")` for the combiner.
@@ -164,6 +169,11 @@ class EngineForecast:
         return Outcome(hardware, speedup, dict(self.raw), dict(self.slots))
 
 
+def _family_slot(hardware: str, family: str | None) -> str:
+    """The history key of one kernel family on one GPU (beside the GPU's own key and POOLED)."""
+    return f"{hardware}\x00{family}"
+
+
 def _is_tie(speedup: float) -> bool:
     return abs(math.log2(speedup)) <= bins.TIE_LOG2
 
@@ -226,10 +236,10 @@ class ForecastEngine:
         self._combiner = Combiner.equal(names)
         self._fit_counts: dict[str, int] = {}  # raw rows per slot at the last calibration fit
         self._combiner_counts: dict[str, int] = {}
-        # Verified final forecasts per regime, then per GPU and pooled.
+        # Verified final forecasts per regime, then per GPU, per (GPU, kernel family) and pooled over GPUs.
         self._history: dict[Regime, dict[str, tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]]] = {}
         self._history_count: dict[Regime, int] = {}
-        self._thresholds: dict[tuple[str, float, Regime], ThresholdChoice] = {}
+        self._thresholds: dict[tuple[str, float, Regime, str | None], ThresholdChoice] = {}
         self._loaded = False
         self._stale = True
         self._fresh_until = -math.inf
@@ -348,21 +358,28 @@ class ForecastEngine:
     # ------------------------------------------------------------------ selective threshold
 
     async def threshold(
-        self, hardware: str, target_error: float, regime: Regime = "model"
+        self, hardware: str, target_error: float, regime: Regime = "model", family: str | None = None
     ) -> ThresholdChoice:
-        """The confidence threshold for verdicts on this GPU (history of this GPU, else pooled over GPUs) for
-        forecasts of one regime (module doc), from that regime's own verified history."""
+        """The confidence threshold for verdicts on this GPU for forecasts of one regime (module doc), from
+        that regime's own verified history: of this kernel family on this GPU when it has enough of its own
+        (a family rougher than the rest errs more at a threshold certified on theirs), else of this GPU, else
+        pooled over GPUs."""
         await self._maybe_refresh()
-        key = (hardware, round(float(target_error), 9), regime)
+        key = (hardware, round(float(target_error), 9), regime, family)
         cached = self._thresholds.get(key)
         if cached is not None:
             return cached
         history = self._history.get(regime, {})
         conf, correct = history.get(hardware, (_EMPTY, _EMPTY))
         pooled = history.get(POOLED, (_EMPTY, _EMPTY))
+        own = history.get(_family_slot(hardware, family), (_EMPTY, _EMPTY)) if family else (_EMPTY, _EMPTY)
         who = self.name + _LABEL[regime]
         default = default_threshold_for(regime, target_error)
-        if conf.size < default_min_history(target_error, self._delta) and pooled[0].size > conf.size:
+        need = default_min_history(target_error, self._delta)
+        if own[0].size >= need:
+            choice = choose_threshold(own[0], own[1], target_error, self._delta, default=default)
+            choice = replace(choice, reason=f"{who} on {hardware}, this kernel family: {choice.reason}")
+        elif conf.size < need and pooled[0].size > conf.size:
             choice = choose_threshold(pooled[0], pooled[1], target_error, self._delta, default=default)
             choice = replace(choice, reason=f"{who}, pooled over GPUs: {choice.reason}")
         else:
@@ -377,29 +394,34 @@ class ForecastEngine:
         p_faster: Sequence[float],
         speedups: Sequence[float],
         regimes: Sequence[Regime] | None = None,
+        families: Sequence[str | None] | None = None,
     ) -> None:
         """Use these verified final forecasts for thresholds (evaluation; a store refresh replaces them).
-        `regimes[i]`: the regime forecast i was made in (default: "model" for all)."""
+        `regimes[i]`: the regime forecast i was made in (default: "model" for all); `families[i]`: its
+        candidate's kernel family (default: unknown)."""
         flags: list[Regime] = ["model"] * len(p_faster) if regimes is None else list(regimes)
-        if not (len(hardware) == len(p_faster) == len(speedups) == len(flags)):
-            raise ValueError("hardware, p_faster, speedups and regimes must have the same length")
+        fams: list[str | None] = [None] * len(p_faster) if families is None else list(families)
+        if not (len(hardware) == len(p_faster) == len(speedups) == len(flags) == len(fams)):
+            raise ValueError("hardware, p_faster, speedups, regimes and families must have the same length")
         for regime in REGIMES:
             self._set_regime_history(
                 regime,
                 [
-                    (h, p, s)
-                    for h, p, s, f in zip(hardware, p_faster, speedups, flags, strict=True)
+                    (h, p, s, fam)
+                    for h, p, s, f, fam in zip(hardware, p_faster, speedups, flags, fams, strict=True)
                     if f == regime
                 ],
             )
 
-    def _set_regime_history(self, regime: Regime, rows: Sequence[tuple[str, float, float]]) -> None:
+    def _set_regime_history(
+        self, regime: Regime, rows: Sequence[tuple[str, float, float, str | None]]
+    ) -> None:
         by_hw: dict[str, tuple[list[float], list[float]]] = {}
-        for hw, p, s in rows:
+        for hw, p, s, family in rows:
             if _is_tie(s):
                 continue
             right = 0.5 if p == 0.5 else float((p > 0.5) == (s > 1.0))
-            for key in (hw, POOLED):
+            for key in (hw, POOLED, *([_family_slot(hw, family)] if family else [])):
                 conf_list, correct_list = by_hw.setdefault(key, ([], []))
                 conf_list.append(max(p, 1.0 - p))
                 correct_list.append(right)
@@ -494,7 +516,7 @@ class ForecastEngine:
                 final = by_name.get(self.name + _SUFFIX[regime], [])
                 if len(final) != self._history_count.get(regime):
                     self._set_regime_history(
-                        regime, [(v.hardware, v.p_faster, v.actual_speedup) for v in final]
+                        regime, [(v.hardware, v.p_faster, v.actual_speedup, v.family_key) for v in final]
                     )
             self._stale = False
             self._fresh_until = self._clock() + self._refresh_interval_s

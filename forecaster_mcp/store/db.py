@@ -104,6 +104,7 @@ class VerifiedPair:
     actual_speedup: float
     verdict: str
     created_at: float
+    family_key: str | None = None  # the candidate's kernel family (None for rows stored before it was kept)
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,7 @@ class ForecastRow:
     p_faster: float
     verdict: Literal["faster", "slower", "unsure"]
     decided_by: Literal["forecast", "measurement", "cache"]
+    family_key: str | None = None  # the candidate's Kernel.family_key()
 
 
 # ---------------------------------------------------------------------------- money and names
@@ -890,6 +892,7 @@ class Store:
                 (
                     r.ledger, r.forecaster, r.hardware, r.workload_key, r.baseline_key, r.candidate_key,
                     json.dumps([float(p) for p in r.probs]), float(r.p_faster), r.verdict, r.decided_by, now,
+                    r.family_key,
                 )
             )  # fmt: skip
         ledgers = sorted({r.ledger for r in rows if r.ledger is not None})
@@ -902,8 +905,8 @@ class Store:
             first = int(before[0][0])
             await conn.executemany(
                 "INSERT INTO forecasts (ledger, forecaster, hardware, workload_key, baseline_key, "
-                "candidate_key, probs_json, p_faster, verdict, decided_by, created_at) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "candidate_key, probs_json, p_faster, verdict, decided_by, created_at, family_key) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 params,
             )
             # We hold the write lock, so the new rows are exactly those above the previous maximum id.
@@ -918,7 +921,7 @@ class Store:
     ) -> list[VerifiedPair]:
         """Forecasts checked by measurements, oldest first; rows decided by cache (measured truth) omitted."""
         rows = await self._fetch(
-            "SELECT forecaster, hardware, probs_json, p_faster, actual_speedup, verdict, created_at "
+            "SELECT forecaster, hardware, probs_json, p_faster, actual_speedup, verdict, created_at, family_key "
             "FROM forecasts WHERE actual_speedup IS NOT NULL AND decided_by != 'cache' "
             "AND (? IS NULL OR forecaster = ?) AND (? IS NULL OR hardware = ?) ORDER BY id",
             (forecaster, forecaster, hardware, hardware),
@@ -932,6 +935,7 @@ class Store:
                 actual_speedup=float(r[4]),
                 verdict=str(r[5]),
                 created_at=float(r[6]),
+                family_key=None if r[7] is None else str(r[7]),
             )
             for r in rows
         ]

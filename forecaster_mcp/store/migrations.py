@@ -157,9 +157,14 @@ _RESERVATION_IDEMPOTENCY = (
         WHERE state = 'open' AND idempotency_key IS NOT NULL""",
 )
 
+# A forecast remembers the candidate's kernel family, so that a family with enough verified history of its own
+# is thresholded on it rather than on history pooled with other families (forecast/engine.py).
+_FORECAST_FAMILY = ("ALTER TABLE forecasts ADD COLUMN family_key TEXT",)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "initial schema", _INITIAL),
     Migration(2, "idempotency keys on open reservations", _RESERVATION_IDEMPOTENCY),
+    Migration(3, "kernel family of each forecast", _FORECAST_FAMILY),
 )
 
 
