@@ -64,6 +64,10 @@ def spec(name: str) -> GpuSpec:
         ("A6000", "RTX A6000"),
         ("NVIDIA RTX PRO 6000 Blackwell Workstation Edition", "RTX PRO 6000 Blackwell"),
         ("RTX PRO 6000", "RTX PRO 6000 Blackwell"),
+        ("NVIDIA RTX 6000 Ada Generation", "RTX 6000 Ada"),
+        ("NVIDIA A40", "A40"),
+        ("NVIDIA GH200 480GB", "GH200-480GB"),
+        ("GH200", "GH200-480GB"),
         # Names as the shared recordings write them (device_name, or the file stem).
         ("NVIDIA RTX A4000", "RTX A4000"),
         ("a4000", "RTX A4000"),
@@ -94,7 +98,9 @@ def test_lookup_is_forgiving(query: str, expected: str) -> None:
         "A100 16GB",  # no such memory size: never guess another row
         "RTX 3060",  # the desktop card is not the laptop part
         "L40",  # not the L40S
-        "Quadro RTX 6000",  # not the RTX PRO 6000 Blackwell
+        "Quadro RTX 6000",  # not the RTX PRO 6000 Blackwell, nor the RTX 6000 Ada
+        "RTX 6000",
+        "A10G",  # not the A10 (80 SMs, not 72); NVIDIA publishes no datasheet for it
         "RTX PRO 6000 Blackwell Max-Q Workstation Edition",
         "MI250",
         "MI300A",

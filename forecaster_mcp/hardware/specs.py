@@ -275,12 +275,36 @@ _SPECS: list[GpuSpec] = [
         mem=141,
         aliases=("H200",),
     ),
+    # GH200 Grace Hopper: the H100 SXM's GH100 with 96 GB HBM3 at 4 TB/s. nvidia-smi names the superchip by
+    # its 480 GB of Grace LPDDR5X ("NVIDIA GH200 480GB"), so that is the size the name carries.
+    _nv(
+        "GH200-480GB",
+        "9.0",
+        sms=132,
+        l2=50 * MIB,
+        bw=4000,
+        fp32=66.9,
+        fp16=989.4,
+        mem=96,
+        aliases=("GH200",),
+    ),
     # Blackwell B200 (HGX, 1000 W): 148 SMs, 180 GB usable HBM3e at 8 TB/s, FP16 tensor 2.25 PFLOPS dense.
     # NVIDIA publishes no L2 figure; 126 MB is what the CUDA runtime reports for the two dies together.
     _nv("B200", "10.0", sms=148, l2=126 * MIB, bw=8000, fp32=80.0, fp16=2250.0, mem=180),
     # Ada, AD102/AD104.
     _nv("L40S", "8.9", sms=142, l2=96 * MIB, bw=864, fp32=91.6, fp16=362.05, mem=48),
     _nv("L4", "8.9", sms=58, l2=48 * MIB, bw=300, fp32=30.3, fp16=121.0, mem=24),
+    _nv(
+        "RTX 6000 Ada",
+        "8.9",
+        sms=142,
+        l2=96 * MIB,
+        bw=960,
+        fp32=91.1,
+        fp16=364.2,
+        mem=48,
+        aliases=("RTX 6000 Ada Generation",),
+    ),
     _nv("RTX 4090", "8.9", sms=128, l2=72 * MIB, bw=1008, fp32=82.6, fp16=165.2, mem=24),
     # Blackwell GB202 (CC 12.0). RTX PRO 6000 Workstation: 188 SMs at 2617 MHz (fp16 = 188 x 1024 x 2.617).
     _nv("RTX 5090", "12.0", sms=170, l2=96 * MIB, bw=1792, fp32=104.8, fp16=209.5, mem=32),
@@ -298,6 +322,7 @@ _SPECS: list[GpuSpec] = [
     # Ampere GA10x (CC 8.6).
     _nv("A10", "8.6", sms=72, l2=6 * MIB, bw=600, fp32=31.2, fp16=125.0, mem=24),
     _nv("RTX A6000", "8.6", sms=84, l2=6 * MIB, bw=768, fp32=38.7, fp16=154.8, mem=48),
+    _nv("A40", "8.6", sms=84, l2=6 * MIB, bw=696, fp32=37.4, fp16=149.7, mem=48),
     _nv("RTX A4000", "8.6", sms=48, l2=4 * MIB, bw=448, fp32=19.2, fp16=76.7, mem=16),
     _nv("RTX 3090", "8.6", sms=82, l2=6 * MIB, bw=936, fp32=35.6, fp16=71.2, mem=24),
     # Max-TGP laptop part (1703 MHz boost); lower-power laptops run slower.
