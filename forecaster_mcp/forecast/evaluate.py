@@ -519,8 +519,9 @@ def run_eval(
         "delta": DELTA,
         "n_pairs": len(main.pairs),
         "forecasts_per_regime": {r: sum(f.regime == r for f in forecasts) for r, _ in _THRESHOLD_KEYS},
-        # Per GPU and regime (when forecasts of it were made): model forecasts against a measured kernel,
-        # forecasts of two unmeasured kernels, static-prior forecasts.
+        # Per GPU and regime: model forecasts against a measured kernel (always, as before regimes were split),
+        # forecasts of two unmeasured kernels and static-prior forecasts (when any were made). Per GPU only: a
+        # server also thresholds a kernel family on its own history once it has enough.
         **{
             key: {hw: c.to_dict() for (hw, r), c in thresholds.items() if r == regime}
             for regime, key in _THRESHOLD_KEYS
