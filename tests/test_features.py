@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
 import time
@@ -355,3 +356,39 @@ async def test_ptxas_kills_a_hung_compiler(tmp_path: Path) -> None:
     assert not (tmp_path / "cache" / "ptxas").exists() or not list(
         (tmp_path / "cache" / "ptxas").glob("*.json")
     )
+
+
+def test_features_describe_the_entry_kernel_not_its_neighbours() -> None:
+    naive = """
+    __global__ void add_naive(const float* a, const float* b, float* c, int n) {
+        int i = blockIdx.x * blockDim.x + threadIdx.x;
+        if (i < n) atomicAdd(&c[0], a[i] + b[i]);
+    }
+    """
+    fast = """
+    __device__ float4 load4(const float* p, int i) { return reinterpret_cast<const float4*>(p)[i]; }
+    template <int BS>
+    __global__ void __launch_bounds__(256) add_fast(const float* a, float* c, int n) {
+        __shared__ float tile[BS];
+        float4 v = load4(a, blockIdx.x * blockDim.x + threadIdx.x);
+        tile[threadIdx.x] = v.x + v.y + v.z + v.w;
+        __syncthreads();
+        c[blockIdx.x] = tile[0];
+    }
+    """
+    host = "\nvoid launch(float* a, float* c, int n) { add_fast<256><<<n / 1024, 256>>>(a, c, n); }\n"
+    both = naive + fast + host
+    assert source_features(both, {}, "add_fast") == source_features(fast + host, {}, "add_fast")
+    alone = source_features(both, {}, "add_naive")
+    assert alone.thread_atomics == 1 and alone.shared == 0 and alone.vector_types >= 1  # load4 stays
+    # The whole source when the entry is not defined in it, or when none is given.
+    assert (
+        source_features(both, {}, "missing")
+        == source_features(both, {})
+        != source_features(both, {}, "add_fast")
+    )
+    declared = "__global__ void add_naive(const float*, const float*, float*, int);\n" + fast
+    with_declaration = source_features(declared, {}, "add_fast")
+    assert dataclasses.replace(with_declaration, lines=0) == dataclasses.replace(
+        source_features(fast, {}, "add_fast"), lines=0
+    )  # a declaration (no body) is left alone

@@ -319,9 +319,62 @@ class SourceFeatures:
     thread_atomics: int = 0  # global atomics issued by every thread
 
 
-def source_features(source: str, defines: dict[str, Any]) -> SourceFeatures:
-    """Count source constructs in `source` preprocessed under `defines`."""
-    text = preprocess(source, defines)
+_GLOBAL_NAME = re.compile(r"__global__\b[^;{}()]*?\b([A-Za-z_]\w*)\s*\(")
+_LAUNCH_BOUNDS = re.compile(r"__launch_bounds__\s*\([^()]*\)")
+
+
+def _matching(text: str, start: int, open_ch: str, close_ch: str) -> int | None:
+    """Index just past the bracket that closes the one at `start` (None when unbalanced)."""
+    depth = 0
+    for i in range(start, len(text)):
+        if text[i] == open_ch:
+            depth += 1
+        elif text[i] == close_ch:
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+def entry_text(text: str, entry: str | None) -> str:
+    """`text` without the definitions of the other `__global__` kernels in it.
+
+    Agents keep the naive kernel beside the optimised one, or put a two-stage reduction in one file; the
+    features should describe the kernel that runs. Device functions, globals and host code stay (the kernel may
+    use them). Unchanged when `entry` is not defined here (a macro-generated or templated name)."""
+    if not entry or "__global__" not in text:
+        return text
+    # __launch_bounds__(256) carries parentheses that would read as the parameter list; blank it in place.
+    probe = _LAUNCH_BOUNDS.sub(lambda m: " " * len(m.group(0)), text)
+    spans, names = [], set()
+    for m in _GLOBAL_NAME.finditer(probe):
+        names.add(m.group(1))
+        close = _matching(probe, m.end() - 1, "(", ")")
+        if close is None:
+            return text
+        brace = close
+        while brace < len(probe) and probe[brace].isspace():
+            brace += 1
+        if m.group(1) == entry or not probe.startswith("{", brace):
+            continue  # the entry itself, or a declaration without a body
+        end = _matching(probe, brace, "{", "}")
+        if end is None:
+            return text
+        spans.append((m.start(), end))
+    if entry not in names:
+        return text
+    out, at = [], 0
+    for a, b in spans:
+        out.append(text[at:a])
+        at = b
+    out.append(text[at:])
+    return "".join(out)
+
+
+def source_features(source: str, defines: dict[str, Any], entry: str | None = None) -> SourceFeatures:
+    """Count source constructs in `source` preprocessed under `defines`; with `entry`, of that kernel only
+    (the other `__global__` kernels of the source left out, `entry_text`)."""
+    text = entry_text(preprocess(source, defines), entry)
     counts = {name: len(p.findall(text)) for name, p in _PATTERNS.items()}
     lines = sum(1 for line in text.splitlines() if line.strip())
     shared = _shared_names(text)
@@ -405,7 +458,7 @@ def kernel_features(
 ) -> StaticFeatures:
     """Static features of one kernel; hardware-specific ones only when `spec` is known."""
     del workload  # sizes enter through the launch; kept in the signature for forecasters that use it
-    src = source_features(kernel.source, dict(kernel.defines))
+    src = source_features(kernel.source, dict(kernel.defines), kernel.entry)
     threads = blocks = dyn = None
     if kernel.launch is not None:
         threads = kernel.launch.threads_per_block
