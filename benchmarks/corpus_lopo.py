@@ -28,7 +28,6 @@ from corpus_pairs import build_pairs, read_measured  # noqa: E402
 
 from forecaster_mcp.forecast import features, metrics  # noqa: E402
 from forecaster_mcp.forecast.ptxas import PtxasEntry  # noqa: E402
-from forecaster_mcp.forecast.selective import decide  # noqa: E402
 from forecaster_mcp.hardware.specs import lookup  # noqa: E402
 from forecaster_mcp.models import Kernel  # noqa: E402
 
@@ -96,7 +95,7 @@ def main() -> int:
     p = _phi(mu / sd)
     speedups = 2.0**y
     t = args.threshold
-    verdicts = [decide(float(q), t) for q in p]
+    verdicts = metrics.verdicts_at(p, t)
     decided = metrics.decided_summary(verdicts, speedups)
     n_decided = sum(v != "unsure" for v in verdicts)
     print(f"{len(pairs)} pairs, {len(set(groups))} problems, leave-one-problem-out:")

@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from tune_local import space  # noqa: E402
 
 from forecaster_mcp.forecast import metrics  # noqa: E402
-from forecaster_mcp.forecast.selective import choose_threshold, decide  # noqa: E402
+from forecaster_mcp.forecast.selective import choose_threshold  # noqa: E402
 
 TARGET = 0.1
 
@@ -69,11 +69,6 @@ def _pairs(name: str, history: int, seed: int, n_pairs: int = 1000) -> tuple[Any
     return np.array([f.p_faster for f in forecasts]), np.array(speedups)
 
 
-def _scored(p: Any, s: Any) -> tuple[Any, Any]:
-    keep = ~metrics.tie_mask(s)
-    return np.maximum(p, 1 - p)[keep], metrics.direction_scores(p, s)[keep]
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--set", default="conv-A6000,dedisp-A6000,conv6-A6000orig", help="spaces of one GPU")
@@ -83,14 +78,14 @@ def main() -> int:
     names = args.set.split(",")
     for seed in range(args.seeds):
         data = {n: _pairs(n, args.history, seed) for n in names}
-        scored = [_scored(p, s) for p, s in data.values()]
+        scored = [metrics.direction_history(p, s) for p, s in data.values()]
         pooled = choose_threshold(
             np.concatenate([c for c, _ in scored]), np.concatenate([r for _, r in scored]), TARGET
         )
         print(f"seed {seed}: certified on the pooled history {pooled.threshold:.3f}")
         for (n, (p, s)), (conf, right) in zip(data.items(), scored, strict=True):
             own = choose_threshold(conf, right, TARGET)
-            d = metrics.decided_summary([decide(float(q), pooled.threshold) for q in p], s)
+            d = metrics.decided_summary(metrics.verdicts_at(p, pooled.threshold), s)
             error = 0.0 if math.isnan(d.error) else d.error
             print(
                 f"  {n:18s} own {own.threshold:.3f}; at the pooled threshold decided {d.coverage:.2f}, "

@@ -230,7 +230,7 @@ def _model_job(job: tuple[str, int, int, int]) -> dict[str, Any]:
     from forecaster_mcp.forecast.base import PairQuery
     from forecaster_mcp.forecast.engine import default_threshold_for
     from forecaster_mcp.forecast.local import LocalForecaster
-    from forecaster_mcp.forecast.selective import choose_threshold, decide
+    from forecaster_mcp.forecast.selective import choose_threshold
     from forecaster_mcp.models import Kernel, Workload
     from forecaster_mcp.search import DictHistory, placeholder_source
     from forecaster_mcp.store.db import FamilyPoint
@@ -288,7 +288,7 @@ def _model_job(job: tuple[str, int, int, int]) -> dict[str, Any]:
         kept[kind] = (p, s)
         # Verdicts at the server's default threshold (no verified history yet): the honesty that matters.
         default = default_threshold_for("unmeasured" if kind == "both_unmeasured" else "model", 0.1)
-        d = metrics.decided_summary([decide(float(q), default) for q in p], s)
+        d = metrics.decided_summary(metrics.verdicts_at(p, default), s)
         truth2 = list(zip(fcs, np.log2(s), strict=True))
         out[kind] = {
             "pairwise_accuracy": metrics.pairwise_accuracy(p, s),
@@ -313,10 +313,9 @@ def _model_job(job: tuple[str, int, int, int]) -> dict[str, Any]:
     # Why the two kinds have separate thresholds in the server (forecast/engine.py): a threshold certified on
     # verified pairs against a measured baseline (the search case), applied to pairs of two predictions.
     p, s = kept["vs_measured"]
-    keep = ~metrics.tie_mask(s)
-    cert = choose_threshold(np.maximum(p, 1 - p)[keep], metrics.direction_scores(p, s)[keep], 0.1)
+    cert = choose_threshold(*metrics.direction_history(p, s), 0.1)
     p, s = kept["both_unmeasured"]
-    d = metrics.decided_summary([decide(float(q), cert.threshold) for q in p], s)
+    d = metrics.decided_summary(metrics.verdicts_at(p, cert.threshold), s)
     out["cross"] = {"threshold": cert.threshold, "decided": d.coverage, "decided_error": d.error}
     return out
 

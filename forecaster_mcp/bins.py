@@ -108,6 +108,19 @@ def normal_bins(mean_log2: float, std_log2: float) -> tuple[list[float], list[fl
     return normalize(mass), centers
 
 
+def mix_centers(
+    parts: Sequence[tuple[Sequence[float], Sequence[float]]], fallback: Sequence[float]
+) -> list[float]:
+    """Each bin's mean log2 S across distributions given as (mass per bin, mean within each bin), weighted by
+    their mass in that bin; `fallback` where none puts mass there."""
+    out = []
+    for i in range(N_BINS):
+        mass = sum(m[i] for m, _ in parts)
+        value = sum(m[i] * c[i] for m, c in parts)
+        out.append(value / mass if mass > 1e-15 else fallback[i])
+    return out
+
+
 def from_samples(log2_samples: Sequence[float]) -> list[float]:
     """Bin histogram of samples of log2 S."""
     counts = [0.0] * N_BINS

@@ -214,10 +214,10 @@ class Service:
         # Each regime (a model against a measured kernel, two unmeasured kernels, a static prior) has its own
         # verified history, hence its own threshold, and a kernel family with enough history of its own is
         # thresholded on it (forecast/engine.py).
-        regime_family = [(f, q.candidate.family_key()) for f, q in zip(forecasts, queries, strict=True)]
+        family = {str(q.candidate.id): q.candidate.family_key() for q in queries}  # hashes the source: once
         choices = {
             (f.regime, fam): await self.engine.threshold(hw.name, target, f.regime, fam)
-            for f, fam in regime_family
+            for f, fam in zip(forecasts, family.values(), strict=True)
         }
         from forecaster_mcp.forecast.selective import decide
 
@@ -231,7 +231,7 @@ class Service:
                 continue
             f = next(it)
             fc_by_id[cid] = f
-            verdict = decide(f.p_faster, choices[(f.regime, p.candidate.family_key())].threshold)
+            verdict = decide(f.p_faster, choices[(f.regime, family[cid])].threshold)
             results[cid] = CandidateForecast(
                 id=cid,
                 p_faster=f.p_faster,
@@ -242,7 +242,7 @@ class Service:
                 rationale=f.rationale,
                 confidence=f.confidence,
             )
-        await self._save_forecasts(ledger, hw.name, wkey, base, others, results, fc_by_id)
+        await self._save_forecasts(ledger, hw.name, wkey, base, others, results, fc_by_id, family)
 
         measure_next = self._measure_next(base, runtimes, results, fc_by_id)
         notes = list(hw.notes)
@@ -327,6 +327,7 @@ class Service:
         others: Sequence[Kernel],
         results: dict[str, CandidateForecast],
         fc_by_id: dict[str, Any],
+        family: dict[str, str],
     ) -> None:
         rows = []
         for k in others:
@@ -345,7 +346,7 @@ class Service:
                 p_faster=r.p_faster,
                 verdict=r.verdict,
                 decided_by="forecast",
-                family_key=k.family_key(),
+                family_key=family[str(k.id)],
             )
             rows.append(row)
             per = getattr(fc_by_id[str(k.id)], "per_forecaster", None) or {}

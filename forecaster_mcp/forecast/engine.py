@@ -108,15 +108,12 @@ def slot_of(component: str, forecast: BinForecast) -> str:
     return component + _SUFFIX[regime_of(forecast)]
 
 
-def _component_of(slot: str) -> str:
-    for suffix in _SUFFIX.values():
-        if suffix and slot.endswith(suffix):
-            return slot.removesuffix(suffix)
-    return slot
-
-
 def _regime_of_slot(slot: str) -> Regime:
     return next((r for r in REGIMES if _SUFFIX[r] and slot.endswith(_SUFFIX[r])), "model")
+
+
+def _component_of(slot: str) -> str:
+    return slot.removesuffix(_SUFFIX[_regime_of_slot(slot)])
 
 
 class CalibrationStore(Protocol):
@@ -185,15 +182,8 @@ def _combined_centers(
     (the fixed bin centres for one that has no distribution behind its bins); None when none has one."""
     if all(c is None for c in centers.values()):
         return None
-    out = []
-    for i, default in enumerate(bins.CENTERS_LOG2):
-        mass = value = 0.0
-        for n, probs in calibrated.items():
-            own = centers.get(n)
-            mass += probs[i]
-            value += probs[i] * (default if own is None else own[i])
-        out.append(value / mass if mass > 1e-15 else default)
-    return out
+    parts = [(probs, centers.get(n) or bins.CENTERS_LOG2) for n, probs in calibrated.items()]
+    return bins.mix_centers(parts, bins.CENTERS_LOG2)
 
 
 def _one_line(text: str, limit: int = 400) -> str:

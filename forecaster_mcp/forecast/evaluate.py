@@ -48,11 +48,12 @@ KNOWN_FORECASTERS = ("local", "claude")
 # make-pairs writes this into the stand-in source of recorded kernels: there is nothing to compile.
 PLACEHOLDER_MARKER = "the kernel source is not included"
 DELTA = 0.05
-# metrics.json keys of the per-GPU thresholds, per forecast regime (forecast/engine.py).
-_THRESHOLD_KEYS: tuple[tuple[Regime, str], ...] = (
-    ("model", "thresholds"),
-    ("unmeasured", "thresholds_unmeasured"),
-    ("prior", "thresholds_static_prior"),
+# metrics.json keys of the per-GPU thresholds per forecast regime (forecast/engine.py), and how the table
+# names them.
+_THRESHOLD_KEYS: tuple[tuple[Regime, str, str], ...] = (
+    ("model", "thresholds", ""),
+    ("unmeasured", "thresholds_unmeasured", " for two unmeasured kernels"),
+    ("prior", "thresholds_static_prior", " for static-prior forecasts"),
 )
 
 
@@ -362,9 +363,7 @@ def print_table(report: dict[str, Any], out: TextIO) -> None:
         f"ties (|log2 S| <= log2 1.03) left out of direction metrics: {report['final']['n_ties']}", file=out
     )
     used = report.get("forecasts_per_regime", {})
-    for (regime, key), label in zip(
-        _THRESHOLD_KEYS, ("", " for two unmeasured kernels", " for static-prior forecasts"), strict=True
-    ):
+    for regime, key, label in _THRESHOLD_KEYS:
         if not used.get(regime) and (regime != "model" or any(used.values())):
             continue  # no forecast was made in this regime: its threshold decided nothing
         for hw, choice in report[key].items():
@@ -518,13 +517,13 @@ def run_eval(
         "target_error": target,
         "delta": DELTA,
         "n_pairs": len(main.pairs),
-        "forecasts_per_regime": {r: sum(f.regime == r for f in forecasts) for r, _ in _THRESHOLD_KEYS},
+        "forecasts_per_regime": {r: sum(f.regime == r for f in forecasts) for r, _, _ in _THRESHOLD_KEYS},
         # Per GPU and regime: model forecasts against a measured kernel (always, as before regimes were split),
         # forecasts of two unmeasured kernels and static-prior forecasts (when any were made). Per GPU only: a
         # server also thresholds a kernel family on its own history once it has enough.
         **{
             key: {hw: c.to_dict() for (hw, r), c in thresholds.items() if r == regime}
-            for regime, key in _THRESHOLD_KEYS
+            for regime, key, _ in _THRESHOLD_KEYS
         },
         "final": final,
         "components": components,

@@ -769,12 +769,8 @@ def _mixture_bins(mean: float, core_sd: float, weight: float) -> tuple[list[floa
     if weight <= 0.0:
         return a, ca
     b, cb = bins.normal_bins(mean, core_sd * TAIL_SCALE)
-    probs, centers = [], []
-    for p, q, x, z in zip(a, b, ca, cb, strict=True):
-        pa, pb = (1.0 - weight) * p, weight * q
-        probs.append(pa + pb)
-        centers.append((pa * x + pb * z) / (pa + pb) if pa + pb > 1e-15 else x)
-    return probs, centers
+    core, tail = [(1.0 - weight) * p for p in a], [weight * q for q in b]
+    return [p + q for p, q in zip(core, tail, strict=True)], bins.mix_centers([(core, ca), (tail, cb)], ca)
 
 
 def _fmt_ms(log2_ms: float) -> str:

@@ -222,10 +222,16 @@ def risk_coverage(confidences: ArrayLike, correct: ArrayLike) -> RiskCoverage:
     return RiskCoverage(coverage=k / n, risk=expected / k, confidence=conf_sorted)
 
 
+def direction_history(p_faster: ArrayLike, speedups: ArrayLike) -> tuple[FloatArray, FloatArray]:
+    """Confidence and direction score of each non-tie pair: what risk_coverage and selective.choose_threshold
+    take."""
+    keep = ~tie_mask(speedups)
+    return confidence(p_faster)[keep], direction_scores(p_faster, speedups)[keep]
+
+
 def direction_risk_coverage(p_faster: ArrayLike, speedups: ArrayLike) -> RiskCoverage:
     """Risk-coverage of the direction verdict on non-tie pairs."""
-    keep = ~tie_mask(speedups)
-    return risk_coverage(confidence(p_faster)[keep], direction_scores(p_faster, speedups)[keep])
+    return risk_coverage(*direction_history(p_faster, speedups))
 
 
 @dataclass(frozen=True)
