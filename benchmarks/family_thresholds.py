@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from tune_local import space  # noqa: E402
+from tune_local import _select, space  # noqa: E402
 
 from forecaster_mcp.forecast import metrics  # noqa: E402
 from forecaster_mcp.forecast.selective import choose_threshold  # noqa: E402
@@ -75,7 +75,7 @@ def main() -> int:
     ap.add_argument("--history", type=int, default=100)
     ap.add_argument("--seeds", type=int, default=2)
     args = ap.parse_args()
-    names = args.set.split(",")
+    names = _select(args.set)
     for seed in range(args.seeds):
         data = {n: _pairs(n, args.history, seed) for n in names}
         scored = [metrics.direction_history(p, s) for p, s in data.values()]
