@@ -104,6 +104,10 @@ def main() -> int:
         f"Brier {metrics.brier(p, speedups):.3f}  decided {n_decided} ({n_decided / len(pairs):.1%}), "
         f"error among decided {decided.error:.3f}"
     )
+    floor, floor_p90 = metrics.ece_if_calibrated(p, speedups)
+    print(
+        f"  ECE a perfectly calibrated forecaster would show here: {floor:.3f} (90% at most {floor_p90:.3f})"
+    )
     for g in sorted(set(groups)):
         m = groups == g
         print(

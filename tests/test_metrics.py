@@ -113,6 +113,8 @@ def test_summarize_is_json_ready() -> None:
     assert out["coverage"] == pytest.approx(0.5)  # 1.0 and -1.0 with sd 0.5 clear 0.9
     assert set(out) >= {
         "ece",
+        "ece_if_calibrated",
+        "ece_if_calibrated_p90",
         "aurc",
         "risk_at_50",
         "risk_at_80",
@@ -122,6 +124,39 @@ def test_summarize_is_json_ready() -> None:
     }
     only_ties = M.summarize([bins.from_normal(0.0, 1.0)], [1.0])
     assert only_ties["pairwise_accuracy"] is None and only_ties["ece"] is None
+
+
+def _outcomes(p: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Speedups whose direction is drawn from p_faster itself (2x faster or 2x slower: never a tie)."""
+    return np.where(rng.random(p.size) < p, 2.0, 0.5)
+
+
+def test_ece_if_calibrated_matches_simulated_calibrated_forecasters() -> None:
+    rng = np.random.default_rng(7)
+    p = rng.uniform(0.0, 1.0, 246)
+    mean, p90 = M.ece_if_calibrated(p, _outcomes(p, rng))
+    observed = [M.ece(p, _outcomes(p, rng)) for _ in range(300)]
+    assert mean == pytest.approx(float(np.mean(observed)), abs=0.006)
+    assert p90 == pytest.approx(float(np.quantile(observed, 0.9)), abs=0.01)
+    # Far from zero on a few hundred pairs, shrinking like 1/sqrt(n) with more.
+    assert 0.04 < mean < p90
+    big = rng.uniform(0.0, 1.0, 4 * p.size)
+    assert M.ece_if_calibrated(big, _outcomes(big, rng))[0] < 0.6 * mean
+    assert M.ece_if_calibrated(p, _outcomes(p, rng)) == M.ece_if_calibrated(p, _outcomes(p, rng))
+
+
+def test_ece_if_calibrated_separates_an_overconfident_forecaster() -> None:
+    rng = np.random.default_rng(3)
+    truth = rng.uniform(0.2, 0.8, 400)  # the real chances: rarely sure
+    speedups = _outcomes(truth, rng)
+    claimed = np.where(truth > 0.5, 0.97, 0.03)  # a forecaster that is always sure of the likelier side
+    assert M.ece(claimed, speedups) > 3 * M.ece_if_calibrated(claimed, speedups)[1]
+
+
+def test_ece_if_calibrated_ignores_ties_and_coin_flips() -> None:
+    assert all(math.isnan(v) for v in M.ece_if_calibrated([0.9, 0.1], [1.0, 1.01]))
+    # A coin flip scores 0.5 against its confidence 0.5 in every draw: no noise to add.
+    assert M.ece_if_calibrated([0.5, 0.5, 0.5], [2.0, 0.5, 2.0]) == (0.0, 0.0)
 
 
 @pytest.mark.parametrize("mean", [-6.0, -2.0, -0.3, 0.0, 0.05, 0.7, 1.5, 3.0, 9.0])

@@ -359,9 +359,15 @@ def print_table(report: dict[str, Any], out: TextIO) -> None:
     print("forecaster".ljust(width) + "".join(_fmt(c) for c, _ in cols), file=out)
     for label, m in rows:
         print(label.ljust(width) + "".join(_fmt(m.get(k)) for _, k in cols), file=out)
-    print(
-        f"ties (|log2 S| <= log2 1.03) left out of direction metrics: {report['final']['n_ties']}", file=out
-    )
+    final = report["final"]
+    print(f"ties (|log2 S| <= log2 1.03) left out of direction metrics: {final['n_ties']}", file=out)
+    if final.get("ece_if_calibrated") is not None:
+        print(
+            f"sampling noise: a perfectly calibrated forecaster with the final confidences would show ECE "
+            f"{final['ece_if_calibrated']:.3f} on these pairs (90% of the time at most "
+            f"{final['ece_if_calibrated_p90']:.3f}); read the final ece against it",
+            file=out,
+        )
     used = report.get("forecasts_per_regime", {})
     for regime, key, label in _THRESHOLD_KEYS:
         if not used.get(regime) and (regime != "model" or any(used.values())):

@@ -169,6 +169,34 @@ def ece(p_faster: ArrayLike, speedups: ArrayLike, n_bins: int = 10) -> float:
     return float(sum(b.count * abs(b.accuracy - b.mean_confidence) for b in table if b.count) / total)
 
 
+def ece_if_calibrated(
+    p_faster: ArrayLike, speedups: ArrayLike, n_bins: int = 10, draws: int = 400, seed: int = 0
+) -> tuple[float, float]:
+    """The ECE a perfectly calibrated forecaster with these probabilities would show on these pairs.
+
+    ECE is never 0 on a finite set: each reliability bin's accuracy is a sample mean. On a few hundred pairs
+    a forecaster whose confidences are exactly right scores about 0.05, so an observed ECE means little
+    without this reference. Each of `draws` simulated sets keeps the non-tie pairs and their confidences and
+    draws whether the predicted direction is right with probability equal to the confidence; returns the
+    mean ECE over the sets and its 90th percentile (nan, nan when every pair is a tie). Seeded: the same
+    inputs give the same figures.
+    """
+    keep = ~tie_mask(speedups)
+    conf = confidence(p_faster)[keep]
+    if conf.size == 0:
+        return math.nan, math.nan
+    edges = np.linspace(0.5, 1.0, n_bins + 1)
+    index = np.clip(np.searchsorted(edges, conf, side="right") - 1, 0, n_bins - 1)
+    onehot = np.zeros((conf.size, n_bins))
+    onehot[np.arange(conf.size), index] = 1.0
+    right = (np.random.default_rng(seed).random((draws, conf.size)) < conf).astype(np.float64)
+    # A coin flip (confidence 0.5) scores 0.5 in `direction_scores`, never 0 or 1.
+    scores = np.where(conf == 0.5, 0.5, right)
+    # Per draw and bin: count * |accuracy - mean confidence| = |sum of scores - sum of confidences|.
+    values = np.abs(scores @ onehot - conf @ onehot).sum(axis=1) / conf.size
+    return float(values.mean()), float(np.quantile(values, 0.9))
+
+
 @dataclass(frozen=True)
 class RiskCoverage:
     """The risk-coverage curve: point k keeps the k most confident pairs."""
@@ -288,6 +316,7 @@ def summarize(
     pf = p_faster_of(p) if p.size else np.zeros(0)
     rc = direction_risk_coverage(pf, s)
     ties = tie_mask(s)
+    calibrated_ece, calibrated_ece_p90 = ece_if_calibrated(pf, s)
     out: dict[str, Any] = {
         "n_pairs": int(s.size),
         "n_ties": int(ties.sum()),
@@ -297,6 +326,8 @@ def summarize(
         "multiclass_brier": multiclass_brier(p, s),
         "log_loss": log_loss(pf, s),
         "ece": ece(pf, s),
+        "ece_if_calibrated": calibrated_ece,
+        "ece_if_calibrated_p90": calibrated_ece_p90,
         "aurc": rc.aurc,
         "mean_confidence": _mean_or_nan(confidence(pf)[~ties]),
     }
