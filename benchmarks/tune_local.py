@@ -9,6 +9,7 @@ never looked at while tuning) are only reported.
 
     python benchmarks/tune_local.py search --set heldout --seeds 10
     python benchmarks/tune_local.py search --set heldout --opts '{"local_moves": false, "screens_per_step": 1, "pool_size": 63}'
+    python benchmarks/tune_local.py search --set tune --opts '{"launch": true, ...}'   # client passes launches
     python benchmarks/tune_local.py model --set heldout
     python benchmarks/tune_local.py latency
     python benchmarks/tune_local.py all --seeds 10 --out bench.json
@@ -105,13 +106,38 @@ def _apply_patches(patches: dict[str, Any]) -> None:
         setattr(importlib.import_module(module_name), attr, value)
 
 
+def _pass_launches() -> None:
+    """Make the search client pass each configuration's launch shape, as a client with the kernel would:
+    block = (block_size_x, block_size_y, block_size_z), grid = the problem size over block * tile (Kernel
+    Tuner's usual grid divisors; the recordings do not keep the real ones). Patches this worker process."""
+    import forecaster_mcp.search as search
+
+    if getattr(search.kernel_dict, "passes_launch", False):
+        return
+    plain = search.kernel_dict
+
+    def with_launch(sp: Any, index: int) -> dict[str, Any]:
+        d = plain(sp, index)
+        p = sp.entries[index].params
+        size = sp.problem_size if isinstance(sp.problem_size, list) else [sp.problem_size]
+        block = [int(p.get(f"block_size_{a}", 1)) for a in "xyz"]
+        tile = [int(p.get("tile_size_x", p.get("tile_size", 1))), int(p.get("tile_size_y", 1))]
+        grid = [math.ceil(int(size[i] if i < len(size) else 1) / (block[i] * tile[i])) for i in range(2)]
+        return {**d, "launch": {"grid": [*grid, 1], "block": block}}
+
+    with_launch.passes_launch = True  # type: ignore[attr-defined]
+    search.kernel_dict = with_launch
+
+
 def _search_job(job: tuple[str, str, int, int, dict[str, Any]]) -> dict[str, Any]:
     import anyio
 
-    from forecaster_mcp.search import ToolEmulator, forecast_guided_search, random_search
-
     name, strategy, seed, measurements, opts = job
     _apply_patches(opts.get("patch", {}))
+    if opts.get("launch"):
+        _pass_launches()
+    from forecaster_mcp.search import ToolEmulator, forecast_guided_search, random_search
+
     sp = space(name)
     emu = ToolEmulator(sp, measure_next=opts.get("measure_next", "server"))
     verdicts: list[tuple[float, str, float]] = []  # (p_faster, verdict, recorded speedup) of screened pairs

@@ -362,7 +362,8 @@ class CompareResult(BaseModel):
         "measure next in a search, use measure_next (measuring ranking's head every time gets stuck)"
     )
     measure_next: list[str] = Field(
-        description="ids worth measuring, most valuable first (the chance and size of beating the baseline): "
+        description="ids worth measuring, most valuable first (the chance and size of beating the best "
+        "kernel of their family measured so far, or the baseline when that is faster or nothing is measured): "
         "unsure and faster candidates, and slower ones whose wide forecast still leaves a real expected gain"
     )
     forecaster: ForecasterInfo

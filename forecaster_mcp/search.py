@@ -410,7 +410,14 @@ class ToolEmulator:
         self._runtime[kernel.content_key()] = median
         self.history.add(
             (kernel.family_key(), self.space.device, workload.key()),
-            FamilyPoint(dict(kernel.defines), None, status, median, kernel.content_key()),
+            # As the store keeps it (the launch shape is part of what the family model learns from).
+            FamilyPoint(
+                dict(kernel.defines),
+                kernel.launch.model_dump() if kernel.launch is not None else None,
+                status,
+                median,
+                kernel.content_key(),
+            ),
         )
         gpu_seconds = (sum(times) + float(getattr(entry, "verification_time_ms", 0.0) or 0.0)) / 1000.0
         return {
@@ -422,7 +429,12 @@ class ToolEmulator:
 
     async def _compare(self, args: dict[str, Any]) -> dict[str, Any]:
         from forecaster_mcp import bins
-        from forecaster_mcp.forecast.acquisition import AcqItem, rank_for_measurement, worth_measuring
+        from forecaster_mcp.forecast.acquisition import (
+            AcqItem,
+            against_best,
+            rank_for_measurement,
+            worth_measuring,
+        )
         from forecaster_mcp.forecast.base import PairQuery
         from forecaster_mcp.forecast.selective import decide
         from forecaster_mcp.hardware.specs import lookup
@@ -438,6 +450,16 @@ class ToolEmulator:
         queries = [PairQuery(base, k, workload, hardware, spec) for k in others]
         forecasts = await self.forecaster.forecast(queries)
         t_base = self._runtime.get(base.content_key())
+        # As the server does: measurements are valued against the best of the family measured so far.
+        fam = (others[0].family_key(), self.space.device, workload.key()) if others else None
+        t_best = min(
+            (
+                p.runtime_ms
+                for p in (await self.history.family_points(*fam) if fam else [])
+                if p.status == "ok" and p.runtime_ms is not None and p.runtime_ms > 0
+            ),
+            default=None,
+        )
         out: list[dict[str, Any]] = []
         items: list[AcqItem] = []
         for k, f in zip(others, forecasts, strict=True):
@@ -459,7 +481,7 @@ class ToolEmulator:
             )
             if decided_by != "forecast":
                 continue
-            item = AcqItem(str(k.id), f.probs, f.extras, p)
+            item = against_best(AcqItem(str(k.id), f.probs, f.extras, p), t_base, t_best)
             listed = (
                 self.policy == "all"
                 or (self.policy == "unsure" and verdict == "unsure")

@@ -244,7 +244,8 @@ class Service:
             )
         await self._save_forecasts(ledger, hw.name, wkey, base, others, results, fc_by_id, family)
 
-        measure_next = self._measure_next(base, runtimes, results, fc_by_id)
+        best = await self._best_measured(set(family.values()), hw.name, wkey)
+        measure_next = self._measure_next(base, runtimes, results, fc_by_id, family, best)
         notes = list(hw.notes)
         for c in dict.fromkeys(choices.values()):
             notes.append(f"verdicts decided at confidence >= {c.threshold:.3f} ({c.reason})")
@@ -265,7 +266,8 @@ class Service:
                 t_cand = runtimes.get(cid)
                 if t_base is not None and t_cand is not None and results[cid].decided_by == "forecast":
                     results[cid] = _from_measurement(cid, t_base, t_cand, "measurement")
-            measure_next = self._measure_next(base, runtimes, results, fc_by_id)
+            best = await self._best_measured(set(family.values()), hw.name, wkey)
+            measure_next = self._measure_next(base, runtimes, results, fc_by_id, family, best)
 
         ordered = [results[str(k.id)] for k in others]
         speed = {base.id: 1.0, **{r.id: r.measured_speedup or r.expected_speedup for r in ordered}}
@@ -295,19 +297,45 @@ class Service:
                 out[str(k.id)] = t
         return out
 
+    async def _best_measured(self, families: set[str], hardware: str, wkey: str) -> dict[str, float]:
+        """The fastest measured runtime of each family on this hardware and workload (families measured ok)."""
+        out: dict[str, float] = {}
+        for fam in families:
+            times = [
+                p.runtime_ms
+                for p in await self.store.family_points(fam, hardware, wkey)
+                if p.status == "ok" and p.runtime_ms is not None and p.runtime_ms > 0
+            ]
+            if times:
+                out[fam] = min(times)
+        return out
+
     def _measure_next(
         self,
         base: Kernel,
         runtimes: dict[str, float],
         results: dict[str, CandidateForecast],
         fc_by_id: dict[str, Any],
+        family: dict[str, str],
+        best: dict[str, float],
     ) -> list[str]:
-        from forecaster_mcp.forecast.acquisition import AcqItem, rank_for_measurement, worth_measuring
+        from forecaster_mcp.forecast.acquisition import (
+            AcqItem,
+            against_best,
+            rank_for_measurement,
+            worth_measuring,
+        )
 
         # A candidate decided faster is what a search wants to measure next, as much as an unsure one; one
-        # decided slower only while its expected gain is still real (acquisition.MIN_VALUE_LOG2).
+        # decided slower only while its expected gain is still real (acquisition.MIN_VALUE_LOG2). Each is
+        # valued against the best kernel of its family measured so far, when that beats the baseline.
+        t_base = runtimes.get(str(base.id))
         items = [
-            AcqItem(id=cid, probs=fc_by_id[cid].probs, extras=fc_by_id[cid].extras, p_faster=r.p_faster)
+            against_best(
+                AcqItem(id=cid, probs=fc_by_id[cid].probs, extras=fc_by_id[cid].extras, p_faster=r.p_faster),
+                t_base,
+                best.get(family.get(cid, "")),
+            )
             for cid, r in results.items()
             if r.decided_by == "forecast" and cid not in runtimes
         ]

@@ -19,6 +19,7 @@ from forecaster_mcp.forecast.local import (
     LocalForecaster,
     ParamEncoder,
     fit_gp,
+    kernel_params,
 )
 from forecaster_mcp.hardware.specs import lookup
 from forecaster_mcp.models import Kernel, Workload
@@ -246,6 +247,32 @@ def test_encoder_adds_alignment_and_thread_features() -> None:
     assert x.shape == (1, enc.dim)
     assert x[0, enc.dim_names.index("block_size_x:pow2")] == 1.0
     assert x[0, enc.dim_names.index("variant=b")] == 1.0
+
+
+def test_launches_derived_from_the_defines_add_nothing_and_others_count_once() -> None:
+    """A client passing block = (block_size_x, block_size_y) must not change what the model sees; a launch
+    tuned on its own is information, but a launch field repeating a define still counts once."""
+
+    def row(bx: int, by: int, tile: int, launch_bx: int | None = None) -> dict[str, Any]:
+        block = [launch_bx or bx, by, 1]
+        launch = {"grid": [4096 // (block[0] * tile), 4096 // by, 1], "block": block}
+        return kernel_params({"block_size_x": bx, "block_size_y": by, "tile": tile}, launch)
+
+    rows = [row(bx, by, t) for bx in (16, 32, 48, 64, 128) for by in (1, 2, 4) for t in (1, 2, 4)]
+    enc = ParamEncoder(rows)
+    plain = ParamEncoder([{k: v for k, v in r.items() if not k.startswith("@")} for r in rows])
+    assert not enc.launch_used and enc.dim_names == plain.dim_names
+    assert np.array_equal(enc.encode(rows[:5]), plain.encode(rows[:5]))
+    assert not enc.unknown_names(row(64, 2, 2))  # launch fields are not parameters it was never shown
+    # Two launches of one configuration: the launch now tells members apart.
+    tuned = [*rows, row(64, 2, 2, launch_bx=128)]
+    enc = ParamEncoder(tuned)
+    assert enc.launch_used and "@blocks" in enc.dim_names and "@block_x" in enc.dim_names
+    assert "@block_y" not in enc.dim_names  # equal to block_size_y on every point: counted once
+    assert not any(n.startswith("@blocks:") for n in enc.dim_names)  # no alignment flags on a grid size
+    assert set(plain.dim_names) <= set(enc.dim_names)
+    x = enc.encode([row(64, 2, 2)])
+    assert x.shape == (1, enc.dim) and x[0, enc.dim_names.index("block_size_x:pow2")] == 1.0
 
 
 def test_gp_recovers_a_smooth_function_with_honest_spread() -> None:

@@ -11,12 +11,14 @@ import pytest
 from forecaster_mcp import bins
 from forecaster_mcp.forecast.acquisition import (
     AcqItem,
+    against_best,
     expected_improvement,
     measurement_value,
     rank_for_measurement,
     worth_measuring,
 )
 from forecaster_mcp.measure.replay import ReplayEntry, ReplaySpace, load_space
+from forecaster_mcp.models import Kernel, Workload
 from forecaster_mcp.search import (
     SearchTrace,
     ToolEmulator,
@@ -70,6 +72,21 @@ def test_slower_verdicts_are_listed_only_while_a_real_gain_is_possible() -> None
     assert worth_measuring(wide, "slower") and not worth_measuring(narrow, "slower")
     # Unsure and faster candidates are always listed, whatever their value.
     assert worth_measuring(narrow, "unsure") and worth_measuring(narrow, "faster")
+
+
+def test_candidates_are_valued_against_the_best_measured_kernel() -> None:
+    # Against a slow measured baseline both look faster; the best measured kernel is 1.5x faster than it.
+    sure = item("sure", 0.5, 0.05, baseline_measured=1.0)  # a sure 1.41x over the baseline: slower than best
+    wide = item("wide", 0.2, 0.8, baseline_measured=1.0)  # less likely over the baseline, may beat the best
+    assert rank_for_measurement([sure, wide]) == ["sure", "wide"]
+    rebased = [against_best(it, 3.0, 2.0) for it in (sure, wide)]
+    assert rebased[0].extras["mu_log2"] == pytest.approx(0.5 - math.log2(1.5))
+    assert rank_for_measurement(rebased) == ["wide", "sure"]
+    # Nothing to rebase: no faster best, a baseline not measured, or bins only.
+    assert against_best(sure, 2.0, 2.0) is sure and against_best(sure, 2.0, None) is sure
+    assert against_best(item("u", 0.5, 0.05), 3.0, 2.0).extras["mu_log2"] == 0.5
+    bins_only = AcqItem("b", bins.from_normal(0.5, 0.3))
+    assert against_best(bins_only, 3.0, 2.0) is bins_only
 
 
 def test_bins_only_fallback_orders_by_faster_mass() -> None:
@@ -169,6 +186,20 @@ def test_kernel_dicts_name_the_configuration_and_share_a_family() -> None:
     a, b = kernel_dict(space, 0), kernel_dict(space, 1)
     assert a["entry"] == b["entry"] == "synthetic_kernel" and a["source"] == b["source"]
     assert a["defines"] == space.entries[0].params and a["id"] != b["id"]
+
+
+@pytest.mark.anyio
+async def test_emulator_remembers_measurements_as_the_store_does_launch_included() -> None:
+    """A family model trained without the launch columns its queries carry forecasts blind: the emulator
+    once dropped launches and made every client that passes one look far worse than the server is."""
+    space = synthetic_space()
+    emu = ToolEmulator(space)
+    k = {**kernel_dict(space, 0), "launch": {"grid": [64, 1, 1], "block": [16, 1, 1]}}
+    await emu("measure_kernel", {"kernel": k, "workload": {}})
+    kernel = Kernel.model_validate(k)
+    assert kernel.launch is not None
+    (point,) = await emu.history.family_points(kernel.family_key(), space.device, Workload().key())
+    assert point.launch == kernel.launch.model_dump() and point.defines == space.entries[0].params
 
 
 @pytest.mark.anyio

@@ -299,3 +299,33 @@ async def test_pairs_of_two_unmeasured_kernels_are_stored_and_thresholded_apart(
             "raw:local",
             "raw:local:unmeasured",
         ]
+
+
+async def test_measure_next_values_candidates_against_the_best_measured_not_the_named_baseline(
+    tmp_path: Path, conv_a100: Path
+) -> None:
+    """A client may keep comparing against a reference kernel: measure_next still ranks by what a measurement
+    may gain over the best kernel measured so far, so which measured baseline is named does not reorder it."""
+    from forecaster_mcp.measure.replay import load_space
+
+    ok = [e.params for e in load_space(conv_a100).valid_entries()]
+    measured, unmeasured = ok[5::290], ok[7::150][:24]
+    async with running(tmp_path, [conv_a100]) as (client, _):
+        times = {}
+        for i, params in enumerate(measured):
+            out = await call(client, "measure_kernel", {"kernel": conv(f"m{i}", params)})
+            times[f"m{i}"] = out["runtime_ms"]["median"]
+        slow, best = max(times, key=times.__getitem__), min(times, key=times.__getitem__)
+        assert times[slow] > 2 * times[best]
+        cands = [conv(f"c{i}", p) for i, p in enumerate(unmeasured)]
+        order = {}
+        for base in (slow, best):
+            out = await call(
+                client,
+                "compare_kernels",
+                {"candidates": [conv(base, measured[int(base[1:])]), *cands], "baseline": base},
+            )
+            order[base] = out["measure_next"]
+        common = [c for c in order[slow] if c in order[best]]
+        assert len(common) >= 8
+        assert [c for c in order[best] if c in common] == common

@@ -12,11 +12,13 @@ numbers (`extras["mu_log2"]`, `extras["sd_log2"]`, and the tail shape) the expec
 predictive distribution (a two-component normal scale mixture); otherwise it is taken over the 8 bins, each
 represented by the conditional mean of a standard shape inside it. Candidates already measured
 (`extras["measured"] >= 1`) are left out: measuring them again teaches nothing. Ties (for instance a cold
-start where every value is equal) are broken by p_faster, then by the input order.
+start where every value is equal) are broken by p_faster, then by the input order. The reference is the best
+kernel measured so far, not whichever baseline a client named (`against_best`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -104,6 +106,24 @@ MIN_VALUE_LOG2 = 0.002
 def worth_measuring(item: AcqItem, verdict: str) -> bool:
     """Unsure and faster candidates always are; slower ones only while their expected gain is real."""
     return verdict != "slower" or measurement_value(item) >= MIN_VALUE_LOG2
+
+
+def against_best(item: AcqItem, t_base_ms: float | None, t_best_ms: float | None) -> AcqItem:
+    """The item valued against the best kernel measured so far (`t_best_ms`) instead of its baseline.
+
+    Forecasts are made against the baseline a client names, which need not be the best it has measured (a
+    client may keep comparing against its first or reference kernel); a measurement is worth only what it
+    may gain over the best. Exact for forecasts that carry the local model's numbers against a measured
+    baseline (`t_base_ms`, then a constant); others, and a best no faster than the baseline, are left as
+    they are.
+    """
+    mu = item.extras.get("mu_log2")
+    if t_base_ms is None or t_best_ms is None or not 0.0 < t_best_ms < t_base_ms:
+        return item
+    if mu is None or not math.isfinite(mu) or item.extras.get("baseline_measured", 0.0) < 1.0:
+        return item
+    gain = math.log2(t_base_ms / t_best_ms)
+    return dataclasses.replace(item, extras={**item.extras, "mu_log2": mu - gain})
 
 
 def rank_for_measurement(items: Sequence[AcqItem]) -> list[str]:

@@ -129,6 +129,12 @@ class _Column:
 _BLOCK_NAME = re.compile(r"^block_?size_?[xyz]$", re.IGNORECASE)
 
 
+# Launch fields that count (blocks in the grid, bytes of dynamic shared memory): the problem size over the
+# tile decides them, so alignment indicators of their own describe nothing about the kernel and only give a
+# small family spurious dimensions to fit.
+_COUNT_COLUMNS = frozenset({"@blocks", "@dyn_smem"})
+
+
 def _is_pow2(x: float) -> bool:
     if x <= 0 or x != int(x):
         return False
@@ -161,6 +167,15 @@ class ParamEncoder:
 
     def __init__(self, rows: Sequence[dict[str, Any]]) -> None:
         names = sorted({k for r in rows for k in r})
+        # Launch fields (kernel_params' "@" names) are used only when they tell members apart that the
+        # defines do not. A client that derives its launch from the tuning parameters (block = block_size_x,
+        # grid = problem / tile) adds nothing the defines do not say, yet the extra columns (a grid size, its
+        # alignment flags) cost the model: TUNE spaces of benchmarks/tune_local.py with such a client (option
+        # launch), 16 seeds, pnpoly worst seeds 0.95 / 0.99 -> 0.87 / 0.85 while they were used.
+        defines = [tuple(sorted((k, str(v)) for k, v in r.items() if not k.startswith("@"))) for r in rows]
+        self.launch_used = len(set(defines)) < len(defines)
+        if not self.launch_used:
+            names = [n for n in names if not n.startswith("@")]
         self.columns: list[_Column] = []
         self.flags: list[tuple[str, str]] = []  # (parameter, "pow2" | "mod32" | "mod64")
         for name in names:
@@ -176,7 +191,8 @@ class ParamEncoder:
                 col = _Column(name, "num", use_log, lo, span)
                 col.default = 0.5 if hi > lo else 0.0
                 self.columns.append(col)
-                self.flags.extend((name, f) for f in self._flags_for(nums))
+                if name not in _COUNT_COLUMNS:
+                    self.flags.extend((name, f) for f in self._flags_for(nums))
             else:
                 cats = tuple(sorted({str(v) for v in values}))
                 self.columns.append(_Column(name, "cat", categories=cats))
@@ -201,7 +217,22 @@ class ParamEncoder:
             self.dim_names.append("threads")
         if self.threads_mod32:
             self.dim_names.append("threads:mod32")
-        self.dim = len(self.dim_names)
+        self._width = self.dim = len(self.dim_names)
+        # Where launches are used, one that repeats a tuning parameter (block = block_size_x) would make that
+        # parameter count twice in the kernel's distance: a launch column (or flag) equal to another column
+        # on every training point is left out. (Only launch columns: with few points, two defines can agree
+        # by chance and later part.)
+        full = self._encode_all(rows)
+        kept = [j for j in range(self.dim) if not self.dim_names[j].startswith("@")]
+        for j in range(self.dim):
+            column = full[:, j]
+            if self.dim_names[j].startswith("@") and not (
+                np.ptp(column) > 0 and any(np.array_equal(column, full[:, k]) for k in kept)
+            ):
+                kept.append(j)
+        self._keep = sorted(kept)
+        self.dim_names = [self.dim_names[j] for j in self._keep]
+        self.dim = len(self._keep)
 
     @staticmethod
     def _flags_for(nums: list[float]) -> list[str]:
@@ -219,7 +250,11 @@ class ParamEncoder:
         return out
 
     def encode(self, rows: Sequence[dict[str, Any]]) -> Array:
-        out = np.zeros((len(rows), self.dim), dtype=np.float64)
+        return self._encode_all(rows)[:, self._keep]
+
+    def _encode_all(self, rows: Sequence[dict[str, Any]]) -> Array:
+        """Every column, repeated ones included (the encoder keeps `_keep` of them)."""
+        out = np.zeros((len(rows), self._width), dtype=np.float64)
         for i, row in enumerate(rows):
             j = 0
             for c in self.columns:
@@ -261,7 +296,7 @@ class ParamEncoder:
     def unknown_names(self, row: dict[str, Any]) -> list[str]:
         """Parameters of `row` the family has never been measured with."""
         known = {c.name for c in self.columns}
-        return [k for k in row if k not in known]
+        return [k for k in row if k not in known and (self.launch_used or not k.startswith("@"))]
 
 
 # ---------------------------------------------------------------- Gaussian process
