@@ -5,8 +5,10 @@
 Every policy is the plain client of `forecaster_mcp.search` (10 random measurements, then per step 63 random
 untried configurations in one `compare_kernels` call against the best so far, one measurement per step, 100
 in all) and differs only in what it measures from the answer: `next` the head of `measure_next`, `ranking` the
-first untried id of `ranking` (the best guess), `p_faster` the candidate with the highest `p_faster`. Prints
-median / min best-fraction per space and policy.
+first untried id of `ranking` (the best guess), `p_faster` the candidate with the highest `p_faster`; `fixed`
+measures the head of `measure_next` too but keeps its first measured kernel as the baseline of every call (a
+client comparing against a reference). `--launch` makes the client pass launch shapes derived from the
+parameters (tune_local's option "launch"). Prints median / min best-fraction per space and policy.
 """
 
 from __future__ import annotations
@@ -22,18 +24,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from tune_local import _pool_map, _select, space  # noqa: E402
+from tune_local import _pass_launches, _pool_map, _select, space  # noqa: E402
 
 from forecaster_mcp import search as S  # noqa: E402
 
-POLICIES = ("next", "ranking", "p_faster")
+POLICIES = ("next", "ranking", "p_faster", "fixed")
 
 
 def _pick(policy: str, result: dict[str, Any], base: int, measured: set[int]) -> int | None:
     def index(cid: str) -> int:
         return int(cid[1:])
 
-    if policy == "next":
+    if policy in ("next", "fixed"):
         ids = [index(c) for c in result["measure_next"] if c != f"c{base}"]
     elif policy == "ranking":
         ids = [index(c) for c in result["ranking"] if c != f"c{base}"]
@@ -52,6 +54,8 @@ async def _run(sp: Any, policy: str, seed: int, measurements: int) -> float:
         await tracker.measure(call, i)
     while len(tracker.measured) < measurements:
         base = tracker.best_index
+        if policy == "fixed":
+            base = next((i for i, t in tracker.measured.items() if t is not None), None)
         untried = [i for i in range(n) if i not in tracker.measured]
         if base is None:
             await tracker.measure(call, rng.choice(untried))
@@ -62,10 +66,12 @@ async def _run(sp: Any, policy: str, seed: int, measurements: int) -> float:
     return tracker.trace().fraction
 
 
-def _job(job: tuple[str, str, int, int]) -> tuple[str, str, float]:
+def _job(job: tuple[str, str, int, int, bool]) -> tuple[str, str, float]:
     import anyio
 
-    name, policy, seed, measurements = job
+    name, policy, seed, measurements, launch = job
+    if launch:
+        _pass_launches()
     return name, policy, anyio.run(_run, space(name), policy, seed, measurements)
 
 
@@ -76,13 +82,16 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, default=6)
     ap.add_argument("--measurements", type=int, default=100)
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--launch", action="store_true", help="the client passes launch shapes")
     args = ap.parse_args()
     policies = args.policies.split(",")
     unknown = set(policies) - set(POLICIES)
     if unknown:
         ap.error(f"unknown policies {sorted(unknown)}; choose from {', '.join(POLICIES)}")
     names = _select(args.set)
-    jobs = [(n, p, s, args.measurements) for n in names for p in policies for s in range(args.seeds)]
+    jobs = [
+        (n, p, s, args.measurements, args.launch) for n in names for p in policies for s in range(args.seeds)
+    ]
     results = _pool_map(_job, jobs, args.workers)
     print(f"best-fraction after {args.measurements} measurements ({args.seeds} seeds): median / min")
     for n in names:
