@@ -301,13 +301,9 @@ class Service:
         """The fastest measured runtime of each family on this hardware and workload (families measured ok)."""
         out: dict[str, float] = {}
         for fam in families:
-            times = [
-                p.runtime_ms
-                for p in await self.store.family_points(fam, hardware, wkey)
-                if p.status == "ok" and p.runtime_ms is not None and p.runtime_ms > 0
-            ]
-            if times:
-                out[fam] = min(times)
+            t = await self.store.best_runtime(fam, hardware, wkey)
+            if t is not None:
+                out[fam] = t
         return out
 
     def _measure_next(

@@ -356,6 +356,13 @@ async def test_family_points_latest_per_kernel_preferring_ok(store: Store) -> No
     assert await store.measured_runtime(a.content_key(), "A100", "w") == 2.0
     assert await store.measured_runtime(c.content_key(), "A100", "w") is None
     assert await store.measured_runtime(a.content_key(), "H100", "w") is None
+    # The family's best is the fastest of those same points: the H100 one and failures do not count.
+    assert await store.best_runtime(a.family_key(), "A100", "w") == 1.5
+    assert await store.best_runtime(a.family_key(), "H100", "w") == 1.0
+    assert await store.best_runtime(a.family_key(), "A100", "other") is None
+    await save(store, a, 1.2)
+    await save(store, a, 1.8)  # re-measured slower: the latest measurement of a kernel is its runtime
+    assert await store.best_runtime(a.family_key(), "A100", "w") == 1.5
 
 
 # ------------------------------------------------------------------------------------------- forecasts

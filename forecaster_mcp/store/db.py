@@ -868,6 +868,18 @@ class Store:
             for r in rows
         ]
 
+    async def best_runtime(self, family_key: str, hardware: str, workload_key: str) -> float | None:
+        """The fastest runtime (ms) among `family_points` measured ok, if any (one query, no JSON decoding)."""
+        rows = await self._fetch(
+            "SELECT MIN(runtime_ms) FROM ("
+            "SELECT status, runtime_ms, row_number() OVER "
+            "(PARTITION BY content_key ORDER BY (status = 'ok') DESC, id DESC) AS rn "
+            "FROM measurements WHERE family_key = ? AND hardware = ? AND workload_key = ?"
+            ") WHERE rn = 1 AND status = 'ok' AND runtime_ms > 0",
+            (family_key, hardware, workload_key),
+        )
+        return float(rows[0][0]) if rows and rows[0][0] is not None else None
+
     async def measured_runtime(self, content_key: str, hardware: str, workload_key: str) -> float | None:
         """Median runtime (ms) of an ok measurement of this exact kernel, if stored (the latest one)."""
         rows = await self._fetch(
