@@ -43,16 +43,17 @@ You are optimising a GPU kernel with a forecaster and a metered GPU budget.
 
 1. Write several candidate kernels (or tuning-parameter variants: same source, different `defines`).
 2. Call `compare_kernels` with all candidates (2-64), `baseline` = your current best, and `hardware` = the target
-   GPU. Forecasts are free.
+   GPU. Forecasts are free: in a tuning space, send as many untried variants per call as you can.
 3. Read each candidate's `verdict`:
    - `faster` / `slower`: decided by the forecaster; the error rate among decided verdicts is kept below
      `target_error`. Drop the slower ones without measuring unless `measure_next` still lists them.
    - `unsure`: the forecaster cannot tell reliably.
    `measure_next` ranks the candidates worth a measurement, most valuable first (chance and size of beating
-   the baseline): the unsure and faster ones, and a slower one only while its forecast is wide enough that it
+   the best kernel of their family measured so far, whichever baseline you named): the unsure and faster ones, and a slower one only while its forecast is wide enough that it
    might still win clearly (an untried corner of a tuning space). A search measures its head.
 4. Measure only the head of `measure_next` with `measure_kernel` (or pass `measure_if_unsure=true` with
-   `max_measurements`). Each measurement is charged in GPU-seconds; identical re-measurements are free (cache),
+   `max_measurements`: it measures the unsure ones in that order; one decided `faster` still needs its own
+   `measure_kernel` to become your baseline). Each measurement is charged in GPU-seconds; identical re-measurements are free (cache),
    and an `idempotency_key` makes retries safe.
 5. A measured kernel becomes the new baseline when it is faster. Every measurement also teaches the forecaster:
    tuning variants of a measured kernel family get sharper forecasts as you go.
