@@ -275,6 +275,19 @@ def test_launches_derived_from_the_defines_add_nothing_and_others_count_once() -
     assert x.shape == (1, enc.dim) and x[0, enc.dim_names.index("block_size_x:pow2")] == 1.0
 
 
+def test_define_values_written_as_c_literals_are_numbers() -> None:
+    """-D values arrive as C writes them; a tuning parameter read as a category would lose its order."""
+    rows: list[dict[str, Any]] = [{"TILE": t} for t in (8, "16", "0x20", "64u", "128UL")]
+    rows += [{"TILE": 256, "ALPHA": "2.5f"}, {"TILE": "0X1f", "ALPHA": "1e-3f"}]
+    enc = ParamEncoder(rows)
+    assert "TILE" in enc.dim_names and "ALPHA" in enc.dim_names
+    assert not any("=" in name for name in enc.dim_names)  # nothing one-hot
+    x = enc.encode([{"TILE": "0x40"}, {"TILE": 64}])
+    assert np.array_equal(x[0], x[1])
+    # What is not a number stays a category.
+    assert "MODE=fast" in ParamEncoder([{"MODE": "fast"}, {"MODE": "0x1g"}]).dim_names
+
+
 def test_gp_recovers_a_smooth_function_with_honest_spread() -> None:
     rng = np.random.default_rng(0)
     x = rng.random((60, 2))

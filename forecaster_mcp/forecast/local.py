@@ -83,12 +83,21 @@ def _as_number(value: Any) -> float | None:
     if isinstance(value, int | float):
         return float(value) if math.isfinite(value) else None
     if isinstance(value, str):
+        # A -D value as C writes it: 16, "16", 0x10, 16u, 2.5f, 1e-3 (suffixes and hex are still numbers, and
+        # a tuning parameter read as a category loses its order).
+        text = value.strip()
+        hexa = _HEX.fullmatch(text)
         try:
-            number = float(value.strip())
+            number = float(int(hexa.group(1), 16)) if hexa else float(_DEC_SUFFIX.sub("", text))
         except ValueError:
             return None
         return number if math.isfinite(number) else None
     return None
+
+
+_INT_SUFFIX = r"(?:[uU][lL]{0,2}|[lL]{1,2}[uU]?)"
+_HEX = re.compile(rf"([+-]?0[xX][0-9a-fA-F]+){_INT_SUFFIX}?")
+_DEC_SUFFIX = re.compile(rf"(?<=[0-9.])(?:{_INT_SUFFIX}|[fF])$")
 
 
 def _launch_values(launch: dict[str, Any] | None) -> dict[str, float]:
