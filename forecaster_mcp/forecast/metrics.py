@@ -189,12 +189,17 @@ def ece_if_calibrated(
     index = np.clip(np.searchsorted(edges, conf, side="right") - 1, 0, n_bins - 1)
     onehot = np.zeros((conf.size, n_bins))
     onehot[np.arange(conf.size), index] = 1.0
-    right = (np.random.default_rng(seed).random((draws, conf.size)) < conf).astype(np.float64)
-    # A coin flip (confidence 0.5) scores 0.5 in `direction_scores`, never 0 or 1.
-    scores = np.where(conf == 0.5, 0.5, right)
-    # Per draw and bin: count * |accuracy - mean confidence| = |sum of scores - sum of confidences|.
-    values = np.abs(scores @ onehot - conf @ onehot).sum(axis=1) / conf.size
-    return float(values.mean()), float(np.quantile(values, 0.9))
+    rng = np.random.default_rng(seed)
+    chunk = max(1, 2_000_000 // conf.size)  # draws per block: memory stays ~16 MB on any number of pairs
+    values = []
+    for start in range(0, draws, chunk):
+        right = (rng.random((min(chunk, draws - start), conf.size)) < conf).astype(np.float64)
+        # A coin flip (confidence 0.5) scores 0.5 in `direction_scores`, never 0 or 1.
+        scores = np.where(conf == 0.5, 0.5, right)
+        # Per draw and bin: count * |accuracy - mean confidence| = |sum of scores - sum of confidences|.
+        values.append(np.abs(scores @ onehot - conf @ onehot).sum(axis=1) / conf.size)
+    ece_values = np.concatenate(values)
+    return float(ece_values.mean()), float(np.quantile(ece_values, 0.9))
 
 
 @dataclass(frozen=True)
