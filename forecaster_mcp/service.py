@@ -244,8 +244,7 @@ class Service:
             )
         await self._save_forecasts(ledger, hw.name, wkey, base, others, results, fc_by_id, family)
 
-        best = await self._best_measured(set(family.values()), hw.name, wkey)
-        measure_next = self._measure_next(base, runtimes, results, fc_by_id, family, best)
+        measure_next = await self._measure_next(base, runtimes, results, fc_by_id, family, hw.name, wkey)
         notes = list(hw.notes)
         for c in dict.fromkeys(choices.values()):
             notes.append(f"verdicts decided at confidence >= {c.threshold:.3f} ({c.reason})")
@@ -266,8 +265,7 @@ class Service:
                 t_cand = runtimes.get(cid)
                 if t_base is not None and t_cand is not None and results[cid].decided_by == "forecast":
                     results[cid] = _from_measurement(cid, t_base, t_cand, "measurement")
-            best = await self._best_measured(set(family.values()), hw.name, wkey)
-            measure_next = self._measure_next(base, runtimes, results, fc_by_id, family, best)
+            measure_next = await self._measure_next(base, runtimes, results, fc_by_id, family, hw.name, wkey)
 
         ordered = [results[str(k.id)] for k in others]
         speed = {base.id: 1.0, **{r.id: r.measured_speedup or r.expected_speedup for r in ordered}}
@@ -297,23 +295,15 @@ class Service:
                 out[str(k.id)] = t
         return out
 
-    async def _best_measured(self, families: set[str], hardware: str, wkey: str) -> dict[str, float]:
-        """The fastest measured runtime of each family on this hardware and workload (families measured ok)."""
-        out: dict[str, float] = {}
-        for fam in families:
-            t = await self.store.best_runtime(fam, hardware, wkey)
-            if t is not None:
-                out[fam] = t
-        return out
-
-    def _measure_next(
+    async def _measure_next(
         self,
         base: Kernel,
         runtimes: dict[str, float],
         results: dict[str, CandidateForecast],
         fc_by_id: dict[str, Any],
         family: dict[str, str],
-        best: dict[str, float],
+        hardware: str,
+        wkey: str,
     ) -> list[str]:
         from forecaster_mcp.forecast.acquisition import (
             AcqItem,
@@ -326,6 +316,11 @@ class Service:
         # decided slower only while its expected gain is still real (acquisition.MIN_VALUE_LOG2). Each is
         # valued against the best kernel of its family measured so far, when that beats the baseline.
         t_base = runtimes.get(str(base.id))
+        best = (
+            {f: await self.store.best_runtime(f, hardware, wkey) for f in set(family.values())}
+            if t_base is not None
+            else {}  # nothing is revalued against an unmeasured baseline (acquisition.against_best)
+        )
         items = [
             against_best(
                 AcqItem(id=cid, probs=fc_by_id[cid].probs, extras=fc_by_id[cid].extras, p_faster=r.p_faster),

@@ -227,6 +227,9 @@ class ParamEncoder:
         if self.threads_mod32:
             self.dim_names.append("threads:mod32")
         self._width = self.dim = len(self.dim_names)
+        self._keep = list(range(self.dim))
+        if not self.launch_used:
+            return
         # Where launches are used, one that repeats a tuning parameter (block = block_size_x) would make that
         # parameter count twice in the kernel's distance: a launch column (or flag) equal to another column
         # on every training point is left out. (Only launch columns: with few points, two defines can agree

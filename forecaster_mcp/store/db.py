@@ -122,6 +122,16 @@ class ForecastRow:
     family_key: str | None = None  # the candidate's Kernel.family_key()
 
 
+# The measurements of one family on one GPU and workload (parameters: family_key, hardware, workload_key),
+# each numbered per kernel: rn = 1 is the latest ok measurement if there is one, else the latest of any status.
+# family_points and best_runtime read the same rows, so the model and measure_next's best agree.
+_FAMILY_LATEST = (
+    "(SELECT defines_json, launch_json, status, runtime_ms, content_key, row_number() OVER "
+    "(PARTITION BY content_key ORDER BY (status = 'ok') DESC, id DESC) AS rn "
+    "FROM measurements WHERE family_key = ? AND hardware = ? AND workload_key = ?)"
+)
+
+
 # ---------------------------------------------------------------------------- money and names
 
 
@@ -850,11 +860,8 @@ class Store:
 
         Per kernel, the latest ok measurement if there is one, else the latest of any status."""
         rows = await self._fetch(
-            "SELECT defines_json, launch_json, status, runtime_ms, content_key FROM ("
-            "SELECT defines_json, launch_json, status, runtime_ms, content_key, row_number() OVER "
-            "(PARTITION BY content_key ORDER BY (status = 'ok') DESC, id DESC) AS rn "
-            "FROM measurements WHERE family_key = ? AND hardware = ? AND workload_key = ?"
-            ") WHERE rn = 1 ORDER BY content_key",
+            "SELECT defines_json, launch_json, status, runtime_ms, content_key FROM "
+            f"{_FAMILY_LATEST} WHERE rn = 1 ORDER BY content_key",
             (family_key, hardware, workload_key),
         )
         return [
@@ -871,11 +878,7 @@ class Store:
     async def best_runtime(self, family_key: str, hardware: str, workload_key: str) -> float | None:
         """The fastest runtime (ms) among `family_points` measured ok, if any (one query, no JSON decoding)."""
         rows = await self._fetch(
-            "SELECT MIN(runtime_ms) FROM ("
-            "SELECT status, runtime_ms, row_number() OVER "
-            "(PARTITION BY content_key ORDER BY (status = 'ok') DESC, id DESC) AS rn "
-            "FROM measurements WHERE family_key = ? AND hardware = ? AND workload_key = ?"
-            ") WHERE rn = 1 AND status = 'ok' AND runtime_ms > 0",
+            f"SELECT MIN(runtime_ms) FROM {_FAMILY_LATEST} WHERE rn = 1 AND status = 'ok' AND runtime_ms > 0",
             (family_key, hardware, workload_key),
         )
         return float(rows[0][0]) if rows and rows[0][0] is not None else None
