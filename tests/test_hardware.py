@@ -83,6 +83,31 @@ def spec(name: str) -> GpuSpec:
         ("RTX_3060_laptop", "RTX 3060 Laptop"),
         ("NVIDIA TITAN RTX", "TITAN RTX"),
         ("RTX_Titan", "TITAN RTX"),
+        # nvidia-smi / rocm-smi names of GPUs outside the list that users run.
+        ("NVIDIA A800-SXM4-80GB", "A800-SXM4-80GB"),
+        ("NVIDIA H800", "H800-SXM5-80GB"),
+        ("NVIDIA H800 PCIe", "H800-PCIE-80GB"),
+        ("NVIDIA A30", "A30"),
+        ("NVIDIA L40", "L40"),
+        ("Tesla P100-PCIE-16GB", "P100-PCIE-16GB"),
+        ("Tesla V100S-PCIE-32GB", "V100S-PCIE-32GB"),
+        ("NVIDIA TITAN V", "TITAN V"),
+        ("NVIDIA GeForce RTX 3060", "RTX 3060"),
+        ("NVIDIA GeForce RTX 3080", "RTX 3080"),
+        ("NVIDIA GeForce RTX 3080 12GB", "RTX 3080 12GB"),
+        ("NVIDIA GeForce RTX 3080 Ti", "RTX 3080 Ti"),
+        ("NVIDIA GeForce RTX 4080 SUPER", "RTX 4080 SUPER"),
+        ("NVIDIA GeForce RTX 4080", "RTX 4080"),
+        ("NVIDIA GeForce RTX 2070 SUPER", "RTX 2070 SUPER"),
+        ("NVIDIA GeForce RTX 5080", "RTX 5080"),
+        ("NVIDIA RTX A5000", "RTX A5000"),
+        ("NVIDIA RTX PRO 6000 Blackwell Server Edition", "RTX PRO 6000 Blackwell Server Edition"),
+        ("NVIDIA RTX PRO 6000 Blackwell Max-Q Workstation Edition", "RTX PRO 6000 Blackwell Max-Q"),
+        ("AMD Instinct MI210", "MI210"),
+        ("AMD Instinct MI300A", "MI300A"),
+        ("AMD Instinct MI100", "MI100"),
+        ("AMD Radeon PRO W7900", "Radeon PRO W7900"),
+        ("AMD Radeon RX 7900 XTX", "RX 7900 XTX"),
     ],
 )
 def test_lookup_is_forgiving(query: str, expected: str) -> None:
@@ -96,14 +121,13 @@ def test_lookup_is_forgiving(query: str, expected: str) -> None:
         "   ",
         "foo",
         "A100 16GB",  # no such memory size: never guess another row
-        "RTX 3060",  # the desktop card is not the laptop part
-        "L40",  # not the L40S
+        "RTX 3060 8GB",  # the desktop card has 12 GB; the 8 GB one is a different board
+        "RTX 3090 Ti",  # a sibling is not the card
+        "L20",
         "Quadro RTX 6000",  # not the RTX PRO 6000 Blackwell, nor the RTX 6000 Ada
         "RTX 6000",
         "A10G",  # not the A10 (80 SMs, not 72); NVIDIA publishes no datasheet for it
-        "RTX PRO 6000 Blackwell Max-Q Workstation Edition",
         "MI250",
-        "MI300A",
         "RTX 4090 D",
         "A100X",
         "H100 NVL 80GB",
@@ -116,6 +140,15 @@ def test_lookup_refuses_unknown_names(query: str) -> None:
 def test_a10_never_becomes_a100() -> None:
     assert spec("A10").sms == 72
     assert spec("A100").sms == 108
+
+
+def test_siblings_stay_apart() -> None:
+    # Desktop and laptop, L40 and L40S, a card and its SUPER / Ti / 12 GB versions are different rows.
+    assert spec("RTX 3060").sms == 28 and spec("RTX 3060 Laptop").sms == 30
+    assert spec("L40").fp16_tensor_tflops * 2 == pytest.approx(spec("L40S").fp16_tensor_tflops, abs=0.1)
+    assert [spec(n).sms for n in ("RTX 3080", "RTX 3080 12GB", "RTX 3080 Ti")] == [68, 70, 80]
+    assert [spec(n).sms for n in ("RTX 4080", "RTX 4080 Super")] == [76, 80]
+    assert spec("A800").sms == spec("A100").sms and spec("H800 PCIe").sms == spec("H100 PCIe").sms
 
 
 def test_every_name_and_alias_round_trips_and_names_are_unique() -> None:
@@ -223,6 +256,9 @@ OCCUPANCY_CASES = [
     ("H100", 128, 90, 0, 5, 0.3125),
     ("L4", 128, 0, 0, 12, 1.0),
     ("RTX 5090", 64, 0, 0, 24, 1.0),
+    # GP100 splits registers over 2 processing blocks: 32768 // 1280 = 25 warps each (4 blocks give 24).
+    ("P100-SXM2-16GB", 64, 40, 0, 25, 0.78125),
+    ("P100-SXM2-16GB", 256, 32, 49152, 1, 0.125),
 ]
 
 

@@ -1,7 +1,7 @@
 """Theoretical occupancy and waves, by the rules of NVIDIA's occupancy calculator.
 
 NVIDIA rows follow `cuda_occupancy.h` (CUDA 13) with the default shared-memory carveout: registers are
-allocated per warp in units of 256 and split across the SM's 4 sub-partitions; shared memory is allocated in
+allocated per warp in units of 256 and split across the SM's 4 sub-partitions (2 on CC 6.0); shared memory is allocated in
 units of 256 bytes (CC 7.x) or 128 bytes (CC 8.0+), and from CC 8.0 the driver reserves 1 KB per block.
 AMD rows use the analogous wavefront rules (VGPRs per SIMD in units of 8, LDS in units of 512 bytes, at most
 16 workgroups per CU); treat those as approximate.
@@ -69,12 +69,14 @@ def occupancy_limits(
     else:
         regs_per_warp = _round_up(registers_per_thread * warp, _REG_UNIT)
         # The hardware checks a block as if its warps were spread over all sub-partitions at once.
-        assumed = regs_per_warp * _round_up(warps_per_block, _SUB_PARTITIONS)
+        # GP100 (CC 6.0) SMs have two processing blocks, every other SM four (cuda_occupancy.h).
+        parts = 2 if spec.compute_capability == "6.0" else _SUB_PARTITIONS
+        assumed = regs_per_warp * _round_up(warps_per_block, parts)
         if assumed > spec.registers_per_sm or regs_per_warp * warps_per_block > spec.registers_per_sm:
             by_regs = 0
         else:
-            per_partition = (spec.registers_per_sm // _SUB_PARTITIONS) // regs_per_warp
-            by_regs = per_partition * _SUB_PARTITIONS // warps_per_block
+            per_partition = (spec.registers_per_sm // parts) // regs_per_warp
+            by_regs = per_partition * parts // warps_per_block
 
     major = _major(spec)
     reserved = 1024 if major >= 8 else 0

@@ -63,6 +63,7 @@ MIB = 1024 * 1024
 # Per-SM limits by compute capability: (arch, max threads/SM, max blocks/SM, shared memory per SM,
 # opt-in shared memory per block). Registers are 64K per SM and 255 per thread on every row below.
 _CC: dict[str, tuple[str, int, int, int, int]] = {
+    "6.0": ("sm_60", 2048, 32, 64 * KIB, 48 * KIB),
     "7.0": ("sm_70", 2048, 32, 96 * KIB, 96 * KIB),
     "7.5": ("sm_75", 1024, 16, 64 * KIB, 64 * KIB),
     "8.0": ("sm_80", 2048, 32, 164 * KIB, 163 * KIB),
@@ -116,8 +117,11 @@ def _nv(
 # or 1536 (Navi 31). LLVM's AMDGPU backend caps workgroups per CU at 16.
 _AMD: dict[str, tuple[int, int, int, int]] = {
     "gfx906": (64, 2560, 65536, 256),
+    # gfx908 (MI100): 10 waves per SIMD; its accumulation VGPRs serve matrix instructions only.
+    "gfx908": (64, 2560, 65536, 256),
     "gfx90a": (64, 2048, 131072, 512),
     "gfx942": (64, 2048, 131072, 512),
+    "gfx1030": (32, 1024, 65536, 256),
     "gfx1032": (32, 1024, 65536, 256),
     "gfx1100": (32, 1024, 98304, 256),
 }
@@ -173,6 +177,13 @@ _SPECS: list[GpuSpec] = [
     _nv(
         "V100-PCIE-16GB", "7.0", sms=80, l2=6 * MIB, bw=900, fp32=14.0, fp16=112.0, mem=16, aliases=("V100",)
     ),
+    # V100S: the PCIe V100 at 1601 MHz with 1134 GB/s HBM2. TITAN V: 80 SMs, 3 HBM2 stacks (4.5 MB L2).
+    _nv("V100S-PCIE-32GB", "7.0", sms=80, l2=6 * MIB, bw=1134, fp32=16.4, fp16=130.0, mem=32),
+    _nv("TITAN V", "7.0", sms=80, l2=4608 * KIB, bw=652.8, fp32=14.9, fp16=110.0, mem=12),
+    # Pascal GP100 (CC 6.0): no tensor cores; fp16 is the packed half2 rate (2x FP32).
+    _nv("P100-SXM2-16GB", "6.0", sms=56, l2=4 * MIB, bw=732, fp32=10.6, fp16=21.2, mem=16, aliases=("P100",)),
+    _nv("P100-PCIE-16GB", "6.0", sms=56, l2=4 * MIB, bw=732, fp32=9.3, fp16=18.7, mem=16, aliases=("P100",)),
+    _nv("P100-PCIE-12GB", "6.0", sms=56, l2=3 * MIB, bw=549, fp32=9.3, fp16=18.7, mem=12, aliases=("P100",)),
     # Ampere, GA100: 108 SMs at 1410 MHz, 40 MB L2; bandwidth differs by memory (HBM2 vs HBM2e) and board.
     _nv(
         "A100-SXM4-80GB",
@@ -218,6 +229,42 @@ _SPECS: list[GpuSpec] = [
         mem=80,
         aliases=("A100",),
     ),
+    # A800: the A100 sold where export rules cap NVLink at 400 GB/s; the same chip, clocks and memory.
+    _nv(
+        "A800-SXM4-80GB",
+        "8.0",
+        sms=108,
+        l2=40 * MIB,
+        bw=2039,
+        fp32=19.5,
+        fp16=312.0,
+        mem=80,
+        aliases=("A800",),
+    ),
+    _nv(
+        "A800-PCIE-80GB",
+        "8.0",
+        sms=108,
+        l2=40 * MIB,
+        bw=1935,
+        fp32=19.5,
+        fp16=312.0,
+        mem=80,
+        aliases=("A800",),
+    ),
+    _nv(
+        "A800-PCIE-40GB",
+        "8.0",
+        sms=108,
+        l2=40 * MIB,
+        bw=1555,
+        fp32=19.5,
+        fp16=312.0,
+        mem=40,
+        aliases=("A800",),
+    ),
+    # A30: a GA100 with 56 SMs, 24 MB L2 and 24 GB HBM2 at 933 GB/s.
+    _nv("A30", "8.0", sms=56, l2=24 * MIB, bw=933, fp32=10.3, fp16=165.0, mem=24),
     # Hopper, GH100: 50 MB L2. SXM5 132 SMs; PCIe 114 SMs (HBM2e); NVL 132 SMs at a lower clock.
     _nv(
         "H100-SXM5-80GB",
@@ -251,6 +298,29 @@ _SPECS: list[GpuSpec] = [
         fp16=835.5,
         mem=94,
         aliases=("H100",),
+    ),
+    # H800: the H100 with NVLink capped for export; SMs, clocks and memory as the H100 of the same form.
+    _nv(
+        "H800-SXM5-80GB",
+        "9.0",
+        sms=132,
+        l2=50 * MIB,
+        bw=3350,
+        fp32=66.9,
+        fp16=989.4,
+        mem=80,
+        aliases=("H800",),
+    ),
+    _nv(
+        "H800-PCIE-80GB",
+        "9.0",
+        sms=114,
+        l2=50 * MIB,
+        bw=2000,
+        fp32=51.2,
+        fp16=756.5,
+        mem=80,
+        aliases=("H800",),
     ),
     # H200: the GH100 of the H100 SXM with 141 GB HBM3e.
     _nv(
@@ -293,6 +363,8 @@ _SPECS: list[GpuSpec] = [
     _nv("B200", "10.0", sms=148, l2=126 * MIB, bw=8000, fp32=80.0, fp16=2250.0, mem=180),
     # Ada, AD102/AD104.
     _nv("L40S", "8.9", sms=142, l2=96 * MIB, bw=864, fp32=91.6, fp16=362.05, mem=48),
+    # L40: the L40S's AD102 without its doubled FP16/FP8 tensor rate.
+    _nv("L40", "8.9", sms=142, l2=96 * MIB, bw=864, fp32=90.5, fp16=181.05, mem=48),
     _nv("L4", "8.9", sms=58, l2=48 * MIB, bw=300, fp32=30.3, fp16=121.0, mem=24),
     _nv(
         "RTX 6000 Ada",
@@ -306,8 +378,15 @@ _SPECS: list[GpuSpec] = [
         aliases=("RTX 6000 Ada Generation",),
     ),
     _nv("RTX 4090", "8.9", sms=128, l2=72 * MIB, bw=1008, fp32=82.6, fp16=165.2, mem=24),
+    _nv("RTX 4080 SUPER", "8.9", sms=80, l2=64 * MIB, bw=736, fp32=52.2, fp16=104.4, mem=16),
+    _nv("RTX 4080", "8.9", sms=76, l2=64 * MIB, bw=716.8, fp32=48.7, fp16=97.5, mem=16),
+    _nv("RTX 4070 Ti", "8.9", sms=60, l2=48 * MIB, bw=504, fp32=40.1, fp16=80.2, mem=12),
+    _nv("RTX 4070", "8.9", sms=46, l2=36 * MIB, bw=504, fp32=29.1, fp16=58.3, mem=12),
     # Blackwell GB202 (CC 12.0). RTX PRO 6000 Workstation: 188 SMs at 2617 MHz (fp16 = 188 x 1024 x 2.617).
     _nv("RTX 5090", "12.0", sms=170, l2=96 * MIB, bw=1792, fp32=104.8, fp16=209.5, mem=32),
+    # RTX 5080 / 5070 Ti: GB203 at 2617 / 2452 MHz boost; FP16 scaled from the 5090 by SMs x clock.
+    _nv("RTX 5080", "12.0", sms=84, l2=64 * MIB, bw=960, fp32=56.3, fp16=112.5, mem=16),
+    _nv("RTX 5070 Ti", "12.0", sms=70, l2=48 * MIB, bw=896, fp32=43.9, fp16=87.7, mem=16),
     _nv(
         "RTX PRO 6000 Blackwell",
         "12.0",
@@ -319,12 +398,43 @@ _SPECS: list[GpuSpec] = [
         mem=96,
         aliases=("RTX PRO 6000", "RTX PRO 6000 Blackwell Workstation Edition"),
     ),
+    # The passively cooled Server Edition (GDDR7 at 1597 GB/s) and the 300 W Max-Q: the same 188 SMs.
+    _nv(
+        "RTX PRO 6000 Blackwell Server Edition",
+        "12.0",
+        sms=188,
+        l2=128 * MIB,
+        bw=1597,
+        fp32=120.0,
+        fp16=483.6,
+        mem=96,
+    ),
+    _nv(
+        "RTX PRO 6000 Blackwell Max-Q",
+        "12.0",
+        sms=188,
+        l2=128 * MIB,
+        bw=1792,
+        fp32=110.0,
+        fp16=443.3,
+        mem=96,
+        aliases=("RTX PRO 6000 Blackwell Max-Q Workstation Edition",),
+    ),
     # Ampere GA10x (CC 8.6).
     _nv("A10", "8.6", sms=72, l2=6 * MIB, bw=600, fp32=31.2, fp16=125.0, mem=24),
     _nv("RTX A6000", "8.6", sms=84, l2=6 * MIB, bw=768, fp32=38.7, fp16=154.8, mem=48),
     _nv("A40", "8.6", sms=84, l2=6 * MIB, bw=696, fp32=37.4, fp16=149.7, mem=48),
     _nv("RTX A4000", "8.6", sms=48, l2=4 * MIB, bw=448, fp32=19.2, fp16=76.7, mem=16),
+    _nv("RTX A5000", "8.6", sms=64, l2=6 * MIB, bw=768, fp32=27.8, fp16=111.1, mem=24),
     _nv("RTX 3090", "8.6", sms=82, l2=6 * MIB, bw=936, fp32=35.6, fp16=71.2, mem=24),
+    _nv("RTX 3080 Ti", "8.6", sms=80, l2=6 * MIB, bw=912, fp32=34.1, fp16=68.2, mem=12),
+    # The 10 GB RTX 3080 is the card a bare "RTX 3080" means; the 12 GB one has 70 SMs and a 384-bit bus.
+    _nv("RTX 3080", "8.6", sms=68, l2=5 * MIB, bw=760, fp32=29.8, fp16=59.5, mem=10),
+    _nv("RTX 3080 12GB", "8.6", sms=70, l2=6 * MIB, bw=912, fp32=30.6, fp16=61.3, mem=12),
+    _nv("RTX 3070 Ti", "8.6", sms=48, l2=4 * MIB, bw=608, fp32=21.7, fp16=43.5, mem=8),
+    _nv("RTX 3070", "8.6", sms=46, l2=4 * MIB, bw=448, fp32=20.3, fp16=40.6, mem=8),
+    _nv("RTX 3060 Ti", "8.6", sms=38, l2=4 * MIB, bw=448, fp32=16.2, fp16=32.4, mem=8),
+    _nv("RTX 3060", "8.6", sms=28, l2=3 * MIB, bw=360, fp32=12.7, fp16=25.5, mem=12),
     # Max-TGP laptop part (1703 MHz boost); lower-power laptops run slower.
     _nv(
         "RTX 3060 Laptop",
@@ -343,11 +453,24 @@ _SPECS: list[GpuSpec] = [
     _nv(
         "TITAN RTX", "7.5", sms=72, l2=6 * MIB, bw=672, fp32=16.3, fp16=130.5, mem=24, aliases=("RTX Titan",)
     ),
+    # GeForce Turing at reference boost clocks (2080 Super 1815, 2080 1710, 2070 Super 1770, 2070 1620,
+    # 2060 1680 MHz); FP16 tensor with FP32 accumulation at the GeForce half rate.
+    _nv("RTX 2080 SUPER", "7.5", sms=48, l2=4 * MIB, bw=496, fp32=11.2, fp16=44.6, mem=8),
+    _nv("RTX 2080", "7.5", sms=46, l2=4 * MIB, bw=448, fp32=10.1, fp16=40.3, mem=8),
+    _nv("RTX 2070 SUPER", "7.5", sms=40, l2=4 * MIB, bw=448, fp32=9.1, fp16=36.2, mem=8),
+    _nv("RTX 2070", "7.5", sms=36, l2=4 * MIB, bw=448, fp32=7.5, fp16=29.9, mem=8),
+    _nv("RTX 2060", "7.5", sms=30, l2=3 * MIB, bw=336, fp32=6.5, fp16=25.8, mem=6),
     # AMD CDNA. MI250X: one of its two GCDs (HIP sees each as a device); the package is 220 CUs, 128 GB,
     # 3.2 TB/s, 47.9 TFLOPS FP32, 383 TFLOPS FP16 matrix.
     _amd("MI250X", "gfx90a", cus=110, l2=8 * MIB, bw=1638.4, fp32=23.95, fp16=191.5, mem=64),
     # MI300X: 304 CUs, 4 MB L2 per XCD (8 XCDs) in front of 256 MB Infinity Cache.
     _amd("MI300X", "gfx942", cus=304, l2=32 * MIB, bw=5300, fp32=81.7, fp16=1307.4, mem=192),
+    # MI210: a single CDNA2 GCD with 104 CUs; MI300A: the APU, 228 CUs (6 XCDs) sharing 128 GB HBM3 with
+    # the CPU; MI325X: the MI300X with 256 GB HBM3e at 6 TB/s; MI100: CDNA1, 120 CUs.
+    _amd("MI210", "gfx90a", cus=104, l2=8 * MIB, bw=1638.4, fp32=22.6, fp16=181.0, mem=64),
+    _amd("MI300A", "gfx942", cus=228, l2=24 * MIB, bw=5300, fp32=61.3, fp16=980.6, mem=128),
+    _amd("MI325X", "gfx942", cus=304, l2=32 * MIB, bw=6000, fp32=81.7, fp16=1307.4, mem=256),
+    _amd("MI100", "gfx908", cus=120, l2=8 * MIB, bw=1228.8, fp32=23.1, fp16=184.6, mem=32),
     # MI50 (Vega 20, 16 GB): no matrix units; fp16 is packed vector FP16.
     _amd("MI50", "gfx906", cus=60, l2=4 * MIB, bw=1024, fp32=13.3, fp16=26.5, mem=16),
     # RDNA workstation cards (Infinity Cache 32 MB / 64 MB behind the L2).
@@ -373,6 +496,20 @@ _SPECS: list[GpuSpec] = [
         mem=32,
         aliases=("W7800",),
     ),
+    _amd(
+        "Radeon PRO W7900",
+        "gfx1100",
+        cus=96,
+        l2=6 * MIB,
+        bw=864,
+        fp32=61.3,
+        fp16=122.6,
+        mem=48,
+        aliases=("W7900",),
+    ),
+    # Consumer RDNA: FP32 counts RDNA3 dual issue, as the W7800 row does.
+    _amd("RX 7900 XTX", "gfx1100", cus=96, l2=6 * MIB, bw=960, fp32=61.4, fp16=122.8, mem=24),
+    _amd("RX 6900 XT", "gfx1030", cus=80, l2=4 * MIB, bw=512, fp32=23.0, fp16=46.1, mem=16),
 ]
 
 
