@@ -49,7 +49,7 @@ def _features(kernel: Kernel, resources: dict[str, Any] | None, hardware: str) -
 
 
 def design(rows: list[dict[str, Any]], pairs: list[dict[str, Any]]) -> tuple[np.ndarray, ...]:
-    """Presence differences of the fitted terms (X), the hand-set shift (rest), log2 speedups and problems."""
+    """Values of the fitted terms (X), the hand-set shift (rest), log2 speedups and problems."""
     resources = {r["id"]: r["result"].get("resources") for r in rows}
     cache: dict[str, features.StaticFeatures] = {}
     x, rest, y, groups = [], [], [], []
@@ -61,7 +61,7 @@ def design(rows: list[dict[str, Any]], pairs: list[dict[str, Any]]) -> tuple[np.
                 cache[k.id] = _features(k, resources.get(k.id), p["hardware"])
             fs.append(cache[k.id])
         rest.append(features.prior_shift(fs[0], fs[1], fitted=False).mean_log2)
-        x.append(features.fitted_presences(fs[0].source, fs[1].source))
+        x.append(features.fitted_values(fs[0], fs[1]))
         y.append(math.log2(p["speedup"]))
         groups.append(p["source"])
     return np.array(x, float), np.array(rest), np.array(y), np.array(groups)

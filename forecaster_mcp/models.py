@@ -109,7 +109,11 @@ class Kernel(_Strict):
     source: str = Field(description="the kernel source (at most 1 MB)")
     entry: str = Field(description="the __global__ function name")
     language: Language = "cuda"
-    launch: Launch | None = None
+    launch: Launch | None = Field(
+        default=None,
+        description="grid and block; needed to measure on a GPU, and it sharpens forecasts between different "
+        "kernels (waves, occupancy, threads launched for the same workload)",
+    )
     defines: dict[str, DefineValue] = Field(default_factory=dict, description="-D macros / tuning parameters")
     compile_options: list[str] = Field(default_factory=list, description="extra nvcc flags")
 

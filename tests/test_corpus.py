@@ -68,10 +68,10 @@ def test_measured_rows_build_pairs_with_the_measured_ratio(tmp_path: Path) -> No
 def test_static_prior_on_the_measured_different_kernel_pairs(tmp_path: Path) -> None:
     """`forecaster-mcp eval` end to end on the H200 corpus pairs, local forecaster, no history.
 
-    In-sample: FITTED_TERMS were fitted on these pairs (leaving each problem out gives accuracy 0.78 and 25%
+    In-sample: FITTED_TERMS were fitted on these pairs (leaving each problem out gives accuracy 0.82 and 31%
     decided, none wrong; benchmarks/corpus_lopo.py). This guards the prior and the eval path against
-    regressions; it is not the estimate for unseen kernels. The old hand-set prior scored 0.73 here and decided
-    nothing."""
+    regressions; it is not the estimate for unseen kernels. In sample: 0.82 and 34% (0.78 and 25% before the
+    work-per-thread term); the old hand-set prior scored 0.73 here and decided nothing."""
     rows = read_measured(MEASURED[0])
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(json.dumps(p) + "\n" for p in build_pairs(rows, CORPUS, seed=0)))
@@ -86,7 +86,7 @@ def test_static_prior_on_the_measured_different_kernel_pairs(tmp_path: Path) -> 
     )
     assert done.returncode == 0, done.stderr[-2000:]
     final = json.loads((out / "metrics.json").read_text())["final"]
-    assert final["pairwise_accuracy"] >= 0.75
-    assert final["coverage"] >= 0.2
+    assert final["pairwise_accuracy"] >= 0.8
+    assert final["coverage"] >= 0.3
     assert final["decided_error"] <= 0.05
     assert final["ece"] <= 0.1

@@ -15,6 +15,9 @@ from forecaster_mcp.forecast.features import (
     MAX_SHIFT_LOG2,
     MAX_TOTAL_SHIFT_LOG2,
     PRIOR_SD_LOG2,
+    WORK_RATIO_CAP_LOG2,
+    StaticFeatures,
+    fitted_values,
     kernel_features,
     preprocess,
     prior_shift,
@@ -159,8 +162,29 @@ def test_sm_utilisation_counts_idle_sms_below_one_wave_and_the_tail_above() -> N
     assert util(one_wave + spec.sms) == pytest.approx((9 / 8) / 2)  # a second wave one-eighth full
     gridstride = Kernel(source=TILED, entry="mm", launch=Launch(grid=[2 * spec.sms, 1, 1], block=[256, 1, 1]))
     many = Kernel(source=TILED, entry="mm", launch=Launch(grid=[1 << 20, 1, 1], block=[256, 1, 1]))
-    shift = prior_shift(kernel_features(many, None, spec), kernel_features(gridstride, None, spec))
-    assert abs(shift.mean_log2) < 0.05
+    fm, fg = kernel_features(many, None, spec), kernel_features(gridstride, None, spec)
+    # Every SM busy either way: the utilisation term is neutral. The grid-stride kernel does 4096 times the
+    # work per thread, which the fitted term counts, capped at 16 times.
+    assert abs(prior_shift(fm, fg, fitted=False).mean_log2) < 0.05
+    weights = {name: w for name, w, _ in FITTED_TERMS}
+    assert prior_shift(fm, fg).mean_log2 == pytest.approx(
+        weights["work_per_thread"] * WORK_RATIO_CAP_LOG2, abs=0.05
+    )
+
+
+def test_work_per_thread_compares_the_threads_launched_for_the_same_workload() -> None:
+    def feats(grid: int, block: int | None) -> StaticFeatures:
+        launch = Launch(grid=[grid, 1, 1], block=[block, 1, 1]) if block else None
+        return kernel_features(Kernel(source=TILED, entry="mm", launch=launch), None, None)
+
+    index = [name for name, _, _ in FITTED_TERMS].index("work_per_thread")
+    one_per_element = feats(4096, 256)
+    assert fitted_values(one_per_element, feats(1024, 256))[index] == 2.0  # 4 outputs per thread
+    assert fitted_values(feats(1024, 256), one_per_element)[index] == -2.0
+    assert fitted_values(one_per_element, feats(8192, 128))[index] == 0.0  # same threads, other block shape
+    assert fitted_values(one_per_element, feats(1, 32))[index] == WORK_RATIO_CAP_LOG2
+    assert fitted_values(one_per_element, feats(1024, None))[index] == 0.0  # no launch: no evidence
+    assert "more work per thread" in prior_shift(one_per_element, feats(1024, 256)).reasons[0]
 
 
 def test_prior_is_neutral_without_differences_hand_terms_mild_fitted_terms_capped() -> None:

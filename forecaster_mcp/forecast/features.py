@@ -7,7 +7,8 @@ kernel's `defines` (so `#if USE_SHMEM` blocks count only when enabled). Counts a
 `prior_shift` turns the differences between two kernels' features into a log2-speedup shift with a wide
 spread: mild hand-set heuristics (occupancy, waves, spills, tensor cores) plus a few terms fitted on measured
 pairs of different kernels (uncoalesced row-strided access, one global atomic per element, shared-memory
-tiling, vector loads, warp shuffles). Two small data-flow passes find the first two: a "lane-fast" index
+tiling, vector loads, warp shuffles, and the work each thread does: how many threads the launch starts for the
+same workload). Two small data-flow passes find the first two: a "lane-fast" index
 (derived from threadIdx.x without a division) multiplied by a run-time size, and global atomics that every
 thread issues.
 """
@@ -406,6 +407,13 @@ class StaticFeatures:
     sm_utilisation: float | None = None  # busy share of SMs (idle SMs below a wave, partial last wave)
     numeric_defines: dict[str, float] = field(default_factory=dict)
 
+    @property
+    def total_threads(self) -> int | None:
+        """Threads the launch starts (blocks x threads per block); None without a launch."""
+        if self.threads_per_block is None or self.blocks is None:
+            return None
+        return self.threads_per_block * self.blocks
+
     def as_dict(self) -> dict[str, float]:
         """Flat numeric view (for logs, prompts and tests); unknown values are left out."""
         out: dict[str, float] = {f"src_{k}": float(v) for k, v in vars(self.source).items()}
@@ -511,21 +519,27 @@ class PriorShift:
 
 
 # Hand-set heuristics (occupancy, waves, spills, tensor cores...) stay mild: together they never exceed
-# MAX_SHIFT_LOG2. The access-pattern and algorithm terms below are fitted (ridge, log2 speedup on presence
-# differences) on 246 measured pairs of different kernels of 9 problems on an H200 (benchmarks/corpus, made by
-# this project); leaving each problem out in turn (benchmarks/corpus_lopo.py) they give accuracy 0.78, ECE
-# 0.067, and 25% of pairs beyond the 0.95 threshold with none of those wrong. PRIOR_SD_LOG2 is the fit's
-# residual spread (1.23), rounded up.
-PRIOR_SD_LOG2 = 1.3
+# MAX_SHIFT_LOG2. The access-pattern, algorithm and work-per-thread terms below are fitted (ridge, log2 speedup
+# on the term values) on 246 measured pairs of different kernels of 9 problems on an H200 (benchmarks/corpus,
+# made by this project); leaving each problem out in turn (benchmarks/corpus_lopo.py) they give accuracy 0.82,
+# Brier 0.135, ECE 0.075, and 31% of pairs beyond the 0.95 threshold with none of those wrong (without
+# work_per_thread: 0.78, 0.149, 0.067, 25%). PRIOR_SD_LOG2 is the fit's residual spread (1.13), rounded up.
+PRIOR_SD_LOG2 = 1.2
 MAX_SHIFT_LOG2 = 0.6
 MAX_TOTAL_SHIFT_LOG2 = 5.0
 FITTED_TERMS: tuple[tuple[str, float, str], ...] = (
-    ("strided_access", -1.6, "uncoalesced (row-strided) global access"),
+    ("strided_access", -2.2, "uncoalesced (row-strided) global access"),
     ("thread_atomics", -4.0, "one global atomic per element"),
-    ("tiling", 1.2, "shared-memory tiling"),
-    ("vector_types", 0.7, "vector loads"),
-    ("warp_shuffles", 1.3, "warp shuffles"),
+    ("tiling", 0.9, "shared-memory tiling"),
+    ("vector_types", 0.6, "vector loads"),
+    ("warp_shuffles", 1.2, "warp shuffles"),
+    ("work_per_thread", 0.2, "more work per thread (fewer threads for the same workload)"),
 )
+# work_per_thread is log2(threads the baseline launches / threads the candidate launches), capped here: both
+# kernels do the same workload, so fewer threads means each does more (register tiling, coarsening, fewer
+# partial results to combine). Sixteen times fewer threads is as much as it is trusted to say; how few is too
+# few is the waves term's business.
+WORK_RATIO_CAP_LOG2 = 4.0
 
 
 def _presence(a: int, b: int) -> int:
@@ -538,10 +552,22 @@ def _construct_counts(s: SourceFeatures) -> dict[str, int]:
     return {**vars(s), "tiling": s.shared * s.barriers}
 
 
-def fitted_presences(baseline: SourceFeatures, candidate: SourceFeatures) -> list[int]:
-    """The presence difference (`_presence`) of each FITTED_TERMS construct, in FITTED_TERMS order."""
-    a, b = _construct_counts(baseline), _construct_counts(candidate)
-    return [_presence(a[name], b[name]) for name, _, _ in FITTED_TERMS]
+def _work_ratio(baseline: StaticFeatures, candidate: StaticFeatures) -> float:
+    ta, tb = baseline.total_threads, candidate.total_threads
+    if not ta or not tb:
+        return 0.0  # a launch is missing (or empty): nothing to say
+    cap = WORK_RATIO_CAP_LOG2
+    return max(-cap, min(cap, math.log2(ta / tb)))
+
+
+def fitted_values(baseline: StaticFeatures, candidate: StaticFeatures) -> list[float]:
+    """The value of each FITTED_TERMS term, in FITTED_TERMS order: the presence difference (`_presence`) of
+    each source construct, and the capped log2 thread ratio for work_per_thread."""
+    a, b = _construct_counts(baseline.source), _construct_counts(candidate.source)
+    return [
+        _work_ratio(baseline, candidate) if name == "work_per_thread" else float(_presence(a[name], b[name]))
+        for name, _, _ in FITTED_TERMS
+    ]
 
 
 def prior_shift(baseline: StaticFeatures, candidate: StaticFeatures, fitted: bool = True) -> PriorShift:
@@ -580,8 +606,8 @@ def prior_shift(baseline: StaticFeatures, candidate: StaticFeatures, fitted: boo
     add(-0.1 * _presence(sa.fp64, sb.fp64), "fp64 arithmetic")
     shift = max(-MAX_SHIFT_LOG2, min(MAX_SHIFT_LOG2, shift))
     if fitted:
-        for (_, weight, why), presence in zip(FITTED_TERMS, fitted_presences(sa, sb), strict=True):
-            add(weight * presence, why)
+        for (_, weight, why), value in zip(FITTED_TERMS, fitted_values(a, b), strict=True):
+            add(weight * value, why)
     shift = max(-MAX_TOTAL_SHIFT_LOG2, min(MAX_TOTAL_SHIFT_LOG2, shift))
     # Largest contributions first: a rationale shows only the first few.
     reasons = [why for _, why in sorted(terms, key=lambda t: -abs(t[0]))]
