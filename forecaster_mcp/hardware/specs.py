@@ -30,7 +30,7 @@ so "A10" never becomes "A100" and "RTX 3060" (desktop) never becomes the laptop 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Literal
 
@@ -229,40 +229,6 @@ _SPECS: list[GpuSpec] = [
         mem=80,
         aliases=("A100",),
     ),
-    # A800: the A100 sold where export rules cap NVLink at 400 GB/s; the same chip, clocks and memory.
-    _nv(
-        "A800-SXM4-80GB",
-        "8.0",
-        sms=108,
-        l2=40 * MIB,
-        bw=2039,
-        fp32=19.5,
-        fp16=312.0,
-        mem=80,
-        aliases=("A800",),
-    ),
-    _nv(
-        "A800-PCIE-80GB",
-        "8.0",
-        sms=108,
-        l2=40 * MIB,
-        bw=1935,
-        fp32=19.5,
-        fp16=312.0,
-        mem=80,
-        aliases=("A800",),
-    ),
-    _nv(
-        "A800-PCIE-40GB",
-        "8.0",
-        sms=108,
-        l2=40 * MIB,
-        bw=1555,
-        fp32=19.5,
-        fp16=312.0,
-        mem=40,
-        aliases=("A800",),
-    ),
     # A30: a GA100 with 56 SMs, 24 MB L2 and 24 GB HBM2 at 933 GB/s.
     _nv("A30", "8.0", sms=56, l2=24 * MIB, bw=933, fp32=10.3, fp16=165.0, mem=24),
     # Hopper, GH100: 50 MB L2. SXM5 132 SMs; PCIe 114 SMs (HBM2e); NVL 132 SMs at a lower clock.
@@ -298,29 +264,6 @@ _SPECS: list[GpuSpec] = [
         fp16=835.5,
         mem=94,
         aliases=("H100",),
-    ),
-    # H800: the H100 with NVLink capped for export; SMs, clocks and memory as the H100 of the same form.
-    _nv(
-        "H800-SXM5-80GB",
-        "9.0",
-        sms=132,
-        l2=50 * MIB,
-        bw=3350,
-        fp32=66.9,
-        fp16=989.4,
-        mem=80,
-        aliases=("H800",),
-    ),
-    _nv(
-        "H800-PCIE-80GB",
-        "9.0",
-        sms=114,
-        l2=50 * MIB,
-        bw=2000,
-        fp32=51.2,
-        fp16=756.5,
-        mem=80,
-        aliases=("H800",),
     ),
     # H200: the GH100 of the H100 SXM with 141 GB HBM3e.
     _nv(
@@ -510,6 +453,21 @@ _SPECS: list[GpuSpec] = [
     # Consumer RDNA: FP32 counts RDNA3 dual issue, as the W7800 row does.
     _amd("RX 7900 XTX", "gfx1100", cus=96, l2=6 * MIB, bw=960, fp32=61.4, fp16=122.8, mem=24),
     _amd("RX 6900 XT", "gfx1030", cus=80, l2=4 * MIB, bw=512, fp32=23.0, fp16=46.1, mem=16),
+]
+
+# A800 / H800: the A100 / H100 sold where export rules cap NVLink; the same chips, clocks and memory. A bare
+# "A800" / "H800" picks the first of its rows, as a bare family name does.
+_EXPORT_VARIANTS = (
+    ("A100-SXM4-80GB", "A800-SXM4-80GB"),
+    ("A100-PCIE-80GB", "A800-PCIE-80GB"),
+    ("A100-PCIE-40GB", "A800-PCIE-40GB"),
+    ("H100-SXM5-80GB", "H800-SXM5-80GB"),
+    ("H100-PCIE-80GB", "H800-PCIE-80GB"),
+)
+_BY_NAME = {s.name: s for s in _SPECS}
+_SPECS += [
+    replace(_BY_NAME[original], name=name, aliases=(name.split("-")[0],))
+    for original, name in _EXPORT_VARIANTS
 ]
 
 
