@@ -329,3 +329,36 @@ async def test_measure_next_values_candidates_against_the_best_measured_not_the_
         common = [c for c in order[slow] if c in order[best]]
         assert len(common) >= 8
         assert [c for c in order[best] if c in common] == common
+
+
+async def test_an_empty_measure_next_comes_with_a_note_saying_what_it_means(
+    tmp_path: Path, conv_a100: Path
+) -> None:
+    from forecaster_mcp.measure.replay import load_space
+
+    ok = load_space(conv_a100).valid_entries()
+    best_t = min(e.time_ms for e in ok if e.time_ms is not None)
+    measured = ok[3::60]
+    very_slow = [e for e in ok[5::97] if e.time_ms and e.time_ms > 8 * best_t and e not in measured]
+    assert len(very_slow) >= 2
+    empty_note = "measure_next is empty"
+    async with running(tmp_path, [conv_a100], ledger_seconds=1000) as (client, _):
+        times = {}
+        for i, e in enumerate(measured):
+            out = await call(client, "measure_kernel", {"kernel": conv(f"m{i}", e.params)})
+            times[i] = out["runtime_ms"]["median"]
+            if i == 1:  # two measurements: every candidate is unsure, and listed
+                early = await call(
+                    client,
+                    "compare_kernels",
+                    {"candidates": [conv("m0", measured[0].params), conv("v", very_slow[0].params)]},
+                )
+                assert early["measure_next"] and not any(empty_note in n for n in early["notes"])
+        b = min(times, key=times.__getitem__)
+        cands = [conv(f"s{i}", e.params) for i, e in enumerate(very_slow)]
+        out = await call(
+            client, "compare_kernels", {"candidates": [conv(f"m{b}", measured[b].params), *cands]}
+        )
+    assert all(c["verdict"] == "slower" for c in out["candidates"])
+    assert out["measure_next"] == []
+    assert any(empty_note in n for n in out["notes"])

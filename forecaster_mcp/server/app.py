@@ -50,7 +50,8 @@ You are optimising a GPU kernel with a forecaster and a metered GPU budget.
    - `unsure`: the forecaster cannot tell reliably.
    `measure_next` ranks the candidates worth a measurement, most valuable first (chance and size of beating
    the best kernel of their family measured so far, whichever baseline you named): the unsure and faster ones, and a slower one only while its forecast is wide enough that it
-   might still win clearly (an untried corner of a tuning space). A search measures its head.
+   might still win clearly (an untried corner of a tuning space). A search measures its head. An empty
+   `measure_next` means none of these is worth a measurement: send other candidates instead.
 4. Measure only the head of `measure_next` with `measure_kernel` (or pass `measure_if_unsure=true` with
    `max_measurements`: it measures the unsure ones in that order; one decided `faster` still needs its own
    `measure_kernel` to become your baseline). Each measurement is charged in GPU-seconds; identical re-measurements are free (cache),
