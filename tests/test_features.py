@@ -185,6 +185,9 @@ def test_work_per_thread_compares_the_threads_launched_for_the_same_workload() -
     assert fitted_values(one_per_element, feats(1, 32))[index] == WORK_RATIO_CAP_LOG2
     assert fitted_values(one_per_element, feats(1024, None))[index] == 0.0  # no launch: no evidence
     assert "more work per thread" in prior_shift(one_per_element, feats(1024, 256)).reasons[0]
+    # Between tuning variants of one source the thread count says nothing reliable: left out.
+    variants = prior_shift(one_per_element, feats(1024, 256), same_family=True)
+    assert variants.mean_log2 == 0.0 and variants.reasons == []
 
 
 def test_prior_is_neutral_without_differences_hand_terms_mild_fitted_terms_capped() -> None:

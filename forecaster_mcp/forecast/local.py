@@ -1129,7 +1129,8 @@ class LocalForecaster:
     ) -> BinForecast:
         feats = await self._static([q.baseline, q.candidate], q)
         fb, fc = feats[q.baseline.content_key()], feats[q.candidate.content_key()]
-        shift = prior_shift(fb, fc)
+        same_family = q.baseline.family_key() == q.candidate.family_key()
+        shift = prior_shift(fb, fc, same_family=same_family)
         n_points = float(len(cand_model.measured)) if cand_model is not None else 0.0
         extras = {
             "mu_log2": shift.mean_log2,
@@ -1142,7 +1143,6 @@ class LocalForecaster:
             "baseline_measured": 1.0 if b.kind in ("measured", "failed") else 0.0,
             "prior": 1.0,
         }
-        same_family = q.baseline.family_key() == q.candidate.family_key()
         if same_family:
             why = f"only {int(extras['n_family_ok'])} measurements of this family (need {MIN_FAMILY_POINTS})"
         else:
