@@ -404,6 +404,7 @@ async def test_same_source_is_shown_once_and_unknown_gpu_is_named() -> None:
     assert "SAME source" in user
     assert "unknown GPU: 'RTX 9999'" in user
     assert "blocks per SM" not in user  # needs the SM count
+    assert "threads in all" in user  # how much work each thread does, for a pair of different kernels
 
 
 @pytest.mark.anyio

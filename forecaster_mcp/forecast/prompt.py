@@ -51,7 +51,8 @@ you lean to.
 Work like a performance engineer reading both kernels, briefly:
 1. What differs? Often the two kernels share source and differ only in tuning parameters (preprocessor \
 defines) and launch shape. Then reason about what those parameters change: tile sizes, work per thread, \
-unrolling, vector width, use of shared memory or registers, loop order.
+unrolling, vector width, use of shared memory or registers, loop order. Two kernels for the same \
+workload that launch different numbers of threads in all give each thread different amounts of work.
 2. Which resource bounds each kernel on this GPU? Compare arithmetic intensity (FLOP per DRAM byte) with \
 the GPU's machine balance (peak FLOP/s over peak bandwidth). Memory-bound kernels gain from coalesced, \
 vectorised, reused accesses; compute-bound ones from instruction-level parallelism, fewer instructions per \
@@ -259,7 +260,8 @@ def describe_kernel(kernel: Kernel, spec: GpuSpec | None, *, with_source: bool) 
         la = kernel.launch
         line = (
             f"launch: grid {list(la.grid)}, block {list(la.block)} "
-            f"({la.threads_per_block} threads per block, {la.blocks} blocks), "
+            f"({la.threads_per_block} threads per block, {la.blocks} blocks, "
+            f"{la.threads_per_block * la.blocks} threads in all), "
             f"dynamic shared memory {la.shared_mem_bytes} B"
         )
         if spec is not None and spec.sms > 0:
