@@ -271,9 +271,10 @@ class Service:
         if not measure_next and any(r.decided_by == "forecast" for r in ordered):
             # An empty list is an answer too; say what it means so a client does not read it as a fault.
             notes.append(
-                "measure_next is empty: every unmeasured candidate is forecast slower than the best measured "
-                "kernel of its family with no real chance of a clear win; measure none of them, and send "
-                "candidates from elsewhere (other parameter values, another approach) to keep searching"
+                "measure_next is empty: every unmeasured candidate is forecast slower than the baseline (or "
+                "the best measured kernel of its family) with no real chance of a clear win; measure none of "
+                "them, and send candidates from elsewhere (other parameter values, another approach) to keep "
+                "searching"
             )
         speed = {base.id: 1.0, **{r.id: r.measured_speedup or r.expected_speedup for r in ordered}}
         ranking = sorted(speed, key=lambda i: -speed[i])
