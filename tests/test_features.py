@@ -24,7 +24,14 @@ from forecaster_mcp.forecast.features import (
     source_features,
     strip_comments,
 )
-from forecaster_mcp.forecast.ptxas import find_nvcc, parse_ptxas, ptxas_usage, safe_options
+from forecaster_mcp.forecast.ptxas import (
+    find_nvcc,
+    parse_ptxas,
+    ptxas_usage,
+    safe_options,
+    stand_in_arch,
+    supported_archs,
+)
 from forecaster_mcp.hardware.specs import lookup
 from forecaster_mcp.models import Kernel, Launch, Workload
 
@@ -419,3 +426,53 @@ def test_features_describe_the_entry_kernel_not_its_neighbours() -> None:
     assert dataclasses.replace(with_declaration, lines=0) == dataclasses.replace(
         source_features(fast, {}, "add_fast"), lines=0
     )  # a declaration (no body) is left alone
+
+
+def test_stand_in_arch_is_the_nearest_one_the_compiler_takes(tmp_path: Path) -> None:
+    cuda13 = ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_103", "sm_120", "sm_121")
+    cuda12_2 = ("sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_89", "sm_90")
+    assert stand_in_arch("sm_70", cuda13) == "sm_75"  # older than the window: the oldest it takes
+    assert stand_in_arch("sm_60", cuda13) == "sm_75"
+    assert stand_in_arch("sm_89", cuda13) == "sm_89"
+    assert stand_in_arch("sm_120", cuda12_2) == "sm_90"  # newer than the window: the newest older one
+    assert stand_in_arch("sm_100", cuda12_2) == "sm_90"
+    assert stand_in_arch("sm_90a", cuda12_2) == "sm_90a" and stand_in_arch("sm_70", ()) == "sm_70"
+    fake = tmp_path / "nvcc"
+    fake.write_text("#!/bin/sh\necho sm_75\necho sm_80\necho compute_80\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    assert supported_archs(str(fake)) == ("sm_75", "sm_80")
+    assert supported_archs(str(tmp_path / "missing")) == ()
+
+
+@pytest.mark.anyio
+async def test_a_gpu_outside_the_compilers_window_gets_registers_from_a_stand_in() -> None:
+    """nvcc 13 no longer compiles for sm_70: a V100's registers come from sm_75, so the occupancy a heavy
+    kernel loses shows in the prior (it did only for GPUs the local nvcc targets)."""
+    from forecaster_mcp.forecast.base import PairQuery
+    from forecaster_mcp.forecast.local import LocalForecaster
+
+    nvcc = find_nvcc(None)
+    if nvcc is None:
+        pytest.skip("nvcc is not installed here")
+    if "sm_70" in supported_archs(nvcc):
+        pytest.skip("this nvcc still compiles for sm_70")
+    light = "__global__ void light(const float* a, float* b, int n) {\n"
+    light += "    int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < n) b[i] = 2.0f * a[i]; }\n"
+    heavy = """
+    __global__ void heavy(const float* a, float* b, int n) {
+        int i = blockIdx.x * blockDim.x + threadIdx.x; if (i >= n) return;
+        float r[96];
+        #pragma unroll
+        for (int k = 0; k < 96; ++k) r[k] = a[(i + k * 977) % n];
+        float s = 0.0f;
+        #pragma unroll
+        for (int k = 0; k < 96; ++k) s += r[k] * r[95 - k];
+        b[i] = s;
+    }
+    """
+    launch = Launch(grid=[4096, 1, 1], block=[256, 1, 1])
+    base = Kernel(id="light", source=light, entry="light", launch=launch)
+    cand = Kernel(id="heavy", source=heavy, entry="heavy", launch=launch)
+    query = PairQuery(base, cand, Workload(), "V100", lookup("V100"))
+    (forecast,) = await LocalForecaster(None, ptxas_wait_s=30.0).forecast([query])
+    assert "occupancy (-)" in forecast.rationale

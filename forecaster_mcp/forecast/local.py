@@ -941,7 +941,7 @@ class LocalForecaster:
     # ---- static features (prior path)
 
     async def _static(self, kernels: Sequence[Kernel], q: PairQuery) -> dict[str, StaticFeatures]:
-        from forecaster_mcp.forecast.ptxas import ptxas_usage
+        from forecaster_mcp.forecast.ptxas import ptxas_usage, stand_in_arch, supported_archs
 
         spec = q.hardware
         arch = spec.arch if spec is not None and spec.vendor == "nvidia" else "sm_80"
@@ -962,6 +962,7 @@ class LocalForecaster:
         compilable = [k for k in todo if k.language == "cuda" and "__global__" in k.source]
         if self._nvcc is not None and self._ptxas_wait_s > 0 and 0 < len(compilable) <= MAX_PTXAS_PER_CALL:
             limiter = anyio.CapacityLimiter(2)
+            arch = stand_in_arch(arch, await anyio.to_thread.run_sync(supported_archs, self._nvcc))
 
             async def compile_one(k: Kernel) -> None:
                 async with limiter:

@@ -3,10 +3,15 @@
 Compiling takes a second or two, so results are cached on disk by content hash and architecture (failed
 compiles too; a timeout is not cached). Anything that stops a compile (no nvcc, a language nvcc does not
 take, a compile error, a timeout) gives None: the forecaster then works without these features.
+
+An nvcc covers a window of architectures (CUDA 13 dropped sm_5x-sm_72; CUDA 12.2 knows nothing after sm_90).
+For a GPU outside the window, `stand_in_arch` picks the nearest one inside it: register and shared-memory
+counts of neighbouring architectures are close, and close is better than none.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -16,6 +21,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +44,7 @@ _ALLOWED_FLAG = re.compile(
     r")$"
 )
 _ARCH = re.compile(r"^sm_\d{2,3}[a-z]?$")
+_PLAIN_ARCH = re.compile(r"^sm_(\d{2,3})$")
 _RE_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
 _RE_PROPS = re.compile(r"Function properties for (\S+)")
 _RE_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
@@ -93,6 +100,34 @@ def find_nvcc(configured: str | None) -> str | None:
             if candidate.is_file() and os.access(candidate, os.X_OK):
                 return str(candidate)
     return None
+
+
+@functools.lru_cache(maxsize=8)
+def supported_archs(nvcc: str) -> tuple[str, ...]:
+    """The real architectures this nvcc compiles for (`nvcc --list-gpu-code`); () when it cannot say."""
+    try:
+        done = subprocess.run(
+            [nvcc, "--list-gpu-code"], capture_output=True, text=True, timeout=20, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return ()
+    return tuple(t for t in done.stdout.split() if _PLAIN_ARCH.match(t)) if done.returncode == 0 else ()
+
+
+def stand_in_arch(arch: str, supported: Sequence[str]) -> str:
+    """`arch` when the compiler takes it (or cannot say which it takes); otherwise the nearest architecture it
+    does take: the newest one older than `arch` (same generation more often than not), else the oldest."""
+    plain = [a for a in supported if _PLAIN_ARCH.match(a)]
+    wanted = _PLAIN_ARCH.match(arch)
+    if not plain or wanted is None or arch in supported:
+        return arch
+
+    def number(a: str) -> int:
+        found = _PLAIN_ARCH.match(a)
+        return int(found.group(1)) if found else 0
+
+    older = [a for a in plain if number(a) < int(wanted.group(1))]
+    return max(older, key=number) if older else min(plain, key=number)
 
 
 def safe_options(options: list[str]) -> list[str]:
