@@ -141,6 +141,12 @@ def demo_command(settings: Settings, args: argparse.Namespace) -> int:
     if missing:
         print(f"forecaster-mcp demo: recording not found: {', '.join(missing)} (try {SHARED_HINT})")
         return 2
+    if replay:
+        from forecaster_mcp.measure.replay import ReplayMeasurer
+
+        # The server the demo starts would refuse a file that is not a recording and exit before the client
+        # connects (a "connection closed" traceback): read the headers here, as that server would, and say why.
+        ReplayMeasurer(replay)
     if args.home is not None:
         anyio.run(_demo, settings, replay, Path(args.home))
         return 0

@@ -153,3 +153,15 @@ def test_python_dash_m_entry_point(tmp_path: Path) -> None:
         timeout=60,
     )
     assert again.returncode == 2 and "already exists" in again.stderr
+
+
+def test_demo_refuses_a_file_that_is_not_a_recording(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A message and exit code 2, not the traceback of a server that exited before the demo's client could
+    connect."""
+    not_a_recording = tmp_path / "notes.json"
+    not_a_recording.write_text("[1, 2, 3]")
+    code, out, err = run(capsys, "demo", "--replay", str(not_a_recording))
+    assert code == 2
+    assert "cannot read replay recording" in out + err and "Kernel Tuner cache file" in out + err
