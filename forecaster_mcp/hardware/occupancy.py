@@ -1,8 +1,9 @@
 """Theoretical occupancy and waves, by the rules of NVIDIA's occupancy calculator.
 
 NVIDIA rows follow `cuda_occupancy.h` (CUDA 13) with the default shared-memory carveout: registers are
-allocated per warp in units of 256 and split across the SM's 4 sub-partitions (2 on CC 6.0); shared memory is allocated in
-units of 256 bytes (CC 7.x) or 128 bytes (CC 8.0+), and from CC 8.0 the driver reserves 1 KB per block.
+allocated per warp in units of 256 and split across the SM's 4 sub-partitions (2 on CC 6.0); shared memory is
+allocated in units of 256 bytes (CC 7.x) or 128 bytes (CC 8.0+), and from CC 8.0 the driver reserves 1 KB per
+block.
 AMD rows use the analogous wavefront rules (VGPRs per SIMD in units of 8, LDS in units of 512 bytes, at most
 16 workgroups per CU); treat those as approximate.
 """
