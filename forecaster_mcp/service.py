@@ -268,6 +268,8 @@ class Service:
             measure_next = await self._measure_next(base, runtimes, results, fc_by_id, family, hw.name, wkey)
 
         ordered = [results[str(k.id)] for k in others]
+        if measure_if_unsure and not unsure:
+            notes.append(_nothing_unsure_note(measure_next, results, base.id))
         if not measure_next and any(r.decided_by == "forecast" for r in ordered):
             # An empty list is an answer too; say what it means so a client does not read it as a fault.
             notes.append(
@@ -622,6 +624,20 @@ def _assign_ids(candidates: Sequence[Kernel]) -> list[Kernel]:
             raise InvalidRequest(f"candidate id {k.id!r} appears twice; give every candidate a unique id")
         seen.add(k.id)
     return out
+
+
+def _nothing_unsure_note(
+    measure_next: Sequence[str], results: dict[str, CandidateForecast], base_id: str
+) -> str:
+    """Why measure_if_unsure measured nothing, and what a search would measure instead."""
+    head = next((i for i in measure_next if i != base_id), None)
+    text = "measure_if_unsure measured nothing: no candidate's verdict is unsure (it measures only those)"
+    if head is None:
+        return text
+    return (
+        f"{text}; measure_next still ranks {head} (verdict {results[head].verdict}) most worth a measurement: "
+        "a verdict is a forecast, so to confirm it or keep searching, measure that id with measure_kernel"
+    )
 
 
 def _from_measurement(cid: str, t_base_ms: float, t_cand_ms: float, by: str) -> CandidateForecast:

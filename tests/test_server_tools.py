@@ -144,10 +144,12 @@ async def test_measure_if_unsure_measures_and_charges(tmp_path: Path, conv_a100:
             },
         )
         (cand,) = out["candidates"]
+        nothing = any("measure_if_unsure measured nothing" in n for n in out["notes"])
         if cand["decided_by"] == "forecast":
             assert cand["verdict"] != "unsure"  # decided without measuring
-            assert out["gpu_seconds_charged"] == 0
+            assert out["gpu_seconds_charged"] == 0 and nothing
         else:
+            assert not nothing
             assert cand["decided_by"] == "measurement"
             assert out["gpu_seconds_charged"] > 0
             status = await call(client, "budget_status", {})
@@ -359,6 +361,16 @@ async def test_an_empty_measure_next_comes_with_a_note_saying_what_it_means(
         out = await call(
             client, "compare_kernels", {"candidates": [conv(f"m{b}", measured[b].params), *cands]}
         )
+        # A client asking compare_kernels to measure the unsure ones is told why nothing was measured.
+        asked = await call(
+            client,
+            "compare_kernels",
+            {"candidates": [conv(f"m{b}", measured[b].params), *cands], "measure_if_unsure": True},
+        )
     assert all(c["verdict"] == "slower" for c in out["candidates"])
     assert out["measure_next"] == []
     assert any(empty_note in n for n in out["notes"])
+    nothing = "measure_if_unsure measured nothing"
+    assert not any(nothing in n for n in out["notes"])
+    assert asked["measurements"] == [] and asked["gpu_seconds_charged"] == 0
+    assert any(nothing in n for n in asked["notes"]) and any(empty_note in n for n in asked["notes"])
