@@ -87,10 +87,11 @@ def _parser() -> argparse.ArgumentParser:
     se.add_argument("--strategy", choices=["forecast", "random", "both"], default="both")
     se.add_argument(
         "--client",
-        choices=["full", "plain"],
+        choices=["full", "plain", "unsure"],
         default="full",
-        help="forecast-guided client: full (local moves + several random pools per step) or plain (one pool of "
-        "63 random untried configurations per compare_kernels call, measure the head of measure_next)",
+        help="forecast-guided client: full (local moves + several random pools per step), plain (one pool of "
+        "63 random untried configurations per compare_kernels call, measure the head of measure_next) or unsure "
+        "(the plain client letting compare_kernels measure with measure_if_unsure, max_measurements 1)",
     )
     se.add_argument("--out", type=Path, default=None, help="write the report as JSON here")
     se.set_defaults(handler="forecaster_mcp.search:search_command")

@@ -17,6 +17,9 @@ Forecast-guided search, per measurement:
    (or a finalist forecast `faster` that the acquisition value ranks higher, for servers that list only
    unsure candidates in measure_next).
 The first `n_init` measurements are random (the family model needs a few points before it can rank).
+
+`unsure_guided_search` is the plainest client in the product's own workflow instead: one call of random
+candidates per step with `measure_if_unsure`, so the server chooses and makes the measurement itself.
 """
 
 from __future__ import annotations
@@ -88,6 +91,7 @@ class SearchTrace:
     best_params: dict[str, Any] | None
     per_step_best: list[float] = field(default_factory=list)  # fraction after each measurement
     wall_seconds: float = 0.0
+    measured_by_compare: int = 0  # measurements compare_kernels made itself (measure_if_unsure)
 
 
 def placeholder_source(kernel_name: str) -> str:
@@ -118,6 +122,7 @@ class _Tracker:
         self.measured: dict[int, float | None] = {}  # index -> measured median (None: failed)
         self.considered: set[int] = set()
         self.forecast_calls = 0
+        self.measured_by_compare = 0
         self.gpu_seconds = 0.0
         self.per_step: list[float] = []
         self.started = time.perf_counter()
@@ -129,6 +134,10 @@ class _Tracker:
 
     async def measure(self, call: ToolCaller, index: int) -> None:
         result = await call("measure_kernel", {"kernel": kernel_dict(self.space, index), "workload": {}})
+        self.record(index, result)
+
+    def record(self, index: int, result: Mapping[str, Any]) -> None:
+        """Count one measurement result (from measure_kernel, or made by compare_kernels itself)."""
         runtime = result.get("runtime_ms")
         ok = result.get("status") == "ok" and isinstance(runtime, Mapping) and runtime.get("median")
         self.measured[index] = float(runtime["median"]) if ok and isinstance(runtime, Mapping) else None
@@ -167,6 +176,7 @@ class _Tracker:
             best_params=dict(self.space.entries[idx].params) if idx is not None else None,
             per_step_best=list(self.per_step),
             wall_seconds=time.perf_counter() - self.started,
+            measured_by_compare=self.measured_by_compare,
         )
 
 
@@ -343,6 +353,54 @@ async def forecast_guided_search(
         if choice is None or choice in tracker.measured:
             choice = rng.choice(untried)
         await tracker.measure(call, choice)
+    return tracker.trace()
+
+
+async def unsure_guided_search(
+    call: ToolCaller, space: SpaceLike, measurements: int, seed: int, *, n_init: int = N_INIT
+) -> SearchTrace:
+    """The plain client in the product's own workflow: the server spends the budget.
+
+    Per step, one `compare_kernels` call of MAX_PER_CALL random untried configurations against the best so
+    far with `measure_if_unsure=True, max_measurements=1`: the server measures its most valuable unsure
+    candidate. When it measured none (every candidate decided), the client measures the head of
+    `measure_next` itself (a candidate forecast `faster`, or a `slower` one whose wide forecast still leaves a
+    real expected gain), else a random candidate of the call.
+    """
+    rng = random.Random(seed)
+    tracker = _Tracker(space, "forecast", seed)
+    n = len(space.entries)
+    budget = min(measurements, n)
+    for index in rng.sample(range(n), min(n_init, budget)):
+        await tracker.measure(call, index)
+    while len(tracker.measured) < budget:
+        base = tracker.best_index
+        untried = [i for i in range(n) if i not in tracker.measured]
+        if base is None:
+            await tracker.measure(call, rng.choice(untried))
+            continue
+        pool = rng.sample(untried, min(len(untried), MAX_PER_CALL))
+        tracker.forecast_calls += 1
+        tracker.considered.update(pool)
+        result = await call(
+            "compare_kernels",
+            {
+                "candidates": [kernel_dict(space, base), *(kernel_dict(space, i) for i in pool)],
+                "workload": {},
+                "baseline": f"c{base}",
+                "hardware": space.device,
+                "measure_if_unsure": True,
+                "max_measurements": 1,
+            },
+        )
+        made = [m for m in result.get("measurements") or [] if m.get("kernel_id") != f"c{base}"]
+        for m in made:
+            tracker.record(int(str(m["kernel_id"])[1:]), m)
+            tracker.measured_by_compare += 1
+        if made:
+            continue
+        head = [int(c[1:]) for c in result.get("measure_next") or [] if c != f"c{base}"]
+        await tracker.measure(call, head[0] if head else rng.choice(pool))
     return tracker.trace()
 
 
@@ -569,6 +627,8 @@ def search_command(settings: Any, args: Any) -> int:
                     return await random_search(call, space, args.measurements, seed)
                 if args.client == "plain":
                     return await forecast_guided_search(call, space, args.measurements, seed, **PLAIN_CLIENT)
+                if args.client == "unsure":
+                    return await unsure_guided_search(call, space, args.measurements, seed)
                 return await forecast_guided_search(call, space, args.measurements, seed)
 
     async def main() -> None:

@@ -227,7 +227,7 @@ async def test_real_space_slice(conv_a100: Path) -> None:
     assert min(results["forecast"]) > statistics.median(results["random"])
 
 
-@pytest.mark.parametrize("client", ["plain", "full"])
+@pytest.mark.parametrize("client", ["plain", "full", "unsure"])
 def test_search_command_runs_both_strategies_through_real_servers(
     conv_a100: Path, tmp_path: Path, client: str
 ) -> None:
@@ -254,6 +254,12 @@ def test_search_command_runs_both_strategies_through_real_servers(
     # search considers only what it measures.
     assert forecast["candidates_considered_mean"] > 10 + 4 * 60
     assert report["summary"]["random"]["candidates_considered_mean"] == 14
+    (run,) = [r for r in report["runs"] if r["strategy"] == "forecast"]
+    # The unsure client lets compare_kernels spend the budget (measure_if_unsure); the others measure themselves.
+    if client == "unsure":
+        assert run["measured_by_compare"] >= 1 and run["measurements"] == 14
+    else:
+        assert run["measured_by_compare"] == 0
 
 
 def test_search_command_refuses_bad_input_with_a_message(tmp_path: Path) -> None:
