@@ -7,8 +7,10 @@ untried configurations in one `compare_kernels` call against the best so far, on
 in all) and differs only in what it measures from the answer: `next` the head of `measure_next`, `ranking` the
 first untried id of `ranking` (the best guess), `p_faster` the candidate with the highest `p_faster`; `fixed`
 measures the head of `measure_next` too but keeps its first measured kernel as the baseline of every call (a
-client comparing against a reference). `--launch` makes the client pass launch shapes derived from the
-parameters (tune_local's option "launch"). Prints median / min best-fraction per space and policy.
+client comparing against a reference); `top4` measures the first four of `measure_next` from each call (a search
+loop that forecasts many candidates and measures the top few). `--launch` makes the client pass launch shapes
+derived from the parameters (tune_local's option "launch"). Prints median / min / mean best-fraction per space
+and policy.
 """
 
 from __future__ import annotations
@@ -28,14 +30,15 @@ from tune_local import _pass_launches, _pool_map, _select, space  # noqa: E402
 
 from forecaster_mcp import search as S  # noqa: E402
 
-POLICIES = ("next", "ranking", "p_faster", "fixed")
+POLICIES = ("next", "ranking", "p_faster", "fixed", "top4")
+TOP_FEW = 4  # measurements per call of the "top4" policy
 
 
 def _pick(policy: str, result: dict[str, Any], base: int, measured: set[int]) -> int | None:
     def index(cid: str) -> int:
         return int(cid[1:])
 
-    if policy in ("next", "fixed"):
+    if policy in ("next", "fixed", "top4"):
         ids = [index(c) for c in result["measure_next"] if c != f"c{base}"]
     elif policy == "ranking":
         ids = [index(c) for c in result["ranking"] if c != f"c{base}"]
@@ -63,6 +66,12 @@ async def _run(sp: Any, policy: str, seed: int, measurements: int) -> float:
         result = await S._compare(call, sp, base, rng.sample(untried, S.MAX_PER_CALL), tracker)
         choice = _pick(policy, result, base, set(tracker.measured))
         await tracker.measure(call, choice if choice is not None else rng.choice(untried))
+        if policy == "top4":  # the rest of the top few of the same answer
+            for _ in range(TOP_FEW - 1):
+                more = _pick(policy, result, base, set(tracker.measured))
+                if more is None or len(tracker.measured) >= measurements:
+                    break
+                await tracker.measure(call, more)
     return tracker.trace().fraction
 
 
@@ -93,12 +102,12 @@ def main() -> int:
         (n, p, s, args.measurements, args.launch) for n in names for p in policies for s in range(args.seeds)
     ]
     results = _pool_map(_job, jobs, args.workers)
-    print(f"best-fraction after {args.measurements} measurements ({args.seeds} seeds): median / min")
+    print(f"best-fraction after {args.measurements} measurements ({args.seeds} seeds): median / min / mean")
     for n in names:
         cells = []
         for p in policies:
             fr = [f for name, policy, f in results if name == n and policy == p]
-            cells.append(f"{p}: {statistics.median(fr):.3f} / {min(fr):.3f}")
+            cells.append(f"{p}: {statistics.median(fr):.3f} / {min(fr):.3f} / {statistics.fmean(fr):.3f}")
         print(f"  {n:18s} " + "  ".join(cells))
     return 0
 
