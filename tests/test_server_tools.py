@@ -333,7 +333,7 @@ async def test_measure_next_values_candidates_against_the_best_measured_not_the_
         assert [c for c in order[best] if c in common] == common
 
 
-async def test_an_empty_measure_next_comes_with_a_note_saying_what_it_means(
+async def test_an_empty_measure_next_and_a_measure_if_unsure_that_measured_nothing_say_why(
     tmp_path: Path, conv_a100: Path
 ) -> None:
     from forecaster_mcp.measure.replay import load_space
@@ -361,11 +361,24 @@ async def test_an_empty_measure_next_comes_with_a_note_saying_what_it_means(
         out = await call(
             client, "compare_kernels", {"candidates": [conv(f"m{b}", measured[b].params), *cands]}
         )
-        # A client asking compare_kernels to measure the unsure ones is told why nothing was measured.
+        # A client asking compare_kernels to measure the unsure ones is told why nothing was measured ...
         asked = await call(
             client,
             "compare_kernels",
             {"candidates": [conv(f"m{b}", measured[b].params), *cands], "measure_if_unsure": True},
+        )
+        # ... and, when candidates are decided faster than a slow baseline, which one to measure itself.
+        slow = max(times, key=times.__getitem__)
+        assert times[slow] > 8 * times[b]
+        others = [conv(f"u{i}", e.params) for i, e in enumerate(ok[7::41][:40]) if e not in measured]
+        faster = await call(
+            client,
+            "compare_kernels",
+            {
+                "candidates": [conv(f"m{slow}", measured[slow].params), *others],
+                "measure_if_unsure": True,
+                "max_measurements": 1,
+            },
         )
     assert all(c["verdict"] == "slower" for c in out["candidates"])
     assert out["measure_next"] == []
@@ -374,3 +387,6 @@ async def test_an_empty_measure_next_comes_with_a_note_saying_what_it_means(
     assert not any(nothing in n for n in out["notes"])
     assert asked["measurements"] == [] and asked["gpu_seconds_charged"] == 0
     assert any(nothing in n for n in asked["notes"]) and any(empty_note in n for n in asked["notes"])
+    assert all(c["verdict"] == "faster" for c in faster["candidates"]) and faster["measurements"] == []
+    head = faster["measure_next"][0]
+    assert any(nothing in n and f"ranks {head} (verdict faster)" in n for n in faster["notes"])
