@@ -630,13 +630,15 @@ def _nothing_unsure_note(
     measure_next: Sequence[str], results: dict[str, CandidateForecast], base_id: str
 ) -> str:
     """Why measure_if_unsure measured nothing, and what a search would measure instead."""
-    head = next((i for i in measure_next if i != base_id), None)
     text = "measure_if_unsure measured nothing: no candidate's verdict is unsure (it measures only those)"
-    if head is None:
+    if not measure_next:
         return text
+    head = measure_next[0]
+    # _measure_next puts an unmeasured baseline first: candidates' measurements settle nothing without it.
+    why = "the baseline, not measured yet" if head == base_id else f"verdict {results[head].verdict}"
     return (
-        f"{text}; measure_next still ranks {head} (verdict {results[head].verdict}) most worth a measurement: "
-        "a verdict is a forecast, so to confirm it or keep searching, measure that id with measure_kernel"
+        f"{text}; measure_next still ranks {head} ({why}) most worth a measurement: a verdict is a forecast, "
+        "so to confirm it or keep searching, measure that id with measure_kernel"
     )
 
 

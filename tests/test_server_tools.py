@@ -390,3 +390,19 @@ async def test_an_empty_measure_next_and_a_measure_if_unsure_that_measured_nothi
     assert all(c["verdict"] == "faster" for c in faster["candidates"]) and faster["measurements"] == []
     head = faster["measure_next"][0]
     assert any(nothing in n and f"ranks {head} (verdict faster)" in n for n in faster["notes"])
+
+
+def test_the_nothing_unsure_note_names_an_unmeasured_baseline_first() -> None:
+    """measure_next lists an unmeasured baseline first (no candidate's pair settles without it): a client told
+    what to measure instead is told that, not the first candidate after it."""
+    from forecaster_mcp.models import CandidateForecast
+    from forecaster_mcp.service import _nothing_unsure_note
+
+    faster = CandidateForecast(
+        id="c1", p_faster=0.99, speedup_bins=[0.0] * 7 + [1.0], expected_speedup=5.0, verdict="faster",
+        decided_by="forecast", rationale="", confidence=0.99,
+    )  # fmt: skip
+    note = _nothing_unsure_note(["b", "c1"], {"c1": faster}, "b")
+    assert "ranks b (the baseline, not measured yet)" in note and "c1" not in note
+    assert "ranks c1 (verdict faster)" in _nothing_unsure_note(["c1"], {"c1": faster}, "b")
+    assert _nothing_unsure_note([], {"c1": faster}, "b").endswith("(it measures only those)")
