@@ -236,14 +236,26 @@ def _index_of(space: SpaceLike) -> dict[tuple[Any, ...], int]:
 
 
 async def _compare(
-    call: ToolCaller, space: SpaceLike, baseline: int, candidates: Sequence[int], tracker: _Tracker
+    call: ToolCaller,
+    space: SpaceLike,
+    baseline: int,
+    candidates: Sequence[int],
+    tracker: _Tracker,
+    **options: Any,
 ) -> dict[str, Any]:
+    """One compare_kernels call of `candidates` against `baseline`; `options` are further tool arguments."""
     tracker.forecast_calls += 1
     tracker.considered.update(candidates)
     kernels = [kernel_dict(space, baseline), *(kernel_dict(space, i) for i in candidates)]
     return await call(
         "compare_kernels",
-        {"candidates": kernels, "workload": {}, "baseline": f"c{baseline}", "hardware": space.device},
+        {
+            "candidates": kernels,
+            "workload": {},
+            "baseline": f"c{baseline}",
+            "hardware": space.device,
+            **options,
+        },
     )
 
 
@@ -380,19 +392,7 @@ async def unsure_guided_search(
             await tracker.measure(call, rng.choice(untried))
             continue
         pool = rng.sample(untried, min(len(untried), MAX_PER_CALL))
-        tracker.forecast_calls += 1
-        tracker.considered.update(pool)
-        result = await call(
-            "compare_kernels",
-            {
-                "candidates": [kernel_dict(space, base), *(kernel_dict(space, i) for i in pool)],
-                "workload": {},
-                "baseline": f"c{base}",
-                "hardware": space.device,
-                "measure_if_unsure": True,
-                "max_measurements": 1,
-            },
-        )
+        result = await _compare(call, space, base, pool, tracker, measure_if_unsure=True, max_measurements=1)
         made = [m for m in result.get("measurements") or [] if m.get("kernel_id") != f"c{base}"]
         for m in made:
             tracker.record(int(str(m["kernel_id"])[1:]), m)
