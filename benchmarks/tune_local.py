@@ -209,6 +209,10 @@ def search_report(
     opts: dict[str, Any],
     verbose: bool = False,
 ) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    from forecaster_mcp.search import space_difficulty
+
     jobs = [(n, s, seed, measurements, opts) for n in names for s in strategies for seed in range(seeds)]
     results = _pool_map(_search_job, jobs, workers)
     table: dict[str, Any] = {}
@@ -225,11 +229,14 @@ def search_report(
                 "fractions": fr,
                 "candidates_mean": statistics.fmean(cand),
             }
+        difficulty = space_difficulty(space(n), measurements)
+        row["difficulty"] = asdict(difficulty)
         table[n] = row
         cells = "  ".join(
             f"{s}: {row[s]['median']:.3f} / {row[s]['min']:.3f} / {row[s]['mean']:.3f}" for s in strategies
         )
-        print(f"  {n:18s} {cells}")
+        exact = f"exact random {difficulty.random_median:.3f} / {difficulty.random_mean:.3f}"
+        print(f"  {n:18s} {cells}  ({exact}, {difficulty.within['0.90']} configurations within 0.90)")
         screened = [v for r in results if r["space"] == n for v in r["verdicts"]]
         if screened:
             row["verdicts"] = _verdict_quality(screened)

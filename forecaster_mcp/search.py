@@ -180,6 +180,63 @@ class _Tracker:
         )
 
 
+@dataclass
+class SpaceDifficulty:
+    """How hard a space is for a budget: what `random_search` reaches there, exactly (no sampling).
+
+    Over all `configurations` (failed ones count: random search spends a measurement on them too), sorted by
+    recorded time, the best of a uniform sample of `budget` distinct ones is the j-th fastest with probability
+    C(N - j, B - 1) / C(N, B); the mean and median best-fraction follow from that. `within` counts the
+    configurations at or above each best-fraction level, and `random_hits` is the chance that such a sample
+    holds at least one of them. A search that must reach 0.90 on a space where `random_hits["0.90"]` is 0.09
+    must find a handful of configurations in thousands.
+    """
+
+    configurations: int
+    budget: int
+    random_mean: float
+    random_median: float
+    within: dict[str, int]
+    random_hits: dict[str, float]
+
+
+DIFFICULTY_LEVELS = (0.90, 0.97)
+
+
+def space_difficulty(space: SpaceLike, budget: int) -> SpaceDifficulty:
+    """Exact best-fraction statistics of `budget` uniformly random distinct configurations (SpaceDifficulty)."""
+    n = len(space.entries)
+    b = max(0, min(budget, n))
+    best = space.best_time_ms
+    fractions = sorted(
+        (best / e.time_ms if best and e.time_ms and e.time_ms > 0 else 0.0 for e in space.entries),
+        reverse=True,
+    )
+    within = {f"{level:.2f}": sum(f >= level for f in fractions) for level in DIFFICULTY_LEVELS}
+
+    def log_choose(m: int, k: int) -> float:
+        if k < 0 or k > m:
+            return -math.inf
+        return math.lgamma(m + 1) - math.lgamma(k + 1) - math.lgamma(m - k + 1)
+
+    def p_none_of_top(j: int) -> float:
+        """Chance that none of the j fastest configurations is in the sample."""
+        return math.exp(log_choose(n - j, b) - log_choose(n, b)) if b > 0 else 1.0
+
+    mean = median = 0.0
+    if b > 0:
+        below = 0.0  # P(the sample's best is ranked after j)
+        reached = False
+        for j, f in enumerate(fractions, start=1):
+            p_rank = math.exp(log_choose(n - j, b - 1) - log_choose(n, b))
+            mean += f * p_rank
+            below += p_rank
+            if not reached and below >= 0.5:
+                median, reached = f, True
+    hits = {key: 1.0 - p_none_of_top(count) for key, count in within.items()}
+    return SpaceDifficulty(n, b, mean, median, within, hits)
+
+
 async def random_search(call: ToolCaller, space: SpaceLike, measurements: int, seed: int) -> SearchTrace:
     """Measure `measurements` distinct configurations drawn uniformly at random."""
     rng = random.Random(seed)
@@ -651,12 +708,21 @@ def search_command(settings: Any, args: Any) -> int:
             f"over {s['runs']} seeds; {s['candidates_considered_mean']:.0f} candidates considered, "
             f"{s['gpu_seconds_mean']:.1f} GPU-s per run"
         )
+    difficulty = space_difficulty(space, args.measurements)
+    print(
+        f"space: {difficulty.configurations} configurations, "
+        + ", ".join(f"{difficulty.within[k]} within {k} of the best" for k in difficulty.within)
+        + f"; random search with {difficulty.budget} measurements expects {difficulty.random_mean:.3f} "
+        f"(median {difficulty.random_median:.3f}) and reaches "
+        + ", ".join(f"{k} with chance {difficulty.random_hits[k]:.2f}" for k in difficulty.random_hits)
+    )
     if args.out is not None:
         Path(args.out).write_text(
             json.dumps(
                 {
                     "client": args.client,
                     "summary": summary,
+                    "space": asdict(difficulty),
                     "runs": [asdict(t) for t in traces],
                 },
                 indent=2,

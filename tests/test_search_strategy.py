@@ -25,6 +25,7 @@ from forecaster_mcp.search import (
     forecast_guided_search,
     kernel_dict,
     random_search,
+    space_difficulty,
     summarize,
 )
 
@@ -227,6 +228,55 @@ async def test_real_space_slice(conv_a100: Path) -> None:
     assert min(results["forecast"]) > statistics.median(results["random"])
 
 
+def _tiny_space(times: list[float | None]) -> ReplaySpace:
+    entries = [
+        ReplayEntry({"x": i}, t, "ok", [t])
+        if t is not None
+        else ReplayEntry({"x": i}, None, "runtime_error", [])
+        for i, t in enumerate(times)
+    ]
+    best = min(t for t in times if t is not None)
+    xs = list(range(len(times)))
+    return ReplaySpace(Path("tiny.json"), "GPU", "GPU", "k", [1], ["x"], {"x": xs}, entries, best)
+
+
+def test_space_difficulty_is_exact_over_every_sample() -> None:
+    """Mean, median and hit chances equal those of enumerating every sample of the budget's size (a failed
+    configuration is in the draw and counts 0)."""
+    import itertools
+
+    times = [1.0, 1.05, 2.0, None, 1.2, 4.0, 1.02]  # best-fractions 1, 0.952, 0.5, 0, 0.833, 0.25, 0.980
+    space = _tiny_space(times)
+    fractions = [1.0 / t if t is not None else 0.0 for t in times]
+    for budget in (1, 2, 3, 7):
+        samples = [max(fractions[i] for i in c) for c in itertools.combinations(range(len(times)), budget)]
+        d = space_difficulty(space, budget)
+        assert d.configurations == 7 and d.budget == budget
+        assert d.random_mean == pytest.approx(statistics.fmean(samples))
+        # The median: reached or beaten by at least half of the samples, beaten by fewer than half.
+        assert sum(f >= d.random_median for f in samples) >= len(samples) / 2
+        assert sum(f > d.random_median for f in samples) < len(samples) / 2
+        assert d.within == {"0.90": 3, "0.97": 2}
+        for level, key in ((0.90, "0.90"), (0.97, "0.97")):
+            hit = sum(f >= level for f in samples) / len(samples)
+            assert d.random_hits[key] == pytest.approx(hit)
+    assert space_difficulty(space, 7).random_mean == 1.0
+    assert space_difficulty(space, 50).budget == 7  # a budget beyond the space measures all of it
+
+
+@pytest.mark.anyio
+async def test_space_difficulty_matches_random_search_on_a_real_space(conv_a100: Path) -> None:
+    """On a real space the exact mean is what random_search's runs average to (within sampling error)."""
+    space = load_space(conv_a100)
+    d = space_difficulty(space, 40)
+    runs = [(await random_search(ToolEmulator(space), space, 40, seed)).fraction for seed in range(40)]
+    spread = statistics.stdev(runs) / math.sqrt(len(runs))
+    assert abs(statistics.fmean(runs) - d.random_mean) < 4 * spread
+    assert d.within["0.90"] == sum(
+        e.time_ms is not None and space.best_time_ms / e.time_ms >= 0.9 for e in space.entries
+    )
+
+
 @pytest.mark.parametrize("client", ["plain", "full", "unsure"])
 def test_search_command_runs_both_strategies_through_real_servers(
     conv_a100: Path, tmp_path: Path, client: str
@@ -243,8 +293,11 @@ def test_search_command_runs_both_strategies_through_real_servers(
         *("--out", str(out)),
     )
     assert "forecast best-fraction median" in done.stdout and "random   best-fraction" in done.stdout
+    assert "random search with 14 measurements expects" in done.stdout
     report = json.loads(out.read_text())
     assert report["client"] == client
+    assert report["space"]["configurations"] == len(load_space(conv_a100).entries)
+    assert report["space"]["budget"] == 14 and 0 < report["space"]["random_mean"] < 1
     for strategy in ("forecast", "random"):
         s = report["summary"][strategy]
         assert s["runs"] == 1 and s["measurements_mean"] == 14 and 0 < s["fraction_median"] <= 1
