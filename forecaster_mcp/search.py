@@ -225,7 +225,7 @@ def space_difficulty(space: SpaceLike, budget: int) -> SpaceDifficulty:
 
     mean = median = 0.0
     if b > 0:
-        below = 0.0  # P(the sample's best is ranked after j)
+        below = 0.0  # P(the sample holds one of the j fastest)
         reached = False
         for j, f in enumerate(fractions, start=1):
             p_rank = math.exp(log_choose(n - j, b - 1) - log_choose(n, b))
