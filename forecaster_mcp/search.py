@@ -136,8 +136,9 @@ class _Tracker:
         result = await call("measure_kernel", {"kernel": kernel_dict(self.space, index), "workload": {}})
         self.record(index, result)
 
-    def record(self, index: int, result: Mapping[str, Any]) -> None:
+    def record(self, index: int, result: Mapping[str, Any], by_compare: bool = False) -> None:
         """Count one measurement result (from measure_kernel, or made by compare_kernels itself)."""
+        self.measured_by_compare += int(by_compare)
         runtime = result.get("runtime_ms")
         ok = result.get("status") == "ok" and isinstance(runtime, Mapping) and runtime.get("median")
         self.measured[index] = float(runtime["median"]) if ok and isinstance(runtime, Mapping) else None
@@ -225,14 +226,11 @@ def space_difficulty(space: SpaceLike, budget: int) -> SpaceDifficulty:
 
     mean = median = 0.0
     if b > 0:
-        below = 0.0  # P(the sample holds one of the j fastest)
-        reached = False
-        for j, f in enumerate(fractions, start=1):
-            p_rank = math.exp(log_choose(n - j, b - 1) - log_choose(n, b))
-            mean += f * p_rank
-            below += p_rank
-            if not reached and below >= 0.5:
-                median, reached = f, True
+        # P(the sample's best is the j-th fastest) = C(N - j, B - 1) / C(N, B).
+        ranked = enumerate(fractions, start=1)
+        mean = sum(f * math.exp(log_choose(n - j, b - 1) - log_choose(n, b)) for j, f in ranked)
+        # The j fastest hold the sample's best at least half the time from the first such j on.
+        median = next(f for j, f in enumerate(fractions, start=1) if p_none_of_top(j) <= 0.5)
     hits = {key: 1.0 - p_none_of_top(count) for key, count in within.items()}
     return SpaceDifficulty(n, b, mean, median, within, hits)
 
@@ -452,8 +450,7 @@ async def unsure_guided_search(
         result = await _compare(call, space, base, pool, tracker, measure_if_unsure=True, max_measurements=1)
         made = [m for m in result.get("measurements") or [] if m.get("kernel_id") != f"c{base}"]
         for m in made:
-            tracker.record(int(str(m["kernel_id"])[1:]), m)
-            tracker.measured_by_compare += 1
+            tracker.record(int(str(m["kernel_id"])[1:]), m, by_compare=True)
         if made:
             continue
         head = [int(c[1:]) for c in result.get("measure_next") or [] if c != f"c{base}"]
