@@ -106,6 +106,8 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    if args.seeds < 1 or args.measurements < 1 or args.trees < 1:
+        ap.error("--seeds, --measurements and --trees must be at least 1")
     try:
         import sklearn  # noqa: F401
     except ImportError:
