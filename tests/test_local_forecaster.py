@@ -418,3 +418,87 @@ def test_short_length_scale_companion_widens_only_away_from_the_measurements(
     assert np.all(np.linalg.eigvalsh(cov) > -1e-9)
     # Switched off, no companion is fitted at all.
     assert local.fit_family(pts).gp_short is None
+
+
+# ---------------------------------------------------------------- kernels the model cannot place
+
+
+def _k(defines: dict[str, Any], kid: str, launch: dict[str, Any] | None = None) -> Kernel:
+    return Kernel(id=kid, source=SOURCE, entry="k", defines=defines, launch=launch)
+
+
+@pytest.mark.anyio
+async def test_a_measured_member_spelled_otherwise_is_answered_by_its_measurement() -> None:
+    """16, 16.0 and "16" are one configuration to the model: a copy of a measured member must come out a tie
+    with it, not a prediction (an outlier's prediction is far from its own measurement)."""
+    h = trained(GRID)
+    odd = member(128, 2)
+    h.add(odd, 3.0 * runtime(128, 2))  # far off the family's trend
+    f = LocalForecaster(h, ptxas_wait_s=0.0)
+    twins = [_k({"BS": "128", "UNROLL": "2"}, "s"), _k({"BS": 128.0, "UNROLL": 2.0}, "f")]
+    out = await f.forecast([query(odd, t) for t in twins])
+    for fc in out:
+        assert fc.extras["measured"] == 1.0 and fc.extras["mu_log2"] == pytest.approx(0.0, abs=1e-9)
+        assert "both measured" in fc.rationale
+
+
+@pytest.mark.anyio
+async def test_values_the_model_cannot_place_get_the_family_spread() -> None:
+    """A missing parameter, a word where numbers were measured and a category never measured are unknown,
+    not the middle of the range or no category at all: unsure, as wide as the family."""
+    h = FakeHistory()
+    for bs, u in GRID:
+        for algo, factor in (("naive", 3.0), ("tiled", 1.0), ("shuffle", 0.5)):
+            h.add(_k({"BS": bs, "UNROLL": u, "ALGO": algo}, f"{bs}{u}{algo}"), factor * runtime(bs, u))
+    f = LocalForecaster(h, ptxas_wait_s=0.0)
+    slow = _k({"BS": 32, "UNROLL": 1, "ALGO": "naive"}, "slow")
+    odd = [
+        _k({"UNROLL": 4, "ALGO": "tiled"}, "no_bs"),
+        _k({"BS": "auto", "UNROLL": 4, "ALGO": "tiled"}, "word"),
+        _k({"BS": 256, "UNROLL": 4, "ALGO": "vector"}, "new_algo"),
+    ]
+    known = _k({"BS": 181, "UNROLL": 4, "ALGO": "tiled"}, "between")  # unseen value, but placeable
+    out = await f.forecast([query(slow, k) for k in [*odd, known]])
+    widths = [fc.extras["sd_log2"] for fc in out]
+    for fc in out[:3]:
+        assert 0.05 < fc.p_faster < 0.95, fc.rationale
+    assert min(widths[:3]) > 2 * widths[3]
+    assert out[3].p_faster > 0.9  # the placeable one keeps its confident forecast
+    enc = ParamEncoder([kernel_params(dict(k.defines), None) for k in (slow, known)])
+    assert enc.unknown_names({"UNROLL": 1, "ALGO": "naive"}) == ["BS"]
+    assert enc.unknown_names({"BS": "auto", "UNROLL": 1, "ALGO": "naive"}) == ["BS"]
+    assert enc.unknown_names({"BS": 64, "UNROLL": 1, "ALGO": "vector"}) == ["ALGO"]
+    assert enc.unknown_names({"BS": "0x40", "UNROLL": "2u", "ALGO": "tiled"}) == []
+
+
+def test_a_launch_no_member_was_run_with_is_unknown() -> None:
+    """While launches only repeat the defines (block = BS), they are not model inputs; a kernel launched
+    otherwise than every measured member was is still not a point the model knows."""
+
+    def row(bs: int, u: int, block: int | None = None, grid: int = 64) -> dict[str, Any]:
+        return kernel_params({"BS": bs, "UNROLL": u}, {"grid": [grid, 1, 1], "block": [block or bs, 1, 1]})
+
+    enc = ParamEncoder([row(bs, u, grid=4096 // bs) for bs, u in GRID])
+    assert not enc.launch_used
+    assert enc.unknown_names(row(128, 4, grid=32)) == []  # the same relations, a member's own launch
+    assert enc.unknown_names(row(96, 3, grid=7)) == []  # new defines, block = BS as always (grid is free)
+    assert enc.unknown_names(row(128, 4, block=1024, grid=32)) == ["launch"]  # a member, launched otherwise
+    assert "@block_x" in enc.unknown_names(row(96, 3, block=1024))
+    assert enc.unknown_names(kernel_params({"BS": 96, "UNROLL": 3}, None)) == []  # no launch: the defines
+
+
+@pytest.mark.anyio
+async def test_a_failed_kernel_is_certain_even_before_the_family_model_is() -> None:
+    h = FakeHistory()
+    for bs in (32, 64, 128):
+        h.add(member(bs), runtime(bs, 1))
+    h.add(member(2048), None, status="compile_error")
+    f = LocalForecaster(h, ptxas_wait_s=0.0)
+    [out] = await f.forecast([query(member(256), member(2048))])  # too few points for the model
+    assert out.p_faster == 0.0 and out.extras["measured"] == 1.0 and out.extras["p_fail"] == 1.0
+    assert "failed when measured" in out.rationale
+
+
+def test_define_values_beyond_float_range_are_not_numbers() -> None:
+    enc = ParamEncoder([{"BS": 10**400}, {"BS": "0x" + "f" * 300}, {"BS": 64}])
+    assert "BS=64" in enc.dim_names  # a category, not an OverflowError

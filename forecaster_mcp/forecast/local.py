@@ -81,7 +81,11 @@ def _as_number(value: Any) -> float | None:
     if isinstance(value, bool):
         return float(value)
     if isinstance(value, int | float):
-        return float(value) if math.isfinite(value) else None
+        try:
+            number = float(value)
+        except OverflowError:  # an int beyond float range (pydantic accepts 10**400)
+            return None
+        return number if math.isfinite(number) else None
     if isinstance(value, str):
         # A -D value as C writes it: 16, "16", 0x10, 16u, 2.5f, 1e-3 (suffixes and hex are still numbers, and
         # a tuning parameter read as a category loses its order).
@@ -89,7 +93,7 @@ def _as_number(value: Any) -> float | None:
         hexa = _HEX.fullmatch(text)
         try:
             number = float(int(hexa.group(1), 16)) if hexa else float(_DEC_SUFFIX.sub("", text))
-        except ValueError:
+        except (ValueError, OverflowError):
             return None
         return number if math.isfinite(number) else None
     return None
@@ -124,6 +128,24 @@ def kernel_params(defines: dict[str, Any], launch: dict[str, Any] | None) -> dic
     return params
 
 
+def _canonical(value: Any) -> int | float | str:
+    """A parameter value as the model reads it: 16, 16.0, "16" and "0x10" are one value."""
+    number = _as_number(value)
+    if number is None:
+        return str(value).strip()
+    return int(number) if number.is_integer() and abs(number) < 2.0**63 else number
+
+
+def row_key(row: dict[str, Any]) -> tuple[tuple[str, int | float | str], ...]:
+    """Identity of a family member as the model sees it (its parameters, canonical values)."""
+    return tuple(sorted((k, _canonical(v)) for k, v in row.items()))
+
+
+def _split_launch(row: dict[str, Any]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    defines = row_key({k: v for k, v in row.items() if not k.startswith("@")})
+    return defines, row_key({k: v for k, v in row.items() if k.startswith("@")})
+
+
 @dataclass
 class _Column:
     name: str
@@ -142,6 +164,8 @@ _BLOCK_NAME = re.compile(r"^block_?size_?[xyz]$", re.IGNORECASE)
 # tile decides them, so alignment indicators of their own describe nothing about the kernel and only give a
 # small family spurious dimensions to fit.
 _COUNT_COLUMNS = frozenset({"@blocks", "@dyn_smem"})
+# A launch field's relation to the defines (constant, equal to one) is trusted from this many members on.
+_MIN_RELATION_ROWS = 8
 
 
 def _is_pow2(x: float) -> bool:
@@ -159,7 +183,7 @@ def _threads(row: dict[str, Any], block_names: Sequence[str]) -> float | None:
         if value is None or value <= 0:
             return None
         total *= value
-    return total
+    return total if math.isfinite(total) else None
 
 
 class ParamEncoder:
@@ -181,10 +205,20 @@ class ParamEncoder:
         # grid = problem / tile) adds nothing the defines do not say, yet the extra columns (a grid size, its
         # alignment flags) cost the model: TUNE spaces of benchmarks/tune_local.py with such a client (option
         # launch), 16 seeds, pnpoly worst seeds 0.95 / 0.99 -> 0.87 / 0.85 while they were used.
-        defines = [tuple(sorted((k, str(v)) for k, v in r.items() if not k.startswith("@"))) for r in rows]
-        self.launch_used = len(set(defines)) < len(defines)
+        launches: dict[tuple[Any, ...], set[tuple[Any, ...]]] = {}
+        for r in rows:
+            defines, launch = _split_launch(r)
+            launches.setdefault(defines, set()).add(launch)
+        self.launch_used = any(len(seen) > 1 for seen in launches.values())
+        # Unused launches must still be the ones the family was measured with: a member's launch, or the
+        # relations every measured launch kept (a constant field, a field equal to a define).
+        self._launch_of = {d: next(iter(seen)) for d, seen in launches.items() if next(iter(seen))}
+        self._launch_rules: list[tuple[str, str | None, float | None]] = []
         if not self.launch_used:
+            self._launch_rules = self._launch_relations(rows, names)
             names = [n for n in names if not n.startswith("@")]
+        # Parameters every measured member has: a kernel without one cannot be placed.
+        self._always = {n for n in names if all(n in r for r in rows)}
         self.columns: list[_Column] = []
         self.flags: list[tuple[str, str]] = []  # (parameter, "pow2" | "mod32" | "mod64")
         for name in names:
@@ -247,6 +281,46 @@ class ParamEncoder:
         self.dim = len(self._keep)
 
     @staticmethod
+    def _launch_relations(
+        rows: Sequence[dict[str, Any]], names: Sequence[str]
+    ) -> list[tuple[str, str | None, float | None]]:
+        """(launch field, define it always equals or None, constant value or None) over the rows."""
+        defines = [n for n in names if not n.startswith("@") and all(n in r for r in rows)]
+        rules: list[tuple[str, str | None, float | None]] = []
+        if len(rows) < _MIN_RELATION_ROWS:
+            return rules
+        for name in names:
+            if not name.startswith("@") or name in _COUNT_COLUMNS or not all(name in r for r in rows):
+                continue
+            values = [_as_number(r[name]) for r in rows]
+            if len(set(values)) == 1 and values[0] is not None:
+                rules.append((name, None, values[0]))
+                continue
+            same = next(
+                (d for d in defines if all(_as_number(r[d]) == v for r, v in zip(rows, values, strict=True))),
+                None,
+            )
+            if same is not None:
+                rules.append((name, same, None))
+        return rules
+
+    def _launch_mismatch(self, row: dict[str, Any]) -> list[str]:
+        """Launch fields of `row` (while launches are not used) that no measured member's launch had."""
+        if not any(k.startswith("@") for k in row):
+            return []
+        defines, launch = _split_launch(row)
+        seen = self._launch_of.get(defines)
+        if seen is not None and seen != launch:
+            return ["launch"]
+        out = []
+        for name, define, constant in self._launch_rules:
+            value = _as_number(row.get(name))
+            expected = constant if define is None else _as_number(row.get(define))
+            if value is None or value != expected:
+                out.append(name)
+        return out
+
+    @staticmethod
     def _flags_for(nums: list[float]) -> list[str]:
         distinct = sorted(set(nums))
         if len(distinct) < 3 or any(v != int(v) or v <= 0 for v in distinct):
@@ -306,9 +380,24 @@ class ParamEncoder:
         return out
 
     def unknown_names(self, row: dict[str, Any]) -> list[str]:
-        """Parameters of `row` the family has never been measured with."""
+        """Parameters of `row` the model cannot place: one the family was never measured with, one every
+        measured member had and `row` lacks, a value of a kind or category never measured (a string where
+        numbers were, a new category), and (while launches are not used) a launch no member was run with.
+        Encoding those anyway would put the kernel at a made-up point (the middle of the range, no category)
+        and forecast it as confidently as a measured neighbour."""
+        out = []
+        for c in self.columns:
+            value = row.get(c.name)
+            if value is None:
+                if c.name in self._always:
+                    out.append(c.name)
+            elif (_as_number(value) is None) if c.kind == "num" else (str(value) not in c.categories):
+                out.append(c.name)
         known = {c.name for c in self.columns}
-        return [k for k in row if k not in known and (self.launch_used or not k.startswith("@"))]
+        out.extend(k for k in row if k not in known and (self.launch_used or not k.startswith("@")))
+        if not self.launch_used:
+            out.extend(self._launch_mismatch(row))
+        return out
 
 
 # ---------------------------------------------------------------- Gaussian process
@@ -677,6 +766,14 @@ class FamilyModel:
     n_failed: int
     fail_ls: Array = field(default_factory=lambda: np.zeros(0))
     gp_short: GPFit | None = None
+    # The same measurements by parameters (`row_key`): 16 and "16" are one kernel to the model, and a
+    # kernel measured under another spelling is answered by its measurement, not a prediction.
+    by_row: dict[tuple[Any, ...], Measured] = field(default_factory=dict)
+
+    def lookup(self, content_key: str, row: dict[str, Any]) -> Measured | None:
+        """The stored measurement of this member, by content key or else by its parameters."""
+        found = self.measured.get(content_key)
+        return found if found is not None else self.by_row.get(row_key(row))
 
     @property
     def usable(self) -> bool:
@@ -761,6 +858,7 @@ def points_signature(points: Sequence[FamilyPoint]) -> str:
 def fit_family(points: Sequence[FamilyPoint], warm: Array | None = None, refit: bool = True) -> FamilyModel:
     """Fit the family model on stored points (the latest measurement per content key)."""
     measured: dict[str, Measured] = {}
+    by_row: dict[tuple[Any, ...], Measured] = {}
     rows: list[dict[str, Any]] = []
     ok_rows: list[int] = []
     y: list[float] = []
@@ -770,12 +868,15 @@ def fit_family(points: Sequence[FamilyPoint], warm: Array | None = None, refit: 
         log2_ms = math.log2(p.runtime_ms) if ok and p.runtime_ms is not None else None
         measured[p.content_key] = Measured(ok, log2_ms, p.status)
         rows.append(kernel_params(p.defines, p.launch))
+        key = row_key(rows[-1])
+        if ok or key not in by_row:  # an ok measurement under either spelling wins over a failed one
+            by_row[key] = measured[p.content_key]
         failed.append(0.0 if ok else 1.0)
         if ok and log2_ms is not None:
             ok_rows.append(len(rows) - 1)
             y.append(log2_ms)
     if not rows:
-        return FamilyModel(None, None, measured, np.zeros((0, 0)), np.zeros(0), 0, 0)
+        return FamilyModel(None, None, measured, np.zeros((0, 0)), np.zeros(0), 0, 0, by_row=by_row)
     encoder = ParamEncoder(rows)
     x_all = encoder.encode(rows)
     gp = gp_short = None
@@ -788,7 +889,9 @@ def fit_family(points: Sequence[FamilyPoint], warm: Array | None = None, refit: 
     fail_ls = (
         _fail_lengthscales(x_all, failed_arr, gp.ls if gp is not None else None) if n_failed else np.zeros(0)
     )
-    return FamilyModel(encoder, gp, measured, x_all, failed_arr, len(ok_rows), n_failed, fail_ls, gp_short)
+    return FamilyModel(
+        encoder, gp, measured, x_all, failed_arr, len(ok_rows), n_failed, fail_ls, gp_short, by_row
+    )
 
 
 # ---------------------------------------------------------------- the forecaster
@@ -1015,11 +1118,14 @@ class LocalForecaster:
                 key = group_of(k, q)
                 model = groups[key]
                 ck = keys[id(k)][1]
-                if model is None or ck in model.measured or not model.usable:
+                if model is None or not model.usable or ck in model.measured:
+                    continue
+                row = kernel_params(dict(k.defines), _launch_dict(k))
+                if model.lookup(ck, row) is not None:
                     continue
                 slots = wanted.setdefault(key, {})
                 if ck not in slots:
-                    slots[ck] = (len(slots), kernel_params(dict(k.defines), _launch_dict(k)))
+                    slots[ck] = (len(slots), row)
         predictions: dict[tuple[str, str, str], tuple[Array, Array, Array]] = {}
         for key, slots in wanted.items():
             model = groups[key]
@@ -1037,7 +1143,8 @@ class LocalForecaster:
             c = self._belief(
                 q.candidate, keys[id(q.candidate)][1], kc, groups[kc], wanted.get(kc), predictions.get(kc)
             )
-            if b.kind == "unknown" or c.kind == "unknown":
+            # A kernel measured as failed is certain whatever is known of the other one.
+            if "failed" not in (b.kind, c.kind) and "unknown" in (b.kind, c.kind):
                 out.append(await self._prior_forecast(q, b, c, groups[kc]))
             else:
                 out.append(self._pair_forecast(b, c, groups[kb], groups[kc]))
@@ -1054,15 +1161,14 @@ class LocalForecaster:
     ) -> _Belief:
         if model is None:
             return _Belief("unknown")
-        m = model.measured.get(ck)
+        row = kernel_params(dict(kernel.defines), _launch_dict(kernel))
+        m = model.lookup(ck, row)
         if m is not None:
             if m.ok and m.log2_ms is not None:
                 return _Belief("measured", m.log2_ms, model.measurement_sd_log2**2, status=m.status)
             return _Belief("failed", p_fail=1.0, status=m.status)
         if slots is None or prediction is None or ck not in slots:
-            return _Belief(
-                "unknown", p_fail=float(model.p_fail([kernel_params(dict(kernel.defines), None)])[0])
-            )
+            return _Belief("unknown", p_fail=float(model.p_fail([row])[0]))
         i = slots[ck][0]
         mean, cov, pf = prediction
         return _Belief("model", float(mean[i]), float(cov[i, i]), key, i, float(pf[i]), cov_row=cov[i])
@@ -1140,8 +1246,8 @@ class LocalForecaster:
             "p_fail_baseline": b.p_fail,
             "n_family_points": n_points,
             "n_family_ok": float(cand_model.n_ok) if cand_model is not None else 0.0,
-            "measured": 0.0,
-            "baseline_measured": 1.0 if b.kind in ("measured", "failed") else 0.0,
+            "measured": 1.0 if c.kind == "measured" else 0.0,
+            "baseline_measured": 1.0 if b.kind == "measured" else 0.0,
             "prior": 1.0,
         }
         if same_family:
