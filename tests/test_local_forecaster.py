@@ -502,3 +502,19 @@ async def test_a_failed_kernel_is_certain_even_before_the_family_model_is() -> N
 def test_define_values_beyond_float_range_are_not_numbers() -> None:
     enc = ParamEncoder([{"BS": 10**400}, {"BS": "0x" + "f" * 300}, {"BS": 64}])
     assert "BS=64" in enc.dim_names  # a category, not an OverflowError
+
+
+def test_additive_kernel_by_value_tables_equals_the_direct_sum() -> None:
+    from forecaster_mcp.forecast.local import _TABLE_VALUES, _additive
+
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 5, size=(120, 6)) / 4.0
+    x[:, 2] = rng.random(120)  # more distinct values than a table takes
+    q = rng.integers(0, 7, size=(9, 6)) / 4.0  # values the training points do not have
+    ls = rng.uniform(0.1, 2.0, size=6)
+    assert len(np.unique(x[:, 2])) > _TABLE_VALUES
+    for a, b in ((x, x), (q, x), (q, q)):
+        diff = (a.T[:, :, None] - b.T[:, None, :]) / ls[:, None, None]
+        direct = 1.7 * np.exp(-0.5 * diff * diff).mean(axis=0)
+        assert np.allclose(_additive(a, b, ls, 1.7), direct, rtol=0, atol=1e-12)
+    assert not _additive(q, x, ls, 0.0).any()

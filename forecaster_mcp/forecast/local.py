@@ -421,14 +421,35 @@ def _scaled_r(x1: Array, x2: Array, ls: Array) -> Array:
     return np.asarray(np.sqrt(np.maximum(r2, 0.0)))
 
 
+# A dimension with at most this many distinct values among both point sets goes through a value table.
+_TABLE_VALUES = 64
+
+
 def _additive(x1: Array, x2: Array, ls: Array, sa2: float) -> Array:
-    """sa2 * mean over dimensions of a squared-exponential in that dimension alone."""
+    """sa2 * mean over dimensions of a squared-exponential in that dimension alone.
+
+    Tuning parameters take a few values each, so the per-dimension kernels are tables over those values:
+    one-hot(x1) @ (table @ one-hot(x2).T) for all such dimensions in one matrix product, instead of an
+    n1 x n2 exponential per dimension (about 10x faster at 1,500 points). Dimensions with many distinct
+    values are computed directly."""
+    n1, n2 = x1.shape[0], x2.shape[0]
     if sa2 <= 0.0:
-        return np.zeros((x1.shape[0], x2.shape[0]))
-    total = np.zeros((x1.shape[0], x2.shape[0]))
+        return np.zeros((n1, n2))
+    total = np.zeros((n1, n2))
+    left: list[Array] = []
+    right: list[Array] = []
     for j in range(x1.shape[1]):
-        diff = (x1[:, j][:, None] - x2[:, j][None, :]) / ls[j]
-        total += np.exp(-0.5 * diff * diff)
+        values, index = np.unique(np.concatenate([x1[:, j], x2[:, j]]), return_inverse=True)
+        if len(values) <= _TABLE_VALUES:
+            diff = (values[:, None] - values[None, :]) / ls[j]
+            table = np.exp(-0.5 * diff * diff)
+            left.append(np.eye(len(values))[index[:n1]])
+            right.append(table[:, index[n1:]])
+        else:
+            diff = (x1[:, j][:, None] - x2[:, j][None, :]) / ls[j]
+            total += np.exp(-0.5 * diff * diff)
+    if left:
+        total += np.hstack(left) @ np.vstack(right)
     return np.asarray(total * (sa2 / max(1, x1.shape[1])))
 
 
@@ -822,6 +843,7 @@ class FamilyModel:
 
 
 _FAIL_STRENGTH = 2.0  # pseudo-observations of the family's overall failure rate
+_FAIL_SELECT_POINTS = 1000
 
 
 def _smoothed_fail(xq: Array, x: Array, failed: Array, ls: Array, exclude_self: bool = False) -> Array:
@@ -837,6 +859,10 @@ def _fail_lengthscales(x: Array, failed: Array, gp_ls: Array | None) -> Array:
     leave-one-out likelihood of the stored outcomes. Failures are usually sharp resource limits, so the
     runtime's smoothness is only a starting point."""
     base = gp_ls if gp_ls is not None else np.full(x.shape[1], 0.3)
+    if len(failed) > _FAIL_SELECT_POINTS:
+        # Choosing one of five factors needs no more than this many outcomes (each try is n^2).
+        keep = np.linspace(0, len(failed) - 1, _FAIL_SELECT_POINTS).astype(np.intp)
+        x, failed = x[keep], failed[keep]
     best, best_ll = base, -math.inf
     for factor in (0.1, 0.2, 0.4, 0.8, 1.6):
         ls = np.maximum(base * factor, 0.02)
@@ -1013,7 +1039,8 @@ class LocalForecaster:
             warm = self._warm.get(key)
             n_ok = sum(1 for p in points if p.status == _OK_STATUS)
             # Past 100 points, hyperparameters are re-optimised once the family has grown by 10% since the
-            # last optimisation; in between, new points only update the posterior (milliseconds, not seconds).
+            # last optimisation; in between, new points only update the posterior (two factorisations, the
+            # fit and its short-length-scale companion: about 0.1 s at 500 points, 1 s from 1,500 points on).
             last = self._hyper_n.get(key, 0)
             refit = warm is None or n_ok < 100
             if not refit and n_ok >= last + last // 10 and key not in self._refitting:
