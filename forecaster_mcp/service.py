@@ -19,7 +19,13 @@ from typing import Any
 import anyio
 
 from forecaster_mcp import __version__, bins
-from forecaster_mcp.errors import AlreadyMeasured, InvalidRequest, NotMeasurable, UnknownLedger
+from forecaster_mcp.errors import (
+    AgentError,
+    AlreadyMeasured,
+    InvalidRequest,
+    NotMeasurable,
+    UnknownLedger,
+)
 from forecaster_mcp.forecast.base import Forecaster, PairQuery
 from forecaster_mcp.hardware import specs
 from forecaster_mcp.measure.base import Measurer, MeasureRequest, ProgressCallback
@@ -35,15 +41,47 @@ from forecaster_mcp.models import (
 )
 from forecaster_mcp.reports import BudgetStatus, GpuSpecRow
 from forecaster_mcp.settings import Settings
-from forecaster_mcp.store.db import ForecastRow, Store
+from forecaster_mcp.store.db import ForecastRow, IdempotentRequest, Store
 
 log = logging.getLogger(__name__)
 
 _NORM = re.compile(r"[^a-z0-9]+")
+_TOKEN = re.compile(r"[a-z0-9]+")
+# Vendor and brand words: they never tell one GPU from another (hardware/specs.py ignores them too).
+_BRAND = frozenset({"nvidia", "geforce", "tesla", "quadro", "amd", "radeon", "instinct"})
+# The smallest target_error accepted: below it no history could ever certify a threshold (it would take
+# about 3 / target_error verified pairs without one error), so every verdict would stay unsure.
+MIN_TARGET_ERROR = 1e-4
+MAX_TARGET_ERROR = 0.5
 
 
 def _norm(name: str) -> str:
     return _NORM.sub("", name.lower().replace("nvidia", "").replace("geforce", ""))
+
+
+def _tokens(name: str) -> list[str]:
+    return [t for t in _TOKEN.findall(name.lower()) if t not in _BRAND]
+
+
+def _names_device(wanted: str, spec: specs.GpuSpec | None, device: str) -> bool:
+    """Whether `wanted` (not the device's exact name nor its spec row) still means this device.
+
+    When both names are in the spec table, only a bare family name does ("A100" for an A100-PCIE-40GB,
+    "H100" for an H100 PCIe): "A10" or "RTX 3080" (for a 3080 Ti) are other GPUs. Otherwise `wanted` must be
+    a run of whole words of the device's name that includes its model number ("GTX 1080" or "1080" for an
+    "NVIDIA GeForce GTX 1080"), so fragments such as "1", "40", "GB" or "PCIE" match nothing.
+    """
+    device_spec = specs.lookup(device)
+    if spec is not None and device_spec is not None:
+        return any(_norm(alias) == _norm(wanted) for alias in device_spec.aliases)
+    want, have = _tokens(wanted), _tokens(device)
+    if not want or len(want) > len(have):
+        return False
+    model = next((i for i, t in enumerate(have) if any(c.isdigit() for c in t)), 0)
+    return any(
+        have[start : start + len(want)] == want and start <= model < start + len(want)
+        for start in range(len(have) - len(want) + 1)
+    )
 
 
 @dataclass
@@ -146,7 +184,7 @@ class Service:
                     return HardwareChoice(d, spec or specs.lookup(d), m)
         for m in self.measurers:
             for d in m.devices():
-                if key and key in _norm(d):
+                if _names_device(wanted, spec, d):
                     return HardwareChoice(d, specs.lookup(d), m)
         if spec is not None:
             return HardwareChoice(spec.name, spec, None)
@@ -183,12 +221,15 @@ class Service:
         by_id = {k.id: k for k in kernels}
         if base_id not in by_id:
             raise InvalidRequest(
-                f"baseline {base_id!r} is not a candidate id; ids in this call: {', '.join(map(str, by_id))}"
+                f"baseline {str(base_id)[:80]!r} is not a candidate id; ids in this call: "
+                f"{', '.join(map(str, by_id))}"
             )
         target = self.settings.target_error if target_error is None else target_error
-        if not 0.0 < target < 0.5:
+        if not MIN_TARGET_ERROR <= target < MAX_TARGET_ERROR:
+            whose = "" if target_error is not None else f" (this server's default is {target:g}; pass one)"
             raise InvalidRequest(
-                "target_error must be between 0 and 0.5 (e.g. 0.1 = at most 10% wrong verdicts)"
+                f"target_error must be at least {MIN_TARGET_ERROR:g} and below {MAX_TARGET_ERROR:g} (e.g. 0.1 "
+                f"= at most 10% wrong verdicts){whose}"
             )
         if max_measurements < 0 or max_measurements > MAX_CANDIDATES:
             raise InvalidRequest(f"max_measurements must be between 0 and {MAX_CANDIDATES}")
@@ -242,7 +283,8 @@ class Service:
                 rationale=f.rationale,
                 confidence=f.confidence,
             )
-        await self._save_forecasts(ledger, hw.name, wkey, base, others, results, fc_by_id, family)
+        # Saved once the call succeeds (below): a compare refused for its measurements records nothing.
+        forecast_results = dict(results)
 
         measure_next = await self._measure_next(base, runtimes, results, fc_by_id, family, hw.name, wkey)
         notes = list(hw.notes)
@@ -256,9 +298,11 @@ class Service:
                 raise InvalidRequest("measure_if_unsure needs a ledger; this server has none configured")
             if measure_next[0] == base.id:
                 unsure.insert(0, base.id)
-            measurements, charged = await self._measure_unsure(
+            measurements, charged, stopped = await self._measure_unsure(
                 ledger, base, by_id, unsure, max_measurements, workload, hw, progress
             )
+            if stopped is not None:
+                notes.append(stopped)
             runtimes = await self._measured_runtimes(kernels, hw.name, wkey)
             t_base = runtimes.get(base.id)
             for cid in list(results):
@@ -267,6 +311,7 @@ class Service:
                     results[cid] = _from_measurement(cid, t_base, t_cand, "measurement")
             measure_next = await self._measure_next(base, runtimes, results, fc_by_id, family, hw.name, wkey)
 
+        await self._save_forecasts(ledger, hw.name, wkey, base, others, forecast_results, fc_by_id, family)
         ordered = [results[str(k.id)] for k in others]
         if measure_if_unsure and not unsure:
             notes.append(_nothing_unsure_note(measure_next, results, base.id))
@@ -405,18 +450,41 @@ class Service:
         workload: Workload,
         hw: HardwareChoice,
         progress: ProgressCallback | None,
-    ) -> tuple[list[MeasureResult], float]:
+    ) -> tuple[list[MeasureResult], float, str | None]:
+        """Measure in order; when one fails after others were made, stop and say why in a note.
+
+        The measurements made (and charged) are always returned: only a failure of the first one raises.
+        """
         if hw.device_of is None:
             raise NotMeasurable(self._no_device_message(hw.name))
         out: list[MeasureResult] = []
         charged = 0.0
-        for n, kid in enumerate(measure_next[:max_measurements]):
+        todo = measure_next[:max_measurements]
+        for n, kid in enumerate(todo):
             if progress is not None:
-                await progress(n, min(len(measure_next), max_measurements), f"measuring {kid}")
-            res = await self.measure(ledger=ledger, kernel=by_id[kid], workload=workload, hardware=hw.name)
+                await progress(n, len(todo), f"measuring {kid}")
+            try:
+                res = await self.measure(
+                    ledger=ledger, kernel=by_id[kid], workload=workload, hardware=hw.name
+                )
+            except Exception as exc:
+                if not out:
+                    raise
+                if isinstance(exc, AgentError):
+                    why = str(exc)
+                else:
+                    log.exception("measure_if_unsure: measuring %s failed", kid)
+                    why = "an internal error, logged on the server"
+                note = (
+                    f"measure_if_unsure stopped after {len(out)} of {len(todo)} measurements: {kid} could not "
+                    f"be measured ({why}). Not measured: {', '.join(todo[n:])}. The measurements made are in "
+                    "`measurements` and charged in gpu_seconds_charged; measure the rest with measure_kernel "
+                    "once the reason above is fixed"
+                )
+                return out, charged, note
             out.append(res)
             charged += res.cost.gpu_seconds
-        return out, charged
+        return out, charged, None
 
     # ------------------------------------------------------------------ measure_kernel
 
@@ -500,9 +568,9 @@ class Service:
         flight = (ledger, idempotency_key)
         while flight in self._inflight:
             await self._inflight[flight].wait()
-        prior = await self.store.find_idempotent(ledger, idempotency_key)
+        prior = await self._idempotent_prior(ledger, idempotency_key, kernel, workload, device)
         if prior is not None:
-            return _free_copy(prior, kid)
+            return prior
         done = anyio.Event()
         self._inflight[flight] = done
         try:
@@ -510,6 +578,27 @@ class Service:
         finally:
             del self._inflight[flight]
             done.set()
+
+    async def _idempotent_prior(
+        self, ledger: str, key: str, kernel: Kernel, workload: Workload, device: str
+    ) -> MeasureResult | None:
+        """The free answer to a retry under `key`, or None if the key is new; a key already used for another
+        kernel, workload or device is refused (answering with that measurement would mislabel it)."""
+        prior = await self.store.find_idempotent(ledger, key)
+        if prior is None:
+            return None
+        used = await self.store.idempotent_request(ledger, key)
+        if used is not None:
+            differs = _differences(used, kernel.content_key(), workload.key(), device)
+            if differs:
+                first = f"kernel id {used.kernel_id!r}, " if used.kernel_id is not None else ""
+                raise InvalidRequest(
+                    f"idempotency_key {key[:80]!r} was already used on ledger {ledger!r} for a different "
+                    f"{' and '.join(differs)} ({first}measurement {used.measurement_id} on {used.hardware}); "
+                    "a retry must send the same kernel, workload and hardware. Use a new key for a new "
+                    "measurement; nothing was charged."
+                )
+        return _free_copy(prior, str(kernel.id))
 
     async def _measure_uncached(
         self,
@@ -563,9 +652,9 @@ class Service:
         except AlreadyMeasured:
             # Another server process on this database finished the same key first.
             assert idempotency_key is not None
-            prior = await self.store.find_idempotent(ledger, idempotency_key)
+            prior = await self._idempotent_prior(ledger, idempotency_key, kernel, workload, device)
             assert prior is not None
-            return _free_copy(prior, str(kernel.id))
+            return prior
         settled = False
         try:
             result = await measurer.measure(request, progress)
@@ -657,6 +746,15 @@ def _from_measurement(cid: str, t_base_ms: float, t_cand_ms: float, by: str) -> 
         confidence=1.0,
         measured_speedup=s,
     )
+
+
+def _differences(used: IdempotentRequest, content_key: str, workload_key: str, device: str) -> list[str]:
+    pairs = (
+        ("kernel", used.content_key, content_key),
+        ("workload", used.workload_key, workload_key),
+        ("hardware", used.hardware, device),
+    )
+    return [what for what, theirs, mine in pairs if theirs != mine]
 
 
 def _free_copy(result: MeasureResult, kernel_id: str) -> MeasureResult:

@@ -54,7 +54,13 @@ def default_threshold(target_error: float) -> float:
 
 def min_count_zero_errors(target_error: float, delta: float) -> int:
     """Fewest pairs for which zero errors certify `target_error` (1 - delta**(1/n) <= target)."""
-    return math.ceil(math.log(delta) / math.log(1.0 - target_error))
+    if not 0.0 < target_error < 0.5:
+        raise ValueError(f"target_error must be in (0, 0.5), got {target_error}")
+    # log1p: 1.0 - target_error rounds to 1.0 (a zero division) for a target below about 1e-16.
+    count = math.log(delta) / math.log1p(-target_error)
+    if not math.isfinite(count):
+        raise ValueError(f"target_error {target_error!r} is too small to certify with any history")
+    return math.ceil(count)
 
 
 def default_min_history(target_error: float, delta: float) -> int:

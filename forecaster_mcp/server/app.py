@@ -6,6 +6,8 @@ Tool functions know MCP and the service, nothing of vendors or SQL.
 from __future__ import annotations
 
 import argparse
+import difflib
+import inspect
 import json
 import logging
 import sys
@@ -25,7 +27,7 @@ from forecaster_mcp import __version__, bins
 from forecaster_mcp.errors import AgentError
 from forecaster_mcp.models import CompareResult, Kernel, MeasureResult, Workload
 from forecaster_mcp.reports import BudgetStatus, GpuSpecRow
-from forecaster_mcp.service import Service
+from forecaster_mcp.service import MAX_TARGET_ERROR, MIN_TARGET_ERROR, Service
 from forecaster_mcp.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -91,6 +93,35 @@ def _annotations(title: str, *, read_only: bool) -> ToolAnnotations:
     )
 
 
+def _refuse_unknown_arguments(ctx: Context, tool: Callable[..., Any]) -> None:
+    """Refuse argument names the tool does not have.
+
+    The SDK validates the arguments a tool declares and drops any others, so a misspelt one
+    (`target_eror`, `idempotencykey`) would be ignored while the caller believes its cap or key applies.
+    """
+    try:
+        params = ctx.request_context.params
+    except ValueError:  # invoked outside a request: there are no raw arguments to check
+        return
+    raw = params.get("arguments") if params else None
+    if not isinstance(raw, dict):
+        return
+    valid = [name for name in inspect.signature(tool).parameters if name != "ctx"]
+    unknown = [str(k) for k in raw if k not in valid]
+    if not unknown:
+        return
+    named = []
+    for name in unknown[:5]:
+        close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        named.append(f"{name[:40]!r}{hint}")
+    more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+    raise ToolError(
+        f"{tool.__name__} has no argument {', '.join(named)}{more}; its arguments are: {', '.join(valid)}. "
+        "Nothing was run or charged: resend with the names corrected."
+    )
+
+
 async def _call(fn: Callable[[], Awaitable[T]]) -> T:
     try:
         return await fn()
@@ -129,7 +160,7 @@ def build_server(
             raise ToolError("this HTTP server needs a bearer token (Authorization: Bearer <token>)")
         if requested is not None and requested != own:
             raise ToolError(
-                f"this connection is bound to ledger {own!r}; it cannot use ledger {requested!r}. "
+                f"this connection is bound to ledger {own!r}; it cannot use ledger {requested[:80]!r}. "
                 "Omit `ledger`, or connect with that ledger's token."
             )
         return own
@@ -156,7 +187,10 @@ def build_server(
         hardware: Annotated[str | None, Field(description="target GPU, e.g. 'H100' or 'A100-80GB'")] = None,
         target_error: Annotated[
             float | None,
-            Field(description="largest acceptable error rate among decided verdicts (default 0.1)"),
+            Field(
+                description="largest acceptable error rate among decided verdicts (default 0.1; at least "
+                f"{MIN_TARGET_ERROR:g}, below {MAX_TARGET_ERROR:g})"
+            ),
         ] = None,
         measure_if_unsure: Annotated[
             bool, Field(description="measure unsure candidates on the GPU, charged to your budget")
@@ -168,6 +202,7 @@ def build_server(
     ) -> CompareResult:
         """Forecast, for every candidate, the probability it is faster than the baseline and a verdict
         (faster / slower / unsure) whose error rate stays under target_error. Free unless measure_if_unsure."""
+        _refuse_unknown_arguments(ctx, compare_kernels)
         own = ledger_for(ledger)
         return await _call(
             lambda: service.compare(
@@ -215,6 +250,7 @@ def build_server(
     ) -> MeasureResult:
         """Measure one kernel on a GPU (or a replay recording), charging GPU-seconds to your ledger.
         A kernel that fails to compile, hangs or gives wrong output is a result with a status, not an error."""
+        _refuse_unknown_arguments(ctx, measure_kernel)
         own = ledger_for(ledger)
         return await _call(
             lambda: service.measure(
@@ -237,12 +273,14 @@ def build_server(
         annotations=_annotations("GPU budget and forecaster record", read_only=True),
     )
     async def budget_status(
+        ctx: Context,
         ledger: Annotated[
             str | None, Field(description="must match this connection's ledger if given")
         ] = None,
     ) -> BudgetStatus:
         """Your ledger: limit, spent, reserved and remaining GPU-seconds; measurements; forecasts and how many
         were verified right; GPU-seconds saved by forecasts and cache."""
+        _refuse_unknown_arguments(ctx, budget_status)
         own = ledger_for(ledger)
         return await _call(lambda: service.budget_status(own))
 

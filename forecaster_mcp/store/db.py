@@ -108,6 +108,17 @@ class VerifiedPair:
 
 
 @dataclass(frozen=True)
+class IdempotentRequest:
+    """What the measurement stored under an idempotency key measured (to refuse a key reused for another)."""
+
+    measurement_id: int
+    kernel_id: str | None
+    content_key: str  # Kernel.content_key()
+    workload_key: str
+    hardware: str
+
+
+@dataclass(frozen=True)
 class ForecastRow:
     ledger: str | None
     forecaster: str
@@ -781,6 +792,25 @@ class Store:
             (ledger, idempotency_key),
         )
         return _result_from_row(*rows[0]) if rows else None
+
+    async def idempotent_request(self, ledger: str, idempotency_key: str) -> IdempotentRequest | None:
+        """The kernel, workload and hardware of the measurement stored under (ledger, idempotency_key)."""
+        rows = await self._fetch(
+            "SELECT id, kernel_json, content_key, workload_key, hardware FROM measurements "
+            "WHERE ledger = ? AND idempotency_key = ?",
+            (ledger, idempotency_key),
+        )
+        if not rows:
+            return None
+        mid, kernel_json, content_key, workload_key, hardware = rows[0]
+        kernel_id = json.loads(kernel_json).get("id")
+        return IdempotentRequest(
+            measurement_id=int(mid),
+            kernel_id=None if kernel_id is None else str(kernel_id),
+            content_key=str(content_key),
+            workload_key=str(workload_key),
+            hardware=str(hardware),
+        )
 
     async def save_measurement(
         self,

@@ -1,0 +1,265 @@
+"""Requests a careless or hostile client sends: each is a clear error or an honest partial answer, and
+nothing charged is lost or mislabelled. Driven through the in-memory MCP client against real SQLite files."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mcp import Client
+from replay_kernels import FAST, SLOW, conv, conv_block
+
+from forecaster_mcp.forecast.selective import min_count_zero_errors
+from forecaster_mcp.measure.base import Measurer
+from forecaster_mcp.measure.fake import FakeMeasurer
+from forecaster_mcp.server.app import build_server
+from forecaster_mcp.server.client import ToolCallFailed, structured
+from forecaster_mcp.service import Service, build_forecasters
+from forecaster_mcp.settings import Settings
+from forecaster_mcp.store.db import Store
+
+pytestmark = pytest.mark.anyio
+
+
+@asynccontextmanager
+async def replaying(
+    home: Path, replay: list[Path], ledger_seconds: float | None = 100.0
+) -> AsyncIterator[tuple[Client, Service]]:
+    settings = Settings.from_env(home=home, replay=replay, measurer="replay", ledger="team")
+    service = await Service.open(settings)
+    try:
+        if ledger_seconds is not None:
+            await service.store.create_ledger("team", ledger_seconds)
+        async with Client(build_server(service)) as client:
+            yield client, service
+    finally:
+        await service.close()
+
+
+@asynccontextmanager
+async def faking(home: Path, measurers: Sequence[Measurer]) -> AsyncIterator[tuple[Client, Service]]:
+    """A server over fake devices (names the replay recordings do not have)."""
+    settings = Settings.from_env(home=home, measurer="none", ledger="team")
+    store = await Store.open(settings.db_path)
+    service = Service(settings, store, build_forecasters(settings, store), list(measurers))
+    try:
+        await store.create_ledger("team", 100.0)
+        async with Client(build_server(service)) as client:
+            yield client, service
+    finally:
+        await service.close()
+
+
+async def call(client: Client, name: str, args: dict[str, Any]) -> dict[str, Any]:
+    return structured(await client.call_tool(name, args))
+
+
+async def error_of(client: Client, name: str, args: dict[str, Any]) -> str:
+    with pytest.raises(ToolCallFailed) as info:
+        await call(client, name, args)
+    return str(info.value)
+
+
+async def spent(client: Client) -> float:
+    status = await call(client, "budget_status", {})
+    assert status["reserved_gpu_seconds"] == 0
+    return float(status["spent_gpu_seconds"])
+
+
+# ---------------------------------------------------------------- 1. idempotency keys
+
+
+async def test_an_idempotency_key_reused_for_another_kernel_or_workload_is_refused_free(
+    tmp_path: Path, conv_a100: Path
+) -> None:
+    async with replaying(tmp_path, [conv_a100]) as (client, _):
+        first = await call(client, "measure_kernel", {"kernel": conv("i1", SLOW), "idempotency_key": "K1"})
+        paid = await spent(client)
+        assert paid > 0 and first["cost"]["gpu_seconds"] == pytest.approx(paid, abs=1e-6)
+
+        # Another kernel under the same key: refused, naming the key, the first kernel and what to do.
+        msg = await error_of(client, "measure_kernel", {"kernel": conv("i2", FAST), "idempotency_key": "K1"})
+        assert "'K1' was already used" in msg and "different kernel" in msg
+        assert "'i1'" in msg and "new key" in msg
+        # The same kernel on another workload is another measurement too.
+        other_workload = {"problem": {"N": 4096}}
+        msg = await error_of(
+            client,
+            "measure_kernel",
+            {"kernel": conv("i1", SLOW), "workload": other_workload, "idempotency_key": "K1"},
+        )
+        assert "different workload" in msg
+        assert await spent(client) == pytest.approx(paid, abs=1e-9)
+
+        # A true retry (even under another id) is still answered from the first, free and identical.
+        again = await call(client, "measure_kernel", {"kernel": conv("r", SLOW), "idempotency_key": "K1"})
+        assert again["runtime_ms"] == first["runtime_ms"] and again["kernel_id"] == "r"
+        assert again["cost"]["gpu_seconds"] == 0 and again["cost"]["cached"] is True
+        assert await spent(client) == pytest.approx(paid, abs=1e-9)
+
+
+async def test_an_idempotency_key_reused_on_another_device_is_refused(tmp_path: Path) -> None:
+    fake = FakeMeasurer(["A100-PCIE-40GB", "H100-PCIE-80GB"], gpu_seconds=0.5)
+    kernel = {"id": "k", "source": "__global__ void k(float* a) { a[0] = 1; }\n", "entry": "k"}
+    async with faking(tmp_path, [fake]) as (client, _):
+        args = {"kernel": kernel, "idempotency_key": "step-1", "hardware": "A100-PCIE-40GB"}
+        await call(client, "measure_kernel", args)
+        msg = await error_of(client, "measure_kernel", {**args, "hardware": "H100-PCIE-80GB"})
+        assert "different hardware" in msg and "A100-PCIE-40GB" in msg
+        assert await spent(client) == pytest.approx(0.5, abs=1e-6)
+        assert len(fake.history) == 1
+
+
+# ---------------------------------------------------------------- 2. measure_if_unsure
+
+
+def unsure_trio() -> list[dict[str, Any]]:
+    return [conv_block(32, 4, "a"), conv_block(64, 2, "b"), conv_block(128, 1, "c")]
+
+
+async def test_measure_if_unsure_out_of_budget_mid_call_returns_what_it_charged(
+    tmp_path: Path, conv_a100: Path
+) -> None:
+    # Enough for the first measurement (0.018 GPU-s) but not the next (0.028).
+    async with replaying(tmp_path, [conv_a100], ledger_seconds=0.03) as (client, _):
+        cands = [*unsure_trio(), conv_block(16, 8, "d"), conv_block(48, 2, "e")]
+        out = await call(
+            client,
+            "compare_kernels",
+            # A strict target keeps every verdict unsure, so all five are queued for measurement.
+            {"candidates": cands, "measure_if_unsure": True, "max_measurements": 5, "target_error": 0.001},
+        )
+        paid = await spent(client)
+        assert paid > 0 and out["measurements"]
+        assert out["gpu_seconds_charged"] == pytest.approx(paid, abs=1e-6)
+        assert sum(m["cost"]["gpu_seconds"] for m in out["measurements"]) == pytest.approx(paid, abs=1e-6)
+        (stopped,) = [n for n in out["notes"] if n.startswith("measure_if_unsure stopped")]
+        assert "GPU-seconds left" in stopped and "Not measured:" in stopped
+
+
+async def test_measure_if_unsure_with_an_unrecordable_candidate_keeps_the_others(
+    tmp_path: Path, conv_a100: Path
+) -> None:
+    async with replaying(tmp_path, [conv_a100]) as (client, _):
+        cands = [conv_block(32, 4, "a"), conv("b", {**FAST, "block_size_x": 7}), conv_block(64, 2, "c")]
+        out = await call(
+            client,
+            "compare_kernels",
+            {"candidates": cands, "measure_if_unsure": True, "max_measurements": 5, "target_error": 0.001},
+        )
+        measured = {m["kernel_id"] for m in out["measurements"]}
+        assert "a" in measured and "b" not in measured
+        assert out["gpu_seconds_charged"] == pytest.approx(await spent(client), abs=1e-6)
+        (stopped,) = [n for n in out["notes"] if n.startswith("measure_if_unsure stopped")]
+        assert "b could not be measured" in stopped and "block_size_x=7" in stopped
+
+
+async def test_a_refused_measure_if_unsure_records_no_forecasts(tmp_path: Path, conv_a100: Path) -> None:
+    async with replaying(tmp_path, [conv_a100], ledger_seconds=0.0) as (client, _):
+        args = {"candidates": unsure_trio(), "measure_if_unsure": True, "target_error": 0.001}
+        for _ in range(2):
+            msg = await error_of(client, "compare_kernels", args)
+            assert "GPU-seconds left" in msg
+        status = await call(client, "budget_status", {})
+        assert status["forecasts"]["count"] == 0
+        assert status["spent_gpu_seconds"] == 0
+        # A plain (free) compare still records its forecasts.
+        await call(client, "compare_kernels", {"candidates": unsure_trio()})
+        assert (await call(client, "budget_status", {}))["forecasts"]["count"] == 2
+
+
+# ---------------------------------------------------------------- 3. hardware names
+
+
+async def test_a_fragment_or_another_gpus_name_never_becomes_the_measurement_device(
+    tmp_path: Path, conv_a100: Path
+) -> None:
+    async with replaying(tmp_path, [conv_a100]) as (client, _):
+        pair = [conv("a", FAST), conv("b", SLOW)]
+        for name in ("A10", "1", "40", "GB", "PCIE", "A", "A1"):
+            out = await call(client, "compare_kernels", {"candidates": pair, "hardware": name})
+            assert out["hardware"] != "A100-PCIE-40GB", name
+            msg = await error_of(client, "measure_kernel", {"kernel": conv("m", FAST), "hardware": name})
+            assert "can measure on: A100-PCIE-40GB" in msg, name
+        out = await call(client, "compare_kernels", {"candidates": pair, "hardware": "A10"})
+        assert out["hardware"] == "A10" and out["hardware_known"] is True  # the A10's own spec row
+        for name in ("A100", "nvidia a100", "NVIDIA A100-PCIE-40GB", "a100 pcie"):
+            out = await call(client, "compare_kernels", {"candidates": pair, "hardware": name})
+            assert out["hardware"] == "A100-PCIE-40GB", name
+        assert await spent(client) == 0
+
+
+async def test_a_device_missing_from_the_spec_table_is_matched_on_whole_words(tmp_path: Path) -> None:
+    async with faking(tmp_path, [FakeMeasurer(["NVIDIA GeForce GTX 1080"])]) as (_, service):
+        for name in ("GTX 1080", "1080", "nvidia geforce gtx 1080"):
+            assert service.resolve_hardware(name).device_of is not None, name
+        for name in ("GTX", "1", "10", "1080 Ti", "GTX 108"):
+            assert service.resolve_hardware(name).device_of is None, name
+
+
+# ---------------------------------------------------------------- 4. target_error
+
+
+@pytest.mark.parametrize("target", [1e-5, 1e-20, 1e-300, 5e-324])
+async def test_a_vanishing_target_error_is_a_clear_error(
+    tmp_path: Path, conv_a100: Path, target: float
+) -> None:
+    async with replaying(tmp_path, [conv_a100]) as (client, _):
+        pair = [conv("a", FAST), conv("b", SLOW)]
+        msg = await error_of(client, "compare_kernels", {"candidates": pair, "target_error": target})
+        assert "target_error must be at least 0.0001" in msg
+        out = await call(client, "compare_kernels", {"candidates": pair, "target_error": 1e-4})
+        assert out["target_error"] == 1e-4
+
+
+def test_the_zero_error_count_survives_targets_below_float_resolution() -> None:
+    assert min_count_zero_errors(1e-20, 0.05) == pytest.approx(2.996e20, rel=1e-3)
+    with pytest.raises(ValueError, match="too small"):
+        min_count_zero_errors(5e-324, 0.05)
+
+
+# ---------------------------------------------------------------- 5. echoed input
+
+
+async def test_errors_do_not_echo_a_megabyte_of_input(tmp_path: Path, conv_a100: Path) -> None:
+    huge = "z" * 1_000_000
+    async with replaying(tmp_path, [conv_a100]) as (client, _):
+        pair = [conv("a", FAST), conv("b", SLOW)]
+        for tool, args in (
+            ("compare_kernels", {"candidates": pair, "baseline": huge}),
+            ("compare_kernels", {"candidates": pair, "ledger": huge}),
+            ("budget_status", {"ledger": huge}),
+        ):
+            msg = await error_of(client, tool, args)
+            assert len(msg) < 1000, (tool, list(args))
+            assert "z" * 20 in msg  # still says what was wrong
+
+
+# ---------------------------------------------------------------- 6. misspelt argument names
+
+
+async def test_misspelt_argument_names_are_refused_with_the_valid_ones(
+    tmp_path: Path, conv_a100: Path
+) -> None:
+    async with replaying(tmp_path, [conv_a100]) as (client, _):
+        pair = [conv("a", FAST), conv("b", SLOW)]
+        msg = await error_of(
+            client, "compare_kernels", {"candidates": pair, "target_eror": 0.01, "basline": "b"}
+        )
+        assert "'target_eror' (did you mean 'target_error'?)" in msg
+        assert "'basline' (did you mean 'baseline'?)" in msg
+        assert "candidates, workload, baseline, hardware, target_error" in msg
+        msg = await error_of(
+            client,
+            "measure_kernel",
+            {"kernel": conv("a", FAST), "idempotencykey": "X1", "max_second": 0.001},
+        )
+        assert "did you mean 'idempotency_key'" in msg and "did you mean 'max_seconds'" in msg
+        msg = await error_of(client, "budget_status", {"ledgr": "team"})
+        assert "did you mean 'ledger'" in msg
+        assert await spent(client) == 0
+        status = await call(client, "budget_status", {})
+        assert status["measurements"]["count"] == 0 and status["forecasts"]["count"] == 0
