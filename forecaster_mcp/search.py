@@ -529,6 +529,7 @@ class ToolEmulator:
                 status,
                 median,
                 kernel.content_key(),
+                tuple(kernel.compile_options),
             ),
         )
         gpu_seconds = (sum(times) + float(getattr(entry, "verification_time_ms", 0.0) or 0.0)) / 1000.0

@@ -365,6 +365,42 @@ async def test_family_points_latest_per_kernel_preferring_ok(store: Store) -> No
     assert await store.best_runtime(a.family_key(), "A100", "w") == 1.5
 
 
+@pytest.mark.anyio
+async def test_compile_options_reach_the_family_model_and_it_learns_them(store: Store) -> None:
+    """Members that differ only in nvcc flags are different binaries of one family: the stored points carry
+    the flags and the local model learns their effect (here -use_fast_math halves every runtime)."""
+    from forecaster_mcp.forecast.base import PairQuery
+    from forecaster_mcp.forecast.local import LocalForecaster
+    from forecaster_mcp.hardware.specs import lookup
+    from forecaster_mcp.models import Workload
+
+    def member(bs: int, fast: bool) -> Kernel:
+        flags = ["-use_fast_math"] if fast else []
+        return Kernel(id=f"b{bs}{fast}", source=SOURCE, entry="k", defines={"BS": bs}, compile_options=flags)
+
+    def runtime(bs: int, fast: bool) -> float:
+        return (1.0 + abs(math.log2(bs) - 7.0)) * (0.5 if fast else 1.0)
+
+    for bs in (16, 32, 64, 128, 256, 512, 1024):
+        for fast in (False, True):
+            if (bs, fast) != (256, True):
+                await save(store, member(bs, fast), runtime(bs, fast), hardware="A100-PCIE-40GB")
+    points = await store.family_points(member(16, False).family_key(), "A100-PCIE-40GB", "w")
+    assert sorted(p.compile_options for p in points)[-1] == ("-use_fast_math",)
+
+    class History:
+        async def family_points(self, family_key: str, hardware: str, workload_key: str) -> list[Any]:
+            return await store.family_points(family_key, hardware, "w")
+
+    f = LocalForecaster(History(), ptxas_wait_s=0.0)
+    hw = lookup("A100-PCIE-40GB")
+    [out] = await f.forecast(
+        [PairQuery(member(256, False), member(256, True), Workload(), "A100-PCIE-40GB", hw)]
+    )
+    assert out.extras["measured"] == 0.0  # the flagged binary was never measured
+    assert out.p_faster > 0.9 and out.extras["mu_log2"] == pytest.approx(1.0, abs=0.3)
+
+
 # ------------------------------------------------------------------------------------------- forecasts
 
 

@@ -203,6 +203,7 @@ class MemoryHistory:
                 status=p.status,
                 runtime_ms=p.runtime_ms,
                 content_key=p.kernel.content_key(),
+                compile_options=tuple(p.kernel.compile_options),
             )
         self._points = {k: list(v.values()) for k, v in latest.items()}
 

@@ -121,11 +121,18 @@ def _launch_values(launch: dict[str, Any] | None) -> dict[str, float]:
     return out
 
 
-def kernel_params(defines: dict[str, Any], launch: dict[str, Any] | None) -> dict[str, Any]:
-    """Everything that varies inside a family: the defines plus numeric launch fields."""
+def kernel_params(
+    defines: dict[str, Any], launch: dict[str, Any] | None, compile_options: Sequence[str] = ()
+) -> dict[str, Any]:
+    """Everything that varies inside a family: the defines, numeric launch fields, and each nvcc flag as a
+    0/1 parameter ("%-use_fast_math", "%-maxrregcount=64"; absent = 0)."""
     params: dict[str, Any] = dict(defines)
     params.update(_launch_values(launch))
+    params.update({f"{_FLAG_PREFIX}{opt}": 1 for opt in compile_options})
     return params
+
+
+_FLAG_PREFIX = "%"
 
 
 def _canonical(value: Any) -> int | float | str:
@@ -224,7 +231,10 @@ class ParamEncoder:
         for name in names:
             values = [r[name] for r in rows if name in r]
             numbers = [_as_number(v) for v in values]
-            if values and all(n is not None for n in numbers):
+            if name.startswith(_FLAG_PREFIX):
+                # A compile flag: 1 where given, 0 (the default) where not.
+                self.columns.append(_Column(name, "num", False, 0.0, 1.0, default=0.0))
+            elif values and all(n is not None for n in numbers):
                 nums = [float(n) for n in numbers if n is not None]
                 lo, hi = min(nums), max(nums)
                 use_log = lo > 0 and hi / lo >= 4.0
@@ -893,7 +903,7 @@ def fit_family(points: Sequence[FamilyPoint], warm: Array | None = None, refit: 
         ok = p.status == _OK_STATUS and p.runtime_ms is not None and p.runtime_ms > 0
         log2_ms = math.log2(p.runtime_ms) if ok and p.runtime_ms is not None else None
         measured[p.content_key] = Measured(ok, log2_ms, p.status)
-        rows.append(kernel_params(p.defines, p.launch))
+        rows.append(kernel_params(p.defines, p.launch, p.compile_options))
         key = row_key(rows[-1])
         if ok or key not in by_row:  # an ok measurement under either spelling wins over a failed one
             by_row[key] = measured[p.content_key]
@@ -1147,7 +1157,7 @@ class LocalForecaster:
                 ck = keys[id(k)][1]
                 if model is None or not model.usable or ck in model.measured:
                     continue
-                row = kernel_params(dict(k.defines), _launch_dict(k))
+                row = kernel_params(dict(k.defines), _launch_dict(k), k.compile_options)
                 if model.lookup(ck, row) is not None:
                     continue
                 slots = wanted.setdefault(key, {})
@@ -1188,7 +1198,7 @@ class LocalForecaster:
     ) -> _Belief:
         if model is None:
             return _Belief("unknown")
-        row = kernel_params(dict(kernel.defines), _launch_dict(kernel))
+        row = kernel_params(dict(kernel.defines), _launch_dict(kernel), kernel.compile_options)
         m = model.lookup(ck, row)
         if m is not None:
             if m.ok and m.log2_ms is not None:

@@ -91,6 +91,7 @@ class FamilyPoint:
     status: str
     runtime_ms: float | None  # median, None when status != ok
     content_key: str
+    compile_options: tuple[str, ...] = ()  # the kernel's nvcc flags (they change the binary, not the family)
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,8 @@ class ForecastRow:
 # each numbered per kernel: rn = 1 is the latest ok measurement if there is one, else the latest of any status.
 # family_points and best_runtime read the same rows, so the model and measure_next's best agree.
 _FAMILY_LATEST = (
-    "(SELECT defines_json, launch_json, status, runtime_ms, content_key, row_number() OVER "
+    "(SELECT defines_json, launch_json, status, runtime_ms, content_key, "
+    "json_extract(kernel_json, '$.compile_options') AS compile_options, row_number() OVER "
     "(PARTITION BY content_key ORDER BY (status = 'ok') DESC, id DESC) AS rn "
     "FROM measurements WHERE family_key = ? AND hardware = ? AND workload_key = ?)"
 )
@@ -890,7 +892,7 @@ class Store:
 
         Per kernel, the latest ok measurement if there is one, else the latest of any status."""
         rows = await self._fetch(
-            "SELECT defines_json, launch_json, status, runtime_ms, content_key FROM "
+            "SELECT defines_json, launch_json, status, runtime_ms, content_key, compile_options FROM "
             f"{_FAMILY_LATEST} WHERE rn = 1 ORDER BY content_key",
             (family_key, hardware, workload_key),
         )
@@ -901,6 +903,7 @@ class Store:
                 status=str(r[2]),
                 runtime_ms=None if r[3] is None else float(r[3]),
                 content_key=str(r[4]),
+                compile_options=tuple(json.loads(r[5])) if r[5] else (),
             )
             for r in rows
         ]
