@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 MAX_SOURCE_BYTES = 1_000_000
 MAX_CANDIDATES = 64
@@ -52,6 +53,77 @@ InitKind = Literal["random_uniform", "random_normal", "zeros", "ones", "arange"]
 Intent = Literal["in", "out", "inout"]
 DefineValue = int | float | str
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# C0 control characters and DEL: a NUL cannot reach a process argument at all, and the others have no place in
+# a macro value or a compiler flag.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+UINT64_MAX = 2**64 - 1
+
+# CUDA's launch limits (every compute capability since 3.0).
+MAX_GRID_X = 2**31 - 1
+MAX_GRID_YZ = 65535
+MAX_BLOCK_XY = 1024
+MAX_BLOCK_Z = 64
+MAX_THREADS_PER_BLOCK = 1024
+# Dynamic shared memory per block, over any GPU's limit (the largest opt-in today is 227 KiB on sm_90 and
+# sm_100); the measurer checks the device's own limit, this only turns away sizes no GPU has.
+MAX_SHARED_MEM_BYTES = 2**20
+
+# nvcc flags a kernel may carry. Each changes how device code is generated and none names a file, a directory,
+# a host compiler or options for a host tool, so a kernel cannot make the server read, write or run anything.
+# Only the attached `flag=value` form is accepted: every list item is one whole flag (matched whole, with
+# fullmatch: `$` would let a trailing newline through).
+_PTXAS_OPTION = (
+    r"(?:-v|--verbose|-O[0-3]|--opt-level=[0-3]|-warn-spills|--warn-on-spills|-warn-lmem-usage"
+    r"|--warn-on-local-memory-usage|-warn-double-usage|--warn-on-double-precision-use"
+    r"|-dlcm=(?:ca|cg|cs|lu|cv)|--def-load-cache=(?:ca|cg|cs|lu|cv)"
+    r"|-dscm=(?:wb|cg|cs|wt)|--def-store-cache=(?:wb|cg|cs|wt)|--?maxrregcount=\d{1,3}"
+    r"|--?allow-expensive-optimizations=(?:true|false)|--?fmad=(?:true|false))"
+)
+_ARCH_NAME = r"(?:sm|compute)_\d{2,3}[af]?"
+COMPILE_OPTION = re.compile(
+    r"(?:"
+    r"-O[0-3]|--?std=c\+\+(?:11|14|17|20)"
+    r"|--?use_fast_math|--?(?:ftz|prec-div|prec-sqrt|fmad)=(?:true|false)"
+    r"|--?maxrregcount=\d{1,3}|--?extra-device-vectorization|--?restrict"
+    r"|-lineinfo|--generate-line-info|-G|--device-debug"
+    r"|--?expt-relaxed-constexpr|--?expt-extended-lambda|--?extended-lambda"
+    r"|-w|--disable-warnings|--?Wno-deprecated-gpu-targets"
+    r"|-D[A-Za-z_][A-Za-z0-9_]*(?:=[A-Za-z0-9_.+\-]*)?|-U[A-Za-z_][A-Za-z0-9_]*"
+    rf"|(?:-Xptxas|--ptxas-options)={_PTXAS_OPTION}(?:,{_PTXAS_OPTION})*"
+    r"|(?:-rdc|--relocatable-device-code)=(?:true|false)|-dc|--device-c"
+    rf"|(?:-arch|--gpu-architecture|-code|--gpu-code)={_ARCH_NAME}"
+    rf"|(?:-gencode|--generate-code)=arch=compute_\d{{2,3}}[af]?,code={_ARCH_NAME}"
+    r")"
+)
+_ARCH_OPTION = re.compile(r"^(?:-arch|--gpu-architecture|-code|--gpu-code|-gencode|--generate-code)=")
+ACCEPTED_COMPILE_OPTIONS = (
+    "-O0..-O3, -use_fast_math, -ftz=, -prec-div=, -prec-sqrt=, -fmad= (true|false), -maxrregcount=N, "
+    "-extra-device-vectorization, -restrict, -lineinfo, -G, -std=c++11|14|17|20, -expt-relaxed-constexpr, "
+    "-extended-lambda, -w, -Wno-deprecated-gpu-targets, -DNAME[=value], -UNAME, "
+    "-Xptxas=<ptxas flags, comma separated: -v, -O0..-O3, -warn-spills, -warn-lmem-usage, -dlcm=ca|cg|cs|lu|cv, "
+    "-dscm=wb|cg|cs|wt, -maxrregcount=N, -allow-expensive-optimizations=true|false>, -rdc=true|false, -dc, "
+    "-arch=sm_XX, -code=sm_XX, -gencode=arch=compute_XX,code=sm_XX"
+)
+
+
+def compile_option_allowed(option: str) -> bool:
+    """True for an nvcc flag a kernel may carry (see COMPILE_OPTION): code generation only, no file access."""
+    return COMPILE_OPTION.fullmatch(option) is not None
+
+
+def is_arch_option(option: str) -> bool:
+    """True for a flag that picks the target architecture (the compile flows pick their own otherwise)."""
+    return _ARCH_OPTION.match(option) is not None
+
+
+def _check_number(value: Any, what: str, low: int = INT64_MIN, high: int = INT64_MAX) -> None:
+    """Raise unless a number is finite and, for an integer, within [low, high]."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{what} is {value}: numbers must be finite (NaN and infinity are not valid input)")
+    if isinstance(value, int) and not isinstance(value, bool) and not low <= value <= high:
+        raise ValueError(f"{what} is out of range: integers must be between {low} and {high}")
 
 
 class _Strict(BaseModel):
@@ -71,6 +143,14 @@ def _dim3(value: Any, what: str) -> tuple[int, int, int]:
     return (dims[0], dims[1], dims[2])
 
 
+def _within(dims: tuple[int, int, int], limits: tuple[int, int, int], what: str) -> None:
+    for axis, d, limit in zip("xyz", dims, limits, strict=True):
+        if d > limit:
+            raise ValueError(
+                f"{what}.{axis} is {d}; CUDA allows at most {limit} (limits x, y, z: {list(limits)})"
+            )
+
+
 class Launch(_Strict):
     """How a CUDA kernel is launched."""
 
@@ -81,17 +161,31 @@ class Launch(_Strict):
     @field_validator("grid", mode="before")
     @classmethod
     def _grid(cls, v: Any) -> tuple[int, int, int]:
-        return _dim3(v, "launch.grid")
+        dims = _dim3(v, "launch.grid")
+        _within(dims, (MAX_GRID_X, MAX_GRID_YZ, MAX_GRID_YZ), "launch.grid")
+        return dims
 
     @field_validator("block", mode="before")
     @classmethod
     def _block(cls, v: Any) -> tuple[int, int, int]:
         dims = _dim3(v, "launch.block")
-        if dims[0] * dims[1] * dims[2] > 1024:
+        _within(dims, (MAX_BLOCK_XY, MAX_BLOCK_XY, MAX_BLOCK_Z), "launch.block")
+        if dims[0] * dims[1] * dims[2] > MAX_THREADS_PER_BLOCK:
             raise ValueError(
-                f"launch.block has {dims[0] * dims[1] * dims[2]} threads; CUDA allows at most 1024 per block"
+                f"launch.block has {dims[0] * dims[1] * dims[2]} threads; CUDA allows at most "
+                f"{MAX_THREADS_PER_BLOCK} per block"
             )
         return dims
+
+    @field_validator("shared_mem_bytes")
+    @classmethod
+    def _shared(cls, v: int) -> int:
+        if v > MAX_SHARED_MEM_BYTES:
+            raise ValueError(
+                f"launch.shared_mem_bytes is {v}, over the {MAX_SHARED_MEM_BYTES}-byte cap: no GPU gives a block "
+                "that much shared memory (the most today is 227 KiB, 232448 bytes, on H100 and B200)"
+            )
+        return v
 
     @property
     def threads_per_block(self) -> int:
@@ -115,7 +209,7 @@ class Kernel(_Strict):
         "kernels (waves, occupancy, threads launched for the same workload)",
     )
     defines: dict[str, DefineValue] = Field(default_factory=dict, description="-D macros / tuning parameters")
-    compile_options: list[str] = Field(default_factory=list, description="extra nvcc flags")
+    compile_options: list[str] = Field(default_factory=list, max_length=64, description="extra nvcc flags")
 
     @field_validator("source")
     @classmethod
@@ -143,19 +237,32 @@ class Kernel(_Strict):
         for name, value in v.items():
             if not _IDENT.match(name):
                 raise ValueError(f"define name {name[:80]!r} is not a C identifier")
-            if isinstance(value, str) and ("\n" in value or len(value) > 256):
-                raise ValueError(f"define {name} has a value with a newline or over 256 characters")
+            if isinstance(value, str):
+                if _CONTROL.search(value) or len(value) > 256:
+                    raise ValueError(
+                        f"define {name} has a value with a control character (newline, NUL, ...) or over "
+                        "256 characters: pass one line of printable text"
+                    )
+            else:
+                # It becomes -Dname=value: NaN, inf or a 400-digit integer is not a C literal anyone means.
+                _check_number(value, f"define {name}")
         return v
 
     @field_validator("compile_options")
     @classmethod
     def _options(cls, v: list[str]) -> list[str]:
         for opt in v:
-            if not opt.startswith("-") or "\n" in opt or len(opt) > 256:
-                raise ValueError(f"compile option {opt[:80]!r} must be a single nvcc flag starting with '-'")
-            if opt.split("=")[0] in {"-o", "--output-file", "-odir", "--output-directory", "-ccbin"}:
+            if _CONTROL.search(opt) or len(opt) > 256:
                 raise ValueError(
-                    f"compile option {opt!r} is not allowed: the server chooses outputs and host compiler"
+                    f"compile option {opt[:80]!r} has a control character (newline, NUL, ...) or is over "
+                    "256 characters: pass one nvcc flag per list item"
+                )
+            if not compile_option_allowed(opt):
+                raise ValueError(
+                    f"compile option {opt[:80]!r} is not accepted: only flags that change device code "
+                    "generation may be passed, one per list item in the attached form (-maxrregcount=64, "
+                    f"not -maxrregcount 64). Accepted: {ACCEPTED_COMPILE_OPTIONS}. Macros go in defines; "
+                    "include paths, output files, host compiler and host-tool options are chosen by the server"
                 )
         return v
 
@@ -216,6 +323,20 @@ class ScalarArg(_Strict):
     dtype: Dtype
     value: int | float
 
+    @field_validator("value")
+    @classmethod
+    def _value(cls, v: int | float, info: ValidationInfo) -> int | float:
+        what = f"scalar {info.data.get('name', '?')}"
+        _check_number(v, what, INT64_MIN, UINT64_MAX)
+        dtype = info.data.get("dtype")
+        if isinstance(dtype, str) and dtype.startswith(("int", "uint")):
+            bits = int(dtype.removeprefix("u").removeprefix("int"))
+            signed = not dtype.startswith("u")
+            low, high = (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1) if signed else (0, 2**bits - 1)
+            if not low <= v <= high:
+                raise ValueError(f"{what}={v} does not fit {dtype} ({low} to {high})")
+        return v
+
 
 WorkloadArg = Annotated[BufferArg | ScalarArg, Field(union_mode="smart")]
 MAX_WORKLOAD_BYTES = 64 * 2**30
@@ -227,6 +348,17 @@ class Workload(_Strict):
     args: list[WorkloadArg] = Field(default_factory=list, max_length=64)
     problem: dict[str, int | float | str] = Field(default_factory=dict)
     name: str | None = Field(default=None, max_length=256)
+
+    @field_validator("problem")
+    @classmethod
+    def _problem(cls, v: dict[str, int | float | str]) -> dict[str, int | float | str]:
+        for key, value in v.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(
+                    f"workload.problem[{key[:80]!r}] is {value}: sizes must be finite numbers "
+                    "(NaN and infinity are not valid input)"
+                )
+        return v
 
     @model_validator(mode="after")
     def _sizes(self) -> Workload:

@@ -476,3 +476,16 @@ async def test_a_gpu_outside_the_compilers_window_gets_registers_from_a_stand_in
     query = PairQuery(base, cand, Workload(), "V100", lookup("V100"))
     (forecast,) = await LocalForecaster(None, ptxas_wait_s=30.0).forecast([query])
     assert "occupancy (-)" in forecast.rationale
+
+
+def test_if_conditions_are_evaluated_in_64_bits_without_eval() -> None:
+    """An agent's `#if 1 << 1099511627776` must not make the server allocate 128 GB: beyond 64 bits a
+    condition is undecided (both branches count), as the preprocessor's intmax_t would not hold it."""
+    from forecaster_mcp.forecast.features import _eval_condition
+
+    assert _eval_condition("1 << 1099511627776", {}) is None
+    assert _eval_condition("A*A*A*A*A*A*A*A", {"A": "1000000"}) is None
+    assert _eval_condition("(1 << 4) == 16 && !B", {}) is True
+    assert _eval_condition("A >= 2 || defined(B)", {"A": "1"}) is False
+    assert _eval_condition("1 < A < 3", {"A": "2"}) is True
+    assert _eval_condition("__import__('os')", {}) is None

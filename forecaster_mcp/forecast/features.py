@@ -107,10 +107,69 @@ def _eval_condition(expr: str, macros: dict[str, str]) -> bool | None:
     if not all(isinstance(node, _ALLOWED_NODES) for node in ast.walk(tree)):
         return None
     try:
-        value = eval(compile(tree, "<cpp>", "eval"), {"__builtins__": {}}, {})
-    except (ArithmeticError, ValueError, TypeError):
+        return bool(_cpp_value(tree.body))
+    except (ArithmeticError, ValueError, TypeError, RecursionError):
         return None
-    return bool(value)
+
+
+_BINARY: dict[type, Any] = {
+    ast.Add: lambda a, b: a + b,
+    ast.Sub: lambda a, b: a - b,
+    ast.Mult: lambda a, b: a * b,
+    ast.FloorDiv: lambda a, b: a // b,
+    ast.Mod: lambda a, b: a % b,
+    ast.BitAnd: lambda a, b: a & b,
+    ast.BitOr: lambda a, b: a | b,
+    ast.BitXor: lambda a, b: a ^ b,
+    ast.LShift: lambda a, b: a << b,
+    ast.RShift: lambda a, b: a >> b,
+}
+_COMPARE: dict[type, Any] = {
+    ast.Eq: lambda a, b: a == b,
+    ast.NotEq: lambda a, b: a != b,
+    ast.Lt: lambda a, b: a < b,
+    ast.LtE: lambda a, b: a <= b,
+    ast.Gt: lambda a, b: a > b,
+    ast.GtE: lambda a, b: a >= b,
+}
+_CPP_LIMIT = 2**64  # the preprocessor computes in intmax_t: anything beyond is not a condition anyone means
+
+
+def _cpp_value(node: ast.AST) -> int:
+    """Value of an allowed #if expression node, in 64-bit range (ArithmeticError beyond it).
+
+    Not Python's eval: `1 << 1099511627776` in an agent's source would try to allocate 128 GB."""
+    if isinstance(node, ast.Constant):
+        if isinstance(node.value, bool) or not isinstance(node.value, int):
+            raise TypeError("only integer constants")
+        value = node.value
+    elif isinstance(node, ast.UnaryOp):
+        inner = _cpp_value(node.operand)
+        value = {ast.USub: -inner, ast.UAdd: inner, ast.Invert: ~inner, ast.Not: int(not inner)}[
+            type(node.op)
+        ]
+    elif isinstance(node, ast.BinOp):
+        a, b = _cpp_value(node.left), _cpp_value(node.right)
+        if isinstance(node.op, ast.LShift | ast.RShift) and not 0 <= b < 64:
+            raise ArithmeticError("shift out of range")
+        value = _BINARY[type(node.op)](a, b)
+    elif isinstance(node, ast.BoolOp):
+        values = [_cpp_value(v) for v in node.values]
+        value = int(all(values)) if isinstance(node.op, ast.And) else int(any(values))
+    elif isinstance(node, ast.Compare):
+        left, ok = _cpp_value(node.left), True
+        for op, right_node in zip(node.ops, node.comparators, strict=True):
+            right = _cpp_value(right_node)
+            ok = ok and bool(_COMPARE[type(op)](left, right))
+            left = right
+        value = int(ok)
+    elif isinstance(node, ast.IfExp):
+        value = _cpp_value(node.body) if _cpp_value(node.test) else _cpp_value(node.orelse)
+    else:
+        raise TypeError(f"unsupported node {type(node).__name__}")
+    if not -_CPP_LIMIT <= value < _CPP_LIMIT:
+        raise ArithmeticError("beyond 64 bits")
+    return value
 
 
 def preprocess(source: str, defines: dict[str, Any]) -> str:
@@ -437,17 +496,18 @@ class StaticFeatures:
 
 
 def _numeric_defines(defines: dict[str, Any]) -> dict[str, float]:
+    """Defines that read as finite numbers. Others are left out: an int too big for a float raises
+    OverflowError, and a string such as "1e400" or "nan" reads as a non-finite float that would poison a model."""
     out: dict[str, float] = {}
     for k, v in defines.items():
-        if isinstance(v, bool):
-            out[k] = float(v)
-        elif isinstance(v, int | float):
-            out[k] = float(v)
-        elif isinstance(v, str):
-            try:
-                out[k] = float(v)
-            except ValueError:
-                continue
+        if not isinstance(v, int | float | str):
+            continue
+        try:
+            number = float(v)
+        except (ValueError, OverflowError):
+            continue
+        if math.isfinite(number):
+            out[k] = number
     return out
 
 

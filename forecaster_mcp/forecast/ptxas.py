@@ -28,21 +28,11 @@ from typing import Any
 
 import anyio
 
-from forecaster_mcp.models import Kernel
+from forecaster_mcp.models import Kernel, compile_option_allowed, is_arch_option
 
 log = logging.getLogger(__name__)
 
 CACHE_VERSION = "1"
-# nvcc flags that change code generation but cannot read or write files outside the temp dir.
-_ALLOWED_FLAG = re.compile(
-    r"^(?:"
-    r"-O[0-3]|--?std=c\+\+(?:11|14|17|20)|-std=c\+\+(?:11|14|17|20)"
-    r"|--?use_fast_math|-ftz=(?:true|false)|-prec-div=(?:true|false)|-prec-sqrt=(?:true|false)"
-    r"|-fmad=(?:true|false)|--?maxrregcount=\d{1,3}|--?extra-device-vectorization|--?restrict"
-    r"|-lineinfo|--?expt-relaxed-constexpr|--?expt-extended-lambda"
-    r"|-D[A-Za-z_][A-Za-z0-9_]*(?:=[A-Za-z0-9_.+\-]*)?|-U[A-Za-z_][A-Za-z0-9_]*"
-    r")$"
-)
 _ARCH = re.compile(r"^sm_\d{2,3}[a-z]?$")
 _PLAIN_ARCH = re.compile(r"^sm_(\d{2,3})$")
 _RE_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
@@ -131,8 +121,9 @@ def stand_in_arch(arch: str, supported: Sequence[str]) -> str:
 
 
 def safe_options(options: list[str]) -> list[str]:
-    """The kernel's compile options that are safe to pass (others are dropped, not an error)."""
-    return [o for o in options if _ALLOWED_FLAG.match(o)]
+    """The kernel's compile options to pass here: those models.Kernel accepts (validation already rejects the
+    rest; this guards kernels built without it), less the architecture flags, since this compile picks its own."""
+    return [o for o in options if compile_option_allowed(o) and not is_arch_option(o)]
 
 
 def _define_flag(name: str, value: int | float | str) -> str:
@@ -227,7 +218,8 @@ async def ptxas_usage(
             return cached
     with tempfile.TemporaryDirectory(prefix="fmcp-ptxas-") as tmp:
         src = Path(tmp) / "kernel.cu"
-        src.write_text(kernel.source)
+        # As the measurer writes it: a lone surrogate (valid JSON, not valid UTF-8) must not raise here.
+        src.write_text(kernel.source, encoding="utf-8", errors="surrogatepass")
         cmd = [
             nvcc,
             "-c",
@@ -243,7 +235,7 @@ async def ptxas_usage(
             proc = await anyio.open_process(
                 cmd, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
             )
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: an argument the OS refuses (an embedded NUL)
             log.info("nvcc could not start (%s): ptxas features unavailable", exc)
             return None
         chunks: list[bytes] = []

@@ -74,6 +74,7 @@ from forecaster_mcp.models import (
     MeasureStatus,
     ResourceUsage,
     Workload,
+    compile_option_allowed,
 )
 
 log = logging.getLogger(__name__)
@@ -388,6 +389,7 @@ class NvccCompiler:
                 "nvcc (the CUDA toolkit) is not installed on the measurement machine; install it or set "
                 "FORECASTER_MCP_NVCC to its path"
             )
+        _refuse_unsafe_flags(kernel)
         key = self.key(kernel, arch)
         entry_dir = self.cache_dir / "kernels" / key
         meta_path = entry_dir / "meta.json"
@@ -455,6 +457,18 @@ class NvccCompiler:
             return _install(kernel.entry, output, work, entry_dir), True
         finally:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def _refuse_unsafe_flags(kernel: Kernel) -> None:
+    """Models.Kernel validation already turns these away; this guards kernels built without it, since every
+    option and define reaches nvcc's command line."""
+    for opt in kernel.compile_options:
+        if not compile_option_allowed(opt):
+            raise InvalidRequest(f"compile option {opt[:80]!r} is not accepted: see Kernel.compile_options")
+    for name, value in kernel.defines.items():
+        flag = f"-D{name}={value}"
+        if any(ord(c) < 32 or ord(c) == 127 for c in flag):
+            raise InvalidRequest(f"define {name[:80]!r} has a control character: pass printable text")
 
 
 def _install(entry: str, ptxas_output: str, work: Path, entry_dir: Path) -> CompiledKernel | CompileFailure:
@@ -747,6 +761,9 @@ class PycudaMeasurer:
             _check_runnable(request.reference, "reference", request.workload)
         slot = self._slot_for(request.device)
         info = await self._device_info(slot)
+        for what, k in (("kernel", request.kernel), ("reference", request.reference)):
+            if k is not None and k.launch is not None:
+                _check_shared_fits(what, k.launch.shared_mem_bytes, info)
 
         t_compile = time.perf_counter()
         compiled = await self.compiler.compile(request.kernel, info.arch)
@@ -1073,6 +1090,16 @@ def _check_runnable(kernel: Kernel, what: str, workload: Workload) -> None:
         raise InvalidRequest(
             "workload.args is required to run a kernel: list its parameters in order, buffers as "
             '{"name", "dtype", "shape", "init", "intent"} and scalars as {"name", "dtype", "value"}'
+        )
+
+
+def _check_shared_fits(what: str, shared_mem_bytes: int, info: DeviceInfo) -> None:
+    """Refuse, before anything is charged, dynamic shared memory the device cannot give one block."""
+    if shared_mem_bytes > info.max_shared_mem_per_block_bytes:
+        raise InvalidRequest(
+            f"{what}.launch.shared_mem_bytes is {shared_mem_bytes}, over the {info.max_shared_mem_per_block_bytes} "
+            f"bytes of shared memory {info.name} gives one block (static __shared__ arrays count too): "
+            "use less dynamic shared memory"
         )
 
 

@@ -1,0 +1,581 @@
+"""Kernel and workload input that reaches a compiler command line or a forecast: what is turned away, with a
+message the agent can act on, before anything is compiled or charged."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import select
+import shutil
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mcp import Client
+from pydantic import ValidationError
+from replay_kernels import FAST, SLOW, conv
+
+from forecaster_mcp.errors import InvalidRequest
+from forecaster_mcp.forecast.features import kernel_features
+from forecaster_mcp.forecast.ptxas import ptxas_usage, safe_options
+from forecaster_mcp.hardware.specs import all_specs
+from forecaster_mcp.measure.base import MeasureRequest
+from forecaster_mcp.measure.pycuda_measurer import CompiledKernel, NvccCompiler, PycudaMeasurer
+from forecaster_mcp.models import MAX_SHARED_MEM_BYTES, Kernel, Launch, Workload, is_arch_option
+from forecaster_mcp.server.app import build_server
+from forecaster_mcp.server.client import ToolCallFailed, structured
+from forecaster_mcp.service import Service
+from forecaster_mcp.settings import Settings
+
+SRC = "__global__ void k(float* a) { a[threadIdx.x] = 1.0f; }\n"
+NVCC = shutil.which("nvcc") or (
+    "/usr/local/cuda/bin/nvcc" if os.access("/usr/local/cuda/bin/nvcc", os.X_OK) else None
+)
+needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc (CUDA toolkit) not installed")
+FAKE = str(Path(__file__).with_name("fake_gpu_worker.py"))
+
+
+def kernel(**fields: Any) -> Kernel:
+    return Kernel.model_validate({"source": SRC, "entry": "k", **fields})
+
+
+def rejection(**fields: Any) -> str:
+    with pytest.raises(ValidationError) as info:
+        kernel(**fields)
+    return str(info.value)
+
+
+@asynccontextmanager
+async def running(home: Path, replay: list[Path]) -> AsyncIterator[Client]:
+    settings = Settings.from_env(home=home, replay=replay, measurer="replay", ledger="team")
+    service = await Service.open(settings)
+    try:
+        await service.store.create_ledger("team", 100.0)
+        async with Client(build_server(service)) as client:
+            yield client
+    finally:
+        await service.close()
+
+
+async def error_of(client: Client, name: str, args: dict[str, Any]) -> str:
+    with pytest.raises(ToolCallFailed) as info:
+        structured(await client.call_tool(name, args))
+    return str(info.value)
+
+
+async def nothing_charged(client: Client) -> None:
+    status = structured(await client.call_tool("budget_status", {}))
+    assert status["spent_gpu_seconds"] == 0
+    assert status["reserved_gpu_seconds"] == 0
+
+
+# ---------------------------------------------------------------- 1. compile options: an allowlist
+
+# Each of these was accepted and reached nvcc verbatim: a host compiler, a compiler plugin, an output or
+# temp directory, a dependency file or an included file of the caller's choosing.
+ESCAPES = [
+    "--compiler-bindir=/tmp/evil",
+    "-ccbin=/tmp/evil",
+    "-Xcompiler=-fplugin=/tmp/evil.so",
+    "--compiler-options=-B/tmp/evil",
+    "-o/tmp/pwned.cubin",
+    "-o",
+    "--output-file=/tmp/x",
+    "-odir=/tmp",
+    "--keep-dir=/tmp/x",
+    "--keep",
+    "-MF=/tmp/x.d",
+    "-MD",
+    "--pre-include=/etc/shadow",
+    "-include=/etc/shadow",
+    "-I/etc",
+    "--include-path=/etc",
+    "-isystem=/etc",
+    "-L/tmp",
+    "-lfoo",
+    "-Xlinker=-rpath=/tmp",
+    "-Xnvlink=--foo",
+    "--options-file=/tmp/opts",
+    "-optf=/tmp/opts",
+    "--run",
+    "--dryrun",
+    "-fdevice-time-trace=/tmp/trace",
+    "-Xptxas",  # bare: would swallow the server's own next argument
+    "-Xptxas=--output-file=/tmp/x",
+    "-Xptxas=-v,-o=/tmp/x",
+    "-Xptxas=--options-file=/tmp/x",
+    "-rdc",  # bare: the same
+    "-arch=native",
+    "-DX=$(id)",
+    "-maxrregcount 64",  # two words in one item
+]
+
+# What users legitimately pass (all accepted by CUDA 13's nvcc, see test_accepted_flags_compile_in_both_paths).
+ACCEPTED = [
+    "-O0",
+    "-O3",
+    "-use_fast_math",
+    "--use_fast_math",
+    "-ftz=true",
+    "--ftz=false",
+    "-prec-div=false",
+    "-prec-sqrt=true",
+    "-fmad=false",
+    "-maxrregcount=64",
+    "--maxrregcount=32",
+    "-extra-device-vectorization",
+    "--extra-device-vectorization",
+    "-restrict",
+    "-lineinfo",
+    "--generate-line-info",
+    "-G",
+    "--device-debug",
+    "-std=c++17",
+    "--std=c++20",
+    "--expt-relaxed-constexpr",
+    "--extended-lambda",
+    "-w",
+    "-Wno-deprecated-gpu-targets",
+    "-DTILE=32",
+    "-UTILE",
+    "-Xptxas=-v",
+    "-Xptxas=-O3,-warn-spills,-dlcm=cg",
+    "--ptxas-options=-v,--warn-on-local-memory-usage",
+    "-Xptxas=-maxrregcount=40,-allow-expensive-optimizations=true",
+    "-rdc=true",
+    "--relocatable-device-code=false",
+    "-dc",
+    "-arch=sm_90a",
+    "--gpu-architecture=sm_80",
+    "-gencode=arch=compute_90a,code=sm_90a",
+]
+
+
+@pytest.mark.parametrize("option", ESCAPES)
+def test_compile_options_that_reach_files_or_other_tools_are_rejected(option: str) -> None:
+    msg = rejection(compile_options=["-O3", option])
+    assert repr(option[:80]) in msg  # names the flag
+    assert "Accepted:" in msg and "-maxrregcount=N" in msg  # and says what is accepted instead
+
+
+@pytest.mark.parametrize("option", ACCEPTED)
+def test_code_generation_flags_are_accepted(option: str) -> None:
+    assert kernel(compile_options=[option]).compile_options == [option]
+
+
+def test_both_compile_paths_agree_on_the_allowlist() -> None:
+    k = kernel(compile_options=ACCEPTED)
+    # The forecaster's ptxas compile passes every accepted flag except the architecture ones (it picks its
+    # own); the measurer passes them all (test_accepted_flags_compile_in_both_paths).
+    assert safe_options(k.compile_options) == [o for o in ACCEPTED if not is_arch_option(o)]
+    assert [o for o in ACCEPTED if is_arch_option(o)] == [
+        "-arch=sm_90a",
+        "--gpu-architecture=sm_80",
+        "-gencode=arch=compute_90a,code=sm_90a",
+    ]
+    assert safe_options([*ESCAPES, "-O3"]) == ["-O3"]
+
+
+def test_bundled_examples_and_corpus_still_validate() -> None:
+    root = Path(__file__).resolve().parents[1]
+    files = [
+        root / "forecaster_mcp" / "examples" / "examples.json",
+        *sorted((root / "benchmarks" / "corpus").glob("*.json")),
+    ]
+    seen = 0
+
+    def walk(node: Any) -> None:
+        nonlocal seen
+        if isinstance(node, dict):
+            if "compile_options" in node or ("defines" in node and "source" in node):
+                fields = {k: node[k] for k in ("compile_options", "defines", "launch") if k in node}
+                kernel(**fields)
+                seen += 1
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    for path in files:
+        walk(json.loads(path.read_text()))
+    assert seen > 10
+
+
+@pytest.mark.anyio
+async def test_the_measurer_refuses_an_unvalidated_kernel_with_a_host_flag(tmp_path: Path) -> None:
+    # Kernels built without validation (model_construct) must not smuggle a flag onto nvcc's command line.
+    compiler = NvccCompiler(tmp_path, nvcc=[sys.executable, FAKE, "nvcc"])
+    bad = kernel().model_copy(update={"compile_options": ["-Xcompiler=-fplugin=/tmp/evil.so"]})
+    with pytest.raises(InvalidRequest, match="fplugin"):
+        await compiler.compile(bad, "sm_90")
+    nul = kernel().model_copy(update={"defines": {"A": "3\x00"}})
+    with pytest.raises(InvalidRequest, match="control character"):
+        await compiler.compile(nul, "sm_90")
+    assert not (tmp_path / "kernels").exists()  # nothing was compiled
+
+
+@pytest.mark.anyio
+async def test_host_flags_are_a_clear_tool_error_and_charge_nothing(tmp_path: Path, conv_a100: Path) -> None:
+    async with running(tmp_path, [conv_a100]) as client:
+        evil = {**conv("a", FAST), "compile_options": ["--compiler-bindir=/tmp/evil"]}
+        msg = await error_of(client, "compare_kernels", {"candidates": [evil, conv("b", SLOW)]})
+        assert "'--compiler-bindir=/tmp/evil' is not accepted" in msg and "Accepted:" in msg
+        evil = {**conv("a", FAST), "compile_options": ["-o/tmp/pwned.cubin"]}
+        msg = await error_of(client, "measure_kernel", {"kernel": evil})
+        assert "'-o/tmp/pwned.cubin' is not accepted" in msg
+        await nothing_charged(client)
+
+
+PLAIN_FLAGS = [
+    "-O3",
+    "-use_fast_math",
+    "-maxrregcount=64",
+    "-extra-device-vectorization",
+    "-restrict",
+    "-lineinfo",
+    "-std=c++17",
+    "--expt-relaxed-constexpr",
+    "--extended-lambda",
+    "-w",
+    "-Wno-deprecated-gpu-targets",
+    "-DTILE=32",
+    "-UNOT_SET",
+    "-Xptxas=-O3,-warn-spills,-dlcm=cg,-allow-expensive-optimizations=true",
+    "--ptxas-options=-warn-lmem-usage",
+]
+
+
+@needs_nvcc
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "options",
+    [
+        PLAIN_FLAGS,
+        ["--ftz=false", "-prec-div=true", "--prec-sqrt=true", "-fmad=false", "--maxrregcount=32", "-G"],
+        ["-rdc=true", "--generate-line-info"],
+        ["-dc"],
+        ["-arch=sm_90a"],
+        ["-gencode=arch=compute_90,code=sm_90"],
+    ],
+    ids=["plain", "precision-debug", "rdc", "dc", "arch", "gencode"],
+)
+async def test_accepted_flags_compile_in_both_paths(tmp_path: Path, options: list[str]) -> None:
+    assert NVCC is not None
+    k = kernel(compile_options=options)
+    compiled = await NvccCompiler(tmp_path / "measure", nvcc=NVCC).compile(k, "sm_90")
+    assert isinstance(compiled, CompiledKernel), compiled
+    assert await ptxas_usage(k, "sm_90", NVCC, tmp_path / "forecast") is not None
+
+
+# ---------------------------------------------------------------- 2. integer defines beyond 64 bits
+
+
+@pytest.mark.parametrize("value", [10**400, 2**63, -(2**63) - 1, int("9" * 400)])
+def test_integer_defines_beyond_64_bits_are_rejected(value: int) -> None:
+    msg = rejection(defines={"block_size_x": value})
+    assert "define block_size_x is out of range" in msg and "9223372036854775807" in msg
+
+
+def test_integer_defines_at_the_64_bit_edges_are_accepted() -> None:
+    k = kernel(defines={"HI": 2**63 - 1, "LO": -(2**63)})
+    assert k.defines == {"HI": 2**63 - 1, "LO": -(2**63)}
+
+
+def test_forecast_features_never_raise_on_a_define_that_is_not_a_finite_float() -> None:
+    # Built without validation, as an old stored kernel or a direct caller could: float(10**400) raises
+    # OverflowError, and "1e400" or "nan" read as non-finite floats.
+    k = kernel().model_copy(update={"defines": {"A": 10**400, "B": "1e400", "C": "nan", "D": 3, "E": "2.5"}})
+    feats = kernel_features(k, None, None)
+    assert feats.numeric_defines == {"D": 3.0, "E": 2.5}
+
+
+@pytest.mark.anyio
+async def test_a_huge_define_is_a_clear_error_not_a_spoiled_call(tmp_path: Path, conv_a100: Path) -> None:
+    async with running(tmp_path, [conv_a100]) as client:
+        huge = conv("c", {**FAST, "block_size_x": 10**400})
+        msg = await error_of(
+            client, "compare_kernels", {"candidates": [conv("a", FAST), conv("b", SLOW), huge]}
+        )
+        assert "define block_size_x is out of range" in msg
+        msg = await error_of(client, "measure_kernel", {"kernel": huge})
+        assert "define block_size_x is out of range" in msg
+        await nothing_charged(client)
+        # Without the bad candidate the same call forecasts.
+        out = structured(
+            await client.call_tool("compare_kernels", {"candidates": [conv("a", FAST), conv("b", SLOW)]})
+        )
+        assert [c["id"] for c in out["candidates"]] == ["b"]
+
+
+# ---------------------------------------------------------------- 3. NaN and infinity
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf"), 1e999])
+def test_non_finite_defines_are_rejected(value: float) -> None:
+    msg = rejection(defines={"block_size_x": value})
+    assert "define block_size_x is" in msg and "must be finite" in msg
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_problem_sizes_and_scalars_are_rejected(value: float) -> None:
+    with pytest.raises(ValidationError, match=r"workload.problem\['N'\] is .*finite"):
+        Workload.model_validate({"problem": {"N": value}})
+    with pytest.raises(ValidationError, match=r"scalar alpha is .*finite"):
+        Workload.model_validate({"args": [{"name": "alpha", "dtype": "float32", "value": value}]})
+
+
+def test_scalars_must_fit_their_dtype() -> None:
+    with pytest.raises(ValidationError, match=r"scalar n=300 does not fit int8 \(-128 to 127\)"):
+        Workload.model_validate({"args": [{"name": "n", "dtype": "int8", "value": 300}]})
+    with pytest.raises(ValidationError, match="scalar x is out of range"):
+        Workload.model_validate({"args": [{"name": "x", "dtype": "float64", "value": 10**400}]})
+    ok = Workload.model_validate(
+        {
+            "args": [
+                {"name": "a", "dtype": "uint64", "value": 2**64 - 1},
+                {"name": "b", "dtype": "int32", "value": -(2**31)},
+                {"name": "c", "dtype": "float32", "value": 1e30},
+            ]
+        }
+    )
+    assert [a.value for a in ok.args] == [2**64 - 1, -(2**31), 1e30]
+
+
+class RawStdio:
+    """A real server process fed raw JSON-RPC lines: the MCP client writes NaN as null, an agent may not."""
+
+    def __init__(self, home: Path, replay: Path) -> None:
+        env = {**os.environ, "FORECASTER_MCP_HOME": str(home)}
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "forecaster_mcp",
+                "serve",
+                "--replay",
+                str(replay),
+                "--measurer",
+                "replay",
+            ],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        self.next_id = 0
+        self.request(
+            "initialize",
+            '{"protocolVersion":"2025-06-18","capabilities":{},"clientInfo":{"name":"raw","version":"0"}}',
+        )
+        self.send('{"jsonrpc":"2.0","method":"notifications/initialized"}')
+
+    def send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def request(self, method: str, params_json: str, timeout_s: float = 60.0) -> dict[str, Any]:
+        self.next_id += 1
+        self.send(f'{{"jsonrpc":"2.0","id":{self.next_id},"method":"{method}","params":{params_json}}}')
+        assert self.proc.stdout is not None
+        while True:
+            ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
+            assert ready, f"no answer to {method} within {timeout_s} s"
+            line = self.proc.stdout.readline()
+            assert line, "server exited"
+            message = json.loads(line)
+            if message.get("id") == self.next_id:
+                return dict(message)
+
+    def tool(self, name: str, arguments_json: str) -> tuple[bool, str, dict[str, Any] | None]:
+        result = self.request("tools/call", f'{{"name":"{name}","arguments":{arguments_json}}}')["result"]
+        text = " ".join(c.get("text", "") for c in result.get("content", []))
+        return bool(result.get("isError")), text, result.get("structuredContent")
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+def test_nan_and_infinity_literals_from_a_raw_client_are_rejected(tmp_path: Path, conv_a100: Path) -> None:
+    server = RawStdio(tmp_path / "home", conv_a100)
+    try:
+
+        def kernel_json(kid: str, **override: str) -> str:
+            defines = ",".join(f'"{k}":{override.get(k, json.dumps(v))}' for k, v in FAST.items())
+            source = json.dumps(conv(kid, FAST)["source"])
+            return f'{{"id":"{kid}","source":{source},"entry":"convolution_kernel","defines":{{{defines}}}}}'
+
+        base = kernel_json("a")
+        for literal in ("NaN", "Infinity", "-Infinity", "1e999"):
+            bad = kernel_json("x", block_size_x=literal)
+            is_error, text, _ = server.tool("compare_kernels", f'{{"candidates":[{base},{bad}]}}')
+            assert is_error and "define block_size_x is" in text and "must be finite" in text, text
+        is_error, text, _ = server.tool(
+            "compare_kernels", f'{{"candidates":[{base},{kernel_json("x", block_size_x="9" * 400)}]}}'
+        )
+        assert is_error and "define block_size_x is out of range" in text, text
+        problem = '{"problem":{"N":NaN}}'
+        is_error, text, _ = server.tool(
+            "compare_kernels",
+            f'{{"candidates":[{base},{base.replace(chr(34) + "a" + chr(34), chr(34) + "b" + chr(34), 1)}],"workload":{problem}}}',
+        )
+        assert is_error and "workload.problem['N'] is nan" in text, text
+        scalar = '{"args":[{"name":"alpha","dtype":"float32","value":NaN}]}'
+        is_error, text, _ = server.tool("measure_kernel", f'{{"kernel":{base},"workload":{scalar}}}')
+        assert is_error and "scalar alpha is nan" in text, text
+        is_error, text, _ = server.tool(
+            "measure_kernel", f'{{"kernel":{kernel_json("x", filter_width="NaN")}}}'
+        )
+        assert is_error and "define filter_width is nan" in text, text
+        is_error, _, status = server.tool("budget_status", "{}")
+        assert not is_error and status is not None
+        assert status["spent_gpu_seconds"] == 0 and status["reserved_gpu_seconds"] == 0
+    finally:
+        server.close()
+
+
+# ---------------------------------------------------------------- 4. control characters
+
+
+@pytest.mark.parametrize("value", ["3\x00", "1\n#include </etc/shadow>", "1\r", "a\tb", "\x1b[31m"])
+def test_control_characters_in_define_values_are_rejected(value: str) -> None:
+    assert "define A has a value with a control character" in rejection(defines={"A": value})
+
+
+@pytest.mark.parametrize("option", ["-O3\x00", "-O3\n", "-lineinfo\r"])
+def test_control_characters_in_compile_options_are_rejected(option: str) -> None:
+    assert "has a control character" in rejection(compile_options=[option])
+
+
+@pytest.mark.anyio
+async def test_a_forecast_compile_that_cannot_start_is_skipped_not_raised(tmp_path: Path) -> None:
+    # The OS refuses an argument with a NUL (ValueError, not OSError) before running anything; a kernel that
+    # skipped validation must cost only its ptxas features, not the whole call.
+    nul = kernel().model_copy(update={"defines": {"A": "3\x00"}})
+    assert await ptxas_usage(nul, "sm_80", sys.executable, tmp_path) is None
+    # A lone surrogate is valid JSON but not UTF-8: written through, as the measurer writes it.
+    surrogate = kernel(source=SRC + "// \ud800\n")
+    if NVCC is not None:
+        await ptxas_usage(surrogate, "sm_80", NVCC, tmp_path)  # a result or None, never an exception
+    else:
+        assert await ptxas_usage(surrogate, "sm_80", "/nonexistent/nvcc", tmp_path) is None
+
+
+@pytest.mark.anyio
+async def test_a_nul_in_a_define_is_a_clear_tool_error(tmp_path: Path, conv_a100: Path) -> None:
+    async with running(tmp_path, [conv_a100]) as client:
+        nul = conv("x", {**FAST, "block_size_x": "3\x00"})  # type: ignore[dict-item]
+        msg = await error_of(client, "compare_kernels", {"candidates": [conv("a", FAST), nul]})
+        assert "define block_size_x has a value with a control character" in msg
+        msg = await error_of(client, "measure_kernel", {"kernel": nul})
+        assert "define block_size_x has a value with a control character" in msg
+        bad_opt = {**conv("y", FAST), "compile_options": ["-O3\x00"]}
+        msg = await error_of(client, "compare_kernels", {"candidates": [conv("a", FAST), bad_opt]})
+        assert "has a control character" in msg
+        await nothing_charged(client)
+
+
+# ---------------------------------------------------------------- 5. CUDA launch limits
+
+
+@pytest.mark.parametrize(
+    ("launch", "says"),
+    [
+        ({"grid": [1, 65536, 1], "block": [32]}, "launch.grid.y is 65536; CUDA allows at most 65535"),
+        ({"grid": [1, 1, 65536], "block": [32]}, "launch.grid.z is 65536; CUDA allows at most 65535"),
+        ({"grid": [2**31], "block": [32]}, "launch.grid.x is 2147483648; CUDA allows at most 2147483647"),
+        ({"grid": [1], "block": [1, 1, 65]}, "launch.block.z is 65; CUDA allows at most 64"),
+        ({"grid": [1], "block": [1025]}, "launch.block.x is 1025; CUDA allows at most 1024"),
+        ({"grid": [1], "block": [1, 2048]}, "launch.block.y is 2048; CUDA allows at most 1024"),
+        ({"grid": [1], "block": [64, 32]}, "2048 threads; CUDA allows at most 1024 per block"),
+        ({"grid": [1], "block": [32], "shared_mem_bytes": 2**60}, "over the 1048576-byte cap"),
+        ({"grid": [1], "block": [32], "shared_mem_bytes": MAX_SHARED_MEM_BYTES + 1}, "no GPU gives a block"),
+    ],
+)
+def test_launches_beyond_cuda_limits_are_rejected(launch: dict[str, Any], says: str) -> None:
+    with pytest.raises(ValidationError, match=re.escape(says)):
+        Launch.model_validate(launch)
+
+
+def test_launches_at_cuda_limits_are_accepted() -> None:
+    widest = Launch.model_validate({"grid": [2**31 - 1, 65535, 65535], "block": [1024]})
+    assert widest.blocks == (2**31 - 1) * 65535 * 65535
+    assert Launch.model_validate({"grid": [1], "block": [1, 1, 64]}).block == (1, 1, 64)
+    assert Launch.model_validate({"grid": [1], "block": [1, 1024]}).block == (1, 1024, 1)
+    biggest = max(s.max_shared_mem_per_block_bytes for s in all_specs())
+    # The cap sits above every GPU the hardware table knows: it rejects only what no GPU could run.
+    assert biggest <= MAX_SHARED_MEM_BYTES
+    assert (
+        Launch.model_validate({"grid": [1], "block": [32], "shared_mem_bytes": biggest}).shared_mem_bytes
+        == biggest
+    )
+
+
+@pytest.mark.anyio
+async def test_launch_limits_are_clear_tool_errors(tmp_path: Path, conv_a100: Path) -> None:
+    async with running(tmp_path, [conv_a100]) as client:
+        tall = {**conv("x", FAST), "launch": {"grid": [1, 65536, 1], "block": [32, 4, 1]}}
+        msg = await error_of(
+            client, "compare_kernels", {"candidates": [conv("a", FAST), tall], "hardware": "H100"}
+        )
+        assert "launch.grid.y is 65536; CUDA allows at most 65535" in msg
+        deep = {**conv("x", FAST), "launch": {"grid": [1], "block": [1, 1, 65]}}
+        msg = await error_of(client, "measure_kernel", {"kernel": deep})
+        assert "launch.block.z is 65; CUDA allows at most 64" in msg
+        smem = {**conv("x", FAST), "launch": {"grid": [1], "block": [32], "shared_mem_bytes": 2**60}}
+        msg = await error_of(client, "measure_kernel", {"kernel": smem})
+        assert "1048576-byte cap" in msg
+        await nothing_charged(client)
+
+
+@pytest.mark.anyio
+async def test_the_measurer_refuses_more_shared_memory_than_its_device_gives(tmp_path: Path) -> None:
+    vadd = (
+        "__global__ void vadd(const float* a, const float* b, float* c, int n) {\n"
+        "  int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < n) c[i] = a[i] + b[i];\n}\n"
+    )
+    workload = Workload.model_validate(
+        {
+            "args": [
+                {"name": "a", "dtype": "float32", "shape": [1024]},
+                {"name": "b", "dtype": "float32", "shape": [1024]},
+                {"name": "c", "dtype": "float32", "shape": [1024], "intent": "out"},
+                {"name": "n", "dtype": "int32", "value": 1024},
+            ]
+        }
+    )
+    # Under the absolute cap, over the fake H100's 227 KiB: refused before compiling or running anything.
+    k = Kernel.model_validate(
+        {
+            "source": vadd,
+            "entry": "vadd",
+            "launch": {"grid": [4], "block": [256], "shared_mem_bytes": 300 * 1024},
+        }
+    )
+    async with PycudaMeasurer(
+        tmp_path / "cache",
+        worker_cmd=[sys.executable, FAKE],
+        device_names=["NVIDIA H100 80GB HBM3"],
+        nvcc=[sys.executable, FAKE, "nvcc"],
+        kill_slack_s=0.3,
+        startup_grace_s=20.0,
+    ) as gpu:
+        request = MeasureRequest(kernel=k, workload=workload, device=gpu.devices()[0], max_seconds=5.0)
+        with pytest.raises(
+            InvalidRequest, match=r"kernel\.launch\.shared_mem_bytes is 307200, over the 232448"
+        ):
+            await gpu.measure(request)
+    assert not (tmp_path / "cache" / "kernels").exists()
