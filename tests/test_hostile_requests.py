@@ -11,32 +11,17 @@ from typing import Any
 import pytest
 from mcp import Client
 from replay_kernels import FAST, SLOW, conv, conv_block
+from tool_calls import call, error_of, running
 
 from forecaster_mcp.forecast.selective import min_count_zero_errors
 from forecaster_mcp.measure.base import Measurer
 from forecaster_mcp.measure.fake import FakeMeasurer
 from forecaster_mcp.server.app import build_server
-from forecaster_mcp.server.client import ToolCallFailed, structured
 from forecaster_mcp.service import Service, build_forecasters
 from forecaster_mcp.settings import Settings
 from forecaster_mcp.store.db import Store
 
 pytestmark = pytest.mark.anyio
-
-
-@asynccontextmanager
-async def replaying(
-    home: Path, replay: list[Path], ledger_seconds: float | None = 100.0
-) -> AsyncIterator[tuple[Client, Service]]:
-    settings = Settings.from_env(home=home, replay=replay, measurer="replay", ledger="team")
-    service = await Service.open(settings)
-    try:
-        if ledger_seconds is not None:
-            await service.store.create_ledger("team", ledger_seconds)
-        async with Client(build_server(service)) as client:
-            yield client, service
-    finally:
-        await service.close()
 
 
 @asynccontextmanager
@@ -53,16 +38,6 @@ async def faking(home: Path, measurers: Sequence[Measurer]) -> AsyncIterator[tup
         await service.close()
 
 
-async def call(client: Client, name: str, args: dict[str, Any]) -> dict[str, Any]:
-    return structured(await client.call_tool(name, args))
-
-
-async def error_of(client: Client, name: str, args: dict[str, Any]) -> str:
-    with pytest.raises(ToolCallFailed) as info:
-        await call(client, name, args)
-    return str(info.value)
-
-
 async def spent(client: Client) -> float:
     status = await call(client, "budget_status", {})
     assert status["reserved_gpu_seconds"] == 0
@@ -75,7 +50,7 @@ async def spent(client: Client) -> float:
 async def test_an_idempotency_key_reused_for_another_kernel_or_workload_is_refused_free(
     tmp_path: Path, conv_a100: Path
 ) -> None:
-    async with replaying(tmp_path, [conv_a100]) as (client, _):
+    async with running(tmp_path, [conv_a100]) as (client, _):
         first = await call(client, "measure_kernel", {"kernel": conv("i1", SLOW), "idempotency_key": "K1"})
         paid = await spent(client)
         assert paid > 0 and first["cost"]["gpu_seconds"] == pytest.approx(paid, abs=1e-6)
@@ -124,7 +99,7 @@ async def test_measure_if_unsure_out_of_budget_mid_call_returns_what_it_charged(
     tmp_path: Path, conv_a100: Path
 ) -> None:
     # Enough for the first measurement (0.018 GPU-s) but not the next (0.028).
-    async with replaying(tmp_path, [conv_a100], ledger_seconds=0.03) as (client, _):
+    async with running(tmp_path, [conv_a100], ledger_seconds=0.03) as (client, _):
         cands = [*unsure_trio(), conv_block(16, 8, "d"), conv_block(48, 2, "e")]
         out = await call(
             client,
@@ -143,7 +118,7 @@ async def test_measure_if_unsure_out_of_budget_mid_call_returns_what_it_charged(
 async def test_measure_if_unsure_with_an_unrecordable_candidate_keeps_the_others(
     tmp_path: Path, conv_a100: Path
 ) -> None:
-    async with replaying(tmp_path, [conv_a100]) as (client, _):
+    async with running(tmp_path, [conv_a100]) as (client, _):
         cands = [conv_block(32, 4, "a"), conv("b", {**FAST, "block_size_x": 7}), conv_block(64, 2, "c")]
         out = await call(
             client,
@@ -158,7 +133,7 @@ async def test_measure_if_unsure_with_an_unrecordable_candidate_keeps_the_others
 
 
 async def test_a_refused_measure_if_unsure_records_no_forecasts(tmp_path: Path, conv_a100: Path) -> None:
-    async with replaying(tmp_path, [conv_a100], ledger_seconds=0.0) as (client, _):
+    async with running(tmp_path, [conv_a100], ledger_seconds=0.0) as (client, _):
         args = {"candidates": unsure_trio(), "measure_if_unsure": True, "target_error": 0.001}
         for _ in range(2):
             msg = await error_of(client, "compare_kernels", args)
@@ -177,7 +152,7 @@ async def test_a_refused_measure_if_unsure_records_no_forecasts(tmp_path: Path, 
 async def test_a_fragment_or_another_gpus_name_never_becomes_the_measurement_device(
     tmp_path: Path, conv_a100: Path
 ) -> None:
-    async with replaying(tmp_path, [conv_a100]) as (client, _):
+    async with running(tmp_path, [conv_a100]) as (client, _):
         pair = [conv("a", FAST), conv("b", SLOW)]
         for name in ("A10", "1", "40", "GB", "PCIE", "A", "A1"):
             out = await call(client, "compare_kernels", {"candidates": pair, "hardware": name})
@@ -207,7 +182,7 @@ async def test_a_device_missing_from_the_spec_table_is_matched_on_whole_words(tm
 async def test_a_vanishing_target_error_is_a_clear_error(
     tmp_path: Path, conv_a100: Path, target: float
 ) -> None:
-    async with replaying(tmp_path, [conv_a100]) as (client, _):
+    async with running(tmp_path, [conv_a100]) as (client, _):
         pair = [conv("a", FAST), conv("b", SLOW)]
         msg = await error_of(client, "compare_kernels", {"candidates": pair, "target_error": target})
         assert "target_error must be at least 0.0001" in msg
@@ -226,7 +201,7 @@ def test_the_zero_error_count_survives_targets_below_float_resolution() -> None:
 
 async def test_errors_do_not_echo_a_megabyte_of_input(tmp_path: Path, conv_a100: Path) -> None:
     huge = "z" * 1_000_000
-    async with replaying(tmp_path, [conv_a100]) as (client, _):
+    async with running(tmp_path, [conv_a100]) as (client, _):
         pair = [conv("a", FAST), conv("b", SLOW)]
         for tool, args in (
             ("compare_kernels", {"candidates": pair, "baseline": huge}),
@@ -244,7 +219,7 @@ async def test_errors_do_not_echo_a_megabyte_of_input(tmp_path: Path, conv_a100:
 async def test_misspelt_argument_names_are_refused_with_the_valid_ones(
     tmp_path: Path, conv_a100: Path
 ) -> None:
-    async with replaying(tmp_path, [conv_a100]) as (client, _):
+    async with running(tmp_path, [conv_a100]) as (client, _):
         pair = [conv("a", FAST), conv("b", SLOW)]
         msg = await error_of(
             client, "compare_kernels", {"candidates": pair, "target_eror": 0.01, "basline": "b"}

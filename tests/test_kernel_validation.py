@@ -19,6 +19,9 @@ import pytest
 from mcp import Client
 from pydantic import ValidationError
 from replay_kernels import FAST, SLOW, conv
+from test_pycuda_measurer import SRC as VADD
+from test_pycuda_measurer import WORKLOAD
+from tool_calls import error_of
 
 from forecaster_mcp.errors import InvalidRequest
 from forecaster_mcp.forecast.features import kernel_features
@@ -28,7 +31,7 @@ from forecaster_mcp.measure.base import MeasureRequest
 from forecaster_mcp.measure.pycuda_measurer import CompiledKernel, NvccCompiler, PycudaMeasurer
 from forecaster_mcp.models import MAX_SHARED_MEM_BYTES, Kernel, Launch, Workload, is_arch_option
 from forecaster_mcp.server.app import build_server
-from forecaster_mcp.server.client import ToolCallFailed, structured
+from forecaster_mcp.server.client import structured
 from forecaster_mcp.service import Service
 from forecaster_mcp.settings import Settings
 
@@ -60,12 +63,6 @@ async def running(home: Path, replay: list[Path]) -> AsyncIterator[Client]:
             yield client
     finally:
         await service.close()
-
-
-async def error_of(client: Client, name: str, args: dict[str, Any]) -> str:
-    with pytest.raises(ToolCallFailed) as info:
-        structured(await client.call_tool(name, args))
-    return str(info.value)
 
 
 async def nothing_charged(client: Client) -> None:
@@ -543,24 +540,10 @@ async def test_launch_limits_are_clear_tool_errors(tmp_path: Path, conv_a100: Pa
 
 @pytest.mark.anyio
 async def test_the_measurer_refuses_more_shared_memory_than_its_device_gives(tmp_path: Path) -> None:
-    vadd = (
-        "__global__ void vadd(const float* a, const float* b, float* c, int n) {\n"
-        "  int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < n) c[i] = a[i] + b[i];\n}\n"
-    )
-    workload = Workload.model_validate(
-        {
-            "args": [
-                {"name": "a", "dtype": "float32", "shape": [1024]},
-                {"name": "b", "dtype": "float32", "shape": [1024]},
-                {"name": "c", "dtype": "float32", "shape": [1024], "intent": "out"},
-                {"name": "n", "dtype": "int32", "value": 1024},
-            ]
-        }
-    )
     # Under the absolute cap, over the fake H100's 227 KiB: refused before compiling or running anything.
     k = Kernel.model_validate(
         {
-            "source": vadd,
+            "source": VADD,
             "entry": "vadd",
             "launch": {"grid": [4], "block": [256], "shared_mem_bytes": 300 * 1024},
         }
@@ -573,7 +556,7 @@ async def test_the_measurer_refuses_more_shared_memory_than_its_device_gives(tmp
         kill_slack_s=0.3,
         startup_grace_s=20.0,
     ) as gpu:
-        request = MeasureRequest(kernel=k, workload=workload, device=gpu.devices()[0], max_seconds=5.0)
+        request = MeasureRequest(kernel=k, workload=WORKLOAD, device=gpu.devices()[0], max_seconds=5.0)
         with pytest.raises(
             InvalidRequest, match=r"kernel\.launch\.shared_mem_bytes is 307200, over the 232448"
         ):

@@ -3,45 +3,19 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 import pytest
 from mcp import Client
 from replay_kernels import FAILS, FAST, SLOW, conv
+from tool_calls import call, error_of, running
 
 from forecaster_mcp.models import Kernel
 from forecaster_mcp.server.app import build_server
-from forecaster_mcp.server.client import ToolCallFailed, structured
 from forecaster_mcp.service import Service
 from forecaster_mcp.settings import Settings
 
 pytestmark = pytest.mark.anyio
-
-
-@asynccontextmanager
-async def running(home: Path, replay: list[Path], ledger_seconds: float | None = 100.0) -> AsyncIterator[Any]:
-    settings = Settings.from_env(home=home, replay=replay, measurer="replay", ledger="team")
-    service = await Service.open(settings)
-    try:
-        if ledger_seconds is not None:
-            await service.store.create_ledger("team", ledger_seconds)
-        async with Client(build_server(service)) as client:
-            yield client, service
-    finally:
-        await service.close()
-
-
-async def call(client: Client, name: str, args: dict[str, Any]) -> dict[str, Any]:
-    return structured(await client.call_tool(name, args))
-
-
-async def error_of(client: Client, name: str, args: dict[str, Any]) -> str:
-    with pytest.raises(ToolCallFailed) as info:
-        await call(client, name, args)
-    return str(info.value)
 
 
 async def test_tools_listed_with_annotations_and_flat_params(tmp_path: Path, conv_a100: Path) -> None:
