@@ -32,9 +32,13 @@ class Savings(BaseModel):
 
 
 class LlmUsage(BaseModel):
-    calls: int = 0
-    input_tokens: int = 0
+    calls: int = Field(
+        default=0, description="compare calls that used Claude (each one or more API requests)"
+    )
+    input_tokens: int = Field(default=0, description="uncached input tokens")
     output_tokens: int = 0
+    cache_read_tokens: int = Field(default=0, description="input tokens read from the prompt cache")
+    cache_write_tokens: int = Field(default=0, description="input tokens written to the prompt cache")
     cost_usd: float = 0.0
 
 

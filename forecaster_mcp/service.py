@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import re
+import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +27,7 @@ from forecaster_mcp.errors import (
     NotMeasurable,
     UnknownLedger,
 )
-from forecaster_mcp.forecast.base import Forecaster, PairQuery
+from forecaster_mcp.forecast.base import USAGE_LEDGER, Forecaster, PairQuery
 from forecaster_mcp.hardware import specs
 from forecaster_mcp.measure.base import Measurer, MeasureRequest, ProgressCallback
 from forecaster_mcp.models import (
@@ -251,7 +252,12 @@ class Service:
                 p.query = PairQuery(base, p.candidate, workload, hw.name, hw.spec)
 
         queries = [p.query for p in pairs if p.query is not None]
-        forecasts = await self.engine.forecast(queries) if queries else []
+        # A paid forecaster (Claude) records its usage on the caller's ledger, not the server's default.
+        token = USAGE_LEDGER.set(ledger)
+        try:
+            forecasts = await self.engine.forecast(queries) if queries else []
+        finally:
+            USAGE_LEDGER.reset(token)
         # Each regime (a model against a measured kernel, two unmeasured kernels, a static prior) has its own
         # verified history, hence its own threshold, and a kernel family with enough history of its own is
         # thresholded on it (forecast/engine.py).
@@ -288,6 +294,7 @@ class Service:
 
         measure_next = await self._measure_next(base, runtimes, results, fc_by_id, family, hw.name, wkey)
         notes = list(hw.notes)
+        notes.extend(dict.fromkeys(n for f in forecasts for n in f.notes))  # e.g. a forecaster skipped
         for c in dict.fromkeys(choices.values()):
             notes.append(f"verdicts decided at confidence >= {c.threshold:.3f} ({c.reason})")
         measurements: list[MeasureResult] = []
@@ -515,7 +522,8 @@ class Service:
         if await self.store.get_ledger(ledger) is None:
             raise UnknownLedger(
                 f"ledger {ledger!r} does not exist; an operator creates it with "
-                f"`forecaster-mcp ledger create {ledger} --gpu-seconds N`. Forecasts (compare_kernels) are free."
+                f"`forecaster-mcp ledger create {shlex.quote(ledger)} --gpu-seconds N`. Forecasts (compare_kernels) "
+                "are free."
             )
 
     async def measure(

@@ -555,3 +555,81 @@ def test_importing_the_module_does_not_import_the_sdk() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.split() == ["False", "False"]
+
+
+# ---------------------------------------------------------------- in the service
+
+
+@pytest.mark.anyio
+async def test_in_a_compare_claude_bills_the_callers_ledger_and_a_refused_pair_costs_only_itself(
+    tmp_path: Any,
+) -> None:
+    """Over HTTP every token has its own ledger: Claude's usage goes to the caller's, not the server's
+    default. A pair Claude refuses goes without Claude (and the answer says so); the others keep theirs."""
+    from forecaster_mcp.service import Service, build_forecasters
+    from forecaster_mcp.settings import Settings
+    from forecaster_mcp.store.db import Store
+
+    def responder(body: dict[str, Any]) -> Any:
+        text = body["messages"][0]["content"][0]["text"]
+        return refusal() if "saxpy4" in text else tool_answer(FASTER)
+
+    settings = Settings.from_env(home=tmp_path, measurer="none")
+    store = await Store.open(settings.db_path)
+    await store.ensure_ledger(settings.ledger, 600.0)
+    await store.create_ledger("agentA", 100.0)
+    mock = AnthropicMock(responder)
+    claude = make(mock, usage_sink=store, ledger=settings.ledger)
+    service = Service(settings, store, [*build_forecasters(settings, store), claude], [])
+    launch = Launch(grid=(65536, 1, 1), block=(256, 1, 1))
+    kernels = [
+        Kernel(id="base", source=NAIVE, entry="saxpy", launch=launch),
+        Kernel(id="vec4", source=VEC4, entry="saxpy4", launch=Launch(grid=(16384, 1, 1), block=(256, 1, 1))),
+        Kernel(id="other", source=NAIVE.replace("a * x[i]", "x[i] * a"), entry="saxpy", launch=launch),
+    ]
+    try:
+        res = await service.compare(
+            ledger="agentA", candidates=kernels, workload=WORKLOAD, baseline="base", hardware="A100",
+            target_error=None, measure_if_unsure=False, max_measurements=0,
+        )  # fmt: skip
+        by_id = {c.id: c for c in res.candidates}
+        assert "claude" in by_id["other"].rationale and "claude" not in by_id["vec4"].rationale
+        assert any("claude skipped on 1 of 2 pairs" in n for n in res.notes), res.notes
+        mine = (await service.budget_status("agentA")).llm
+        assert mine.calls == 1 and mine.input_tokens > 0 and mine.cost_usd > 0
+        assert (await service.budget_status(settings.ledger)).llm.calls == 0
+    finally:
+        await service.close()
+
+
+def test_an_overflowing_answer_is_invalid_not_uniform() -> None:
+    with pytest.raises(prompt.InvalidAnswer, match="not a positive finite number"):
+        prompt.parse_answer({"probabilities": [1e308] * 8, "reasoning": ""})
+
+
+def test_latest_aliases_are_priced() -> None:
+    assert price_for("claude-3-5-haiku-latest") == price_for("claude-3-5-haiku")
+    assert price_for("claude-3-5-haiku-latest") is not None
+
+
+@pytest.mark.anyio
+async def test_a_batch_retry_that_never_ends_keeps_the_answers_already_paid_for() -> None:
+    mock = AnthropicMock(lambda body: tool_answer(FASTER))
+
+    def responder(params: dict[str, Any]) -> Any:
+        if "saxpy4" in params["messages"][0]["content"][0]["text"]:
+            return tool_answer(FASTER)
+        mock.batch_never_ends = True  # the retry batch for this unusable answer will hang
+        return tool_answer([0.5] * 3)
+
+    mock.responder = responder
+
+    async def no_sleep(s: float) -> None:
+        return None
+
+    f = make(mock, sleep=no_sleep, batch_poll_interval_s=60.0, batch_max_wait_s=120.0)
+    with pytest.raises(ClaudeUnavailable, match="cancelled") as info:
+        await f.forecast_batch([pair(), pair(same_source=True)])
+    partial = info.value.partial
+    assert partial is not None and partial[1] is None
+    assert partial[0] is not None and partial[0].probs == pytest.approx(FASTER)

@@ -495,7 +495,14 @@ async def test_ledger_report_counts_everything(store: Store) -> None:
         },
         # 3 decided forecasts x the median (2.0) of this ledger's charged measurements (1, 3, 2).
         "gpu_seconds_saved": {"cache": 1.0, "forecasts": 6.0},
-        "llm": {"calls": 1, "input_tokens": 100, "output_tokens": 20, "cost_usd": 0.25},
+        "llm": {
+            "calls": 1,
+            "input_tokens": 100,
+            "output_tokens": 20,
+            "cache_read_tokens": 5,
+            "cache_write_tokens": 0,
+            "cost_usd": 0.25,
+        },
         "calibration": {
             "verified_pairs": 3,
             "brier": pytest.approx(((0.9 - 1) ** 2 + (0.8 - 0) ** 2 + (0.55 - 1) ** 2) / 3),

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from forecaster_mcp import bins
 from forecaster_mcp.hardware.specs import GpuSpec
 from forecaster_mcp.models import Kernel, Workload
+
+# The ledger a forecast is made for (set by the service around each compare): a forecaster that pays per
+# call (Claude) records its usage there. A context variable, not an argument, so the Forecaster protocol
+# stays the same for forecasters that cost nothing.
+USAGE_LEDGER: ContextVar[str | None] = ContextVar("forecaster_mcp_usage_ledger", default=None)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 from forecaster_mcp import bins
 from forecaster_mcp.errors import ForecasterMcpError
 from forecaster_mcp.forecast import prompt
-from forecaster_mcp.forecast.base import BinForecast, PairQuery
+from forecaster_mcp.forecast.base import USAGE_LEDGER, BinForecast, PairQuery
 
 if TYPE_CHECKING:
     import httpx2
@@ -136,11 +136,12 @@ _warned_unknown: set[str] = set()
 
 
 def price_for(model: str) -> ModelPrice | None:
-    """The price row of a model id, allowing a date suffix (`claude-sonnet-4-5-20250929`)."""
+    """The price row of a model id, allowing a date or alias suffix (`claude-sonnet-4-5-20250929`,
+    `claude-3-5-haiku-latest`)."""
     if model in PRICES:
         return PRICES[model]
     for key in sorted(PRICES, key=len, reverse=True):
-        if model.startswith(key) and re.fullmatch(r"(-\d{8})?(-v\d+(:\d+)?)?", model[len(key) :]):
+        if model.startswith(key) and re.fullmatch(r"(-\d{8}|-latest)?(-v\d+(:\d+)?)?", model[len(key) :]):
             return PRICES[key]
     return None
 
@@ -321,7 +322,12 @@ class ClaudeForecaster:
                     f"q{i}-s{j}-r{round_no}": self._params(texts[i], mode, max_tokens)
                     for (i, j), max_tokens in pending.items()
                 }
-                outcomes = await self._run_batches(requests)
+                try:
+                    outcomes = await self._run_batches(requests)
+                except ClaudeUnavailable as exc:
+                    # Earlier rounds' answers are paid for: keep them (the engine uses `partial`).
+                    partial = [self._aggregate(s) if s else None for s in samples]
+                    raise ClaudeUnavailable(str(exc), partial=partial) from exc
                 retry: dict[tuple[int, int], int] = {}
                 for (i, j), max_tokens in pending.items():
                     outcome = outcomes.get(f"q{i}-s{j}-r{round_no}")
@@ -624,7 +630,7 @@ class ClaudeForecaster:
             return
         try:
             await self._usage_sink.record_llm_usage(
-                ledger=self.ledger,
+                ledger=USAGE_LEDGER.get() or self.ledger,
                 model=self.model,
                 input_tokens=usage.input_tokens,
                 output_tokens=usage.output_tokens,

@@ -258,24 +258,47 @@ class ForecastEngine:
 
     # ------------------------------------------------------------------ forecasting
 
-    async def forecast(self, queries: Sequence[PairQuery]) -> list[EngineForecast]:
-        """One EngineForecast per query. A forecaster that raises (or times out) is skipped with a note."""
+    async def forecast(self, queries: Sequence[PairQuery], *, bulk: bool = False) -> list[EngineForecast]:
+        """One EngineForecast per query. A forecaster that raises (or times out) is skipped with a note; one
+        that answered some pairs (an exception with `partial`) is kept for those.
+
+        `bulk`: forecasters with a `forecast_batch` (Claude: the Message Batches API, half price, minutes to
+        hours) answer through it; for evaluations, not for an agent waiting on a call."""
         if not queries:
             return []
         await self._maybe_refresh()
-        answers: list[list[BinForecast] | Exception | None] = [None] * len(self._forecasters)
+        answers: list[list[BinForecast | None] | Exception | None] = [None] * len(self._forecasters)
+        notes: list[str] = []
 
         async def run(i: int, f: Forecaster) -> None:
             try:
                 scope: AbstractContextManager[Any] = (
                     anyio.fail_after(self._timeout_s) if self._timeout_s is not None else nullcontext()
                 )
+                batch = getattr(f, "forecast_batch", None) if bulk else None
                 with scope:
-                    out = await f.forecast(queries)
+                    out = await (batch or f.forecast)(queries)
                 if len(out) != len(queries):
                     raise ValueError(f"answered {len(out)} of {len(queries)} queries")
                 answers[i] = list(out)
             except Exception as exc:
+                partial = getattr(exc, "partial", None)
+                if isinstance(partial, list) and len(partial) == len(queries) and any(partial):
+                    # What a paid forecaster did answer is kept; only the pairs it missed go without it.
+                    log.warning(
+                        "forecaster %s answered %d of %d pairs",
+                        f.name,
+                        sum(map(bool, partial)),
+                        len(queries),
+                        exc_info=exc,
+                    )
+                    answers[i] = list(partial)
+                    missed = sum(p is None for p in partial)
+                    notes.append(
+                        f"forecaster {f.name} skipped on {missed} of {len(queries)} pairs: "
+                        f"{type(exc).__name__}: {_one_line(str(exc), 200)}"
+                    )
+                    return
                 log.warning("forecaster %s failed; skipped", f.name, exc_info=exc)
                 answers[i] = exc
 
@@ -287,11 +310,11 @@ class ForecastEngine:
             f"forecaster {name} skipped: {type(a).__name__}: {_one_line(str(a), 200)}"
             for name, a in zip(self._names, answers, strict=True)
             if isinstance(a, Exception)
-        ]
+        ] + notes
         answered = [(n, a) for n, a in zip(self._names, answers, strict=True) if isinstance(a, list)]
         out: list[EngineForecast] = []
         for i, q in enumerate(queries):
-            per = {n: a[i] for n, a in answered}
+            per = {n: fc for n, a in answered if (fc := a[i]) is not None}
             out.append(self._assemble(q.hardware_name, per, notes))
         return out
 

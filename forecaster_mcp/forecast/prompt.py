@@ -161,6 +161,8 @@ def parse_answer(payload: object) -> tuple[list[float], str]:
     total = sum(values)
     if total <= 0:
         raise InvalidAnswer("probabilities sum to zero")
+    if not math.isfinite(total):  # 8 x 1e308 overflows to inf and would normalise to all zeros
+        raise InvalidAnswer(f"probabilities sum to {total}, not a positive finite number")
     reasoning = payload.get("reasoning", "")
     text = reasoning.strip()[:MAX_REASONING_CHARS] if isinstance(reasoning, str) else ""
     return [v / total for v in values], text

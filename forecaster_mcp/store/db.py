@@ -21,6 +21,7 @@ import math
 import os
 import re
 import secrets
+import shlex
 import socket
 import statistics
 import time
@@ -173,10 +174,19 @@ def fmt_gpu_seconds(value: float) -> str:
     return "0" if text in ("", "-0") else text
 
 
+def check_ledger_name(name: object, what: str = "ledger name") -> None:
+    """OperatorError unless `name` is a name a ledger may have (`ledger create` enforces it)."""
+    if not isinstance(name, str) or not _LEDGER_NAME.match(name):
+        raise OperatorError(
+            f"{what} {str(name)[:80]!r} is not allowed: use 1 to 128 letters, digits "
+            "and _ . : @ + - (starting with a letter or digit)"
+        )
+
+
 def _unknown_ledger(name: str) -> UnknownLedger:
     return UnknownLedger(
-        f"ledger '{name}' does not exist; the operator creates it with: "
-        f"forecaster-mcp ledger create {name} --gpu-seconds N"
+        f"ledger {name[:80]!r} does not exist; the operator creates it with: "
+        f"forecaster-mcp ledger create {shlex.quote(name[:128])} --gpu-seconds N"
     )
 
 
@@ -433,11 +443,7 @@ class Store:
 
     async def create_ledger(self, name: str, gpu_seconds: float) -> LedgerView:
         """OperatorError if it exists or the amount is not a finite number >= 0."""
-        if not isinstance(name, str) or not _LEDGER_NAME.match(name):
-            raise OperatorError(
-                f"ledger name {str(name)[:80]!r} is not allowed: use 1 to 128 letters, digits "
-                "and _ . : @ + - (starting with a letter or digit)"
-            )
+        check_ledger_name(name)
         amount = to_micro(gpu_seconds, "--gpu-seconds", OperatorError, allow_zero=True)
 
         async def body(conn: Any) -> LedgerView:
@@ -1085,7 +1091,8 @@ class Store:
             llm = (
                 await conn.execute_fetchall(
                     "SELECT count(*), coalesce(sum(input_tokens), 0), coalesce(sum(output_tokens), 0), "
-                    "coalesce(sum(cost_usd), 0.0) FROM llm_usage WHERE ledger = ?",
+                    "coalesce(sum(cost_usd), 0.0), coalesce(sum(cache_read_tokens), 0), "
+                    "coalesce(sum(cache_write_tokens), 0) FROM llm_usage WHERE ledger = ?",
                     (ledger,),
                 )
             )[0]
@@ -1130,6 +1137,8 @@ class Store:
                 "calls": int(llm[0]),
                 "input_tokens": int(llm[1]),
                 "output_tokens": int(llm[2]),
+                "cache_read_tokens": int(llm[4]),
+                "cache_write_tokens": int(llm[5]),
                 "cost_usd": float(llm[3]),
             },
             "calibration": {
