@@ -6,12 +6,60 @@ import argparse
 import importlib
 import os
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 from forecaster_mcp import __version__
 from forecaster_mcp.errors import AgentError, OperatorError
 from forecaster_mcp.settings import Settings
+
+
+def _os_reason(exc: OSError, path: Path) -> str:
+    if isinstance(exc, FileExistsError) and exc.filename is not None:  # mkdir met a file where a folder goes
+        return f"{exc.filename} is a file, not a folder"
+    reason = exc.strerror or str(exc)
+    if exc.filename is not None and Path(exc.filename) in path.parents:  # a folder above it is the problem
+        reason += f" ({exc.filename})"
+    return reason
+
+
+def check_writable_dir(path: Path, option: str = "--out") -> None:
+    """Create the output folder `path` and prove it writable, so a command fails before its work, not after.
+
+    OperatorError naming `option` when it is a file or cannot be created or written."""
+    if path.exists() and not path.is_dir():
+        raise OperatorError(
+            f"{option} {path} is an existing file, not a folder: pass a folder (created if missing)"
+        )
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise OperatorError(
+            f"cannot write to {option} {path}: {_os_reason(exc, path)}; pass a folder you can write to"
+        ) from exc
+
+
+def check_writable_file(path: Path, option: str = "--out") -> None:
+    """Create the folder of the output file `path` and prove the file can be written, without touching it.
+
+    OperatorError naming `option` when it is a folder or cannot be written."""
+    if path.is_dir():
+        raise OperatorError(f"{option} {path} is a folder: pass a file name, e.g. {path / 'report.json'}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists():
+            with path.open("a"):  # appends nothing: the file keeps its content until the command writes it
+                pass
+        else:
+            with tempfile.TemporaryFile(dir=path.parent):
+                pass
+    except OSError as exc:
+        raise OperatorError(
+            f"cannot write {option} {path}: {_os_reason(exc, path)}; pass a path you can write to"
+        ) from exc
 
 
 def _parser() -> argparse.ArgumentParser:

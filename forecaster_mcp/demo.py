@@ -6,12 +6,16 @@ import argparse
 import random
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from forecaster_mcp.errors import OperatorError
 from forecaster_mcp.server.client import ToolCaller, ToolCallFailed, connect_stdio
 from forecaster_mcp.settings import Settings
+
+if TYPE_CHECKING:
+    from forecaster_mcp.measure.replay import ReplaySpace
 
 SHARED_HINT = "../shared/datasets/kernel_tuner_benchmark_hub/cachefiles/convolution_milo/A100.json.gz"
 
@@ -69,11 +73,46 @@ async def _measure_without_gpu(call: ToolCaller) -> None:
     )
 
 
-async def _replay_loop(call: ToolCaller, recording: Path, rounds: int = 6) -> None:
-    from forecaster_mcp.measure.replay import load_space
+START_TRIES = 3  # starting configurations tried before the demo gives up on the search loop
+POOL = 16  # candidates forecast per round
 
-    space = load_space(recording)
-    valid = [e for e in space.entries if e.time_ms is not None]
+
+def _pick_space(replay: list[Path]) -> ReplaySpace:
+    """The recording the demo searches: the first one (folders expanded as `serve --replay` does, files in name
+    order) with a configuration that ran. OperatorError before any server starts when there is none."""
+    from forecaster_mcp.measure.replay import ReplayMeasurer, load_space
+
+    # The server the demo starts would refuse a file that is not a recording and exit before the client
+    # connects (a "connection closed" traceback): read the headers here, as that server would, and say why.
+    measurer = ReplayMeasurer(replay)
+    problems: list[str] = []
+    for header in measurer.headers():
+        try:
+            space = load_space(header.path)
+        except ValueError as exc:
+            problems.append(str(exc))
+            continue
+        if any(e.ok for e in space.entries):
+            return space
+        n = len(space.entries)
+        problems.append(
+            f"{header.path}: "
+            + (
+                f"none of its {n} recorded configurations ran successfully"
+                if n
+                else "no configurations recorded"
+            )
+        )
+    more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+    raise OperatorError(
+        f"no recording to search: {'; '.join(problems[:3])}{more}. The demo needs a Kernel Tuner cache file with "
+        f"at least one configuration that ran (try {SHARED_HINT})"
+    )
+
+
+async def _replay_loop(call: ToolCaller, space: ReplaySpace, rounds: int = 6) -> None:
+    recording = space.path
+    valid = [e for e in space.entries if e.ok and e.time_ms is not None]
     rng = random.Random(7)
     source = f"// {space.kernel_name}: tuning space replayed from {recording.name} (source not bundled)\n"
 
@@ -82,21 +121,37 @@ async def _replay_loop(call: ToolCaller, recording: Path, rounds: int = 6) -> No
 
     print(
         f"\n== 2. Forecast-first search over {len(space.entries)} recorded configurations of "
-        f"{space.kernel_name} on {space.device}"
+        f"{space.kernel_name} on {space.device} ({recording})"
     )
-    best = rng.choice(valid).params
-    first = await call("measure_kernel", {"kernel": kernel("start", best)})
-    best_ms = first["runtime_ms"]["median"]
-    spent = first["cost"]["gpu_seconds"]
-    considered = 1
+    spent = 0.0
+    considered = 0
+    best_ms: float | None = None
+    untried = list(valid)
+    for _ in range(min(START_TRIES, len(valid))):
+        best = untried.pop(rng.randrange(len(untried))).params  # rng.choice(valid), never the same one twice
+        first = await call("measure_kernel", {"kernel": kernel("start", best)})
+        spent += first["cost"]["gpu_seconds"]
+        considered += 1
+        if first["status"] == "ok" and first["runtime_ms"] is not None:
+            best_ms = first["runtime_ms"]["median"]
+            break
+        print(f"  starting configuration {best}: {first['status']} ({first.get('message') or 'no runtime'})")
+    if best_ms is None:
+        # Not raised: an error inside the client's task group would reach the operator as a traceback.
+        print(
+            f"  no starting configuration could be replayed ({considered} tried, {spent:.3f} GPU-seconds); "
+            "the search needs one: pass another recording"
+        )
+        return
     for r in range(rounds):
-        pool = [kernel(f"c{r}_{i}", e.params) for i, e in enumerate(rng.sample(space.entries, 16))]
+        sample = rng.sample(space.entries, min(POOL, len(space.entries)))
+        pool = [kernel(f"c{r}_{i}", e.params) for i, e in enumerate(sample)]
         out = await call("compare_kernels", {"candidates": [kernel("best", best), *pool], "baseline": "best"})
         considered += len(pool)
         decided = sum(c["verdict"] != "unsure" for c in out["candidates"])
         to_measure = [i for i in out["measure_next"] if i != "best"][:3]
         print(
-            f"  round {r + 1}: 16 candidates, {decided} decided by forecast, measuring {len(to_measure)} "
+            f"  round {r + 1}: {len(pool)} candidates, {decided} decided by forecast, measuring {len(to_measure)} "
             f"({', '.join(to_measure) or '-'})"
         )
         by_id = {k["id"]: k for k in pool}
@@ -115,13 +170,15 @@ async def _replay_loop(call: ToolCaller, recording: Path, rounds: int = 6) -> No
     )
 
 
-async def _demo(settings: Settings, replay: list[Path], home: Path) -> None:
+async def _demo(settings: Settings, space: ReplaySpace | None, home: Path) -> None:
+    # The server replays only the recording the demo searches: its device is then the server's default one.
+    replay = [space.path] if space is not None else []
     async with connect_stdio(home, replay=replay) as (client, call):
         tools = [t.name for t in (await client.list_tools()).tools]
         print(f"Started `forecaster-mcp serve` over stdio (state in {home}); tools: {', '.join(tools)}")
         await _forecast_examples(call, settings.hardware or "H100")
-        if replay:
-            await _replay_loop(call, replay[0])
+        if space is not None:
+            await _replay_loop(call, space)
         else:
             await _measure_without_gpu(call)
         status = await call("budget_status", {})
@@ -141,15 +198,10 @@ def demo_command(settings: Settings, args: argparse.Namespace) -> int:
     if missing:
         print(f"forecaster-mcp demo: recording not found: {', '.join(missing)} (try {SHARED_HINT})")
         return 2
-    if replay:
-        from forecaster_mcp.measure.replay import ReplayMeasurer
-
-        # The server the demo starts would refuse a file that is not a recording and exit before the client
-        # connects (a "connection closed" traceback): read the headers here, as that server would, and say why.
-        ReplayMeasurer(replay)
+    space = _pick_space(replay) if replay else None
     if args.home is not None:
-        anyio.run(_demo, settings, replay, Path(args.home))
+        anyio.run(_demo, settings, space, Path(args.home))
         return 0
     with tempfile.TemporaryDirectory(prefix="forecaster-mcp-demo-") as tmp:
-        anyio.run(_demo, settings, replay, Path(tmp))
+        anyio.run(_demo, settings, space, Path(tmp))
     return 0

@@ -654,6 +654,7 @@ def search_command(settings: Any, args: Any) -> int:
 
     import anyio
 
+    from forecaster_mcp.cli import check_writable_file
     from forecaster_mcp.errors import OperatorError
     from forecaster_mcp.measure.replay import load_space
 
@@ -665,6 +666,18 @@ def search_command(settings: Any, args: Any) -> int:
         space = load_space(args.recording)
     except ValueError as exc:
         raise OperatorError(f"{exc}; pass a Kernel Tuner cache file (.json or .json.gz)") from exc
+    if space.best_time_ms is None:
+        n = len(space.entries)
+        what = (
+            f"none of its {n} recorded configurations ran successfully"
+            if n
+            else "it records no configurations"
+        )
+        raise OperatorError(
+            f"{args.recording}: {what}, so there is no best to search for: pass a recording with valid configurations"
+        )
+    if args.out is not None:
+        check_writable_file(Path(args.out))  # before the runs: a bad --out must not lose their report
     # The servers this command starts charge their default ledger: make it large enough for the runs
     # (measured GPU-seconds are still reported per run).
     os.environ.setdefault("FORECASTER_MCP_DEFAULT_LEDGER_GPU_SECONDS", "1000000000")
@@ -715,16 +728,14 @@ def search_command(settings: Any, args: Any) -> int:
         + ", ".join(f"{k} with chance {difficulty.random_hits[k]:.2f}" for k in difficulty.random_hits)
     )
     if args.out is not None:
-        Path(args.out).write_text(
-            json.dumps(
-                {
-                    "client": args.client,
-                    "summary": summary,
-                    "space": asdict(difficulty),
-                    "runs": [asdict(t) for t in traces],
-                },
-                indent=2,
-                default=str,
-            )
-        )
+        report = {
+            "client": args.client,
+            "summary": summary,
+            "space": asdict(difficulty),
+            "runs": [asdict(t) for t in traces],
+        }
+        try:
+            Path(args.out).write_text(json.dumps(report, indent=2, default=str))
+        except OSError as exc:  # checked writable before the runs; the disk filled up or the folder changed
+            raise OperatorError(f"cannot write --out {args.out}: {exc.strerror or exc}") from exc
     return 0

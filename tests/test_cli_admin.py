@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from serverproc import cli
 
 from forecaster_mcp.cli import main
 from forecaster_mcp.settings import Settings
@@ -165,3 +166,98 @@ def test_demo_refuses_a_file_that_is_not_a_recording(
     code, out, err = run(capsys, "demo", "--replay", str(not_a_recording))
     assert code == 2
     assert "cannot read replay recording" in out + err and "Kernel Tuner cache file" in out + err
+
+
+def _recording(path: Path, cache: dict[str, dict[str, object]]) -> Path:
+    """A small Kernel Tuner cache file: kernel `kk` on an A100, one tuning parameter `bx`."""
+    doc = {
+        "device_name": "NVIDIA A100-PCIE-40GB",
+        "kernel_name": "kk",
+        "problem_size": [1024],
+        "tune_params_keys": ["bx"],
+        "tune_params": {"bx": [32, 64, 128]},
+        "objective": "time",
+        "cache": cache,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_demo_replays_a_folder_of_recordings_smaller_than_its_pool(tmp_path: Path) -> None:
+    """A folder (as `serve --replay` takes) holding a 3-configuration recording: fewer than the 16 candidates a
+    round forecasts."""
+    folder = tmp_path / "recordings"
+    _recording(
+        folder / "A100.json",
+        {
+            "32": {"bx": 32, "time": 1.0, "times": [1.0, 1.0]},
+            "64": {"bx": 64, "time": 2.0, "times": [2.0, 2.0]},
+            "128": {"bx": 128, "time": 0.5, "times": [0.5]},
+        },
+    )
+    done = cli(tmp_path / "home", "demo", "--replay", str(folder))  # a real process: the demo starts a server
+    out = done.stdout
+    assert "search over 3 recorded configurations of kk" in out and str(folder / "A100.json") in out
+    assert "round 1: 3 candidates" in out and "best found" in out
+
+
+def test_demo_refuses_a_recording_without_a_configuration_that_ran(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    failed = _recording(
+        tmp_path / "failed.json",
+        {"32": {"bx": 32, "time": "InvalidConfig"}, "64": {"bx": 64, "time": "RuntimeFailedConfig"}},
+    )
+    code, out, err = run(capsys, "demo", "--replay", str(failed))
+    assert code == 2 and out == ""
+    assert err.startswith("forecaster-mcp: ") and len(err.strip().splitlines()) == 1
+    assert "none of its 2 recorded configurations ran successfully" in err
+    code, _, err = run(capsys, "demo", "--replay", str(_recording(tmp_path / "empty.json", {})))
+    assert code == 2 and "no configurations recorded" in err
+
+
+def test_demo_says_so_when_no_starting_configuration_can_be_replayed(tmp_path: Path) -> None:
+    """The only configuration that ran took longer than a measurement may: its replay is a timeout, which has
+    no runtime to start the search from."""
+    slow = _recording(
+        tmp_path / "slow.json",
+        {"32": {"bx": 32, "time": 1e20, "times": []}, "64": {"bx": 64, "time": "InvalidConfig"}},
+    )
+    out = cli(tmp_path / "home", "demo", "--replay", str(slow)).stdout
+    assert "starting configuration {'bx': 32}: timeout" in out
+    assert "no starting configuration could be replayed (1 tried" in out and "round 1" not in out
+    assert "== 3. Budget" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "env"),
+    [(["serve", "--ledger", "bad name"], {}), (["serve"], {"FORECASTER_MCP_LEDGER": "x y"})],
+)
+def test_serve_refuses_a_ledger_name_ledger_create_would_refuse(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, argv: list[str], env: dict[str, str]
+) -> None:
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == ""
+    assert err.startswith("forecaster-mcp: --ledger ") and "is not allowed: use 1 to 128" in err
+    assert len(err.strip().splitlines()) == 1
+    assert not Settings.from_env().db_path.exists()  # refused before the server opened its store
+
+
+def test_unknown_ledger_message_quotes_the_name_for_the_shell() -> None:
+    from forecaster_mcp.errors import UnknownLedger
+    from forecaster_mcp.service import Service
+
+    async def status_of(ledger: str) -> str:
+        service = await Service.open(Settings.from_env(measurer="none"))
+        try:
+            with pytest.raises(UnknownLedger) as raised:
+                await service.budget_status(ledger)
+            return str(raised.value)
+        finally:
+            await service.close()
+
+    assert "`forecaster-mcp ledger create 'team a;b' --gpu-seconds N`" in asyncio.run(status_of("team a;b"))
+    assert "`forecaster-mcp ledger create team-b --gpu-seconds N`" in asyncio.run(status_of("team-b"))

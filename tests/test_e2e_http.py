@@ -11,7 +11,7 @@ import anyio
 import httpx2
 import pytest
 from replay_kernels import conv_block as kernel
-from serverproc import HttpServer, cli, start_http
+from serverproc import HttpServer, cli, free_port, start_http
 
 from forecaster_mcp.server.client import ToolCallFailed, connect_http
 
@@ -118,3 +118,76 @@ async def test_concurrent_clients_never_overspend(tmp_path: Path, conv_a100: Pat
     assert state["spent_gpu_seconds"] <= 0.5 + 1e-9
     assert state["reserved_gpu_seconds"] == 0
     assert state["spent_gpu_seconds"] == pytest.approx(sum(charged), abs=1e-5)
+
+
+def _one_line_refusal(proc: Any) -> str:
+    err = str(proc.stderr)
+    assert proc.returncode == 2, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("forecaster-mcp: ") and "serving streamable HTTP" not in err
+    return err
+
+
+@pytest.mark.parametrize(
+    ("address", "message"),
+    [
+        (["--port", "70000"], "--port must be between 1 and 65535, got 70000"),
+        (["--port", "-1"], "--port must be between 1 and 65535, got -1"),
+        (["--host", "999.1.1.1"], "--host '999.1.1.1' is not an IP address or host name"),
+        (["--host", "no_such host"], "is not an IP address or host name"),
+    ],
+)
+def test_bad_host_or_port_is_a_one_line_error(tmp_path: Path, address: list[str], message: str) -> None:
+    err = _one_line_refusal(cli(tmp_path / "home", "serve", "--http", *address, check=False))
+    assert message in err
+    assert not (tmp_path / "home" / "forecaster.sqlite3").exists()  # refused before the service opened
+
+
+def test_busy_port_is_a_one_line_error(server: tuple[HttpServer, dict[str, str]], tmp_path: Path) -> None:
+    srv, _ = server
+    busy = cli(tmp_path / "other", "serve", "--http", "--port", str(srv.port), check=False)
+    err = _one_line_refusal(busy)
+    assert f"port {srv.port} is already in use" in err and "pass another --port" in err
+    assert not (
+        tmp_path / "other" / "forecaster.sqlite3"
+    ).exists()  # the port is bound before the service opens
+
+
+def test_serving_line_comes_only_once_the_service_opened(tmp_path: Path) -> None:
+    not_a_recording = tmp_path / "notes.json"
+    not_a_recording.write_text("{}")
+    port = str(free_port())
+    failed = cli(
+        tmp_path / "home", "serve", "--http", "--port", port, "--replay", str(not_a_recording), check=False
+    )
+    assert "cannot read replay recording" in _one_line_refusal(failed)
+
+
+@pytest.mark.anyio
+async def test_401_points_at_no_oauth_server_when_bound_to_every_interface(tmp_path: Path) -> None:
+    """Tokens are static bearer tokens: a 401 must not send clients to OAuth metadata or an authorization server
+    (which do not exist, and which --host 0.0.0.0 would have named as http://0.0.0.0:PORT)."""
+    home = tmp_path / "srv"
+    cli(home, "ledger", "create", "alice", "--gpu-seconds", "5")
+    token = cli(home, "token", "issue", "--ledger", "alice").stdout.strip().splitlines()[-1]
+    srv = start_http(home, ["--host", "0.0.0.0"])
+    try:
+        body = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}}
+        headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+        with httpx2.Client(timeout=10) as http:
+            refused = http.post(srv.url, json=body, headers=headers)
+            assert refused.status_code == 401
+            challenge = refused.headers["www-authenticate"]
+            assert challenge.startswith("Bearer ") and "resource_metadata" not in challenge
+            assert "0.0.0.0" not in challenge + refused.text
+            base = srv.url.removesuffix("/mcp")
+            for well_known in (
+                "oauth-protected-resource/mcp",
+                "oauth-protected-resource",
+                "oauth-authorization-server",
+            ):
+                assert http.get(f"{base}/.well-known/{well_known}").status_code == 404
+        async with connect_http(srv.url, token) as (_, call):  # the static token is what works
+            assert (await call("budget_status", {}))["ledger"] == "alice"
+    finally:
+        srv.stop()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 from pathlib import Path
 from typing import Any
@@ -226,3 +227,71 @@ def test_history_in_the_pairs_file_teaches_the_local_model(conv_a100: Path, tmp_
     assert "neither kernel measured" in next(iter(report["thresholds_unmeasured"].values()))["reason"]
     # The family model learns from 60 measurements what the bare prior cannot know.
     assert report["final"]["pairwise_accuracy"] > 0.7
+
+
+def test_eval_refuses_an_out_it_cannot_write_before_forecasting(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--forecaster claude` without a key fails when the forecasters are built, just before forecasting: an --out
+    error in its place shows the folder was checked first."""
+    pairs = _write(tmp_path / "pairs.jsonl", [*TINY])
+    cases = {
+        str(pairs): "is an existing file, not a folder",
+        str(pairs / "sub"): "Not a directory",
+        "/proc/forecaster-mcp-no-such-dir/out": "No such file or directory",
+    }
+    for out, message in cases.items():
+        assert main(["eval", str(pairs), "--out", out, "--forecaster", "claude"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("forecaster-mcp: ") and f"--out {out}" in err and message in err, err
+        assert len(err.strip().splitlines()) == 1
+    assert pairs.read_text().count("\n") == len(TINY)  # the file named as --out is left alone
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_eval_refuses_a_read_only_out_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pairs = _write(tmp_path / "pairs.jsonl", [*TINY])
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        assert main(["eval", str(pairs), "--out", str(ro), "--forecaster", "claude"]) == 2
+        assert "Permission denied" in capsys.readouterr().err
+        assert main(["eval", str(pairs), "--out", str(ro / "new"), "--forecaster", "claude"]) == 2
+        assert "Permission denied" in capsys.readouterr().err
+    finally:
+        ro.chmod(0o700)
+
+
+def test_eval_notes_gpus_it_has_no_specification_for(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rows = [
+        *TINY,
+        _pair(6, 32, 64, 1.2, hardware="Quadro-XYZ-9000"),
+        _pair(7, 64, 32, 0.8, "Quadro-XYZ-9000"),
+    ]
+    pairs = _write(tmp_path / "pairs.jsonl", rows)
+    out = tmp_path / "out"
+    assert main(["eval", str(pairs), "--out", str(out)]) == 0
+    [note] = [n for n in json.loads((out / "metrics.json").read_text())["notes"] if "Quadro-XYZ-9000" in n]
+    assert "no specification known for GPU 'Quadro-XYZ-9000'" in note and "its 2 pairs" in note
+    assert f"note: {note}" in capsys.readouterr().out
+    assert not any(
+        "A100" in n or "H100" in n for n in json.loads((out / "metrics.json").read_text())["notes"]
+    )
+
+
+def test_make_pairs_refuses_negative_history_and_unwritable_out(
+    conv_a100: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "pairs.jsonl"
+    assert main(["make-pairs", str(conv_a100), "-n", "10", "--history", "-3", "--out", str(out)]) == 2
+    assert "--history must be 0 or more, got -3" in capsys.readouterr().err
+    assert not out.exists()
+    # The --out check comes before the recordings are read (this one does not exist).
+    blocker = _write(tmp_path / "file.txt", ["x"])
+    missing = tmp_path / "missing.json.gz"
+    assert main(["make-pairs", str(missing), "--out", str(blocker / "pairs.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("forecaster-mcp: cannot write --out ") and "is a file, not a folder" in err

@@ -327,3 +327,64 @@ def test_search_command_refuses_bad_input_with_a_message(tmp_path: Path) -> None
     assert wrong.returncode == 2 and "not a Kernel Tuner cache file" in wrong.stderr
     zero = cli(tmp_path, "search", str(not_space), "--measurements", "0", check=False)
     assert zero.returncode == 2 and "--measurements and --seeds must be at least 1" in zero.stderr
+
+
+def _small_recording(path: Path, cache: dict[str, dict[str, object]]) -> Path:
+    import json
+
+    doc = {
+        "device_name": "NVIDIA A100-PCIE-40GB",
+        "kernel_name": "kk",
+        "problem_size": [1024],
+        "tune_params_keys": ["bx"],
+        "tune_params": {"bx": [32, 64, 128]},
+        "objective": "time",
+        "cache": cache,
+    }
+    path.write_text(json.dumps(doc))
+    return path
+
+
+THREE = {
+    "32": {"bx": 32, "time": 1.0, "times": [1.0, 1.0]},
+    "64": {"bx": 64, "time": 2.0, "times": [2.0, 2.0]},
+    "128": {"bx": 128, "time": 0.5, "times": [0.5]},
+}
+
+
+def test_search_command_checks_out_before_the_runs(tmp_path: Path) -> None:
+    """A bad --out is refused before any run (each run prints a `seed N` line); a missing folder is created."""
+    import json
+
+    from serverproc import cli
+
+    rec = _small_recording(tmp_path / "A100.json", THREE)
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("x")
+    args = ("search", str(rec), "--strategy", "random", "--measurements", "2", "--seeds", "1")
+    for out, message in [
+        (blocker / "report.json", "is a file, not a folder"),
+        (tmp_path, "is a folder: pass a file name"),
+        (Path("/proc/forecaster-mcp-no-such-dir/report.json"), "No such file or directory"),
+    ]:
+        bad = cli(tmp_path / "home", *args, "--out", str(out), check=False)
+        assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
+        assert bad.stderr.startswith("forecaster-mcp: ") and f"--out {out}" in bad.stderr
+        assert message in bad.stderr and "seed 0" not in bad.stderr
+    made = tmp_path / "new" / "dir" / "report.json"
+    cli(tmp_path / "home", *args, "--out", str(made))
+    assert json.loads(made.read_text())["summary"]["random"]["runs"] == 1
+
+
+def test_search_command_refuses_a_recording_with_nothing_to_find(tmp_path: Path) -> None:
+    from serverproc import cli
+
+    failed = _small_recording(
+        tmp_path / "failed.json",
+        {"32": {"bx": 32, "time": "InvalidConfig"}, "64": {"bx": 64, "time": "RuntimeFailedConfig"}},
+    )
+    done = cli(tmp_path / "home", "search", str(failed), check=False)
+    assert done.returncode == 2 and done.stdout == "" and "seed 0" not in done.stderr
+    assert "none of its 2 recorded configurations ran successfully" in done.stderr
+    empty = cli(tmp_path / "home", "search", str(_small_recording(tmp_path / "e.json", {})), check=False)
+    assert empty.returncode == 2 and "it records no configurations" in empty.stderr

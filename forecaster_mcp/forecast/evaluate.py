@@ -277,6 +277,26 @@ def _queries(pairs: Sequence[EvalPair]) -> list[PairQuery]:
     return out
 
 
+def _unknown_gpu_notes(pairs: Sequence[EvalPair]) -> list[str]:
+    """One note per GPU name the spec table does not know: those pairs are forecast without hardware features."""
+    from forecaster_mcp.hardware.specs import lookup, suggest
+
+    counts: dict[str, int] = {}
+    for p in pairs:
+        if lookup(p.hardware) is None:
+            name = p.hardware.strip()
+            counts[name] = counts.get(name, 0) + 1
+    notes = []
+    for name, n in counts.items():
+        close = suggest(name, limit=3)
+        hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+        notes.append(
+            f"no specification known for GPU {name[:80]!r}{hint}: its {n} pair{'s were' if n != 1 else ' was'} "
+            "forecast without hardware-specific features (known GPUs are listed in the gpu-specs resource)"
+        )
+    return notes
+
+
 @dataclass
 class _Calibration:
     fit_outcomes: list[Any]
@@ -312,7 +332,7 @@ async def _calibrate_phase(
             slots.append(dict(f.slots))
             regimes.append(f.regime)
             speedups.append(p.speedup)
-    notes = sorted({n for f in forecasts for n in f.notes})
+    notes = _unknown_gpu_notes(cal.pairs) + sorted({n for f in forecasts for n in f.notes})
     return _Calibration(fit, hw, raw, slots, regimes, speedups, len(cal.pairs)), notes
 
 
@@ -417,12 +437,17 @@ async def _forecast_all(
         _apply_calibration(engine, calibration)
     queries = _queries(main.pairs)
     forecasts = await engine.forecast(queries)
+    notes += _unknown_gpu_notes(main.pairs)
     notes += sorted({n for f in forecasts for n in f.notes})
     # Per GPU the threshold of each regime forecasts were made in (module doc of forecast/engine.py).
     keys: list[tuple[str, Regime]] = [(q.hardware_name, "model") for q in queries]
     keys += [(q.hardware_name, f.regime) for q, f in zip(queries, forecasts, strict=True)]
     thresholds = {k: await engine.threshold(k[0], target, k[1]) for k in dict.fromkeys(keys)}
     return engine, queries, forecasts, thresholds, calibration, notes
+
+
+def _write_failed(path: Path, exc: OSError) -> OperatorError:
+    return OperatorError(f"cannot write to {path}: {exc.strerror or exc}")
 
 
 def run_eval(
@@ -440,6 +465,8 @@ def run_eval(
     Runs its own event loop (anyio.run): call it from synchronous code."""
     import anyio
 
+    from forecaster_mcp.cli import check_writable_dir
+
     out = stdout or sys.stdout
     started = time.perf_counter()
     target = settings.target_error if target_error is None else target_error
@@ -448,6 +475,7 @@ def run_eval(
     names = parse_forecaster_arg(forecaster)
     main = read_pairs_file(pairs_path)
     cal_file = read_pairs_file(calibrate_on) if calibrate_on is not None else None
+    check_writable_dir(out_dir)  # before forecasting: a bad --out must not cost the whole run
     engine, queries, forecasts, thresholds, calibration, notes = anyio.run(
         _forecast_all, names, settings, main, cal_file, target, ptxas
     )
@@ -492,28 +520,30 @@ def run_eval(
             idx = [i for i, h in enumerate(hardware) if h == hw]
             by_hw[hw] = M.summarize(final_probs[idx], speedups[idx])
 
-    out_dir.mkdir(parents=True, exist_ok=True)
     plots: list[str] = []
     from forecaster_mcp.forecast.plots import PlotsUnavailable, reliability_png, risk_coverage_png
 
     try:
-        reliability_png(out_dir / "reliability.png", series)
-        risk_coverage_png(out_dir / "risk_coverage.png", series, target)
-        plots = ["reliability.png", "risk_coverage.png"]
-    except PlotsUnavailable as exc:
-        notes.append(f"plots skipped: {exc}")
-    with (out_dir / "predictions.jsonl").open("w", encoding="utf-8") as f:
-        for p, q, fc, verdict in zip(main.pairs, queries, forecasts, verdicts, strict=True):
-            row = {
-                "id": p.id,
-                "hardware": q.hardware_name,
-                "speedup": p.speedup,
-                "p_faster": fc.p_faster,
-                "verdict": verdict,
-                "probs": fc.probs,
-                "raw": fc.raw,
-            }
-            f.write(json.dumps(row) + "\n")
+        try:
+            reliability_png(out_dir / "reliability.png", series)
+            risk_coverage_png(out_dir / "risk_coverage.png", series, target)
+            plots = ["reliability.png", "risk_coverage.png"]
+        except PlotsUnavailable as exc:
+            notes.append(f"plots skipped: {exc}")
+        with (out_dir / "predictions.jsonl").open("w", encoding="utf-8") as f:
+            for p, q, fc, verdict in zip(main.pairs, queries, forecasts, verdicts, strict=True):
+                row = {
+                    "id": p.id,
+                    "hardware": q.hardware_name,
+                    "speedup": p.speedup,
+                    "p_faster": fc.p_faster,
+                    "verdict": verdict,
+                    "probs": fc.probs,
+                    "raw": fc.raw,
+                }
+                f.write(json.dumps(row) + "\n")
+    except OSError as exc:  # checked writable at the start; the disk filled up or the folder changed since
+        raise _write_failed(out_dir, exc) from exc
 
     report: dict[str, Any] = {
         "pairs_file": str(pairs_path),
@@ -540,9 +570,12 @@ def run_eval(
         "elapsed_s": round(time.perf_counter() - started, 3),
     }
     report = _finite(report)
-    (out_dir / "metrics.json").write_text(
-        json.dumps(report, indent=2, sort_keys=False) + "\n", encoding="utf-8"
-    )
+    try:
+        (out_dir / "metrics.json").write_text(
+            json.dumps(report, indent=2, sort_keys=False) + "\n", encoding="utf-8"
+        )
+    except OSError as exc:
+        raise _write_failed(out_dir, exc) from exc
     print_table(report, out)
     for n in notes:
         print(f"note: {n}", file=out)
@@ -604,6 +637,8 @@ def make_pairs(
 
     if n_per_recording < 1:
         raise OperatorError(f"-n must be at least 1, got {n_per_recording}")
+    if history_per_recording < 0:
+        raise OperatorError(f"--history must be 0 or more, got {history_per_recording}")
     pairs: list[dict[str, Any]] = []
     history: list[dict[str, Any]] = []
     for r, path in enumerate(recordings):
@@ -662,12 +697,17 @@ def make_pairs(
 
 def make_pairs_command(settings: Settings, args: argparse.Namespace) -> int:
     """`forecaster-mcp make-pairs REC... -n N --seed S --out F [--history K]`."""
+    from forecaster_mcp.cli import check_writable_file
+
     history_n = int(getattr(args, "history", 0) or 0)
+    check_writable_file(args.out)  # before reading the recordings
     pairs, history = make_pairs(args.recordings, args.n, args.seed, history_n)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("w", encoding="utf-8") as f:
-        for row in [*history, *pairs]:
-            f.write(json.dumps(row, sort_keys=False) + "\n")
+    try:
+        with args.out.open("w", encoding="utf-8") as f:
+            for row in [*history, *pairs]:
+                f.write(json.dumps(row, sort_keys=False) + "\n")
+    except OSError as exc:
+        raise _write_failed(args.out, exc) from exc
     extra = f" and {len(history)} history points" if history else ""
     print(f"wrote {len(pairs)} pairs{extra} from {len(args.recordings)} recordings to {args.out}")
     return 0

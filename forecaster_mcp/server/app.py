@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import errno
 import inspect
+import ipaddress
 import json
 import logging
+import re
+import socket
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Annotated, Any, TypeVar
 
 import anyio
@@ -24,7 +28,7 @@ from mcp.types import ToolAnnotations
 from pydantic import AnyHttpUrl, Field
 
 from forecaster_mcp import __version__, bins
-from forecaster_mcp.errors import AgentError
+from forecaster_mcp.errors import AgentError, OperatorError
 from forecaster_mcp.models import CompareResult, Kernel, MeasureResult, Workload
 from forecaster_mcp.reports import BudgetStatus, GpuSpecRow
 from forecaster_mcp.service import MAX_TARGET_ERROR, MIN_TARGET_ERROR, Service
@@ -129,20 +133,22 @@ async def _call(fn: Callable[[], Awaitable[T]]) -> T:
         raise ToolError(str(exc)) from exc
 
 
-def build_server(
-    service: Service, *, http: bool = False, host: str = "127.0.0.1", port: int = 8765
-) -> MCPServer:
+# AuthSettings requires an issuer URL, but with no authorization-server provider and no resource_server_url the
+# SDK neither serves nor advertises one (no OAuth metadata routes, no resource_metadata in 401 challenges), so this
+# placeholder never reaches a client.
+_UNUSED_ISSUER = AnyHttpUrl("http://127.0.0.1")
+
+
+def build_server(service: Service, *, http: bool = False) -> MCPServer:
     """The MCP server over `service`. With `http=True`, every request must carry a bearer token."""
     auth_kwargs: dict[str, Any] = {}
     if http:
-        url = f"http://{host}:{port}"
+        # Tokens are static bearer tokens issued by `forecaster-mcp token issue`; there is no OAuth flow. So the
+        # server publishes no OAuth protected-resource metadata: it could only name an authorization server that
+        # does not exist, and clients would try (and fail) to log in there instead of sending their token.
         auth_kwargs = {
             "token_verifier": LedgerTokenVerifier(service),
-            "auth": AuthSettings(
-                issuer_url=AnyHttpUrl(url),
-                resource_server_url=AnyHttpUrl(f"{url}/mcp"),
-                validate_token_resource=False,
-            ),
+            "auth": AuthSettings(issuer_url=_UNUSED_ISSUER, resource_server_url=None),
         }
     mcp = MCPServer(
         name="forecaster-mcp",
@@ -306,16 +312,102 @@ def build_server(
 # ---------------------------------------------------------------------- running
 
 
-async def serve(settings: Settings, *, http: bool, host: str, port: int) -> None:
-    """Open the service once, serve until stopped, close it."""
+_HOST_LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+
+
+def _check_ledger_name(name: str) -> None:
+    # The rule `ledger create` enforces: a name it would refuse can never exist, and would only fail later.
+    from forecaster_mcp.store.db import check_ledger_name
+
+    check_ledger_name(name, "--ledger (env FORECASTER_MCP_LEDGER)")
+
+
+def _check_address(host: str, port: int) -> str:
+    """The host to bind (IPv6 brackets removed); OperatorError for a port out of range or a malformed host."""
+    if not 1 <= port <= 65535:
+        raise OperatorError(f"--port must be between 1 and 65535, got {port}")
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        ipaddress.ip_address(bare)
+        return bare
+    except ValueError:
+        pass
+    labels = bare.removesuffix(".").split(".")
+    # A name whose last label is all digits is a mistyped IPv4 address (999.1.1.1), not a host name.
+    if len(bare) > 253 or labels[-1].isdigit() or not all(_HOST_LABEL.fullmatch(x) for x in labels):
+        raise OperatorError(
+            f"--host {host[:80]!r} is not an IP address or host name: pass e.g. 127.0.0.1 (this machine only) "
+            "or 0.0.0.0 (every interface)"
+        )
+    return bare
+
+
+def _listen(host: str, port: int) -> list[socket.socket]:
+    """Bind the HTTP port now, before the service opens: a busy port is a one-line error, not a traceback."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise OperatorError(
+            f"--host {host[:80]!r}: cannot resolve it ({exc.strerror}); pass an IP address"
+        ) from exc
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, addr in dict.fromkeys(infos):  # as asyncio's create_server binds a name
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(addr)
+    except OSError as exc:
+        for sock in sockets:
+            sock.close()
+        where = f"{host}:{port}"
+        if exc.errno == errno.EADDRINUSE:
+            why = f"port {port} is already in use on {host} (another server?): stop it or pass another --port"
+        elif exc.errno == errno.EACCES:
+            why = (
+                f"permission denied for {where} (ports below 1024 need privileges): pass --port 1024 or above"
+            )
+        elif exc.errno == errno.EADDRNOTAVAIL:
+            why = f"{host} is not an address of this machine: pass 127.0.0.1, 0.0.0.0 or one of its addresses"
+        else:
+            why = f"{exc.strerror or exc}"
+        raise OperatorError(f"cannot listen on {where}: {why}") from exc
+    return sockets
+
+
+def _shown_url(host: str, port: int) -> str:
+    if host in ("0.0.0.0", "::"):
+        return f"port {port} of every interface, path /mcp (on this machine: http://127.0.0.1:{port}/mcp)"
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}/mcp"
+
+
+async def serve(
+    settings: Settings,
+    *,
+    http: bool,
+    host: str = "127.0.0.1",
+    port: int = 8765,
+    sockets: Sequence[socket.socket] = (),
+) -> None:
+    """Open the service once, serve until stopped, close it. HTTP serves on `sockets` (bound by `_listen`)."""
+    import uvicorn
+
     service = await Service.open(settings)
     try:
-        server = build_server(service, http=http, host=host, port=port)
+        server = build_server(service, http=http)
         async with anyio.create_task_group() as tg:
             # Parse recordings in the background so the first tools/list is not kept waiting.
             tg.start_soon(service.preload)
             if http:
-                await server.run_streamable_http_async(host=host, port=port)
+                print(f"forecaster-mcp: serving streamable HTTP at {_shown_url(host, port)}", file=sys.stderr)
+                # What MCPServer.run_streamable_http_async does, on the sockets bound before the service opened
+                # (without any, uvicorn binds host:port itself).
+                app = server.streamable_http_app(host=host)
+                config = uvicorn.Config(app, host=host, port=port, log_level="warning")
+                await uvicorn.Server(config).serve(sockets=list(sockets) or None)
             else:
                 await server.run_stdio_async()
             tg.cancel_scope.cancel()
@@ -329,9 +421,15 @@ def serve_command(settings: Settings, args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s"
     )
-    if args.http:
-        print(
-            f"forecaster-mcp: serving streamable HTTP at http://{args.host}:{args.port}/mcp", file=sys.stderr
-        )
-    anyio.run(lambda: serve(settings, http=args.http, host=args.host, port=args.port))
+    _check_ledger_name(settings.ledger)
+    if not args.http:
+        anyio.run(lambda: serve(settings, http=False))
+        return 0
+    host = _check_address(args.host, args.port)
+    sockets = _listen(host, args.port)
+    try:
+        anyio.run(lambda: serve(settings, http=True, host=host, port=args.port, sockets=sockets))
+    finally:
+        for sock in sockets:
+            sock.close()
     return 0
