@@ -113,6 +113,11 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--target-error", type=float, default=None)
     ev.add_argument("--calibrate-on", type=Path, default=None, help="pairs file to fit calibration on first")
     ev.add_argument("--no-ptxas", action="store_true", help="skip nvcc/ptxas resource features")
+    ev.add_argument(
+        "--batch",
+        action="store_true",
+        help="Claude answers through the Message Batches API (half price; results in minutes to hours)",
+    )
     ev.set_defaults(handler="forecaster_mcp.forecast.evaluate:eval_command")
 
     mp = sub.add_parser("make-pairs", help="write a pairs file sampled from Kernel Tuner recordings")

@@ -295,3 +295,43 @@ def test_make_pairs_refuses_negative_history_and_unwritable_out(
     assert main(["make-pairs", str(missing), "--out", str(blocker / "pairs.jsonl")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("forecaster-mcp: cannot write --out ") and "is a file, not a folder" in err
+
+
+def test_eval_batch_sends_claude_through_the_batches_api(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--batch: every pair goes through the Message Batches API (half price), none through /v1/messages."""
+    from forecaster_mcp.forecast import evaluate
+    from forecaster_mcp.forecast.claude import ClaudeForecaster
+    from tests._anthropic_mock import AnthropicMock, tool_answer
+
+    faster = [0.0, 0.0, 0.0, 0.05, 0.15, 0.5, 0.25, 0.05]
+    mock = AnthropicMock(lambda params: tool_answer(faster))
+
+    async def no_sleep(s: float) -> None:
+        return None
+
+    def claude_only(names: Any, settings: Any, history: Any, *, ptxas: bool = True) -> list[Any]:
+        assert list(names) == ["claude"]
+        return [
+            ClaudeForecaster(
+                "test-key",
+                "claude-sonnet-5",
+                samples=1,
+                features=None,
+                http_client=mock.client(),
+                sleep=no_sleep,
+            )
+        ]
+
+    monkeypatch.setattr(evaluate, "build_forecasters", claude_only)
+    pairs = _write(tmp_path / "pairs.jsonl", TINY)
+    out = tmp_path / "out"
+    assert main(["eval", str(pairs), "--out", str(out), "--forecaster", "claude", "--batch"]) == 0
+    assert not mock.message_bodies
+    [batch] = mock.batches.values()
+    assert len(batch.requests) == len(TINY)
+    preds = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    assert len(preds) == len(TINY)
+    assert all(p["raw"]["claude"] == pytest.approx(faster) for p in preds)
+    capsys.readouterr()

@@ -309,7 +309,7 @@ class _Calibration:
 
 
 async def _calibrate_phase(
-    names: Sequence[str], settings: Settings, cal: PairsFile, ptxas: bool
+    names: Sequence[str], settings: Settings, cal: PairsFile, ptxas: bool, batch: bool = False
 ) -> tuple[_Calibration, list[str]]:
     from forecaster_mcp.forecast.engine import ForecastEngine
 
@@ -318,7 +318,7 @@ async def _calibrate_phase(
     )
     engine = ForecastEngine(forecasters, None)
     queries = _queries(cal.pairs)
-    forecasts = await engine.forecast(queries)
+    forecasts = await engine.forecast(queries, bulk=batch)
     fit, hw, raw, slots, speedups = [], [], [], [], []
     regimes: list[Regime] = []
     for i, (q, p, f) in enumerate(zip(queries, cal.pairs, forecasts, strict=True)):
@@ -414,6 +414,7 @@ async def _forecast_all(
     cal_file: PairsFile | None,
     target: float,
     ptxas: bool,
+    batch: bool = False,
 ) -> tuple[
     ForecastEngine,
     list[PairQuery],
@@ -427,7 +428,7 @@ async def _forecast_all(
     notes: list[str] = []
     calibration = None
     if cal_file is not None:
-        calibration, cal_notes = await _calibrate_phase(names, settings, cal_file, ptxas)
+        calibration, cal_notes = await _calibrate_phase(names, settings, cal_file, ptxas, batch)
         notes += [f"calibration file: {n}" for n in cal_notes]
     forecasters = build_forecasters(
         names, settings, MemoryHistory(main.history), ptxas=ptxas and _worth_compiling(main)
@@ -436,7 +437,7 @@ async def _forecast_all(
     if calibration is not None:
         _apply_calibration(engine, calibration)
     queries = _queries(main.pairs)
-    forecasts = await engine.forecast(queries)
+    forecasts = await engine.forecast(queries, bulk=batch)
     notes += _unknown_gpu_notes(main.pairs)
     notes += sorted({n for f in forecasts for n in f.notes})
     # Per GPU the threshold of each regime forecasts were made in (module doc of forecast/engine.py).
@@ -459,8 +460,11 @@ def run_eval(
     calibrate_on: Path | None = None,
     stdout: TextIO | None = None,
     ptxas: bool = True,
+    batch: bool = False,
 ) -> dict[str, Any]:
     """Evaluate, write metrics.json and the plots into `out_dir`, print the table; returns the report.
+
+    `batch`: Claude answers through the Message Batches API (half price; minutes to hours).
 
     Runs its own event loop (anyio.run): call it from synchronous code."""
     import anyio
@@ -477,7 +481,7 @@ def run_eval(
     cal_file = read_pairs_file(calibrate_on) if calibrate_on is not None else None
     check_writable_dir(out_dir)  # before forecasting: a bad --out must not cost the whole run
     engine, queries, forecasts, thresholds, calibration, notes = anyio.run(
-        _forecast_all, names, settings, main, cal_file, target, ptxas
+        _forecast_all, names, settings, main, cal_file, target, ptxas, batch
     )
     speedups = np.array([p.speedup for p in main.pairs])
     hardware = [q.hardware_name for q in queries]
@@ -589,7 +593,14 @@ def eval_command(settings: Settings, args: argparse.Namespace) -> int:
     # --no-ptxas (when the parser has it): skip compiling kernels for static features, e.g. to go fast.
     ptxas = not getattr(args, "no_ptxas", False)
     run_eval(
-        settings, args.pairs, args.out, args.forecaster, args.target_error, args.calibrate_on, ptxas=ptxas
+        settings,
+        args.pairs,
+        args.out,
+        args.forecaster,
+        args.target_error,
+        args.calibrate_on,
+        ptxas=ptxas,
+        batch=getattr(args, "batch", False),
     )
     return 0
 
