@@ -115,7 +115,7 @@ class Service:
 
         self.settings = settings
         self.store = store
-        self.engine = ForecastEngine(list(forecasters), store)
+        self.engine = ForecastEngine(list(forecasters), store, timeout_s=settings.forecast_timeout_s)
         self.measurers = list(measurers)
         self.measurer_notes = list(measurer_notes)
         self._inflight: dict[tuple[str, str], anyio.Event] = {}

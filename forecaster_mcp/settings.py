@@ -38,6 +38,12 @@ class Settings(BaseModel):
     anthropic_api_key: str | None = None
     claude_model: str = "claude-sonnet-5-5"
     claude_samples: int = Field(default=3, ge=1, le=16)
+    forecast_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="a remote forecaster (Claude) still answering a compare_kernels after this long is skipped "
+        "with a note (a slow or hanging API must not hold the agent; the local forecaster answers)",
+    )
     nvcc: str | None = Field(default=None, description="path to nvcc; default: found on PATH")
 
     @property

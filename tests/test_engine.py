@@ -6,6 +6,7 @@ import json
 import math
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import anyio
 import numpy as np
@@ -170,6 +171,7 @@ class Short:
 class Hangs:
     name = "hangs"
     version = "1"
+    remote = True  # a network API: the engine's timeout applies
 
     async def forecast(self, queries: Sequence[PairQuery]) -> list[BinForecast]:
         await anyio.Event().wait()  # never set: only the engine's timeout ends this
@@ -483,3 +485,29 @@ async def test_in_memory_fit_and_history_for_evaluation() -> None:
     choice = await engine.threshold("A100", 0.1)
     assert choice.source == "history" and choice.threshold == pytest.approx(0.99)
     assert math.isclose(choice.n_history, 100)
+
+
+@pytest.mark.anyio
+async def test_a_compare_does_not_wait_on_a_hanging_forecaster(tmp_path: Path) -> None:
+    """The service's engine has the forecast_timeout_s setting: a hanging Claude API is skipped with a note
+    in the answer and the local forecaster's forecast is used."""
+    from forecaster_mcp.models import Kernel, Workload
+    from forecaster_mcp.service import Service, build_forecasters
+    from forecaster_mcp.settings import Settings
+    from forecaster_mcp.store.db import Store
+
+    settings = Settings.from_env(home=tmp_path, measurer="none", forecast_timeout_s=0.3)
+    store = await Store.open(settings.db_path)
+    service = Service(settings, store, [*build_forecasters(settings, store), Hangs()], [])
+    src = "__global__ void k(float* a) { a[threadIdx.x] *= 2.0f; }\n"
+    kernels = [Kernel(id=f"b{b}", source=src, entry="k", defines={"B": b}) for b in (64, 256)]
+    try:
+        with anyio.fail_after(20):
+            res = await service.compare(
+                ledger=None, candidates=kernels, workload=Workload(), baseline=None, hardware="A100",
+                target_error=None, measure_if_unsure=False, max_measurements=0,
+            )  # fmt: skip
+        assert any("hangs skipped: TimeoutError" in n for n in res.notes), res.notes
+        assert res.candidates[0].rationale.startswith("local:")
+    finally:
+        await service.close()

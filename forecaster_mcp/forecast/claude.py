@@ -26,6 +26,8 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
+import anyio
+
 from forecaster_mcp import bins
 from forecaster_mcp.errors import ForecasterMcpError
 from forecaster_mcp.forecast import prompt
@@ -213,6 +215,7 @@ class ClaudeForecaster:
     """Claude forecasts the 8-bin speedup distribution of each pair (see the module docstring)."""
 
     name = "claude"
+    remote = True  # answers over the network: the engine's timeout applies
 
     def __init__(
         self,
@@ -299,7 +302,8 @@ class ClaudeForecaster:
                 ]
             )
         finally:
-            await self._record(usage, batch=False)
+            with anyio.CancelScope(shield=True):  # a timed-out call still paid for what it got
+                await self._record(usage, batch=False)
         return self._finish(results, problems)
 
     async def forecast_batch(self, queries: Sequence[PairQuery]) -> list[BinForecast]:
@@ -336,7 +340,8 @@ class ClaudeForecaster:
                         retry[(i, j)] = again
                 pending = retry
         finally:
-            await self._record(usage, batch=True)
+            with anyio.CancelScope(shield=True):  # a timed-out call still paid for what it got
+                await self._record(usage, batch=True)
         return self._finish([self._aggregate(s) if s else None for s in samples], problems)
 
     async def aclose(self) -> None:

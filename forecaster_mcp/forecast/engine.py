@@ -197,6 +197,10 @@ class ForecastEngine:
     Hot path: `forecast` and `threshold` only touch the store when the cached state is older than
     `refresh_interval_s` or `mark_stale()` was called; a refresh re-reads verified pairs and refits only what
     their counts say changed.
+
+    `timeout_s` bounds forecasters that declare `remote = True` (a network API such as Claude's): one still
+    answering after that long is skipped with a note. Local forecasters are not timed out: their answer is
+    the one a compare falls back on, and a first fit or ptxas compile may take seconds.
     """
 
     def __init__(
@@ -273,7 +277,9 @@ class ForecastEngine:
         async def run(i: int, f: Forecaster) -> None:
             try:
                 scope: AbstractContextManager[Any] = (
-                    anyio.fail_after(self._timeout_s) if self._timeout_s is not None else nullcontext()
+                    anyio.fail_after(self._timeout_s)
+                    if self._timeout_s is not None and getattr(f, "remote", False)
+                    else nullcontext()
                 )
                 batch = getattr(f, "forecast_batch", None) if bulk else None
                 with scope:
