@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 CONV_SOURCE = "// convolution_kernel from benchmark_hub kernels/convolution_milo.cu (source not bundled)\n"
@@ -34,3 +36,19 @@ def conv(kid: str | None, params: dict[str, int]) -> dict[str, Any]:
 def conv_block(bx: int, by: int, kid: str | None = None) -> dict[str, Any]:
     """FAST with another block shape."""
     return conv(kid, {**FAST, "block_size_x": bx, "block_size_y": by})
+
+
+def small_recording(path: Path, cache: dict[str, dict[str, object]]) -> Path:
+    """A small Kernel Tuner cache file at `path`: kernel `kk` on an A100, one tuning parameter `bx`."""
+    doc = {
+        "device_name": "NVIDIA A100-PCIE-40GB",
+        "kernel_name": "kk",
+        "problem_size": [1024],
+        "tune_params_keys": ["bx"],
+        "tune_params": {"bx": [32, 64, 128]},
+        "objective": "time",
+        "cache": cache,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc))
+    return path

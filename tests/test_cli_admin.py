@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from replay_kernels import small_recording
 from serverproc import cli
 
 from forecaster_mcp.cli import main
@@ -168,27 +169,11 @@ def test_demo_refuses_a_file_that_is_not_a_recording(
     assert "cannot read replay recording" in out + err and "Kernel Tuner cache file" in out + err
 
 
-def _recording(path: Path, cache: dict[str, dict[str, object]]) -> Path:
-    """A small Kernel Tuner cache file: kernel `kk` on an A100, one tuning parameter `bx`."""
-    doc = {
-        "device_name": "NVIDIA A100-PCIE-40GB",
-        "kernel_name": "kk",
-        "problem_size": [1024],
-        "tune_params_keys": ["bx"],
-        "tune_params": {"bx": [32, 64, 128]},
-        "objective": "time",
-        "cache": cache,
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc))
-    return path
-
-
 def test_demo_replays_a_folder_of_recordings_smaller_than_its_pool(tmp_path: Path) -> None:
     """A folder (as `serve --replay` takes) holding a 3-configuration recording: fewer than the 16 candidates a
     round forecasts."""
     folder = tmp_path / "recordings"
-    _recording(
+    small_recording(
         folder / "A100.json",
         {
             "32": {"bx": 32, "time": 1.0, "times": [1.0, 1.0]},
@@ -205,7 +190,7 @@ def test_demo_replays_a_folder_of_recordings_smaller_than_its_pool(tmp_path: Pat
 def test_demo_refuses_a_recording_without_a_configuration_that_ran(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    failed = _recording(
+    failed = small_recording(
         tmp_path / "failed.json",
         {"32": {"bx": 32, "time": "InvalidConfig"}, "64": {"bx": 64, "time": "RuntimeFailedConfig"}},
     )
@@ -213,14 +198,14 @@ def test_demo_refuses_a_recording_without_a_configuration_that_ran(
     assert code == 2 and out == ""
     assert err.startswith("forecaster-mcp: ") and len(err.strip().splitlines()) == 1
     assert "none of its 2 recorded configurations ran successfully" in err
-    code, _, err = run(capsys, "demo", "--replay", str(_recording(tmp_path / "empty.json", {})))
+    code, _, err = run(capsys, "demo", "--replay", str(small_recording(tmp_path / "empty.json", {})))
     assert code == 2 and "no configurations recorded" in err
 
 
 def test_demo_says_so_when_no_starting_configuration_can_be_replayed(tmp_path: Path) -> None:
     """The only configuration that ran took longer than a measurement may: its replay is a timeout, which has
     no runtime to start the search from."""
-    slow = _recording(
+    slow = small_recording(
         tmp_path / "slow.json",
         {"32": {"bx": 32, "time": 1e20, "times": []}, "64": {"bx": 64, "time": "InvalidConfig"}},
     )

@@ -7,6 +7,7 @@ import statistics
 from pathlib import Path
 
 import pytest
+from replay_kernels import small_recording
 
 from forecaster_mcp import bins
 from forecaster_mcp.forecast.acquisition import (
@@ -329,22 +330,6 @@ def test_search_command_refuses_bad_input_with_a_message(tmp_path: Path) -> None
     assert zero.returncode == 2 and "--measurements and --seeds must be at least 1" in zero.stderr
 
 
-def _small_recording(path: Path, cache: dict[str, dict[str, object]]) -> Path:
-    import json
-
-    doc = {
-        "device_name": "NVIDIA A100-PCIE-40GB",
-        "kernel_name": "kk",
-        "problem_size": [1024],
-        "tune_params_keys": ["bx"],
-        "tune_params": {"bx": [32, 64, 128]},
-        "objective": "time",
-        "cache": cache,
-    }
-    path.write_text(json.dumps(doc))
-    return path
-
-
 THREE = {
     "32": {"bx": 32, "time": 1.0, "times": [1.0, 1.0]},
     "64": {"bx": 64, "time": 2.0, "times": [2.0, 2.0]},
@@ -358,7 +343,7 @@ def test_search_command_checks_out_before_the_runs(tmp_path: Path) -> None:
 
     from serverproc import cli
 
-    rec = _small_recording(tmp_path / "A100.json", THREE)
+    rec = small_recording(tmp_path / "A100.json", THREE)
     blocker = tmp_path / "file.txt"
     blocker.write_text("x")
     args = ("search", str(rec), "--strategy", "random", "--measurements", "2", "--seeds", "1")
@@ -379,12 +364,12 @@ def test_search_command_checks_out_before_the_runs(tmp_path: Path) -> None:
 def test_search_command_refuses_a_recording_with_nothing_to_find(tmp_path: Path) -> None:
     from serverproc import cli
 
-    failed = _small_recording(
+    failed = small_recording(
         tmp_path / "failed.json",
         {"32": {"bx": 32, "time": "InvalidConfig"}, "64": {"bx": 64, "time": "RuntimeFailedConfig"}},
     )
     done = cli(tmp_path / "home", "search", str(failed), check=False)
     assert done.returncode == 2 and done.stdout == "" and "seed 0" not in done.stderr
     assert "none of its 2 recorded configurations ran successfully" in done.stderr
-    empty = cli(tmp_path / "home", "search", str(_small_recording(tmp_path / "e.json", {})), check=False)
+    empty = cli(tmp_path / "home", "search", str(small_recording(tmp_path / "e.json", {})), check=False)
     assert empty.returncode == 2 and "it records no configurations" in empty.stderr
