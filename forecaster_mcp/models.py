@@ -393,6 +393,7 @@ MeasureStatus = Literal[
     "wrong_output",
     "out_of_bounds_write",
     "worker_crashed",
+    "out_of_memory",
 ]
 Backend = Literal["replay", "pycuda", "fake"]
 

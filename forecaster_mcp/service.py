@@ -44,6 +44,11 @@ from forecaster_mcp.reports import BudgetStatus, GpuSpecRow
 from forecaster_mcp.settings import Settings
 from forecaster_mcp.store.db import ForecastRow, IdempotentRequest, Store
 
+# Measurer contract: an exception leaving `measure` after the job reached the device carries the GPU-seconds
+# it occupied under this attribute; that is committed (capped at the hold), not released. Without it the hold
+# is released (the failure came before any device time: compile error, refusal, worker start-up).
+OCCUPIED_ATTR = "occupied_gpu_seconds"
+
 log = logging.getLogger(__name__)
 
 _NORM = re.compile(r"[^a-z0-9]+")
@@ -646,7 +651,7 @@ class Service:
             "hardware": device,
         }
         hit = await self.store.find_measurement(cache_key)
-        if hit is not None:
+        if hit is not None and _precise_enough(hit, request, getattr(measurer, "min_runs", 1)):
             result = _free_copy(hit, str(kernel.id))
             result.measurement_id = await self.store.save_measurement(
                 **save, result=result, charged_gpu_seconds=0.0, cached=True
@@ -665,7 +670,17 @@ class Service:
             return prior
         settled = False
         try:
-            result = await measurer.measure(request, progress)
+            try:
+                result = await measurer.measure(request, progress)
+            except BaseException as exc:
+                # Cancelled (or failed) after the job reached the device: the measurer says how long the device
+                # was occupied (OCCUPIED_ATTR), and that is charged like any other run; the exception goes on.
+                occupied = getattr(exc, OCCUPIED_ATTR, None)
+                if isinstance(occupied, int | float) and not isinstance(occupied, bool):
+                    with anyio.CancelScope(shield=True):
+                        await self.store.commit(hold, max(0.0, min(float(occupied), hold.gpu_seconds)))
+                        settled = True
+                raise
             with anyio.CancelScope(shield=True):
                 # Saved before the commit: a retry under the same key in another process then finds it
                 # (no window in which neither the hold nor the measurement carries the key).
@@ -772,6 +787,29 @@ def _free_copy(result: MeasureResult, kernel_id: str) -> MeasureResult:
             "cost": MeasureCost(gpu_seconds=0.0, compile_seconds=0.0, cached=True),
         }
     )
+
+
+# Flags by which a measurer says a run stopped before it was as precise as it could have been.
+_IMPRECISE_FLAGS = frozenset(
+    {"noise_target_not_reached", "runs_capped_by_max_runs", "runs_capped_by_max_seconds"}
+)
+
+
+def _precise_enough(hit: MeasureResult, request: MeasureRequest, min_runs: int) -> bool:
+    """Whether a cached result may answer `request` (the cache key leaves out max_runs and max_seconds).
+
+    Failures and results without timings are served as they are. An ok result is served when a fresh run
+    under this request could be no more precise: it already has max_runs runs, or it used at least the
+    request's max_seconds, or it was complete (none of _IMPRECISE_FLAGS, and at least min(max_runs,
+    min_runs) runs, min_runs being the measurer's own minimum). Otherwise the kernel is measured again (and
+    charged), so a quick max_runs=1 result never stands in for a max_runs=1000 request."""
+    stats = hit.runtime_ms
+    if hit.status != "ok" or stats is None:
+        return True
+    if stats.runs >= request.max_runs or hit.cost.gpu_seconds >= request.max_seconds:
+        return True
+    complete = not _IMPRECISE_FLAGS.intersection(hit.flags)
+    return complete and stats.runs >= min(request.max_runs, max(1, min_runs))
 
 
 def _cache_key(request: MeasureRequest, fingerprint: str) -> str:

@@ -339,3 +339,25 @@ def test_events_against_wall_clock() -> None:
     assert not events_disagree(0.005, [0.03])  # launch and sync overhead on a tiny kernel
     assert events_disagree(1.0, [5.0, 6.0])
     assert not events_disagree(1.0, [])
+
+
+def test_integers_are_compared_exactly_not_through_float64() -> None:
+    """Near 2**60, int64 values one apart are equal as float64: a wrong integer output must still fail."""
+    want = np.array([2**60, 2**60 + 2, -(2**63), 5], dtype=np.int64)
+    got = want.copy()
+    got[0] += 1
+    bad = compare_buffer("idx", "int64", got, want, atol=0.0, rtol=0.0)
+    assert not bad.passed and bad.max_abs_error == 1.0
+    assert bad.detail is not None and f"got {2**60 + 1}, reference {2**60}" in bad.detail
+    assert compare_buffer("idx", "int64", want, want, atol=0.0, rtol=0.0).passed
+    wide = np.array([2**64 - 1, 0], dtype=np.uint64)
+    assert not compare_buffer("u", "uint64", wide, wide[::-1].copy(), atol=0.0, rtol=0.0).passed
+    close = compare_buffer("n", "int32", np.array([10, 20], np.int32), np.array([11, 20], np.int32), 1.0, 0.0)
+    assert close.passed and close.max_abs_error == 1.0  # a tolerance still applies
+
+
+def test_fewer_than_six_runs_cannot_bound_the_median_at_95_percent() -> None:
+    from forecaster_mcp.measure.timing import median_ci_covers
+
+    assert [median_ci_covers(n) for n in range(0, 8)] == [False] * 6 + [True, True]
+    assert median_ci_covers(5000)

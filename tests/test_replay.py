@@ -336,7 +336,9 @@ async def test_caps_limit_runs_and_a_run_over_the_cap_times_out(tmp_path: Path) 
     assert capped.runtime_ms.runs == 10 and capped.cost.gpu_seconds == pytest.approx(1.0)
     assert capped.flags == ["runs_capped_by_max_seconds"]
     few = await _measure(m, kernel("toy_kernel", {"bx": 1, "tile": 1}), "A100-PCIE-40GB", max_runs=3)
-    assert few.runtime_ms.runs == 3 and few.flags == ["runs_capped_by_max_runs"]
+    # Three runs cannot bound the median at 95% (the range covers it 75% of the time): the result says so.
+    assert few.runtime_ms.runs == 3
+    assert few.flags == ["runs_capped_by_max_runs", "too_few_runs_for_interval"]
     req = request(kernel("toy_kernel", {"bx": 1, "tile": 2}), "A100-PCIE-40GB", max_seconds=1.5)
     assert m.reservation_seconds(req) == 1.5
     slow = await m.measure(req)

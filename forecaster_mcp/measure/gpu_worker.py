@@ -331,9 +331,10 @@ class GpuSession:
                 job_id=job.job_id, status=failure.status, message=failure.message, restart=failure.restart
             )
         except self.cuda.MemoryError as exc:
+            # Depends on what else holds device memory right now: a transient state, never cached.
             result = JobResult(
                 job_id=job.job_id,
-                status="launch_error",
+                status="out_of_memory",
                 restart=True,
                 message=f"out of device memory for this workload: {exc}",
             )
@@ -367,8 +368,10 @@ class GpuSession:
             self._guards(buffers, "on its first run")
             if reference is not None:
                 got = buffers.download(outputs)
-                want = self._reference(reference, workload, inputs, outputs)
+                want = self._reference(reference, buffers, inputs, outputs)
                 comparisons.append(compare_outputs(workload, got, want, job.atol, job.rtol))
+                # Timing starts from the job's inputs, not from whatever the reference left behind.
+                buffers.upload(inputs)
                 if not comparisons[0].passed:
                     # Already wrong: timing it would only spend the caller's budget.
                     correctness = correctness_of(comparisons)
@@ -407,7 +410,7 @@ class GpuSession:
             self._guards(buffers, "on the fresh input set")
             if reference is not None:
                 got = buffers.download(outputs)
-                want = self._reference(reference, workload, fresh, outputs)
+                want = self._reference(reference, buffers, fresh, outputs)
                 comparisons.append(compare_outputs(workload, got, want, job.atol, job.rtol))
         finally:
             buffers.free()
@@ -446,19 +449,28 @@ class GpuSession:
             raise JobFailure("out_of_bounds_write", f"{damage} ({when})", restart=True)
 
     def _reference(
-        self, reference: Loaded, workload: Workload, inputs: Sequence[HostArg], outputs: Sequence[str]
+        self, reference: Loaded, buffers: GuardedBuffers, inputs: Sequence[HostArg], outputs: Sequence[str]
     ) -> dict[str, np.ndarray]:
-        """The reference's outputs on the same host inputs (uploading never changes them: no second draw)."""
-        buffers = GuardedBuffers(self.cuda, workload, list(inputs))
+        """The reference's outputs on the same host inputs (uploading never changes them: no second draw).
+
+        Runs in the candidate's buffers, once the caller has downloaded the candidate's outputs and checked
+        its guards: every buffer is re-uploaded first (the candidate may have written its inputs), so the
+        reference sees exactly the job's inputs and the device never holds the workload twice. Guard damage
+        found now is the reference's doing.
+        """
         try:
+            buffers.upload(inputs)
             self.launch(reference, buffers)
             self.sync()
             damage = buffers.check()
             if damage is not None:
                 raise JobFailure("out_of_bounds_write", f"reference kernel: {damage}", restart=True)
             return buffers.download(outputs)
-        finally:
-            buffers.free()
+        except self.cuda.MemoryError:
+            raise
+        except self.cuda.Error as exc:
+            # The context may be damaged: restart, but say whose fault it was.
+            raise JobFailure("launch_error", f"reference kernel: CUDA error: {exc}", restart=True) from exc
 
     def _sample(
         self,

@@ -221,6 +221,29 @@ def _compare_slice(
     m.add("tol", offset, np.flatnonzero(diff > atol + rtol * scale))
 
 
+def _compare_int_slice(
+    a: np.ndarray, b: np.ndarray, offset: int, atol: float, rtol: float, m: _Mismatches
+) -> None:
+    """Integers compared exactly: through float64, values past 2**53 that differ by one compare equal."""
+    if a.dtype.kind == "u" and b.dtype.kind == "u":
+        ua, ub = a.astype(np.uint64), b.astype(np.uint64)
+    else:
+        # Signed (or mixed): the difference of two int64 is exact modulo 2**64, read as unsigned.
+        ua, ub = a.astype(np.int64).view(np.uint64), b.astype(np.int64).view(np.uint64)
+        signed_a, signed_b = a.astype(np.int64), b.astype(np.int64)
+    bigger = (ua >= ub) if a.dtype.kind == "u" and b.dtype.kind == "u" else (signed_a >= signed_b)
+    with np.errstate(over="ignore"):
+        diff_exact = np.where(bigger, ua - ub, ub - ua)
+    differs = diff_exact != 0
+    diff = diff_exact.astype(np.float64)
+    diff[differs & (diff < 1.0)] = 1.0  # never rounds a real difference to zero
+    scale = np.abs(b.astype(np.float64))
+    rel = np.divide(diff, scale, out=np.zeros_like(diff), where=scale > 0)
+    m.max_abs = max(m.max_abs, float(diff.max()))
+    m.max_rel = max(m.max_rel, float(rel.max()))
+    m.add("tol", offset, np.flatnonzero(differs & (diff > atol + rtol * scale)))
+
+
 def compare_buffer(
     name: str, dtype: str, got: np.ndarray, want: np.ndarray, atol: float, rtol: float
 ) -> Comparison:
@@ -232,8 +255,12 @@ def compare_buffer(
         )
     flat_got, flat_want = np.ravel(got), np.ravel(want)
     m = _Mismatches()
+    exact = dtype != "bfloat16" and flat_got.dtype.kind in "iub" and flat_want.dtype.kind in "iub"
     for lo in range(0, flat_got.size, _COMPARE_CHUNK):
         hi = lo + _COMPARE_CHUNK
+        if exact:
+            _compare_int_slice(flat_got[lo:hi], flat_want[lo:hi], lo, atol, rtol, m)
+            continue
         a = as_float64(flat_got[lo:hi], dtype)
         b = as_float64(flat_want[lo:hi], dtype)
         _compare_slice(a, b, lo, atol, rtol, m)
@@ -244,13 +271,16 @@ def compare_buffer(
     ):
         if m.counts[kind]:
             i = m.first[kind]
-            a_i = float(as_float64(flat_got[i : i + 1], dtype)[0])
-            b_i = float(as_float64(flat_want[i : i + 1], dtype)[0])
+            if exact:
+                shown_a, shown_b = str(int(flat_got[i])), str(int(flat_want[i]))
+            else:
+                shown_a = f"{float(as_float64(flat_got[i : i + 1], dtype)[0]):.9g}"
+                shown_b = f"{float(as_float64(flat_want[i : i + 1], dtype)[0]):.9g}"
             return Comparison(
                 False,
                 m.max_abs,
                 m.max_rel,
-                f"{name}{_fmt_index(i, got.shape)}: got {a_i:.9g}, reference {b_i:.9g}"
+                f"{name}{_fmt_index(i, got.shape)}: got {shown_a}, reference {shown_b}"
                 + why.format(n=m.counts[kind], size=flat_got.size, atol=atol, rtol=rtol),
             )
     return Comparison(True, m.max_abs, m.max_rel)

@@ -45,6 +45,7 @@ from forecaster_mcp.measure.timing import (
     below_physical_floor,
     events_disagree,
     floor_bytes,
+    median_ci_covers,
     physical_floor_ms,
     summarize,
 )
@@ -82,6 +83,9 @@ log = logging.getLogger(__name__)
 NAME = "pycuda"
 TARGET_RELATIVE_NOISE = 0.01
 MIN_RUNS = 10
+# The attribute an exception leaving `measure` carries when the job had reached the device: the GPU-seconds
+# it occupied, which the service commits instead of releasing the hold (service.OCCUPIED_ATTR).
+OCCUPIED_ATTR = "occupied_gpu_seconds"
 _MESSAGE_LIMIT = 4000
 _STDERR_TAIL = 2000
 
@@ -672,6 +676,7 @@ class PycudaMeasurer:
     """The `pycuda` backend of the Measurer seam: real runs on local NVIDIA GPUs through worker processes."""
 
     name = NAME
+    min_runs = MIN_RUNS  # the worker times at least this many runs unless max_runs or max_seconds stop it
 
     def __init__(
         self,
@@ -937,10 +942,12 @@ class PycudaMeasurer:
         cap = job.max_seconds
         started = time.perf_counter()
         done = False
+        sent = False
         result: JobResult | None = None
         try:
             try:
                 await worker.send(job)
+                sent = True
                 with anyio.move_on_after(cap + self.kill_slack_s) as scope:
                     while True:
                         message = await worker.receive()
@@ -988,6 +995,13 @@ class PycudaMeasurer:
                 await self._retire(slot)
             done = True
             return _JobOutcome(result, result.status, result.message, min(elapsed, cap))
+        except BaseException as exc:
+            if not done and sent:
+                # Cancelled from outside (or the progress callback raised) with the job on the device: that
+                # occupancy is charged like a run's (the service commits it), and the exception goes on.
+                with contextlib.suppress(AttributeError, TypeError):
+                    setattr(exc, OCCUPIED_ATTR, min(time.perf_counter() - started, cap))
+            raise
         finally:
             if not done:
                 # Cancelled from outside (client went away): the worker is mid-job and cannot be reused.
@@ -1012,6 +1026,8 @@ class PycudaMeasurer:
         if stats is not None and job is not None:
             if job.stop_reason != "noise_target" and stats.relative_noise > self.target_relative_noise:
                 flags.append("noise_target_not_reached")
+            if not median_ci_covers(stats.runs):
+                flags.append("too_few_runs_for_interval")
             peak = _peak_bandwidth_gbs(slot.name, info)
             if peak is not None:
                 moved = floor_bytes(request.workload, info.l2_bytes if info else 0)

@@ -29,13 +29,13 @@ import math
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 from typing import IO, Any, Literal, cast
 
 from forecaster_mcp.errors import NotMeasurable, OperatorError
 from forecaster_mcp.hardware.specs import canonical_name, lookup
 from forecaster_mcp.measure.base import MeasureRequest, ProgressCallback
+from forecaster_mcp.measure.timing import median_ci_covers, median_ci_ranks
 from forecaster_mcp.models import (
     Correctness,
     DeviceProvenance,
@@ -64,33 +64,6 @@ def _percentile(ordered: Sequence[float], q: float) -> float:
     lo = math.floor(pos)
     hi = min(lo + 1, len(ordered) - 1)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
-@lru_cache(maxsize=512)
-def median_ci_ranks(n: int, confidence: float = 0.95) -> tuple[int, int]:
-    """0-based order-statistic indices (lo, hi) bracketing the median with at least `confidence`.
-
-    Distribution-free: the number of samples below the median is Binomial(n, 1/2). With too few samples for
-    the asked confidence (n < 6 at 95%) the interval is the full range.
-    """
-    if n <= 1:
-        return (0, max(n - 1, 0))
-    tail = (1.0 - confidence) / 2.0
-    if n > 2000:
-        # Normal approximation; the exact sum below needs huge integers for no visible gain.
-        j = math.floor(n / 2 - 1.959964 * math.sqrt(n) / 2)
-        return (max(j - 1, 0), min(n - j, n - 1)) if j >= 1 else (0, n - 1)
-    total = 2**n
-    below = 0
-    j = 0  # largest 1-based rank j with P(B <= j - 1) <= tail
-    for k in range(n + 1):
-        below += math.comb(n, k)
-        if below / total > tail:
-            break
-        j = k + 1
-    if j == 0:
-        return (0, n - 1)
-    return (j - 1, n - j)
 
 
 def runtime_stats(times_ms: Sequence[float]) -> RuntimeStats:
@@ -709,6 +682,8 @@ def _charge(entry: ReplayEntry, request: MeasureRequest) -> _Charge:
             break
         used.append(t)
         spent += t
+    if not median_ci_covers(len(used)):
+        flags.append("too_few_runs_for_interval")
     return _Charge("ok", used, spent / 1000.0, tuple(flags), None)
 
 

@@ -18,8 +18,8 @@ import numpy as np
 from forecaster_mcp.measure.worker_protocol import StopReason
 from forecaster_mcp.models import BufferArg, RuntimeStats, Workload
 
-# Above this many samples the normal approximation to the binomial ranks is within one rank of exact.
-_EXACT_RANKS_UP_TO = 300
+# Up to this many samples the ranks are exact (the log-space sum is fast); above it, the normal approximation.
+_EXACT_RANKS_UP_TO = 2000
 
 
 def _largest_tail_rank(n: int, tail: float) -> int:
@@ -52,6 +52,15 @@ def median_ci_ranks(n: int, confidence: float = 0.95) -> tuple[int, int]:
         z = _normal_quantile(1.0 - tail)
         j = max(1, math.floor(n / 2.0 - z * math.sqrt(n) / 2.0))
     return j - 1, n - j
+
+
+def median_ci_covers(n: int, confidence: float = 0.95) -> bool:
+    """Whether n samples give an order-statistic interval of the median with at least `confidence` (from 6
+    samples at 95%). Below that, `median_ci_ranks` returns the whole range, which covers less: 0% at one
+    sample, 50% at two, 75% at three; a result says so with the flag `too_few_runs_for_interval`."""
+    if n <= 0:
+        return False
+    return n > _EXACT_RANKS_UP_TO or _largest_tail_rank(n, (1.0 - confidence) / 2.0) >= 1
 
 
 def _normal_quantile(p: float) -> float:

@@ -61,7 +61,11 @@ _LEDGER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:@+-]{0,127}$")
 EXPIRY_FACTOR = 2.0
 EXPIRY_GRACE_S = 300.0
 # Statuses that say something about the infrastructure rather than the kernel: never served from cache.
-_NOT_CACHEABLE = ("worker_crashed", "timeout")
+# out_of_memory depends on what else holds the GPU's memory at the time (transient).
+_NOT_CACHEABLE = ("worker_crashed", "timeout", "out_of_memory")
+# Statuses that say nothing about the configuration itself: family models do not learn them as failures.
+_NOT_A_POINT = ("out_of_memory",)
+_PLACES = ", ".join("?" for _ in _NOT_CACHEABLE)
 
 
 @dataclass(frozen=True)
@@ -142,7 +146,8 @@ _FAMILY_LATEST = (
     "(SELECT defines_json, launch_json, status, runtime_ms, content_key, "
     "json_extract(kernel_json, '$.compile_options') AS compile_options, row_number() OVER "
     "(PARTITION BY content_key ORDER BY (status = 'ok') DESC, id DESC) AS rn "
-    "FROM measurements WHERE family_key = ? AND hardware = ? AND workload_key = ?)"
+    "FROM measurements WHERE family_key = ? AND hardware = ? AND workload_key = ? "
+    f"AND status NOT IN ({', '.join(repr(s) for s in _NOT_A_POINT)}))"
 )
 
 
@@ -784,10 +789,10 @@ class Store:
     async def find_measurement(self, cache_key: str) -> MeasureResult | None:
         """A stored result for this exact (kernel, workload, device fingerprint), if any.
 
-        The latest original (not a cache-hit copy) of any status except worker_crashed and timeout, as it was
+        The latest original (not a cache-hit copy) of any status except those in _NOT_CACHEABLE, as it was
         stored (its cost is the original run's), with measurement_id set to its row."""
         rows = await self._fetch(
-            "SELECT id, result_json FROM measurements WHERE cache_key = ? AND status NOT IN (?, ?) "
+            f"SELECT id, result_json FROM measurements WHERE cache_key = ? AND status NOT IN ({_PLACES}) "
             "ORDER BY cached ASC, id DESC LIMIT 1",
             (cache_key, *_NOT_CACHEABLE),
         )
@@ -864,7 +869,7 @@ class Store:
                 rows = await conn.execute_fetchall(
                     # What the result served from cache cost when it was measured (see find_measurement).
                     "SELECT charged_micro FROM measurements WHERE cache_key = ? AND cached = 0 "
-                    "AND status NOT IN (?, ?) ORDER BY id DESC LIMIT 1",
+                    f"AND status NOT IN ({_PLACES}) ORDER BY id DESC LIMIT 1",
                     (cache_key, *_NOT_CACHEABLE),
                 )
                 saved = int(rows[0][0]) if rows else 0

@@ -1,0 +1,163 @@
+"""Device memory and reference faults in the real gpu_worker, driven on the fake pycuda driver
+(tests/fake_gpu_worker.py --fake-pycuda), instrumented by small wrapper scripts written per test."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from forecaster_mcp.measure.base import MeasureRequest
+from forecaster_mcp.measure.gpu_worker import GUARD_BYTES
+from forecaster_mcp.measure.pycuda_measurer import PycudaMeasurer
+from forecaster_mcp.models import BufferArg, Kernel, Launch, Workload
+
+TESTS = Path(__file__).resolve().parent
+FAKE = str(TESTS / "fake_gpu_worker.py")
+FAKE_NVCC = [sys.executable, FAKE, "nvcc"]
+FAKE_L2 = 4 * 2**20  # the fake device's L2 size: the worker's flush buffer
+
+SRC = (
+    "__global__ void vadd(const float* a, const float* b, float* c, int n) {\n"
+    "  int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < n) c[i] = a[i] + b[i];\n}\n"
+)
+
+
+def vadd_workload(n: int) -> Workload:
+    return Workload.model_validate(
+        {
+            "args": [
+                {"name": "a", "dtype": "float32", "shape": [n]},
+                {"name": "b", "dtype": "float32", "shape": [n]},
+                {"name": "c", "dtype": "float32", "shape": [n], "intent": "out"},
+                {"name": "n", "dtype": "int32", "value": n},
+            ]
+        }
+    )
+
+
+def op(name: str) -> Kernel:
+    launch = Launch.model_validate({"grid": [4], "block": [256]})
+    return Kernel(source=SRC, entry="vadd", launch=launch, defines={"FAKE_OP": name})
+
+
+def wrapper(tmp_path: Path, body: str) -> list[str]:
+    """A worker command: the real worker on the fake driver, with `body` patching `f.FakeDriver` first."""
+    script = tmp_path / "worker.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(TESTS)!r})\n"
+        "import fake_gpu_worker as f\n"
+        f"{body}\n"
+        "sys.exit(f.run_real_worker_with_fake_pycuda(sys.argv[1:]))\n"
+    )
+    return [sys.executable, str(script)]
+
+
+def measurer(tmp_path: Path, worker_cmd: list[str]) -> PycudaMeasurer:
+    return PycudaMeasurer(
+        tmp_path / "cache",
+        worker_cmd=worker_cmd,
+        device_names=["NVIDIA H100 80GB HBM3"],
+        nvcc=FAKE_NVCC,
+        kill_slack_s=0.3,
+        startup_grace_s=20.0,
+    )
+
+
+def request(m: PycudaMeasurer, k: Kernel, workload: Workload, **kw: Any) -> MeasureRequest:
+    kw.setdefault("max_seconds", 10.0)
+    return MeasureRequest(kernel=k, workload=workload, device=m.devices()[0], **kw)
+
+
+PEAK = """
+orig_alloc = f.FakeDriver.mem_alloc
+def mem_alloc(self, nbytes):
+    alloc = orig_alloc(self, nbytes)
+    live = sum(b.size for b in self.allocations.values())
+    peak = max(live, int(open(PEAK_FILE).read() or 0))
+    open(PEAK_FILE, "w").write(str(peak))
+    return alloc
+f.FakeDriver.mem_alloc = mem_alloc
+"""
+
+
+@pytest.mark.anyio
+async def test_reference_check_does_not_hold_the_workload_twice(tmp_path: Path) -> None:
+    n = 1 << 20  # 4 MiB per buffer, 12 MiB of workload
+    workload = vadd_workload(n)
+    buffers = [a for a in workload.args if isinstance(a, BufferArg)]
+    data = sum(a.nbytes for a in buffers)
+    guards = 2 * GUARD_BYTES * len(buffers)
+    peaks = {}
+    for with_reference in (False, True):
+        peak_file = tmp_path / f"peak-{with_reference}"
+        peak_file.write_text("0")
+        cmd = wrapper(tmp_path, f"PEAK_FILE = {str(peak_file)!r}\n{PEAK}")
+        async with measurer(tmp_path, cmd) as m:
+            reference = op("add") if with_reference else None
+            result = await m.measure(request(m, op("add"), workload, reference=reference, max_runs=10))
+        assert result.status == "ok", result.message
+        assert result.correctness.passed is (True if with_reference else None)
+        if with_reference:
+            assert result.correctness.input_sets == 2 and result.correctness.max_abs_error == 0.0
+        peaks[with_reference] = int(peak_file.read_text())
+    assert peaks[False] == FAKE_L2 + data + guards
+    # Before the fix the reference got a second full set of buffers: 12 MiB more at the peak.
+    assert peaks[True] == peaks[False]
+
+
+OOM = """
+orig_alloc = f.FakeDriver.mem_alloc
+def mem_alloc(self, nbytes):
+    if nbytes != 4 * 2**20:  # the session's L2 flush buffer fits; the workload's buffers do not
+        raise f.FakeMemoryError("cuMemAlloc failed: out of memory")
+    return orig_alloc(self, nbytes)
+f.FakeDriver.mem_alloc = mem_alloc
+"""
+
+
+@pytest.mark.anyio
+async def test_out_of_device_memory_is_its_own_status(tmp_path: Path) -> None:
+    async with measurer(tmp_path, wrapper(tmp_path, OOM)) as m:
+        result = await m.measure(request(m, op("add"), vadd_workload(1024), reference=op("add")))
+    # Not launch_error: out of memory depends on what else holds the device, so it must not be cached
+    # as a property of the kernel.
+    assert result.status == "out_of_memory", result.message
+    assert result.message is not None
+    assert "out of device memory for this workload" in result.message
+    assert "cuMemAlloc failed: out of memory" in result.message
+
+
+@pytest.mark.anyio
+async def test_a_faulting_reference_is_named_as_such(tmp_path: Path) -> None:
+    workload = vadd_workload(1024)
+    async with measurer(tmp_path, [sys.executable, FAKE, "--fake-pycuda"]) as m:
+        ref_faults = await m.measure(request(m, op("add"), workload, reference=op("wild")))
+        cand_faults = await m.measure(request(m, op("wild"), workload, reference=op("add")))
+        # The worker restarted after each fault: a good job afterwards still runs.
+        fine = await m.measure(request(m, op("add"), workload, reference=op("add")))
+    assert ref_faults.status == "launch_error"
+    assert ref_faults.message is not None and ref_faults.message.startswith("reference kernel: ")
+    assert "illegal memory access" in ref_faults.message
+    assert cand_faults.status == "launch_error"
+    assert cand_faults.message is not None and not cand_faults.message.startswith("reference kernel")
+    assert "illegal memory access" in cand_faults.message
+    assert fine.status == "ok", fine.message
+    assert fine.correctness.passed
+
+
+@pytest.mark.anyio
+async def test_reference_out_of_bounds_write_is_still_caught_in_shared_buffers(tmp_path: Path) -> None:
+    workload = vadd_workload(1024)
+    async with measurer(tmp_path, [sys.executable, FAKE, "--fake-pycuda"]) as m:
+        result = await m.measure(request(m, op("add"), workload, reference=op("oob")))
+        wrong = await m.measure(request(m, op("wrong"), workload, reference=op("add")))
+    assert result.status == "out_of_bounds_write"
+    assert result.message is not None and result.message.startswith("reference kernel: ")
+    assert "'c'" in result.message
+    # The comparison is unchanged: a wrong candidate is still caught against the reference.
+    assert wrong.status == "wrong_output"
+    assert wrong.correctness.passed is False

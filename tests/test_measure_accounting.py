@@ -1,0 +1,200 @@
+"""Measurement accounting: device time of a cancelled run is charged, transient out-of-memory failures are
+not cached or learned, and a cached result answers only requests it is precise enough for."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from forecaster_mcp.measure.base import MeasureRequest, ProgressCallback
+from forecaster_mcp.measure.pycuda_measurer import PycudaMeasurer
+from forecaster_mcp.models import (
+    DeviceProvenance,
+    Kernel,
+    Launch,
+    MeasureCost,
+    MeasureResult,
+    RuntimeStats,
+    Workload,
+)
+from forecaster_mcp.service import Service, build_forecasters
+from forecaster_mcp.settings import Settings
+from forecaster_mcp.store.db import Store
+
+pytestmark = pytest.mark.anyio
+
+FAKE = str(Path(__file__).with_name("fake_gpu_worker.py"))
+FAKE_NVCC = [sys.executable, FAKE, "nvcc"]
+DEVICE = "NVIDIA H100 80GB HBM3"
+SRC = (
+    "__global__ void vadd(const float* a, const float* b, float* c, int n) {\n"
+    "  int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < n) c[i] = a[i] + b[i];\n}\n"
+)
+WORKLOAD = Workload.model_validate(
+    {
+        "args": [
+            {"name": "a", "dtype": "float32", "shape": [1024]},
+            {"name": "b", "dtype": "float32", "shape": [1024]},
+            {"name": "c", "dtype": "float32", "shape": [1024], "intent": "out"},
+            {"name": "n", "dtype": "int32", "value": 1024},
+        ]
+    }
+)
+
+
+def kernel(**defines: Any) -> Kernel:
+    return Kernel(
+        source=SRC,
+        entry="vadd",
+        launch=Launch.model_validate({"grid": [4], "block": [256]}),
+        defines={"FAKE_MODE": "ok", **defines},
+    )
+
+
+async def make_service(tmp_path: Path, measurer: Any) -> Service:
+    settings = Settings(home=tmp_path, measurer="none")
+    store = await Store.open(settings.db_path)
+    await store.ensure_ledger("L", 1000.0)
+    return Service(settings, store, build_forecasters(settings, store), [measurer])
+
+
+def fake_gpu(tmp_path: Path) -> PycudaMeasurer:
+    return PycudaMeasurer(
+        tmp_path / "cache",
+        worker_cmd=[sys.executable, FAKE],
+        device_names=[DEVICE],
+        nvcc=FAKE_NVCC,
+        kill_slack_s=0.3,
+        startup_grace_s=20.0,
+    )
+
+
+class ScriptedMeasurer:
+    """Returns the given statuses in turn (one device), so the service's cache and ledger can be checked."""
+
+    name = "fake"
+
+    def __init__(self, statuses: list[str]) -> None:
+        self.statuses = statuses
+        self.calls = 0
+
+    def devices(self) -> list[str]:
+        return ["X"]
+
+    def device_fingerprint(self, device: str) -> str:
+        return "scripted|X"
+
+    def reservation_seconds(self, request: MeasureRequest) -> float:
+        return request.max_seconds
+
+    async def measure(
+        self, request: MeasureRequest, progress: ProgressCallback | None = None
+    ) -> MeasureResult:
+        status = self.statuses[min(self.calls, len(self.statuses) - 1)]
+        self.calls += 1
+        runs = min(request.max_runs, 20)
+        stats = (
+            RuntimeStats(
+                median=1.0,
+                mean=1.0,
+                min=1.0,
+                p10=1.0,
+                p90=1.0,
+                std=0.0,
+                ci95_low=1.0,
+                ci95_high=1.0,
+                runs=runs,
+            )
+            if status == "ok"
+            else None
+        )
+        return MeasureResult(
+            kernel_id=request.kernel.id or "k0",
+            status=status,  # type: ignore[arg-type]
+            runtime_ms=stats,
+            device=DeviceProvenance(name="X", backend="fake"),
+            cost=MeasureCost(gpu_seconds=0.25),
+            flags=["runs_capped_by_max_runs"] if status == "ok" and runs < 20 else [],
+        )
+
+
+async def test_cancelled_measurement_charges_the_device_time_it_used(tmp_path: Path) -> None:
+    svc = await make_service(tmp_path, fake_gpu(tmp_path))
+    try:
+        with anyio.move_on_after(2.5) as scope:  # the client goes away while the job holds the device
+            await svc.measure(ledger="L", kernel=kernel(FAKE_BUSY_S=30), workload=WORKLOAD, max_seconds=10)
+        assert scope.cancelled_caught
+        view = await svc.store.get_ledger("L")
+        assert view is not None
+        assert view.reserved_gpu_seconds == 0
+        # Device occupancy up to the cancellation (well under the 10 s cap, more than nothing).
+        assert 0.2 < view.spent_gpu_seconds <= 10.0
+        states = [r["state"] for r in await svc.store.reservations("L")]
+        assert states == ["committed"]
+    finally:
+        await svc.close()
+
+
+async def test_failure_before_the_device_still_releases_the_hold(tmp_path: Path) -> None:
+    svc = await make_service(tmp_path, fake_gpu(tmp_path))
+    try:
+        # A compile error never reaches the device: nothing is charged.
+        broken = kernel().model_copy(update={"source": "#error broken\n" + SRC})
+        bad = await svc.measure(ledger="L", kernel=broken, workload=WORKLOAD, max_seconds=5)
+        assert bad.status == "compile_error", bad.message
+        view = await svc.store.get_ledger("L")
+        assert view is not None and view.reserved_gpu_seconds == 0 and view.spent_gpu_seconds == 0
+        assert [r["state"] for r in await svc.store.reservations("L")] == ["committed"]  # at 0 GPU-seconds
+    finally:
+        await svc.close()
+
+
+async def test_out_of_memory_is_not_cached_and_not_learned(tmp_path: Path) -> None:
+    m = ScriptedMeasurer(["out_of_memory", "ok"])
+    svc = await make_service(tmp_path, m)
+    try:
+        k = kernel()
+        first = await svc.measure(ledger="L", kernel=k, workload=WORKLOAD, hardware="X", max_seconds=5)
+        assert first.status == "out_of_memory"
+        points = await svc.store.family_points(k.family_key(), "X", WORKLOAD.key())
+        assert points == []  # not a failed configuration: it depends on what else held the GPU
+        second = await svc.measure(ledger="L", kernel=k, workload=WORKLOAD, hardware="X", max_seconds=5)
+        assert second.status == "ok" and not second.cost.cached
+        assert m.calls == 2
+    finally:
+        await svc.close()
+
+
+async def test_cached_result_must_be_as_precise_as_the_request(tmp_path: Path) -> None:
+    m = ScriptedMeasurer(["ok"])
+    svc = await make_service(tmp_path, m)
+    try:
+        k = kernel()
+        few = await svc.measure(
+            ledger="L", kernel=k, workload=WORKLOAD, hardware="X", max_runs=1, max_seconds=5
+        )
+        assert few.runtime_ms is not None and few.runtime_ms.runs == 1
+        again = await svc.measure(
+            ledger="L", kernel=k, workload=WORKLOAD, hardware="X", max_runs=1, max_seconds=5
+        )
+        assert again.cost.cached and m.calls == 1  # same limits: nothing more to gain, served free
+        more = await svc.measure(
+            ledger="L", kernel=k, workload=WORKLOAD, hardware="X", max_runs=1000, max_seconds=5
+        )
+        assert not more.cost.cached and m.calls == 2
+        assert more.runtime_ms is not None and more.runtime_ms.runs == 20
+        # The complete result now answers both kinds of request from cache.
+        for runs in (1, 1000):
+            hit = await svc.measure(
+                ledger="L", kernel=k, workload=WORKLOAD, hardware="X", max_runs=runs, max_seconds=5
+            )
+            assert hit.cost.cached and hit.runtime_ms is not None and hit.runtime_ms.runs == 20
+        assert m.calls == 2
+        row = await svc.store.get_ledger("L")
+        assert row is not None and row.spent_gpu_seconds == pytest.approx(0.5)
+    finally:
+        await svc.close()
