@@ -9,6 +9,7 @@ from typing import Any
 
 import anyio
 import pytest
+from test_pycuda_measurer import SRC, WORKLOAD
 
 from forecaster_mcp.measure.base import MeasureRequest, ProgressCallback
 from forecaster_mcp.measure.pycuda_measurer import PycudaMeasurer
@@ -19,7 +20,6 @@ from forecaster_mcp.models import (
     MeasureCost,
     MeasureResult,
     RuntimeStats,
-    Workload,
 )
 from forecaster_mcp.service import Service, build_forecasters
 from forecaster_mcp.settings import Settings
@@ -30,20 +30,6 @@ pytestmark = pytest.mark.anyio
 FAKE = str(Path(__file__).with_name("fake_gpu_worker.py"))
 FAKE_NVCC = [sys.executable, FAKE, "nvcc"]
 DEVICE = "NVIDIA H100 80GB HBM3"
-SRC = (
-    "__global__ void vadd(const float* a, const float* b, float* c, int n) {\n"
-    "  int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < n) c[i] = a[i] + b[i];\n}\n"
-)
-WORKLOAD = Workload.model_validate(
-    {
-        "args": [
-            {"name": "a", "dtype": "float32", "shape": [1024]},
-            {"name": "b", "dtype": "float32", "shape": [1024]},
-            {"name": "c", "dtype": "float32", "shape": [1024], "intent": "out"},
-            {"name": "n", "dtype": "int32", "value": 1024},
-        ]
-    }
-)
 
 
 def kernel(**defines: Any) -> Kernel:
