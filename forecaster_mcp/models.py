@@ -55,7 +55,7 @@ DefineValue = int | float | str
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # C0 control characters and DEL: a NUL cannot reach a process argument at all, and the others have no place in
 # a macro value or a compiler flag.
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+CONTROL_CHARACTER = re.compile(r"[\x00-\x1f\x7f]")
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 UINT64_MAX = 2**64 - 1
@@ -238,7 +238,7 @@ class Kernel(_Strict):
             if not _IDENT.match(name):
                 raise ValueError(f"define name {name[:80]!r} is not a C identifier")
             if isinstance(value, str):
-                if _CONTROL.search(value) or len(value) > 256:
+                if CONTROL_CHARACTER.search(value) or len(value) > 256:
                     raise ValueError(
                         f"define {name} has a value with a control character (newline, NUL, ...) or over "
                         "256 characters: pass one line of printable text"
@@ -252,7 +252,7 @@ class Kernel(_Strict):
     @classmethod
     def _options(cls, v: list[str]) -> list[str]:
         for opt in v:
-            if _CONTROL.search(opt) or len(opt) > 256:
+            if CONTROL_CHARACTER.search(opt) or len(opt) > 256:
                 raise ValueError(
                     f"compile option {opt[:80]!r} has a control character (newline, NUL, ...) or is over "
                     "256 characters: pass one nvcc flag per list item"

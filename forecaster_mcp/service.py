@@ -29,7 +29,7 @@ from forecaster_mcp.errors import (
 )
 from forecaster_mcp.forecast.base import USAGE_LEDGER, Forecaster, PairQuery
 from forecaster_mcp.hardware import specs
-from forecaster_mcp.measure.base import Measurer, MeasureRequest, ProgressCallback
+from forecaster_mcp.measure.base import OCCUPIED_ATTR, Measurer, MeasureRequest, ProgressCallback
 from forecaster_mcp.models import (
     MAX_CANDIDATES,
     MIN_CANDIDATES,
@@ -44,17 +44,9 @@ from forecaster_mcp.reports import BudgetStatus, GpuSpecRow
 from forecaster_mcp.settings import Settings
 from forecaster_mcp.store.db import ForecastRow, IdempotentRequest, Store
 
-# Measurer contract: an exception leaving `measure` after the job reached the device carries the GPU-seconds
-# it occupied under this attribute; that is committed (capped at the hold), not released. Without it the hold
-# is released (the failure came before any device time: compile error, refusal, worker start-up).
-OCCUPIED_ATTR = "occupied_gpu_seconds"
-
 log = logging.getLogger(__name__)
 
 _NORM = re.compile(r"[^a-z0-9]+")
-_TOKEN = re.compile(r"[a-z0-9]+")
-# Vendor and brand words: they never tell one GPU from another (hardware/specs.py ignores them too).
-_BRAND = frozenset({"nvidia", "geforce", "tesla", "quadro", "amd", "radeon", "instinct"})
 # The smallest target_error accepted: below it no history could ever certify a threshold (it would take
 # about 3 / target_error verified pairs without one error), so every verdict would stay unsure.
 MIN_TARGET_ERROR = 1e-4
@@ -63,10 +55,6 @@ MAX_TARGET_ERROR = 0.5
 
 def _norm(name: str) -> str:
     return _NORM.sub("", name.lower().replace("nvidia", "").replace("geforce", ""))
-
-
-def _tokens(name: str) -> list[str]:
-    return [t for t in _TOKEN.findall(name.lower()) if t not in _BRAND]
 
 
 def _names_device(wanted: str, spec: specs.GpuSpec | None, device: str) -> bool:
@@ -80,7 +68,7 @@ def _names_device(wanted: str, spec: specs.GpuSpec | None, device: str) -> bool:
     device_spec = specs.lookup(device)
     if spec is not None and device_spec is not None:
         return any(_norm(alias) == _norm(wanted) for alias in device_spec.aliases)
-    want, have = _tokens(wanted), _tokens(device)
+    want, have = specs.name_words(wanted), specs.name_words(device)
     if not want or len(want) > len(have):
         return False
     model = next((i for i, t in enumerate(have) if any(c.isdigit() for c in t)), 0)
@@ -597,21 +585,19 @@ class Service:
     ) -> MeasureResult | None:
         """The free answer to a retry under `key`, or None if the key is new; a key already used for another
         kernel, workload or device is refused (answering with that measurement would mislabel it)."""
-        prior = await self.store.find_idempotent(ledger, key)
-        if prior is None:
-            return None
         used = await self.store.idempotent_request(ledger, key)
-        if used is not None:
-            differs = _differences(used, kernel.content_key(), workload.key(), device)
-            if differs:
-                first = f"kernel id {used.kernel_id!r}, " if used.kernel_id is not None else ""
-                raise InvalidRequest(
-                    f"idempotency_key {key[:80]!r} was already used on ledger {ledger!r} for a different "
-                    f"{' and '.join(differs)} ({first}measurement {used.measurement_id} on {used.hardware}); "
-                    "a retry must send the same kernel, workload and hardware. Use a new key for a new "
-                    "measurement; nothing was charged."
-                )
-        return _free_copy(prior, str(kernel.id))
+        if used is None:
+            return None
+        differs = _differences(used, kernel.content_key(), workload.key(), device)
+        if differs:
+            first = f"kernel id {used.kernel_id!r}, " if used.kernel_id is not None else ""
+            raise InvalidRequest(
+                f"idempotency_key {key[:80]!r} was already used on ledger {ledger!r} for a different "
+                f"{' and '.join(differs)} ({first}measurement {used.measurement_id} on {used.hardware}); "
+                "a retry must send the same kernel, workload and hardware. Use a new key for a new "
+                "measurement; nothing was charged."
+            )
+        return _free_copy(used.result, str(kernel.id))
 
     async def _measure_uncached(
         self,

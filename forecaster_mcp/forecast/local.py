@@ -217,11 +217,13 @@ class ParamEncoder:
             defines, launch = _split_launch(r)
             launches.setdefault(defines, set()).add(launch)
         self.launch_used = any(len(seen) > 1 for seen in launches.values())
-        # Unused launches must still be the ones the family was measured with: a member's launch, or the
-        # relations every measured launch kept (a constant field, a field equal to a define).
-        self._launch_of = {d: next(iter(seen)) for d, seen in launches.items() if next(iter(seen))}
+        # Unused launches must still be the ones the family was measured with: a member's launch (each set of
+        # defines has one), or the relations every measured launch kept (a constant field, a field equal to a
+        # define).
+        self._launch_of: dict[tuple[Any, ...], tuple[Any, ...]] = {}
         self._launch_rules: list[tuple[str, str | None, float | None]] = []
         if not self.launch_used:
+            self._launch_of = {d: launch for d, (launch,) in launches.items() if launch}
             self._launch_rules = self._launch_relations(rows, names)
             names = [n for n in names if not n.startswith("@")]
         # Parameters every measured member has: a kernel without one cannot be placed.
@@ -1155,10 +1157,10 @@ class LocalForecaster:
                 key = group_of(k, q)
                 model = groups[key]
                 ck = keys[id(k)][1]
-                if model is None or not model.usable or ck in model.measured:
+                if model is None or not model.usable:
                     continue
                 row = kernel_params(dict(k.defines), _launch_dict(k), k.compile_options)
-                if model.lookup(ck, row) is not None:
+                if model.lookup(ck, row) is not None:  # measured (under this spelling or another)
                     continue
                 slots = wanted.setdefault(key, {})
                 if ck not in slots:

@@ -508,6 +508,14 @@ _FORM = re.compile(r"^(.*?)(sxm\d?|pcie|nvl|hgx|dgx)$")
 _SEP = re.compile(r"[\s\-_/,.()\[\]:+]+")
 
 
+_WORD = re.compile(r"[a-z0-9]+")
+
+
+def name_words(name: str) -> list[str]:
+    """The words of a GPU name that can tell GPUs apart (lower case; vendor, brand and memory-type words out)."""
+    return [w for w in _WORD.findall(name.lower()) if w not in _NOISE]
+
+
 @dataclass(frozen=True)
 class _Query:
     model: str  # tokens joined without separators: "rtx4090", "a100", "rtx3060laptop"

@@ -11,6 +11,12 @@ from forecaster_mcp.models import Kernel, MeasureResult, Workload
 # progress(done, total, message) -> awaitable; the server forwards it as MCP progress.
 ProgressCallback = Callable[[float, float | None, str | None], Awaitable[None]]
 
+# An exception leaving `Measurer.measure` after the job reached the device carries, under this attribute, the
+# GPU-seconds the device was occupied: the service commits that (capped at the hold) instead of releasing the
+# hold. Without it the hold is released (the failure came before any device time: compile error, refusal,
+# worker start-up).
+OCCUPIED_ATTR = "occupied_gpu_seconds"
+
 
 @dataclass(frozen=True)
 class MeasureRequest:

@@ -39,7 +39,7 @@ from anyio.abc import Process
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from forecaster_mcp.errors import InvalidRequest, NotMeasurable
-from forecaster_mcp.measure.base import MeasureRequest, ProgressCallback
+from forecaster_mcp.measure.base import OCCUPIED_ATTR, MeasureRequest, ProgressCallback
 from forecaster_mcp.measure.inputs import param_sizes
 from forecaster_mcp.measure.timing import (
     below_physical_floor,
@@ -66,6 +66,7 @@ from forecaster_mcp.measure.worker_protocol import (
     parse_header,
 )
 from forecaster_mcp.models import (
+    CONTROL_CHARACTER,
     BufferArg,
     Correctness,
     DeviceProvenance,
@@ -83,9 +84,6 @@ log = logging.getLogger(__name__)
 NAME = "pycuda"
 TARGET_RELATIVE_NOISE = 0.01
 MIN_RUNS = 10
-# The attribute an exception leaving `measure` carries when the job had reached the device: the GPU-seconds
-# it occupied, which the service commits instead of releasing the hold (service.OCCUPIED_ATTR).
-OCCUPIED_ATTR = "occupied_gpu_seconds"
 _MESSAGE_LIMIT = 4000
 _STDERR_TAIL = 2000
 
@@ -470,8 +468,7 @@ def _refuse_unsafe_flags(kernel: Kernel) -> None:
         if not compile_option_allowed(opt):
             raise InvalidRequest(f"compile option {opt[:80]!r} is not accepted: see Kernel.compile_options")
     for name, value in kernel.defines.items():
-        flag = f"-D{name}={value}"
-        if any(ord(c) < 32 or ord(c) == 127 for c in flag):
+        if CONTROL_CHARACTER.search(f"-D{name}={value}"):
             raise InvalidRequest(f"define {name[:80]!r} has a control character: pass printable text")
 
 

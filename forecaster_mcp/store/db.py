@@ -122,6 +122,7 @@ class IdempotentRequest:
     content_key: str  # Kernel.content_key()
     workload_key: str
     hardware: str
+    result: MeasureResult  # as first saved, with measurement_id set
 
 
 @dataclass(frozen=True)
@@ -800,29 +801,26 @@ class Store:
 
     async def find_idempotent(self, ledger: str, idempotency_key: str) -> MeasureResult | None:
         """The result stored under (ledger, idempotency_key) as first saved, with measurement_id set."""
-        rows = await self._fetch(
-            "SELECT id, result_json FROM measurements WHERE ledger = ? AND idempotency_key = ?",
-            (ledger, idempotency_key),
-        )
-        return _result_from_row(*rows[0]) if rows else None
+        found = await self.idempotent_request(ledger, idempotency_key)
+        return found.result if found is not None else None
 
     async def idempotent_request(self, ledger: str, idempotency_key: str) -> IdempotentRequest | None:
-        """The kernel, workload and hardware of the measurement stored under (ledger, idempotency_key)."""
+        """What was measured under (ledger, idempotency_key), and its result, in one read."""
         rows = await self._fetch(
-            "SELECT id, kernel_json, content_key, workload_key, hardware FROM measurements "
-            "WHERE ledger = ? AND idempotency_key = ?",
+            "SELECT id, result_json, json_extract(kernel_json, '$.id'), content_key, workload_key, hardware "
+            "FROM measurements WHERE ledger = ? AND idempotency_key = ?",
             (ledger, idempotency_key),
         )
         if not rows:
             return None
-        mid, kernel_json, content_key, workload_key, hardware = rows[0]
-        kernel_id = json.loads(kernel_json).get("id")
+        mid, result_json, kernel_id, content_key, workload_key, hardware = rows[0]
         return IdempotentRequest(
             measurement_id=int(mid),
             kernel_id=None if kernel_id is None else str(kernel_id),
             content_key=str(content_key),
             workload_key=str(workload_key),
             hardware=str(hardware),
+            result=_result_from_row(mid, result_json),
         )
 
     async def save_measurement(
