@@ -28,6 +28,7 @@ from forecaster_mcp.errors import (
     UnknownLedger,
 )
 from forecaster_mcp.forecast.base import USAGE_LEDGER, Forecaster, PairQuery
+from forecaster_mcp.forecast.selective import MAX_TARGET_ERROR, MIN_TARGET_ERROR, decide
 from forecaster_mcp.hardware import specs
 from forecaster_mcp.measure.base import OCCUPIED_ATTR, Measurer, MeasureRequest, ProgressCallback
 from forecaster_mcp.models import (
@@ -47,10 +48,6 @@ from forecaster_mcp.store.db import ForecastRow, IdempotentRequest, Store
 log = logging.getLogger(__name__)
 
 _NORM = re.compile(r"[^a-z0-9]+")
-# The smallest target_error accepted: below it no history could ever certify a threshold (it would take
-# about 3 / target_error verified pairs without one error), so every verdict would stay unsure.
-MIN_TARGET_ERROR = 1e-4
-MAX_TARGET_ERROR = 0.5
 
 
 def _norm(name: str) -> str:
@@ -259,8 +256,6 @@ class Service:
             (f.regime, fam): await self.engine.threshold(hw.name, target, f.regime, fam)
             for f, fam in zip(forecasts, family.values(), strict=True)
         }
-        from forecaster_mcp.forecast.selective import decide
-
         results: dict[str, CandidateForecast] = {}
         fc_by_id = {}
         it = iter(forecasts)

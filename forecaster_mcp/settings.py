@@ -33,7 +33,7 @@ class Settings(BaseModel):
     )
     measurer: Literal["auto", "replay", "pycuda", "none"] = "auto"
     hardware: str | None = Field(default=None, description="default GPU for forecasts")
-    target_error: float = Field(default=0.1, ge=1e-4, lt=0.5)  # service.MIN_TARGET_ERROR
+    target_error: float = Field(default=0.1, ge=1e-4, lt=0.5)  # selective.MIN/MAX_TARGET_ERROR
     max_measure_seconds: float = Field(default=30.0, gt=0, description="cap on one measurement's GPU time")
     anthropic_api_key: str | None = None
     claude_model: str = "claude-sonnet-5-5"

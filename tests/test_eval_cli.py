@@ -135,6 +135,10 @@ def test_bad_options_are_operator_errors(tmp_path: Path, capsys: pytest.CaptureF
     empty = _write(tmp_path / "empty.jsonl", [""])
     assert main(["eval", str(empty)]) == 2
     assert "no pairs" in capsys.readouterr().err
+    # The range compare_kernels accepts: 5e-324 was a ValueError traceback from the threshold maths.
+    for bad in ("5e-324", "0", "0.5"):
+        assert main(["eval", str(pairs), "--target-error", bad]) == 2
+        assert "--target-error must be at least 0.0001 and below 0.5" in capsys.readouterr().err
 
 
 @pytest.mark.anyio

@@ -33,7 +33,7 @@ from pydantic import ValidationError
 
 from forecaster_mcp.errors import OperatorError
 from forecaster_mcp.forecast import metrics as M
-from forecaster_mcp.forecast.selective import ThresholdChoice, decide
+from forecaster_mcp.forecast.selective import MAX_TARGET_ERROR, MIN_TARGET_ERROR, ThresholdChoice, decide
 from forecaster_mcp.models import Kernel, Workload
 
 if TYPE_CHECKING:
@@ -474,8 +474,10 @@ def run_eval(
     out = stdout or sys.stdout
     started = time.perf_counter()
     target = settings.target_error if target_error is None else target_error
-    if not 0.0 < target < 0.5:
-        raise OperatorError(f"--target-error must be between 0 and 0.5, got {target}")
+    if not MIN_TARGET_ERROR <= target < MAX_TARGET_ERROR:  # the range compare_kernels accepts
+        raise OperatorError(
+            f"--target-error must be at least {MIN_TARGET_ERROR:g} and below {MAX_TARGET_ERROR:g}, got {target}"
+        )
     names = parse_forecaster_arg(forecaster)
     main = read_pairs_file(pairs_path)
     cal_file = read_pairs_file(calibrate_on) if calibrate_on is not None else None

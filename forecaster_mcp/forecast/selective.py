@@ -29,6 +29,12 @@ NEVER = 1.0  # a threshold of 1.0 decides nothing (calibrated confidences stay b
 
 ChoiceSource = Literal["history", "default", "never"]
 
+# The target_error range every entry point accepts (compare_kernels, eval, the settings default). Below the
+# minimum no history could ever certify a threshold (it takes about 3 / target_error verified pairs without
+# one error), so every verdict would stay unsure.
+MIN_TARGET_ERROR = 1e-4
+MAX_TARGET_ERROR = 0.5
+
 
 @dataclass(frozen=True)
 class ThresholdChoice:

@@ -29,9 +29,10 @@ from pydantic import AnyHttpUrl, Field
 
 from forecaster_mcp import __version__, bins
 from forecaster_mcp.errors import AgentError, OperatorError
+from forecaster_mcp.forecast.selective import MAX_TARGET_ERROR, MIN_TARGET_ERROR
 from forecaster_mcp.models import CompareResult, Kernel, MeasureResult, Workload
 from forecaster_mcp.reports import BudgetStatus, GpuSpecRow
-from forecaster_mcp.service import MAX_TARGET_ERROR, MIN_TARGET_ERROR, Service
+from forecaster_mcp.service import Service
 from forecaster_mcp.settings import Settings
 
 log = logging.getLogger(__name__)
