@@ -489,3 +489,22 @@ def test_if_conditions_are_evaluated_in_64_bits_without_eval() -> None:
     assert _eval_condition("A >= 2 || defined(B)", {"A": "1"}) is False
     assert _eval_condition("1 < A < 3", {"A": "2"}) is True
     assert _eval_condition("__import__('os')", {}) is None
+
+
+def test_if_conditions_follow_c_arithmetic() -> None:
+    """`/` truncates toward zero and `%` takes the dividend's sign in C (Python floors), and comparisons do
+    not chain: `1 < A < 3` is `(1 < A) < 3`. A tuning macro like `#if (OFFSET / 2) == -1` must pick the branch
+    nvcc compiles."""
+    from forecaster_mcp.forecast.features import _eval_condition
+
+    assert _eval_condition("(-7 / 2) == -3", {}) is True
+    assert _eval_condition("(OFF / 2) == -1", {"OFF": "-3"}) is True
+    assert _eval_condition("(-7 % 2) == -1", {}) is True
+    assert _eval_condition("(7 % -2) == 1", {}) is True
+    assert _eval_condition("(-8 / -2) == 4 && (-8 % 3) == -2", {}) is True
+    assert _eval_condition("1 < A < 3", {"A": "5"}) is True
+    assert _eval_condition("3 > A > 1", {"A": "2"}) is False
+    assert _eval_condition("A / 0", {"A": "1"}) is None
+    src = "#if (OFF / 2) == -1\nint near;\n#else\nint far;\n#endif\n"
+    out = preprocess(src, {"OFF": -3})
+    assert "near" in out and "far" not in out

@@ -114,12 +114,23 @@ def _eval_condition(expr: str, macros: dict[str, str]) -> bool | None:
         return None
 
 
+def _c_div(a: int, b: int) -> int:
+    """C's `/` on integers: the quotient truncated toward zero (Python's `//` floors: -7 // 2 == -4)."""
+    q = abs(a) // abs(b)
+    return q if (a < 0) == (b < 0) else -q
+
+
+def _c_mod(a: int, b: int) -> int:
+    """C's `%`: the remainder takes the dividend's sign, so that (a / b) * b + a % b == a."""
+    return a - b * _c_div(a, b)
+
+
 _BINARY: dict[type, Callable[[int, int], int]] = {
     ast.Add: operator.add,
     ast.Sub: operator.sub,
     ast.Mult: operator.mul,
-    ast.FloorDiv: operator.floordiv,
-    ast.Mod: operator.mod,
+    ast.FloorDiv: _c_div,  # the condition's `/` is parsed as `//`, then computed as C does
+    ast.Mod: _c_mod,
     ast.BitAnd: operator.and_,
     ast.BitOr: operator.or_,
     ast.BitXor: operator.xor,
@@ -159,12 +170,10 @@ def _cpp_value(node: ast.AST) -> int:
         values = [_cpp_value(v) for v in node.values]
         value = int(all(values)) if isinstance(node.op, ast.And) else int(any(values))
     elif isinstance(node, ast.Compare):
-        left, ok = _cpp_value(node.left), True
+        # C has no chained comparisons: `1 < A < 3` is `(1 < A) < 3`, true for every A.
+        value = _cpp_value(node.left)
         for op, right_node in zip(node.ops, node.comparators, strict=True):
-            right = _cpp_value(right_node)
-            ok = ok and bool(_COMPARE[type(op)](left, right))
-            left = right
-        value = int(ok)
+            value = int(_COMPARE[type(op)](value, _cpp_value(right_node)))
     elif isinstance(node, ast.IfExp):
         value = _cpp_value(node.body) if _cpp_value(node.test) else _cpp_value(node.orelse)
     else:
