@@ -41,6 +41,9 @@ async def test_tools_listed_with_annotations_and_flat_params(tmp_path: Path, con
             "idempotency_key",
         ):
             assert name in tools["measure_kernel"].input_schema["properties"]
+        # Unknown argument names are refused at call time; the published schemas say so.
+        for tool in tools.values():
+            assert tool.input_schema.get("additionalProperties") is False, tool.name
 
 
 async def test_compare_fills_every_contract_field(tmp_path: Path, conv_a100: Path) -> None:

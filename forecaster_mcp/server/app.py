@@ -127,6 +127,17 @@ def _refuse_unknown_arguments(ctx: Context, tool: Callable[..., Any]) -> None:
     )
 
 
+def _close_input_schemas(mcp: MCPServer, tools: Sequence[Callable[..., Any]]) -> None:
+    """Publish `additionalProperties: false` on each tool's arguments, as `_refuse_unknown_arguments` enforces,
+    so that a schema-driven client learns before calling that a misspelt name is an error. The SDK builds the
+    schema from the signature and offers no option for it; its tool manager holds the schema it lists."""
+    for tool in tools:
+        registered = mcp._tool_manager.get_tool(tool.__name__)
+        if registered is None:
+            raise RuntimeError(f"tool {tool.__name__} is not registered")
+        registered.parameters["additionalProperties"] = False
+
+
 async def _call(fn: Callable[[], Awaitable[T]]) -> T:
     try:
         return await fn()
@@ -301,6 +312,8 @@ def build_server(service: Service, *, http: bool = False) -> MCPServer:
         """Every GPU the forecaster has a specification row for (SMs, L2, bandwidth, peak throughput)."""
         rows: list[GpuSpecRow] = service.gpu_specs()
         return json.dumps([r.model_dump() for r in rows], indent=1)
+
+    _close_input_schemas(mcp, (compare_kernels, measure_kernel, budget_status))
 
     @mcp.prompt(name="forecast_first", title="Forecast first, measure when unsure")
     def forecast_first() -> str:
