@@ -27,3 +27,90 @@ async def test_stdio_server_lists_and_calls_tools(tmp_path: Path, conv_a100: Pat
         status = await call("budget_status", {})
         assert status["ledger"] == "default"
         assert status["spent_gpu_seconds"] == pytest.approx(measured["cost"]["gpu_seconds"], abs=1e-6)
+
+
+def test_stdio_server_answers_a_line_with_a_lone_surrogate(tmp_path: Path, conv_a100: Path) -> None:
+    """`json.dumps` writes a lone surrogate (a file read with errors="surrogateescape") as `"\\udc80"`; the
+    SDK's transport used to drop such a line without replying, so the client waited forever. The raw wire of
+    a real server process: the request is answered, the surrogate read as U+FFFD, and the server goes on."""
+    import json
+    import subprocess
+    import threading
+    from typing import Any
+
+    from forecaster_mcp.server.client import stdio_params
+
+    params = stdio_params(tmp_path / "home", replay=[conv_a100])
+    kernel = {**conv("k0", FAST), "source": conv("k0", FAST)["source"] + "\n// caf\udce9\n"}
+    lines = [
+        {
+            "jsonrpc": "2.0",
+            "id": 1,
+            "method": "initialize",
+            "params": {
+                "protocolVersion": "2025-06-18",
+                "capabilities": {},
+                "clientInfo": {"name": "raw", "version": "0"},
+            },
+        },
+        {"jsonrpc": "2.0", "method": "notifications/initialized"},
+        {
+            "jsonrpc": "2.0",
+            "id": 2,
+            "method": "tools/call",
+            "params": {"name": "compare_kernels", "arguments": {"candidates": [kernel, conv("k1", FAST)]}},
+        },
+        {
+            "jsonrpc": "2.0",
+            "id": 3,
+            "method": "tools/call",
+            "params": {"name": "budget_status", "arguments": {}},
+        },
+    ]
+    wire = "".join(json.dumps(m) + "\n" for m in lines)
+    assert "\\udce9" in wire
+    proc = subprocess.Popen(
+        [params.command, *params.args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=params.env,
+        text=True,
+    )
+    # A client keeps its end open until it has its replies; a hung server is killed, not waited on forever.
+    watchdog = threading.Timer(120.0, proc.kill)
+    watchdog.start()
+    replies: dict[int, dict[str, Any]] = {}
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(wire)
+        proc.stdin.flush()
+        while len(replies) < 3 and (line := proc.stdout.readline()):
+            message = json.loads(line)
+            if "id" in message:
+                replies[message["id"]] = message
+    finally:
+        watchdog.cancel()
+        proc.kill()
+        proc.wait()
+    assert set(replies) == {1, 2, 3}, replies
+    assert "result" in replies[2], replies[2]
+    compared = replies[2]["result"]
+    assert not compared.get("isError"), compared
+    assert compared["structuredContent"]["baseline"] == "k0"
+    assert not replies[3]["result"].get("isError")
+
+
+def test_surrogate_filter_keeps_pairs_and_leaves_other_lines_alone() -> None:
+    import json
+
+    from forecaster_mcp.server.app import without_lone_surrogates
+
+    plain = '{"jsonrpc": "2.0", "id": 7, "method": "ping"}'
+    assert without_lone_surrogates(plain) is plain
+    assert without_lone_surrogates("not json \\ud800") == "not json \\ud800"
+    line = json.dumps({"a": "x\ud800y", "\udc80k": ["\U0001f600", "\\ud800 as text"]})
+    assert json.loads(without_lone_surrogates(line)) == {
+        "a": "x\ufffdy",
+        "\ufffdk": ["\U0001f600", "\\ud800 as text"],
+    }

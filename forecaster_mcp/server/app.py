@@ -9,14 +9,16 @@ import argparse
 import difflib
 import errno
 import inspect
+import io
 import ipaddress
 import json
 import logging
+import os
 import re
 import socket
 import sys
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Annotated, Any, TypeVar
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
+from typing import Annotated, Any, TypeVar, cast
 
 import anyio
 from mcp.server.auth.middleware.auth_context import get_access_token
@@ -423,11 +425,76 @@ async def serve(
                 config = uvicorn.Config(app, host=host, port=port, log_level="warning")
                 await uvicorn.Server(config).serve(sockets=list(sockets) or None)
             else:
-                await server.run_stdio_async()
+                await _run_stdio(server)
             tg.cancel_scope.cancel()
     finally:
         with anyio.CancelScope(shield=True):
             await service.close()
+
+
+# A JSON `\u` escape of a UTF-16 surrogate (D800-DFFF); paired ones are fine, lone ones are what breaks.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _replace_surrogates(value: Any) -> Any:
+    if isinstance(value, str):
+        return value.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    if isinstance(value, list):
+        return [_replace_surrogates(v) for v in value]
+    if isinstance(value, dict):
+        return {_replace_surrogates(k): _replace_surrogates(v) for k, v in value.items()}
+    return value
+
+
+def without_lone_surrogates(line: str) -> str:
+    """One JSON-RPC line with each lone UTF-16 surrogate escape (`"\\ud800"`) replaced by U+FFFD.
+
+    mcp 2.3's stdio transport drops a line it cannot validate without replying, and pydantic refuses lone
+    surrogates, so one such escape (what `json.dumps` writes for a file read with errors="surrogateescape")
+    would leave the client waiting forever. Replaced, the request is answered: U+FFFD is what the transport
+    already puts for bytes that are not UTF-8. Lines without such an escape are returned as they are.
+    """
+    if not _SURROGATE_ESCAPE.search(line):
+        return line
+    try:
+        message = json.loads(line)
+    except ValueError:
+        return line  # not JSON at all: the SDK's own parse error applies
+    return json.dumps(_replace_surrogates(message), ensure_ascii=False)
+
+
+class _SafeLines:
+    """The wire's lines through `without_lone_surrogates` (an async-iterable stand-in for the SDK's stdin)."""
+
+    def __init__(self, lines: AsyncIterable[str]) -> None:
+        self._lines = lines
+
+    async def __aiter__(self) -> AsyncIterator[str]:
+        async for line in self._lines:
+            yield without_lone_surrogates(line)
+
+
+async def _run_stdio(server: MCPServer) -> None:
+    """MCPServer.run_stdio_async, reading stdin through `without_lone_surrogates`.
+
+    As the SDK does for its own stdin, fd 0 points at the null device while serving, so no child process
+    (nvcc, the GPU worker) can read the wire; the wire is read from a duplicate, and fd 0 is restored after.
+    """
+    from mcp.server.stdio import stdio_server
+
+    wire = os.dup(0)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    try:
+        # closefd=False: the reader thread may still block on the duplicate when serving ends.
+        text = io.TextIOWrapper(os.fdopen(wire, "rb", closefd=False), encoding="utf-8", errors="replace")
+        lines = cast("anyio.AsyncFile[str]", _SafeLines(anyio.wrap_file(text)))
+        async with stdio_server(stdin=lines) as (read_stream, write_stream):
+            lowlevel = server._lowlevel_server
+            await lowlevel.run(read_stream, write_stream, lowlevel.create_initialization_options())
+    finally:
+        os.dup2(wire, 0)
 
 
 def serve_command(settings: Settings, args: argparse.Namespace) -> int:
