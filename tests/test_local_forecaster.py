@@ -518,3 +518,53 @@ def test_additive_kernel_by_value_tables_equals_the_direct_sum() -> None:
         direct = 1.7 * np.exp(-0.5 * diff * diff).mean(axis=0)
         assert np.allclose(_additive(a, b, ls, 1.7), direct, rtol=0, atol=1e-12)
     assert not _additive(q, x, ls, 0.0).any()
+
+
+@pytest.mark.anyio
+async def test_a_failure_on_some_pairs_costs_only_those_pairs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One kernel whose features cannot be computed, or one family whose history cannot be read, used to
+    make the local forecaster raise for the whole call, so every candidate of a 60-kernel screening went
+    unforecast. Now the other pairs are answered, the engine keeps them and notes the ones that failed."""
+    from forecaster_mcp.forecast import local
+    from forecaster_mcp.forecast.base import PartialForecast
+    from forecaster_mcp.forecast.engine import ForecastEngine
+
+    h = trained(GRID)
+    broken_src = SOURCE.replace("2.0f", "5.0f")
+    broken_family = member(64, 1, source=broken_src).family_key()
+    read = h.family_points
+
+    async def flaky(family_key: str, hardware: str, workload_key: str) -> list[FamilyPoint]:
+        if family_key == broken_family:
+            raise OSError("disk I/O error")
+        return await read(family_key, hardware, workload_key)
+
+    monkeypatch.setattr(h, "family_points", flaky)
+    features = local.kernel_features
+
+    def poisoned(kernel: Kernel, *args: Any) -> Any:
+        if kernel.id == "poison":
+            raise ValueError("cannot read this kernel")
+        return features(kernel, *args)
+
+    monkeypatch.setattr(local, "kernel_features", poisoned)
+    f = LocalForecaster(h, ptxas_wait_s=0.0)
+    other_src = SOURCE.replace("2.0f", "3.0f")
+    poison = Kernel(id="poison", source=other_src + "// poison\n", entry="k")
+    queries = [
+        query(member(32, 1), member(256, 1)),  # the family model
+        query(member(32, 1), poison),  # the prior, failing
+        query(member(32, 1), member(64, 1, source=broken_src)),  # a family that cannot be read
+        query(member(32, 1), Kernel(id="fine", source=other_src, entry="k")),  # the prior
+    ]
+    with pytest.raises(PartialForecast) as caught:
+        await f.forecast(queries)
+    partial = caught.value.partial
+    assert partial is not None and [p is not None for p in partial] == [True, False, False, True]
+    assert "2 of 4 pairs" in str(caught.value)
+    assert partial[0] is not None and partial[0].p_faster > 0.9  # 256 is far better than 32 in this family
+
+    out = await ForecastEngine([f]).forecast(queries)
+    assert out[0].p_faster > 0.9 and out[3].raw  # kept
+    assert not out[1].raw and not out[2].raw and out[1].p_faster == 0.5
+    assert any("skipped on 2 of 4 pairs" in n for n in out[0].notes)

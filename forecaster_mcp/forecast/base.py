@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from forecaster_mcp import bins
+from forecaster_mcp.errors import ForecasterMcpError
 from forecaster_mcp.hardware.specs import GpuSpec
 from forecaster_mcp.models import Kernel, Workload
 
@@ -15,6 +16,18 @@ from forecaster_mcp.models import Kernel, Workload
 # call (Claude) records its usage there. A context variable, not an argument, so the Forecaster protocol
 # stays the same for forecasters that cost nothing.
 USAGE_LEDGER: ContextVar[str | None] = ContextVar("forecaster_mcp_usage_ledger", default=None)
+
+
+class PartialForecast(ForecasterMcpError):
+    """A forecaster failed on some pairs of a call.
+
+    `partial` holds the forecasts it did make, in query order (None where a pair failed): the engine keeps
+    those, and only the failed pairs go without this forecaster.
+    """
+
+    def __init__(self, message: str, partial: list[BinForecast | None] | None = None) -> None:
+        super().__init__(message)
+        self.partial = partial
 
 
 @dataclass(frozen=True)

@@ -29,9 +29,8 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 import anyio
 
 from forecaster_mcp import bins
-from forecaster_mcp.errors import ForecasterMcpError
 from forecaster_mcp.forecast import prompt
-from forecaster_mcp.forecast.base import USAGE_LEDGER, BinForecast, PairQuery
+from forecaster_mcp.forecast.base import USAGE_LEDGER, BinForecast, PairQuery, PartialForecast
 
 if TYPE_CHECKING:
     import httpx2
@@ -61,16 +60,12 @@ _BATCH_MAX_BYTES = 100 * 2**20
 _TRANSIENT_BATCH_ERRORS = {"rate_limit_error", "api_error", "overloaded_error", "timeout_error"}
 
 
-class ClaudeUnavailable(ForecasterMcpError):
+class ClaudeUnavailable(PartialForecast):
     """Claude gave no usable forecast (no key, API failure, or every sample invalid for some pair).
 
     `partial` holds the forecasts that did succeed, in query order (None where a pair failed), so a
     bulk evaluation keeps what it paid for.
     """
-
-    def __init__(self, message: str, partial: list[BinForecast | None] | None = None) -> None:
-        super().__init__(message)
-        self.partial = partial
 
 
 class RealApiCallForbidden(RuntimeError):

@@ -42,7 +42,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from forecaster_mcp import bins
-from forecaster_mcp.forecast.base import BinForecast, PairQuery
+from forecaster_mcp.forecast.base import BinForecast, PairQuery, PartialForecast
 from forecaster_mcp.forecast.features import StaticFeatures, kernel_features, prior_shift
 from forecaster_mcp.models import Kernel
 from forecaster_mcp.store.db import FamilyPoint
@@ -1143,12 +1143,17 @@ class LocalForecaster:
         def group_of(k: Kernel, q: PairQuery) -> tuple[str, str, str]:
             return (keys[id(k)][0], q.hardware_name, workload_keys[id(q.workload)])
 
+        # A family whose model cannot be built or queried costs only its own pairs (PartialForecast).
+        broken: dict[tuple[str, str, str], Exception] = {}
         groups: dict[tuple[str, str, str], FamilyModel | None] = {}
         for q in queries:
             for k in (q.baseline, q.candidate):
                 key = group_of(k, q)
                 if key not in groups:
-                    groups[key] = await self._model(key)
+                    try:
+                        groups[key] = await self._model(key)
+                    except Exception as exc:
+                        groups[key], broken[key] = None, exc
 
         # Batch every unmeasured kernel of a usable family into one joint prediction.
         wanted: dict[tuple[str, str, str], dict[str, tuple[int, dict[str, Any]]]] = {}
@@ -1157,10 +1162,14 @@ class LocalForecaster:
                 key = group_of(k, q)
                 model = groups[key]
                 ck = keys[id(k)][1]
-                if model is None or not model.usable:
+                if model is None or not model.usable or key in broken:
                     continue
-                row = kernel_params(dict(k.defines), _launch_dict(k), k.compile_options)
-                if model.lookup(ck, row) is not None:  # measured (under this spelling or another)
+                try:
+                    row = kernel_params(dict(k.defines), _launch_dict(k), k.compile_options)
+                    if model.lookup(ck, row) is not None:  # measured (under this spelling or another)
+                        continue
+                except Exception as exc:
+                    broken[key] = exc
                     continue
                 slots = wanted.setdefault(key, {})
                 if ck not in slots:
@@ -1169,25 +1178,44 @@ class LocalForecaster:
         for key, slots in wanted.items():
             model = groups[key]
             assert model is not None
+            if key in broken:
+                continue
             rows = [row for _, row in sorted(slots.values(), key=lambda s: s[0])]
-            mean, cov = model.predict(rows)
-            predictions[key] = (mean, cov, model.p_fail(rows))
+            try:
+                mean, cov = model.predict(rows)
+                predictions[key] = (mean, cov, model.p_fail(rows))
+            except Exception as exc:
+                broken[key] = exc
 
-        out: list[BinForecast] = []
+        out: list[BinForecast | None] = []
+        errors: list[Exception] = []
         for q in queries:
             kb, kc = group_of(q.baseline, q), group_of(q.candidate, q)
-            b = self._belief(
-                q.baseline, keys[id(q.baseline)][1], kb, groups[kb], wanted.get(kb), predictions.get(kb)
-            )
-            c = self._belief(
-                q.candidate, keys[id(q.candidate)][1], kc, groups[kc], wanted.get(kc), predictions.get(kc)
-            )
-            # A kernel measured as failed is certain whatever is known of the other one.
-            if "failed" not in (b.kind, c.kind) and "unknown" in (b.kind, c.kind):
-                out.append(await self._prior_forecast(q, b, c, groups[kc]))
-            else:
-                out.append(self._pair_forecast(b, c, groups[kb], groups[kc]))
-        return out
+            if kb in broken or kc in broken:
+                out.append(None)
+                errors.append(broken.get(kb) or broken[kc])
+                continue
+            try:
+                b = self._belief(
+                    q.baseline, keys[id(q.baseline)][1], kb, groups[kb], wanted.get(kb), predictions.get(kb)
+                )
+                c = self._belief(
+                    q.candidate, keys[id(q.candidate)][1], kc, groups[kc], wanted.get(kc), predictions.get(kc)
+                )
+                # A kernel measured as failed is certain whatever is known of the other one.
+                if "failed" not in (b.kind, c.kind) and "unknown" in (b.kind, c.kind):
+                    out.append(await self._prior_forecast(q, b, c, groups[kc]))
+                else:
+                    out.append(self._pair_forecast(b, c, groups[kb], groups[kc]))
+            except Exception as exc:
+                out.append(None)
+                errors.append(exc)
+        if errors:
+            first = errors[0]
+            raise PartialForecast(
+                f"failed on {len(errors)} of {len(queries)} pairs ({type(first).__name__}: {first})", out
+            ) from first
+        return [f for f in out if f is not None]
 
     def _belief(
         self,
