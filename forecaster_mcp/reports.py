@@ -21,7 +21,11 @@ class ForecastCounts(BaseModel):
     count: int = 0
     decided: int = 0
     deferred: int = 0
-    verified: int = 0
+    verified: int = Field(
+        default=0,
+        description="decided forecasts later checked by measuring both kernels; pairs within 3% of each other "
+        "are ties within noise and not counted (as in the eval metrics)",
+    )
     verified_correct: int = 0
     accuracy: float | None = Field(default=None, description="accuracy of the verified forecasts")
 
@@ -43,8 +47,10 @@ class LlmUsage(BaseModel):
 
 
 class CalibrationSummary(BaseModel):
-    verified_pairs: int = 0
-    brier: float | None = None
+    verified_pairs: int = Field(
+        default=0, description="verified forecasts, decided or unsure, that are not ties within noise"
+    )
+    brier: float | None = Field(default=None, description="Brier score of p_faster on those pairs")
 
 
 class BudgetStatus(BaseModel):

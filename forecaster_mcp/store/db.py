@@ -214,11 +214,9 @@ def _result_from_row(row_id: Any, result_json: Any) -> MeasureResult:
     return result.model_copy(update={"measurement_id": int(row_id)})
 
 
-def _direction_correct(verdict: str, speedup: float) -> bool:
-    """A decided verdict is right when it names the faster kernel; pairs within noise count as right."""
-    if abs(math.log2(speedup)) <= bins.TIE_LOG2:
-        return True
-    return (verdict == "faster") == (speedup > 1.0)
+def _is_tie(speedup: float) -> bool:
+    """A pair within measurement noise (|log2 S| <= bins.TIE_LOG2): DESIGN.md's metrics score no direction on it."""
+    return abs(math.log2(speedup)) <= bins.TIE_LOG2
 
 
 # ---------------------------------------------------------------------------- process identity
@@ -1055,12 +1053,13 @@ class Store:
         - measurements.count includes cache hits; failures: rows whose status is not ok.
         - forecasts.decided: decided_by forecast with verdict faster/slower; deferred: verdict unsure or
           decided_by measurement; rows decided by cache count only in `count`.
-        - forecasts.verified: decided forecasts whose two kernels were later measured; verified_correct: those
-          naming the faster kernel (pairs within bins.TIE_LOG2 count as correct); accuracy: correct/verified.
+        - forecasts.verified: decided forecasts whose two kernels were later measured, ties within noise
+          (|log2 S| <= bins.TIE_LOG2) left out as in forecast.metrics.pairwise_accuracy; verified_correct:
+          those naming the faster kernel; accuracy: correct/verified.
         - gpu_seconds_saved.cache: what the results served from cache cost when measured; .forecasts: decided
           times the median charge of this ledger's non-cached measurements.
-        - calibration: Brier of p_faster against S > 1 over every verified forecast not decided by cache
-          (unsure ones included)."""
+        - calibration: Brier of p_faster against S > 1 (forecast.metrics.brier) over every verified forecast
+          not decided by cache (unsure ones included), ties left out; verified_pairs: how many."""
 
         async def body(conn: Any) -> dict[str, Any] | None:
             row = await self._ledger_row(conn, ledger)
@@ -1106,11 +1105,10 @@ class Store:
             raise _unknown_ledger(ledger)
         limit, spent, reserved = (int(x) for x in raw["ledger"][1:4])
         m, f, llm = raw["m"], raw["f"], raw["llm"]
-        decided_checked = [
-            (str(v), float(s)) for v, by, _, s in raw["verified"] if by == "forecast" and v != "unsure"
-        ]
-        correct = sum(_direction_correct(v, s) for v, s in decided_checked)
-        outcomes = [(float(p), 1.0 if float(s) > 1.0 else 0.0) for _, _, p, s in raw["verified"]]
+        scored = [(v, by, p, float(s)) for v, by, p, s in raw["verified"] if not _is_tie(float(s))]
+        decided_checked = [(str(v), s) for v, by, _, s in scored if by == "forecast" and v != "unsure"]
+        correct = sum((v == "faster") == (s > 1.0) for v, s in decided_checked)
+        outcomes = [(float(p), 1.0 if s > 1.0 else 0.0) for _, _, p, s in scored]
         decided = int(f[1])
         typical_cost = statistics.median(int(c[0]) for c in raw["costs"]) if raw["costs"] else 0
         return {

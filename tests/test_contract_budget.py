@@ -1,0 +1,65 @@
+"""budget_status scores the forecaster as DESIGN.md "Metrics" defines it: ties within noise are not scored."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from mcp import Client
+from replay_kernels import FAST, SLOW, conv
+from tool_calls import call
+
+from forecaster_mcp import bins
+from forecaster_mcp.forecast.base import ScriptedForecaster
+from forecaster_mcp.server.app import build_server
+from forecaster_mcp.service import Service, build_measurers
+from forecaster_mcp.settings import Settings
+from forecaster_mcp.store.db import Store
+
+pytestmark = pytest.mark.anyio
+
+# Two configurations of the A100 convolution recording whose runtimes differ by about 0.5% (a tie).
+TIE_A = {**FAST, "tile_size_x": 2, "tile_size_y": 2, "use_shmem": 0}
+TIE_B = {**TIE_A, "block_size_x": 48, "block_size_y": 1, "tile_size_y": 1, "read_only": 0}
+FASTER = [0.0] * 7 + [1.0]  # every candidate forecast much faster than the baseline
+
+
+async def test_budget_status_leaves_ties_within_noise_out_of_accuracy_and_brier(
+    tmp_path: Path, conv_a100: Path
+) -> None:
+    settings = Settings.from_env(home=tmp_path, replay=[conv_a100], measurer="replay", ledger="team")
+    store = await Store.open(settings.db_path)
+    measurers, notes = build_measurers(settings)
+    service = Service(settings, store, [ScriptedForecaster(default=FASTER)], measurers, notes)
+    await store.create_ledger("team", 100)
+    try:
+        async with Client(build_server(service)) as client:
+            out = await call(
+                client,
+                "compare_kernels",
+                {
+                    "candidates": [
+                        conv("a", TIE_A),
+                        conv("tie", TIE_B),
+                        conv("fast", FAST),
+                        conv("slow", SLOW),
+                    ]
+                },
+            )
+            assert [c["verdict"] for c in out["candidates"]] == ["faster"] * 3
+            t = {}
+            for kid, params in (("a", TIE_A), ("tie", TIE_B), ("fast", FAST), ("slow", SLOW)):
+                t[kid] = (await call(client, "measure_kernel", {"kernel": conv(kid, params)}))["runtime_ms"]
+            assert abs(math.log2(t["a"]["median"] / t["tie"]["median"])) <= bins.TIE_LOG2
+            status = await call(client, "budget_status", {})
+    finally:
+        await service.close()
+    # Scored: fast (right) and slow (wrong); the tie is neither right nor wrong.
+    forecasts = status["forecasts"]
+    assert (forecasts["verified"], forecasts["verified_correct"]) == (2, 1)
+    assert forecasts["accuracy"] == pytest.approx(0.5)
+    calibration = status["calibration"]
+    assert calibration["verified_pairs"] == 2
+    p = out["candidates"][1]["p_faster"]
+    assert calibration["brier"] == pytest.approx(((p - 1) ** 2 + p**2) / 2)
