@@ -39,6 +39,7 @@ from forecaster_mcp.models import (
     Kernel,
     MeasureCost,
     MeasureResult,
+    Verdict,
     Workload,
 )
 from forecaster_mcp.reports import BudgetStatus, GpuSpecRow
@@ -709,7 +710,19 @@ def _assign_ids(candidates: Sequence[Kernel]) -> list[Kernel]:
             f"compare_kernels takes {MIN_CANDIDATES} to {MAX_CANDIDATES} candidates, got {len(candidates)}; "
             "split larger sets into several calls against the same baseline"
         )
-    out = [k if k.id else k.model_copy(update={"id": f"k{i}"}) for i, k in enumerate(candidates)]
+    # A default id is positional (k<i>); where the caller gave that id to another candidate, the first k<j>
+    # nobody uses: [{"id": "k1"}, {no id}] is no clash of the caller's making.
+    taken = {k.id for k in candidates if k.id}
+    out = []
+    for i, k in enumerate(candidates):
+        if not k.id:
+            default = f"k{i}"
+            j = len(candidates)
+            while default in taken:
+                default, j = f"k{j}", j + 1
+            taken.add(default)
+            k = k.model_copy(update={"id": default})
+        out.append(k)
     seen: set[str] = set()
     for k in out:
         assert k.id is not None
@@ -739,14 +752,23 @@ def _from_measurement(cid: str, t_base_ms: float, t_cand_ms: float, by: str) -> 
     s = t_base_ms / t_cand_ms
     probs = bins.one_hot(s)
     p = 1.0 if s > 1 else 0.0
+    verdict: Verdict = "faster" if s > 1 else "slower"
+    rationale = f"measured: baseline {t_base_ms:.4g} ms, candidate {t_cand_ms:.4g} ms (speedup {s:.3f}x)"
+    if s == 1.0:
+        # Equal runtimes (typically one kernel sent twice): neither is faster. Half the mass on each side of
+        # S = 1, so that p_faster and the bins agree; "slower" at confidence 1 would be false.
+        probs = [0.0] * bins.N_BINS
+        probs[bins.N_BINS // 2 - 1] = probs[bins.N_BINS // 2] = 0.5
+        p, verdict = 0.5, "unsure"
+        rationale = f"measured: equal runtimes ({t_base_ms:.4g} ms each); neither kernel is faster"
     return CandidateForecast(
         id=cid,
         p_faster=p,
         speedup_bins=probs,
         expected_speedup=s,
-        verdict="faster" if s > 1 else "slower",
+        verdict=verdict,
         decided_by="cache" if by == "cache" else "measurement",
-        rationale=f"measured: baseline {t_base_ms:.4g} ms, candidate {t_cand_ms:.4g} ms (speedup {s:.3f}x)",
+        rationale=rationale,
         confidence=1.0,
         measured_speedup=s,
     )

@@ -383,3 +383,28 @@ def test_the_nothing_unsure_note_names_an_unmeasured_baseline_first() -> None:
     assert "ranks b (the baseline, not measured yet)" in note and "c1" not in note
     assert "ranks c1 (verdict faster)" in _nothing_unsure_note(["c1"], {"c1": faster}, "b")
     assert _nothing_unsure_note([], {"c1": faster}, "b").endswith("(it measures only those)")
+
+
+async def test_a_measured_tie_is_neither_faster_nor_slower(tmp_path: Path, conv_a100: Path) -> None:
+    """One kernel sent under two ids has one measurement, S = 1 exactly: it used to come back `slower` at
+    p_faster 0 and confidence 1 with all its bins on the faster side of S = 1."""
+    async with running(tmp_path, [conv_a100]) as (client, _):
+        await call(client, "measure_kernel", {"kernel": conv("a", FAST)})
+        out = await call(client, "compare_kernels", {"candidates": [conv("a", FAST), conv("b", FAST)]})
+        (cand,) = out["candidates"]
+        assert cand["decided_by"] == "cache"
+        assert (cand["verdict"], cand["p_faster"], cand["expected_speedup"]) == ("unsure", 0.5, 1.0)
+        assert cand["speedup_bins"][3] == cand["speedup_bins"][4] == 0.5
+        assert "equal runtimes" in cand["rationale"]
+        assert "b" not in out["measure_next"]
+
+
+async def test_default_ids_do_not_clash_with_ids_the_caller_gave(tmp_path: Path, conv_a100: Path) -> None:
+    """The default id is positional (k<i>); a caller that named its first candidate "k1" used to be told
+    that "k1" appears twice."""
+    async with running(tmp_path, [conv_a100]) as (client, _):
+        out = await call(client, "compare_kernels", {"candidates": [conv("k1", FAST), conv(None, SLOW)]})
+        assert out["baseline"] == "k1"
+        assert [c["id"] for c in out["candidates"]] == ["k2"]
+        out = await call(client, "compare_kernels", {"candidates": [conv(None, FAST), conv(None, SLOW)]})
+        assert (out["baseline"], [c["id"] for c in out["candidates"]]) == ("k0", ["k1"])
