@@ -1,10 +1,17 @@
 """An autonomous tuning loop that asks the forecaster first and measures only what it cannot decide.
 
-It speaks plain MCP (any server URL or a stdio command works the same way). By default it starts
-`forecaster-mcp serve --replay RECORDING` over stdio, so it runs anywhere without a GPU:
+It speaks plain MCP. By default it starts its own `forecaster-mcp serve --replay RECORDING` over stdio, in a
+throw-away state folder, so it runs anywhere without a GPU (use the Python of the venv forecaster-mcp is in):
 
-    python agent_examples/search_loop.py path/to/space.json.gz --measurements 40
+    .venv/bin/python agent_examples/search_loop.py path/to/space.json.gz --measurements 40
 
+With `--url` it drives a running HTTP server instead (started with `serve --http --replay` of the same
+recording), sending the bearer token in FORECASTER_MCP_TOKEN and charging that token's ledger:
+
+    FORECASTER_MCP_TOKEN=fmcp_... .venv/bin/python agent_examples/search_loop.py space.json.gz \
+        --url http://gpu-box:8765/mcp
+
+An exhausted budget ends the loop (forecasts stay free); it prints what it found and spent.
 Copy it as the skeleton of your own loop: swap `propose()` for your kernel generator.
 """
 
@@ -13,15 +20,20 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import os
 import random
 import sys
 import tempfile
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import anyio
+import httpx2
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
+from mcp.client.streamable_http import streamable_http_client
 
 
 def load_space(path: Path) -> tuple[str, list[dict[str, Any]]]:
@@ -33,19 +45,51 @@ def load_space(path: Path) -> tuple[str, list[dict[str, Any]]]:
     return doc["kernel_name"], [{k: entry[k] for k in keys} for entry in doc["cache"].values()]
 
 
+class ToolRefused(Exception):
+    """A tool answered with an error (an exhausted budget, a kernel not in the recording): the server's message."""
+
+
 async def tool(client: Client, name: str, args: dict[str, Any]) -> dict[str, Any]:
     result = await client.call_tool(name, args)
     if result.is_error:
-        raise RuntimeError(" ".join(getattr(c, "text", "") for c in result.content))
+        raise ToolRefused(" ".join(getattr(c, "text", "") for c in result.content))
     assert result.structured_content is not None
     return result.structured_content
 
 
+@asynccontextmanager
+async def connect(recording: Path, url: str | None, token: str | None) -> AsyncIterator[Client]:
+    """A client of the server at `url` (bearer token), or of a stdio server this loop starts on `recording`."""
+    if url is not None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        async with httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(30, read=300)) as http:
+            async with Client(
+                streamable_http_client(url, http_client=http), read_timeout_seconds=120
+            ) as client:
+                yield client
+        return
+    with tempfile.TemporaryDirectory() as home:
+        server = StdioServerParameters(
+            command=sys.executable,
+            args=["-m", "forecaster_mcp", "serve", "--replay", str(recording)],
+            env={"FORECASTER_MCP_HOME": home},
+        )
+        async with Client(server, read_timeout_seconds=120) as client:
+            yield client
+
+
 async def search(
-    recording: Path, measurements: int, pool_size: int, seed: int, max_idle_rounds: int = 20
+    recording: Path,
+    measurements: int,
+    pool_size: int,
+    seed: int,
+    max_idle_rounds: int = 20,
+    url: str | None = None,
+    token: str | None = None,
 ) -> None:
     entry, configs = load_space(recording)
-    pool_size = min(pool_size, 63)  # compare_kernels takes 64 kernels: the pool plus the best so far
+    # compare_kernels takes 64 kernels: the pool plus the best so far
+    pool_size = max(1, min(pool_size, 63, len(configs)))
     rng = random.Random(seed)
     source = f"// {entry} (tuning space replayed from {recording.name})\n"
 
@@ -55,46 +99,54 @@ async def search(
     def propose(n: int) -> list[dict[str, Any]]:
         return rng.sample(configs, n)
 
-    with tempfile.TemporaryDirectory() as home:
-        server = StdioServerParameters(
-            command=sys.executable,
-            args=["-m", "forecaster_mcp", "serve", "--replay", str(recording)],
-            env={"FORECASTER_MCP_HOME": home},
-        )
-        async with Client(server, read_timeout_seconds=120) as client:
-            best: dict[str, Any] | None = None
-            best_ms = float("inf")
-            used = considered = idle = 0
-            while used < measurements:
-                pool = [kernel(f"c{considered + i}", p) for i, p in enumerate(propose(pool_size))]
-                considered += len(pool)
-                if best is None:  # nothing measured yet: measure one to anchor the comparisons
-                    to_measure = [pool[0]]
-                else:
-                    out = await tool(
-                        client, "compare_kernels", {"candidates": [best, *pool], "baseline": best["id"]}
-                    )
-                    by_id = {k["id"]: k for k in pool}
-                    to_measure = [by_id[i] for i in out["measure_next"] if i in by_id][:2]
-                # measure_next is empty when the forecaster is sure every proposal is slower than the best:
-                # propose again, but do not spin forever on a search that has converged.
-                idle = 0 if to_measure else idle + 1
-                if not to_measure and idle >= max_idle_rounds:
-                    print(f"stopping: {idle} rounds in a row had nothing worth measuring")
+    async with connect(recording, url, token) as client:
+        best: dict[str, Any] | None = None
+        best_ms = float("inf")
+        used = considered = idle = 0
+        refused: str | None = None
+        while used < measurements and refused is None:
+            pool = [kernel(f"c{considered + i}", p) for i, p in enumerate(propose(pool_size))]
+            considered += len(pool)
+            if best is None:  # nothing measured yet: measure one to anchor the comparisons
+                to_measure = [pool[0]]
+            else:
+                out = await tool(
+                    client, "compare_kernels", {"candidates": [best, *pool], "baseline": best["id"]}
+                )
+                by_id = {k["id"]: k for k in pool}
+                to_measure = [by_id[i] for i in out["measure_next"] if i in by_id][:2]
+            # measure_next is empty when the forecaster is sure every proposal is slower than the best:
+            # propose again, but do not spin forever on a search that has converged.
+            idle = 0 if to_measure else idle + 1
+            if not to_measure and idle >= max_idle_rounds:
+                print(f"stopping: {idle} rounds in a row had nothing worth measuring")
+                break
+            for k in to_measure:
+                if used >= measurements:
                     break
-                for k in to_measure:
-                    if used >= measurements:
-                        break
+                try:
                     res = await tool(client, "measure_kernel", {"kernel": k})
-                    used += 1
-                    if res["status"] == "ok" and res["runtime_ms"]["median"] < best_ms:
-                        best, best_ms = {**k, "id": "best"}, res["runtime_ms"]["median"]
-                        print(f"measurement {used:3d}: new best {best_ms:.4g} ms ({k['id']})")
-            status = await tool(client, "budget_status", {})
-            print(
-                f"best {best_ms:.4g} ms after {used} measurements, {considered} candidates considered, "
-                f"{status['spent_gpu_seconds']:.3f} GPU-seconds spent"
-            )
+                except ToolRefused as exc:  # e.g. the budget is spent: nothing ran, nothing was charged
+                    refused = str(exc)
+                    print(f"stopping: the server refused a measurement: {refused}")
+                    break
+                used += 1
+                if res["status"] == "ok" and res["runtime_ms"]["median"] < best_ms:
+                    best, best_ms = {**k, "id": "best"}, res["runtime_ms"]["median"]
+                    print(f"measurement {used:3d}: new best {best_ms:.4g} ms ({k['id']})")
+        status = await tool(client, "budget_status", {})
+        found = f"best {best_ms:.4g} ms" if best is not None else "no configuration ran"
+        print(
+            f"{found} after {used} measurements, {considered} candidates considered, "
+            f"{status['spent_gpu_seconds']:.3f} GPU-seconds spent"
+        )
+
+
+def first_cause(exc: BaseException) -> BaseException:
+    """The first error inside (possibly nested) exception groups."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc
 
 
 def main() -> None:
@@ -106,8 +158,34 @@ def main() -> None:
     p.add_argument(
         "--max-idle-rounds", type=int, default=20, help="stop after this many rounds with nothing to measure"
     )
+    p.add_argument(
+        "--url",
+        help="drive the HTTP server at this URL (e.g. http://gpu-box:8765/mcp; token in env FORECASTER_MCP_TOKEN) "
+        "instead of starting a stdio server",
+    )
     a = p.parse_args()
-    anyio.run(search, a.recording, a.measurements, a.pool, a.seed, a.max_idle_rounds)
+    try:
+        load_space(a.recording)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        p.error(f"{a.recording} is not a readable Kernel Tuner cache file (.json or .json.gz): {exc!r}")
+    token = os.environ.get("FORECASTER_MCP_TOKEN")
+    if a.url is not None and not token:
+        p.error(
+            "--url needs a bearer token in FORECASTER_MCP_TOKEN (forecaster-mcp token issue --ledger NAME)"
+        )
+    try:
+        anyio.run(search, a.recording, a.measurements, a.pool, a.seed, a.max_idle_rounds, a.url, token)
+    except Exception as exc:  # the client's task group wraps what went wrong: say it in one line
+        cause = first_cause(exc)
+        if isinstance(cause, ToolRefused):
+            sys.exit(f"search_loop.py: the server refused a call: {cause}")
+        if a.url is None:
+            raise
+        sys.exit(
+            f"search_loop.py: cannot use the server at {a.url}: {type(cause).__name__}: {cause} (check the URL, "
+            "and that FORECASTER_MCP_TOKEN is an active token: the MCP client reports a refused one as "
+            "'Server returned an error response')"
+        )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import shlex
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -62,6 +63,26 @@ def check_writable_file(path: Path, option: str = "--out") -> None:
         ) from exc
 
 
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8765
+
+
+def _serve_options(args: argparse.Namespace) -> None:
+    """Refuse `serve` options the chosen transport would silently ignore; fill in the HTTP defaults."""
+    if not args.http and (args.host is not None or args.port is not None):
+        raise OperatorError(
+            "--host and --port apply to an HTTP server: add --http (without it `serve` speaks MCP over "
+            "stdin/stdout, as an IDE launches it)"
+        )
+    if args.http and args.ledger is not None:
+        raise OperatorError(
+            "--ledger applies to a stdio server; an HTTP server charges each request to the ledger of its "
+            f"bearer token: issue one with `forecaster-mcp token issue --ledger {shlex.quote(args.ledger)}`"
+        )
+    args.host = DEFAULT_HOST if args.host is None else args.host
+    args.port = DEFAULT_PORT if args.port is None else args.port
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="forecaster-mcp",
@@ -73,8 +94,9 @@ def _parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run the MCP server (stdio by default)")
     serve.add_argument("--http", action="store_true", help="serve streamable HTTP at /mcp instead of stdio")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8765)
+    # No argparse defaults: given without --http they would be ignored, so main refuses them (see _serve_options).
+    serve.add_argument("--host", help=f"with --http: address to listen on (default {DEFAULT_HOST})")
+    serve.add_argument("--port", type=int, help=f"with --http: port to listen on (default {DEFAULT_PORT})")
     serve.add_argument(
         "--replay", type=Path, action="append", default=[], help="Kernel Tuner cache to replay"
     )
@@ -165,6 +187,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             os.environ.setdefault(var, "1")
     try:
+        if args.command == "serve":
+            _serve_options(args)
         settings = Settings.from_env(
             home=args.home,
             replay=getattr(args, "replay", None),

@@ -170,10 +170,10 @@ async def _replay_loop(call: ToolCaller, space: ReplaySpace, rounds: int = 6) ->
     )
 
 
-async def _demo(settings: Settings, space: ReplaySpace | None, home: Path) -> None:
+async def _demo(settings: Settings, space: ReplaySpace | None, home: Path, ledger: str | None) -> None:
     # The server replays only the recording the demo searches: its device is then the server's default one.
     replay = [space.path] if space is not None else []
-    async with connect_stdio(home, replay=replay) as (client, call):
+    async with connect_stdio(home, replay=replay, ledger=ledger) as (client, call):
         tools = [t.name for t in (await client.list_tools()).tools]
         print(f"Started `forecaster-mcp serve` over stdio (state in {home}); tools: {', '.join(tools)}")
         await _forecast_examples(call, settings.hardware or "H100")
@@ -191,6 +191,18 @@ async def _demo(settings: Settings, space: ReplaySpace | None, home: Path) -> No
         )
 
 
+def _tool_failure(exc: BaseException) -> ToolCallFailed | None:
+    """The tool refusal inside what the client's task group raised, if that is what stopped the demo."""
+    if isinstance(exc, ToolCallFailed):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _tool_failure(inner)
+            if found is not None:
+                return found
+    return None
+
+
 def demo_command(settings: Settings, args: argparse.Namespace) -> int:
     """Run the demo in a throw-away state directory unless --home was given."""
     replay = [Path(p) for p in (args.replay or [])]
@@ -199,9 +211,26 @@ def demo_command(settings: Settings, args: argparse.Namespace) -> int:
         print(f"forecaster-mcp demo: recording not found: {', '.join(missing)} (try {SHARED_HINT})")
         return 2
     space = _pick_space(replay) if replay else None
-    if args.home is not None:
-        anyio.run(_demo, settings, space, Path(args.home))
+    throw_away = args.home is None
+    try:
+        if not throw_away:
+            anyio.run(_demo, settings, space, Path(args.home), None)
+            return 0
+        # A fresh state directory holds only the ledger a stdio server creates, `default`: a FORECASTER_MCP_LEDGER
+        # naming another one (as the agent configurations set) could not exist there.
+        with tempfile.TemporaryDirectory(prefix="forecaster-mcp-demo-") as tmp:
+            anyio.run(_demo, settings, space, Path(tmp), "default")
         return 0
-    with tempfile.TemporaryDirectory(prefix="forecaster-mcp-demo-") as tmp:
-        anyio.run(_demo, settings, space, Path(tmp))
-    return 0
+    except Exception as exc:
+        # A refused tool call (an exhausted budget, a ledger that does not exist) ends the demo with the server's
+        # own message, not with the traceback of the client's task group.
+        failure = _tool_failure(exc)
+        if failure is None:
+            raise
+        hint = ""
+        if throw_away and "GPU-seconds left" in str(failure):
+            hint = (
+                f" (the demo's throw-away ledger 'default' gets FORECASTER_MCP_DEFAULT_LEDGER_GPU_SECONDS = "
+                f"{settings.default_ledger_gpu_seconds:g} GPU-seconds: unset it or raise it)"
+            )
+        raise OperatorError(f"the demo stopped: the server refused a tool call: {failure}{hint}") from exc

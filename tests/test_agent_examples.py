@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -75,8 +76,6 @@ async def test_http_config_reaches_a_token_protected_server(tmp_path: Path) -> N
 def test_search_loop_example_runs_a_budgeted_search(conv_a100: Path, tmp_path: Path) -> None:
     """The loop users copy: it starts a real stdio server on a recording, forecasts, measures measure_next's
     head, and reports what it spent."""
-    import subprocess
-
     env = {**os.environ, "FORECASTER_MCP_HOME": str(tmp_path)}
     done = subprocess.run(
         [
@@ -99,3 +98,62 @@ def test_search_loop_example_runs_a_budgeted_search(conv_a100: Path, tmp_path: P
         last
     )
     assert "new best" in done.stdout
+
+
+def _search_loop(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(EXAMPLES / "search_loop.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_search_loop_drives_a_shared_http_server_until_its_budget_is_spent(
+    conv_a100: Path, tmp_path: Path
+) -> None:
+    """--url: the loop charges the ledger of its token on a running server, and an exhausted budget ends it with
+    a report, not a traceback."""
+    home = tmp_path / "srv"
+    cli(home, "ledger", "create", "agent-run-1", "--gpu-seconds", "0.15")
+    token = cli(home, "token", "issue", "--ledger", "agent-run-1").stdout.strip().splitlines()[-1]
+    srv = start_http(home, ["--replay", str(conv_a100)])
+    try:
+        done = _search_loop(
+            str(conv_a100), "--url", srv.url, "--measurements", "40", env={"FORECASTER_MCP_TOKEN": token}
+        )
+    finally:
+        srv.stop()
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    assert "stopping: the server refused a measurement" in done.stdout and "GPU-seconds left" in done.stdout
+    last = done.stdout.strip().splitlines()[-1]
+    spent = float(re.search(r"([0-9.]+) GPU-seconds spent", last).group(1))  # type: ignore[union-attr]
+    assert 0 < spent <= 0.15
+    shown = json.loads(cli(home, "ledger", "show", "agent-run-1", "--json").stdout)
+    assert shown["spent_gpu_seconds"] == pytest.approx(spent, abs=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (["no-such.json.gz"], {}, "is not a readable Kernel Tuner cache file"),
+        (
+            ["RECORDING", "--url", "http://127.0.0.1:9/mcp"],
+            {"FORECASTER_MCP_TOKEN": ""},
+            "FORECASTER_MCP_TOKEN",
+        ),
+        (
+            ["RECORDING", "--url", "http://127.0.0.1:9/mcp"],
+            {"FORECASTER_MCP_TOKEN": "fmcp_x"},
+            "cannot use the server at http://127.0.0.1:9/mcp",
+        ),
+    ],
+)
+def test_search_loop_mistakes_are_one_line_errors(
+    conv_a100: Path, args: list[str], env: dict[str, str], message: str
+) -> None:
+    done = _search_loop(*[str(conv_a100) if a == "RECORDING" else a for a in args], env=env)
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert message in done.stderr

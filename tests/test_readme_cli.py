@@ -1,0 +1,57 @@
+"""What the README tells a user to run or set, run as written: the demo under the settings it documents, and
+`serve` options that only mean something in the other transport."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from serverproc import cli
+
+from forecaster_mcp.cli import main
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_demo_runs_with_a_named_ledger_in_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent configs set FORECASTER_MCP_LEDGER; the demo's throw-away state has only its own ledger."""
+    monkeypatch.setenv("FORECASTER_MCP_LEDGER", "run-42")
+    done = cli(tmp_path / "home", "demo", check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "== 3. Budget (ledger default)" in done.stdout
+
+
+def test_demo_refused_tool_call_is_a_one_line_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, conv_a100: Path
+) -> None:
+    """A budget the user set to nothing is the server's answer, not a traceback."""
+    monkeypatch.setenv("FORECASTER_MCP_DEFAULT_LEDGER_GPU_SECONDS", "0")
+    done = cli(tmp_path / "home", "demo", "--replay", str(conv_a100), check=False)
+    err = done.stderr
+    assert done.returncode == 2, err[-2000:]
+    assert err.startswith("forecaster-mcp: ") and len(err.strip().splitlines()) == 1, err
+    assert "0 GPU-seconds left" in err and "FORECASTER_MCP_DEFAULT_LEDGER_GPU_SECONDS" in err
+
+
+@pytest.mark.parametrize("address", [["--port", "8765"], ["--host", "0.0.0.0"]])
+def test_serve_host_or_port_without_http_is_refused(
+    capsys: pytest.CaptureFixture[str], address: list[str]
+) -> None:
+    """Without --http they would be ignored and a stdio server would sit waiting on the terminal."""
+    code, out, err = run(capsys, "serve", *address)
+    assert code == 2 and out == ""
+    assert err.startswith("forecaster-mcp: ") and "--http" in err and len(err.strip().splitlines()) == 1
+
+
+def test_serve_http_with_ledger_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """An HTTP server charges each token's ledger: --ledger would be silently ignored."""
+    # An out-of-range port: were --ledger not refused first, the server would refuse the port, never serve.
+    code, out, err = run(capsys, "serve", "--http", "--port", "70000", "--ledger", "run-42")
+    assert code == 2 and out == ""
+    assert "token issue --ledger run-42" in err and len(err.strip().splitlines()) == 1
