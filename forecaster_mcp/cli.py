@@ -205,6 +205,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`ledger show | head`): stop quietly, as Unix tools do. Python would still flush
+        # stdout at exit into the closed pipe and print a second error, so stdout points at the null device.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool killed by the closed pipe
 
 
 if __name__ == "__main__":

@@ -55,3 +55,28 @@ def test_serve_http_with_ledger_is_refused(capsys: pytest.CaptureFixture[str]) -
     code, out, err = run(capsys, "serve", "--http", "--port", "70000", "--ledger", "run-42")
     assert code == 2 and out == ""
     assert "token issue --ledger run-42" in err and len(err.strip().splitlines()) == 1
+
+
+def test_output_piped_into_a_reader_that_stops_early_is_no_traceback(tmp_path: Path) -> None:
+    """`forecaster-mcp ledger show | head -1`: the closed pipe used to end in a BrokenPipeError traceback.
+    The reader's end is closed before the command writes, so every write meets the closed pipe."""
+    import os
+    import subprocess
+    import sys
+
+    home = tmp_path / "home"
+    assert main(["--home", str(home), "ledger", "create", "team", "--gpu-seconds", "10"]) == 0
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "forecaster_mcp", "--home", str(home), "ledger", "show"],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write_end)
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
+    assert proc.returncode == 141
