@@ -339,3 +339,30 @@ def test_eval_batch_sends_claude_through_the_batches_api(
     assert len(preds) == len(TINY)
     assert all(p["raw"]["claude"] == pytest.approx(faster) for p in preds)
     capsys.readouterr()
+
+
+def test_eval_fails_when_no_forecaster_answered_any_pair(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--forecaster claude` with the API failing on every request used to exit 0 and write the metrics of the
+    engine's even-odds stand-in, which read as a coin-flip forecaster. Through the real SDK (mocked transport)."""
+    from forecaster_mcp.forecast import evaluate
+    from forecaster_mcp.forecast.claude import ClaudeForecaster
+    from tests._anthropic_mock import AnthropicMock, error
+
+    mock = AnthropicMock(lambda params: error(401, "authentication_error", "invalid x-api-key"))
+
+    def claude_only(names: Any, settings: Any, history: Any, *, ptxas: bool = True) -> list[Any]:
+        return [
+            ClaudeForecaster(
+                "bad-key", "claude-sonnet-5", samples=1, features=None, http_client=mock.client()
+            )
+        ]
+
+    monkeypatch.setattr(evaluate, "build_forecasters", claude_only)
+    pairs = _write(tmp_path / "pairs.jsonl", TINY)
+    out = tmp_path / "out"
+    assert main(["eval", str(pairs), "--out", str(out), "--forecaster", "claude"]) == 2
+    err = capsys.readouterr().err
+    assert "no forecaster answered any of the" in err and "claude" in err
+    assert not (out / "metrics.json").exists()

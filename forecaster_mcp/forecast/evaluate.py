@@ -485,6 +485,12 @@ def run_eval(
     engine, queries, forecasts, thresholds, calibration, notes = anyio.run(
         _forecast_all, names, settings, main, cal_file, target, ptxas, batch
     )
+    if main.pairs and not any(f.raw for f in forecasts):
+        # Metrics of the engine's even-odds stand-in would read as a coin-flip forecaster: refuse instead.
+        raise OperatorError(
+            f"no forecaster answered any of the {len(main.pairs)} pairs, nothing written: "
+            + "; ".join(notes or ["no reason given"])
+        )
     speedups = np.array([p.speedup for p in main.pairs])
     hardware = [q.hardware_name for q in queries]
 
