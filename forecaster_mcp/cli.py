@@ -98,7 +98,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help=f"with --http: address to listen on (default {DEFAULT_HOST})")
     serve.add_argument("--port", type=int, help=f"with --http: port to listen on (default {DEFAULT_PORT})")
     serve.add_argument(
-        "--replay", type=Path, action="append", default=[], help="Kernel Tuner cache to replay"
+        "--replay",
+        type=Path,
+        action="append",
+        default=[],
+        help="Kernel Tuner cache file, `forecaster-mcp export` file (.jsonl) or folder of them to replay",
     )
     serve.add_argument("--ledger", help="ledger a stdio server charges (env FORECASTER_MCP_LEDGER)")
     serve.add_argument("--hardware", help="default GPU for forecasts, e.g. H100")
@@ -127,6 +131,15 @@ def _parser() -> argparse.ArgumentParser:
     revoke.add_argument("token")
     tsub.add_parser("list", help="list tokens (never their secret)")
     token.set_defaults(handler="forecaster_mcp.store.admin:token_command")
+
+    ex = sub.add_parser(
+        "export", help="operator: write the stored measurements to a file `serve --replay` replays exactly"
+    )
+    ex.add_argument("--out", type=Path, required=True, help="the export file (.jsonl)")
+    ex.add_argument(
+        "--device", help="only measurements on this device (as budget_status and results name it)"
+    )
+    ex.set_defaults(handler="forecaster_mcp.store.admin:export_command")
 
     ev = sub.add_parser("eval", help="forecaster metrics on a pairs file (JSON lines)")
     ev.add_argument("pairs", type=Path)

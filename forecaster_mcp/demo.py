@@ -85,7 +85,11 @@ def _pick_space(replay: list[Path]) -> ReplaySpace:
     # The server the demo starts would refuse a file that is not a recording and exit before the client
     # connects (a "connection closed" traceback): read the headers here, as that server would, and say why.
     measurer = ReplayMeasurer(replay)
-    problems: list[str] = []
+    problems: list[str] = [
+        f"{p}: a `forecaster-mcp export` file replays only the kernels it holds, not a space to search"
+        for p in replay
+        if str(p).endswith(".jsonl")
+    ]
     for header in measurer.headers():
         try:
             space = load_space(header.path)

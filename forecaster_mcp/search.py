@@ -662,6 +662,11 @@ def search_command(settings: Any, args: Any) -> int:
         raise OperatorError(
             f"--measurements and --seeds must be at least 1 (got {args.measurements} and {args.seeds})"
         )
+    if str(args.recording).endswith(".jsonl"):
+        raise OperatorError(
+            f"{args.recording} is a `forecaster-mcp export` file: it replays the kernels it holds (serve --replay), "
+            "but a search needs a whole recorded space, a Kernel Tuner cache file (.json or .json.gz)"
+        )
     try:
         space = load_space(args.recording)
     except ValueError as exc:

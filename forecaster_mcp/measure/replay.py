@@ -1,4 +1,10 @@
-"""Replay of recorded measurements from Kernel Tuner cache files (`.json` or `.json.gz`).
+"""Replay of recorded measurements: Kernel Tuner cache files (`.json` or `.json.gz`) and the project's own
+exports (`forecaster-mcp export`, `.jsonl`).
+
+An exported measurement is matched exactly: the kernel's content (source, entry, defines, launch, compile
+options), the workload and the device must be those measured, and the recorded result comes back as it was
+measured (its runtime statistics, correctness check and cost), except that one which took more GPU time than
+the request's `max_seconds` is a `timeout` charging the cap. Exports are read whole at start-up.
 
 A "measurement" is a lookup: the kernel's `entry` must equal the recording's `kernel_name` and its `defines`
 must be exactly the recorded tuning parameters (values compared forgivingly: 16 == 16.0 == "16"). Anything
@@ -31,6 +37,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Literal, cast
+
+from pydantic import ValidationError
 
 from forecaster_mcp.errors import NotMeasurable, OperatorError
 from forecaster_mcp.hardware.specs import canonical_name, lookup
@@ -432,12 +440,99 @@ class _Recording:
         return self.digest
 
 
+# ---------------------------------------------------------------- the project's own exports
+
+EXPORT_FORMAT = "forecaster-mcp-measurement/1"
+ExportKey = tuple[str, str, str]  # (device, kernel content key, workload key)
+
+
+@dataclass(frozen=True)
+class _Exported:
+    path: Path
+    entry: str
+    result: MeasureResult
+
+
+def export_line(hardware: str, workload_key: str, kernel: Kernel, result: MeasureResult) -> str:
+    """One line of an export file (what `forecaster-mcp export` writes and `read_export` reads)."""
+    doc = {
+        "format": EXPORT_FORMAT,
+        "hardware": hardware,
+        "workload_key": workload_key,
+        "kernel": kernel.model_dump(mode="json"),
+        "result": result.model_dump(mode="json", exclude={"measurement_id"}),
+    }
+    return json.dumps(doc, sort_keys=False)
+
+
+def read_export(path: Path | str) -> dict[ExportKey, _Exported]:
+    """Every measurement of one export file, by exact key (a later line for the same key wins).
+    ValueError naming the line when the file is not an export."""
+    path = Path(path)
+    out: dict[ExportKey, _Exported] = {}
+    try:
+        with path.open(encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    doc = json.loads(line)
+                    if not isinstance(doc, dict) or doc.get("format") != EXPORT_FORMAT:
+                        raise ValueError(f"not a {EXPORT_FORMAT} line")
+                    kernel = Kernel.model_validate(doc["kernel"])
+                    result = MeasureResult.model_validate({**doc["result"], "measurement_id": None})
+                    key = (str(doc["hardware"]), kernel.content_key(), str(doc["workload_key"]))
+                except (ValueError, KeyError, TypeError, ValidationError) as exc:
+                    first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                    raise ValueError(f"line {number}: {first[:200]}") from exc
+                out[key] = _Exported(path, kernel.entry, result)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read replay export {path}: {exc}") from exc
+    except ValueError as exc:
+        raise ValueError(f"cannot read replay export {path}: {exc}") from exc
+    if not out:
+        raise ValueError(f"cannot read replay export {path}: it holds no measurements")
+    return out
+
+
+def _exported_result(request: MeasureRequest, device: str, found: _Exported) -> MeasureResult:
+    recorded = found.result
+    provenance = recorded.device.model_copy(
+        update={"name": device, "backend": "replay", "recording": str(found.path)}
+    )
+    kernel_id = request.kernel.id or "k0"
+    if recorded.cost.gpu_seconds > request.max_seconds:
+        return MeasureResult(
+            kernel_id=kernel_id,
+            status="timeout",
+            message=f"the exported measurement took {recorded.cost.gpu_seconds:.3f} GPU-seconds, over "
+            f"max_seconds={request.max_seconds:g}",
+            device=provenance,
+            cost=MeasureCost(gpu_seconds=request.max_seconds, compile_seconds=recorded.cost.compile_seconds),
+        )
+    note = "replayed from an export: checked when it was measured, not run again"
+    if request.reference is not None:
+        note += " (this request's reference kernel was not run)"
+    detail = f"{recorded.correctness.detail}; {note}" if recorded.correctness.detail else note
+    return recorded.model_copy(
+        update={
+            "kernel_id": kernel_id,
+            "device": provenance,
+            "correctness": recorded.correctness.model_copy(update={"detail": detail}),
+            "measurement_id": None,
+        },
+        deep=True,
+    )
+
+
 def _expand(paths: Sequence[Path | str]) -> Iterator[tuple[Path, bool]]:
-    """(file, named explicitly) for each path; folders yield their cache files, sorted."""
+    """(file, named explicitly) for each path; folders yield their cache files and exports, sorted."""
     for raw in paths:
         path = Path(raw).expanduser()
         if path.is_dir():
-            found = [p for p in path.rglob("*") if p.is_file() and p.name.endswith((".json", ".json.gz"))]
+            found = [
+                p for p in path.rglob("*") if p.is_file() and p.name.endswith((".json", ".json.gz", ".jsonl"))
+            ]
             for p in sorted(found):
                 yield p, False
         elif path.is_file():
@@ -447,13 +542,29 @@ def _expand(paths: Sequence[Path | str]) -> Iterator[tuple[Path, bool]]:
 
 
 class ReplayMeasurer:
-    """Answers measurements from recorded Kernel Tuner search spaces (`--replay PATH`, file or folder)."""
+    """Answers measurements from recorded Kernel Tuner search spaces and from the project's exports
+    (`--replay PATH`, file or folder; see the module doc)."""
 
     name = "replay"
 
     def __init__(self, paths: Sequence[Path | str]) -> None:
         recordings: dict[tuple[str, str, frozenset[str]], _Recording] = {}
+        self._exported: dict[ExportKey, _Exported] = {}
+        self._export_digests: dict[str, list[str]] = {}  # device -> digests of the exports that hold it
         for path, explicit in _expand(paths):
+            if path.name.endswith(".jsonl"):
+                try:
+                    found = read_export(path)
+                except ValueError as exc:
+                    if explicit:
+                        raise OperatorError(f"{exc}; pass a file `forecaster-mcp export` wrote") from exc
+                    log.warning("skipping %s", exc)
+                    continue
+                self._exported.update(found)
+                digest = hashlib.sha256(path.read_bytes()).hexdigest()
+                for device in dict.fromkeys(k[0] for k in found):
+                    self._export_digests.setdefault(device, []).append(digest)
+                continue
             try:
                 header = read_header(path)
             except ValueError as exc:
@@ -472,23 +583,27 @@ class ReplayMeasurer:
                 )
                 del recordings[key]
             recordings[key] = _Recording(header)
-        if not recordings:
-            raise OperatorError(f"no Kernel Tuner cache files found in {', '.join(str(p) for p in paths)}")
+        if not recordings and not self._exported:
+            raise OperatorError(
+                f"no Kernel Tuner cache files or exports found in {', '.join(str(p) for p in paths)}"
+            )
         self._recordings = list(recordings.values())
 
     # ---- listing (cheap: headers only)
 
     def devices(self) -> list[str]:
-        return list(dict.fromkeys(r.header.device for r in self._recordings))
+        return list(
+            dict.fromkeys([*(r.header.device for r in self._recordings), *(k[0] for k in self._exported)])
+        )
 
     def headers(self) -> list[ReplayHeader]:
         return [r.header for r in self._recordings]
 
     def kernels(self, device: str) -> list[str]:
         resolved = self._device_or_none(device)
-        return list(
-            dict.fromkeys(r.header.kernel_name for r in self._recordings if r.header.device == resolved)
-        )
+        recorded = [r.header.kernel_name for r in self._recordings if r.header.device == resolved]
+        exported = [e.entry for k, e in self._exported.items() if k[0] == resolved]
+        return list(dict.fromkeys([*recorded, *exported]))
 
     def spaces(self) -> list[ReplaySpace]:
         """Every recorded space, fully parsed (blocking; about 0.1-0.3 s per large file on first call)."""
@@ -524,6 +639,21 @@ class ReplayMeasurer:
                 "Measure on one of these, or ask compare_kernels for a forecast (free) instead."
             )
         return resolved
+
+    def _export_of(self, request: MeasureRequest, device: str) -> _Exported | None:
+        """The exported measurement of exactly this kernel and workload on `device`; NotMeasurable when the
+        device has only exports and this is not among them."""
+        found = self._exported.get((device, request.kernel.content_key(), request.workload.key()))
+        if found is None and not any(r.header.device == device for r in self._recordings):
+            entries = [e.entry for k, e in self._exported.items() if k[0] == device]
+            same = sum(e == request.kernel.entry for e in entries)
+            raise NotMeasurable(
+                f"this kernel is not among the exported measurements on {device}: an export replays a kernel only "
+                "with the source, entry, defines, launch, compile options and workload it was measured with "
+                f"({same} of the {len(entries)} exported there have entry {request.kernel.entry[:80]!r}). "
+                "Forecast it with compare_kernels (free) instead."
+            )
+        return found
 
     def _recording(self, device: str, kernel: Kernel) -> _Recording:
         mine = [r for r in self._recordings if r.header.device == device]
@@ -608,7 +738,12 @@ class ReplayMeasurer:
 
     def device_fingerprint(self, device: str) -> str:
         resolved = self._device(device)
-        digests = sorted(r.file_digest() for r in self._recordings if r.header.device == resolved)
+        digests = sorted(
+            [
+                *(r.file_digest() for r in self._recordings if r.header.device == resolved),
+                *self._export_digests.get(resolved, []),
+            ]
+        )
         combined = hashlib.sha256("\n".join(digests).encode()).hexdigest()[:16]
         return f"replay:{resolved}:{combined}"
 
@@ -618,6 +753,11 @@ class ReplayMeasurer:
         fallback = max(min(request.max_seconds, 1.0), _MIN_RESERVATION_SECONDS)
         try:
             device = self._device(request.device)
+            exported = self._export_of(request, device)
+            if exported is not None:
+                return max(
+                    min(exported.result.cost.gpu_seconds, request.max_seconds), _MIN_RESERVATION_SECONDS
+                )
             rec = self._recording(device, request.kernel)
         except NotMeasurable:
             return fallback
@@ -630,6 +770,11 @@ class ReplayMeasurer:
         self, request: MeasureRequest, progress: ProgressCallback | None = None
     ) -> MeasureResult:
         device = self._device(request.device)
+        exported = self._export_of(request, device)
+        if exported is not None:
+            if progress is not None:
+                await progress(1.0, 1.0, f"replayed from {exported.path.name}")
+            return _exported_result(request, device, exported)
         rec = self._recording(device, request.kernel)
         space = rec.space
         if space is None:

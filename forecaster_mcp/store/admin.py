@@ -184,3 +184,40 @@ def token_command(settings: Settings, args: argparse.Namespace) -> int:
         print(_table(["id", "fingerprint", "ledger", "label", "created", "status"], rows))
         return 0
     raise OperatorError(f"unknown token action {action!r}: use issue, revoke or list")
+
+
+def export_command(settings: Settings, args: argparse.Namespace) -> int:
+    """`export --out FILE [--device NAME]`: the stored measurements, one JSON line each, for `serve --replay`."""
+    import os
+    from pathlib import Path
+
+    from forecaster_mcp.cli import check_writable_file
+    from forecaster_mcp.hardware.specs import canonical_name
+    from forecaster_mcp.measure.replay import export_line
+    from forecaster_mcp.models import Kernel, MeasureResult
+
+    out = Path(args.out)
+    check_writable_file(out)
+    rows = _with_store(settings, lambda s: s.export_rows(None))
+    if args.device is not None:
+        wanted = {args.device, canonical_name(args.device)}
+        rows = [r for r in rows if r[0] in wanted]
+    if not rows:
+        where = f" on device {args.device!r}" if args.device is not None else ""
+        raise OperatorError(f"nothing to export: no measurements stored{where} in {settings.db_path}")
+    lines = [
+        export_line(hw, wk, Kernel.model_validate_json(kj), MeasureResult.model_validate_json(rj))
+        for hw, wk, kj, rj in rows
+    ]
+    partial = out.with_name(out.name + ".partial")
+    try:
+        partial.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+        os.replace(partial, out)
+    except OSError as exc:
+        raise OperatorError(f"cannot write --out {out}: {exc.strerror or exc}") from exc
+    devices = sorted({r[0] for r in rows})
+    print(
+        f"exported {len(lines)} measurements on {', '.join(devices)} to {out}; "
+        f"replay them with `forecaster-mcp serve --replay {out}`"
+    )
+    return 0

@@ -894,6 +894,21 @@ class Store:
 
         return await self._write(body)
 
+    async def export_rows(self, device: str | None = None) -> list[tuple[str, str, str, str]]:
+        """(hardware, workload_key, kernel_json, result_json) of what `forecaster-mcp export` writes: per kernel
+        content, workload and device the latest result that was measured (not served from cache), leaving out
+        the results the cache never serves either (a worker crash, a timeout, the device out of memory)."""
+        where = "" if device is None else " AND hardware = ?"
+        return [
+            (str(h), str(w), str(k), str(r))
+            for h, w, k, r in await self._fetch(
+                "SELECT hardware, workload_key, kernel_json, result_json FROM measurements WHERE id IN "
+                "(SELECT MAX(id) FROM measurements WHERE cached = 0 "
+                f"AND status NOT IN ({_PLACES}) GROUP BY hardware, content_key, workload_key){where} ORDER BY id",
+                (*_NOT_CACHEABLE, *(() if device is None else (device,))),
+            )
+        ]
+
     async def family_points(self, family_key: str, hardware: str, workload_key: str) -> list[FamilyPoint]:
         """Every stored measurement of this family on this hardware and workload (latest per content_key).
 

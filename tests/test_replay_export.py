@@ -1,0 +1,88 @@
+"""`forecaster-mcp export` and replaying an export: DESIGN.md's replay reads "the project's own exported
+measurements". Measured through a real server on a real SQLite store, exported by the CLI, replayed by a second
+server that has only the export."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import anyio.to_thread
+import pytest
+from replay_kernels import FAILS, FAST, SLOW, conv
+from tool_calls import call, error_of, running
+
+from forecaster_mcp.cli import main
+from forecaster_mcp.measure.replay import EXPORT_FORMAT, ReplayMeasurer
+
+pytestmark = pytest.mark.anyio
+
+
+async def _measured_home(home: Path, conv_a100: Path) -> dict[str, dict[str, object]]:
+    results = {}
+    async with running(home, [conv_a100]) as (client, _):
+        for kid, params in (("fast", FAST), ("slow", SLOW), ("fails", FAILS)):
+            results[kid] = await call(client, "measure_kernel", {"kernel": conv(kid, params)})
+        # A cache hit is not a second measurement: it is not exported twice.
+        await call(client, "measure_kernel", {"kernel": conv("again", FAST)})
+    return results
+
+
+async def test_an_export_replays_exactly_what_was_measured(
+    tmp_path: Path, conv_a100: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    measured = await _measured_home(tmp_path / "a", conv_a100)
+    out = tmp_path / "export.jsonl"
+    # The CLI runs its own event loop: from a worker thread, as a separate command would.
+    argv = ["--home", str(tmp_path / "a"), "export", "--out", str(out)]
+    assert await anyio.to_thread.run_sync(main, argv) == 0
+    assert "exported 3 measurements" in capsys.readouterr().out
+    # A search or the demo needs a whole recorded space: an export is refused with the reason.
+    assert await anyio.to_thread.run_sync(main, ["search", str(out), "--seeds", "1"]) == 2
+    assert await anyio.to_thread.run_sync(main, ["demo", "--replay", str(out)]) == 2
+    assert capsys.readouterr().err.count("`forecaster-mcp export` file") == 2
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {d["format"] for d in lines} == {EXPORT_FORMAT}
+    assert lines[0]["kernel"]["source"] == conv("x", FAST)["source"]  # the whole kernel, source included
+
+    async with running(tmp_path / "b", [out]) as (client, service):
+        assert service.devices() == [measured["fast"]["device"]["name"]]  # type: ignore[index]
+        # The request's cap still applies (before it is measured here, so no cache answers): a measurement longer than max_seconds is a timeout charging the cap.
+        cost = float(measured["slow"]["cost"]["gpu_seconds"])  # type: ignore[index]
+        capped = await call(
+            client, "measure_kernel", {"kernel": conv("slow3", SLOW), "max_seconds": cost / 2}
+        )
+        assert capped["status"] == "timeout"
+        assert capped["cost"]["gpu_seconds"] == pytest.approx(cost / 2)
+        for kid, params in (("fast", FAST), ("slow", SLOW), ("fails", FAILS)):
+            again = await call(client, "measure_kernel", {"kernel": conv(f"{kid}2", params)})
+            before = measured[kid]
+            assert again["status"] == before["status"]
+            assert again["runtime_ms"] == before["runtime_ms"]
+            assert again["cost"]["gpu_seconds"] == pytest.approx(before["cost"]["gpu_seconds"])  # type: ignore[index]
+            assert again["device"]["backend"] == "replay" and again["device"]["recording"] == str(out)
+            assert again["kernel_id"] == f"{kid}2"
+        # Exact matching: the same defines with another source, or an unexported configuration, are refused.
+        other_source = {**conv("x", FAST), "source": conv("x", FAST)["source"] + "\n// edited\n"}
+        message = await error_of(client, "measure_kernel", {"kernel": other_source})
+        assert "not among the exported measurements" in message
+        message = await error_of(
+            client, "measure_kernel", {"kernel": conv("y", {**FAST, "block_size_x": 64})}
+        )
+        assert "not among the exported measurements" in message
+        status = await call(client, "budget_status", {})
+        assert status["measurements"]["failures"] >= 2
+
+
+def test_export_refuses_an_empty_store_and_replay_refuses_a_file_that_is_not_an_export(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--home", str(tmp_path / "empty"), "export", "--out", str(tmp_path / "e.jsonl")]) == 2
+    assert "nothing to export" in capsys.readouterr().err
+    assert not (tmp_path / "e.jsonl").exists()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"format": "something else"}\n')
+    from forecaster_mcp.errors import OperatorError
+
+    with pytest.raises(OperatorError, match=r"line 1: not a forecaster-mcp-measurement/1 line"):
+        ReplayMeasurer([bad])
