@@ -86,3 +86,23 @@ def test_export_refuses_an_empty_store_and_replay_refuses_a_file_that_is_not_an_
 
     with pytest.raises(OperatorError, match=r"line 1: not a forecaster-mcp-measurement/1 line"):
         ReplayMeasurer([bad])
+
+
+def test_replay_refuses_an_export_line_with_an_impossible_cost(tmp_path: Path) -> None:
+    """A corrupt export must not reach the ledger: a NaN or negative recorded cost is refused at start-up."""
+    from forecaster_mcp.errors import OperatorError
+    from forecaster_mcp.measure.replay import export_line
+    from forecaster_mcp.models import DeviceProvenance, Kernel, MeasureCost, MeasureResult
+
+    kernel = Kernel.model_validate(conv("a", FAST))
+    for cost in (float("nan"), -1.0):
+        result = MeasureResult(
+            kernel_id="a",
+            status="ok",
+            device=DeviceProvenance(name="A100-PCIE-40GB", backend="pycuda"),
+            cost=MeasureCost(gpu_seconds=cost),
+        )
+        path = tmp_path / "bad.jsonl"
+        path.write_text(export_line("A100-PCIE-40GB", "w", kernel, result) + "\n")
+        with pytest.raises(OperatorError, match="line 1: its cost is"):
+            ReplayMeasurer([path])

@@ -443,6 +443,7 @@ class _Recording:
 # ---------------------------------------------------------------- the project's own exports
 
 EXPORT_FORMAT = "forecaster-mcp-measurement/1"
+_MAX_RECORDED_GPU_SECONDS = 86400.0  # no recorded measurement occupies a GPU for more than a day
 ExportKey = tuple[str, str, str]  # (device, kernel content key, workload key)
 
 
@@ -481,6 +482,9 @@ def read_export(path: Path | str) -> dict[ExportKey, _Exported]:
                         raise ValueError(f"not a {EXPORT_FORMAT} line")
                     kernel = Kernel.model_validate(doc["kernel"])
                     result = MeasureResult.model_validate({**doc["result"], "measurement_id": None})
+                    cost = result.cost.gpu_seconds
+                    if not (math.isfinite(cost) and 0.0 <= cost <= _MAX_RECORDED_GPU_SECONDS):
+                        raise ValueError(f"its cost is {cost} GPU-seconds")
                     key = (str(doc["hardware"]), kernel.content_key(), str(doc["workload_key"]))
                 except (ValueError, KeyError, TypeError, ValidationError) as exc:
                     first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
