@@ -108,9 +108,75 @@ def test_surrogate_filter_keeps_pairs_and_leaves_other_lines_alone() -> None:
 
     plain = '{"jsonrpc": "2.0", "id": 7, "method": "ping"}'
     assert without_lone_surrogates(plain) is plain
-    assert without_lone_surrogates("not json \\ud800") == "not json \\ud800"
+    # `\\ud800` in JSON text is an escaped backslash and "ud800": text, not an escape.
+    assert without_lone_surrogates('"\\\\ud800 \\ud800"') == '"\\\\ud800 \\ufffd"'
     line = json.dumps({"a": "x\ud800y", "\udc80k": ["\U0001f600", "\\ud800 as text"]})
     assert json.loads(without_lone_surrogates(line)) == {
         "a": "x\ufffdy",
         "\ufffdk": ["\U0001f600", "\\ud800 as text"],
     }
+
+
+def test_stdio_server_survives_lines_the_surrogate_filter_cannot_parse(
+    tmp_path: Path, conv_a100: Path
+) -> None:
+    """A lone surrogate escape in a line nested deeper than Python's recursion limit must not take the server
+    down: the filter used to re-parse the line, and the RecursionError ended the whole process."""
+    import json
+    import subprocess
+    import threading
+    from typing import Any
+
+    from forecaster_mcp.server.client import stdio_params
+
+    params = stdio_params(tmp_path / "home", replay=[conv_a100])
+    initialize = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "initialize",
+        "params": {
+            "protocolVersion": "2025-06-18",
+            "capabilities": {},
+            "clientInfo": {"name": "raw", "version": "0"},
+        },
+    }
+    deep = (
+        '{"jsonrpc": "2.0", "id": 2, "method": "ping", "params": {"x": '
+        + "[" * 5000
+        + '"\\ud800"'
+        + "]" * 5000
+    )
+    wire = "".join(
+        line + "\n"
+        for line in (
+            json.dumps(initialize),
+            json.dumps({"jsonrpc": "2.0", "method": "notifications/initialized"}),
+            deep + "}}",
+            json.dumps({"jsonrpc": "2.0", "id": 3, "method": "ping", "params": {"x": "\udc80"}}),
+        )
+    )
+    proc = subprocess.Popen(
+        [params.command, *params.args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=params.env,
+        text=True,
+    )
+    watchdog = threading.Timer(120.0, proc.kill)
+    watchdog.start()
+    replies: dict[int, dict[str, Any]] = {}
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(wire)
+        proc.stdin.flush()
+        while 3 not in replies and (line := proc.stdout.readline()):
+            message = json.loads(line)
+            if "id" in message:
+                replies[message["id"]] = message
+    finally:
+        watchdog.cancel()
+        proc.kill()
+        proc.wait()
+    # The deep line goes the way the SDK treats any line nested that deep (dropped); the server goes on.
+    assert replies.get(3) == {"jsonrpc": "2.0", "id": 3, "result": {}}, replies

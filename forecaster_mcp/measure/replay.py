@@ -4,7 +4,9 @@ exports (`forecaster-mcp export`, `.jsonl`).
 An exported measurement is matched exactly: the kernel's content (source, entry, defines, launch, compile
 options), the workload and the device must be those measured, and the recorded result comes back as it was
 measured (its runtime statistics, correctness check and cost), except that one which took more GPU time than
-the request's `max_seconds` is a `timeout` charging the cap. Exports are read whole at start-up.
+the request's `max_seconds` is a `timeout` charging the cap, and one of more runs than the request's `max_runs`
+is refused (its statistics cannot be cut down to fewer runs). Exports are read whole at start-up; a line with
+an impossible cost or time is refused there.
 
 A "measurement" is a lookup: the kernel's `entry` must equal the recording's `kernel_name` and its `defines`
 must be exactly the recorded tuning parameters (values compared forgivingly: 16 == 16.0 == "16"). Anything
@@ -466,6 +468,22 @@ def export_line(hardware: str, workload_key: str, kernel: Kernel, result: Measur
     return json.dumps(doc, sort_keys=False)
 
 
+def _check_recorded_times(result: MeasureResult) -> None:
+    """ValueError for times no measurement records: a NaN, infinite or negative runtime (served, it would fail
+    the call or stand as a measured speedup) or compile time, or statistics of no runs."""
+    compile_seconds = result.cost.compile_seconds
+    if not (math.isfinite(compile_seconds) and compile_seconds >= 0.0):
+        raise ValueError(f"its compile time is {compile_seconds} seconds")
+    stats = result.runtime_ms
+    if stats is None:
+        return
+    if stats.runs < 1:
+        raise ValueError(f"its runtime statistics are of {stats.runs} runs")
+    for name, value in stats.model_dump().items():
+        if name != "runs" and not (math.isfinite(value) and value >= 0.0):
+            raise ValueError(f"its runtime_ms.{name} is {value}")
+
+
 def read_export(path: Path | str) -> dict[ExportKey, _Exported]:
     """Every measurement of one export file, by exact key (a later line for the same key wins).
     ValueError naming the line when the file is not an export."""
@@ -485,6 +503,7 @@ def read_export(path: Path | str) -> dict[ExportKey, _Exported]:
                     cost = result.cost.gpu_seconds
                     if not (math.isfinite(cost) and 0.0 <= cost <= _MAX_RECORDED_GPU_SECONDS):
                         raise ValueError(f"its cost is {cost} GPU-seconds")
+                    _check_recorded_times(result)
                     key = (str(doc["hardware"]), kernel.content_key(), str(doc["workload_key"]))
                 except (ValueError, KeyError, TypeError, ValidationError) as exc:
                     first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -497,6 +516,19 @@ def read_export(path: Path | str) -> dict[ExportKey, _Exported]:
     if not out:
         raise ValueError(f"cannot read replay export {path}: it holds no measurements")
     return out
+
+
+def _runs_refusal(request: MeasureRequest, found: _Exported) -> str | None:
+    """Why this request cannot be answered by `found`: it caps the timed runs below those recorded. A GPU would
+    have stopped at max_runs and charged less; the export holds only the statistics of all its runs."""
+    stats = found.result.runtime_ms
+    if stats is None or stats.runs <= request.max_runs:
+        return None
+    return (
+        f"kernel {request.kernel.id or 'k0'!r}: its exported measurement has {stats.runs} runs, more than "
+        f"max_runs={request.max_runs}, and an export cannot replay fewer runs than it recorded; measure with "
+        f"max_runs >= {stats.runs} (or without max_runs). Nothing was charged."
+    )
 
 
 def _exported_result(request: MeasureRequest, device: str, found: _Exported) -> MeasureResult:
@@ -567,7 +599,9 @@ class ReplayMeasurer:
                 self._exported.update(found)
                 digest = hashlib.sha256(path.read_bytes()).hexdigest()
                 for device in dict.fromkeys(k[0] for k in found):
-                    self._export_digests.setdefault(device, []).append(digest)
+                    # Once per content: an export named twice (a file and its folder) keeps the fingerprint.
+                    if digest not in self._export_digests.setdefault(device, []):
+                        self._export_digests[device].append(digest)
                 continue
             try:
                 header = read_header(path)
@@ -652,8 +686,9 @@ class ReplayMeasurer:
             entries = [e.entry for k, e in self._exported.items() if k[0] == device]
             same = sum(e == request.kernel.entry for e in entries)
             raise NotMeasurable(
-                f"this kernel is not among the exported measurements on {device}: an export replays a kernel only "
-                "with the source, entry, defines, launch, compile options and workload it was measured with "
+                f"kernel {request.kernel.id or 'k0'!r} is not among the exported measurements on {device}: an "
+                "export replays a kernel only with the source, entry, defines, launch, compile options and "
+                "workload it was measured with "
                 f"({same} of the {len(entries)} exported there have entry {request.kernel.entry[:80]!r}). "
                 "Forecast it with compare_kernels (free) instead."
             )
@@ -759,6 +794,8 @@ class ReplayMeasurer:
             device = self._device(request.device)
             exported = self._export_of(request, device)
             if exported is not None:
+                if _runs_refusal(request, exported) is not None:
+                    return fallback
                 return max(
                     min(exported.result.cost.gpu_seconds, request.max_seconds), _MIN_RESERVATION_SECONDS
                 )
@@ -776,6 +813,9 @@ class ReplayMeasurer:
         device = self._device(request.device)
         exported = self._export_of(request, device)
         if exported is not None:
+            refusal = _runs_refusal(request, exported)
+            if refusal is not None:
+                raise NotMeasurable(refusal)
             if progress is not None:
                 await progress(1.0, 1.0, f"replayed from {exported.path.name}")
             return _exported_result(request, device, exported)

@@ -434,33 +434,33 @@ async def serve(
 
 # A JSON `\u` escape of a UTF-16 surrogate (D800-DFFF); paired ones are fine, lone ones are what breaks.
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+# Scanned left to right: an escaped backslash (so `\\ud800` is text, not an escape), a high-low pair (kept),
+# or a lone surrogate escape (replaced).
+_ESCAPE_TOKEN = re.compile(
+    r"\\\\|\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}|\\u[dD][89a-fA-F][0-9a-fA-F]{2}"
+)
 
 
-def _replace_surrogates(value: Any) -> Any:
-    if isinstance(value, str):
-        return value.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
-    if isinstance(value, list):
-        return [_replace_surrogates(v) for v in value]
-    if isinstance(value, dict):
-        return {_replace_surrogates(k): _replace_surrogates(v) for k, v in value.items()}
-    return value
+def _lone_to_replacement(match: re.Match[str]) -> str:
+    token = match.group()
+    return "\\ufffd" if len(token) == 6 else token
 
 
 def without_lone_surrogates(line: str) -> str:
-    """One JSON-RPC line with each lone UTF-16 surrogate escape (`"\\ud800"`) replaced by U+FFFD.
+    """One JSON-RPC line with each lone UTF-16 surrogate escape (`"\\ud800"`) replaced by `"\\ufffd"`.
 
     mcp 2.3's stdio transport drops a line it cannot validate without replying, and pydantic refuses lone
     surrogates, so one such escape (what `json.dumps` writes for a file read with errors="surrogateescape")
     would leave the client waiting forever. Replaced, the request is answered: U+FFFD is what the transport
     already puts for bytes that are not UTF-8. Lines without such an escape are returned as they are.
+
+    The replacement is textual, in one linear scan: re-parsing the line would fail (and a RecursionError end
+    the server) on lines Python's json cannot load but the SDK answers, such as a very deep nesting or an
+    integer of more than 4300 digits; everything but the lone escapes stays byte for byte.
     """
     if not _SURROGATE_ESCAPE.search(line):
         return line
-    try:
-        message = json.loads(line)
-    except ValueError:
-        return line  # not JSON at all: the SDK's own parse error applies
-    return json.dumps(_replace_surrogates(message), ensure_ascii=False)
+    return _ESCAPE_TOKEN.sub(_lone_to_replacement, line)
 
 
 class _SafeLines:

@@ -199,12 +199,15 @@ def export_command(settings: Settings, args: argparse.Namespace) -> int:
     out = Path(args.out)
     check_writable_file(out)
     rows = _with_store(settings, lambda s: s.export_rows(None))
+    stored = sorted({r[0] for r in rows})
     if args.device is not None:
         wanted = {args.device, canonical_name(args.device)}
         rows = [r for r in rows if r[0] in wanted]
     if not rows:
         where = f" on device {args.device!r}" if args.device is not None else ""
-        raise OperatorError(f"nothing to export: no measurements stored{where} in {settings.db_path}")
+        # A short name resolves to one model (A100 is the A100-SXM4-80GB): name what the store does hold.
+        others = f"; it holds measurements on {', '.join(stored)}" if stored else ""
+        raise OperatorError(f"nothing to export: no measurements stored{where} in {settings.db_path}{others}")
     lines = [
         export_line(hw, wk, Kernel.model_validate_json(kj), MeasureResult.model_validate_json(rj))
         for hw, wk, kj, rj in rows
