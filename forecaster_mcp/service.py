@@ -28,6 +28,7 @@ from forecaster_mcp.errors import (
     UnknownLedger,
 )
 from forecaster_mcp.forecast.base import USAGE_LEDGER, Forecaster, PairQuery
+from forecaster_mcp.forecast.engine import one_line
 from forecaster_mcp.forecast.selective import MAX_TARGET_ERROR, MIN_TARGET_ERROR, decide
 from forecaster_mcp.hardware import specs
 from forecaster_mcp.measure.base import OCCUPIED_ATTR, Measurer, MeasureRequest, ProgressCallback
@@ -381,8 +382,11 @@ class Service:
             for cid, r in results.items()
             if r.decided_by == "forecast" and cid not in runtimes
         ]
-        listed = [it for it in items if worth_measuring(it, results[it.id].verdict)]
+        listed = [it for it in items if worth_measuring(it, results[it.id].verdict) and fc_by_id[it.id].raw]
         ranked = rank_for_measurement(listed) if listed else []
+        # A candidate no forecaster answered has no value to rank by (its even odds are not a forecast): it
+        # is worth a measurement, after those whose forecasts say why.
+        ranked += [it.id for it in items if not fc_by_id[it.id].raw]
         if ranked and str(base.id) not in runtimes:
             # A candidate's measurement only settles the pair once the baseline is measured too.
             ranked = [str(base.id), *ranked]
@@ -402,8 +406,8 @@ class Service:
         rows = []
         for k in others:
             r = results[str(k.id)]
-            if r.decided_by != "forecast":
-                continue
+            if r.decided_by != "forecast" or not fc_by_id[str(k.id)].raw:
+                continue  # measured, or no forecaster answered: there is no forecast to learn from
             row = ForecastRow(
                 ledger=ledger,
                 # Static-prior forecasts are stored apart: they certify their own threshold.
@@ -447,7 +451,9 @@ class Service:
         hw: HardwareChoice,
         progress: ProgressCallback | None,
     ) -> tuple[list[MeasureResult], float, str | None]:
-        """Measure in order; when one fails after others were made, stop and say why in a note.
+        """Measure in order, up to `max_measurements`; when one fails after others were made, stop and say why
+        in a note. A candidate this server cannot measure (not in its recordings) is skipped, with a note, for
+        the next one; the baseline is not: without it no candidate's pair is settled.
 
         The measurements made (and charged) are always returned: only a failure of the first one raises.
         """
@@ -455,14 +461,24 @@ class Service:
             raise NotMeasurable(self._no_device_message(hw.name))
         out: list[MeasureResult] = []
         charged = 0.0
-        todo = measure_next[:max_measurements]
-        for n, kid in enumerate(todo):
+        skipped: list[str] = []
+        total = min(max_measurements, len(measure_next))
+        for n, kid in enumerate(measure_next):
+            if len(out) >= max_measurements:
+                break
             if progress is not None:
-                await progress(n, len(todo), f"measuring {kid}")
+                await progress(len(out), total, f"measuring {kid}")
             try:
                 res = await self.measure(
                     ledger=ledger, kernel=by_id[kid], workload=workload, hardware=hw.name
                 )
+            except NotMeasurable as exc:
+                if kid == base.id:
+                    if not out:
+                        raise
+                    return out, charged, self._stopped_note(out, kid, str(exc), measure_next[n:], skipped)
+                skipped.append(f"{kid} ({one_line(str(exc), 160)})")
+                continue
             except Exception as exc:
                 if not out:
                     raise
@@ -471,16 +487,28 @@ class Service:
                 else:
                     log.exception("measure_if_unsure: measuring %s failed", kid)
                     why = "an internal error, logged on the server"
-                note = (
-                    f"measure_if_unsure stopped after {len(out)} of {len(todo)} measurements: {kid} could not "
-                    f"be measured ({why}). Not measured: {', '.join(todo[n:])}. The measurements made are in "
-                    "`measurements` and charged in gpu_seconds_charged; measure the rest with measure_kernel "
-                    "once the reason above is fixed"
-                )
-                return out, charged, note
+                return out, charged, self._stopped_note(out, kid, why, measure_next[n:], skipped)
             out.append(res)
             charged += res.cost.gpu_seconds
-        return out, charged, None
+        if not skipped:
+            return out, charged, None
+        note = (
+            f"measure_if_unsure skipped what this server cannot measure: {'; '.join(skipped)}. Those are "
+            "forecasts only (measure them where they can run)"
+        )
+        return out, charged, note
+
+    @staticmethod
+    def _stopped_note(
+        out: Sequence[MeasureResult], kid: str, why: str, rest: Sequence[str], skipped: Sequence[str]
+    ) -> str:
+        also = f" Skipped as not measurable here: {'; '.join(skipped)}." if skipped else ""
+        return (
+            f"measure_if_unsure stopped after {len(out)} measurements: {kid} could not be measured "
+            f"({one_line(why, 300)}). Not measured: {', '.join(rest)}.{also} The measurements made are in "
+            "`measurements` and charged in gpu_seconds_charged; measure the rest with measure_kernel once the "
+            "reason above is fixed"
+        )
 
     # ------------------------------------------------------------------ measure_kernel
 

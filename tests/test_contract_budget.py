@@ -11,7 +11,7 @@ from replay_kernels import FAST, SLOW, conv
 from tool_calls import call
 
 from forecaster_mcp import bins
-from forecaster_mcp.forecast.base import ScriptedForecaster
+from forecaster_mcp.forecast.base import BinForecast, PairQuery, PartialForecast, ScriptedForecaster
 from forecaster_mcp.server.app import build_server
 from forecaster_mcp.service import Service, build_measurers
 from forecaster_mcp.settings import Settings
@@ -63,3 +63,45 @@ async def test_budget_status_leaves_ties_within_noise_out_of_accuracy_and_brier(
     assert calibration["verified_pairs"] == 2
     p = out["candidates"][1]["p_faster"]
     assert calibration["brier"] == pytest.approx(((p - 1) ** 2 + p**2) / 2)
+
+
+class _FailsOnPoison:
+    """A forecaster that answers every pair but the one whose candidate is `poison` (as the local forecaster
+    does when one kernel cannot be read): a PartialForecast."""
+
+    name = "local"
+    version = "test"
+
+    async def forecast(self, queries: list[PairQuery]) -> list[BinForecast]:
+        out: list[BinForecast | None] = [
+            None if q.candidate.id == "poison" else BinForecast(list(FASTER), "scripted") for q in queries
+        ]
+        raise PartialForecast("failed on 1 pair", out)
+
+
+async def test_a_pair_no_forecaster_answered_is_ranked_last_and_never_recorded(
+    tmp_path: Path, conv_a100: Path
+) -> None:
+    """Its even odds are not a forecast: recorded, it entered the calibration history and budget_status's
+    Brier score as a forecast of p 0.5; ranked by them, it came first in measure_next."""
+    settings = Settings.from_env(home=tmp_path, replay=[conv_a100], measurer="replay", ledger="team")
+    store = await Store.open(settings.db_path)
+    measurers, notes = build_measurers(settings)
+    service = Service(settings, store, [_FailsOnPoison()], measurers, notes)
+    await store.create_ledger("team", 100)
+    kernels = {"a": TIE_A, "poison": SLOW, "fast": FAST}
+    try:
+        async with Client(build_server(service)) as client:
+            out = await call(
+                client, "compare_kernels", {"candidates": [conv(k, p) for k, p in kernels.items()]}
+            )
+            poison = next(c for c in out["candidates"] if c["id"] == "poison")
+            assert poison["verdict"] == "unsure" and "no forecaster answered" in poison["rationale"]
+            assert out["measure_next"][-1] == "poison"
+            for kid, params in kernels.items():
+                await call(client, "measure_kernel", {"kernel": conv(kid, params)})
+            status = await call(client, "budget_status", {})
+    finally:
+        await service.close()
+    assert status["forecasts"]["count"] == 1
+    assert status["calibration"]["verified_pairs"] == 1

@@ -186,7 +186,7 @@ def _combined_centers(
     return bins.mix_centers(parts, bins.CENTERS_LOG2)
 
 
-def _one_line(text: str, limit: int = 400) -> str:
+def one_line(text: str, limit: int = 400) -> str:
     flat = " ".join(text.split())
     return flat if len(flat) <= limit else flat[: limit - 1] + "…"
 
@@ -302,7 +302,7 @@ class ForecastEngine:
                     missed = sum(p is None for p in partial)
                     notes.append(
                         f"forecaster {f.name} skipped on {missed} of {len(queries)} pairs: "
-                        f"{type(exc).__name__}: {_one_line(str(exc), 200)}"
+                        f"{type(exc).__name__}: {one_line(str(exc), 200)}"
                     )
                     return
                 log.warning("forecaster %s failed; skipped", f.name, exc_info=exc)
@@ -313,7 +313,7 @@ class ForecastEngine:
                 tg.start_soon(run, i, f)
 
         notes = [
-            f"forecaster {name} skipped: {type(a).__name__}: {_one_line(str(a), 200)}"
+            f"forecaster {name} skipped: {type(a).__name__}: {one_line(str(a), 200)}"
             for name, a in zip(self._names, answers, strict=True)
             if isinstance(a, Exception)
         ] + notes
@@ -342,9 +342,9 @@ class ForecastEngine:
         p = bins.p_faster(probs)
         centers = _combined_centers(calibrated, {n: f.centers for n, f in per.items()})
         if len(self._names) == 1:
-            rationale = _one_line(next(iter(per.values())).rationale)
+            rationale = one_line(next(iter(per.values())).rationale)
         else:
-            rationale = _one_line("; ".join(f"{n}: {f.rationale}" for n, f in per.items()))
+            rationale = one_line("; ".join(f"{n}: {f.rationale}" for n, f in per.items()))
         extras: dict[str, float] = {}
         for n, f in per.items():
             extras.update({f"{n}.{k}": float(v) for k, v in f.extras.items()})
