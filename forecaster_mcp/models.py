@@ -474,7 +474,10 @@ class CandidateForecast(BaseModel):
     expected_speedup: float = Field(
         description="t(baseline) / t(candidate), expected (geometric mean of the forecast distribution)"
     )
-    verdict: Verdict
+    verdict: Verdict = Field(
+        description="faster / slower than the baseline, or unsure; for a measured pair (decided_by measurement "
+        "or cache) unsure means the speedup's 95% interval includes 1"
+    )
     decided_by: DecidedBy
     rationale: str
     confidence: float = Field(description="calibrated probability of the more likely direction")

@@ -239,8 +239,8 @@ class Service:
         for p in pairs:
             t_base, t_cand = runtimes.get(base.id), runtimes.get(str(p.candidate.id))
             if t_base is not None and t_cand is not None:
-                p.truth = _from_measurement(str(p.candidate.id), t_base, t_cand, "cache")
-            else:
+                p.truth = await self._measured_pair(base, p.candidate, hw.name, wkey, "cache")
+            if p.truth is None:
                 p.query = PairQuery(base, p.candidate, workload, hw.name, hw.spec)
 
         queries = [p.query for p in pairs if p.query is not None]
@@ -305,7 +305,8 @@ class Service:
             for cid in list(results):
                 t_cand = runtimes.get(cid)
                 if t_base is not None and t_cand is not None and results[cid].decided_by == "forecast":
-                    results[cid] = _from_measurement(cid, t_base, t_cand, "measurement")
+                    measured = await self._measured_pair(base, by_id[cid], hw.name, wkey, "measurement")
+                    results[cid] = measured or results[cid]
             measure_next = await self._measure_next(base, runtimes, results, fc_by_id, family, hw.name, wkey)
 
         await self._save_forecasts(ledger, hw.name, wkey, base, others, forecast_results, fc_by_id, family)
@@ -346,6 +347,16 @@ class Service:
             if t is not None and t > 0:
                 out[str(k.id)] = t
         return out
+
+    async def _measured_pair(
+        self, base: Kernel, cand: Kernel, hardware: str, wkey: str, by: str
+    ) -> CandidateForecast | None:
+        """The measured answer for a pair whose two kernels are measured (None otherwise)."""
+        b = await self.store.measured_interval(base.content_key(), hardware, wkey)
+        c = await self.store.measured_interval(cand.content_key(), hardware, wkey)
+        if b is None or c is None:
+            return None
+        return _from_measurement(str(cand.id), b, c, by)
 
     async def _measure_next(
         self,
@@ -776,19 +787,46 @@ def _nothing_unsure_note(
     )
 
 
-def _from_measurement(cid: str, t_base_ms: float, t_cand_ms: float, by: str) -> CandidateForecast:
+# A measured pair is decided when the 95% interval of its speedup leaves out 1.
+_MEASURED_Z = 1.959964
+
+
+def _log_sd(interval: tuple[float, float, float]) -> float:
+    """Standard deviation of the log of a median from its 95% interval (0 when the interval is a point)."""
+    _, low, high = interval
+    return math.log(high / low) / (2.0 * _MEASURED_Z) if low > 0 else 0.0
+
+
+def _from_measurement(
+    cid: str, base: tuple[float, float, float], cand: tuple[float, float, float], by: str
+) -> CandidateForecast:
+    """The answer two measurements give: (median, low, high) of each kernel's runtime interval (ms).
+
+    Decided, at its measured bin, when the speedup's 95% interval (from both medians' intervals) leaves out 1;
+    otherwise the two are within each other's noise: unsure, with p_faster and the bins of that interval. Two
+    equal medians (one kernel sent twice) are never "slower"."""
+    t_base_ms, t_cand_ms = base[0], cand[0]
     s = t_base_ms / t_cand_ms
+    sd = math.hypot(_log_sd(base), _log_sd(cand))
+    z = math.log(s) / sd if sd > 0 else (math.inf if s > 1 else -math.inf if s < 1 else 0.0)
     probs = bins.one_hot(s)
     p = 1.0 if s > 1 else 0.0
     verdict: Verdict = "faster" if s > 1 else "slower"
     rationale = f"measured: baseline {t_base_ms:.4g} ms, candidate {t_cand_ms:.4g} ms (speedup {s:.3f}x)"
     if s == 1.0:
-        # Equal runtimes (typically one kernel sent twice): neither is faster. Half the mass on each side of
-        # S = 1, so that p_faster and the bins agree; "slower" at confidence 1 would be false.
+        # Equal runtimes: half the mass on each side of S = 1, so that p_faster and the bins agree.
         probs = [0.0] * bins.N_BINS
         probs[bins.N_BINS // 2 - 1] = probs[bins.N_BINS // 2] = 0.5
         p, verdict = 0.5, "unsure"
         rationale = f"measured: equal runtimes ({t_base_ms:.4g} ms each); neither kernel is faster"
+    elif abs(z) < _MEASURED_Z:
+        probs, _ = bins.normal_bins(math.log2(s), sd / math.log(2.0))
+        p, verdict = bins.p_faster(probs), "unsure"
+        rationale = (
+            f"measured within noise: baseline {t_base_ms:.4g} ms [{base[1]:.4g}, {base[2]:.4g}], candidate "
+            f"{t_cand_ms:.4g} ms [{cand[1]:.4g}, {cand[2]:.4g}] (speedup {s:.3f}x, its 95% interval includes 1); "
+            "measure both with more runs to separate them"
+        )
     return CandidateForecast(
         id=cid,
         p_faster=p,
@@ -797,7 +835,7 @@ def _from_measurement(cid: str, t_base_ms: float, t_cand_ms: float, by: str) -> 
         verdict=verdict,
         decided_by="cache" if by == "cache" else "measurement",
         rationale=rationale,
-        confidence=1.0,
+        confidence=max(p, 1.0 - p),
         measured_speedup=s,
     )
 

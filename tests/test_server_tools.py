@@ -408,3 +408,30 @@ async def test_default_ids_do_not_clash_with_ids_the_caller_gave(tmp_path: Path,
         assert [c["id"] for c in out["candidates"]] == ["k2"]
         out = await call(client, "compare_kernels", {"candidates": [conv(None, FAST), conv(None, SLOW)]})
         assert (out["baseline"], [c["id"] for c in out["candidates"]]) == ("k0", ["k1"])
+
+
+async def test_a_measured_pair_within_its_noise_is_unsure(tmp_path: Path, conv_a100: Path) -> None:
+    """Two kernels 0.6% apart measured with 3 runs each: the speedup's 95% interval includes 1, so the answer
+    is unsure at the p_faster of that interval (it used to be `slower` at confidence 1). With 32 runs each the
+    intervals separate and the same 0.6% is decided: the rule is the measurements' noise, not a fixed band."""
+    tie_a = {**FAST, "tile_size_x": 2, "tile_size_y": 2, "use_shmem": 0}
+    tie_b = {**tie_a, "block_size_x": 48, "block_size_y": 1, "tile_size_y": 1, "read_only": 0}
+    for runs, expected in ((3, "unsure"), (32, "slower")):
+        async with running(tmp_path / str(runs), [conv_a100]) as (client, _):
+            for kid, params in (("a", tie_a), ("b", tie_b), ("fast", FAST)):
+                await call(client, "measure_kernel", {"kernel": conv(kid, params), "max_runs": runs})
+            out = await call(
+                client,
+                "compare_kernels",
+                {"candidates": [conv("a", tie_a), conv("b", tie_b), conv("fast", FAST)]},
+            )
+        b, fast = out["candidates"]
+        assert b["verdict"] == expected and b["decided_by"] == "cache"
+        assert 0.99 < b["expected_speedup"] < 1.0
+        assert (fast["verdict"], fast["p_faster"]) == ("faster", 1.0)
+        if expected == "unsure":
+            assert 0.05 < b["p_faster"] < 0.5
+            assert b["p_faster"] == pytest.approx(sum(b["speedup_bins"][4:]))
+            assert "within noise" in b["rationale"]
+        else:
+            assert b["p_faster"] == 0.0
