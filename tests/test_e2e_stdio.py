@@ -2,14 +2,62 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from replay_kernels import FAST, conv
 
-from forecaster_mcp.server.client import connect_stdio
+from forecaster_mcp.server.client import connect_stdio, stdio_params
 
 pytestmark = pytest.mark.anyio
+
+Replies = dict[int, dict[str, Any]]
+INITIALIZE = {
+    "jsonrpc": "2.0",
+    "id": 1,
+    "method": "initialize",
+    "params": {
+        "protocolVersion": "2025-06-18",
+        "capabilities": {},
+        "clientInfo": {"name": "raw", "version": "0"},
+    },
+}
+INITIALIZED = {"jsonrpc": "2.0", "method": "notifications/initialized"}
+
+
+def raw_exchange(home: Path, replay: Path, lines: list[str], done: Callable[[Replies], bool]) -> Replies:
+    """Write `lines` to a real `serve` process's stdin and read its replies (by id) until `done`, keeping stdin
+    open as a client does; a hung server is killed after 120 s, not waited on forever."""
+    params = stdio_params(home, replay=[replay])
+    proc = subprocess.Popen(
+        [params.command, *params.args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=params.env,
+        text=True,
+    )
+    watchdog = threading.Timer(120.0, proc.kill)
+    watchdog.start()
+    replies: Replies = {}
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write("".join(line + "\n" for line in lines))
+        proc.stdin.flush()
+        while not done(replies) and (line := proc.stdout.readline()):
+            message = json.loads(line)
+            if "id" in message:
+                replies[message["id"]] = message
+    finally:
+        watchdog.cancel()
+        proc.kill()
+        proc.wait()
+    return replies
 
 
 async def test_stdio_server_lists_and_calls_tools(tmp_path: Path, conv_a100: Path) -> None:
@@ -33,27 +81,8 @@ def test_stdio_server_answers_a_line_with_a_lone_surrogate(tmp_path: Path, conv_
     """`json.dumps` writes a lone surrogate (a file read with errors="surrogateescape") as `"\\udc80"`; the
     SDK's transport used to drop such a line without replying, so the client waited forever. The raw wire of
     a real server process: the request is answered, the surrogate read as U+FFFD, and the server goes on."""
-    import json
-    import subprocess
-    import threading
-    from typing import Any
-
-    from forecaster_mcp.server.client import stdio_params
-
-    params = stdio_params(tmp_path / "home", replay=[conv_a100])
     kernel = {**conv("k0", FAST), "source": conv("k0", FAST)["source"] + "\n// caf\udce9\n"}
-    lines = [
-        {
-            "jsonrpc": "2.0",
-            "id": 1,
-            "method": "initialize",
-            "params": {
-                "protocolVersion": "2025-06-18",
-                "capabilities": {},
-                "clientInfo": {"name": "raw", "version": "0"},
-            },
-        },
-        {"jsonrpc": "2.0", "method": "notifications/initialized"},
+    calls = [
         {
             "jsonrpc": "2.0",
             "id": 2,
@@ -67,32 +96,9 @@ def test_stdio_server_answers_a_line_with_a_lone_surrogate(tmp_path: Path, conv_
             "params": {"name": "budget_status", "arguments": {}},
         },
     ]
-    wire = "".join(json.dumps(m) + "\n" for m in lines)
-    assert "\\udce9" in wire
-    proc = subprocess.Popen(
-        [params.command, *params.args],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        env=params.env,
-        text=True,
-    )
-    # A client keeps its end open until it has its replies; a hung server is killed, not waited on forever.
-    watchdog = threading.Timer(120.0, proc.kill)
-    watchdog.start()
-    replies: dict[int, dict[str, Any]] = {}
-    try:
-        assert proc.stdin is not None and proc.stdout is not None
-        proc.stdin.write(wire)
-        proc.stdin.flush()
-        while len(replies) < 3 and (line := proc.stdout.readline()):
-            message = json.loads(line)
-            if "id" in message:
-                replies[message["id"]] = message
-    finally:
-        watchdog.cancel()
-        proc.kill()
-        proc.wait()
+    lines = [json.dumps(m) for m in (INITIALIZE, INITIALIZED, *calls)]
+    assert "\\udce9" in lines[2]
+    replies = raw_exchange(tmp_path / "home", conv_a100, lines, lambda r: len(r) >= 3)
     assert set(replies) == {1, 2, 3}, replies
     assert "result" in replies[2], replies[2]
     compared = replies[2]["result"]
@@ -102,8 +108,6 @@ def test_stdio_server_answers_a_line_with_a_lone_surrogate(tmp_path: Path, conv_
 
 
 def test_surrogate_filter_keeps_pairs_and_leaves_other_lines_alone() -> None:
-    import json
-
     from forecaster_mcp.server.app import without_lone_surrogates
 
     plain = '{"jsonrpc": "2.0", "id": 7, "method": "ping"}'
@@ -122,61 +126,18 @@ def test_stdio_server_survives_lines_the_surrogate_filter_cannot_parse(
 ) -> None:
     """A lone surrogate escape in a line nested deeper than Python's recursion limit must not take the server
     down: the filter used to re-parse the line, and the RecursionError ended the whole process."""
-    import json
-    import subprocess
-    import threading
-    from typing import Any
-
-    from forecaster_mcp.server.client import stdio_params
-
-    params = stdio_params(tmp_path / "home", replay=[conv_a100])
-    initialize = {
-        "jsonrpc": "2.0",
-        "id": 1,
-        "method": "initialize",
-        "params": {
-            "protocolVersion": "2025-06-18",
-            "capabilities": {},
-            "clientInfo": {"name": "raw", "version": "0"},
-        },
-    }
     deep = (
         '{"jsonrpc": "2.0", "id": 2, "method": "ping", "params": {"x": '
         + "[" * 5000
         + '"\\ud800"'
         + "]" * 5000
     )
-    wire = "".join(
-        line + "\n"
-        for line in (
-            json.dumps(initialize),
-            json.dumps({"jsonrpc": "2.0", "method": "notifications/initialized"}),
-            deep + "}}",
-            json.dumps({"jsonrpc": "2.0", "id": 3, "method": "ping", "params": {"x": "\udc80"}}),
-        )
-    )
-    proc = subprocess.Popen(
-        [params.command, *params.args],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        env=params.env,
-        text=True,
-    )
-    watchdog = threading.Timer(120.0, proc.kill)
-    watchdog.start()
-    replies: dict[int, dict[str, Any]] = {}
-    try:
-        assert proc.stdin is not None and proc.stdout is not None
-        proc.stdin.write(wire)
-        proc.stdin.flush()
-        while 3 not in replies and (line := proc.stdout.readline()):
-            message = json.loads(line)
-            if "id" in message:
-                replies[message["id"]] = message
-    finally:
-        watchdog.cancel()
-        proc.kill()
-        proc.wait()
+    lines = [
+        json.dumps(INITIALIZE),
+        json.dumps(INITIALIZED),
+        deep + "}}",
+        json.dumps({"jsonrpc": "2.0", "id": 3, "method": "ping", "params": {"x": "\udc80"}}),
+    ]
+    replies = raw_exchange(tmp_path / "home", conv_a100, lines, lambda r: 3 in r)
     # The deep line goes the way the SDK treats any line nested that deep (dropped); the server goes on.
     assert replies.get(3) == {"jsonrpc": "2.0", "id": 3, "result": {}}, replies

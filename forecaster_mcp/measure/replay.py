@@ -577,6 +577,14 @@ def _expand(paths: Sequence[Path | str]) -> Iterator[tuple[Path, bool]]:
             raise OperatorError(f"replay recording not found: {path}")
 
 
+def _refuse_or_skip(exc: ValueError, explicit: bool, hint: str) -> None:
+    """A file that is not a recording: an OperatorError when it was named, skipped with a warning when a
+    folder held it."""
+    if explicit:
+        raise OperatorError(f"{exc}; {hint}") from exc
+    log.warning("skipping %s", exc)
+
+
 class ReplayMeasurer:
     """Answers measurements from recorded Kernel Tuner search spaces and from the project's exports
     (`--replay PATH`, file or folder; see the module doc)."""
@@ -592,9 +600,7 @@ class ReplayMeasurer:
                 try:
                     found = read_export(path)
                 except ValueError as exc:
-                    if explicit:
-                        raise OperatorError(f"{exc}; pass a file `forecaster-mcp export` wrote") from exc
-                    log.warning("skipping %s", exc)
+                    _refuse_or_skip(exc, explicit, "pass a file `forecaster-mcp export` wrote")
                     continue
                 self._exported.update(found)
                 digest = hashlib.sha256(path.read_bytes()).hexdigest()
@@ -606,9 +612,7 @@ class ReplayMeasurer:
             try:
                 header = read_header(path)
             except ValueError as exc:
-                if explicit:
-                    raise OperatorError(f"{exc}; pass a Kernel Tuner cache file (.json or .json.gz)") from exc
-                log.warning("skipping %s", exc)
+                _refuse_or_skip(exc, explicit, "pass a Kernel Tuner cache file (.json or .json.gz)")
                 continue
             key = (header.device, header.kernel_name, frozenset(header.param_keys))
             if key in recordings:
