@@ -32,6 +32,7 @@ from forecaster_mcp.forecast.engine import one_line
 from forecaster_mcp.forecast.selective import MAX_TARGET_ERROR, MIN_TARGET_ERROR, decide
 from forecaster_mcp.hardware import specs
 from forecaster_mcp.measure.base import OCCUPIED_ATTR, Measurer, MeasureRequest, ProgressCallback
+from forecaster_mcp.measure.timing import median_ci_covers
 from forecaster_mcp.models import (
     MAX_CANDIDATES,
     MIN_CANDIDATES,
@@ -789,18 +790,23 @@ def _nothing_unsure_note(
 
 # A measured pair is decided when the 95% interval of its speedup leaves out 1.
 _MEASURED_Z = 1.959964
+# A measurement of too few runs to bound its median at 95% (timing.median_ci_covers: fewer than 6) has an
+# interval that covers less (0% at one run, 75% at three): for it, the metrics' tie band (3%) stands in as
+# the half-width of a 95% interval.
+_FEW_RUNS_LOG_SD = math.log(2.0**bins.TIE_LOG2) / _MEASURED_Z
 
 
-def _log_sd(interval: tuple[float, float, float]) -> float:
+def _log_sd(interval: tuple[float, float, float, int]) -> float:
     """Standard deviation of the log of a median from its 95% interval (0 when the interval is a point)."""
-    _, low, high = interval
-    return math.log(high / low) / (2.0 * _MEASURED_Z) if low > 0 else 0.0
+    _, low, high, runs = interval
+    sd = math.log(high / low) / (2.0 * _MEASURED_Z) if low > 0 else 0.0
+    return sd if median_ci_covers(runs) else max(sd, _FEW_RUNS_LOG_SD)
 
 
 def _from_measurement(
-    cid: str, base: tuple[float, float, float], cand: tuple[float, float, float], by: str
+    cid: str, base: tuple[float, float, float, int], cand: tuple[float, float, float, int], by: str
 ) -> CandidateForecast:
-    """The answer two measurements give: (median, low, high) of each kernel's runtime interval (ms).
+    """The answer two measurements give: (median, low, high, runs) of each kernel's runtime interval (ms).
 
     Decided, at its measured bin, when the speedup's 95% interval (from both medians' intervals) leaves out 1;
     otherwise the two are within each other's noise: unsure, with p_faster and the bins of that interval. Two

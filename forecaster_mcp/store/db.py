@@ -949,22 +949,23 @@ class Store:
 
     async def measured_interval(
         self, content_key: str, hardware: str, workload_key: str
-    ) -> tuple[float, float, float] | None:
-        """(median, low, high) of the 95% interval of the median runtime (ms) of the measurement
-        `measured_runtime` reads, if stored."""
+    ) -> tuple[float, float, float, int] | None:
+        """(median, low, high, runs): the 95% interval of the median runtime (ms) of the measurement
+        `measured_runtime` reads, and its number of timed runs, if stored."""
         rows = await self._fetch(
             "SELECT runtime_ms, json_extract(result_json, '$.runtime_ms.ci95_low'), "
-            "json_extract(result_json, '$.runtime_ms.ci95_high') FROM measurements WHERE content_key = ? "
-            "AND hardware = ? AND workload_key = ? AND status = 'ok' AND runtime_ms > 0 ORDER BY id DESC LIMIT 1",
+            "json_extract(result_json, '$.runtime_ms.ci95_high'), json_extract(result_json, '$.runtime_ms.runs') "
+            "FROM measurements WHERE content_key = ? AND hardware = ? AND workload_key = ? AND status = 'ok' "
+            "AND runtime_ms > 0 ORDER BY id DESC LIMIT 1",
             (content_key, hardware, workload_key),
         )
         if not rows:
             return None
-        median, low, high = rows[0]
+        median, low, high, runs = rows[0]
         median = float(median)
         low = float(low) if isinstance(low, int | float) else median
         high = float(high) if isinstance(high, int | float) else median
-        return median, min(low, median), max(high, median)
+        return median, min(low, median), max(high, median), int(runs) if isinstance(runs, int) else 1
 
     # ---------------------------------------------------------------- forecasts
 
