@@ -235,13 +235,14 @@ class Service:
         wkey = workload.key()
         others = [k for k in kernels if k.id != base_id]
 
-        runtimes = await self._measured_runtimes(kernels, hw.name, wkey)
+        measured = await self._measured(kernels, hw.name, wkey)
+        runtimes = {kid: m[0] for kid, m in measured.items()}
         pairs = [_Pair(k) for k in others]
         for p in pairs:
-            t_base, t_cand = runtimes.get(base.id), runtimes.get(str(p.candidate.id))
-            if t_base is not None and t_cand is not None:
-                p.truth = await self._measured_pair(base, p.candidate, hw.name, wkey, "cache")
-            if p.truth is None:
+            m_base, m_cand = measured.get(base.id), measured.get(str(p.candidate.id))
+            if m_base is not None and m_cand is not None:
+                p.truth = _from_measurement(str(p.candidate.id), m_base, m_cand, "cache")
+            else:
                 p.query = PairQuery(base, p.candidate, workload, hw.name, hw.spec)
 
         queries = [p.query for p in pairs if p.query is not None]
@@ -301,13 +302,13 @@ class Service:
             )
             if stopped is not None:
                 notes.append(stopped)
-            runtimes = await self._measured_runtimes(kernels, hw.name, wkey)
-            t_base = runtimes.get(base.id)
+            measured = await self._measured(kernels, hw.name, wkey)
+            runtimes = {kid: m[0] for kid, m in measured.items()}
+            m_base = measured.get(base.id)
             for cid in list(results):
-                t_cand = runtimes.get(cid)
-                if t_base is not None and t_cand is not None and results[cid].decided_by == "forecast":
-                    measured = await self._measured_pair(base, by_id[cid], hw.name, wkey, "measurement")
-                    results[cid] = measured or results[cid]
+                m_cand = measured.get(cid)
+                if m_base is not None and m_cand is not None and results[cid].decided_by == "forecast":
+                    results[cid] = _from_measurement(cid, m_base, m_cand, "measurement")
             measure_next = await self._measure_next(base, runtimes, results, fc_by_id, family, hw.name, wkey)
 
         await self._save_forecasts(ledger, hw.name, wkey, base, others, forecast_results, fc_by_id, family)
@@ -339,25 +340,16 @@ class Service:
             bins=list(bins.LABELS),
         )
 
-    async def _measured_runtimes(
+    async def _measured(
         self, kernels: Sequence[Kernel], hardware: str, wkey: str
-    ) -> dict[str, float]:
-        out: dict[str, float] = {}
+    ) -> dict[str, tuple[float, float, float, int]]:
+        """Per kernel id, the (median, low, high, runs) of its latest ok measurement, for those measured."""
+        out: dict[str, tuple[float, float, float, int]] = {}
         for k in kernels:
-            t = await self.store.measured_runtime(k.content_key(), hardware, wkey)
-            if t is not None and t > 0:
-                out[str(k.id)] = t
+            interval = await self.store.measured_interval(k.content_key(), hardware, wkey)
+            if interval is not None and interval[0] > 0:
+                out[str(k.id)] = interval
         return out
-
-    async def _measured_pair(
-        self, base: Kernel, cand: Kernel, hardware: str, wkey: str, by: str
-    ) -> CandidateForecast | None:
-        """The measured answer for a pair whose two kernels are measured (None otherwise)."""
-        b = await self.store.measured_interval(base.content_key(), hardware, wkey)
-        c = await self.store.measured_interval(cand.content_key(), hardware, wkey)
-        if b is None or c is None:
-            return None
-        return _from_measurement(str(cand.id), b, c, by)
 
     async def _measure_next(
         self,

@@ -353,9 +353,10 @@ async def test_family_points_latest_per_kernel_preferring_ok(store: Store) -> No
     assert points[3].status == "compile_error" and points[3].runtime_ms is None
     assert points[1].launch == {"grid": [4, 1, 1], "block": [32, 1, 1], "shared_mem_bytes": 0}
     assert points[1].content_key == a.content_key()
-    assert await store.measured_runtime(a.content_key(), "A100", "w") == 2.0
-    assert await store.measured_runtime(c.content_key(), "A100", "w") is None
-    assert await store.measured_runtime(a.content_key(), "H100", "w") is None
+    measured = await store.measured_interval(a.content_key(), "A100", "w")
+    assert measured is not None and measured[0] == 2.0
+    assert await store.measured_interval(c.content_key(), "A100", "w") is None
+    assert await store.measured_interval(a.content_key(), "H100", "w") is None
     # The family's best is the fastest of those same points: the H100 one and failures do not count.
     assert await store.best_runtime(a.family_key(), "A100", "w") == 1.5
     assert await store.best_runtime(a.family_key(), "H100", "w") == 1.0

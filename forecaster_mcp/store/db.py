@@ -938,20 +938,11 @@ class Store:
         )
         return float(rows[0][0]) if rows and rows[0][0] is not None else None
 
-    async def measured_runtime(self, content_key: str, hardware: str, workload_key: str) -> float | None:
-        """Median runtime (ms) of an ok measurement of this exact kernel, if stored (the latest one)."""
-        rows = await self._fetch(
-            "SELECT runtime_ms FROM measurements WHERE content_key = ? AND hardware = ? AND workload_key = ? "
-            "AND status = 'ok' AND runtime_ms > 0 ORDER BY id DESC LIMIT 1",
-            (content_key, hardware, workload_key),
-        )
-        return float(rows[0][0]) if rows else None
-
     async def measured_interval(
         self, content_key: str, hardware: str, workload_key: str
     ) -> tuple[float, float, float, int] | None:
-        """(median, low, high, runs): the 95% interval of the median runtime (ms) of the measurement
-        `measured_runtime` reads, and its number of timed runs, if stored."""
+        """(median, low, high, runs) of the latest ok measurement of this exact kernel, if stored: its median
+        runtime (ms), the 95% interval of that median, and its number of timed runs."""
         rows = await self._fetch(
             "SELECT runtime_ms, json_extract(result_json, '$.runtime_ms.ci95_low'), "
             "json_extract(result_json, '$.runtime_ms.ci95_high'), json_extract(result_json, '$.runtime_ms.runs') "
