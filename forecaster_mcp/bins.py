@@ -27,6 +27,11 @@ FASTER_BINS = range(4, 8)
 TIE_LOG2 = math.log2(1.03)
 
 
+def is_tie(speedup: float) -> bool:
+    """A pair within measurement noise (|log2 S| <= TIE_LOG2): the metrics score no direction on it."""
+    return abs(math.log2(speedup)) <= TIE_LOG2
+
+
 def describe() -> str:
     """Human text of the bins, for prompts and docs."""
     parts = []

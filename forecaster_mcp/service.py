@@ -785,7 +785,7 @@ _MEASURED_Z = 1.959964
 # A measurement of too few runs to bound its median at 95% (timing.median_ci_covers: fewer than 6) has an
 # interval that covers less (0% at one run, 75% at three): for it, the metrics' tie band (3%) stands in as
 # the half-width of a 95% interval.
-_FEW_RUNS_LOG_SD = math.log(2.0**bins.TIE_LOG2) / _MEASURED_Z
+_FEW_RUNS_LOG_SD = bins.TIE_LOG2 * math.log(2.0) / _MEASURED_Z  # ln(1.03) / z
 
 
 def _log_sd(interval: tuple[float, float, float, int]) -> float:

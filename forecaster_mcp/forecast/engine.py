@@ -171,10 +171,6 @@ def _family_slot(hardware: str, family: str | None) -> str:
     return f"{hardware}\x00{family}"
 
 
-def _is_tie(speedup: float) -> bool:
-    return abs(math.log2(speedup)) <= bins.TIE_LOG2
-
-
 def _combined_centers(
     calibrated: Mapping[str, Sequence[float]], centers: Mapping[str, Sequence[float] | None]
 ) -> list[float] | None:
@@ -437,7 +433,7 @@ class ForecastEngine:
     ) -> None:
         by_hw: dict[str, tuple[list[float], list[float]]] = {}
         for hw, p, s, family in rows:
-            if _is_tie(s):
+            if bins.is_tie(s):
                 continue
             right = 0.5 if p == 0.5 else float((p > 0.5) == (s > 1.0))
             for key in (hw, POOLED, *([_family_slot(hw, family)] if family else [])):
@@ -466,7 +462,7 @@ class ForecastEngine:
     @staticmethod
     def _fit_calibrator(rows: Sequence[tuple[str, Outcome]]) -> Calibrator:
         """One slot's calibration from (component, outcome) rows."""
-        scored = [(n, o) for n, o in rows if not _is_tie(o.speedup)]
+        scored = [(n, o) for n, o in rows if not bins.is_tie(o.speedup)]
         return Calibrator.fit(
             [bins.p_faster(o.raw[n]) for n, o in scored],
             [o.speedup > 1.0 for _, o in scored],
@@ -474,7 +470,7 @@ class ForecastEngine:
         )
 
     def _fit_combiner(self, joint: Sequence[Outcome]) -> Combiner:
-        scored = [o for o in joint if not _is_tie(o.speedup)]
+        scored = [o for o in joint if not bins.is_tie(o.speedup)]
         p = [
             [bins.p_faster(self._calibrators[o.slot(n)].probs(o.raw[n], o.hardware)) for n in self._names]
             for o in scored

@@ -468,9 +468,13 @@ def export_line(hardware: str, workload_key: str, kernel: Kernel, result: Measur
     return json.dumps(doc, sort_keys=False)
 
 
-def _check_recorded_times(result: MeasureResult) -> None:
-    """ValueError for times no measurement records: a NaN, infinite or negative runtime (served, it would fail
-    the call or stand as a measured speedup) or compile time, or statistics of no runs."""
+def _check_recorded(result: MeasureResult) -> None:
+    """ValueError for values no measurement records: a cost that is not finite, negative or over a day (it
+    would reach a ledger), a NaN, infinite or negative runtime (served, it would fail the call or stand as a
+    measured speedup) or compile time, or statistics of no runs."""
+    cost = result.cost.gpu_seconds
+    if not (math.isfinite(cost) and 0.0 <= cost <= _MAX_RECORDED_GPU_SECONDS):
+        raise ValueError(f"its cost is {cost} GPU-seconds")
     compile_seconds = result.cost.compile_seconds
     if not (math.isfinite(compile_seconds) and compile_seconds >= 0.0):
         raise ValueError(f"its compile time is {compile_seconds} seconds")
@@ -500,18 +504,13 @@ def read_export(path: Path | str) -> dict[ExportKey, _Exported]:
                         raise ValueError(f"not a {EXPORT_FORMAT} line")
                     kernel = Kernel.model_validate(doc["kernel"])
                     result = MeasureResult.model_validate({**doc["result"], "measurement_id": None})
-                    cost = result.cost.gpu_seconds
-                    if not (math.isfinite(cost) and 0.0 <= cost <= _MAX_RECORDED_GPU_SECONDS):
-                        raise ValueError(f"its cost is {cost} GPU-seconds")
-                    _check_recorded_times(result)
+                    _check_recorded(result)
                     key = (str(doc["hardware"]), kernel.content_key(), str(doc["workload_key"]))
                 except (ValueError, KeyError, TypeError, ValidationError) as exc:
                     first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                     raise ValueError(f"line {number}: {first[:200]}") from exc
                 out[key] = _Exported(path, kernel.entry, result)
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"cannot read replay export {path}: {exc}") from exc
-    except ValueError as exc:
+    except (OSError, ValueError) as exc:  # ValueError includes UnicodeDecodeError and the lines' own
         raise ValueError(f"cannot read replay export {path}: {exc}") from exc
     if not out:
         raise ValueError(f"cannot read replay export {path}: it holds no measurements")
@@ -555,7 +554,6 @@ def _exported_result(request: MeasureRequest, device: str, found: _Exported) -> 
             "kernel_id": kernel_id,
             "device": provenance,
             "correctness": recorded.correctness.model_copy(update={"detail": detail}),
-            "measurement_id": None,
         },
         deep=True,
     )

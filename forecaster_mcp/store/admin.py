@@ -198,7 +198,7 @@ def export_command(settings: Settings, args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     check_writable_file(out)
-    rows = _with_store(settings, lambda s: s.export_rows(None))
+    rows = _with_store(settings, lambda s: s.export_rows())
     stored = sorted({r[0] for r in rows})
     if args.device is not None:
         wanted = {args.device, canonical_name(args.device)}

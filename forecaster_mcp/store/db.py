@@ -214,11 +214,6 @@ def _result_from_row(row_id: Any, result_json: Any) -> MeasureResult:
     return result.model_copy(update={"measurement_id": int(row_id)})
 
 
-def _is_tie(speedup: float) -> bool:
-    """A pair within measurement noise (|log2 S| <= bins.TIE_LOG2): DESIGN.md's metrics score no direction on it."""
-    return abs(math.log2(speedup)) <= bins.TIE_LOG2
-
-
 # ---------------------------------------------------------------------------- process identity
 
 _PROC = Path("/proc")
@@ -894,18 +889,17 @@ class Store:
 
         return await self._write(body)
 
-    async def export_rows(self, device: str | None = None) -> list[tuple[str, str, str, str]]:
+    async def export_rows(self) -> list[tuple[str, str, str, str]]:
         """(hardware, workload_key, kernel_json, result_json) of what `forecaster-mcp export` writes: per kernel
         content, workload and device the latest result that was measured (not served from cache), leaving out
         the results the cache never serves either (a worker crash, a timeout, the device out of memory)."""
-        where = "" if device is None else " AND hardware = ?"
         return [
             (str(h), str(w), str(k), str(r))
             for h, w, k, r in await self._fetch(
                 "SELECT hardware, workload_key, kernel_json, result_json FROM measurements WHERE id IN "
                 "(SELECT MAX(id) FROM measurements WHERE cached = 0 "
-                f"AND status NOT IN ({_PLACES}) GROUP BY hardware, content_key, workload_key){where} ORDER BY id",
-                (*_NOT_CACHEABLE, *(() if device is None else (device,))),
+                f"AND status NOT IN ({_PLACES}) GROUP BY hardware, content_key, workload_key) ORDER BY id",
+                _NOT_CACHEABLE,
             )
         ]
 
@@ -1131,7 +1125,7 @@ class Store:
             raise _unknown_ledger(ledger)
         limit, spent, reserved = (int(x) for x in raw["ledger"][1:4])
         m, f, llm = raw["m"], raw["f"], raw["llm"]
-        scored = [(v, by, p, float(s)) for v, by, p, s in raw["verified"] if not _is_tie(float(s))]
+        scored = [(v, by, p, float(s)) for v, by, p, s in raw["verified"] if not bins.is_tie(float(s))]
         decided_checked = [(str(v), s) for v, by, _, s in scored if by == "forecast" and v != "unsure"]
         correct = sum((v == "faster") == (s > 1.0) for v, s in decided_checked)
         outcomes = [(float(p), 1.0 if s > 1.0 else 0.0) for _, _, p, s in scored]
