@@ -103,6 +103,11 @@ def spec(name: str) -> GpuSpec:
         ("NVIDIA RTX A5000", "RTX A5000"),
         ("NVIDIA RTX PRO 6000 Blackwell Server Edition", "RTX PRO 6000 Blackwell Server Edition"),
         ("NVIDIA RTX PRO 6000 Blackwell Max-Q Workstation Edition", "RTX PRO 6000 Blackwell Max-Q"),
+        ("NVIDIA A10G", "A10G"),
+        ("NVIDIA GeForce RTX 4060 Ti", "RTX 4060 Ti"),
+        ("NVIDIA GeForce RTX 4060 Ti 16GB", "RTX 4060 Ti 16GB"),
+        ("NVIDIA GeForce RTX 4070 Ti SUPER", "RTX 4070 Ti SUPER"),
+        ("NVIDIA GeForce RTX 5060 Ti", "RTX 5060 Ti"),
         ("AMD Instinct MI210", "MI210"),
         ("AMD Instinct MI300A", "MI300A"),
         ("AMD Instinct MI100", "MI100"),
@@ -126,7 +131,7 @@ def test_lookup_is_forgiving(query: str, expected: str) -> None:
         "L20",
         "Quadro RTX 6000",  # not the RTX PRO 6000 Blackwell, nor the RTX 6000 Ada
         "RTX 6000",
-        "A10G",  # not the A10 (80 SMs, not 72); NVIDIA publishes no datasheet for it
+        "RTX 4060 Ti 12GB",  # no such card
         "MI250",
         "RTX 4090 D",
         "A100X",
@@ -139,6 +144,7 @@ def test_lookup_refuses_unknown_names(query: str) -> None:
 
 def test_a10_never_becomes_a100() -> None:
     assert spec("A10").sms == 72
+    assert spec("A10G").sms == 80  # AWS's GA102 part is its own row, never the A10
     assert spec("A100").sms == 108
 
 
@@ -148,6 +154,15 @@ def test_siblings_stay_apart() -> None:
     assert spec("L40").fp16_tensor_tflops * 2 == pytest.approx(spec("L40S").fp16_tensor_tflops, abs=0.1)
     assert [spec(n).sms for n in ("RTX 3080", "RTX 3080 12GB", "RTX 3080 Ti")] == [68, 70, 80]
     assert [spec(n).sms for n in ("RTX 4080", "RTX 4080 Super")] == [76, 80]
+    assert [spec(n).sms for n in ("RTX 4070", "RTX 4070 SUPER", "RTX 4070 Ti", "RTX 4070 Ti SUPER")] == [
+        46,
+        56,
+        60,
+        66,
+    ]
+    assert [
+        spec(n).mem_gib for n in ("RTX 4060 Ti", "RTX 4060 Ti 16GB", "RTX 5060 Ti", "RTX 5060 Ti 8GB")
+    ] == [8, 16, 16, 8]
     assert spec("A800").sms == spec("A100").sms and spec("H800 PCIe").sms == spec("H100 PCIe").sms
 
 

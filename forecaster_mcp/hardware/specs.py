@@ -325,11 +325,22 @@ _SPECS: list[GpuSpec] = [
     _nv("RTX 4080", "8.9", sms=76, l2=64 * MIB, bw=716.8, fp32=48.7, fp16=97.5, mem=16),
     _nv("RTX 4070 Ti", "8.9", sms=60, l2=48 * MIB, bw=504, fp32=40.1, fp16=80.2, mem=12),
     _nv("RTX 4070", "8.9", sms=46, l2=36 * MIB, bw=504, fp32=29.1, fp16=58.3, mem=12),
+    # GeForce Ada at reference boost (4070 Ti SUPER 2610, 4070 SUPER 2475, 4060 Ti 2535, 4060 2460 MHz);
+    # FP16 tensor with FP32 accumulation at the GeForce half rate (2x FP32), as for the cards above.
+    _nv("RTX 4070 Ti SUPER", "8.9", sms=66, l2=48 * MIB, bw=672, fp32=44.1, fp16=88.2, mem=16),
+    _nv("RTX 4070 SUPER", "8.9", sms=56, l2=48 * MIB, bw=504, fp32=35.5, fp16=71.0, mem=12),
+    _nv("RTX 4060 Ti", "8.9", sms=34, l2=32 * MIB, bw=288, fp32=22.1, fp16=44.2, mem=8),
+    _nv("RTX 4060 Ti 16GB", "8.9", sms=34, l2=32 * MIB, bw=288, fp32=22.1, fp16=44.2, mem=16),
+    _nv("RTX 4060", "8.9", sms=24, l2=24 * MIB, bw=272, fp32=15.1, fp16=30.2, mem=8),
     # Blackwell GB202 (CC 12.0). RTX PRO 6000 Workstation: 188 SMs at 2617 MHz (fp16 = 188 x 1024 x 2.617).
     _nv("RTX 5090", "12.0", sms=170, l2=96 * MIB, bw=1792, fp32=104.8, fp16=209.5, mem=32),
     # RTX 5080 / 5070 Ti: GB203 at 2617 / 2452 MHz boost; FP16 scaled from the 5090 by SMs x clock.
     _nv("RTX 5080", "12.0", sms=84, l2=64 * MIB, bw=960, fp32=56.3, fp16=112.5, mem=16),
     _nv("RTX 5070 Ti", "12.0", sms=70, l2=48 * MIB, bw=896, fp32=43.9, fp16=87.7, mem=16),
+    # RTX 5070 (GB205, 2512 MHz) and 5060 Ti (GB206, 2572 MHz; 8 and 16 GB cards), FP16 as 2x FP32.
+    _nv("RTX 5070", "12.0", sms=48, l2=48 * MIB, bw=672, fp32=30.9, fp16=61.7, mem=12),
+    _nv("RTX 5060 Ti", "12.0", sms=36, l2=32 * MIB, bw=448, fp32=23.7, fp16=47.4, mem=16),
+    _nv("RTX 5060 Ti 8GB", "12.0", sms=36, l2=32 * MIB, bw=448, fp32=23.7, fp16=47.4, mem=8),
     _nv(
         "RTX PRO 6000 Blackwell",
         "12.0",
@@ -365,6 +376,9 @@ _SPECS: list[GpuSpec] = [
     ),
     # Ampere GA10x (CC 8.6).
     _nv("A10", "8.6", sms=72, l2=6 * MIB, bw=600, fp32=31.2, fp16=125.0, mem=24),
+    # A10G (AWS G5 instances): GA102 with 80 SMs (deviceQuery: 10,240 cores) at 1710 MHz, 600 GB/s. NVIDIA
+    # publishes no sheet for it; FP16 tensor is taken at the GeForce half rate (2x FP32), a lower bound.
+    _nv("A10G", "8.6", sms=80, l2=6 * MIB, bw=600, fp32=35.0, fp16=70.0, mem=24),
     _nv("RTX A6000", "8.6", sms=84, l2=6 * MIB, bw=768, fp32=38.7, fp16=154.8, mem=48),
     _nv("A40", "8.6", sms=84, l2=6 * MIB, bw=696, fp32=37.4, fp16=149.7, mem=48),
     _nv("RTX A4000", "8.6", sms=48, l2=4 * MIB, bw=448, fp32=19.2, fp16=76.7, mem=16),
