@@ -236,7 +236,6 @@ class Service:
         others = [k for k in kernels if k.id != base_id]
 
         measured = await self._measured(kernels, hw.name, wkey)
-        runtimes = {kid: m[0] for kid, m in measured.items()}
         pairs = [_Pair(k) for k in others]
         for p in pairs:
             m_base, m_cand = measured.get(base.id), measured.get(str(p.candidate.id))
@@ -284,7 +283,7 @@ class Service:
         # Saved once the call succeeds (below): a compare refused for its measurements records nothing.
         forecast_results = dict(results)
 
-        measure_next = await self._measure_next(base, runtimes, results, fc_by_id, family, hw.name, wkey)
+        measure_next = await self._measure_next(base, measured, results, fc_by_id, family, hw.name, wkey)
         notes = list(hw.notes)
         notes.extend(dict.fromkeys(n for f in forecasts for n in f.notes))  # e.g. a forecaster skipped
         for c in dict.fromkeys(choices.values()):
@@ -303,13 +302,12 @@ class Service:
             if stopped is not None:
                 notes.append(stopped)
             measured = await self._measured(kernels, hw.name, wkey)
-            runtimes = {kid: m[0] for kid, m in measured.items()}
             m_base = measured.get(base.id)
             for cid in list(results):
                 m_cand = measured.get(cid)
                 if m_base is not None and m_cand is not None and results[cid].decided_by == "forecast":
                     results[cid] = _from_measurement(cid, m_base, m_cand, "measurement")
-            measure_next = await self._measure_next(base, runtimes, results, fc_by_id, family, hw.name, wkey)
+            measure_next = await self._measure_next(base, measured, results, fc_by_id, family, hw.name, wkey)
 
         await self._save_forecasts(ledger, hw.name, wkey, base, others, forecast_results, fc_by_id, family)
         ordered = [results[str(k.id)] for k in others]
@@ -354,7 +352,7 @@ class Service:
     async def _measure_next(
         self,
         base: Kernel,
-        runtimes: dict[str, float],
+        measured: dict[str, tuple[float, float, float, int]],
         results: dict[str, CandidateForecast],
         fc_by_id: dict[str, Any],
         family: dict[str, str],
@@ -371,7 +369,7 @@ class Service:
         # A candidate decided faster is what a search wants to measure next, as much as an unsure one; one
         # decided slower only while its expected gain is still real (acquisition.MIN_VALUE_LOG2). Each is
         # valued against the best kernel of its family measured so far, when that beats the baseline.
-        t_base = runtimes.get(str(base.id))
+        t_base = measured[str(base.id)][0] if str(base.id) in measured else None
         best = (
             {f: await self.store.best_runtime(f, hardware, wkey) for f in set(family.values())}
             if t_base is not None
@@ -384,14 +382,14 @@ class Service:
                 best.get(family.get(cid, "")),
             )
             for cid, r in results.items()
-            if r.decided_by == "forecast" and cid not in runtimes
+            if r.decided_by == "forecast" and cid not in measured
         ]
         listed = [it for it in items if worth_measuring(it, results[it.id].verdict) and fc_by_id[it.id].raw]
         ranked = rank_for_measurement(listed) if listed else []
         # A candidate no forecaster answered has no value to rank by (its even odds are not a forecast): it
         # is worth a measurement, after those whose forecasts say why.
         ranked += [it.id for it in items if not fc_by_id[it.id].raw]
-        if ranked and str(base.id) not in runtimes:
+        if ranked and str(base.id) not in measured:
             # A candidate's measurement only settles the pair once the baseline is measured too.
             ranked = [str(base.id), *ranked]
         return ranked
