@@ -181,7 +181,7 @@ async def test_bad_input_is_a_clear_error_and_charges_nothing(tmp_path: Path, co
         msg = await error_of(client, "measure_kernel", {"kernel": unknown})
         assert "convolution_kernel" in msg
         await _unchanged(client, 0.0)
-        assert await service.store.find_idempotent("team", "nope") is None
+        assert await service.store.idempotent_request("team", "nope") is None
 
 
 async def test_exhausted_ledger_refuses_and_names_what_is_left(tmp_path: Path, conv_a100: Path) -> None:

@@ -303,10 +303,12 @@ async def test_idempotency_key_stores_one_measurement_per_ledger(store: Store) -
     again = await save(store, k, 9.0, idem="run-1")
     other_ledger = await save(store, k, 3.0, idem="run-1", ledger="y")
     assert again == first and other_ledger != first
-    found = await store.find_idempotent("x", "run-1")
-    assert found is not None and found.measurement_id == first
+    request = await store.idempotent_request("x", "run-1")
+    assert request is not None
+    found = request.result
+    assert found.measurement_id == first
     assert found.runtime_ms is not None and found.runtime_ms.median == 2.0
-    assert await store.find_idempotent("x", "run-2") is None
+    assert await store.idempotent_request("x", "run-2") is None
     report = await store.ledger_report("x")
     assert report["measurements"]["count"] == 1
 

@@ -792,11 +792,6 @@ class Store:
         )
         return _result_from_row(*rows[0]) if rows else None
 
-    async def find_idempotent(self, ledger: str, idempotency_key: str) -> MeasureResult | None:
-        """The result stored under (ledger, idempotency_key) as first saved, with measurement_id set."""
-        found = await self.idempotent_request(ledger, idempotency_key)
-        return found.result if found is not None else None
-
     async def idempotent_request(self, ledger: str, idempotency_key: str) -> IdempotentRequest | None:
         """What was measured under (ledger, idempotency_key), and its result, in one read."""
         rows = await self._fetch(
