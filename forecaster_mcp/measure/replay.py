@@ -31,6 +31,7 @@ from __future__ import annotations
 import codecs
 import gzip
 import hashlib
+import io
 import json
 import logging
 import math
@@ -488,13 +489,14 @@ def _check_recorded(result: MeasureResult) -> None:
             raise ValueError(f"its runtime_ms.{name} is {value}")
 
 
-def read_export(path: Path | str) -> dict[ExportKey, _Exported]:
-    """Every measurement of one export file, by exact key (a later line for the same key wins).
-    ValueError naming the line when the file is not an export."""
+def read_export(path: Path | str) -> tuple[dict[ExportKey, _Exported], str]:
+    """Every measurement of one export file, by exact key (a later line for the same key wins), and the
+    file's sha256 (read once for both). ValueError naming the line when the file is not an export."""
     path = Path(path)
     out: dict[ExportKey, _Exported] = {}
     try:
-        with path.open(encoding="utf-8") as f:
+        data = path.read_bytes()
+        with io.StringIO(data.decode("utf-8"), newline=None) as f:
             for number, line in enumerate(f, 1):
                 if not line.strip():
                     continue
@@ -514,7 +516,7 @@ def read_export(path: Path | str) -> dict[ExportKey, _Exported]:
         raise ValueError(f"cannot read replay export {path}: {exc}") from exc
     if not out:
         raise ValueError(f"cannot read replay export {path}: it holds no measurements")
-    return out
+    return out, hashlib.sha256(data).hexdigest()
 
 
 def _runs_refusal(request: MeasureRequest, found: _Exported) -> str | None:
@@ -596,12 +598,11 @@ class ReplayMeasurer:
         for path, explicit in _expand(paths):
             if path.name.endswith(".jsonl"):
                 try:
-                    found = read_export(path)
+                    found, digest = read_export(path)
                 except ValueError as exc:
                     _refuse_or_skip(exc, explicit, "pass a file `forecaster-mcp export` wrote")
                     continue
                 self._exported.update(found)
-                digest = hashlib.sha256(path.read_bytes()).hexdigest()
                 for device in dict.fromkeys(k[0] for k in found):
                     # Once per content: an export named twice (a file and its folder) keeps the fingerprint.
                     if digest not in self._export_digests.setdefault(device, []):
