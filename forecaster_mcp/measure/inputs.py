@@ -225,13 +225,11 @@ def _compare_int_slice(
     a: np.ndarray, b: np.ndarray, offset: int, atol: float, rtol: float, m: _Mismatches
 ) -> None:
     """Integers compared exactly: through float64, values past 2**53 that differ by one compare equal."""
-    if a.dtype.kind == "u" and b.dtype.kind == "u":
-        ua, ub = a.astype(np.uint64), b.astype(np.uint64)
-    else:
-        # Signed (or mixed): the difference of two int64 is exact modulo 2**64, read as unsigned.
-        ua, ub = a.astype(np.int64).view(np.uint64), b.astype(np.int64).view(np.uint64)
-        signed_a, signed_b = a.astype(np.int64), b.astype(np.int64)
-    bigger = (ua >= ub) if a.dtype.kind == "u" and b.dtype.kind == "u" else (signed_a >= signed_b)
+    # Signed (or mixed) values as int64: the difference of two of them is exact modulo 2**64, read as unsigned.
+    wide = np.uint64 if a.dtype.kind == "u" and b.dtype.kind == "u" else np.int64
+    wa, wb = a.astype(wide), b.astype(wide)
+    bigger = wa >= wb
+    ua, ub = wa.view(np.uint64), wb.view(np.uint64)
     with np.errstate(over="ignore"):
         diff_exact = np.where(bigger, ua - ub, ub - ua)
     differs = diff_exact != 0
