@@ -13,13 +13,13 @@ from test_pycuda_measurer import SRC, WORKLOAD
 
 from forecaster_mcp.measure.base import MeasureRequest, ProgressCallback
 from forecaster_mcp.measure.pycuda_measurer import PycudaMeasurer
+from forecaster_mcp.measure.replay import runtime_stats
 from forecaster_mcp.models import (
     DeviceProvenance,
     Kernel,
     Launch,
     MeasureCost,
     MeasureResult,
-    RuntimeStats,
 )
 from forecaster_mcp.service import Service, build_forecasters
 from forecaster_mcp.settings import Settings
@@ -83,21 +83,7 @@ class ScriptedMeasurer:
         status = self.statuses[min(self.calls, len(self.statuses) - 1)]
         self.calls += 1
         runs = min(request.max_runs, 20)
-        stats = (
-            RuntimeStats(
-                median=1.0,
-                mean=1.0,
-                min=1.0,
-                p10=1.0,
-                p90=1.0,
-                std=0.0,
-                ci95_low=1.0,
-                ci95_high=1.0,
-                runs=runs,
-            )
-            if status == "ok"
-            else None
-        )
+        stats = runtime_stats([1.0] * runs) if status == "ok" else None
         return MeasureResult(
             kernel_id=request.kernel.id or "k0",
             status=status,  # type: ignore[arg-type]
