@@ -126,6 +126,21 @@ def _check_number(value: Any, what: str, low: int = INT64_MIN, high: int = INT64
         raise ValueError(f"{what} is out of range: integers must be between {low} and {high}")
 
 
+def _one_line(value: str, what: str, limit: int) -> str:
+    """`value` unless it has a control character (a newline, NUL, ...) or is over `limit` characters. Names and
+    sizes reach forecasters' prompts and reports as one line each: a newline in them could pose as a section
+    of the prompt."""
+    if CONTROL_CHARACTER.search(value) or len(value) > limit:
+        raise ValueError(
+            f"{what} {value[:80]!r} has a control character (newline, NUL, ...) or is over {limit} characters: "
+            "pass one line of printable text"
+        )
+    return value
+
+
+MAX_PROBLEM_ENTRIES = 64
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -208,8 +223,16 @@ class Kernel(_Strict):
         description="grid and block; needed to measure on a GPU, and it sharpens forecasts between different "
         "kernels (waves, occupancy, threads launched for the same workload)",
     )
-    defines: dict[str, DefineValue] = Field(default_factory=dict, description="-D macros / tuning parameters")
+    defines: dict[str, DefineValue] = Field(
+        default_factory=dict,
+        description="macros (#define NAME value ahead of the source) / tuning parameters",
+    )
     compile_options: list[str] = Field(default_factory=list, max_length=64, description="extra nvcc flags")
+
+    @field_validator("id")
+    @classmethod
+    def _id(cls, v: str | None) -> str | None:
+        return None if v is None else _one_line(v, "kernel id", 128)
 
     @field_validator("source")
     @classmethod
@@ -238,11 +261,7 @@ class Kernel(_Strict):
             if not _IDENT.match(name):
                 raise ValueError(f"define name {name[:80]!r} is not a C identifier")
             if isinstance(value, str):
-                if CONTROL_CHARACTER.search(value) or len(value) > 256:
-                    raise ValueError(
-                        f"define {name} has a value with a control character (newline, NUL, ...) or over "
-                        "256 characters: pass one line of printable text"
-                    )
+                _one_line(value, f"define {name}'s value", 256)
             else:
                 # It becomes -Dname=value: NaN, inf or a 400-digit integer is not a C literal anyone means.
                 _check_number(value, f"define {name}")
@@ -265,6 +284,17 @@ class Kernel(_Strict):
                     "include paths, output files, host compiler and host-tool options are chosen by the server"
                 )
         return v
+
+    def compile_source(self) -> str:
+        """The text handed to the compiler: the defines as `#define` lines ahead of the source, then a `#line`
+        directive so compiler messages keep the source's own line numbers.
+
+        Never as `-D` flags: nvcc runs its host compiler through a shell, so a define value such as `$(id)` on
+        the command line would run on the server. In the source it is only preprocessor text."""
+        if not self.defines:
+            return self.source
+        lines = [f"#define {name} {int(v) if isinstance(v, bool) else v}" for name, v in self.defines.items()]
+        return "\n".join(lines) + '\n#line 1 "kernel.cu"\n' + self.source
 
     def source_hash(self) -> str:
         """Content hash of the source alone (a kernel family shares it across defines)."""
@@ -297,6 +327,11 @@ class BufferArg(_Strict):
     init: InitKind = "random_uniform"
     intent: Intent = "in"
 
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return _one_line(v, "argument name", 128)
+
     @field_validator("shape")
     @classmethod
     def _shape(cls, v: list[int]) -> list[int]:
@@ -322,6 +357,11 @@ class ScalarArg(_Strict):
     name: str = Field(max_length=128)
     dtype: Dtype
     value: int | float
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return _one_line(v, "argument name", 128)
 
     @field_validator("value")
     @classmethod
@@ -349,10 +389,23 @@ class Workload(_Strict):
     problem: dict[str, int | float | str] = Field(default_factory=dict)
     name: str | None = Field(default=None, max_length=256)
 
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str | None) -> str | None:
+        return None if v is None else _one_line(v, "workload.name", 256)
+
     @field_validator("problem")
     @classmethod
     def _problem(cls, v: dict[str, int | float | str]) -> dict[str, int | float | str]:
+        if len(v) > MAX_PROBLEM_ENTRIES:
+            raise ValueError(
+                f"workload.problem has {len(v)} entries, over {MAX_PROBLEM_ENTRIES}: pass the sizes that "
+                "matter (M, N, K, batch, ...)"
+            )
         for key, value in v.items():
+            _one_line(key, "workload.problem key", 128)
+            if isinstance(value, str):
+                _one_line(value, f"workload.problem[{key!r}]", 256)
             if isinstance(value, float) and not math.isfinite(value):
                 raise ValueError(
                     f"workload.problem[{key[:80]!r}] is {value}: sizes must be finite numbers "

@@ -64,8 +64,11 @@ def fake_nvcc(argv: list[str]) -> int:
     out = argv[argv.index("-o") + 1]
     keep = argv[argv.index("--keep-dir") + 1] if "--keep-dir" in argv else "."
     source_path = next(a for a in argv if a.endswith(".cu"))
-    defines = dict(a[2:].split("=", 1) for a in argv if a.startswith("-D"))
     source = Path(source_path).read_text()
+    # As a preprocessor sees them: the measurer writes defines as #define lines ahead of the source; -D flags
+    # still come from compile options.
+    defines = dict(m.groups() for m in re.finditer(r"^#define (\w+) (.*)$", source, re.MULTILINE))
+    defines.update(a[2:].split("=", 1) for a in argv if a.startswith("-D"))
     if "FAKE_COMPILE_HANG" in defines:
         _hang_forever()
     if "FAKE_COMPILE_SLEEP" in defines:

@@ -28,7 +28,12 @@ from forecaster_mcp.forecast.features import kernel_features
 from forecaster_mcp.forecast.ptxas import ptxas_usage, safe_options
 from forecaster_mcp.hardware.specs import all_specs
 from forecaster_mcp.measure.base import MeasureRequest
-from forecaster_mcp.measure.pycuda_measurer import CompiledKernel, NvccCompiler, PycudaMeasurer
+from forecaster_mcp.measure.pycuda_measurer import (
+    CompiledKernel,
+    CompileFailure,
+    NvccCompiler,
+    PycudaMeasurer,
+)
 from forecaster_mcp.models import MAX_SHARED_MEM_BYTES, Kernel, Launch, Workload, is_arch_option
 from forecaster_mcp.server.app import build_server
 from forecaster_mcp.server.client import structured
@@ -270,6 +275,38 @@ async def test_accepted_flags_compile_in_both_paths(tmp_path: Path, options: lis
     assert await ptxas_usage(k, "sm_90", NVCC, tmp_path / "forecast") is not None
 
 
+@needs_nvcc
+@pytest.mark.anyio
+@pytest.mark.parametrize("value", ["$(touch {m})", "`touch {m}`", '"; touch {m}; "', "\\$(touch {m})"])
+async def test_a_define_value_is_never_run_by_a_shell(tmp_path: Path, value: str) -> None:
+    # nvcc runs its host compiler through a shell: a value on its command line would expand there. Defines
+    # go into the compiled source instead, where this is only preprocessor text (and here a compile error).
+    assert NVCC is not None
+    marker = tmp_path / "ran"
+    source = "__global__ void k(float* a) { a[threadIdx.x] = 1.0f; }\n"
+    k = kernel(source=source, defines={"UNUSED": value.format(m=marker), "N": 4})
+    await NvccCompiler(tmp_path / "measure", nvcc=NVCC).compile(k, "sm_90")
+    await ptxas_usage(k, "sm_90", NVCC, tmp_path / "forecast")
+    assert not marker.exists()
+
+
+@needs_nvcc
+@pytest.mark.anyio
+async def test_defines_reach_the_compiler_and_messages_keep_the_source_line_numbers(tmp_path: Path) -> None:
+    assert NVCC is not None
+    source = "\n\n__global__ void k(float* a) {\n  float v[N] = {0};\n  a[threadIdx.x] = v[0] + UNDEFINED_NAME;\n}\n"
+    failure = await NvccCompiler(tmp_path / "measure", nvcc=NVCC).compile(
+        kernel(source=source, defines={"N": 4}), "sm_90"
+    )
+    assert isinstance(failure, CompileFailure)
+    assert "kernel.cu(5)" in failure.message and "UNDEFINED_NAME" in failure.message  # line 5 of the source
+    assert '"N"' not in failure.message  # N was defined
+    fixed = kernel(source=source.replace("UNDEFINED_NAME", "SCALE"), defines={"N": 4, "SCALE": "2.0f"})
+    assert isinstance(
+        await NvccCompiler(tmp_path / "measure", nvcc=NVCC).compile(fixed, "sm_90"), CompiledKernel
+    )
+
+
 # ---------------------------------------------------------------- 2. integer defines beyond 64 bits
 
 
@@ -449,7 +486,8 @@ def test_nan_and_infinity_literals_from_a_raw_client_are_rejected(tmp_path: Path
 
 @pytest.mark.parametrize("value", ["3\x00", "1\n#include </etc/shadow>", "1\r", "a\tb", "\x1b[31m"])
 def test_control_characters_in_define_values_are_rejected(value: str) -> None:
-    assert "define A has a value with a control character" in rejection(defines={"A": value})
+    message = rejection(defines={"A": value})
+    assert "define A's value" in message and "control character" in message
 
 
 @pytest.mark.parametrize("option", ["-O3\x00", "-O3\n", "-lineinfo\r"])
@@ -459,10 +497,9 @@ def test_control_characters_in_compile_options_are_rejected(option: str) -> None
 
 @pytest.mark.anyio
 async def test_a_forecast_compile_that_cannot_start_is_skipped_not_raised(tmp_path: Path) -> None:
-    # The OS refuses an argument with a NUL (ValueError, not OSError) before running anything; a kernel that
-    # skipped validation must cost only its ptxas features, not the whole call.
-    nul = kernel().model_copy(update={"defines": {"A": "3\x00"}})
-    assert await ptxas_usage(nul, "sm_80", sys.executable, tmp_path) is None
+    # The OS refuses an argument with a NUL (ValueError, not OSError) before running anything: that costs only
+    # the kernel's ptxas features, not the whole call.
+    assert await ptxas_usage(kernel(), "sm_80", "nv\x00cc", tmp_path) is None
     # A lone surrogate is valid JSON but not UTF-8: written through, as the measurer writes it.
     surrogate = kernel(source=SRC + "// \ud800\n")
     if NVCC is not None:
@@ -476,9 +513,9 @@ async def test_a_nul_in_a_define_is_a_clear_tool_error(tmp_path: Path, conv_a100
     async with running(tmp_path, [conv_a100]) as client:
         nul = conv("x", {**FAST, "block_size_x": "3\x00"})  # type: ignore[dict-item]
         msg = await error_of(client, "compare_kernels", {"candidates": [conv("a", FAST), nul]})
-        assert "define block_size_x has a value with a control character" in msg
+        assert "define block_size_x's value" in msg and "control character" in msg
         msg = await error_of(client, "measure_kernel", {"kernel": nul})
-        assert "define block_size_x has a value with a control character" in msg
+        assert "define block_size_x's value" in msg and "control character" in msg
         bad_opt = {**conv("y", FAST), "compile_options": ["-O3\x00"]}
         msg = await error_of(client, "compare_kernels", {"candidates": [conv("a", FAST), bad_opt]})
         assert "has a control character" in msg

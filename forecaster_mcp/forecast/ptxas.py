@@ -32,7 +32,7 @@ from forecaster_mcp.models import Kernel, compile_option_allowed, is_arch_option
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = "1"
+CACHE_VERSION = "2"
 _ARCH = re.compile(r"^sm_\d{2,3}[a-z]?$")
 _PLAIN_ARCH = re.compile(r"^sm_(\d{2,3})$")
 _RE_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
@@ -126,12 +126,6 @@ def safe_options(options: list[str]) -> list[str]:
     return [o for o in options if compile_option_allowed(o) and not is_arch_option(o)]
 
 
-def _define_flag(name: str, value: int | float | str) -> str:
-    if isinstance(value, bool):
-        value = int(value)
-    return f"-D{name}={value}"
-
-
 def parse_ptxas(output: str) -> tuple[PtxasEntry, ...]:
     """Parse `ptxas -v` output into per-entry records."""
     frames: dict[str, tuple[int, int, int]] = {}
@@ -163,7 +157,11 @@ def parse_ptxas(output: str) -> tuple[PtxasEntry, ...]:
 
 
 def _cache_key(kernel: Kernel, arch: str, nvcc: str, flags: list[str]) -> str:
-    payload = {"v": CACHE_VERSION, "source": kernel.source_hash(), "arch": arch, "nvcc": nvcc, "flags": flags}
+    defines = {k: kernel.defines[k] for k in sorted(kernel.defines)}
+    payload = {
+        "v": CACHE_VERSION, "source": kernel.source_hash(), "defines": defines, "arch": arch, "nvcc": nvcc,
+        "flags": flags,
+    }  # fmt: skip
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:40]
 
 
@@ -208,9 +206,7 @@ async def ptxas_usage(
     """Compile `kernel` with `nvcc -c -arch=<arch> -Xptxas -v` and report per-entry resources, or None."""
     if kernel.language != "cuda" or nvcc is None or not _ARCH.match(arch):
         return None
-    flags = [_define_flag(k, v) for k, v in sorted(kernel.defines.items())] + safe_options(
-        kernel.compile_options
-    )
+    flags = safe_options(kernel.compile_options)
     cache_path = cache_dir / "ptxas" / f"{_cache_key(kernel, arch, nvcc, flags)}.json" if cache_dir else None
     if cache_path is not None:
         hit, cached = _read_cache(cache_path)
@@ -219,7 +215,7 @@ async def ptxas_usage(
     with tempfile.TemporaryDirectory(prefix="fmcp-ptxas-") as tmp:
         src = Path(tmp) / "kernel.cu"
         # As the measurer writes it: a lone surrogate (valid JSON, not valid UTF-8) must not raise here.
-        src.write_text(kernel.source, encoding="utf-8", errors="surrogatepass")
+        src.write_text(kernel.compile_source(), encoding="utf-8", errors="surrogatepass")
         cmd = [
             nvcc,
             "-c",

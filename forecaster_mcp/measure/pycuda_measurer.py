@@ -335,7 +335,7 @@ def parse_ptx_params(ptx: str, symbol: str) -> list[int] | None:
 class NvccCompiler:
     """nvcc to cubin with `-Xptxas -v`, cached by content under `cache_dir/kernels`."""
 
-    FLOW = "cubin-v1"  # bump when the compile flow changes what a cached entry means
+    FLOW = "cubin-v2"  # bump when the compile flow changes what a cached entry means
 
     def __init__(
         self, cache_dir: Path, nvcc: str | Sequence[str] | None = None, timeout_s: float = 120.0
@@ -411,7 +411,6 @@ class NvccCompiler:
         if relocatable and not any(opt in _RDC_FLAGS for opt in kernel.compile_options):
             cmd.append("-rdc=true")
         cmd += ["-Xptxas", "-v", "--keep", "--keep-dir", "keep"]
-        cmd += [f"-D{name}={value}" for name, value in kernel.defines.items()]
         cmd += [opt for opt in kernel.compile_options if opt not in ("-dc", "--device-c")]
         cmd += ["-o", out_name, "kernel.cu"]
         return cmd
@@ -424,7 +423,7 @@ class NvccCompiler:
         work = Path(tempfile.mkdtemp(prefix="nvcc-", dir=self.cache_dir / "tmp"))
         try:
             (work / "keep").mkdir()
-            (work / "kernel.cu").write_text(kernel.source, encoding="utf-8", errors="surrogatepass")
+            (work / "kernel.cu").write_text(kernel.compile_source(), encoding="utf-8", errors="surrogatepass")
             relocatable = any(opt in _RDC_FLAGS for opt in kernel.compile_options)
             out_name = "device.cubin" if relocatable else "kernel.cubin"
             rc, output = await _run_bounded(
@@ -463,7 +462,7 @@ class NvccCompiler:
 
 def _refuse_unsafe_flags(kernel: Kernel) -> None:
     """Models.Kernel validation already turns these away; this guards kernels built without it, since every
-    option and define reaches nvcc's command line."""
+    option reaches nvcc's command line and every define a line of the compiled source."""
     for opt in kernel.compile_options:
         if not compile_option_allowed(opt):
             raise InvalidRequest(f"compile option {opt[:80]!r} is not accepted: see Kernel.compile_options")
