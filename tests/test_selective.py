@@ -100,6 +100,23 @@ def test_certified_thresholds_hold_on_a_forecaster_only_sharp_at_the_top() -> No
     assert choice.n_above >= 0.3 * n
 
 
+def test_with_history_but_nothing_certified_the_default_needs_its_own_record_within_target() -> None:
+    # 270 pairs at confidence 0.7 (30% wrong) certify nothing, so the default 0.95 is all that is left.
+    low_conf, low_right = np.full(270, 0.7), np.r_[np.zeros(81), np.ones(189)]
+    # 30 pairs above it with 6 errors (20%): too few to prove it errs above target, but no grounds to keep it.
+    erring = choose_threshold(
+        np.r_[low_conf, np.full(30, 0.97)], np.r_[low_right, np.zeros(6), np.ones(24)], TARGET, DELTA
+    )
+    assert erring.source == "never" and erring.threshold == NEVER
+    assert "6 of 30" in erring.reason
+    # 30 pairs above it with 2 errors (6.7%): not enough to certify 0.1, and nothing against it either.
+    fine = choose_threshold(
+        np.r_[low_conf, np.full(30, 0.97)], np.r_[low_right, np.zeros(2), np.ones(28)], TARGET, DELTA
+    )
+    assert fine.source == "default" and fine.threshold == pytest.approx(0.95)
+    assert fine.n_above == 30 and "2 of 30" in fine.reason
+
+
 def test_min_history_knob_and_validation() -> None:
     assert default_min_history(TARGET, DELTA) == 58
     conf = np.full(40, 0.99)

@@ -454,6 +454,31 @@ async def test_save_forecasts_verifies_at_once_and_filters(store: Store) -> None
     assert await store.save_forecasts([]) == []
 
 
+async def test_a_pair_asked_about_again_and_again_is_one_verified_pair(store: Store) -> None:
+    base, cand, other = kernel(BS=1), kernel(BS=2), kernel(BS=3)
+    # A search loop re-sends an untried candidate: five forecasts of one pair, one with the roles swapped,
+    # and a pair with a third kernel.
+    for p in (0.6, 0.7, 0.8, 0.9):
+        await store.save_forecasts([forecast(base, cand, p, "unsure")])
+    await store.save_forecasts([forecast(cand, base, 0.05, "slower")])
+    await store.save_forecasts([forecast(base, other, 0.3, "unsure")])
+    await store.save_forecasts([forecast(base, cand, 0.7, "unsure", forecaster="claude")])
+    await save(store, base, 3.0)
+    await save(store, cand, 1.5)
+    await save(store, other, 1.0)
+    pairs = await store.verified_pairs()
+    # One row per forecaster and pair, the last one asked; each outcome counts once.
+    assert [(p.forecaster, p.p_faster, p.actual_speedup) for p in pairs] == [
+        ("local", 0.05, 0.5),
+        ("local", 0.3, 3.0),
+        ("claude", 0.7, 2.0),
+    ]
+    assert [p.p_faster for p in await store.verified_pairs(forecaster="local", hardware="A100")] == [
+        0.05,
+        0.3,
+    ]
+
+
 async def test_ledger_report_counts_everything(store: Store) -> None:
     a, b, c, d = kernel(BS=1), kernel(BS=2), kernel(BS=3), kernel(BS=4)
     await save(store, a, 2.0, charged=1.0, cache_key="a")

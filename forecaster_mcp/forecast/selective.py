@@ -8,6 +8,8 @@ thresholds (fixed-sequence testing, as in Learn-then-Test). We return the lowest
 
 While history is short we use a default threshold of 1 - target_error / 2: a calibrated forecaster errs with
 probability at most 1 - confidence on each decided pair, so its decided error stays below target_error / 2.
+Once history is long enough to test but certifies nothing, the default stays only while the verified pairs
+at or above it err at most target_error of the time; otherwise nothing is decided.
 A caller that knows its forecasts to be less reliably calibrated passes a stricter default (the engine does
 for pairs of two unmeasured kernels).
 """
@@ -187,21 +189,26 @@ def choose_threshold(
             n_t,
         )
 
-    # Nothing certified. Keep the default unless history shows it errs above target (one-sided test).
+    # Nothing certified. The default stays only while the history at it is no evidence against it: no pair
+    # that confident yet, or an observed error there within target (too few pairs to certify, not enough
+    # to refute). Its burden is the point estimate, not a test proving it errs: an overconfident forecaster
+    # whose error at the default sits a little above target would otherwise keep deciding for ever.
     n_d, k_d = above(default)
-    if n_d > 0 and 1.0 - binom_cdf(k_d - 1, n_d, target_error) <= delta:
+    if n_d > 0 and k_d > target_error * n_d:
         return choice(
             NEVER,
             None,
             f"at confidence >= {default:.3f} the forecaster erred on {k_d} of {n_d} verified pairs, "
-            f"above target {target_error:g}: no forecast is decided until it is recalibrated",
+            f"above target {target_error:g}, and no threshold is certified: no forecast is decided until "
+            "it is recalibrated",
             "never",
             0,
         )
     return choice(
         default,
         None,
-        f"no threshold certified on {n} verified pairs: default {default:.3f}",
+        f"no threshold certified on {n} verified pairs; at the default {default:.3f} the forecaster erred on "
+        f"{k_d} of {n_d}, within target: default kept",
         "default",
         n_d,
     )

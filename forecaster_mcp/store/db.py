@@ -989,11 +989,18 @@ class Store:
     async def verified_pairs(
         self, forecaster: str | None = None, hardware: str | None = None
     ) -> list[VerifiedPair]:
-        """Forecasts checked by measurements, oldest first; rows decided by cache (measured truth) omitted."""
+        """Forecasts checked by measurements, oldest first; rows decided by cache (measured truth) omitted.
+
+        One row per forecaster and pair of kernels (on one GPU and workload, either kernel the baseline): the
+        last forecast made before the pair was measured. A search loop asks about the same untried candidate
+        again and again, and each copy counted as a pair of its own would let one outcome certify a threshold
+        or weigh in a calibration several times over."""
         rows = await self._fetch(
             "SELECT forecaster, hardware, probs_json, p_faster, actual_speedup, verdict, created_at, family_key "
-            "FROM forecasts WHERE actual_speedup IS NOT NULL AND decided_by != 'cache' "
-            "AND (? IS NULL OR forecaster = ?) AND (? IS NULL OR hardware = ?) ORDER BY id",
+            "FROM forecasts WHERE id IN (SELECT MAX(id) FROM forecasts WHERE actual_speedup IS NOT NULL "
+            "AND decided_by != 'cache' AND (? IS NULL OR forecaster = ?) AND (? IS NULL OR hardware = ?) "
+            "GROUP BY forecaster, hardware, workload_key, min(baseline_key, candidate_key), "
+            "max(baseline_key, candidate_key)) ORDER BY id",
             (forecaster, forecaster, hardware, hardware),
         )
         return [
