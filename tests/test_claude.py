@@ -9,7 +9,7 @@ import math
 import subprocess
 import sys
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx2
@@ -288,6 +288,35 @@ async def test_bad_key_fails_at_once() -> None:
     with pytest.raises(ClaudeUnavailable, match="AuthenticationError"):
         await make(mock, samples=3).forecast([pair(), pair()])
     assert len(mock.message_bodies) == 1  # the first failure stops every other request
+
+
+@pytest.mark.anyio
+async def test_a_prompt_over_the_context_window_drops_that_pair_only() -> None:
+    def responder(body: dict[str, Any]) -> Any:
+        text = json.dumps(body["messages"])
+        if "HUGE_PAIR" in text:
+            return error(400, "invalid_request_error", "prompt is too long: 250123 tokens > 200000 maximum")
+        return tool_answer(FASTER)
+
+    mock = AnthropicMock(responder)
+    huge = pair()
+    huge = replace(huge, candidate=huge.candidate.model_copy(update={"source": VEC4 + "// HUGE_PAIR\n"}))
+    with pytest.raises(ClaudeUnavailable, match="1 of 3 pair") as info:
+        await make(mock, samples=2).forecast([pair(), huge, pair()])
+    first, dropped, last = info.value.partial or []
+    assert dropped is None and "prompt is too long" in str(info.value)
+    assert first is not None and first.probs == pytest.approx(FASTER)
+    assert last is not None and last.probs == pytest.approx(FASTER)
+
+
+@pytest.mark.anyio
+async def test_a_lone_surrogate_in_a_source_still_makes_a_valid_request() -> None:
+    mock = scripted(tool_answer(FASTER))
+    odd = pair()
+    odd = replace(odd, candidate=odd.candidate.model_copy(update={"source": VEC4 + "// \ud800\n"}))
+    [out] = await make(mock).forecast([odd])
+    assert out.probs == pytest.approx(FASTER)
+    assert "\\ud800" not in json.dumps(mock.message_bodies[0])
 
 
 @pytest.mark.anyio

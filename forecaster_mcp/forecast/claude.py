@@ -202,6 +202,10 @@ class _Dropped(Exception):
     """An answer that retrying would not fix (a refusal, a prompt over the context window)."""
 
 
+# The API's 400 for a request over the model's context window: about that one prompt, not the account.
+_PROMPT_TOO_LONG = "prompt is too long"
+
+
 class _Transient(Exception):
     """An API failure left after the SDK's own retries (rate limits, overload, connection)."""
 
@@ -393,6 +397,9 @@ class ClaudeForecaster:
                 try:
                     message = await self._client.messages.create(**self._params(text, mode, max_tokens))
                 except an.BadRequestError as exc:
+                    if _PROMPT_TOO_LONG in str(exc):
+                        # This pair's prompt only: the other pairs of the call still get their answers.
+                        raise _Dropped(f"Claude refused the request: {exc}") from exc
                     if not self._switch_to_json(mode, str(exc)):
                         raise
                     mode = "json"

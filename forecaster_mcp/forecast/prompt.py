@@ -202,7 +202,9 @@ def build_user_prompt(query: PairQuery, static_features: str | None = None) -> s
         f"Answer with `reasoning` and the {bins.N_BINS} `probabilities` in bin order "
         f"({bins.LABELS[0]} first, {bins.LABELS[-1]} last)."
     )
-    return "\n\n".join(parts)
+    # Valid UTF-8 whatever the source held: a lone surrogate (valid JSON, which a pairs file may carry) would
+    # make the SDK fail to encode the request.
+    return "\n\n".join(parts).encode("utf-8", "replace").decode("utf-8")
 
 
 def describe_hardware(name: str, spec: GpuSpec | None) -> str:
