@@ -358,8 +358,10 @@ class GpuSession:
         self.reset_persisting_l2()
 
         comparisons: list[Comparison] = []
+        t_inputs = time.perf_counter()
         inputs = generate_inputs(workload, job.seed)
         buffers = GuardedBuffers(self.cuda, workload, inputs)
+        input_seconds = time.perf_counter() - t_inputs
         try:
             # First input set: one run, guards, reference.
             t_check = time.perf_counter()
@@ -382,8 +384,10 @@ class GpuSession:
                         correctness=correctness,
                     )
             check_seconds = time.perf_counter() - t_check
-            # The fresh-input check after timing costs about as much again: keep it in reserve.
-            reserve = 1.5 * check_seconds + 0.01
+            # The fresh-input check after timing generates and uploads a new input set and checks it again:
+            # about what the first set cost, input generation included. Keep that (with a margin) in reserve,
+            # or a large workload runs past max_seconds there and loses every sample.
+            reserve = 1.2 * input_seconds + 1.5 * check_seconds + 0.01
             progress(0, "first input set checked; warming up")
 
             samples, warmups, stop = self._sample(job, kernel, buffers, deadline, reserve, progress)
@@ -397,8 +401,9 @@ class GpuSession:
             if not samples:
                 raise JobFailure(
                     "timeout",
-                    f"one checked run takes {check_seconds:.3g} s, which leaves no time for timed runs "
-                    f"within max_seconds={job.max_seconds:g}: raise max_seconds",
+                    f"one checked run takes {check_seconds:.3g} s and generating and uploading an input set "
+                    f"{input_seconds:.3g} s (a second set is checked after timing), which leaves no time for "
+                    f"timed runs within max_seconds={job.max_seconds:g}: raise max_seconds",
                 )
 
             # Fresh input set, new random seed: a kernel that replays an earlier answer fails here.
