@@ -584,6 +584,18 @@ def test_ptx_and_ptxas_parsing() -> None:
     assert info == {
         "bar": {"registers": 40, "shared": 4096, "stack": 16, "spill_stores": 8, "spill_loads": 4}
     }
+    # A __noinline__ helper's properties come after the kernel's: they are the helper's own.
+    heavy = parse_ptxas(
+        "ptxas info    : Compiling entry function 'heavy' for 'sm_90'\n"
+        "ptxas info    : Function properties for heavy\n"
+        "    1656 bytes stack frame, 1644 bytes spill stores, 3184 bytes spill loads\n"
+        "ptxas info    : Used 24 registers, used 0 barriers, 1656 bytes cumulative stack size\n"
+        "ptxas info    : Function properties for _Z6helperPKfi\n"
+        "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+    )
+    assert heavy == {
+        "heavy": {"registers": 24, "shared": 0, "stack": 1656, "spill_stores": 1644, "spill_loads": 3184}
+    }
 
 
 # ---------------------------------------------------------------- real nvcc (no GPU needed)

@@ -39,6 +39,7 @@ from anyio.abc import Process
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from forecaster_mcp.errors import InvalidRequest, NotMeasurable
+from forecaster_mcp.forecast import ptxas
 from forecaster_mcp.measure.base import OCCUPIED_ATTR, MeasureRequest, ProgressCallback
 from forecaster_mcp.measure.inputs import param_sizes
 from forecaster_mcp.measure.timing import (
@@ -280,31 +281,19 @@ def resolve_symbol(entry: str, symbols: Sequence[str]) -> str | CompileFailure:
     )
 
 
-_PTXAS_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
-
-
 def parse_ptxas(stderr: str) -> dict[str, dict[str, int]]:
-    """Per entry symbol: registers, static shared memory, stack and spill bytes from `ptxas -v` output."""
-    out: dict[str, dict[str, int]] = {}
-    current: dict[str, int] | None = None
-    for line in stderr.splitlines():
-        m = _PTXAS_ENTRY.search(line)
-        if m:
-            current = out.setdefault(m.group(1), {})
-            continue
-        if current is None:
-            continue
-        if (r := re.search(r"Used (\d+) registers", line)) is not None:
-            current["registers"] = int(r.group(1))
-        if (s := re.search(r"(\d+) bytes smem", line)) is not None:
-            current["shared"] = int(s.group(1))
-        if f := re.search(
-            r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line
-        ):
-            current["stack"] = int(f.group(1))
-            current["spill_stores"] = int(f.group(2))
-            current["spill_loads"] = int(f.group(3))
-    return out
+    """Per entry symbol: registers, static shared memory, stack and spill bytes from `ptxas -v` output (the
+    forecaster's parser: a `__noinline__` helper's figures are its own, never the kernel's)."""
+    return {
+        e.name: {
+            "registers": e.registers,
+            "shared": e.shared_bytes,
+            "stack": e.stack_frame_bytes,
+            "spill_stores": e.spill_stores_bytes,
+            "spill_loads": e.spill_loads_bytes,
+        }
+        for e in ptxas.parse_ptxas(stderr)
+    }
 
 
 _PTX_SIZES = {"8": 1, "16": 2, "32": 4, "64": 8}
