@@ -147,7 +147,7 @@ class FakeSession:
             registers_per_sm=65536,
             shared_mem_per_sm_bytes=228 * 1024,
             max_shared_mem_per_block_bytes=227 * 1024,
-            total_mem_bytes=80 * 2**30,
+            total_mem_bytes=int(float(os.environ.get("FAKE_GPU_TOTAL_GIB", "80")) * 2**30),
             mem_bandwidth_gbs=3352.0,
             pid=os.getpid(),
             pgid=os.getpgid(0),

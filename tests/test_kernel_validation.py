@@ -575,6 +575,57 @@ async def test_launch_limits_are_clear_tool_errors(tmp_path: Path, conv_a100: Pa
         await nothing_charged(client)
 
 
+def _fake_h100(tmp_path: Path) -> PycudaMeasurer:
+    return PycudaMeasurer(
+        tmp_path / "cache",
+        worker_cmd=[sys.executable, FAKE],
+        device_names=["NVIDIA H100 80GB HBM3"],
+        nvcc=[sys.executable, FAKE, "nvcc"],
+        kill_slack_s=0.3,
+        startup_grace_s=20.0,
+    )
+
+
+@pytest.mark.anyio
+async def test_static_and_dynamic_shared_memory_together_over_the_device_are_refused_uncharged(
+    tmp_path: Path,
+) -> None:
+    # The fake compiler reports 1024 bytes of static shared memory: 1 KiB short of the 227 KiB is one too many.
+    limit = 227 * 1024
+    k = Kernel.model_validate(
+        {"source": VADD, "entry": "vadd", "launch": {"grid": [4], "block": [256], "shared_mem_bytes": limit}}
+    )
+    async with _fake_h100(tmp_path) as gpu:
+        request = MeasureRequest(kernel=k, workload=WORKLOAD, device=gpu.devices()[0], max_seconds=5.0)
+        result = await gpu.measure(request)
+    assert result.status == "launch_error" and result.cost.gpu_seconds == 0.0
+    assert "1024 bytes of static __shared__ memory" in (result.message or "")
+
+
+@pytest.mark.anyio
+async def test_a_workload_larger_than_device_memory_is_refused_before_anything_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 20 GiB of buffers fits the 64 GiB workload cap, not a 16 GiB device: refused before compiling or running.
+    monkeypatch.setenv("FAKE_GPU_TOTAL_GIB", "16")
+    big = Workload.model_validate(
+        {
+            "args": [
+                {"name": "a", "dtype": "float32", "shape": [5 * 2**30]},
+                {"name": "b", "dtype": "float32", "shape": [1]},
+                {"name": "c", "dtype": "float32", "shape": [1], "intent": "out"},
+                {"name": "n", "dtype": "int32", "value": 1},
+            ]
+        }
+    )
+    k = Kernel.model_validate({"source": VADD, "entry": "vadd", "launch": {"grid": [4], "block": [256]}})
+    async with _fake_h100(tmp_path) as gpu:
+        request = MeasureRequest(kernel=k, workload=big, device=gpu.devices()[0], max_seconds=5.0)
+        with pytest.raises(InvalidRequest, match=r"need 20\.\d\d GiB .* more than .* 16\.00 GiB"):
+            await gpu.measure(request)
+    assert not (tmp_path / "cache" / "kernels").exists()
+
+
 @pytest.mark.anyio
 async def test_the_measurer_refuses_more_shared_memory_than_its_device_gives(tmp_path: Path) -> None:
     # Under the absolute cap, over the fake H100's 227 KiB: refused before compiling or running anything.
@@ -585,14 +636,7 @@ async def test_the_measurer_refuses_more_shared_memory_than_its_device_gives(tmp
             "launch": {"grid": [4], "block": [256], "shared_mem_bytes": 300 * 1024},
         }
     )
-    async with PycudaMeasurer(
-        tmp_path / "cache",
-        worker_cmd=[sys.executable, FAKE],
-        device_names=["NVIDIA H100 80GB HBM3"],
-        nvcc=[sys.executable, FAKE, "nvcc"],
-        kill_slack_s=0.3,
-        startup_grace_s=20.0,
-    ) as gpu:
+    async with _fake_h100(tmp_path) as gpu:
         request = MeasureRequest(kernel=k, workload=WORKLOAD, device=gpu.devices()[0], max_seconds=5.0)
         with pytest.raises(
             InvalidRequest, match=r"kernel\.launch\.shared_mem_bytes is 307200, over the 232448"

@@ -287,8 +287,9 @@ class GpuSession:
         fmt = param_format(workload)
         function.prepare(fmt)
         shared = image.launch.shared_mem_bytes
-        if shared > 48 * 1024:
-            # Above 48 KiB of dynamic shared memory a kernel must opt in before launch.
+        if shared + int(function.shared_size_bytes) > 48 * 1024:
+            # Without an opt-in a block gets 48 KiB of shared memory, static __shared__ arrays included: above
+            # that, the dynamic part must be allowed before launch.
             function.set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, shared)
         return Loaded(image, module, function, fmt)
 

@@ -41,6 +41,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from forecaster_mcp.errors import InvalidRequest, NotMeasurable
 from forecaster_mcp.forecast import ptxas
 from forecaster_mcp.measure.base import OCCUPIED_ATTR, MeasureRequest, ProgressCallback
+from forecaster_mcp.measure.gpu_worker import GUARD_BYTES
 from forecaster_mcp.measure.inputs import param_sizes
 from forecaster_mcp.measure.timing import (
     below_physical_floor,
@@ -754,6 +755,7 @@ class PycudaMeasurer:
         for what, k in (("kernel", request.kernel), ("reference", request.reference)):
             if k is not None and k.launch is not None:
                 _check_shared_fits(what, k.launch.shared_mem_bytes, info)
+        _check_workload_fits(request.workload, info)
 
         t_compile = time.perf_counter()
         compiled = await self.compiler.compile(request.kernel, info.arch)
@@ -776,7 +778,9 @@ class PycudaMeasurer:
             ("reference", ref_compiled, request.reference),
         ):
             if ck is not None and k is not None:
-                mismatch = _parameter_mismatch(what, k, ck, request.workload)
+                mismatch = _parameter_mismatch(what, k, ck, request.workload) or _shared_total_mismatch(
+                    what, k, ck, info
+                )
                 if mismatch is not None:
                     refused = self._result(
                         request, slot, "launch_error", mismatch, 0.0, compile_seconds, compiled=compiled
@@ -1101,6 +1105,38 @@ def _check_shared_fits(what: str, shared_mem_bytes: int, info: DeviceInfo) -> No
             f"{what}.launch.shared_mem_bytes is {shared_mem_bytes}, over the {info.max_shared_mem_per_block_bytes} "
             f"bytes of shared memory {info.name} gives one block (static __shared__ arrays count too): "
             "use less dynamic shared memory"
+        )
+
+
+def _shared_total_mismatch(
+    what: str, kernel: Kernel, compiled: CompiledKernel, info: DeviceInfo
+) -> str | None:
+    """Static __shared__ arrays and dynamic shared memory together over what the device gives one block."""
+    static = compiled.static_shared_bytes or 0
+    dynamic = kernel.launch.shared_mem_bytes if kernel.launch is not None else 0
+    if static + dynamic <= info.max_shared_mem_per_block_bytes:
+        return None
+    return (
+        f"{what} {kernel.entry} uses {static} bytes of static __shared__ memory plus launch.shared_mem_bytes "
+        f"{dynamic}, over the {info.max_shared_mem_per_block_bytes} bytes {info.name} gives one block: use "
+        "smaller tiles or less dynamic shared memory"
+    )
+
+
+# Device memory the measurement itself holds besides the workload's buffers: the L2-flush buffer (the L2's
+# size), guard regions around each buffer, the CUDA context and module (a few hundred MiB on current GPUs).
+_CONTEXT_RESERVE_BYTES = 512 * 2**20
+
+
+def _check_workload_fits(workload: Workload, info: DeviceInfo) -> None:
+    """Refuse, before anything is charged, buffers the device could not hold at once."""
+    buffers = [a for a in workload.args if isinstance(a, BufferArg)]
+    need = sum(a.nbytes for a in buffers) + 2 * GUARD_BYTES * len(buffers) + info.l2_bytes
+    if need + _CONTEXT_RESERVE_BYTES > info.total_mem_bytes:
+        raise InvalidRequest(
+            f"the workload's buffers need {need / 2**30:.2f} GiB of device memory with the L2-flush buffer, "
+            f"more than {info.name}'s {info.total_mem_bytes / 2**30:.2f} GiB less "
+            f"{_CONTEXT_RESERVE_BYTES // 2**20} MiB for the CUDA context: use smaller shapes"
         )
 
 
