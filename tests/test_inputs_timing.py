@@ -106,6 +106,24 @@ def test_init_kinds() -> None:
     assert isinstance(bf_ones, np.ndarray) and bf_ones.tolist() == [0x3F80] * 3
 
 
+def test_arange_stays_finite_in_float16_and_wraps_integers_modulo_their_range() -> None:
+    half, small, wide, negative_side = generate_inputs(
+        workload(
+            buf("h", "float16", [70000], init="arange"),
+            buf("u", "uint8", [2, 300], init="arange"),
+            buf("w", "int32", [70000], init="arange"),
+            buf("n", "float32", [5], init="random_normal"),
+        ),
+        seed=0,
+    )
+    assert isinstance(half, np.ndarray) and np.isfinite(half).all()  # past 65504 float16 would be inf
+    assert half[:3].tolist() == [0, 1, 2] and half[2047] == 2047 and half[2048] == 0
+    assert isinstance(small, np.ndarray) and small.shape == (2, 300)
+    assert small.ravel().tolist() == [i % 256 for i in range(600)]
+    assert isinstance(wide, np.ndarray) and wide[-1] == 69999
+    assert isinstance(negative_side, np.ndarray) and negative_side.dtype == np.float32
+
+
 def test_bfloat16_rounds_to_nearest_even_and_keeps_nan() -> None:
     values = np.array([1.0, -2.5, 1.00390625, 1.01171875, np.inf, np.nan], dtype=np.float32)
     bits = float32_to_bfloat16_bits(values)

@@ -61,8 +61,15 @@ def is_float(dtype: str) -> bool:
 def float32_to_bfloat16_bits(values: np.ndarray) -> np.ndarray:
     """Round-to-nearest-even float32 -> bfloat16 bit patterns (uint16); NaN stays NaN."""
     f32 = np.ascontiguousarray(values, dtype=np.float32)
-    bits = f32.view(np.uint32).astype(np.uint64)
-    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    bits = f32.view(np.uint32)
+    # In place on one uint32 temporary (inputs can be gigabytes). It cannot wrap for a number: only NaNs with
+    # the sign bit set lie within 0x8000 of 2**32, and NaNs are set below.
+    acc = (bits >> 16) & 1
+    acc += 0x7FFF
+    acc += bits
+    acc >>= 16
+    rounded = acc.astype(np.uint16)
+    del acc
     nan = np.isnan(f32)
     if nan.any():
         rounded[nan] = 0x7FC0
@@ -84,13 +91,21 @@ def _buffer(arg: BufferArg, rng: np.random.Generator) -> np.ndarray:
             return float32_to_bfloat16_bits(np.ones(shape, dtype=np.float32))
         return np.ones(shape, dtype=storage)
     if arg.init == "arange":
-        ramp = np.arange(n, dtype=np.float64).reshape(shape)
-        if arg.dtype == "bfloat16":
-            return float32_to_bfloat16_bits(ramp.astype(np.float32))
-        # Integer types wrap modulo their range: an index pattern, not a value range, is what arange is for.
-        return ramp.astype(np.int64).astype(storage) if not is_float(arg.dtype) else ramp.astype(storage)
+        if arg.dtype == "float16":
+            # float16 holds every integer up to 2048 exactly and none past 65504 (inf from there on, and inf
+            # matching inf checks nothing): the ramp wraps at 2048.
+            return np.resize(np.arange(2048, dtype=np.float16), shape)
+        if not is_float(arg.dtype):
+            # Integer types wrap modulo their range: an index pattern, not a value range, is what arange is for.
+            # One period repeated where it is short, so the ramp costs no wider temporary than the buffer.
+            bits = 8 * np.dtype(storage).itemsize
+            if arg.dtype != "bool" and bits <= 16 and n > 2**bits:
+                return np.resize(np.arange(2**bits, dtype=np.int64).astype(storage), shape)
+            return np.arange(n, dtype=np.int64).astype(storage).reshape(shape)
+        ramp = np.arange(n, dtype=np.float64 if arg.dtype == "float64" else np.float32).reshape(shape)
+        return float32_to_bfloat16_bits(ramp) if arg.dtype == "bfloat16" else ramp.astype(storage, copy=False)
     if arg.dtype == "bool":
-        return rng.integers(0, 2, size=shape).astype(np.bool_)
+        return rng.integers(0, 2, size=shape, dtype=np.bool_)
     if is_float(arg.dtype):
         # Drawn at the precision they are stored in (below float64, float32 draws): a float64 draw then a cast
         # costs ten times as much, and input generation is charged time on large workloads.
@@ -104,9 +119,11 @@ def _buffer(arg: BufferArg, rng: np.random.Generator) -> np.ndarray:
         return values if values.dtype == storage else values.astype(storage)
     if arg.init == "random_normal":
         info = np.iinfo(arg.dtype)
-        ints = np.rint(rng.standard_normal(size=shape, dtype=np.float32) * 8.0)
-        clipped: np.ndarray = np.clip(ints, info.min, info.max)
-        return clipped.astype(storage)
+        ints = rng.standard_normal(size=shape, dtype=np.float32)
+        ints *= 8.0
+        np.rint(ints, out=ints)
+        np.clip(ints, info.min, info.max, out=ints)
+        return ints.astype(storage)
     return rng.integers(0, _INT_HIGH, size=shape, dtype=storage)
 
 
