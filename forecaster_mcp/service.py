@@ -296,9 +296,17 @@ class Service:
                 raise InvalidRequest("measure_if_unsure needs a ledger; this server has none configured")
             if measure_next[0] == base.id:
                 unsure.insert(0, base.id)
-            measurements, charged, stopped = await self._measure_unsure(
-                ledger, base, by_id, unsure, max_measurements, workload, hw, progress
-            )
+            try:
+                measurements, charged, stopped = await self._measure_unsure(
+                    ledger, base, by_id, unsure, max_measurements, workload, hw, progress
+                )
+            except NotMeasurable as exc:
+                # Nothing could run here (no GPU, no such device, a baseline the recordings lack), and nothing
+                # ran or was charged: the free forecasts are still the answer.
+                stopped = (
+                    f"measure_if_unsure measured nothing: {one_line(str(exc), 400)} Nothing was charged; the "
+                    "forecasts stand, and measure_kernel measures where the kernels can run"
+                )
             if stopped is not None:
                 notes.append(stopped)
             measured = await self._measured(kernels, hw.name, wkey)

@@ -82,12 +82,20 @@ async def test_a_kernel_missing_from_an_export_is_named_in_compare_kernels(
     out = await _export(tmp_path, conv_a100)
     async with running(tmp_path / "b", [out]) as (client, _):
         missing = conv("wide", {**FAST, "block_size_x": 64})
-        message = await error_of(
+        out = await call(
             client,
             "compare_kernels",
-            {"candidates": [missing, conv("fast", FAST), conv("slow", SLOW)], "measure_if_unsure": True},
+            {
+                "candidates": [missing, conv("fast", FAST), conv("slow", SLOW)],
+                "measure_if_unsure": True,
+                "target_error": 0.001,
+            },
         )
-        assert "'wide'" in message
+        # The baseline cannot be measured, so nothing is: the forecasts come back with the reason.
+        (note,) = [n for n in out["notes"] if n.startswith("measure_if_unsure measured nothing")]
+        assert "'wide'" in note and "Nothing was charged" in note
+        assert out["measurements"] == [] and out["gpu_seconds_charged"] == 0
+        assert {c["decided_by"] for c in out["candidates"]} == {"forecast"}
 
 
 async def test_an_export_named_twice_keeps_the_device_fingerprint(tmp_path: Path, conv_a100: Path) -> None:

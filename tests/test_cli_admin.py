@@ -231,6 +231,33 @@ def test_serve_refuses_a_ledger_name_ledger_create_would_refuse(
     assert not Settings.from_env().db_path.exists()  # refused before the server opened its store
 
 
+def test_serve_refuses_a_ledger_that_does_not_exist(capsys: pytest.CaptureFixture[str]) -> None:
+    # Every call would fail on it, free forecasts included: refused at start-up instead.
+    code, out, err = run(capsys, "serve", "--ledger", "nonexist", "--measurer", "none")
+    assert code == 2 and out == ""
+    assert "ledger 'nonexist' does not exist" in err and "`forecaster-mcp ledger create nonexist" in err
+
+
+def test_serve_warns_at_start_up_about_a_default_gpu_it_does_not_know(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from forecaster_mcp.server.app import _check_startup
+    from forecaster_mcp.service import Service
+
+    async def check(hardware: str) -> str:
+        settings = Settings.from_env(measurer="none", hardware=hardware)
+        service = await Service.open(settings)
+        try:
+            await _check_startup(service, settings, http=False)
+        finally:
+            await service.close()
+        return capsys.readouterr().err
+
+    warned = asyncio.run(check("RTX 4900"))
+    assert "warning: --hardware 'RTX 4900' is not a GPU this server knows (close: RTX 4090" in warned
+    assert asyncio.run(check("h100")) == ""  # a known name, however spelled
+
+
 def test_unknown_ledger_message_quotes_the_name_for_the_shell() -> None:
     from forecaster_mcp.errors import UnknownLedger
     from forecaster_mcp.service import Service

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import socket
 import sys
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
@@ -400,6 +401,31 @@ def _shown_url(host: str, port: int) -> str:
     return f"http://{shown}:{port}/mcp"
 
 
+async def _check_startup(service: Service, settings: Settings, *, http: bool) -> None:
+    """Refuse a stdio ledger that does not exist (every call would fail, free forecasts included); warn on
+    stderr about a default GPU the spec table does not know (every forecast would quietly lose its hardware
+    features)."""
+    if not http and await service.store.get_ledger(settings.ledger) is None:
+        raise OperatorError(
+            f"ledger {settings.ledger!r} does not exist: create it with `forecaster-mcp ledger create "
+            f"{shlex.quote(settings.ledger)} --gpu-seconds N`, or leave out --ledger to use 'default'"
+        )
+    try:
+        unknown_gpu = settings.hardware is not None and service.resolve_hardware(None).spec is None
+    except AgentError as exc:
+        raise OperatorError(f"--hardware {settings.hardware!r}: {exc}") from exc
+    if unknown_gpu:
+        assert settings.hardware is not None
+        names = [row.name for row in service.gpu_specs()]
+        close = difflib.get_close_matches(settings.hardware, names, n=3, cutoff=0.4)
+        hint = f" (close: {', '.join(close)})" if close else ""
+        print(
+            f"forecaster-mcp: warning: --hardware {settings.hardware!r} is not a GPU this server knows{hint}; "
+            "forecasts for it will have no hardware-specific features",
+            file=sys.stderr,
+        )
+
+
 async def serve(
     settings: Settings,
     *,
@@ -413,6 +439,7 @@ async def serve(
 
     service = await Service.open(settings)
     try:
+        await _check_startup(service, settings, http=http)
         server = build_server(service, http=http)
         async with anyio.create_task_group() as tg:
             # Parse recordings in the background so the first tools/list is not kept waiting.
