@@ -33,13 +33,14 @@ from pydantic import AnyHttpUrl, Field
 from forecaster_mcp import __version__, bins
 from forecaster_mcp.errors import AgentError, OperatorError
 from forecaster_mcp.forecast.selective import MAX_TARGET_ERROR, MIN_TARGET_ERROR
-from forecaster_mcp.models import CompareResult, Kernel, MeasureResult, Workload
+from forecaster_mcp.models import MAX_CANDIDATES, CompareResult, Kernel, MeasureResult, Workload
 from forecaster_mcp.reports import BudgetStatus, GpuSpecRow
 from forecaster_mcp.service import Service
 from forecaster_mcp.settings import Settings
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 INSTRUCTIONS = """\
 forecaster-mcp forecasts whether one GPU kernel is faster than another, says how sure it is, and measures on a
@@ -192,20 +193,39 @@ def build_server(service: Service, *, http: bool = False) -> MCPServer:
 
         return report
 
-    @mcp.tool(
+    def tool(**options: Any) -> Callable[[_F], _F]:
+        """mcp.tool with the docstring dedented: agents read the description as written, indentation and all."""
+
+        def register(fn: _F) -> _F:
+            mcp.tool(description=inspect.cleandoc(fn.__doc__ or ""), **options)(fn)
+            return fn
+
+        return register
+
+    @tool(
         title="Forecast which kernels are faster",
         annotations=_annotations("Forecast which kernels are faster", read_only=False),
     )
     async def compare_kernels(
         candidates: Annotated[
-            list[Kernel], Field(description="2 to 64 kernels; ids unique (default k0, k1, ...)")
+            list[Kernel],
+            Field(
+                description="2 to 64 kernels; ids unique (default k0, k1, ...)",
+                json_schema_extra={"minItems": 2, "maxItems": MAX_CANDIDATES},
+            ),
         ],
         ctx: Context,
         workload: Annotated[
             Workload, Field(description="what the kernels run on; problem sizes are shown to forecasters")
         ] = Workload(),  # noqa: B008 - frozen model, safe as a default
         baseline: Annotated[str | None, Field(description="id of the baseline; default the first")] = None,
-        hardware: Annotated[str | None, Field(description="target GPU, e.g. 'H100' or 'A100-80GB'")] = None,
+        hardware: Annotated[
+            str | None,
+            Field(
+                description="target GPU, e.g. 'H100' or 'A100-80GB' (names in the forecaster://gpu-specs "
+                "resource); default the server's measurement device or configured GPU"
+            ),
+        ] = None,
         target_error: Annotated[
             float | None,
             Field(
@@ -216,13 +236,22 @@ def build_server(service: Service, *, http: bool = False) -> MCPServer:
         measure_if_unsure: Annotated[
             bool, Field(description="measure unsure candidates on the GPU, charged to your budget")
         ] = False,
-        max_measurements: Annotated[int, Field(description="cap on measurements when measure_if_unsure")] = 4,
+        max_measurements: Annotated[
+            int,
+            Field(
+                description=f"cap on measurements when measure_if_unsure (0 to {MAX_CANDIDATES})",
+                json_schema_extra={"minimum": 0, "maximum": MAX_CANDIDATES},
+            ),
+        ] = 4,
         ledger: Annotated[
             str | None, Field(description="must match this connection's ledger if given")
         ] = None,
     ) -> CompareResult:
-        """Forecast, for every candidate, the probability it is faster than the baseline and a verdict
-        (faster / slower / unsure) whose error rate stays under target_error. Free unless measure_if_unsure."""
+        """Forecast, for every candidate, the probability it is faster than the baseline and a verdict (faster /
+        slower / unsure) whose error rate stays under target_error. Free unless measure_if_unsure. Act on
+        `measure_next`: the unsure candidates worth a GPU measurement, most valuable first (chance and size of
+        beating the best kernel measured so far); measure those with measure_kernel and trust the decided
+        verdicts."""
         _refuse_unknown_arguments(ctx, compare_kernels)
         own = ledger_for(ledger)
         return await _call(
@@ -239,7 +268,7 @@ def build_server(service: Service, *, http: bool = False) -> MCPServer:
             )
         )
 
-    @mcp.tool(
+    @tool(
         title="Measure a kernel on the GPU",
         annotations=_annotations("Measure a kernel on the GPU", read_only=False),
     )
@@ -252,10 +281,17 @@ def build_server(service: Service, *, http: bool = False) -> MCPServer:
         reference: Annotated[
             Kernel | None, Field(description="correctness oracle run on the same inputs")
         ] = None,
-        atol: float = 1e-5,
-        rtol: float = 1e-3,
+        atol: Annotated[
+            float,
+            Field(description="absolute tolerance of the output check: |got - want| <= atol + rtol*|want|"),
+        ] = 1e-5,
+        rtol: Annotated[float, Field(description="relative tolerance of the output check (see atol)")] = 1e-3,
         max_seconds: Annotated[
-            float | None, Field(description="cap on GPU-seconds for this measurement")
+            float | None,
+            Field(
+                description="cap on GPU-seconds for this measurement, reserved from your budget up front and "
+                "the unused part released; default and maximum: the server's cap (30 s unless configured)"
+            ),
         ] = None,
         max_runs: Annotated[int, Field(description="cap on timed runs")] = 1000,
         idempotency_key: Annotated[
@@ -289,7 +325,7 @@ def build_server(service: Service, *, http: bool = False) -> MCPServer:
             )
         )
 
-    @mcp.tool(
+    @tool(
         title="GPU budget and forecaster record",
         annotations=_annotations("GPU budget and forecaster record", read_only=True),
     )
