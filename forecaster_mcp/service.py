@@ -5,6 +5,7 @@ The MCP layer (server/app.py) maps tool calls onto `Service` methods and `AgentE
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -13,7 +14,7 @@ import logging
 import math
 import re
 import shlex
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,7 +112,7 @@ class Service:
         self.engine = ForecastEngine(list(forecasters), store, timeout_s=settings.forecast_timeout_s)
         self.measurers = list(measurers)
         self.measurer_notes = list(measurer_notes)
-        self._inflight: dict[tuple[str, str], anyio.Event] = {}
+        self._inflight: dict[tuple[str, ...], anyio.Event] = {}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -600,18 +601,24 @@ class Service:
         )
         if idempotency_key is None:
             return await run()
-        flight = (ledger, idempotency_key)
-        while flight in self._inflight:
-            await self._inflight[flight].wait()
-        prior = await self._idempotent_prior(ledger, idempotency_key, kernel, workload, device)
-        if prior is not None:
-            return prior
-        done = anyio.Event()
-        self._inflight[flight] = done
-        try:
+        async with self._alone(("idempotency", ledger, idempotency_key)):
+            prior = await self._idempotent_prior(ledger, idempotency_key, kernel, workload, device)
+            if prior is not None:
+                return prior
             return await run()
+
+    @contextlib.asynccontextmanager
+    async def _alone(self, key: tuple[str, ...]) -> AsyncIterator[None]:
+        """Runs the block while no other coroutine of this process runs one under the same key (requests in
+        other processes on the same database are kept apart by the store: reservations, idempotency keys)."""
+        while key in self._inflight:
+            await self._inflight[key].wait()
+        done = anyio.Event()
+        self._inflight[key] = done
+        try:
+            yield
         finally:
-            del self._inflight[flight]
+            del self._inflight[key]
             done.set()
 
     async def _idempotent_prior(
@@ -670,60 +677,63 @@ class Service:
             "content_key": kernel.content_key(),
             "hardware": device,
         }
-        hit = await self.store.find_measurement(cache_key)
-        if hit is not None and _precise_enough(hit, request, getattr(measurer, "min_runs", 1)):
-            result = _free_copy(hit, str(kernel.id))
-            result.measurement_id = await self.store.save_measurement(
-                **save, result=result, charged_gpu_seconds=0.0, cached=True
-            )
-            return result
-
-        try:
-            hold = await self.store.reserve(
-                ledger, measurer.reservation_seconds(request), f"measure {kernel.entry}", idempotency_key
-            )
-        except AlreadyMeasured:
-            # Another server process on this database finished the same key first.
-            assert idempotency_key is not None
-            prior = await self._idempotent_prior(ledger, idempotency_key, kernel, workload, device)
-            assert prior is not None
-            return prior
-        settled = False
-        try:
-            try:
-                result = await measurer.measure(request, progress)
-            except BaseException as exc:
-                # Cancelled (or failed) after the job reached the device: the measurer says how long the device
-                # was occupied (OCCUPIED_ATTR), and that is charged like any other run; the exception goes on.
-                occupied = getattr(exc, OCCUPIED_ATTR, None)
-                if isinstance(occupied, int | float) and not isinstance(occupied, bool):
-                    with anyio.CancelScope(shield=True):
-                        await self.store.commit(hold, max(0.0, min(float(occupied), hold.gpu_seconds)))
-                        settled = True
-                raise
-            with anyio.CancelScope(shield=True):
-                # Saved before the commit: a retry under the same key in another process then finds it
-                # (no window in which neither the hold nor the measurement carries the key).
-                expected = max(0.0, min(result.cost.gpu_seconds, hold.gpu_seconds))
-                result = result.model_copy(
-                    update={
-                        "kernel_id": kernel.id,
-                        "cost": result.cost.model_copy(update={"gpu_seconds": expected}),
-                    }
-                )
+        # One measurement of the same request at a time: concurrent callers (parallel search clients sharing
+        # an unmeasured baseline) wait for the first and are then served from the cache, free.
+        async with self._alone(("cache", cache_key)):
+            hit = await self.store.find_measurement(cache_key)
+            if hit is not None and _precise_enough(hit, request, getattr(measurer, "min_runs", 1)):
+                result = _free_copy(hit, str(kernel.id))
                 result.measurement_id = await self.store.save_measurement(
-                    **save, result=result, charged_gpu_seconds=expected, cached=False
+                    **save, result=result, charged_gpu_seconds=0.0, cached=True
                 )
-                charged = await self.store.commit(hold, result.cost.gpu_seconds)
-                settled = True
-                result.cost.gpu_seconds = charged
-                # New verified pairs: let calibration and the threshold see them on the next call.
-                self.engine.mark_stale()
-            return result
-        finally:
-            if not settled:
+                return result
+
+            try:
+                hold = await self.store.reserve(
+                    ledger, measurer.reservation_seconds(request), f"measure {kernel.entry}", idempotency_key
+                )
+            except AlreadyMeasured:
+                # Another server process on this database finished the same key first.
+                assert idempotency_key is not None
+                prior = await self._idempotent_prior(ledger, idempotency_key, kernel, workload, device)
+                assert prior is not None
+                return prior
+            settled = False
+            try:
+                try:
+                    result = await measurer.measure(request, progress)
+                except BaseException as exc:
+                    # Cancelled (or failed) after the job reached the device: the measurer says how long the device
+                    # was occupied (OCCUPIED_ATTR), and that is charged like any other run; the exception goes on.
+                    occupied = getattr(exc, OCCUPIED_ATTR, None)
+                    if isinstance(occupied, int | float) and not isinstance(occupied, bool):
+                        with anyio.CancelScope(shield=True):
+                            await self.store.commit(hold, max(0.0, min(float(occupied), hold.gpu_seconds)))
+                            settled = True
+                    raise
                 with anyio.CancelScope(shield=True):
-                    await self.store.release(hold)
+                    # Saved before the commit: a retry under the same key in another process then finds it
+                    # (no window in which neither the hold nor the measurement carries the key).
+                    expected = max(0.0, min(result.cost.gpu_seconds, hold.gpu_seconds))
+                    result = result.model_copy(
+                        update={
+                            "kernel_id": kernel.id,
+                            "cost": result.cost.model_copy(update={"gpu_seconds": expected}),
+                        }
+                    )
+                    result.measurement_id = await self.store.save_measurement(
+                        **save, result=result, charged_gpu_seconds=expected, cached=False
+                    )
+                    charged = await self.store.commit(hold, result.cost.gpu_seconds)
+                    settled = True
+                    result.cost.gpu_seconds = charged
+                    # New verified pairs: let calibration and the threshold see them on the next call.
+                    self.engine.mark_stale()
+                return result
+            finally:
+                if not settled:
+                    with anyio.CancelScope(shield=True):
+                        await self.store.release(hold)
 
     # ------------------------------------------------------------------ budget_status
 

@@ -170,3 +170,33 @@ async def test_cached_result_must_be_as_precise_as_the_request(tmp_path: Path) -
         assert row is not None and row.spent_gpu_seconds == pytest.approx(0.5)
     finally:
         await svc.close()
+
+
+async def test_concurrent_identical_measurements_run_once_and_the_rest_are_free(tmp_path: Path) -> None:
+    # Parallel search clients sharing an unmeasured baseline: one device run, one charge.
+    from forecaster_mcp.measure.fake import FakeMeasurer
+
+    fake = FakeMeasurer([DEVICE], gpu_seconds=0.5)
+    gate = anyio.Event()
+    fake.script("vadd", block_until=gate)
+    svc = await make_service(tmp_path, fake)
+    try:
+        results: list[MeasureResult] = []
+
+        async def one() -> None:
+            results.append(await svc.measure(ledger="L", kernel=kernel(), workload=WORKLOAD))
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(5):
+                tg.start_soon(one)
+            await fake.wait_for_calls(1)
+            await anyio.sleep(0.2)  # the other four are waiting for the first, not at the device
+            assert len(fake.history) == 1
+            gate.set()
+        assert len(fake.history) == 1
+        assert sorted(r.cost.gpu_seconds for r in results) == [0.0, 0.0, 0.0, 0.0, 0.5]
+        assert sorted(r.cost.cached for r in results) == [False, True, True, True, True]
+        view = await svc.store.get_ledger("L")
+        assert view is not None and view.spent_gpu_seconds == pytest.approx(0.5)
+    finally:
+        await svc.close()
