@@ -141,6 +141,13 @@ def _one_line(value: str, what: str, limit: int) -> str:
 MAX_PROBLEM_ENTRIES = 64
 
 
+def _whole(value: int | float | str) -> int | float | str:
+    """A float that is a whole number of safe size (4096.0) as an int; anything else as it is."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return int(value)
+    return value
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -411,7 +418,9 @@ class Workload(_Strict):
                     f"workload.problem[{key[:80]!r}] is {value}: sizes must be finite numbers "
                     "(NaN and infinity are not valid input)"
                 )
-        return v
+        # One form per meaning, so the key does not depend on how a client wrote the sizes: sorted by name,
+        # and a whole float (4096.0) as the integer it is.
+        return {k: _whole(v[k]) for k in sorted(v)}
 
     @model_validator(mode="after")
     def _sizes(self) -> Workload:
@@ -424,8 +433,10 @@ class Workload(_Strict):
         return self
 
     def key(self) -> str:
-        """Stable hash of the workload (part of every measurement's cache key)."""
-        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:32]
+        """Stable hash of the workload (part of every measurement's cache key). `name` is a label and left
+        out: naming a workload does not make its measurements new ones."""
+        unnamed = self if self.name is None else self.model_copy(update={"name": None})
+        return hashlib.sha256(unnamed.model_dump_json().encode()).hexdigest()[:32]
 
     def bytes_moved_floor(self) -> int:
         """Bytes that must cross DRAM at least once: inputs read, outputs written."""

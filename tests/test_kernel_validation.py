@@ -643,3 +643,14 @@ async def test_the_measurer_refuses_more_shared_memory_than_its_device_gives(tmp
         ):
             await gpu.measure(request)
     assert not (tmp_path / "cache" / "kernels").exists()
+
+
+def test_a_workload_key_does_not_depend_on_how_the_sizes_were_written() -> None:
+    # Key order, 4096 vs 4096.0 and a name label are the same workload: a cached measurement answers all.
+    plain = Workload(problem={"M": 4096, "N": 4096})
+    assert Workload(problem={"N": 4096.0, "M": 4096}).key() == plain.key()
+    assert Workload(problem={"M": 4096, "N": 4096}, name="gemm").key() == plain.key()
+    assert Workload(problem={"N": 4096.0, "M": 4096}).problem == {"M": 4096, "N": 4096}
+    # Other sizes, fractional values and strings stay what they are.
+    assert Workload(problem={"M": 4096, "N": 2048}).key() != plain.key()
+    assert Workload(problem={"eps": 0.5, "layout": "NT"}).problem == {"eps": 0.5, "layout": "NT"}
