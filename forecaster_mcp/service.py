@@ -573,8 +573,13 @@ class Service:
         if not (math.isfinite(atol) and atol >= 0 and math.isfinite(rtol) and rtol >= 0):
             raise InvalidRequest("atol and rtol must be finite and >= 0")
         cap = self.settings.max_measure_seconds
-        if max_seconds is not None and not (math.isfinite(max_seconds) and max_seconds > 0):
-            raise InvalidRequest(f"max_seconds must be > 0 (at most {cap} on this server)")
+        if max_seconds is not None and not (
+            math.isfinite(max_seconds) and max_seconds >= MIN_MEASURE_SECONDS
+        ):
+            raise InvalidRequest(
+                f"max_seconds must be at least {MIN_MEASURE_SECONDS:g} (the device is held for a launch, a "
+                f"checked run and timing) and at most {cap:g} on this server"
+            )
         if max_runs < 1:
             raise InvalidRequest("max_runs must be at least 1")
         if idempotency_key is not None and not 1 <= len(idempotency_key) <= 200:
@@ -852,6 +857,11 @@ def _from_measurement(
         confidence=max(p, 1.0 - p),
         measured_speedup=s,
     )
+
+
+# The smallest time cap a measurement may ask for. Below it the device would be held (loading, a checked run)
+# for far longer than the cap, and charging only the cap would make that time close to free.
+MIN_MEASURE_SECONDS = 0.1
 
 
 def _differences(used: IdempotentRequest, content_key: str, workload_key: str, device: str) -> list[str]:

@@ -200,3 +200,20 @@ async def test_concurrent_identical_measurements_run_once_and_the_rest_are_free(
         assert view is not None and view.spent_gpu_seconds == pytest.approx(0.5)
     finally:
         await svc.close()
+
+
+async def test_a_time_cap_below_the_minimum_is_refused_uncharged(tmp_path: Path) -> None:
+    from forecaster_mcp.errors import InvalidRequest
+    from forecaster_mcp.measure.fake import FakeMeasurer
+
+    fake = FakeMeasurer([DEVICE])
+    svc = await make_service(tmp_path, fake)
+    try:
+        for tiny in (1e-9, 0.05):
+            with pytest.raises(InvalidRequest, match=r"max_seconds must be at least 0\.1"):
+                await svc.measure(ledger="L", kernel=kernel(), workload=WORKLOAD, max_seconds=tiny)
+        assert fake.history == []
+        view = await svc.store.get_ledger("L")
+        assert view is not None and view.spent_gpu_seconds == 0 and view.reserved_gpu_seconds == 0
+    finally:
+        await svc.close()

@@ -195,6 +195,15 @@ async def test_budget_exhausted_names_what_is_left_and_charges_nothing(store: St
     assert (await store.reserve("x", 3.2, "m")).gpu_seconds == 3.2
 
 
+async def test_device_time_however_short_is_never_charged_as_nothing(store: Store) -> None:
+    hold = await store.reserve("x", 1.0, "measure k")
+    assert await store.commit(hold, 1e-9) == 1e-6  # one micro-GPU-second, the ledger's unit
+    view = await store.get_ledger("x")
+    assert view is not None and view.spent_gpu_seconds == 1e-6
+    exact = await store.reserve("x", 1.0, "measure k")
+    assert await store.commit(exact, 0.1) == 0.1  # no rounding up of amounts that are already whole units
+
+
 async def test_reserve_rejects_unknown_ledgers_and_bad_amounts(store: Store) -> None:
     with pytest.raises(UnknownLedger, match=r"'ghost' does not exist.*ledger create ghost --gpu-seconds"):
         await store.reserve("ghost", 1.0, "m")

@@ -644,6 +644,8 @@ class Store:
             actual_micro = round(MAX_GPU_SECONDS * MICRO)
         else:
             actual_micro = round(min(max(actual, 0.0), MAX_GPU_SECONDS) * MICRO)
+            if actual > 0.0 and actual_micro == 0:
+                actual_micro = 1  # device time, however short, is never charged as nothing
         return _gs(await self._settle(reservation, actual_micro))
 
     async def release(self, reservation: Reservation) -> None:
