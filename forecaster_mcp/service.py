@@ -661,6 +661,12 @@ class Service:
         progress: ProgressCallback | None,
     ) -> MeasureResult:
         cap = min(max_seconds or self.settings.max_measure_seconds, self.settings.max_measure_seconds)
+        if max_seconds is None:
+            # The default cap is also held to what the ledger has left: a measurement holds its whole cap
+            # up front, and 20 GPU-seconds left should still buy a measurement capped at 20, not a refusal.
+            view = await self.store.get_ledger(ledger)
+            if view is not None and MIN_MEASURE_SECONDS <= view.remaining_gpu_seconds < cap:
+                cap = view.remaining_gpu_seconds
         request = MeasureRequest(
             kernel=kernel,
             workload=workload,

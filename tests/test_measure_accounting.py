@@ -217,3 +217,25 @@ async def test_a_time_cap_below_the_minimum_is_refused_uncharged(tmp_path: Path)
         assert view is not None and view.spent_gpu_seconds == 0 and view.reserved_gpu_seconds == 0
     finally:
         await svc.close()
+
+
+async def test_the_default_cap_is_held_to_what_the_ledger_has_left(tmp_path: Path) -> None:
+    # A measurement holds its cap up front: with 20 of 1000 GPU-seconds left, the 30 s default would be refused.
+    from forecaster_mcp.errors import BudgetExhausted
+    from forecaster_mcp.measure.fake import FakeMeasurer
+
+    fake = FakeMeasurer([DEVICE], gpu_seconds=0.5)
+    fake.script("vadd", timeout=True)  # holds (and charges) its whole cap, as a hung kernel does
+    svc = await make_service(tmp_path, fake)
+    try:
+        hold = await svc.store.reserve("L", 980.0, "other work")
+        await svc.store.commit(hold, 980.0)
+        result = await svc.measure(ledger="L", kernel=kernel(), workload=WORKLOAD)
+        assert fake.history[0].max_seconds == pytest.approx(20.0)
+        assert result.cost.gpu_seconds == pytest.approx(20.0)
+        # An explicit cap over what is left is the caller's choice: refused, with the cap that would fit.
+        await svc.store.ensure_ledger("M", 5.0)
+        with pytest.raises(BudgetExhausted, match="pass max_seconds at most 5"):
+            await svc.measure(ledger="M", kernel=kernel(N=1), workload=WORKLOAD, max_seconds=10)
+    finally:
+        await svc.close()

@@ -289,8 +289,9 @@ def build_server(service: Service, *, http: bool = False) -> MCPServer:
         max_seconds: Annotated[
             float | None,
             Field(
-                description="cap on GPU-seconds for this measurement, reserved from your budget up front and "
-                "the unused part released; default and maximum: the server's cap (30 s unless configured)"
+                description="cap on GPU-seconds for this measurement (at least 0.1), reserved from your budget "
+                "up front and the unused part released; maximum the server's cap (30 s unless configured), "
+                "default that cap or what your budget has left, whichever is less"
             ),
         ] = None,
         max_runs: Annotated[int, Field(description="cap on timed runs")] = 1000,

@@ -1175,10 +1175,21 @@ class Store:
 
 def _exhausted(ledger: str, limit: int, spent: int, reserved: int, amount: int) -> BudgetExhausted:
     held = f", {fmt_gpu_seconds(_gs(reserved))} held by measurements in progress" if reserved else ""
+    left = limit - spent - reserved
+    # A measurement holds its time cap up front: with something left, a smaller cap may still fit.
+    smaller = (
+        f"pass max_seconds at most {fmt_gpu_seconds(_gs(left))} to measure within what is left, or "
+        if left >= MIN_CAP_HINT_MICRO
+        else ""
+    )
     return BudgetExhausted(
-        f"ledger '{ledger}' has {fmt_gpu_seconds(_gs(limit - spent - reserved))} GPU-seconds left "
+        f"ledger '{ledger}' has {fmt_gpu_seconds(_gs(left))} GPU-seconds left "
         f"(limit {fmt_gpu_seconds(_gs(limit))}, spent {fmt_gpu_seconds(_gs(spent))}{held}); "
         f"this measurement needs up to {fmt_gpu_seconds(_gs(amount))}. "
-        "Forecasts with compare_kernels are free; "
+        f"Forecasts with compare_kernels are free; {smaller}"
         f"ask the operator to top up (forecaster-mcp ledger topup {ledger} --gpu-seconds N)"
     )
+
+
+# Left in a ledger from which a smaller max_seconds is worth suggesting (the service's minimum cap, 0.1 s).
+MIN_CAP_HINT_MICRO = 100_000
