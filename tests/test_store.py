@@ -489,17 +489,22 @@ async def test_a_pair_asked_about_again_and_again_is_one_verified_pair(store: St
 
 
 async def test_ledger_report_counts_everything(store: Store) -> None:
-    a, b, c, d = kernel(BS=1), kernel(BS=2), kernel(BS=3), kernel(BS=4)
+    a, b, c, d, e = kernel(BS=1), kernel(BS=2), kernel(BS=3), kernel(BS=4), kernel(BS=5)
     await save(store, a, 2.0, charged=1.0, cache_key="a")
     await save(store, b, 1.0, charged=3.0)
     await save(store, c, status="compile_error", charged=2.0)
     await save(store, a, 2.0, cached=True, cache_key="a")
+    await save(store, e, 4.0, charged=2.0)
     await store.save_forecasts(
         [
+            forecast(
+                b, a, 0.2, "slower"
+            ),  # the same pair asked earlier, the other way round: only the last counts
             forecast(a, b, 0.9, "faster"),  # verified, right (S = 2)
-            forecast(b, a, 0.8, "faster"),  # verified, wrong (S = 0.5)
+            forecast(a, e, 0.8, "faster"),  # verified, wrong (S = 0.5)
             forecast(a, d, 0.7, "faster"),  # decided, not verified
-            forecast(a, b, 0.55, "unsure"),  # deferred, verified (counts for calibration only)
+            forecast(a, d, 0.75, "faster"),  # asked again: still one measurement spared
+            forecast(b, e, 0.55, "unsure"),  # deferred, verified (counts for calibration only; S = 0.25)
             forecast(a, b, 1.0, "faster", decided_by="cache"),
             forecast(a, d, 0.5, "unsure", ledger=None),  # another ledger's row
         ]
@@ -521,17 +526,17 @@ async def test_ledger_report_counts_everything(store: Store) -> None:
         "spent_gpu_seconds": 1.25,
         "reserved_gpu_seconds": 2.0,
         "remaining_gpu_seconds": 6.75,
-        "measurements": {"count": 4, "cache_hits": 1, "failures": 1, "gpu_seconds": 6.0},
+        "measurements": {"count": 5, "cache_hits": 1, "failures": 1, "gpu_seconds": 8.0},
         "forecasts": {
-            "count": 5,
-            "decided": 3,
+            "count": 7,
+            "decided": 5,
             "deferred": 1,
             "verified": 2,
             "verified_correct": 1,
             "accuracy": 0.5,
         },
-        # 3 decided forecasts x the median (2.0) of this ledger's charged measurements (1, 3, 2).
-        "gpu_seconds_saved": {"cache": 1.0, "forecasts": 6.0},
+        # 1 pair decided and never measured x the median (2.0) of this ledger's charged measurements (1, 3, 2, 2).
+        "gpu_seconds_saved": {"cache": 1.0, "forecasts": 2.0},
         "llm": {
             "calls": 1,
             "input_tokens": 100,
@@ -542,7 +547,7 @@ async def test_ledger_report_counts_everything(store: Store) -> None:
         },
         "calibration": {
             "verified_pairs": 3,
-            "brier": pytest.approx(((0.9 - 1) ** 2 + (0.8 - 0) ** 2 + (0.55 - 1) ** 2) / 3),
+            "brier": pytest.approx(((0.9 - 1) ** 2 + (0.8 - 0) ** 2 + (0.55 - 0) ** 2) / 3),
         },
     }
 

@@ -298,6 +298,9 @@ _LATEST_OK = (
     "AND m.hardware = forecasts.hardware AND m.workload_key = forecasts.workload_key "
     "AND m.status = 'ok' AND m.runtime_ms > 0 ORDER BY m.id DESC LIMIT 1"
 )
+# A pair of kernels on one GPU and workload, either one the baseline (a GROUP BY over forecasts).
+_PAIR = "hardware, workload_key, min(baseline_key, candidate_key), max(baseline_key, candidate_key)"
+
 # Sets actual_speedup = t(baseline) / t(candidate) from the latest ok measurement of each kernel, for the
 # forecasts selected by the WHERE clause appended by the caller.
 _VERIFY = (
@@ -1001,8 +1004,7 @@ class Store:
             "SELECT forecaster, hardware, probs_json, p_faster, actual_speedup, verdict, created_at, family_key "
             "FROM forecasts WHERE id IN (SELECT MAX(id) FROM forecasts WHERE actual_speedup IS NOT NULL "
             "AND decided_by != 'cache' AND (? IS NULL OR forecaster = ?) AND (? IS NULL OR hardware = ?) "
-            "GROUP BY forecaster, hardware, workload_key, min(baseline_key, candidate_key), "
-            "max(baseline_key, candidate_key)) ORDER BY id",
+            f"GROUP BY forecaster, {_PAIR}) ORDER BY id",
             (forecaster, forecaster, hardware, hardware),
         )
         return [
@@ -1077,13 +1079,16 @@ class Store:
         - measurements.count includes cache hits; failures: rows whose status is not ok.
         - forecasts.decided: decided_by forecast with verdict faster/slower; deferred: verdict unsure or
           decided_by measurement; rows decided by cache count only in `count`.
-        - forecasts.verified: decided forecasts whose two kernels were later measured, ties within noise
-          (|log2 S| <= bins.TIE_LOG2) left out as in forecast.metrics.pairwise_accuracy; verified_correct:
-          those naming the faster kernel; accuracy: correct/verified.
-        - gpu_seconds_saved.cache: what the results served from cache cost when measured; .forecasts: decided
-          times the median charge of this ledger's non-cached measurements.
-        - calibration: Brier of p_faster against S > 1 (forecast.metrics.brier) over every verified forecast
-          not decided by cache (unsure ones included), ties left out; verified_pairs: how many."""
+        - forecasts.verified: pairs of kernels decided by a forecast whose two kernels were later measured
+          (the last forecast of each pair), ties within noise (|log2 S| <= bins.TIE_LOG2) left out as in
+          forecast.metrics.pairwise_accuracy; verified_correct: those naming the faster kernel; accuracy:
+          correct/verified.
+        - gpu_seconds_saved.cache: what the results served from cache cost when measured; .forecasts: pairs
+          decided by a forecast and never measured since, times the median charge of this ledger's
+          non-cached measurements.
+        - calibration: Brier of p_faster against S > 1 (forecast.metrics.brier) over every verified pair (the
+          last forecast of each) not decided by cache (unsure ones included), ties left out; verified_pairs:
+          how many."""
 
         async def body(conn: Any) -> dict[str, Any] | None:
             row = await self._ledger_row(conn, ledger)
@@ -1109,11 +1114,23 @@ class Store:
                     (ledger,),
                 )
             )[0]
+            # One row per pair of kernels (the last forecast of it): a loop that asks about the same pair again
+            # and again has still had one forecast checked.
             verified = await conn.execute_fetchall(
-                "SELECT verdict, decided_by, p_faster, actual_speedup FROM forecasts "
-                "WHERE ledger = ? AND actual_speedup IS NOT NULL AND decided_by != 'cache'",
+                "SELECT verdict, decided_by, p_faster, actual_speedup FROM forecasts WHERE id IN "
+                "(SELECT MAX(id) FROM forecasts WHERE ledger = ? AND actual_speedup IS NOT NULL "
+                f"AND decided_by != 'cache' GROUP BY forecaster, {_PAIR})",
                 (ledger,),
             )
+            # Measurements a decided verdict spared: pairs decided by a forecast and never measured after.
+            spared = (
+                await conn.execute_fetchall(
+                    "SELECT count(*) FROM (SELECT 1 FROM forecasts WHERE ledger = ? "
+                    "AND decided_by = 'forecast' AND verdict != 'unsure' AND actual_speedup IS NULL "
+                    f"GROUP BY forecaster, {_PAIR})",
+                    (ledger,),
+                )
+            )[0][0]
             llm = (
                 await conn.execute_fetchall(
                     "SELECT count(*), coalesce(sum(input_tokens), 0), coalesce(sum(output_tokens), 0), "
@@ -1122,7 +1139,9 @@ class Store:
                     (ledger,),
                 )
             )[0]
-            return {"ledger": row, "m": m, "costs": costs, "f": f, "verified": verified, "llm": llm}
+            return {
+                "ledger": row, "m": m, "costs": costs, "f": f, "verified": verified, "spared": spared, "llm": llm,
+            }  # fmt: skip
 
         raw = await self._read_tx(body)
         if raw is None:
@@ -1156,7 +1175,7 @@ class Store:
             },
             "gpu_seconds_saved": {
                 "cache": _gs(int(m[4])),
-                "forecasts": decided * typical_cost / MICRO,
+                "forecasts": int(raw["spared"]) * typical_cost / MICRO,
             },
             "llm": {
                 "calls": int(llm[0]),
