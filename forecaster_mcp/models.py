@@ -12,7 +12,16 @@ import math
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 MAX_SOURCE_BYTES = 1_000_000
 MAX_CANDIDATES = 64
@@ -385,7 +394,17 @@ class ScalarArg(_Strict):
         return v
 
 
-WorkloadArg = Annotated[BufferArg | ScalarArg, Field(union_mode="smart")]
+def _arg_kind(value: Any) -> str:
+    """A buffer has a shape, a scalar a value: validation errors then speak of the one the caller meant."""
+    if isinstance(value, dict):
+        return "scalar" if "value" in value and "shape" not in value else "buffer"
+    return "scalar" if isinstance(value, ScalarArg) else "buffer"
+
+
+WorkloadArg = Annotated[
+    Annotated[BufferArg, Tag("buffer")] | Annotated[ScalarArg, Tag("scalar")],
+    Discriminator(_arg_kind),
+]
 MAX_WORKLOAD_BYTES = 64 * 2**30
 
 

@@ -286,6 +286,7 @@ class Service:
 
         measure_next = await self._measure_next(base, measured, results, fc_by_id, family, hw.name, wkey)
         notes = list(hw.notes)
+        notes.extend(_source_notes(kernels, workload))
         notes.extend(dict.fromkeys(n for f in forecasts for n in f.notes))  # e.g. a forecaster skipped
         for c in dict.fromkeys(choices.values()):
             notes.append(f"verdicts decided at confidence >= {c.threshold:.3f} ({c.reason})")
@@ -863,6 +864,64 @@ def _from_measurement(
         confidence=max(p, 1.0 - p),
         measured_speedup=s,
     )
+
+
+def _entry_parameters(source: str, entry: str) -> int | None:
+    """How many parameters the `__global__` function `entry` declares, or None where the definition cannot be
+    read plainly (not found, a macro in its list, parentheses that never close)."""
+    m = re.search(rf"__global__\b[^;{{}}()]*?\b{re.escape(entry)}\s*\(", source)
+    if m is None:
+        return None
+    depth, parts, current = 0, [], ""
+    for ch in source[m.end() : m.end() + 4000]:
+        if ch in "(<[":
+            depth += 1
+        elif ch in ")>]":
+            if depth == 0 and ch == ")":
+                parts.append(current)
+                listed = [p for p in parts if p.strip() and p.strip() != "void"]
+                return None if any("#" in p for p in listed) else len(listed)
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(current)
+            current = ""
+            continue
+        current += ch
+    return None
+
+
+def _source_notes(kernels: Sequence[Kernel], workload: Workload) -> list[str]:
+    """Mistakes in a candidate that forecasts do not need but a measurement would fail on: an entry the source
+    does not define, a workload listing another number of arguments than the kernel takes. One note per
+    mistake, naming the candidates that make it (a search sends many members of one family)."""
+    found: dict[str, list[str]] = {}
+    checked: dict[tuple[str, str], str | None] = {}
+    for k in kernels:
+        if k.language not in ("cuda", "hip"):
+            continue
+        key = (k.source_hash(), k.entry)
+        if key not in checked:
+            checked[key] = None
+            if re.search(rf"\b{re.escape(k.entry)}\b", k.source) is None:
+                checked[key] = (
+                    f"the source never names {k.entry!r} (the entry): measure_kernel would find no such kernel; "
+                    "pass the __global__ function's name"
+                )
+            else:
+                count = _entry_parameters(k.source, k.entry)
+                if workload.args and count is not None and count != len(workload.args):
+                    checked[key] = (
+                        f"{k.entry} takes {count} parameters but workload.args lists {len(workload.args)}: "
+                        "measure_kernel would refuse it; list one argument per parameter, in order"
+                    )
+        problem = checked[key]
+        if problem is not None:
+            found.setdefault(problem, []).append(str(k.id))
+    out = []
+    for problem, ids in found.items():
+        shown = ", ".join(ids[:5]) + (f" and {len(ids) - 5} more" if len(ids) > 5 else "")
+        out.append(f"candidate{'s' if len(ids) > 1 else ''} {shown}: {problem}")
+    return out
 
 
 # The smallest time cap a measurement may ask for. Below it the device would be held (loading, a checked run)

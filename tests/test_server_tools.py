@@ -436,3 +436,31 @@ async def test_a_measured_pair_within_its_noise_is_unsure(tmp_path: Path, conv_a
             assert "within noise" in b["rationale"]
         else:
             assert b["p_faster"] == 0.0
+
+
+async def test_an_entry_the_source_lacks_or_a_wrong_argument_count_is_noted_before_any_measurement(
+    tmp_path: Path,
+) -> None:
+    src = "__global__ void scale(float* x, float a, int n) { int i = threadIdx.x; if (i < n) x[i] *= a; }\n"
+    good = {"id": "good", "source": src, "entry": "scale"}
+    typo = {"id": "typo", "source": src, "entry": "scal"}
+    args = [{"name": "x", "dtype": "float32", "shape": [256]}, {"name": "n", "dtype": "int32", "value": 256}]
+    settings = Settings.from_env(home=tmp_path, measurer="none", ledger="default")
+    service = await Service.open(settings)
+    try:
+        async with Client(build_server(service)) as client:
+            out = await call(
+                client, "compare_kernels", {"candidates": [good, typo], "workload": {"args": args}}
+            )
+            notes = " | ".join(out["notes"])
+            assert "candidate typo: the source never names 'scal'" in notes
+            assert "candidate good: scale takes 3 parameters but workload.args lists 2" in notes
+            right = [*args[:1], {"name": "a", "dtype": "float32", "value": 2.0}, args[1]]
+            out = await call(
+                client,
+                "compare_kernels",
+                {"candidates": [good, {**good, "id": "again"}], "workload": {"args": right}},
+            )
+            assert not [n for n in out["notes"] if n.startswith("candidate ")]
+    finally:
+        await service.close()

@@ -707,7 +707,12 @@ class PycudaMeasurer:
         """A measurer for this machine's GPUs, or None (reason in `detect_reason()`). Never imports pycuda."""
         global _last_reason
         if importlib.util.find_spec("pycuda") is None:
-            _last_reason = f"pycuda is not installed for {sys.executable} (pip install 'forecaster-mcp[gpu]')"
+            # The interpreter's path goes to the server's log only: the reason is shown to remote clients too.
+            log.info("pycuda is not importable by %s", sys.executable)
+            _last_reason = (
+                "pycuda is not installed in the server's Python environment (pip install 'forecaster-mcp[gpu]' "
+                "there)"
+            )
             return None
         if not _libcuda_present():
             _last_reason = "no NVIDIA driver here (libcuda not found), so no local GPU to measure on"
