@@ -511,3 +511,22 @@ async def test_a_compare_does_not_wait_on_a_hanging_forecaster(tmp_path: Path) -
         assert res.candidates[0].rationale.startswith("local:")
     finally:
         await service.close()
+
+
+def test_combination_rows_are_joined_by_the_question_they_answered() -> None:
+    from forecaster_mcp.forecast.engine import _join
+
+    def row(name: str, pair: str, probs_at: int) -> VerifiedPair:
+        probs = [0.0] * bins.N_BINS
+        probs[probs_at] = 1.0
+        return VerifiedPair(name, "A100", probs, 0.5, 2.0, "unsure", 0.0, None, pair)
+
+    # Two pairs with the same measured speedup (quantised replay runtimes): only the one both answered joins,
+    # with its own answers, never the local model's answer to the other pair.
+    rows = {
+        "local": [row("local", "w|a|b", 6), row("local", "w|c|d", 1)],
+        "claude": [row("claude", "w|c|d", 2)],
+    }
+    [joined] = _join(rows, ["local", "claude"])
+    assert joined.speedup == 2.0
+    assert joined.raw["local"][1] == 1.0 and joined.raw["claude"][2] == 1.0

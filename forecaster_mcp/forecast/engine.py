@@ -592,17 +592,21 @@ class ForecastEngine:
 def _join(rows: Mapping[str, Sequence[VerifiedPair]], names: Sequence[str]) -> list[Outcome]:
     """Joint outcomes: rows of every component for the same verified pair.
 
-    Verified rows carry no pair id, but rows verified by the same two measurements share hardware and the
-    exact measured speedup; within such a group the k-th row of each component (oldest first) is paired.
+    Rows answering the same question (hardware, workload, baseline, candidate: `VerifiedPair.pair`) are joined;
+    each component has one row per pair (the store keeps the last forecast of each). Rows without that key (an
+    evaluation's) are joined by hardware and the exact measured speedup, the k-th row of each component
+    (oldest first) with the k-th of the others.
     """
-    groups: dict[tuple[str, float], dict[str, list[VerifiedPair]]] = {}
+    groups: dict[tuple[str, str | float], dict[str, list[VerifiedPair]]] = {}
     for n in names:
         for v in rows.get(n, []):
-            groups.setdefault((v.hardware, v.actual_speedup), {}).setdefault(n, []).append(v)
+            key = (v.hardware, v.pair if v.pair is not None else v.actual_speedup)
+            groups.setdefault(key, {}).setdefault(n, []).append(v)
     out: list[Outcome] = []
-    for (hw, speedup), by_name in groups.items():
+    for by_name in groups.values():
         if len(by_name) < len(names):
             continue
         for k in range(min(len(v) for v in by_name.values())):
-            out.append(Outcome(hw, speedup, {n: by_name[n][k].probs for n in names}))
+            first = by_name[names[0]][k]
+            out.append(Outcome(first.hardware, first.actual_speedup, {n: by_name[n][k].probs for n in names}))
     return out

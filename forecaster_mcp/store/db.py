@@ -111,6 +111,7 @@ class VerifiedPair:
     verdict: str
     created_at: float
     family_key: str | None = None  # the candidate's kernel family (None for rows stored before it was kept)
+    pair: str | None = None  # workload, baseline and candidate keys: the question this row answered
 
 
 @dataclass(frozen=True)
@@ -1001,8 +1002,8 @@ class Store:
         again and again, and each copy counted as a pair of its own would let one outcome certify a threshold
         or weigh in a calibration several times over."""
         rows = await self._fetch(
-            "SELECT forecaster, hardware, probs_json, p_faster, actual_speedup, verdict, created_at, family_key "
-            "FROM forecasts WHERE id IN (SELECT MAX(id) FROM forecasts WHERE actual_speedup IS NOT NULL "
+            "SELECT forecaster, hardware, probs_json, p_faster, actual_speedup, verdict, created_at, family_key, "
+            "workload_key || '|' || baseline_key || '|' || candidate_key FROM forecasts WHERE id IN (SELECT MAX(id) FROM forecasts WHERE actual_speedup IS NOT NULL "
             "AND decided_by != 'cache' AND (? IS NULL OR forecaster = ?) AND (? IS NULL OR hardware = ?) "
             f"GROUP BY forecaster, {_PAIR}) ORDER BY id",
             (forecaster, forecaster, hardware, hardware),
@@ -1017,6 +1018,7 @@ class Store:
                 verdict=str(r[5]),
                 created_at=float(r[6]),
                 family_key=None if r[7] is None else str(r[7]),
+                pair=str(r[8]),
             )
             for r in rows
         ]
