@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import random
 import tempfile
+import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +24,7 @@ SHARED_HINT = "../shared/datasets/kernel_tuner_benchmark_hub/cachefiles/convolut
 def _row(c: dict[str, Any]) -> str:
     return (
         f"  {c['id']:<22} p_faster {c['p_faster']:5.2f}  ~{c['expected_speedup']:5.2f}x  "
-        f"{c['verdict']:<7} {c['decided_by']:<11} {c['rationale'][:70]}"
+        f"{c['verdict']:<7} {c['decided_by']}\n      {textwrap.shorten(c['rationale'], 160, placeholder=' …')}"
     )
 
 
