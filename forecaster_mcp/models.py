@@ -248,6 +248,10 @@ class Kernel(_Strict):
     @field_validator("id")
     @classmethod
     def _id(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError(
+                "kernel id is empty: leave it out for the default (k0, k1, ...) or name the kernel"
+            )
         return None if v is None else _one_line(v, "kernel id", 128)
 
     @field_validator("source")

@@ -654,3 +654,9 @@ def test_a_workload_key_does_not_depend_on_how_the_sizes_were_written() -> None:
     # Other sizes, fractional values and strings stay what they are.
     assert Workload(problem={"M": 4096, "N": 2048}).key() != plain.key()
     assert Workload(problem={"eps": 0.5, "layout": "NT"}).problem == {"eps": 0.5, "layout": "NT"}
+
+
+def test_an_empty_or_multi_line_kernel_id_is_refused() -> None:
+    assert "kernel id is empty" in rejection(id="")
+    assert "kernel id is empty" in rejection(id="  ")
+    assert "kernel id" in rejection(id="a\nb") and "control character" in rejection(id="a\nb")
