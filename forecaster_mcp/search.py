@@ -627,6 +627,20 @@ class DictHistory:
 # ---------------------------------------------------------------- the CLI
 
 
+def _first_tool_failure(exc: BaseException) -> BaseException | None:
+    """The tool error inside `exc` (raised through the client's task groups it arrives in a group)."""
+    from forecaster_mcp.server.client import ToolCallFailed
+
+    if isinstance(exc, ToolCallFailed):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _first_tool_failure(inner)
+            if found is not None:
+                return found
+    return None
+
+
 def summarize(traces: Sequence[SearchTrace]) -> dict[str, Any]:
     """Median / min / max best-fraction and mean cost per strategy."""
     out: dict[str, Any] = {}
@@ -641,8 +655,12 @@ def summarize(traces: Sequence[SearchTrace]) -> dict[str, Any]:
             "measurements_mean": statistics.fmean(t.measurements for t in ts),
             "candidates_considered_mean": statistics.fmean(t.candidates_considered for t in ts),
             "gpu_seconds_mean": statistics.fmean(t.gpu_seconds for t in ts),
-            "candidates_per_gpu_second": statistics.fmean(
-                t.candidates_considered / t.gpu_seconds if t.gpu_seconds > 0 else math.inf for t in ts
+            # Totals over the runs, not a mean of ratios: a run that cost nothing (every configuration it
+            # measured failed) would make the mean infinite. None when no run cost anything.
+            "candidates_per_gpu_second": (
+                sum(t.candidates_considered for t in ts) / total_gs
+                if (total_gs := sum(t.gpu_seconds for t in ts)) > 0
+                else None
             ),
         }
     return out
@@ -685,7 +703,8 @@ def search_command(settings: Any, args: Any) -> int:
         check_writable_file(Path(args.out))  # before the runs: a bad --out must not lose their report
     # The servers this command starts charge their default ledger: make it large enough for the runs
     # (measured GPU-seconds are still reported per run).
-    os.environ.setdefault("FORECASTER_MCP_DEFAULT_LEDGER_GPU_SECONDS", "1000000000")
+    # Set, not defaulted: an operator's own default (600 in the README) would run out partway.
+    os.environ["FORECASTER_MCP_DEFAULT_LEDGER_GPU_SECONDS"] = "1000000000"
     del settings  # each run gets its own state directory; nothing else in the settings applies
     strategies = ["forecast", "random"] if args.strategy == "both" else [args.strategy]
     traces: list[SearchTrace] = []
@@ -716,7 +735,13 @@ def search_command(settings: Any, args: Any) -> int:
                     file=sys.stderr,
                 )
 
-    anyio.run(main)
+    try:
+        anyio.run(main)
+    except Exception as exc:
+        failed = _first_tool_failure(exc)
+        if failed is None:
+            raise
+        raise OperatorError(f"a search run stopped: the server answered {failed}") from exc
     summary = summarize(traces)
     for strategy, s in summary.items():
         print(
@@ -740,7 +765,7 @@ def search_command(settings: Any, args: Any) -> int:
             "runs": [asdict(t) for t in traces],
         }
         try:
-            Path(args.out).write_text(json.dumps(report, indent=2, default=str))
+            Path(args.out).write_text(json.dumps(report, indent=2, default=str, allow_nan=False))
         except OSError as exc:  # checked writable before the runs; the disk filled up or the folder changed
             raise OperatorError(f"cannot write --out {args.out}: {exc.strerror or exc}") from exc
     return 0

@@ -115,6 +115,9 @@ def test_bad_lines_name_the_line(tmp_path: Path, capsys: pytest.CaptureFixture[s
         json.dumps({k: v for k, v in TINY[0].items() if k != "candidate"}): "missing candidate",
         json.dumps({**TINY[0], "baseline": {"source": SRC, "entry": "not an identifier"}}): "bad baseline",
         "[1, 2]": "each line must be a JSON object",
+        json.dumps({**TINY[0], "speedup": 10**400}): "'speedup' must be a positive finite number",
+        '{"speedup": ' + "9" * 5000 + "}": "not a pairs line this reader accepts (ValueError)",
+        "[" * 100_000 + "]" * 100_000: "not a pairs line this reader accepts (RecursionError)",
     }
     for bad, message in cases.items():
         pairs = _write(tmp_path / "bad.jsonl", [TINY[0], "", bad])
@@ -199,6 +202,9 @@ def test_make_pairs_then_eval_with_calibration(
         assert r["speedup"] == pytest.approx(t_base / t_cand)
         assert r["hardware"] == space.device
 
+    # Calibrating on the pairs being scored grades the forecaster on its own calibration: refused.
+    assert main(["eval", str(pairs), "--calibrate-on", str(pairs), "--out", str(tmp_path / "self")]) == 2
+    assert "80 of the 80 pairs" in capsys.readouterr().err
     out = tmp_path / "out"
     assert main(["eval", str(pairs), "--calibrate-on", str(cal), "--out", str(out)]) == 0
     report = json.loads((out / "metrics.json").read_text())

@@ -475,3 +475,21 @@ def test_runtime_stats_against_numpy() -> None:
         assert s.ci95_low <= s.median <= s.ci95_high
     with pytest.raises(ValueError):
         runtime_stats([])
+
+
+def test_a_recorded_runtime_of_zero_or_less_is_no_measurement(tmp_path: Path) -> None:
+    from replay_kernels import small_recording
+
+    path = small_recording(
+        tmp_path / "r.json",
+        {
+            "32": {"bx": 32, "time": 0.0, "times": [0.0]},
+            "64": {"bx": 64, "time": -1.5, "times": [-1.5]},
+            "128": {"bx": 128, "time": 2.0, "times": [2.0, 2.0]},
+        },
+    )
+    space = load_space(path)
+    by_bx = {e.params["bx"]: e for e in space.entries}
+    assert by_bx[128].ok and by_bx[128].time_ms == 2.0
+    for bx in (32, 64):
+        assert not by_bx[bx].ok and by_bx[bx].time_ms is None and "no usable time" in str(by_bx[bx].message)

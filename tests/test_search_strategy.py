@@ -373,3 +373,15 @@ def test_search_command_refuses_a_recording_with_nothing_to_find(tmp_path: Path)
     assert "none of its 2 recorded configurations ran successfully" in done.stderr
     empty = cli(tmp_path / "home", "search", str(small_recording(tmp_path / "e.json", {})), check=False)
     assert empty.returncode == 2 and "it records no configurations" in empty.stderr
+
+
+def test_candidates_per_gpu_second_is_a_ratio_of_totals_and_none_when_nothing_cost_anything() -> None:
+    from forecaster_mcp.search import SearchTrace, summarize
+
+    def trace(seed: int, considered: int, gpu_seconds: float) -> SearchTrace:
+        return SearchTrace("forecast", seed, None, 1.0, 0.0, 5, considered, 1, gpu_seconds, None)
+
+    # A run whose every measured configuration failed cost nothing: the mean of ratios would be infinite.
+    summary = summarize([trace(0, 100, 2.0), trace(1, 50, 0.0)])
+    assert summary["forecast"]["candidates_per_gpu_second"] == 75.0
+    assert summarize([trace(0, 10, 0.0)])["forecast"]["candidates_per_gpu_second"] is None

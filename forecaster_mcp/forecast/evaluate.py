@@ -111,6 +111,7 @@ def _positive(path: Path, line: int, what: str, value: Any) -> float:
     if (
         isinstance(value, bool)
         or not isinstance(value, int | float)
+        or (isinstance(value, int) and value.bit_length() > 1000)  # math.isfinite overflows on it
         or not math.isfinite(value)
         or value <= 0
     ):
@@ -149,6 +150,8 @@ def read_pairs_file(path: Path) -> PairsFile:
             d = json.loads(raw)
         except json.JSONDecodeError as exc:
             raise _bad(path, n, f"not valid JSON ({exc.msg} at column {exc.colno})") from exc
+        except (ValueError, RecursionError) as exc:  # an integer of over 4300 digits; nesting too deep
+            raise _bad(path, n, f"not a pairs line this reader accepts ({type(exc).__name__})") from exc
         if not isinstance(d, dict):
             raise _bad(path, n, "each line must be a JSON object")
         if "history" in d:
@@ -447,6 +450,28 @@ async def _forecast_all(
     return engine, queries, forecasts, thresholds, calibration, notes
 
 
+def _pair_key(p: EvalPair) -> tuple[str, str, frozenset[str]]:
+    """The question a pair asks, either kernel the baseline."""
+    return (
+        _canonical(p.hardware),
+        p.workload.key(),
+        frozenset((p.baseline.content_key(), p.candidate.content_key())),
+    )
+
+
+def _refuse_overlap(main: PairsFile, cal: PairsFile) -> None:
+    """A calibration fit on pairs it then scores grades itself: refuse the overlap instead of reporting it."""
+    fitted = {_pair_key(p) for p in cal.pairs}
+    shared = [p for p in main.pairs if _pair_key(p) in fitted]
+    if shared:
+        first = shared[0]
+        raise OperatorError(
+            f"{len(shared)} of the {len(main.pairs)} pairs of {main.path} are also in --calibrate-on {cal.path} "
+            f"(the first: line {first.line}, {first.id}): a calibration must be fit on other pairs than those it "
+            "is scored on. Make the calibration pairs from other spaces or GPUs, or with another --seed"
+        )
+
+
 def _write_failed(path: Path, exc: OSError) -> OperatorError:
     return OperatorError(f"cannot write to {path}: {exc.strerror or exc}")
 
@@ -481,6 +506,8 @@ def run_eval(
     names = parse_forecaster_arg(forecaster)
     main = read_pairs_file(pairs_path)
     cal_file = read_pairs_file(calibrate_on) if calibrate_on is not None else None
+    if cal_file is not None:
+        _refuse_overlap(main, cal_file)
     check_writable_dir(out_dir)  # before forecasting: a bad --out must not cost the whole run
     engine, queries, forecasts, thresholds, calibration, notes = anyio.run(
         _forecast_all, names, settings, main, cal_file, target, ptxas, batch

@@ -356,7 +356,7 @@ def _entry(key: str, rec: Mapping[str, Any], param_keys: Sequence[str]) -> Repla
     verify_ms = _number(rec.get("verification_time"))
     time = rec.get("time")
     number = _number(time)
-    if number is not None:
+    if number is not None and number > 0:  # a zero or negative runtime is no measurement: no usable time
         return ReplayEntry(
             params, number, "ok", _times(rec.get("times")) or [number], None, compile_ms, verify_ms
         )
