@@ -282,6 +282,13 @@ class Kernel(_Strict):
                 raise ValueError(f"define name {name[:80]!r} is not a C identifier")
             if isinstance(value, str):
                 _one_line(value, f"define {name}'s value", 256)
+                if value.endswith("\\") or "/*" in value:
+                    # It becomes a #define line: a trailing backslash would join the next line to it and a
+                    # comment opener would swallow the source up to its first */.
+                    raise ValueError(
+                        f"define {name}'s value {value[:80]!r} ends with a backslash or opens a /* comment: "
+                        "pass the value itself"
+                    )
             else:
                 # It becomes -Dname=value: NaN, inf or a 400-digit integer is not a C literal anyone means.
                 _check_number(value, f"define {name}")
@@ -311,10 +318,22 @@ class Kernel(_Strict):
 
         Never as `-D` flags: nvcc runs its host compiler through a shell, so a define value such as `$(id)` on
         the command line would run on the server. In the source it is only preprocessor text."""
+        source = self.source.removeprefix("\ufeff")  # a byte-order mark after the #define lines is an error
         if not self.defines:
-            return self.source
+            return source
         lines = [f"#define {name} {int(v) if isinstance(v, bool) else v}" for name, v in self.defines.items()]
-        return "\n".join(lines) + '\n#line 1 "kernel.cu"\n' + self.source
+        return "\n".join(lines) + '\n#line 1 "kernel.cu"\n' + source
+
+    @model_validator(mode="after")
+    def _one_place_per_macro(self) -> Kernel:
+        flagged = {o[2:].split("=", 1)[0] for o in self.compile_options if o.startswith(("-D", "-U"))}
+        both = sorted(flagged & set(self.defines))
+        if both:
+            raise ValueError(
+                f"macro {both[0]} is set both in defines and by a -D/-U compile option: set it in one place "
+                "(defines, for a tuning parameter)"
+            )
+        return self
 
     def source_hash(self) -> str:
         """Content hash of the source alone (a kernel family shares it across defines)."""

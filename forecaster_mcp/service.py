@@ -866,9 +866,13 @@ def _from_measurement(
     )
 
 
+_COMMENT = re.compile(r"/\*.*?\*/|//[^\n]*", re.DOTALL)
+
+
 def _entry_parameters(source: str, entry: str) -> int | None:
     """How many parameters the `__global__` function `entry` declares, or None where the definition cannot be
     read plainly (not found, a macro in its list, parentheses that never close)."""
+    source = _COMMENT.sub(" ", source)  # commas in comments are no parameters
     m = re.search(rf"__global__\b[^;{{}}()]*?\b{re.escape(entry)}\s*\(", source)
     if m is None:
         return None
@@ -904,15 +908,16 @@ def _source_notes(kernels: Sequence[Kernel], workload: Workload) -> list[str]:
             checked[key] = None
             if re.search(rf"\b{re.escape(k.entry)}\b", k.source) is None:
                 checked[key] = (
-                    f"the source never names {k.entry!r} (the entry): measure_kernel would find no such kernel; "
-                    "pass the __global__ function's name"
+                    f"the source never names {k.entry!r} (the entry): unless a macro builds that name, "
+                    "measure_kernel will find no such kernel; pass the __global__ function's name"
                 )
             else:
                 count = _entry_parameters(k.source, k.entry)
                 if workload.args and count is not None and count != len(workload.args):
                     checked[key] = (
-                        f"{k.entry} takes {count} parameters but workload.args lists {len(workload.args)}: "
-                        "measure_kernel would refuse it; list one argument per parameter, in order"
+                        f"{k.entry} appears to take {count} parameters but workload.args lists "
+                        f"{len(workload.args)}: measure_kernel checks the compiled kernel and refuses a mismatch; "
+                        "list one argument per parameter, in order"
                     )
         problem = checked[key]
         if problem is not None:

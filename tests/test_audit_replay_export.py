@@ -119,3 +119,25 @@ async def test_export_of_a_device_with_nothing_stored_names_the_devices_that_hav
     err = capsys.readouterr().err
     assert "nothing to export" in err and "A100-PCIE-40GB" in err
     assert not (tmp_path / "x.jsonl").exists()
+
+
+async def test_export_skips_a_stored_kernel_an_older_version_accepted_and_this_one_refuses(
+    tmp_path: Path, conv_a100: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import sqlite3
+
+    await _export(tmp_path, conv_a100)
+    capsys.readouterr()
+    db = tmp_path / "a" / "forecaster.sqlite3"
+    with sqlite3.connect(db) as conn:  # a kernel id with a tab, as stored before ids had to be one line
+        conn.execute(
+            "UPDATE measurements SET kernel_json = json_set(kernel_json, '$.id', 'fa\tst') WHERE id = 1"
+        )
+    out = tmp_path / "again.jsonl"
+    assert (
+        await anyio.to_thread.run_sync(main, ["--home", str(tmp_path / "a"), "export", "--out", str(out)])
+        == 0
+    )
+    captured = capsys.readouterr()
+    assert "skipped 1 stored measurement(s) this version no longer accepts" in captured.err
+    assert len(out.read_text().splitlines()) == 1 and "exported 1 measurements" in captured.out

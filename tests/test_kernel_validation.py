@@ -660,3 +660,27 @@ def test_an_empty_or_multi_line_kernel_id_is_refused() -> None:
     assert "kernel id is empty" in rejection(id="")
     assert "kernel id is empty" in rejection(id="  ")
     assert "kernel id" in rejection(id="a\nb") and "control character" in rejection(id="a\nb")
+
+
+@pytest.mark.parametrize("value", ["x\\", "a /* b", "/*"])
+def test_a_define_value_that_would_swallow_the_next_source_line_is_refused(value: str) -> None:
+    message = rejection(defines={"A": value, "B": 2})
+    assert "define A's value" in message and "backslash or opens a /* comment" in message
+
+
+def test_a_macro_set_in_defines_and_by_a_compile_option_is_refused() -> None:
+    assert "macro B is set both in defines and by a -D/-U compile option" in rejection(
+        defines={"B": 2}, compile_options=["-DB=3"]
+    )
+    assert "macro B is set both" in rejection(defines={"B": 2}, compile_options=["-UB"])
+    assert kernel(defines={"B": 2}, compile_options=["-DC=3"]).compile_options == ["-DC=3"]
+
+
+@needs_nvcc
+@pytest.mark.anyio
+async def test_a_source_with_a_byte_order_mark_compiles_with_defines(tmp_path: Path) -> None:
+    assert NVCC is not None
+    k = kernel(source="\ufeff" + SRC, defines={"N": 4})
+    assert not k.compile_source().lstrip("#").startswith("\ufeff") and "\ufeff" not in k.compile_source()
+    compiled = await NvccCompiler(tmp_path / "measure", nvcc=NVCC).compile(k, "sm_90")
+    assert isinstance(compiled, CompiledKernel), compiled

@@ -441,7 +441,10 @@ async def test_a_measured_pair_within_its_noise_is_unsure(tmp_path: Path, conv_a
 async def test_an_entry_the_source_lacks_or_a_wrong_argument_count_is_noted_before_any_measurement(
     tmp_path: Path,
 ) -> None:
-    src = "__global__ void scale(float* x, float a, int n) { int i = threadIdx.x; if (i < n) x[i] *= a; }\n"
+    src = (
+        "__global__ void scale(float* x /* data, in place */, float a, int n /* count, elements */) {\n"
+        "  int i = threadIdx.x; if (i < n) x[i] *= a; }\n"
+    )
     good = {"id": "good", "source": src, "entry": "scale"}
     typo = {"id": "typo", "source": src, "entry": "scal"}
     args = [{"name": "x", "dtype": "float32", "shape": [256]}, {"name": "n", "dtype": "int32", "value": 256}]
@@ -454,7 +457,7 @@ async def test_an_entry_the_source_lacks_or_a_wrong_argument_count_is_noted_befo
             )
             notes = " | ".join(out["notes"])
             assert "candidate typo: the source never names 'scal'" in notes
-            assert "candidate good: scale takes 3 parameters but workload.args lists 2" in notes
+            assert "candidate good: scale appears to take 3 parameters but workload.args lists 2" in notes
             right = [*args[:1], {"name": "a", "dtype": "float32", "value": 2.0}, args[1]]
             out = await call(
                 client,

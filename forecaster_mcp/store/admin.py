@@ -191,6 +191,8 @@ def export_command(settings: Settings, args: argparse.Namespace) -> int:
     import os
     from pathlib import Path
 
+    from pydantic import ValidationError
+
     from forecaster_mcp.cli import check_writable_file
     from forecaster_mcp.hardware.specs import canonical_name
     from forecaster_mcp.measure.replay import export_line
@@ -208,10 +210,23 @@ def export_command(settings: Settings, args: argparse.Namespace) -> int:
         # A short name resolves to one model (A100 is the A100-SXM4-80GB): name what the store does hold.
         others = f"; it holds measurements on {', '.join(stored)}" if stored else ""
         raise OperatorError(f"nothing to export: no measurements stored{where} in {settings.db_path}{others}")
-    lines = [
-        export_line(hw, wk, Kernel.model_validate_json(kj), MeasureResult.model_validate_json(rj))
-        for hw, wk, kj, rj in rows
-    ]
+    lines = []
+    skipped: list[str] = []
+    for hw, wk, kj, rj in rows:
+        try:
+            lines.append(
+                export_line(hw, wk, Kernel.model_validate_json(kj), MeasureResult.model_validate_json(rj))
+            )
+        except ValidationError as exc:  # stored by an older version whose rules were looser
+            skipped.append(str(exc.errors()[0].get("msg", exc))[:200])
+    if skipped:
+        print(
+            f"forecaster-mcp: skipped {len(skipped)} stored measurement(s) this version no longer accepts "
+            f"(first: {skipped[0]})",
+            file=sys.stderr,
+        )
+    if not lines:
+        raise OperatorError("nothing to export: every stored measurement was skipped (see above)")
     partial = out.with_name(out.name + ".partial")
     try:
         partial.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
