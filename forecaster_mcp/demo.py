@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from forecaster_mcp.errors import OperatorError
-from forecaster_mcp.server.client import ToolCaller, ToolCallFailed, connect_stdio
+from forecaster_mcp.server.client import ToolCaller, ToolCallFailed, connect_stdio, tool_failure
 from forecaster_mcp.settings import Settings
 
 if TYPE_CHECKING:
@@ -196,18 +196,6 @@ async def _demo(settings: Settings, space: ReplaySpace | None, home: Path, ledge
         )
 
 
-def _tool_failure(exc: BaseException) -> ToolCallFailed | None:
-    """The tool refusal inside what the client's task group raised, if that is what stopped the demo."""
-    if isinstance(exc, ToolCallFailed):
-        return exc
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            found = _tool_failure(inner)
-            if found is not None:
-                return found
-    return None
-
-
 def demo_command(settings: Settings, args: argparse.Namespace) -> int:
     """Run the demo in a throw-away state directory unless --home was given."""
     replay = [Path(p) for p in (args.replay or [])]
@@ -229,7 +217,7 @@ def demo_command(settings: Settings, args: argparse.Namespace) -> int:
     except Exception as exc:
         # A refused tool call (an exhausted budget, a ledger that does not exist) ends the demo with the server's
         # own message, not with the traceback of the client's task group.
-        failure = _tool_failure(exc)
+        failure = tool_failure(exc)
         if failure is None:
             raise
         hint = ""

@@ -627,20 +627,6 @@ class DictHistory:
 # ---------------------------------------------------------------- the CLI
 
 
-def _first_tool_failure(exc: BaseException) -> BaseException | None:
-    """The tool error inside `exc` (raised through the client's task groups it arrives in a group)."""
-    from forecaster_mcp.server.client import ToolCallFailed
-
-    if isinstance(exc, ToolCallFailed):
-        return exc
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            found = _first_tool_failure(inner)
-            if found is not None:
-                return found
-    return None
-
-
 def summarize(traces: Sequence[SearchTrace]) -> dict[str, Any]:
     """Median / min / max best-fraction and mean cost per strategy."""
     out: dict[str, Any] = {}
@@ -738,7 +724,9 @@ def search_command(settings: Any, args: Any) -> int:
     try:
         anyio.run(main)
     except Exception as exc:
-        failed = _first_tool_failure(exc)
+        from forecaster_mcp.server.client import tool_failure
+
+        failed = tool_failure(exc)
         if failed is None:
             raise
         raise OperatorError(f"a search run stopped: the server answered {failed}") from exc

@@ -25,6 +25,18 @@ class ToolCallFailed(ForecasterMcpError):
     """A tool answered with isError: the message is the server's, meant for the agent."""
 
 
+def tool_failure(exc: BaseException) -> ToolCallFailed | None:
+    """The tool refusal inside `exc`: through the client's task groups it arrives wrapped in a group."""
+    if isinstance(exc, ToolCallFailed):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = tool_failure(inner)
+            if found is not None:
+                return found
+    return None
+
+
 def structured(result: CallToolResult) -> dict[str, Any]:
     """The structured content of a tool result, or ToolCallFailed with the server's message."""
     if result.is_error:
