@@ -568,3 +568,30 @@ async def test_a_failure_on_some_pairs_costs_only_those_pairs(monkeypatch: pytes
     assert out[0].p_faster > 0.9 and out[3].raw  # kept
     assert not out[1].raw and not out[2].raw and out[1].p_faster == 0.5
     assert any("skipped on 2 of 4 pairs" in n for n in out[0].notes)
+
+
+@pytest.mark.anyio
+async def test_a_define_far_outside_the_measured_range_gets_a_finite_unsure_forecast() -> None:
+    # 1e160 on a linear column made every kernel distance infinite: NaN predictions, read as ">= 4x faster".
+    h = FakeHistory()
+    for bs, u in GRID:
+        h.add(_k({"BS": bs, "UNROLL": u, "SCALE": 0.5 + u / 8}, f"{bs}{u}"), runtime(bs, u))
+    f = LocalForecaster(h, ptxas_wait_s=0.0)
+    base = _k({"BS": 256, "UNROLL": 1, "SCALE": 0.625}, "base")
+    far = [_k({"BS": 256, "UNROLL": 1, "SCALE": v}, f"s{i}") for i, v in enumerate((1e160, -1e300, 1.7e308))]
+    for fc in await f.forecast([query(base, k) for k in far]):
+        assert math.isfinite(fc.extras["mu_log2"]) and math.isfinite(fc.extras["sd_log2"])
+        assert all(math.isfinite(p) for p in fc.probs)
+        assert 0.05 < fc.p_faster < 0.95, fc.rationale
+
+
+def test_the_posterior_subset_of_a_large_family_changes_by_a_point_when_one_is_added() -> None:
+    from forecaster_mcp.forecast.local import _fit_subset
+
+    rng = np.random.default_rng(0)
+    x = rng.random((3001, 4))
+    y = rng.random(3001)
+    before = set(_fit_subset(3000, y[:3000], 1500, np.random.default_rng(0), x[:3000]).tolist())
+    after = set(_fit_subset(3001, y, 1500, np.random.default_rng(0), x).tolist())
+    assert len(before) == len(after) == 1500
+    assert len(before - after) <= 2  # the random draw replaced about half of it

@@ -175,6 +175,9 @@ _COUNT_COLUMNS = frozenset({"@blocks", "@dyn_smem"})
 _MIN_RELATION_ROWS = 8
 
 
+_ENCODED_LIMIT = 1e3
+
+
 def _is_pow2(x: float) -> bool:
     if x <= 0 or x != int(x):
         return False
@@ -348,7 +351,9 @@ class ParamEncoder:
         return out
 
     def encode(self, rows: Sequence[dict[str, Any]]) -> Array:
-        return self._encode_all(rows)[:, self._keep]
+        # Clamped far outside [0, 1] (where every correlation is already zero): a value such as 1e160 on a
+        # linear column would make the kernel's distances infinite and its predictions NaN.
+        return np.clip(self._encode_all(rows)[:, self._keep], -_ENCODED_LIMIT, _ENCODED_LIMIT)
 
     def _encode_all(self, rows: Sequence[dict[str, Any]]) -> Array:
         """Every column, repeated ones included (the encoder keeps `_keep` of them)."""
@@ -652,13 +657,25 @@ def _neg_log_posterior(theta: Array, sq: Array, y: Array) -> tuple[float, Array]
     return nll + nlp, grad
 
 
-def _fit_subset(n: int, y: Array, cap: int, rng: np.random.Generator) -> NDArray[np.intp]:
-    """Indices for hyperparameter fitting: the best quarter always, the rest at random."""
+def _fit_subset(
+    n: int, y: Array, cap: int, rng: np.random.Generator, x: Array | None = None
+) -> NDArray[np.intp]:
+    """Indices of at most `cap` points: the best quarter always, the rest at random, or, given the points `x`,
+    those whose coordinates hash lowest: a stable choice, so one new measurement changes the subset by a
+    point or two instead of redrawing it (and every forecast of the family with it)."""
     if n <= cap:
         return np.arange(n, dtype=np.intp)
-    order = np.argsort(y)
+    order = np.argsort(y, kind="stable")
     keep_best = order[: cap // 4]
-    rest = rng.choice(order[cap // 4 :], size=cap - cap // 4, replace=False)
+    others = order[cap // 4 :]
+    if x is None:
+        rest = rng.choice(others, size=cap - cap // 4, replace=False)
+    else:
+        digest = np.array(
+            [int.from_bytes(hashlib.blake2b(x[i].tobytes(), digest_size=8).digest(), "big") for i in others],
+            dtype=np.uint64,
+        )
+        rest = others[np.argsort(digest, kind="stable")[: cap - cap // 4]]
     return np.sort(np.concatenate([keep_best, rest]))
 
 
@@ -705,7 +722,7 @@ def fit_gp(
     sf2, sn2 = math.exp(log_sf2), math.exp(log_sn2)
     sa2 = math.exp(log_sa2) if additive else 0.0
     # Posterior on (a capped subset of) all points.
-    post = _fit_subset(n, y, MAX_POSTERIOR_POINTS, rng)
+    post = _fit_subset(n, y, MAX_POSTERIOR_POINTS, rng, x)
     xp, yp = x[post], ys[post]
     k = kernel_matrix(xp, xp, ls, sf2, sa2) + (sn2 + 1e-8) * np.eye(len(post))
     jitter = 1e-8
@@ -836,7 +853,8 @@ class FamilyModel:
         # A parameter the family was never measured with: its effect is unknown, so the prediction falls
         # back to the family's spread around its mean.
         for i, row in enumerate(rows):
-            if self.encoder.unknown_names(row):
+            finite = math.isfinite(mean[i]) and bool(np.isfinite(cov[i]).all())
+            if not finite or self.encoder.unknown_names(row):
                 cov[i, :] = 0.0
                 cov[:, i] = 0.0
                 cov[i, i] = self.gp.prior_var * self.gp.loo_scale**2 + self.gp.noise_sd**2
@@ -1045,6 +1063,10 @@ class LocalForecaster:
             return state.model
         lock = self._locks.setdefault(key, anyio.Lock())
         async with lock:
+            # Read again under the lock: a call that waited here must fit what is stored now, or a fit of
+            # older points could replace the model another call just made of newer ones.
+            points = await self._history.family_points(*key)
+            signature = points_signature(points)
             state = self._models.get(key)
             if state is not None and state.signature == signature:
                 return state.model
@@ -1067,10 +1089,11 @@ class LocalForecaster:
             else:
                 model = fit_family(points, warm, refit)
             self.fits += 1
-            if model.gp is not None:
+            if model.gp is not None and refit:
+                # Only an optimisation writes hyperparameters back: a posterior-only fit kept `warm` as it
+                # was, and writing it would undo what a background refit stored meanwhile.
                 self._warm[key] = model.gp.theta
-                if refit:
-                    self._hyper_n[key] = n_ok
+                self._hyper_n[key] = n_ok
             self._models[key] = _GroupState(signature, model)
             self._models.move_to_end(key)
             while len(self._models) > self._max_cached:
