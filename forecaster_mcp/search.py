@@ -579,7 +579,7 @@ class ToolEmulator:
             t_cand = self._runtime.get(k.content_key())
             measured = t_base is not None and t_cand is not None and k.content_key() in self._runtime
             p = f.p_faster
-            verdict = decide(p, self.threshold)
+            verdict = decide(p, self.threshold, float(f.extras.get("p_fail", 0.0)))
             decided_by = "cache" if measured else "forecast"
             out.append(
                 {

@@ -270,7 +270,12 @@ class Service:
                 continue
             f = next(it)
             fc_by_id[cid] = f
-            verdict = decide(f.p_faster, choices[(f.regime, family[cid])].threshold)
+            threshold = choices[(f.regime, family[cid])].threshold
+            p_fail = float(f.extras.get("p_fail", 0.0))
+            verdict = decide(f.p_faster, threshold, p_fail)
+            rationale = f.rationale
+            if verdict == "unsure" and decide(f.p_faster, threshold) == "faster":
+                rationale += f"; unsure only for its {p_fail:.0%} chance of failing to compile or run"
             results[cid] = CandidateForecast(
                 id=cid,
                 p_faster=f.p_faster,
@@ -278,7 +283,7 @@ class Service:
                 expected_speedup=f.expected_speedup,
                 verdict=verdict,
                 decided_by="forecast",
-                rationale=f.rationale,
+                rationale=rationale,
                 confidence=f.confidence,
             )
         # Saved once the call succeeds (below): a compare refused for its measurements records nothing.

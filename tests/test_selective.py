@@ -134,3 +134,8 @@ def test_decide() -> None:
     assert decide(0.95, 0.95) == "faster"
     assert decide(0.999999, NEVER) == "unsure"
     assert decide(float("nan"), 0.9) == "unsure"
+    # A kernel that may fail to run is faster only if it runs: "faster" needs (1 - p_fail) * p_faster.
+    assert decide(0.99, 0.95, p_fail=0.03) == "faster"
+    assert decide(0.99, 0.95, p_fail=0.06) == "unsure"
+    assert decide(0.01, 0.95, p_fail=0.5) == "slower"  # failing is no better either
+    assert decide(0.99, 0.95, p_fail=float("nan")) == "unsure"

@@ -524,7 +524,7 @@ def run_eval(
     final_probs = np.array([f.probs for f in forecasts])
     final = M.summarize(final_probs, speedups)
     verdicts = [
-        decide(f.p_faster, thresholds[(hw, f.regime)].threshold)
+        decide(f.p_faster, thresholds[(hw, f.regime)].threshold, float(f.extras.get("p_fail", 0.0)))
         for f, hw in zip(forecasts, hardware, strict=True)
     ]
     d = M.decided_summary(verdicts, speedups)

@@ -214,11 +214,16 @@ def choose_threshold(
     )
 
 
-def decide(p_faster: float, threshold: float) -> Verdict:
-    """ "faster" / "slower" when that direction's probability clears the threshold, else "unsure"."""
+def decide(p_faster: float, threshold: float, p_fail: float = 0.0) -> Verdict:
+    """ "faster" / "slower" when that direction's probability clears the threshold, else "unsure".
+
+    `p_faster` is the chance the candidate is faster if it runs; `p_fail` the chance it fails to compile or
+    run. A kernel that fails is not faster, so "faster" needs (1 - p_fail) * p_faster to clear the threshold;
+    "slower" is unaffected (a failing kernel is no better either)."""
     if threshold >= NEVER or not math.isfinite(p_faster):
         return "unsure"
-    if p_faster > 0.5 and p_faster >= threshold:
+    runs = 1.0 - min(1.0, max(0.0, p_fail)) if math.isfinite(p_fail) else 0.0
+    if p_faster > 0.5 and runs * p_faster >= threshold:
         return "faster"
     if p_faster < 0.5 and 1.0 - p_faster >= threshold:
         return "slower"
