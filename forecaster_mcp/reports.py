@@ -14,7 +14,12 @@ class MeasurementCounts(BaseModel):
     count: int = 0
     cache_hits: int = 0
     failures: int = 0
-    gpu_seconds: float = 0.0
+    gpu_seconds: float = Field(default=0.0, description="charged for the measurements counted here")
+    cancelled_gpu_seconds: float = Field(
+        default=0.0,
+        description="charged for measurements cancelled while they held the device (they left no result); "
+        "with gpu_seconds, what spent_gpu_seconds is made of",
+    )
 
 
 class ForecastCounts(BaseModel):

@@ -107,6 +107,10 @@ async def test_cancelled_measurement_charges_the_device_time_it_used(tmp_path: P
         assert 0.2 < view.spent_gpu_seconds <= 10.0
         states = [r["state"] for r in await svc.store.reservations("L")]
         assert states == ["committed"]
+        # The report says where that spending went: no measurement row, so it is the cancelled part.
+        status = await svc.budget_status("L")
+        assert status.measurements.count == 0 and status.measurements.gpu_seconds == 0
+        assert status.measurements.cancelled_gpu_seconds == pytest.approx(view.spent_gpu_seconds)
     finally:
         await svc.close()
 

@@ -528,7 +528,13 @@ async def test_ledger_report_counts_everything(store: Store) -> None:
         "spent_gpu_seconds": 1.25,
         "reserved_gpu_seconds": 2.0,
         "remaining_gpu_seconds": 6.75,
-        "measurements": {"count": 5, "cache_hits": 1, "failures": 1, "gpu_seconds": 8.0},
+        "measurements": {
+            "count": 5,
+            "cache_hits": 1,
+            "failures": 1,
+            "gpu_seconds": 8.0,
+            "cancelled_gpu_seconds": 0.0,
+        },
         "forecasts": {
             "count": 7,
             "decided": 5,

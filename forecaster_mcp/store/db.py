@@ -1166,6 +1166,9 @@ class Store:
                 "cache_hits": int(m[1]),
                 "failures": int(m[2]),
                 "gpu_seconds": _gs(int(m[3])),
+                # Only measurements charge a ledger; a cancelled one is charged its device time but stores no
+                # row, so it is what spent holds beyond the rows' charges.
+                "cancelled_gpu_seconds": _gs(max(0, spent - int(m[3]))),
             },
             "forecasts": {
                 "count": int(f[0]),
