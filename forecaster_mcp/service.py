@@ -613,7 +613,7 @@ class Service:
         if idempotency_key is None:
             return await run()
         async with self._alone(("idempotency", ledger, idempotency_key)):
-            prior = await self._idempotent_prior(ledger, idempotency_key, kernel, workload, device)
+            prior = await self._idempotent_prior(ledger, idempotency_key, kernel, workload, device, reference)
             if prior is not None:
                 return prior
             return await run()
@@ -633,20 +633,25 @@ class Service:
             done.set()
 
     async def _idempotent_prior(
-        self, ledger: str, key: str, kernel: Kernel, workload: Workload, device: str
+        self, ledger: str, key: str, kernel: Kernel, workload: Workload, device: str, reference: Kernel | None
     ) -> MeasureResult | None:
         """The free answer to a retry under `key`, or None if the key is new; a key already used for another
-        kernel, workload or device is refused (answering with that measurement would mislabel it)."""
+        kernel, workload or device is refused (answering with that measurement would mislabel it), and so is
+        one whose first measurement checked outputs against a reference when the retry names none, or the
+        other way round (the stored result says whether it was checked; which reference is not stored)."""
         used = await self.store.idempotent_request(ledger, key)
         if used is None:
             return None
         differs = _differences(used, kernel.content_key(), workload.key(), device)
+        ran = used.result.status in ("ok", "wrong_output")
+        if ran and used.result.correctness.checked != (reference is not None):
+            differs.append("reference")
         if differs:
             first = f"kernel id {used.kernel_id!r}, " if used.kernel_id is not None else ""
             raise InvalidRequest(
                 f"idempotency_key {key[:80]!r} was already used on ledger {ledger!r} for a different "
                 f"{' and '.join(differs)} ({first}measurement {used.measurement_id} on {used.hardware}); "
-                "a retry must send the same kernel, workload and hardware. Use a new key for a new "
+                "a retry must send the same kernel, workload, reference and hardware. Use a new key for a new "
                 "measurement; nothing was charged."
             )
         return _free_copy(used.result, str(kernel.id))
@@ -712,7 +717,9 @@ class Service:
             except AlreadyMeasured:
                 # Another server process on this database finished the same key first.
                 assert idempotency_key is not None
-                prior = await self._idempotent_prior(ledger, idempotency_key, kernel, workload, device)
+                prior = await self._idempotent_prior(
+                    ledger, idempotency_key, kernel, workload, device, reference
+                )
                 assert prior is not None
                 return prior
             settled = False

@@ -243,3 +243,25 @@ async def test_the_default_cap_is_held_to_what_the_ledger_has_left(tmp_path: Pat
             await svc.measure(ledger="M", kernel=kernel(N=1), workload=WORKLOAD, max_seconds=10)
     finally:
         await svc.close()
+
+
+async def test_an_idempotency_key_retried_with_a_reference_it_was_first_used_without_is_refused(
+    tmp_path: Path,
+) -> None:
+    from forecaster_mcp.errors import InvalidRequest
+    from forecaster_mcp.measure.fake import FakeMeasurer
+
+    fake = FakeMeasurer([DEVICE], gpu_seconds=0.5)
+    svc = await make_service(tmp_path, fake)
+    try:
+        first = await svc.measure(ledger="L", kernel=kernel(), workload=WORKLOAD, idempotency_key="step-1")
+        assert not first.correctness.checked
+        # The same key now asking for a checked run: answering with the unchecked result would pass it off.
+        with pytest.raises(InvalidRequest, match="different reference"):
+            await svc.measure(
+                ledger="L", kernel=kernel(), workload=WORKLOAD, reference=kernel(), idempotency_key="step-1"
+            )
+        again = await svc.measure(ledger="L", kernel=kernel(), workload=WORKLOAD, idempotency_key="step-1")
+        assert again.cost.gpu_seconds == 0.0 and len(fake.history) == 1  # a true retry stays free
+    finally:
+        await svc.close()
