@@ -30,6 +30,7 @@ from forecaster_mcp.errors import (
 )
 from forecaster_mcp.forecast.base import USAGE_LEDGER, Forecaster, PairQuery
 from forecaster_mcp.forecast.engine import one_line
+from forecaster_mcp.forecast.features import entry_parameter_count
 from forecaster_mcp.forecast.selective import MAX_TARGET_ERROR, MIN_TARGET_ERROR, decide
 from forecaster_mcp.hardware import specs
 from forecaster_mcp.measure.base import OCCUPIED_ATTR, Measurer, MeasureRequest, ProgressCallback
@@ -878,34 +879,6 @@ def _from_measurement(
     )
 
 
-_COMMENT = re.compile(r"/\*.*?\*/|//[^\n]*", re.DOTALL)
-
-
-def _entry_parameters(source: str, entry: str) -> int | None:
-    """How many parameters the `__global__` function `entry` declares, or None where the definition cannot be
-    read plainly (not found, a macro in its list, parentheses that never close)."""
-    source = _COMMENT.sub(" ", source)  # commas in comments are no parameters
-    m = re.search(rf"__global__\b[^;{{}}()]*?\b{re.escape(entry)}\s*\(", source)
-    if m is None:
-        return None
-    depth, parts, current = 0, [], ""
-    for ch in source[m.end() : m.end() + 4000]:
-        if ch in "(<[":
-            depth += 1
-        elif ch in ")>]":
-            if depth == 0 and ch == ")":
-                parts.append(current)
-                listed = [p for p in parts if p.strip() and p.strip() != "void"]
-                return None if any("#" in p for p in listed) else len(listed)
-            depth -= 1
-        elif ch == "," and depth == 0:
-            parts.append(current)
-            current = ""
-            continue
-        current += ch
-    return None
-
-
 def _source_notes(kernels: Sequence[Kernel], workload: Workload) -> list[str]:
     """Mistakes in a candidate that forecasts do not need but a measurement would fail on: an entry the source
     does not define, a workload listing another number of arguments than the kernel takes. One note per
@@ -924,7 +897,7 @@ def _source_notes(kernels: Sequence[Kernel], workload: Workload) -> list[str]:
                     "measure_kernel will find no such kernel; pass the __global__ function's name"
                 )
             else:
-                count = _entry_parameters(k.source, k.entry)
+                count = entry_parameter_count(k.source, k.entry)
                 if workload.args and count is not None and count != len(workload.args):
                     checked[key] = (
                         f"{k.entry} appears to take {count} parameters but workload.args lists "

@@ -17,6 +17,7 @@ from forecaster_mcp.forecast.features import (
     PRIOR_SD_LOG2,
     WORK_RATIO_CAP_LOG2,
     StaticFeatures,
+    entry_parameter_count,
     fitted_values,
     kernel_features,
     preprocess,
@@ -508,3 +509,22 @@ def test_if_conditions_follow_c_arithmetic() -> None:
     src = "#if (OFF / 2) == -1\nint near;\n#else\nint far;\n#endif\n"
     out = preprocess(src, {"OFF": -3})
     assert "near" in out and "far" not in out
+
+
+def test_entry_parameter_count_reads_the_entry_signature_only() -> None:
+    assert (
+        entry_parameter_count("__global__ void k(float* a, const float* __restrict__ b, int n) {}", "k") == 3
+    )
+    templated = (
+        "template <int N, typename T> __global__ void __launch_bounds__(256) k(T* a, std::pair<int,int> p) {}"
+    )
+    assert entry_parameter_count(templated, "k") == 2
+    assert entry_parameter_count('extern "C" __global__ void k(void) {}', "k") == 0
+    assert (
+        entry_parameter_count("__global__ void k(float* x /* data, in place */, int n // n, m\n) {}", "k")
+        == 2
+    )
+    # Not the entry's definition, or one the preprocessor shapes: no count rather than a wrong one.
+    assert entry_parameter_count("__global__ void other(int a) {} void k(int a, int b);", "k") is None
+    assert entry_parameter_count("__global__ void k(float* x,\n#if A\n int n\n#endif\n) {}", "k") is None
+    assert entry_parameter_count("__global__ void k(float* x, int n", "k") is None

@@ -442,6 +442,33 @@ def entry_text(text: str, entry: str | None) -> str:
     return "".join(out)
 
 
+def entry_parameter_count(source: str, entry: str) -> int | None:
+    """How many parameters the `__global__` function `entry` declares, or None where its definition cannot be
+    read plainly (not found, a preprocessor line in its list, parentheses that never close)."""
+    probe = _LAUNCH_BOUNDS.sub(lambda m: " " * len(m.group(0)), strip_comments(source))
+    for m in _GLOBAL_NAME.finditer(probe):
+        if m.group(1) != entry:
+            continue
+        close = _matching(probe, m.end() - 1, "(", ")")
+        if close is None:
+            return None
+        listed = probe[m.end() : close - 1]
+        if "#" in listed:
+            return None
+        parts, depth, start = [], 0, 0
+        for i, ch in enumerate(listed):
+            if ch in "(<[":
+                depth += 1
+            elif ch in ")>]":
+                depth -= 1
+            elif ch == "," and depth == 0:
+                parts.append(listed[start:i])
+                start = i + 1
+        parts.append(listed[start:])
+        return sum(1 for part in parts if part.strip() not in ("", "void"))
+    return None
+
+
 def source_features(source: str, defines: dict[str, Any], entry: str | None = None) -> SourceFeatures:
     """Count source constructs in `source` preprocessed under `defines`; with `entry`, of that kernel only
     (the other `__global__` kernels of the source left out, `entry_text`)."""
