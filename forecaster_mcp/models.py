@@ -26,6 +26,9 @@ from pydantic import (
 MAX_SOURCE_BYTES = 1_000_000
 MAX_CANDIDATES = 64
 MIN_CANDIDATES = 2
+# The smallest time cap a measurement may ask for (max_seconds). Below it the device would be held (loading,
+# a checked run) for far longer than the cap, and charging only the cap would make that time close to free.
+MIN_MEASURE_SECONDS = 0.1
 
 Language = Literal["cuda", "opencl", "hip", "triton", "python"]
 Dtype = Literal[

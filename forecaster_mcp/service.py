@@ -38,6 +38,7 @@ from forecaster_mcp.measure.timing import median_ci_covers
 from forecaster_mcp.models import (
     MAX_CANDIDATES,
     MIN_CANDIDATES,
+    MIN_MEASURE_SECONDS,
     CandidateForecast,
     CompareResult,
     Kernel,
@@ -912,11 +913,6 @@ def _source_notes(kernels: Sequence[Kernel], workload: Workload) -> list[str]:
         shown = ", ".join(ids[:5]) + (f" and {len(ids) - 5} more" if len(ids) > 5 else "")
         out.append(f"candidate{'s' if len(ids) > 1 else ''} {shown}: {problem}")
     return out
-
-
-# The smallest time cap a measurement may ask for. Below it the device would be held (loading, a checked run)
-# for far longer than the cap, and charging only the cap would make that time close to free.
-MIN_MEASURE_SECONDS = 0.1
 
 
 def _differences(used: IdempotentRequest, content_key: str, workload_key: str, device: str) -> list[str]:

@@ -33,7 +33,15 @@ from pydantic import AnyHttpUrl, Field
 from forecaster_mcp import __version__, bins
 from forecaster_mcp.errors import AgentError, OperatorError
 from forecaster_mcp.forecast.selective import MAX_TARGET_ERROR, MIN_TARGET_ERROR
-from forecaster_mcp.models import MAX_CANDIDATES, CompareResult, Kernel, MeasureResult, Workload
+from forecaster_mcp.models import (
+    MAX_CANDIDATES,
+    MIN_CANDIDATES,
+    MIN_MEASURE_SECONDS,
+    CompareResult,
+    Kernel,
+    MeasureResult,
+    Workload,
+)
 from forecaster_mcp.reports import BudgetStatus, GpuSpecRow
 from forecaster_mcp.service import Service
 from forecaster_mcp.settings import Settings
@@ -210,8 +218,8 @@ def build_server(service: Service, *, http: bool = False) -> MCPServer:
         candidates: Annotated[
             list[Kernel],
             Field(
-                description="2 to 64 kernels; ids unique (default k0, k1, ...)",
-                json_schema_extra={"minItems": 2, "maxItems": MAX_CANDIDATES},
+                description=f"{MIN_CANDIDATES} to {MAX_CANDIDATES} kernels; ids unique (default k0, k1, ...)",
+                json_schema_extra={"minItems": MIN_CANDIDATES, "maxItems": MAX_CANDIDATES},
             ),
         ],
         ctx: Context,
@@ -289,8 +297,9 @@ def build_server(service: Service, *, http: bool = False) -> MCPServer:
         max_seconds: Annotated[
             float | None,
             Field(
-                description="cap on GPU-seconds for this measurement (at least 0.1), reserved from your budget "
-                "up front and the unused part released; maximum the server's cap (30 s unless configured), "
+                description=f"cap on GPU-seconds for this measurement (at least {MIN_MEASURE_SECONDS:g}), reserved "
+                "from your budget up front and the unused part released; maximum the server's cap (30 s unless "
+                "configured), "
                 "default that cap or what your budget has left, whichever is less"
             ),
         ] = None,

@@ -41,7 +41,7 @@ from forecaster_mcp.errors import (
     OperatorError,
     UnknownLedger,
 )
-from forecaster_mcp.models import MeasureResult
+from forecaster_mcp.models import MIN_MEASURE_SECONDS, MeasureResult
 from forecaster_mcp.store.migrations import migrate
 
 log = logging.getLogger(__name__)
@@ -1203,7 +1203,7 @@ def _exhausted(ledger: str, limit: int, spent: int, reserved: int, amount: int) 
     # A measurement holds its time cap up front: with something left, a smaller cap may still fit.
     smaller = (
         f"pass max_seconds at most {fmt_gpu_seconds(_gs(left))} to measure within what is left, or "
-        if left >= MIN_CAP_HINT_MICRO
+        if left >= round(MIN_MEASURE_SECONDS * MICRO)
         else ""
     )
     return BudgetExhausted(
@@ -1213,7 +1213,3 @@ def _exhausted(ledger: str, limit: int, spent: int, reserved: int, amount: int) 
         f"Forecasts with compare_kernels are free; {smaller}"
         f"ask the operator to top up (forecaster-mcp ledger topup {ledger} --gpu-seconds N)"
     )
-
-
-# Left in a ledger from which a smaller max_seconds is worth suggesting (the service's minimum cap, 0.1 s).
-MIN_CAP_HINT_MICRO = 100_000
