@@ -457,7 +457,7 @@ def _refuse_unsafe_flags(kernel: Kernel) -> None:
         if not compile_option_allowed(opt):
             raise InvalidRequest(f"compile option {opt[:80]!r} is not accepted: see Kernel.compile_options")
     for name, value in kernel.defines.items():
-        if CONTROL_CHARACTER.search(f"-D{name}={value}"):
+        if CONTROL_CHARACTER.search(f"{name}{value}"):
             raise InvalidRequest(f"define {name[:80]!r} has a control character: pass printable text")
 
 

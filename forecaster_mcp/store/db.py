@@ -1003,7 +1003,8 @@ class Store:
         or weigh in a calibration several times over."""
         rows = await self._fetch(
             "SELECT forecaster, hardware, probs_json, p_faster, actual_speedup, verdict, created_at, family_key, "
-            "workload_key || '|' || baseline_key || '|' || candidate_key FROM forecasts WHERE id IN (SELECT MAX(id) FROM forecasts WHERE actual_speedup IS NOT NULL "
+            "workload_key || '|' || baseline_key || '|' || candidate_key FROM forecasts WHERE id IN "
+            "(SELECT MAX(id) FROM forecasts WHERE actual_speedup IS NOT NULL "
             "AND decided_by != 'cache' AND (? IS NULL OR forecaster = ?) AND (? IS NULL OR hardware = ?) "
             f"GROUP BY forecaster, {_PAIR}) ORDER BY id",
             (forecaster, forecaster, hardware, hardware),
