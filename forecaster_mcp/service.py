@@ -615,7 +615,9 @@ class Service:
         if idempotency_key is None:
             return await run()
         async with self._alone(("idempotency", ledger, idempotency_key)):
-            prior = await self._idempotent_prior(ledger, idempotency_key, kernel, workload, device, reference)
+            prior = await self._idempotent_prior(
+                ledger, idempotency_key, kernel, workload, device, check_key(reference, atol, rtol)
+            )
             if prior is not None:
                 return prior
             return await run()
@@ -635,26 +637,31 @@ class Service:
             done.set()
 
     async def _idempotent_prior(
-        self, ledger: str, key: str, kernel: Kernel, workload: Workload, device: str, reference: Kernel | None
+        self, ledger: str, key: str, kernel: Kernel, workload: Workload, device: str, checked_against: str
     ) -> MeasureResult | None:
         """The free answer to a retry under `key`, or None if the key is new; a key already used for another
         kernel, workload or device is refused (answering with that measurement would mislabel it), and so is
-        one whose first measurement checked outputs against a reference when the retry names none, or the
-        other way round (the stored result says whether it was checked; which reference is not stored)."""
+        one whose first measurement checked its outputs otherwise (`checked_against`, `check_key`: another
+        reference kernel or none, other atol/rtol). For a measurement saved before check keys were kept, only
+        whether it was checked at all is known, and that is compared."""
         used = await self.store.idempotent_request(ledger, key)
         if used is None:
             return None
         differs = _differences(used, kernel.content_key(), workload.key(), device)
-        ran = used.result.status in ("ok", "wrong_output")
-        if ran and used.result.correctness.checked != (reference is not None):
+        if used.check_key is not None:
+            if used.check_key != checked_against:
+                differs.append("reference or atol/rtol")
+        elif used.result.status in ("ok", "wrong_output") and used.result.correctness.checked != (
+            checked_against != _UNCHECKED
+        ):
             differs.append("reference")
         if differs:
             first = f"kernel id {used.kernel_id!r}, " if used.kernel_id is not None else ""
             raise InvalidRequest(
                 f"idempotency_key {key[:80]!r} was already used on ledger {ledger!r} for a different "
                 f"{' and '.join(differs)} ({first}measurement {used.measurement_id} on {used.hardware}); "
-                "a retry must send the same kernel, workload, reference and hardware. Use a new key for a new "
-                "measurement; nothing was charged."
+                "a retry must send the same kernel, workload, reference, atol, rtol and hardware. Use a new key "
+                "for a new measurement; nothing was charged."
             )
         return _free_copy(used.result, str(kernel.id))
 
@@ -700,6 +707,7 @@ class Service:
             "family_key": kernel.family_key(),
             "content_key": kernel.content_key(),
             "hardware": device,
+            "check_key": check_key(reference, atol, rtol),
         }
         # One measurement of the same request at a time: concurrent callers (parallel search clients sharing
         # an unmeasured baseline) wait for the first and are then served from the cache, free.
@@ -720,7 +728,7 @@ class Service:
                 # Another server process on this database finished the same key first.
                 assert idempotency_key is not None
                 prior = await self._idempotent_prior(
-                    ledger, idempotency_key, kernel, workload, device, reference
+                    ledger, idempotency_key, kernel, workload, device, save["check_key"]
                 )
                 assert prior is not None
                 return prior
@@ -913,6 +921,17 @@ def _source_notes(kernels: Sequence[Kernel], workload: Workload) -> list[str]:
         shown = ", ".join(ids[:5]) + (f" and {len(ids) - 5} more" if len(ids) > 5 else "")
         out.append(f"candidate{'s' if len(ids) > 1 else ''} {shown}: {problem}")
     return out
+
+
+_UNCHECKED = "unchecked"
+
+
+def check_key(reference: Kernel | None, atol: float, rtol: float) -> str:
+    """What a measurement's outputs are checked against: the reference kernel's content and the tolerances,
+    or nothing (tolerances mean nothing without a reference)."""
+    if reference is None:
+        return _UNCHECKED
+    return json.dumps({"reference": reference.content_key(), "atol": atol, "rtol": rtol}, sort_keys=True)
 
 
 def _differences(used: IdempotentRequest, content_key: str, workload_key: str, device: str) -> list[str]:

@@ -3,6 +3,8 @@ not cached or learned, and a cached result answers only requests it is precise e
 
 from __future__ import annotations
 
+import contextlib
+import sqlite3
 import sys
 from pathlib import Path
 from typing import Any
@@ -263,5 +265,50 @@ async def test_an_idempotency_key_retried_with_a_reference_it_was_first_used_wit
             )
         again = await svc.measure(ledger="L", kernel=kernel(), workload=WORKLOAD, idempotency_key="step-1")
         assert again.cost.gpu_seconds == 0.0 and len(fake.history) == 1  # a true retry stays free
+    finally:
+        await svc.close()
+
+
+async def test_an_idempotency_key_retried_with_another_reference_or_tolerances_is_refused(
+    tmp_path: Path,
+) -> None:
+    from forecaster_mcp.errors import InvalidRequest
+    from forecaster_mcp.measure.fake import FakeMeasurer
+
+    fake = FakeMeasurer([DEVICE], gpu_seconds=0.5)
+    svc = await make_service(tmp_path, fake)
+    try:
+        ref = kernel(REF=1)
+        first = await svc.measure(
+            ledger="L", kernel=kernel(), workload=WORKLOAD, reference=ref, rtol=1e-3, idempotency_key="s"
+        )
+        assert first.correctness.checked
+        # Checked either way, but not against what the retry asks for: the first answer would pass it off.
+        for other in (
+            {"reference": kernel(REF=2)},
+            {"reference": ref, "rtol": 0.5},
+            {"reference": ref, "atol": 1.0},
+        ):
+            with pytest.raises(InvalidRequest, match="different reference or atol/rtol"):
+                await svc.measure(
+                    ledger="L",
+                    kernel=kernel(),
+                    workload=WORKLOAD,
+                    idempotency_key="s",
+                    **other,  # type: ignore[arg-type]
+                )
+        again = await svc.measure(
+            ledger="L", kernel=kernel(), workload=WORKLOAD, reference=ref, rtol=1e-3, idempotency_key="s"
+        )
+        assert again.cost.gpu_seconds == 0.0 and len(fake.history) == 1
+        # A row saved before check keys were kept (NULL) is still compared on whether it was checked at all.
+        with contextlib.closing(sqlite3.connect(svc.settings.db_path)) as db, db:
+            db.execute("UPDATE measurements SET check_key = NULL")
+        await svc.measure(
+            ledger="L", kernel=kernel(), workload=WORKLOAD, reference=kernel(REF=2), idempotency_key="s"
+        )
+        with pytest.raises(InvalidRequest, match="different reference"):
+            await svc.measure(ledger="L", kernel=kernel(), workload=WORKLOAD, idempotency_key="s")
+        assert len(fake.history) == 1
     finally:
         await svc.close()

@@ -124,6 +124,7 @@ class IdempotentRequest:
     workload_key: str
     hardware: str
     result: MeasureResult  # as first saved, with measurement_id set
+    check_key: str | None = None  # what its outputs were checked against (None: saved before it was kept)
 
 
 @dataclass(frozen=True)
@@ -801,13 +802,13 @@ class Store:
     async def idempotent_request(self, ledger: str, idempotency_key: str) -> IdempotentRequest | None:
         """What was measured under (ledger, idempotency_key), and its result, in one read."""
         rows = await self._fetch(
-            "SELECT id, result_json, json_extract(kernel_json, '$.id'), content_key, workload_key, hardware "
-            "FROM measurements WHERE ledger = ? AND idempotency_key = ?",
+            "SELECT id, result_json, json_extract(kernel_json, '$.id'), content_key, workload_key, hardware, "
+            "check_key FROM measurements WHERE ledger = ? AND idempotency_key = ?",
             (ledger, idempotency_key),
         )
         if not rows:
             return None
-        mid, result_json, kernel_id, content_key, workload_key, hardware = rows[0]
+        mid, result_json, kernel_id, content_key, workload_key, hardware, check_key = rows[0]
         return IdempotentRequest(
             measurement_id=int(mid),
             kernel_id=None if kernel_id is None else str(kernel_id),
@@ -815,6 +816,7 @@ class Store:
             workload_key=str(workload_key),
             hardware=str(hardware),
             result=_result_from_row(mid, result_json),
+            check_key=None if check_key is None else str(check_key),
         )
 
     async def save_measurement(
@@ -831,9 +833,11 @@ class Store:
         result: MeasureResult,
         charged_gpu_seconds: float,
         cached: bool,
+        check_key: str | None = None,
     ) -> int:
         """Store a measurement with full provenance (result JSON holds device provenance) and verify every
         stored forecast whose two kernels are now both measured on this hardware and workload. Returns its id.
+        `check_key`: what its outputs were checked against (the service's `check_key`).
 
         A second save under the same (ledger, idempotency_key) inserts nothing and returns the first id."""
         charged = to_micro(charged_gpu_seconds, "charged_gpu_seconds", ValueError, allow_zero=True)
@@ -869,12 +873,12 @@ class Store:
             cur = await conn.execute(
                 "INSERT INTO measurements (cache_key, ledger, idempotency_key, kernel_json, defines_json, "
                 "launch_json, workload_key, family_key, content_key, hardware, result_json, status, "
-                "runtime_ms, charged_micro, saved_micro, cached, created_at) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "runtime_ms, charged_micro, saved_micro, cached, created_at, check_key) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     cache_key, ledger, idempotency_key, kernel_json, defines_json, launch_json, workload_key,
                     family_key, content_key, hardware, result_json, result.status, runtime, charged, saved,
-                    int(cached), now,
+                    int(cached), now, check_key,
                 ),
             )  # fmt: skip
             mid = int(cur.lastrowid)

@@ -161,10 +161,16 @@ _RESERVATION_IDEMPOTENCY = (
 # is thresholded on it rather than on history pooled with other families (forecast/engine.py).
 _FORECAST_FAMILY = ("ALTER TABLE forecasts ADD COLUMN family_key TEXT",)
 
+# What a measurement's outputs were checked against (the reference kernel and atol/rtol, service.check_key),
+# so that a retry under its idempotency key that names another reference or other tolerances is refused
+# instead of answered with a result checked differently. NULL on rows saved before: not known.
+_MEASUREMENT_CHECK = ("ALTER TABLE measurements ADD COLUMN check_key TEXT",)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "initial schema", _INITIAL),
     Migration(2, "idempotency keys on open reservations", _RESERVATION_IDEMPOTENCY),
     Migration(3, "kernel family of each forecast", _FORECAST_FAMILY),
+    Migration(4, "what each measurement was checked against", _MEASUREMENT_CHECK),
 )
 
 
