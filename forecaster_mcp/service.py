@@ -990,7 +990,14 @@ def _cache_key(request: MeasureRequest, fingerprint: str) -> str:
 def build_forecasters(settings: Settings, store: Store) -> list[Forecaster]:
     from forecaster_mcp.forecast.local import LocalForecaster
 
-    out: list[Forecaster] = [LocalForecaster(store, nvcc=settings.nvcc, cache_dir=settings.home / "cache")]
+    out: list[Forecaster] = [
+        LocalForecaster(
+            store,
+            nvcc=settings.nvcc,
+            cache_dir=settings.home / "cache",
+            max_cache_bytes=int(settings.model_cache_mb * 2**20),
+        )
+    ]
     if settings.anthropic_api_key:
         from forecaster_mcp.forecast.claude import ClaudeForecaster
 

@@ -45,6 +45,12 @@ class Settings(BaseModel):
         "with a note (a slow or hanging API must not hold the agent; the local forecaster answers)",
     )
     nvcc: str | None = Field(default=None, description="path to nvcc; default: found on PATH")
+    model_cache_mb: float = Field(
+        default=512.0,
+        gt=0,
+        description="memory the local forecaster's fitted family models may hold (a family of 1,500 "
+        "measurements takes about 36 MB); the least recently used are dropped and refitted when asked again",
+    )
 
     @property
     def db_path(self) -> Path:

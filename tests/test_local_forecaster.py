@@ -185,6 +185,38 @@ async def test_refits_only_when_the_family_changes() -> None:
 
 
 @pytest.mark.anyio
+async def test_fitted_models_are_kept_within_the_memory_bound() -> None:
+    from forecaster_mcp.forecast.local import model_bytes
+
+    h = trained(GRID)
+    sources = [SOURCE.replace("2.0f", f"{i}.0f") for i in range(3, 7)]
+    for src in sources:
+        for bs, u in GRID:
+            h.add(member(bs, u, source=src), runtime(bs, u))
+    probe = LocalForecaster(h, ptxas_wait_s=0.0)
+    await probe.forecast([query(member(64, 1), member(512, 4))])
+    one = probe.cached_bytes
+    assert one > 24 * 24 * 8  # the inverse alone
+    # Room for two models: a third family drops the least recently used one, not the one just asked about.
+    f = LocalForecaster(h, ptxas_wait_s=0.0, max_cache_bytes=2 * one + one // 2)
+    for src in sources:
+        await f.forecast([query(member(64, 1, source=src), member(512, 4, source=src))])
+        assert f.cached_bytes <= 2 * one + one // 2
+    assert f.fits == 4 and len(f._models) == 2
+    assert f.cached_bytes == sum(model_bytes(s.model) for s in f._models.values())
+    # A dropped family is refitted when asked again, from its kept hyperparameters; a kept one is not.
+    await f.forecast([query(member(64, 1, source=sources[-1]), member(512, 4, source=sources[-1]))])
+    assert f.fits == 4
+    await f.forecast([query(member(64, 1, source=sources[0]), member(512, 4, source=sources[0]))])
+    assert f.fits == 5 and len(f._warm) == 4
+    # A bound below one model keeps the one just fitted.
+    tiny = LocalForecaster(h, ptxas_wait_s=0.0, max_cache_bytes=1)
+    for src in sources[:2]:
+        await tiny.forecast([query(member(64, 1, source=src), member(512, 4, source=src))])
+    assert len(tiny._models) == 1 and tiny.cached_bytes == one
+
+
+@pytest.mark.anyio
 async def test_correlated_errors_make_close_siblings_more_certain() -> None:
     f = LocalForecaster(trained(GRID[::3]), ptxas_wait_s=0.0)
     # Two unmeasured members that differ only slightly share most of their model error.

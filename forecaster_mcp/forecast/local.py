@@ -1002,6 +1002,17 @@ class _Belief:
 class _GroupState:
     signature: str
     model: FamilyModel
+    nbytes: int
+
+
+def model_bytes(model: FamilyModel) -> int:
+    """About how much memory a fitted family model holds: its arrays (the GP's n x n inverse dominates, once
+    per fit and once more for the short-length-scale companion) and a few hundred bytes per measurement."""
+    arrays = [model.x_all, model.failed_all, model.fail_ls]
+    for gp in (model.gp, model.gp_short):
+        if gp is not None:
+            arrays.extend((gp.x, gp.alpha, gp.kinv))
+    return sum(int(a.nbytes) for a in arrays) + 300 * (len(model.measured) + len(model.by_row))
 
 
 class LocalForecaster:
@@ -1018,10 +1029,13 @@ class LocalForecaster:
         *,
         ptxas_wait_s: float = 10.0,
         max_cached_families: int = 64,
+        max_cache_bytes: int = 512 * 2**20,
     ) -> None:
         """`history`: the store (None: static prior only). `nvcc`: path or name (None: found on PATH).
         `cache_dir`: where ptxas results are kept between runs (None: memory only). `ptxas_wait_s`: the
-        longest a forecast waits for nvcc on kernels it has not seen (0 turns ptxas off)."""
+        longest a forecast waits for nvcc on kernels it has not seen (0 turns ptxas off). Fitted family
+        models are kept for at most `max_cached_families` families and `max_cache_bytes` of memory
+        (`model_bytes`), least recently used dropped first; the one just fitted is always kept."""
         from forecaster_mcp.forecast.ptxas import find_nvcc
 
         self._history = history
@@ -1034,6 +1048,8 @@ class LocalForecaster:
         self._refitting: set[tuple[str, str, str]] = set()
         self._locks: dict[tuple[str, str, str], anyio.Lock] = {}
         self._max_cached = max_cached_families
+        self._max_bytes = max_cache_bytes
+        self.cached_bytes = 0  # what the kept models hold (model_bytes)
         self._features: OrderedDict[tuple[str, str], StaticFeatures] = OrderedDict()
         self.fits = 0  # how many family models were fitted (tests and benchmarks read it)
 
@@ -1094,14 +1110,34 @@ class LocalForecaster:
                 # was, and writing it would undo what a background refit stored meanwhile.
                 self._warm[key] = model.gp.theta
                 self._hyper_n[key] = n_ok
-            self._models[key] = _GroupState(signature, model)
-            self._models.move_to_end(key)
-            while len(self._models) > self._max_cached:
-                old, _ = self._models.popitem(last=False)
-                self._warm.pop(old, None)
-                self._hyper_n.pop(old, None)
-                self._locks.pop(old, None)
+            self._keep(key, _GroupState(signature, model, model_bytes(model)))
         return model
+
+    def _keep(self, key: tuple[str, str, str], state: _GroupState) -> None:
+        """Cache a family's model, dropping the least recently used past the family and memory bounds. A
+        model dropped for memory alone keeps its hyperparameters (a few numbers): its refit starts warm."""
+        replaced = self._models.pop(key, None)
+        if replaced is not None:
+            self.cached_bytes -= replaced.nbytes
+        self._models[key] = state
+        self.cached_bytes += state.nbytes
+        while len(self._models) > 1 and (
+            len(self._models) > self._max_cached or self.cached_bytes > self._max_bytes
+        ):
+            old, dropped = self._models.popitem(last=False)
+            self.cached_bytes -= dropped.nbytes
+            if len(self._models) >= self._max_cached:
+                self._forget(old)
+        # Hyperparameters of families dropped for memory are kept, within bounds too.
+        for old in [k for k in self._warm if k not in self._models][
+            : max(0, len(self._warm) - 4 * self._max_cached)
+        ]:
+            self._forget(old)
+
+    def _forget(self, key: tuple[str, str, str]) -> None:
+        self._warm.pop(key, None)
+        self._hyper_n.pop(key, None)
+        self._locks.pop(key, None)
 
     # ---- static features (prior path)
 
