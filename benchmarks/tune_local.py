@@ -426,7 +426,9 @@ def model_report(
 
 
 def latency_report(repeats: int = 50) -> dict[str, Any]:
-    """LocalForecaster.forecast wall time for 2 and 64 candidates at 100 and 1000 family points."""
+    """LocalForecaster.forecast wall time for 2 and 64 candidates at 100, 1000 and 1500 family points: the
+    first call (hyperparameters fitted), repeated calls (cached model), and a call after each of 5 new
+    measurements (posterior updated with the fitted hyperparameters)."""
     import anyio
     import numpy as np
 
@@ -442,9 +444,10 @@ def latency_report(repeats: int = 50) -> dict[str, Any]:
     source = placeholder_source(sp.kernel_name)
     out: dict[str, Any] = {}
     print(
-        "\nLocalForecaster.forecast latency (ms): family points x candidates -> first call (fit), then p50/p95"
+        "\nLocalForecaster.forecast latency (ms): family points x candidates -> first call (fit), then p50/p95,"
+        " then the median call after one new measurement"
     )
-    for n_points in (100, 1000):
+    for n_points in (100, 1000, 1500):
         order = rng.permutation(len(sp.entries))
         history = DictHistory()
         for i in order[:n_points]:
@@ -477,9 +480,41 @@ def latency_report(repeats: int = 50) -> dict[str, Any]:
             times = anyio.run(timed)
             first, rest = times[0], sorted(times[1:])
             p50, p95 = rest[len(rest) // 2], rest[int(len(rest) * 0.95)]
-            out[f"{n_points}pts_{n_cand}cand"] = {"first_ms": first, "p50_ms": p50, "p95_ms": p95}
+
+            # Five points no call has seen (each candidate count gets its own), added one at a time.
+            fresh = [int(i) for i in order[len(order) - 5 * (n_cand > 2) - 5 :][:5]]
+
+            async def updates(
+                qs: list[PairQuery] = queries,
+                f: LocalForecaster = forecaster,
+                h: DictHistory = history,
+                new: list[int] = fresh,
+            ) -> list[float]:
+                times = []
+                for i in new:
+                    e = sp.entries[i]
+                    k = kern(i)
+                    h.add(
+                        (k.family_key(), sp.device, workload.key()),
+                        FamilyPoint(
+                            dict(e.params), None, e.status, statistics.median(e.times), k.content_key()
+                        ),
+                    )
+                    t0 = time.perf_counter()
+                    await f.forecast(qs)
+                    times.append((time.perf_counter() - t0) * 1000.0)
+                return times
+
+            update = sorted(anyio.run(updates))[2]
+            out[f"{n_points}pts_{n_cand}cand"] = {
+                "first_ms": first,
+                "p50_ms": p50,
+                "p95_ms": p95,
+                "update_ms": update,
+            }
             print(
                 f"  {n_points:5d} points, {n_cand:2d} candidates: first {first:8.1f}  p50 {p50:6.2f}  p95 {p95:6.2f}"
+                f"  update {update:7.1f}"
             )
     return out
 

@@ -452,6 +452,55 @@ def test_short_length_scale_companion_widens_only_away_from_the_measurements(
     assert local.fit_family(pts).gp_short is None
 
 
+def test_a_posterior_update_matches_a_new_factorisation() -> None:
+    """Between hyperparameter refits a family's posterior is updated for the points added and dropped (in
+    any position: the store orders points by content key), and must be what factorising anew gives."""
+    from forecaster_mcp.forecast import local
+
+    rng = np.random.default_rng(5)
+    params = [{"a": int(a), "b": int(b), "c": int(c)} for a, b, c in rng.integers(1, 40, size=(160, 3))]
+
+    noise = 0.02 * rng.standard_normal(len(params))
+
+    def pts(ix: list[int], noisy: bool = True) -> list[FamilyPoint]:
+        out = []
+        for i in ix:
+            p = params[i]
+            t_ms = 1.0 + 0.03 * p["a"] + 0.2 * math.sin(p["b"] / 5) + 0.01 * p["c"] + noisy * noise[i]
+            out.append(FamilyPoint(dict(p), None, "ok", t_ms, f"k{(i * 7919) % 1000:04d}"))
+        return sorted(out, key=lambda p: p.content_key)
+
+    first = list(range(120))
+    base = local.fit_family(pts(first))
+    assert base.gp is not None
+    warm = base.gp.theta
+    previous = local.fit_family(pts(first), warm, False)
+    probe = [dict(p) for p in params[140:]]
+    # Three added (each lands somewhere in content-key order) and two dropped.
+    changed = [i for i in first if i not in (3, 77)] + [130, 131, 132]
+    fresh = local.fit_family(pts(changed), warm, False)
+    updated = local.fit_family(pts(changed), warm, False, previous)
+    assert updated.gp is not None and fresh.gp is not None
+    assert len(updated.gp.x) == len(changed)
+    m0, c0 = fresh.predict(probe)
+    m1, c1 = updated.predict(probe)
+    assert np.max(np.abs(m0 - m1)) < 1e-8 and np.max(np.abs(c0 - c1)) < 1e-8
+    assert updated.gp.loo_scale == pytest.approx(fresh.gp.loo_scale, rel=1e-9)
+    # What cannot be updated is factorised anew: other hyperparameters, or most of the points changed.
+    kinv = local._updated_inverse(previous.gp, fresh.gp.x)
+    assert kinv is not None and np.allclose(kinv, fresh.gp.kinv, atol=1e-6)
+    most = local.fit_family(pts(list(range(40, 160)))).gp
+    assert most is not None and local._updated_inverse(previous.gp, most.x) is None
+    other, anew = (local.fit_family(pts(changed), warm + 0.1, False, p) for p in (previous, None))
+    assert other.gp is not None and anew.gp is not None
+    assert np.array_equal(other.gp.kinv, anew.gp.kinv)
+    # A noiseless family is so ill-conditioned that the update loses digits: the check on K @ kinv sees it.
+    exact = local.fit_family(pts(first, noisy=False))
+    assert exact.gp is not None and exact.gp.sn2 < 1e-4
+    again = local.fit_family(pts(changed, noisy=False), exact.gp.theta, False)
+    assert again.gp is not None and local._updated_inverse(exact.gp, again.gp.x) is None
+
+
 # ---------------------------------------------------------------- kernels the model cannot place
 
 
