@@ -273,11 +273,10 @@ class Service:
             f = next(it)
             fc_by_id[cid] = f
             threshold = choices[(f.regime, family[cid])].threshold
-            p_fail = float(f.extras.get("p_fail", 0.0))
-            verdict = decide(f.p_faster, threshold, p_fail)
+            verdict = f.verdict(threshold)
             rationale = f.rationale
             if verdict == "unsure" and decide(f.p_faster, threshold) == "faster":
-                rationale += f"; unsure only for its {p_fail:.0%} chance of failing to compile or run"
+                rationale += f"; unsure only for its {f.p_fail:.0%} chance of failing to compile or run"
             results[cid] = CandidateForecast(
                 id=cid,
                 p_faster=f.p_faster,

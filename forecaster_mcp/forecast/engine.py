@@ -50,8 +50,14 @@ from forecaster_mcp import bins
 from forecaster_mcp.forecast.base import BinForecast, Forecaster, PairQuery
 from forecaster_mcp.forecast.calibration import Calibrator
 from forecaster_mcp.forecast.combine import Combiner
-from forecaster_mcp.forecast.selective import ThresholdChoice, choose_threshold, default_min_history
-from forecaster_mcp.models import ForecasterInfo
+from forecaster_mcp.forecast.selective import (
+    ThresholdChoice,
+    choose_threshold,
+    decide,
+    default_min_history,
+    p_fail_of,
+)
+from forecaster_mcp.models import ForecasterInfo, Verdict
 
 if TYPE_CHECKING:
     from forecaster_mcp.store.db import VerifiedPair
@@ -160,6 +166,15 @@ class EngineForecast:
     per_forecaster: dict[str, list[float]] = field(default_factory=dict)
     slots: dict[str, str] = field(default_factory=dict)  # component -> calibration slot of its answer
     regime: Regime = "model"  # the most uncertain of its components' regimes (module doc)
+
+    @property
+    def p_fail(self) -> float:
+        """The chance the candidate fails to compile or run (`selective.p_fail_of`)."""
+        return p_fail_of(self.extras)
+
+    def verdict(self, threshold: float) -> Verdict:
+        """faster / slower / unsure at this threshold, its chance of failing counted (`selective.decide`)."""
+        return decide(self.p_faster, threshold, self.p_fail)
 
     def outcome(self, hardware: str, speedup: float) -> Outcome:
         """This forecast's raw answers as a verified outcome (evaluation)."""

@@ -33,7 +33,7 @@ from pydantic import ValidationError
 
 from forecaster_mcp.errors import OperatorError
 from forecaster_mcp.forecast import metrics as M
-from forecaster_mcp.forecast.selective import MAX_TARGET_ERROR, MIN_TARGET_ERROR, ThresholdChoice, decide
+from forecaster_mcp.forecast.selective import MAX_TARGET_ERROR, MIN_TARGET_ERROR, ThresholdChoice
 from forecaster_mcp.models import Kernel, Workload
 
 if TYPE_CHECKING:
@@ -524,8 +524,7 @@ def run_eval(
     final_probs = np.array([f.probs for f in forecasts])
     final = M.summarize(final_probs, speedups)
     verdicts = [
-        decide(f.p_faster, thresholds[(hw, f.regime)].threshold, float(f.extras.get("p_fail", 0.0)))
-        for f, hw in zip(forecasts, hardware, strict=True)
+        f.verdict(thresholds[(hw, f.regime)].threshold) for f, hw in zip(forecasts, hardware, strict=True)
     ]
     d = M.decided_summary(verdicts, speedups)
     final.update(

@@ -17,7 +17,7 @@ for pairs of two unmeasured kernels).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -212,6 +212,12 @@ def choose_threshold(
         "default",
         n_d,
     )
+
+
+def p_fail_of(extras: Mapping[str, float]) -> float:
+    """The chance a forecast's candidate fails to compile or run, from its extras (the local model says;
+    0 where no forecaster does)."""
+    return float(extras.get("p_fail", 0.0))
 
 
 def decide(p_faster: float, threshold: float, p_fail: float = 0.0) -> Verdict:
