@@ -930,7 +930,9 @@ def check_key(reference: Kernel | None, atol: float, rtol: float) -> str:
     or nothing (tolerances mean nothing without a reference)."""
     if reference is None:
         return _UNCHECKED
-    return json.dumps({"reference": reference.content_key(), "atol": atol, "rtol": rtol}, sort_keys=True)
+    # One spelling per tolerance: 0, 0.0 and -0.0 are one request.
+    tolerances = {"atol": repr(float(atol) + 0.0), "rtol": repr(float(rtol) + 0.0)}
+    return json.dumps({"reference": reference.content_key(), **tolerances}, sort_keys=True)
 
 
 def _differences(used: IdempotentRequest, content_key: str, workload_key: str, device: str) -> list[str]:

@@ -48,6 +48,7 @@ class Settings(BaseModel):
     model_cache_mb: float = Field(
         default=512.0,
         gt=0,
+        allow_inf_nan=False,
         description="memory the local forecaster's fitted family models may hold (a family of 1,500 "
         "measurements takes about 36 MB); the least recently used are dropped and refitted when asked again",
     )

@@ -273,3 +273,13 @@ def test_unknown_ledger_message_quotes_the_name_for_the_shell() -> None:
 
     assert "`forecaster-mcp ledger create 'team a;b' --gpu-seconds N`" in asyncio.run(status_of("team a;b"))
     assert "`forecaster-mcp ledger create team-b --gpu-seconds N`" in asyncio.run(status_of("team-b"))
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "0", "-5", "lots"])
+def test_a_bad_model_cache_bound_is_an_operator_error(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    monkeypatch.setenv("FORECASTER_MCP_MODEL_CACHE_MB", value)
+    code, out, err = run(capsys, "ledger", "show", "default")
+    assert code == 2 and out == ""
+    assert "bad setting model_cache_mb (env FORECASTER_MCP_MODEL_CACHE_MB)" in err

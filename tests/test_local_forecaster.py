@@ -452,10 +452,50 @@ def test_short_length_scale_companion_widens_only_away_from_the_measurements(
     assert local.fit_family(pts).gp_short is None
 
 
-def test_a_posterior_update_matches_a_new_factorisation() -> None:
+@pytest.mark.anyio
+async def test_the_server_updates_a_large_family_after_a_new_measurement(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past 100 points a new measurement updates the cached model's posterior (hyperparameters kept)."""
+    from forecaster_mcp.forecast import local
+
+    updates: list[bool] = []
+    update = local._updated_inverse
+
+    def counted(previous: local.GPFit, xp: np.ndarray) -> np.ndarray | None:
+        out = update(previous, xp)
+        updates.append(out is not None)
+        return out
+
+    monkeypatch.setattr(local, "_updated_inverse", counted)
+    rng = np.random.default_rng(2)
+    h = FakeHistory()
+    for bs, u in [(bs, u) for bs in range(32, 1025, 8) for u in (1, 2, 4, 8)][::3][:110]:
+        h.add(member(bs, u), runtime(bs, u) * (1.0 + 0.02 * rng.standard_normal()))  # noisy, as timings are
+    f = LocalForecaster(h, ptxas_wait_s=0.0)
+    q = [query(member(64, 1), member(200, 4))]
+    await f.forecast(q)
+    assert updates == [] and f.fits == 1
+    h.add(member(200, 4), runtime(200, 4))  # inside the measured range: the old rows keep their encoding
+    [after] = await f.forecast(q)
+    assert f.fits == 2 and updates == [True, True]
+    assert after.extras["measured"] == 1.0
+
+
+def test_a_posterior_update_matches_a_new_factorisation(monkeypatch: pytest.MonkeyPatch) -> None:
     """Between hyperparameter refits a family's posterior is updated for the points added and dropped (in
     any position: the store orders points by content key), and must be what factorising anew gives."""
     from forecaster_mcp.forecast import local
+
+    updates: list[bool] = []
+    update = local._updated_inverse
+
+    def counted(previous: local.GPFit, xp: np.ndarray) -> np.ndarray | None:
+        out = update(previous, xp)
+        updates.append(out is not None)
+        return out
+
+    monkeypatch.setattr(local, "_updated_inverse", counted)
 
     rng = np.random.default_rng(5)
     params = [{"a": int(a), "b": int(b), "c": int(c)} for a, b, c in rng.integers(1, 40, size=(160, 3))]
@@ -479,7 +519,9 @@ def test_a_posterior_update_matches_a_new_factorisation() -> None:
     # Three added (each lands somewhere in content-key order) and two dropped.
     changed = [i for i in first if i not in (3, 77)] + [130, 131, 132]
     fresh = local.fit_family(pts(changed), warm, False)
+    assert updates == []
     updated = local.fit_family(pts(changed), warm, False, previous)
+    assert updates == [True, True]  # the fit and its short-length-scale companion were updated
     assert updated.gp is not None and fresh.gp is not None
     assert len(updated.gp.x) == len(changed)
     m0, c0 = fresh.predict(probe)

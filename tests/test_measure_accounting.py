@@ -301,6 +301,15 @@ async def test_an_idempotency_key_retried_with_another_reference_or_tolerances_i
             ledger="L", kernel=kernel(), workload=WORKLOAD, reference=ref, rtol=1e-3, idempotency_key="s"
         )
         assert again.cost.gpu_seconds == 0.0 and len(fake.history) == 1
+        # One tolerance however it is spelt: 0, 0.0 and -0.0 are the same request.
+        await svc.measure(
+            ledger="L", kernel=kernel(), workload=WORKLOAD, reference=ref, atol=0, idempotency_key="z"
+        )
+        for atol in (0.0, -0.0):
+            await svc.measure(
+                ledger="L", kernel=kernel(), workload=WORKLOAD, reference=ref, atol=atol, idempotency_key="z"
+            )
+        assert len(fake.history) == 2
         # A row saved before check keys were kept (NULL) is still compared on whether it was checked at all.
         with contextlib.closing(sqlite3.connect(svc.settings.db_path)) as db, db:
             db.execute("UPDATE measurements SET check_key = NULL")
@@ -309,6 +318,6 @@ async def test_an_idempotency_key_retried_with_another_reference_or_tolerances_i
         )
         with pytest.raises(InvalidRequest, match="different reference"):
             await svc.measure(ledger="L", kernel=kernel(), workload=WORKLOAD, idempotency_key="s")
-        assert len(fake.history) == 1
+        assert len(fake.history) == 2
     finally:
         await svc.close()

@@ -1224,18 +1224,27 @@ class LocalForecaster:
         ):
             old, dropped = self._models.popitem(last=False)
             self.cached_bytes -= dropped.nbytes
-            if len(self._models) >= self._max_cached:
+            # Dropped for memory alone, a family keeps its hyperparameters: its next fit starts warm.
+            self._forget(old, hyperparameters=len(self._models) >= self._max_cached)
+        # Hyperparameters of families dropped for memory are kept, within bounds too (never those of a family
+        # being fitted now: it holds its lock). A snapshot: a background refit may add a key meanwhile.
+        excess = len(self._warm) - 4 * self._max_cached
+        for old in list(self._warm):
+            if excess <= 0:
+                break
+            lock = self._locks.get(old)
+            if old not in self._models and (lock is None or not lock.locked()):
                 self._forget(old)
-        # Hyperparameters of families dropped for memory are kept, within bounds too.
-        for old in [k for k in self._warm if k not in self._models][
-            : max(0, len(self._warm) - 4 * self._max_cached)
-        ]:
-            self._forget(old)
+                excess -= 1
 
-    def _forget(self, key: tuple[str, str, str]) -> None:
-        self._warm.pop(key, None)
-        self._hyper_n.pop(key, None)
-        self._locks.pop(key, None)
+    def _forget(self, key: tuple[str, str, str], hyperparameters: bool = True) -> None:
+        """Drop what is kept of a family: its lock unless a fit holds it, and (by default) its hyperparameters."""
+        lock = self._locks.get(key)
+        if lock is not None and not lock.locked():
+            del self._locks[key]
+        if hyperparameters:
+            self._warm.pop(key, None)
+            self._hyper_n.pop(key, None)
 
     # ---- static features (prior path)
 
