@@ -452,22 +452,26 @@ def test_short_length_scale_companion_widens_only_away_from_the_measurements(
     assert local.fit_family(pts).gp_short is None
 
 
-@pytest.mark.anyio
-async def test_the_server_updates_a_large_family_after_a_new_measurement(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Past 100 points a new measurement updates the cached model's posterior (hyperparameters kept)."""
+@pytest.fixture
+def updates(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Each posterior update attempted from here on: True where it was taken, False where it fell back."""
     from forecaster_mcp.forecast import local
 
-    updates: list[bool] = []
+    seen: list[bool] = []
     update = local._updated_inverse
 
     def counted(previous: local.GPFit, xp: np.ndarray) -> np.ndarray | None:
         out = update(previous, xp)
-        updates.append(out is not None)
+        seen.append(out is not None)
         return out
 
     monkeypatch.setattr(local, "_updated_inverse", counted)
+    return seen
+
+
+@pytest.mark.anyio
+async def test_the_server_updates_a_large_family_after_a_new_measurement(updates: list[bool]) -> None:
+    """Past 100 points a new measurement updates the cached model's posterior (hyperparameters kept)."""
     rng = np.random.default_rng(2)
     h = FakeHistory()
     for bs, u in [(bs, u) for bs in range(32, 1025, 8) for u in (1, 2, 4, 8)][::3][:110]:
@@ -482,20 +486,10 @@ async def test_the_server_updates_a_large_family_after_a_new_measurement(
     assert after.extras["measured"] == 1.0
 
 
-def test_a_posterior_update_matches_a_new_factorisation(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_posterior_update_matches_a_new_factorisation(updates: list[bool]) -> None:
     """Between hyperparameter refits a family's posterior is updated for the points added and dropped (in
     any position: the store orders points by content key), and must be what factorising anew gives."""
     from forecaster_mcp.forecast import local
-
-    updates: list[bool] = []
-    update = local._updated_inverse
-
-    def counted(previous: local.GPFit, xp: np.ndarray) -> np.ndarray | None:
-        out = update(previous, xp)
-        updates.append(out is not None)
-        return out
-
-    monkeypatch.setattr(local, "_updated_inverse", counted)
 
     rng = np.random.default_rng(5)
     params = [{"a": int(a), "b": int(b), "c": int(c)} for a, b, c in rng.integers(1, 40, size=(160, 3))]
