@@ -486,6 +486,43 @@ async def test_the_server_updates_a_large_family_after_a_new_measurement(updates
     assert after.extras["measured"] == 1.0
 
 
+@pytest.mark.anyio
+async def test_forecasts_do_not_depend_on_how_fast_the_background_refit_is() -> None:
+    """The same measurements in the same order give the same forecasts, whether the hyperparameter
+    optimisation beside the request path finishes at once or late (it is used REFIT_LAG points on)."""
+    from forecaster_mcp.forecast import local
+
+    rng = np.random.default_rng(4)
+    grid = [(bs, u) for bs in range(32, 1025, 8) for u in (1, 2, 4, 8)]
+    order = rng.permutation(len(grid))
+    noise = 1.0 + 0.02 * rng.standard_normal(len(grid))
+    histories = [FakeHistory(), FakeHistory()]
+    for h in histories:
+        for i in order[:110]:
+            h.add(member(*grid[i]), runtime(*grid[i]) * noise[i])
+    fast, slow = (LocalForecaster(h, ptxas_wait_s=0.0) for h in histories)
+    refit = local.LocalForecaster._refit_hyperparameters
+
+    def late(*args: Any) -> None:
+        time.sleep(0.3)
+        refit(*args)
+
+    slow._refit_hyperparameters = late  # type: ignore[method-assign]
+    q = [query(member(64, 1), member(200, 4)), query(member(40, 8), member(720, 2))]
+    answers: list[list[list[float]]] = [[], []]
+    for i in order[110:135]:
+        for h, f, out in zip(histories, (fast, slow), answers, strict=True):
+            h.add(member(*grid[i]), runtime(*grid[i]) * noise[i])
+            out.append(
+                [fc.extras["mu_log2"] for fc in await f.forecast(q)]
+                + [fc.extras["sd_log2"] for fc in await f.forecast(q)]
+            )
+    assert answers[0] == answers[1]
+    key = next(iter(fast._models))
+    # Fitted first on 111 points, optimised again beside the requests at 122 and used in both.
+    assert fast._hyper_n[key] == slow._hyper_n[key] == 122
+
+
 def test_a_posterior_update_matches_a_new_factorisation(updates: list[bool]) -> None:
     """Between hyperparameter refits a family's posterior is updated for the points added and dropped (in
     any position: the store orders points by content key), and must be what factorising anew gives."""

@@ -1094,6 +1094,20 @@ class _Belief:
     cov_row: Array | None = None  # covariance with every kernel predicted in the same batch
 
 
+# Measurements after the one a background hyperparameter optimisation started on until its result is used.
+REFIT_LAG = 2
+
+
+@dataclass
+class _Refit:
+    """A hyperparameter optimisation running beside the request path (LocalForecaster._model)."""
+
+    n_ok: int  # successful measurements it was started on
+    apply_at: int  # the first fit with at least this many uses its result, waiting for it if need be
+    done: threading.Event = field(default_factory=threading.Event)
+    theta: Array | None = None  # its result; None if it had none (or failed)
+
+
 @dataclass
 class _GroupState:
     signature: str
@@ -1141,7 +1155,7 @@ class LocalForecaster:
         self._models: OrderedDict[tuple[str, str, str], _GroupState] = OrderedDict()
         self._warm: dict[tuple[str, str, str], Array] = {}
         self._hyper_n: dict[tuple[str, str, str], int] = {}
-        self._refitting: set[tuple[str, str, str]] = set()
+        self._refits: dict[tuple[str, str, str], _Refit] = {}
         self._locks: dict[tuple[str, str, str], anyio.Lock] = {}
         self._max_cached = max_cached_families
         self._max_bytes = max_cache_bytes
@@ -1151,16 +1165,14 @@ class LocalForecaster:
 
     # ---- family models
 
-    def _refit_hyperparameters(
-        self, key: tuple[str, str, str], points: Sequence[FamilyPoint], warm: Array | None, n_ok: int
-    ) -> None:
+    @staticmethod
+    def _refit_hyperparameters(refit: _Refit, points: Sequence[FamilyPoint], warm: Array | None) -> None:
         try:
             model = fit_family(points, warm, True)
             if model.gp is not None:
-                self._warm[key] = model.gp.theta
-                self._hyper_n[key] = n_ok
+                refit.theta = model.gp.theta
         finally:
-            self._refitting.discard(key)
+            refit.done.set()
 
     async def _model(self, key: tuple[str, str, str]) -> FamilyModel | None:
         if self._history is None:
@@ -1188,13 +1200,23 @@ class LocalForecaster:
             # last optimisation; in between, new points only update the posterior of the fit and of its
             # short-length-scale companion, from the cached model's (`_updated_inverse`; a forecast after one
             # new measurement: 0.09-0.13 s at 1,000 points, 0.15-0.18 s at 1,500, was 0.36-0.42 s and 1.0 s).
+            # The optimisation runs beside the request path, and its result is used from the fit that has
+            # REFIT_LAG more measurements on: always that one, waiting for it if need be, so that the same
+            # measurements in the same order give the same forecasts however fast the machine is.
+            pending = self._refits.get(key)
+            if pending is not None and n_ok >= pending.apply_at:
+                if not pending.done.is_set():
+                    await anyio.to_thread.run_sync(pending.done.wait)
+                del self._refits[key]
+                if pending.theta is not None:
+                    warm = self._warm[key] = pending.theta
+                    self._hyper_n[key] = pending.n_ok
             last = self._hyper_n.get(key, 0)
             refit = warm is None or n_ok < 100
-            if not refit and n_ok >= last + last // 10 and key not in self._refitting:
-                # The optimisation runs beside the request path; the next posterior update uses its result.
-                self._refitting.add(key)
+            if not refit and n_ok >= last + last // 10 and key not in self._refits:
+                pending = self._refits[key] = _Refit(n_ok, n_ok + REFIT_LAG)
                 threading.Thread(
-                    target=self._refit_hyperparameters, args=(key, points, warm, n_ok), daemon=True
+                    target=self._refit_hyperparameters, args=(pending, points, warm), daemon=True
                 ).start()
             previous = state.model if state is not None else None
             if n_ok > 40:
@@ -1245,6 +1267,7 @@ class LocalForecaster:
         if hyperparameters:
             self._warm.pop(key, None)
             self._hyper_n.pop(key, None)
+            self._refits.pop(key, None)  # a running optimisation finishes unheard
 
     # ---- static features (prior path)
 
