@@ -1226,8 +1226,7 @@ class LocalForecaster:
                 model = fit_family(points, warm, refit, previous)
             self.fits += 1
             if model.gp is not None and refit:
-                # Only an optimisation writes hyperparameters back: a posterior-only fit kept `warm` as it
-                # was, and writing it would undo what a background refit stored meanwhile.
+                # Only an optimisation writes hyperparameters back (a posterior-only fit kept `warm` as it was).
                 self._warm[key] = model.gp.theta
                 self._hyper_n[key] = n_ok
             self._keep(key, _GroupState(signature, model, model_bytes(model)))
@@ -1249,9 +1248,9 @@ class LocalForecaster:
             # Dropped for memory alone, a family keeps its hyperparameters: its next fit starts warm.
             self._forget(old, hyperparameters=len(self._models) >= self._max_cached)
         # Hyperparameters of families dropped for memory are kept, within bounds too (never those of a family
-        # being fitted now: it holds its lock). A snapshot: a background refit may add a key meanwhile.
+        # being fitted now: it holds its lock).
         excess = len(self._warm) - 4 * self._max_cached
-        for old in list(self._warm):
+        for old in list(self._warm):  # a copy: _forget changes the dict
             if excess <= 0:
                 break
             lock = self._locks.get(old)
