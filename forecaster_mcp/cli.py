@@ -187,7 +187,13 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser(
         "demo", help="start a server and drive it as an MCP client: the whole idea in one screen"
     )
-    demo.add_argument("--replay", type=Path, action="append", default=[], help="recording to measure against")
+    demo.add_argument(
+        "--replay",
+        type=Path,
+        action="append",
+        default=[],
+        help="recording to measure against (default: those FORECASTER_MCP_REPLAY names)",
+    )
     demo.set_defaults(handler="forecaster_mcp.demo:demo_command")
     return p
 

@@ -178,7 +178,9 @@ async def _replay_loop(call: ToolCaller, space: ReplaySpace, rounds: int = 6) ->
 async def _demo(settings: Settings, space: ReplaySpace | None, home: Path, ledger: str | None) -> None:
     # The server replays only the recording the demo searches: its device is then the server's default one.
     replay = [space.path] if space is not None else []
-    async with connect_stdio(home, replay=replay, ledger=ledger) as (client, call):
+    # Exactly that recording: not also those a FORECASTER_MCP_REPLAY in this environment names.
+    no_env_replay = {"FORECASTER_MCP_REPLAY": ""}
+    async with connect_stdio(home, replay=replay, ledger=ledger, extra_env=no_env_replay) as (client, call):
         tools = [t.name for t in (await client.list_tools()).tools]
         print(f"Started `forecaster-mcp serve` over stdio (state in {home}); tools: {', '.join(tools)}")
         await _forecast_examples(call, settings.hardware or "H100")
@@ -198,7 +200,8 @@ async def _demo(settings: Settings, space: ReplaySpace | None, home: Path, ledge
 
 def demo_command(settings: Settings, args: argparse.Namespace) -> int:
     """Run the demo in a throw-away state directory unless --home was given."""
-    replay = [Path(p) for p in (args.replay or [])]
+    # --replay, else the recordings FORECASTER_MCP_REPLAY names (Settings.from_env, as for `serve`).
+    replay = list(settings.replay)
     missing = [str(p) for p in replay if not p.exists()]
     if missing:
         print(f"forecaster-mcp demo: recording not found: {', '.join(missing)} (try {SHARED_HINT})")

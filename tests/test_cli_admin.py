@@ -187,6 +187,23 @@ def test_demo_replays_a_folder_of_recordings_smaller_than_its_pool(tmp_path: Pat
     assert "round 1: 3 candidates" in out and "best found" in out
 
 
+def test_demo_replays_what_forecaster_mcp_replay_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without --replay the demo takes the recordings of FORECASTER_MCP_REPLAY, as `serve` does; with it, only
+    the one given (the server it starts is not handed the environment's as well)."""
+    env_rec = small_recording(tmp_path / "env" / "A100.json", {"32": {"bx": 32, "time": 1.0, "times": [1.0]}})
+    arg_rec = small_recording(
+        tmp_path / "arg" / "A100.json",
+        {"32": {"bx": 32, "time": 1.0, "times": [1.0]}, "64": {"bx": 64, "time": 0.5, "times": [0.5]}},
+    )
+    monkeypatch.setenv("FORECASTER_MCP_REPLAY", str(env_rec))
+    out = cli(tmp_path / "home", "demo").stdout
+    assert "search over 1 recorded configurations of kk" in out and str(env_rec) in out
+    out = cli(tmp_path / "home2", "demo", "--replay", str(arg_rec)).stdout
+    assert "search over 2 recorded configurations of kk" in out and str(env_rec) not in out
+
+
 def test_demo_refuses_a_recording_without_a_configuration_that_ran(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

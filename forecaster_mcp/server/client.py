@@ -70,10 +70,15 @@ def stdio_params(
 
 @asynccontextmanager
 async def connect_stdio(
-    home: Path, *, replay: Sequence[Path] = (), ledger: str | None = None
+    home: Path,
+    *,
+    replay: Sequence[Path] = (),
+    ledger: str | None = None,
+    extra_env: dict[str, str] | None = None,
 ) -> AsyncIterator[tuple[Client, ToolCaller]]:
     """Start a server subprocess over stdio; yield the client and a structured-content tool caller."""
-    async with Client(stdio_params(home, replay=replay, ledger=ledger), read_timeout_seconds=300) as client:
+    params = stdio_params(home, replay=replay, ledger=ledger, extra_env=extra_env)
+    async with Client(params, read_timeout_seconds=300) as client:
 
         async def call(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
             return structured(await client.call_tool(name, arguments))
