@@ -360,19 +360,24 @@ class Kernel(_Strict):
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
 
 
-class BufferArg(_Strict):
-    """A device buffer argument."""
+class _Arg(_Strict):
+    """What every kernel argument has: a name (one line) and a dtype."""
 
     name: str = Field(max_length=128)
     dtype: Dtype
-    shape: list[int] = Field(min_length=1, max_length=8)
-    init: InitKind = "random_uniform"
-    intent: Intent = "in"
 
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
         return _one_line(v, "argument name", 128)
+
+
+class BufferArg(_Arg):
+    """A device buffer argument."""
+
+    shape: list[int] = Field(min_length=1, max_length=8)
+    init: InitKind = "random_uniform"
+    intent: Intent = "in"
 
     @field_validator("shape")
     @classmethod
@@ -393,17 +398,10 @@ class BufferArg(_Strict):
         return self.elements * DTYPE_BYTES[self.dtype]
 
 
-class ScalarArg(_Strict):
+class ScalarArg(_Arg):
     """A by-value scalar argument."""
 
-    name: str = Field(max_length=128)
-    dtype: Dtype
     value: int | float
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, v: str) -> str:
-        return _one_line(v, "argument name", 128)
 
     @field_validator("value")
     @classmethod
