@@ -753,6 +753,11 @@ def _inverse(k: Array) -> Array:
         except np.linalg.LinAlgError:
             jitter *= 10.0
             k = k + jitter * np.eye(len(k))
+    return _inverse_from_cholesky(chol)
+
+
+def _inverse_from_cholesky(chol: NDArray[np.floating[Any]]) -> Array:
+    """K^-1 from K's lower Cholesky factor L: L^-T L^-1."""
     linv = np.linalg.inv(chol)
     return np.asarray(linv.T @ linv)
 
@@ -805,11 +810,9 @@ def _updated_inverse(previous: GPFit, xp: Array) -> Array | None:
         c = kernel_matrix(xn, xn, ls, sf2, sa2) + (sn2 + _JITTER) * np.eye(len(new_at))
         e = pk @ b
         try:
-            chol = np.linalg.cholesky(c - b.T @ e)
+            s_inv = _inverse_from_cholesky(np.linalg.cholesky(c - b.T @ e))
         except np.linalg.LinAlgError:
             return None
-        linv = np.linalg.inv(chol)
-        s_inv = linv.T @ linv
         es = e @ s_inv
         blocked = np.block([[pk + es @ e.T, -es], [-es.T, s_inv]])
     else:
@@ -1007,7 +1010,7 @@ def fit_family(
     previous: FamilyModel | None = None,
 ) -> FamilyModel:
     """Fit the family model on stored points (the latest measurement per content key). `previous`: the
-    family's last model, whose factorisations a posterior-only fit (`refit=False`) updates (`fit_gp`)."""
+    family's last model, whose factorisations a fit with the same hyperparameters updates (`fit_gp`)."""
     measured: dict[str, Measured] = {}
     by_row: dict[tuple[Any, ...], Measured] = {}
     rows: list[dict[str, Any]] = []
@@ -1033,9 +1036,11 @@ def fit_family(
     gp = gp_short = None
     if len(ok_rows) >= MIN_FAMILY_POINTS:
         x_ok, y_ok = x_all[ok_rows], np.asarray(y)
-        before = previous if previous is not None and not refit else None
-        gp = fit_gp(x_ok, y_ok, warm=warm, refit=refit, previous=before.gp if before is not None else None)
-        gp_short = _short_companion(gp, x_ok, y_ok, before.gp_short if before is not None else None)
+        # fit_gp reuses a previous factorisation only under the same hyperparameters: after a refit, not.
+        gp = fit_gp(
+            x_ok, y_ok, warm=warm, refit=refit, previous=previous.gp if previous is not None else None
+        )
+        gp_short = _short_companion(gp, x_ok, y_ok, previous.gp_short if previous is not None else None)
     n_failed = int(sum(failed))
     failed_arr = np.asarray(failed)
     fail_ls = (
