@@ -596,6 +596,7 @@ class Service:
         measurer, device = self._pick_measurer(hardware)
         await self._require_ledger(ledger)
 
+        checked_against = check_key(reference, atol, rtol)
         run = functools.partial(
             self._measure_uncached,
             ledger,
@@ -610,12 +611,13 @@ class Service:
             measurer,
             device,
             progress,
+            checked_against,
         )
         if idempotency_key is None:
             return await run()
         async with self._alone(("idempotency", ledger, idempotency_key)):
             prior = await self._idempotent_prior(
-                ledger, idempotency_key, kernel, workload, device, check_key(reference, atol, rtol)
+                ledger, idempotency_key, kernel, workload, device, checked_against
             )
             if prior is not None:
                 return prior
@@ -678,7 +680,9 @@ class Service:
         measurer: Measurer,
         device: str,
         progress: ProgressCallback | None,
+        checked_against: str,
     ) -> MeasureResult:
+        """`checked_against`: `check_key` of the reference and tolerances, stored for idempotent retries."""
         cap = min(max_seconds or self.settings.max_measure_seconds, self.settings.max_measure_seconds)
         if max_seconds is None:
             # The default cap is also held to what the ledger has left: a measurement holds its whole cap
@@ -706,7 +710,7 @@ class Service:
             "family_key": kernel.family_key(),
             "content_key": kernel.content_key(),
             "hardware": device,
-            "check_key": check_key(reference, atol, rtol),
+            "check_key": checked_against,
         }
         # One measurement of the same request at a time: concurrent callers (parallel search clients sharing
         # an unmeasured baseline) wait for the first and are then served from the cache, free.
@@ -727,7 +731,7 @@ class Service:
                 # Another server process on this database finished the same key first.
                 assert idempotency_key is not None
                 prior = await self._idempotent_prior(
-                    ledger, idempotency_key, kernel, workload, device, save["check_key"]
+                    ledger, idempotency_key, kernel, workload, device, checked_against
                 )
                 assert prior is not None
                 return prior
