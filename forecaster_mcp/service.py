@@ -700,7 +700,8 @@ class Service:
             max_seconds=cap,
             max_runs=max_runs,
         )
-        cache_key = _cache_key(request, measurer.device_fingerprint(device))
+        fingerprint = measurer.device_fingerprint(device)
+        cache_key = _cache_key(request, fingerprint)
         save: dict[str, Any] = {
             "cache_key": cache_key,
             "ledger": ledger,
@@ -715,11 +716,16 @@ class Service:
         # One measurement of the same request at a time: concurrent callers (parallel search clients sharing
         # an unmeasured baseline) wait for the first and are then served from the cache, free.
         async with self._alone(("cache", cache_key)):
-            hit = await self.store.find_measurement(cache_key)
+            hit, hit_key = None, cache_key
+            for key in dict.fromkeys((cache_key, _legacy_cache_key(request, fingerprint))):
+                hit, hit_key = await self.store.find_measurement(key), key
+                if hit is not None:
+                    break
             if hit is not None and _precise_enough(hit, request, getattr(measurer, "min_runs", 1)):
                 result = _free_copy(hit, str(kernel.id))
+                # The copy joins the key it was found under: what it saved is read from that key's original.
                 result.measurement_id = await self.store.save_measurement(
-                    **save, result=result, charged_gpu_seconds=0.0, cached=True
+                    **{**save, "cache_key": hit_key}, result=result, charged_gpu_seconds=0.0, cached=True
                 )
                 return result
 
@@ -981,13 +987,26 @@ def _precise_enough(hit: MeasureResult, request: MeasureRequest, min_runs: int) 
 
 
 def _cache_key(request: MeasureRequest, fingerprint: str) -> str:
+    """Which stored results may answer `request`: same kernel, workload, device and output check.
+
+    The check is `check_key`'s: tolerances in one spelling (0, 0.0 and -0.0 are one request) and none without
+    a reference kernel, where they check nothing (a kernel measured unchecked under another atol is a hit)."""
+    return _digest(request, fingerprint, check=check_key(request.reference, request.atol, request.rtol))
+
+
+def _legacy_cache_key(request: MeasureRequest, fingerprint: str) -> str:
+    """The key results were stored under before `_cache_key` normalised the check (raw tolerances, kept even
+    without a reference); still looked up, so those results keep answering."""
+    reference = request.reference.content_key() if request.reference else None
+    return _digest(request, fingerprint, reference=reference, atol=request.atol, rtol=request.rtol)
+
+
+def _digest(request: MeasureRequest, fingerprint: str, **check: Any) -> str:
     payload = {
         "kernel": request.kernel.content_key(),
         "workload": request.workload.key(),
         "device": fingerprint,
-        "reference": request.reference.content_key() if request.reference else None,
-        "atol": request.atol,
-        "rtol": request.rtol,
+        **check,
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 

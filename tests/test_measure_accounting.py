@@ -321,3 +321,57 @@ async def test_an_idempotency_key_retried_with_another_reference_or_tolerances_i
         assert len(fake.history) == 2
     finally:
         await svc.close()
+
+
+async def test_cache_hits_ignore_tolerance_spelling_and_unchecked_tolerances(tmp_path: Path) -> None:
+    m = ScriptedMeasurer(["ok"])
+    svc = await make_service(tmp_path, m)
+    try:
+        k = kernel()
+        ref = kernel(REF="1")
+
+        async def measure(**kw: Any) -> MeasureResult:
+            return await svc.measure(
+                ledger="L", kernel=k, workload=WORKLOAD, hardware="X", max_seconds=5, **kw
+            )
+
+        assert not (await measure(atol=1e-5)).cost.cached
+        # Without a reference the tolerances check nothing: another atol is the same measurement.
+        assert (await measure(atol=0.5, rtol=0.25)).cost.cached and m.calls == 1
+        assert not (await measure(reference=ref, atol=0)).cost.cached and m.calls == 2
+        for atol in (0.0, -0.0):  # one request, however a Python caller spells zero
+            assert (await measure(reference=ref, atol=atol)).cost.cached
+        assert not (await measure(reference=ref, atol=0.0, rtol=0.5)).cost.cached and m.calls == 3
+    finally:
+        await svc.close()
+
+
+async def test_results_under_the_earlier_cache_key_still_answer(tmp_path: Path) -> None:
+    from forecaster_mcp.service import _legacy_cache_key
+
+    m = ScriptedMeasurer(["ok"])
+    svc = await make_service(tmp_path, m)
+    try:
+        k = kernel().model_copy(update={"id": "k0"})
+        request = MeasureRequest(kernel=k, workload=WORKLOAD, device="X", atol=1e-5, rtol=1e-3)
+        first = await m.measure(request)
+        # A row as stores written before the normalised key hold it.
+        await svc.store.save_measurement(
+            cache_key=_legacy_cache_key(request, m.device_fingerprint("X")),
+            ledger="L",
+            idempotency_key=None,
+            kernel_json=k.model_dump_json(),
+            workload_key=WORKLOAD.key(),
+            family_key=k.family_key(),
+            content_key=k.content_key(),
+            hardware="X",
+            result=first,
+            charged_gpu_seconds=0.25,
+            cached=False,
+        )
+        hit = await svc.measure(ledger="L", kernel=k, workload=WORKLOAD, hardware="X", max_seconds=5)
+        assert hit.cost.cached and m.calls == 1
+        status = await svc.budget_status("L")
+        assert status.gpu_seconds_saved.cache == pytest.approx(0.25)  # read from the original's row
+    finally:
+        await svc.close()
