@@ -6,24 +6,31 @@ Speedup S = t(baseline) / t(candidate). Bins are symmetric in log2 S with edges
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
 EDGES_LOG2: tuple[float, ...] = (-2.0, -1.0, -0.5, 0.0, 0.5, 1.0, 2.0)
-N_BINS = 8
-LABELS: tuple[str, ...] = (
-    "(-inf,-2)",
-    "[-2,-1)",
-    "[-1,-0.5)",
-    "[-0.5,0)",
-    "[0,0.5)",
-    "[0.5,1)",
-    "[1,2)",
-    "[2,inf)",
+N_BINS = len(EDGES_LOG2) + 1
+# Everything else about the bins is derived from EDGES_LOG2, so prompt, schema, labels and metrics cannot
+# disagree (the paper's code labelled data with other edges than its prompt described).
+_BOUNDS: tuple[float, ...] = (-math.inf, *EDGES_LOG2, math.inf)
+
+
+def _edge_text(x: float) -> str:
+    return "inf" if x == math.inf else "-inf" if x == -math.inf else f"{x:g}"
+
+
+LABELS: tuple[str, ...] = tuple(
+    f"{'(' if lo == -math.inf else '['}{_edge_text(lo)},{_edge_text(hi)})"
+    for lo, hi in itertools.pairwise(_BOUNDS)
 )
-# Representative log2 speedup of each bin (its midpoint; the open ends at +-2.5).
-CENTERS_LOG2: tuple[float, ...] = (-2.5, -1.5, -0.75, -0.25, 0.25, 0.75, 1.5, 2.5)
-FASTER_BINS = range(4, 8)
+# Representative log2 speedup of each bin: its midpoint; the open ends half a unit past the outer edges.
+CENTERS_LOG2: tuple[float, ...] = tuple(
+    lo + 0.5 if hi == math.inf else hi - 0.5 if lo == -math.inf else (lo + hi) / 2
+    for lo, hi in itertools.pairwise(_BOUNDS)
+)
+FASTER_BINS = range(EDGES_LOG2.index(0.0) + 1, N_BINS)  # log2 S >= 0
 TIE_LOG2 = math.log2(1.03)
 
 
@@ -35,10 +42,9 @@ def is_tie(speedup: float) -> bool:
 def describe() -> str:
     """Human text of the bins, for prompts and docs."""
     parts = []
-    lo_s = [0.0, 0.25, 0.5, 2**-0.5, 1.0, 2**0.5, 2.0, 4.0]
-    hi_s = [0.25, 0.5, 2**-0.5, 1.0, 2**0.5, 2.0, 4.0, math.inf]
     for i, label in enumerate(LABELS):
-        parts.append(f"bin {i}: log2 S in {label} (S in [{lo_s[i]:.3g}, {hi_s[i]:.3g}))")
+        lo, hi = 2.0 ** _BOUNDS[i], 2.0 ** _BOUNDS[i + 1]  # 2**-inf = 0, 2**inf = inf
+        parts.append(f"bin {i}: log2 S in {label} (S in [{lo:.3g}, {hi:.3g}))")
     return "\n".join(parts)
 
 

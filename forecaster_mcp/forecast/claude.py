@@ -153,11 +153,13 @@ class TokenUsage:
     cache_write_tokens: int = 0
     requests: int = 0
 
-    def add_usage(self, usage: Usage) -> None:
-        self.input_tokens += usage.input_tokens
-        self.output_tokens += usage.output_tokens
-        self.cache_read_tokens += usage.cache_read_input_tokens or 0
-        self.cache_write_tokens += usage.cache_creation_input_tokens or 0
+    def add_usage(self, usage: Usage | None) -> None:
+        """One answered request. The SDK does not validate response bodies: a field (or the whole usage
+        block) may be missing from a malformed one, and counts as 0 (the request still counts)."""
+        self.input_tokens += _tokens(usage, "input_tokens")
+        self.output_tokens += _tokens(usage, "output_tokens")
+        self.cache_read_tokens += _tokens(usage, "cache_read_input_tokens")
+        self.cache_write_tokens += _tokens(usage, "cache_creation_input_tokens")
         self.requests += 1
 
     def add(self, other: TokenUsage) -> None:
@@ -166,6 +168,11 @@ class TokenUsage:
         self.cache_read_tokens += other.cache_read_tokens
         self.cache_write_tokens += other.cache_write_tokens
         self.requests += other.requests
+
+
+def _tokens(usage: object, name: str) -> int:
+    value = getattr(usage, name, None)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
 def cost_usd(model: str, usage: TokenUsage, *, batch: bool = False) -> float:
@@ -383,6 +390,11 @@ class ClaudeForecaster:
             problems.append(f"unusable answer after {1 + self.invalid_retries} attempts: {exc}")
         except (_Dropped, _Transient) as exc:
             problems.append(str(exc))
+        except ClaudeUnavailable:
+            raise  # the key or model is refused: every other request would be too
+        except Exception as exc:  # a response the SDK could not make sense of: this sample only
+            log.warning("claude sample failed unexpectedly", exc_info=True)
+            problems.append(f"unexpected {type(exc).__name__} handling the answer: {exc}")
         log.info("claude sample dropped: %s", problems[-1])
         return None
 
@@ -414,7 +426,7 @@ class ClaudeForecaster:
                 raise ClaudeUnavailable(f"Claude request rejected ({type(exc).__name__}): {exc}") from exc
             except (an.APIStatusError, an.APIConnectionError) as exc:
                 raise _Transient(f"Claude API error after retries ({type(exc).__name__}): {exc}") from exc
-        usage.add_usage(message.usage)
+        usage.add_usage(getattr(message, "usage", None))
         self._cache_warm_until = time.monotonic() + _CACHE_TTL_S
         return message, mode
 
@@ -431,6 +443,10 @@ class ClaudeForecaster:
 
     def _interpret(self, message: Message, mode: Literal["tool", "json"]) -> _Sample:
         """Validate one response into a sample (InvalidAnswer / _Truncated / _Dropped otherwise)."""
+        if not isinstance(getattr(message, "content", None), list):
+            # The SDK hands over whatever a 200 carried: a body that is not JSON arrives as a str, a JSON one
+            # without content with content None. Unusable like any other unparseable answer (retried).
+            raise prompt.InvalidAnswer("the response is not a Messages API answer (no content list)")
         stop = message.stop_reason
         if stop == "refusal":
             detail = message.stop_details.explanation if message.stop_details else None
@@ -563,7 +579,7 @@ class ClaudeForecaster:
             return max_tokens
         if result.type == "succeeded":
             message = result.message
-            usage.add_usage(message.usage)
+            usage.add_usage(getattr(message, "usage", None))
             try:
                 into.append(self._interpret(message, mode))
             except _Truncated as exc:
