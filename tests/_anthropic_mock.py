@@ -133,7 +133,10 @@ class AnthropicMock:
 
     responder: Responder
     batch_polls_in_progress: int = 1
-    batch_never_ends: bool = False
+    batch_never_ends: bool = False  # in progress until cancelled
+    cancel_ends: bool = True  # a cancelled batch ends (at its next retrieval); False: it hangs
+    finished_before_cancel: int = 0  # requests of a cancelled batch that had succeeded (the rest: canceled)
+    batch_creates_allowed: int | None = None  # later batch creations answer 500
     requests: list[RecordedRequest] = field(default_factory=list)
     batches: dict[str, _Batch] = field(default_factory=dict)
 
@@ -154,6 +157,8 @@ class AnthropicMock:
         if request.method == "POST" and path == "/v1/messages":
             return self._answer(body)
         if request.method == "POST" and path == "/v1/messages/batches":
+            if self.batch_creates_allowed is not None and len(self.batches) >= self.batch_creates_allowed:
+                return error(500, "api_error", "mock: batch creation failed")
             batch = _Batch(id=f"msgbatch_{next(_ids):06d}", requests=list(body["requests"]))
             self.batches[batch.id] = batch
             return httpx2.Response(200, json=self._batch_json(batch, "in_progress"))
@@ -162,7 +167,9 @@ class AnthropicMock:
             batch = self.batches[parts[3]]
             if len(parts) == 4 and request.method == "GET":
                 batch.polls += 1
-                ended = not self.batch_never_ends and batch.polls > self.batch_polls_in_progress
+                ended = (batch.canceled and self.cancel_ends) or (
+                    not self.batch_never_ends and batch.polls > self.batch_polls_in_progress
+                )
                 return httpx2.Response(200, json=self._batch_json(batch, "ended" if ended else "in_progress"))
             if parts[4:] == ["cancel"] and request.method == "POST":
                 batch.canceled = True
@@ -180,8 +187,12 @@ class AnthropicMock:
     def _results(self, batch: _Batch) -> httpx2.Response:
         lines = []
         # Reversed: results are not in request order in the real API either.
-        for req in reversed(batch.requests):
+        for n, req in reversed(list(enumerate(batch.requests))):
             out = self.responder(req["params"])
+            if batch.canceled and n >= self.finished_before_cancel:
+                result_: dict[str, Any] = {"type": "canceled"}
+                lines.append(json.dumps({"custom_id": req["custom_id"], "result": result_}))
+                continue
             if isinstance(out, httpx2.Response):
                 err = json.loads(out.content)
                 result: dict[str, Any] = {"type": "errored", "error": err}

@@ -17,6 +17,7 @@ import pytest
 
 from forecaster_mcp import bins
 from forecaster_mcp.errors import ForecasterMcpError
+from forecaster_mcp.forecast import claude as claude_module
 from forecaster_mcp.forecast import prompt
 from forecaster_mcp.forecast.base import PairQuery
 from forecaster_mcp.forecast.claude import (
@@ -618,6 +619,51 @@ async def test_batch_wait_is_bounded_and_cancels() -> None:
     assert len(slept) == 5
     [batch] = mock.batches.values()
     assert batch.canceled
+
+
+@pytest.mark.anyio
+async def test_a_cancelled_batch_keeps_and_bills_what_it_finished() -> None:
+    mock = AnthropicMock(lambda body: tool_answer(FASTER), batch_never_ends=True, finished_before_cancel=1)
+    sink = FakeSink()
+
+    async def no_sleep(s: float) -> None:
+        pass
+
+    f = make(mock, sleep=no_sleep, usage_sink=sink, batch_poll_interval_s=60.0, batch_max_wait_s=120.0)
+    with pytest.raises(ClaudeUnavailable, match="cancelled it") as info:
+        await f.forecast_batch([pair(), pair(), pair()])
+    # Results come back in reverse request order: the first request had finished, the other two not.
+    assert [p is not None for p in info.value.partial] == [True, False, False]
+    [call] = sink.calls
+    assert call["input_tokens"] == 1000  # the one finished request, billed
+    assert len(mock.batches) == 1  # no further round after giving up
+
+
+@pytest.mark.anyio
+async def test_a_cancelled_batch_that_never_ends_is_given_up_after_a_few_polls() -> None:
+    mock = AnthropicMock(lambda body: tool_answer(FASTER), batch_never_ends=True, cancel_ends=False)
+    slept: list[float] = []
+
+    async def fake_sleep(s: float) -> None:
+        slept.append(s)
+
+    f = make(mock, sleep=fake_sleep, batch_poll_interval_s=60.0, batch_max_wait_s=300.0)
+    with pytest.raises(ClaudeUnavailable, match="cancelled it"):
+        await f.forecast_batch([pair()])
+    assert len(slept) == 5 + claude_module._CANCEL_POLLS
+
+
+@pytest.mark.anyio
+async def test_a_failed_batch_creation_cancels_the_batches_already_created(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(claude_module, "_BATCH_MAX_REQUESTS", 1)  # one batch per request
+    mock = AnthropicMock(lambda body: tool_answer(FASTER), batch_creates_allowed=1)
+    f = make(mock, max_retries=0)
+    with pytest.raises(ClaudeUnavailable, match="batch failed"):
+        await f.forecast_batch([pair(), pair()])
+    [first] = mock.batches.values()
+    assert first.canceled  # not left running (and billed) after the call gave up
 
 
 # ---------------------------------------------------------------- guards

@@ -54,6 +54,8 @@ _NO_FORCED_TOOL_PREFIXES = (
 )
 # The prompt cache lives 5 minutes from its last use; re-warm a little before that.
 _CACHE_TTL_S = 270.0
+# Polls a cancelled batch gets to end (so what it finished can be read) before its results are given up.
+_CANCEL_POLLS = 3
 # Message Batches limits: 100,000 requests and 256 MB per batch; stay well under both.
 _BATCH_MAX_REQUESTS = 10_000
 _BATCH_MAX_BYTES = 100 * 2**20
@@ -333,7 +335,7 @@ class ClaudeForecaster:
                     for (i, j), max_tokens in pending.items()
                 }
                 try:
-                    outcomes = await self._run_batches(requests)
+                    outcomes, gave_up = await self._run_batches(requests)
                 except ClaudeUnavailable as exc:
                     # Earlier rounds' answers are paid for: keep them (the engine uses `partial`).
                     partial = [self._aggregate(s) if s else None for s in samples]
@@ -345,6 +347,11 @@ class ClaudeForecaster:
                     if again is not None:
                         retry[(i, j)] = again
                 pending = retry
+                if gave_up is not None:
+                    # What the cancelled batch finished is counted and kept; no further round.
+                    raise ClaudeUnavailable(
+                        gave_up, partial=[self._aggregate(s) if s else None for s in samples]
+                    )
         finally:
             with anyio.CancelScope(shield=True):  # a timed-out call still paid for what it got
                 await self._record(usage, batch=True)
@@ -521,8 +528,11 @@ class ClaudeForecaster:
 
     # ------------------------------------------------------------ batches
 
-    async def _run_batches(self, requests: dict[str, dict[str, Any]]) -> dict[str, Any]:
-        """Submit `requests` (custom_id -> params) as one or more batches; custom_id -> result object."""
+    async def _run_batches(self, requests: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], str | None]:
+        """Submit `requests` (custom_id -> params) as one or more batches. Returns custom_id -> result object,
+        and why the wait was given up (None: every batch ended). A batch still running after
+        `batch_max_wait_s` is cancelled and what it had finished is read all the same (those answers are
+        paid for); on an API error every batch already created is cancelled (best effort)."""
         chunks: list[list[Any]] = [[]]
         size = 0
         for custom_id, params in requests.items():
@@ -535,34 +545,65 @@ class ClaudeForecaster:
             size += n
         an = self._anthropic
         outcomes: dict[str, Any] = {}
+        created: list[str] = []
+        read: set[str] = set()
+        gave_up: str | None = None
         try:
-            created = [await self._client.messages.batches.create(requests=c) for c in chunks if c]
-            for batch in created:
-                await self._wait_batch(batch.id)
-                decoder = await self._client.messages.batches.results(batch.id)
+            for c in chunks:
+                if c:
+                    created.append((await self._client.messages.batches.create(requests=c)).id)
+            for batch_id in created:
+                if gave_up is None:
+                    gave_up = await self._wait_batch(batch_id)
+                else:  # the wait is over: cancel the rest, read what they finished
+                    await self._cancel_batch(batch_id)
+                    if not await self._ended_after_cancel(batch_id):
+                        continue
+                decoder = await self._client.messages.batches.results(batch_id)
                 async for item in decoder:
                     outcomes[item.custom_id] = item.result
-        except (an.APIStatusError, an.APIConnectionError) as exc:
+                read.add(batch_id)
+        except (an.APIStatusError, an.APIConnectionError, ClaudeUnavailable) as exc:
+            with anyio.CancelScope(shield=True):
+                for batch_id in created:
+                    if batch_id not in read:
+                        await self._cancel_batch(batch_id)
+            if isinstance(exc, ClaudeUnavailable):
+                raise
             raise ClaudeUnavailable(f"Claude batch failed ({type(exc).__name__}): {exc}") from exc
-        return outcomes
+        return outcomes, gave_up
 
-    async def _wait_batch(self, batch_id: str) -> None:
+    async def _wait_batch(self, batch_id: str) -> str | None:
+        """Poll until the batch ends (None), or cancel it after batch_max_wait_s and say so. A cancelled
+        batch that has not ended within a few more polls raises: its results cannot be read yet."""
         waited = 0.0
         while True:
             batch = await self._client.messages.batches.retrieve(batch_id)
             if batch.processing_status == "ended":
-                return
+                return None
             if waited >= self._batch_max_wait_s:
-                try:
-                    await self._client.messages.batches.cancel(batch_id)
-                except self._anthropic.APIError as exc:
-                    log.warning("could not cancel batch %s: %s", batch_id, exc)
-                raise ClaudeUnavailable(
-                    f"Claude batch {batch_id} still {batch.processing_status} after {waited:.0f} s; "
-                    "cancelled it"
-                )
+                await self._cancel_batch(batch_id)
+                why = f"Claude batch {batch_id} still {batch.processing_status} after {waited:.0f} s; cancelled it"
+                if not await self._ended_after_cancel(batch_id):
+                    raise ClaudeUnavailable(why)
+                return why
             await self._sleep(self._batch_poll_interval_s)
             waited += self._batch_poll_interval_s
+
+    async def _cancel_batch(self, batch_id: str) -> None:
+        try:
+            await self._client.messages.batches.cancel(batch_id)
+        except self._anthropic.APIError as exc:
+            log.warning("could not cancel batch %s: %s", batch_id, exc)
+
+    async def _ended_after_cancel(self, batch_id: str) -> bool:
+        """Whether a cancelled batch ends within _CANCEL_POLLS more polls (its results are then readable)."""
+        for _ in range(_CANCEL_POLLS):
+            batch = await self._client.messages.batches.retrieve(batch_id)
+            if batch.processing_status == "ended":
+                return True
+            await self._sleep(self._batch_poll_interval_s)
+        return False
 
     def _batch_outcome(
         self,
