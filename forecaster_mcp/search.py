@@ -700,7 +700,14 @@ def search_command(settings: Any, args: Any) -> int:
 
         # A fresh state directory per run: the family model must not learn from another run's measurements.
         with tempfile.TemporaryDirectory(prefix="fmcp-search-") as home:
-            async with connect_stdio(Path(home), replay=[Path(args.recording)]) as (_client, call):
+            # Its own ledger and recording only: a FORECASTER_MCP_LEDGER of this environment names a ledger the
+            # fresh state directory lacks, and a FORECASTER_MCP_REPLAY would add recordings (and devices).
+            async with connect_stdio(
+                Path(home),
+                replay=[Path(args.recording)],
+                ledger="default",
+                extra_env={"FORECASTER_MCP_REPLAY": ""},
+            ) as (_client, call):
                 if strategy == "random":
                     return await random_search(call, space, args.measurements, seed)
                 if args.client == "plain":
@@ -732,10 +739,12 @@ def search_command(settings: Any, args: Any) -> int:
         raise OperatorError(f"a search run stopped: the server answered {failed}") from exc
     summary = summarize(traces)
     for strategy, s in summary.items():
+        rate = s["candidates_per_gpu_second"]
         print(
             f"{strategy:8s} best-fraction median {s['fraction_median']:.3f} min {s['fraction_min']:.3f} "
             f"over {s['runs']} seeds; {s['candidates_considered_mean']:.0f} candidates considered, "
             f"{s['gpu_seconds_mean']:.1f} GPU-s per run"
+            + (f", {rate:.1f} candidates per GPU-second" if rate is not None else "")
         )
     difficulty = space_difficulty(space, args.measurements)
     print(

@@ -118,6 +118,7 @@ def test_bad_lines_name_the_line(tmp_path: Path, capsys: pytest.CaptureFixture[s
         json.dumps({**TINY[0], "speedup": 10**400}): "'speedup' must be a positive finite number",
         '{"speedup": ' + "9" * 5000 + "}": "not a pairs line this reader accepts (ValueError)",
         "[" * 100_000 + "]" * 100_000: "not a pairs line this reader accepts (RecursionError)",
+        json.dumps({**TINY[1], "id": TINY[0]["id"]}): f"pair id {TINY[0]['id']!r} is already used on line 1",
     }
     for bad, message in cases.items():
         pairs = _write(tmp_path / "bad.jsonl", [TINY[0], "", bad])
@@ -125,6 +126,18 @@ def test_bad_lines_name_the_line(tmp_path: Path, capsys: pytest.CaptureFixture[s
         err = capsys.readouterr().err
         assert f"bad.jsonl:3: {message}" in err, err
     assert not (tmp_path / "o" / "metrics.json").exists()
+
+
+def test_a_line_separator_inside_a_string_is_not_a_line_break(tmp_path: Path) -> None:
+    # JSON writers leave U+2028 / U+0085 unescaped with ensure_ascii=False; only "\n" ends a line.
+    row = {**TINY[0], "baseline": {**TINY[0]["baseline"], "source": "// a\u2028b\u0085c\n" + SRC}}
+    path = tmp_path / "u.jsonl"
+    path.write_text(
+        json.dumps(row, ensure_ascii=False) + "\r\n" + json.dumps(TINY[1]) + "\n", encoding="utf-8"
+    )
+    pairs = read_pairs_file(path)
+    assert [p.line for p in pairs.pairs] == [1, 2]
+    assert "\u2028" in pairs.pairs[0].baseline.source
 
 
 def test_bad_options_are_operator_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

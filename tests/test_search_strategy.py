@@ -295,6 +295,7 @@ def test_search_command_runs_both_strategies_through_real_servers(
     )
     assert "forecast best-fraction median" in done.stdout and "random   best-fraction" in done.stdout
     assert "random search with 14 measurements expects" in done.stdout
+    assert "candidates per GPU-second" in done.stdout
     report = json.loads(out.read_text())
     assert report["client"] == client
     assert report["space"]["configurations"] == len(load_space(conv_a100).entries)
@@ -385,3 +386,24 @@ def test_candidates_per_gpu_second_is_a_ratio_of_totals_and_none_when_nothing_co
     summary = summarize([trace(0, 100, 2.0), trace(1, 50, 0.0)])
     assert summary["forecast"]["candidates_per_gpu_second"] == 75.0
     assert summarize([trace(0, 10, 0.0)])["forecast"]["candidates_per_gpu_second"] is None
+
+
+def test_search_command_ignores_the_operators_ledger_and_recordings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent configurations set FORECASTER_MCP_LEDGER (and operators FORECASTER_MCP_REPLAY): the servers
+    `search` starts in throw-away state directories have neither that ledger nor reason to replay more."""
+    import json
+
+    from serverproc import cli
+
+    rec = small_recording(tmp_path / "A100.json", THREE)
+    other = small_recording(tmp_path / "other" / "H100.json", THREE)
+    monkeypatch.setenv("FORECASTER_MCP_LEDGER", "run-42")
+    monkeypatch.setenv("FORECASTER_MCP_REPLAY", str(other))
+    out = tmp_path / "r.json"
+    args = ("search", str(rec), "--strategy", "random", "--measurements", "2", "--seeds", "1")
+    done = cli(tmp_path / "home", *args, "--out", str(out), check=False)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    [run] = json.loads(out.read_text())["runs"]
+    assert run["measurements"] == 2

@@ -136,6 +136,10 @@ def _history_point(path: Path, line: int, d: Any) -> HistoryPoint:
     )
 
 
+# Pairs forecast per engine call by `forecaster-mcp eval` (without --batch).
+EVAL_CHUNK_PAIRS = 1000
+
+
 def read_pairs_file(path: Path) -> PairsFile:
     """Parse a pairs file; OperatorError naming the file and line for anything malformed."""
     try:
@@ -143,7 +147,10 @@ def read_pairs_file(path: Path) -> PairsFile:
     except (OSError, UnicodeDecodeError) as exc:
         raise OperatorError(f"cannot read pairs file {path}: {exc}") from exc
     out = PairsFile(path)
-    for n, raw in enumerate(text.splitlines(), start=1):
+    seen: dict[str, int] = {}  # pair id -> its line
+    # Lines end at "\n" only: str.splitlines() would also split inside strings at U+2028, U+0085 and the like,
+    # which JSON writers leave unescaped (ensure_ascii=False).
+    for n, raw in enumerate(text.split("\n"), start=1):
         if not raw.strip():
             continue
         try:
@@ -165,9 +172,10 @@ def read_pairs_file(path: Path) -> PairsFile:
             )
         if not isinstance(d["hardware"], str) or not d["hardware"].strip():
             raise _bad(path, n, "'hardware' must be a GPU name such as \"A100\"")
+        pair_id = str(d.get("id", f"line{n}"))
         out.pairs.append(
             EvalPair(
-                id=str(d.get("id", f"line{n}")),
+                id=pair_id,
                 hardware=d["hardware"],
                 workload=_model(path, n, "workload", d.get("workload", {}), Workload),
                 baseline=_model(path, n, "baseline", d["baseline"], Kernel),
@@ -177,6 +185,13 @@ def read_pairs_file(path: Path) -> PairsFile:
                 line=n,
             )
         )
+        if pair_id in seen:
+            raise _bad(
+                path,
+                n,
+                f"pair id {pair_id[:80]!r} is already used on line {seen[pair_id]}: give each pair its own",
+            )
+        seen[pair_id] = n
     if not out.pairs:
         raise OperatorError(f"{path}: no pairs in the file")
     return out
@@ -440,7 +455,14 @@ async def _forecast_all(
     if calibration is not None:
         _apply_calibration(engine, calibration)
     queries = _queries(main.pairs)
-    forecasts = await engine.forecast(queries, bulk=batch)
+    if batch:  # one Message Batches submission for the file: chunks would each wait their turn on the API
+        forecasts = await engine.forecast(queries, bulk=True)
+    else:
+        # In chunks: the local model predicts a call's unmeasured kernels jointly (memory grows with the square
+        # of their number; 11k distinct kernels in one call took 6 GB). Each pair's two kernels share a chunk.
+        forecasts = []
+        for start in range(0, len(queries), EVAL_CHUNK_PAIRS):
+            forecasts += await engine.forecast(queries[start : start + EVAL_CHUNK_PAIRS])
     notes += _unknown_gpu_notes(main.pairs)
     notes += sorted({n for f in forecasts for n in f.notes})
     # Per GPU the threshold of each regime forecasts were made in (module doc of forecast/engine.py).
