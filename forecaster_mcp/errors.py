@@ -34,6 +34,10 @@ class MeasurementInProgress(AgentError):
     """A measurement with the same idempotency key is still running."""
 
 
+class SameMeasurementRunning(ForecasterMcpError):
+    """Internal: another hold (possibly of another process) pays for this very measurement (its cache key)."""
+
+
 class OperatorError(ForecasterMcpError):
     """A CLI (operator) command failed in a way the operator can fix."""
 

@@ -14,6 +14,7 @@ import logging
 import math
 import re
 import shlex
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,7 @@ from forecaster_mcp.errors import (
     AlreadyMeasured,
     InvalidRequest,
     NotMeasurable,
+    SameMeasurementRunning,
     UnknownLedger,
 )
 from forecaster_mcp.forecast.base import USAGE_LEDGER, Forecaster, PairQuery
@@ -715,32 +717,48 @@ class Service:
         }
         # One measurement of the same request at a time: concurrent callers (parallel search clients sharing
         # an unmeasured baseline) wait for the first and are then served from the cache, free.
+        # Callers in other server processes on this database are kept apart by the store: a hold records the
+        # cache key it pays for, and while one is open the others wait for its result (SameMeasurementRunning),
+        # for at most about as long as that measurement may take, then measure themselves.
+        wait_until = time.monotonic() + SAME_MEASUREMENT_WAIT_FACTOR * cap + SAME_MEASUREMENT_WAIT_S
+        told = False
         async with self._alone(("cache", cache_key)):
-            hit, hit_key = None, cache_key
-            for key in dict.fromkeys((cache_key, _legacy_cache_key(request, fingerprint))):
-                hit, hit_key = await self.store.find_measurement(key), key
-                if hit is not None:
+            while True:
+                hit, hit_key = None, cache_key
+                for key in dict.fromkeys((cache_key, _legacy_cache_key(request, fingerprint))):
+                    hit, hit_key = await self.store.find_measurement(key), key
+                    if hit is not None:
+                        break
+                if hit is not None and _precise_enough(hit, request, getattr(measurer, "min_runs", 1)):
+                    result = _free_copy(hit, str(kernel.id))
+                    # The copy joins the key it was found under: what it saved is read from that key's original.
+                    result.measurement_id = await self.store.save_measurement(
+                        **{**save, "cache_key": hit_key}, result=result, charged_gpu_seconds=0.0, cached=True
+                    )
+                    return result
+                try:
+                    hold = await self.store.reserve(
+                        ledger,
+                        measurer.reservation_seconds(request),
+                        f"measure {kernel.entry}",
+                        idempotency_key,
+                        cache_key=cache_key,
+                        exclusive=time.monotonic() < wait_until,
+                    )
                     break
-            if hit is not None and _precise_enough(hit, request, getattr(measurer, "min_runs", 1)):
-                result = _free_copy(hit, str(kernel.id))
-                # The copy joins the key it was found under: what it saved is read from that key's original.
-                result.measurement_id = await self.store.save_measurement(
-                    **{**save, "cache_key": hit_key}, result=result, charged_gpu_seconds=0.0, cached=True
-                )
-                return result
-
-            try:
-                hold = await self.store.reserve(
-                    ledger, measurer.reservation_seconds(request), f"measure {kernel.entry}", idempotency_key
-                )
-            except AlreadyMeasured:
-                # Another server process on this database finished the same key first.
-                assert idempotency_key is not None
-                prior = await self._idempotent_prior(
-                    ledger, idempotency_key, kernel, workload, device, checked_against
-                )
-                assert prior is not None
-                return prior
+                except SameMeasurementRunning:
+                    if progress is not None and not told:
+                        told = True
+                        await progress(0.0, None, "another server process is measuring this kernel: waiting")
+                    await anyio.sleep(SAME_MEASUREMENT_POLL_S)
+                except AlreadyMeasured:
+                    # Another server process on this database finished the same key first.
+                    assert idempotency_key is not None
+                    prior = await self._idempotent_prior(
+                        ledger, idempotency_key, kernel, workload, device, checked_against
+                    )
+                    assert prior is not None
+                    return prior
             settled = False
             try:
                 try:
@@ -793,6 +811,13 @@ class Service:
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+# How long a measurement request waits for the same measurement in another server process (module
+# constants, so tests can shorten them): FACTOR x its own cap + S, polling every POLL_S.
+SAME_MEASUREMENT_WAIT_FACTOR = 2.0
+SAME_MEASUREMENT_WAIT_S = 10.0
+SAME_MEASUREMENT_POLL_S = 0.2
 
 
 def _assign_ids(candidates: Sequence[Kernel]) -> list[Kernel]:

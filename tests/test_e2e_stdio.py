@@ -141,3 +141,32 @@ def test_stdio_server_survives_lines_the_surrogate_filter_cannot_parse(
     replies = raw_exchange(tmp_path / "home", conv_a100, lines, lambda r: 3 in r)
     # The deep line goes the way the SDK treats any line nested that deep (dropped); the server goes on.
     assert replies.get(3) == {"jsonrpc": "2.0", "id": 3, "result": {}}, replies
+
+
+async def test_two_server_processes_asked_for_one_measurement_charge_it_once(
+    tmp_path: Path, conv_a100: Path
+) -> None:
+    """Two IDE windows on one state directory: the second waits for the first's measurement, served free."""
+    import anyio
+    from replay_kernels import SLOW
+
+    home = tmp_path / "home"
+    slow = {"FORECASTER_MCP_REPLAY_REALTIME": "2"}  # the recorded ~1 GPU-second takes ~2 s of wall time
+    async with connect_stdio(home, replay=[conv_a100]) as (_c, call):
+        await call("budget_status", {})  # creates the state directory and its default ledger first
+    costs: list[dict[str, Any]] = []
+
+    async def one(delay: float) -> None:
+        async with connect_stdio(home, replay=[conv_a100], extra_env=slow) as (_c, call):
+            await anyio.sleep(delay)
+            costs.append((await call("measure_kernel", {"kernel": conv("x", SLOW)}))["cost"])
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(one, 0.0)
+        tg.start_soon(one, 1.0)
+    assert sorted(c["cached"] for c in costs) == [False, True], costs
+    charged = [c["gpu_seconds"] for c in costs if not c["cached"]]
+    async with connect_stdio(home, replay=[conv_a100]) as (_c, call):
+        status = await call("budget_status", {})
+    assert status["spent_gpu_seconds"] == pytest.approx(charged[0]) and charged[0] > 0.5
+    assert status["reserved_gpu_seconds"] == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import sqlite3
 import subprocess
 import sys
@@ -639,6 +640,32 @@ async def test_forecasts_stored_before_families_were_kept_migrate_and_still_veri
         await s.close()
     with raw(path) as conn:
         assert conn.execute("SELECT family_key FROM forecasts ORDER BY id").fetchall() == [(None,), ("fam",)]
+
+
+async def test_holds_taken_before_they_named_their_measurement_migrate_and_block_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "db.sqlite3"
+    with monkeypatch.context() as m:
+        m.setattr(migrations, "MIGRATIONS", migrations.MIGRATIONS[:4])
+        await (await Store.open(path)).close()
+    s = await Store.open(path)
+    try:
+        await s.create_ledger("x", 5)
+        # An open hold as a server of the previous version writes it (its insert names no cache key).
+        with raw(path) as conn:
+            conn.execute(
+                "INSERT INTO reservations (ledger, amount_micro, purpose, owner_pid, owner_host, owner_start, "
+                "created_at, expires_at) VALUES ('x', 1000000, 'measure k', ?, 'h', NULL, 1, 1e12)",
+                (os.getpid(),),
+            )
+        hold = await s.reserve("x", 1.0, "measure k", cache_key="ck")  # NULL cache key: nothing to wait for
+        await s.commit(hold, 0.5)
+    finally:
+        await s.close()
+    with raw(path) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone() == (migrations.latest_version(),)
+        assert conn.execute("SELECT cache_key FROM reservations ORDER BY id").fetchall() == [(None,), ("ck",)]
 
 
 async def test_a_newer_schema_is_refused(tmp_path: Path) -> None:

@@ -39,6 +39,7 @@ from forecaster_mcp.errors import (
     InvalidRequest,
     MeasurementInProgress,
     OperatorError,
+    SameMeasurementRunning,
     UnknownLedger,
 )
 from forecaster_mcp.models import MIN_MEASURE_SECONDS, MeasureResult
@@ -528,14 +529,22 @@ class Store:
     # ---------------------------------------------------------------- budget: reserve, run, commit/release
 
     async def reserve(
-        self, ledger: str, gpu_seconds: float, purpose: str, idempotency_key: str | None = None
+        self,
+        ledger: str,
+        gpu_seconds: float,
+        purpose: str,
+        idempotency_key: str | None = None,
+        cache_key: str | None = None,
+        exclusive: bool = True,
     ) -> Reservation:
         """Atomically hold `gpu_seconds`. UnknownLedger / BudgetExhausted (message names what is left and
         that forecasts are free). The reservation records this process (pid, host, start time) and an
         expiry so a crashed owner's hold is released on the next open.
 
         With an idempotency key, across every process on this database: AlreadyMeasured when a measurement
-        was saved under it, MeasurementInProgress while another hold carries it."""
+        was saved under it, MeasurementInProgress while another hold carries it. With a `cache_key` (the
+        measurement the hold pays for), SameMeasurementRunning while an open hold on any ledger pays for the
+        same one: its result will be in the cache (`exclusive=False`: record the key, hold regardless)."""
         amount = to_micro(gpu_seconds, "the reservation", InvalidRequest, allow_zero=False)
         me = self._owner
 
@@ -561,6 +570,12 @@ class Store:
                         f"a measurement with idempotency_key {idempotency_key!r} is still running on ledger "
                         f"{ledger!r}; call again with the same key when it has finished (it will not be charged twice)"
                     )
+            if cache_key is not None and exclusive:
+                same = await conn.execute_fetchall(
+                    "SELECT 1 FROM reservations WHERE cache_key = ? AND state = 'open' LIMIT 1", (cache_key,)
+                )
+                if same:
+                    return SameMeasurementRunning(cache_key)
             limit, spent, reserved = int(row[1]), int(row[2]), int(row[3])
             if limit - spent - reserved < amount:
                 # Returned, not raised: orphans released above must still be committed.
@@ -568,9 +583,21 @@ class Store:
             expires = now + EXPIRY_FACTOR * _gs(amount) + EXPIRY_GRACE_S
             cur = await conn.execute(
                 "INSERT INTO reservations (ledger, amount_micro, purpose, owner_pid, owner_host, "
-                "owner_pidns, owner_start, created_at, expires_at, idempotency_key) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (ledger, amount, purpose, me.pid, me.host, me.pidns, me.start, now, expires, idempotency_key),
+                "owner_pidns, owner_start, created_at, expires_at, idempotency_key, cache_key) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    ledger,
+                    amount,
+                    purpose,
+                    me.pid,
+                    me.host,
+                    me.pidns,
+                    me.start,
+                    now,
+                    expires,
+                    idempotency_key,
+                    cache_key,
+                ),
             )
             rid = int(cur.lastrowid)
             await conn.execute(
@@ -853,11 +880,30 @@ class Store:
         async def body(conn: Any) -> int:
             if idempotency_key is not None:
                 rows = await conn.execute_fetchall(
-                    "SELECT id FROM measurements WHERE ledger IS ? AND idempotency_key = ?",
+                    "SELECT id, content_key, workload_key, hardware FROM measurements "
+                    "WHERE ledger IS ? AND idempotency_key = ?",
                     (ledger, idempotency_key),
                 )
                 if rows:
+                    if tuple(rows[0][1:]) != (content_key, workload_key, hardware):
+                        # Another process saved another measurement under the key first: not this one's id.
+                        raise InvalidRequest(
+                            f"idempotency_key {idempotency_key[:80]!r} was already used on ledger {ledger!r} for "
+                            f"another measurement ({int(rows[0][0])}); use a new key for a new measurement"
+                        )
                     return int(rows[0][0])
+                if cached:
+                    # A free answer must not take a key whose paid measurement another process is making: that
+                    # one's save would then find the key taken and its result would be lost.
+                    running = await conn.execute_fetchall(
+                        "SELECT 1 FROM reservations WHERE ledger = ? AND idempotency_key = ? AND state = 'open'",
+                        (ledger, idempotency_key),
+                    )
+                    if running:
+                        raise MeasurementInProgress(
+                            f"a measurement with idempotency_key {idempotency_key[:80]!r} is still running on "
+                            f"ledger {ledger!r}; call again with the same key when it has finished"
+                        )
             if ledger is not None and await self._ledger_row(conn, ledger) is None:
                 raise _unknown_ledger(ledger)
             saved = 0

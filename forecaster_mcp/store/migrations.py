@@ -166,11 +166,19 @@ _FORECAST_FAMILY = ("ALTER TABLE forecasts ADD COLUMN family_key TEXT",)
 # instead of answered with a result checked differently. NULL on rows saved before: not known.
 _MEASUREMENT_CHECK = ("ALTER TABLE measurements ADD COLUMN check_key TEXT",)
 
+# The cache key of the measurement an open reservation pays for, so that a server process asked for the same
+# measurement waits for it and is served from the cache instead of measuring (and charging) it a second time.
+_RESERVATION_CACHE_KEY = (
+    "ALTER TABLE reservations ADD COLUMN cache_key TEXT",
+    "CREATE INDEX reservations_open_cache_key ON reservations(cache_key) WHERE state = 'open'",
+)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "initial schema", _INITIAL),
     Migration(2, "idempotency keys on open reservations", _RESERVATION_IDEMPOTENCY),
     Migration(3, "kernel family of each forecast", _FORECAST_FAMILY),
     Migration(4, "what each measurement was checked against", _MEASUREMENT_CHECK),
+    Migration(5, "the measurement each open reservation pays for", _RESERVATION_CACHE_KEY),
 )
 
 
