@@ -301,11 +301,13 @@ class Service:
         measurements: list[MeasureResult] = []
         charged = 0.0
         unsure = [i for i in measure_next if i != base.id and results[i].verdict == "unsure"]
+        if not unsure and measure_next == [base.id]:
+            unsure = _waiting_on_baseline(results, measured)  # measured candidates the baseline settles
         if measure_if_unsure and unsure:
             if ledger is None:
                 raise InvalidRequest("measure_if_unsure needs a ledger; this server has none configured")
             if measure_next[0] == base.id:
-                unsure.insert(0, base.id)
+                unsure = [base.id, *(i for i in unsure if i not in measured)]
             try:
                 measurements, charged, stopped = await self._measure_unsure(
                     ledger, base, by_id, unsure, max_measurements, workload, hw, progress
@@ -331,7 +333,8 @@ class Service:
         ordered = [results[str(k.id)] for k in others]
         if measure_if_unsure and not unsure:
             notes.append(_nothing_unsure_note(measure_next, results, base.id))
-        if not measure_next and any(r.decided_by == "forecast" for r in ordered):
+        unmeasured = [r for r in ordered if r.decided_by == "forecast" and r.id not in measured]
+        if not measure_next and unmeasured and all(r.verdict == "slower" for r in unmeasured):
             # An empty list is an answer too; say what it means so a client does not read it as a fault.
             notes.append(
                 "measure_next is empty: every unmeasured candidate is forecast slower than the baseline (or "
@@ -407,8 +410,9 @@ class Service:
         # A candidate no forecaster answered has no value to rank by (its even odds are not a forecast): it
         # is worth a measurement, after those whose forecasts say why.
         ranked += [it.id for it in items if not fc_by_id[it.id].raw]
-        if ranked and str(base.id) not in measured:
-            # A candidate's measurement only settles the pair once the baseline is measured too.
+        if str(base.id) not in measured and (ranked or _waiting_on_baseline(results, measured)):
+            # A candidate's measurement only settles the pair once the baseline is measured too; with every
+            # candidate measured already, the baseline alone settles the unsure ones.
             ranked = [str(base.id), *ranked]
         return ranked
 
@@ -846,6 +850,17 @@ def _assign_ids(candidates: Sequence[Kernel]) -> list[Kernel]:
             raise InvalidRequest(f"candidate id {k.id!r} appears twice; give every candidate a unique id")
         seen.add(k.id)
     return out
+
+
+def _waiting_on_baseline(
+    results: dict[str, CandidateForecast], measured: dict[str, tuple[float, float, float, int]]
+) -> list[str]:
+    """Candidates measured already whose verdict is still an unsure forecast: the baseline is not measured."""
+    return [
+        cid
+        for cid, r in results.items()
+        if cid in measured and r.decided_by == "forecast" and r.verdict == "unsure"
+    ]
 
 
 def _nothing_unsure_note(

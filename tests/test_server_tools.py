@@ -467,3 +467,22 @@ async def test_an_entry_the_source_lacks_or_a_wrong_argument_count_is_noted_befo
             assert not [n for n in out["notes"] if n.startswith("candidate ")]
     finally:
         await service.close()
+
+
+async def test_an_unmeasured_baseline_of_measured_candidates_is_worth_measuring(
+    tmp_path: Path, conv_a100: Path
+) -> None:
+    """Every candidate measured, the baseline not: measuring the baseline alone settles every pair."""
+    base, fast, slow = conv("b", FAST), conv("f", {**FAST, "block_size_x": 64}), conv("s", SLOW)
+    async with running(tmp_path, [conv_a100]) as (client, _service):
+        for k in (fast, slow):
+            await call(client, "measure_kernel", {"kernel": k})
+        out = await call(client, "compare_kernels", {"candidates": [base, fast, slow]})
+        assert out["measure_next"] == ["b"]
+        assert not any("measure_next is empty" in n for n in out["notes"])
+        done = await call(
+            client, "compare_kernels", {"candidates": [base, fast, slow], "measure_if_unsure": True}
+        )
+    assert [m["kernel_id"] for m in done["measurements"]] == ["b"]
+    assert {c["decided_by"] for c in done["candidates"]} == {"measurement"}
+    assert done["measure_next"] == []
