@@ -749,3 +749,45 @@ def test_the_posterior_subset_of_a_large_family_changes_by_a_point_when_one_is_a
     after = set(_fit_subset(3001, y, 1500, np.random.default_rng(0), x).tolist())
     assert len(before) == len(after) == 1500
     assert len(before - after) <= 2  # the random draw replaced about half of it
+
+
+@pytest.mark.anyio
+async def test_ptxas_runs_once_per_call_for_every_pair_and_its_cap_holds_for_the_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Prior-path pairs of one call share one round of compiles (two at a time, one wait); a call with more
+    than MAX_PTXAS_PER_CALL new kernels compiles none, instead of one pair's kernels after another."""
+    import anyio
+
+    from forecaster_mcp.forecast import ptxas
+    from forecaster_mcp.forecast.local import MAX_PTXAS_PER_CALL
+
+    calls: list[str] = []
+    running = [0, 0]  # now, most at once
+
+    async def fake_usage(kernel: Kernel, arch: str, *_a: Any, **_k: Any) -> ptxas.PtxasUsage:
+        calls.append(kernel.entry)
+        running[0] += 1
+        running[1] = max(running)
+        await anyio.sleep(0.05)
+        running[0] -= 1
+        return ptxas.PtxasUsage(arch, (ptxas.PtxasEntry(kernel.entry, 40, 0, 0, 0, 0),))
+
+    monkeypatch.setattr(ptxas, "ptxas_usage", fake_usage)
+    monkeypatch.setattr(ptxas, "supported_archs", lambda nvcc: ("sm_80",))
+
+    def unrelated(i: int) -> Kernel:  # each its own family: no model, the static prior answers
+        src = f"__global__ void k{i}(float* a) {{ a[threadIdx.x] += {i}.0f; }}\n"
+        return Kernel(id=f"u{i}", source=src, entry=f"k{i}")
+
+    f = LocalForecaster(FakeHistory(), nvcc="nvcc", ptxas_wait_s=5.0)
+    few = [query(unrelated(2 * i), unrelated(2 * i + 1)) for i in range(MAX_PTXAS_PER_CALL // 2)]
+    assert len(await f.forecast(few)) == len(few)
+    assert sorted(calls) == sorted(f"k{i}" for i in range(MAX_PTXAS_PER_CALL)) and running[1] == 2
+    feats = f._static([few[0].baseline], few[0], {})  # cached with what ptxas said
+    assert feats[few[0].baseline.content_key()].registers == 40
+
+    calls.clear()
+    many = [query(unrelated(100 + 2 * i), unrelated(101 + 2 * i)) for i in range(MAX_PTXAS_PER_CALL)]
+    assert len(await f.forecast(many)) == len(many)
+    assert calls == []  # 2 x MAX_PTXAS_PER_CALL new kernels in one call: a screening call, no compiles

@@ -31,7 +31,7 @@ import math
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -44,6 +44,7 @@ from numpy.typing import NDArray
 from forecaster_mcp import bins
 from forecaster_mcp.forecast.base import BinForecast, PairQuery, PartialForecast
 from forecaster_mcp.forecast.features import StaticFeatures, kernel_features, prior_shift
+from forecaster_mcp.forecast.ptxas import PtxasUsage
 from forecaster_mcp.models import Kernel
 from forecaster_mcp.store.db import FamilyPoint
 
@@ -1165,7 +1166,8 @@ class LocalForecaster:
         self._max_cached = max_cached_families
         self._max_bytes = max_cache_bytes
         self.cached_bytes = 0  # what the kept models hold (model_bytes)
-        self._features: OrderedDict[tuple[str, str], StaticFeatures] = OrderedDict()
+        # (content key, GPU, workload key) -> features: blocks, waves and occupancy depend on all three.
+        self._features: OrderedDict[tuple[str, str, str], StaticFeatures] = OrderedDict()
         self.fits = 0  # how many family models were fitted (tests and benchmarks read it)
 
     # ---- family models
@@ -1275,49 +1277,73 @@ class LocalForecaster:
 
     # ---- static features (prior path)
 
-    async def _static(self, kernels: Sequence[Kernel], q: PairQuery) -> dict[str, StaticFeatures]:
+    def _static(
+        self, kernels: Sequence[Kernel], q: PairQuery, usage: Mapping[tuple[str, str], PtxasUsage]
+    ) -> dict[str, StaticFeatures]:
+        """Static features of `kernels` for the pair `q` (its GPU and workload), with the ptxas results in
+        `usage` (by content key and architecture; see `_ptxas_for`). Kept per kernel, GPU and workload, with
+        or without ptxas: the same question gets the same answer, and a compile that timed out is not retried
+        on every call."""
+        arch = _arch_of(q)
+        out: dict[str, StaticFeatures] = {}
+        wkey = q.workload.key()
+        for k in kernels:
+            key = (k.content_key(), q.hardware_name, wkey)
+            cached = self._features.get(key)
+            if cached is None:
+                u = usage.get((k.content_key(), arch))
+                entry = u.for_entry(k.entry) if u is not None else None
+                cached = self._features[key] = kernel_features(k, q.workload, q.hardware, entry)
+                while len(self._features) > 4096:
+                    self._features.popitem(last=False)
+            out[k.content_key()] = cached
+        return out
+
+    def _compilable(self, k: Kernel) -> bool:
+        return (
+            self._nvcc is not None
+            and self._ptxas_wait_s > 0
+            and k.language == "cuda"
+            and "__global__" in k.source
+        )
+
+    async def _ptxas_for(self, queries: Sequence[PairQuery]) -> dict[tuple[str, str], PtxasUsage]:
+        """ptxas results (by content key) for the kernels of these prior-path pairs whose features are not
+        cached: at most MAX_PTXAS_PER_CALL compiles for the whole call, two at a time, within one wait of
+        ptxas_wait_s (+1 s). Results ptxas cached on disk are read whatever their number."""
         from forecaster_mcp.forecast.ptxas import ptxas_usage, stand_in_arch, supported_archs
 
-        spec = q.hardware
-        arch = spec.arch if spec is not None and spec.vendor == "nvidia" else "sm_80"
-        out: dict[str, StaticFeatures] = {}
-        todo: list[Kernel] = []
-        for k in kernels:
-            key = (k.content_key(), q.hardware_name)
-            cached = self._features.get(key)
-            if cached is not None:
-                out[k.content_key()] = cached
-            else:
-                todo.append(k)
-        if not todo:
-            return out
-        usage: dict[str, Any] = {}
+        todo: dict[tuple[str, str], Kernel] = {}  # (content key, arch) -> kernel
+        for q in queries:
+            arch = _arch_of(q)
+            for k in (q.baseline, q.candidate):
+                if (k.content_key(), q.hardware_name, q.workload.key()) in self._features:
+                    continue
+                if self._compilable(k):
+                    todo.setdefault((k.content_key(), arch), k)
+        usage: dict[tuple[str, str], PtxasUsage] = {}
         # nvcc takes a second or two per kernel: worth it for the few kernels of an agent's question, not
         # for a screening call over dozens of configurations (those have the family model, or nothing).
-        compilable = [k for k in todo if k.language == "cuda" and "__global__" in k.source]
-        if self._nvcc is not None and self._ptxas_wait_s > 0 and 0 < len(compilable) <= MAX_PTXAS_PER_CALL:
-            limiter = anyio.CapacityLimiter(2)
-            arch = stand_in_arch(arch, await anyio.to_thread.run_sync(supported_archs, self._nvcc))
+        if not todo or len(todo) > MAX_PTXAS_PER_CALL:
+            return usage
+        assert self._nvcc is not None
+        nvcc = self._nvcc
+        limiter = anyio.CapacityLimiter(2)
+        archs = await anyio.to_thread.run_sync(supported_archs, nvcc)
 
-            async def compile_one(k: Kernel) -> None:
-                async with limiter:
-                    usage[k.content_key()] = await ptxas_usage(
-                        k, arch, self._nvcc, self._cache_dir, timeout_s=self._ptxas_wait_s
-                    )
+        async def compile_one(ck: str, arch: str, k: Kernel) -> None:
+            async with limiter:
+                u = await ptxas_usage(
+                    k, stand_in_arch(arch, archs), nvcc, self._cache_dir, timeout_s=self._ptxas_wait_s
+                )
+            if u is not None:
+                usage[(ck, arch)] = u
 
-            with anyio.move_on_after(self._ptxas_wait_s + 1.0):
-                async with anyio.create_task_group() as tg:
-                    for k in compilable:
-                        tg.start_soon(compile_one, k)
-        for k in todo:
-            u = usage.get(k.content_key())
-            entry = u.for_entry(k.entry) if u is not None else None
-            feats = kernel_features(k, q.workload, spec, entry)
-            out[k.content_key()] = feats
-            self._features[(k.content_key(), q.hardware_name)] = feats
-            while len(self._features) > 4096:
-                self._features.popitem(last=False)
-        return out
+        with anyio.move_on_after(self._ptxas_wait_s + 1.0):
+            async with anyio.create_task_group() as tg:
+                for (ck, arch), k in todo.items():
+                    tg.start_soon(compile_one, ck, arch, k)
+        return usage
 
     # ---- forecasting
 
@@ -1380,13 +1406,11 @@ class LocalForecaster:
             except Exception as exc:
                 broken[key] = exc
 
-        out: list[BinForecast | None] = []
-        errors: list[Exception] = []
+        beliefs: list[tuple[_Belief, _Belief] | Exception] = []
         for q in queries:
             kb, kc = group_of(q.baseline, q), group_of(q.candidate, q)
             if kb in broken or kc in broken:
-                out.append(None)
-                errors.append(broken.get(kb) or broken[kc])
+                beliefs.append(broken.get(kb) or broken[kc])
                 continue
             try:
                 b = self._belief(
@@ -1395,11 +1419,33 @@ class LocalForecaster:
                 c = self._belief(
                     q.candidate, keys[id(q.candidate)][1], kc, groups[kc], wanted.get(kc), predictions.get(kc)
                 )
-                # A kernel measured as failed is certain whatever is known of the other one.
-                if "failed" not in (b.kind, c.kind) and "unknown" in (b.kind, c.kind):
-                    out.append(await self._prior_forecast(q, b, c, groups[kc]))
+                beliefs.append((b, c))
+            except Exception as exc:
+                beliefs.append(exc)
+
+        def prior_path(belief: tuple[_Belief, _Belief] | Exception) -> bool:
+            # A kernel measured as failed is certain whatever is known of the other one.
+            if isinstance(belief, Exception):
+                return False
+            kinds = (belief[0].kind, belief[1].kind)
+            return "failed" not in kinds and "unknown" in kinds
+
+        # ptxas for the whole call at once: its per-call cap applies to the call, not to each pair in turn.
+        usage = await self._ptxas_for([q for q, bc in zip(queries, beliefs, strict=True) if prior_path(bc)])
+        out: list[BinForecast | None] = []
+        errors: list[Exception] = []
+        for q, belief in zip(queries, beliefs, strict=True):
+            if isinstance(belief, Exception):
+                out.append(None)
+                errors.append(belief)
+                continue
+            b, c = belief
+            kc = group_of(q.candidate, q)
+            try:
+                if prior_path(belief):
+                    out.append(self._prior_forecast(q, b, c, groups[kc], usage))
                 else:
-                    out.append(self._pair_forecast(b, c, groups[kb], groups[kc]))
+                    out.append(self._pair_forecast(b, c, groups[group_of(q.baseline, q)], groups[kc]))
             except Exception as exc:
                 out.append(None)
                 errors.append(exc)
@@ -1491,10 +1537,15 @@ class LocalForecaster:
             parts.append(f"P(candidate fails) {c.p_fail:.2f}")
         return "; ".join(parts)
 
-    async def _prior_forecast(
-        self, q: PairQuery, b: _Belief, c: _Belief, cand_model: FamilyModel | None
+    def _prior_forecast(
+        self,
+        q: PairQuery,
+        b: _Belief,
+        c: _Belief,
+        cand_model: FamilyModel | None,
+        usage: Mapping[tuple[str, str], PtxasUsage],
     ) -> BinForecast:
-        feats = await self._static([q.baseline, q.candidate], q)
+        feats = self._static([q.baseline, q.candidate], q, usage)
         fb, fc = feats[q.baseline.content_key()], feats[q.candidate.content_key()]
         same_family = q.baseline.family_key() == q.candidate.family_key()
         shift = prior_shift(fb, fc, same_family=same_family)
@@ -1520,6 +1571,12 @@ class LocalForecaster:
             rationale = f"static prior ({why}): no informative static difference, near 50/50"
         probs, centers = bins.normal_bins(shift.mean_log2, shift.sd_log2)
         return BinForecast(probs, rationale, extras, centers)
+
+
+def _arch_of(q: PairQuery) -> str:
+    """The architecture a pair's kernels are compiled for by ptxas: its NVIDIA GPU's, else sm_80."""
+    spec = q.hardware
+    return spec.arch if spec is not None and spec.vendor == "nvidia" else "sm_80"
 
 
 def _launch_dict(kernel: Kernel) -> dict[str, Any] | None:
