@@ -549,7 +549,7 @@ class ToolEmulator:
             worth_measuring,
         )
         from forecaster_mcp.forecast.base import PairQuery
-        from forecaster_mcp.forecast.selective import decide, p_fail_of
+        from forecaster_mcp.forecast.selective import decide, p_fail_baseline_of, p_fail_of
         from forecaster_mcp.hardware.specs import lookup
         from forecaster_mcp.models import Kernel, Workload
 
@@ -579,7 +579,7 @@ class ToolEmulator:
             t_cand = self._runtime.get(k.content_key())
             measured = t_base is not None and t_cand is not None and k.content_key() in self._runtime
             p = f.p_faster
-            verdict = decide(p, self.threshold, p_fail_of(f.extras))
+            verdict = decide(p, self.threshold, p_fail_of(f.extras), p_fail_baseline_of(f.extras))
             decided_by = "cache" if measured else "forecast"
             out.append(
                 {

@@ -33,7 +33,7 @@ from forecaster_mcp.errors import (
 from forecaster_mcp.forecast.base import USAGE_LEDGER, Forecaster, PairQuery
 from forecaster_mcp.forecast.engine import one_line
 from forecaster_mcp.forecast.features import entry_parameter_count
-from forecaster_mcp.forecast.selective import MAX_TARGET_ERROR, MIN_TARGET_ERROR, decide
+from forecaster_mcp.forecast.selective import MAX_TARGET_ERROR, MIN_TARGET_ERROR, decide, p_fail_baseline_of
 from forecaster_mcp.hardware import specs
 from forecaster_mcp.measure.base import OCCUPIED_ATTR, Measurer, MeasureRequest, ProgressCallback
 from forecaster_mcp.measure.timing import median_ci_covers
@@ -277,8 +277,13 @@ class Service:
             threshold = choices[(f.regime, family[cid])].threshold
             verdict = f.verdict(threshold)
             rationale = f.rationale
-            if verdict == "unsure" and decide(f.p_faster, threshold) == "faster":
-                rationale += f"; unsure only for its {f.p_fail:.0%} chance of failing to compile or run"
+            if verdict == "unsure" and (plain := decide(f.p_faster, threshold)) != "unsure":
+                p_fail, whose = (
+                    (f.p_fail, "its")
+                    if plain == "faster"
+                    else (p_fail_baseline_of(f.extras), "the baseline's")
+                )
+                rationale += f"; unsure only for {whose} {p_fail:.0%} chance of failing to compile or run"
             results[cid] = CandidateForecast(
                 id=cid,
                 p_faster=f.p_faster,

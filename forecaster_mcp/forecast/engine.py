@@ -55,6 +55,7 @@ from forecaster_mcp.forecast.selective import (
     choose_threshold,
     decide,
     default_min_history,
+    p_fail_baseline_of,
     p_fail_of,
 )
 from forecaster_mcp.models import ForecasterInfo, Verdict
@@ -173,8 +174,9 @@ class EngineForecast:
         return p_fail_of(self.extras)
 
     def verdict(self, threshold: float) -> Verdict:
-        """faster / slower / unsure at this threshold, its chance of failing counted (`selective.decide`)."""
-        return decide(self.p_faster, threshold, self.p_fail)
+        """faster / slower / unsure at this threshold, either kernel's chance of failing counted
+        (`selective.decide`)."""
+        return decide(self.p_faster, threshold, self.p_fail, p_fail_baseline_of(self.extras))
 
     def outcome(self, hardware: str, speedup: float) -> Outcome:
         """This forecast's raw answers as a verified outcome (evaluation)."""

@@ -220,17 +220,26 @@ def p_fail_of(extras: Mapping[str, float]) -> float:
     return float(extras.get("p_fail", 0.0))
 
 
-def decide(p_faster: float, threshold: float, p_fail: float = 0.0) -> Verdict:
+def p_fail_baseline_of(extras: Mapping[str, float]) -> float:
+    """The same for the forecast's baseline."""
+    return float(extras.get("p_fail_baseline", 0.0))
+
+
+def _runs(p_fail: float) -> float:
+    return 1.0 - min(1.0, max(0.0, p_fail)) if math.isfinite(p_fail) else 0.0
+
+
+def decide(p_faster: float, threshold: float, p_fail: float = 0.0, p_fail_baseline: float = 0.0) -> Verdict:
     """ "faster" / "slower" when that direction's probability clears the threshold, else "unsure".
 
-    `p_faster` is the chance the candidate is faster if it runs; `p_fail` the chance it fails to compile or
-    run. A kernel that fails is not faster, so "faster" needs (1 - p_fail) * p_faster to clear the threshold;
-    "slower" is unaffected (a failing kernel is no better either)."""
+    `p_faster` is the chance the candidate is faster if both run; `p_fail` the chance the candidate fails to
+    compile or run, `p_fail_baseline` the baseline's. A kernel that fails is not faster, so "faster" needs
+    (1 - p_fail) * p_faster to clear the threshold, and "slower" (1 - p_fail_baseline) * (1 - p_faster): a
+    candidate that runs beats a baseline that fails. compare(A, B) and compare(B, A) then agree."""
     if threshold >= NEVER or not math.isfinite(p_faster):
         return "unsure"
-    runs = 1.0 - min(1.0, max(0.0, p_fail)) if math.isfinite(p_fail) else 0.0
-    if p_faster > 0.5 and runs * p_faster >= threshold:
+    if p_faster > 0.5 and _runs(p_fail) * p_faster >= threshold:
         return "faster"
-    if p_faster < 0.5 and 1.0 - p_faster >= threshold:
+    if p_faster < 0.5 and _runs(p_fail_baseline) * (1.0 - p_faster) >= threshold:
         return "slower"
     return "unsure"
