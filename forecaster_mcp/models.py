@@ -230,6 +230,26 @@ class Launch(_Strict):
         return self.grid[0] * self.grid[1] * self.grid[2]
 
 
+_DECIMAL_INT = re.compile(r"-?(0|[1-9][0-9]{0,17})")
+
+
+def _define_key(value: DefineValue) -> DefineValue:
+    """A define's value as the content key holds it: the number its #define text spells, where the text is
+    one (16 and "16" are one kernel to the compiler, and True and 1), else the value as given. Numbers given
+    as numbers keep the key they always had; "016" (octal in C) or "16u" stay strings."""
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, str):
+        if _DECIMAL_INT.fullmatch(value):
+            return int(value)
+        try:
+            number = float(value)
+        except ValueError:
+            return value
+        return number if math.isfinite(number) and str(number) == value else value
+    return value
+
+
 class Kernel(_Strict):
     """One kernel candidate: source, entry point, launch and tuning parameters."""
 
@@ -349,7 +369,7 @@ class Kernel(_Strict):
             "entry": self.entry,
             "language": self.language,
             "launch": self.launch.model_dump() if self.launch else None,
-            "defines": {k: self.defines[k] for k in sorted(self.defines)},
+            "defines": {k: _define_key(self.defines[k]) for k in sorted(self.defines)},
             "compile_options": self.compile_options,
         }
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()

@@ -684,3 +684,29 @@ async def test_a_source_with_a_byte_order_mark_compiles_with_defines(tmp_path: P
     assert not k.compile_source().lstrip("#").startswith("\ufeff") and "\ufeff" not in k.compile_source()
     compiled = await NvccCompiler(tmp_path / "measure", nvcc=NVCC).compile(k, "sm_90")
     assert isinstance(compiled, CompiledKernel), compiled
+
+
+def test_define_values_spelled_as_the_compiler_reads_them_are_one_kernel() -> None:
+    """16 and "16" give the same #define line: one kernel (one measurement, one cache entry), as the family
+    model already treated them; numbers given as numbers keep the content key they always had."""
+    import hashlib
+    import json
+
+    def key(value: object) -> str:
+        return Kernel(source="__global__ void k() {}", entry="k", defines={"BX": value}).content_key()
+
+    assert key("32") == key(32) and key("-4") == key(-4) and key(True) == key(1)
+    assert key("32.0") == key(32.0) and key("1e+20") == key(1e20)
+    assert (
+        len({key("032"), key(32), key("32u"), key("0x20"), key("32.")}) == 5
+    )  # other C literals, other text
+    k = Kernel(source="__global__ void k() {}", entry="k", defines={"BX": 32, "S": "fast"})
+    before = {
+        "source": k.source_hash(),
+        "entry": "k",
+        "language": "cuda",
+        "launch": None,
+        "defines": {"BX": 32, "S": "fast"},
+        "compile_options": [],
+    }
+    assert k.content_key() == hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()
