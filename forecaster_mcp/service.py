@@ -338,7 +338,14 @@ class Service:
         ordered = [results[str(k.id)] for k in others]
         if measure_if_unsure and not unsure:
             notes.append(_nothing_unsure_note(measure_next, results, base.id))
-        unmeasured = [r for r in ordered if r.decided_by == "forecast" and r.id not in measured]
+        # (A candidate whose measurement failed is answered by the forecaster from that failure: measured.)
+        unmeasured = [
+            r
+            for r in ordered
+            if r.decided_by == "forecast"
+            and r.id not in measured
+            and fc_by_id[r.id].extras.get("measured", 0.0) < 1.0
+        ]
         if not measure_next and unmeasured and all(r.verdict == "slower" for r in unmeasured):
             # An empty list is an answer too; say what it means so a client does not read it as a fault.
             notes.append(

@@ -486,3 +486,17 @@ async def test_an_unmeasured_baseline_of_measured_candidates_is_worth_measuring(
     assert [m["kernel_id"] for m in done["measurements"]] == ["b"]
     assert {c["decided_by"] for c in done["candidates"]} == {"measurement"}
     assert done["measure_next"] == []
+
+
+async def test_a_candidate_that_failed_when_measured_is_not_called_unmeasured(
+    tmp_path: Path, conv_a100: Path
+) -> None:
+    base, broken = conv("b", FAST), conv("x", FAILS)
+    async with running(tmp_path, [conv_a100]) as (client, _service):
+        for k in (base, broken):
+            await call(client, "measure_kernel", {"kernel": k})
+        out = await call(client, "compare_kernels", {"candidates": [base, broken]})
+    [c] = out["candidates"]
+    assert c["verdict"] == "slower" and "failed when measured" in c["rationale"]
+    assert out["measure_next"] == []
+    assert not any("measure_next is empty" in n for n in out["notes"])  # nothing unmeasured to speak of
