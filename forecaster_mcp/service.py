@@ -51,7 +51,7 @@ from forecaster_mcp.models import (
 )
 from forecaster_mcp.reports import BudgetStatus, GpuSpecRow
 from forecaster_mcp.settings import Settings
-from forecaster_mcp.store.db import ForecastRow, IdempotentRequest, Store
+from forecaster_mcp.store.db import ForecastRow, IdempotentRequest, Reservation, Store
 
 log = logging.getLogger(__name__)
 
@@ -778,7 +778,7 @@ class Service:
             settled = False
             try:
                 try:
-                    result = await measurer.measure(request, progress)
+                    result = await self._measure_holding(measurer, request, progress, hold)
                 except BaseException as exc:
                     # Cancelled (or failed) after the job reached the device: the measurer says how long the device
                     # was occupied (OCCUPIED_ATTR), and that is charged like any other run; the exception goes on.
@@ -812,6 +812,36 @@ class Service:
                     with anyio.CancelScope(shield=True):
                         await self.store.release(hold)
 
+    async def _measure_holding(
+        self,
+        measurer: Measurer,
+        request: MeasureRequest,
+        progress: ProgressCallback | None,
+        hold: Reservation,
+    ) -> MeasureResult:
+        """measurer.measure, its hold kept from expiring meanwhile; its exception is raised as it is."""
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._keep_hold, hold)
+                result = await measurer.measure(request, progress)
+                tg.cancel_scope.cancel()
+            return result
+        except BaseExceptionGroup as group:
+            # The task group wraps what measure raised; the keep-alive never raises (it logs).
+            if len(group.exceptions) == 1:
+                raise group.exceptions[0] from None
+            raise
+
+    async def _keep_hold(self, hold: Reservation) -> None:
+        """While a measurement runs (or waits for the device), keep its hold from expiring (Store.extend_hold)."""
+        while True:
+            await anyio.sleep(HOLD_KEEPALIVE_S)
+            try:
+                if not await self.store.extend_hold(hold):
+                    return
+            except Exception:  # a busy database: the next round tries again; the expiry has a long grace
+                log.warning("could not extend hold %s", hold.id, exc_info=True)
+
     # ------------------------------------------------------------------ budget_status
 
     async def budget_status(self, ledger: str) -> BudgetStatus:
@@ -834,6 +864,8 @@ class Service:
 SAME_MEASUREMENT_WAIT_FACTOR = 2.0
 SAME_MEASUREMENT_WAIT_S = 10.0
 SAME_MEASUREMENT_POLL_S = 0.2
+# How often a running measurement pushes its hold's expiry out (well inside store.EXPIRY_GRACE_S).
+HOLD_KEEPALIVE_S = 60.0
 
 
 def _assign_ids(candidates: Sequence[Kernel]) -> list[Kernel]:

@@ -375,3 +375,50 @@ async def test_results_under_the_earlier_cache_key_still_answer(tmp_path: Path) 
         assert status.gpu_seconds_saved.cache == pytest.approx(0.25)  # read from the original's row
     finally:
         await svc.close()
+
+
+class SlowMeasurer(ScriptedMeasurer):
+    """ok after `seconds` of (event-loop) waiting, as a measurement queued behind others would be."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(["ok"])
+        self.seconds = seconds
+
+    async def measure(
+        self, request: MeasureRequest, progress: ProgressCallback | None = None
+    ) -> MeasureResult:
+        await anyio.sleep(self.seconds)
+        return await super().measure(request, progress)
+
+
+async def test_a_long_measurement_keeps_its_hold_from_expiring(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import forecaster_mcp.service as service_module
+
+    monkeypatch.setattr(service_module, "HOLD_KEEPALIVE_S", 0.05)
+    svc = await make_service(tmp_path, SlowMeasurer(0.6))
+    try:
+        await svc.measure(ledger="L", kernel=kernel(), workload=WORKLOAD, hardware="X", max_seconds=5)
+        with sqlite3.connect(svc.settings.db_path) as conn:
+            created, expires, amount = conn.execute(
+                "SELECT created_at, expires_at, amount_micro FROM reservations"
+            ).fetchone()
+        first = created + 2.0 * amount / 1e6 + 300.0  # the expiry set at reservation (store.EXPIRY_*)
+        assert expires > first + 0.3  # pushed out while the measurement ran
+    finally:
+        await svc.close()
+
+
+async def test_budget_status_does_not_show_a_dead_owners_hold_as_reserved(tmp_path: Path) -> None:
+    svc = await make_service(tmp_path, ScriptedMeasurer(["ok"]))
+    try:
+        hold = await svc.store.reserve("L", 5.0, "measure k")
+        with sqlite3.connect(svc.settings.db_path) as conn:  # as a server on another host that went away
+            conn.execute(
+                "UPDATE reservations SET owner_host = 'elsewhere', expires_at = 0 WHERE id = ?", (hold.id,)
+            )
+        status = await svc.budget_status("L")
+        assert status.reserved_gpu_seconds == 0 and status.remaining_gpu_seconds == pytest.approx(1000.0)
+    finally:
+        await svc.close()

@@ -684,6 +684,26 @@ class Store:
         """Release the whole hold, charging nothing (the measurement did not happen)."""
         await self._settle(reservation, None)
 
+    async def release_orphans(self) -> int:
+        """Release the holds of dead (or expired, unverifiable) owners now; returns how many."""
+        return await self._write(lambda conn: self._release_orphans(conn, time.time()))
+
+    async def extend_hold(self, reservation: Reservation) -> bool:
+        """Push an open hold's expiry as far out as at its reservation, from now: a measurement still queued
+        or running keeps its hold however long it waits (an owner another host cannot check is otherwise
+        released at expiry). False once the hold is settled."""
+        amount = to_micro(reservation.gpu_seconds, "the reservation", InvalidRequest, allow_zero=False)
+
+        async def body(conn: Any) -> bool:
+            expires = time.time() + EXPIRY_FACTOR * _gs(amount) + EXPIRY_GRACE_S
+            cur = await conn.execute(
+                "UPDATE reservations SET expires_at = max(expires_at, ?) WHERE id = ? AND state = 'open'",
+                (expires, reservation.id),
+            )
+            return bool(cur.rowcount)
+
+        return await self._write(body)
+
     async def _release_orphans(self, conn: Any, now: float) -> int:
         """In a write transaction: release holds whose owner is dead, or expired and not provably alive."""
         me = self._owner
@@ -1142,6 +1162,10 @@ class Store:
         - calibration: Brier of p_faster against S > 1 (forecast.metrics.brier) over every verified pair (the
           last forecast of each) not decided by cache (unsure ones included), ties left out; verified_pairs:
           how many."""
+
+        # A crashed owner's hold is released first, so the report does not show it as reserved (it would be
+        # until the next reservation on this database released it).
+        await self.release_orphans()
 
         async def body(conn: Any) -> dict[str, Any] | None:
             row = await self._ledger_row(conn, ledger)
