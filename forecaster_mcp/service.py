@@ -297,7 +297,9 @@ class Service:
         # Saved once the call succeeds (below): a compare refused for its measurements records nothing.
         forecast_results = dict(results)
 
-        measure_next = await self._measure_next(base, measured, results, fc_by_id, family, hw.name, wkey)
+        measure_next = await self._measure_next(
+            base, measured, results, fc_by_id, family, hw.name, wkey, by_id
+        )
         notes = list(hw.notes)
         notes.extend(_source_notes(kernels, workload))
         notes.extend(dict.fromkeys(n for f in forecasts for n in f.notes))  # e.g. a forecaster skipped
@@ -308,7 +310,12 @@ class Service:
         unsure = [i for i in measure_next if i != base.id and results[i].verdict == "unsure"]
         if not unsure and measure_next == [base.id]:
             unsure = _waiting_on_baseline(results, measured)  # measured candidates the baseline settles
-        if measure_if_unsure and unsure:
+        if measure_if_unsure and unsure and max_measurements == 0:
+            notes.append(
+                f"measure_if_unsure with max_measurements 0 measured nothing ({len(unsure)} unsure): raise "
+                "max_measurements to let this call measure them"
+            )
+        elif measure_if_unsure and unsure:
             if ledger is None:
                 raise InvalidRequest("measure_if_unsure needs a ledger; this server has none configured")
             if measure_next[0] == base.id:
@@ -332,7 +339,9 @@ class Service:
                 m_cand = measured.get(cid)
                 if m_base is not None and m_cand is not None and results[cid].decided_by == "forecast":
                     results[cid] = _from_measurement(cid, m_base, m_cand, "measurement")
-            measure_next = await self._measure_next(base, measured, results, fc_by_id, family, hw.name, wkey)
+            measure_next = await self._measure_next(
+                base, measured, results, fc_by_id, family, hw.name, wkey, by_id
+            )
 
         await self._save_forecasts(ledger, hw.name, wkey, base, others, forecast_results, fc_by_id, family)
         ordered = [results[str(k.id)] for k in others]
@@ -391,6 +400,7 @@ class Service:
         family: dict[str, str],
         hardware: str,
         wkey: str,
+        by_id: dict[str | None, Kernel],
     ) -> list[str]:
         from forecaster_mcp.forecast.acquisition import (
             AcqItem,
@@ -422,6 +432,15 @@ class Service:
         # A candidate no forecaster answered has no value to rank by (its even odds are not a forecast): it
         # is worth a measurement, after those whose forecasts say why.
         ranked += [it.id for it in items if not fc_by_id[it.id].raw]
+        # One measurement answers every candidate with the same content (and a copy of the baseline): list it once.
+        seen = {by_id[base.id].content_key()}
+        unique = []
+        for cid in ranked:
+            ck = by_id[cid].content_key()
+            if ck not in seen:
+                seen.add(ck)
+                unique.append(cid)
+        ranked = unique
         if str(base.id) not in measured and (ranked or _waiting_on_baseline(results, measured)):
             # A candidate's measurement only settles the pair once the baseline is measured too; with every
             # candidate measured already, the baseline alone settles the unsure ones.

@@ -500,3 +500,22 @@ async def test_a_candidate_that_failed_when_measured_is_not_called_unmeasured(
     assert c["verdict"] == "slower" and "failed when measured" in c["rationale"]
     assert out["measure_next"] == []
     assert not any("measure_next is empty" in n for n in out["notes"])  # nothing unmeasured to speak of
+
+
+async def test_copies_of_one_kernel_are_listed_once_and_a_zero_cap_says_so(
+    tmp_path: Path, conv_a100: Path
+) -> None:
+    base = conv("b", FAST)
+    cand = conv("c", {**FAST, "block_size_x": 64})
+    twin = {**cand, "id": "twin"}
+    base_copy = {**base, "id": "b2"}
+    async with running(tmp_path, [conv_a100]) as (client, _service):
+        out = await call(client, "compare_kernels", {"candidates": [base, cand, twin, base_copy]})
+        assert out["measure_next"] == ["b", "c"]  # one measurement of c answers twin; b answers b2
+        capped = await call(
+            client,
+            "compare_kernels",
+            {"candidates": [base, cand], "measure_if_unsure": True, "max_measurements": 0},
+        )
+    assert capped["measurements"] == [] and capped["gpu_seconds_charged"] == 0
+    assert any("max_measurements 0 measured nothing" in n for n in capped["notes"])
