@@ -10,6 +10,7 @@ import hashlib
 import json
 import math
 import re
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -364,12 +365,24 @@ class Kernel(_Strict):
 
     def content_key(self) -> str:
         """Hash of everything that changes the compiled binary and its launch (not the id)."""
+        return self._content_key(_define_key)
+
+    def earlier_content_key(self) -> str | None:
+        """The content key this kernel had before define values were read as the compiler reads them (`"16"`
+        kept as a string, True as true), where that differs from `content_key`: results stored under it are
+        still this kernel's. None when the two agree (no define is a string or a bool)."""
+        if not any(isinstance(v, str | bool) for v in self.defines.values()):
+            return None
+        earlier = self._content_key(lambda v: v)
+        return earlier if earlier != self.content_key() else None
+
+    def _content_key(self, define_key: Callable[[DefineValue], DefineValue]) -> str:
         payload = {
             "source": self.source_hash(),
             "entry": self.entry,
             "language": self.language,
             "launch": self.launch.model_dump() if self.launch else None,
-            "defines": {k: _define_key(self.defines[k]) for k in sorted(self.defines)},
+            "defines": {k: define_key(self.defines[k]) for k in sorted(self.defines)},
             "compile_options": self.compile_options,
         }
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()

@@ -387,6 +387,8 @@ class Service:
         out: dict[str, tuple[float, float, float, int]] = {}
         for k in kernels:
             interval = await self.store.measured_interval(k.content_key(), hardware, wkey)
+            if interval is None and (earlier := k.earlier_content_key()) is not None:
+                interval = await self.store.measured_interval(earlier, hardware, wkey)
             if interval is not None and interval[0] > 0:
                 out[str(k.id)] = interval
         return out
@@ -654,7 +656,13 @@ class Service:
             return await run()
         async with self._alone(("idempotency", ledger, idempotency_key)):
             prior = await self._idempotent_prior(
-                ledger, idempotency_key, kernel, workload, device, checked_against
+                ledger,
+                idempotency_key,
+                kernel,
+                workload,
+                device,
+                checked_against,
+                check_key(reference, atol, rtol, earlier=True),
             )
             if prior is not None:
                 return prior
@@ -675,7 +683,14 @@ class Service:
             done.set()
 
     async def _idempotent_prior(
-        self, ledger: str, key: str, kernel: Kernel, workload: Workload, device: str, checked_against: str
+        self,
+        ledger: str,
+        key: str,
+        kernel: Kernel,
+        workload: Workload,
+        device: str,
+        checked_against: str,
+        checked_earlier: str | None = None,
     ) -> MeasureResult | None:
         """The free answer to a retry under `key`, or None if the key is new; a key already used for another
         kernel, workload or device is refused (answering with that measurement would mislabel it), and so is
@@ -685,9 +700,9 @@ class Service:
         used = await self.store.idempotent_request(ledger, key)
         if used is None:
             return None
-        differs = _differences(used, kernel.content_key(), workload.key(), device)
+        differs = _differences(used, kernel, workload.key(), device)
         if used.check_key is not None:
-            if used.check_key != checked_against:
+            if used.check_key not in (checked_against, checked_earlier):
                 differs.append("reference or atol/rtol")
         elif used.result.status in ("ok", "wrong_output") and used.result.correctness.checked != (
             checked_against != _UNCHECKED
@@ -790,7 +805,13 @@ class Service:
                     # Another server process on this database finished the same key first.
                     assert idempotency_key is not None
                     prior = await self._idempotent_prior(
-                        ledger, idempotency_key, kernel, workload, device, checked_against
+                        ledger,
+                        idempotency_key,
+                        kernel,
+                        workload,
+                        device,
+                        checked_against,
+                        check_key(reference, atol, rtol, earlier=True),
                     )
                     assert prior is not None
                     return prior
@@ -848,7 +869,9 @@ class Service:
         except BaseExceptionGroup as group:
             # The task group wraps what measure raised; the keep-alive never raises (it logs).
             if len(group.exceptions) == 1:
-                raise group.exceptions[0] from None
+                inner = group.exceptions[0]
+                # As it was raised: its own cause kept (`raise ... from exc` in the measurer), and no group.
+                raise inner from inner.__cause__
             raise
 
     async def _keep_hold(self, hold: Reservation) -> None:
@@ -1038,23 +1061,24 @@ def _source_notes(kernels: Sequence[Kernel], workload: Workload) -> list[str]:
 _UNCHECKED = "unchecked"
 
 
-def check_key(reference: Kernel | None, atol: float, rtol: float) -> str:
+def check_key(reference: Kernel | None, atol: float, rtol: float, *, earlier: bool = False) -> str:
     """What a measurement's outputs are checked against: the reference kernel's content and the tolerances,
-    or nothing (tolerances mean nothing without a reference)."""
+    or nothing (tolerances mean nothing without a reference). `earlier`: with the reference's earlier content
+    key (`Kernel.earlier_content_key`), as rows saved before it changed hold it."""
     if reference is None:
         return _UNCHECKED
     # One spelling per tolerance: 0, 0.0 and -0.0 are one request.
     tolerances = {"atol": repr(float(atol) + 0.0), "rtol": repr(float(rtol) + 0.0)}
-    return json.dumps({"reference": reference.content_key(), **tolerances}, sort_keys=True)
+    key = (reference.earlier_content_key() if earlier else None) or reference.content_key()
+    return json.dumps({"reference": key, **tolerances}, sort_keys=True)
 
 
-def _differences(used: IdempotentRequest, content_key: str, workload_key: str, device: str) -> list[str]:
-    pairs = (
-        ("kernel", used.content_key, content_key),
-        ("workload", used.workload_key, workload_key),
-        ("hardware", used.hardware, device),
-    )
-    return [what for what, theirs, mine in pairs if theirs != mine]
+def _differences(used: IdempotentRequest, kernel: Kernel, workload_key: str, device: str) -> list[str]:
+    """What a retry under a used idempotency key changed (a kernel saved under its earlier content key is
+    the same kernel)."""
+    out = [] if used.content_key in (kernel.content_key(), kernel.earlier_content_key()) else ["kernel"]
+    pairs = (("workload", used.workload_key, workload_key), ("hardware", used.hardware, device))
+    return out + [what for what, theirs, mine in pairs if theirs != mine]
 
 
 def _free_copy(result: MeasureResult, kernel_id: str) -> MeasureResult:
@@ -1099,14 +1123,17 @@ def _cache_key(request: MeasureRequest, fingerprint: str) -> str:
 
 def _legacy_cache_key(request: MeasureRequest, fingerprint: str) -> str:
     """The key results were stored under before `_cache_key` normalised the check (raw tolerances, kept even
-    without a reference); still looked up, so those results keep answering."""
-    reference = request.reference.content_key() if request.reference else None
-    return _digest(request, fingerprint, reference=reference, atol=request.atol, rtol=request.rtol)
+    without a reference) and before define values were read as the compiler reads them (the kernels' earlier
+    content keys); still looked up, so those results keep answering."""
+    ref = request.reference
+    reference = (ref.earlier_content_key() or ref.content_key()) if ref is not None else None
+    kernel = request.kernel.earlier_content_key() or request.kernel.content_key()
+    return _digest(request, fingerprint, kernel, reference=reference, atol=request.atol, rtol=request.rtol)
 
 
-def _digest(request: MeasureRequest, fingerprint: str, **check: Any) -> str:
+def _digest(request: MeasureRequest, fingerprint: str, kernel: str | None = None, **check: Any) -> str:
     payload = {
-        "kernel": request.kernel.content_key(),
+        "kernel": kernel or request.kernel.content_key(),
         "workload": request.workload.key(),
         "device": fingerprint,
         **check,

@@ -352,18 +352,21 @@ async def test_results_under_the_earlier_cache_key_still_answer(tmp_path: Path) 
     m = ScriptedMeasurer(["ok"])
     svc = await make_service(tmp_path, m)
     try:
-        k = kernel().model_copy(update={"id": "k0"})
+        # A define given as a string: its content key then was the string's, not the number's.
+        k = kernel(BLOCK="16").model_copy(update={"id": "k0"})
+        earlier = k.earlier_content_key()
+        assert earlier is not None and earlier != k.content_key()
         request = MeasureRequest(kernel=k, workload=WORKLOAD, device="X", atol=1e-5, rtol=1e-3)
         first = await m.measure(request)
-        # A row as stores written before the normalised key hold it.
+        # A row as stores written before the normalised keys hold it.
         await svc.store.save_measurement(
             cache_key=_legacy_cache_key(request, m.device_fingerprint("X")),
             ledger="L",
-            idempotency_key=None,
+            idempotency_key="K1",
             kernel_json=k.model_dump_json(),
             workload_key=WORKLOAD.key(),
             family_key=k.family_key(),
-            content_key=k.content_key(),
+            content_key=earlier,
             hardware="X",
             result=first,
             charged_gpu_seconds=0.25,
@@ -373,6 +376,23 @@ async def test_results_under_the_earlier_cache_key_still_answer(tmp_path: Path) 
         assert hit.cost.cached and m.calls == 1
         status = await svc.budget_status("L")
         assert status.gpu_seconds_saved.cache == pytest.approx(0.25)  # read from the original's row
+        retry = await svc.measure(  # a retry of that request under its key: the same kernel, free
+            ledger="L", kernel=k, workload=WORKLOAD, hardware="X", max_seconds=5, idempotency_key="K1"
+        )
+        assert retry.cost.cached and m.calls == 1
+        # ... and a compare finds its measurement: against a measured baseline it is answered from both.
+        await svc.measure(ledger="L", kernel=kernel(), workload=WORKLOAD, hardware="X", max_seconds=5)
+        out = await svc.compare(
+            ledger="L",
+            candidates=[kernel().model_copy(update={"id": "b"}), k],
+            workload=WORKLOAD,
+            baseline="b",
+            hardware="X",
+            target_error=None,
+            measure_if_unsure=False,
+            max_measurements=0,
+        )
+        assert out.candidates[0].decided_by == "cache"
     finally:
         await svc.close()
 
