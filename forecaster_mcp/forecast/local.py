@@ -1278,12 +1278,17 @@ class LocalForecaster:
     # ---- static features (prior path)
 
     def _static(
-        self, kernels: Sequence[Kernel], q: PairQuery, usage: Mapping[tuple[str, str], PtxasUsage]
+        self,
+        kernels: Sequence[Kernel],
+        q: PairQuery,
+        usage: Mapping[tuple[str, str], PtxasUsage],
+        skipped: frozenset[str] = frozenset(),
     ) -> dict[str, StaticFeatures]:
         """Static features of `kernels` for the pair `q` (its GPU and workload), with the ptxas results in
         `usage` (by content key and architecture; see `_ptxas_for`). Kept per kernel, GPU and workload, with
-        or without ptxas: the same question gets the same answer, and a compile that timed out is not retried
-        on every call."""
+        or without ptxas (the same question gets the same answer, and a compile that timed out is not retried
+        on every call), except for kernels in `skipped` (content keys a crowded call did not compile): a
+        later, smaller call compiles them."""
         arch = _arch_of(q)
         out: dict[str, StaticFeatures] = {}
         wkey = q.workload.key()
@@ -1293,9 +1298,11 @@ class LocalForecaster:
             if cached is None:
                 u = usage.get((k.content_key(), arch))
                 entry = u.for_entry(k.entry) if u is not None else None
-                cached = self._features[key] = kernel_features(k, q.workload, q.hardware, entry)
-                while len(self._features) > 4096:
-                    self._features.popitem(last=False)
+                cached = kernel_features(k, q.workload, q.hardware, entry)
+                if k.content_key() not in skipped:
+                    self._features[key] = cached
+                    while len(self._features) > 4096:
+                        self._features.popitem(last=False)
             out[k.content_key()] = cached
         return out
 
@@ -1307,10 +1314,13 @@ class LocalForecaster:
             and "__global__" in k.source
         )
 
-    async def _ptxas_for(self, queries: Sequence[PairQuery]) -> dict[tuple[str, str], PtxasUsage]:
-        """ptxas results (by content key) for the kernels of these prior-path pairs whose features are not
-        cached: at most MAX_PTXAS_PER_CALL compiles for the whole call, two at a time, within one wait of
-        ptxas_wait_s (+1 s). Results ptxas cached on disk are read whatever their number."""
+    async def _ptxas_for(
+        self, queries: Sequence[PairQuery]
+    ) -> tuple[dict[tuple[str, str], PtxasUsage], frozenset[str]]:
+        """ptxas results (by content key and architecture) for the kernels of these prior-path pairs whose
+        features are not cached, compiled for the whole call at once, two at a time, within one wait of
+        ptxas_wait_s (+1 s); and the content keys left uncompiled because the call had more than
+        MAX_PTXAS_PER_CALL of them (a screening call: those are compiled when asked about in a smaller one)."""
         from forecaster_mcp.forecast.ptxas import ptxas_usage, stand_in_arch, supported_archs
 
         todo: dict[tuple[str, str], Kernel] = {}  # (content key, arch) -> kernel
@@ -1324,8 +1334,10 @@ class LocalForecaster:
         usage: dict[tuple[str, str], PtxasUsage] = {}
         # nvcc takes a second or two per kernel: worth it for the few kernels of an agent's question, not
         # for a screening call over dozens of configurations (those have the family model, or nothing).
-        if not todo or len(todo) > MAX_PTXAS_PER_CALL:
-            return usage
+        if not todo:
+            return usage, frozenset()
+        if len(todo) > MAX_PTXAS_PER_CALL:
+            return usage, frozenset(ck for ck, _ in todo)
         assert self._nvcc is not None
         nvcc = self._nvcc
         limiter = anyio.CapacityLimiter(2)
@@ -1343,7 +1355,7 @@ class LocalForecaster:
             async with anyio.create_task_group() as tg:
                 for (ck, arch), k in todo.items():
                     tg.start_soon(compile_one, ck, arch, k)
-        return usage
+        return usage, frozenset()
 
     # ---- forecasting
 
@@ -1431,7 +1443,9 @@ class LocalForecaster:
             return "failed" not in kinds and "unknown" in kinds
 
         # ptxas for the whole call at once: its per-call cap applies to the call, not to each pair in turn.
-        usage = await self._ptxas_for([q for q, bc in zip(queries, beliefs, strict=True) if prior_path(bc)])
+        usage, skipped = await self._ptxas_for(
+            [q for q, bc in zip(queries, beliefs, strict=True) if prior_path(bc)]
+        )
         out: list[BinForecast | None] = []
         errors: list[Exception] = []
         for q, belief in zip(queries, beliefs, strict=True):
@@ -1443,7 +1457,7 @@ class LocalForecaster:
             kc = group_of(q.candidate, q)
             try:
                 if prior_path(belief):
-                    out.append(self._prior_forecast(q, b, c, groups[kc], usage))
+                    out.append(self._prior_forecast(q, b, c, groups[kc], usage, skipped))
                 else:
                     out.append(self._pair_forecast(b, c, groups[group_of(q.baseline, q)], groups[kc]))
             except Exception as exc:
@@ -1544,8 +1558,9 @@ class LocalForecaster:
         c: _Belief,
         cand_model: FamilyModel | None,
         usage: Mapping[tuple[str, str], PtxasUsage],
+        skipped: frozenset[str],
     ) -> BinForecast:
-        feats = self._static([q.baseline, q.candidate], q, usage)
+        feats = self._static([q.baseline, q.candidate], q, usage, skipped)
         fb, fc = feats[q.baseline.content_key()], feats[q.candidate.content_key()]
         same_family = q.baseline.family_key() == q.candidate.family_key()
         shift = prior_shift(fb, fc, same_family=same_family)
