@@ -143,8 +143,17 @@ def test_decide() -> None:
     assert decide(0.01, 0.95, p_fail_baseline=0.03) == "slower"
     assert decide(0.01, 0.95, p_fail_baseline=0.06) == "unsure"
     assert decide(0.99, 0.95, p_fail_baseline=0.5) == "faster"
+    # A candidate that (surely) fails is never the better choice, even against a failing baseline.
+    assert decide(0.0, 0.95, p_fail=1.0, p_fail_baseline=1.0) == "slower"
+    assert decide(0.5, 0.95, p_fail=0.97, p_fail_baseline=0.2) == "slower"
     # The two orders of one pair agree: (p, fail cand, fail base) against (1 - p, fail base, fail cand).
-    for p, fc, fb in [(0.97, 0.01, 0.3), (0.02, 0.2, 0.04), (0.999, 0.0, 0.0), (0.6, 0.5, 0.5)]:
+    for p, fc, fb in [
+        (0.97, 0.01, 0.3),
+        (0.02, 0.2, 0.04),
+        (0.999, 0.0, 0.0),
+        (0.6, 0.5, 0.5),
+        (0.4, 0.2, 0.3),
+    ]:
         forward, backward = decide(p, 0.95, fc, fb), decide(1 - p, 0.95, fb, fc)
         flipped = {"faster": "slower", "slower": "faster", "unsure": "unsure"}
         assert backward == flipped[forward], (p, fc, fb)

@@ -235,11 +235,15 @@ def decide(p_faster: float, threshold: float, p_fail: float = 0.0, p_fail_baseli
     `p_faster` is the chance the candidate is faster if both run; `p_fail` the chance the candidate fails to
     compile or run, `p_fail_baseline` the baseline's. A kernel that fails is not faster, so "faster" needs
     (1 - p_fail) * p_faster to clear the threshold, and "slower" (1 - p_fail_baseline) * (1 - p_faster): a
-    candidate that runs beats a baseline that fails. compare(A, B) and compare(B, A) then agree."""
+    candidate that runs beats a baseline that fails. compare(A, B) and compare(B, A) then agree. A candidate
+    that fails with probability at least the threshold (one measured as failing) is "slower" whatever the
+    baseline: it is not the better choice, even against a baseline that fails too."""
     if threshold >= NEVER or not math.isfinite(p_faster):
         return "unsure"
     if p_faster > 0.5 and _runs(p_fail) * p_faster >= threshold:
         return "faster"
     if p_faster < 0.5 and _runs(p_fail_baseline) * (1.0 - p_faster) >= threshold:
+        return "slower"
+    if math.isfinite(p_fail) and p_fail >= threshold:
         return "slower"
     return "unsure"
