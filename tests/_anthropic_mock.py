@@ -137,6 +137,7 @@ class AnthropicMock:
     cancel_ends: bool = True  # a cancelled batch ends (at its next retrieval); False: it hangs
     finished_before_cancel: int = 0  # requests of a cancelled batch that had succeeded (the rest: canceled)
     batch_creates_allowed: int | None = None  # later batch creations answer 500
+    batches_that_end: int | None = None  # later batches never end, cancelled or not
     requests: list[RecordedRequest] = field(default_factory=list)
     batches: dict[str, _Batch] = field(default_factory=dict)
 
@@ -170,6 +171,11 @@ class AnthropicMock:
                 ended = (batch.canceled and self.cancel_ends) or (
                     not self.batch_never_ends and batch.polls > self.batch_polls_in_progress
                 )
+                if (
+                    self.batches_that_end is not None
+                    and list(self.batches).index(batch.id) >= self.batches_that_end
+                ):
+                    ended = False
                 return httpx2.Response(200, json=self._batch_json(batch, "ended" if ended else "in_progress"))
             if parts[4:] == ["cancel"] and request.method == "POST":
                 batch.canceled = True

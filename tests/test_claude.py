@@ -654,6 +654,27 @@ async def test_a_cancelled_batch_that_never_ends_is_given_up_after_a_few_polls()
 
 
 @pytest.mark.anyio
+async def test_a_later_batch_that_never_ends_keeps_the_answers_of_the_earlier_ones(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(claude_module, "_BATCH_MAX_REQUESTS", 1)  # one batch per request
+    mock = AnthropicMock(lambda body: tool_answer(FASTER), batches_that_end=1)
+    sink = FakeSink()
+
+    async def no_sleep(s: float) -> None:
+        pass
+
+    f = make(mock, sleep=no_sleep, usage_sink=sink, batch_poll_interval_s=60.0, batch_max_wait_s=120.0)
+    with pytest.raises(ClaudeUnavailable, match="cancelled it") as info:
+        await f.forecast_batch([pair(), pair()])
+    assert [p is not None for p in info.value.partial] == [True, False]  # the first batch's answer kept
+    [call] = sink.calls
+    assert call["input_tokens"] == 1000  # and billed
+    first, second = mock.batches.values()
+    assert second.canceled and not first.canceled
+
+
+@pytest.mark.anyio
 async def test_a_failed_batch_creation_cancels_the_batches_already_created(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

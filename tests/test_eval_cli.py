@@ -205,6 +205,10 @@ def test_make_pairs_then_eval_with_calibration(
 
     rows = [json.loads(line) for line in pairs.read_text().splitlines()]
     assert len(rows) == 80 and len({r["id"] for r in rows}) == 80
+    # The same recording twice: ids stay unique, so eval reads the file.
+    twice = tmp_path / "twice.jsonl"
+    assert main(["make-pairs", str(conv_a100), str(conv_a100), "-n", "5", "--out", str(twice)]) == 0
+    assert len({p.id for p in read_pairs_file(twice).pairs}) == 10
     space = load_space(conv_a100)
     medians = {tuple(sorted(e.params.items())): statistics.median(e.times) for e in space.entries if e.ok}
     for r in rows[:10]:

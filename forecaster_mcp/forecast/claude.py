@@ -554,11 +554,12 @@ class ClaudeForecaster:
                     created.append((await self._client.messages.batches.create(requests=c)).id)
             for batch_id in created:
                 if gave_up is None:
-                    gave_up = await self._wait_batch(batch_id)
+                    gave_up, readable = await self._wait_batch(batch_id)
                 else:  # the wait is over: cancel the rest, read what they finished
                     await self._cancel_batch(batch_id)
-                    if not await self._ended_after_cancel(batch_id):
-                        continue
+                    readable = await self._ended_after_cancel(batch_id)
+                if not readable:  # cancelled and still not ended: its results cannot be read yet
+                    continue
                 decoder = await self._client.messages.batches.results(batch_id)
                 async for item in decoder:
                     outcomes[item.custom_id] = item.result
@@ -573,20 +574,18 @@ class ClaudeForecaster:
             raise ClaudeUnavailable(f"Claude batch failed ({type(exc).__name__}): {exc}") from exc
         return outcomes, gave_up
 
-    async def _wait_batch(self, batch_id: str) -> str | None:
-        """Poll until the batch ends (None), or cancel it after batch_max_wait_s and say so. A cancelled
-        batch that has not ended within a few more polls raises: its results cannot be read yet."""
+    async def _wait_batch(self, batch_id: str) -> tuple[str | None, bool]:
+        """Poll until the batch ends: (None, True). After batch_max_wait_s it is cancelled: (why, whether it
+        ended within a few more polls, so that what it finished can be read)."""
         waited = 0.0
         while True:
             batch = await self._client.messages.batches.retrieve(batch_id)
             if batch.processing_status == "ended":
-                return None
+                return None, True
             if waited >= self._batch_max_wait_s:
                 await self._cancel_batch(batch_id)
                 why = f"Claude batch {batch_id} still {batch.processing_status} after {waited:.0f} s; cancelled it"
-                if not await self._ended_after_cancel(batch_id):
-                    raise ClaudeUnavailable(why)
-                return why
+                return why, await self._ended_after_cancel(batch_id)
             await self._sleep(self._batch_poll_interval_s)
             waited += self._batch_poll_interval_s
 

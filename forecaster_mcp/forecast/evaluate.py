@@ -708,6 +708,7 @@ def make_pairs(
         raise OperatorError(f"--history must be 0 or more, got {history_per_recording}")
     pairs: list[dict[str, Any]] = []
     history: list[dict[str, Any]] = []
+    prefixes: set[str] = set()  # pair ids are "<folder>-<name>-<i>", unique in the file
     for r, path in enumerate(recordings):
         try:
             space = load_space(path)
@@ -740,6 +741,10 @@ def make_pairs(
                 }
             )
         seen: set[tuple[int, int]] = set()
+        prefix = f"{path.parent.name}-{path.name.split('.')[0]}"
+        if prefix in prefixes:
+            prefix = f"{prefix}-r{r}"
+        prefixes.add(prefix)
         max_pairs = len(pool) * (len(pool) - 1)
         want = min(n_per_recording, max_pairs)
         while len(seen) < want:
@@ -750,7 +755,8 @@ def make_pairs(
             base, cand = valid[a], valid[b]
             pairs.append(
                 {
-                    "id": f"{path.parent.name}-{path.name.split('.')[0]}-{len(seen) - 1}",
+                    # The recording's position too when a folder/name repeats (the same file given twice).
+                    "id": f"{prefix}-{len(seen) - 1}",
                     "hardware": space.device,
                     "workload": workload,
                     "baseline": _kernel_dict(base.params, "baseline", source, space.kernel_name),
