@@ -635,7 +635,10 @@ class Service:
         measurer, device = self._pick_measurer(hardware)
         await self._require_ledger(ledger)
 
-        checked_against = check_key(reference, atol, rtol)
+        # What the outputs are checked against (stored), then the earlier spelling a stored retry may hold.
+        checks = tuple(
+            dict.fromkeys((check_key(reference, atol, rtol), check_key(reference, atol, rtol, earlier=True)))
+        )
         run = functools.partial(
             self._measure_uncached,
             ledger,
@@ -650,20 +653,12 @@ class Service:
             measurer,
             device,
             progress,
-            checked_against,
+            checks,
         )
         if idempotency_key is None:
             return await run()
         async with self._alone(("idempotency", ledger, idempotency_key)):
-            prior = await self._idempotent_prior(
-                ledger,
-                idempotency_key,
-                kernel,
-                workload,
-                device,
-                checked_against,
-                check_key(reference, atol, rtol, earlier=True),
-            )
+            prior = await self._idempotent_prior(ledger, idempotency_key, kernel, workload, device, checks)
             if prior is not None:
                 return prior
             return await run()
@@ -689,23 +684,22 @@ class Service:
         kernel: Kernel,
         workload: Workload,
         device: str,
-        checked_against: str,
-        checked_earlier: str | None = None,
+        checks: tuple[str, ...],
     ) -> MeasureResult | None:
         """The free answer to a retry under `key`, or None if the key is new; a key already used for another
         kernel, workload or device is refused (answering with that measurement would mislabel it), and so is
-        one whose first measurement checked its outputs otherwise (`checked_against`, `check_key`: another
-        reference kernel or none, other atol/rtol). For a measurement saved before check keys were kept, only
+        one whose first measurement checked its outputs otherwise (`checks`: this request's `check_key`, then
+        its earlier spelling; another reference kernel or none, other atol/rtol). For a measurement saved before check keys were kept, only
         whether it was checked at all is known, and that is compared."""
         used = await self.store.idempotent_request(ledger, key)
         if used is None:
             return None
         differs = _differences(used, kernel, workload.key(), device)
         if used.check_key is not None:
-            if used.check_key not in (checked_against, checked_earlier):
+            if used.check_key not in checks:
                 differs.append("reference or atol/rtol")
         elif used.result.status in ("ok", "wrong_output") and used.result.correctness.checked != (
-            checked_against != _UNCHECKED
+            checks[0] != _UNCHECKED
         ):
             differs.append("reference")
         if differs:
@@ -732,9 +726,10 @@ class Service:
         measurer: Measurer,
         device: str,
         progress: ProgressCallback | None,
-        checked_against: str,
+        checks: tuple[str, ...],
     ) -> MeasureResult:
-        """`checked_against`: `check_key` of the reference and tolerances, stored for idempotent retries."""
+        """`checks`: `check_key` of the reference and tolerances (stored, for idempotent retries), then the
+        earlier spelling a stored retry may hold."""
         cap = min(max_seconds or self.settings.max_measure_seconds, self.settings.max_measure_seconds)
         if max_seconds is None:
             # The default cap is also held to what the ledger has left: a measurement holds its whole cap
@@ -763,7 +758,7 @@ class Service:
             "family_key": kernel.family_key(),
             "content_key": kernel.content_key(),
             "hardware": device,
-            "check_key": checked_against,
+            "check_key": checks[0],
         }
         # One measurement of the same request at a time: concurrent callers (parallel search clients sharing
         # an unmeasured baseline) wait for the first and are then served from the cache, free.
@@ -805,13 +800,7 @@ class Service:
                     # Another server process on this database finished the same key first.
                     assert idempotency_key is not None
                     prior = await self._idempotent_prior(
-                        ledger,
-                        idempotency_key,
-                        kernel,
-                        workload,
-                        device,
-                        checked_against,
-                        check_key(reference, atol, rtol, earlier=True),
+                        ledger, idempotency_key, kernel, workload, device, checks
                     )
                     assert prior is not None
                     return prior
