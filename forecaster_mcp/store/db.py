@@ -561,15 +561,9 @@ class Store:
                 )
                 if done:
                     return AlreadyMeasured(idempotency_key)
-                running = await conn.execute_fetchall(
-                    "SELECT 1 FROM reservations WHERE ledger = ? AND idempotency_key = ? AND state = 'open'",
-                    (ledger, idempotency_key),
-                )
-                if running:
-                    return MeasurementInProgress(
-                        f"a measurement with idempotency_key {idempotency_key!r} is still running on ledger "
-                        f"{ledger!r}; call again with the same key when it has finished (it will not be charged twice)"
-                    )
+                running = await _key_in_progress(conn, ledger, idempotency_key)
+                if running is not None:
+                    return running
             if cache_key is not None and exclusive:
                 same = await conn.execute_fetchall(
                     "SELECT 1 FROM reservations WHERE cache_key = ? AND state = 'open' LIMIT 1", (cache_key,)
@@ -580,7 +574,7 @@ class Store:
             if limit - spent - reserved < amount:
                 # Returned, not raised: orphans released above must still be committed.
                 return _exhausted(ledger, limit, spent, reserved, amount)
-            expires = now + EXPIRY_FACTOR * _gs(amount) + EXPIRY_GRACE_S
+            expires = _expiry(now, _gs(amount))
             cur = await conn.execute(
                 "INSERT INTO reservations (ledger, amount_micro, purpose, owner_pid, owner_host, "
                 "owner_pidns, owner_start, created_at, expires_at, idempotency_key, cache_key) "
@@ -692,10 +686,9 @@ class Store:
         """Push an open hold's expiry as far out as at its reservation, from now: a measurement still queued
         or running keeps its hold however long it waits (an owner another host cannot check is otherwise
         released at expiry). False once the hold is settled."""
-        amount = to_micro(reservation.gpu_seconds, "the reservation", InvalidRequest, allow_zero=False)
 
         async def body(conn: Any) -> bool:
-            expires = time.time() + EXPIRY_FACTOR * _gs(amount) + EXPIRY_GRACE_S
+            expires = _expiry(time.time(), reservation.gpu_seconds)
             cur = await conn.execute(
                 "UPDATE reservations SET expires_at = max(expires_at, ?) WHERE id = ? AND state = 'open'",
                 (expires, reservation.id),
@@ -915,15 +908,9 @@ class Store:
                 if cached:
                     # A free answer must not take a key whose paid measurement another process is making: that
                     # one's save would then find the key taken and its result would be lost.
-                    running = await conn.execute_fetchall(
-                        "SELECT 1 FROM reservations WHERE ledger = ? AND idempotency_key = ? AND state = 'open'",
-                        (ledger, idempotency_key),
-                    )
-                    if running:
-                        raise MeasurementInProgress(
-                            f"a measurement with idempotency_key {idempotency_key[:80]!r} is still running on "
-                            f"ledger {ledger!r}; call again with the same key when it has finished"
-                        )
+                    running = await _key_in_progress(conn, ledger, idempotency_key)
+                    if running is not None:
+                        raise running
             if ledger is not None and await self._ledger_row(conn, ledger) is None:
                 raise _unknown_ledger(ledger)
             saved = 0
@@ -1270,6 +1257,29 @@ class Store:
                 "brier": sum((p - y) ** 2 for p, y in outcomes) / len(outcomes) if outcomes else None,
             },
         }
+
+
+def _expiry(now: float, gpu_seconds: float) -> float:
+    """When a hold of `gpu_seconds` taken (or last extended) at `now` may be released as an orphan by a server
+    that cannot check its owner."""
+    return now + EXPIRY_FACTOR * gpu_seconds + EXPIRY_GRACE_S
+
+
+async def _key_in_progress(
+    conn: Any, ledger: str | None, idempotency_key: str
+) -> MeasurementInProgress | None:
+    """The refusal to give while an open hold on `ledger` carries `idempotency_key` (a measurement under it is
+    still running, possibly in another process), else None."""
+    running = await conn.execute_fetchall(
+        "SELECT 1 FROM reservations WHERE ledger = ? AND idempotency_key = ? AND state = 'open'",
+        (ledger, idempotency_key),
+    )
+    if not running:
+        return None
+    return MeasurementInProgress(
+        f"a measurement with idempotency_key {idempotency_key!r} is still running on ledger {ledger!r}; call "
+        "again with the same key when it has finished (it will not be charged twice)"
+    )
 
 
 def _exhausted(ledger: str, limit: int, spent: int, reserved: int, amount: int) -> BudgetExhausted:
