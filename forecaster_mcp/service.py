@@ -689,8 +689,8 @@ class Service:
         """The free answer to a retry under `key`, or None if the key is new; a key already used for another
         kernel, workload or device is refused (answering with that measurement would mislabel it), and so is
         one whose first measurement checked its outputs otherwise (`checks`: this request's `check_key`, then
-        its earlier spelling; another reference kernel or none, other atol/rtol). For a measurement saved before check keys were kept, only
-        whether it was checked at all is known, and that is compared."""
+        its earlier spelling; another reference kernel or none, other atol/rtol). For a measurement saved
+        before check keys were kept, only whether it was checked at all is known, and that is compared."""
         used = await self.store.idempotent_request(ledger, key)
         if used is None:
             return None
@@ -767,10 +767,12 @@ class Service:
         # for at most about as long as that measurement may take, then measure themselves.
         wait_until = time.monotonic() + SAME_MEASUREMENT_WAIT_FACTOR * cap + SAME_MEASUREMENT_WAIT_S
         told = False
+        # Looked up under this key, then under the key results were stored under before (_legacy_cache_key).
+        lookup_keys = tuple(dict.fromkeys((cache_key, _legacy_cache_key(request, fingerprint))))
         async with self._alone(("cache", cache_key)):
             while True:
                 hit, hit_key = None, cache_key
-                for key in dict.fromkeys((cache_key, _legacy_cache_key(request, fingerprint))):
+                for key in lookup_keys:
                     hit, hit_key = await self.store.find_measurement(key), key
                     if hit is not None:
                         break
