@@ -784,8 +784,8 @@ async def test_ptxas_runs_once_per_call_for_every_pair_and_its_cap_holds_for_the
     few = [query(unrelated(2 * i), unrelated(2 * i + 1)) for i in range(MAX_PTXAS_PER_CALL // 2)]
     assert len(await f.forecast(few)) == len(few)
     assert sorted(calls) == sorted(f"k{i}" for i in range(MAX_PTXAS_PER_CALL)) and running[1] == 2
-    feats = f._static([few[0].baseline], few[0], {})  # cached with what ptxas said
-    assert feats[few[0].baseline.content_key()].registers == 40
+    [feats] = f._static([few[0].baseline], few[0], {})  # cached with what ptxas said
+    assert feats.registers == 40
 
     calls.clear()
     many = [query(unrelated(100 + 2 * i), unrelated(101 + 2 * i)) for i in range(MAX_PTXAS_PER_CALL)]

@@ -31,7 +31,7 @@ import math
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -1283,27 +1283,29 @@ class LocalForecaster:
         q: PairQuery,
         usage: Mapping[tuple[str, str], PtxasUsage],
         skipped: frozenset[str] = frozenset(),
-    ) -> dict[str, StaticFeatures]:
-        """Static features of `kernels` for the pair `q` (its GPU and workload), with the ptxas results in
-        `usage` (by content key and architecture; see `_ptxas_for`). Kept per kernel, GPU and workload, with
-        or without ptxas (the same question gets the same answer, and a compile that timed out is not retried
-        on every call), except for kernels in `skipped` (content keys a crowded call did not compile): a
-        later, smaller call compiles them."""
+        feature_key: Callable[[Kernel, PairQuery], tuple[str, str, str]] | None = None,
+    ) -> list[StaticFeatures]:
+        """Static features of `kernels` (in order) for the pair `q` (its GPU and workload), with the ptxas
+        results in `usage` (by content key and architecture; see `_ptxas_for`). Kept per kernel, GPU and
+        workload (`_feature_key`, or the call's memoised `feature_key`), with or without ptxas (the same
+        question gets the same answer, and a compile that timed out is not retried on every call), except for
+        kernels in `skipped` (content keys a crowded call did not compile): a later, smaller call compiles
+        them."""
         arch = _arch_of(q)
-        out: dict[str, StaticFeatures] = {}
-        wkey = q.workload.key()
+        key_of = feature_key or _feature_key
+        out: list[StaticFeatures] = []
         for k in kernels:
-            key = (k.content_key(), q.hardware_name, wkey)
+            key = key_of(k, q)
             cached = self._features.get(key)
             if cached is None:
-                u = usage.get((k.content_key(), arch))
+                u = usage.get((key[0], arch))
                 entry = u.for_entry(k.entry) if u is not None else None
                 cached = kernel_features(k, q.workload, q.hardware, entry)
-                if k.content_key() not in skipped:
+                if key[0] not in skipped:
                     self._features[key] = cached
                     while len(self._features) > 4096:
                         self._features.popitem(last=False)
-            out[k.content_key()] = cached
+            out.append(cached)
         return out
 
     def _compilable(self, k: Kernel) -> bool:
@@ -1315,7 +1317,9 @@ class LocalForecaster:
         )
 
     async def _ptxas_for(
-        self, queries: Sequence[PairQuery]
+        self,
+        queries: Sequence[PairQuery],
+        feature_key: Callable[[Kernel, PairQuery], tuple[str, str, str]] | None = None,
     ) -> tuple[dict[tuple[str, str], PtxasUsage], frozenset[str]]:
         """ptxas results (by content key and architecture) for the kernels of these prior-path pairs whose
         features are not cached, compiled for the whole call at once, two at a time, within one wait of
@@ -1323,14 +1327,14 @@ class LocalForecaster:
         MAX_PTXAS_PER_CALL of them (a screening call: those are compiled when asked about in a smaller one)."""
         from forecaster_mcp.forecast.ptxas import ptxas_usage, stand_in_arch, supported_archs
 
+        key_of = feature_key or _feature_key
         todo: dict[tuple[str, str], Kernel] = {}  # (content key, arch) -> kernel
         for q in queries:
             arch = _arch_of(q)
             for k in (q.baseline, q.candidate):
-                if (k.content_key(), q.hardware_name, q.workload.key()) in self._features:
-                    continue
-                if self._compilable(k):
-                    todo.setdefault((k.content_key(), arch), k)
+                key = key_of(k, q)
+                if key not in self._features and self._compilable(k):
+                    todo.setdefault((key[0], arch), k)
         usage: dict[tuple[str, str], PtxasUsage] = {}
         # nvcc takes a second or two per kernel: worth it for the few kernels of an agent's question, not
         # for a screening call over dozens of configurations (those have the family model, or nothing).
@@ -1373,6 +1377,11 @@ class LocalForecaster:
 
         def group_of(k: Kernel, q: PairQuery) -> tuple[str, str, str]:
             return (keys[id(k)][0], q.hardware_name, workload_keys[id(q.workload)])
+
+        def feature_key(
+            k: Kernel, q: PairQuery
+        ) -> tuple[str, str, str]:  # _feature_key, from the hashes above
+            return (keys[id(k)][1], q.hardware_name, workload_keys[id(q.workload)])
 
         # A family whose model cannot be built or queried costs only its own pairs (PartialForecast).
         broken: dict[tuple[str, str, str], Exception] = {}
@@ -1444,7 +1453,7 @@ class LocalForecaster:
 
         # ptxas for the whole call at once: its per-call cap applies to the call, not to each pair in turn.
         usage, skipped = await self._ptxas_for(
-            [q for q, bc in zip(queries, beliefs, strict=True) if prior_path(bc)]
+            [q for q, bc in zip(queries, beliefs, strict=True) if prior_path(bc)], feature_key
         )
         out: list[BinForecast | None] = []
         errors: list[Exception] = []
@@ -1457,7 +1466,8 @@ class LocalForecaster:
             kc = group_of(q.candidate, q)
             try:
                 if prior_path(belief):
-                    out.append(self._prior_forecast(q, b, c, groups[kc], usage, skipped))
+                    feats = self._static([q.baseline, q.candidate], q, usage, skipped, feature_key)
+                    out.append(self._prior_forecast(q, b, c, groups[kc], *feats))
                 else:
                     out.append(self._pair_forecast(b, c, groups[group_of(q.baseline, q)], groups[kc]))
             except Exception as exc:
@@ -1557,11 +1567,10 @@ class LocalForecaster:
         b: _Belief,
         c: _Belief,
         cand_model: FamilyModel | None,
-        usage: Mapping[tuple[str, str], PtxasUsage],
-        skipped: frozenset[str],
+        fb: StaticFeatures,
+        fc: StaticFeatures,
     ) -> BinForecast:
-        feats = self._static([q.baseline, q.candidate], q, usage, skipped)
-        fb, fc = feats[q.baseline.content_key()], feats[q.candidate.content_key()]
+        """The static prior of a pair, from both kernels' static features (`_static`)."""
         same_family = q.baseline.family_key() == q.candidate.family_key()
         shift = prior_shift(fb, fc, same_family=same_family)
         n_points = float(len(cand_model.measured)) if cand_model is not None else 0.0
@@ -1586,6 +1595,11 @@ class LocalForecaster:
             rationale = f"static prior ({why}): no informative static difference, near 50/50"
         probs, centers = bins.normal_bins(shift.mean_log2, shift.sd_log2)
         return BinForecast(probs, rationale, extras, centers)
+
+
+def _feature_key(k: Kernel, q: PairQuery) -> tuple[str, str, str]:
+    """What a kernel's static features depend on: its content, the GPU and the workload."""
+    return (k.content_key(), q.hardware_name, q.workload.key())
 
 
 def _arch_of(q: PairQuery) -> str:
