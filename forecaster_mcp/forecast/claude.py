@@ -554,38 +554,33 @@ class ClaudeForecaster:
                     created.append((await self._client.messages.batches.create(requests=c)).id)
             for batch_id in created:
                 if gave_up is None:
-                    gave_up, readable = await self._wait_batch(batch_id)
-                else:  # the wait is over: cancel the rest, read what they finished
+                    gave_up = await self._wait_batch(batch_id)
+                if gave_up is not None:  # this batch and the ones after it: cancel, read what they finished
                     await self._cancel_batch(batch_id)
-                    readable = await self._ended_after_cancel(batch_id)
-                if not readable:  # cancelled and still not ended: its results cannot be read yet
-                    continue
+                    if not await self._ended_after_cancel(batch_id):
+                        continue  # still not ended: its results cannot be read yet
                 decoder = await self._client.messages.batches.results(batch_id)
                 async for item in decoder:
                     outcomes[item.custom_id] = item.result
                 read.add(batch_id)
-        except (an.APIStatusError, an.APIConnectionError, ClaudeUnavailable) as exc:
+        except (an.APIStatusError, an.APIConnectionError) as exc:
             with anyio.CancelScope(shield=True):
                 for batch_id in created:
                     if batch_id not in read:
                         await self._cancel_batch(batch_id)
-            if isinstance(exc, ClaudeUnavailable):
-                raise
             raise ClaudeUnavailable(f"Claude batch failed ({type(exc).__name__}): {exc}") from exc
         return outcomes, gave_up
 
-    async def _wait_batch(self, batch_id: str) -> tuple[str | None, bool]:
-        """Poll until the batch ends: (None, True). After batch_max_wait_s it is cancelled: (why, whether it
-        ended within a few more polls, so that what it finished can be read)."""
+    async def _wait_batch(self, batch_id: str) -> str | None:
+        """Poll until the batch ends (None), or for batch_max_wait_s: then why the wait is given up (the caller
+        cancels it)."""
         waited = 0.0
         while True:
             batch = await self._client.messages.batches.retrieve(batch_id)
             if batch.processing_status == "ended":
-                return None, True
+                return None
             if waited >= self._batch_max_wait_s:
-                await self._cancel_batch(batch_id)
-                why = f"Claude batch {batch_id} still {batch.processing_status} after {waited:.0f} s; cancelled it"
-                return why, await self._ended_after_cancel(batch_id)
+                return f"Claude batch {batch_id} still {batch.processing_status} after {waited:.0f} s; cancelled it"
             await self._sleep(self._batch_poll_interval_s)
             waited += self._batch_poll_interval_s
 
