@@ -9,6 +9,7 @@ import math
 import subprocess
 import sys
 import types
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -107,6 +108,16 @@ def make(mock: AnthropicMock, **kw: Any) -> ClaudeForecaster:
     kw.setdefault("samples", 1)
     kw.setdefault("features", None)
     return ClaudeForecaster("test-key", kw.pop("model", MODEL), http_client=mock.client(), **kw)
+
+
+def recording_sleep() -> tuple[list[float], Callable[[float], Awaitable[None]]]:
+    """A stand-in for the forecaster's sleep: returns at once, keeping each requested delay in the list."""
+    slept: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+
+    return slept, sleep
 
 
 def scripted(*answers: Any) -> AnthropicMock:
@@ -584,10 +595,7 @@ async def test_batch_flow() -> None:
 
     responder.bad_left = 1  # type: ignore[attr-defined]
     mock = AnthropicMock(responder, batch_polls_in_progress=1)
-    slept: list[float] = []
-
-    async def fake_sleep(s: float) -> None:
-        slept.append(s)
+    slept, fake_sleep = recording_sleep()
 
     sink = FakeSink()
     f = make(mock, samples=2, usage_sink=sink, sleep=fake_sleep, batch_poll_interval_s=7.0)
@@ -608,10 +616,7 @@ async def test_batch_flow() -> None:
 @pytest.mark.anyio
 async def test_batch_wait_is_bounded_and_cancels() -> None:
     mock = AnthropicMock(lambda body: tool_answer(FASTER), batch_never_ends=True)
-    slept: list[float] = []
-
-    async def fake_sleep(s: float) -> None:
-        slept.append(s)
+    slept, fake_sleep = recording_sleep()
 
     f = make(mock, sleep=fake_sleep, batch_poll_interval_s=60.0, batch_max_wait_s=300.0)
     with pytest.raises(ClaudeUnavailable, match="still in_progress after 300 s; cancelled"):
@@ -626,9 +631,7 @@ async def test_a_cancelled_batch_keeps_and_bills_what_it_finished() -> None:
     mock = AnthropicMock(lambda body: tool_answer(FASTER), batch_never_ends=True, finished_before_cancel=1)
     sink = FakeSink()
 
-    async def no_sleep(s: float) -> None:
-        pass
-
+    _, no_sleep = recording_sleep()
     f = make(mock, sleep=no_sleep, usage_sink=sink, batch_poll_interval_s=60.0, batch_max_wait_s=120.0)
     with pytest.raises(ClaudeUnavailable, match="cancelled it") as info:
         await f.forecast_batch([pair(), pair(), pair()])
@@ -642,10 +645,7 @@ async def test_a_cancelled_batch_keeps_and_bills_what_it_finished() -> None:
 @pytest.mark.anyio
 async def test_a_cancelled_batch_that_never_ends_is_given_up_after_a_few_polls() -> None:
     mock = AnthropicMock(lambda body: tool_answer(FASTER), batch_never_ends=True, cancel_ends=False)
-    slept: list[float] = []
-
-    async def fake_sleep(s: float) -> None:
-        slept.append(s)
+    slept, fake_sleep = recording_sleep()
 
     f = make(mock, sleep=fake_sleep, batch_poll_interval_s=60.0, batch_max_wait_s=300.0)
     with pytest.raises(ClaudeUnavailable, match="cancelled it"):
@@ -661,9 +661,7 @@ async def test_a_later_batch_that_never_ends_keeps_the_answers_of_the_earlier_on
     mock = AnthropicMock(lambda body: tool_answer(FASTER), batches_that_end=1)
     sink = FakeSink()
 
-    async def no_sleep(s: float) -> None:
-        pass
-
+    _, no_sleep = recording_sleep()
     f = make(mock, sleep=no_sleep, usage_sink=sink, batch_poll_interval_s=60.0, batch_max_wait_s=120.0)
     with pytest.raises(ClaudeUnavailable, match="cancelled it") as info:
         await f.forecast_batch([pair(), pair()])
@@ -775,9 +773,7 @@ async def test_a_batch_retry_that_never_ends_keeps_the_answers_already_paid_for(
 
     mock.responder = responder
 
-    async def no_sleep(s: float) -> None:
-        return None
-
+    _, no_sleep = recording_sleep()
     f = make(mock, sleep=no_sleep, batch_poll_interval_s=60.0, batch_max_wait_s=120.0)
     with pytest.raises(ClaudeUnavailable, match="cancelled") as info:
         await f.forecast_batch([pair(), pair(same_source=True)])

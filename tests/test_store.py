@@ -612,13 +612,18 @@ async def test_reopen_is_idempotent_and_keeps_data(tmp_path: Path) -> None:
         assert conn.execute("SELECT count(*) FROM ledgers").fetchone() == (1,)
 
 
+async def _database_at_version(path: Path, version: int, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A database file as a forecaster-mcp that knew only the first `version` migrations left it."""
+    with monkeypatch.context() as m:
+        m.setattr(migrations, "MIGRATIONS", migrations.MIGRATIONS[:version])
+        await (await Store.open(path)).close()
+    return path
+
+
 async def test_forecasts_stored_before_families_were_kept_migrate_and_still_verify(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    path = tmp_path / "db.sqlite3"
-    with monkeypatch.context() as m:
-        m.setattr(migrations, "MIGRATIONS", migrations.MIGRATIONS[:2])
-        await (await Store.open(path)).close()
+    path = await _database_at_version(tmp_path / "db.sqlite3", 2, monkeypatch)
     with raw(path) as conn:
         assert conn.execute("PRAGMA user_version").fetchone() == (2,)
         conn.execute(
@@ -645,10 +650,7 @@ async def test_forecasts_stored_before_families_were_kept_migrate_and_still_veri
 async def test_holds_taken_before_they_named_their_measurement_migrate_and_block_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    path = tmp_path / "db.sqlite3"
-    with monkeypatch.context() as m:
-        m.setattr(migrations, "MIGRATIONS", migrations.MIGRATIONS[:4])
-        await (await Store.open(path)).close()
+    path = await _database_at_version(tmp_path / "db.sqlite3", 4, monkeypatch)
     s = await Store.open(path)
     try:
         await s.create_ledger("x", 5)
