@@ -145,3 +145,22 @@ def test_combined_log_loss_beats_either_component_when_errors_are_independent() 
     ]
     assert M.log_loss(pooled, s) < min(M.log_loss(pa, s), M.log_loss(pb, s)) - 0.02
     assert sum(comb.weights) > 1.0  # independent evidence adds up
+
+
+def test_one_confident_miss_does_not_flatten_every_forecast() -> None:
+    # A forecaster that said 0.9999 and was wrong once: on its own, that pair outweighs the slope's prior and
+    # would map every forecast to one number (the ranking lost). Below MIN_FIT_PAIRS nothing is fitted.
+    cal = Calibrator.fit([0.9999], [False], ["H100"])
+    assert cal.p(0.02, "H100") < 0.05 < 0.95 < cal.p(0.98, "H100")
+    assert cal.p(0.98, "A100") == pytest.approx(0.98)
+    assert cal.n_pairs == 1
+
+
+def test_a_gpu_s_own_pairs_count_once() -> None:
+    # The per-GPU fit's prior is the fit on the other GPUs' pairs, never one that already holds its own
+    # pairs: with one GPU, its fit is the pooled fit, not a second pass over the same data.
+    rng = np.random.default_rng(12)
+    p, faster, _ = _synthetic(rng, 40, slope=3.0)
+    cal = Calibrator.fit(p, faster, ["A100"] * 40)
+    assert cal.for_hardware("A100").a == pytest.approx(cal.pooled.a)
+    assert cal.for_hardware("A100").b == pytest.approx(cal.pooled.b)

@@ -1,10 +1,11 @@
 """Recalibrate a forecaster's p_faster (and consistently its 8 bins) from verified pairs.
 
 Model: Platt scaling on the log-odds, p' = sigmoid(a * logit(p) + b), fitted by maximum a posteriori with a
-Gaussian prior. The pooled fit (all hardware) has its prior at the identity (a = 1, b = 0), so with no
-data nothing changes and a few pairs move it only a little; each hardware's fit has its prior at the pooled
-fit, so a GPU with little history falls back to the pooled calibration. `a` is kept >= 0: a forecaster
-that looks anti-informative on a few pairs is flattened towards 0.5, never flipped.
+Gaussian prior. The pooled fit (all hardware) has its prior at the identity (a = 1, b = 0); each hardware's
+fit has its prior at the fit on the *other* GPUs' pairs (its own pairs must not count twice, once in the
+prior and once in the data), so a GPU with little history leans on what the rest say. Nothing is fitted on
+fewer than MIN_FIT_PAIRS pairs: the identity (pooled) or the pooled fit (a GPU) stays. `a` is kept >= 0: a
+forecaster that looks anti-informative is flattened towards 0.5, never flipped.
 
 The 8 bins are recalibrated by rescaling the faster half (log2 S >= 0) and the slower half so that their
 masses become p' and 1 - p', which keeps each half's shape (the forecaster's view of how much faster).
@@ -32,6 +33,10 @@ P_CLIP = 1e-4
 OUT_CLIP = 1e-6
 PRIOR_SD_SLOPE = 0.5
 PRIOR_SD_BIAS = 0.5
+# Fewest verified pairs a fit is made on. One confidently wrong pair (raw p = 0.9999, logit 9.2) outweighs the
+# slope's prior on its own and would flatten every forecast to one number (a = 0): the ranking lost on one
+# unlucky pair. From ten on, a miss among them is evidence of overconfidence and tempers `a` honestly.
+MIN_FIT_PAIRS = 10
 
 
 def logit(p: float | FloatArray, clip: float = P_CLIP) -> Any:
@@ -201,8 +206,14 @@ class Calibrator:
         hw = np.asarray(list(hardware), dtype=object)
         if not (p.shape == y.shape == hw.shape):
             raise ValueError("p_raw, faster and hardware must have the same length")
-        pooled = fit_platt(p, y)
-        per_hw = {str(h): fit_platt(p[hw == h], y[hw == h], prior=pooled) for h in sorted(set(hw.tolist()))}
+        pooled = fit_platt(p, y) if p.size >= MIN_FIT_PAIRS else Platt(n_pairs=int(p.size))
+        per_hw = {}
+        for h in sorted(set(hw.tolist())):
+            mine, others = hw == h, hw != h
+            if int(mine.sum()) < MIN_FIT_PAIRS:
+                continue  # for_hardware falls back to the pooled fit
+            prior = fit_platt(p[others], y[others]) if int(others.sum()) >= MIN_FIT_PAIRS else Platt()
+            per_hw[str(h)] = fit_platt(p[mine], y[mine], prior=prior)
         return cls(pooled, per_hw)
 
     def for_hardware(self, hardware: str) -> Platt:
