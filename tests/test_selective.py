@@ -47,6 +47,15 @@ def test_short_history_uses_the_default() -> None:
         choose_threshold([0.99], [1], TARGET, default=0.4)
 
 
+def test_short_history_that_refutes_the_default_decides_nothing() -> None:
+    # Too few pairs to certify anything, yet all ten at confidence 0.97 were wrong: the default's premise
+    # (a calibrated forecaster) is refuted, so nothing is decided. One error in five is not evidence.
+    refuted = choose_threshold([0.7] * 47 + [0.97] * 10, [1] * 47 + [0] * 10, TARGET)
+    assert refuted.source == "never" and refuted.threshold == 1.0 and "10 of 10" in refuted.reason
+    unlucky = choose_threshold([0.97] * 5, [1, 1, 0, 1, 1], TARGET)
+    assert unlucky.source == "default" and unlucky.threshold == pytest.approx(0.95)
+
+
 def test_a_clean_history_certifies_a_low_threshold() -> None:
     conf = np.linspace(0.6, 1.0, 400)
     choice = choose_threshold(conf, np.ones_like(conf), TARGET)

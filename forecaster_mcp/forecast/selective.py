@@ -8,6 +8,8 @@ thresholds (fixed-sequence testing, as in Learn-then-Test). We return the lowest
 
 While history is short we use a default threshold of 1 - target_error / 2: a calibrated forecaster errs with
 probability at most 1 - confidence on each decided pair, so its decided error stays below target_error / 2.
+Even then, the pairs already verified at or above it can refute it: when their errors are significantly above
+target (a one-sided binomial test at delta), nothing is decided.
 Once history is long enough to test but certifies nothing, the default stays only while the verified pairs
 at or above it err at most target_error of the time; otherwise nothing is decided.
 A caller that knows its forecasts to be less reliably calibrated passes a stricter default (the engine does
@@ -116,6 +118,12 @@ def _certifies(k: int, n: int, target_error: float, delta: float) -> bool:
     return n > 0 and binom_cdf(k, n, target_error) <= delta
 
 
+def _refutes(k: int, n: int, target_error: float, delta: float) -> bool:
+    """k errors in n pairs are evidence at level delta that the error rate is above target (one-sided
+    binomial test: P(X >= k; n, target) <= delta)."""
+    return n > 0 and k > 0 and 1.0 - binom_cdf(k - 1, n, target_error) <= delta
+
+
 def choose_threshold(
     confidences: Sequence[float] | np.ndarray[Any, Any],
     correct: Sequence[float] | np.ndarray[Any, Any],
@@ -156,7 +164,17 @@ def choose_threshold(
         return int(sel.sum()), math.ceil(float(err[sel].sum()) - 1e-9)
 
     if n < need:
-        n_d, _ = above(default)
+        n_d, k_d = above(default)
+        if _refutes(k_d, n_d, target_error, delta):
+            return choice(
+                NEVER,
+                None,
+                f"{n} verified pairs, too few to certify a threshold, but at confidence >= {default:.3f} the "
+                f"forecaster erred on {k_d} of {n_d}: far above target {target_error:g} (binomial test at "
+                f"delta {delta:g}), so no forecast is decided until it is recalibrated",
+                "never",
+                0,
+            )
         return choice(
             default,
             None,
