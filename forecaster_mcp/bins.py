@@ -102,7 +102,10 @@ def normal_bins(mean_log2: float, std_log2: float) -> tuple[list[float], list[fl
     """Bin probabilities of a normal distribution over log2 S, and its mean within each bin.
 
     The within-bin means (truncated-normal means) make `expected_log2` return `mean_log2` itself; a bin the
-    normal leaves empty gets the point of the bin nearest the mean."""
+    normal leaves empty gets the point of the bin nearest the mean. A mean or spread that is not a finite
+    number is refused: NaN would otherwise put all the mass in the fastest bin (a confident "faster")."""
+    if not (math.isfinite(mean_log2) and math.isfinite(std_log2)):
+        raise ValueError(f"a forecast needs a finite mean and spread, got {mean_log2!r}, {std_log2!r}")
     std = max(std_log2, 1e-6)
     z = [-math.inf, *((e - mean_log2) / std for e in EDGES_LOG2), math.inf]
     cdf = [_phi(v) if math.isfinite(v) else float(v > 0) for v in z]

@@ -57,6 +57,14 @@ def test_confidence_one_falls_in_the_last_bin() -> None:
     assert table[-1].count == 2 and table[-1].accuracy == pytest.approx(0.5)
 
 
+def test_a_confidence_on_an_edge_falls_in_the_bin_above_it() -> None:
+    # Every edge, 0.85 included (linspace's edge there is 0.8500000000000001): [low, high).
+    for k, edge in enumerate([0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95], start=1):
+        table = M.reliability([edge, 1.0 - edge], [2.0, 0.5])
+        assert table[k].count == 2, edge
+        assert table[k].low == edge
+
+
 def test_bin_accuracy_and_multiclass_brier() -> None:
     half = [0.0] * 8
     half[5] = half[6] = 0.5  # argmax picks bin 5, [0.5, 1) in log2
@@ -170,6 +178,13 @@ def test_normal_bins_carry_the_mean_within_each_bin(mean: float, sd: float) -> N
     # The fixed centres only agree for a wide distribution inside the open bins' reach.
     if sd == 0.05 and mean == 0.05:
         assert bins.expected_log2(probs) > 0.15
+
+
+@pytest.mark.parametrize("mean, sd", [(math.nan, 1.0), (0.3, math.nan), (math.inf, 1.0), (0.0, math.inf)])
+def test_normal_bins_refuse_a_mean_or_spread_that_is_not_a_number(mean: float, sd: float) -> None:
+    # NaN compared false everywhere and put all the mass in the fastest bin: a confident "faster".
+    with pytest.raises(ValueError, match="finite"):
+        bins.normal_bins(mean, sd)
 
 
 def test_bad_inputs_are_rejected() -> None:

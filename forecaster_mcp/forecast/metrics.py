@@ -133,6 +133,12 @@ class ReliabilityBin:
     accuracy: float  # nan when empty
 
 
+def _confidence_edges(n_bins: int) -> FloatArray:
+    """Edges of `n_bins` equal bins over [0.5, 1], each the float nearest its decimal value: linspace's
+    0.8500000000000001 would put a confidence of exactly 0.85 in the bin below it."""
+    return np.round(np.linspace(0.5, 1.0, n_bins + 1), 12)
+
+
 def reliability(p_faster: ArrayLike, speedups: ArrayLike, n_bins: int = 10) -> list[ReliabilityBin]:
     """Non-tie pairs grouped into `n_bins` equal-width bins of confidence over [0.5, 1].
 
@@ -142,7 +148,7 @@ def reliability(p_faster: ArrayLike, speedups: ArrayLike, n_bins: int = 10) -> l
     keep = ~tie_mask(speedups)
     conf = confidence(p_faster)[keep]
     score = direction_scores(p_faster, speedups)[keep]
-    edges = np.linspace(0.5, 1.0, n_bins + 1)
+    edges = _confidence_edges(n_bins)
     index = np.clip(np.searchsorted(edges, conf, side="right") - 1, 0, n_bins - 1)
     out = []
     for b in range(n_bins):
@@ -185,7 +191,7 @@ def ece_if_calibrated(
     conf = confidence(p_faster)[keep]
     if conf.size == 0:
         return math.nan, math.nan
-    edges = np.linspace(0.5, 1.0, n_bins + 1)
+    edges = _confidence_edges(n_bins)
     index = np.clip(np.searchsorted(edges, conf, side="right") - 1, 0, n_bins - 1)
     onehot = np.zeros((conf.size, n_bins))
     onehot[np.arange(conf.size), index] = 1.0
