@@ -27,6 +27,7 @@ from forecaster_mcp.errors import (
     AlreadyMeasured,
     InvalidRequest,
     NotMeasurable,
+    OperatorError,
     SameMeasurementRunning,
     UnknownLedger,
 )
@@ -575,7 +576,7 @@ class Service:
             why = "; ".join(self.measurer_notes) or "no GPU backend is configured"
             return (
                 f"this server cannot measure: {why}. compare_kernels forecasts are free and work without a GPU; "
-                "to measure, run the server on a machine with an NVIDIA GPU and pycuda "
+                "to measure, run the server on a machine with an NVIDIA GPU, the CUDA toolkit (nvcc) and pycuda "
                 "(pip install 'forecaster-mcp[gpu]') or start it with --replay RECORDING."
             )
         return f"this server has no device {hardware!r}; it can measure on: {', '.join(have)}"
@@ -1162,13 +1163,19 @@ def build_measurers(settings: Settings) -> tuple[list[Measurer], list[str]]:
     """Replay recordings when given; pycuda on a local GPU when present (auto)."""
     measurers: list[Measurer] = []
     notes: list[str] = []
+    # An explicit choice that cannot work is refused at start-up, not at the agent's first measurement.
+    if settings.replay and settings.measurer in ("pycuda", "none"):
+        raise OperatorError(
+            f"--replay recordings are measured only with --measurer auto or replay, not {settings.measurer!r}: "
+            "drop one of the two (or unset FORECASTER_MCP_REPLAY / FORECASTER_MCP_MEASURER)"
+        )
+    if settings.measurer == "replay" and not settings.replay:
+        raise OperatorError("--measurer replay needs a recording: add --replay RECORDING")
     if settings.measurer in ("auto", "replay") and settings.replay:
         from forecaster_mcp.measure.replay import ReplayMeasurer
 
         missing = [str(p) for p in settings.replay if not p.exists()]
         if missing:
-            from forecaster_mcp.errors import OperatorError
-
             raise OperatorError(f"replay recording not found: {', '.join(missing)}")
         replay: Measurer = ReplayMeasurer(list(settings.replay))
         if settings.replay_realtime > 0:
@@ -1179,13 +1186,13 @@ def build_measurers(settings: Settings) -> tuple[list[Measurer], list[str]]:
     if settings.measurer in ("auto", "pycuda"):
         from forecaster_mcp.measure.pycuda_measurer import PycudaMeasurer, detect_reason
 
-        gpu = PycudaMeasurer.detect(settings.home / "compile-cache")
+        gpu = PycudaMeasurer.detect(settings.home / "compile-cache", nvcc=settings.nvcc)
         if gpu is not None:
             measurers.append(gpu)
+        elif settings.measurer == "pycuda":
+            raise OperatorError(f"--measurer pycuda cannot measure on this machine: {detect_reason()}")
         else:
             notes.append(f"no local GPU measurement: {detect_reason()}")
-    if settings.measurer == "replay" and not settings.replay:
-        notes.append("measurer 'replay' chosen but no --replay recording given")
     return measurers, notes
 
 

@@ -255,6 +255,28 @@ def test_serve_refuses_a_ledger_that_does_not_exist(capsys: pytest.CaptureFixtur
     assert "ledger 'nonexist' does not exist" in err and "`forecaster-mcp ledger create nonexist" in err
 
 
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--measurer", "replay"], "--measurer replay needs a recording"),
+        (["--measurer", "none", "--replay", "{rec}"], "not 'none': drop one of the two"),
+        (["--measurer", "pycuda", "--replay", "{rec}"], "not 'pycuda': drop one of the two"),
+        (["--measurer", "pycuda"], "--measurer pycuda cannot measure on this machine: "),
+    ],
+)
+def test_serve_refuses_a_measurer_it_cannot_use(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, argv: list[str], says: str
+) -> None:
+    # Chosen explicitly, a measurer that cannot work (or a recording it would drop) is refused at start-up:
+    # an IDE user would otherwise only learn of it from the agent's first failed measurement.
+    if argv == ["--measurer", "pycuda"] and __import__("ctypes").util.find_library("cuda") is not None:
+        pytest.skip("this machine may have a GPU to measure on")
+    rec = small_recording(tmp_path / "rec.json", {"32": {"bx": 32, "time": 1.0, "times": [1.0]}})
+    code, out, err = run(capsys, "serve", *[a.format(rec=rec) for a in argv])
+    assert code == 2 and out == ""
+    assert says in err and len(err.strip().splitlines()) == 1
+
+
 def test_serve_warns_at_start_up_about_a_default_gpu_it_does_not_know(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

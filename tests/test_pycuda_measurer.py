@@ -521,6 +521,51 @@ def test_detect_with_pycuda_but_no_driver_says_why(tmp_path: Path, monkeypatch: 
     assert "libcuda" in detect_reason()
 
 
+def _pretend_a_gpu_is_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pycuda importable, a driver present and one H100 listed: what detect checks before the compiler."""
+    import importlib.machinery
+    import importlib.util
+
+    from forecaster_mcp.measure import pycuda_measurer as pm
+
+    real_find_spec = importlib.util.find_spec
+
+    def find_spec(name: str, *args: Any) -> Any:
+        return (
+            importlib.machinery.ModuleSpec("pycuda", None)
+            if name == "pycuda"
+            else real_find_spec(name, *args)
+        )
+
+    monkeypatch.setattr(pm.importlib.util, "find_spec", find_spec)
+    monkeypatch.setattr(pm, "_libcuda_present", lambda: True)
+    monkeypatch.setattr(
+        pm, "_list_with_nvidia_smi", lambda: pm.GpuListing(["NVIDIA H100 80GB HBM3"], "550.54")
+    )
+
+
+def test_detect_on_a_gpu_machine_without_nvcc_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every measurement compiles with nvcc: a GPU without the toolkit cannot measure, and says so at start-up
+    # instead of failing the agent's first measurement. A configured path that is no executable is no nvcc.
+    _pretend_a_gpu_is_here(monkeypatch)
+    assert PycudaMeasurer.detect(tmp_path, nvcc=str(tmp_path / "no-such-nvcc")) is None
+    assert "nvcc (the CUDA toolkit) is not installed" in detect_reason()
+    assert "FORECASTER_MCP_NVCC" in detect_reason()
+    fake_nvcc = tmp_path / "bin" / "nvcc"
+    fake_nvcc.parent.mkdir()
+    fake_nvcc.write_text("#!/bin/sh\nexit 0\n")
+    fake_nvcc.chmod(0o755)
+    found = PycudaMeasurer.detect(tmp_path, nvcc=str(fake_nvcc))
+    assert (
+        found is not None
+        and found.devices() == ["H100-SXM5-80GB"]
+        and found.compiler.command == [str(fake_nvcc)]
+    )
+    assert detect_reason() == ""
+
+
 def test_cuda_visible_devices_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert _visible_indices() is None

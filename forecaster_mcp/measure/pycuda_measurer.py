@@ -338,7 +338,9 @@ class NvccCompiler:
             )
             self.command: list[str] | None = [found] if found else None
         elif isinstance(nvcc, str):
-            self.command = [nvcc]
+            # A configured path that is not an executable is no compiler (FORECASTER_MCP_NVCC mistyped).
+            configured = shutil.which(nvcc)
+            self.command = [configured] if configured else None
         else:
             self.command = list(nvcc)
         self._version: str | None = None
@@ -723,8 +725,15 @@ class PycudaMeasurer:
                 "the NVIDIA driver reports no usable GPU (check CUDA_VISIBLE_DEVICES and nvidia-smi)"
             )
             return None
+        measurer = cls(Path(cache_dir), device_names=listing.names, driver=listing.driver, **kwargs)
+        if not measurer.compiler.available:
+            _last_reason = (
+                "nvcc (the CUDA toolkit) is not installed on this GPU machine, and every measurement compiles "
+                "with it; install it or set FORECASTER_MCP_NVCC to its path"
+            )
+            return None
         _last_reason = ""
-        return cls(Path(cache_dir), device_names=listing.names, driver=listing.driver, **kwargs)
+        return measurer
 
     detect_reason = staticmethod(detect_reason)
 
