@@ -11,7 +11,8 @@ recording), sending the bearer token in FORECASTER_MCP_TOKEN and charging that t
     FORECASTER_MCP_TOKEN=fmcp_... .venv/bin/python agent_examples/search_loop.py space.json.gz \
         --url http://gpu-box:8765/mcp
 
-An exhausted budget ends the loop (forecasts stay free); it prints what it found and spent.
+An exhausted budget ends the loop (forecasts stay free; `--gpu-seconds` sets the budget of the server it
+starts); it prints what it found and spent.
 Copy it as the skeleton of your own loop: swap `propose()` for your kernel generator.
 """
 
@@ -57,9 +58,28 @@ async def tool(client: Client, name: str, args: dict[str, Any]) -> dict[str, Any
     return result.structured_content
 
 
+def server_env(home: str, gpu_seconds: float | None) -> dict[str, str]:
+    """The environment of the stdio server this loop starts: the caller's FORECASTER_MCP_* settings and
+    Anthropic key (a Claude forecaster, a measure cap), its own throw-away state folder and `default` ledger,
+    whose limit is `gpu_seconds` when given."""
+    own = ("FORECASTER_MCP_HOME", "FORECASTER_MCP_LEDGER", "FORECASTER_MCP_TOKEN")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if (k.startswith(("FORECASTER_MCP_", "ANTHROPIC_")) and k not in own) or k in ("PATH", "HOME")
+    }
+    env["FORECASTER_MCP_HOME"] = home
+    if gpu_seconds is not None:
+        env["FORECASTER_MCP_DEFAULT_LEDGER_GPU_SECONDS"] = repr(gpu_seconds)
+    return env
+
+
 @asynccontextmanager
-async def connect(recording: Path, url: str | None, token: str | None) -> AsyncIterator[Client]:
-    """A client of the server at `url` (bearer token), or of a stdio server this loop starts on `recording`."""
+async def connect(
+    recording: Path, url: str | None, token: str | None, gpu_seconds: float | None = None
+) -> AsyncIterator[Client]:
+    """A client of the server at `url` (bearer token), or of a stdio server this loop starts on `recording`
+    with a budget of `gpu_seconds`."""
     if url is not None:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         async with httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(30, read=300)) as http:
@@ -72,7 +92,7 @@ async def connect(recording: Path, url: str | None, token: str | None) -> AsyncI
         server = StdioServerParameters(
             command=sys.executable,
             args=["-m", "forecaster_mcp", "serve", "--replay", str(recording)],
-            env={"FORECASTER_MCP_HOME": home},
+            env=server_env(home, gpu_seconds),
         )
         async with Client(server, read_timeout_seconds=120) as client:
             yield client
@@ -86,6 +106,7 @@ async def search(
     max_idle_rounds: int = 20,
     url: str | None = None,
     token: str | None = None,
+    gpu_seconds: float | None = None,
 ) -> None:
     entry, configs = load_space(recording)
     # compare_kernels takes 64 kernels: the pool plus the best so far
@@ -99,7 +120,7 @@ async def search(
     def propose(n: int) -> list[dict[str, Any]]:
         return rng.sample(configs, n)
 
-    async with connect(recording, url, token) as client:
+    async with connect(recording, url, token, gpu_seconds) as client:
         best: dict[str, Any] | None = None
         best_ms = float("inf")
         used = considered = idle = 0
@@ -152,9 +173,15 @@ def first_cause(exc: BaseException) -> BaseException:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("recording", type=Path)
-    p.add_argument("--measurements", type=int, default=40)
-    p.add_argument("--pool", type=int, default=32, help="candidates proposed per round")
+    p.add_argument("--measurements", type=int, default=40, help="most measurements to make (default 40)")
+    p.add_argument("--pool", type=int, default=32, help="candidates proposed per round (default 32)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--gpu-seconds",
+        type=float,
+        help="budget of the stdio server this loop starts (default: the server's, 600 unless "
+        "FORECASTER_MCP_DEFAULT_LEDGER_GPU_SECONDS says otherwise); with --url the token's ledger decides",
+    )
     p.add_argument(
         "--max-idle-rounds", type=int, default=20, help="stop after this many rounds with nothing to measure"
     )
@@ -168,13 +195,27 @@ def main() -> None:
         load_space(a.recording)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         p.error(f"{a.recording} is not a readable Kernel Tuner cache file (.json or .json.gz): {exc!r}")
+    if a.gpu_seconds is not None and (a.url is not None or not a.gpu_seconds >= 0):
+        p.error(
+            "--gpu-seconds is the budget of the server this loop starts: a number >= 0, and not with --url"
+        )
     token = os.environ.get("FORECASTER_MCP_TOKEN")
     if a.url is not None and not token:
         p.error(
             "--url needs a bearer token in FORECASTER_MCP_TOKEN (forecaster-mcp token issue --ledger NAME)"
         )
     try:
-        anyio.run(search, a.recording, a.measurements, a.pool, a.seed, a.max_idle_rounds, a.url, token)
+        anyio.run(
+            search,
+            a.recording,
+            a.measurements,
+            a.pool,
+            a.seed,
+            a.max_idle_rounds,
+            a.url,
+            token,
+            a.gpu_seconds,
+        )
     except Exception as exc:  # the client's task group wraps what went wrong: say it in one line
         cause = first_cause(exc)
         if isinstance(cause, ToolRefused):

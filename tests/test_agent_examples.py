@@ -100,6 +100,23 @@ def test_search_loop_example_runs_a_budgeted_search(conv_a100: Path, tmp_path: P
     assert "new best" in done.stdout
 
 
+def test_search_loop_gives_its_own_server_the_budget_asked_for(conv_a100: Path, tmp_path: Path) -> None:
+    # --gpu-seconds is the limit of the stdio server's ledger; the caller's FORECASTER_MCP_* settings reach that
+    # server too, its own state folder and ledger aside.
+    done = _search_loop(
+        str(conv_a100),
+        "--measurements",
+        "40",
+        "--gpu-seconds",
+        "0.2",
+        env={"FORECASTER_MCP_DEFAULT_LEDGER_GPU_SECONDS": "99", "FORECASTER_MCP_LEDGER": "not-in-its-home"},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "stopping: the server refused a measurement" in done.stdout and "(limit 0.2," in done.stdout
+    spent = float(re.search(r"([0-9.]+) GPU-seconds spent", done.stdout).group(1))  # type: ignore[union-attr]
+    assert 0 < spent <= 0.2
+
+
 def _search_loop(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, str(EXAMPLES / "search_loop.py"), *args],
@@ -149,6 +166,12 @@ def test_search_loop_drives_a_shared_http_server_until_its_budget_is_spent(
             {"FORECASTER_MCP_TOKEN": "fmcp_x"},
             "cannot use the server at http://127.0.0.1:9/mcp",
         ),
+        (
+            ["RECORDING", "--url", "http://127.0.0.1:9/mcp", "--gpu-seconds", "5"],
+            {"FORECASTER_MCP_TOKEN": "fmcp_x"},
+            "not with --url",
+        ),
+        (["RECORDING", "--gpu-seconds", "-1"], {}, "a number >= 0"),
     ],
 )
 def test_search_loop_mistakes_are_one_line_errors(
