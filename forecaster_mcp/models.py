@@ -628,6 +628,11 @@ class ForecasterInfo(BaseModel):
     name: str
     version: str
     components: list[str] = Field(default_factory=list)
+    answered: list[str] | None = Field(
+        default=None,
+        description="compare_kernels: the components that answered this call's forecasts (a configured one "
+        "missing was skipped, see notes; none when every pair was answered from measurements)",
+    )
 
 
 class CompareResult(BaseModel):

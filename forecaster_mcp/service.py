@@ -373,7 +373,7 @@ class Service:
             candidates=ordered,
             ranking=ranking,
             measure_next=measure_next,
-            forecaster=self.engine.info(),
+            forecaster=self.engine.info(forecasts),
             target_error=target,
             gpu_seconds_charged=charged,
             measurements=measurements,

@@ -744,6 +744,7 @@ async def test_in_a_compare_claude_bills_the_callers_ledger_and_a_refused_pair_c
         by_id = {c.id: c for c in res.candidates}
         assert "claude" in by_id["other"].rationale and "claude" not in by_id["vec4"].rationale
         assert any("claude skipped on 1 of 2 pairs" in n for n in res.notes), res.notes
+        assert [c.split("@")[0] for c in res.forecaster.answered or []] == ["local", "claude"]
         mine = (await service.budget_status("agentA")).llm
         assert mine.calls == 1 and mine.input_tokens > 0 and mine.cost_usd > 0
         assert (await service.budget_status(settings.ledger)).llm.calls == 0

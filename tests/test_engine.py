@@ -509,6 +509,9 @@ async def test_a_compare_does_not_wait_on_a_hanging_forecaster(tmp_path: Path) -
             )  # fmt: skip
         assert any("hangs skipped: TimeoutError" in n for n in res.notes), res.notes
         assert res.candidates[0].rationale.startswith("local:")
+        # Who forecasts (both) and who answered this call (the local forecaster alone).
+        assert res.forecaster.name == "local+hangs" and len(res.forecaster.components) == 2
+        assert res.forecaster.answered == [res.forecaster.components[0]]
     finally:
         await service.close()
 

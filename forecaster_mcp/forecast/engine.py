@@ -258,11 +258,18 @@ class ForecastEngine:
     def name(self) -> str:
         return "+".join(self._names)
 
-    def info(self) -> ForecasterInfo:
+    def info(self, forecasts: Sequence[EngineForecast] | None = None) -> ForecasterInfo:
+        """Who forecasts; given a call's forecasts, also which components answered them (`answered`)."""
+        components = [f"{f.name}@{f.version}" for f in self._forecasters]
+        answered = None
+        if forecasts is not None:
+            seen = {n for fc in forecasts for n in fc.raw}
+            answered = [c for c, n in zip(components, self._names, strict=True) if n in seen]
         return ForecasterInfo(
             name=self.name,
             version="+".join(f.version for f in self._forecasters),
-            components=[f"{f.name}@{f.version}" for f in self._forecasters],
+            components=components,
+            answered=answered,
         )
 
     def row_names(self) -> list[str]:
