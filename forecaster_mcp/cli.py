@@ -170,9 +170,18 @@ def _parser() -> argparse.ArgumentParser:
 
     se = sub.add_parser("search", help="budgeted search over a replay space through the MCP tools")
     se.add_argument("recording", type=Path)
-    se.add_argument("--measurements", type=int, default=100)
-    se.add_argument("--seeds", type=int, default=5)
-    se.add_argument("--strategy", choices=["forecast", "random", "both"], default="both")
+    se.add_argument(
+        "--measurements", type=int, default=100, help="GPU budget of each run, in measurements (100)"
+    )
+    se.add_argument(
+        "--seeds", type=int, default=5, help="runs per strategy, each from its own random start (5)"
+    )
+    se.add_argument(
+        "--strategy",
+        choices=["forecast", "random", "both"],
+        default="both",
+        help="forecast-guided, measure-everything random, or both at the same budget (both)",
+    )
     se.add_argument(
         "--client",
         choices=["full", "plain", "unsure"],
