@@ -596,6 +596,18 @@ def test_trim_compiler_message_drops_host_paths_and_chatter() -> None:
     assert "/usr/local" not in out and "/root" not in out and "ptxas info" not in out
     long = trim_compiler_message("\n".join(f"error line {i}" for i in range(2000)), limit=500)
     assert len(long) <= 520 and long.endswith("more lines)")
+    assert trim_compiler_message("/usr//local/cuda/include/x.h(1): note") == "x.h(1): note"
+
+
+def test_trim_compiler_message_is_linear_in_a_line_of_slashes() -> None:
+    # nvcc echoes the offending source line: `"/a////...//"` made the path pattern backtrack exponentially (40
+    # slashes held the server's event loop for over a minute). Bounded by a generous wall time, not timed.
+    import time
+
+    for text in ('kernel.cu(2): error: "/a' + "/" * 44 + '";', "/a" + "/" * 200_000 + '"', "/a/" * 50_000):
+        start = time.perf_counter()
+        trim_compiler_message(text)
+        assert time.perf_counter() - start < 5.0
 
 
 def test_symbol_resolution() -> None:

@@ -220,11 +220,17 @@ class CompileFailure:
 _RDC_FLAGS = {"-rdc=true", "--relocatable-device-code=true", "-rdc", "-dc", "--device-c"}
 _ARCH_FLAGS = ("-arch", "--gpu-architecture", "-gencode", "--generate-code", "-code", "--gpu-code")
 _PTXAS_DETAIL = re.compile(r"^\s+\d+ bytes stack frame")
-_PATH = re.compile(r"(?<![\w.~-])/(?:[^\s:'\"()<>,]+/)+([^\s/:'\"()<>,]+)")
+# A host path (to its last component). Segments hold no "/" and a match starts only at the first "/" of a run,
+# so the text is scanned once: with "/" inside the repeated segment, nvcc echoing a source line such as
+# "/a////...//" made the pattern backtrack exponentially (40 slashes held the event loop for over a minute).
+_PATH = re.compile(r"(?<![\w.~/-])/+(?:[^\s/:'\"()<>,]+/+)+([^\s/:'\"()<>,]+)")
+# Diagnostics beyond this many characters are cut before any pattern runs (the message keeps far less).
+_RAW_MESSAGE_LIMIT = 64 * 1024
 
 
 def trim_compiler_message(text: str, workdir: str | Path | None = None, limit: int = _MESSAGE_LIMIT) -> str:
     """The compiler's diagnostics for an agent: no host paths, no ptxas info chatter, bounded length."""
+    text = text[:_RAW_MESSAGE_LIMIT]
     if workdir is not None:
         for w in {str(workdir), os.path.realpath(workdir)}:
             text = text.replace(w + os.sep, "").replace(w, "")
