@@ -69,6 +69,37 @@ _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # C0 control characters and DEL: a NUL cannot reach a process argument at all, and the others have no place in
 # a macro value or a compiler flag.
 CONTROL_CHARACTER = re.compile(r"[\x00-\x1f\x7f]")
+
+# Every spot the preprocessor could read a file at: `#include`, `#include_next`, `#import` or `#embed` after `#`,
+# its digraph `%:` or trigraph `??=`, wherever it stands (inside a string or comment too: judging those would
+# mean lexing C++ as the compiler does, raw strings and all, and a miss leaks a file). Backslash-newline (and
+# `??/`-newline) splices are joined first, as the compiler joins them. A comment between `#` and the directive
+# or between it and the header (legal, and never written) is refused rather than skipped: skipping it is a
+# scan to its end from every `#`.
+_SPLICE = re.compile(r"(?:\\|\?\?/)[ \t\f\v]*(?:\r\n|\n|\r)")
+_INCLUDE = re.compile(
+    r"(?:#|%:|\?\?=)[ \t\f\v]*(?:(/\*)|(include_next|include|import|embed)\b[ \t\f\v]*([^\r\n]{0,200}))"
+)
+_HEADER_NAME = re.compile(r'<([^<>]*)>|"([^"]*)"')
+
+
+def include_problem(source: str) -> str | None:
+    """Why an #include in `source` is refused, or None. Kernels are compiled on the server and compiler
+    messages go back to the caller, so a header named by an absolute path, through `..` or a backslash, or
+    by a macro (a define could name any file) could show the caller any file the server can read."""
+    for m in _INCLUDE.finditer(_SPLICE.sub("", source)):
+        if m.group(1) is not None:
+            return "has a comment right after a '#': write the directive plainly"
+        header = _HEADER_NAME.match(m.group(3))
+        shown = f"#{m.group(2)} {m.group(3).strip()[:80]}"
+        if header is None or m.group(3).startswith("/*"):
+            return f'{shown!r} does not name its header as <name> or "name" (a macro may name any file)'
+        name = header.group(1) if header.group(1) is not None else header.group(2)
+        if name.startswith(("/", "~")) or "\\" in name or ".." in name.split("/") or not name.strip():
+            return f"{shown!r} names a file by an absolute path, through '..' or with a backslash"
+    return None
+
+
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 UINT64_MAX = 2**64 - 1
@@ -288,6 +319,14 @@ class Kernel(_Strict):
             raise ValueError(
                 f"source is {size} bytes, over the {MAX_SOURCE_BYTES}-byte limit: "
                 "send only the kernel and what it includes"
+            )
+        problem = include_problem(v)
+        if problem is not None:
+            raise ValueError(
+                f"source {problem}: the server compiles kernels and shows the compiler's messages, so it "
+                'accepts only headers named plainly, as <cuda_fp16.h> or "cub/cub.cuh" (the CUDA toolkit\'s '
+                "and the standard library's); paste your own helpers into the source (an #include in a comment "
+                "is checked too)"
             )
         return v
 

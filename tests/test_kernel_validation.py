@@ -710,3 +710,51 @@ def test_define_values_spelled_as_the_compiler_reads_them_are_one_kernel() -> No
         "compile_options": [],
     }
     assert k.content_key() == hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()
+
+
+# ---------------------------------------------------------------- 5. includes that reach server files
+
+SECRET_INCLUDES = [
+    '#include "/etc/hostname"\n',
+    "#include </proc/self/environ>\n",
+    '# include "../../../../etc/passwd"\n',
+    '#include "cub/../../../etc/passwd"\n',
+    '#define F "/etc/passwd"\n#include F\n',  # a macro (or a define) may name any file
+    '#inc\\\nlude "/etc/passwd"\n',  # joined by the compiler before it reads directives
+    '%:include "/etc/passwd"\n',  # the digraph of #
+    '#/* c */include "/etc/passwd"\n',
+    'const char* s = R"x( " /* )x";\n#include "/etc/passwd"\n// */\n',  # a raw string hiding a comment opener
+    '#include "..\\\\secret.h"\n',
+]
+
+
+@pytest.mark.parametrize("include", SECRET_INCLUDES)
+def test_an_include_that_could_show_a_server_file_is_refused(include: str) -> None:
+    # Compiler messages go back to the caller, free: an included file's lines would come back in them.
+    message = rejection(source=include + SRC)
+    assert "source " in message and "<cuda_fp16.h>" in message
+
+
+def test_plain_includes_are_accepted() -> None:
+    plain = '#include <cuda_fp16.h>\n#include "cub/cub.cuh"\n#include <mma.h> /* wmma */\n#pragma unroll\n'
+    assert kernel(source=plain + SRC).source.startswith("#include <cuda_fp16.h>")
+
+
+@pytest.mark.anyio
+async def test_the_measurer_refuses_an_unvalidated_kernel_with_a_secret_include(tmp_path: Path) -> None:
+    compiler = NvccCompiler(tmp_path, nvcc=[sys.executable, FAKE, "nvcc"])
+    bad = kernel().model_copy(update={"source": '#include "/etc/hostname"\n' + SRC})
+    with pytest.raises(InvalidRequest, match="absolute path"):
+        await compiler.compile(bad, "sm_90")
+    assert not (tmp_path / "kernels").exists()
+
+
+@pytest.mark.anyio
+async def test_a_secret_include_is_a_clear_tool_error_and_charges_nothing(
+    tmp_path: Path, conv_a100: Path
+) -> None:
+    async with running(tmp_path, [conv_a100]) as client:
+        evil = {**conv("a", FAST), "source": '#include "/etc/hostname"\n' + conv("a", FAST)["source"]}
+        msg = await error_of(client, "measure_kernel", {"kernel": evil})
+        assert "absolute path" in msg and "paste your own helpers" in msg
+        await nothing_charged(client)

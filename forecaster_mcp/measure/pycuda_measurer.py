@@ -79,6 +79,7 @@ from forecaster_mcp.models import (
     ResourceUsage,
     Workload,
     compile_option_allowed,
+    include_problem,
 )
 
 log = logging.getLogger(__name__)
@@ -467,6 +468,9 @@ def _refuse_unsafe_flags(kernel: Kernel) -> None:
     for name, value in kernel.defines.items():
         if CONTROL_CHARACTER.search(f"{name}{value}"):
             raise InvalidRequest(f"define {name[:80]!r} has a control character: pass printable text")
+    problem = include_problem(kernel.source)
+    if problem is not None:
+        raise InvalidRequest(f"source {problem}: see Kernel.source")
 
 
 def _install(entry: str, ptxas_output: str, work: Path, entry_dir: Path) -> CompiledKernel | CompileFailure:
