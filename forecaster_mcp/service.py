@@ -302,7 +302,7 @@ class Service:
             base, measured, results, fc_by_id, family, hw.name, wkey, by_id
         )
         notes = list(hw.notes)
-        notes.extend(_source_notes(kernels, workload))
+        notes.extend(await anyio.to_thread.run_sync(_source_notes, kernels, workload))  # reads every source
         notes.extend(dict.fromkeys(n for f in forecasts for n in f.notes))  # e.g. a forecaster skipped
         for c in dict.fromkeys(choices.values()):
             notes.append(f"verdicts decided at confidence >= {c.threshold:.3f} ({c.reason})")

@@ -528,3 +528,45 @@ def test_entry_parameter_count_reads_the_entry_signature_only() -> None:
     assert entry_parameter_count("__global__ void other(int a) {} void k(int a, int b);", "k") is None
     assert entry_parameter_count("__global__ void k(float* x,\n#if A\n int n\n#endif\n) {}", "k") is None
     assert entry_parameter_count("__global__ void k(float* x, int n", "k") is None
+
+
+# Crafted sources that made a pattern rescan the rest of the text from every repetition (quadratic, one of them
+# exponential): a 75 KB candidate held the server's event loop for 45 s. Each is now read in linear time.
+CRAFTED = [
+    "/*a",
+    "__global__ a ",
+    "__shared__ a ",
+    "for(i=",
+    "int a = ",
+    "atomicAdd(",
+    "__syncthreads",
+    "x[threadIdx.x * ",
+    "__global__ void a(){",
+    "a",
+]
+
+
+@pytest.mark.parametrize("unit", CRAFTED)
+def test_a_crafted_source_is_read_in_linear_time(unit: str) -> None:
+    # A hang guard with a generous bound, not a speed target: 300 KB took minutes to hours before.
+    source = unit * (300_000 // len(unit)) + "\n__global__ void k(float* x) { x[threadIdx.x] = 1.0f; }\n"
+    start = time.perf_counter()
+    source_features(source, {"A": 1}, "k")
+    entry_parameter_count(source, "k")
+    strip_comments(source)
+    assert time.perf_counter() - start < 10.0
+
+
+def test_a_kernel_name_is_found_however_its_declaration_is_spelled() -> None:
+    # The string search that replaced the kernel-name pattern reads the same names.
+    spelled = {
+        "__global__ void k(int a) {}": 1,
+        "__global__\nvoid\n__launch_bounds__(128, 2)\nk (int a, int b) {}": 2,
+        'extern "C" __global__ __noinline__ void k(float* __restrict__ x, int n, int m) {}': 3,
+        "template <typename T> __global__ void k(T* a, T* b, T* c, T* d) {}": 4,
+        "__global__ void (k)(int a) {}": None,  # not a plain name before its "("
+        "__global__ void k2(int a) {} __global__ void k(int a, int b) {}": 2,
+        "__global__ void " + " " * 500 + "k(int a) {}": None,  # beyond reach of __global__
+    }
+    for source, count in spelled.items():
+        assert entry_parameter_count(source, "k") == count, source

@@ -19,7 +19,7 @@ import ast
 import math
 import operator
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +30,7 @@ from forecaster_mcp.models import Kernel, Workload
 # ---------------------------------------------------------------- comments and the preprocessor
 
 _COMMENT_OR_STRING = re.compile(
-    r'//[^\n]*|/\*.*?\*/|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'',
+    r'//[^\n]*|/\*.*?(?:\*/|\Z)|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'',
     re.DOTALL,
 )
 
@@ -251,7 +251,9 @@ _PATTERNS: dict[str, re.Pattern[str]] = {
         r"cuTensorMap|CUtensorMap)\b"
     ),
     "atomics": re.compile(r"\batomic\w*\s*\(|\bred\.\w+"),
-    "barriers": re.compile(r"__syncthreads\w*\s*\(|__syncwarp\s*\(|\bbar\.sync\b|\.sync\s*\(\s*\)|__barrier"),
+    "barriers": re.compile(
+        r"__syncthreads(?:_count|_and|_or)?\s*\(|__syncwarp\s*\(|\bbar\.sync\b|\.sync\s*\(\s*\)|__barrier"
+    ),
     "readonly": re.compile(r"__ldg\s*\(|\bconst\s+[\w:<>]+\s*\*\s*(?:const\s+)?__restrict__"),
     # Intrinsics, and the library calls agents write instead (cooperative-groups tiles and reduce, CUB's warp
     # and block reductions), which compile to the same shuffles.
@@ -271,34 +273,50 @@ _PATTERNS: dict[str, re.Pattern[str]] = {
 
 # ---------------------------------------------------------------- access patterns (a small data-flow pass)
 
+# Agent-written sources are untrusted and analysed on the server's event loop: every pattern here is linear in
+# the text (spans bounded, no repeat over characters a neighbouring repeat also takes), the line-based passes
+# skip lines longer than anyone writes, and the lane-fast names are propagated once, not to a fixed point. A
+# crafted 75 KB source held the loop for 45 s before (`tests/test_features.py`).
+_MAX_LINE = 2000
+_MAX_FAST_NAMES = 256
+# The data-flow passes read this much of a kernel's text: a single regular-expression call holds the GIL, so
+# a pass over a 1 MB paste would stall the event loop even from a worker thread.
+_MAX_FLOW_TEXT = 256 * 1024
+
 # Integer declarations and for-loop initialisers: `int row = blockIdx.x * blockDim.x + threadIdx.x;`.
 _INT_ASSIGN = re.compile(
     r"\b(?:const\s+)?(?:unsigned\s+|signed\s+)?(?:int|long\s+long|long|size_t|unsigned|int64_t|uint32_t|"
-    r"uint64_t|auto)\s+([A-Za-z_]\w*)\s*=\s*([^;]+);"
+    r"uint64_t|auto)\s+([A-Za-z_]\w*)\s*=\s*([^;]{1,400});"
 )
-_FOR_INIT = re.compile(r"\bfor\s*\(\s*(?:[\w:]+\s+)?([A-Za-z_]\w*)\s*=\s*([^;]+);")
-_SHARED_ARRAY = re.compile(r"__shared__\s+[\w\s]+?\b([A-Za-z_]\w*)\s*\[")
+_FOR_INIT = re.compile(r"\bfor\s*\(\s*(?:[\w:]+\s+)?([A-Za-z_]\w*)\s*=\s*([^;]{1,200});")
+_SHARED_ARRAY = re.compile(r"__shared__\s+[\w\s]{1,200}?\b([A-Za-z_]\w*)\s*\[")
 _ATOMIC_TARGET = re.compile(r"\batomic\w*\s*\(\s*&?\s*\(?\s*([A-Za-z_]\w*)")
 _ONE_THREAD_GUARD = re.compile(r"==\s*0\s*\)|\(\s*0\s*==")
-_CAST = r"(?:\(\s*[\w\s]+\)\s*)?"
+_CAST = r"(?:\(\s*[\w\s]{1,60}\)\s*)?"
 _NOT_A_SIZE = {"blockDim", "gridDim", "blockIdx", "threadIdx", "sizeof", "warpSize"}
 
 
 def _lane_fast_variables(text: str) -> set[str]:
     """Variables that step by one between neighbouring threads of a warp (derived from threadIdx.x without a
     division or shift: `tid`, `lane = threadIdx.x % 32`, a global index, `for (j = lane; ...)`)."""
-    assigns = [(m.group(1), m.group(2)) for p in (_INT_ASSIGN, _FOR_INIT) for m in p.finditer(text)]
-    fast: set[str] = set()
-    changed = True
-    while changed:
-        changed = False
-        for name, expr in assigns:
-            if name in fast or re.search(r"/|>>", expr):  # x / 32 is a warp index: the same for a whole warp
+    # name -> the names assigned from it; a name is fast when an assignment of it uses threadIdx.x or a fast name
+    derived: dict[str, list[str]] = {}
+    queue: list[str] = []
+    for p in (_INT_ASSIGN, _FOR_INIT):
+        for m in p.finditer(text):
+            name, expr = m.group(1), m.group(2)
+            if re.search(r"/|>>", expr):  # x / 32 is a warp index: the same for a whole warp
                 continue
-            used = set(re.findall(r"\b[A-Za-z_]\w*\b", expr))
-            if "threadIdx.x" in expr or used & fast:
-                fast.add(name)
-                changed = True
+            if "threadIdx.x" in expr:
+                queue.append(name)
+            for used in set(re.findall(r"\b[A-Za-z_]\w*\b", expr)):
+                derived.setdefault(used, []).append(name)
+    fast: set[str] = set()
+    while queue:
+        name = queue.pop()
+        if name not in fast:
+            fast.add(name)
+            queue.extend(derived.get(name, ()))
     return fast
 
 
@@ -308,11 +326,14 @@ def _strided_accesses(text: str, shared: set[str]) -> int:
     Products with literals or ALL-CAPS constants (tile widths) are left out: those are tiles, not rows.
     `shared`: the shared arrays and their aliases (`_shared_names`)."""
     fast = _lane_fast_variables(text)
-    alt = "|".join(re.escape(n) for n in sorted(fast | {"threadIdx.x"}, key=len, reverse=True))
+    named = sorted(fast, key=lambda n: (-len(n), n))[:_MAX_FAST_NAMES]
+    alt = "|".join(re.escape(n) for n in sorted({*named, "threadIdx.x"}, key=len, reverse=True))
     fast_times = re.compile(rf"{_CAST}\b(?:{alt})\b\s*\)?\s*\*\s*\(?\s*{_CAST}([A-Za-z_]\w*)")
     times_fast = re.compile(rf"\b([A-Za-z_]\w*)\s*\)?\s*\*\s*\(?\s*{_CAST}\b(?:{alt})\b")
     count = 0
     for line in text.splitlines():
+        if len(line) > _MAX_LINE:
+            continue
         for m in [*fast_times.finditer(line), *times_fast.finditer(line)]:
             other = m.group(1)
             if (
@@ -324,15 +345,17 @@ def _strided_accesses(text: str, shared: set[str]) -> int:
                 continue
             before = line[: m.start()]
             if before.count("[") > before.count("]"):
-                owner = re.search(r"([A-Za-z_]\w*)\s*(?:\[[^\]]*\]\s*)*\[[^\[\]]*$", before)
+                owner = _SUBSCRIPT_OWNER.search(before[-200:])
                 if owner and owner.group(1) in shared:
                     continue
             count += 1
     return count
 
 
-_POINTER_ASSIGN = re.compile(r"\*\s*(?:__restrict__\s+)?([A-Za-z_]\w*)\s*=\s*([^;=]+);")
-_FOR_HEADER = re.compile(r"\bfor\s*\(([^;]*);([^;]*);")
+# The array whose subscript is still open at the end of a text: `sh[a][b + ` -> sh.
+_SUBSCRIPT_OWNER = re.compile(r"\b([A-Za-z_]\w*)\s*(?:\[[^\[\]]*\]\s*)*\[[^\[\]]*$")
+_POINTER_ASSIGN = re.compile(r"\*\s*(?:__restrict__\s+)?([A-Za-z_]\w*)\s*=\s*([^;=]{1,200});")
+_FOR_HEADER = re.compile(r"\bfor\s*\(([^;]{0,200});([^;]{0,200});")
 _SMALL_BOUND = re.compile(r"<=?\s*(?:[A-Z_][A-Z0-9_]+|\d+)\s*$")  # BINS, 64; not N (a size)
 
 
@@ -354,13 +377,16 @@ def _thread_atomics(text: str, shared: set[str]) -> int:
     lines = text.splitlines()
     count = 0
     for i, line in enumerate(lines):
+        if len(line) > _MAX_LINE:
+            continue
         for m in _ATOMIC_TARGET.finditer(line):
-            window = lines[max(0, i - 2) : i + 1]
+            window = [w[:_MAX_LINE] for w in lines[max(0, i - 2) : i + 1]]
             if m.group(1) in shared or _ONE_THREAD_GUARD.search(" ".join(window)):
                 continue
             if reads_shared is not None and reads_shared.search(line[m.end() :]):
                 continue
-            headers = [h for h in map(_FOR_HEADER.search, lines[max(0, i - 8) : i + 1]) if h is not None]
+            near = (w[:_MAX_LINE] for w in lines[max(0, i - 8) : i + 1])
+            headers = [h for h in map(_FOR_HEADER.search, near) if h is not None]
             if any(_SMALL_BOUND.search(h.group(2).strip()) for h in headers):
                 continue
             count += 1
@@ -390,7 +416,32 @@ class SourceFeatures:
     thread_atomics: int = 0  # global atomics issued by every thread
 
 
-_GLOBAL_NAME = re.compile(r"__global__\b[^;{}()]*?\b([A-Za-z_]\w*)\s*\(")
+_GLOBAL = "__global__"
+_GLOBAL_REACH = 400  # characters from `__global__` to the kernel's name (qualifiers, return type, attributes)
+
+
+def _global_names(text: str) -> Iterator[tuple[int, str, int]]:
+    """(start of `__global__`, kernel name, index of its parameter list's "(") for each `__global__` whose
+    first "(" comes before any of ";{})" and follows the name within _GLOBAL_REACH characters. String
+    searches, not one pattern: a pattern scanning ahead from every `__global__` was quadratic and held the GIL
+    for seconds on a crafted source."""
+    at = text.find(_GLOBAL)
+    while at != -1:
+        after = at + len(_GLOBAL)
+        window = text[after : after + _GLOBAL_REACH + 256]
+        if not (window[:1].isalnum() or window[:1] == "_"):
+            paren = window.find("(")
+            if paren != -1 and not any(0 <= window.find(c, 0, paren) for c in ";{})"):
+                head = window[:paren].rstrip()
+                j = len(head)
+                while j > 0 and (head[j - 1].isalnum() or head[j - 1] == "_"):
+                    j -= 1
+                name = head[j:]
+                if name and not name[0].isdigit() and j <= _GLOBAL_REACH and name.isascii():
+                    yield at, name, after + paren
+        at = text.find(_GLOBAL, after)
+
+
 _LAUNCH_BOUNDS = re.compile(r"__launch_bounds__\s*\([^()]*\)")
 
 
@@ -417,21 +468,24 @@ def entry_text(text: str, entry: str | None) -> str:
         return text
     # __launch_bounds__(256) carries parentheses that would read as the parameter list; blank it in place.
     probe = _LAUNCH_BOUNDS.sub(lambda m: " " * len(m.group(0)), text)
-    spans, names = [], set()
-    for m in _GLOBAL_NAME.finditer(probe):
-        names.add(m.group(1))
-        close = _matching(probe, m.end() - 1, "(", ")")
+    spans: list[tuple[int, int]] = []
+    names: set[str] = set()
+    for start, name, paren in _global_names(probe):
+        if spans and start < spans[-1][1]:
+            continue  # inside a kernel already cut (kernels do not nest; rescanning it per name is quadratic)
+        names.add(name)
+        close = _matching(probe, paren, "(", ")")
         if close is None:
             return text
         brace = close
         while brace < len(probe) and probe[brace].isspace():
             brace += 1
-        if m.group(1) == entry or not probe.startswith("{", brace):
+        if name == entry or not probe.startswith("{", brace):
             continue  # the entry itself, or a declaration without a body
         end = _matching(probe, brace, "{", "}")
         if end is None:
             return text
-        spans.append((m.start(), end))
+        spans.append((start, end))
     if entry not in names:
         return text
     out, at = [], 0
@@ -446,13 +500,13 @@ def entry_parameter_count(source: str, entry: str) -> int | None:
     """How many parameters the `__global__` function `entry` declares, or None where its definition cannot be
     read plainly (not found, a preprocessor line in its list, parentheses that never close)."""
     probe = _LAUNCH_BOUNDS.sub(lambda m: " " * len(m.group(0)), strip_comments(source))
-    for m in _GLOBAL_NAME.finditer(probe):
-        if m.group(1) != entry:
+    for _, name, paren in _global_names(probe):
+        if name != entry:
             continue
-        close = _matching(probe, m.end() - 1, "(", ")")
+        close = _matching(probe, paren, "(", ")")
         if close is None:
             return None
-        listed = probe[m.end() : close - 1]
+        listed = probe[paren + 1 : close - 1]
         if "#" in listed:
             return None
         parts, depth, start = [], 0, 0
@@ -475,11 +529,12 @@ def source_features(source: str, defines: dict[str, Any], entry: str | None = No
     text = entry_text(preprocess(source, defines), entry)
     counts = {name: len(p.findall(text)) for name, p in _PATTERNS.items()}
     lines = sum(1 for line in text.splitlines() if line.strip())
-    shared = _shared_names(text)
+    flow = text[:_MAX_FLOW_TEXT]
+    shared = _shared_names(flow)
     return SourceFeatures(
         lines=lines,
-        strided_access=_strided_accesses(text, shared),
-        thread_atomics=_thread_atomics(text, shared),
+        strided_access=_strided_accesses(flow, shared),
+        thread_atomics=_thread_atomics(flow, shared),
         **counts,
     )
 

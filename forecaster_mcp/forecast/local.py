@@ -1455,9 +1455,22 @@ class LocalForecaster:
         usage, skipped = await self._ptxas_for(
             [q for q, bc in zip(queries, beliefs, strict=True) if prior_path(bc)], feature_key
         )
+
+        def statics() -> dict[int, list[StaticFeatures] | Exception]:
+            found: dict[int, list[StaticFeatures] | Exception] = {}
+            for i, (q, belief) in enumerate(zip(queries, beliefs, strict=True)):
+                if prior_path(belief):
+                    try:
+                        found[i] = self._static([q.baseline, q.candidate], q, usage, skipped, feature_key)
+                    except Exception as exc:
+                        found[i] = exc
+            return found
+
+        # Reading sources (agent-written, up to 1 MB each) off the event loop: other calls go on meanwhile.
+        static_of = await anyio.to_thread.run_sync(statics) if any(map(prior_path, beliefs)) else {}
         out: list[BinForecast | None] = []
         errors: list[Exception] = []
-        for q, belief in zip(queries, beliefs, strict=True):
+        for i, (q, belief) in enumerate(zip(queries, beliefs, strict=True)):
             if isinstance(belief, Exception):
                 out.append(None)
                 errors.append(belief)
@@ -1466,7 +1479,9 @@ class LocalForecaster:
             kc = group_of(q.candidate, q)
             try:
                 if prior_path(belief):
-                    feats = self._static([q.baseline, q.candidate], q, usage, skipped, feature_key)
+                    feats = static_of[i]
+                    if isinstance(feats, Exception):
+                        raise feats
                     out.append(self._prior_forecast(q, b, c, groups[kc], *feats))
                 else:
                     out.append(self._pair_forecast(b, c, groups[group_of(q.baseline, q)], groups[kc]))
