@@ -42,6 +42,7 @@ from forecaster_mcp.models import (
     MAX_CANDIDATES,
     MIN_CANDIDATES,
     MIN_MEASURE_SECONDS,
+    BufferArg,
     CandidateForecast,
     CompareResult,
     Kernel,
@@ -629,6 +630,14 @@ class Service:
             )
         if max_runs < 1:
             raise InvalidRequest("max_runs must be at least 1")
+        if reference is not None and not any(
+            isinstance(a, BufferArg) and a.intent in ("out", "inout") for a in workload.args
+        ):
+            raise InvalidRequest(
+                "a reference kernel is compared with this one on the workload's output buffers, and none is "
+                "marked: give each buffer the kernels write intent 'out' or 'inout' (buffers are 'in' by "
+                "default), or leave the reference out (nothing was checked or charged)"
+            )
         if idempotency_key is not None and not 1 <= len(idempotency_key) <= 200:
             raise InvalidRequest("idempotency_key must be 1 to 200 characters")
         kid = kernel.id or "k0"

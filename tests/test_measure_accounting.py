@@ -247,6 +247,32 @@ async def test_the_default_cap_is_held_to_what_the_ledger_has_left(tmp_path: Pat
         await svc.close()
 
 
+async def test_a_reference_with_no_output_buffer_to_compare_is_refused_uncharged(tmp_path: Path) -> None:
+    # Buffers are inputs by default: with none marked out/inout, the check compared nothing and said "passed".
+    from forecaster_mcp.errors import InvalidRequest
+    from forecaster_mcp.measure.fake import FakeMeasurer
+    from forecaster_mcp.models import BufferArg
+
+    inputs_only = WORKLOAD.model_copy(
+        update={
+            "args": [
+                a.model_copy(update={"intent": "in"}) if isinstance(a, BufferArg) else a
+                for a in WORKLOAD.args
+            ]
+        }
+    )
+    fake = FakeMeasurer([DEVICE], gpu_seconds=0.5)
+    svc = await make_service(tmp_path, fake)
+    try:
+        with pytest.raises(InvalidRequest, match="intent 'out' or 'inout'"):
+            await svc.measure(ledger="L", kernel=kernel(), workload=inputs_only, reference=kernel(REF=1))
+        assert fake.history == [] and (await svc.budget_status("L")).spent_gpu_seconds == 0.0
+        checked = await svc.measure(ledger="L", kernel=kernel(), workload=WORKLOAD, reference=kernel(REF=1))
+        assert checked.status == "ok"
+    finally:
+        await svc.close()
+
+
 async def test_an_idempotency_key_retried_with_a_reference_it_was_first_used_without_is_refused(
     tmp_path: Path,
 ) -> None:
