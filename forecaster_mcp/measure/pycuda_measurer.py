@@ -216,6 +216,8 @@ class CompiledKernel:
 @dataclass(frozen=True)
 class CompileFailure:
     message: str
+    # Not the source's fault (nvcc ran out of time or was killed): never cached, a retry may compile.
+    transient: bool = False
 
 
 _RDC_FLAGS = {"-rdc=true", "--relocatable-device-code=true", "-rdc", "-dc", "--device-c"}
@@ -429,7 +431,11 @@ class NvccCompiler:
                 self._command(kernel, arch, relocatable, out_name), work, self.timeout_s
             )
             if rc is None:
-                return CompileFailure(f"nvcc did not finish within {self.timeout_s:g} s"), False
+                return CompileFailure(
+                    f"nvcc did not finish within {self.timeout_s:g} s", transient=True
+                ), False
+            if rc < 0:  # killed by a signal (the machine's OOM killer, an operator): not the source's doing
+                return CompileFailure(f"nvcc was killed (signal {-rc})", transient=True), False
             if rc != 0:
                 return CompileFailure(
                     trim_compiler_message(output, work) or f"nvcc failed (exit status {rc})"
@@ -448,8 +454,8 @@ class NvccCompiler:
                     "-lcudadevrt",
                 ]
                 rc, link_output = await _run_bounded(link, work, self.timeout_s)
-                if rc is None:
-                    return CompileFailure(f"nvcc -dlink did not finish within {self.timeout_s:g} s"), False
+                if rc is None or rc < 0:
+                    return CompileFailure("nvcc -dlink did not finish", transient=True), False
                 if rc != 0:
                     return CompileFailure(
                         trim_compiler_message(link_output, work) or "device link failed"
@@ -791,9 +797,10 @@ class PycudaMeasurer:
         compile_seconds = time.perf_counter() - t_compile
         for what, built in (("", compiled), ("reference kernel: ", ref_compiled)):
             if isinstance(built, CompileFailure):
-                failed = self._result(
-                    request, slot, "compile_error", what + built.message, 0.0, compile_seconds
-                )
+                # A compile that ran out of time is no verdict on the kernel: "timeout" is never cached.
+                status: MeasureStatus = "timeout" if built.transient else "compile_error"
+                message = what + built.message + (" (not a compile error; retry)" if built.transient else "")
+                failed = self._result(request, slot, status, message, 0.0, compile_seconds)
                 return failed, []
         assert isinstance(compiled, CompiledKernel)
         assert ref_compiled is None or isinstance(ref_compiled, CompiledKernel)
