@@ -880,3 +880,28 @@ async def test_real_worker_packs_every_argument_kind(tmp_path: Path) -> None:
         result = await m.measure(request(m, k, workload=mixed, reference=k))
         assert result.status == "ok", result.message
         assert result.correctness.passed and result.correctness.input_sets == 2
+
+
+@pytest.mark.anyio
+async def test_a_long_lived_worker_s_stderr_file_is_emptied_between_jobs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Device printf lands in the worker's (unlinked) stderr file, which lives as long as the worker: emptied
+    # between jobs once over _STDERR_KEEP, or it grows by every launch's output, unseen by `du`.
+    from forecaster_mcp.measure import pycuda_measurer as pm
+
+    monkeypatch.setattr(pm, "_STDERR_KEEP", 1000)
+    async with real_worker(tmp_path) as m:
+        sizes, pids = [], set()
+        for _ in range(3):
+            with anyio.fail_after(30):
+                result = await m.measure(
+                    request(m, op("printf", FAKE_MS=0.001), max_runs=2000, max_seconds=2)
+                )
+            assert result.status == "ok"
+            worker = m._slots[0].worker
+            assert worker is not None
+            pids.add(worker.process.pid)
+            sizes.append(os.fstat(worker.stderr.fileno()).st_size)
+        assert len(pids) == 1 and max(sizes) <= 1000  # one worker throughout, its file emptied after each job
+        assert (await m.measure(request(m, op("add")))).status == "ok"

@@ -89,6 +89,9 @@ TARGET_RELATIVE_NOISE = 0.01
 MIN_RUNS = 10
 _MESSAGE_LIMIT = 4000
 _STDERR_TAIL = 2000
+# A worker's stderr file (device printf lands there) is emptied between jobs once it holds this much: it lives
+# as long as the worker, unlinked, and would otherwise grow by every launch's output unseen by `du`.
+_STDERR_KEEP = 1 << 20
 
 _last_reason = "GPU detection has not run yet"
 # The worker imports the package from here even when it is not installed (a checkout on PYTHONPATH).
@@ -602,6 +605,18 @@ class _Worker:
             raise WorkerGone("the worker's output ended") from exc
         return decode_worker_message(payload)
 
+    def trim_log(self, keep: int | None = None) -> None:
+        """Empty the stderr file when it holds more than `keep` bytes (between jobs: the worker is idle). The
+        worker writes through a duplicate of this descriptor, so rewinding it rewinds the worker too."""
+        keep = _STDERR_KEEP if keep is None else keep
+        try:
+            fd = self.stderr.fileno()
+            if os.fstat(fd).st_size > keep:
+                os.ftruncate(fd, 0)
+                os.lseek(fd, 0, os.SEEK_SET)
+        except (OSError, ValueError):
+            pass
+
     def stderr_tail(self, limit: int = _STDERR_TAIL) -> str:
         try:
             fd = self.stderr.fileno()
@@ -1013,6 +1028,8 @@ class PycudaMeasurer:
             assert result is not None
             if result.restart:
                 await self._retire(slot)
+            else:
+                worker.trim_log()
             done = True
             return _JobOutcome(result, result.status, result.message, min(elapsed, cap))
         except BaseException as exc:
