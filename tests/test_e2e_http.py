@@ -191,3 +191,19 @@ async def test_401_points_at_no_oauth_server_when_bound_to_every_interface(tmp_p
             assert (await call("budget_status", {}))["ledger"] == "alice"
     finally:
         srv.stop()
+
+
+@pytest.mark.anyio
+async def test_a_compare_of_large_sources_fits_in_one_http_request(
+    server: tuple[HttpServer, dict[str, str]],
+) -> None:
+    # 64 candidates of up to 1 MB each are within the tool's contract: 12 of 600 KB (7 MB, past the SDK's
+    # default 4 MiB body limit, which answered a bare 413) are accepted as they are over stdio.
+    srv, tokens = server
+    padding = "// " + "x" * 600_000 + "\n"
+    candidates = [{**kernel(16 * (1 + i % 4), 1 + i // 4), "id": f"k{i}"} for i in range(12)]
+    for c in candidates:
+        c["source"] = padding + c["source"]
+    async with connect_http(srv.url, tokens["alice"]) as (_, call):
+        out = await call("compare_kernels", {"candidates": candidates})
+    assert len(out["candidates"]) == 11

@@ -494,7 +494,7 @@ async def serve(
                 print(f"forecaster-mcp: serving streamable HTTP at {_shown_url(host, port)}", file=sys.stderr)
                 # What MCPServer.run_streamable_http_async does, on the sockets bound before the service opened
                 # (without any, uvicorn binds host:port itself).
-                app = server.streamable_http_app(host=host)
+                app = server.streamable_http_app(host=host, max_request_body_size=MAX_HTTP_BODY_BYTES)
                 config = uvicorn.Config(app, host=host, port=port, log_level="warning")
                 await uvicorn.Server(config).serve(sockets=list(sockets) or None)
             else:
@@ -503,6 +503,12 @@ async def serve(
     finally:
         with anyio.CancelScope(shield=True):
             await service.close()
+
+
+# What one HTTP request may carry: compare_kernels takes 64 kernels of up to 1 MB of source each, about 1.5 MB
+# each once JSON-escaped. The SDK's default (4 MiB) refused 64 sources of 70 KB with a bare 413 that clients
+# show as "Server returned an error response"; stdio has no such limit.
+MAX_HTTP_BODY_BYTES = 96 * 2**20
 
 
 # A JSON `\u` escape of a UTF-16 surrogate (D800-DFFF); paired ones are fine, lone ones are what breaks.
