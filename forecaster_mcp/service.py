@@ -39,6 +39,7 @@ from forecaster_mcp.hardware import specs
 from forecaster_mcp.measure.base import OCCUPIED_ATTR, Measurer, MeasureRequest, ProgressCallback
 from forecaster_mcp.measure.timing import median_ci_covers
 from forecaster_mcp.models import (
+    CONTROL_CHARACTER,
     MAX_CANDIDATES,
     MIN_CANDIDATES,
     MIN_MEASURE_SECONDS,
@@ -175,8 +176,11 @@ class Service:
                 ],
             )
         wanted = wanted.strip()
-        if not wanted or len(wanted) > 128:
-            raise InvalidRequest("hardware must be a GPU name such as 'H100' or 'A100-80GB'")
+        if not wanted or len(wanted) > 128 or CONTROL_CHARACTER.search(wanted):
+            # One line of text: the name reaches the Claude prompt and the store as it is.
+            raise InvalidRequest(
+                "hardware must be a GPU name such as 'H100' or 'A100-80GB' (one line, at most 128 characters)"
+            )
         spec = specs.lookup(wanted)
         key = _norm(wanted)
         for m in self.measurers:
