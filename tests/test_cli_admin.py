@@ -322,3 +322,22 @@ def test_a_bad_model_cache_bound_is_an_operator_error(
     code, out, err = run(capsys, "ledger", "show", "default")
     assert code == 2 and out == ""
     assert "bad setting model_cache_mb (env FORECASTER_MCP_MODEL_CACHE_MB)" in err
+
+
+def test_a_state_folder_that_is_a_file_or_a_database_that_is_not_one_is_a_one_line_error(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # Both crashed every command with a traceback.
+    a_file = tmp_path / "not-a-folder"
+    a_file.write_text("x")
+    code, _, err = run(capsys, "--home", str(a_file), "ledger", "show")
+    assert code == 2 and "cannot open the state database" in err and "--home" in err
+    assert len(err.strip().splitlines()) == 1
+    garbage = tmp_path / "home"
+    garbage.mkdir()
+    (garbage / "forecaster.sqlite3").write_text("this is not a database\n" * 100)
+    for argv in (["ledger", "show"], ["serve", "--measurer", "none"]):
+        code, _, err = run(capsys, "--home", str(garbage), *argv)
+        assert code == 2 and "is not a forecaster-mcp state database, or is damaged" in err, err
+        assert len(err.strip().splitlines()) == 1
+    assert (garbage / "forecaster.sqlite3").read_text().startswith("this is not a database")  # left as it was

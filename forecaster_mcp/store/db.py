@@ -23,6 +23,7 @@ import re
 import secrets
 import shlex
 import socket
+import sqlite3
 import statistics
 import time
 from collections.abc import Awaitable, Callable
@@ -335,9 +336,15 @@ class Store:
         """Create the folder and file if needed, enable WAL, apply pending migrations, release orphan
         reservations (owner process dead on this host, or expired)."""
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # isolation_level=None: we issue BEGIN IMMEDIATE / COMMIT ourselves.
-        conn = await aiosqlite.connect(str(path), timeout=BUSY_TIMEOUT_S, isolation_level=None)
+        where = "the state folder (--home, env FORECASTER_MCP_HOME)"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # isolation_level=None: we issue BEGIN IMMEDIATE / COMMIT ourselves.
+            conn = await aiosqlite.connect(str(path), timeout=BUSY_TIMEOUT_S, isolation_level=None)
+        except (OSError, sqlite3.Error) as exc:
+            raise OperatorError(
+                f"cannot open the state database {path}: {exc}; point {where} at a folder you can write to"
+            ) from exc
         try:
             await conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
             await conn.execute("PRAGMA journal_mode = WAL")
@@ -347,6 +354,15 @@ class Store:
             await migrate(conn)
             store = cls(conn, path)
             released = await store._write(lambda c: store._release_orphans(c, time.time()))
+        except sqlite3.DatabaseError as exc:
+            await conn.close()
+            if isinstance(exc, sqlite3.OperationalError):  # busy, read-only, ...: says what it is
+                raise
+            # A file that is no SQLite database, or a damaged one.
+            raise OperatorError(
+                f"{path} is not a forecaster-mcp state database, or is damaged ({exc}): move it aside (its "
+                f"ledgers and measurements are in it) or point {where} at another folder"
+            ) from exc
         except BaseException:
             await conn.close()
             raise
