@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, ValidationError
 
 from forecaster_mcp.errors import OperatorError
+from forecaster_mcp.models import MIN_MEASURE_SECONDS
 
 ENV_PREFIX = "FORECASTER_MCP_"
 
@@ -23,24 +24,35 @@ class Settings(BaseModel):
     home: Path = Field(default_factory=default_home, description="state directory (database, caches)")
     ledger: str = Field(default="default", description="ledger a stdio server charges")
     default_ledger_gpu_seconds: float = Field(
-        default=600.0, ge=0, description="limit of the 'default' ledger when a stdio server creates it"
+        default=600.0,
+        ge=0,
+        le=1e12,  # store.db.MAX_GPU_SECONDS
+        allow_inf_nan=False,
+        description="limit of the 'default' ledger when a stdio server creates it",
     )
     replay: list[Path] = Field(default_factory=list, description="Kernel Tuner cache files to replay")
     replay_realtime: float = Field(
         default=0.0,
         ge=0,
+        allow_inf_nan=False,
         description="wall-clock seconds a replayed measurement takes per recorded GPU-second",
     )
     measurer: Literal["auto", "replay", "pycuda", "none"] = "auto"
     hardware: str | None = Field(default=None, description="default GPU for forecasts")
     target_error: float = Field(default=0.1, ge=1e-4, lt=0.5)  # selective.MIN/MAX_TARGET_ERROR
-    max_measure_seconds: float = Field(default=30.0, gt=0, description="cap on one measurement's GPU time")
+    max_measure_seconds: float = Field(
+        default=30.0,
+        ge=MIN_MEASURE_SECONDS,
+        allow_inf_nan=False,
+        description="cap on one measurement's GPU time",
+    )
     anthropic_api_key: str | None = None
     claude_model: str = "claude-sonnet-5-5"
     claude_samples: int = Field(default=3, ge=1, le=16)
     forecast_timeout_s: float = Field(
         default=60.0,
         gt=0,
+        allow_inf_nan=False,
         description="a remote forecaster (Claude) still answering a compare_kernels after this long is skipped "
         "with a note (a slow or hanging API must not hold the agent; the local forecaster answers)",
     )

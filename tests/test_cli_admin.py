@@ -341,3 +341,23 @@ def test_a_state_folder_that_is_a_file_or_a_database_that_is_not_one_is_a_one_li
         assert code == 2 and "is not a forecaster-mcp state database, or is damaged" in err, err
         assert len(err.strip().splitlines()) == 1
     assert (garbage / "forecaster.sqlite3").read_text().startswith("this is not a database")  # left as it was
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        "DEFAULT_LEDGER_GPU_SECONDS=inf",  # blamed a --gpu-seconds the operator never passed
+        "DEFAULT_LEDGER_GPU_SECONDS=1e13",
+        "REPLAY_REALTIME=inf",  # a replayed measurement would sleep for ever, holding its reservation
+        "MAX_MEASURE_SECONDS=0.01",  # below what any measurement may ask for (0.1)
+        "FORECAST_TIMEOUT_S=nan",
+    ],
+)
+def test_a_setting_out_of_range_is_refused_naming_its_variable(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, setting: str
+) -> None:
+    name, value = setting.split("=")
+    monkeypatch.setenv(f"FORECASTER_MCP_{name}", value)
+    code, out, err = run(capsys, "serve", "--measurer", "none")
+    assert code == 2 and out == ""
+    assert f"(env FORECASTER_MCP_{name})" in err and len(err.strip().splitlines()) == 1, err
