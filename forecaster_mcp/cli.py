@@ -204,7 +204,18 @@ def _parser() -> argparse.ArgumentParser:
         help="recording to measure against (default: those FORECASTER_MCP_REPLAY names)",
     )
     demo.set_defaults(handler="forecaster_mcp.demo:demo_command")
+    _home_after_the_command(p)
     return p
+
+
+def _home_after_the_command(parser: argparse.ArgumentParser) -> None:
+    """`--home DIR` after any (sub)command too (`ledger show --home DIR`), not only before it: defaulting to
+    SUPPRESS, a command's own `--home` is set only when given, so the one before the command stays otherwise."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in dict.fromkeys(action.choices.values()):
+                child.add_argument("--home", type=Path, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+                _home_after_the_command(child)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

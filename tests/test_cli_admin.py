@@ -361,3 +361,14 @@ def test_a_setting_out_of_range_is_refused_naming_its_variable(
     code, out, err = run(capsys, "serve", "--measurer", "none")
     assert code == 2 and out == ""
     assert f"(env FORECASTER_MCP_{name})" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_home_may_follow_the_command(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    # `ledger show --home DIR` was "unrecognized arguments: --home".
+    home = tmp_path / "state"
+    code, out, _ = run(capsys, "ledger", "create", "after", "--gpu-seconds", "3", "--home", str(home))
+    assert code == 0 and "created ledger 'after'" in out
+    code, out, _ = run(capsys, "--home", str(home), "ledger", "show", "after", "--json")
+    assert code == 0 and json.loads(out)["limit_gpu_seconds"] == 3
+    code, out, _ = run(capsys, "--home", str(tmp_path / "elsewhere"), "ledger", "show", "--home", str(home))
+    assert code == 0 and "after" in out  # the one nearest the command wins
