@@ -678,6 +678,25 @@ async def test_real_nvcc_error_message_is_trimmed(tmp_path: Path) -> None:
 
 @needs_nvcc
 @pytest.mark.anyio
+async def test_a_huge_cubin_is_a_compile_error_and_not_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Compiles are free: an initialised __device__ array of 64 MB filled the disk 64 MB per request.
+    from forecaster_mcp.measure import pycuda_measurer as pm
+
+    monkeypatch.setattr(pm, "MAX_CUBIN_BYTES", 1 << 20)
+    compiler = NvccCompiler(tmp_path / "cache", NVCC)
+    big = Kernel(
+        source="__device__ char big[1 << 22] = {1};\n__global__ void f(char* x) { x[0] = big[3]; }\n",
+        entry="f",
+    )
+    outcome = await compiler.compile(big, "sm_90")
+    assert isinstance(outcome, CompileFailure) and "over the 1 MiB this server keeps" in outcome.message
+    assert not list((tmp_path / "cache").rglob("*.cubin"))
+
+
+@needs_nvcc
+@pytest.mark.anyio
 async def test_real_nvcc_compiles_templates_and_reports_resources(tmp_path: Path) -> None:
     compiler = NvccCompiler(tmp_path / "cache", NVCC)
     source = (

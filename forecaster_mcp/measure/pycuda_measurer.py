@@ -89,6 +89,7 @@ TARGET_RELATIVE_NOISE = 0.01
 MIN_RUNS = 10
 _MESSAGE_LIMIT = 4000
 _STDERR_TAIL = 2000
+MAX_CUBIN_BYTES = 32 << 20
 # A worker's stderr file (device printf lands there) is emptied between jobs once it holds this much: it lives
 # as long as the worker, unlinked, and would otherwise grow by every launch's output unseen by `du`.
 _STDERR_KEEP = 1 << 20
@@ -491,6 +492,14 @@ def _install(entry: str, ptxas_output: str, work: Path, entry_dir: Path) -> Comp
     ptx_files = sorted((work / "keep").glob("*.ptx"))
     params = parse_ptx_params(ptx_files[0].read_text(errors="replace"), symbol) if ptx_files else None
     info = infos.get(symbol, {})
+    size = (work / "kernel.cubin").stat().st_size
+    if size > MAX_CUBIN_BYTES:
+        # Compiles are free and kept: without a bound, `__device__ char big[1 << 26] = {1};` filled the
+        # server's disk 64 MB at a time.
+        return CompileFailure(
+            f"the compiled kernel is {size / 2**20:.0f} MiB, over the {MAX_CUBIN_BYTES >> 20} MiB this server "
+            "keeps: large initialised __device__ arrays belong in the workload's buffers"
+        )
     entry_dir.mkdir(parents=True, exist_ok=True)
     cubin = entry_dir / "kernel.cubin"
     os.replace(work / "kernel.cubin", cubin)
