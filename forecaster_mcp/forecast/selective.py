@@ -14,6 +14,11 @@ Once history is long enough to test but certifies nothing, the default stays onl
 at or above it err at most target_error of the time; otherwise nothing is decided.
 A caller that knows its forecasts to be less reliably calibrated passes a stricter default (the engine does
 for pairs of two unmeasured kernels).
+
+Limits, known and kept: the default kept on long history rests on the point estimate, not on a bound (an
+overconfident forecaster whose error at the default is a little above target can keep deciding); and the
+engine re-chooses the threshold as history grows, each choice valid at delta but not all of them together
+(a threshold whose true error sits just above target is certified at some look more often than delta).
 """
 
 from __future__ import annotations
