@@ -290,13 +290,16 @@ class Service:
                     else (p_fail_baseline_of(f.extras), "the baseline's")
                 )
                 rationale += f"; unsure only for {whose} {p_fail:.0%} chance of failing to compile or run"
+            # A candidate whose stored measurement failed is "slower" because it was measured, not forecast:
+            # answered from the store ("cache"), neither saved as a forecast nor counted as one decided.
+            measured_failed = f.extras.get("measured", 0.0) >= 1.0 and f.p_fail >= 1.0
             results[cid] = CandidateForecast(
                 id=cid,
                 p_faster=f.p_faster,
                 speedup_bins=list(f.probs),
                 expected_speedup=f.expected_speedup,
-                verdict=verdict,
-                decided_by="forecast",
+                verdict="slower" if measured_failed else verdict,
+                decided_by="cache" if measured_failed else "forecast",
                 rationale=rationale,
                 confidence=f.confidence,
             )

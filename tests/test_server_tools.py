@@ -496,8 +496,11 @@ async def test_a_candidate_that_failed_when_measured_is_not_called_unmeasured(
         for k in (base, broken):
             await call(client, "measure_kernel", {"kernel": k})
         out = await call(client, "compare_kernels", {"candidates": [base, broken]})
+        status = await call(client, "budget_status", {})
     [c] = out["candidates"]
     assert c["verdict"] == "slower" and "failed when measured" in c["rationale"]
+    # Known from its measurement, not forecast: neither reported nor counted as a decided forecast.
+    assert c["decided_by"] == "cache" and status["forecasts"]["decided"] == 0
     assert out["measure_next"] == []
     assert not any("measure_next is empty" in n for n in out["notes"])  # nothing unmeasured to speak of
 
