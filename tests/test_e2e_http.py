@@ -207,3 +207,23 @@ async def test_a_compare_of_large_sources_fits_in_one_http_request(
     async with connect_http(srv.url, tokens["alice"]) as (_, call):
         out = await call("compare_kernels", {"candidates": candidates})
     assert len(out["candidates"]) == 11
+
+
+@pytest.mark.anyio
+async def test_sigterm_closes_the_store_before_the_process_exits(tmp_path: Path, conv_a100: Path) -> None:
+    # uvicorn raised the SIGTERM again once it had shut down, which killed the process before the service
+    # closed: the store was never closed and its write-ahead log was left behind.
+    home = tmp_path / "srv"
+    cli(home, "ledger", "create", "alice", "--gpu-seconds", "5")
+    token = cli(home, "token", "issue", "--ledger", "alice").stdout.strip().splitlines()[-1]
+    srv = start_http(home, ["--replay", str(conv_a100)])
+    try:
+        async with connect_http(srv.url, token) as (_, call):
+            assert (await call("measure_kernel", {"kernel": kernel(32, 4)}))["status"] == "ok"
+        assert (home / "forecaster.sqlite3-wal").exists()  # open, in WAL mode
+        srv.proc.terminate()
+        assert srv.proc.wait(timeout=30) == 0
+    finally:
+        srv.stop()
+    assert not (home / "forecaster.sqlite3-wal").exists()  # the last connection closed cleanly
+    assert _ledger(home, "alice")["spent_gpu_seconds"] > 0

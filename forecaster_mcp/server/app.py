@@ -6,6 +6,7 @@ Tool functions know MCP and the service, nothing of vendors or SQL.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import errno
 import inspect
@@ -18,7 +19,7 @@ import re
 import shlex
 import socket
 import sys
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Annotated, Any, TypeVar, cast
 
 import anyio
@@ -496,13 +497,30 @@ async def serve(
                 # (without any, uvicorn binds host:port itself).
                 app = server.streamable_http_app(host=host, max_request_body_size=MAX_HTTP_BODY_BYTES)
                 config = uvicorn.Config(app, host=host, port=port, log_level="warning")
-                await uvicorn.Server(config).serve(sockets=list(sockets) or None)
+                await _server_that_returns_on_signals(uvicorn, config).serve(sockets=list(sockets) or None)
             else:
                 await _run_stdio(server)
             tg.cancel_scope.cancel()
     finally:
         with anyio.CancelScope(shield=True):
             await service.close()
+
+
+def _server_that_returns_on_signals(uvicorn: Any, config: Any) -> Any:
+    """uvicorn's server, except that the SIGTERM / SIGINT it shut down for is not raised again once it has:
+    raised, it killed the process before `serve` closed the service (the store never closed, its WAL left
+    behind). `serve` returns instead, the service closes, and the command exits."""
+
+    class Server(uvicorn.Server):  # type: ignore[misc]
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            with super().capture_signals():
+                try:
+                    yield
+                finally:
+                    self._captured_signals.clear()  # what uvicorn re-raises after its own clean-up
+
+    return Server(config)
 
 
 # What one HTTP request may carry: compare_kernels takes 64 kernels of up to 1 MB of source each, about 1.5 MB
