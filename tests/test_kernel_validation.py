@@ -627,6 +627,33 @@ async def test_a_workload_larger_than_device_memory_is_refused_before_anything_r
 
 
 @pytest.mark.anyio
+async def test_a_workload_larger_than_host_memory_is_refused_before_anything_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 4 GiB of buffers fits the fake 80 GiB H100, not a host with 8 GiB free once the worker holds its four
+    # copies: refused, instead of the OOM killer ending the worker ("check the kernel for faults") and a charge.
+    from forecaster_mcp.measure import pycuda_measurer as pm
+
+    monkeypatch.setattr(pm, "_host_memory_available", lambda: 8 * 2**30)
+    big = Workload.model_validate(
+        {
+            "args": [
+                {"name": "a", "dtype": "float32", "shape": [2**30]},
+                {"name": "b", "dtype": "float32", "shape": [1]},
+                {"name": "c", "dtype": "float32", "shape": [1], "intent": "out"},
+                {"name": "n", "dtype": "int32", "value": 1},
+            ]
+        }
+    )
+    k = Kernel.model_validate({"source": VADD, "entry": "vadd", "launch": {"grid": [4], "block": [256]}})
+    async with _fake_h100(tmp_path) as gpu:
+        request = MeasureRequest(kernel=k, workload=big, device=gpu.devices()[0], max_seconds=5.0)
+        with pytest.raises(InvalidRequest, match=r"about 16\.00 GiB of host memory .* 8\.00 GiB free"):
+            await gpu.measure(request)
+    assert not (tmp_path / "cache" / "kernels").exists()
+
+
+@pytest.mark.anyio
 async def test_the_measurer_refuses_more_shared_memory_than_its_device_gives(tmp_path: Path) -> None:
     # Under the absolute cap, over the fake H100's 227 KiB: refused before compiling or running anything.
     k = Kernel.model_validate(

@@ -1195,6 +1195,32 @@ def _check_workload_fits(workload: Workload, info: DeviceInfo) -> None:
             f"more than {info.name}'s {info.total_mem_bytes / 2**30:.2f} GiB less "
             f"{_CONTEXT_RESERVE_BYTES // 2**20} MiB for the CUDA context: use smaller shapes"
         )
+    # The worker holds up to HOST_COPIES host copies of the buffers at once (the inputs, a fresh input set for
+    # the second check, the kernel's and the reference's outputs): past the machine's free memory the kernel
+    # would be killed by the OOM killer and the caller told "worker crashed ... check the kernel for faults".
+    host_need = HOST_COPIES * sum(a.nbytes for a in buffers)
+    available = _host_memory_available()
+    if available is not None and host_need > available:
+        raise InvalidRequest(
+            f"the workload's buffers need about {host_need / 2**30:.2f} GiB of host memory while measuring "
+            f"({HOST_COPIES} copies: inputs, a fresh input set, the kernel's and the reference's outputs), more "
+            f"than the {available / 2**30:.2f} GiB free on the measurement machine: use smaller shapes"
+        )
+
+
+HOST_COPIES = 4
+
+
+def _host_memory_available() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where it cannot be read: not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def _parameter_mismatch(
