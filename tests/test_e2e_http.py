@@ -16,15 +16,16 @@ from serverproc import HttpServer, cli, free_port, start_http
 from forecaster_mcp.server.client import ToolCallFailed, connect_http
 
 
+def _ledger_and_token(home: Path, ledger: str, gpu_seconds: float) -> str:
+    """Create `ledger` in the state folder `home` and issue a bearer token for it (printed last)."""
+    cli(home, "ledger", "create", ledger, "--gpu-seconds", str(gpu_seconds))
+    return cli(home, "token", "issue", "--ledger", ledger).stdout.strip().splitlines()[-1]
+
+
 @pytest.fixture
 def server(tmp_path: Path, conv_a100: Path) -> Iterator[tuple[HttpServer, dict[str, str]]]:
     home = tmp_path / "srv"
-    cli(home, "ledger", "create", "alice", "--gpu-seconds", "50")
-    cli(home, "ledger", "create", "bob", "--gpu-seconds", "50")
-    tokens = {
-        "alice": cli(home, "token", "issue", "--ledger", "alice").stdout.strip().splitlines()[-1],
-        "bob": cli(home, "token", "issue", "--ledger", "bob").stdout.strip().splitlines()[-1],
-    }
+    tokens = {name: _ledger_and_token(home, name, 50) for name in ("alice", "bob")}
     srv = start_http(home, ["--replay", str(conv_a100)])
     try:
         yield srv, tokens
@@ -82,8 +83,7 @@ def test_revoked_token_is_refused(server: tuple[HttpServer, dict[str, str]]) -> 
 async def test_concurrent_clients_never_overspend(tmp_path: Path, conv_a100: Path) -> None:
     """Hundreds of concurrent measure_kernel calls from several clients against a small ledger."""
     home = tmp_path / "attack"
-    cli(home, "ledger", "create", "small", "--gpu-seconds", "0.5")
-    token = cli(home, "token", "issue", "--ledger", "small").stdout.strip().splitlines()[-1]
+    token = _ledger_and_token(home, "small", 0.5)
     srv = start_http(home, ["--replay", str(conv_a100)])
     configs = [(bx, by) for bx in (16, 32, 48, 64, 80, 96, 112, 128) for by in (1, 2, 4, 8)]
     charged: list[float] = []
@@ -168,8 +168,7 @@ async def test_401_points_at_no_oauth_server_when_bound_to_every_interface(tmp_p
     """Tokens are static bearer tokens: a 401 must not send clients to OAuth metadata or an authorization server
     (which do not exist, and which --host 0.0.0.0 would have named as http://0.0.0.0:PORT)."""
     home = tmp_path / "srv"
-    cli(home, "ledger", "create", "alice", "--gpu-seconds", "5")
-    token = cli(home, "token", "issue", "--ledger", "alice").stdout.strip().splitlines()[-1]
+    token = _ledger_and_token(home, "alice", 5)
     srv = start_http(home, ["--host", "0.0.0.0"])
     try:
         body = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}}
@@ -214,8 +213,7 @@ async def test_sigterm_closes_the_store_before_the_process_exits(tmp_path: Path,
     # uvicorn raised the SIGTERM again once it had shut down, which killed the process before the service
     # closed: the store was never closed and its write-ahead log was left behind.
     home = tmp_path / "srv"
-    cli(home, "ledger", "create", "alice", "--gpu-seconds", "5")
-    token = cli(home, "token", "issue", "--ledger", "alice").stdout.strip().splitlines()[-1]
+    token = _ledger_and_token(home, "alice", 5)
     srv = start_http(home, ["--replay", str(conv_a100)])
     try:
         async with connect_http(srv.url, token) as (_, call):

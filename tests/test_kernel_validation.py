@@ -602,16 +602,12 @@ async def test_static_and_dynamic_shared_memory_together_over_the_device_are_ref
     assert "1024 bytes of static __shared__ memory" in (result.message or "")
 
 
-@pytest.mark.anyio
-async def test_a_workload_larger_than_device_memory_is_refused_before_anything_runs(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # 20 GiB of buffers fits the 64 GiB workload cap, not a 16 GiB device: refused before compiling or running.
-    monkeypatch.setenv("FAKE_GPU_TOTAL_GIB", "16")
+def _vadd_with_a_big_input(gpu: PycudaMeasurer, elements: int) -> MeasureRequest:
+    """A request to measure vadd whose input `a` holds `elements` floats (the others one each)."""
     big = Workload.model_validate(
         {
             "args": [
-                {"name": "a", "dtype": "float32", "shape": [5 * 2**30]},
+                {"name": "a", "dtype": "float32", "shape": [elements]},
                 {"name": "b", "dtype": "float32", "shape": [1]},
                 {"name": "c", "dtype": "float32", "shape": [1], "intent": "out"},
                 {"name": "n", "dtype": "int32", "value": 1},
@@ -619,8 +615,17 @@ async def test_a_workload_larger_than_device_memory_is_refused_before_anything_r
         }
     )
     k = Kernel.model_validate({"source": VADD, "entry": "vadd", "launch": {"grid": [4], "block": [256]}})
+    return MeasureRequest(kernel=k, workload=big, device=gpu.devices()[0], max_seconds=5.0)
+
+
+@pytest.mark.anyio
+async def test_a_workload_larger_than_device_memory_is_refused_before_anything_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 20 GiB of buffers fits the 64 GiB workload cap, not a 16 GiB device: refused before compiling or running.
+    monkeypatch.setenv("FAKE_GPU_TOTAL_GIB", "16")
     async with _fake_h100(tmp_path) as gpu:
-        request = MeasureRequest(kernel=k, workload=big, device=gpu.devices()[0], max_seconds=5.0)
+        request = _vadd_with_a_big_input(gpu, 5 * 2**30)
         with pytest.raises(InvalidRequest, match=r"need 20\.\d\d GiB .* more than .* 16\.00 GiB"):
             await gpu.measure(request)
     assert not (tmp_path / "cache" / "kernels").exists()
@@ -635,19 +640,8 @@ async def test_a_workload_larger_than_host_memory_is_refused_before_anything_run
     from forecaster_mcp.measure import pycuda_measurer as pm
 
     monkeypatch.setattr(pm, "_host_memory_available", lambda: 8 * 2**30)
-    big = Workload.model_validate(
-        {
-            "args": [
-                {"name": "a", "dtype": "float32", "shape": [2**30]},
-                {"name": "b", "dtype": "float32", "shape": [1]},
-                {"name": "c", "dtype": "float32", "shape": [1], "intent": "out"},
-                {"name": "n", "dtype": "int32", "value": 1},
-            ]
-        }
-    )
-    k = Kernel.model_validate({"source": VADD, "entry": "vadd", "launch": {"grid": [4], "block": [256]}})
     async with _fake_h100(tmp_path) as gpu:
-        request = MeasureRequest(kernel=k, workload=big, device=gpu.devices()[0], max_seconds=5.0)
+        request = _vadd_with_a_big_input(gpu, 2**30)
         with pytest.raises(InvalidRequest, match=r"about 16\.00 GiB of host memory .* 8\.00 GiB free"):
             await gpu.measure(request)
     assert not (tmp_path / "cache" / "kernels").exists()
