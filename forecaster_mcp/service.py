@@ -356,7 +356,7 @@ class Service:
         ordered = [results[str(k.id)] for k in others]
         if measure_if_unsure and not unsure:
             notes.append(_nothing_unsure_note(measure_next, results, base.id))
-        # (A candidate whose measurement failed is answered by the forecaster from that failure: measured.)
+        # Unmeasured: forecast, and neither in `measured` nor a kernel the forecaster holds as measured.
         unmeasured = [
             r
             for r in ordered

@@ -10,6 +10,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from forecaster_mcp.errors import OperatorError
 from forecaster_mcp.models import MIN_MEASURE_SECONDS
+from forecaster_mcp.store.db import MAX_GPU_SECONDS
 
 ENV_PREFIX = "FORECASTER_MCP_"
 
@@ -26,7 +27,7 @@ class Settings(BaseModel):
     default_ledger_gpu_seconds: float = Field(
         default=600.0,
         ge=0,
-        le=1e12,  # store.db.MAX_GPU_SECONDS
+        le=MAX_GPU_SECONDS,
         allow_inf_nan=False,
         description="limit of the 'default' ledger when a stdio server creates it",
     )

@@ -614,13 +614,12 @@ class _Worker:
             raise WorkerGone("the worker's output ended") from exc
         return decode_worker_message(payload)
 
-    def trim_log(self, keep: int | None = None) -> None:
-        """Empty the stderr file when it holds more than `keep` bytes (between jobs: the worker is idle). The
-        worker writes through a duplicate of this descriptor, so rewinding it rewinds the worker too."""
-        keep = _STDERR_KEEP if keep is None else keep
+    def trim_log(self) -> None:
+        """Empty the stderr file when it holds more than _STDERR_KEEP bytes (between jobs: the worker is idle).
+        The worker writes through a duplicate of this descriptor, so rewinding it rewinds the worker too."""
         try:
             fd = self.stderr.fileno()
-            if os.fstat(fd).st_size > keep:
+            if os.fstat(fd).st_size > _STDERR_KEEP:
                 os.ftruncate(fd, 0)
                 os.lseek(fd, 0, os.SEEK_SET)
         except (OSError, ValueError):
@@ -1183,12 +1182,15 @@ def _shared_total_mismatch(
 # Device memory the measurement itself holds besides the workload's buffers: the L2-flush buffer (the L2's
 # size), guard regions around each buffer, the CUDA context and module (a few hundred MiB on current GPUs).
 _CONTEXT_RESERVE_BYTES = 512 * 2**20
+# Host copies of the buffers a measurement holds at once (`_check_workload_fits`).
+HOST_COPIES = 4
 
 
 def _check_workload_fits(workload: Workload, info: DeviceInfo) -> None:
     """Refuse, before anything is charged, buffers the device could not hold at once."""
     buffers = [a for a in workload.args if isinstance(a, BufferArg)]
-    need = sum(a.nbytes for a in buffers) + 2 * GUARD_BYTES * len(buffers) + info.l2_bytes
+    data = sum(a.nbytes for a in buffers)
+    need = data + 2 * GUARD_BYTES * len(buffers) + info.l2_bytes
     if need + _CONTEXT_RESERVE_BYTES > info.total_mem_bytes:
         raise InvalidRequest(
             f"the workload's buffers need {need / 2**30:.2f} GiB of device memory with the L2-flush buffer, "
@@ -1198,7 +1200,7 @@ def _check_workload_fits(workload: Workload, info: DeviceInfo) -> None:
     # The worker holds up to HOST_COPIES host copies of the buffers at once (the inputs, a fresh input set for
     # the second check, the kernel's and the reference's outputs): past the machine's free memory the kernel
     # would be killed by the OOM killer and the caller told "worker crashed ... check the kernel for faults".
-    host_need = HOST_COPIES * sum(a.nbytes for a in buffers)
+    host_need = HOST_COPIES * data
     available = _host_memory_available()
     if available is not None and host_need > available:
         raise InvalidRequest(
@@ -1206,9 +1208,6 @@ def _check_workload_fits(workload: Workload, info: DeviceInfo) -> None:
             f"({HOST_COPIES} copies: inputs, a fresh input set, the kernel's and the reference's outputs), more "
             f"than the {available / 2**30:.2f} GiB free on the measurement machine: use smaller shapes"
         )
-
-
-HOST_COPIES = 4
 
 
 def _host_memory_available() -> int | None:

@@ -353,7 +353,7 @@ class Store:
             await conn.execute("PRAGMA foreign_keys = ON")
             await migrate(conn)
             store = cls(conn, path)
-            released = await store._write(lambda c: store._release_orphans(c, time.time()))
+            released = await store.release_orphans()
         except sqlite3.DatabaseError as exc:
             await conn.close()
             if isinstance(exc, sqlite3.OperationalError):  # busy, read-only, ...: says what it is
