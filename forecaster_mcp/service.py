@@ -1170,6 +1170,7 @@ def build_forecasters(settings: Settings, store: Store) -> list[Forecaster]:
                 samples=settings.claude_samples,
                 usage_sink=store,
                 ledger=settings.ledger,
+                time_limit_s=settings.forecast_timeout_s,
             )
         )
     return out

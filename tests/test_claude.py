@@ -416,6 +416,33 @@ async def test_model_rejecting_forced_tool_use_switches_to_json_output(rejection
 
 
 @pytest.mark.anyio
+async def test_a_call_past_its_time_limit_keeps_the_pairs_already_answered() -> None:
+    """compare_kernels' time limit cancels the requests still running, but what was answered is paid for:
+    those pairs keep Claude's forecast (a pair with one of its two samples is aggregated from that one), the
+    exception names the limit, and every answered request is billed."""
+    mock = AnthropicMock(lambda body: tool_answer(FASTER))
+
+    async def handle(request: httpx2.Request) -> httpx2.Response:
+        body = json.loads(request.content)
+        if "saxpy4" in body["messages"][0]["content"][-1]["text"]:
+            await asyncio.sleep(30)  # this pair's requests never finish within the limit
+        return mock.handle(request)
+
+    sink = FakeSink()
+    f = ClaudeForecaster(
+        "test-key", MODEL, samples=2, features=None, usage_sink=sink, time_limit_s=1.0,
+        http_client=httpx2.AsyncClient(transport=httpx2.MockTransport(handle)),
+    )  # fmt: skip
+    queries = [pair(same_source=True), pair(), replace(pair(same_source=True), hardware_name="H100")]
+    with pytest.raises(ClaudeUnavailable, match=r"1 of 3 pair.*did not finish within 1 s") as info:
+        await asyncio.wait_for(f.forecast(queries), timeout=20)
+    partial = info.value.partial
+    assert partial is not None and partial[1] is None
+    assert all(p is not None and p.extras["claude_samples"] == 2 for p in (partial[0], partial[2]))
+    assert sum(c["input_tokens"] for c in sink.calls) == 1000 * len(mock.message_bodies)
+
+
+@pytest.mark.anyio
 async def test_concurrency_is_bounded_by_the_semaphore() -> None:
     in_flight = 0
     peak = 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import re
 import statistics
@@ -245,6 +246,7 @@ class ClaudeForecaster:
         batch_poll_interval_s: float = 30.0,
         batch_max_wait_s: float = 25 * 3600.0,
         sleep: Callable[[float], Awaitable[None]] | None = None,
+        time_limit_s: float | None = None,
     ) -> None:
         if http_client is None and os.environ.get(FORBID_REAL_API_ENV) == "1":
             raise RealApiCallForbidden(
@@ -288,31 +290,41 @@ class ClaudeForecaster:
         self._batch_poll_interval_s = batch_poll_interval_s
         self._batch_max_wait_s = batch_max_wait_s
         self._sleep = sleep or asyncio.sleep
+        # compare_kernels' bound on one call (forecast_timeout_s); the engine's own timeout is a backstop.
+        self.time_limit_s = time_limit_s
         self.usage_total = TokenUsage()
         self.cost_usd_total = 0.0
 
     # ------------------------------------------------------------ public
 
     async def forecast(self, queries: Sequence[PairQuery]) -> list[BinForecast]:
-        """One BinForecast per query. ClaudeUnavailable when some pair got no usable sample."""
+        """One BinForecast per query. ClaudeUnavailable when some pair got no usable sample.
+
+        After `time_limit_s` the requests still running are cancelled and the pairs answered so far (a pair
+        with fewer samples than asked is aggregated from those it has) are kept in the exception's `partial`:
+        they are paid for."""
         usage = TokenUsage()
         problems: list[str] = []
+        got: list[list[_Sample | None]] = [[] for _ in queries]
         try:
             texts = await self._user_texts(queries)
-            first: list[_Sample | None] | None = None
-            if queries and self._warm_cache and time.monotonic() >= self._cache_warm_until:
-                # One request alone writes the shared system-prompt cache that every other request reads.
-                first = [await self._sample(texts[0], usage, problems)]
-            results = await _gather_or_cancel(
-                [
-                    self._forecast_one(text, usage, problems, first if i == 0 else None)
-                    for i, text in enumerate(texts)
-                ]
-            )
+            limit = math.inf if self.time_limit_s is None else self.time_limit_s
+            with anyio.move_on_after(limit) as scope:
+                if queries and self._warm_cache and time.monotonic() >= self._cache_warm_until:
+                    # One request alone writes the shared system-prompt cache that every other request reads.
+                    got[0].append(await self._sample(texts[0], usage, problems))
+                await _gather_or_cancel(
+                    [self._forecast_one(text, usage, problems, got[i]) for i, text in enumerate(texts)]
+                )
+            if scope.cancelled_caught:
+                problems.append(
+                    f"Claude did not finish within {limit:g} s (forecast_timeout_s; raise it for compares of "
+                    "many candidates, or lower claude_samples)"
+                )
         finally:
             with anyio.CancelScope(shield=True):  # a timed-out call still paid for what it got
                 await self._record(usage, batch=False)
-        return self._finish(results, problems)
+        return self._finish([self._aggregated(g) for g in got], problems)
 
     async def forecast_batch(self, queries: Sequence[PairQuery]) -> list[BinForecast]:
         """Forecast many pairs through the Message Batches API (half price, minutes to hours).
@@ -364,14 +376,19 @@ class ClaudeForecaster:
     # ------------------------------------------------------------ one pair, one sample
 
     async def _forecast_one(
-        self, text: str, usage: TokenUsage, problems: list[str], done: list[_Sample | None] | None
-    ) -> BinForecast | None:
-        got: list[_Sample | None] = list(done or [])
+        self, text: str, usage: TokenUsage, problems: list[str], got: list[_Sample | None]
+    ) -> None:
+        """This pair's samples, appended to `got` as each arrives (a timeout keeps those already in)."""
         if not got and self._warm_cache and self.samples > 1:
             # The first sample writes this pair's cache entry; the others then read the long kernel text.
             got.append(await self._sample(text, usage, problems))
-        remaining = self.samples - len(got)
-        got.extend(await _gather_or_cancel([self._sample(text, usage, problems) for _ in range(remaining)]))
+
+        async def one() -> None:
+            got.append(await self._sample(text, usage, problems))
+
+        await _gather_or_cancel([one() for _ in range(self.samples - len(got))])
+
+    def _aggregated(self, got: Sequence[_Sample | None]) -> BinForecast | None:
         valid = [s for s in got if s is not None]
         return self._aggregate(valid) if valid else None
 

@@ -39,7 +39,6 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -69,6 +68,8 @@ RAW_PREFIX = "raw:"
 POOLED = "*"  # the `hardware` key of persisted engine state (it holds every GPU's calibration)
 STATE_VERSION = 1
 _EMPTY = np.zeros(0)
+# A remote forecaster that bounds its own calls (`time_limit_s`) gets this much longer before it is cut off.
+_BACKSTOP_GRACE_S = 10.0
 
 
 Regime = Literal["model", "unmeasured", "prior"]
@@ -295,15 +296,21 @@ class ForecastEngine:
         notes: list[str] = []
 
         async def run(i: int, f: Forecaster) -> None:
+            limit = self._timeout_s if getattr(f, "remote", False) else None
+            own = getattr(f, "time_limit_s", None)
+            if limit is not None and own is not None:
+                # It stops itself at its own limit and keeps what it has; this is only a backstop.
+                limit = own + _BACKSTOP_GRACE_S
             try:
-                scope: AbstractContextManager[Any] = (
-                    anyio.fail_after(self._timeout_s)
-                    if self._timeout_s is not None and getattr(f, "remote", False)
-                    else nullcontext()
-                )
                 batch = getattr(f, "forecast_batch", None) if bulk else None
-                with scope:
+                with anyio.CancelScope(
+                    deadline=math.inf if limit is None else anyio.current_time() + limit
+                ) as scope:
                     out = await (batch or f.forecast)(queries)
+                if scope.cancelled_caught:
+                    raise TimeoutError(
+                        f"no answer within {limit:g} s (forecast_timeout_s); the other forecasters answered"
+                    )
                 if len(out) != len(queries):
                     raise ValueError(f"answered {len(out)} of {len(queries)} queries")
                 answers[i] = list(out)
