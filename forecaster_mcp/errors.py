@@ -34,6 +34,11 @@ class MeasurementInProgress(AgentError):
     """A measurement with the same idempotency key is still running."""
 
 
+class ResultNotSaved(AgentError):
+    """A measurement ran and was charged, but the server could not store its result (disk full, database
+    locked): not the caller's doing, but the caller must know it was charged and that a retry measures again."""
+
+
 class SameMeasurementRunning(ForecasterMcpError):
     """Internal: another hold (possibly of another process) pays for this very measurement (its cache key)."""
 

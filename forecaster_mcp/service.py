@@ -28,6 +28,7 @@ from forecaster_mcp.errors import (
     InvalidRequest,
     NotMeasurable,
     OperatorError,
+    ResultNotSaved,
     SameMeasurementRunning,
     UnknownLedger,
 )
@@ -54,7 +55,7 @@ from forecaster_mcp.models import (
 )
 from forecaster_mcp.reports import BudgetStatus, GpuSpecRow
 from forecaster_mcp.settings import Settings
-from forecaster_mcp.store.db import ForecastRow, IdempotentRequest, Reservation, Store
+from forecaster_mcp.store.db import ForecastRow, IdempotentRequest, Reservation, Store, fmt_gpu_seconds
 
 log = logging.getLogger(__name__)
 
@@ -837,19 +838,42 @@ class Service:
                             settled = True
                     raise
                 with anyio.CancelScope(shield=True):
-                    # Saved before the commit: a retry under the same key in another process then finds it
-                    # (no window in which neither the hold nor the measurement carries the key).
-                    expected = max(0.0, min(result.cost.gpu_seconds, hold.gpu_seconds))
+                    # Saved and charged in one transaction: a retry under the same key in another process
+                    # finds the result, and no crash or failed save leaves a result uncharged (or device time
+                    # used and released free).
+                    cost = result.cost.gpu_seconds
+                    # A cost that is not a number charges the whole hold (the device time is unknown).
+                    expected = (
+                        max(0.0, min(cost, hold.gpu_seconds)) if math.isfinite(cost) else hold.gpu_seconds
+                    )
                     result = result.model_copy(
                         update={
                             "kernel_id": kernel.id,
                             "cost": result.cost.model_copy(update={"gpu_seconds": expected}),
                         }
                     )
-                    result.measurement_id = await self.store.save_measurement(
-                        **save, result=result, charged_gpu_seconds=expected, cached=False
-                    )
-                    charged = await self.store.commit(hold, result.cost.gpu_seconds)
+                    try:
+                        result.measurement_id, charged = await self.store.save_and_commit(
+                            hold, **save, result=result, charged_gpu_seconds=expected, cached=False
+                        )
+                    except Exception as exc:
+                        # The result cannot be stored (disk full, database locked too long): the device time
+                        # is still charged, and the caller is told the result was not kept.
+                        log.exception(
+                            "could not save the measurement of %s; charging its device time", kernel.id
+                        )
+                        settled = True  # never released free: the device time was used
+                        try:
+                            charged = await self.store.commit(hold, expected)
+                        except Exception:
+                            self.store.commit_later(hold, expected)
+                            charged = expected
+                        raise ResultNotSaved(
+                            f"the measurement of {kernel.id} ran and was charged {fmt_gpu_seconds(charged)} "
+                            f"GPU-seconds, but the server could not store its result ({type(exc).__name__}: "
+                            f"{one_line(str(exc), 200)}): tell the server's operator (its state folder may be full "
+                            "or locked); a retry measures, and is charged, again"
+                        ) from exc
                     settled = True
                     result.cost.gpu_seconds = charged
                     # New verified pairs: let calibration and the threshold see them on the next call.

@@ -507,7 +507,9 @@ async def test_a_compare_does_not_wait_on_a_hanging_forecaster(tmp_path: Path) -
                 ledger=None, candidates=kernels, workload=Workload(), baseline=None, hardware="A100",
                 target_error=None, measure_if_unsure=False, max_measurements=0,
             )  # fmt: skip
-        assert any("hangs skipped: TimeoutError: no answer within 0.3 s (forecast_timeout_s)" in n for n in res.notes)
+        assert any(
+            "hangs skipped: TimeoutError: no answer within 0.3 s (forecast_timeout_s)" in n for n in res.notes
+        )
         assert res.candidates[0].rationale.startswith("local:")
         # Who forecasts (both) and who answered this call (the local forecaster alone).
         assert res.forecaster.name == "local+hangs" and len(res.forecaster.components) == 2

@@ -3,6 +3,7 @@ not cached or learned, and a cached result answers only requests it is precise e
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import sqlite3
 import sys
@@ -468,3 +469,119 @@ async def test_budget_status_does_not_show_a_dead_owners_hold_as_reserved(tmp_pa
         assert status.reserved_gpu_seconds == 0 and status.remaining_gpu_seconds == pytest.approx(1000.0)
     finally:
         await svc.close()
+
+
+class _CostsNaN(ScriptedMeasurer):
+    async def measure(
+        self, request: MeasureRequest, progress: ProgressCallback | None = None
+    ) -> MeasureResult:
+        result = await super().measure(request, progress)
+        return result.model_copy(update={"cost": MeasureCost(gpu_seconds=float("nan"))})
+
+
+async def test_a_run_whose_cost_is_not_a_number_is_charged_its_whole_hold(tmp_path: Path) -> None:
+    """A measurer that cannot say how long it used the device (NaN) is charged the hold, never 0."""
+    svc = await make_service(tmp_path, _CostsNaN(["ok"]))
+    try:
+        res = await svc.measure(ledger="L", kernel=kernel(), workload=WORKLOAD, max_seconds=3)
+        view = await svc.store.get_ledger("L")
+        assert view is not None and view.spent_gpu_seconds == pytest.approx(3.0) == res.cost.gpu_seconds
+    finally:
+        await svc.close()
+
+
+class _FillsTheDisk(ScriptedMeasurer):
+    """Measures, and meanwhile the database's disk fills up: the result can no longer be stored."""
+
+    store: Store
+
+    async def measure(
+        self, request: MeasureRequest, progress: ProgressCallback | None = None
+    ) -> MeasureResult:
+        conn = self.store._conn
+        assert conn is not None
+        pages = (await conn.execute_fetchall("PRAGMA page_count"))[0][0]
+        await conn.execute(f"PRAGMA max_page_count = {pages}")
+        result = await super().measure(request, progress)
+        return result.model_copy(update={"message": "a long log " * 2000})  # more than the free pages hold
+
+
+async def test_a_result_the_store_cannot_keep_is_still_charged_and_the_caller_told(tmp_path: Path) -> None:
+    """The run used the device: a failed save (disk full) charges it, says so, and leaves no hold open;
+    before, the hold was released and the device time was free."""
+    from forecaster_mcp.errors import ResultNotSaved
+
+    m = _FillsTheDisk(["ok"])
+    svc = await make_service(tmp_path, m)
+    m.store = svc.store
+    try:
+        with pytest.raises(ResultNotSaved, match=r"ran and was charged 0\.25 GPU-seconds.*could not store"):
+            await svc.measure(ledger="L", kernel=kernel(SIZE=1 << 20), workload=WORKLOAD, max_seconds=3)
+        assert svc.store._conn is not None
+        await svc.store._conn.execute("PRAGMA max_page_count = 1073741823")
+        view = await svc.store.get_ledger("L")
+        assert view is not None and view.spent_gpu_seconds == 0.25 and view.reserved_gpu_seconds == 0
+        assert [r["state"] for r in await svc.store.reservations("L")] == ["committed"]
+    finally:
+        await svc.close()
+
+
+async def test_a_saved_result_and_its_charge_are_one_transaction(tmp_path: Path) -> None:
+    """A crash can no longer leave a stored (cached, served free) result whose hold was never committed:
+    the row and the charge are written together, or neither is."""
+    store = await Store.open(tmp_path / "s.sqlite3")
+    await store.ensure_ledger("L", 10.0)
+    hold = await store.reserve("L", 2.0, "measure k")
+    result = MeasureResult(
+        kernel_id="k",
+        status="ok",
+        runtime_ms=runtime_stats([1.0] * 5),
+        device=DeviceProvenance(name="X", backend="fake"),
+        cost=MeasureCost(gpu_seconds=0.5),
+    )
+    save: dict[str, Any] = {
+        "cache_key": "c", "ledger": "L", "idempotency_key": None, "kernel_json": kernel().model_dump_json(),
+        "workload_key": "w", "family_key": "f", "content_key": "k", "hardware": "X", "result": result,
+        "charged_gpu_seconds": 0.5, "cached": False,
+    }  # fmt: skip
+    try:
+        real = store._settle_in
+
+        async def dies(*args: Any) -> int:
+            raise sqlite3.OperationalError("the process dies here")
+
+        store._settle_in = dies  # type: ignore[method-assign]
+        with pytest.raises(sqlite3.OperationalError):
+            await store.save_and_commit(hold, **save)
+        assert await store.find_measurement("c") is None  # rolled back with the charge
+        store._settle_in = real  # type: ignore[method-assign]
+        _, charged = await store.save_and_commit(hold, **save)
+        assert charged == 0.5 and (await store.find_measurement("c")) is not None
+        view = await store.get_ledger("L")
+        assert view is not None and view.spent_gpu_seconds == 0.5 and view.reserved_gpu_seconds == 0
+    finally:
+        await store.close()
+
+
+async def test_a_commit_that_fails_is_retried_in_the_background_until_the_database_takes_it(
+    tmp_path: Path,
+) -> None:
+    store = await Store.open(tmp_path / "s.sqlite3")
+    await store.ensure_ledger("L", 10.0)
+    hold = await store.reserve("L", 2.0, "measure k")
+    real, failures = store.commit, [sqlite3.OperationalError("database is locked")] * 2
+
+    async def flaky(reservation: Any, seconds: float) -> float:
+        if failures:
+            raise failures.pop()
+        return await real(reservation, seconds)
+
+    store.commit = flaky  # type: ignore[method-assign]
+    try:
+        store.commit_later(hold, 1.5, interval_s=0.01)
+        with anyio.fail_after(5):
+            await asyncio.gather(*store._retrying)
+        assert (await store.get_ledger("L")).spent_gpu_seconds == 1.5  # type: ignore[union-attr]
+        assert not failures and [r["state"] for r in await store.reservations("L")] == ["committed"]
+    finally:
+        await store.close()

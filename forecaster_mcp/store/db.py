@@ -174,6 +174,16 @@ def to_micro(gpu_seconds: float, what: str, error: type[Exception], *, allow_zer
     return max(micro, 0 if allow_zero else 1)
 
 
+def _charge_micro(actual_gpu_seconds: float) -> int:
+    """Device time to charge, in micro GPU-seconds: a negative one is 0, a NaN or infinite one the most a hold
+    can be (so it charges the whole hold), and device time however short is never charged as nothing."""
+    actual = float(actual_gpu_seconds)
+    if not math.isfinite(actual):
+        return round(MAX_GPU_SECONDS * MICRO)
+    micro = round(min(max(actual, 0.0), MAX_GPU_SECONDS) * MICRO)
+    return 1 if actual > 0.0 and micro == 0 else micro
+
+
 def _gs(micro: int) -> float:
     return micro / MICRO
 
@@ -330,6 +340,7 @@ class Store:
         self._lock = asyncio.Lock()
         self._owner = _Owner.current()
         self._background: set[asyncio.Future[Any]] = set()
+        self._retrying: set[asyncio.Future[Any]] = set()  # commit_later's; cancelled by close()
 
     @classmethod
     async def open(cls, path: Path) -> Store:
@@ -371,7 +382,11 @@ class Store:
         return store
 
     async def close(self) -> None:
-        """Finish transactions still running for cancelled callers, then close the connection."""
+        """Finish transactions still running for cancelled callers, then close the connection (a commit still
+        retried by `commit_later` is given up: its hold is released as an orphan at the next start)."""
+        for fut in list(self._retrying):
+            fut.cancel()
+        await asyncio.gather(*list(self._retrying), return_exceptions=True)
         while self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
         if self._conn is not None:
@@ -637,58 +652,77 @@ class Store:
 
     async def _settle(self, reservation: Reservation, actual_micro: int | None) -> int:
         """Commit (actual_micro not None) or release a held reservation; 0, no change if settled."""
+        return await self._write(lambda conn: self._settle_in(conn, reservation, actual_micro))
 
-        async def body(conn: Any) -> int:
-            rows = await conn.execute_fetchall(
-                "SELECT ledger, amount_micro, state FROM reservations WHERE id = ?", (reservation.id,)
+    async def _settle_in(self, conn: Any, reservation: Reservation, actual_micro: int | None) -> int:
+        """`_settle` inside a write transaction."""
+        rows = await conn.execute_fetchall(
+            "SELECT ledger, amount_micro, state FROM reservations WHERE id = ?", (reservation.id,)
+        )
+        if not rows or str(rows[0][0]) != reservation.ledger:
+            raise ValueError(
+                f"no reservation {reservation.id} on ledger '{reservation.ledger}' in {self.path}"
             )
-            if not rows or str(rows[0][0]) != reservation.ledger:
-                raise ValueError(
-                    f"no reservation {reservation.id} on ledger '{reservation.ledger}' in {self.path}"
-                )
-            held, state = int(rows[0][1]), str(rows[0][2])
-            if state != "open":
-                return 0
-            charged = 0 if actual_micro is None else min(actual_micro, held)
-            now = time.time()
-            await conn.execute(
-                "UPDATE ledgers SET spent_micro = spent_micro + ?, reserved_micro = reserved_micro - ?, "
-                "updated_at = ? WHERE name = ?",
-                (charged, held, now, reservation.ledger),
-            )
-            new_state = "released" if actual_micro is None else "committed"
-            await conn.execute(
-                "UPDATE reservations SET state = ?, charged_micro = ?, settled_at = ? WHERE id = ?",
-                (new_state, charged, now, reservation.id),
-            )
-            if actual_micro is None:
-                await self._event(
-                    conn, reservation.ledger, "release", held, reserved_delta=-held,
-                    reservation_id=reservation.id, now=now,
-                )  # fmt: skip
-            else:
-                await self._event(
-                    conn, reservation.ledger, "commit", charged, spent_delta=charged, reserved_delta=-held,
-                    reservation_id=reservation.id, detail=f"released {fmt_gpu_seconds(_gs(held - charged))}",
-                    now=now,
-                )  # fmt: skip
-            return charged
-
-        return await self._write(body)
+        held, state = int(rows[0][1]), str(rows[0][2])
+        if state != "open":
+            return 0
+        charged = 0 if actual_micro is None else min(actual_micro, held)
+        now = time.time()
+        await conn.execute(
+            "UPDATE ledgers SET spent_micro = spent_micro + ?, reserved_micro = reserved_micro - ?, "
+            "updated_at = ? WHERE name = ?",
+            (charged, held, now, reservation.ledger),
+        )
+        new_state = "released" if actual_micro is None else "committed"
+        await conn.execute(
+            "UPDATE reservations SET state = ?, charged_micro = ?, settled_at = ? WHERE id = ?",
+            (new_state, charged, now, reservation.id),
+        )
+        if actual_micro is None:
+            await self._event(
+                conn, reservation.ledger, "release", held, reserved_delta=-held,
+                reservation_id=reservation.id, now=now,
+            )  # fmt: skip
+        else:
+            await self._event(
+                conn, reservation.ledger, "commit", charged, spent_delta=charged, reserved_delta=-held,
+                reservation_id=reservation.id, detail=f"released {fmt_gpu_seconds(_gs(held - charged))}",
+                now=now,
+            )  # fmt: skip
+        return charged
 
     async def commit(self, reservation: Reservation, actual_gpu_seconds: float) -> float:
         """Charge min(actual, reserved), release the rest, append an event. Returns the charge.
 
         A negative actual charges 0; a NaN or infinite one charges the whole hold. Committing or releasing a
         reservation already settled (or released as an orphan) changes nothing and returns 0."""
-        actual = float(actual_gpu_seconds)
-        if not math.isfinite(actual):
-            actual_micro = round(MAX_GPU_SECONDS * MICRO)
-        else:
-            actual_micro = round(min(max(actual, 0.0), MAX_GPU_SECONDS) * MICRO)
-            if actual > 0.0 and actual_micro == 0:
-                actual_micro = 1  # device time, however short, is never charged as nothing
-        return _gs(await self._settle(reservation, actual_micro))
+        return _gs(await self._settle(reservation, _charge_micro(actual_gpu_seconds)))
+
+    def commit_later(
+        self,
+        reservation: Reservation,
+        actual_gpu_seconds: float,
+        *,
+        interval_s: float = 10.0,
+        attempts: int = 60,
+    ) -> None:
+        """Keep trying `commit` in the background (every `interval_s`, at most `attempts` times) after it failed
+        on a locked or full database: a run that used the device is charged once the database takes writes
+        again, and its hold does not stay open (a retry under its key "still running") meanwhile."""
+
+        async def retry() -> None:
+            for _ in range(attempts):
+                await asyncio.sleep(interval_s)
+                try:
+                    await self.commit(reservation, actual_gpu_seconds)
+                    return
+                except sqlite3.Error as exc:
+                    log.warning("commit of reservation %s still failing: %s", reservation.id, exc)
+            log.error("gave up committing reservation %s; it is released at the next start", reservation.id)
+
+        fut = asyncio.ensure_future(retry())
+        self._retrying.add(fut)
+        fut.add_done_callback(self._retrying.discard)
 
     async def release(self, reservation: Reservation) -> None:
         """Release the whole hold, charging nothing (the measurement did not happen)."""
@@ -896,6 +930,38 @@ class Store:
         `check_key`: what its outputs were checked against (the service's `check_key`).
 
         A second save under the same (ledger, idempotency_key) inserts nothing and returns the first id."""
+        mid, _ = await self._save(
+            cache_key=cache_key, ledger=ledger, idempotency_key=idempotency_key, kernel_json=kernel_json,
+            workload_key=workload_key, family_key=family_key, content_key=content_key, hardware=hardware,
+            result=result, charged_gpu_seconds=charged_gpu_seconds, cached=cached, check_key=check_key, hold=None,
+        )  # fmt: skip
+        return mid
+
+    async def save_and_commit(self, hold: Reservation, **save: Any) -> tuple[int, float]:
+        """`save_measurement` of a paid run and the commit of its hold at `charged_gpu_seconds`, in one
+        transaction: a result is never stored without its charge (a crash between the two made it free, and
+        a failed save after the run used to release the hold uncharged). Returns (id, GPU-seconds charged):
+        0 charged when the hold was settled already (released as an orphan meanwhile)."""
+        mid, charged = await self._save(**save, hold=hold)
+        return mid, _gs(charged)
+
+    async def _save(
+        self,
+        *,
+        cache_key: str,
+        ledger: str | None,
+        idempotency_key: str | None,
+        kernel_json: str,
+        workload_key: str,
+        family_key: str,
+        content_key: str,
+        hardware: str,
+        result: MeasureResult,
+        charged_gpu_seconds: float,
+        cached: bool,
+        check_key: str | None = None,
+        hold: Reservation | None,
+    ) -> tuple[int, int]:
         charged = to_micro(charged_gpu_seconds, "charged_gpu_seconds", ValueError, allow_zero=True)
         kernel = json.loads(kernel_json)
         defines_json = json.dumps(kernel.get("defines") or {}, sort_keys=True)
@@ -961,7 +1027,16 @@ class Store:
                 )
             return mid
 
-        return await self._write(body)
+        async def body_and_commit(conn: Any) -> tuple[int, int]:
+            mid = await body(conn)
+            if hold is None:
+                return mid, 0
+            settled = await self._settle_in(conn, hold, _charge_micro(charged_gpu_seconds))
+            if settled != charged:  # the hold was settled already: the row says what was charged
+                await conn.execute("UPDATE measurements SET charged_micro = ? WHERE id = ?", (settled, mid))
+            return mid, settled
+
+        return await self._write(body_and_commit)
 
     async def export_rows(self) -> list[tuple[str, str, str, str]]:
         """(hardware, workload_key, kernel_json, result_json) of what `forecaster-mcp export` writes: per kernel
