@@ -6,6 +6,7 @@ import argparse
 import importlib
 import os
 import shlex
+import sqlite3
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -241,6 +242,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return code
     except (OperatorError, AgentError) as exc:
         print(f"forecaster-mcp: {exc}", file=sys.stderr)
+        return 2
+    except sqlite3.OperationalError as exc:
+        print(
+            f"forecaster-mcp: the state database is busy or cannot be written ({exc}): another process holds it "
+            "(a server, a VACUUM) or its folder is read-only or full; try again when it is free",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:
         return 130

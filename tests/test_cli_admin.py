@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes.util
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -269,7 +271,7 @@ def test_serve_refuses_a_measurer_it_cannot_use(
 ) -> None:
     # Chosen explicitly, a measurer that cannot work (or a recording it would drop) is refused at start-up:
     # an IDE user would otherwise only learn of it from the agent's first failed measurement.
-    if argv == ["--measurer", "pycuda"] and __import__("ctypes").util.find_library("cuda") is not None:
+    if argv == ["--measurer", "pycuda"] and ctypes.util.find_library("cuda") is not None:
         pytest.skip("this machine may have a GPU to measure on")
     rec = small_recording(tmp_path / "rec.json", {"32": {"bx": 32, "time": 1.0, "times": [1.0]}})
     code, out, err = run(capsys, "serve", *[a.format(rec=rec) for a in argv])
@@ -372,3 +374,26 @@ def test_home_may_follow_the_command(capsys: pytest.CaptureFixture[str], tmp_pat
     assert code == 0 and json.loads(out)["limit_gpu_seconds"] == 3
     code, out, _ = run(capsys, "--home", str(tmp_path / "elsewhere"), "ledger", "show", "--home", str(home))
     assert code == 0 and "after" in out  # the one nearest the command wins
+
+
+def test_a_locked_database_is_one_line_not_a_traceback(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server (or a VACUUM) holding the write lock: a read still answers, a write says what is wrong."""
+    from forecaster_mcp.store import db
+
+    assert run(capsys, "ledger", "create", "L", "--gpu-seconds", "5")[0] == 0
+    monkeypatch.setattr(db, "BUSY_TIMEOUT_S", 0.2)
+    other = sqlite3.connect(
+        Path(os.environ["FORECASTER_MCP_HOME"]) / "forecaster.sqlite3", isolation_level=None
+    )
+    try:
+        other.execute("BEGIN IMMEDIATE")
+        code, out, _ = run(capsys, "ledger", "show", "L")
+        assert code == 0 and "limit         5 GPU-seconds" in out
+        code, _, err = run(capsys, "ledger", "topup", "L", "--gpu-seconds", "1")
+        assert code == 2 and "the state database is busy or cannot be written (database is locked)" in err
+        assert "Traceback" not in err
+    finally:
+        other.execute("ROLLBACK")
+        other.close()

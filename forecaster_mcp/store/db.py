@@ -364,7 +364,7 @@ class Store:
             await conn.execute("PRAGMA foreign_keys = ON")
             await migrate(conn)
             store = cls(conn, path)
-            released = await store.release_orphans()
+            released = await store.release_orphans(best_effort=True)
         except sqlite3.DatabaseError as exc:
             await conn.close()
             if isinstance(exc, sqlite3.OperationalError):  # busy, read-only, ...: says what it is
@@ -728,9 +728,27 @@ class Store:
         """Release the whole hold, charging nothing (the measurement did not happen)."""
         await self._settle(reservation, None)
 
-    async def release_orphans(self) -> int:
-        """Release the holds of dead (or expired, unverifiable) owners now; returns how many."""
-        return await self._write(lambda conn: self._release_orphans(conn, time.time()))
+    async def release_orphans(self, *, best_effort: bool = False) -> int:
+        """Release the holds of dead (or expired, unverifiable) owners now; returns how many.
+
+        Takes the write lock only when another owner's hold is open (a read finds out first), so a reader
+        (budget_status, `ledger show`) does not wait on a writer for nothing; `best_effort`: a database that
+        stays locked (or cannot be written) releases nothing now instead of failing the read."""
+        me = self._owner
+        others = await self._fetch(
+            "SELECT 1 FROM reservations WHERE state = 'open' "
+            "AND NOT (owner_pid = ? AND owner_host = ? AND owner_start IS ?) LIMIT 1",
+            (me.pid, me.host, me.start),
+        )
+        if not others:
+            return 0
+        try:
+            return await self._write(lambda conn: self._release_orphans(conn, time.time()))
+        except sqlite3.OperationalError as exc:
+            if not best_effort:
+                raise
+            log.warning("orphan reservations not released now (%s); the next write releases them", exc)
+            return 0
 
     async def extend_hold(self, reservation: Reservation) -> bool:
         """Push an open hold's expiry as far out as at its reservation, from now: a measurement still queued
@@ -1243,7 +1261,7 @@ class Store:
 
         # A crashed owner's hold is released first, so the report does not show it as reserved (it would be
         # until the next reservation on this database released it).
-        await self.release_orphans()
+        await self.release_orphans(best_effort=True)
 
         async def body(conn: Any) -> dict[str, Any] | None:
             row = await self._ledger_row(conn, ledger)
