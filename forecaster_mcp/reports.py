@@ -48,7 +48,12 @@ class LlmUsage(BaseModel):
     output_tokens: int = 0
     cache_read_tokens: int = Field(default=0, description="input tokens read from the prompt cache")
     cache_write_tokens: int = Field(default=0, description="input tokens written to the prompt cache")
-    cost_usd: float = 0.0
+    cost_usd: float = Field(default=0.0, description="dollar cost of the tokens of models with a known price")
+    unpriced_tokens: int = Field(
+        default=0,
+        description="tokens spent on a model this server knows no price for (claude_model set to a new or "
+        "misspelt name): cost_usd leaves them out",
+    )
 
 
 class CalibrationSummary(BaseModel):

@@ -495,6 +495,30 @@ async def test_usage_is_recorded_with_cost() -> None:
 
 
 @pytest.mark.anyio
+async def test_tokens_of_a_model_with_no_known_price_are_reported_not_shown_as_free(tmp_path: Any) -> None:
+    """claude_model set to a name the price table lacks: budget_status says how many tokens its cost_usd
+    leaves out, instead of a bare, exact-looking $0."""
+    from forecaster_mcp.store.admin import _report_text
+    from forecaster_mcp.store.db import Store
+
+    store = await Store.open(tmp_path / "s.sqlite3")
+    await store.ensure_ledger("L", 1.0)
+    try:
+        f = make(scripted(tool_answer(FASTER)), model="claude-opus-9-9", usage_sink=store, ledger="L")
+        await f.forecast([pair()])
+        g = make(scripted(tool_answer(FASTER)), usage_sink=store, ledger="L")
+        await g.forecast([pair()])
+        report = await store.ledger_report("L")
+        assert report is not None
+        assert report["llm"]["unpriced_tokens"] == 1100 and report["llm"]["cost_usd"] == pytest.approx(
+            g.cost_usd_total
+        )
+        assert "(and 1100 tokens of a model with no known price)" in _report_text("L", report)
+    finally:
+        await store.close()
+
+
+@pytest.mark.anyio
 async def test_usage_of_failed_requests_is_still_recorded() -> None:
     sink = FakeSink()
     with pytest.raises(ClaudeUnavailable):
@@ -638,6 +662,25 @@ async def test_batch_flow() -> None:
     assert slept == [7.0, 7.0]  # one in_progress poll per batch
     assert sink.calls[0]["input_tokens"] == 5 * 1000
     assert sink.calls[0]["cost_usd"] == pytest.approx(cost_usd(MODEL, TokenUsage(5000, 500)) / 2)
+
+
+@pytest.mark.anyio
+async def test_a_batch_request_refused_for_the_account_keeps_the_other_paid_results() -> None:
+    """A billing or permission error on one request ends the batch work, but the results that succeeded
+    are billed and kept (the engine uses `partial`), not thrown away with the refused one."""
+
+    def responder(params: dict[str, Any]) -> Any:
+        if "saxpy4" in params["messages"][0]["content"][0]["text"]:
+            return error(400, "billing_error", "Your credit balance is too low")
+        return tool_answer(FASTER)
+
+    _, no_sleep = recording_sleep()
+    f = make(AnthropicMock(responder), sleep=no_sleep)
+    with pytest.raises(ClaudeUnavailable, match="billing_error") as info:
+        await f.forecast_batch([pair(same_source=True)] * 3 + [pair()])
+    partial = info.value.partial
+    assert partial is not None and partial[3] is None and all(p is not None for p in partial[:3])
+    assert f.usage_total.requests == 3
 
 
 @pytest.mark.anyio

@@ -353,12 +353,23 @@ class ClaudeForecaster:
                     partial = [self._aggregate(s) if s else None for s in samples]
                     raise ClaudeUnavailable(str(exc), partial=partial) from exc
                 retry: dict[tuple[int, int], int] = {}
+                rejected: ClaudeUnavailable | None = None
                 for (i, j), max_tokens in pending.items():
                     outcome = outcomes.get(f"q{i}-s{j}-r{round_no}")
-                    again = self._batch_outcome(outcome, mode, max_tokens, usage, problems, samples[i])
+                    try:
+                        again = self._batch_outcome(outcome, mode, max_tokens, usage, problems, samples[i])
+                    except ClaudeUnavailable as exc:
+                        # The account or model is refused (billing, permission): no further round, but every
+                        # other result of this batch is read, billed and kept.
+                        rejected = rejected or exc
+                        continue
                     if again is not None:
                         retry[(i, j)] = again
                 pending = retry
+                if rejected is not None:
+                    raise ClaudeUnavailable(
+                        str(rejected), partial=[self._aggregate(s) if s else None for s in samples]
+                    )
                 if gave_up is not None:
                     # What the cancelled batch finished is counted and kept; no further round.
                     raise ClaudeUnavailable(

@@ -80,7 +80,12 @@ def _report_text(name: str, r: dict[str, Any]) -> str:
         (
             "llm",
             f"{llm['calls']} calls, {llm['input_tokens']} input / {llm['output_tokens']} output tokens, "
-            f"${llm['cost_usd']:.4f}",
+            f"${llm['cost_usd']:.4f}"
+            + (
+                f" (and {llm['unpriced_tokens']} tokens of a model with no known price)"
+                if llm["unpriced_tokens"]
+                else ""
+            ),
         ),
         ("calibration", f"{cal['verified_pairs']} verified pairs, Brier {brier}"),
     ]

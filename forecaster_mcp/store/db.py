@@ -1308,7 +1308,10 @@ class Store:
                 await conn.execute_fetchall(
                     "SELECT count(*), coalesce(sum(input_tokens), 0), coalesce(sum(output_tokens), 0), "
                     "coalesce(sum(cost_usd), 0.0), coalesce(sum(cache_read_tokens), 0), "
-                    "coalesce(sum(cache_write_tokens), 0) FROM llm_usage WHERE ledger = ?",
+                    "coalesce(sum(cache_write_tokens), 0), "
+                    # Every known price is positive: tokens recorded at cost 0 are of a model with no price.
+                    "coalesce(sum(CASE WHEN cost_usd = 0 THEN input_tokens + output_tokens + cache_read_tokens "
+                    "+ cache_write_tokens ELSE 0 END), 0) FROM llm_usage WHERE ledger = ?",
                     (ledger,),
                 )
             )[0]
@@ -1360,6 +1363,7 @@ class Store:
                 "cache_read_tokens": int(llm[4]),
                 "cache_write_tokens": int(llm[5]),
                 "cost_usd": float(llm[3]),
+                "unpriced_tokens": int(llm[6]),
             },
             "calibration": {
                 "verified_pairs": len(outcomes),
