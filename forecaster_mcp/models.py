@@ -65,6 +65,10 @@ DTYPE_BYTES: dict[str, int] = {
 InitKind = Literal["random_uniform", "random_normal", "zeros", "ones", "arange"]
 Intent = Literal["in", "out", "inout"]
 DefineValue = int | float | str
+# A kernel's defines are its tuning parameters (a dozen in a Kernel Tuner space): these bounds only keep a
+# request's size, and the prompt Claude is paid to read, proportionate.
+MAX_DEFINES = 256
+MAX_DEFINE_NAME = 128
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # C0 control characters and DEL: a NUL cannot reach a process argument at all, and the others have no place in
 # a macro value or a compiler flag.
@@ -340,9 +344,18 @@ class Kernel(_Strict):
     @field_validator("defines")
     @classmethod
     def _defines(cls, v: dict[str, DefineValue]) -> dict[str, DefineValue]:
+        if len(v) > MAX_DEFINES:
+            raise ValueError(
+                f"{len(v)} defines, over the limit of {MAX_DEFINES}: pass the tuning parameters only (constants "
+                "the source always needs belong in the source)"
+            )
         for name, value in v.items():
             if not _IDENT.match(name):
                 raise ValueError(f"define name {name[:80]!r} is not a C identifier")
+            if len(name) > MAX_DEFINE_NAME:
+                raise ValueError(
+                    f"define name {name[:80]!r}... is over {MAX_DEFINE_NAME} characters: shorten it"
+                )
             if isinstance(value, str):
                 _one_line(value, f"define {name}'s value", 256)
                 if value.endswith("\\") or "/*" in value:

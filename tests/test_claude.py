@@ -607,6 +607,41 @@ def test_fence_outlasts_backticks_in_the_source() -> None:
     assert prompt.fence("x = 1", "triton").startswith("```python\n")
 
 
+def test_a_source_over_the_limit_keeps_its_entry_function() -> None:
+    """Helpers first and the kernel last (the usual order): the cut source still shows the kernel."""
+    helpers = "".join(f"__device__ float h{i}(float x) {{ return x * {i}.0f; }}\n" for i in range(5000))
+    src = helpers + NAIVE
+    assert len(src) > prompt.MAX_SOURCE_CHARS
+    shown = prompt.fence(src, "cuda", "saxpy")
+    assert NAIVE in shown and "characters cut; the entry function saxpy follows" in shown
+    assert shown.startswith("```cuda\n__device__ float h0(") and len(shown) < prompt.MAX_SOURCE_CHARS + 200
+    # An entry near the top (or not found) keeps the head, as before.
+    assert NAIVE in prompt.fence(NAIVE + helpers, "cuda", "saxpy")
+    assert "more characters cut */" in prompt.fence(helpers + NAIVE, "cuda", "missing")
+
+
+@pytest.mark.anyio
+async def test_a_pair_whose_prompt_is_over_the_limit_is_not_sent() -> None:
+    """Both kernels with the most and longest defines the request allows (each shown in its listing and in
+    "What differs"): over the prompt limit, that pair is not sent (and not paid for); the other pair is."""
+    mock = AnthropicMock(lambda body: tool_answer(FASTER))
+    f = make(mock)
+
+    def many(value: str) -> dict[str, Any]:
+        return {"V" * 120 + f"{i}": value * 250 for i in range(256)}
+
+    q = pair()
+    big = replace(
+        q,
+        baseline=q.baseline.model_copy(update={"defines": many("x")}),
+        candidate=q.candidate.model_copy(update={"defines": many("y")}),
+    )
+    with pytest.raises(ClaudeUnavailable, match=r"1 of 2 pair.*over the 350000 Claude is sent") as info:
+        await f.forecast([pair(), big])
+    assert info.value.partial is not None and info.value.partial[1] is None
+    assert len(mock.message_bodies) == 1  # the other pair only
+
+
 @pytest.mark.parametrize(
     ("payload", "problem"),
     [

@@ -310,9 +310,10 @@ class ClaudeForecaster:
             texts = await self._user_texts(queries)
             limit = math.inf if self.time_limit_s is None else self.time_limit_s
             with anyio.move_on_after(limit) as scope:
-                if queries and self._warm_cache and time.monotonic() >= self._cache_warm_until:
+                fits = [i for i, text in enumerate(texts) if len(text) <= prompt.MAX_PROMPT_CHARS]
+                if fits and self._warm_cache and time.monotonic() >= self._cache_warm_until:
                     # One request alone writes the shared system-prompt cache that every other request reads.
-                    got[0].append(await self._sample(texts[0], usage, problems))
+                    got[fits[0]].append(await self._sample(texts[fits[0]], usage, problems))
                 await _gather_or_cancel(
                     [self._forecast_one(text, usage, problems, got[i]) for i, text in enumerate(texts)]
                 )
@@ -337,7 +338,15 @@ class ClaudeForecaster:
         samples: list[list[_Sample]] = [[] for _ in queries]
         try:
             texts = await self._user_texts(queries)
-            pending = {(i, j): self._max_tokens() for i in range(len(queries)) for j in range(self.samples)}
+            for text in texts:
+                if len(text) > prompt.MAX_PROMPT_CHARS:
+                    problems.append(_too_long(text))
+            pending = {
+                (i, j): self._max_tokens()
+                for i in range(len(queries))
+                for j in range(self.samples)
+                if len(texts[i]) <= prompt.MAX_PROMPT_CHARS
+            }
             for round_no in range(1 + self.invalid_retries):
                 if not pending:
                     break
@@ -390,6 +399,9 @@ class ClaudeForecaster:
         self, text: str, usage: TokenUsage, problems: list[str], got: list[_Sample | None]
     ) -> None:
         """This pair's samples, appended to `got` as each arrives (a timeout keeps those already in)."""
+        if len(text) > prompt.MAX_PROMPT_CHARS:
+            problems.append(_too_long(text))
+            return
         if not got and self._warm_cache and self.samples > 1:
             # The first sample writes this pair's cache entry; the others then read the long kernel text.
             got.append(await self._sample(text, usage, problems))
@@ -727,6 +739,13 @@ class ClaudeForecaster:
         except Exception:
             # Accounting must not turn a paid, successful forecast into a failure.
             log.exception("could not record Claude usage (%d requests, $%.4f)", usage.requests, cost)
+
+
+def _too_long(text: str) -> str:
+    return (
+        f"a pair's prompt is {len(text)} characters, over the {prompt.MAX_PROMPT_CHARS} Claude is sent (long "
+        "sources, many defines): not sent; send only the kernel and its tuning parameters"
+    )
 
 
 async def _gather_or_cancel(coros: Sequence[Coroutine[Any, Any, _T]]) -> list[_T]:

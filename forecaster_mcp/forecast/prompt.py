@@ -29,6 +29,9 @@ MAX_REASONING_CHARS = 2000
 # A source over this many characters is cut in the prompt: a 1 MB source would not fit most context
 # windows, and the kernel's hot loop is rarely past the first 100k characters.
 MAX_SOURCE_CHARS = 100_000
+# A pair's whole prompt (two sources at most MAX_SOURCE_CHARS each, the defines twice each, features): about
+# 100k tokens. A longer one is not sent: it would be paid for at every sample.
+MAX_PROMPT_CHARS = 350_000
 _FENCE_LANGUAGE = {"cuda": "cuda", "hip": "hip", "opencl": "opencl", "triton": "python", "python": "python"}
 
 SYSTEM_PROMPT = f"""You are an expert GPU performance engineer. You forecast the relative runtime of two GPU \
@@ -295,7 +298,7 @@ def describe_kernel(kernel: Kernel, spec: GpuSpec | None, *, with_source: bool) 
     if kernel.compile_options:
         rows.append("compile options: " + " ".join(kernel.compile_options))
     if with_source:
-        rows.append("source:\n" + fence(kernel.source, kernel.language))
+        rows.append("source:\n" + fence(kernel.source, kernel.language, kernel.entry))
     return "\n".join(rows)
 
 
@@ -320,11 +323,36 @@ def describe_differences(base: Kernel, cand: Kernel) -> str:
     return "\n".join(rows)
 
 
-def fence(source: str, language: str) -> str:
-    """Source in a Markdown code fence tagged by language, longer than any backtick run inside."""
-    text = source
-    if len(text) > MAX_SOURCE_CHARS:
-        text = text[:MAX_SOURCE_CHARS] + f"\n/* ... {len(source) - MAX_SOURCE_CHARS} more characters cut */"
+def shown_source(source: str, entry: str | None = None) -> str:
+    """At most MAX_SOURCE_CHARS of a source, with markers where it was cut. A source over the limit keeps its
+    head (includes, helpers) and, when the entry function comes later, the text from that function on: the
+    kernel itself is what a forecast is about, and it often comes last."""
+    if len(source) <= MAX_SOURCE_CHARS:
+        return source
+    start = None
+    if entry:
+        # The __global__ definition of `entry` (a bounded pattern: no backtracking over a long source).
+        found = re.search(rf"__global__[^;{{}}]{{0,400}}?\b{re.escape(entry)}\s*\(", source)
+        if found is not None:
+            start = source.rfind("\n", 0, found.start()) + 1
+    if start is None or start <= MAX_SOURCE_CHARS // 5:
+        return source[:MAX_SOURCE_CHARS] + f"\n/* ... {len(source) - MAX_SOURCE_CHARS} more characters cut */"
+    # The entry function and what follows it, in at most 4/5 of the room; the head fills the rest.
+    body = source[start : start + MAX_SOURCE_CHARS - MAX_SOURCE_CHARS // 5]
+    head = MAX_SOURCE_CHARS - len(body)
+    rest = len(source) - start - len(body)
+    return (
+        source[:head]
+        + f"\n/* ... {start - head} characters cut; the entry function {entry} follows */\n"
+        + body
+        + (f"\n/* ... {rest} more characters cut */" if rest > 0 else "")
+    )
+
+
+def fence(source: str, language: str, entry: str | None = None) -> str:
+    """Source in a Markdown code fence tagged by language, longer than any backtick run inside (a source over
+    MAX_SOURCE_CHARS is cut as `shown_source` says)."""
+    text = shown_source(source, entry)
     longest = max((len(m) for m in re.findall(r"`+", text)), default=0)
     ticks = "`" * max(3, longest + 1)
     return f"{ticks}{_FENCE_LANGUAGE.get(language, language)}\n{text.rstrip()}\n{ticks}"
@@ -456,6 +484,7 @@ def _launch_text(k: Kernel) -> str:
 
 
 __all__ = [
+    "MAX_PROMPT_CHARS",
     "MAX_SOURCE_CHARS",
     "SYSTEM_PROMPT",
     "TOOL_NAME",
