@@ -1186,6 +1186,7 @@ def build_forecasters(settings: Settings, store: Store) -> list[Forecaster]:
     ]
     if settings.anthropic_api_key:
         from forecaster_mcp.forecast.claude import ClaudeForecaster
+        from forecaster_mcp.forecast.ptxas import find_nvcc
 
         out.append(
             ClaudeForecaster(
@@ -1195,6 +1196,8 @@ def build_forecasters(settings: Settings, store: Store) -> list[Forecaster]:
                 usage_sink=store,
                 ledger=settings.ledger,
                 time_limit_s=settings.forecast_timeout_s,
+                nvcc=find_nvcc(settings.nvcc),
+                cache_dir=settings.home / "cache",
             )
         )
     return out

@@ -30,6 +30,7 @@ from forecaster_mcp.forecast.claude import (
     cost_usd,
     price_for,
 )
+from forecaster_mcp.forecast.ptxas import find_nvcc
 from forecaster_mcp.hardware.specs import GpuSpec
 from forecaster_mcp.models import BufferArg, Kernel, Launch, ScalarArg, Workload
 from tests._anthropic_mock import (
@@ -598,6 +599,21 @@ async def test_default_features_adapt_a_per_kernel_extractor(monkeypatch: pytest
 
     monkeypatch.setitem(sys.modules, "forecaster_mcp.forecast.features", types.ModuleType("empty"))
     assert prompt.default_features_fn() is None
+
+
+@pytest.mark.anyio
+@pytest.mark.skipif(find_nvcc(None) is None, reason="needs nvcc")
+async def test_with_nvcc_the_prompt_carries_the_compilers_registers(tmp_path: Any) -> None:
+    """The system prompt tells Claude that registers, shared memory and spills come from ptxas: with nvcc
+    they do (without it they were never there, and occupancy was worked out from the launch alone)."""
+    mock = AnthropicMock(lambda body: tool_answer(FASTER))
+    with_nvcc = ClaudeForecaster(
+        "test-key", MODEL, http_client=mock.client(), nvcc=find_nvcc(None), cache_dir=tmp_path
+    )
+    text = (await with_nvcc._user_texts([pair()]))[0]
+    assert "- baseline.registers: " in text and "- candidate.spill_bytes: 0" in text
+    plain = ClaudeForecaster("test-key", MODEL, http_client=mock.client())
+    assert "registers: " not in (await plain._user_texts([pair()]))[0]
 
 
 def test_fence_outlasts_backticks_in_the_source() -> None:

@@ -25,13 +25,16 @@ import statistics
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 import anyio
+import anyio.to_thread
 
 from forecaster_mcp import bins
 from forecaster_mcp.forecast import prompt
 from forecaster_mcp.forecast.base import USAGE_LEDGER, BinForecast, PairQuery, PartialForecast
+from forecaster_mcp.models import Kernel
 
 if TYPE_CHECKING:
     import httpx2
@@ -60,6 +63,10 @@ _CANCEL_POLLS = 3
 # Message Batches limits: 100,000 requests and 256 MB per batch; stay well under both.
 _BATCH_MAX_REQUESTS = 10_000
 _BATCH_MAX_BYTES = 100 * 2**20
+# ptxas for the prompt: at most this many kernels a call (a screening call's dozens would hold Claude's
+# answer back), each compile bounded.
+MAX_PTXAS_KERNELS = 8
+_PTXAS_WAIT_S = 20.0
 _TRANSIENT_BATCH_ERRORS = {"rate_limit_error", "api_error", "overloaded_error", "timeout_error"}
 
 
@@ -247,6 +254,8 @@ class ClaudeForecaster:
         batch_max_wait_s: float = 25 * 3600.0,
         sleep: Callable[[float], Awaitable[None]] | None = None,
         time_limit_s: float | None = None,
+        nvcc: str | None = None,
+        cache_dir: Path | None = None,
     ) -> None:
         if http_client is None and os.environ.get(FORBID_REAL_API_ENV) == "1":
             raise RealApiCallForbidden(
@@ -292,6 +301,9 @@ class ClaudeForecaster:
         self._sleep = sleep or asyncio.sleep
         # compare_kernels' bound on one call (forecast_timeout_s); the engine's own timeout is a backstop.
         self.time_limit_s = time_limit_s
+        # With nvcc, the prompt's static features carry ptxas's registers, shared memory and spills.
+        self._nvcc = nvcc
+        self._cache_dir = cache_dir
         self.usage_total = TokenUsage()
         self.cost_usd_total = 0.0
 
@@ -559,12 +571,50 @@ class ClaudeForecaster:
         fn = self._features
         if fn is None:
             return [prompt.build_user_prompt(q) for q in queries]
+        ptxas = await self._ptxas(queries) if getattr(fn, "takes_ptxas", False) else {}
 
         def build(q: PairQuery) -> str:
-            return prompt.build_user_prompt(q, prompt.features_text(fn, q))
+            return prompt.build_user_prompt(q, prompt.features_text(fn, q, ptxas))
 
         # Feature extraction may run nvcc/ptxas: keep it off the event loop.
         return list(await asyncio.gather(*(asyncio.to_thread(build, q) for q in queries)))
+
+    async def _ptxas(self, queries: Sequence[PairQuery]) -> dict[str, object]:
+        """The compiler's registers, shared memory and spills of the pairs' CUDA kernels (content key ->
+        ptxas entry), when nvcc is configured and the call has at most MAX_PTXAS_KERNELS of them; cached on disk
+        by content (the local forecaster compiles the same kernels into the same cache)."""
+        if self._nvcc is None:
+            return {}
+        from forecaster_mcp.forecast.ptxas import ptxas_usage, stand_in_arch, supported_archs
+
+        todo: dict[str, tuple[Kernel, str]] = {}
+        for q in queries:
+            if q.hardware is None or q.hardware.vendor != "nvidia":
+                continue
+            for k in (q.baseline, q.candidate):
+                if k.language == "cuda":
+                    todo.setdefault(k.content_key(), (k, q.hardware.arch))
+        if not todo or len(todo) > MAX_PTXAS_KERNELS:
+            return {}
+        nvcc = self._nvcc
+        archs = await anyio.to_thread.run_sync(supported_archs, nvcc)
+        limiter = anyio.CapacityLimiter(2)
+        out: dict[str, object] = {}
+
+        async def one(key: str, kernel: Kernel, arch: str) -> None:
+            async with limiter:
+                usage = await ptxas_usage(
+                    kernel, stand_in_arch(arch, archs), nvcc, self._cache_dir, _PTXAS_WAIT_S
+                )
+            entry = usage.for_entry(kernel.entry) if usage is not None else None
+            if entry is not None:
+                out[key] = entry
+
+        with anyio.move_on_after(_PTXAS_WAIT_S + 1.0):
+            async with anyio.create_task_group() as tg:
+                for key, (kernel, arch) in todo.items():
+                    tg.start_soon(one, key, kernel, arch)
+        return out
 
     # ------------------------------------------------------------ batches
 

@@ -263,6 +263,7 @@ def build_forecasters(
                     "(or ANTHROPIC_API_KEY)"
                 )
             from forecaster_mcp.forecast.claude import ClaudeForecaster
+            from forecaster_mcp.forecast.ptxas import find_nvcc
 
             try:
                 out.append(
@@ -270,6 +271,8 @@ def build_forecasters(
                         api_key=settings.anthropic_api_key,
                         model=settings.claude_model,
                         samples=settings.claude_samples,
+                        nvcc=find_nvcc(settings.nvcc) if ptxas else None,
+                        cache_dir=settings.home / "cache",
                     )
                 )
             except Exception as exc:  # the SDK's own refusals (forbidden in tests, missing key)

@@ -387,10 +387,14 @@ def default_features_fn() -> FeaturesFn | None:
     return None
 
 
+# What a features function is given of the compiler's results: per kernel content key, its ptxas entry.
+PtxasByKernel = Mapping[str, object]
+
+
 def _per_kernel_adapter(fn: Callable[..., object]) -> FeaturesFn:
     params = inspect.signature(fn).parameters
 
-    def pair(query: PairQuery) -> object:
+    def pair(query: PairQuery, ptxas: PtxasByKernel | None = None) -> object:
         out = {}
         for role, kernel in (("baseline", query.baseline), ("candidate", query.candidate)):
             by_name: dict[str, object] = {
@@ -400,23 +404,28 @@ def _per_kernel_adapter(fn: Callable[..., object]) -> FeaturesFn:
                 "spec": query.hardware,
                 "gpu": query.hardware,
                 "hardware_name": query.hardware_name,
+                "ptxas": (ptxas or {}).get(kernel.content_key()),
             }
             kwargs = {name: by_name[name] for name in params if name in by_name}
             out[role] = fn(**kwargs)
         return out
 
+    pair.takes_ptxas = "ptxas" in params  # type: ignore[attr-defined]
     return pair
 
 
 _features_warned = False
 
 
-def features_text(fn: FeaturesFn | None, query: PairQuery) -> str | None:
-    """Run a feature extractor and format its result; any failure means no features, never a crash."""
+def features_text(fn: FeaturesFn | None, query: PairQuery, ptxas: PtxasByKernel | None = None) -> str | None:
+    """Run a feature extractor and format its result; any failure means no features, never a crash.
+    `ptxas`: the compiler's results for the pair's kernels, for an extractor that takes them."""
     global _features_warned
     if fn is None:
         return None
     try:
+        if ptxas and getattr(fn, "takes_ptxas", False):
+            return format_features(fn(query, ptxas))  # type: ignore[call-arg]
         return format_features(fn(query))
     except Exception as exc:
         # Warn once: a broken extractor fails the same way for every pair.
