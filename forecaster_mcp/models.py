@@ -65,9 +65,10 @@ DTYPE_BYTES: dict[str, int] = {
 InitKind = Literal["random_uniform", "random_normal", "zeros", "ones", "arange"]
 Intent = Literal["in", "out", "inout"]
 DefineValue = int | float | str
-# A kernel's defines are its tuning parameters (a dozen in a Kernel Tuner space): these bounds only keep a
-# request's size, and the prompt Claude is paid to read, proportionate.
-MAX_DEFINES = 256
+# A kernel's defines are its tuning parameters (a dozen in a Kernel Tuner space): these bounds keep a
+# request's size, the prompt Claude is paid to read, and the family model's fit (its cost grows with the number
+# of parameters: 200 of them took 30 s and 1 GB on 200 points) proportionate.
+MAX_DEFINES = 64
 MAX_DEFINE_NAME = 128
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # C0 control characters and DEL: a NUL cannot reach a process argument at all, and the others have no place in

@@ -127,6 +127,79 @@ async def test_measured_kernels_use_their_measurements() -> None:
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("measured", "asked"),
+    [
+        ("0xFFFFFFFFFFFFFFFF", "0xFFFFFFFFFFFFFF00"),  # two 64-bit masks, one float apart from nothing
+        (2**60, 2**60 + 1),  # integers beyond a float's 53 bits
+        ("016", 16),  # octal 14 in C
+    ],
+)
+async def test_a_member_is_never_answered_by_another_members_measurement(measured: Any, asked: Any) -> None:
+    """Members are told apart by their values as the compiler reads them: an unmeasured kernel whose value
+    only rounds to a measured one's is forecast, not reported as measured (and then never proposed)."""
+    h = FakeHistory()
+    for i, v in enumerate((measured, 3, 5, 7)):
+        h.add(Kernel(source=SOURCE, entry="k", defines={"M": v}), 1.0 + i)
+    f = LocalForecaster(h, ptxas_wait_s=0.0)
+    base = Kernel(source=SOURCE, entry="k", defines={"M": 3})
+    [out] = await f.forecast([query(base, Kernel(source=SOURCE, entry="k", defines={"M": asked}))])
+    assert out.extras["measured"] == 0.0 and "both measured" not in out.rationale
+    # The same value spelt another way is still the measured member.
+    same = {"0xFFFFFFFFFFFFFFFF": "0XFFFFFFFFFFFFFFFFull", 2**60: "1152921504606846976", "016": "0o16"}[
+        measured
+    ]
+    if same != "0o16":
+        [again] = await f.forecast([query(base, Kernel(source=SOURCE, entry="k", defines={"M": same}))])
+        assert again.extras["measured"] == 1.0
+
+
+@pytest.mark.anyio
+async def test_a_family_of_mostly_failed_points_is_fitted_off_the_event_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fit's cost grows with every point, failed ones too (encoding, the failure model): a family of
+    2,000 failed and 10 ok configurations was fitted on the event loop (half a second)."""
+    import threading
+
+    from forecaster_mcp.forecast import local
+
+    h = FakeHistory()
+    for i in range(60):
+        h.add(
+            Kernel(source=SOURCE, entry="k", defines={"ID": i}),
+            1.0 + i if i < 10 else None,
+            "ok" if i < 10 else "launch_error",
+        )
+    where: list[str] = []
+    real = local.fit_family
+
+    def recording(*args: Any) -> Any:
+        where.append(threading.current_thread().name)
+        return real(*args)
+
+    monkeypatch.setattr(local, "fit_family", recording)
+    f = LocalForecaster(h, ptxas_wait_s=0.0)
+    k = [Kernel(source=SOURCE, entry="k", defines={"ID": i}) for i in (1, 100)]
+    await f.forecast([query(k[0], k[1])])
+    assert where and where[0] != threading.main_thread().name
+
+
+@pytest.mark.anyio
+async def test_absurd_recorded_runtimes_still_give_finite_forecasts() -> None:
+    """A recording may hold any finite positive runtime: 1e300 ms overflowed the rationale and speedups."""
+    h = FakeHistory()
+    for b, ms in [(1, 1e300), (2, 1e308), (4, 1.7e308), (8, 1e-300), (16, 1e-310)]:
+        h.add(Kernel(source=SOURCE, entry="k", defines={"B": b}), ms)
+    f = LocalForecaster(h, ptxas_wait_s=0.0)
+    base = Kernel(source=SOURCE, entry="k", defines={"B": 1})
+    outs = await f.forecast([query(base, Kernel(source=SOURCE, entry="k", defines={"B": b})) for b in (3, 8)])
+    for out in outs:
+        assert all(math.isfinite(p) and p >= 0 for p in out.probs) and sum(out.probs) == pytest.approx(1.0)
+        assert math.isfinite(out.extras["mu_log2"])
+
+
+@pytest.mark.anyio
 async def test_expected_speedup_is_the_forecast_mean_not_the_bin_centres() -> None:
     # Two measured members 3% apart: the bins alone would round the expectation to their centre (~1.15x).
     h = trained(GRID)

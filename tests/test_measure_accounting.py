@@ -132,15 +132,19 @@ async def test_failure_before_the_device_still_releases_the_hold(tmp_path: Path)
         await svc.close()
 
 
-async def test_out_of_memory_is_not_cached_and_not_learned(tmp_path: Path) -> None:
-    m = ScriptedMeasurer(["out_of_memory", "ok"])
+@pytest.mark.parametrize("status", ["out_of_memory", "worker_crashed"])
+async def test_infrastructure_failures_are_not_cached_and_not_learned(tmp_path: Path, status: str) -> None:
+    """Out of memory depends on what else held the GPU, a crashed worker on the worker: neither says the
+    configuration fails (learned as one, the family model answered it "slower, decided by cache" and never
+    proposed it again, while the cache would measure it afresh)."""
+    m = ScriptedMeasurer([status, "ok"])
     svc = await make_service(tmp_path, m)
     try:
         k = kernel()
         first = await svc.measure(ledger="L", kernel=k, workload=WORKLOAD, hardware="X", max_seconds=5)
-        assert first.status == "out_of_memory"
+        assert first.status == status
         points = await svc.store.family_points(k.family_key(), "X", WORKLOAD.key())
-        assert points == []  # not a failed configuration: it depends on what else held the GPU
+        assert points == []
         second = await svc.measure(ledger="L", kernel=k, workload=WORKLOAD, hardware="X", max_seconds=5)
         assert second.status == "ok" and not second.cost.cached
         assert m.calls == 2

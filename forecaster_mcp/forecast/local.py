@@ -57,6 +57,8 @@ MIN_FAMILY_POINTS = 4
 # MAX_POSTERIOR_POINTS): fitting is O(n^3) per optimiser step, the posterior is one factorisation.
 MAX_FIT_POINTS = 200
 MAX_POSTERIOR_POINTS = 1500
+# Runtimes are clamped to 2**±60 ms, a range no kernel leaves (see fit_family).
+LOG2_MS_LIMIT = 60.0
 # A measured runtime is still a noisy sample: floor and cap of its log2 standard deviation.
 MEASURED_SD_FLOOR_LOG2 = 0.01
 MEASURED_SD_CAP_LOG2 = 0.1
@@ -137,11 +139,36 @@ _FLAG_PREFIX = "%"
 
 
 def _canonical(value: Any) -> int | float | str:
-    """A parameter value as the model reads it: 16, 16.0, "16" and "0x10" are one value."""
+    """A parameter value as the compiler reads it, for telling members apart: 16, 16.0, "16", "16u" and "0x10"
+    are one value; integers stay exact (2**60 and 2**60 + 1, or two 64-bit masks, are two members, though
+    the model's float encoding cannot tell them apart), and "016" is octal 14, as in C."""
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        text = value.strip()
+        exact = _C_INT.fullmatch(text)
+        if exact is not None:
+            digits = exact.group(1)
+            sign = -1 if digits.startswith("-") else 1
+            body = digits.lstrip("+-")
+            try:
+                if body[:2] in ("0x", "0X"):
+                    return sign * int(body[2:], 16)
+                if len(body) > 1 and body.startswith("0"):
+                    return sign * int(body, 8)
+                return sign * int(body)
+            except ValueError:  # "09": not octal, not a number C reads
+                return text
     number = _as_number(value)
     if number is None:
         return str(value).strip()
-    return int(number) if number.is_integer() and abs(number) < 2.0**63 else number
+    return int(number) if number.is_integer() and abs(number) < 2.0**53 else number
+
+
+# An integer literal as C spells it: decimal, octal (leading 0) or hex, with an optional u/l suffix.
+_C_INT = re.compile(rf"([+-]?(?:0[xX][0-9a-fA-F]+|[0-9]+)){_INT_SUFFIX}?")
 
 
 def row_key(row: dict[str, Any]) -> tuple[tuple[str, int | float | str], ...]:
@@ -1020,7 +1047,13 @@ def fit_family(
     failed: list[float] = []
     for p in points:
         ok = p.status == _OK_STATUS and p.runtime_ms is not None and p.runtime_ms > 0
-        log2_ms = math.log2(p.runtime_ms) if ok and p.runtime_ms is not None else None
+        # Clamped to a range no kernel leaves (1e-18 to 1e18 ms): a recording may hold any finite runtime,
+        # and 1e300 ms would overflow the speedups and rationale built from it.
+        log2_ms = (
+            min(max(math.log2(p.runtime_ms), -LOG2_MS_LIMIT), LOG2_MS_LIMIT)
+            if ok and p.runtime_ms is not None
+            else None
+        )
         measured[p.content_key] = Measured(ok, log2_ms, p.status)
         rows.append(kernel_params(p.defines, p.launch, p.compile_options))
         key = row_key(rows[-1])
@@ -1214,7 +1247,8 @@ class LocalForecaster:
             if pending is not None and n_ok >= pending.apply_at:
                 if not pending.done.is_set():
                     await anyio.to_thread.run_sync(pending.done.wait)
-                del self._refits[key]
+                # Another family's eviction may have forgotten this one meanwhile.
+                self._refits.pop(key, None)
                 if pending.theta is not None:
                     warm = self._warm[key] = pending.theta
                     self._hyper_n[key] = pending.n_ok
@@ -1226,8 +1260,9 @@ class LocalForecaster:
                     target=self._refit_hyperparameters, args=(pending, points, warm), daemon=True
                 ).start()
             previous = state.model if state is not None else None
-            if n_ok > 40:
-                # Big fits take tens of milliseconds or more: keep the event loop free meanwhile.
+            if len(points) > 40:
+                # Big fits take tens of milliseconds or more: keep the event loop free meanwhile. Failed
+                # points count too: they are encoded and fit the failure model (2,000 of them took 0.5 s).
                 model = await anyio.to_thread.run_sync(fit_family, points, warm, refit, previous)
             else:
                 model = fit_family(points, warm, refit, previous)

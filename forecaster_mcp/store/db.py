@@ -66,7 +66,8 @@ EXPIRY_GRACE_S = 300.0
 # out_of_memory depends on what else holds the GPU's memory at the time (transient).
 _NOT_CACHEABLE = ("worker_crashed", "timeout", "out_of_memory")
 # Statuses that say nothing about the configuration itself: family models do not learn them as failures.
-_NOT_A_POINT = ("out_of_memory",)
+# (A timeout is learned: a configuration that runs past its cap is one a search should not propose again.)
+_NOT_A_POINT = ("out_of_memory", "worker_crashed")
 _PLACES = ", ".join("?" for _ in _NOT_CACHEABLE)
 
 
