@@ -117,17 +117,28 @@ async def search(
     def kernel(kid: str, params: dict[str, Any]) -> dict[str, Any]:
         return {"id": kid, "source": source, "entry": entry, "defines": params}
 
+    def key(params: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+        return tuple(sorted(params.items()))
+
+    measured: set[tuple[tuple[str, Any], ...]] = set()
+    seen: set[tuple[tuple[str, Any], ...]] = set()  # distinct configurations forecast or measured
+
     def propose(n: int) -> list[dict[str, Any]]:
-        return rng.sample(configs, n)
+        fresh = [p for p in configs if key(p) not in measured]
+        return rng.sample(fresh, min(n, len(fresh)))
 
     async with connect(recording, url, token, gpu_seconds) as client:
         best: dict[str, Any] | None = None
         best_ms = float("inf")
-        used = considered = idle = 0
+        used = proposed = idle = 0
         refused: str | None = None
         while used < measurements and refused is None:
-            pool = [kernel(f"c{considered + i}", p) for i, p in enumerate(propose(pool_size))]
-            considered += len(pool)
+            pool = [kernel(f"c{proposed + i}", p) for i, p in enumerate(propose(pool_size))]
+            if not pool:
+                print("stopping: every configuration of the space is measured")
+                break
+            proposed += len(pool)
+            seen.update(key(k["defines"]) for k in pool)
             if best is None:  # nothing measured yet: measure one to anchor the comparisons
                 to_measure = [pool[0]]
             else:
@@ -152,13 +163,14 @@ async def search(
                     print(f"stopping: the server refused a measurement: {refused}")
                     break
                 used += 1
+                measured.add(key(k["defines"]))
                 if res["status"] == "ok" and res["runtime_ms"]["median"] < best_ms:
                     best, best_ms = {**k, "id": "best"}, res["runtime_ms"]["median"]
                     print(f"measurement {used:3d}: new best {best_ms:.4g} ms ({k['id']})")
         status = await tool(client, "budget_status", {})
         found = f"best {best_ms:.4g} ms" if best is not None else "no configuration ran"
         print(
-            f"{found} after {used} measurements, {considered} candidates considered, "
+            f"{found} after {used} measurements, {len(seen)} candidates considered, "
             f"{status['spent_gpu_seconds']:.3f} GPU-seconds spent"
         )
 

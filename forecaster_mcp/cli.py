@@ -64,6 +64,36 @@ def check_writable_file(path: Path, option: str = "--out") -> None:
         ) from exc
 
 
+def partial_path(path: Path) -> Path:
+    """Where `path` is written before it replaces the file (same folder: os.replace is then atomic)."""
+    return path.with_name(f".{path.name}.partial")
+
+
+def write_partial(path: Path, text: str) -> None:
+    """Write `text` to `partial_path(path)`, flushed to disk (OSError as writing raised it, the partial
+    file removed)."""
+    tmp = partial_path(path)
+    try:
+        with tmp.open("w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write `text` to `path` so that a reader sees the old file or the whole new one, never a part: a full
+    disk midway leaves the previous report as it was. OSError as writing raised it."""
+    write_partial(path, text)
+    try:
+        os.replace(partial_path(path), path)
+    except OSError:
+        partial_path(path).unlink(missing_ok=True)
+        raise
+
+
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8765
 

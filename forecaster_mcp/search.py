@@ -658,7 +658,7 @@ def search_command(settings: Any, args: Any) -> int:
 
     import anyio
 
-    from forecaster_mcp.cli import check_writable_file
+    from forecaster_mcp.cli import check_writable_file, write_atomically
     from forecaster_mcp.errors import OperatorError
     from forecaster_mcp.measure.replay import load_space
 
@@ -691,6 +691,8 @@ def search_command(settings: Any, args: Any) -> int:
     # (measured GPU-seconds are still reported per run).
     # Set, not defaulted: an operator's own default (600 in the README) would run out partway.
     os.environ["FORECASTER_MCP_DEFAULT_LEDGER_GPU_SECONDS"] = "1000000000"
+    # The servers inherit this environment: an API key in it adds Claude (paid) to the forecast runs.
+    forecasters = "local+claude" if settings.anthropic_api_key else "local"
     del settings  # each run gets its own state directory; nothing else in the settings applies
     strategies = ["forecast", "random"] if args.strategy == "both" else [args.strategy]
     traces: list[SearchTrace] = []
@@ -756,13 +758,18 @@ def search_command(settings: Any, args: Any) -> int:
     )
     if args.out is not None:
         report = {
+            "recording": str(args.recording),
+            "forecasters": forecasters,
+            "measurements": args.measurements,
+            "seeds": args.seeds,
+            "strategy": args.strategy,
             "client": args.client,
             "summary": summary,
             "space": asdict(difficulty),
             "runs": [asdict(t) for t in traces],
         }
         try:
-            Path(args.out).write_text(json.dumps(report, indent=2, default=str, allow_nan=False))
+            write_atomically(Path(args.out), json.dumps(report, indent=2, default=str, allow_nan=False))
         except OSError as exc:  # checked writable before the runs; the disk filled up or the folder changed
             raise OperatorError(f"cannot write --out {args.out}: {exc.strerror or exc}") from exc
     return 0

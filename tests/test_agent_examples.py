@@ -180,3 +180,26 @@ def test_search_loop_mistakes_are_one_line_errors(
     done = _search_loop(*[str(conv_a100) if a == "RECORDING" else a for a in args], env=env)
     assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert message in done.stderr
+
+
+def test_search_loop_counts_each_configuration_once(tmp_path: Path) -> None:
+    """A space of 12 configurations, pools of 8: the candidates considered are at most the space, and the
+    loop ends when every configuration is measured instead of proposing measured ones again."""
+    from replay_kernels import small_recording
+
+    rec = small_recording(
+        tmp_path / "tiny.json",
+        {str(bx): {"bx": bx, "time": 1.0 + abs(bx - 96) / 100, "times": [1.0]} for bx in range(16, 208, 16)},
+    )
+    env = {**os.environ, "FORECASTER_MCP_HOME": str(tmp_path / "home")}
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "search_loop.py"), str(rec), "--measurements", "40", "--pool", "8"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = re.search(r"after (\d+) measurements, (\d+) candidates considered", done.stdout)
+    assert found is not None, done.stdout
+    assert int(found.group(1)) <= 12 and int(found.group(2)) <= 12

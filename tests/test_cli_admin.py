@@ -397,3 +397,21 @@ def test_a_locked_database_is_one_line_not_a_traceback(
     finally:
         other.execute("ROLLBACK")
         other.close()
+
+
+def test_a_report_written_atomically_keeps_the_old_one_when_the_disk_fills(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """search --out, make-pairs --out and eval's files: the old file or the whole new one, never a part."""
+    from forecaster_mcp.cli import write_atomically
+
+    report = tmp_path / "report.json"
+    write_atomically(report, '{"old": true}')
+
+    def full(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError, match="No space left"):
+        write_atomically(report, '{"new": ' + "1" * 10_000 + "}")
+    assert report.read_text() == '{"old": true}' and [p.name for p in tmp_path.iterdir()] == ["report.json"]

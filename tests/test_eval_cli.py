@@ -125,6 +125,11 @@ def test_bad_lines_name_the_line(tmp_path: Path, capsys: pytest.CaptureFixture[s
         assert main(["eval", str(pairs), "--out", str(tmp_path / "o")]) == 2
         err = capsys.readouterr().err
         assert f"bad.jsonl:3: {message}" in err, err
+    # Bytes that are not UTF-8 are named by line and column too, not by an offset into the file.
+    raw = tmp_path / "latin1.jsonl"
+    raw.write_bytes(json.dumps(TINY[0]).encode() + b"\n" + b'{"id": "caf\xe9"}\n')
+    assert main(["eval", str(raw), "--out", str(tmp_path / "o")]) == 2
+    assert "latin1.jsonl:2: not UTF-8 text (byte 0xe9 at column 12)" in capsys.readouterr().err
     assert not (tmp_path / "o" / "metrics.json").exists()
 
 
@@ -389,3 +394,39 @@ def test_eval_fails_when_no_forecaster_answered_any_pair(
     err = capsys.readouterr().err
     assert "no forecaster answered any of the" in err and "claude" in err
     assert not (out / "metrics.json").exists()
+
+
+def test_a_write_that_fails_midway_leaves_the_previous_run_whole(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk while writing metrics.json: the folder keeps the earlier run's files, all of them, never
+    new predictions beside old metrics; and a run without matplotlib removes the earlier run's plots."""
+    from forecaster_mcp import cli
+
+    pairs = _write(tmp_path / "pairs.jsonl", [*TINY])
+    small = _write(tmp_path / "small.jsonl", TINY[:2])
+    out = tmp_path / "out"
+    assert main(["eval", str(pairs), "--out", str(out)]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    real = cli.write_partial
+
+    def full_disk(path: Path, text: str) -> None:
+        if path.name == "metrics.json":
+            raise OSError(28, "No space left on device")
+        real(path, text)
+
+    monkeypatch.setattr(cli, "write_partial", full_disk)
+    assert main(["eval", str(small), "--out", str(out)]) == 2
+    assert "No space left on device" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # no partial file left either
+    monkeypatch.setattr(cli, "write_partial", real)
+
+    import forecaster_mcp.forecast.plots as plots
+
+    def no_matplotlib() -> Any:
+        raise plots.PlotsUnavailable("matplotlib is not installed")
+
+    monkeypatch.setattr(plots, "_pyplot", no_matplotlib)
+    assert main(["eval", str(small), "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.json", "predictions.jsonl"]
+    assert json.loads((out / "metrics.json").read_text())["n_pairs"] == 2

@@ -493,3 +493,18 @@ def test_a_recorded_runtime_of_zero_or_less_is_no_measurement(tmp_path: Path) ->
     assert by_bx[128].ok and by_bx[128].time_ms == 2.0
     for bx in (32, 64):
         assert not by_bx[bx].ok and by_bx[bx].time_ms is None and "no usable time" in str(by_bx[bx].message)
+
+
+def test_recorded_times_whose_sum_overflows_still_load(tmp_path: Path) -> None:
+    """fsum of [1e308, 1e308] overflows and of [inf, -inf] is undefined: neither may crash a search or serve."""
+    from replay_kernels import small_recording
+
+    path = small_recording(
+        tmp_path / "r.json",
+        {
+            "32": {"bx": 32, "time": 1e308, "times": [1e308, 1e308]},
+            "64": {"bx": 64, "time": 2.0, "times": [float("inf"), float("-inf"), 2.0]},
+        },
+    )
+    by_bx = {e.params["bx"]: e for e in load_space(path).entries}
+    assert by_bx[64].ok and by_bx[64].time_ms == 2.0 and by_bx[32].time_ms == 1e308

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -143,9 +144,15 @@ EVAL_CHUNK_PAIRS = 1000
 def read_pairs_file(path: Path) -> PairsFile:
     """Parse a pairs file; OperatorError naming the file and line for anything malformed."""
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+        data = path.read_bytes()
+    except OSError as exc:
         raise OperatorError(f"cannot read pairs file {path}: {exc}") from exc
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise _bad(path, line, f"not UTF-8 text (byte {data[exc.start]:#04x} at column {column})") from exc
     out = PairsFile(path)
     seen: dict[str, int] = {}  # pair id -> its line
     # Lines end at "\n" only: str.splitlines() would also split inside strings at U+2028, U+0085 and the like,
@@ -497,6 +504,18 @@ def _refuse_overlap(main: PairsFile, cal: PairsFile) -> None:
         )
 
 
+# What `eval` writes into --out; put in place together once all are written (predictions.jsonl, the plots,
+# then metrics.json), so that a reader never sees files of two runs side by side.
+_EVAL_FILES = ("predictions.jsonl", "reliability.png", "risk_coverage.png", "metrics.json")
+
+
+def _drop_partials(out_dir: Path) -> None:
+    from forecaster_mcp.cli import partial_path
+
+    for name in _EVAL_FILES:
+        partial_path(out_dir / name).unlink(missing_ok=True)
+
+
 def _write_failed(path: Path, exc: OSError) -> OperatorError:
     return OperatorError(f"cannot write to {path}: {exc.strerror or exc}")
 
@@ -584,28 +603,34 @@ def run_eval(
             by_hw[hw] = M.summarize(final_probs[idx], speedups[idx])
 
     plots: list[str] = []
+    from forecaster_mcp.cli import partial_path, write_partial
     from forecaster_mcp.forecast.plots import PlotsUnavailable, reliability_png, risk_coverage_png
 
+    # Every file is written aside first and put in place only once all are written (metrics.json last): a
+    # full disk midway leaves the previous run's files as they were, never a mix of two runs.
+    plot_files = {name: out_dir / name for name in _EVAL_FILES if name.endswith(".png")}
     try:
         try:
-            reliability_png(out_dir / "reliability.png", series)
-            risk_coverage_png(out_dir / "risk_coverage.png", series, target)
-            plots = ["reliability.png", "risk_coverage.png"]
+            reliability_png(partial_path(plot_files["reliability.png"]), series)
+            risk_coverage_png(partial_path(plot_files["risk_coverage.png"]), series, target)
+            plots = list(plot_files)
         except PlotsUnavailable as exc:
             notes.append(f"plots skipped: {exc}")
-        with (out_dir / "predictions.jsonl").open("w", encoding="utf-8") as f:
-            for p, q, fc, verdict in zip(main.pairs, queries, forecasts, verdicts, strict=True):
-                row = {
-                    "id": p.id,
-                    "hardware": q.hardware_name,
-                    "speedup": p.speedup,
-                    "p_faster": fc.p_faster,
-                    "verdict": verdict,
-                    "probs": fc.probs,
-                    "raw": fc.raw,
-                }
-                f.write(json.dumps(row) + "\n")
+        rows = [
+            {
+                "id": p.id,
+                "hardware": q.hardware_name,
+                "speedup": p.speedup,
+                "p_faster": fc.p_faster,
+                "verdict": verdict,
+                "probs": fc.probs,
+                "raw": fc.raw,
+            }
+            for p, q, fc, verdict in zip(main.pairs, queries, forecasts, verdicts, strict=True)
+        ]
+        write_partial(out_dir / "predictions.jsonl", "".join(json.dumps(row) + "\n" for row in rows))
     except OSError as exc:  # checked writable at the start; the disk filled up or the folder changed since
+        _drop_partials(out_dir)
         raise _write_failed(out_dir, exc) from exc
 
     report: dict[str, Any] = {
@@ -634,10 +659,15 @@ def run_eval(
     }
     report = _finite(report)
     try:
-        (out_dir / "metrics.json").write_text(
-            json.dumps(report, indent=2, sort_keys=False) + "\n", encoding="utf-8"
-        )
+        write_partial(out_dir / "metrics.json", json.dumps(report, indent=2, sort_keys=False) + "\n")
+        for name in _EVAL_FILES:
+            if name in ("metrics.json", "predictions.jsonl", *plots):
+                os.replace(partial_path(out_dir / name), out_dir / name)
+            else:
+                (out_dir / name).unlink(missing_ok=True)  # an earlier run's plot would pass for this run's
+                partial_path(out_dir / name).unlink(missing_ok=True)
     except OSError as exc:
+        _drop_partials(out_dir)
         raise _write_failed(out_dir, exc) from exc
     print_table(report, out)
     for n in notes:
@@ -778,10 +808,12 @@ def make_pairs_command(settings: Settings, args: argparse.Namespace) -> int:
     history_n = int(getattr(args, "history", 0) or 0)
     check_writable_file(args.out)  # before reading the recordings
     pairs, history = make_pairs(args.recordings, args.n, args.seed, history_n)
+    from forecaster_mcp.cli import write_atomically
+
     try:
-        with args.out.open("w", encoding="utf-8") as f:
-            for row in [*history, *pairs]:
-                f.write(json.dumps(row, sort_keys=False) + "\n")
+        write_atomically(
+            args.out, "".join(json.dumps(row, sort_keys=False) + "\n" for row in [*history, *pairs])
+        )
     except OSError as exc:
         raise _write_failed(args.out, exc) from exc
     extra = f" and {len(history)} history points" if history else ""

@@ -55,7 +55,7 @@ def reliability_png(path: Path, series: Series, n_bins: int = 10) -> None:
     top.set_title("Reliability of the faster/slower direction")
     bottom.set_xlabel("confidence of the predicted direction, max(p, 1 - p)")
     bottom.set_ylabel("pairs")
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format="png")
     plt.close(fig)
 
 
@@ -78,5 +78,5 @@ def risk_coverage_png(path: Path, series: Series, target_error: float | None = N
     ax.set_ylim(bottom=0.0)
     ax.legend(fontsize=8)
     ax.set_title("Risk-coverage")
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format="png")
     plt.close(fig)

@@ -342,7 +342,7 @@ def _times(raw: Any) -> list[float]:
         # Fast path for the usual all-numeric list: fsum runs in C and rejects strings and None.
         if math.isfinite(math.fsum(raw)) and not any(isinstance(t, bool) for t in raw):
             return raw
-    except TypeError:
+    except (TypeError, ValueError, OverflowError):  # a string; inf + -inf; a sum beyond float range
         pass
     return [float(t) for t in raw if _number(t) is not None]
 
