@@ -202,7 +202,10 @@ def _parser() -> argparse.ArgumentParser:
     se = sub.add_parser("search", help="budgeted search over a replay space through the MCP tools")
     se.add_argument("recording", type=Path)
     se.add_argument(
-        "--measurements", type=int, default=100, help="GPU budget of each run, in measurements (100)"
+        "--measurements",
+        type=int,
+        default=100,
+        help="measurements each run makes (100); both strategies are also compared at equal GPU-seconds",
     )
     se.add_argument(
         "--seeds", type=int, default=5, help="runs per strategy, each from its own random start (5)"

@@ -90,6 +90,7 @@ class SearchTrace:
     gpu_seconds: float
     best_params: dict[str, Any] | None
     per_step_best: list[float] = field(default_factory=list)  # fraction after each measurement
+    per_step_gpu_seconds: list[float] = field(default_factory=list)  # GPU-seconds spent by then
     wall_seconds: float = 0.0
     measured_by_compare: int = 0  # measurements compare_kernels made itself (measure_if_unsure)
 
@@ -125,6 +126,7 @@ class _Tracker:
         self.measured_by_compare = 0
         self.gpu_seconds = 0.0
         self.per_step: list[float] = []
+        self.per_step_gs: list[float] = []
         self.started = time.perf_counter()
 
     @property
@@ -146,6 +148,7 @@ class _Tracker:
         cost = result.get("cost") or {}
         self.gpu_seconds += float(cost.get("gpu_seconds", 0.0) or 0.0)
         self.per_step.append(self._fraction())
+        self.per_step_gs.append(self.gpu_seconds)
 
     def _recorded_best(self) -> tuple[float | None, int | None]:
         best: tuple[float | None, int | None] = (None, None)
@@ -176,6 +179,7 @@ class _Tracker:
             gpu_seconds=self.gpu_seconds,
             best_params=dict(self.space.entries[idx].params) if idx is not None else None,
             per_step_best=list(self.per_step),
+            per_step_gpu_seconds=list(self.per_step_gs),
             wall_seconds=time.perf_counter() - self.started,
             measured_by_compare=self.measured_by_compare,
         )
@@ -627,8 +631,36 @@ class DictHistory:
 # ---------------------------------------------------------------- the CLI
 
 
+def fraction_at(trace: SearchTrace, gpu_seconds: float) -> float:
+    """The best-fraction `trace` had reached once it had spent at most `gpu_seconds` (0 before any)."""
+    reached = 0.0
+    for fraction, spent in zip(trace.per_step_best, trace.per_step_gpu_seconds, strict=True):
+        if spent > gpu_seconds + 1e-9:
+            break
+        reached = fraction
+    return reached
+
+
+def at_equal_gpu_seconds(traces: Sequence[SearchTrace]) -> dict[str, Any] | None:
+    """Both strategies at the same GPU budget: per seed, each one's best-fraction at the GPU-seconds the
+    cheaper of the two runs spent (runs stop at a number of measurements, and the strategies' measurements
+    need not cost the same). None unless both strategies ran on common seeds."""
+    by = {(t.strategy, t.seed): t for t in traces}
+    seeds = sorted({t.seed for t in traces if ("forecast", t.seed) in by and ("random", t.seed) in by})
+    if not seeds:
+        return None
+    out: dict[str, Any] = {}
+    budgets = [min(by[("forecast", s)].gpu_seconds, by[("random", s)].gpu_seconds) for s in seeds]
+    for strategy in ("forecast", "random"):
+        fr = [fraction_at(by[(strategy, s)], g) for s, g in zip(seeds, budgets, strict=True)]
+        out[strategy] = {"fraction_median": statistics.median(fr), "fraction_min": min(fr)}
+    out["gpu_seconds_mean"] = statistics.fmean(budgets)
+    return out
+
+
 def summarize(traces: Sequence[SearchTrace]) -> dict[str, Any]:
-    """Median / min / max best-fraction and mean cost per strategy."""
+    """Median / min / max best-fraction and mean cost per strategy (and, when both ran, both at equal
+    GPU-seconds under "at_equal_gpu_seconds")."""
     out: dict[str, Any] = {}
     for strategy in sorted({t.strategy for t in traces}):
         ts = [t for t in traces if t.strategy == strategy]
@@ -649,6 +681,9 @@ def summarize(traces: Sequence[SearchTrace]) -> dict[str, Any]:
                 else None
             ),
         }
+    equal = at_equal_gpu_seconds(traces)
+    if equal is not None:
+        out["at_equal_gpu_seconds"] = equal
     return out
 
 
@@ -741,12 +776,24 @@ def search_command(settings: Any, args: Any) -> int:
         raise OperatorError(f"a search run stopped: the server answered {failed}") from exc
     summary = summarize(traces)
     for strategy, s in summary.items():
+        if strategy == "at_equal_gpu_seconds":
+            continue
         rate = s["candidates_per_gpu_second"]
         print(
             f"{strategy:8s} best-fraction median {s['fraction_median']:.3f} min {s['fraction_min']:.3f} "
             f"over {s['runs']} seeds; {s['candidates_considered_mean']:.0f} candidates considered, "
             f"{s['gpu_seconds_mean']:.1f} GPU-s per run"
             + (f", {rate:.1f} candidates per GPU-second" if rate is not None else "")
+        )
+    equal = summary.get("at_equal_gpu_seconds")
+    if equal is not None:
+        print(
+            f"at equal GPU-seconds (per seed, what the cheaper run spent; {equal['gpu_seconds_mean']:.1f} GPU-s "
+            "on average): "
+            + "; ".join(
+                f"{k} median {equal[k]['fraction_median']:.3f} min {equal[k]['fraction_min']:.3f}"
+                for k in ("forecast", "random")
+            )
         )
     difficulty = space_difficulty(space, args.measurements)
     print(

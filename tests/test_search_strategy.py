@@ -407,3 +407,24 @@ def test_search_command_ignores_the_operators_ledger_and_recordings(
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
     [run] = json.loads(out.read_text())["runs"]
     assert run["measurements"] == 2
+
+
+def test_both_strategies_are_also_compared_at_the_same_gpu_seconds() -> None:
+    """Runs stop at a number of measurements, whose cost differs between strategies: the summary also gives
+    each strategy's best-fraction at the GPU-seconds the cheaper run of each seed spent."""
+    from forecaster_mcp.search import SearchTrace, fraction_at, summarize
+
+    def trace(strategy: str, seed: int, steps: list[tuple[float, float]]) -> SearchTrace:
+        return SearchTrace(
+            strategy, seed, None, 1.0, steps[-1][0], len(steps), len(steps), 0, steps[-1][1], None,
+            per_step_best=[f for f, _ in steps], per_step_gpu_seconds=[g for _, g in steps],
+        )  # fmt: skip
+
+    # Seed 0: the forecast run spent 3 GPU-s to reach 1.0, random 2 GPU-s for 0.8; at 2 GPU-s forecast had 0.9.
+    forecast = trace("forecast", 0, [(0.5, 1.0), (0.9, 2.0), (1.0, 3.0)])
+    rand = trace("random", 0, [(0.6, 0.5), (0.8, 2.0)])
+    assert fraction_at(forecast, 2.0) == 0.9 and fraction_at(forecast, 0.5) == 0.0
+    equal = summarize([forecast, rand])["at_equal_gpu_seconds"]
+    assert equal["forecast"]["fraction_median"] == 0.9 and equal["random"]["fraction_median"] == 0.8
+    assert equal["gpu_seconds_mean"] == 2.0
+    assert "at_equal_gpu_seconds" not in summarize([forecast])
