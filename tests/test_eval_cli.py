@@ -366,7 +366,10 @@ def test_eval_batch_sends_claude_through_the_batches_api(
     preds = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
     assert len(preds) == len(TINY)
     assert all(p["raw"]["claude"] == pytest.approx(faster) for p in preds)
-    capsys.readouterr()
+    # What the evaluation cost is in the report and on the screen (bulk evaluation is the expensive use).
+    llm = json.loads((out / "metrics.json").read_text())["llm"]
+    assert llm["requests"] == len(TINY) and llm["input_tokens"] == 1000 * len(TINY) and llm["cost_usd"] > 0
+    assert f"claude: {len(TINY)} requests, {1000 * len(TINY)} input" in capsys.readouterr().out
 
 
 def test_eval_fails_when_no_forecaster_answered_any_pair(

@@ -273,6 +273,11 @@ class ForecastEngine:
             answered=answered,
         )
 
+    @property
+    def forecasters(self) -> tuple[Forecaster, ...]:
+        """The forecasters combined, in order."""
+        return tuple(self._forecasters)
+
     def row_names(self) -> list[str]:
         """Every forecaster name the engine reads verified pairs under."""
         return [*(self.name + _SUFFIX[r] for r in REGIMES), *(raw_name(s) for s in self._slots)]

@@ -334,6 +334,23 @@ class _Calibration:
     history_regimes: list[Regime]
     history_speedups: list[float]
     n_pairs: int
+    llm: dict[str, float] = field(default_factory=dict)
+
+
+_LLM_COUNTS = ("requests", "input_tokens", "output_tokens", "cache_read_tokens", "cache_write_tokens")
+
+
+def _llm_usage(forecasters: Sequence[object], into: dict[str, float] | None = None) -> dict[str, float]:
+    """Requests, tokens and dollars the paid forecasters (Claude) spent, added to `into`."""
+    out = dict(into or {})
+    for f in forecasters:
+        usage = getattr(f, "usage_total", None)
+        if usage is None:
+            continue
+        for k in _LLM_COUNTS:
+            out[k] = out.get(k, 0) + getattr(usage, k)
+        out["cost_usd"] = out.get("cost_usd", 0.0) + float(getattr(f, "cost_usd_total", 0.0))
+    return out
 
 
 async def _calibrate_phase(
@@ -361,7 +378,9 @@ async def _calibrate_phase(
             regimes.append(f.regime)
             speedups.append(p.speedup)
     notes = _unknown_gpu_notes(cal.pairs) + sorted({n for f in forecasts for n in f.notes})
-    return _Calibration(fit, hw, raw, slots, regimes, speedups, len(cal.pairs)), notes
+    return _Calibration(
+        fit, hw, raw, slots, regimes, speedups, len(cal.pairs), _llm_usage(forecasters)
+    ), notes
 
 
 def _apply_calibration(engine: ForecastEngine, cal: _Calibration) -> None:
@@ -654,6 +673,8 @@ def run_eval(
         "components": components,
         "by_hardware": by_hw,
         "plots": plots,
+        # What Claude cost (both phases; empty without a paid forecaster). The Batches API's half price is in.
+        "llm": _llm_usage(engine.forecasters, calibration.llm if calibration is not None else None),
         "notes": notes,
         "elapsed_s": round(time.perf_counter() - started, 3),
     }
@@ -670,6 +691,14 @@ def run_eval(
         _drop_partials(out_dir)
         raise _write_failed(out_dir, exc) from exc
     print_table(report, out)
+    llm = report["llm"]
+    if llm.get("requests"):
+        print(
+            f"claude: {llm['requests']:.0f} requests, {llm['input_tokens']:.0f} input "
+            f"(+{llm['cache_read_tokens']:.0f} cache read, {llm['cache_write_tokens']:.0f} cache write) / "
+            f"{llm['output_tokens']:.0f} output tokens, ${llm['cost_usd']:.4f}",
+            file=out,
+        )
     for n in notes:
         print(f"note: {n}", file=out)
     written = ", ".join(["metrics.json", "predictions.jsonl", *plots])
