@@ -307,7 +307,11 @@ def build_server(service: Service, *, http: bool = False) -> MCPServer:
         max_runs: Annotated[int, Field(description="cap on timed runs")] = 1000,
         idempotency_key: Annotated[
             str | None,
-            Field(description="retries with the same key are answered from the first, never re-charged"),
+            Field(
+                description="retries with the same key are answered from the first, never re-charged; a call "
+                "you cancel while its job is on the device is charged the device time it used and keeps no "
+                "result, so a retry then measures (and is charged) again"
+            ),
         ] = None,
         hardware: Annotated[
             str | None, Field(description="device to measure on; default the server's first")
