@@ -553,6 +553,7 @@ async def test_ledger_report_counts_everything(store: Store) -> None:
             "cache_read_tokens": 5,
             "cache_write_tokens": 0,
             "cost_usd": 0.25,
+            "unpriced_tokens": 0,
         },
         "calibration": {
             "verified_pairs": 3,
