@@ -943,44 +943,15 @@ class Store:
         charged_gpu_seconds: float,
         cached: bool,
         check_key: str | None = None,
+        hold: Reservation | None = None,
     ) -> int:
         """Store a measurement with full provenance (result JSON holds device provenance) and verify every
         stored forecast whose two kernels are now both measured on this hardware and workload. Returns its id.
         `check_key`: what its outputs were checked against (the service's `check_key`).
 
-        A second save under the same (ledger, idempotency_key) inserts nothing and returns the first id."""
-        mid, _ = await self._save(
-            cache_key=cache_key, ledger=ledger, idempotency_key=idempotency_key, kernel_json=kernel_json,
-            workload_key=workload_key, family_key=family_key, content_key=content_key, hardware=hardware,
-            result=result, charged_gpu_seconds=charged_gpu_seconds, cached=cached, check_key=check_key, hold=None,
-        )  # fmt: skip
-        return mid
-
-    async def save_and_commit(self, hold: Reservation, **save: Any) -> tuple[int, float]:
-        """`save_measurement` of a paid run and the commit of its hold at `charged_gpu_seconds`, in one
-        transaction: a result is never stored without its charge (a crash between the two made it free, and
-        a failed save after the run used to release the hold uncharged). Returns (id, GPU-seconds charged):
-        0 charged when the hold was settled already (released as an orphan meanwhile)."""
-        mid, charged = await self._save(**save, hold=hold)
-        return mid, _gs(charged)
-
-    async def _save(
-        self,
-        *,
-        cache_key: str,
-        ledger: str | None,
-        idempotency_key: str | None,
-        kernel_json: str,
-        workload_key: str,
-        family_key: str,
-        content_key: str,
-        hardware: str,
-        result: MeasureResult,
-        charged_gpu_seconds: float,
-        cached: bool,
-        check_key: str | None = None,
-        hold: Reservation | None,
-    ) -> tuple[int, int]:
+        A second save under the same (ledger, idempotency_key) inserts nothing and returns the first id.
+        `hold`: the paid run's reservation, committed at `charged_gpu_seconds` in the same transaction (see
+        `save_and_commit`)."""
         charged = to_micro(charged_gpu_seconds, "charged_gpu_seconds", ValueError, allow_zero=True)
         kernel = json.loads(kernel_json)
         defines_json = json.dumps(kernel.get("defines") or {}, sort_keys=True)
@@ -1046,16 +1017,26 @@ class Store:
                 )
             return mid
 
-        async def body_and_commit(conn: Any) -> tuple[int, int]:
+        async def body_and_commit(conn: Any) -> int:
             mid = await body(conn)
-            if hold is None:
-                return mid, 0
-            settled = await self._settle_in(conn, hold, _charge_micro(charged_gpu_seconds))
-            if settled != charged:  # the hold was settled already: the row says what was charged
-                await conn.execute("UPDATE measurements SET charged_micro = ? WHERE id = ?", (settled, mid))
-            return mid, settled
+            if hold is not None:
+                settled = await self._settle_in(conn, hold, _charge_micro(charged_gpu_seconds))
+                if settled != charged:  # the hold was settled already: the row says what was charged
+                    await conn.execute(
+                        "UPDATE measurements SET charged_micro = ? WHERE id = ?", (settled, mid)
+                    )
+            return mid
 
         return await self._write(body_and_commit)
+
+    async def save_and_commit(self, hold: Reservation, **save: Any) -> tuple[int, float]:
+        """`save_measurement` of a paid run and the commit of its hold at `charged_gpu_seconds`, in one
+        transaction: a result is never stored without its charge (a crash between the two made it free, and
+        a failed save after the run used to release the hold uncharged). Returns (id, GPU-seconds charged):
+        0 charged when the hold was settled already (released as an orphan meanwhile)."""
+        mid = await self.save_measurement(**save, hold=hold)
+        rows = await self._fetch("SELECT state, charged_micro FROM reservations WHERE id = ?", (hold.id,))
+        return mid, _gs(int(rows[0][1])) if rows and rows[0][0] == "committed" else 0.0
 
     async def export_rows(self) -> list[tuple[str, str, str, str]]:
         """(hardware, workload_key, kernel_json, result_json) of what `forecaster-mcp export` writes: per kernel
