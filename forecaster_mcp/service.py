@@ -248,6 +248,7 @@ class Service:
         others = [k for k in kernels if k.id != base_id]
 
         measured = await self._measured(kernels, hw.name, wkey)
+        base_failed = await self._failed(base, hw.name, wkey)
         pairs = [_Pair(k) for k in others]
         for p in pairs:
             m_base, m_cand = measured.get(base.id), measured.get(str(p.candidate.id))
@@ -294,21 +295,25 @@ class Service:
             # A candidate whose stored measurement failed is "slower" because it was measured, not forecast:
             # answered from the store ("cache"), neither saved as a forecast nor counted as one decided.
             measured_failed = f.extras.get("measured", 0.0) >= 1.0 and f.p_fail >= 1.0
+            # Likewise a candidate that ran against a baseline whose measurement failed is the faster one.
+            runs_where_base_fails = base_failed is not None and cid in measured
+            if runs_where_base_fails:
+                verdict, rationale = "faster", _BASE_FAILED_RATIONALE.format(status=base_failed)
             results[cid] = CandidateForecast(
                 id=cid,
-                p_faster=f.p_faster,
+                p_faster=1.0 if runs_where_base_fails else f.p_faster,
                 speedup_bins=list(f.probs),
                 expected_speedup=f.expected_speedup,
                 verdict="slower" if measured_failed else verdict,
-                decided_by="cache" if measured_failed else "forecast",
+                decided_by="cache" if measured_failed or runs_where_base_fails else "forecast",
                 rationale=rationale,
-                confidence=f.confidence,
+                confidence=1.0 if runs_where_base_fails else f.confidence,
             )
         # Saved once the call succeeds (below): a compare refused for its measurements records nothing.
         forecast_results = dict(results)
 
         measure_next = await self._measure_next(
-            base, measured, results, fc_by_id, family, hw.name, wkey, by_id
+            base, measured, results, fc_by_id, family, hw.name, wkey, by_id, base_failed
         )
         notes = list(hw.notes)
         notes.extend(await anyio.to_thread.run_sync(_source_notes, kernels, workload))  # reads every source
@@ -320,6 +325,9 @@ class Service:
         unsure = [i for i in measure_next if i != base.id and results[i].verdict == "unsure"]
         if not unsure and measure_next == [base.id]:
             unsure = _waiting_on_baseline(results, measured)  # measured candidates the baseline settles
+        if base_failed is not None:
+            notes.append(_base_failed_note(base.id, base_failed, measure_if_unsure))
+            unsure = []  # no measurement settles a pair against a baseline that does not run
         if measure_if_unsure and unsure and max_measurements == 0:
             notes.append(
                 f"measure_if_unsure with max_measurements 0 measured nothing ({len(unsure)} unsure): raise "
@@ -338,22 +346,49 @@ class Service:
                 # Nothing could run here (no GPU, no such device, a baseline the recordings lack), and nothing
                 # ran or was charged: the free forecasts are still the answer.
                 stopped = (
-                    f"measure_if_unsure measured nothing: {one_line(str(exc), 400)} Nothing was charged; the "
-                    "forecasts stand, and measure_kernel measures where the kernels can run"
+                    f"measure_if_unsure measured nothing: {one_line(str(exc), 400).rstrip('.')}. Nothing was "
+                    "charged; the forecasts stand, and measure_kernel measures where the kernels can run"
                 )
             if stopped is not None:
                 notes.append(stopped)
             measured = await self._measured(kernels, hw.name, wkey)
             m_base = measured.get(base.id)
+            base_failed = await self._failed(base, hw.name, wkey)
+            failed = {by_id[m.kernel_id].content_key(): m.status for m in measurements if m.status != "ok"}
             for cid in list(results):
                 m_cand = measured.get(cid)
-                if m_base is not None and m_cand is not None and results[cid].decided_by == "forecast":
+                if results[cid].decided_by != "forecast":
+                    continue
+                if m_base is not None and m_cand is not None:
                     results[cid] = _from_measurement(cid, m_base, m_cand, "measurement")
+                elif (status := failed.get(by_id[cid].content_key())) is not None:
+                    # Measured in this call and it failed: slower now, not an unsure forecast until the next call.
+                    results[cid] = _failed_measurement(cid, status)
+                elif base_failed is not None and m_cand is not None:
+                    results[cid] = results[cid].model_copy(
+                        update={
+                            "verdict": "faster",
+                            "decided_by": "measurement",
+                            "p_faster": 1.0,
+                            "confidence": 1.0,
+                            "rationale": _BASE_FAILED_RATIONALE.format(status=base_failed),
+                        }
+                    )
             measure_next = await self._measure_next(
-                base, measured, results, fc_by_id, family, hw.name, wkey, by_id
+                base, measured, results, fc_by_id, family, hw.name, wkey, by_id, base_failed
             )
+            left = [i for i in measure_next if i != base.id and results[i].verdict == "unsure"]
+            if stopped is None and base_failed is None and left and len(measurements) >= max_measurements:
+                notes.append(
+                    f"measure_if_unsure measured {len(measurements)} (max_measurements {max_measurements}); still "
+                    f"unsure: {', '.join(left[:10])}{' ...' if len(left) > 10 else ''}. Raise max_measurements, "
+                    "or measure_kernel the head of measure_next"
+                )
 
-        await self._save_forecasts(ledger, hw.name, wkey, base, others, forecast_results, fc_by_id, family)
+        if base_failed is None:  # against a baseline that does not run, no forecast can ever be verified
+            await self._save_forecasts(
+                ledger, hw.name, wkey, base, others, forecast_results, fc_by_id, family
+            )
         ordered = [results[str(k.id)] for k in others]
         if measure_if_unsure and not unsure:
             notes.append(_nothing_unsure_note(measure_next, results, base.id))
@@ -390,6 +425,13 @@ class Service:
             bins=list(bins.LABELS),
         )
 
+    async def _failed(self, kernel: Kernel, hardware: str, wkey: str) -> str | None:
+        """The status of the kernel's stored failed measurement (never measured ok), or None."""
+        status = await self.store.failed_status(kernel.content_key(), hardware, wkey)
+        if status is None and (earlier := kernel.earlier_content_key()) is not None:
+            status = await self.store.failed_status(earlier, hardware, wkey)
+        return status
+
     async def _measured(
         self, kernels: Sequence[Kernel], hardware: str, wkey: str
     ) -> dict[str, tuple[float, float, float, int]]:
@@ -413,6 +455,7 @@ class Service:
         hardware: str,
         wkey: str,
         by_id: dict[str | None, Kernel],
+        base_failed: str | None = None,
     ) -> list[str]:
         from forecaster_mcp.forecast.acquisition import (
             AcqItem,
@@ -453,7 +496,11 @@ class Service:
                 seen.add(ck)
                 unique.append(cid)
         ranked = unique
-        if str(base.id) not in measured and (ranked or _waiting_on_baseline(results, measured)):
+        if (
+            str(base.id) not in measured
+            and base_failed is None  # measuring a failed baseline again only answers the failure again
+            and (ranked or _waiting_on_baseline(results, measured))
+        ):
             # A candidate's measurement only settles the pair once the baseline is measured too; with every
             # candidate measured already, the baseline alone settles the unsure ones.
             ranked = [str(base.id), *ranked]
@@ -557,6 +604,9 @@ class Service:
                 return out, charged, self._stopped_note(out, kid, why, measure_next[n:], skipped)
             out.append(res)
             charged += res.cost.gpu_seconds
+            if kid == base.id and res.status != "ok":
+                # No candidate's pair is settled against a baseline that does not run: stop paying.
+                return out, charged, None
         if not skipped:
             return out, charged, None
         note = (
@@ -981,11 +1031,44 @@ def _waiting_on_baseline(
     ]
 
 
+_BASE_FAILED_RATIONALE = (
+    "measured: the baseline failed ({status}) and this candidate ran, so it is the faster one (no speedup is "
+    "defined against a kernel that does not run)"
+)
+
+
+def _base_failed_note(base_id: str, status: str, measure_if_unsure: bool) -> str:
+    what = "measure_if_unsure measured nothing: " if measure_if_unsure else ""
+    return (
+        f"{what}the baseline {base_id} was measured {status} and never ran: no measurement settles a pair against "
+        "it, and its forecasts are not kept (they could never be verified). Compare against a baseline that "
+        "runs, e.g. a candidate measured ok"
+    )
+
+
+def _failed_measurement(cid: str, status: str) -> CandidateForecast:
+    """A candidate measured as failing (compile or launch error, wrong output, timeout): slower."""
+    probs = bins.one_hot(2.0**-4)  # all mass on the slowest bin, as a forecast of a failed member puts it
+    return CandidateForecast(
+        id=cid,
+        p_faster=0.0,
+        speedup_bins=probs,
+        expected_speedup=bins.expected_speedup(probs),
+        verdict="slower",
+        decided_by="measurement",
+        rationale=f"measured: the candidate failed ({status}); the baseline is the faster one",
+        confidence=1.0,
+    )
+
+
 def _nothing_unsure_note(
     measure_next: Sequence[str], results: dict[str, CandidateForecast], base_id: str
 ) -> str:
     """Why measure_if_unsure measured nothing, and what a search would measure instead."""
-    text = "measure_if_unsure measured nothing: no candidate's verdict is unsure (it measures only those)"
+    text = (
+        "measure_if_unsure measured nothing: no candidate's forecast is unsure (it measures only those; a measured "
+        "pair left unsure is within its noise: measure_kernel both with a larger max_runs to separate them)"
+    )
     if not measure_next:
         return text
     head = measure_next[0]

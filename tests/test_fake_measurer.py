@@ -110,3 +110,84 @@ async def test_progress_is_reported() -> None:
 
     await FakeMeasurer().measure(request(kernel()), progress)
     assert [s[0] for s in seen] == [0.0, 1.0]
+
+
+# ---------------------------------------------------------------- compare_kernels around failed measurements
+
+SRC = "__global__ void %s(float* x) { x[threadIdx.x] += 1.0f; }"
+
+
+async def _service(tmp_path: Any, fake: FakeMeasurer) -> Any:
+    from forecaster_mcp.service import Service, build_forecasters
+    from forecaster_mcp.settings import Settings
+    from forecaster_mcp.store.db import Store
+
+    settings = Settings.from_env(home=tmp_path, measurer="none", ledger="team", max_measure_seconds=5)
+    store = await Store.open(settings.db_path)
+    await store.create_ledger("team", 100.0)
+    return Service(settings, store, build_forecasters(settings, store), [fake])
+
+
+def _kernels(*entries: str) -> list[Kernel]:
+    return [Kernel(id=e, source=SRC % e, entry=e) for e in entries]
+
+
+async def _compare(svc: Any, kernels: list[Kernel], **kw: Any) -> Any:
+    args: dict[str, Any] = {"measure_if_unsure": True, "max_measurements": 8, **kw}
+    return await svc.compare(
+        ledger="team", candidates=kernels, workload=Workload(), baseline=None, hardware="A100",
+        target_error=None, **args,
+    )  # fmt: skip
+
+
+async def test_a_baseline_that_fails_stops_the_measurements_and_says_why(tmp_path: Any) -> None:
+    """Once the baseline is measured as failing, no candidate's pair can be settled: measuring them was paid
+    for nothing, and measure_next kept naming the failed baseline."""
+    fake = FakeMeasurer(["A100-PCIE-40GB"], gpu_seconds=0.5)
+    fake.script("base", status="compile_error", message="error: expected ';'")
+    svc = await _service(tmp_path, fake)
+    try:
+        res = await _compare(svc, _kernels("base", "c1", "c2"))
+        assert [m.kernel_id for m in res.measurements] == ["base"] and res.gpu_seconds_charged == 0.5
+        assert "base" not in res.measure_next
+        again = await _compare(svc, _kernels("base", "c1", "c2"))  # stored failure: nothing is measured
+        assert (
+            again.measurements == [] and again.gpu_seconds_charged == 0.0 and "base" not in again.measure_next
+        )
+        assert any("the baseline base was measured compile_error and never ran" in n for n in again.notes)
+        status = await svc.budget_status("team")
+        assert status.forecasts.count == 0  # forecasts against it could never be verified: not kept
+        # A candidate that runs is the faster one, by measurement, not a forecast.
+        await svc.measure(ledger="team", kernel=_kernels("c1")[0], workload=Workload(), hardware="A100")
+        third = {c.id: c for c in (await _compare(svc, _kernels("base", "c1", "c2"))).candidates}
+        assert (third["c1"].verdict, third["c1"].decided_by, third["c1"].p_faster) == ("faster", "cache", 1.0)
+        assert "the baseline failed (compile_error) and this candidate ran" in third["c1"].rationale
+    finally:
+        await svc.close()
+
+
+async def test_a_candidate_that_fails_in_the_call_is_slower_at_once(tmp_path: Any) -> None:
+    """Measured in this call and failed: answered "slower, decided by measurement" now, not left as an
+    unsure forecast at the head of measure_next until the next call."""
+    fake = FakeMeasurer(["A100-PCIE-40GB"], gpu_seconds=0.5)
+    fake.script("bad", status="launch_error", message="invalid configuration")
+    svc = await _service(tmp_path, fake)
+    try:
+        res = await _compare(svc, _kernels("base", "bad", "good"))
+        by_id = {c.id: c for c in res.candidates}
+        assert by_id["bad"].verdict == "slower" and by_id["bad"].decided_by == "measurement"
+        assert "failed (launch_error)" in by_id["bad"].rationale and "bad" not in res.measure_next
+        assert by_id["bad"].p_faster == 0.0 == sum(by_id["bad"].speedup_bins[4:])
+    finally:
+        await svc.close()
+
+
+async def test_measurements_cut_short_by_max_measurements_say_what_is_left(tmp_path: Any) -> None:
+    fake = FakeMeasurer(["A100-PCIE-40GB"], gpu_seconds=0.5)
+    svc = await _service(tmp_path, fake)
+    try:
+        res = await _compare(svc, _kernels("base", "c1", "c2", "c3"), max_measurements=2)
+        assert len(res.measurements) == 2
+        assert any("measure_if_unsure measured 2 (max_measurements 2); still unsure:" in n for n in res.notes)
+    finally:
+        await svc.close()

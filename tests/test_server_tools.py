@@ -382,7 +382,7 @@ def test_the_nothing_unsure_note_names_an_unmeasured_baseline_first() -> None:
     note = _nothing_unsure_note(["b", "c1"], {"c1": faster}, "b")
     assert "ranks b (the baseline, not measured yet)" in note and "c1" not in note
     assert "ranks c1 (verdict faster)" in _nothing_unsure_note(["c1"], {"c1": faster}, "b")
-    assert _nothing_unsure_note([], {"c1": faster}, "b").endswith("(it measures only those)")
+    assert _nothing_unsure_note([], {"c1": faster}, "b").endswith("with a larger max_runs to separate them)")
 
 
 async def test_a_measured_tie_is_neither_faster_nor_slower(tmp_path: Path, conv_a100: Path) -> None:

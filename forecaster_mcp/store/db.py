@@ -1101,6 +1101,18 @@ class Store:
         high = float(high) if isinstance(high, int | float) else median
         return median, min(low, median), max(high, median), int(runs) if isinstance(runs, int) else 1
 
+    async def failed_status(self, content_key: str, hardware: str, workload_key: str) -> str | None:
+        """The status of this exact kernel's latest measurement when it failed (compile or launch error, wrong
+        output, timeout) and it was never measured ok; None otherwise. A crashed worker or a device out of
+        memory says nothing of the kernel and does not count."""
+        rows = await self._fetch(
+            "SELECT status FROM measurements WHERE content_key = ? AND hardware = ? AND workload_key = ? "
+            f"AND status NOT IN ({', '.join('?' for _ in _NOT_A_POINT)}) ORDER BY status = 'ok' DESC, id DESC "
+            "LIMIT 1",
+            (content_key, hardware, workload_key, *_NOT_A_POINT),
+        )
+        return str(rows[0][0]) if rows and rows[0][0] != "ok" else None
+
     # ---------------------------------------------------------------- forecasts
 
     async def save_forecasts(self, rows: list[ForecastRow]) -> list[int]:
