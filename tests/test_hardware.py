@@ -67,6 +67,8 @@ def spec(name: str) -> GpuSpec:
         ("NVIDIA RTX 6000 Ada Generation", "RTX 6000 Ada"),
         ("NVIDIA A40", "A40"),
         ("NVIDIA GH200 480GB", "GH200-480GB"),
+        ("NVIDIA GH200 144G HBM3e", "GH200-144GB"),  # nvidia-smi writes G, not GB
+        ("AMD Instinct MI300X VF", "MI300X"),  # an SR-IOV virtual function in a cloud VM
         ("GH200", "GH200-480GB"),
         # Names as the shared recordings write them (device_name, or the file stem).
         ("NVIDIA RTX A4000", "RTX A4000"),
@@ -302,7 +304,14 @@ def test_amd_occupancy_follows_wavefront_rules() -> None:
     assert theoretical_occupancy(mi250x, 512, 50, 0) == 1.0
     assert theoretical_occupancy(mi250x, 256, 128, 0) == 0.5  # 4 waves per SIMD
     assert active_blocks_per_sm(mi250x, 256, 0, 32768) == 2  # 64 KB LDS per CU
-    assert active_blocks_per_sm(mi250x, 64, 0, 0) == 16  # workgroup cap per CU
+    # LLVM caps workgroups of two or more waves at 16 per CU; single-wave ones fill the CU's 32 wave slots.
+    assert active_blocks_per_sm(mi250x, 128, 0, 0) == 16
+    assert active_blocks_per_sm(mi250x, 64, 0, 0) == 32 and theoretical_occupancy(mi250x, 64, 0, 0) == 1.0
+    assert theoretical_occupancy(spec("RX 7900 XTX"), 32, 0, 0) == 1.0  # wave32: one wave a workgroup
+    # VGPRs are allocated in blocks of 4 on gfx908 (MI100: 84 -> 84, 3 waves per SIMD) and of 24 on gfx1100
+    # (128 -> 144 of 1536: 10 waves per SIMD32, 2 workgroups of 8 waves per CU), as LLVM's granule says.
+    assert active_blocks_per_sm(spec("MI100"), 256, 84, 0) == 3
+    assert active_blocks_per_sm(spec("RX 7900 XTX"), 256, 128, 0) == 2
 
 
 @given(

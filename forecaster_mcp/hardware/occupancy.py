@@ -109,7 +109,7 @@ def _amd_limits(spec: GpuSpec, threads: int, vgprs: int, lds: int) -> OccupancyL
         by_regs = 0
     else:
         per_lane = spec.registers_per_sm // simds // wave
-        waves = min(waves_per_simd, per_lane // _round_up(vgprs, 8))
+        waves = min(waves_per_simd, per_lane // _round_up(vgprs, _vgpr_granule(spec)))
         by_regs = waves * simds // waves_per_block
     allocated = _round_up(max(lds, 0), 512)
     if allocated > spec.max_shared_mem_per_block_bytes:
@@ -118,7 +118,23 @@ def _amd_limits(spec: GpuSpec, threads: int, vgprs: int, lds: int) -> OccupancyL
         by_lds = big
     else:
         by_lds = spec.shared_mem_per_sm_bytes // allocated
-    return _finish(by_waves, by_regs, by_lds, spec.max_blocks_per_sm, waves_per_block, max_waves)
+    # LLVM's AMDGPU backend (getMaxWorkGroupsPerCU) caps workgroups of two or more waves at 16 per CU (their
+    # barriers); a single-wave workgroup needs no barrier resource and is limited by waves alone.
+    by_blocks = max_waves if waves_per_block == 1 else spec.max_blocks_per_sm
+    return _finish(by_waves, by_regs, by_lds, by_blocks, waves_per_block, max_waves)
+
+
+def _vgpr_granule(spec: GpuSpec) -> int:
+    """VGPRs are allocated per wave in blocks of this many (LLVM getVGPRAllocGranule): 8 on gfx90a/gfx942, 4 on
+    other GCN/CDNA wave64, 16 on RDNA2 wave32, 24 on RDNA3's 1.5x register file (gfx1100/gfx1101)."""
+    arch = spec.arch
+    if arch.startswith(("gfx90a", "gfx94", "gfx95")):
+        return 8
+    if arch.startswith(("gfx1100", "gfx1101", "gfx115")):
+        return 24 if spec.warp_size == 32 else 12
+    if arch.startswith(("gfx103", "gfx11", "gfx12")):
+        return 16 if spec.warp_size == 32 else 8
+    return 8 if spec.warp_size == 32 else 4
 
 
 def _finish(

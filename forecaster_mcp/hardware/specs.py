@@ -114,7 +114,8 @@ def _nv(
 # AMD per-CU limits by ISA: (wave size, max threads/CU, registers/CU, max VGPRs/thread).
 # CDNA/GCN: 4 SIMDs per CU; gfx906 holds 10 waves per SIMD, gfx90a/gfx942 8, with 256 (gfx906) or 512
 # (unified arch+acc) VGPRs per lane. RDNA in CU mode: 2 SIMD32 of 16 waves; 1024 VGPRs per lane (RDNA2)
-# or 1536 (Navi 31). LLVM's AMDGPU backend caps workgroups per CU at 16.
+# or 1536 (Navi 31). LLVM's AMDGPU backend caps workgroups of two or more waves at 16 per CU
+# (max_blocks_per_sm; hardware/occupancy.py lets single-wave workgroups fill the CU's waves).
 _AMD: dict[str, tuple[int, int, int, int]] = {
     "gfx906": (64, 2560, 65536, 256),
     # gfx908 (MI100): 10 waves per SIMD; its accumulation VGPRs serve matrix instructions only.
@@ -301,6 +302,8 @@ _SPECS: list[GpuSpec] = [
         mem=96,
         aliases=("GH200",),
     ),
+    # The HBM3e GH200: 144 GB at 4.9 TB/s; nvidia-smi names it "NVIDIA GH200 144G HBM3e" (G, not GB).
+    _nv("GH200-144GB", "9.0", sms=132, l2=50 * MIB, bw=4900, fp32=66.9, fp16=989.4, mem=144),
     # Blackwell B200 (HGX, 1000 W): 148 SMs, 180 GB usable HBM3e at 8 TB/s, FP16 tensor 2.25 PFLOPS dense.
     # NVIDIA publishes no L2 figure; 126 MB is what the CUDA runtime reports for the two dies together.
     _nv("B200", "10.0", sms=148, l2=126 * MIB, bw=8000, fp32=80.0, fp16=2250.0, mem=180),
@@ -507,6 +510,7 @@ _NOISE = frozenset(
         "workstation",
         "edition",
         "card",
+        "vf",  # an SR-IOV virtual function of the card ("AMD Instinct MI300X VF" in a cloud VM)
         "hbm",
         "hbm2",
         "hbm2e",
@@ -517,7 +521,7 @@ _NOISE = frozenset(
         "gddr7",
     }
 )
-_MEM = re.compile(r"(\d+)\s*gi?b\b")
+_MEM = re.compile(r"(\d+)\s*g(?:i?b)?\b")  # 80GB, 80 GiB, and nvidia-smi's "144G"
 _FORM = re.compile(r"^(.*?)(sxm\d?|pcie|nvl|hgx|dgx)$")
 _SEP = re.compile(r"[\s\-_/,.()\[\]:+]+")
 
