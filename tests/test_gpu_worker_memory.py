@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -161,3 +162,23 @@ async def test_reference_out_of_bounds_write_is_still_caught_in_shared_buffers(t
     # The comparison is unchanged: a wrong candidate is still caught against the reference.
     assert wrong.status == "wrong_output"
     assert wrong.correctness.passed is False
+
+
+@pytest.mark.anyio
+async def test_a_slow_nvidia_smi_cannot_push_a_finished_job_past_its_cap(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Clocks are provenance: read (through nvidia-smi when NVML is absent) in a bounded share of the time left,
+    between warm-up and timing. A 1.5 s nvidia-smi after the timed runs turned a 1 s job into a timeout that
+    lost every sample and was charged the whole cap."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text('#!/bin/sh\nsleep 1.5\necho "1980, 2619, 0x0000000000000001"\n')
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    workload = vadd_workload(1024)
+    async with measurer(tmp_path, [sys.executable, FAKE, "--fake-pycuda"]) as m:
+        result = await m.measure(request(m, op("add"), workload, reference=op("add"), max_seconds=1.0))
+    assert result.status == "ok", result.message
+    assert result.cost.gpu_seconds < 1.0

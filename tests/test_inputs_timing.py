@@ -233,6 +233,10 @@ def test_compare_outputs_checks_only_outputs_and_merges_sets() -> None:
         not unchecked.checked and unchecked.passed is None and unchecked.detail == "no reference kernel given"
     )
     assert correctness_of([Comparison(True, 0.0, 0.0)]).passed is True
+    # A workload with no out/inout buffer compares nothing: that is no pass (a wrong kernel would be "ok").
+    inputs_only = workload(buf("a"), buf("c", shape=[2]))
+    nothing = correctness_of([compare_outputs(inputs_only, good, bad, 1e-6, 1e-6)] * 2)
+    assert not nothing.checked and nothing.passed is None and "no out or inout buffer" in str(nothing.detail)
 
 
 # ---------------------------------------------------------------- median and its interval

@@ -391,9 +391,10 @@ class GpuSession:
             reserve = 1.2 * input_seconds + 1.5 * check_seconds + 0.01
             progress(0, "first input set checked; warming up")
 
-            samples, warmups, stop = self._sample(job, kernel, buffers, deadline, reserve, progress)
+            samples, warmups, stop, (sm_mhz, mem_mhz, reasons) = self._sample(
+                job, kernel, buffers, deadline, reserve, progress
+            )
             self._guards(buffers, "during timing")
-            sm_mhz, mem_mhz, reasons = self.telemetry.clocks()
             wall: list[float] = []
             for _ in range(WALL_SAMPLES):
                 if time.perf_counter() + reserve + 2 * (sum(samples[-1:]) / 1e3) > deadline:
@@ -486,8 +487,12 @@ class GpuSession:
         deadline: float,
         reserve: float,
         progress: Callable[[float, str], None],
-    ) -> tuple[list[float], int, StopReason]:
-        """Warm-up then adaptive timed sampling; returns (samples ms, warm-up runs, why it stopped)."""
+    ) -> tuple[list[float], int, StopReason, tuple[float | None, float | None, list[str]]]:
+        """Warm-up then adaptive timed sampling; returns (samples ms, warm-up runs, why it stopped, clocks).
+
+        The clocks are read between warm-up and timing, while the GPU is at its working clocks (after the
+        timed runs it may already be idling), in at most a quarter of the time left: nvidia-smi may take
+        seconds, and the device is held (and charged) meanwhile."""
         per_sample = 0.0  # host seconds per sample, a running maximum-biased estimate
         warm = 0
         warm_end = time.perf_counter() + WARMUP_SECONDS
@@ -501,6 +506,7 @@ class GpuSession:
             per_sample = max(per_sample * 0.5, time.perf_counter() - now)
             warm += 1
         self.reset_persisting_l2()
+        clocks = self.telemetry.clocks(0.25 * (deadline - reserve - time.perf_counter()))
 
         rule = StoppingRule(
             target_relative_noise=job.target_relative_noise,
@@ -513,7 +519,7 @@ class GpuSession:
             now = time.perf_counter()
             reason = stopper.reason(deadline - reserve - now, per_sample)
             if reason is not None:
-                return stopper.samples, warm, reason
+                return stopper.samples, warm, reason, clocks
             stopper.add(self.timed_sample(kernel, buffers))
             took = time.perf_counter() - now
             # Decays slowly, jumps up at once: the deadline check must not underestimate a sample.
@@ -553,8 +559,9 @@ class Telemetry:
         row = self._smi(["driver_version"])
         return row[0] if row else None
 
-    def clocks(self) -> tuple[float | None, float | None, list[str]]:
-        """(SM MHz, memory MHz, active throttle reasons) right now."""
+    def clocks(self, within_s: float = 5.0) -> tuple[float | None, float | None, list[str]]:
+        """(SM MHz, memory MHz, active throttle reasons) right now; through nvidia-smi only when it can answer
+        within `within_s` (otherwise nothing: clocks are provenance, never worth a measurement)."""
         if self.nvml is not None:
             try:
                 nv = self.nvml
@@ -565,8 +572,12 @@ class Telemetry:
                 return sm, mem, throttle_names(int(getter(self.handle)))
             except Exception:
                 pass
+        until = time.perf_counter() + min(within_s, 5.0)
         for reasons_field in ("clocks_event_reasons.active", "clocks_throttle_reasons.active"):
-            row = self._smi(["clocks.sm", "clocks.mem", reasons_field])
+            left = until - time.perf_counter()
+            if left < 0.05:
+                break
+            row = self._smi(["clocks.sm", "clocks.mem", reasons_field], timeout_s=left)
             if row and len(row) == 3:
                 try:
                     return float(row[0]), float(row[1]), throttle_names(int(row[2], 16))
@@ -574,7 +585,7 @@ class Telemetry:
                     continue
         return None, None, []
 
-    def _smi(self, fields: list[str]) -> list[str] | None:
+    def _smi(self, fields: list[str], timeout_s: float = 5.0) -> list[str] | None:
         if self.smi is None:
             return None
         try:
@@ -588,7 +599,7 @@ class Telemetry:
                 ],
                 capture_output=True,
                 text=True,
-                timeout=5,
+                timeout=timeout_s,
                 check=True,
             ).stdout
         except (OSError, subprocess.SubprocessError):

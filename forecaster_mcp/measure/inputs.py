@@ -191,6 +191,7 @@ class Comparison:
     max_abs_error: float
     max_rel_error: float
     detail: str | None = None
+    buffers: int = 1  # how many buffers were compared (0: there was nothing to compare)
 
 
 def _fmt_index(flat: int, shape: Sequence[int]) -> str:
@@ -312,19 +313,29 @@ def compare_outputs(
     max_abs = 0.0
     max_rel = 0.0
     failure: str | None = None
+    buffers = 0
     for arg in workload.args:
         if not isinstance(arg, BufferArg) or arg.intent not in ("out", "inout"):
             continue
+        buffers += 1
         c = compare_buffer(arg.name, arg.dtype, got[arg.name], want[arg.name], atol, rtol)
         max_abs = max(max_abs, c.max_abs_error)
         max_rel = max(max_rel, c.max_rel_error)
         if not c.passed and failure is None:
             failure = c.detail
-    return Comparison(failure is None, max_abs, max_rel, failure)
+    return Comparison(failure is None, max_abs, max_rel, failure, buffers)
 
 
 def correctness_of(comparisons: Sequence[Comparison], note: str | None = None) -> Correctness:
-    """Merge the comparisons of several input sets into the public Correctness record."""
+    """Merge the comparisons of several input sets into the public Correctness record. Comparisons of no
+    buffer at all checked nothing: never reported as a pass."""
+    if comparisons and not any(c.buffers for c in comparisons):
+        return Correctness(
+            checked=False,
+            passed=None,
+            input_sets=0,
+            detail="nothing compared: the workload has no out or inout buffer (mark the kernel's outputs)",
+        )
     if not comparisons:
         return Correctness(checked=False, passed=None, input_sets=0, detail=note)
     failed = [c for c in comparisons if not c.passed]
