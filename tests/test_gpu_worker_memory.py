@@ -182,3 +182,32 @@ async def test_a_slow_nvidia_smi_cannot_push_a_finished_job_past_its_cap(
         result = await m.measure(request(m, op("add"), workload, reference=op("add"), max_seconds=1.0))
     assert result.status == "ok", result.message
     assert result.cost.gpu_seconds < 1.0
+
+
+PRINTS = """
+import os
+import forecaster_mcp.measure.gpu_worker as g
+g._LOG_LIMIT = 4 << 20
+orig_call = f._FakeFunction.prepared_async_call
+def call(self, grid, block, stream, *args, shared_size=0):
+    os.write(1, b"x" * (1 << 20))  # what a full 1 MiB printf FIFO flushed at a synchronize looks like
+    peak = max(os.fstat(2).st_size, int(open(PEAK_FILE).read() or 0))
+    open(PEAK_FILE, "w").write(str(peak))
+    return orig_call(self, grid, block, stream, *args, shared_size=shared_size)
+f._FakeFunction.prepared_async_call = call
+"""
+
+
+@pytest.mark.anyio
+async def test_a_printing_kernel_cannot_fill_the_disk_within_one_job(tmp_path: Path) -> None:
+    """Device printf lands in the worker's log file at every synchronize; timed thousands of times it grew
+    to hundreds of megabytes in one job (the supervisor trims only between jobs)."""
+    peak = tmp_path / "peak"
+    peak.write_text("0")
+    cmd = wrapper(tmp_path, f"PEAK_FILE = {str(peak)!r}\n{PRINTS}")
+    async with measurer(tmp_path, cmd) as m:
+        result = await m.measure(
+            request(m, op("add"), vadd_workload(1024), max_seconds=1.0, max_runs=100_000)
+        )
+    assert result.status == "ok", result.message
+    assert int(peak.read_text()) <= (4 + 9) << 20  # the limit, plus at most 8 runs' output before a check

@@ -226,6 +226,7 @@ class GpuSession:
         self.l2_bytes = int(get(attr.L2_CACHE_SIZE))
         self.flush_buffer = cuda.mem_alloc(max(self.l2_bytes, 1))
         self._flush_value = 0
+        self._syncs = 0
         self.pci_bus_id = str(self.device.pci_bus_id())
         self.libcuda = _load_libcuda()
         self.telemetry = Telemetry(self.pci_bus_id)
@@ -260,6 +261,10 @@ class GpuSession:
     def sync(self) -> None:
         # Device-wide, not just our stream: work the kernel put elsewhere must finish inside the sample too.
         self.cuda.Context.synchronize()
+        # A synchronize is where device printf reaches the log: keep that file bounded (one fstat in 8 syncs).
+        self._syncs += 1
+        if self._syncs % 8 == 0:
+            _bound_log()
 
     def flush_l2(self) -> None:
         self._flush_value = (self._flush_value + 1) & 0xFF
@@ -648,6 +653,21 @@ def _claim_stdout() -> BinaryIO:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     return os.fdopen(proto, "wb")
+
+
+# Device printf reaches fd 2 (the supervisor's log file, also fd 1 here) at every synchronize, up to the
+# driver's 1 MiB FIFO each time: a printing kernel timed 100,000 times would fill the disk within one job.
+_LOG_LIMIT = 64 * 2**20
+
+
+def _bound_log() -> None:
+    """Empty the log file once it holds more than _LOG_LIMIT bytes (the supervisor keeps its tail anyway)."""
+    try:
+        if os.fstat(2).st_size > _LOG_LIMIT:
+            os.ftruncate(2, 0)
+            os.lseek(2, 0, os.SEEK_SET)
+    except OSError:
+        pass
 
 
 def _die_with_parent() -> None:
