@@ -10,6 +10,7 @@ import os
 import select
 import shutil
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -336,6 +337,29 @@ async def test_requests_to_one_device_are_serialised_and_waiting_is_not_charged(
     for r in results:
         # Each held the device about 0.2 s; the ~0.4 s the last one waited for the lock is not charged.
         assert 0.2 <= r.cost.gpu_seconds < 0.38
+
+
+@pytest.mark.anyio
+async def test_two_servers_on_one_gpu_take_turns(tmp_path: Path) -> None:
+    """Two server processes (two IDE sessions) on one workstation share its GPU: their jobs run one at a time
+    (each one's events would otherwise time the other's kernels), and the waiting is not charged."""
+    spans: dict[str, tuple[float, float]] = {}
+
+    async def one(m: PycudaMeasurer, who: str) -> None:
+        started = time.monotonic()
+        r = await m.measure(request(m, kernel(FAKE_BUSY_S=0.4)))
+        spans[who] = (started, time.monotonic())
+        assert r.status == "ok" and 0.4 <= r.cost.gpu_seconds < 0.6, (r.status, r.cost)
+
+    async with make(tmp_path) as a, make(tmp_path) as b:
+        for m in (a, b):  # started and compiled first: the turns below are the jobs alone
+            await m.measure(request(m, kernel()))
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(one, a, "a")
+                tg.start_soon(one, b, "b")
+    first, second = sorted(spans.values())
+    assert second[1] - first[0] >= 0.8  # one after the other, not side by side
 
 
 @pytest.mark.anyio

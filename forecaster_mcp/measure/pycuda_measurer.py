@@ -677,6 +677,31 @@ class _Worker:
             self.close_log()
 
 
+@contextlib.asynccontextmanager
+async def _device_lock(path: Path, poll_s: float = 0.05) -> Any:
+    """An exclusive flock on `path` (created if need be), polled so that waiting stays cancellable; a folder
+    that cannot hold the lock file (read-only) leaves the job unlocked rather than unmeasured."""
+    import fcntl
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        log.warning("device lock %s unavailable (%s): measuring without it", path, exc)
+        yield
+        return
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                await anyio.sleep(poll_s)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 @dataclass
 class _Slot:
     """One device: its lock (requests are serialised), its worker, and what the worker reported."""
@@ -855,7 +880,11 @@ class PycudaMeasurer:
             min_runs=MIN_RUNS,
         )
         async with slot.lock:
-            outcome = await self._run_job(slot, job, progress)
+            await self._ensure_worker(slot)  # it says which device it holds (its PCI bus id)
+            # Other server processes on this machine (one per IDE session) measure on the same GPU: one job at a
+            # time across them, or each one's events would time the other's kernels too. Waiting is uncharged.
+            async with _device_lock(self._lock_path(slot)):
+                outcome = await self._run_job(slot, job, progress)
         result = self._result(
             request,
             slot,
@@ -867,6 +896,12 @@ class PycudaMeasurer:
             job=outcome.result,
         )
         return result, list(outcome.result.samples_ms) if outcome.result else []
+
+    def _lock_path(self, slot: _Slot) -> Path:
+        """The lock file of the slot's device, shared by every server using this state folder."""
+        bus = slot.info.pci_bus_id if slot.info is not None else None
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", bus or f"device{slot.index}-{slot.name}")
+        return self.cache_dir / "locks" / f"gpu-{name}.lock"
 
     def device_info(self, device: str) -> DeviceInfo | None:
         """What the worker reported about `device` (L2, SMs, bandwidth...); None before it first started."""
