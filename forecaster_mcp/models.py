@@ -484,6 +484,10 @@ class BufferArg(_Arg):
         return self.elements * DTYPE_BYTES[self.dtype]
 
 
+# The largest finite value of the narrow float types (a scalar beyond it becomes infinity on the way in).
+_FLOAT_MAX = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38}
+
+
 class ScalarArg(_Arg):
     """A by-value scalar argument."""
 
@@ -501,6 +505,12 @@ class ScalarArg(_Arg):
             low, high = (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1) if signed else (0, 2**bits - 1)
             if not low <= v <= high:
                 raise ValueError(f"{what}={v} does not fit {dtype} ({low} to {high})")
+            if isinstance(v, float) and not v.is_integer():
+                raise ValueError(f"{what}={v} is not an integer, and {dtype} holds integers: pass a whole number")
+        elif dtype in _FLOAT_MAX and abs(v) > _FLOAT_MAX[dtype]:
+            raise ValueError(
+                f"{what}={v} is beyond the largest finite {dtype} ({_FLOAT_MAX[dtype]:g}): it would become infinity"
+            )
         return v
 
 
