@@ -506,7 +506,9 @@ class ScalarArg(_Arg):
             if not low <= v <= high:
                 raise ValueError(f"{what}={v} does not fit {dtype} ({low} to {high})")
             if isinstance(v, float) and not v.is_integer():
-                raise ValueError(f"{what}={v} is not an integer, and {dtype} holds integers: pass a whole number")
+                raise ValueError(
+                    f"{what}={v} is not an integer, and {dtype} holds integers: pass a whole number"
+                )
         elif dtype in _FLOAT_MAX and abs(v) > _FLOAT_MAX[dtype]:
             raise ValueError(
                 f"{what}={v} is beyond the largest finite {dtype} ({_FLOAT_MAX[dtype]:g}): it would become infinity"

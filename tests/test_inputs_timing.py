@@ -209,7 +209,12 @@ def test_compare_bfloat16_integers_and_shapes() -> None:
     want = float32_to_bfloat16_bits(np.array([1.0, 2.0], dtype=np.float32))
     got = float32_to_bfloat16_bits(np.array([1.0, 2.015625], dtype=np.float32))  # one bf16 ulp above 2
     assert compare_buffer("b", "bfloat16", got, want, 0.0, 1e-2).passed
-    assert not compare_buffer("b", "bfloat16", got, want, 0.0, 1e-3).passed
+    # rtol 1e-3 is below one bfloat16 ulp (2^-7): it is raised to it, so one rounding apart passes, two fail.
+    assert compare_buffer("b", "bfloat16", got, want, 0.0, 1e-3).passed
+    two = float32_to_bfloat16_bits(np.array([1.0, 2.03125], dtype=np.float32))
+    assert not compare_buffer("b", "bfloat16", two, want, 0.0, 1e-3).passed
+    half_ulp = np.array([1.0, 1.0 + 2.0**-10], dtype=np.float16)
+    assert compare_buffer("h", "float16", half_ulp, np.array([1.0, 1.0], dtype=np.float16), 0.0, 1e-4).passed
     assert compare_buffer("i", "int32", np.array([3, 4]), np.array([3, 4]), 0.0, 0.0).passed
     assert not compare_buffer("i", "int32", np.array([3, 5]), np.array([3, 4]), 0.0, 0.0).passed
     shape = compare_buffer("s", "float32", np.zeros(4), np.zeros((2, 2)), 0.0, 0.0)

@@ -294,7 +294,13 @@ def build_server(service: Service, *, http: bool = False) -> MCPServer:
             float,
             Field(description="absolute tolerance of the output check: |got - want| <= atol + rtol*|want|"),
         ] = 1e-5,
-        rtol: Annotated[float, Field(description="relative tolerance of the output check (see atol)")] = 1e-3,
+        rtol: Annotated[
+            float,
+            Field(
+                description="relative tolerance of the output check (see atol); for float16 and bfloat16 outputs "
+                "at least one unit in their last place (2^-10, 2^-7)"
+            ),
+        ] = 1e-3,
         max_seconds: Annotated[
             float | None,
             Field(
