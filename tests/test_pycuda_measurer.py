@@ -9,6 +9,7 @@ import json
 import os
 import select
 import shutil
+import signal
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -360,6 +361,25 @@ async def test_two_servers_on_one_gpu_take_turns(tmp_path: Path) -> None:
                 tg.start_soon(one, b, "b")
     first, second = sorted(spans.values())
     assert second[1] - first[0] >= 0.8  # one after the other, not side by side
+
+
+@pytest.mark.anyio
+async def test_a_worker_that_died_while_idle_is_replaced_not_blamed_on_the_next_kernel(
+    gpu: PycudaMeasurer,
+) -> None:
+    assert (await gpu.measure(request(gpu, kernel()))).status == "ok"
+    pid = gpu.worker_pid(gpu.devices()[0])
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    for _ in range(500):  # until it is a zombie: dead, its return code not collected by anyone yet
+        with open(f"/proc/{pid}/stat") as f:  # noqa: ASYNC230 - a tiny procfs read
+            stat = f.read()
+        if stat[stat.rfind(")") + 1 :].split()[0] == "Z":
+            break
+        await anyio.sleep(0.02)
+    after = await gpu.measure(request(gpu, kernel(FAKE_MS=2.0)))
+    assert after.status == "ok", after.message
+    assert gpu.worker_pid(gpu.devices()[0]) not in (None, pid)
 
 
 @pytest.mark.anyio

@@ -677,6 +677,19 @@ class _Worker:
             self.close_log()
 
 
+def _alive(pid: int) -> bool:
+    """Whether the process runs (not gone, not a zombie); True where /proc cannot tell."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    # The state follows the command name in parentheses, which may itself hold spaces and parentheses.
+    fields = stat[stat.rfind(")") + 1 :].split()
+    return not fields or fields[0] not in ("Z", "X")
+
+
 @contextlib.asynccontextmanager
 async def _device_lock(path: Path, poll_s: float = 0.05) -> Any:
     """An exclusive flock on `path` (created if need be), polled so that waiting stays cancellable; a folder
@@ -954,8 +967,13 @@ class PycudaMeasurer:
         return slot.info
 
     async def _ensure_worker(self, slot: _Slot) -> _Worker:
-        """The slot's live worker, starting one if needed (start-up is never charged)."""
-        if slot.worker is not None and slot.worker.process.returncode is None:
+        """The slot's live worker, starting one if needed (start-up is never charged). A worker that died while
+        idle (its return code not collected yet) is replaced here, not blamed on the next kernel."""
+        if (
+            slot.worker is not None
+            and slot.worker.process.returncode is None
+            and _alive(slot.worker.process.pid)
+        ):
             return slot.worker
         if slot.worker is not None:
             await self._retire(slot)
