@@ -621,12 +621,12 @@ async def test_static_and_dynamic_shared_memory_together_over_the_device_are_ref
     assert "1024 bytes of static __shared__ memory" in (result.message or "")
 
 
-def _vadd_with_a_big_input(gpu: PycudaMeasurer, elements: int) -> MeasureRequest:
-    """A request to measure vadd whose input `a` holds `elements` floats (the others one each)."""
+def _vadd_with_a_big_input(gpu: PycudaMeasurer, elements: int, dtype: str = "float32") -> MeasureRequest:
+    """A request to measure vadd whose input `a` holds `elements` values of `dtype` (the others one float)."""
     big = Workload.model_validate(
         {
             "args": [
-                {"name": "a", "dtype": "float32", "shape": [elements]},
+                {"name": "a", "dtype": dtype, "shape": [elements]},
                 {"name": "b", "dtype": "float32", "shape": [1]},
                 {"name": "c", "dtype": "float32", "shape": [1], "intent": "out"},
                 {"name": "n", "dtype": "int32", "value": 1},
@@ -663,6 +663,10 @@ async def test_a_workload_larger_than_host_memory_is_refused_before_anything_run
         request = _vadd_with_a_big_input(gpu, 2**30)
         with pytest.raises(InvalidRequest, match=r"about 16\.00 GiB of host memory .* 8\.00 GiB free"):
             await gpu.measure(request)
+        # bfloat16 inputs are drawn as float32 through a uint32 accumulator: 1 Gi elements (2 GiB) need their
+        # four copies (8 GiB) and 10 GiB of scratch while drawn, not 8 GiB.
+        with pytest.raises(InvalidRequest, match=r"about 18\.00 GiB of host memory .* 8\.00 GiB free"):
+            await gpu.measure(_vadd_with_a_big_input(gpu, 2**30, "bfloat16"))
     assert not (tmp_path / "cache" / "kernels").exists()
 
 
