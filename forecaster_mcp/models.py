@@ -484,8 +484,9 @@ class BufferArg(_Arg):
         return self.elements * DTYPE_BYTES[self.dtype]
 
 
-# The largest finite value of the narrow float types (a scalar beyond it becomes infinity on the way in).
-_FLOAT_MAX = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38}
+# Where each float type's rounding reaches infinity (its largest finite value plus half a unit in the last
+# place): a scalar at or beyond it would be passed to the kernel as infinity.
+_FLOAT_MAX = {"float16": 65520.0, "bfloat16": 2.0**127 * (2.0 - 2.0**-8), "float32": 2.0**128 - 2.0**103}
 
 
 class ScalarArg(_Arg):
@@ -509,10 +510,8 @@ class ScalarArg(_Arg):
                 raise ValueError(
                     f"{what}={v} is not an integer, and {dtype} holds integers: pass a whole number"
                 )
-        elif dtype in _FLOAT_MAX and abs(v) > _FLOAT_MAX[dtype]:
-            raise ValueError(
-                f"{what}={v} is beyond the largest finite {dtype} ({_FLOAT_MAX[dtype]:g}): it would become infinity"
-            )
+        elif dtype in _FLOAT_MAX and abs(v) >= _FLOAT_MAX[dtype]:
+            raise ValueError(f"{what}={v} is beyond the largest finite {dtype}: it would become infinity")
         return v
 
 

@@ -47,6 +47,7 @@ from forecaster_mcp.models import (
     BufferArg,
     CandidateForecast,
     CompareResult,
+    DecidedBy,
     Kernel,
     MeasureCost,
     MeasureResult,
@@ -55,7 +56,14 @@ from forecaster_mcp.models import (
 )
 from forecaster_mcp.reports import BudgetStatus, GpuSpecRow
 from forecaster_mcp.settings import Settings
-from forecaster_mcp.store.db import ForecastRow, IdempotentRequest, Reservation, Store, fmt_gpu_seconds
+from forecaster_mcp.store.db import (
+    NOT_CACHEABLE,
+    ForecastRow,
+    IdempotentRequest,
+    Reservation,
+    Store,
+    fmt_gpu_seconds,
+)
 
 log = logging.getLogger(__name__)
 
@@ -296,18 +304,18 @@ class Service:
             # answered from the store ("cache"), neither saved as a forecast nor counted as one decided.
             measured_failed = f.extras.get("measured", 0.0) >= 1.0 and f.p_fail >= 1.0
             # Likewise a candidate that ran against a baseline whose measurement failed is the faster one.
-            runs_where_base_fails = base_failed is not None and cid in measured
-            if runs_where_base_fails:
-                verdict, rationale = "faster", _BASE_FAILED_RATIONALE.format(status=base_failed)
+            if base_failed is not None and cid in measured:
+                results[cid] = _runs_where_base_failed(cid, base_failed, "cache")
+                continue
             results[cid] = CandidateForecast(
                 id=cid,
-                p_faster=1.0 if runs_where_base_fails else f.p_faster,
+                p_faster=f.p_faster,
                 speedup_bins=list(f.probs),
                 expected_speedup=f.expected_speedup,
                 verdict="slower" if measured_failed else verdict,
-                decided_by="cache" if measured_failed or runs_where_base_fails else "forecast",
+                decided_by="cache" if measured_failed else "forecast",
                 rationale=rationale,
-                confidence=1.0 if runs_where_base_fails else f.confidence,
+                confidence=f.confidence,
             )
         # Saved once the call succeeds (below): a compare refused for its measurements records nothing.
         forecast_results = dict(results)
@@ -354,7 +362,11 @@ class Service:
             measured = await self._measured(kernels, hw.name, wkey)
             m_base = measured.get(base.id)
             base_failed = await self._failed(base, hw.name, wkey)
-            failed = {by_id[m.kernel_id].content_key(): m.status for m in measurements if m.status != "ok"}
+            failed = {
+                by_id[m.kernel_id].content_key(): m.status
+                for m in measurements
+                if m.status != "ok" and m.status not in NOT_CACHEABLE  # a crash or OOM is no verdict
+            }
             for cid in list(results):
                 m_cand = measured.get(cid)
                 if results[cid].decided_by != "forecast":
@@ -365,15 +377,7 @@ class Service:
                     # Measured in this call and it failed: slower now, not an unsure forecast until the next call.
                     results[cid] = _failed_measurement(cid, status)
                 elif base_failed is not None and m_cand is not None:
-                    results[cid] = results[cid].model_copy(
-                        update={
-                            "verdict": "faster",
-                            "decided_by": "measurement",
-                            "p_faster": 1.0,
-                            "confidence": 1.0,
-                            "rationale": _BASE_FAILED_RATIONALE.format(status=base_failed),
-                        }
-                    )
+                    results[cid] = _runs_where_base_failed(cid, base_failed, "measurement")
             measure_next = await self._measure_next(
                 base, measured, results, fc_by_id, family, hw.name, wkey, by_id, base_failed
             )
@@ -605,8 +609,13 @@ class Service:
             out.append(res)
             charged += res.cost.gpu_seconds
             if kid == base.id and res.status != "ok":
-                # No candidate's pair is settled against a baseline that does not run: stop paying.
-                return out, charged, None
+                # No candidate's pair is settled against a baseline that did not run: stop paying. A final
+                # failure is explained by the failed-baseline note; a passing one (a crash, no memory, the cap)
+                # is said here.
+                if res.status not in NOT_CACHEABLE:
+                    return out, charged, None
+                why = f"it measured {res.status}: {one_line(res.message or 'no detail', 200)}"
+                return out, charged, self._stopped_note(out, kid, why, measure_next[n + 1 :], skipped)
         if not skipped:
             return out, charged, None
         note = (
@@ -1031,10 +1040,22 @@ def _waiting_on_baseline(
     ]
 
 
-_BASE_FAILED_RATIONALE = (
-    "measured: the baseline failed ({status}) and this candidate ran, so it is the faster one (no speedup is "
-    "defined against a kernel that does not run)"
-)
+def _runs_where_base_failed(cid: str, status: str, by: DecidedBy) -> CandidateForecast:
+    """A candidate that ran against a baseline measured as failing: faster, all mass on the fastest bin (as
+    a forecast against a failed member puts it), though no speedup is defined against a kernel that does not
+    run."""
+    probs = bins.one_hot(2.0**4)
+    return CandidateForecast(
+        id=cid,
+        p_faster=1.0,
+        speedup_bins=probs,
+        expected_speedup=bins.expected_speedup(probs),
+        verdict="faster",
+        decided_by=by,
+        rationale=f"measured: the baseline failed ({status}) and this candidate ran, so it is the faster one (no "
+        "speedup is defined against a kernel that does not run)",
+        confidence=1.0,
+    )
 
 
 def _base_failed_note(base_id: str, status: str, measure_if_unsure: bool) -> str:

@@ -444,6 +444,23 @@ async def test_a_call_past_its_time_limit_keeps_the_pairs_already_answered() -> 
 
 
 @pytest.mark.anyio
+async def test_the_time_limit_counts_from_the_call_not_from_the_prompts_being_built() -> None:
+    """Building the prompts (ptxas, features) is inside the limit: when it ran before the limit started, a slow
+    build let the engine's backstop cancel the call and drop the answers Claude had given."""
+    import time
+
+    def slow_features(q: PairQuery) -> str:
+        time.sleep(1.5)
+        return "features"
+
+    f = make(AnthropicMock(lambda body: tool_answer(FASTER)), features=slow_features, time_limit_s=0.5)
+    started = time.monotonic()
+    with pytest.raises(ClaudeUnavailable, match=r"did not finish within 0\.5 s"):
+        await f.forecast([pair()])
+    assert time.monotonic() - started < 1.4  # the slow build was not waited for
+
+
+@pytest.mark.anyio
 async def test_concurrency_is_bounded_by_the_semaphore() -> None:
     in_flight = 0
     peak = 0

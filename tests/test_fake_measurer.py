@@ -161,6 +161,7 @@ async def test_a_baseline_that_fails_stops_the_measurements_and_says_why(tmp_pat
         await svc.measure(ledger="team", kernel=_kernels("c1")[0], workload=Workload(), hardware="A100")
         third = {c.id: c for c in (await _compare(svc, _kernels("base", "c1", "c2"))).candidates}
         assert (third["c1"].verdict, third["c1"].decided_by, third["c1"].p_faster) == ("faster", "cache", 1.0)
+        assert sum(third["c1"].speedup_bins[4:]) == 1.0 and third["c1"].expected_speedup > 1  # consistent
         assert "the baseline failed (compile_error) and this candidate ran" in third["c1"].rationale
     finally:
         await svc.close()
@@ -189,5 +190,31 @@ async def test_measurements_cut_short_by_max_measurements_say_what_is_left(tmp_p
         res = await _compare(svc, _kernels("base", "c1", "c2", "c3"), max_measurements=2)
         assert len(res.measurements) == 2
         assert any("measure_if_unsure measured 2 (max_measurements 2); still unsure:" in n for n in res.notes)
+    finally:
+        await svc.close()
+
+
+async def test_a_timed_out_or_crashed_baseline_is_not_a_baseline_that_never_runs(tmp_path: Any) -> None:
+    """A timeout depends on the cap asked for and a crash on the worker: neither is a final failure. After a
+    timed-out probe the baseline is still worth measuring; a crash of the baseline in the call stops the
+    measurements with a note, and a crashed candidate stays a forecast (no "slower" verdict from a crash)."""
+    fake = FakeMeasurer(["A100-PCIE-40GB"], gpu_seconds=0.5)
+    fake.script("base", timeout=True)
+    svc = await _service(tmp_path, fake)
+    try:
+        probe = await svc.measure(
+            ledger="team", kernel=_kernels("base")[0], workload=Workload(), hardware="A100", max_seconds=0.5
+        )
+        assert probe.status == "timeout"
+        after = await _compare(svc, _kernels("base", "c1"))
+        assert after.measure_next[:1] == ["base"] and not any("never ran" in n for n in after.notes)
+        fake.script("other", status="worker_crashed", message="the worker was killed by signal SIGSEGV")
+        crashed = await _compare(svc, _kernels("other", "c3", "c4"))
+        assert [m.kernel_id for m in crashed.measurements] == ["other"]
+        assert any("stopped after 1 measurements: other could not be measured" in n for n in crashed.notes)
+        fake.script("c5", status="worker_crashed", message="the worker was killed by signal SIGSEGV")
+        res = await _compare(svc, _kernels("b2", "c5", "c6"))
+        assert "c5" in [m.kernel_id for m in res.measurements]
+        assert {c.id: c for c in res.candidates}["c5"].decided_by == "forecast"
     finally:
         await svc.close()

@@ -68,6 +68,7 @@ def spec(name: str) -> GpuSpec:
         ("NVIDIA A40", "A40"),
         ("NVIDIA GH200 480GB", "GH200-480GB"),
         ("NVIDIA GH200 144G HBM3e", "GH200-144GB"),  # nvidia-smi writes G, not GB
+        ("NVIDIA A10G 24GB", "A10G"),  # ... but the G of A10G is part of its name
         ("AMD Instinct MI300X VF", "MI300X"),  # an SR-IOV virtual function in a cloud VM
         ("GH200", "GH200-480GB"),
         # Names as the shared recordings write them (device_name, or the file stem).

@@ -35,7 +35,7 @@ from forecaster_mcp.measure.timing import (
     relative_noise,
     summarize,
 )
-from forecaster_mcp.models import ScalarArg, Workload
+from forecaster_mcp.models import BufferArg, ScalarArg, Workload
 
 
 def workload(*args: dict[str, object]) -> Workload:
@@ -388,3 +388,22 @@ def test_fewer_than_six_runs_cannot_bound_the_median_at_95_percent() -> None:
 
     assert [median_ci_covers(n) for n in range(0, 8)] == [False] * 6 + [True, True]
     assert median_ci_covers(5000)
+
+
+def test_the_scratch_of_drawing_inputs_is_not_undercounted() -> None:
+    """The host-memory check before a measurement counts these temporaries: undercounted, a workload that
+    passes it can still be OOM-killed and the crash blamed on the kernel."""
+    import tracemalloc
+
+    from forecaster_mcp.measure.inputs import _buffer, draw_scratch_bytes
+
+    n = 1 << 21
+    for dtype in ("float32", "float16", "bfloat16", "int8", "int32", "uint64", "bool"):
+        for init in ("random_uniform", "random_normal", "zeros", "ones", "arange"):
+            arg = BufferArg.model_validate(buf("x", dtype=dtype, shape=[n], init=init))
+            tracemalloc.start()
+            out = _buffer(arg, np.random.default_rng(0))
+            peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+            # Half a byte per element and 1 MiB of slack: the generator's own buffers, tracemalloc's bookkeeping.
+            assert peak - out.nbytes <= draw_scratch_bytes(arg) + 0.5 * n + 2**20, (dtype, init)

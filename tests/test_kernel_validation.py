@@ -388,6 +388,10 @@ def test_scalars_must_fit_their_dtype() -> None:
     assert (
         Workload.model_validate({"args": [{"name": "n", "dtype": "int32", "value": 4.0}]}).args[0].value == 4
     )
+    with pytest.raises(ValidationError, match=r"scalar f=1e\+39 is beyond the largest finite float32"):
+        Workload.model_validate({"args": [{"name": "f", "dtype": "float32", "value": 1e39}]})
+    # 65510 rounds to float16's largest finite value, 65504: it is no infinity.
+    assert Workload.model_validate({"args": [{"name": "h", "dtype": "float16", "value": 65510}]})
     ok = Workload.model_validate(
         {
             "args": [

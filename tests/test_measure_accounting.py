@@ -589,3 +589,25 @@ async def test_a_commit_that_fails_is_retried_in_the_background_until_the_databa
         assert not failures and [r["state"] for r in await store.reservations("L")] == ["committed"]
     finally:
         await store.close()
+
+
+async def test_a_commit_still_failing_at_close_gets_a_last_attempt(tmp_path: Path) -> None:
+    """The caller was told the run was charged: closing the store does not drop the pending charge."""
+    store = await Store.open(tmp_path / "s.sqlite3")
+    await store.ensure_ledger("L", 10.0)
+    hold = await store.reserve("L", 2.0, "measure k")
+    real = store.commit
+
+    async def locked(reservation: Any, seconds: float) -> float:
+        raise sqlite3.OperationalError("database is locked")
+
+    store.commit = locked  # type: ignore[method-assign]
+    store.commit_later(hold, 1.25, interval_s=3600)
+    store.commit = real  # type: ignore[method-assign]
+    await store.close()
+    again = await Store.open(tmp_path / "s.sqlite3")
+    try:
+        view = await again.get_ledger("L")
+        assert view is not None and view.spent_gpu_seconds == 1.25 and view.reserved_gpu_seconds == 0
+    finally:
+        await again.close()

@@ -386,6 +386,21 @@ async def test_a_worker_that_died_while_idle_is_replaced_not_blamed_on_the_next_
 
 
 @pytest.mark.anyio
+async def test_a_state_folder_without_file_locks_still_measures(
+    gpu: PycudaMeasurer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NFS without lockd answers flock with ENOLCK: the job runs unlocked (with a warning), not failed."""
+    import errno
+    import fcntl
+
+    def no_locks(fd: int, op: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    assert (await gpu.measure(request(gpu, kernel()))).status == "ok"
+
+
+@pytest.mark.anyio
 async def test_compile_time_is_not_gpu_time(gpu: PycudaMeasurer) -> None:
     result = await gpu.measure(request(gpu, kernel(FAKE_COMPILE_SLEEP=0.4), reference=None))
     assert result.status == "ok"

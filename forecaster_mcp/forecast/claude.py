@@ -319,9 +319,10 @@ class ClaudeForecaster:
         problems: list[str] = []
         got: list[list[_Sample | None]] = [[] for _ in queries]
         try:
-            texts = await self._user_texts(queries)
             limit = math.inf if self.time_limit_s is None else self.time_limit_s
+            # The limit counts from the call: building the prompts (ptxas, features) is inside it too.
             with anyio.move_on_after(limit) as scope:
+                texts = await self._user_texts(queries)
                 fits = [i for i, text in enumerate(texts) if len(text) <= prompt.MAX_PROMPT_CHARS]
                 if fits and self._warm_cache and time.monotonic() >= self._cache_warm_until:
                     # One request alone writes the shared system-prompt cache that every other request reads.

@@ -521,7 +521,8 @@ _NOISE = frozenset(
         "gddr7",
     }
 )
-_MEM = re.compile(r"(\d+)\s*g(?:i?b)?\b")  # 80GB, 80 GiB, and nvidia-smi's "144G"
+# 80GB, 80 GiB and nvidia-smi's "144G"; not the "10g" inside a model name such as A10G.
+_MEM = re.compile(r"(?<![a-z0-9])(\d+)\s*g(?:i?b)?\b")
 _FORM = re.compile(r"^(.*?)(sxm\d?|pcie|nvl|hgx|dgx)$")
 _SEP = re.compile(r"[\s\-_/,.()\[\]:+]+")
 

@@ -127,6 +127,25 @@ def _buffer(arg: BufferArg, rng: np.random.Generator) -> np.ndarray:
     return rng.integers(0, _INT_HIGH, size=shape, dtype=storage)
 
 
+def draw_scratch_bytes(arg: BufferArg) -> int:
+    """Bytes `_buffer` needs beside the buffer itself while it draws it (its largest temporaries): a float32
+    draw for narrow floats and normal integers, a uint32 accumulator on top for bfloat16, an int64 ramp for
+    integer arange. For the host-memory check before a measurement."""
+    dtype, init, n = arg.dtype, arg.init, arg.elements
+    if init == "zeros" or (init == "ones" and dtype != "bfloat16"):
+        per = 0
+    elif dtype == "bfloat16":
+        per = 10  # float32 values, then a uint32 accumulator beside them
+    elif init == "arange":
+        short = dtype not in ("bool",) and not is_float(dtype) and np.dtype(STORAGE[dtype]).itemsize <= 2
+        per = 0 if is_float(dtype) or short else 8
+    elif dtype == "float16" or (init == "random_normal" and not is_float(dtype) and dtype != "bool"):
+        per = 4
+    else:
+        per = 0
+    return n * per
+
+
 def scalar_param(arg: ScalarArg) -> int | float | bool:
     """The value to pack for a scalar kernel parameter (16-bit floats as bit patterns)."""
     if arg.dtype == "float16":

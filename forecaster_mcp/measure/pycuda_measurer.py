@@ -25,6 +25,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -42,7 +43,7 @@ from forecaster_mcp.errors import InvalidRequest, NotMeasurable
 from forecaster_mcp.forecast import ptxas
 from forecaster_mcp.measure.base import OCCUPIED_ATTR, MeasureRequest, ProgressCallback
 from forecaster_mcp.measure.gpu_worker import GUARD_BYTES
-from forecaster_mcp.measure.inputs import param_sizes
+from forecaster_mcp.measure.inputs import draw_scratch_bytes, param_sizes
 from forecaster_mcp.measure.timing import (
     below_physical_floor,
     events_disagree,
@@ -710,6 +711,9 @@ async def _device_lock(path: Path, poll_s: float = 0.05) -> Any:
                 break
             except BlockingIOError:
                 await anyio.sleep(poll_s)
+            except OSError as exc:  # ENOLCK, EOPNOTSUPP: a file system without locks (NFS without lockd)
+                log.warning("device lock %s unavailable (%s): measuring without it", path, exc)
+                break
         yield
     finally:
         os.close(fd)  # releases the lock
@@ -913,7 +917,10 @@ class PycudaMeasurer:
     def _lock_path(self, slot: _Slot) -> Path:
         """The lock file of the slot's device, shared by every server using this state folder."""
         bus = slot.info.pci_bus_id if slot.info is not None else None
-        name = re.sub(r"[^A-Za-z0-9_.-]", "_", bus or f"device{slot.index}-{slot.name}")
+        # The host too: machines sharing a state folder (over NFS) may have GPUs at the same bus id.
+        name = re.sub(
+            r"[^A-Za-z0-9_.-]", "_", f"{socket.gethostname()}-{bus or f'device{slot.index}-{slot.name}'}"
+        )
         return self.cache_dir / "locks" / f"gpu-{name}.lock"
 
     def device_info(self, device: str) -> DeviceInfo | None:
@@ -1237,10 +1244,6 @@ def _shared_total_mismatch(
 _CONTEXT_RESERVE_BYTES = 512 * 2**20
 # Host copies of the buffers a measurement holds at once (`_check_workload_fits`).
 HOST_COPIES = 4
-# Scratch bytes per element while one buffer's inputs are drawn (inputs.generate_inputs): narrow types are
-# drawn as float32 and converted (bfloat16 through a uint32 accumulator too); measured peaks were 6.0x the
-# buffer for bfloat16, 3.0x float16, 5.0x int8 with normal draws, 1.0x float32.
-_DRAW_SCRATCH_BYTES = {"bfloat16": 10, "float16": 4, "int8": 4, "uint8": 4, "int16": 4, "uint16": 4}
 
 
 def _check_workload_fits(workload: Workload, info: DeviceInfo) -> None:
@@ -1257,9 +1260,9 @@ def _check_workload_fits(workload: Workload, info: DeviceInfo) -> None:
     # The worker holds up to HOST_COPIES host copies of the buffers at once (the inputs, a fresh input set for
     # the second check, the kernel's and the reference's outputs): past the machine's free memory the kernel
     # would be killed by the OOM killer and the caller told "worker crashed ... check the kernel for faults".
-    host_need = HOST_COPIES * data + max(
-        (a.elements * _DRAW_SCRATCH_BYTES.get(a.dtype, 0) for a in buffers), default=0
-    )
+    # ... and the temporaries of drawing the largest one (measured peaks: 6x the buffer for bfloat16, 5x
+    # normal-drawn int8, 3x int32 arange; inputs.draw_scratch_bytes).
+    host_need = HOST_COPIES * data + max((draw_scratch_bytes(a) for a in buffers), default=0)
     available = _host_memory_available()
     if available is not None and host_need > available:
         raise InvalidRequest(

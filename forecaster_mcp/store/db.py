@@ -65,6 +65,7 @@ EXPIRY_GRACE_S = 300.0
 # Statuses that say something about the infrastructure rather than the kernel: never served from cache.
 # out_of_memory depends on what else holds the GPU's memory at the time (transient).
 _NOT_CACHEABLE = ("worker_crashed", "timeout", "out_of_memory")
+NOT_CACHEABLE = frozenset(_NOT_CACHEABLE)  # for callers: a result with one of these says nothing final
 # Statuses that say nothing about the configuration itself: family models do not learn them as failures.
 # (A timeout is learned: a configuration that runs past its cap is one a search should not propose again.)
 _NOT_A_POINT = ("out_of_memory", "worker_crashed")
@@ -341,7 +342,8 @@ class Store:
         self._lock = asyncio.Lock()
         self._owner = _Owner.current()
         self._background: set[asyncio.Future[Any]] = set()
-        self._retrying: set[asyncio.Future[Any]] = set()  # commit_later's; cancelled by close()
+        # commit_later's retries and what each one commits: close() makes a last attempt, then cancels them.
+        self._retrying: dict[asyncio.Future[Any], tuple[Reservation, float]] = {}
 
     @classmethod
     async def open(cls, path: Path) -> Store:
@@ -385,9 +387,19 @@ class Store:
     async def close(self) -> None:
         """Finish transactions still running for cancelled callers, then close the connection (a commit still
         retried by `commit_later` is given up: its hold is released as an orphan at the next start)."""
-        for fut in list(self._retrying):
+        pending = list(self._retrying.items())
+        for fut, _ in pending:
             fut.cancel()
-        await asyncio.gather(*list(self._retrying), return_exceptions=True)
+        await asyncio.gather(*(fut for fut, _ in pending), return_exceptions=True)
+        for _, (reservation, seconds) in pending:
+            try:
+                await self.commit(reservation, seconds)
+            except sqlite3.Error as exc:
+                log.error(
+                    "could not charge reservation %s at close (%s): released at the next start",
+                    reservation.id,
+                    exc,
+                )
         while self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
         if self._conn is not None:
@@ -722,8 +734,8 @@ class Store:
             log.error("gave up committing reservation %s; it is released at the next start", reservation.id)
 
         fut = asyncio.ensure_future(retry())
-        self._retrying.add(fut)
-        fut.add_done_callback(self._retrying.discard)
+        self._retrying[fut] = (reservation, actual_gpu_seconds)
+        fut.add_done_callback(lambda done: self._retrying.pop(done, None))
 
     async def release(self, reservation: Reservation) -> None:
         """Release the whole hold, charging nothing (the measurement did not happen)."""
@@ -1103,13 +1115,13 @@ class Store:
 
     async def failed_status(self, content_key: str, hardware: str, workload_key: str) -> str | None:
         """The status of this exact kernel's latest measurement when it failed (compile or launch error, wrong
-        output, timeout) and it was never measured ok; None otherwise. A crashed worker or a device out of
-        memory says nothing of the kernel and does not count."""
+        output, an out-of-bounds write) and it was never measured ok; None otherwise. What is never served from
+        cache (a crashed worker, a device out of memory, a timeout, which depends on the cap asked for) says
+        nothing final of the kernel and does not count."""
         rows = await self._fetch(
             "SELECT status FROM measurements WHERE content_key = ? AND hardware = ? AND workload_key = ? "
-            f"AND status NOT IN ({', '.join('?' for _ in _NOT_A_POINT)}) ORDER BY status = 'ok' DESC, id DESC "
-            "LIMIT 1",
-            (content_key, hardware, workload_key, *_NOT_A_POINT),
+            f"AND status NOT IN ({_PLACES}) ORDER BY status = 'ok' DESC, id DESC LIMIT 1",
+            (content_key, hardware, workload_key, *_NOT_CACHEABLE),
         )
         return str(rows[0][0]) if rows and rows[0][0] != "ok" else None
 
