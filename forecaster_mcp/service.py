@@ -305,7 +305,7 @@ class Service:
             measured_failed = f.extras.get("measured", 0.0) >= 1.0 and f.p_fail >= 1.0
             # Likewise a candidate that ran against a baseline whose measurement failed is the faster one.
             if base_failed is not None and cid in measured:
-                results[cid] = _runs_where_base_failed(cid, base_failed, "cache")
+                results[cid] = _one_side_failed(cid, base_failed, base_failed=True, by="cache")
                 continue
             results[cid] = CandidateForecast(
                 id=cid,
@@ -375,9 +375,9 @@ class Service:
                     results[cid] = _from_measurement(cid, m_base, m_cand, "measurement")
                 elif (status := failed.get(by_id[cid].content_key())) is not None:
                     # Measured in this call and it failed: slower now, not an unsure forecast until the next call.
-                    results[cid] = _failed_measurement(cid, status)
+                    results[cid] = _one_side_failed(cid, status, base_failed=False, by="measurement")
                 elif base_failed is not None and m_cand is not None:
-                    results[cid] = _runs_where_base_failed(cid, base_failed, "measurement")
+                    results[cid] = _one_side_failed(cid, base_failed, base_failed=True, by="measurement")
             measure_next = await self._measure_next(
                 base, measured, results, fc_by_id, family, hw.name, wkey, by_id, base_failed
             )
@@ -1040,20 +1040,25 @@ def _waiting_on_baseline(
     ]
 
 
-def _runs_where_base_failed(cid: str, status: str, by: DecidedBy) -> CandidateForecast:
-    """A candidate that ran against a baseline measured as failing: faster, all mass on the fastest bin (as
-    a forecast against a failed member puts it), though no speedup is defined against a kernel that does not
-    run."""
-    probs = bins.one_hot(2.0**4)
+def _one_side_failed(cid: str, status: str, *, base_failed: bool, by: DecidedBy) -> CandidateForecast:
+    """A pair one of whose kernels was measured failing (compile or launch error, wrong output) while the
+    other ran: the one that ran is faster, all mass on the extreme bin (as a forecast involving a failed member
+    puts it), though no speedup is defined against a kernel that does not run."""
+    probs = bins.one_hot(2.0**4 if base_failed else 2.0**-4)
+    rationale = (
+        f"measured: the baseline failed ({status}) and this candidate ran, so it is the faster one (no speedup is "
+        "defined against a kernel that does not run)"
+        if base_failed
+        else f"measured: the candidate failed ({status}); the baseline is the faster one"
+    )
     return CandidateForecast(
         id=cid,
-        p_faster=1.0,
+        p_faster=1.0 if base_failed else 0.0,
         speedup_bins=probs,
         expected_speedup=bins.expected_speedup(probs),
-        verdict="faster",
+        verdict="faster" if base_failed else "slower",
         decided_by=by,
-        rationale=f"measured: the baseline failed ({status}) and this candidate ran, so it is the faster one (no "
-        "speedup is defined against a kernel that does not run)",
+        rationale=rationale,
         confidence=1.0,
     )
 
@@ -1064,21 +1069,6 @@ def _base_failed_note(base_id: str, status: str, measure_if_unsure: bool) -> str
         f"{what}the baseline {base_id} was measured {status} and never ran: no measurement settles a pair against "
         "it, and its forecasts are not kept (they could never be verified). Compare against a baseline that "
         "runs, e.g. a candidate measured ok"
-    )
-
-
-def _failed_measurement(cid: str, status: str) -> CandidateForecast:
-    """A candidate measured as failing (compile or launch error, wrong output, timeout): slower."""
-    probs = bins.one_hot(2.0**-4)  # all mass on the slowest bin, as a forecast of a failed member puts it
-    return CandidateForecast(
-        id=cid,
-        p_faster=0.0,
-        speedup_bins=probs,
-        expected_speedup=bins.expected_speedup(probs),
-        verdict="slower",
-        decided_by="measurement",
-        rationale=f"measured: the candidate failed ({status}); the baseline is the faster one",
-        confidence=1.0,
     )
 
 
