@@ -25,6 +25,7 @@ from forecaster_mcp import __version__, bins
 from forecaster_mcp.errors import (
     AgentError,
     AlreadyMeasured,
+    BudgetExhausted,
     InvalidRequest,
     NotMeasurable,
     OperatorError,
@@ -350,12 +351,17 @@ class Service:
                 measurements, charged, stopped = await self._measure_unsure(
                     ledger, base, by_id, unsure, max_measurements, workload, hw, progress
                 )
-            except NotMeasurable as exc:
-                # Nothing could run here (no GPU, no such device, a baseline the recordings lack), and nothing
-                # ran or was charged: the free forecasts are still the answer.
+            except (NotMeasurable, BudgetExhausted) as exc:
+                # Nothing could run here (no GPU, no such device, a baseline the recordings lack, a ledger that
+                # cannot pay for it), and nothing ran or was charged: the free forecasts are still the answer.
+                where = (
+                    ""
+                    if isinstance(exc, BudgetExhausted)
+                    else ", and measure_kernel measures where they can run"
+                )
                 stopped = (
                     f"measure_if_unsure measured nothing: {one_line(str(exc), 400).rstrip('.')}. Nothing was "
-                    "charged; the forecasts stand, and measure_kernel measures where the kernels can run"
+                    f"charged; the forecasts stand{where}"
                 )
             if stopped is not None:
                 notes.append(stopped)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import threading
 from collections.abc import Callable
@@ -170,3 +171,30 @@ async def test_two_server_processes_asked_for_one_measurement_charge_it_once(
         status = await call("budget_status", {})
     assert status["spent_gpu_seconds"] == pytest.approx(charged[0]) and charged[0] > 0.5
     assert status["reserved_gpu_seconds"] == 0
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_ends_a_stdio_server_cleanly(tmp_path: Path, conv_a100: Path, sig: signal.Signals) -> None:
+    """SIGTERM killed a stdio server with its store open (WAL left behind, a measurement's hold open until
+    the next start released it free); SIGINT closed the service but left the process waiting on stdin for one
+    more line. Both now end it as EOF does, exit status 0."""
+    params = stdio_params(tmp_path, replay=[conv_a100])
+    proc = subprocess.Popen(
+        [params.command, *params.args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=params.env,
+        text=True,
+    )
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(json.dumps(INITIALIZE) + "\n")
+        proc.stdin.flush()
+        assert json.loads(proc.stdout.readline())["id"] == INITIALIZE["id"]
+        proc.send_signal(sig)
+        assert proc.wait(timeout=20) == 0  # stdin still open: no EOF ended it
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not (tmp_path / "forecaster.sqlite3-wal").exists()

@@ -218,3 +218,23 @@ async def test_a_timed_out_or_crashed_baseline_is_not_a_baseline_that_never_runs
         assert {c.id: c for c in res.candidates}["c5"].decided_by == "forecast"
     finally:
         await svc.close()
+
+
+async def test_a_budget_that_cannot_pay_for_the_first_measurement_still_returns_the_forecasts(
+    tmp_path: Any,
+) -> None:
+    """measure_if_unsure on a nearly spent ledger: the compare is answered, free, with a note, instead of a
+    tool error that lost the forecasts (the error itself says forecasts are free)."""
+    fake = FakeMeasurer(["A100-PCIE-40GB"], gpu_seconds=0.5)
+    svc = await _service(tmp_path, fake)
+    await svc.store.create_ledger("tiny", 0.05)
+    try:
+        res = await svc.compare(
+            ledger="tiny", candidates=_kernels("base", "c1", "c2"), workload=Workload(), baseline=None,
+            hardware="A100", target_error=None, measure_if_unsure=True, max_measurements=4,
+        )  # fmt: skip
+        assert res.measurements == [] and res.gpu_seconds_charged == 0.0 and len(res.candidates) == 2
+        assert any(n.startswith("measure_if_unsure measured nothing: ledger 'tiny' has") for n in res.notes)
+        assert any("Nothing was charged; the forecasts stand" in n for n in res.notes)
+    finally:
+        await svc.close()

@@ -6,6 +6,7 @@ Tool functions know MCP and the service, nothing of vendors or SQL.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import difflib
 import errno
@@ -17,10 +18,12 @@ import logging
 import os
 import re
 import shlex
+import signal
 import socket
 import sys
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from typing import Annotated, Any, TypeVar, cast
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from typing import IO, Annotated, Any, TypeVar, cast
 
 import anyio
 from mcp.server.auth.middleware.auth_context import get_access_token
@@ -509,6 +512,7 @@ async def serve(
                 config = uvicorn.Config(app, host=host, port=port, log_level="warning")
                 await _server_that_returns_on_signals(uvicorn, config).serve(sockets=list(sockets) or None)
             else:
+                tg.start_soon(_cancel_on_signals, tg.cancel_scope)
                 await _run_stdio(server)
             tg.cancel_scope.cancel()
     finally:
@@ -570,14 +574,43 @@ def without_lone_surrogates(line: str) -> str:
     return _ESCAPE_TOKEN.sub(_lone_to_replacement, line)
 
 
-class _SafeLines:
-    """The wire's lines through `without_lone_surrogates` (an async-iterable stand-in for the SDK's stdin)."""
+async def _cancel_on_signals(scope: anyio.CancelScope) -> None:
+    """SIGTERM / SIGINT end a stdio server as EOF does: the call in flight is cancelled (a measurement on the
+    device is charged what it used), the service closes, the command exits 0. Without this SIGTERM killed the
+    process with its hold open (released free at the next start) and its WAL left behind."""
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for _ in signals:
+            scope.cancel()
+            return
 
-    def __init__(self, lines: AsyncIterable[str]) -> None:
-        self._lines = lines
+
+class _WireLines:
+    """The wire's lines through `without_lone_surrogates` (an async-iterable stand-in for the SDK's stdin),
+    read by a daemon thread: a worker thread blocked in read() when serving ends (a signal, not EOF) kept the
+    process from exiting until one more line arrived."""
+
+    def __init__(self, text: IO[str]) -> None:
+        self._text = text
 
     async def __aiter__(self) -> AsyncIterator[str]:
-        async for line in self._lines:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[str | None] = asyncio.Queue()
+
+        def put(line: str | None) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody reads any more
+                loop.call_soon_threadsafe(queue.put_nowait, line)
+
+        def pump() -> None:
+            try:
+                for line in self._text:
+                    put(line)
+            except (OSError, ValueError):
+                pass
+            finally:
+                put(None)
+
+        threading.Thread(target=pump, name="stdio-wire", daemon=True).start()
+        while (line := await queue.get()) is not None:
             yield without_lone_surrogates(line)
 
 
@@ -596,7 +629,7 @@ async def _run_stdio(server: MCPServer) -> None:
     try:
         # closefd=False: the reader thread may still block on the duplicate when serving ends.
         text = io.TextIOWrapper(os.fdopen(wire, "rb", closefd=False), encoding="utf-8", errors="replace")
-        lines = cast("anyio.AsyncFile[str]", _SafeLines(anyio.wrap_file(text)))
+        lines = cast("anyio.AsyncFile[str]", _WireLines(text))
         async with stdio_server(stdin=lines) as (read_stream, write_stream):
             lowlevel = server._lowlevel_server
             await lowlevel.run(read_stream, write_stream, lowlevel.create_initialization_options())
