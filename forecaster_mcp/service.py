@@ -134,13 +134,15 @@ class Service:
     # ------------------------------------------------------------------ lifecycle
 
     @classmethod
-    async def open(cls, settings: Settings) -> Service:
-        """Open the store and build the forecasters and measurers the settings and machine allow."""
+    async def open(cls, settings: Settings, *, http: bool = False) -> Service:
+        """Open the store and build the forecasters and measurers the settings and machine allow. A stdio
+        server creates the `default` ledger when it charges that one; an HTTP server charges each token's own
+        ledger and creates none."""
         store = await Store.open(settings.db_path)
         try:
             forecasters = build_forecasters(settings, store)
             measurers, notes = build_measurers(settings)
-            if settings.ledger == "default":
+            if settings.ledger == "default" and not http:
                 await store.ensure_ledger("default", settings.default_ledger_gpu_seconds)
         except BaseException:
             await store.close()

@@ -64,6 +64,9 @@ async def test_each_token_charges_its_own_ledger(server: tuple[HttpServer, dict[
     async with connect_http(srv.url, tokens["bob"]) as (_, call):
         theirs = await call("budget_status", {})
         assert theirs["spent_gpu_seconds"] == 0
+    # The server charges the tokens' ledgers only: it adds no `default` ledger of its own to the operator's.
+    shown = json.loads(cli(srv.home, "ledger", "show", "--json").stdout)
+    assert sorted(row["name"] for row in shown) == ["alice", "bob"]
 
 
 def test_revoked_token_is_refused(server: tuple[HttpServer, dict[str, str]]) -> None:

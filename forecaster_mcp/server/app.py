@@ -497,7 +497,7 @@ async def serve(
     """Open the service once, serve until stopped, close it. HTTP serves on `sockets` (bound by `_listen`)."""
     import uvicorn
 
-    service = await Service.open(settings)
+    service = await Service.open(settings, http=http)
     try:
         await _check_startup(service, settings, http=http)
         server = build_server(service, http=http)
