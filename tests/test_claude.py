@@ -461,6 +461,32 @@ async def test_the_time_limit_counts_from_the_call_not_from_the_prompts_being_bu
 
 
 @pytest.mark.anyio
+async def test_an_unreachable_api_is_not_tried_again_on_every_call() -> None:
+    """After a call in which the API could not be reached at all, the next calls skip Claude at once for a
+    while: a server's every compare (an evaluation's every chunk) waited out the SDK's retries again."""
+    calls = []
+
+    def unreachable(request: httpx2.Request) -> httpx2.Response:
+        calls.append(request)
+        raise httpx2.ConnectError("connection refused", request=request)
+
+    f = ClaudeForecaster(
+        "test-key", MODEL, samples=1, features=None, max_retries=0,
+        http_client=httpx2.AsyncClient(transport=httpx2.MockTransport(unreachable)),
+    )  # fmt: skip
+    with pytest.raises(ClaudeUnavailable, match="could not be reached after retries"):
+        await f.forecast([pair(), pair(same_source=True)])
+    tried = len(calls)
+    with pytest.raises(ClaudeUnavailable, match=r"could not be reached on an earlier call.*not tried again"):
+        await f.forecast([pair()])
+    assert len(calls) == tried  # no request at all
+    f._unreachable = (0.0, "long ago")  # the pause is over: tried again
+    with pytest.raises(ClaudeUnavailable, match="could not be reached after retries"):
+        await f.forecast([pair()])
+    assert len(calls) > tried
+
+
+@pytest.mark.anyio
 async def test_concurrency_is_bounded_by_the_semaphore() -> None:
     in_flight = 0
     peak = 0

@@ -63,6 +63,10 @@ _CANCEL_POLLS = 3
 # Message Batches limits: 100,000 requests and 256 MB per batch; stay well under both.
 _BATCH_MAX_REQUESTS = 10_000
 _BATCH_MAX_BYTES = 100 * 2**20
+# After a call in which the API could not be reached at all, calls skip Claude for this long (a server's every
+# compare, an evaluation's every chunk, waited out the SDK's retries against a dead endpoint).
+UNREACHABLE_PAUSE_S = 60.0
+_UNREACHABLE = "the Anthropic API could not be reached after retries"
 # ptxas for the prompt: at most this many kernels a call (a screening call's dozens would hold Claude's
 # answer back), each compile bounded.
 MAX_PTXAS_KERNELS = 8
@@ -301,6 +305,7 @@ class ClaudeForecaster:
         self._sleep = sleep or asyncio.sleep
         # compare_kernels' bound on one call (forecast_timeout_s); the engine's own timeout is a backstop.
         self.time_limit_s = time_limit_s
+        self._unreachable: tuple[float, str] | None = None  # (until when calls skip Claude, why)
         # With nvcc, the prompt's static features carry ptxas's registers, shared memory and spills.
         self._nvcc = nvcc
         self._cache_dir = cache_dir
@@ -315,6 +320,7 @@ class ClaudeForecaster:
         After `time_limit_s` the requests still running are cancelled and the pairs answered so far (a pair
         with fewer samples than asked is aggregated from those it has) are kept in the exception's `partial`:
         they are paid for."""
+        self._refuse_while_unreachable()
         usage = TokenUsage()
         problems: list[str] = []
         got: list[list[_Sample | None]] = [[] for _ in queries]
@@ -338,7 +344,22 @@ class ClaudeForecaster:
         finally:
             with anyio.CancelScope(shield=True):  # a timed-out call still paid for what it got
                 await self._record(usage, batch=False)
-        return self._finish([self._aggregated(g) for g in got], problems)
+        results = [self._aggregated(g) for g in got]
+        if queries and not any(results) and any(p.startswith(_UNREACHABLE) for p in problems):
+            # Nothing answered and the API could not be reached (after the SDK's retries): the next calls
+            # skip Claude at once for a while instead of each waiting out the same retries again.
+            self._unreachable = (time.monotonic() + UNREACHABLE_PAUSE_S, problems[-1])
+        return self._finish(results, problems)
+
+    def _refuse_while_unreachable(self) -> None:
+        if self._unreachable is not None:
+            until, why = self._unreachable
+            if time.monotonic() < until:
+                raise ClaudeUnavailable(
+                    f"the Anthropic API could not be reached on an earlier call ({' '.join(why.split())[:200]}); not "
+                    f"tried again for {UNREACHABLE_PAUSE_S:.0f} s"
+                )
+            self._unreachable = None
 
     async def forecast_batch(self, queries: Sequence[PairQuery]) -> list[BinForecast]:
         """Forecast many pairs through the Message Batches API (half price, minutes to hours).
@@ -484,7 +505,9 @@ class ClaudeForecaster:
                 an.BadRequestError,
             ) as exc:
                 raise ClaudeUnavailable(f"Claude request rejected ({type(exc).__name__}): {exc}") from exc
-            except (an.APIStatusError, an.APIConnectionError) as exc:
+            except an.APIConnectionError as exc:
+                raise _Transient(f"{_UNREACHABLE} ({type(exc).__name__}): {exc}") from exc
+            except an.APIStatusError as exc:
                 raise _Transient(f"Claude API error after retries ({type(exc).__name__}): {exc}") from exc
         usage.add_usage(getattr(message, "usage", None))
         self._cache_warm_until = time.monotonic() + _CACHE_TTL_S

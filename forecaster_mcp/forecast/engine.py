@@ -324,11 +324,11 @@ class ForecastEngine:
                 if isinstance(partial, list) and len(partial) == len(queries) and any(partial):
                     # What a paid forecaster did answer is kept; only the pairs it missed go without it.
                     log.warning(
-                        "forecaster %s answered %d of %d pairs",
+                        "forecaster %s answered %d of %d pairs: %s",
                         f.name,
                         sum(map(bool, partial)),
                         len(queries),
-                        exc_info=exc,
+                        one_line(str(exc), 300),
                     )
                     answers[i] = list(partial)
                     missed = sum(p is None for p in partial)
@@ -337,7 +337,12 @@ class ForecastEngine:
                         f"{type(exc).__name__}: {one_line(str(exc), 200)}"
                     )
                     return
-                log.warning("forecaster %s failed; skipped", f.name, exc_info=exc)
+                # One line: the answer's notes say it to the caller, and a traceback per call (an unreachable
+                # API, a refused key) would flood a server's log. The traceback is there at debug level.
+                log.warning(
+                    "forecaster %s skipped: %s: %s", f.name, type(exc).__name__, one_line(str(exc), 300)
+                )
+                log.debug("forecaster %s failed", f.name, exc_info=exc)
                 answers[i] = exc
 
         async with anyio.create_task_group() as tg:
