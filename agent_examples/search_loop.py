@@ -1,4 +1,4 @@
-"""An autonomous tuning loop that asks the forecaster first and measures only what it cannot decide.
+r"""An autonomous tuning loop that asks the forecaster first and measures only what it cannot decide.
 
 It speaks plain MCP. By default it starts its own `forecaster-mcp serve --replay RECORDING` over stdio, in a
 throw-away state folder, so it runs anywhere without a GPU (use the Python of the venv forecaster-mcp is in):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import tempfile
 import textwrap
@@ -18,7 +19,20 @@ from forecaster_mcp.settings import Settings
 if TYPE_CHECKING:
     from forecaster_mcp.measure.replay import ReplaySpace
 
-SHARED_HINT = "../shared/datasets/kernel_tuner_benchmark_hub/cachefiles/convolution_milo/A100.json.gz"
+_SHARED = Path(__file__).resolve().parents[2] / "shared/datasets/kernel_tuner_benchmark_hub/cachefiles"
+_EXAMPLE = "convolution_milo/A100.json.gz"
+
+
+def recording_hint() -> str:
+    """A recording to try: the project's data folder beside this checkout when it is there (as a path from the
+    current folder), else where Kernel Tuner cache files come from."""
+    found = _SHARED / _EXAMPLE
+    if found.is_file():
+        return os.path.relpath(found)
+    return (
+        f"a Kernel Tuner cache file, e.g. cachefiles/{_EXAMPLE} of the AutoTuningAssociation/benchmark_hub "
+        "repository on GitHub"
+    )
 
 
 def _row(c: dict[str, Any]) -> str:
@@ -49,7 +63,14 @@ async def _forecast_examples(call: ToolCaller, hardware: str) -> None:
         print(f"  baseline {out['baseline']}; ranking {' > '.join(out['ranking'])}")
         for c in out["candidates"]:
             print(_row(c))
-    print(f"  forecaster: {out['forecaster']['name']} {out['forecaster']['version']}")
+    info = out["forecaster"]
+    answered = info.get("answered")
+    # Who answered this call: a configured forecaster that was skipped (an unreachable API) is not named.
+    shown = ", ".join(answered) if answered else f"{info['name']} {info['version']}"
+    print(f"  forecaster: {shown}")
+    for note in out.get("notes") or []:
+        if "skipped" in note:
+            print(f"  note: {note}")
 
 
 async def _measure_without_gpu(call: ToolCaller) -> None:
@@ -70,7 +91,7 @@ async def _measure_without_gpu(call: ToolCaller) -> None:
         print(f"  the server answers the agent: {exc}")
     print(
         "  To see the full loop (forecast -> measure the unsure -> the forecaster learns), pass a Kernel Tuner\n"
-        f"  recording to replay: forecaster-mcp demo --replay {SHARED_HINT}"
+        f"  recording to replay: forecaster-mcp demo --replay {recording_hint()}"
     )
 
 
@@ -111,7 +132,7 @@ def _pick_space(replay: list[Path]) -> ReplaySpace:
     more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
     raise OperatorError(
         f"no recording to search: {'; '.join(problems[:3])}{more}. The demo needs a Kernel Tuner cache file with "
-        f"at least one configuration that ran (try {SHARED_HINT})"
+        f"at least one configuration that ran (try {recording_hint()})"
     )
 
 
@@ -205,7 +226,9 @@ def demo_command(settings: Settings, args: argparse.Namespace) -> int:
     replay = list(settings.replay)
     missing = [str(p) for p in replay if not p.exists()]
     if missing:
-        print(f"forecaster-mcp demo: recording not found: {', '.join(missing)} (try {SHARED_HINT})")
+        hint = recording_hint()
+        also = f" (try {hint})" if hint not in missing else ""
+        print(f"forecaster-mcp demo: recording not found: {', '.join(missing)}{also}")
         return 2
     space = _pick_space(replay) if replay else None
     throw_away = args.home is None

@@ -415,3 +415,14 @@ def test_a_report_written_atomically_keeps_the_old_one_when_the_disk_fills(
     with pytest.raises(OSError, match="No space left"):
         write_atomically(report, '{"new": ' + "1" * 10_000 + "}")
     assert report.read_text() == '{"old": true}' and [p.name for p in tmp_path.iterdir()] == ["report.json"]
+
+
+def test_the_demo_suggests_a_recording_that_exists_from_where_it_runs(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Run from another folder, the demo suggested the same `../shared/...` path the user had just tried."""
+    monkeypatch.chdir(tmp_path)
+    code, out, _ = run(capsys, "demo", "--replay", "nope.json.gz")
+    assert code == 2 and "recording not found: nope.json.gz" in out
+    hint = out.split("(try ", 1)[1].rstrip().removesuffix(")")
+    assert Path(hint).is_file() or "AutoTuningAssociation/benchmark_hub" in hint
