@@ -31,11 +31,10 @@ INITIALIZE = {
 INITIALIZED = {"jsonrpc": "2.0", "method": "notifications/initialized"}
 
 
-def raw_exchange(home: Path, replay: Path, lines: list[str], done: Callable[[Replies], bool]) -> Replies:
-    """Write `lines` to a real `serve` process's stdin and read its replies (by id) until `done`, keeping stdin
-    open as a client does; a hung server is killed after 120 s, not waited on forever."""
+def _serve_process(home: Path, replay: Path) -> subprocess.Popen[str]:
+    """A real `serve` process on `replay`, its stdin and stdout piped (text)."""
     params = stdio_params(home, replay=[replay])
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         [params.command, *params.args],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -43,6 +42,12 @@ def raw_exchange(home: Path, replay: Path, lines: list[str], done: Callable[[Rep
         env=params.env,
         text=True,
     )
+
+
+def raw_exchange(home: Path, replay: Path, lines: list[str], done: Callable[[Replies], bool]) -> Replies:
+    """Write `lines` to a real `serve` process's stdin and read its replies (by id) until `done`, keeping stdin
+    open as a client does; a hung server is killed after 120 s, not waited on forever."""
+    proc = _serve_process(home, replay)
     watchdog = threading.Timer(120.0, proc.kill)
     watchdog.start()
     replies: Replies = {}
@@ -178,15 +183,7 @@ def test_a_signal_ends_a_stdio_server_cleanly(tmp_path: Path, conv_a100: Path, s
     """SIGTERM killed a stdio server with its store open (WAL left behind, a measurement's hold open until
     the next start released it free); SIGINT closed the service but left the process waiting on stdin for one
     more line. Both now end it as EOF does, exit status 0."""
-    params = stdio_params(tmp_path, replay=[conv_a100])
-    proc = subprocess.Popen(
-        [params.command, *params.args],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        env=params.env,
-        text=True,
-    )
+    proc = _serve_process(tmp_path, conv_a100)
     try:
         assert proc.stdin is not None and proc.stdout is not None
         proc.stdin.write(json.dumps(INITIALIZE) + "\n")
