@@ -327,6 +327,10 @@ def test_make_pairs_refuses_negative_history_and_unwritable_out(
     assert main(["make-pairs", str(missing), "--out", str(blocker / "pairs.jsonl")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("forecaster-mcp: cannot write --out ") and "is a file, not a folder" in err
+    # An export file replays kernels but holds no space to draw from: said as search and demo say it.
+    export = _write(tmp_path / "measured.jsonl", ['{"kernel": {}}', '{"kernel": {}}'])
+    assert main(["make-pairs", str(export), "--out", str(out)]) == 2
+    assert "measured.jsonl is a `forecaster-mcp export` file" in capsys.readouterr().err
 
 
 def test_eval_batch_sends_claude_through_the_batches_api(

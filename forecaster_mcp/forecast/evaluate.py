@@ -832,12 +832,18 @@ def make_pairs(
 
 def make_pairs_command(settings: Settings, args: argparse.Namespace) -> int:
     """`forecaster-mcp make-pairs REC... -n N --seed S --out F [--history K]`."""
-    from forecaster_mcp.cli import check_writable_file
+    from forecaster_mcp.cli import check_writable_file, write_atomically
 
+    exports = [str(r) for r in args.recordings if str(r).endswith(".jsonl")]
+    if exports:
+        raise OperatorError(
+            f"{exports[0]} is a `forecaster-mcp export` file: it replays the kernels it holds (serve --replay), "
+            "but make-pairs draws configurations of a whole recorded space, a Kernel Tuner cache file (.json or "
+            ".json.gz)"
+        )
     history_n = int(getattr(args, "history", 0) or 0)
     check_writable_file(args.out)  # before reading the recordings
     pairs, history = make_pairs(args.recordings, args.n, args.seed, history_n)
-    from forecaster_mcp.cli import write_atomically
 
     try:
         write_atomically(
