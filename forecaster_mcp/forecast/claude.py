@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 import anyio
-import anyio.to_thread
 
 from forecaster_mcp import bins
 from forecaster_mcp.forecast import prompt
@@ -609,7 +608,7 @@ class ClaudeForecaster:
         by content (the local forecaster compiles the same kernels into the same cache)."""
         if self._nvcc is None:
             return {}
-        from forecaster_mcp.forecast.ptxas import ptxas_usage, stand_in_arch, supported_archs
+        from forecaster_mcp.forecast.ptxas import ptxas_usages
 
         todo: dict[str, tuple[Kernel, str]] = {}
         for q in queries:
@@ -620,25 +619,9 @@ class ClaudeForecaster:
                     todo.setdefault(k.content_key(), (k, q.hardware.arch))
         if not todo or len(todo) > MAX_PTXAS_KERNELS:
             return {}
-        nvcc = self._nvcc
-        archs = await anyio.to_thread.run_sync(supported_archs, nvcc)
-        limiter = anyio.CapacityLimiter(2)
-        out: dict[str, object] = {}
-
-        async def one(key: str, kernel: Kernel, arch: str) -> None:
-            async with limiter:
-                usage = await ptxas_usage(
-                    kernel, stand_in_arch(arch, archs), nvcc, self._cache_dir, _PTXAS_WAIT_S
-                )
-            entry = usage.for_entry(kernel.entry) if usage is not None else None
-            if entry is not None:
-                out[key] = entry
-
-        with anyio.move_on_after(_PTXAS_WAIT_S + 1.0):
-            async with anyio.create_task_group() as tg:
-                for key, (kernel, arch) in todo.items():
-                    tg.start_soon(one, key, kernel, arch)
-        return out
+        usages = await ptxas_usages(todo, self._nvcc, self._cache_dir, _PTXAS_WAIT_S)
+        entries = {key: usage.for_entry(todo[key][0].entry) for key, usage in usages.items()}
+        return {key: entry for key, entry in entries.items() if entry is not None}
 
     # ------------------------------------------------------------ batches
 

@@ -1360,7 +1360,7 @@ class LocalForecaster:
         features are not cached, compiled for the whole call at once, two at a time, within one wait of
         ptxas_wait_s (+1 s); and the content keys left uncompiled because the call had more than
         MAX_PTXAS_PER_CALL of them (a screening call: those are compiled when asked about in a smaller one)."""
-        from forecaster_mcp.forecast.ptxas import ptxas_usage, stand_in_arch, supported_archs
+        from forecaster_mcp.forecast.ptxas import ptxas_usages
 
         key_of = feature_key or _feature_key
         todo: dict[tuple[str, str], Kernel] = {}  # (content key, arch) -> kernel
@@ -1378,23 +1378,8 @@ class LocalForecaster:
         if len(todo) > MAX_PTXAS_PER_CALL:
             return usage, frozenset(ck for ck, _ in todo)
         assert self._nvcc is not None
-        nvcc = self._nvcc
-        limiter = anyio.CapacityLimiter(2)
-        archs = await anyio.to_thread.run_sync(supported_archs, nvcc)
-
-        async def compile_one(ck: str, arch: str, k: Kernel) -> None:
-            async with limiter:
-                u = await ptxas_usage(
-                    k, stand_in_arch(arch, archs), nvcc, self._cache_dir, timeout_s=self._ptxas_wait_s
-                )
-            if u is not None:
-                usage[(ck, arch)] = u
-
-        with anyio.move_on_after(self._ptxas_wait_s + 1.0):
-            async with anyio.create_task_group() as tg:
-                for (ck, arch), k in todo.items():
-                    tg.start_soon(compile_one, ck, arch, k)
-        return usage, frozenset()
+        jobs = {key: (k, key[1]) for key, k in todo.items()}
+        return await ptxas_usages(jobs, self._nvcc, self._cache_dir, self._ptxas_wait_s), frozenset()
 
     # ---- forecasting
 

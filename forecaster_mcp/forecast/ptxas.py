@@ -21,14 +21,17 @@ import shutil
 import signal
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
+import anyio.to_thread
 
 from forecaster_mcp.models import Kernel, compile_option_allowed, is_arch_option
+
+_K = TypeVar("_K", bound=Hashable)
 
 log = logging.getLogger(__name__)
 
@@ -263,3 +266,30 @@ async def ptxas_usage(
     if cache_path is not None:
         _write_cache(cache_path, usage)
     return usage
+
+
+async def ptxas_usages(
+    kernels: Mapping[_K, tuple[Kernel, str]],
+    nvcc: str,
+    cache_dir: Path | None,
+    wait_s: float,
+    concurrency: int = 2,
+) -> dict[_K, PtxasUsage]:
+    """`ptxas_usage` of each (kernel, architecture), `concurrency` compiles at a time, all within one wait of
+    `wait_s` (+1 s); an architecture this nvcc does not target is replaced by the nearest one it does. Kernels
+    that fail to compile, or are still compiling when the wait ends, are left out."""
+    archs = await anyio.to_thread.run_sync(supported_archs, nvcc)
+    limiter = anyio.CapacityLimiter(concurrency)
+    out: dict[_K, PtxasUsage] = {}
+
+    async def one(key: _K, kernel: Kernel, arch: str) -> None:
+        async with limiter:
+            usage = await ptxas_usage(kernel, stand_in_arch(arch, archs), nvcc, cache_dir, timeout_s=wait_s)
+        if usage is not None:
+            out[key] = usage
+
+    with anyio.move_on_after(wait_s + 1.0):
+        async with anyio.create_task_group() as tg:
+            for key, (kernel, arch) in kernels.items():
+                tg.start_soon(one, key, kernel, arch)
+    return out
