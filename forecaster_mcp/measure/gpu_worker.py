@@ -264,7 +264,7 @@ class GpuSession:
         # A synchronize is where device printf reaches the log: keep that file bounded (one fstat in 8 syncs).
         self._syncs += 1
         if self._syncs % 8 == 0:
-            _bound_log()
+            empty_if_over(2, _LOG_LIMIT)
 
     def flush_l2(self) -> None:
         self._flush_value = (self._flush_value + 1) & 0xFF
@@ -660,12 +660,13 @@ def _claim_stdout() -> BinaryIO:
 _LOG_LIMIT = 64 * 2**20
 
 
-def _bound_log() -> None:
-    """Empty the log file once it holds more than _LOG_LIMIT bytes (the supervisor keeps its tail anyway)."""
+def empty_if_over(fd: int, limit: int) -> None:
+    """Empty the file behind `fd`, and rewind it, once it holds more than `limit` bytes (the worker's log: the
+    worker bounds it while a job runs, the supervisor between jobs, each through its own descriptor of it)."""
     try:
-        if os.fstat(2).st_size > _LOG_LIMIT:
-            os.ftruncate(2, 0)
-            os.lseek(2, 0, os.SEEK_SET)
+        if os.fstat(fd).st_size > limit:
+            os.ftruncate(fd, 0)
+            os.lseek(fd, 0, os.SEEK_SET)
     except OSError:
         pass
 

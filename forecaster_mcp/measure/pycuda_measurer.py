@@ -42,7 +42,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from forecaster_mcp.errors import InvalidRequest, NotMeasurable
 from forecaster_mcp.forecast import ptxas
 from forecaster_mcp.measure.base import OCCUPIED_ATTR, MeasureRequest, ProgressCallback
-from forecaster_mcp.measure.gpu_worker import GUARD_BYTES
+from forecaster_mcp.measure.gpu_worker import GUARD_BYTES, empty_if_over
 from forecaster_mcp.measure.inputs import draw_scratch_bytes, param_sizes
 from forecaster_mcp.measure.timing import (
     below_physical_floor,
@@ -620,11 +620,9 @@ class _Worker:
         The worker writes through a duplicate of this descriptor, so rewinding it rewinds the worker too."""
         try:
             fd = self.stderr.fileno()
-            if os.fstat(fd).st_size > _STDERR_KEEP:
-                os.ftruncate(fd, 0)
-                os.lseek(fd, 0, os.SEEK_SET)
-        except (OSError, ValueError):
-            pass
+        except ValueError:  # closed
+            return
+        empty_if_over(fd, _STDERR_KEEP)
 
     def stderr_tail(self, limit: int = _STDERR_TAIL) -> str:
         try:
