@@ -385,8 +385,9 @@ class Store:
         return store
 
     async def close(self) -> None:
-        """Finish transactions still running for cancelled callers, then close the connection (a commit still
-        retried by `commit_later` is given up: its hold is released as an orphan at the next start)."""
+        """Finish transactions still running for cancelled callers, then close the connection. A commit still
+        retried by `commit_later` gets one last attempt; if that fails too, its hold is released as an orphan
+        at the next start."""
         pending = list(self._retrying.items())
         for fut, _ in pending:
             fut.cancel()
