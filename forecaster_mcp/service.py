@@ -15,9 +15,9 @@ import math
 import re
 import shlex
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 
@@ -67,6 +67,7 @@ from forecaster_mcp.store.db import (
 )
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 _NORM = re.compile(r"[^a-z0-9]+")
 
@@ -439,10 +440,7 @@ class Service:
 
     async def _failed(self, kernel: Kernel, hardware: str, wkey: str) -> str | None:
         """The status of the kernel's stored failed measurement (never measured ok), or None."""
-        status = await self.store.failed_status(kernel.content_key(), hardware, wkey)
-        if status is None and (earlier := kernel.earlier_content_key()) is not None:
-            status = await self.store.failed_status(earlier, hardware, wkey)
-        return status
+        return await _by_content(kernel, lambda key: self.store.failed_status(key, hardware, wkey))
 
     async def _measured(
         self, kernels: Sequence[Kernel], hardware: str, wkey: str
@@ -450,9 +448,7 @@ class Service:
         """Per kernel id, the (median, low, high, runs) of its latest ok measurement, for those measured."""
         out: dict[str, tuple[float, float, float, int]] = {}
         for k in kernels:
-            interval = await self.store.measured_interval(k.content_key(), hardware, wkey)
-            if interval is None and (earlier := k.earlier_content_key()) is not None:
-                interval = await self.store.measured_interval(earlier, hardware, wkey)
+            interval = await _by_content(k, lambda key: self.store.measured_interval(key, hardware, wkey))
             if interval is not None and interval[0] > 0:
                 out[str(k.id)] = interval
         return out
@@ -1046,6 +1042,15 @@ def _waiting_on_baseline(
         for cid, r in results.items()
         if cid in measured and r.decided_by == "forecast" and r.verdict == "unsure"
     ]
+
+
+async def _by_content(kernel: Kernel, lookup: Callable[[str], Awaitable[_T | None]]) -> _T | None:
+    """`lookup` under the kernel's content key, else under the key results were stored under before
+    (`Kernel.earlier_content_key`)."""
+    found = await lookup(kernel.content_key())
+    if found is None and (earlier := kernel.earlier_content_key()) is not None:
+        found = await lookup(earlier)
+    return found
 
 
 def _one_side_failed(cid: str, status: str, *, base_failed: bool, by: DecidedBy) -> CandidateForecast:
