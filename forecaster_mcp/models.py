@@ -70,7 +70,7 @@ DefineValue = int | float | str
 # of parameters: 200 of them took 30 s and 1 GB on 200 points) proportionate.
 MAX_DEFINES = 64
 MAX_DEFINE_NAME = 128
-_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # fullmatch: "$" would let a trailing newline through
 # C0 control characters and DEL: a NUL cannot reach a process argument at all, and the others have no place in
 # a macro value or a compiler flag.
 CONTROL_CHARACTER = re.compile(r"[\x00-\x1f\x7f]")
@@ -291,8 +291,13 @@ class Kernel(_Strict):
     """One kernel candidate: source, entry point, launch and tuning parameters."""
 
     id: str | None = Field(default=None, max_length=128, description="unique in a call; default k0, k1, ...")
-    source: str = Field(description="the kernel source (at most 1 MB)")
-    entry: str = Field(description="the __global__ function name")
+    source: str = Field(
+        description="the kernel source (at most 1 MB)", json_schema_extra={"maxLength": MAX_SOURCE_BYTES}
+    )
+    entry: str = Field(
+        description="the __global__ function name",
+        json_schema_extra={"maxLength": 256, "pattern": "^[A-Za-z_][A-Za-z0-9_]*$"},
+    )
     language: Language = "cuda"
     launch: Launch | None = Field(
         default=None,
@@ -301,7 +306,8 @@ class Kernel(_Strict):
     )
     defines: dict[str, DefineValue] = Field(
         default_factory=dict,
-        description="macros (#define NAME value ahead of the source) / tuning parameters",
+        description=f"macros (#define NAME value ahead of the source) / tuning parameters; at most {MAX_DEFINES}",
+        json_schema_extra={"maxProperties": MAX_DEFINES},
     )
     compile_options: list[str] = Field(default_factory=list, max_length=64, description="extra nvcc flags")
 
@@ -338,7 +344,7 @@ class Kernel(_Strict):
     @field_validator("entry")
     @classmethod
     def _entry(cls, v: str) -> str:
-        if not _IDENT.match(v) or len(v) > 256:
+        if not _IDENT.fullmatch(v) or len(v) > 256:
             raise ValueError(f"entry {v[:80]!r} is not a C identifier: pass the __global__ function's name")
         return v
 
@@ -351,7 +357,7 @@ class Kernel(_Strict):
                 "the source always needs belong in the source)"
             )
         for name, value in v.items():
-            if not _IDENT.match(name):
+            if not _IDENT.fullmatch(name):
                 raise ValueError(f"define name {name[:80]!r} is not a C identifier")
             if len(name) > MAX_DEFINE_NAME:
                 raise ValueError(

@@ -513,6 +513,13 @@ def test_control_characters_in_define_values_are_rejected(value: str) -> None:
     assert "define A's value" in message and "control character" in message
 
 
+@pytest.mark.parametrize("where", ["entry", "define name"])
+def test_a_trailing_newline_in_an_entry_or_a_define_name_is_rejected(where: str) -> None:
+    # "^...$" matches before a final newline: "#define A\n 1" would define A empty and put " 1" in the source.
+    message = rejection(entry="k\n") if where == "entry" else rejection(defines={"A\n": 1})
+    assert "identifier" in message
+
+
 @pytest.mark.parametrize("option", ["-O3\x00", "-O3\n", "-lineinfo\r"])
 def test_control_characters_in_compile_options_are_rejected(option: str) -> None:
     assert "has a control character" in rejection(compile_options=[option])

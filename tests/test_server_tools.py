@@ -10,7 +10,8 @@ from mcp import Client
 from replay_kernels import FAILS, FAST, SLOW, conv
 from tool_calls import call, error_of, running
 
-from forecaster_mcp.models import Kernel
+from forecaster_mcp.forecast.selective import MAX_TARGET_ERROR, MIN_TARGET_ERROR
+from forecaster_mcp.models import MAX_DEFINES, MAX_SOURCE_BYTES, MIN_MEASURE_SECONDS, Kernel
 from forecaster_mcp.server.app import build_server
 from forecaster_mcp.service import Service
 from forecaster_mcp.settings import Settings
@@ -44,6 +45,42 @@ async def test_tools_listed_with_annotations_and_flat_params(tmp_path: Path, con
         # Unknown argument names are refused at call time; the published schemas say so.
         for tool in tools.values():
             assert tool.input_schema.get("additionalProperties") is False, tool.name
+
+
+async def test_published_schemas_carry_the_bounds_the_server_enforces(
+    tmp_path: Path, conv_a100: Path
+) -> None:
+    """A client that validates against the schema must not send what the server then refuses."""
+    async with running(tmp_path, [conv_a100]) as (client, _):
+        tools = {t.name: t for t in (await client.list_tools()).tools}
+        compare = tools["compare_kernels"].input_schema["properties"]
+        measure = tools["measure_kernel"].input_schema["properties"]
+        assert compare["target_error"]["minimum"] == MIN_TARGET_ERROR
+        assert compare["target_error"]["exclusiveMaximum"] == MAX_TARGET_ERROR
+        assert (compare["max_measurements"]["minimum"], compare["max_measurements"]["maximum"]) == (0, 64)
+        assert measure["atol"]["minimum"] == measure["rtol"]["minimum"] == 0
+        assert measure["max_seconds"]["minimum"] == MIN_MEASURE_SECONDS
+        assert measure["max_runs"]["minimum"] == 1
+        kernel = tools["measure_kernel"].input_schema["$defs"]["Kernel"]["properties"]
+        assert kernel["source"]["maxLength"] == MAX_SOURCE_BYTES
+        assert kernel["entry"]["pattern"] == "^[A-Za-z_][A-Za-z0-9_]*$"
+        assert kernel["defines"]["maxProperties"] == MAX_DEFINES
+        # Just past each published bound: the server's own clear error, and nothing charged.
+        pair = [conv("a", FAST), conv("b", SLOW)]
+        past = [
+            ("compare_kernels", {"candidates": pair, "target_error": MAX_TARGET_ERROR}, "target_error"),
+            ("compare_kernels", {"candidates": pair, "target_error": MIN_TARGET_ERROR / 2}, "target_error"),
+            ("measure_kernel", {"kernel": conv("a", FAST), "atol": -1e-9}, "atol"),
+            (
+                "measure_kernel",
+                {"kernel": conv("a", FAST), "max_seconds": MIN_MEASURE_SECONDS / 2},
+                "max_seconds",
+            ),
+            ("measure_kernel", {"kernel": conv("a", FAST), "max_runs": 0}, "max_runs"),
+        ]
+        for tool, args, name in past:
+            assert name in await error_of(client, tool, args), (tool, args)
+        assert (await call(client, "budget_status", {}))["spent_gpu_seconds"] == 0
 
 
 async def test_compare_fills_every_contract_field(tmp_path: Path, conv_a100: Path) -> None:

@@ -242,7 +242,8 @@ def build_server(service: Service, *, http: bool = False) -> MCPServer:
             float | None,
             Field(
                 description="largest acceptable error rate among decided verdicts (default 0.1; at least "
-                f"{MIN_TARGET_ERROR:g}, below {MAX_TARGET_ERROR:g})"
+                f"{MIN_TARGET_ERROR:g}, below {MAX_TARGET_ERROR:g})",
+                json_schema_extra={"minimum": MIN_TARGET_ERROR, "exclusiveMaximum": MAX_TARGET_ERROR},
             ),
         ] = None,
         measure_if_unsure: Annotated[
@@ -295,13 +296,17 @@ def build_server(service: Service, *, http: bool = False) -> MCPServer:
         ] = None,
         atol: Annotated[
             float,
-            Field(description="absolute tolerance of the output check: |got - want| <= atol + rtol*|want|"),
+            Field(
+                description="absolute tolerance of the output check: |got - want| <= atol + rtol*|want|",
+                json_schema_extra={"minimum": 0},
+            ),
         ] = 1e-5,
         rtol: Annotated[
             float,
             Field(
                 description="relative tolerance of the output check (see atol); for float16 and bfloat16 outputs "
-                "at least one unit in their last place (2^-10, 2^-7)"
+                "at least one unit in their last place (2^-10, 2^-7)",
+                json_schema_extra={"minimum": 0},
             ),
         ] = 1e-3,
         max_seconds: Annotated[
@@ -310,10 +315,13 @@ def build_server(service: Service, *, http: bool = False) -> MCPServer:
                 description=f"cap on GPU-seconds for this measurement (at least {MIN_MEASURE_SECONDS:g}), reserved "
                 "from your budget up front and the unused part released; maximum the server's cap (30 s unless "
                 "configured), "
-                "default that cap or what your budget has left, whichever is less"
+                "default that cap or what your budget has left, whichever is less",
+                json_schema_extra={"minimum": MIN_MEASURE_SECONDS},
             ),
         ] = None,
-        max_runs: Annotated[int, Field(description="cap on timed runs")] = 1000,
+        max_runs: Annotated[
+            int, Field(description="cap on timed runs (at least 1)", json_schema_extra={"minimum": 1})
+        ] = 1000,
         idempotency_key: Annotated[
             str | None,
             Field(
