@@ -152,6 +152,11 @@ def test_decide() -> None:
     assert decide(0.01, 0.95, p_fail_baseline=0.03) == "slower"
     assert decide(0.01, 0.95, p_fail_baseline=0.06) == "unsure"
     assert decide(0.99, 0.95, p_fail_baseline=0.5) == "faster"
+    # A candidate that surely runs is the better choice against a baseline that almost surely fails, even one
+    # that would be faster if it ran (the mirror of "a candidate that fails is slower").
+    assert decide(0.1, 0.95, p_fail=0.0, p_fail_baseline=0.97) == "faster"
+    assert decide(0.9, 0.95, p_fail=0.97, p_fail_baseline=0.0) == "slower"
+    assert decide(0.99, 0.95, p_fail_baseline=float("nan")) == "unsure"
     # A candidate that (surely) fails is never the better choice, even against a failing baseline.
     assert decide(0.0, 0.95, p_fail=1.0, p_fail_baseline=1.0) == "slower"
     assert decide(0.5, 0.95, p_fail=0.97, p_fail_baseline=0.2) == "slower"
@@ -162,6 +167,8 @@ def test_decide() -> None:
         (0.999, 0.0, 0.0),
         (0.6, 0.5, 0.5),
         (0.4, 0.2, 0.3),
+        (0.1, 0.0, 0.97),
+        (0.7, 0.03, 0.9),
     ]:
         forward, backward = decide(p, 0.95, fc, fb), decide(1 - p, 0.95, fb, fc)
         flipped = {"faster": "slower", "slower": "faster", "unsure": "unsure"}

@@ -249,24 +249,25 @@ def p_fail_baseline_of(extras: Mapping[str, float]) -> float:
 
 
 def _runs(p_fail: float) -> float:
-    return 1.0 - min(1.0, max(0.0, p_fail)) if math.isfinite(p_fail) else 0.0
+    return 1.0 - min(1.0, max(0.0, p_fail))
 
 
 def decide(p_faster: float, threshold: float, p_fail: float = 0.0, p_fail_baseline: float = 0.0) -> Verdict:
     """ "faster" / "slower" when that direction's probability clears the threshold, else "unsure".
 
     `p_faster` is the chance the candidate is faster if both run; `p_fail` the chance the candidate fails to
-    compile or run, `p_fail_baseline` the baseline's. A kernel that fails is not faster, so "faster" needs
-    (1 - p_fail) * p_faster to clear the threshold, and "slower" (1 - p_fail_baseline) * (1 - p_faster): a
-    candidate that runs beats a baseline that fails. compare(A, B) and compare(B, A) then agree. A candidate
-    that fails with probability at least the threshold (one measured as failing) is "slower" whatever the
-    baseline: it is not the better choice, even against a baseline that fails too."""
-    if threshold >= NEVER or not math.isfinite(p_faster):
+    compile or run, `p_fail_baseline` the baseline's. A kernel is the better choice when it runs and the other
+    fails or is slower: "faster" needs the candidate's chance of that, (1 - p_fail) * (p_fail_baseline +
+    (1 - p_fail_baseline) * p_faster), to clear the threshold, "slower" the baseline's. compare(A, B) and
+    compare(B, A) then agree: a candidate that runs beats a baseline that (surely) fails, in either order.
+    Also "slower": a candidate that fails with probability at least the threshold (one measured as failing),
+    whatever the baseline; it is not the better choice even against a baseline that fails too (the one case
+    where the two orders can differ: the other order is then "unsure"). A non-finite input is "unsure"."""
+    if threshold >= NEVER or not all(math.isfinite(x) for x in (p_faster, p_fail, p_fail_baseline)):
         return "unsure"
-    if p_faster > 0.5 and _runs(p_fail) * p_faster >= threshold:
+    runs, baseline_runs, p = _runs(p_fail), _runs(p_fail_baseline), min(1.0, max(0.0, p_faster))
+    if runs * (1.0 - baseline_runs + baseline_runs * p) >= threshold:
         return "faster"
-    if p_faster < 0.5 and _runs(p_fail_baseline) * (1.0 - p_faster) >= threshold:
-        return "slower"
-    if math.isfinite(p_fail) and p_fail >= threshold:
+    if baseline_runs * (1.0 - runs + runs * (1.0 - p)) >= threshold or p_fail >= threshold:
         return "slower"
     return "unsure"
