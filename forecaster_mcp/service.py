@@ -172,6 +172,17 @@ class Service:
     def devices(self) -> list[str]:
         return [d for m in self.measurers for d in m.devices()]
 
+    def _measured_elsewhere_notes(self, name: str) -> list[str]:
+        """For a GPU this server does not measure on, while it measures on others: what it measures there
+        (stored under that device) never reaches forecasts for `name`."""
+        have = self.devices()
+        if not have:
+            return []
+        return [
+            f"this server measures on {', '.join(have)}, not {name}: forecasts for {name} do not learn from "
+            f"those measurements; pass hardware={have[0]!r} to forecast for the device measure_kernel uses"
+        ]
+
     def resolve_hardware(self, hardware: str | None) -> HardwareChoice:
         """Forgiving GPU-name resolution: measurement devices first, then the spec table."""
         wanted = hardware or self.settings.hardware
@@ -205,14 +216,15 @@ class Service:
                 if _names_device(wanted, spec, d):
                     return HardwareChoice(d, specs.lookup(d), m)
         if spec is not None:
-            return HardwareChoice(spec.name, spec, None)
+            return HardwareChoice(spec.name, spec, None, self._measured_elsewhere_notes(spec.name))
         return HardwareChoice(
             wanted,
             None,
             None,
             [
                 f"no specification known for GPU {wanted!r}: forecast made without hardware-specific features "
-                f"(known GPUs are listed in the gpu-specs resource)"
+                f"(known GPUs are listed in the gpu-specs resource)",
+                *self._measured_elsewhere_notes(wanted),
             ],
         )
 

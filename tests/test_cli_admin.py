@@ -299,6 +299,30 @@ def test_serve_warns_at_start_up_about_a_default_gpu_it_does_not_know(
     assert asyncio.run(check("h100")) == ""  # a known name, however spelled
 
 
+def test_serve_warns_when_the_default_gpu_is_not_the_one_it_measures_on(
+    capsys: pytest.CaptureFixture[str], conv_a100: Path
+) -> None:
+    # An agent config's --hardware H100 kept beside --replay A100.json.gz: compare_kernels would default to H100
+    # while measure_kernel measures (and stores) on the A100, so forecasts would never learn.
+    from forecaster_mcp.server.app import _check_startup
+    from forecaster_mcp.service import Service
+
+    async def check(hardware: str) -> tuple[str, list[str]]:
+        settings = Settings.from_env(measurer="replay", replay=[conv_a100], hardware=hardware)
+        service = await Service.open(settings)
+        try:
+            await _check_startup(service, settings, http=False)
+            return capsys.readouterr().err, service.resolve_hardware(None).notes
+        finally:
+            await service.close()
+
+    warned, notes = asyncio.run(check("H100"))
+    assert "warning: --hardware 'H100' is none of the devices this server measures on (A100" in warned
+    assert "leave out --hardware" in warned
+    assert notes and "forecasts for H100-SXM5-80GB do not learn from those measurements" in notes[0]
+    assert asyncio.run(check("a100")) == ("", [])
+
+
 def test_unknown_ledger_message_quotes_the_name_for_the_shell() -> None:
     from forecaster_mcp.errors import UnknownLedger
     from forecaster_mcp.service import Service

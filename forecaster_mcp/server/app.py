@@ -195,7 +195,11 @@ def build_server(service: Service, *, http: bool = False) -> MCPServer:
         if requested is not None and requested != own:
             raise ToolError(
                 f"this connection is bound to ledger {own!r}; it cannot use ledger {requested[:80]!r}. "
-                "Omit `ledger`, or connect with that ledger's token."
+                + (
+                    "Omit `ledger`, or connect with that ledger's token."
+                    if http
+                    else "Omit `ledger`, or start this server with --ledger NAME (FORECASTER_MCP_LEDGER)."
+                )
             )
         return own
 
@@ -241,7 +245,8 @@ def build_server(service: Service, *, http: bool = False) -> MCPServer:
         target_error: Annotated[
             float | None,
             Field(
-                description="largest acceptable error rate among decided verdicts (default 0.1; at least "
+                description="largest acceptable error rate among decided verdicts (default the server's "
+                "setting, 0.1 unless configured; answers give the one used; at least "
                 f"{MIN_TARGET_ERROR:g}, below {MAX_TARGET_ERROR:g})",
                 json_schema_extra={"minimum": MIN_TARGET_ERROR, "exclusiveMaximum": MAX_TARGET_ERROR},
             ),
@@ -262,9 +267,9 @@ def build_server(service: Service, *, http: bool = False) -> MCPServer:
     ) -> CompareResult:
         """Forecast, for every candidate, the probability it is faster than the baseline and a verdict (faster /
         slower / unsure) whose error rate stays under target_error. Free unless measure_if_unsure. Act on
-        `measure_next`: the unsure candidates worth a GPU measurement, most valuable first (chance and size of
-        beating the best kernel measured so far); measure those with measure_kernel and trust the decided
-        verdicts."""
+        `measure_next`: the candidates worth a GPU measurement, most valuable first (chance and size of beating
+        the best kernel measured so far): unsure and faster ones, and slower ones whose wide forecast still
+        leaves a real expected gain; measure those with measure_kernel and trust the other decided verdicts."""
         _refuse_unknown_arguments(ctx, compare_kernels)
         own = ledger_for(ledger)
         return await _call(
@@ -314,8 +319,7 @@ def build_server(service: Service, *, http: bool = False) -> MCPServer:
             Field(
                 description=f"cap on GPU-seconds for this measurement (at least {MIN_MEASURE_SECONDS:g}), reserved "
                 "from your budget up front and the unused part released; maximum the server's cap (30 s unless "
-                "configured), "
-                "default that cap or what your budget has left, whichever is less",
+                "configured), default that cap or what your budget has left, whichever is less",
                 json_schema_extra={"minimum": MIN_MEASURE_SECONDS},
             ),
         ] = None,
@@ -476,12 +480,22 @@ async def _check_startup(service: Service, settings: Settings, *, http: bool) ->
     if not http and await service.store.get_ledger(settings.ledger) is None:
         raise OperatorError(
             f"ledger {settings.ledger!r} does not exist: create it with `forecaster-mcp ledger create "
-            f"{shlex.quote(settings.ledger)} --gpu-seconds N`, or leave out --ledger to use 'default'"
+            f"{shlex.quote(settings.ledger)} --gpu-seconds N`, or leave out --ledger (FORECASTER_MCP_LEDGER) to "
+            "use 'default'"
         )
     try:
-        unknown_gpu = settings.hardware is not None and service.resolve_hardware(None).spec is None
+        default = service.resolve_hardware(None)
     except AgentError as exc:
         raise OperatorError(f"--hardware {settings.hardware!r}: {exc}") from exc
+    unknown_gpu = settings.hardware is not None and default.spec is None
+    if settings.hardware is not None and default.device_of is None and service.devices():
+        print(
+            f"forecaster-mcp: warning: --hardware {settings.hardware!r} is none of the devices this server "
+            f"measures on ({', '.join(service.devices())}): forecasts default to {default.name} and never learn "
+            "from those measurements; leave out --hardware (FORECASTER_MCP_HARDWARE) to forecast for the "
+            "measured device",
+            file=sys.stderr,
+        )
     if unknown_gpu:
         assert settings.hardware is not None
         names = [row.name for row in service.gpu_specs()]
