@@ -86,22 +86,64 @@ _INCLUDE = re.compile(
     r"(?:#|%:|\?\?=)[ \t\f\v]*(?:(/\*)|(include_next|include|import|embed)\b[ \t\f\v]*([^\r\n]{0,200}))"
 )
 _HEADER_NAME = re.compile(r'<([^<>]*)>|"([^"]*)"')
+# `__has_include("...")` tells whether a file exists (an #if on it, then an #error, answers the caller).
+_HAS_INCLUDE = re.compile(r"__has_(?:include|include_next|embed)\b[ \t\f\v]*(\(?)[ \t\f\v]*([^\r\n]{0,200})")
+# `#pragma GCC dependency "file"` (or its _Pragma string) checks a file's date, and says when it is missing.
+_GCC_DEPENDENCY = re.compile(r"GCC[ \t\f\v]+dependency\b")
+# `#line N "file"`, and GNU's linemarker `# N "file"`, rename the source for diagnostics, and gcc's caret
+# display then prints line N of that file from disk: `#line 1 "/proc/self/environ"` then `#error` would show
+# the caller the server's environment. `#line` is refused anywhere (as #include is); a linemarker where it is a
+# directive: first on its line, or right after a comment that ends there.
+_LINE_DIRECTIVE = re.compile(
+    r"(?:#|%:|\?\?=)[ \t\f\v]*line\b|(?:^|\*/)[ \t\f\v]*(?:#|%:|\?\?=)[ \t\f\v]*\d", re.MULTILINE
+)
+# C0 controls other than the whitespace C allows (tab, newline, vertical tab, form feed, carriage return):
+# gcc drops a NUL with a warning and then obeys the directive it hid ("#\0include" passed the check above).
+SOURCE_CONTROL_CHARACTER = re.compile(r"[\x00-\x08\x0e-\x1f\x7f]")
 
 
-def include_problem(source: str) -> str | None:
-    """Why an #include in `source` is refused, or None. Kernels are compiled on the server and compiler
-    messages go back to the caller, so a header named by an absolute path, through `..` or a backslash, or
-    by a macro (a define could name any file) could show the caller any file the server can read."""
-    for m in _INCLUDE.finditer(_SPLICE.sub("", source)):
+def _bad_header_name(name: str) -> bool:
+    return name.startswith(("/", "~")) or "\\" in name or ".." in name.split("/") or not name.strip()
+
+
+_HEADER_ADVICE = (
+    "the server compiles kernels and shows the compiler's messages, so it accepts only headers named plainly, "
+    "as <cuda_fp16.h> or \"cub/cub.cuh\" (the CUDA toolkit's and the standard library's); paste your own "
+    "helpers into the source (an #include in a comment is checked too)"
+)
+
+
+def source_problem(source: str) -> str | None:
+    """Why `source` is refused, or None. Kernels are compiled on the server and compiler messages go back to
+    the caller, so nothing in a source may make the compiler read, or show, a file of the server's: a header
+    named by an absolute path, through `..` or a backslash, or by a macro (a define could name any file), a
+    `#line` naming a file, or a directive hidden by a NUL."""
+    if (bad := SOURCE_CONTROL_CHARACTER.search(source)) is not None:
+        return (
+            f"has the control character {bad.group()!r}: a kernel source holds text, tabs and newlines only "
+            "(the compiler skips a NUL and obeys what it hid)"
+        )
+    joined = _SPLICE.sub("", source)
+    if _LINE_DIRECTIVE.search(joined) is not None:
+        return "has a #line directive or a linemarker ('# 12 \"file\"'): leave them out (the server numbers lines)"
+    for m in _INCLUDE.finditer(joined):
         if m.group(1) is not None:
-            return "has a comment right after a '#': write the directive plainly"
+            return f"has a comment right after a '#': write the directive plainly; {_HEADER_ADVICE}"
         header = _HEADER_NAME.match(m.group(3))
         shown = f"#{m.group(2)} {m.group(3).strip()[:80]}"
         if header is None or m.group(3).startswith("/*"):
-            return f'{shown!r} does not name its header as <name> or "name" (a macro may name any file)'
-        name = header.group(1) if header.group(1) is not None else header.group(2)
-        if name.startswith(("/", "~")) or "\\" in name or ".." in name.split("/") or not name.strip():
-            return f"{shown!r} names a file by an absolute path, through '..' or with a backslash"
+            return f'{shown!r} does not name its header as <name> or "name" (a macro may name any file); {_HEADER_ADVICE}'
+        if _bad_header_name(header.group(1) if header.group(1) is not None else header.group(2)):
+            return f"{shown!r} names a file by an absolute path, through '..' or with a backslash; {_HEADER_ADVICE}"
+    if _GCC_DEPENDENCY.search(joined) is not None:
+        return "has '#pragma GCC dependency': leave it out (it checks a file of the server's)"
+    for m in _HAS_INCLUDE.finditer(joined):
+        header = _HEADER_NAME.match(m.group(2))
+        shown = f"__has_include({m.group(2).strip()[:80]}"
+        if not m.group(1) or header is None:
+            return f'{shown!r} does not name its header as <name> or "name" (a macro may name any file); {_HEADER_ADVICE}'
+        if _bad_header_name(header.group(1) if header.group(1) is not None else header.group(2)):
+            return f"{shown!r} names a file by an absolute path, through '..' or with a backslash; {_HEADER_ADVICE}"
     return None
 
 
@@ -331,14 +373,9 @@ class Kernel(_Strict):
                 f"source is {size} bytes, over the {MAX_SOURCE_BYTES}-byte limit: "
                 "send only the kernel and what it includes"
             )
-        problem = include_problem(v)
+        problem = source_problem(v)
         if problem is not None:
-            raise ValueError(
-                f"source {problem}: the server compiles kernels and shows the compiler's messages, so it "
-                'accepts only headers named plainly, as <cuda_fp16.h> or "cub/cub.cuh" (the CUDA toolkit\'s '
-                "and the standard library's); paste your own helpers into the source (an #include in a comment "
-                "is checked too)"
-            )
+            raise ValueError(f"source {problem}")
         return v
 
     @field_validator("entry")

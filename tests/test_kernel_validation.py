@@ -793,6 +793,41 @@ def test_an_include_that_could_show_a_server_file_is_refused(include: str) -> No
 def test_plain_includes_are_accepted() -> None:
     plain = '#include <cuda_fp16.h>\n#include "cub/cub.cuh"\n#include <mma.h> /* wmma */\n#pragma unroll\n'
     assert kernel(source=plain + SRC).source.startswith("#include <cuda_fp16.h>")
+    # Numbered notes are not linemarkers, and asking for a toolkit header is fine.
+    plain = "// step #1: load the tile\nint a = 3;  // see #12\n#if __has_include(<cuda_fp16.h>)\n#endif\n"
+    assert kernel(source=plain + "\t" + SRC + "\r\n\f\v").source.startswith("// step #1")
+
+
+# gcc's caret display reads the line a diagnostic points at from the file `#line` names, so `#line` then
+# `#error` printed that line of any server file; a NUL is dropped by gcc, which then obeys the directive it hid.
+FILE_READING_SOURCES = [
+    ('#line 1 "/proc/self/environ"\n#error a\n', "#line"),
+    ('# 1 "/etc/passwd"\n#error a\n', "linemarker"),
+    ('  %:  4 "/etc/passwd"\n', "linemarker"),
+    ('/* note */ # 3 "/etc/passwd"\n', "linemarker"),
+    ('#define L 4 "/etc/passwd"\n#line L\n#error x\n', "#line"),
+    ('#\x00include "/etc/passwd"\n', "control character"),
+    ("int a; /* \x1b[2J */\n", "control character"),
+    ('#if __has_include("/etc/shadow")\n#error it exists\n#endif\n', "absolute path"),
+    ("#define H <x.h>\n#if __has_include(H)\n#endif\n", "a macro may name any file"),
+    ('#if __has_embed("/etc/shadow")\n#endif\n', "absolute path"),
+    ('_Pragma("GCC dependency \\"/etc/shadow\\"")\n', "GCC dependency"),
+]
+
+
+@pytest.mark.parametrize(("source", "says"), FILE_READING_SOURCES)
+def test_sources_that_make_the_compiler_read_a_server_file_are_refused(source: str, says: str) -> None:
+    message = rejection(source=source + SRC)
+    assert "source " in message and says in message
+
+
+@pytest.mark.anyio
+async def test_the_measurer_refuses_an_unvalidated_kernel_with_a_line_directive(tmp_path: Path) -> None:
+    compiler = NvccCompiler(tmp_path, nvcc=[sys.executable, FAKE, "nvcc"])
+    bad = kernel().model_copy(update={"source": '#line 1 "/proc/self/environ"\n#error x\n' + SRC})
+    with pytest.raises(InvalidRequest, match="#line"):
+        await compiler.compile(bad, "sm_90")
+    assert not (tmp_path / "kernels").exists()
 
 
 @pytest.mark.anyio

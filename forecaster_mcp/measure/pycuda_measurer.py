@@ -80,7 +80,7 @@ from forecaster_mcp.models import (
     ResourceUsage,
     Workload,
     compile_option_allowed,
-    include_problem,
+    source_problem,
 )
 
 log = logging.getLogger(__name__)
@@ -479,7 +479,7 @@ def _refuse_unsafe_flags(kernel: Kernel) -> None:
     for name, value in kernel.defines.items():
         if CONTROL_CHARACTER.search(f"{name}{value}"):
             raise InvalidRequest(f"define {name[:80]!r} has a control character: pass printable text")
-    problem = include_problem(kernel.source)
+    problem = source_problem(kernel.source)
     if problem is not None:
         raise InvalidRequest(f"source {problem}: see Kernel.source")
 
