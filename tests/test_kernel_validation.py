@@ -25,7 +25,7 @@ from tool_calls import error_of
 
 from forecaster_mcp.errors import InvalidRequest
 from forecaster_mcp.forecast.features import kernel_features
-from forecaster_mcp.forecast.ptxas import ptxas_usage, safe_options
+from forecaster_mcp.forecast.ptxas import ptxas_usage, read_bounded, safe_options
 from forecaster_mcp.hardware.specs import all_specs
 from forecaster_mcp.measure.base import MeasureRequest
 from forecaster_mcp.measure.pycuda_measurer import (
@@ -33,6 +33,7 @@ from forecaster_mcp.measure.pycuda_measurer import (
     CompileFailure,
     NvccCompiler,
     PycudaMeasurer,
+    _run_bounded,
 )
 from forecaster_mcp.models import MAX_SHARED_MEM_BYTES, Kernel, Launch, Workload, is_arch_option
 from forecaster_mcp.server.app import build_server
@@ -819,6 +820,46 @@ FILE_READING_SOURCES = [
 def test_sources_that_make_the_compiler_read_a_server_file_are_refused(source: str, says: str) -> None:
     message = rejection(source=source + SRC)
     assert "source " in message and says in message
+
+
+@pytest.mark.anyio
+async def test_a_compiler_that_prints_without_end_is_held_to_its_head_and_tail(tmp_path: Path) -> None:
+    # A source that includes itself again and again prints errors at ~10 MB/s; all of it used to be kept.
+    flood = "import sys; sys.stdout.write('first\\n' + 'x' * 40_000_000 + '\\nlast'); sys.exit(1)"
+    rc, output = await _run_bounded([sys.executable, "-c", flood], tmp_path, 60.0)
+    assert rc == 1 and output.startswith("first") and output.endswith("last") and len(output) < 600_000
+    compiler = NvccCompiler(tmp_path, nvcc=[sys.executable, "-c", flood])
+    failure = await compiler.compile(kernel(), "sm_90")
+    assert isinstance(failure, CompileFailure) and "first" in failure.message
+    usage = await ptxas_usage(kernel(), "sm_90", sys.executable, None)  # not nvcc: no usage, and no raise
+    assert usage is None
+
+
+@pytest.mark.anyio
+async def test_read_bounded_keeps_head_and_tail_and_says_what_it_left_out() -> None:
+    async def chunks() -> AsyncIterator[bytes]:
+        yield b"head-"
+        for _ in range(100):
+            yield b"." * 1000
+        yield b"-tail"
+
+    out = await read_bounded(chunks(), keep=2000)
+    assert out.startswith(b"head-") and out.endswith(b"-tail") and len(out) < 4100
+    assert b"[... 96010 bytes of compiler output left out ...]" in out
+    assert await read_bounded(chunks(), keep=10**6) == b"head-" + b"." * 100_000 + b"-tail"
+
+
+@pytest.mark.anyio
+async def test_the_compiler_never_sees_the_servers_secrets(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Whatever a source makes the compiler print, the API key and tokens are not in its environment.
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-ant-not-for-kernels")
+    monkeypatch.setenv("FORECASTER_MCP_ANTHROPIC_API_KEY", "sk-ant-not-for-kernels")
+    show = "import os, sys; print(sorted(os.environ.items())); sys.exit(1)"
+    failure = await NvccCompiler(tmp_path, nvcc=[sys.executable, "-c", show]).compile(kernel(), "sm_90")
+    assert isinstance(failure, CompileFailure)
+    assert "PATH" in failure.message and "sk-ant-not-for-kernels" not in failure.message
 
 
 @pytest.mark.anyio

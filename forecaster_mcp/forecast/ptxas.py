@@ -21,7 +21,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import AsyncIterable, Hashable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -203,6 +203,41 @@ def _kill_group(pid: int) -> None:
         pass
 
 
+# What is kept of a compiler's output: its head (the first diagnostics) and its tail (ptxas's resource lines
+# come last). A source that includes itself again and again prints errors without end, ~10 MB/s, all of it
+# held in memory before.
+OUTPUT_KEEP_BYTES = 256 * 1024
+# Variables a compiler never needs and a kernel must not reach (a diagnostic can print the environment).
+_SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL", re.IGNORECASE)
+
+
+def compiler_env(**extra: str) -> dict[str, str]:
+    """The environment for nvcc: the server's, without anything named like a secret (API keys, tokens)."""
+    return {**{k: v for k, v in os.environ.items() if not _SECRET_NAME.search(k)}, **extra}
+
+
+async def read_bounded(stream: AsyncIterable[bytes], keep: int = OUTPUT_KEEP_BYTES) -> bytes:
+    """All of `stream` read (so the writer never blocks), at most `keep` bytes of its head and of its tail
+    kept, with a line saying how much was left out between them."""
+    head = bytearray()
+    tail = bytearray()
+    dropped = 0
+    async for chunk in stream:
+        room = keep - len(head)
+        if room > 0:
+            head += chunk[:room]
+            chunk = chunk[room:]
+        tail += chunk
+        if len(tail) > 2 * keep:  # trimmed in steps: each byte is moved at most twice
+            dropped += len(tail) - keep
+            del tail[:-keep]
+    if len(tail) > keep:
+        dropped += len(tail) - keep
+        del tail[:-keep]
+    middle = f"\n[... {dropped} bytes of compiler output left out ...]\n".encode() if dropped else b""
+    return bytes(head) + middle + bytes(tail)
+
+
 async def ptxas_usage(
     kernel: Kernel, arch: str, nvcc: str | None, cache_dir: Path | None, timeout_s: float = 20.0
 ) -> PtxasUsage | None:
@@ -232,18 +267,22 @@ async def ptxas_usage(
         ]
         try:
             proc = await anyio.open_process(
-                cmd, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+                cmd,
+                cwd=tmp,
+                env=compiler_env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         except (OSError, ValueError) as exc:  # ValueError: an argument the OS refuses (an embedded NUL)
             log.info("nvcc could not start (%s): ptxas features unavailable", exc)
             return None
-        chunks: list[bytes] = []
+        raw = b""
         timed_out = True
         try:
             with anyio.move_on_after(timeout_s):
                 if proc.stdout is not None:
-                    async for chunk in proc.stdout:
-                        chunks.append(chunk)
+                    raw = await read_bounded(proc.stdout)
                 await proc.wait()
                 timed_out = False
         finally:
@@ -256,7 +295,7 @@ async def ptxas_usage(
     if timed_out:
         log.info("nvcc timed out after %.0f s on %s: ptxas features unavailable", timeout_s, kernel.entry)
         return None
-    output = b"".join(chunks).decode("utf-8", "replace")
+    output = raw.decode("utf-8", "replace")
     usage: PtxasUsage | None = None
     if proc.returncode == 0:
         entries = parse_ptxas(output)

@@ -538,9 +538,10 @@ def _write_meta(path: Path, result: CompiledKernel | CompileFailure) -> None:
 
 
 async def _run_bounded(cmd: list[str], cwd: Path, timeout_s: float) -> tuple[int | None, str]:
-    """Run in its own process group; (exit status or None on timeout, stdout+stderr)."""
+    """Run in its own process group; (exit status or None on timeout, stdout+stderr: its head and tail,
+    ptxas.read_bounded). The environment leaves out secrets (ptxas.compiler_env)."""
     # nvcc's own temporaries go in the work directory too: a failed front end leaves files behind.
-    env = {**os.environ, "TMPDIR": str(cwd)}
+    env = ptxas.compiler_env(TMPDIR=str(cwd))
     process = await anyio.open_process(
         cmd,
         cwd=cwd,
@@ -550,16 +551,15 @@ async def _run_bounded(cmd: list[str], cwd: Path, timeout_s: float) -> tuple[int
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
-    chunks: list[bytes] = []
+    output = b""
     try:
         with anyio.move_on_after(timeout_s) as scope:
             assert process.stdout is not None
-            async for chunk in process.stdout:
-                chunks.append(chunk)
+            output = await ptxas.read_bounded(process.stdout)
             await process.wait()
         if scope.cancelled_caught:
-            return None, b"".join(chunks).decode(errors="replace")
-        return process.returncode, b"".join(chunks).decode(errors="replace")
+            return None, ""
+        return process.returncode, output.decode(errors="replace")
     finally:
         with anyio.CancelScope(shield=True):
             if process.returncode is None:
