@@ -492,6 +492,26 @@ def test_if_conditions_are_evaluated_in_64_bits_without_eval() -> None:
     assert _eval_condition("__import__('os')", {}) is None
 
 
+def test_if_conditions_that_grow_or_nest_without_end_are_undecided() -> None:
+    """`#define A A+A+A+A+A+A` then `#if A` expands sixfold per level (it held the event loop for 30 s), and
+    `#if - - - ... 1` recursed out of Python's parser: both are undecided (both branches count), not errors."""
+    from forecaster_mcp.forecast.features import _eval_condition
+
+    assert _eval_condition("A", {"A": "+".join(["A"] * 6)}) is None
+    assert _eval_condition("B", {"B": "1+" * 3000 + "1"}) is None
+    assert _eval_condition("-" * 3000 + "1", {}) is None
+    assert _eval_condition("-" * 3 + "1", {}) is True
+    src = "#define A A+A+A+A+A+A\n#if A\nint x;\n#else\nint y;\n#endif\n"
+    assert "int x;" in preprocess(src, {}) and "int y;" in preprocess(src, {})
+
+
+def test_a_literal_left_open_ends_at_its_line() -> None:
+    # As the compiler reads it; it also keeps each quote of '"\\"\\"...' from scanning to the line's end.
+    out = strip_comments('char* s = "open \\" // not a comment\nint a; // gone\nchar c = \'x; /* z */\n')
+    assert out.splitlines() == ['char* s = "open \\" // not a comment', "int a; ", "char c = 'x; /* z */"]
+    assert strip_comments('"\\' * 50_000) == '"\\' * 50_000
+
+
 def test_if_conditions_follow_c_arithmetic() -> None:
     """`/` truncates toward zero and `%` takes the dividend's sign in C (Python floors), and comparisons do
     not chain: `1 < A < 3` is `(1 < A) < 3`. A tuning macro like `#if (OFFSET / 2) == -1` must pick the branch

@@ -29,9 +29,11 @@ from forecaster_mcp.models import Kernel, Workload
 
 # ---------------------------------------------------------------- comments and the preprocessor
 
+# A literal left open at the end of its line ends there (as the compiler's error would): otherwise every quote
+# of `"\"\"\"...` started a scan to the line's end and found no close, quadratic (80 KB took 32 s).
 _COMMENT_OR_STRING = re.compile(
-    r'//[^\n]*|/\*.*?(?:\*/|\Z)|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'',
-    re.DOTALL,
+    r'//[^\n]*|/\*.*?(?:\*/|\Z)|"(?:\\.|[^"\\\n])*(?:"|\\?$)|\'(?:\\.|[^\'\\\n])*(?:\'|\\?$)',
+    re.DOTALL | re.MULTILINE,
 )
 
 
@@ -84,8 +86,15 @@ _ALLOWED_NODES = (
 )
 
 
+# A #if condition longer than this, as written or while its macros expand, is left undecided: `#define A
+# A+A+A+A+A+A` then `#if A` grows sixfold per level (6^8 terms), and held the event loop for 30 s.
+MAX_CONDITION_CHARS = 4096
+
+
 def _eval_condition(expr: str, macros: dict[str, str]) -> bool | None:
     """Evaluate a #if expression; None when it cannot be evaluated safely (then both branches count)."""
+    if len(expr) > MAX_CONDITION_CHARS:
+        return None
     expr = re.sub(r"\bdefined\s*\(\s*(\w+)\s*\)", lambda m: "1" if m.group(1) in macros else "0", expr)
     expr = re.sub(r"\bdefined\s+(\w+)", lambda m: "1" if m.group(1) in macros else "0", expr)
     for _ in range(8):  # macros expanding to macros, a few levels deep
@@ -94,6 +103,8 @@ def _eval_condition(expr: str, macros: dict[str, str]) -> bool | None:
         )
         if new == expr:
             break
+        if len(new) > MAX_CONDITION_CHARS:
+            return None
         expr = new
     expr = _INT_SUFFIX.sub(r"\1", expr)
     expr = _IDENT.sub("0", expr)  # C: identifiers left after expansion are 0
@@ -104,7 +115,7 @@ def _eval_condition(expr: str, macros: dict[str, str]) -> bool | None:
     expr = re.sub(r"!(?!=)", " not ", expr)
     try:
         tree = ast.parse(expr.strip(), mode="eval")
-    except SyntaxError:
+    except (SyntaxError, RecursionError, MemoryError):  # `#if - - - ... 1`: the parser's own recursion
         return None
     if not all(isinstance(node, _ALLOWED_NODES) for node in ast.walk(tree)):
         return None
