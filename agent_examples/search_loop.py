@@ -138,13 +138,13 @@ async def search(
                 print("stopping: every configuration of the space is measured")
                 break
             proposed += len(pool)
-            seen.update(key(k["defines"]) for k in pool)
             if best is None:  # nothing measured yet: measure one to anchor the comparisons
                 to_measure = [pool[0]]
             else:
                 out = await tool(
                     client, "compare_kernels", {"candidates": [best, *pool], "baseline": best["id"]}
                 )
+                seen.update(key(k["defines"]) for k in pool)
                 by_id = {k["id"]: k for k in pool}
                 to_measure = [by_id[i] for i in out["measure_next"] if i in by_id][:2]
             # measure_next is empty when the forecaster is sure every proposal is slower than the best:
@@ -164,6 +164,7 @@ async def search(
                     break
                 used += 1
                 measured.add(key(k["defines"]))
+                seen.add(key(k["defines"]))
                 if res["status"] == "ok" and res["runtime_ms"]["median"] < best_ms:
                     best, best_ms = {**k, "id": "best"}, res["runtime_ms"]["median"]
                     print(f"measurement {used:3d}: new best {best_ms:.4g} ms ({k['id']})")

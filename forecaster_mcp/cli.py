@@ -220,9 +220,11 @@ def _parser() -> argparse.ArgumentParser:
         "--client",
         choices=["full", "plain", "unsure"],
         default="full",
-        help="forecast-guided client: full (local moves + several random pools per step), plain (one pool of "
-        "63 random untried configurations per compare_kernels call, measure the head of measure_next) or unsure "
-        "(the plain client letting compare_kernels measure with measure_if_unsure, max_measurements 1)",
+        help="forecast-guided client, each after 10 random measurements: full (local moves + several random "
+        "pools per step), plain (one pool of 63 random untried configurations per step in one compare_kernels "
+        "call against the best so far; the first two of measure_next and of the faster verdicts go to a final "
+        "call, and its measure_next head is measured unless a faster one is worth more) or unsure (the plain "
+        "client letting compare_kernels measure with measure_if_unsure, max_measurements 1)",
     )
     se.add_argument("--out", type=Path, default=None, help="write the report as JSON here")
     se.set_defaults(handler="forecaster_mcp.search:search_command")

@@ -203,3 +203,13 @@ def test_search_loop_counts_each_configuration_once(tmp_path: Path) -> None:
     found = re.search(r"after (\d+) measurements, (\d+) candidates considered", done.stdout)
     assert found is not None, done.stdout
     assert int(found.group(1)) <= 12 and int(found.group(2)) <= 12
+    # The anchor round measures one proposal and forecasts none: the other seven were never considered.
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "search_loop.py"), str(rec), "--measurements", "1", "--pool", "8"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "after 1 measurements, 1 candidates considered" in done.stdout, done.stdout

@@ -730,7 +730,7 @@ def _placeholder_source(kernel_name: str, recording: Path) -> str:
     # One source per recording's kernel, so every configuration shares a kernel family.
     return (
         f"// {kernel_name}: a Kernel Tuner recording ({recording.name}); {PLACEHOLDER_MARKER}.\n"
-        "// Tuning parameters are passed as -D macros (see `defines`).\n"
+        "// Tuning parameters are #define macros ahead of the source (see `defines`).\n"
         f"__global__ void {kernel_name}();\n"
     )
 
