@@ -229,7 +229,7 @@ async def test_calibration_is_fitted_from_the_store_and_persisted() -> None:
     assert bins.p_faster(f.raw["local"]) == pytest.approx(0.95)
     assert ("local", "*") in store.saves
     state = json.loads(store.states[("local", "*")])
-    assert state["n_rows"] == 400 and state["calibrator"]["kind"] == "platt"
+    assert state["rows"].startswith("400:") and state["calibrator"]["kind"] == "platt"
 
     # A fresh engine (server restart) starts from the saved state and does not refit: counts unchanged.
     store.saves.clear()
@@ -272,8 +272,8 @@ async def test_static_prior_answers_are_calibrated_and_decided_apart_from_model_
     local.enqueue(BinForecast(_bins_with(0.95), "static prior", {"prior": 1.0}))
     [again] = await engine.forecast([_query(2)])
     assert 0.6 < again.p_faster < 0.8
-    assert json.loads(store.states[("local:prior", "*")])["n_rows"] == 400
-    assert json.loads(store.states[("local", "*")])["n_rows"] == 400
+    assert json.loads(store.states[("local:prior", "*")])["rows"].startswith("400:")
+    assert json.loads(store.states[("local", "*")])["rows"].startswith("400:")
     # ... and the prior's own verified final forecasts certify its threshold.
     for i in range(300):
         store.add("local:prior", "A100", _bins_with(0.85), 0.5 if i % 100 == 0 else 2.0)
@@ -396,7 +396,7 @@ async def test_combination_weights_follow_the_better_forecaster() -> None:
     w_good, w_noise = state["combiner"]["weights"]
     # The coin calibrates to p ~ 0.5 (log-odds ~ 0), so only the good one's weight is identifiable.
     assert w_good > 0.8 and w_noise >= 0.0
-    assert state["n_rows"] == {"good": 600, "noise": 600}
+    assert {k: v.split(":")[0] for k, v in state["rows"].items()} == {"good": "600", "noise": "600"}
 
 
 @pytest.mark.anyio
@@ -465,7 +465,7 @@ async def test_unreadable_saved_state_is_refitted() -> None:
     engine = ForecastEngine([_scripted("local", _bins_with(0.95))], store)
     [f] = await engine.forecast([_query()])
     assert f.p_faster < 0.85
-    assert json.loads(store.states[("local", "*")])["n_rows"] == 200
+    assert json.loads(store.states[("local", "*")])["rows"].startswith("200:")
 
 
 @pytest.mark.anyio
@@ -535,3 +535,48 @@ def test_combination_rows_are_joined_by_the_question_they_answered() -> None:
     [joined] = _join(rows, ["local", "claude"])
     assert joined.speedup == 2.0
     assert joined.raw["local"][1] == 1.0 and joined.raw["claude"][2] == 1.0
+
+
+def test_a_remeasured_baseline_refits_the_calibration_now_and_after_a_restart(tmp_path: Path) -> None:
+    """Re-measuring a kernel re-verifies every stored forecast on it with the new runtime: the outcomes change
+    while their number stays. The fit must follow the rows, not their count, in the engine and in its saved
+    state (a restarted server trusted a saved fit of the same count)."""
+    import dataclasses
+
+    from test_store import forecast, kernel, save
+
+    from forecaster_mcp.store.db import Store
+
+    def engine(store: Store) -> ForecastEngine:
+        return ForecastEngine([_scripted("local", _bins_with(0.8))], store, refresh_interval_s=0)
+
+    async def scenario() -> tuple[float, float, float]:
+        store = await Store.open(tmp_path / "db.sqlite3")
+        try:
+            await store.create_ledger("x", 1e6)  # test_store.save charges ledger "x"
+            base = kernel(BS=0)
+            rows = []
+            for i in range(1, 41):
+                c = kernel(BS=i)
+                r = forecast(base, c, 0.8, "unsure", forecaster="raw:local")
+                rows += [r, dataclasses.replace(r, forecaster="local")]
+                await save(store, c, 1.0)
+            await store.save_forecasts(rows)
+            await save(store, base, 2.0)  # every candidate 2x faster
+            running = engine(store)
+            (before,) = await running.forecast([_query()])
+            await save(store, base, 0.5)  # the baseline re-measured: every candidate 2x slower
+            running.mark_stale()
+            (after,) = await running.forecast([_query()])
+        finally:
+            await store.close()
+        store = await Store.open(tmp_path / "db.sqlite3")
+        try:
+            (restarted,) = await engine(store).forecast([_query()])
+        finally:
+            await store.close()
+        return before.p_faster, after.p_faster, restarted.p_faster
+
+    before, after, restarted = anyio.run(scenario)
+    assert before > 0.8 and after < 0.5
+    assert restarted == pytest.approx(after)

@@ -34,6 +34,7 @@ Calibration state is persisted with `save_calibration(<slot>, "*")` for every sl
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -242,11 +243,13 @@ class ForecastEngine:
         self._slots = [n + _SUFFIX[r] for n in names for r in REGIMES]
         self._calibrators: dict[str, Calibrator] = {s: Calibrator.identity() for s in self._slots}
         self._combiner = Combiner.equal(names)
-        self._fit_counts: dict[str, int] = {}  # raw rows per slot at the last calibration fit
-        self._combiner_counts: dict[str, int] = {}
+        # What the last fits saw (_rows_signature of the rows): a refit happens when the rows change, not only
+        # their number (a re-measured kernel re-verifies its pairs, a new forecast replaces a pair's row).
+        self._fit_signatures: dict[str, str] = {}
+        self._combiner_signatures: dict[str, str] = {}
         # Verified final forecasts per regime, then per GPU, per (GPU, kernel family) and pooled over GPUs.
         self._history: dict[Regime, dict[str, tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]]] = {}
-        self._history_count: dict[Regime, int] = {}
+        self._history_signatures: dict[Regime, str] = {}
         self._thresholds: dict[tuple[str, float, Regime, str | None], ThresholdChoice] = {}
         self._loaded = False
         self._stale = True
@@ -482,7 +485,6 @@ class ForecastEngine:
                 conf_list.append(max(p, 1.0 - p))
                 correct_list.append(right)
         self._history[regime] = {k: (np.array(c), np.array(r)) for k, (c, r) in by_hw.items()}
-        self._history_count[regime] = len(rows)
         self._thresholds.clear()
 
     # ------------------------------------------------------------------ fitting
@@ -554,26 +556,29 @@ class ForecastEngine:
                 by_name.setdefault(v.forecaster, []).append(v)
             # Slot s of component n: its rows are "raw:<s>"; the component is s without the regime suffix.
             rows = {s: by_name.get(raw_name(s), []) for s in self._slots}
+            signatures = {s: _rows_signature(rows[s]) for s in self._slots}
             for s in self._slots:
-                if len(rows[s]) != self._fit_counts.get(s):
+                if signatures[s] != self._fit_signatures.get(s):
                     n = _component_of(s)
                     self._calibrators[s] = self._fit_calibrator(
                         [(n, Outcome(v.hardware, v.actual_speedup, {n: v.probs}, {n: s})) for v in rows[s]]
                     )
-                    self._fit_counts[s] = len(rows[s])
+                    self._fit_signatures[s] = signatures[s]
                     await store.save_calibration(s, POOLED, self._calibration_state(s))
             # The combination weights are learned on the components' model answers (joined per pair).
-            counts = {n: len(rows[n]) for n in self._names}
-            if len(self._names) > 1 and counts != self._combiner_counts:
+            combined = {n: signatures[n] for n in self._names}
+            if len(self._names) > 1 and combined != self._combiner_signatures:
                 self._combiner = self._fit_combiner(_join(rows, self._names))
-                self._combiner_counts = dict(counts)
+                self._combiner_signatures = combined
                 await store.save_calibration(self.name, POOLED, self._combiner_state())
             for regime in REGIMES:
                 final = by_name.get(self.name + _SUFFIX[regime], [])
-                if len(final) != self._history_count.get(regime):
+                signature = _rows_signature(final)
+                if signature != self._history_signatures.get(regime):
                     self._set_regime_history(
                         regime, [(v.hardware, v.p_faster, v.actual_speedup, v.family_key) for v in final]
                     )
+                    self._history_signatures[regime] = signature
             self._stale = False
             self._fresh_until = self._clock() + self._refresh_interval_s
 
@@ -582,7 +587,7 @@ class ForecastEngine:
             {
                 "kind": "engine-calibration",
                 "version": STATE_VERSION,
-                "n_rows": self._fit_counts.get(name, 0),
+                "rows": self._fit_signatures.get(name, ""),
                 "calibrator": self._calibrators[name].to_dict(),
             },
             sort_keys=True,
@@ -593,7 +598,7 @@ class ForecastEngine:
             {
                 "kind": "engine-combiner",
                 "version": STATE_VERSION,
-                "n_rows": self._combiner_counts,
+                "rows": self._combiner_signatures,
                 "combiner": self._combiner.to_dict(),
             },
             sort_keys=True,
@@ -610,7 +615,7 @@ class ForecastEngine:
                 if d.get("kind") != "engine-calibration" or d.get("version") != STATE_VERSION:
                     raise ValueError(f"unknown state {d.get('kind')}/{d.get('version')}")
                 self._calibrators[n] = Calibrator.from_dict(d["calibrator"])
-                self._fit_counts[n] = int(d["n_rows"])
+                self._fit_signatures[n] = str(d["rows"])  # a state from before signatures: refitted
             except (ValueError, KeyError, TypeError, AttributeError) as exc:
                 log.warning("ignoring unreadable calibration state of %s: %s", n, exc)
         if len(self._names) > 1:
@@ -625,9 +630,18 @@ class ForecastEngine:
                 if list(combiner.names) != self._names:
                     raise ValueError(f"combiner pools {list(combiner.names)}, engine has {self._names}")
                 self._combiner = combiner
-                self._combiner_counts = {str(k): int(v) for k, v in d["n_rows"].items()}
+                self._combiner_signatures = {str(k): str(v) for k, v in d["rows"].items()}
             except (ValueError, KeyError, TypeError, AttributeError) as exc:
                 log.warning("ignoring unreadable combiner state of %s: %s", self.name, exc)
+
+
+def _rows_signature(rows: Sequence[VerifiedPair]) -> str:
+    """What a fit on `rows` depends on, in a few bytes: equal signatures, equal fits."""
+    digest = hashlib.sha256()
+    numbers = [x for v in rows for x in (v.p_faster, v.actual_speedup, len(v.probs), *v.probs)]
+    digest.update(np.array(numbers, dtype=np.float64).tobytes())
+    digest.update("\x1f".join(f"{v.hardware}\x1e{v.family_key}\x1e{v.pair}" for v in rows).encode())
+    return f"{len(rows)}:{digest.hexdigest()[:32]}"
 
 
 def _join(rows: Mapping[str, Sequence[VerifiedPair]], names: Sequence[str]) -> list[Outcome]:
