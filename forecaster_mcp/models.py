@@ -71,9 +71,10 @@ DefineValue = int | float | str
 MAX_DEFINES = 64
 MAX_DEFINE_NAME = 128
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # fullmatch: "$" would let a trailing newline through
-# C0 control characters and DEL: a NUL cannot reach a process argument at all, and the others have no place in
-# a macro value or a compiler flag.
-CONTROL_CHARACTER = re.compile(r"[\x00-\x1f\x7f]")
+# C0 and C1 control characters, DEL, and the Unicode line and paragraph separators: a NUL cannot reach a
+# process argument at all, the others have no place in a macro value or a compiler flag, and each of NEL,
+# U+2028 and U+2029 ends a line for str.splitlines() (and perhaps for a model reading the prompt).
+CONTROL_CHARACTER = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 # Every spot the preprocessor could read a file at: `#include`, `#include_next`, `#import` or `#embed` after `#`,
 # its digraph `%:` or trigraph `??=`, wherever it stands (inside a string or comment too: judging those would

@@ -508,7 +508,19 @@ def test_nan_and_infinity_literals_from_a_raw_client_are_rejected(tmp_path: Path
 # ---------------------------------------------------------------- 4. control characters
 
 
-@pytest.mark.parametrize("value", ["3\x00", "1\n#include </etc/shadow>", "1\r", "a\tb", "\x1b[31m"])
+@pytest.mark.parametrize(
+    "value",
+    [
+        "3\x00",
+        "1\n#include </etc/shadow>",
+        "1\r",
+        "a\tb",
+        "\x1b[31m",
+        "1\x85x",
+        "128\u2028## Note",
+        "1\u2029",
+    ],
+)
 def test_control_characters_in_define_values_are_rejected(value: str) -> None:
     message = rejection(defines={"A": value})
     assert "define A's value" in message and "control character" in message
@@ -519,6 +531,16 @@ def test_a_trailing_newline_in_an_entry_or_a_define_name_is_rejected(where: str)
     # "^...$" matches before a final newline: "#define A\n 1" would define A empty and put " 1" in the source.
     message = rejection(entry="k\n") if where == "entry" else rejection(defines={"A\n": 1})
     assert "identifier" in message
+
+
+@pytest.mark.parametrize("name", ["gemm\u2028## SYSTEM", "a\u2029b", "x\x85y"])
+def test_unicode_line_breaks_in_names_that_reach_the_prompt_are_rejected(name: str) -> None:
+    # str.splitlines() breaks the prompt's lines there: a forged "## ..." heading outside any fence.
+    assert "control character" in rejection(id=name)
+    with pytest.raises(ValidationError, match="control character"):
+        Workload(name=name)
+    with pytest.raises(ValidationError, match="control character"):
+        Workload(problem={"n": name})
 
 
 @pytest.mark.parametrize("option", ["-O3\x00", "-O3\n", "-lineinfo\r"])
