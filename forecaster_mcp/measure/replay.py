@@ -848,10 +848,26 @@ class _Charge:
     message: str | None
 
 
+_FAILURE_WORDS = {
+    "CompilationFailedConfig": "fails to compile",
+    "RuntimeFailedConfig": "fails at run time",
+    "InvalidConfig": "is invalid (it breaks a restriction of the space)",
+}
+
+
+def _failure_message(entry: ReplayEntry) -> str:
+    """What a recorded failure says, in words, with the recording's own label."""
+    label = entry.message or "no label"
+    words = _FAILURE_WORDS.get(label)
+    if words is None:
+        return f"the recording has no runtime for this configuration: {label}"
+    return f"the recording marks this configuration as one that {words} (Kernel Tuner {label})"
+
+
 def _charge(entry: ReplayEntry, request: MeasureRequest) -> _Charge:
     """What replaying `entry` under the request's caps uses and charges."""
     if not entry.ok:
-        return _Charge(entry.status, [], 0.0, (), entry.message)
+        return _Charge(entry.status, [], 0.0, (), _failure_message(entry))
     cap_ms = request.max_seconds * 1000.0
     spent = entry.verification_time_ms or 0.0
     used: list[float] = []
