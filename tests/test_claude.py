@@ -242,7 +242,10 @@ async def test_invalid_answers_are_retried_then_the_sample_is_dropped() -> None:
     )
     [out] = await make(mock, samples=2).forecast([pair()])
     assert len(mock.message_bodies) == 4  # 1 + 2 retries for the first sample, then the second
-    assert out.probs == pytest.approx(FASTER)
+    # The one answer left is shrunk toward uniform by half the missing share (1 of 2): it is not the
+    # agreement of two samples.
+    assert out.probs == pytest.approx([0.75 * p + 0.25 / 8 for p in FASTER])
+    assert out.extras["claude_shrink"] == pytest.approx(0.25)
     assert out.extras["claude_samples"] == 1
     assert out.extras["claude_samples_requested"] == 2
 

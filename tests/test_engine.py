@@ -580,3 +580,25 @@ def test_a_remeasured_baseline_refits_the_calibration_now_and_after_a_restart(tm
     before, after, restarted = anyio.run(scenario)
     assert before > 0.8 and after < 0.5
     assert restarted == pytest.approx(after)
+
+
+def test_an_uncalibrated_claude_answer_of_surely_faster_cannot_decide_alone() -> None:
+    """Before any verified pair, Claude's stated confidence counts with its calibration_slope: one answer of
+    "surely faster" (which a kernel's comments can talk it into) beside a local forecaster at 50/50 stayed
+    above the 0.95 threshold and decided a verdict. Local confidence still decides with Claude agreeing."""
+    from forecaster_mcp.forecast.claude import ClaudeForecaster
+
+    def combined(local_p: float, claude_p: float, slope: float) -> EngineForecast:
+        claude = _scripted("claude", _bins_with(claude_p))
+        claude.calibration_slope = slope  # type: ignore[attr-defined]
+        engine = ForecastEngine([_scripted("local", _bins_with(local_p)), claude])
+        (out,) = anyio.run(engine.forecast, [_query()])
+        return out
+
+    slope = ClaudeForecaster.calibration_slope
+    assert 0 < slope < 1
+    assert combined(0.5, 0.9999, 1.0).verdict(0.95) == "faster"  # the identity: Claude alone decides
+    tempered = combined(0.5, 0.9999, slope)
+    assert tempered.verdict(0.95) == "unsure" and 0.5 < tempered.p_faster < 0.95
+    assert combined(0.995, 0.9999, slope).verdict(0.95) == "faster"
+    assert combined(0.995, 0.0001, slope).verdict(0.95) == "unsure"  # a disagreeing Claude still vetoes

@@ -194,26 +194,39 @@ class Calibrator:
         return cls()
 
     @classmethod
+    def tempered(cls, slope: float) -> Calibrator:
+        """The calibration of a forecaster whose stated confidence is not yet trusted: log-odds scaled by
+        `slope` (1: the identity) until verified pairs say otherwise."""
+        return cls(Platt(a=slope))
+
+    @classmethod
     def fit(
         cls,
         p_raw: Sequence[float] | FloatArray,
         faster: Sequence[bool] | npt.NDArray[np.bool_],
         hardware: Sequence[str],
+        prior: Platt = Platt(),
     ) -> Calibrator:
-        """Fit from verified non-tie pairs: raw p_faster, whether the candidate was faster, the GPU."""
+        """Fit from verified non-tie pairs: raw p_faster, whether the candidate was faster, the GPU. `prior`
+        is where the pooled fit starts from, and what stays on fewer than MIN_FIT_PAIRS pairs."""
         p = np.asarray(p_raw, dtype=np.float64)
         y = np.asarray(faster, dtype=bool)
         hw = np.asarray(list(hardware), dtype=object)
         if not (p.shape == y.shape == hw.shape):
             raise ValueError("p_raw, faster and hardware must have the same length")
-        pooled = fit_platt(p, y) if p.size >= MIN_FIT_PAIRS else Platt(n_pairs=int(p.size))
+        if p.size >= MIN_FIT_PAIRS:
+            pooled = fit_platt(p, y, prior=prior)
+        else:
+            pooled = Platt(prior.a, prior.b, n_pairs=int(p.size))
         per_hw = {}
         for h in sorted(set(hw.tolist())):
             mine, others = hw == h, hw != h
             if int(mine.sum()) < MIN_FIT_PAIRS:
                 continue  # for_hardware falls back to the pooled fit
-            prior = fit_platt(p[others], y[others]) if int(others.sum()) >= MIN_FIT_PAIRS else Platt()
-            per_hw[str(h)] = fit_platt(p[mine], y[mine], prior=prior)
+            rest = (
+                fit_platt(p[others], y[others], prior=prior) if int(others.sum()) >= MIN_FIT_PAIRS else prior
+            )
+            per_hw[str(h)] = fit_platt(p[mine], y[mine], prior=rest)
         return cls(pooled, per_hw)
 
     def for_hardware(self, hardware: str) -> Platt:

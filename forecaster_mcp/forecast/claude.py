@@ -235,6 +235,11 @@ class ClaudeForecaster:
 
     name = "claude"
     remote = True  # answers over the network: the engine's timeout applies
+    # A model's stated probabilities are not trusted as they are until verified pairs calibrate them: before
+    # that its log-odds count 0.4 times (a claimed 0.9 counts as 0.7, a claimed 1.0 as 0.98), and its fits
+    # start from there. Otherwise one answer of "surely faster", which a kernel's comments can talk it into,
+    # decided a verdict the local forecaster was unsure of (combined p 0.99 against a 0.95 threshold).
+    calibration_slope = 0.4
 
     def __init__(
         self,
@@ -740,14 +745,17 @@ class ClaudeForecaster:
         """Mean of the sample distributions, shrunk toward uniform by the spread of their p_faster.
 
         Shrink weight = min(1, 2 * population std of p_faster): 0 when samples agree, 1 when they split
-        evenly between sure-faster and sure-slower. Uniform has p_faster 0.5, so disagreement lowers
+        evenly between sure-faster and sure-slower; at least half the share of requested samples missing. Uniform has p_faster 0.5, so disagreement lowers
         confidence in the direction as well as in the bin.
         """
         n = len(samples)
         mean = [sum(s.probs[k] for s in samples) / n for k in range(bins.N_BINS)]
         pfs = [bins.p_faster(s.probs) for s in samples]
         spread = statistics.pstdev(pfs) if n > 1 else 0.0
-        shrink = min(1.0, 2.0 * spread)
+        # Samples that did not answer (refused, unusable) leave the spread unmeasured: one answer of three
+        # is not the agreement of three. Each missing one shrinks by half its share.
+        missing = max(0, self.samples - n) / max(1, self.samples)
+        shrink = min(1.0, max(2.0 * spread, 0.5 * missing))
         probs = [(1.0 - shrink) * m + shrink / bins.N_BINS for m in mean]
         p_agg = bins.p_faster(probs)
         best = min(range(n), key=lambda i: abs(pfs[i] - p_agg))

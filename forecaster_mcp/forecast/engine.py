@@ -48,7 +48,7 @@ import numpy as np
 
 from forecaster_mcp import bins
 from forecaster_mcp.forecast.base import BinForecast, Forecaster, PairQuery
-from forecaster_mcp.forecast.calibration import Calibrator
+from forecaster_mcp.forecast.calibration import Calibrator, Platt
 from forecaster_mcp.forecast.combine import Combiner
 from forecaster_mcp.forecast.selective import (
     ThresholdChoice,
@@ -241,7 +241,11 @@ class ForecastEngine:
         self._timeout_s = timeout_s
         self._clock = clock
         self._slots = [n + _SUFFIX[r] for n in names for r in REGIMES]
-        self._calibrators: dict[str, Calibrator] = {s: Calibrator.identity() for s in self._slots}
+        # A forecaster may say how far its stated confidence is trusted before any pair is verified
+        # (`calibration_slope`, 1 unless set): its calibration starts there, and its fits are drawn to it.
+        slopes = {f.name: float(getattr(f, "calibration_slope", 1.0)) for f in forecasters}
+        self._prior: dict[str, Platt] = {s: Platt(a=slopes[_component_of(s)]) for s in self._slots}
+        self._calibrators: dict[str, Calibrator] = {s: Calibrator(self._prior[s]) for s in self._slots}
         self._combiner = Combiner.equal(names)
         # What the last fits saw (_rows_signature of the rows): a refit happens when the rows change, not only
         # their number (a re-measured kernel re-verifies its pairs, a new forecast replaces a pair's row).
@@ -497,19 +501,19 @@ class ForecastEngine:
                 if o.slot(n) in by_slot:
                     by_slot[o.slot(n)].append((n, o))
         for s, rows in by_slot.items():
-            self._calibrators[s] = self._fit_calibrator(rows)
+            self._calibrators[s] = self._fit_calibrator(s, rows)
         if len(self._names) > 1:
             self._combiner = self._fit_combiner([o for o in outcomes if all(n in o.raw for n in self._names)])
         self._thresholds.clear()
 
-    @staticmethod
-    def _fit_calibrator(rows: Sequence[tuple[str, Outcome]]) -> Calibrator:
+    def _fit_calibrator(self, slot: str, rows: Sequence[tuple[str, Outcome]]) -> Calibrator:
         """One slot's calibration from (component, outcome) rows."""
         scored = [(n, o) for n, o in rows if not bins.is_tie(o.speedup)]
         return Calibrator.fit(
             [bins.p_faster(o.raw[n]) for n, o in scored],
             [o.speedup > 1.0 for _, o in scored],
             [o.hardware for _, o in scored],
+            prior=self._prior[slot],
         )
 
     def _fit_combiner(self, joint: Sequence[Outcome]) -> Combiner:
@@ -561,7 +565,7 @@ class ForecastEngine:
                 if signatures[s] != self._fit_signatures.get(s):
                     n = _component_of(s)
                     self._calibrators[s] = self._fit_calibrator(
-                        [(n, Outcome(v.hardware, v.actual_speedup, {n: v.probs}, {n: s})) for v in rows[s]]
+                        s, [(n, Outcome(v.hardware, v.actual_speedup, {n: v.probs}, {n: s})) for v in rows[s]]
                     )
                     self._fit_signatures[s] = signatures[s]
                     await store.save_calibration(s, POOLED, self._calibration_state(s))
