@@ -129,7 +129,8 @@ async def test_two_forecasters_are_pooled_without_history() -> None:
     assert f.expected_speedup == pytest.approx(bins.expected_speedup(f.probs))
     assert set(f.per_forecaster) == {"raw:a", "raw:b"}
     assert bins.p_faster(f.per_forecaster["raw:a"]) == pytest.approx(0.8)
-    assert f.extras["mu_log2"] == 0.4 and f.extras["a.sd_log2"] == 0.3
+    # Per component only: a's own mu/sd would rank measure_next on a alone (the final bins stand instead).
+    assert "mu_log2" not in f.extras and f.extras["a.mu_log2"] == 0.4 and f.extras["a.sd_log2"] == 0.3
     assert "a: a thinks faster" in f.rationale and "b: b leans faster" in f.rationale
     assert f.notes == []
     assert a.history[0].candidate.id == "c0" and len(b.history) == 1
@@ -602,3 +603,23 @@ def test_an_uncalibrated_claude_answer_of_surely_faster_cannot_decide_alone() ->
     assert tempered.verdict(0.95) == "unsure" and 0.5 < tempered.p_faster < 0.95
     assert combined(0.995, 0.9999, slope).verdict(0.95) == "faster"
     assert combined(0.995, 0.0001, slope).verdict(0.95) == "unsure"  # a disagreeing Claude still vetoes
+
+
+def test_measure_next_ranks_on_the_combined_forecast_when_several_components_answer() -> None:
+    """The local model's mu/sd stand for the forecast only when it answered alone: beside Claude, ranking on
+    them ignored Claude and the combination (acquisition.expected_improvement reads them first)."""
+    from forecaster_mcp.forecast.acquisition import AcqItem, expected_improvement
+
+    def answer(*names: str) -> EngineForecast:
+        local = _scripted("local")
+        local.enqueue(BinForecast(_bins_with(0.3), "local", {"mu_log2": -0.5, "sd_log2": 1.0, "p_fail": 0.1}))
+        others = [_scripted(n, _bins_with(0.95)) for n in names]
+        (out,) = anyio.run(ForecastEngine([local, *others]).forecast, [_query()])
+        return out
+
+    alone, both = answer(), answer("claude")
+    assert alone.extras["mu_log2"] == -0.5 and alone.extras["p_fail"] == 0.1
+    assert "mu_log2" not in both.extras and both.extras["p_fail"] == 0.1
+    assert both.extras["local.mu_log2"] == -0.5  # still shown per component
+    combined = expected_improvement(AcqItem("c0", both.probs, both.extras, both.p_faster))
+    assert combined > expected_improvement(AcqItem("c0", alone.probs, alone.extras, alone.p_faster))

@@ -121,6 +121,10 @@ def _regime_of_slot(slot: str) -> Regime:
     return next((r for r in REGIMES if _SUFFIX[r] and slot.endswith(_SUFFIX[r])), "model")
 
 
+# Extras that describe one component's own predictive distribution (acquisition.expected_improvement).
+_OWN_DISTRIBUTION = frozenset({"mu_log2", "sd_log2", "tail_weight", "tail_scale"})
+
+
 def _component_of(slot: str) -> str:
     return slot.removesuffix(_SUFFIX[_regime_of_slot(slot)])
 
@@ -394,7 +398,11 @@ class ForecastEngine:
             extras.update({f"{n}.{k}": float(v) for k, v in f.extras.items()})
         first = self._names[0]
         if first in per:
-            extras.update({k: float(v) for k, v in per[first].extras.items()})
+            # The first component's extras stand for the forecast (p_fail, measured flags...), except its own
+            # predictive distribution when others answered too: measure_next would then rank on one
+            # component's numbers instead of the combined forecast it shows, so it ranks on the final bins.
+            own = {} if len(per) == 1 else _OWN_DISTRIBUTION
+            extras.update({k: float(v) for k, v in per[first].extras.items() if k not in own})
         return EngineForecast(
             probs=probs,
             p_faster=p,
