@@ -623,3 +623,26 @@ def test_measure_next_ranks_on_the_combined_forecast_when_several_components_ans
     assert both.extras["local.mu_log2"] == -0.5  # still shown per component
     combined = expected_improvement(AcqItem("c0", both.probs, both.extras, both.p_faster))
     assert combined > expected_improvement(AcqItem("c0", alone.probs, alone.extras, alone.p_faster))
+
+
+def test_forecasts_issued_under_an_early_overconfident_calibration_do_not_lock_verdicts_out() -> None:
+    """80 final forecasts at 0.999 that were right 70% of the time (issued before calibration had data)
+    failed the first threshold of the fixed sequence for good: nothing was ever decided again, however many
+    well-calibrated forecasts followed. Thresholds are certified on the newest HISTORY_WINDOW ones."""
+    from forecaster_mcp.forecast.engine import HISTORY_WINDOW
+
+    rng = np.random.default_rng(0)
+    store = FakeStore()
+    for _ in range(80):
+        store.add("local", "H100", _bins_with(0.999), 1.5 if rng.random() < 0.7 else 0.6)
+
+    async def threshold() -> tuple[float, str]:
+        choice = await ForecastEngine([_scripted("local")], store).threshold("H100", 0.1)
+        return choice.threshold, choice.source
+
+    assert anyio.run(threshold) == (1.0, "never")  # refuted, rightly, while those are all there is
+    for _ in range(HISTORY_WINDOW):  # then calibrated ones: right with probability equal to their confidence
+        c = rng.uniform(0.6, 0.95)
+        store.add("local", "H100", _bins_with(c), 1.5 if rng.random() < c else 0.6)
+    value, source = anyio.run(threshold)
+    assert source in ("history", "default") and value <= 0.95  # deciding again

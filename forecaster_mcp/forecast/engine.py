@@ -121,6 +121,8 @@ def _regime_of_slot(slot: str) -> Regime:
     return next((r for r in REGIMES if _SUFFIX[r] and slot.endswith(_SUFFIX[r])), "model")
 
 
+# Verified final forecasts (newest) a threshold is certified on, per GPU, family or pool (_set_regime_history).
+HISTORY_WINDOW = 2000
 # Extras that describe one component's own predictive distribution (acquisition.expected_improvement).
 _OWN_DISTRIBUTION = frozenset({"mu_log2", "sd_log2", "tail_weight", "tail_scale"})
 
@@ -496,7 +498,12 @@ class ForecastEngine:
                 conf_list, correct_list = by_hw.setdefault(key, ([], []))
                 conf_list.append(max(p, 1.0 - p))
                 correct_list.append(right)
-        self._history[regime] = {k: (np.array(c), np.array(r)) for k, (c, r) in by_hw.items()}
+        # Each threshold is certified on the latest HISTORY_WINDOW verified forecasts of its key: forecasts
+        # issued under an early, overconfident calibration otherwise stayed at the top of the confidence
+        # range for good, failed the first test of the fixed sequence and kept a GPU from ever deciding.
+        self._history[regime] = {
+            k: (np.array(c[-HISTORY_WINDOW:]), np.array(r[-HISTORY_WINDOW:])) for k, (c, r) in by_hw.items()
+        }
         self._thresholds.clear()
 
     # ------------------------------------------------------------------ fitting
