@@ -763,3 +763,55 @@ async def test_budget_reads_answer_while_another_process_holds_the_write_lock(
         other.execute("ROLLBACK")
         other.close()
         await store.close()
+
+
+async def test_a_pair_asked_again_keeps_one_unverified_row_and_every_forecast_counts(tmp_path: Path) -> None:
+    """A search loop asks about the same pairs call after call: only the last forecast of a pair is ever read,
+    so the new row replaces the unverified ones (the table grew ~110 KB per 64-candidate call), while
+    budget_status still counts every forecast made."""
+    s = await Store.open(tmp_path / "db.sqlite3")
+    try:
+        await s.create_ledger("x", 100)
+        base, cand, other = kernel(BS=1), kernel(BS=2), kernel(BS=3)
+        for p, verdict in [(0.6, "unsure"), (0.97, "faster"), (0.7, "unsure")]:
+            await s.save_forecasts([forecast(base, cand, p, verdict), forecast(base, other, p, verdict)])
+        with raw(tmp_path / "db.sqlite3") as conn:
+            assert conn.execute("SELECT count(*) FROM forecasts").fetchone() == (2,)
+        status = await s.ledger_report("x")
+        assert status["forecasts"]["count"] == 6
+        assert (status["forecasts"]["decided"], status["forecasts"]["deferred"]) == (2, 4)
+        # Verified rows stay: the pair's outcome is history the calibration and thresholds learn from.
+        await save(s, base, 2.0)
+        await save(s, cand, 1.0)
+        await s.save_forecasts([forecast(base, cand, 0.9, "unsure", decided_by="cache")])
+        [verified] = await s.verified_pairs()
+        assert verified.p_faster == 0.7 and verified.actual_speedup == 2.0
+        assert (await s.ledger_report("x"))["forecasts"]["count"] == 7
+    finally:
+        await s.close()
+
+
+async def test_forecast_totals_migrate_from_the_rows_stored_before(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "db.sqlite3"
+    with monkeypatch.context() as m:  # a ledger and forecasts as the previous version stored them
+        m.setattr(migrations, "MIGRATIONS", migrations.MIGRATIONS[:5])
+        s = await Store.open(path)
+        await s.create_ledger("x", 100)
+        await s.close()
+    with raw(path) as conn:
+        for verdict in ("unsure", "faster", "faster"):
+            conn.execute(
+                "INSERT INTO forecasts (ledger, forecaster, hardware, workload_key, baseline_key, candidate_key, "
+                "probs_json, p_faster, verdict, decided_by, created_at) VALUES ('x', 'local', 'A100', 'w', 'a', "
+                "'b', '[0,0,0,0.5,0.5,0,0,0]', 0.5, ?, 'forecast', 1)",
+                (verdict,),
+            )
+        assert conn.execute("PRAGMA user_version").fetchone() == (5,)
+    s = await Store.open(path)
+    try:
+        f = (await s.ledger_report("x"))["forecasts"]
+        assert (f["count"], f["decided"], f["deferred"]) == (3, 2, 1)
+    finally:
+        await s.close()

@@ -1146,10 +1146,36 @@ class Store:
             )  # fmt: skip
         ledgers = sorted({r.ledger for r in rows if r.ledger is not None})
 
+        totals: dict[str, list[int]] = {}
+        for r in rows:
+            if r.ledger is not None:
+                t = totals.setdefault(r.ledger, [0, 0, 0])
+                t[0] += 1
+                t[1] += int(r.decided_by == "forecast" and r.verdict != "unsure")
+                t[2] += int(r.verdict == "unsure" or r.decided_by == "measurement")
+
         async def body(conn: Any) -> list[int]:
             for name in ledgers:
                 if await self._ledger_row(conn, name) is None:
                     raise _unknown_ledger(name)
+            # The new row replaces the pair's unverified ones (only the last forecast of a pair is read).
+            await conn.executemany(
+                "DELETE FROM forecasts WHERE hardware = ? AND workload_key = ? AND baseline_key = ? "
+                "AND candidate_key = ? AND forecaster = ? AND ledger IS ? AND actual_speedup IS NULL",
+                sorted(
+                    {
+                        (r.hardware, r.workload_key, r.baseline_key, r.candidate_key, r.forecaster, r.ledger)
+                        for r in rows
+                    },
+                    key=repr,
+                ),
+            )
+            await conn.executemany(
+                "INSERT INTO forecast_totals (ledger, made, decided, deferred) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT(ledger) DO UPDATE SET made = made + excluded.made, "
+                "decided = decided + excluded.decided, deferred = deferred + excluded.deferred",
+                [(name, *t) for name, t in sorted(totals.items())],
+            )
             before = await conn.execute_fetchall("SELECT coalesce(max(id), 0) FROM forecasts")
             first = int(before[0][0])
             await conn.executemany(
@@ -1285,14 +1311,12 @@ class Store:
             costs = await conn.execute_fetchall(
                 "SELECT charged_micro FROM measurements WHERE ledger = ? AND cached = 0", (ledger,)
             )
+            # Every forecast made counts, also those a later forecast of the same pair replaced.
             f = (
                 await conn.execute_fetchall(
-                    "SELECT count(*), "
-                    "coalesce(sum(decided_by = 'forecast' AND verdict != 'unsure'), 0), "
-                    "coalesce(sum(verdict = 'unsure' OR decided_by = 'measurement'), 0) "
-                    "FROM forecasts WHERE ledger = ?",
-                    (ledger,),
+                    "SELECT made, decided, deferred FROM forecast_totals WHERE ledger = ?", (ledger,)
                 )
+                or [(0, 0, 0)]
             )[0]
             # One row per pair of kernels (the last forecast of it): a loop that asks about the same pair again
             # and again has still had one forecast checked.
