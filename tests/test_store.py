@@ -815,3 +815,21 @@ async def test_forecast_totals_migrate_from_the_rows_stored_before(
         assert (f["count"], f["decided"], f["deferred"]) == (3, 2, 1)
     finally:
         await s.close()
+
+
+async def test_family_states_are_kept_per_family_gpu_and_workload(tmp_path: Path) -> None:
+    s = await Store.open(tmp_path / "db.sqlite3")
+    try:
+        assert await s.load_family_state("fam", "A100", "w") is None
+        await s.save_family_state("fam", "A100", "w", '{"version": 1}')
+        await s.save_family_state("fam", "A100", "w", '{"version": 1, "n_ok": 5}')
+        await s.save_family_state("fam", "H100", "w", "{}")
+    finally:
+        await s.close()
+    s = await Store.open(tmp_path / "db.sqlite3")  # a restarted server reads what the last one saved
+    try:
+        assert await s.load_family_state("fam", "A100", "w") == '{"version": 1, "n_ok": 5}'
+        assert await s.load_family_state("fam", "H100", "w") == "{}"
+        assert await s.load_family_state("fam", "A100", "other") is None
+    finally:
+        await s.close()

@@ -27,6 +27,8 @@ slowest bin instead).
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
 import math
 import re
 import threading
@@ -69,6 +71,8 @@ TAIL_SCALE = 2.5
 MAX_PTXAS_PER_CALL = 8
 _SQRT5 = math.sqrt(5.0)
 _OK_STATUS = "ok"
+
+log = logging.getLogger(__name__)
 
 
 class FamilyHistory(Protocol):
@@ -1135,6 +1139,7 @@ class _Belief:
 
 # Measurements after the one a background hyperparameter optimisation started on until its result is used.
 REFIT_LAG = 2
+FAMILY_STATE_VERSION = 1  # of what LocalForecaster saves per family (_state_of)
 
 
 @dataclass
@@ -1143,6 +1148,8 @@ class _Refit:
 
     n_ok: int  # successful measurements it was started on
     apply_at: int  # the first fit with at least this many uses its result, waiting for it if need be
+    keys: tuple[str, ...] = ()  # content keys of the points it was started on (a restarted process redoes it)
+    signature: str = ""  # points_signature of those points
     done: threading.Event = field(default_factory=threading.Event)
     theta: Array | None = None  # its result; None if it had none (or failed)
 
@@ -1194,6 +1201,10 @@ class LocalForecaster:
         self._models: OrderedDict[tuple[str, str, str], _GroupState] = OrderedDict()
         self._warm: dict[tuple[str, str, str], Array] = {}
         self._hyper_n: dict[tuple[str, str, str], int] = {}
+        # points_signature of the points the hyperparameters were last optimised on: the same points are not
+        # optimised again (from a warm start that would move them a little, and differently after a restart).
+        self._opt_signature: dict[tuple[str, str, str], str] = {}
+        self._restored: set[tuple[str, str, str]] = set()  # families whose saved state was read
         self._refits: dict[tuple[str, str, str], _Refit] = {}
         self._locks: dict[tuple[str, str, str], anyio.Lock] = {}
         self._max_cached = max_cached_families
@@ -1234,6 +1245,10 @@ class LocalForecaster:
             state = self._models.get(key)
             if state is not None and state.signature == signature:
                 return state.model
+            if key not in self._restored:
+                self._restored.add(key)
+                await self._restore(key, points)
+            saved = self._state_of(key)
             warm = self._warm.get(key)
             n_ok = sum(1 for p in points if p.status == _OK_STATUS)
             # Past 100 points, hyperparameters are re-optimised once the family has grown by 10% since the
@@ -1252,13 +1267,14 @@ class LocalForecaster:
                 if pending.theta is not None:
                     warm = self._warm[key] = pending.theta
                     self._hyper_n[key] = pending.n_ok
+                    self._opt_signature[key] = pending.signature
             last = self._hyper_n.get(key, 0)
-            refit = warm is None or n_ok < 100
-            if not refit and n_ok >= last + last // 10 and key not in self._refits:
-                pending = self._refits[key] = _Refit(n_ok, n_ok + REFIT_LAG)
-                threading.Thread(
-                    target=self._refit_hyperparameters, args=(pending, points, warm), daemon=True
-                ).start()
+            refit = (warm is None or n_ok < 100) and self._opt_signature.get(key) != signature
+            if warm is not None and n_ok >= 100 and n_ok >= last + last // 10 and key not in self._refits:
+                pending = self._refits[key] = _Refit(
+                    n_ok, n_ok + REFIT_LAG, tuple(p.content_key for p in points), signature
+                )
+                self._start_refit(pending, points, warm)
             previous = state.model if state is not None else None
             if len(points) > 40:
                 # Big fits take tens of milliseconds or more: keep the event loop free meanwhile. Failed
@@ -1271,8 +1287,77 @@ class LocalForecaster:
                 # Only an optimisation writes hyperparameters back (a posterior-only fit kept `warm` as it was).
                 self._warm[key] = model.gp.theta
                 self._hyper_n[key] = n_ok
+                self._opt_signature[key] = signature
             self._keep(key, _GroupState(signature, model, model_bytes(model)))
+            if self._state_of(key) != saved:
+                await self._save(key)
         return model
+
+    # ---- what a family's model keeps between processes (Store.save_family_state)
+
+    def _start_refit(self, pending: _Refit, points: Sequence[FamilyPoint], warm: Array) -> None:
+        threading.Thread(
+            target=self._refit_hyperparameters, args=(pending, points, warm), daemon=True
+        ).start()
+
+    def _state_of(self, key: tuple[str, str, str]) -> str | None:
+        """The family's hyperparameters, where they were optimised and the optimisation pending, as JSON."""
+        warm = self._warm.get(key)
+        if warm is None:
+            return None
+        pending = self._refits.get(key)
+        return json.dumps(
+            {
+                "version": FAMILY_STATE_VERSION,
+                "theta": [float(v) for v in warm],
+                "n_ok": self._hyper_n.get(key, 0),
+                "signature": self._opt_signature.get(key, ""),
+                "pending": None
+                if pending is None
+                else {"n_ok": pending.n_ok, "apply_at": pending.apply_at, "keys": list(pending.keys),
+                      "signature": pending.signature},
+            }
+        )  # fmt: skip
+
+    async def _save(self, key: tuple[str, str, str]) -> None:
+        save = getattr(self._history, "save_family_state", None)
+        state = self._state_of(key)
+        if save is None or state is None:
+            return
+        try:
+            await save(*key, state)
+        except Exception:  # a store hiccup costs the restart's reproducibility, not the forecast
+            log.warning("saving the family model's state failed", exc_info=True)
+
+    async def _restore(self, key: tuple[str, str, str], points: Sequence[FamilyPoint]) -> None:
+        """Start from what an earlier process kept of this family, so that the same measurements give the
+        same forecasts across a restart; a pending optimisation is redone on the points it was started on."""
+        load = getattr(self._history, "load_family_state", None)
+        if load is None or key in self._warm:
+            return
+        try:
+            text = await load(*key)
+            if text is None:
+                return
+            d = json.loads(text)
+            if d.get("version") != FAMILY_STATE_VERSION:
+                raise ValueError(f"unknown version {d.get('version')!r}")
+            theta = np.array([float(v) for v in d["theta"]], dtype=np.float64)
+            if theta.ndim != 1 or not theta.size or not np.all(np.isfinite(theta)):
+                raise ValueError("theta is not a vector of finite numbers")
+            n_ok, signature, pending = int(d["n_ok"]), str(d["signature"]), d.get("pending")
+        except Exception as exc:  # unreadable: fitted afresh, as before states were kept
+            log.warning("ignoring the unreadable saved state of a kernel family: %s", exc)
+            return
+        self._warm[key], self._hyper_n[key], self._opt_signature[key] = theta, n_ok, signature
+        if isinstance(pending, dict) and key not in self._refits:
+            keys = {str(k) for k in pending.get("keys", [])}
+            subset = [p for p in points if p.content_key in keys]
+            if keys and len(subset) == len(keys):
+                refit = _Refit(int(pending["n_ok"]), int(pending["apply_at"]), tuple(sorted(keys)),
+                               str(pending.get("signature", "")))  # fmt: skip
+                self._refits[key] = refit
+                self._start_refit(refit, subset, theta)
 
     def _keep(self, key: tuple[str, str, str], state: _GroupState) -> None:
         """Cache a family's model, dropping the least recently used past the family and memory bounds. A
@@ -1308,6 +1393,8 @@ class LocalForecaster:
         if hyperparameters:
             self._warm.pop(key, None)
             self._hyper_n.pop(key, None)
+            self._opt_signature.pop(key, None)
+            self._restored.discard(key)  # read again from the store when the family comes back
             self._refits.pop(key, None)  # a running optimisation finishes unheard
 
     # ---- static features (prior path)

@@ -1269,6 +1269,28 @@ class Store:
         )
         return str(rows[0][0]) if rows else None
 
+    async def save_family_state(
+        self, family_key: str, hardware: str, workload_key: str, state_json: str
+    ) -> None:
+        """What the local model keeps of a family between fits (its hyperparameters), for the next process."""
+
+        async def body(conn: Any) -> None:
+            await conn.execute(
+                "INSERT INTO family_state (family_key, hardware, workload_key, state_json, updated_at) "
+                "VALUES (?, ?, ?, ?, ?) ON CONFLICT (family_key, hardware, workload_key) DO UPDATE SET "
+                "state_json = excluded.state_json, updated_at = excluded.updated_at",
+                (family_key, hardware, workload_key, state_json, time.time()),
+            )
+
+        await self._write(body)
+
+    async def load_family_state(self, family_key: str, hardware: str, workload_key: str) -> str | None:
+        rows = await self._fetch(
+            "SELECT state_json FROM family_state WHERE family_key = ? AND hardware = ? AND workload_key = ?",
+            (family_key, hardware, workload_key),
+        )
+        return str(rows[0][0]) if rows else None
+
     # ---------------------------------------------------------------- reports
 
     async def ledger_report(self, ledger: str) -> dict[str, Any]:

@@ -192,6 +192,20 @@ _FORECAST_TOTALS = (
     "DROP INDEX forecasts_baseline",  # its columns lead forecasts_pair, which serves its queries
 )
 
+# The local model's per-family hyperparameters (forecast/local.py), so that a restarted server answers as the
+# one before it did: they are optimised as the family grows and depend on the path there, so a fresh process
+# optimising on all stored points answered differently (51 of 63 p_faster changed, verdicts flipped).
+_FAMILY_STATE = (
+    """CREATE TABLE family_state (
+        family_key TEXT NOT NULL,
+        hardware TEXT NOT NULL,
+        workload_key TEXT NOT NULL,
+        state_json TEXT NOT NULL,
+        updated_at REAL NOT NULL,
+        PRIMARY KEY (family_key, hardware, workload_key)
+    )""",
+)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "initial schema", _INITIAL),
     Migration(2, "idempotency keys on open reservations", _RESERVATION_IDEMPOTENCY),
@@ -199,6 +213,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(4, "what each measurement was checked against", _MEASUREMENT_CHECK),
     Migration(5, "the measurement each open reservation pays for", _RESERVATION_CACHE_KEY),
     Migration(6, "one unverified row per forecast pair, running totals of forecasts made", _FORECAST_TOTALS),
+    Migration(7, "the local model's hyperparameters per kernel family", _FAMILY_STATE),
 )
 
 
