@@ -192,24 +192,23 @@ def test_search_loop_counts_each_configuration_once(tmp_path: Path) -> None:
         {str(bx): {"bx": bx, "time": 1.0 + abs(bx - 96) / 100, "times": [1.0]} for bx in range(16, 208, 16)},
     )
     env = {**os.environ, "FORECASTER_MCP_HOME": str(tmp_path / "home")}
-    done = subprocess.run(
-        [sys.executable, str(EXAMPLES / "search_loop.py"), str(rec), "--measurements", "40", "--pool", "8"],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=env,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    found = re.search(r"after (\d+) measurements, (\d+) candidates considered", done.stdout)
-    assert found is not None, done.stdout
+
+    def loop(measurements: int) -> str:
+        done = subprocess.run(
+            [sys.executable, str(EXAMPLES / "search_loop.py"), str(rec), "--pool", "8", "--measurements",
+             str(measurements)],  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env=env,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout
+
+    out = loop(40)
+    found = re.search(r"after (\d+) measurements, (\d+) candidates considered", out)
+    assert found is not None, out
     assert int(found.group(1)) <= 12 and int(found.group(2)) <= 12
     # The anchor round measures one proposal and forecasts none: the other seven were never considered.
-    done = subprocess.run(
-        [sys.executable, str(EXAMPLES / "search_loop.py"), str(rec), "--measurements", "1", "--pool", "8"],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=env,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "after 1 measurements, 1 candidates considered" in done.stdout, done.stdout
+    out = loop(1)
+    assert "after 1 measurements, 1 candidates considered" in out, out
