@@ -193,10 +193,11 @@ def test_search_loop_counts_each_configuration_once(tmp_path: Path) -> None:
     )
     env = {**os.environ, "FORECASTER_MCP_HOME": str(tmp_path / "home")}
 
+    script = str(EXAMPLES / "search_loop.py")
+
     def loop(measurements: int) -> str:
         done = subprocess.run(
-            [sys.executable, str(EXAMPLES / "search_loop.py"), str(rec), "--pool", "8", "--measurements",
-             str(measurements)],  # fmt: skip
+            [sys.executable, script, str(rec), "--pool", "8", "--measurements", str(measurements)],
             capture_output=True,
             text=True,
             timeout=180,
