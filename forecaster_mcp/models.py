@@ -96,7 +96,7 @@ _GCC_DEPENDENCY = re.compile(r"GCC[ \t\f\v]+dependency\b")
 # the caller the server's environment. `#line` is refused anywhere (as #include is); a linemarker where it is a
 # directive: first on its line, or right after a comment that ends there.
 _LINE_DIRECTIVE = re.compile(
-    r"(?:#|%:|\?\?=)[ \t\f\v]*line\b|(?:^|\*/)[ \t\f\v]*(?:#|%:|\?\?=)[ \t\f\v]*\d", re.MULTILINE
+    r"(?:#|%:|\?\?=)[ \t\f\v]*line\b|(?:^|(?<=\r)|\*/)[ \t\f\v]*(?:#|%:|\?\?=)[ \t\f\v]*\d", re.MULTILINE
 )
 # C0 controls other than the whitespace C allows (tab, newline, vertical tab, form feed, carriage return):
 # gcc drops a NUL with a warning and then obeys the directive it hid ("#\0include" passed the check above).
@@ -125,7 +125,9 @@ def source_problem(source: str) -> str | None:
             "(the compiler skips a NUL and obeys what it hid)"
         )
     joined = _SPLICE.sub("", source)
-    if _LINE_DIRECTIVE.search(joined) is not None:
+    # gcc ends a line at a lone \r too, skips a leading BOM, and ignores trigraphs (a "??/" splice is none):
+    # the linemarker check reads the source both joined and as written.
+    if any(_LINE_DIRECTIVE.search(text.lstrip("\ufeff")) is not None for text in (joined, source)):
         return "has a #line directive or a linemarker ('# 12 \"file\"'): leave them out (the server numbers lines)"
     for m in _INCLUDE.finditer(joined):
         if m.group(1) is not None:

@@ -828,6 +828,9 @@ FILE_READING_SOURCES = [
     ('# 1 "/etc/passwd"\n#error a\n', "linemarker"),
     ('  %:  4 "/etc/passwd"\n', "linemarker"),
     ('/* note */ # 3 "/etc/passwd"\n', "linemarker"),
+    ('__global__ void k(){}\r# 2 "/etc/passwd"\r#error boom\r', "linemarker"),  # gcc ends lines at \r
+    ('\ufeff# 2 "/etc/passwd"\n#error boom\n', "linemarker"),  # after the BOM gcc skips
+    ('int x; ??/\n# 3 "/etc/passwd"\n#error boom\n', "linemarker"),  # gcc ignores trigraphs
     ('#define L 4 "/etc/passwd"\n#line L\n#error x\n', "#line"),
     ('#\x00include "/etc/passwd"\n', "control character"),
     ("int a; /* \x1b[2J */\n", "control character"),
