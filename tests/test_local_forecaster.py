@@ -911,3 +911,19 @@ async def test_a_restarted_forecaster_answers_as_the_one_before_it() -> None:
     # The path crossed background optimisations (started at 108 and 118, used two points on), and one is
     # pending at the end (started at 129): each restart in between redid or waited for it.
     assert running._hyper_n[key] == 118 and key in running._refits
+
+
+@pytest.mark.anyio
+async def test_an_unreadable_saved_family_state_is_ignored_not_a_lost_forecast() -> None:
+    import json
+
+    h = KeepingHistory()
+    for bs in range(32, 300, 16):
+        h.add(member(bs, 1), runtime(bs, 1))
+    key = (member(32, 1).family_key(), HW, WL.key())
+    pending = {"apply_at": 5, "keys": ["a"]}  # no n_ok
+    h.states[key] = json.dumps(
+        {"version": 1, "theta": [0.1] * 5, "n_ok": 10, "signature": "x", "pending": pending}
+    )
+    [out] = await LocalForecaster(h, ptxas_wait_s=0.0).forecast([query(member(32, 1), member(64, 1))])
+    assert "mu_log2" in out.extras

@@ -1346,16 +1346,17 @@ class LocalForecaster:
             if theta.ndim != 1 or not theta.size or not np.all(np.isfinite(theta)):
                 raise ValueError("theta is not a vector of finite numbers")
             n_ok, signature, pending = int(d["n_ok"]), str(d["signature"]), d.get("pending")
+            if pending is not None:
+                keys = {str(k) for k in pending["keys"]}
+                refit = _Refit(int(pending["n_ok"]), int(pending["apply_at"]), tuple(sorted(keys)),
+                               str(pending.get("signature", "")))  # fmt: skip
         except Exception as exc:  # unreadable: fitted afresh, as before states were kept
             log.warning("ignoring the unreadable saved state of a kernel family: %s", exc)
             return
         self._warm[key], self._hyper_n[key], self._opt_signature[key] = theta, n_ok, signature
-        if isinstance(pending, dict) and key not in self._refits:
-            keys = {str(k) for k in pending.get("keys", [])}
+        if pending is not None and key not in self._refits:
             subset = [p for p in points if p.content_key in keys]
             if keys and len(subset) == len(keys):
-                refit = _Refit(int(pending["n_ok"]), int(pending["apply_at"]), tuple(sorted(keys)),
-                               str(pending.get("signature", "")))  # fmt: skip
                 self._refits[key] = refit
                 self._start_refit(refit, subset, theta)
 
