@@ -103,15 +103,24 @@ _LINE_DIRECTIVE = re.compile(
 SOURCE_CONTROL_CHARACTER = re.compile(r"[\x00-\x08\x0e-\x1f\x7f]")
 
 
-def _bad_header_name(name: str) -> bool:
-    return name.startswith(("/", "~")) or "\\" in name or ".." in name.split("/") or not name.strip()
-
-
 _HEADER_ADVICE = (
     "the server compiles kernels and shows the compiler's messages, so it accepts only headers named plainly, "
     "as <cuda_fp16.h> or \"cub/cub.cuh\" (the CUDA toolkit's and the standard library's); paste your own "
     "helpers into the source (an #include in a comment is checked too)"
 )
+
+
+def _header_problem(shown: str, rest: str) -> str | None:
+    """Why the header an #include (or __has_include) names at the start of `rest` is refused, or None."""
+    header = _HEADER_NAME.match(rest)
+    if header is None or rest.startswith("/*"):
+        return f'{shown!r} does not name its header as <name> or "name" (a macro may name any file); {_HEADER_ADVICE}'
+    name = header.group(1) if header.group(1) is not None else header.group(2)
+    if name.startswith(("/", "~")) or "\\" in name or ".." in name.split("/") or not name.strip():
+        return (
+            f"{shown!r} names a file by an absolute path, through '..' or with a backslash; {_HEADER_ADVICE}"
+        )
+    return None
 
 
 def source_problem(source: str) -> str | None:
@@ -132,21 +141,15 @@ def source_problem(source: str) -> str | None:
     for m in _INCLUDE.finditer(joined):
         if m.group(1) is not None:
             return f"has a comment right after a '#': write the directive plainly; {_HEADER_ADVICE}"
-        header = _HEADER_NAME.match(m.group(3))
-        shown = f"#{m.group(2)} {m.group(3).strip()[:80]}"
-        if header is None or m.group(3).startswith("/*"):
-            return f'{shown!r} does not name its header as <name> or "name" (a macro may name any file); {_HEADER_ADVICE}'
-        if _bad_header_name(header.group(1) if header.group(1) is not None else header.group(2)):
-            return f"{shown!r} names a file by an absolute path, through '..' or with a backslash; {_HEADER_ADVICE}"
+        if problem := _header_problem(f"#{m.group(2)} {m.group(3).strip()[:80]}", m.group(3)):
+            return problem
     if _GCC_DEPENDENCY.search(joined) is not None:
         return "has '#pragma GCC dependency': leave it out (it checks a file of the server's)"
     for m in _HAS_INCLUDE.finditer(joined):
-        header = _HEADER_NAME.match(m.group(2))
-        shown = f"__has_include({m.group(2).strip()[:80]}"
-        if not m.group(1) or header is None:
-            return f'{shown!r} does not name its header as <name> or "name" (a macro may name any file); {_HEADER_ADVICE}'
-        if _bad_header_name(header.group(1) if header.group(1) is not None else header.group(2)):
-            return f"{shown!r} names a file by an absolute path, through '..' or with a backslash; {_HEADER_ADVICE}"
+        # Without its parenthesis the name comes from a macro: refused as a header not named plainly.
+        rest = m.group(2) if m.group(1) else ""
+        if problem := _header_problem(f"__has_include({m.group(2).strip()[:80]}", rest):
+            return problem
     return None
 
 

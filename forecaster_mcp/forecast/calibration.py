@@ -194,12 +194,6 @@ class Calibrator:
         return cls()
 
     @classmethod
-    def tempered(cls, slope: float) -> Calibrator:
-        """The calibration of a forecaster whose stated confidence is not yet trusted: log-odds scaled by
-        `slope` (1: the identity) until verified pairs say otherwise."""
-        return cls(Platt(a=slope))
-
-    @classmethod
     def fit(
         cls,
         p_raw: Sequence[float] | FloatArray,

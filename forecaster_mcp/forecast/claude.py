@@ -745,8 +745,8 @@ class ClaudeForecaster:
         """Mean of the sample distributions, shrunk toward uniform by the spread of their p_faster.
 
         Shrink weight = min(1, 2 * population std of p_faster): 0 when samples agree, 1 when they split
-        evenly between sure-faster and sure-slower; at least half the share of requested samples missing. Uniform has p_faster 0.5, so disagreement lowers
-        confidence in the direction as well as in the bin.
+        evenly between sure-faster and sure-slower; at least half the share of requested samples missing.
+        Uniform has p_faster 0.5, so disagreement lowers confidence in the direction as well as in the bin.
         """
         n = len(samples)
         mean = [sum(s.probs[k] for s in samples) / n for k in range(bins.N_BINS)]

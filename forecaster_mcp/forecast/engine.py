@@ -634,7 +634,7 @@ class ForecastEngine:
                 if d.get("kind") != "engine-calibration" or d.get("version") != STATE_VERSION:
                     raise ValueError(f"unknown state {d.get('kind')}/{d.get('version')}")
                 self._calibrators[n] = Calibrator.from_dict(d["calibrator"])
-                self._fit_signatures[n] = str(d["rows"])  # a state from before signatures: refitted
+                self._fit_signatures[n] = str(d.get("rows", ""))  # a state from before signatures: refitted
             except (ValueError, KeyError, TypeError, AttributeError) as exc:
                 log.warning("ignoring unreadable calibration state of %s: %s", n, exc)
         if len(self._names) > 1:
@@ -649,7 +649,8 @@ class ForecastEngine:
                 if list(combiner.names) != self._names:
                     raise ValueError(f"combiner pools {list(combiner.names)}, engine has {self._names}")
                 self._combiner = combiner
-                self._combiner_signatures = {str(k): str(v) for k, v in d["rows"].items()}
+                # A state from before signatures ("n_rows") matches none: refitted.
+                self._combiner_signatures = {str(k): str(v) for k, v in d.get("rows", {}).items()}
             except (ValueError, KeyError, TypeError, AttributeError) as exc:
                 log.warning("ignoring unreadable combiner state of %s: %s", self.name, exc)
 

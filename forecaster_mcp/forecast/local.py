@@ -1289,8 +1289,8 @@ class LocalForecaster:
                 self._hyper_n[key] = n_ok
                 self._opt_signature[key] = signature
             self._keep(key, _GroupState(signature, model, model_bytes(model)))
-            if self._state_of(key) != saved:
-                await self._save(key)
+            if (now := self._state_of(key)) is not None and now != saved:
+                await self._save(key, now)
         return model
 
     # ---- what a family's model keeps between processes (Store.save_family_state)
@@ -1319,10 +1319,9 @@ class LocalForecaster:
             }
         )  # fmt: skip
 
-    async def _save(self, key: tuple[str, str, str]) -> None:
+    async def _save(self, key: tuple[str, str, str], state: str) -> None:
         save = getattr(self._history, "save_family_state", None)
-        state = self._state_of(key)
-        if save is None or state is None:
+        if save is None:
             return
         try:
             await save(*key, state)
