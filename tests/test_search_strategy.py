@@ -91,6 +91,19 @@ def test_candidates_are_valued_against_the_best_measured_kernel() -> None:
     assert against_best(bins_only, 3.0, 2.0) is bins_only
 
 
+def test_combined_bins_are_valued_against_the_best_measured_kernel() -> None:
+    # Several forecasters answered: bins only, against a measured baseline 1.5x slower than the best.
+    sure = AcqItem("sure", bins.from_normal(0.7, 0.1), {"baseline_measured": 1.0}, 0.99)
+    wide = AcqItem("wide", bins.from_normal(0.3, 1.2), {"baseline_measured": 1.0}, 0.6)
+    assert rank_for_measurement([sure, wide]) == ["sure", "wide"]
+    rebased = [against_best(it, 3.0, 2.0) for it in (sure, wide)]
+    assert rebased[0].extras["best_gain_log2"] == pytest.approx(math.log2(1.5))
+    assert list(rebased[0].probs) == list(sure.probs)
+    # A sure 1.6x over the baseline is barely faster than the best; a wide one may beat it by far.
+    assert rank_for_measurement(rebased) == ["wide", "sure"]
+    assert expected_improvement(rebased[0]) < expected_improvement(sure)
+
+
 def test_bins_only_fallback_orders_by_faster_mass() -> None:
     better = AcqItem("b", bins.from_normal(0.8, 0.3), {}, 0.99)
     worse = AcqItem("w", bins.from_normal(-0.8, 0.3), {}, 0.01)

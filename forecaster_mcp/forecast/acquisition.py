@@ -9,8 +9,8 @@ This rewards both the chance and the size of beating the baseline, and nothing e
 very uncertain but almost surely slower is worth little, one that is probably a little faster is worth
 more, and one that might be much faster is worth the most. When the forecast carries the local model's
 numbers (`extras["mu_log2"]`, `extras["sd_log2"]`, and the tail shape) the expectation is exact for its
-predictive distribution (a two-component normal scale mixture); otherwise it is taken over the 8 bins, each
-represented by the conditional mean of a standard shape inside it. Candidates already measured
+predictive distribution (a two-component normal scale mixture); otherwise (several forecasters combined)
+it is taken over the 8 bins, each represented by the conditional mean of a standard shape inside it. Candidates already measured
 (`extras["measured"] >= 1`) are left out: measuring them again teaches nothing. Ties (for instance a cold
 start where every value is equal) are broken by p_faster, then by the input order. The reference is the best
 kernel measured so far, not whichever baseline a client named (`against_best`).
@@ -78,7 +78,9 @@ def expected_improvement(item: AcqItem) -> float:
             return (1.0 - w) * normal_ei(mu, core) + w * normal_ei(mu, core * scale)
         return normal_ei(mu, sd)
     probs = bins.normalize(list(item.probs))
-    return sum(probs[i] * max(0.0, v - XI_LOG2) for i, v in _FASTER_BIN_VALUE.items())
+    # Bins are against the baseline; `against_best` records how much faster than it the best measured is.
+    gain = max(0.0, float(ex.get("best_gain_log2", 0.0)))
+    return sum(probs[i] * max(0.0, v - gain - XI_LOG2) for i, v in _FASTER_BIN_VALUE.items())
 
 
 # Tuning switch (benchmarks): weigh the failure discount fully (1.0) or not at all (0.0).
@@ -115,14 +117,17 @@ def against_best(item: AcqItem, t_base_ms: float | None, t_best_ms: float | None
     client may keep comparing against its first or reference kernel); a measurement is worth only what it
     may gain over the best. Exact for forecasts that carry the local model's numbers against a measured
     baseline (`t_base_ms`, then a constant); others, and a best no faster than the baseline, are left as
-    they are.
+    they are. A forecast of bins only (several forecasters combined) keeps its bins and carries the gain
+    (`extras["best_gain_log2"]`), which `expected_improvement` takes off each faster bin's value.
     """
     mu = item.extras.get("mu_log2")
     if t_base_ms is None or t_best_ms is None or not 0.0 < t_best_ms < t_base_ms:
         return item
-    if mu is None or not math.isfinite(mu) or item.extras.get("baseline_measured", 0.0) < 1.0:
+    if item.extras.get("baseline_measured", 0.0) < 1.0:
         return item
     gain = math.log2(t_base_ms / t_best_ms)
+    if mu is None or not math.isfinite(mu):
+        return dataclasses.replace(item, extras={**item.extras, "best_gain_log2": gain})
     return dataclasses.replace(item, extras={**item.extras, "mu_log2": mu - gain})
 
 
