@@ -89,8 +89,26 @@ _INCLUDE = re.compile(
 _HEADER_NAME = re.compile(r'<([^<>]*)>|"([^"]*)"')
 # `__has_include("...")` tells whether a file exists (an #if on it, then an #error, answers the caller).
 _HAS_INCLUDE = re.compile(r"__has_(?:include|include_next|embed)\b[ \t\f\v]*(\(?)[ \t\f\v]*([^\r\n]{0,200})")
-# `#pragma GCC dependency "file"` (or its _Pragma string) checks a file's date, and says when it is missing.
-_GCC_DEPENDENCY = re.compile(r"GCC[ \t\f\v]+dependency\b")
+# `#pragma GCC dependency "file"` (or its _Pragma string) checks a file's date, and says when it is missing. A
+# comment right after GCC is refused too (the compiler reads it as a space, so it could hide the word), and a
+# _Pragma whose text macros build (`_Pragma(XS(GCC DEP "f"))`) where the source says dependency at all.
+_GCC_DEPENDENCY = re.compile(r"GCC\s*(?:dependency\b|/\*)")
+_BUILT_PRAGMA = re.compile(r'_Pragma\s*\((?!\s*(?:L|u8|u|U)?")')
+_DEPENDENCY = re.compile(r"\bdependency\b")
+# `__has_include` without its parenthesis where it is only tested for (`defined(__has_include)`, `#ifdef`).
+_TESTED_FOR = re.compile(
+    r"(?:\bdefined[ \t\f\v]*\([ \t\f\v]*|\bdefined[ \t\f\v]+|(?:#|%:|\?\?=)[ \t\f\v]*(?:ifn?def|elifn?def)[ \t\f\v]+)\Z"
+)
+_TESTED_NAME = re.compile(r"[ \t\f\v]*(?:\)|$)", re.MULTILINE)
+# Token pasting (`##`, its digraph, its trigraph) makes identifiers no check here can read: CAT(__has_,include)
+# is __has_include once an #if expands it, and pasted words stringized (`#x`) make any _Pragma text. Pasting is
+# refused in a source that has an #if or #elif or stringizes (a '#' before a name, not first on its line).
+_PASTE = re.compile(r"(?:#|\?\?=){2}|%:%:")
+_CONDITIONAL = re.compile(r"(?:#|%:|\?\?=)[ \t\f\v]*(?:if|elif)\b")
+_STRINGIZE = re.compile(
+    r"^[ \t\f\v]*\S[^\n]*?(?<!#)#(?!#)[ \t\f\v]*[A-Za-z_]", re.MULTILINE
+)  # on "#"-spelt text
+_HASH_SPELLING = re.compile(r"%:|\?\?=")
 # `#line N "file"`, and GNU's linemarker `# N "file"`, rename the source for diagnostics, and gcc's caret
 # display then prints line N of that file from disk: `#line 1 "/proc/self/environ"` then `#error` would show
 # the caller the server's environment. `#line` is refused anywhere (as #include is); a linemarker where it is a
@@ -143,9 +161,27 @@ def source_problem(source: str) -> str | None:
             return f"has a comment right after a '#': write the directive plainly; {_HEADER_ADVICE}"
         if problem := _header_problem(f"#{m.group(2)} {m.group(3).strip()[:80]}", m.group(3)):
             return problem
-    if _GCC_DEPENDENCY.search(joined) is not None:
-        return "has '#pragma GCC dependency': leave it out (it checks a file of the server's)"
+    if _GCC_DEPENDENCY.search(joined) is not None or (
+        _BUILT_PRAGMA.search(joined) is not None and _DEPENDENCY.search(joined) is not None
+    ):
+        return (
+            "has '#pragma GCC dependency', a comment right after 'GCC', or a _Pragma built by macros in a "
+            "source with the word 'dependency' (comments too): leave it out or reword it (the pragma checks a "
+            "file of the server's)"
+        )
+    if _PASTE.search(joined) is not None and (
+        _CONDITIONAL.search(joined) is not None
+        or _STRINGIZE.search(_HASH_SPELLING.sub("#", joined)) is not None
+    ):
+        return (
+            "uses token pasting (##) together with #if or stringizing (#x): pasted names can test for a file "
+            "of the server's (__has_include in an #if, a _Pragma); write the pasted names out, or choose the "
+            "code with -D defines and #ifdef"
+        )
     for m in _HAS_INCLUDE.finditer(joined):
+        if not m.group(1) and _TESTED_FOR.search(joined, max(0, m.start() - 40), m.start()) is not None:
+            if _TESTED_NAME.match(m.group(2)) is not None or not m.group(2):
+                continue  # defined(__has_include), #ifdef __has_include: asks whether the compiler has it
         # Without its parenthesis the name comes from a macro: refused as a header not named plainly.
         rest = m.group(2) if m.group(1) else ""
         if problem := _header_problem(f"__has_include({m.group(2).strip()[:80]}", rest):

@@ -819,6 +819,14 @@ def test_plain_includes_are_accepted() -> None:
     # Numbered notes are not linemarkers, and asking for a toolkit header is fine.
     plain = "// step #1: load the tile\nint a = 3;  // see #12\n#if __has_include(<cuda_fp16.h>)\n#endif\n"
     assert kernel(source=plain + "\t" + SRC + "\r\n\f\v").source.startswith("// step #1")
+    # Asking whether the compiler has __has_include, pasting without #if or stringizing, a pragma from #x.
+    for plain in (
+        "#ifdef __has_include\n#endif\n#if defined(__has_include) && __has_include(<mma.h>)\n#endif\n",
+        "#if defined __has_include\n#endif\n",
+        "#define CAT(a,b) a##b\nint CAT(x,1);\n#ifdef USE_X\n#endif\n",
+        "#define P(x) _Pragma(#x)\nP(unroll 4)\n// no loop-carried deps\n#pragma GCC unroll 4\n",
+    ):
+        assert kernel(source=plain + SRC).source == plain + SRC
 
 
 # gcc's caret display reads the line a diagnostic points at from the file `#line` names, so `#line` then
@@ -838,6 +846,23 @@ FILE_READING_SOURCES = [
     ("#define H <x.h>\n#if __has_include(H)\n#endif\n", "a macro may name any file"),
     ('#if __has_embed("/etc/shadow")\n#endif\n', "absolute path"),
     ('_Pragma("GCC dependency \\"/etc/shadow\\"")\n', "GCC dependency"),
+    # Existence oracles the compiler answers with "No such file" or not: a comment is a space to it, macros
+    # build a _Pragma's text, and pasted names become __has_include in an #if or any pragma once stringized.
+    ('#pragma GCC /**/ dependency "/etc/shadow"\n', "GCC dependency"),
+    ('#pragma GCC /*\n*/ dependency "/etc/shadow"\n', "GCC dependency"),
+    ('_Pragma("GCC /**/ dependency \\"/etc/shadow\\"")\n', "GCC dependency"),
+    (
+        '#define S(x) #x\n#define XS(x) S(x)\n#define G(a,b) a b\n_Pragma(XS(G(GCC, dependency) "/etc/x"))\n',
+        "GCC",
+    ),
+    ('#define P(x) _Pragma(#x)\n#define P2(x) P(x)\nP2(GCC dependency "/etc/x")\n', "GCC dependency"),
+    (
+        '#define CAT(a,b) a##b\n#define H CAT(__has_,include)\n#if H("/etc/shadow")\n#error y\n#endif\n',
+        "pasting",
+    ),
+    ('#define CAT(a,b) a%:%:b\n#define HI CAT(__has_,include)\n%:elif HI("/etc/shadow")\n', "pasting"),
+    ("#define CAT(a,b) a##b\n#define S(x) #x\n#define XS(x) S(x)\n", "pasting"),
+    ('#define I(x) x\n#if I(__has_include)("/etc/shadow")\n#endif\n', "a macro may name any file"),
 ]
 
 
