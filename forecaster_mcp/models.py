@@ -105,9 +105,7 @@ _TESTED_NAME = re.compile(r"[ \t\f\v]*(?:\)|$)", re.MULTILINE)
 # refused in a source that has an #if or #elif or stringizes (a '#' before a name, not first on its line).
 _PASTE = re.compile(r"(?:#|\?\?=){2}|%:%:")
 _CONDITIONAL = re.compile(r"(?:#|%:|\?\?=)[ \t\f\v]*(?:if|elif)\b")
-_STRINGIZE = re.compile(
-    r"^[ \t\f\v]*\S[^\n]*?(?<!#)#(?!#)[ \t\f\v]*[A-Za-z_]", re.MULTILINE
-)  # on "#"-spelt text
+_STRINGIZE = re.compile(r"^[ \t\f\v]*\S[^\n]*?(?<!#)#(?!#)[ \t\f\v]*[A-Za-z_]", re.MULTILINE)  # "#" spelt
 _HASH_SPELLING = re.compile(r"%:|\?\?=")
 # `#line N "file"`, and GNU's linemarker `# N "file"`, rename the source for diagnostics, and gcc's caret
 # display then prints line N of that file from disk: `#line 1 "/proc/self/environ"` then `#error` would show

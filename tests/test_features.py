@@ -63,6 +63,21 @@ def test_strip_comments_keeps_code_strings_and_line_count() -> None:
     assert out.count("\n") == src.count("\n")
 
 
+def test_digit_separators_start_no_character_literal() -> None:
+    # The quote in 1'024 used to open a character literal to the line's end, so the comment after it counted.
+    src = "const int n = 1'024; /* __shared__ float t[32]; atomicAdd(p, 1); */\nint m = 0xFF'FF; // __syncthreads();\n"
+    out = strip_comments(src + "char c = u8'b'; char d = '/'; // gone\n")
+    assert (
+        "__shared__" not in out
+        and "atomicAdd" not in out
+        and "__syncthreads" not in out
+        and "gone" not in out
+    )
+    assert "1'024;" in out and "0xFF'FF;" in out and "u8'b'" in out and "'/'" in out
+    f = source_features(src + "__global__ void k(float* p) { p[0] = n; }\n", {})
+    assert f.shared == 0 and f.atomics == 0 and f.barriers == 0
+
+
 def test_preprocess_follows_defines_through_if_else() -> None:
     with_shmem = source_features(TILED, {"USE_SHMEM": 1})
     without = source_features(TILED, {"USE_SHMEM": 0})

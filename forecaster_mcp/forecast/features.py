@@ -30,9 +30,12 @@ from forecaster_mcp.models import Kernel, Workload
 # ---------------------------------------------------------------- comments and the preprocessor
 
 # A literal left open at the end of its line ends there (as the compiler's error would): otherwise every quote
-# of `"\"\"\"...` started a scan to the line's end and found no close, quadratic (80 KB took 32 s).
+# of `"\"\"\"...` started a scan to the line's end and found no close, quadratic (80 KB took 32 s). Numbers
+# are read whole first: the quote of a digit separator (1'024, 0xFF'FF) starts no character literal (it made
+# the rest of the line a literal, and a comment opened there count as code).
 _COMMENT_OR_STRING = re.compile(
-    r'//[^\n]*|/\*.*?(?:\*/|\Z)|"(?:\\.|[^"\\\n])*(?:"|\\?$)|\'(?:\\.|[^\'\\\n])*(?:\'|\\?$)',
+    r"\b\d(?:[eEpP][+-]|'?[0-9A-Za-z_.])*"
+    r'|//[^\n]*|/\*.*?(?:\*/|\Z)|"(?:\\.|[^"\\\n])*(?:"|\\?$)|\'(?:\\.|[^\'\\\n])*(?:\'|\\?$)',
     re.DOTALL | re.MULTILINE,
 )
 
