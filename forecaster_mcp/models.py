@@ -744,7 +744,15 @@ class MeasureResult(BaseModel):
     resources: ResourceUsage = Field(default_factory=ResourceUsage)
     device: DeviceProvenance
     cost: MeasureCost
-    flags: list[str] = Field(default_factory=list, description="e.g. below_physical_floor")
+    flags: list[str] = Field(
+        default_factory=list,
+        description="what qualifies the result: noise_target_not_reached, runs_capped_by_max_runs, "
+        "runs_capped_by_max_seconds, too_few_runs_for_interval, below_physical_floor (faster than the memory "
+        "traffic allows: suspect), events_disagree_with_wall_clock, clock_throttled, "
+        "max_seconds_lowered_to_budget (no max_seconds given, and the ledger had less left than the default "
+        "cap), timeout_under_lowered_cap (a timeout under a cap below the server's: not learned as the "
+        "kernel's failure)",
+    )
     measurement_id: int | None = None
 
 

@@ -59,6 +59,7 @@ from forecaster_mcp.reports import BudgetStatus, GpuSpecRow
 from forecaster_mcp.settings import Settings
 from forecaster_mcp.store.db import (
     NOT_CACHEABLE,
+    TIMEOUT_UNDER_LOWERED_CAP,
     ForecastRow,
     IdempotentRequest,
     Reservation,
@@ -383,10 +384,18 @@ class Service:
             measured = await self._measured(kernels, hw.name, wkey)
             m_base = measured.get(base.id)
             base_failed = await self._failed(base, hw.name, wkey)
+            if base_failed is not None:
+                # Measured in this call and it failed: no measurement settles a pair against it, so none more.
+                notes.append(_base_failed_note(base.id, base_failed, measure_if_unsure=False))
+            # A crash or OOM is no verdict; a timeout is, as the family model learns it (under the server's cap).
             failed = {
                 by_id[m.kernel_id].content_key(): m.status
                 for m in measurements
-                if m.status != "ok" and m.status not in NOT_CACHEABLE  # a crash or OOM is no verdict
+                if m.status != "ok"
+                and (
+                    m.status not in NOT_CACHEABLE
+                    or (m.status == "timeout" and TIMEOUT_UNDER_LOWERED_CAP not in m.flags)
+                )
             }
             for cid in list(results):
                 m_cand = measured.get(cid)
@@ -415,7 +424,7 @@ class Service:
                 ledger, hw.name, wkey, base, others, forecast_results, fc_by_id, family
             )
         ordered = [results[str(k.id)] for k in others]
-        if measure_if_unsure and not unsure:
+        if measure_if_unsure and not unsure and base_failed is None:
             notes.append(_nothing_unsure_note(measure_next, results, base.id))
         # Unmeasured: forecast, and neither in `measured` nor a kernel the forecaster holds as measured.
         unmeasured = [
@@ -824,12 +833,14 @@ class Service:
         """`checks`: `check_key` of the reference and tolerances (stored, for idempotent retries), then the
         earlier spelling a stored retry may hold."""
         cap = min(max_seconds or self.settings.max_measure_seconds, self.settings.max_measure_seconds)
+        lowered_to_budget = False
         if max_seconds is None:
             # The default cap is also held to what the ledger has left: a measurement holds its whole cap
             # up front, and 20 GPU-seconds left should still buy a measurement capped at 20, not a refusal.
             view = await self.store.get_ledger(ledger)
             if view is not None and MIN_MEASURE_SECONDS <= view.remaining_gpu_seconds < cap:
                 cap = view.remaining_gpu_seconds
+                lowered_to_budget = True
         request = MeasureRequest(
             kernel=kernel,
             workload=workload,
@@ -925,6 +936,9 @@ class Service:
                         update={
                             "kernel_id": kernel.id,
                             "cost": result.cost.model_copy(update={"gpu_seconds": expected}),
+                            "flags": _cap_flags(
+                                result, cap, self.settings.max_measure_seconds, lowered_to_budget
+                            ),
                         }
                     )
                     try:
@@ -1086,6 +1100,18 @@ def _one_side_failed(cid: str, status: str, *, base_failed: bool, by: DecidedBy)
         rationale=rationale,
         confidence=1.0,
     )
+
+
+def _cap_flags(result: MeasureResult, cap: float, server_cap: float, lowered_to_budget: bool) -> list[str]:
+    """The result's flags, plus what its time cap explains: a cap the ledger's remaining budget lowered
+    (max_seconds left out), and a timeout under a cap below the server's (store.TIMEOUT_UNDER_LOWERED_CAP:
+    the kernel may run fine with more time, so family models do not learn it as a failure)."""
+    flags = list(result.flags)
+    if lowered_to_budget:
+        flags.append("max_seconds_lowered_to_budget")
+    if result.status == "timeout" and cap < server_cap:
+        flags.append(TIMEOUT_UNDER_LOWERED_CAP)
+    return list(dict.fromkeys(flags))
 
 
 def _base_failed_note(base_id: str, status: str, measure_if_unsure: bool) -> str:

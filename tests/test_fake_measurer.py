@@ -150,11 +150,15 @@ async def test_a_baseline_that_fails_stops_the_measurements_and_says_why(tmp_pat
         res = await _compare(svc, _kernels("base", "c1", "c2"))
         assert [m.kernel_id for m in res.measurements] == ["base"] and res.gpu_seconds_charged == 0.5
         assert "base" not in res.measure_next
+        # The call that found the failure says so (it used to say nothing, and the next call also said that no
+        # candidate was unsure).
+        assert any("the baseline base was measured compile_error and never ran" in n for n in res.notes)
         again = await _compare(svc, _kernels("base", "c1", "c2"))  # stored failure: nothing is measured
         assert (
             again.measurements == [] and again.gpu_seconds_charged == 0.0 and "base" not in again.measure_next
         )
         assert any("the baseline base was measured compile_error and never ran" in n for n in again.notes)
+        assert not any("no candidate's forecast is unsure" in n for n in res.notes + again.notes)
         status = await svc.budget_status("team")
         assert status.forecasts.count == 0  # forecasts against it could never be verified: not kept
         # A candidate that runs is the faster one, by measurement, not a forecast.
@@ -179,6 +183,23 @@ async def test_a_candidate_that_fails_in_the_call_is_slower_at_once(tmp_path: An
         assert by_id["bad"].verdict == "slower" and by_id["bad"].decided_by == "measurement"
         assert "failed (launch_error)" in by_id["bad"].rationale and "bad" not in res.measure_next
         assert by_id["bad"].p_faster == 0.0 == sum(by_id["bad"].speedup_bins[4:])
+    finally:
+        await svc.close()
+
+
+async def test_a_candidate_that_times_out_in_the_call_is_slower_at_once(tmp_path: Any) -> None:
+    # A timeout under the server's cap is learned as a failure (the next call says slower): this call says so
+    # too, instead of listing the candidate first in measure_next for another full cap.
+    fake = FakeMeasurer(["A100-PCIE-40GB"], gpu_seconds=0.5)
+    fake.script("hang", timeout=True)
+    svc = await _service(tmp_path, fake)
+    try:
+        res = await _compare(svc, _kernels("base", "hang", "good"))
+        by_id = {c.id: c for c in res.candidates}
+        assert (by_id["hang"].verdict, by_id["hang"].decided_by) == ("slower", "measurement")
+        assert "hang" not in res.measure_next
+        again = {c.id: c for c in (await _compare(svc, _kernels("base", "hang", "good"))).candidates}
+        assert again["hang"].verdict == "slower"
     finally:
         await svc.close()
 

@@ -244,6 +244,17 @@ async def test_the_default_cap_is_held_to_what_the_ledger_has_left(tmp_path: Pat
         result = await svc.measure(ledger="L", kernel=kernel(), workload=WORKLOAD)
         assert fake.history[0].max_seconds == pytest.approx(20.0)
         assert result.cost.gpu_seconds == pytest.approx(20.0)
+        # The result says why its cap was not the default, and a timeout under the lowered cap is not learned
+        # as the kernel's failure: on another ledger it was still forecast, not answered "slower" from the store.
+        assert {"max_seconds_lowered_to_budget", "timeout_under_lowered_cap"} <= set(result.flags)
+        points = await svc.store.family_points(kernel().family_key(), DEVICE, WORKLOAD.key())
+        assert points == []
+        # Under the server's own cap a timeout is the kernel's: learned.
+        await svc.store.ensure_ledger("big", 1000.0)
+        full = await svc.measure(ledger="big", kernel=kernel(N=2), workload=WORKLOAD)
+        assert full.status == "timeout" and full.flags == []
+        points = await svc.store.family_points(kernel().family_key(), DEVICE, WORKLOAD.key())
+        assert [p.status for p in points] == ["timeout"]
         # An explicit cap over what is left is the caller's choice: refused, with the cap that would fit.
         await svc.store.ensure_ledger("M", 5.0)
         with pytest.raises(BudgetExhausted, match="pass max_seconds at most 5"):

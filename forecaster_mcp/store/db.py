@@ -69,6 +69,9 @@ NOT_CACHEABLE = frozenset(_NOT_CACHEABLE)  # for callers: a result with one of t
 # Statuses that say nothing about the configuration itself: family models do not learn them as failures.
 # (A timeout is learned: a configuration that runs past its cap is one a search should not propose again.)
 _NOT_A_POINT = ("out_of_memory", "worker_crashed")
+# ... nor a timeout under a cap below the server's (a caller's max_seconds, or a nearly spent ledger's): the
+# kernel may well run in the time the server allows, and one ledger's cap must not mark it failed for all.
+TIMEOUT_UNDER_LOWERED_CAP = "timeout_under_lowered_cap"
 _PLACES = ", ".join("?" for _ in _NOT_CACHEABLE)
 
 
@@ -154,7 +157,9 @@ _FAMILY_LATEST = (
     "json_extract(kernel_json, '$.compile_options') AS compile_options, row_number() OVER "
     "(PARTITION BY content_key ORDER BY (status = 'ok') DESC, id DESC) AS rn "
     "FROM measurements WHERE family_key = ? AND hardware = ? AND workload_key = ? "
-    f"AND status NOT IN ({', '.join(repr(s) for s in _NOT_A_POINT)}))"
+    f"AND status NOT IN ({', '.join(repr(s) for s in _NOT_A_POINT)}) "
+    "AND NOT (status = 'timeout' AND EXISTS (SELECT 1 FROM json_each(result_json, '$.flags') "
+    f"WHERE value = '{TIMEOUT_UNDER_LOWERED_CAP}')))"
 )
 
 
