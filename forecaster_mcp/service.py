@@ -812,7 +812,15 @@ class Service:
                 "a retry must send the same kernel, workload, reference, atol, rtol and hardware. Use a new key "
                 "for a new measurement; nothing was charged."
             )
-        return _free_copy(used.result, str(kernel.id))
+        prior = _free_copy(used.result, str(kernel.id))
+        if prior.status in NOT_CACHEABLE:
+            # The key answers with what it recorded, as a retry must; a transient failure is worth another try,
+            # which needs a key of its own (the recorded answer is not served to anyone else).
+            prior.message = (
+                f"{prior.message or prior.status}; this is the recorded answer to idempotency_key {key[:80]!r} "
+                f"({prior.status} says nothing final of the kernel): to measure again, use a new key"
+            )
+        return prior
 
     async def _measure_uncached(
         self,

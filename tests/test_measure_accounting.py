@@ -622,3 +622,23 @@ async def test_a_commit_still_failing_at_close_gets_a_last_attempt(tmp_path: Pat
         assert view is not None and view.spent_gpu_seconds == 1.25 and view.reserved_gpu_seconds == 0
     finally:
         await again.close()
+
+
+async def test_a_transient_failure_recorded_under_an_idempotency_key_says_a_new_key_measures_again(
+    tmp_path: Path,
+) -> None:
+    # A retry under the key is answered with what it recorded, never charged twice; a timeout (or a crashed
+    # worker) says nothing final of the kernel, and the answer tells how to measure again.
+    from forecaster_mcp.measure.fake import FakeMeasurer
+
+    fake = FakeMeasurer([DEVICE], gpu_seconds=0.5)
+    fake.script("vadd", timeout=True)
+    svc = await make_service(tmp_path, fake)
+    try:
+        first = await svc.measure(ledger="L", kernel=kernel(), workload=WORKLOAD, idempotency_key="k1")
+        again = await svc.measure(ledger="L", kernel=kernel(), workload=WORKLOAD, idempotency_key="k1")
+        assert first.status == again.status == "timeout" and len(fake.history) == 1
+        assert again.cost.gpu_seconds == 0.0 and "use a new key" in (again.message or "")
+        assert "use a new key" not in (first.message or "")
+    finally:
+        await svc.close()
