@@ -363,8 +363,9 @@ class Service:
                 raise InvalidRequest("measure_if_unsure needs a ledger; this server has none configured")
             if measure_next[0] == base.id:
                 unsure = [base.id, *(i for i in unsure if i not in measured)]
+            not_measurable: set[str] = set()
             try:
-                measurements, charged, stopped = await self._measure_unsure(
+                measurements, charged, stopped, not_measurable = await self._measure_unsure(
                     ledger, base, by_id, unsure, max_measurements, workload, hw, progress
                 )
             except (NotMeasurable, BudgetExhausted) as exc:
@@ -411,6 +412,8 @@ class Service:
             measure_next = await self._measure_next(
                 base, measured, results, fc_by_id, family, hw.name, wkey, by_id, base_failed
             )
+            # measure_next lists what the caller should measure: not what this server just found it cannot.
+            measure_next = [i for i in measure_next if i not in not_measurable]
             left = [i for i in measure_next if i != base.id and results[i].verdict == "unsure"]
             if stopped is None and base_failed is None and left and len(measurements) >= max_measurements:
                 notes.append(
@@ -593,18 +596,20 @@ class Service:
         workload: Workload,
         hw: HardwareChoice,
         progress: ProgressCallback | None,
-    ) -> tuple[list[MeasureResult], float, str | None]:
+    ) -> tuple[list[MeasureResult], float, str | None, set[str]]:
         """Measure in order, up to `max_measurements`; when one fails after others were made, stop and say why
         in a note. A candidate this server cannot measure (not in its recordings) is skipped, with a note, for
         the next one; the baseline is not: without it no candidate's pair is settled.
 
-        The measurements made (and charged) are always returned: only a failure of the first one raises.
+        Returns the measurements made (and charged; only a failure of the first one raises), what they cost,
+        the note, and the ids skipped as not measurable here.
         """
         if hw.device_of is None:
             raise NotMeasurable(self._no_device_message(hw.name))
         out: list[MeasureResult] = []
         charged = 0.0
         skipped: list[str] = []
+        skipped_ids: set[str] = set()
         total = min(max_measurements, len(measure_next))
         for n, kid in enumerate(measure_next):
             if len(out) >= max_measurements:
@@ -619,8 +624,14 @@ class Service:
                 if kid == base.id:
                     if not out:
                         raise
-                    return out, charged, self._stopped_note(out, kid, str(exc), measure_next[n:], skipped)
+                    return (
+                        out,
+                        charged,
+                        self._stopped_note(out, kid, str(exc), measure_next[n:], skipped),
+                        skipped_ids,
+                    )
                 skipped.append(f"{kid} ({one_line(str(exc), 160)})")
+                skipped_ids.add(kid)
                 continue
             except Exception as exc:
                 if not out:
@@ -630,7 +641,7 @@ class Service:
                 else:
                     log.exception("measure_if_unsure: measuring %s failed", kid)
                     why = "an internal error, logged on the server"
-                return out, charged, self._stopped_note(out, kid, why, measure_next[n:], skipped)
+                return out, charged, self._stopped_note(out, kid, why, measure_next[n:], skipped), skipped_ids
             out.append(res)
             charged += res.cost.gpu_seconds
             if kid == base.id and res.status != "ok":
@@ -638,16 +649,17 @@ class Service:
                 # failure is explained by the failed-baseline note; a passing one (a crash, no memory, the cap)
                 # is said here.
                 if res.status not in NOT_CACHEABLE:
-                    return out, charged, None
+                    return out, charged, None, skipped_ids
                 why = f"it measured {res.status}: {one_line(res.message or 'no detail', 200)}"
-                return out, charged, self._stopped_note(out, kid, why, measure_next[n + 1 :], skipped)
+                note = self._stopped_note(out, kid, why, measure_next[n + 1 :], skipped)
+                return out, charged, note, skipped_ids
         if not skipped:
-            return out, charged, None
+            return out, charged, None, skipped_ids
         note = (
             f"measure_if_unsure skipped what this server cannot measure: {'; '.join(skipped)}. Those are "
-            "forecasts only (measure them where they can run)"
+            "forecasts only, left out of measure_next (measure them where they can run)"
         )
-        return out, charged, note
+        return out, charged, note, skipped_ids
 
     @staticmethod
     def _stopped_note(

@@ -259,3 +259,17 @@ async def test_a_budget_that_cannot_pay_for_the_first_measurement_still_returns_
         assert any("Nothing was charged; the forecasts stand" in n for n in res.notes)
     finally:
         await svc.close()
+
+
+async def test_a_candidate_this_server_cannot_measure_is_left_out_of_measure_next(tmp_path: Any) -> None:
+    # measure_if_unsure skips it with a note; listing it in measure_next sent the caller to an error.
+    fake = FakeMeasurer(["A100-PCIE-40GB"], gpu_seconds=0.5)
+    fake.script("nope", not_measurable="not in the recording")
+    svc = await _service(tmp_path, fake)
+    try:
+        res = await _compare(svc, _kernels("base", "nope", "good"))
+        assert "nope" not in res.measure_next
+        assert {m.kernel_id for m in res.measurements} == {"base", "good"}
+        assert any("skipped what this server cannot measure: nope" in n for n in res.notes)
+    finally:
+        await svc.close()
