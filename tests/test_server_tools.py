@@ -221,6 +221,25 @@ async def test_bad_input_is_a_clear_error_and_charges_nothing(tmp_path: Path, co
         assert await service.store.idempotent_request("team", "nope") is None
 
 
+async def test_one_mistake_over_many_candidates_is_one_short_line(tmp_path: Path, conv_a100: Path) -> None:
+    # pydantic's text echoed every error of every item (a null define fails each branch of int | float | str):
+    # 64 candidates made 40 KB, an agent's context spent on one mistake.
+    async with running(tmp_path, [conv_a100]) as (client, _service):
+        many = [conv(f"c{i}", FAST) for i in range(64)]
+        nulls = [{**k, "defines": {**k["defines"], "use_padding": None}} for k in many]
+        msg = await error_of(client, "compare_kernels", {"candidates": nulls})
+        assert len(msg) < 1000 and "errors.pydantic.dev" not in msg
+        assert "candidates.*.defines.use_padding: should be int or float or str; got None (64 items)" in msg
+        assert "nothing was run or charged" in msg
+        extra = [{**k, "name": "x"} for k in many[:2]] + many[2:]
+        msg = await error_of(client, "compare_kernels", {"candidates": extra})
+        assert "candidates.*.name: Extra inputs are not permitted; got 'x' (2 items)" in msg
+        # A validator's own message comes through whole.
+        msg = await error_of(client, "measure_kernel", {"kernel": {**many[0], "source": "   "}})
+        assert "source is empty" in msg
+        await _unchanged(client, 0.0)
+
+
 async def test_exhausted_ledger_refuses_and_names_what_is_left(tmp_path: Path, conv_a100: Path) -> None:
     async with running(tmp_path, [conv_a100], ledger_seconds=0.001) as (client, _):
         msg = await error_of(client, "measure_kernel", {"kernel": conv("s", SLOW)})

@@ -31,8 +31,9 @@ from mcp.server.auth.provider import AccessToken
 from mcp.server.auth.settings import AuthSettings
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
+from mcp.server.mcpserver.utilities.func_metadata import FuncMetadata
 from mcp.types import ToolAnnotations
-from pydantic import AnyHttpUrl, Field
+from pydantic import AnyHttpUrl, Field, ValidationError
 
 from forecaster_mcp import __version__, bins
 from forecaster_mcp.errors import AgentError, OperatorError
@@ -47,6 +48,7 @@ from forecaster_mcp.models import (
     Workload,
 )
 from forecaster_mcp.reports import BudgetStatus, GpuSpecRow
+from forecaster_mcp.server.arg_errors import compact_validation_error
 from forecaster_mcp.service import Service
 from forecaster_mcp.settings import Settings
 
@@ -141,6 +143,26 @@ def _refuse_unknown_arguments(ctx: Context, tool: Callable[..., Any]) -> None:
         f"{tool.__name__} has no argument {', '.join(named)}{more}; its arguments are: {', '.join(valid)}. "
         "Nothing was run or charged: resend with the names corrected."
     )
+
+
+class _CompactArgumentErrors(FuncMetadata):
+    """The SDK's argument validation, its errors summarised (arg_errors): same model, same checks."""
+
+    def validate_arguments(self, arguments_to_validate: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return super().validate_arguments(arguments_to_validate)
+        except ValidationError as exc:
+            raise compact_validation_error(exc) from None
+
+
+def _compact_argument_errors(mcp: MCPServer, tools: Sequence[Callable[..., Any]]) -> None:
+    """Make each tool report argument errors as `arg_errors.summary` does. The SDK has no hook for it; its
+    tool manager holds each tool's FuncMetadata, whose class (fields unchanged) gets the override."""
+    for tool in tools:
+        registered = mcp._tool_manager.get_tool(tool.__name__)
+        if registered is None:
+            raise RuntimeError(f"tool {tool.__name__} is not registered")
+        registered.fn_metadata.__class__ = _CompactArgumentErrors
 
 
 def _close_input_schemas(mcp: MCPServer, tools: Sequence[Callable[..., Any]]) -> None:
@@ -389,6 +411,7 @@ def build_server(service: Service, *, http: bool = False) -> MCPServer:
         return json.dumps([r.model_dump() for r in rows], indent=1)
 
     _close_input_schemas(mcp, (compare_kernels, measure_kernel, budget_status))
+    _compact_argument_errors(mcp, (compare_kernels, measure_kernel, budget_status))
 
     @mcp.prompt(name="forecast_first", title="Forecast first, measure when unsure")
     def forecast_first() -> str:
