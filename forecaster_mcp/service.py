@@ -1053,9 +1053,14 @@ HOLD_KEEPALIVE_S = 60.0
 
 def _assign_ids(candidates: Sequence[Kernel]) -> list[Kernel]:
     if not MIN_CANDIDATES <= len(candidates) <= MAX_CANDIDATES:
+        advice = (
+            "the baseline is one of the candidates: pass it and at least one kernel to compare with it"
+            if len(candidates) < MIN_CANDIDATES
+            else "split larger sets into several calls against the same baseline (repeat it in each)"
+        )
         raise InvalidRequest(
             f"compare_kernels takes {MIN_CANDIDATES} to {MAX_CANDIDATES} candidates, got {len(candidates)}; "
-            "split larger sets into several calls against the same baseline"
+            f"{advice}"
         )
     # A default id is positional (k<i>); where the caller gave that id to another candidate, the first k<j>
     # nobody uses: [{"id": "k1"}, {no id}] is no clash of the caller's making.

@@ -195,8 +195,8 @@ async def test_bad_input_is_a_clear_error_and_charges_nothing(tmp_path: Path, co
         assert "zzz" in msg and "a, b" in msg
         msg = await error_of(client, "compare_kernels", {"candidates": [a, {**b, "id": "a"}]})
         assert "twice" in msg
-        msg = await error_of(client, "compare_kernels", {"candidates": [a]})
-        assert "2 to 64" in msg
+        msg = await error_of(client, "compare_kernels", {"candidates": [a], "baseline": "b"})
+        assert "2 to 64" in msg and "the baseline is one of the candidates" in msg
         many = [conv(f"c{i}", FAST) for i in range(65)]
         msg = await error_of(client, "compare_kernels", {"candidates": many})
         assert "2 to 64" in msg

@@ -256,7 +256,12 @@ def build_server(service: Service, *, http: bool = False) -> MCPServer:
         workload: Annotated[
             Workload, Field(description="what the kernels run on; problem sizes are shown to forecasters")
         ] = Workload(),  # noqa: B008 - frozen model, safe as a default
-        baseline: Annotated[str | None, Field(description="id of the baseline; default the first")] = None,
+        baseline: Annotated[
+            str | None,
+            Field(
+                description="id of the baseline, one of the candidates (its kernel is in the list); default the first"
+            ),
+        ] = None,
         hardware: Annotated[
             str | None,
             Field(
