@@ -341,7 +341,11 @@ class Service:
             base, measured, results, fc_by_id, family, hw.name, wkey, by_id, base_failed
         )
         notes = list(hw.notes)
-        notes.extend(await anyio.to_thread.run_sync(_source_notes, kernels, workload))  # reads every source
+        if hw.device_of is None or hw.device_of.name != "replay":
+            # (A replay answers from recordings matched on entry and defines: it neither compiles nor runs.)
+            notes.extend(
+                await anyio.to_thread.run_sync(_source_notes, kernels, workload)
+            )  # reads every source
         notes.extend(dict.fromkeys(n for f in forecasts for n in f.notes))  # e.g. a forecaster skipped
         for c in dict.fromkeys(choices.values()):
             notes.append(f"verdicts decided at confidence >= {c.threshold:.3f} ({c.reason})")

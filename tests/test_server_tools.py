@@ -494,6 +494,17 @@ async def test_a_measured_pair_within_its_noise_is_unsure(tmp_path: Path, conv_a
             assert b["p_faster"] == 0.0
 
 
+async def test_a_replay_server_gives_no_source_notes(tmp_path: Path, conv_a100: Path) -> None:
+    # A recording answers on entry and defines, whatever the source says: "measure_kernel will find no such
+    # kernel" was false there, and the measurement went through.
+    async with running(tmp_path, [conv_a100]) as (client, _service):
+        stub = [{**conv(kid, p), "source": "// convolution\n"} for kid, p in (("a", FAST), ("b", SLOW))]
+        out = await call(client, "compare_kernels", {"candidates": stub})
+        assert not any("never names" in n for n in out["notes"])
+        measured = await call(client, "measure_kernel", {"kernel": stub[1]})
+        assert measured["status"] == "ok"
+
+
 async def test_an_entry_the_source_lacks_or_a_wrong_argument_count_is_noted_before_any_measurement(
     tmp_path: Path,
 ) -> None:
