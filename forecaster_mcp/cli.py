@@ -138,6 +138,13 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--ledger", help="ledger a stdio server charges (env FORECASTER_MCP_LEDGER)")
     serve.add_argument("--hardware", help="default GPU for forecasts, e.g. H100")
     serve.add_argument("--measurer", choices=["auto", "replay", "pycuda", "none"])
+    serve.add_argument(
+        "--isolate-ledgers",
+        action="store_true",
+        default=None,
+        help="each ledger sees only its own measurements (cache, measured answers, family models): for "
+        "evaluations of several agents on one server (env FORECASTER_MCP_ISOLATE_LEDGERS=1)",
+    )
     serve.set_defaults(handler="forecaster_mcp.server.app:serve_command")
 
     ledger = sub.add_parser("ledger", help="operator: create, top up and show GPU-second ledgers")
@@ -270,6 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ledger=getattr(args, "ledger", None) if args.command == "serve" else None,
             hardware=getattr(args, "hardware", None),
             measurer=getattr(args, "measurer", None),
+            isolate_ledgers=getattr(args, "isolate_ledgers", None),
         )
         module_name, func_name = args.handler.split(":")
         handler = getattr(importlib.import_module(module_name), func_name)

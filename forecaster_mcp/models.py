@@ -18,6 +18,7 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    PrivateAttr,
     Tag,
     ValidationInfo,
     field_validator,
@@ -25,6 +26,7 @@ from pydantic import (
 )
 
 MAX_SOURCE_BYTES = 1_000_000
+HISTORY_SCOPE_MARK = "@"  # between a workload key (hex) and the ledger of an isolated history (history_key)
 MAX_CANDIDATES = 64
 MIN_CANDIDATES = 2
 # The smallest time cap a measurement may ask for (max_seconds). Below it the device would be held (loading,
@@ -660,6 +662,20 @@ class Workload(_Strict):
         out: naming a workload does not make its measurements new ones."""
         unnamed = self if self.name is None else self.model_copy(update={"name": None})
         return hashlib.sha256(unnamed.model_dump_json().encode()).hexdigest()[:32]
+
+    # The ledger whose measurements alone this workload's history holds (Settings.isolate_ledgers), or None.
+    _scope: str | None = PrivateAttr(default=None)
+
+    def scoped(self, ledger: str | None) -> Workload:
+        """This workload as `ledger` sees it where ledgers are isolated: the same inputs, its own history."""
+        copy = self.model_copy()
+        copy._scope = ledger
+        return copy
+
+    def history_key(self) -> str:
+        """What the store files measurements, forecasts and family models under: `key()`, and within an
+        isolated ledger `<key>@<ledger>`. Measurers (and exports) use `key()`: the inputs are the same."""
+        return self.key() if self._scope is None else f"{self.key()}{HISTORY_SCOPE_MARK}{self._scope}"
 
     def bytes_moved_floor(self) -> int:
         """Bytes that must cross DRAM at least once: inputs read, outputs written."""

@@ -248,6 +248,7 @@ class Service:
         progress: ProgressCallback | None = None,
     ) -> CompareResult:
         kernels = _assign_ids(candidates)
+        workload = self._seen_by(ledger, workload)
         base_id = baseline if baseline is not None else kernels[0].id
         by_id = {k.id: k for k in kernels}
         if base_id not in by_id:
@@ -269,7 +270,7 @@ class Service:
         hw = self.resolve_hardware(hardware)
         base = by_id[base_id]
         assert base.id is not None
-        wkey = workload.key()
+        wkey = workload.history_key()
         others = [k for k in kernels if k.id != base_id]
 
         measured = await self._measured(kernels, hw.name, wkey)
@@ -465,6 +466,11 @@ class Service:
             notes=notes,
             bins=list(bins.LABELS),
         )
+
+    def _seen_by(self, ledger: str | None, workload: Workload) -> Workload:
+        """The workload within `ledger`'s own history where ledgers are isolated (Settings.isolate_ledgers):
+        its cache, measured answers and family models then hold that ledger's measurements only."""
+        return workload.scoped(ledger) if self.settings.isolate_ledgers and ledger is not None else workload
 
     async def _failed(self, kernel: Kernel, hardware: str, wkey: str) -> str | None:
         """The status of the kernel's stored failed measurement (never measured ok), or None."""
@@ -726,6 +732,7 @@ class Service:
         progress: ProgressCallback | None = None,
     ) -> MeasureResult:
         """Measure one kernel, charging the ledger; cached and idempotent results are free."""
+        workload = self._seen_by(ledger, workload)
         if not (math.isfinite(atol) and atol >= 0 and math.isfinite(rtol) and rtol >= 0):
             raise InvalidRequest("atol and rtol must be finite and >= 0")
         cap = self.settings.max_measure_seconds
@@ -812,7 +819,7 @@ class Service:
         used = await self.store.idempotent_request(ledger, key)
         if used is None:
             return None
-        differs = _differences(used, kernel, workload.key(), device)
+        differs = _differences(used, kernel, workload.history_key(), device)
         if used.check_key is not None:
             if used.check_key not in checks:
                 differs.append("reference or atol/rtol")
@@ -882,7 +889,7 @@ class Service:
             "ledger": ledger,
             "idempotency_key": idempotency_key,
             "kernel_json": kernel.model_dump_json(),
-            "workload_key": workload.key(),
+            "workload_key": workload.history_key(),
             "family_key": kernel.family_key(),
             "content_key": kernel.content_key(),
             "hardware": device,
@@ -1340,7 +1347,7 @@ def _legacy_cache_key(request: MeasureRequest, fingerprint: str) -> str:
 def _digest(request: MeasureRequest, fingerprint: str, kernel: str | None = None, **check: Any) -> str:
     payload = {
         "kernel": kernel or request.kernel.content_key(),
-        "workload": request.workload.key(),
+        "workload": request.workload.history_key(),
         "device": fingerprint,
         **check,
     }

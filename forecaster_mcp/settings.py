@@ -58,6 +58,11 @@ class Settings(BaseModel):
         "with a note (a slow or hanging API must not hold the agent; the local forecaster answers)",
     )
     nvcc: str | None = Field(default=None, description="path to nvcc; default: found on PATH")
+    isolate_ledgers: bool = Field(
+        default=False,
+        description="each ledger sees only its own measurements: its cache hits, measured answers and family "
+        "models (for evaluations of several agents on one server); calibration still pools every ledger",
+    )
     model_cache_mb: float = Field(
         default=512.0,
         gt=0,

@@ -273,3 +273,40 @@ async def test_a_candidate_this_server_cannot_measure_is_left_out_of_measure_nex
         assert any("skipped what this server cannot measure: nope" in n for n in res.notes)
     finally:
         await svc.close()
+
+
+@pytest.mark.parametrize("isolate", [False, True])
+async def test_isolated_ledgers_see_only_their_own_measurements(tmp_path: Any, isolate: bool) -> None:
+    # An evaluation of several agents on one server: with isolate_ledgers, one agent's measurements neither
+    # answer another's for free (cache), nor decide its pairs, nor teach its family model.
+    from forecaster_mcp.service import Service, build_forecasters
+    from forecaster_mcp.settings import Settings
+    from forecaster_mcp.store.db import Store
+
+    fake = FakeMeasurer(["A100-PCIE-40GB"], gpu_seconds=0.5)
+    settings = Settings.from_env(home=tmp_path, measurer="none", ledger="a", isolate_ledgers=isolate)
+    store = await Store.open(settings.db_path)
+    for name in ("a", "b"):
+        await store.create_ledger(name, 100.0)
+    svc = Service(settings, store, build_forecasters(settings, store), [fake])
+    try:
+        ks = _kernels("base", "c1")
+        for k in ks:
+            await svc.measure(ledger="a", kernel=k, workload=Workload(), hardware="A100")
+        res = await svc.compare(
+            ledger="b", candidates=ks, workload=Workload(), baseline=None, hardware="A100",
+            target_error=None, measure_if_unsure=False, max_measurements=0,
+        )  # fmt: skip
+        again = await svc.measure(ledger="b", kernel=ks[0], workload=Workload(), hardware="A100")
+        assert res.candidates[0].decided_by == ("forecast" if isolate else "cache")
+        assert again.cost.cached is not isolate and len(fake.history) == (3 if isolate else 2)
+        spent = {n: (await svc.budget_status(n)).spent_gpu_seconds for n in ("a", "b")}
+        assert spent == {"a": 1.0, "b": 0.5 if isolate else 0.0}
+        # Ledger a's own view is unchanged: its measurements answer its pairs.
+        own = await svc.compare(
+            ledger="a", candidates=ks, workload=Workload(), baseline=None, hardware="A100",
+            target_error=None, measure_if_unsure=False, max_measurements=0,
+        )  # fmt: skip
+        assert own.candidates[0].decided_by == "cache"
+    finally:
+        await svc.close()

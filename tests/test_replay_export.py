@@ -106,3 +106,21 @@ def test_replay_refuses_an_export_line_with_an_impossible_cost(tmp_path: Path) -
         path.write_text(export_line("A100-PCIE-40GB", "w", kernel, result) + "\n")
         with pytest.raises(OperatorError, match="line 1: its cost is"):
             ReplayMeasurer([path])
+
+
+async def test_an_export_of_isolated_ledgers_replays_on_any_server(
+    tmp_path: Path, conv_a100: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An isolated ledger files its history under "<workload key>@<ledger>"; the export (and replay) use the
+    # workload's own key.
+    monkeypatch.setenv("FORECASTER_MCP_ISOLATE_LEDGERS", "1")
+    measured = await _measured_home(tmp_path / "a", conv_a100)
+    out = tmp_path / "export.jsonl"
+    argv = ["--home", str(tmp_path / "a"), "export", "--out", str(out)]
+    assert await anyio.to_thread.run_sync(main, argv) == 0
+    keys = {json.loads(line)["workload_key"] for line in out.read_text().splitlines()}
+    assert len(keys) == 1 and "@" not in next(iter(keys))
+    monkeypatch.delenv("FORECASTER_MCP_ISOLATE_LEDGERS")
+    async with running(tmp_path / "b", [out]) as (client, _):
+        again = await call(client, "measure_kernel", {"kernel": conv("fast2", FAST)})
+        assert again["runtime_ms"] == measured["fast"]["runtime_ms"]

@@ -1480,7 +1480,7 @@ class LocalForecaster:
                 if id(k) not in keys:
                     keys[id(k)] = (k.family_key(), k.content_key())
             if id(q.workload) not in workload_keys:
-                workload_keys[id(q.workload)] = q.workload.key()
+                workload_keys[id(q.workload)] = q.workload.history_key()
 
         def group_of(k: Kernel, q: PairQuery) -> tuple[str, str, str]:
             return (keys[id(k)][0], q.hardware_name, workload_keys[id(q.workload)])

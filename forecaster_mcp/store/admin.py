@@ -201,7 +201,7 @@ def export_command(settings: Settings, args: argparse.Namespace) -> int:
     from forecaster_mcp.cli import check_writable_file
     from forecaster_mcp.hardware.specs import canonical_name
     from forecaster_mcp.measure.replay import export_line
-    from forecaster_mcp.models import Kernel, MeasureResult
+    from forecaster_mcp.models import HISTORY_SCOPE_MARK, Kernel, MeasureResult
 
     out = Path(args.out)
     check_writable_file(out)
@@ -219,8 +219,10 @@ def export_command(settings: Settings, args: argparse.Namespace) -> int:
     skipped: list[str] = []
     for hw, wk, kj, rj in rows:
         try:
+            # A ledger's own history (isolate_ledgers) is filed under "<key>@<ledger>": replay matches the key.
+            key = wk.split(HISTORY_SCOPE_MARK, 1)[0]
             lines.append(
-                export_line(hw, wk, Kernel.model_validate_json(kj), MeasureResult.model_validate_json(rj))
+                export_line(hw, key, Kernel.model_validate_json(kj), MeasureResult.model_validate_json(rj))
             )
         except ValidationError as exc:  # stored by an older version whose rules were looser
             skipped.append(str(exc.errors()[0].get("msg", exc))[:200])
