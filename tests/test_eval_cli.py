@@ -106,6 +106,28 @@ def test_eval_writes_metrics_predictions_and_plots(
     printed = capsys.readouterr().out
     assert printed.splitlines()[0].split()[:3] == ["forecaster", "pairs", "acc"]
     assert "local final" in printed and "threshold on" in printed
+    # cover counts ties; the non-tie coverage (the denominator of aurc and risk@) is reported beside it.
+    assert final["coverage_non_tie"] == pytest.approx(decided.n_decided_scored / 5)
+    assert "over the non-tie pairs" in printed
+
+
+def test_eval_notes_repeated_questions_and_pairs_the_history_answers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    history = {
+        "history": [
+            {"hardware": "A100", "workload": WORKLOAD, "kernel": _kernel(b), "runtime_ms": t}
+            for b, t in ((32, 2.0), (256, 1.0))
+        ]
+    }
+    pairs = _write(tmp_path / "pairs.jsonl", [history, *TINY, {**TINY[1], "id": "again"}])
+    out = tmp_path / "out"
+    assert main(["eval", str(pairs), "--out", str(out)]) == 0
+    notes = json.loads((out / "metrics.json").read_text())["notes"]
+    assert any(
+        "3 pair(s) ask the same question as an earlier one" in n and "again (as p0)" in n for n in notes
+    )
+    assert any("3 pair(s) have both kernels in the file's history (the first: p0)" in n for n in notes)
 
 
 def test_bad_lines_name_the_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -119,6 +141,19 @@ def test_bad_lines_name_the_line(tmp_path: Path, capsys: pytest.CaptureFixture[s
         '{"speedup": ' + "9" * 5000 + "}": "not a pairs line this reader accepts (ValueError)",
         "[" * 100_000 + "]" * 100_000: "not a pairs line this reader accepts (RecursionError)",
         json.dumps({**TINY[1], "id": TINY[0]["id"]}): f"pair id {TINY[0]['id']!r} is already used on line 1",
+        # A status typo made a measured kernel a failure (its runtime dropped), silently.
+        json.dumps(
+            {
+                "history": {
+                    "hardware": "A100",
+                    "workload": WORKLOAD,
+                    "kernel": _kernel(64),
+                    "status": "OK",
+                    "runtime_ms": 1.0,
+                }
+            }
+        ): "unknown status 'OK': one of ok, compile_error",
+        json.dumps({**TINY[1], "history": []}): "a line is a pair or holds history points",
     }
     for bad, message in cases.items():
         pairs = _write(tmp_path / "bad.jsonl", [TINY[0], "", bad])

@@ -27,7 +27,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO, get_args
 
 import numpy as np
 from pydantic import ValidationError
@@ -35,7 +35,7 @@ from pydantic import ValidationError
 from forecaster_mcp.errors import OperatorError
 from forecaster_mcp.forecast import metrics as M
 from forecaster_mcp.forecast.selective import MAX_TARGET_ERROR, MIN_TARGET_ERROR, ThresholdChoice
-from forecaster_mcp.models import Kernel, Workload
+from forecaster_mcp.models import Kernel, MeasureStatus, Workload
 
 if TYPE_CHECKING:
     import argparse
@@ -120,6 +120,9 @@ def _positive(path: Path, line: int, what: str, value: Any) -> float:
     return float(value)
 
 
+_STATUSES: tuple[str, ...] = get_args(MeasureStatus)
+
+
 def _history_point(path: Path, line: int, d: Any) -> HistoryPoint:
     if not isinstance(d, dict):
         raise _bad(path, line, "each history point must be a JSON object")
@@ -127,6 +130,9 @@ def _history_point(path: Path, line: int, d: Any) -> HistoryPoint:
     if missing:
         raise _bad(path, line, f"history point lacks {', '.join(missing)}")
     status = str(d.get("status", "ok"))
+    if status not in _STATUSES:
+        # Anything but "ok" is a failure to the model: a typo ("OK") would drop the runtime and fail the kernel.
+        raise _bad(path, line, f"unknown status {status[:40]!r}: one of {', '.join(_STATUSES)}")
     runtime = d.get("runtime_ms")
     return HistoryPoint(
         hardware=str(d["hardware"]),
@@ -169,6 +175,10 @@ def read_pairs_file(path: Path) -> PairsFile:
         if not isinstance(d, dict):
             raise _bad(path, n, "each line must be a JSON object")
         if "history" in d:
+            if any(k in d for k in ("baseline", "candidate", "speedup")):
+                raise _bad(
+                    path, n, "a line is a pair or holds history points ('history'), not both: split it"
+                )
             points = d["history"] if isinstance(d["history"], list) else [d["history"]]
             out.history.extend(_history_point(path, n, p) for p in points)
             continue
@@ -405,6 +415,11 @@ def _fmt(v: Any, width: int = 9) -> str:
     return str(v).rjust(width)
 
 
+def _small(x: float) -> str:
+    """Three decimals, or two significant digits below 0.01 (0.00079 is not 0.001 next to 0.00046)."""
+    return f"{x:.3f}" if abs(x) >= 0.01 else f"{x:.2g}"
+
+
 def print_table(report: dict[str, Any], out: TextIO) -> None:
     cols = [
         ("pairs", "n_pairs"),
@@ -429,11 +444,17 @@ def print_table(report: dict[str, Any], out: TextIO) -> None:
         print(label.ljust(width) + "".join(_fmt(m.get(k)) for _, k in cols), file=out)
     final = report["final"]
     print(f"ties (|log2 S| <= log2 1.03) left out of direction metrics: {final['n_ties']}", file=out)
+    if final.get("coverage_non_tie") is not None:
+        print(
+            f"cover: decided verdicts over all pairs, ties included; over the non-tie pairs (the denominator "
+            f"of aurc and risk@80) {final['coverage_non_tie']:.3f}",
+            file=out,
+        )
     if final.get("ece_if_calibrated") is not None:
         print(
             f"sampling noise: a perfectly calibrated forecaster with the final confidences would show ECE "
-            f"{final['ece_if_calibrated']:.3f} on these pairs (90% of the time at most "
-            f"{final['ece_if_calibrated_p90']:.3f}); read the final ece against it",
+            f"{_small(final['ece_if_calibrated'])} on these pairs on average (90% of the time at most "
+            f"{_small(final['ece_if_calibrated_p90'])}); read the final ece against it",
             file=out,
         )
     used = report.get("forecasts_per_regime", {})
@@ -492,7 +513,7 @@ async def _forecast_all(
         forecasts = []
         for start in range(0, len(queries), EVAL_CHUNK_PAIRS):
             forecasts += await engine.forecast(queries[start : start + EVAL_CHUNK_PAIRS])
-    notes += _unknown_gpu_notes(main.pairs)
+    notes += _unknown_gpu_notes(main.pairs) + _pairs_notes(main)
     notes += sorted({n for f in forecasts for n in f.notes})
     # Per GPU the threshold of each regime forecasts were made in (module doc of forecast/engine.py).
     keys: list[tuple[str, Regime]] = [(q.hardware_name, "model") for q in queries]
@@ -508,6 +529,42 @@ def _pair_key(p: EvalPair) -> tuple[str, str, frozenset[str]]:
         p.workload.key(),
         frozenset((p.baseline.content_key(), p.candidate.content_key())),
     )
+
+
+def _pairs_notes(pairs_file: PairsFile) -> list[str]:
+    """What a reader of the metrics should know of the file: pairs asked twice, pairs the history answers."""
+    notes = []
+    seen: dict[tuple[str, str, frozenset[str]], str] = {}
+    repeats = []
+    for p in pairs_file.pairs:
+        key = _pair_key(p)
+        if key in seen:
+            repeats.append(f"{p.id} (as {seen[key]})")
+        else:
+            seen[key] = p.id
+    if repeats:
+        notes.append(
+            f"{len(repeats)} pair(s) ask the same question as an earlier one (the same two kernels by content, "
+            f"either as baseline, on the same GPU and workload), and each is scored: {', '.join(repeats[:5])}"
+            f"{' ...' if len(repeats) > 5 else ''}"
+        )
+    measured = {
+        (_canonical(h.hardware), h.workload.key(), h.kernel.content_key()) for h in pairs_file.history
+    }
+    looked_up = [
+        p
+        for p in pairs_file.pairs
+        if all(
+            (_canonical(p.hardware), p.workload.key(), k.content_key()) in measured
+            for k in (p.baseline, p.candidate)
+        )
+    ]
+    if looked_up:
+        notes.append(
+            f"{len(looked_up)} pair(s) have both kernels in the file's history (the first: {looked_up[0].id}): "
+            "the local model answers them from those measurements, so they score a lookup, not a forecast"
+        )
+    return notes
 
 
 def _refuse_overlap(main: PairsFile, cal: PairsFile) -> None:
@@ -593,6 +650,7 @@ def run_eval(
     final.update(
         {
             "coverage": d.coverage,
+            "coverage_non_tie": None if math.isnan(d.coverage_non_tie) else d.coverage_non_tie,
             "n_decided": d.n_decided,
             "decided_accuracy": None if math.isnan(d.accuracy) else d.accuracy,
             "decided_error": None if math.isnan(d.error) else d.error,

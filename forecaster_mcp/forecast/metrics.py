@@ -281,6 +281,7 @@ class DecidedSummary:
     n_decided: int
     n_decided_scored: int  # decided and not a tie
     coverage: float  # n_decided / n_pairs
+    coverage_non_tie: float  # decided non-tie pairs / non-tie pairs (the denominator AURC and risk@ use)
     accuracy: float  # among decided non-tie pairs; nan when none
     error: float  # 1 - accuracy
 
@@ -296,12 +297,14 @@ def decided_summary(verdicts: Sequence[str], speedups: ArrayLike) -> DecidedSumm
     right = np.where(v == "faster", log2s > 0, log2s < 0)
     n = int(v.size)
     n_scored = int(scored.sum())
+    n_non_tie = int((np.abs(log2s) > bins.TIE_LOG2).sum())
     acc = float(right[scored].mean()) if n_scored else math.nan
     return DecidedSummary(
         n_pairs=n,
         n_decided=int(decided.sum()),
         n_decided_scored=n_scored,
         coverage=float(decided.sum() / n) if n else math.nan,
+        coverage_non_tie=n_scored / n_non_tie if n_non_tie else math.nan,
         accuracy=acc,
         error=1.0 - acc if n_scored else math.nan,
     )
@@ -348,6 +351,7 @@ def summarize(
         d = decided_summary(verdicts_at(pf, threshold), s)
         out["threshold"] = threshold
         out["coverage"] = d.coverage
+        out["coverage_non_tie"] = d.coverage_non_tie
         out["n_decided"] = d.n_decided
         out["decided_accuracy"] = d.accuracy
         out["decided_error"] = d.error
