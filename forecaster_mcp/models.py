@@ -21,6 +21,7 @@ from pydantic import (
     PrivateAttr,
     Tag,
     ValidationInfo,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -306,11 +307,26 @@ def _within(dims: tuple[int, int, int], limits: tuple[int, int, int], what: str)
             )
 
 
+def _dim3_schema(largest: int) -> dict[str, Any]:
+    """The published form of a grid or block: what `_dim3` accepts (one to three sizes, or one number)."""
+    size = {"type": "integer", "minimum": 1, "maximum": largest}
+    return {
+        "anyOf": [
+            {"type": "array", "items": {"type": "integer", "minimum": 1}, "minItems": 1, "maxItems": 3},
+            size,
+        ]
+    }
+
+
 class Launch(_Strict):
     """How a CUDA kernel is launched."""
 
-    grid: tuple[int, int, int] = Field(description="grid dimensions [x, y, z] in blocks")
-    block: tuple[int, int, int] = Field(description="block dimensions [x, y, z] in threads")
+    grid: Annotated[tuple[int, int, int], WithJsonSchema(_dim3_schema(MAX_GRID_X), mode="validation")] = (
+        Field(description="grid dimensions [x, y, z] in blocks ([x] or [x, y] or a number: the rest are 1)")
+    )
+    block: Annotated[tuple[int, int, int], WithJsonSchema(_dim3_schema(MAX_BLOCK_XY), mode="validation")] = (
+        Field(description="block dimensions [x, y, z] in threads ([x] or [x, y] or a number: the rest are 1)")
+    )
     shared_mem_bytes: int = Field(default=0, ge=0, description="dynamic shared memory per block")
 
     @field_validator("grid", mode="before")

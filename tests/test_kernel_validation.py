@@ -936,3 +936,23 @@ async def test_a_secret_include_is_a_clear_tool_error_and_charges_nothing(
         msg = await error_of(client, "measure_kernel", {"kernel": evil})
         assert "absolute path" in msg and "paste your own helpers" in msg
         await nothing_charged(client)
+
+
+def test_the_published_launch_schema_takes_what_the_server_takes() -> None:
+    # The schema said exactly three sizes; the server takes [256], [x, y] or 256: a client validating against
+    # the schema refused input the server accepts.
+    import jsonschema
+
+    from forecaster_mcp.models import Launch
+
+    schema = Launch.model_json_schema()
+    for launch in (
+        {"grid": 4, "block": [256]},
+        {"grid": [4, 2], "block": 256},
+        {"grid": [4, 1, 1], "block": [8, 8, 1]},
+    ):
+        jsonschema.validate(launch, schema)
+        Launch.model_validate(launch)
+    for bad in ({"grid": [], "block": [1]}, {"grid": [1, 1, 1, 1], "block": [1]}, {"grid": 0, "block": [1]}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
