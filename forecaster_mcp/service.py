@@ -950,9 +950,14 @@ class Service:
                     # was occupied (OCCUPIED_ATTR), and that is charged like any other run; the exception goes on.
                     occupied = getattr(exc, OCCUPIED_ATTR, None)
                     if isinstance(occupied, int | float) and not isinstance(occupied, bool):
+                        used = max(0.0, min(float(occupied), hold.gpu_seconds))
                         with anyio.CancelScope(shield=True):
-                            await self.store.commit(hold, max(0.0, min(float(occupied), hold.gpu_seconds)))
-                            settled = True
+                            settled = True  # charged now or, on a locked database, in the background
+                            try:
+                                await self.store.commit(hold, used)
+                            except Exception:
+                                log.warning("could not charge hold %s now; retrying", hold.id, exc_info=True)
+                                self.store.commit_later(hold, used)
                     raise
                 with anyio.CancelScope(shield=True):
                     # Saved and charged in one transaction: a retry under the same key in another process
@@ -1002,7 +1007,13 @@ class Service:
             finally:
                 if not settled:
                     with anyio.CancelScope(shield=True):
-                        await self.store.release(hold)
+                        try:
+                            await self.store.release(hold)
+                        except Exception:
+                            # A locked database: the hold (reserved budget, a retry under its key waiting on
+                            # it) must not stay open for the life of the server.
+                            log.warning("could not release hold %s now; retrying", hold.id, exc_info=True)
+                            self.store.commit_later(hold, None)
 
     async def _measure_holding(
         self,

@@ -642,3 +642,34 @@ async def test_a_transient_failure_recorded_under_an_idempotency_key_says_a_new_
         assert "use a new key" not in (first.message or "")
     finally:
         await svc.close()
+
+
+async def test_a_hold_whose_release_fails_is_released_in_the_background(tmp_path: Path) -> None:
+    # A locked database at release time left the hold open (its budget reserved) for the life of the server,
+    # and the release's error replaced the caller's.
+    from forecaster_mcp.errors import NotMeasurable
+    from forecaster_mcp.measure.fake import FakeMeasurer
+
+    fake = FakeMeasurer([DEVICE], gpu_seconds=0.5)
+    fake.script("vadd", not_measurable="not in the recording")
+    svc = await make_service(tmp_path, fake)
+    store = svc.store
+    real, failures = store.release, [sqlite3.OperationalError("database is locked")]
+
+    async def flaky(reservation: Any) -> None:
+        if failures:
+            raise failures.pop()
+        await real(reservation)
+
+    store.release = flaky  # type: ignore[method-assign]
+    try:
+        with pytest.raises(NotMeasurable, match="not in the recording"):
+            await svc.measure(ledger="L", kernel=kernel(), workload=WORKLOAD)
+        assert len(store._retrying) == 1 and not failures
+        [(hold, seconds)] = store._retrying.values()
+        assert seconds is None
+        await store._settle_now(hold, None)  # what the retry does, without its 10 s wait
+        view = await store.get_ledger("L")
+        assert view is not None and view.reserved_gpu_seconds == 0 and view.spent_gpu_seconds == 0
+    finally:
+        await svc.close()

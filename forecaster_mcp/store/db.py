@@ -348,7 +348,7 @@ class Store:
         self._owner = _Owner.current()
         self._background: set[asyncio.Future[Any]] = set()
         # commit_later's retries and what each one commits: close() makes a last attempt, then cancels them.
-        self._retrying: dict[asyncio.Future[Any], tuple[Reservation, float]] = {}
+        self._retrying: dict[asyncio.Future[Any], tuple[Reservation, float | None]] = {}
 
     @classmethod
     async def open(cls, path: Path) -> Store:
@@ -399,7 +399,7 @@ class Store:
         await asyncio.gather(*(fut for fut, _ in pending), return_exceptions=True)
         for _, (reservation, seconds) in pending:
             try:
-                await self.commit(reservation, seconds)
+                await self._settle_now(reservation, seconds)
             except sqlite3.Error as exc:
                 log.error(
                     "could not charge reservation %s at close (%s): released at the next start",
@@ -720,20 +720,21 @@ class Store:
     def commit_later(
         self,
         reservation: Reservation,
-        actual_gpu_seconds: float,
+        actual_gpu_seconds: float | None,
         *,
         interval_s: float = 10.0,
         attempts: int = 60,
     ) -> None:
-        """Keep trying `commit` in the background (every `interval_s`, at most `attempts` times) after it failed
-        on a locked or full database: a run that used the device is charged once the database takes writes
-        again, and its hold does not stay open (a retry under its key "still running") meanwhile."""
+        """Keep trying `commit` (`release` for None) in the background (every `interval_s`, at most `attempts`
+        times) after it failed on a locked or full database: a run that used the device is charged once the
+        database takes writes again, and its hold does not stay open (reserved budget, a retry under its key
+        "still running") meanwhile."""
 
         async def retry() -> None:
             for _ in range(attempts):
                 await asyncio.sleep(interval_s)
                 try:
-                    await self.commit(reservation, actual_gpu_seconds)
+                    await self._settle_now(reservation, actual_gpu_seconds)
                     return
                 except sqlite3.Error as exc:
                     log.warning("commit of reservation %s still failing: %s", reservation.id, exc)
@@ -746,6 +747,12 @@ class Store:
     async def release(self, reservation: Reservation) -> None:
         """Release the whole hold, charging nothing (the measurement did not happen)."""
         await self._settle(reservation, None)
+
+    async def _settle_now(self, reservation: Reservation, actual_gpu_seconds: float | None) -> None:
+        if actual_gpu_seconds is None:
+            await self.release(reservation)
+        else:
+            await self.commit(reservation, actual_gpu_seconds)
 
     async def release_orphans(self, *, best_effort: bool = False) -> int:
         """Release the holds of dead (or expired, unverifiable) owners now; returns how many.
