@@ -78,6 +78,8 @@ def test_ledger_show_reflects_spending(capsys: pytest.CaptureFixture[str]) -> No
         (["ledger", "create", "nan", "--gpu-seconds", "nan"], "finite number"),
         (["ledger", "topup", "ghost", "--gpu-seconds", "1"], "ledger 'ghost' does not exist"),
         (["ledger", "topup", "dup", "--gpu-seconds", "0"], "> 0"),
+        (["ledger", "topup", "dup", "--gpu-seconds", "1e-300"], "below the smallest amount kept"),
+        (["ledger", "create", "tiny", "--gpu-seconds", "1e-9"], "below the smallest amount kept"),
         (["ledger", "show", "ghost"], "forecaster-mcp ledger create ghost"),
         (["token", "issue", "--ledger", "ghost"], "ledger 'ghost' does not exist"),
         (["token", "revoke", "fmcp_not-a-real-token"], "no active token matches"),

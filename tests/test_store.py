@@ -226,13 +226,15 @@ async def test_ledger_events_are_append_only(store: Store) -> None:
 # ------------------------------------------------------------------------------------------- property test
 
 amounts = st.floats(min_value=1e-7, max_value=40.0, allow_nan=False, allow_infinity=False)
+# An operator's amounts (limit, top-up) are refused below a micro-GPU-second (to_micro).
+operator_amounts = st.floats(min_value=1e-6, max_value=40.0, allow_nan=False, allow_infinity=False)
 actuals = st.one_of(st.floats(min_value=-5.0, max_value=60.0), st.just(math.nan))
 ops = st.lists(
     st.one_of(
         st.tuples(st.just("reserve"), amounts),
         st.tuples(st.just("commit"), st.integers(0, 30), actuals),
         st.tuples(st.just("release"), st.integers(0, 30)),
-        st.tuples(st.just("topup"), amounts),
+        st.tuples(st.just("topup"), operator_amounts),
     ),
     max_size=25,
 )
@@ -243,7 +245,7 @@ def micro_of(x: float) -> int:
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(limit=st.floats(min_value=0, max_value=60), steps=ops)
+@given(limit=st.one_of(st.just(0.0), st.floats(min_value=1e-6, max_value=60)), steps=ops)
 def test_ledger_invariants_under_random_operations(limit: float, steps: list[tuple[Any, ...]]) -> None:
     async def scenario(path: Path) -> None:
         store = await Store.open(path)

@@ -176,6 +176,9 @@ def to_micro(gpu_seconds: float, what: str, error: type[Exception], *, allow_zer
         raise error(f"{what} must be a finite number of GPU-seconds {bound}, got {gpu_seconds!r}")
     if value > MAX_GPU_SECONDS:
         raise error(f"{what} of {value:g} GPU-seconds is over the {MAX_GPU_SECONDS:g} limit")
+    if error is OperatorError and 0 < value < 1 / MICRO:
+        # A ledger's amounts are kept in micro-GPU-seconds: 1e-9 would be a limit of 0, 1e-300 a top-up of 1e-6.
+        raise error(f"{what} of {value:g} GPU-seconds is below the smallest amount kept (0.000001)")
     micro = round(value * MICRO)
     # A positive amount below a micro-GPU-second still holds something (never a free reservation).
     return max(micro, 0 if allow_zero else 1)
