@@ -218,13 +218,15 @@ class Service:
                     return HardwareChoice(d, specs.lookup(d), m)
         if spec is not None:
             return HardwareChoice(spec.name, spec, None, self._measured_elsewhere_notes(spec.name))
+        close = specs.suggest(wanted, limit=3)
+        hint = f"did you mean {', '.join(close)}? " if close else ""
         return HardwareChoice(
             wanted,
             None,
             None,
             [
                 f"no specification known for GPU {wanted!r}: forecast made without hardware-specific features "
-                f"(known GPUs are listed in the gpu-specs resource)",
+                f"({hint}known GPUs are listed in the gpu-specs resource)",
                 *self._measured_elsewhere_notes(wanted),
             ],
         )

@@ -297,7 +297,7 @@ def test_serve_warns_at_start_up_about_a_default_gpu_it_does_not_know(
         return capsys.readouterr().err
 
     warned = asyncio.run(check("RTX 4900"))
-    assert "warning: --hardware 'RTX 4900' is not a GPU this server knows (close: RTX 4090" in warned
+    assert "warning: --hardware 'RTX 4900' is not a GPU this server knows (did you mean RTX 4090" in warned
     assert asyncio.run(check("h100")) == ""  # a known name, however spelled
 
 

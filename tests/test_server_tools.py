@@ -180,6 +180,9 @@ async def test_forgiving_gpu_names_and_unknown_gpu_note(tmp_path: Path, conv_a10
         assert out["hardware_known"] is False
         assert any("hardware-specific" in n for n in out["notes"])
         assert len(out["candidates"]) == 1
+        # A typo is answered with the GPUs it may mean, aliases included (H10 is not far from H100).
+        out = await call(client, "compare_kernels", {"candidates": pair, "hardware": "H10"})
+        assert any("did you mean H100-SXM5-80GB" in n for n in out["notes"])
 
 
 async def _unchanged(client: Client, spent: float) -> None:

@@ -38,6 +38,7 @@ from pydantic import AnyHttpUrl, Field, ValidationError
 from forecaster_mcp import __version__, bins
 from forecaster_mcp.errors import AgentError, OperatorError
 from forecaster_mcp.forecast.selective import MAX_TARGET_ERROR, MIN_TARGET_ERROR
+from forecaster_mcp.hardware import specs
 from forecaster_mcp.models import (
     MAX_CANDIDATES,
     MIN_CANDIDATES,
@@ -526,9 +527,8 @@ async def _check_startup(service: Service, settings: Settings, *, http: bool) ->
         )
     if unknown_gpu:
         assert settings.hardware is not None
-        names = [row.name for row in service.gpu_specs()]
-        close = difflib.get_close_matches(settings.hardware, names, n=3, cutoff=0.4)
-        hint = f" (close: {', '.join(close)})" if close else ""
+        close = specs.suggest(settings.hardware, limit=3)
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
         print(
             f"forecaster-mcp: warning: --hardware {settings.hardware!r} is not a GPU this server knows{hint}; "
             "forecasts for it will have no hardware-specific features",
