@@ -11,14 +11,18 @@ from forecaster_mcp.models import ForecasterInfo
 
 
 class MeasurementCounts(BaseModel):
-    count: int = 0
+    count: int = Field(default=0, description="measurement results this ledger got, cache hits included")
     cache_hits: int = 0
-    failures: int = 0
+    failures: int = Field(
+        default=0,
+        description="of count, the results that are not ok (a failure served again from cache counts again)",
+    )
     gpu_seconds: float = Field(default=0.0, description="charged for the measurements counted here")
     cancelled_gpu_seconds: float = Field(
         default=0.0,
-        description="charged for measurements cancelled while they held the device (they left no result); "
-        "with gpu_seconds, what spent_gpu_seconds is made of",
+        description="charged for device time that left no stored result (a measurement cancelled while it "
+        "held the device, or one whose result could not be saved); with gpu_seconds, what spent_gpu_seconds "
+        "is made of",
     )
 
 
@@ -37,7 +41,11 @@ class ForecastCounts(BaseModel):
 
 class Savings(BaseModel):
     cache: float = Field(default=0.0, description="GPU-seconds cache hits would have cost")
-    forecasts: float = Field(default=0.0, description="estimated GPU-seconds decided forecasts avoided")
+    forecasts: float = Field(
+        default=0.0,
+        description="estimated GPU-seconds decided forecasts avoided: pairs decided and never measured, "
+        "priced at this ledger's median paid measurement (0 until it has paid for one)",
+    )
 
 
 class LlmUsage(BaseModel):
