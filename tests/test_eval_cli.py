@@ -165,6 +165,9 @@ def test_bad_lines_name_the_line(tmp_path: Path, capsys: pytest.CaptureFixture[s
     raw.write_bytes(json.dumps(TINY[0]).encode() + b"\n" + b'{"id": "caf\xe9"}\n')
     assert main(["eval", str(raw), "--out", str(tmp_path / "o")]) == 2
     assert "latin1.jsonl:2: not UTF-8 text (byte 0xe9 at column 12)" in capsys.readouterr().err
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + json.dumps(TINY[0]).encode() + b"\n")
+    assert len(read_pairs_file(bom).pairs) == 1  # a byte-order mark is skipped, not refused
     assert not (tmp_path / "o" / "metrics.json").exists()
 
 

@@ -154,7 +154,7 @@ def read_pairs_file(path: Path) -> PairsFile:
     except OSError as exc:
         raise OperatorError(f"cannot read pairs file {path}: {exc}") from exc
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # a leading byte-order mark (some editors write one) is skipped
     except UnicodeDecodeError as exc:
         line = data.count(b"\n", 0, exc.start) + 1
         column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
