@@ -95,20 +95,23 @@ _HAS_INCLUDE = re.compile(r"__has_(?:include|include_next|embed)\b[ \t\f\v]*(\(?
 # `#pragma GCC dependency "file"` (or its _Pragma string) checks a file's date, and says when it is missing. A
 # comment right after GCC is refused too (the compiler reads it as a space, so it could hide the word), and a
 # _Pragma whose text macros build (`_Pragma(XS(GCC DEP "f"))`) where the source says dependency at all.
-_GCC_DEPENDENCY = re.compile(r"GCC\s*(?:dependency\b|/\*)")
-_BUILT_PRAGMA = re.compile(r'_Pragma\s*\((?!\s*(?:L|u8|u|U)?")')
+_GCC_DEPENDENCY = re.compile(r"GCC[ \t\f\v]*(?:dependency\b|/\*)")
+# A _Pragma not directly followed by "(" and a string literal: a macro names it, or builds its text.
+_BUILT_PRAGMA = re.compile(r'_Pragma(?!\s*\(\s*(?:L|u8|u|U)?")')
 _DEPENDENCY = re.compile(r"\bdependency\b")
 # `__has_include` without its parenthesis where it is only tested for (`defined(__has_include)`, `#ifdef`).
 _TESTED_FOR = re.compile(
-    r"(?:\bdefined[ \t\f\v]*\([ \t\f\v]*|\bdefined[ \t\f\v]+|(?:#|%:|\?\?=)[ \t\f\v]*(?:ifn?def|elifn?def)[ \t\f\v]+)\Z"
+    r"(?:(?:^|(?<=[ \t\f\v(!&|]))defined(?:[ \t\f\v]*\([ \t\f\v]*|[ \t\f\v]+)"
+    r"|(?:#|%:|\?\?=)[ \t\f\v]*(?:ifn?def|elifn?def)[ \t\f\v]+)\Z",
+    re.MULTILINE,
 )
-_TESTED_NAME = re.compile(r"[ \t\f\v]*(?:\)|$)", re.MULTILINE)
+_TESTED_NAME = re.compile(r"[ \t\f\v]*(?:\)|$|//|/\*|&&|\|\|)", re.MULTILINE)
 # Token pasting (`##`, its digraph, its trigraph) makes identifiers no check here can read: CAT(__has_,include)
 # is __has_include once an #if expands it, and pasted words stringized (`#x`) make any _Pragma text. Pasting is
-# refused in a source that has an #if or #elif or stringizes (a '#' before a name, not first on its line).
+# refused in a source that has an #if or #elif or stringizes (a '#' before a name later on a #define line).
 _PASTE = re.compile(r"(?:#|\?\?=){2}|%:%:")
 _CONDITIONAL = re.compile(r"(?:#|%:|\?\?=)[ \t\f\v]*(?:if|elif)\b")
-_STRINGIZE = re.compile(r"^[ \t\f\v]*\S[^\n]*?(?<!#)#(?!#)[ \t\f\v]*[A-Za-z_]", re.MULTILINE)  # "#" spelt
+_STRINGIZE = re.compile(r"^[ \t\f\v]*#[ \t\f\v]*define\b[^\n]*?(?<!#)#(?!#)[ \t\f\v]*[A-Za-z_]", re.MULTILINE)
 _HASH_SPELLING = re.compile(r"%:|\?\?=")
 # `#line N "file"`, and GNU's linemarker `# N "file"`, rename the source for diagnostics, and gcc's caret
 # display then prints line N of that file from disk: `#line 1 "/proc/self/environ"` then `#error` would show
@@ -140,6 +143,23 @@ def _header_problem(shown: str, rest: str) -> str | None:
             f"{shown!r} names a file by an absolute path, through '..' or with a backslash; {_HEADER_ADVICE}"
         )
     return None
+
+
+# What a macro's value (a define, a -D option) may not hold: it is preprocessor text the source checks above
+# never see, so a value could be the __has_include, _Pragma or 'dependency' a source may not spell out, or a
+# '#' (pasting) or a quoted file name for one.
+_MACRO_VALUE = re.compile(r'__has_|_Pragma|\bdependency\b|[#"]|%:|\?\?=')
+
+
+def macro_value_problem(value: str) -> str | None:
+    """Why a define's value is refused (see _MACRO_VALUE), or None."""
+    if (bad := _MACRO_VALUE.search(value)) is None:
+        return None
+    return (
+        f"holds {bad.group()!r}: a macro's value is preprocessor text the server cannot check for a file test "
+        "(__has_include, _Pragma, #pragma GCC dependency), so it holds no '#', quotes, __has_, _Pragma or "
+        "'dependency'; spell such code in the source"
+    )
 
 
 def source_problem(source: str) -> str | None:
@@ -467,6 +487,8 @@ class Kernel(_Strict):
                         f"define {name}'s value {value[:80]!r} ends with a backslash or opens a /* comment: "
                         "pass the value itself"
                     )
+                if (problem := macro_value_problem(value)) is not None:
+                    raise ValueError(f"define {name}'s value {value[:80]!r} {problem}")
             else:
                 # It becomes -Dname=value: NaN, inf or a 400-digit integer is not a C literal anyone means.
                 _check_number(value, f"define {name}")
@@ -481,6 +503,8 @@ class Kernel(_Strict):
                     f"compile option {opt[:80]!r} has a control character (newline, NUL, ...) or is over "
                     "256 characters: pass one nvcc flag per list item"
                 )
+            if opt.startswith("-D") and (problem := macro_value_problem(opt.partition("=")[2])) is not None:
+                raise ValueError(f"compile option {opt[:80]!r}: its value {problem}")
             if not compile_option_allowed(opt):
                 raise ValueError(
                     f"compile option {opt[:80]!r} is not accepted: only flags that change device code "
