@@ -1307,11 +1307,16 @@ def _differences(used: IdempotentRequest, kernel: Kernel, workload_key: str, dev
     return out + [what for what, theirs, mine in pairs if theirs != mine]
 
 
+# Flags that describe the request a result answered, not the result: not carried to the copies others get.
+_REQUEST_FLAGS = frozenset({"max_seconds_lowered_to_budget"})
+
+
 def _free_copy(result: MeasureResult, kernel_id: str) -> MeasureResult:
     return result.model_copy(
         update={
             "kernel_id": kernel_id,
             "cost": MeasureCost(gpu_seconds=0.0, compile_seconds=0.0, cached=True),
+            "flags": [f for f in result.flags if f not in _REQUEST_FLAGS],
         }
     )
 

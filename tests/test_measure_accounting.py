@@ -249,12 +249,20 @@ async def test_the_default_cap_is_held_to_what_the_ledger_has_left(tmp_path: Pat
         assert {"max_seconds_lowered_to_budget", "timeout_under_lowered_cap"} <= set(result.flags)
         points = await svc.store.family_points(kernel().family_key(), DEVICE, WORKLOAD.key())
         assert points == []
-        # Under the server's own cap a timeout is the kernel's: learned.
+        # A result measured under a lowered cap is served to others without the flag (their cap was not).
+        fake.script("vadd", gpu_seconds=0.5)
+        await svc.store.topup_ledger("L", 20.0)
+        lowered = await svc.measure(ledger="L", kernel=kernel(N=3), workload=WORKLOAD)
+        assert lowered.status == "ok" and "max_seconds_lowered_to_budget" in lowered.flags
         await svc.store.ensure_ledger("big", 1000.0)
+        copy = await svc.measure(ledger="big", kernel=kernel(N=3), workload=WORKLOAD)
+        assert copy.cost.cached and "max_seconds_lowered_to_budget" not in copy.flags
+        fake.script("vadd", timeout=True)
+        # Under the server's own cap a timeout is the kernel's: learned.
         full = await svc.measure(ledger="big", kernel=kernel(N=2), workload=WORKLOAD)
         assert full.status == "timeout" and full.flags == []
         points = await svc.store.family_points(kernel().family_key(), DEVICE, WORKLOAD.key())
-        assert [p.status for p in points] == ["timeout"]
+        assert sorted(p.status for p in points) == ["ok", "timeout"]  # N=3 measured ok, N=2 timed out
         # An explicit cap over what is left is the caller's choice: refused, with the cap that would fit.
         await svc.store.ensure_ledger("M", 5.0)
         with pytest.raises(BudgetExhausted, match="pass max_seconds at most 5"):

@@ -14,6 +14,7 @@ from tool_calls import call, error_of, running
 
 from forecaster_mcp.cli import main
 from forecaster_mcp.measure.replay import EXPORT_FORMAT, ReplayMeasurer
+from forecaster_mcp.models import Kernel, Workload
 
 pytestmark = pytest.mark.anyio
 
@@ -120,6 +121,13 @@ async def test_an_export_of_isolated_ledgers_replays_on_any_server(
     assert await anyio.to_thread.run_sync(main, argv) == 0
     keys = {json.loads(line)["workload_key"] for line in out.read_text().splitlines()}
     assert len(keys) == 1 and "@" not in next(iter(keys))
+    # Measured again by another ledger: still one line per kernel.
+    async with running(tmp_path / "a", [conv_a100], ledger_seconds=None) as (_client, service):
+        await service.store.create_ledger("other", 10.0)
+        fast = Kernel.model_validate(conv("fast-b", FAST))
+        assert not (await service.measure(ledger="other", kernel=fast, workload=Workload())).cost.cached
+    assert await anyio.to_thread.run_sync(main, argv) == 0
+    assert len(out.read_text().splitlines()) == 3
     monkeypatch.delenv("FORECASTER_MCP_ISOLATE_LEDGERS")
     async with running(tmp_path / "b", [out]) as (client, _):
         again = await call(client, "measure_kernel", {"kernel": conv("fast2", FAST)})

@@ -232,11 +232,21 @@ async def test_one_mistake_over_many_candidates_is_one_short_line(tmp_path: Path
         nulls = [{**k, "defines": {**k["defines"], "use_padding": None}} for k in many]
         msg = await error_of(client, "compare_kernels", {"candidates": nulls})
         assert len(msg) < 1000 and "errors.pydantic.dev" not in msg
-        assert "candidates.*.defines.use_padding: should be int or float or str; got None (64 items)" in msg
+        assert (
+            "candidates[*].defines.use_padding: should be int or float or str; got None (64 items: [0], [1]"
+            in msg
+        )
         assert "nothing was run or charged" in msg
         extra = [{**k, "name": "x"} for k in many[:2]] + many[2:]
         msg = await error_of(client, "compare_kernels", {"candidates": extra})
-        assert "candidates.*.name: Extra inputs are not permitted; got 'x' (2 items)" in msg
+        assert "candidates[*].name: Extra inputs are not permitted; got 'x' (2 items: [0], [1])" in msg
+        # One item is named by its index; two fields of one kernel are two lines (not read as a union).
+        msg = await error_of(
+            client, "compare_kernels", {"candidates": [*many[:3], {**many[3], "source": None}]}
+        )
+        assert "candidates[3].source: Input should be a valid string; got None" in msg
+        msg = await error_of(client, "measure_kernel", {"kernel": {"source": None, "entry": None}})
+        assert "kernel.source: Input should be a valid string" in msg and "kernel.entry: Input should" in msg
         # A validator's own message comes through whole.
         msg = await error_of(client, "measure_kernel", {"kernel": {**many[0], "source": "   "}})
         assert "source is empty" in msg

@@ -3,8 +3,8 @@
 The SDK reports pydantic's full text for arguments that fail validation: every error of every list item, each
 with the input echoed and a documentation URL. One mistake repeated over 64 candidates (an extra field, a
 null define, which fails each branch of a union) came back as 12-40 KB, thousands of an agent's tokens.
-`compact_validation_error` keeps what the agent needs: where (list indices as `*`, with how many items), what
-was expected, and a short sample of what was sent.
+`compact_validation_error` keeps what the agent needs: where (the list items it happened in), what was
+expected, and a short sample of what was sent.
 """
 
 from __future__ import annotations
@@ -16,12 +16,34 @@ from pydantic import ValidationError
 from pydantic_core import ErrorDetails, PydanticCustomError
 
 MAX_LINES = 8
-MAX_LINE_CHARS = 600
-MAX_CHARS = 2000
+MAX_LINE_CHARS = (
+    1500  # a validator's own message (the accepted compile options) is long and all of it matters
+)
+MAX_CHARS = 4000
+_SHOWN_ITEMS = 5
+# The names pydantic gives the branches of a union in an error's location (int | float | str, a model).
+_SCALAR_BRANCHES = frozenset({"int", "float", "str", "bool", "bytes", "none"})
+
+Loc = tuple[int | str, ...]
 
 
-def _where(loc: Sequence[int | str]) -> str:
-    return ".".join("*" if isinstance(p, int) else str(p) for p in loc) or "arguments"
+def _is_branch(part: int | str) -> bool:
+    """Whether a location part names a union branch (a type) rather than a field."""
+    return isinstance(part, str) and (part in _SCALAR_BRANCHES or "[" in part or part[:1].isupper())
+
+
+def _pattern(loc: Loc) -> str:
+    out = ""
+    for part in loc:
+        out += "[*]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "arguments"
+
+
+def _path(loc: Loc) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "arguments"
 
 
 def _sample(value: Any) -> str:
@@ -29,19 +51,19 @@ def _sample(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _merged(errors: Sequence[ErrorDetails]) -> list[tuple[tuple[int | str, ...], str, Any]]:
+def _merged(errors: Sequence[ErrorDetails]) -> list[tuple[Loc, str, Any]]:
     """(loc, message, input) per error, the branches of a union that all failed at one spot as one."""
-    branches: dict[tuple[int | str, ...], list[ErrorDetails]] = {}
+    branches: dict[Loc, list[ErrorDetails]] = {}
     for e in errors:
         loc = tuple(e["loc"])
-        if loc and isinstance(loc[-1], str) and str(e["type"]).endswith("_type"):
+        if loc and _is_branch(loc[-1]):
             branches.setdefault(loc[:-1], []).append(e)
-    union = {p for p, es in branches.items() if len(es) >= 2}
-    out: list[tuple[tuple[int | str, ...], str, Any]] = []
-    seen: set[tuple[int | str, ...]] = set()
+    union = {spot for spot, es in branches.items() if len(es) >= 2}
+    out: list[tuple[Loc, str, Any]] = []
+    seen: set[Loc] = set()
     for e in errors:
         loc = tuple(e["loc"])
-        if loc[:-1] in union and str(e["type"]).endswith("_type"):
+        if loc[:-1] in union and _is_branch(loc[-1]):
             spot = loc[:-1]
             if spot not in seen:
                 seen.add(spot)
@@ -53,28 +75,31 @@ def _merged(errors: Sequence[ErrorDetails]) -> list[tuple[tuple[int | str, ...],
 
 
 def summary(exc: ValidationError) -> str:
-    """The errors of `exc`, one line per (place, message), with how many list items share it."""
-    groups: dict[tuple[str, str], list[Any]] = {}
+    """The errors of `exc`, one line per (place, message), naming the list items that share it."""
+    groups: dict[tuple[str, str], list[tuple[Loc, Any]]] = {}
     merged = _merged(exc.errors(include_url=False))
     for loc, msg, value in merged:
-        groups.setdefault((_where(loc), msg), []).append(value)
+        groups.setdefault((_pattern(loc), msg), []).append((loc, value))
     lines = []
-    for (where, msg), values in list(groups.items())[:MAX_LINES]:
-        many = f" ({len(values)} items)" if len(values) > 1 else ""
-        got = f"; got {_sample(values[0])}" if values[0] is not None or "should be" in msg else ""
-        line = f"- {where}: {msg}{got}{many}"
+    for (pattern, msg), found in list(groups.items())[:MAX_LINES]:
+        where = _path(found[0][0]) if len(found) == 1 else pattern
+        value = found[0][1]
+        got = f"; got {_sample(value)}" if value is not None or "should be" in msg else ""
+        items = ""
+        if len(found) > 1:
+            firsts = ", ".join(
+                "[" + "][".join(str(p) for p in loc if isinstance(p, int)) + "]"
+                for loc, _ in found[:_SHOWN_ITEMS]
+            )
+            items = f" ({len(found)} items: {firsts}{', ...' if len(found) > _SHOWN_ITEMS else ''})"
+        line = f"- {where}: {msg}{got}{items}"
         lines.append(line if len(line) <= MAX_LINE_CHARS else line[: MAX_LINE_CHARS - 3] + "...")
     if len(groups) > MAX_LINES:
         lines.append(f"- ... and {len(groups) - MAX_LINES} more kinds of problem")
     text = "\n".join(lines)
     if len(text) > MAX_CHARS:
         text = text[: MAX_CHARS - 3] + "..."
-    count = len(merged)
-    star = " ('*' is any list item)" if any("*" in where for where, _ in groups) else ""
-    return (
-        f"{count} problem{'s' if count != 1 else ''} in the arguments{star}; nothing was run or charged: fix "
-        f"{'them' if count != 1 else 'it'} and resend\n{text}"
-    )
+    return f"the arguments do not fit the tool; nothing was run or charged: correct and resend\n{text}"
 
 
 def compact_validation_error(exc: ValidationError) -> ValidationError:
@@ -85,7 +110,7 @@ def compact_validation_error(exc: ValidationError) -> ValidationError:
             {
                 "type": PydanticCustomError("invalid_arguments", "{summary}", {"summary": summary(exc)}),
                 "loc": (),
-                "input": "(see above)",
+                "input": "(above)",
             }
         ],
     )

@@ -215,17 +215,20 @@ def export_command(settings: Settings, args: argparse.Namespace) -> int:
         # A short name resolves to one model (A100 is the A100-SXM4-80GB): name what the store does hold.
         others = f"; it holds measurements on {', '.join(stored)}" if stored else ""
         raise OperatorError(f"nothing to export: no measurements stored{where} in {settings.db_path}{others}")
-    lines = []
+    by_key: dict[tuple[str, str, str], str] = {}  # one line per kernel, workload and device: the latest
     skipped: list[str] = []
     for hw, wk, kj, rj in rows:
         try:
-            # A ledger's own history (isolate_ledgers) is filed under "<key>@<ledger>": replay matches the key.
+            # A ledger's own history (isolate_ledgers) is filed under "<key>@<ledger>": replay matches the key,
+            # and a kernel several ledgers measured is exported once (rows come oldest first).
             key = wk.split(HISTORY_SCOPE_MARK, 1)[0]
-            lines.append(
-                export_line(hw, key, Kernel.model_validate_json(kj), MeasureResult.model_validate_json(rj))
+            kernel = Kernel.model_validate_json(kj)
+            by_key[(hw, key, kernel.content_key())] = export_line(
+                hw, key, kernel, MeasureResult.model_validate_json(rj)
             )
         except ValidationError as exc:  # stored by an older version whose rules were looser
             skipped.append(str(exc.errors()[0].get("msg", exc))[:200])
+    lines = list(by_key.values())
     if skipped:
         print(
             f"forecaster-mcp: skipped {len(skipped)} stored measurement(s) this version no longer accepts "
