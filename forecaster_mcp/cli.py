@@ -212,7 +212,15 @@ def _parser() -> argparse.ArgumentParser:
         "--measurements",
         type=int,
         default=100,
-        help="measurements each run makes (100); both strategies are also compared at equal GPU-seconds",
+        help="measurements each run makes (100), the first 10 (half of a smaller budget) random; both strategies "
+        "are also compared at equal GPU-seconds",
+    )
+    se.add_argument(
+        "--gpu-seconds",
+        type=float,
+        default=None,
+        help="give each run a ledger of this many GPU-seconds: a run ends when the ledger refuses a measurement "
+        "(or at --measurements), so both strategies search on the same budget",
     )
     se.add_argument(
         "--seeds", type=int, default=5, help="runs per strategy, each from its own random start (5)"

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import statistics
 import sys
@@ -44,6 +43,36 @@ PLAIN_CLIENT: dict[str, Any] = {"pool_size": MAX_PER_CALL, "screens_per_step": 1
 N_INIT = 10
 LOCAL_STARTS = 5  # neighbours of this many best configurations are always screened
 PAIR_STARTS = 2  # ... and two-step neighbours of this many
+
+
+class BudgetSpent(Exception):
+    """The ledger refused a measurement: the search is over, with what it found (`trace`)."""
+
+    def __init__(self, trace: SearchTrace) -> None:
+        super().__init__("the ledger's GPU-seconds are spent")
+        self.trace = trace
+
+
+def _budget_refusal(exc: BaseException) -> bool:
+    """Whether a tool call failed because the ledger cannot pay for it (errors.BudgetExhausted's text)."""
+    from forecaster_mcp.server.client import tool_failure
+
+    failed = tool_failure(exc)
+    return failed is not None and "GPU-seconds left" in str(failed)
+
+
+async def until_budget_spent(run: Awaitable[SearchTrace]) -> SearchTrace:
+    """The search's trace, also when the ledger stopped it (BudgetSpent)."""
+    try:
+        return await run
+    except BudgetSpent as spent:
+        return spent.trace
+
+
+def init_count(measurements: int) -> int:
+    """Random measurements before the forecast guides a search: N_INIT, or half of a smaller budget (with
+    N_INIT or fewer measurements in all the forecast would never be asked)."""
+    return min(N_INIT, max(1, measurements // 2))
 
 
 class EntryLike(Protocol):
@@ -93,6 +122,7 @@ class SearchTrace:
     per_step_gpu_seconds: list[float] = field(default_factory=list)  # GPU-seconds spent by then
     wall_seconds: float = 0.0
     measured_by_compare: int = 0  # measurements compare_kernels made itself (measure_if_unsure)
+    stopped_by_budget: bool = False  # the ledger refused the next measurement (search --gpu-seconds)
 
 
 def placeholder_source(kernel_name: str) -> str:
@@ -135,7 +165,14 @@ class _Tracker:
         return min(ok)[1] if ok else None
 
     async def measure(self, call: ToolCaller, index: int) -> None:
-        result = await call("measure_kernel", {"kernel": kernel_dict(self.space, index), "workload": {}})
+        try:
+            result = await call("measure_kernel", {"kernel": kernel_dict(self.space, index), "workload": {}})
+        except Exception as exc:
+            if _budget_refusal(exc):
+                trace = self.trace()
+                trace.stopped_by_budget = True
+                raise BudgetSpent(trace) from exc
+            raise
         self.record(index, result)
 
     def record(self, index: int, result: Mapping[str, Any], by_compare: bool = False) -> None:
@@ -722,10 +759,13 @@ def search_command(settings: Any, args: Any) -> int:
         )
     if args.out is not None:
         check_writable_file(Path(args.out))  # before the runs: a bad --out must not lose their report
-    # The servers this command starts charge their default ledger: make it large enough for the runs
-    # (measured GPU-seconds are still reported per run).
+    if args.gpu_seconds is not None and not (math.isfinite(args.gpu_seconds) and args.gpu_seconds > 0):
+        raise OperatorError(f"--gpu-seconds must be a positive number of GPU-seconds, got {args.gpu_seconds}")
+    # The servers this command starts charge their default ledger: with --gpu-seconds each run's ledger holds
+    # that much and a run ends when it refuses a measurement (both strategies spend the same budget); else it
+    # is large enough for the runs, which end at --measurements (GPU-seconds are still reported per run).
     # Set, not defaulted: an operator's own default (600 in the README) would run out partway.
-    os.environ["FORECASTER_MCP_DEFAULT_LEDGER_GPU_SECONDS"] = "1000000000"
+    ledger_seconds = "1000000000" if args.gpu_seconds is None else repr(float(args.gpu_seconds))
     # The servers inherit this environment: an API key in it adds Claude (paid) to the forecast runs.
     forecasters = "local+claude" if settings.anthropic_api_key else "local"
     del settings  # each run gets its own state directory; nothing else in the settings applies
@@ -743,15 +783,23 @@ def search_command(settings: Any, args: Any) -> int:
                 Path(home),
                 replay=[Path(args.recording)],
                 ledger="default",
-                extra_env={"FORECASTER_MCP_REPLAY": ""},
+                extra_env={
+                    "FORECASTER_MCP_REPLAY": "",
+                    "FORECASTER_MCP_MEASURER": "replay",
+                    "FORECASTER_MCP_DEFAULT_LEDGER_GPU_SECONDS": ledger_seconds,
+                },
+                own_settings=True,
             ) as (_client, call):
+                n, n_init = args.measurements, init_count(args.measurements)
                 if strategy == "random":
-                    return await random_search(call, space, args.measurements, seed)
+                    return await until_budget_spent(random_search(call, space, n, seed))
                 if args.client == "plain":
-                    return await forecast_guided_search(call, space, args.measurements, seed, **PLAIN_CLIENT)
-                if args.client == "unsure":
-                    return await unsure_guided_search(call, space, args.measurements, seed)
-                return await forecast_guided_search(call, space, args.measurements, seed)
+                    run = forecast_guided_search(call, space, n, seed, **{**PLAIN_CLIENT, "n_init": n_init})
+                elif args.client == "unsure":
+                    run = unsure_guided_search(call, space, n, seed, n_init=n_init)
+                else:
+                    run = forecast_guided_search(call, space, n, seed, n_init=n_init)
+                return await until_budget_spent(run)
 
     async def main() -> None:
         for seed in range(args.seeds):
@@ -761,7 +809,7 @@ def search_command(settings: Any, args: Any) -> int:
                 print(
                     f"{strategy:8s} seed {seed}: best {t.fraction:.3f} of the space's best after "
                     f"{t.measurements} measurements, {t.candidates_considered} candidates considered, "
-                    f"{t.gpu_seconds:.1f} GPU-s",
+                    f"{t.gpu_seconds:.3g} GPU-s" + (" (budget spent)" if t.stopped_by_budget else ""),
                     file=sys.stderr,
                 )
 
@@ -782,13 +830,13 @@ def search_command(settings: Any, args: Any) -> int:
         print(
             f"{strategy:8s} best-fraction median {s['fraction_median']:.3f} min {s['fraction_min']:.3f} "
             f"over {s['runs']} seeds; {s['candidates_considered_mean']:.0f} candidates considered, "
-            f"{s['gpu_seconds_mean']:.1f} GPU-s per run"
+            f"{s['gpu_seconds_mean']:.3g} GPU-s per run"
             + (f", {rate:.1f} candidates per GPU-second" if rate is not None else "")
         )
     equal = summary.get("at_equal_gpu_seconds")
     if equal is not None:
         print(
-            f"at equal GPU-seconds (per seed, what the cheaper run spent; {equal['gpu_seconds_mean']:.1f} GPU-s "
+            f"at equal GPU-seconds (per seed, what the cheaper run spent; {equal['gpu_seconds_mean']:.3g} GPU-s "
             "on average): "
             + "; ".join(
                 f"{k} median {equal[k]['fraction_median']:.3f} min {equal[k]['fraction_min']:.3f}"
@@ -808,6 +856,8 @@ def search_command(settings: Any, args: Any) -> int:
             "recording": str(args.recording),
             "forecasters": forecasters,
             "measurements": args.measurements,
+            "gpu_seconds": args.gpu_seconds,
+            "n_init": init_count(args.measurements),
             "seeds": args.seeds,
             "strategy": args.strategy,
             "client": args.client,

@@ -441,3 +441,32 @@ def test_both_strategies_are_also_compared_at_the_same_gpu_seconds() -> None:
     assert equal["forecast"]["fraction_median"] == 0.9 and equal["random"]["fraction_median"] == 0.8
     assert equal["gpu_seconds_mean"] == 2.0
     assert "at_equal_gpu_seconds" not in summarize([forecast])
+
+
+def test_search_command_on_a_gpu_budget_stops_each_run_when_its_ledger_refuses(
+    conv_a100: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--gpu-seconds: both strategies search on the same budget, each run ending when its ledger refuses a
+    measurement; and settings of the operator's environment do not reach the runs' servers."""
+    import json
+
+    from serverproc import cli
+
+    monkeypatch.setenv("FORECASTER_MCP_MEASURER", "none")  # would stop a replay server from starting
+    out = tmp_path / "search.json"
+    done = cli(
+        tmp_path / "home",
+        *("search", str(conv_a100), "--measurements", "60", "--seeds", "1", "--client", "plain"),
+        *("--gpu-seconds", "0.05", "--out", str(out)),
+    )
+    assert "(budget spent)" in done.stderr
+    report = json.loads(out.read_text())
+    assert report["gpu_seconds"] == 0.05
+    for run in report["runs"]:
+        assert run["stopped_by_budget"] and 0 < run["gpu_seconds"] <= 0.05 and run["measurements"] < 60
+    bad = cli(tmp_path / "home", "search", str(conv_a100), "--gpu-seconds", "-1", check=False)
+    assert bad.returncode == 2 and "--gpu-seconds must be a positive number" in bad.stderr
+    # With 10 measurements or fewer, the forecast still guides half of them (it was never asked).
+    from forecaster_mcp.search import init_count
+
+    assert (init_count(5), init_count(14), init_count(100)) == (2, 7, 10)

@@ -53,16 +53,19 @@ def stdio_params(
     replay: Sequence[Path] = (),
     ledger: str | None = None,
     extra_env: dict[str, str] | None = None,
+    own_settings: bool = False,
 ) -> StdioServerParameters:
-    """Parameters that start `forecaster-mcp serve` with this Python over stdio."""
+    """Parameters that start `forecaster-mcp serve` with this Python over stdio. `own_settings`: none of this
+    environment's FORECASTER_MCP_* settings reach the server (a search's runs must not depend on them)."""
     args = ["-m", "forecaster_mcp", "serve"]
     for p in replay:
         args += ["--replay", str(p)]
     if ledger:
         args += ["--ledger", ledger]
-    env = {
-        k: v for k, v in os.environ.items() if k.startswith(("FORECASTER_MCP_", "ANTHROPIC_", "PATH", "CUDA"))
-    }
+    prefixes = (
+        ("ANTHROPIC_", "PATH", "CUDA") if own_settings else ("FORECASTER_MCP_", "ANTHROPIC_", "PATH", "CUDA")
+    )
+    env = {k: v for k, v in os.environ.items() if k.startswith(prefixes)}
     env["FORECASTER_MCP_HOME"] = str(home)
     env.update(extra_env or {})
     return StdioServerParameters(command=sys.executable, args=args, env=env)
@@ -75,9 +78,10 @@ async def connect_stdio(
     replay: Sequence[Path] = (),
     ledger: str | None = None,
     extra_env: dict[str, str] | None = None,
+    own_settings: bool = False,
 ) -> AsyncIterator[tuple[Client, ToolCaller]]:
     """Start a server subprocess over stdio; yield the client and a structured-content tool caller."""
-    params = stdio_params(home, replay=replay, ledger=ledger, extra_env=extra_env)
+    params = stdio_params(home, replay=replay, ledger=ledger, extra_env=extra_env, own_settings=own_settings)
     async with Client(params, read_timeout_seconds=300) as client:
 
         async def call(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
