@@ -36,7 +36,13 @@ from forecaster_mcp.errors import (
 from forecaster_mcp.forecast.base import USAGE_LEDGER, Forecaster, PairQuery
 from forecaster_mcp.forecast.engine import one_line
 from forecaster_mcp.forecast.features import entry_parameter_count
-from forecaster_mcp.forecast.selective import MAX_TARGET_ERROR, MIN_TARGET_ERROR, decide, p_fail_baseline_of
+from forecaster_mcp.forecast.selective import (
+    MAX_TARGET_ERROR,
+    MIN_TARGET_ERROR,
+    decide,
+    decision_p,
+    p_fail_baseline_of,
+)
 from forecaster_mcp.hardware import specs
 from forecaster_mcp.measure.base import OCCUPIED_ATTR, Measurer, MeasureRequest, ProgressCallback
 from forecaster_mcp.measure.timing import median_ci_covers
@@ -566,6 +572,7 @@ class Service:
             r = results[str(k.id)]
             if r.decided_by != "forecast" or not fc_by_id[str(k.id)].raw:
                 continue  # measured, or no forecaster answered: there is no forecast to learn from
+            fc = fc_by_id[str(k.id)]
             row = ForecastRow(
                 ledger=ledger,
                 # Static-prior forecasts are stored apart: they certify their own threshold.
@@ -575,7 +582,9 @@ class Service:
                 baseline_key=base.content_key(),
                 candidate_key=k.content_key(),
                 probs=list(r.speedup_bins),
-                p_faster=r.p_faster,
+                # What the verdict weighed (either kernel's chance of failing counted): thresholds are
+                # certified on the direction and confidence verdicts are decided by.
+                p_faster=decision_p(r.p_faster, fc.p_fail, p_fail_baseline_of(fc.extras)),
                 verdict=r.verdict,
                 decided_by="forecast",
                 family_key=family[str(k.id)],

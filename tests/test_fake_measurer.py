@@ -310,3 +310,40 @@ async def test_isolated_ledgers_see_only_their_own_measurements(tmp_path: Any, i
         assert own.candidates[0].decided_by == "cache"
     finally:
         await svc.close()
+
+
+async def test_a_verdict_a_likely_failure_decided_is_stored_in_the_direction_it_took(tmp_path: Any) -> None:
+    # A family that mostly fails: against an unmeasured (likely failing) baseline, measured candidates are
+    # "faster" though their runtime forecast says slower. Thresholds are certified on stored forecasts: one
+    # stored with that p_faster counted as right when the baseline then ran and was faster.
+    fake = FakeMeasurer(["A100-PCIE-40GB"], gpu_seconds=0.01)
+    src = "__global__ void k(float* a) { a[threadIdx.x] *= 2.0f; }\n"
+    ok = {(16, 1): 8.0, (32, 1): 4.0, (64, 1): 2.0, (128, 1): 1.0}
+    svc = await _service(tmp_path, fake)
+    try:
+        for bs in (16, 32, 64, 128, 256, 512, 1024, 2048):
+            for u in (1, 2, 4, 8, 16, 32, 64, 128):
+                d = {"BS": bs, "U": u}
+                if (bs, u) in ok:
+                    fake.script("k", defines=d, runtime_ms=ok[(bs, u)])
+                else:
+                    fake.script("k", defines=d, status="launch_error", message="too many resources")
+                k = Kernel(source=src, entry="k", defines=d)
+                await svc.measure(ledger="team", kernel=k, workload=Workload(), hardware="A100")
+        base = Kernel(id="base", source=src, entry="k", defines={"BS": 512, "U": 48})
+        cands = [
+            base,
+            *(Kernel(id=f"m{b}", source=src, entry="k", defines={"BS": b, "U": 1}) for b in (16, 32)),
+        ]
+        res = await _compare(svc, cands, measure_if_unsure=False, max_measurements=0)
+        against_runtime = [c for c in res.candidates if c.verdict == "faster" and c.p_faster < 0.5]
+        assert against_runtime, [(c.id, c.verdict, c.p_faster) for c in res.candidates]
+        fake.script("k", defines={"BS": 512, "U": 48}, runtime_ms=0.5)  # the baseline runs, and is fastest
+        await svc.measure(ledger="team", kernel=base, workload=Workload(), hardware="A100")
+        stored = [v for v in await svc.store.verified_pairs() if v.forecaster == "local"]
+        assert stored and all(
+            v.verdict == "faster" and v.p_faster > 0.5 and v.actual_speedup < 1 for v in stored
+        )
+        assert (await svc.budget_status("team")).forecasts.verified_correct == 0
+    finally:
+        await svc.close()

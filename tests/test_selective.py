@@ -13,6 +13,7 @@ from forecaster_mcp.forecast.selective import (
     choose_threshold,
     clopper_pearson_upper,
     decide,
+    decision_p,
     default_min_history,
     default_threshold,
     min_count_zero_errors,
@@ -173,3 +174,31 @@ def test_decide() -> None:
         forward, backward = decide(p, 0.95, fc, fb), decide(1 - p, 0.95, fb, fc)
         flipped = {"faster": "slower", "slower": "faster", "unsure": "unsure"}
         assert backward == flipped[forward], (p, fc, fb)
+
+
+@pytest.mark.parametrize(
+    ("p", "pf", "pfb"),
+    [
+        (0.07, 0.0, 0.96),
+        (0.93, 0.9, 0.0),
+        (0.6, 0.02, 0.02),
+        (0.99, 0.0, 0.0),
+        (0.5, 0.3, 0.3),
+        (0.2, 0.5, 0.1),
+    ],
+)
+def test_decision_p_is_what_decide_weighs(p: float, pf: float, pfb: float) -> None:
+    # Thresholds are certified on verified forecasts: their confidence and direction must be the ones the
+    # verdict was decided by. A "faster" decided at p_faster 0.07 because the baseline likely failed was scored
+    # by p_faster's direction (right, when the baseline then ran and was faster).
+    q = decision_p(p, pf, pfb)
+    assert 0.0 <= q <= 1.0
+    for t in (0.55, 0.7, 0.9, 0.95, 0.99):
+        verdict = decide(p, t, pf, pfb)
+        if verdict == "faster":
+            assert q >= t
+        elif verdict == "slower" and pf < t:
+            assert 1.0 - q >= t
+        else:
+            assert verdict == "slower" or max(q, 1.0 - q) < t
+    assert decision_p(0.8) == 0.8 and decision_p(math.nan) == 0.5

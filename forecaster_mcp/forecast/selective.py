@@ -256,6 +256,25 @@ def _runs(p_fail: float) -> float:
     return 1.0 - min(1.0, max(0.0, p_fail))
 
 
+def decision_p(p_faster: float, p_fail: float = 0.0, p_fail_baseline: float = 0.0) -> float:
+    """The forecast as `decide` weighs it, written as a p_faster: max(p, 1 - p) is the chance `decide` compares
+    with the threshold and p > 0.5 its direction (the candidate's chance of being the better choice, or 1 - the
+    baseline's). With no chance of failing it is p_faster. Verified forecasts certify thresholds on this: a
+    verdict a likely failure decided against its runtime forecast ("faster" at p_faster 0.07, the baseline
+    likely failing) is scored by the direction it took, not by p_faster's (which counted it right when the
+    baseline then ran and was faster)."""
+    if not all(math.isfinite(x) for x in (p_faster, p_fail, p_fail_baseline)):
+        return 0.5
+    runs, baseline_runs, p = _runs(p_fail), _runs(p_fail_baseline), min(1.0, max(0.0, p_faster))
+    if p_fail <= 0.0 and p_fail_baseline <= 0.0:
+        return p
+    better = runs * (1.0 - baseline_runs + baseline_runs * p)
+    worse = baseline_runs * (1.0 - runs + runs * (1.0 - p))
+    if max(better, worse) < 0.5:
+        return 0.5  # neither direction would be decided at any threshold
+    return better if better >= worse else 1.0 - worse
+
+
 def decide(p_faster: float, threshold: float, p_fail: float = 0.0, p_fail_baseline: float = 0.0) -> Verdict:
     """ "faster" / "slower" when that direction's probability clears the threshold, else "unsure".
 
