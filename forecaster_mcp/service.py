@@ -46,6 +46,7 @@ from forecaster_mcp.forecast.selective import (
 from forecaster_mcp.hardware import specs
 from forecaster_mcp.measure.base import OCCUPIED_ATTR, Measurer, MeasureRequest, ProgressCallback
 from forecaster_mcp.measure.timing import median_ci_covers
+from forecaster_mcp.measure.worker_protocol import REFERENCE_FAILURE_PREFIX
 from forecaster_mcp.models import (
     CONTROL_CHARACTER,
     MAX_CANDIDATES,
@@ -65,6 +66,7 @@ from forecaster_mcp.reports import BudgetStatus, GpuSpecRow
 from forecaster_mcp.settings import Settings
 from forecaster_mcp.store.db import (
     NOT_CACHEABLE,
+    REFERENCE_FAILED,
     TIMEOUT_UNDER_LOWERED_CAP,
     ForecastRow,
     IdempotentRequest,
@@ -1161,14 +1163,18 @@ def _one_side_failed(cid: str, status: str, *, base_failed: bool, by: DecidedBy)
 
 
 def _cap_flags(result: MeasureResult, cap: float, server_cap: float, lowered_to_budget: bool) -> list[str]:
-    """The result's flags, plus what its time cap explains: a cap the ledger's remaining budget lowered
-    (max_seconds left out), and a timeout under a cap below the server's (store.TIMEOUT_UNDER_LOWERED_CAP:
-    the kernel may run fine with more time, so family models do not learn it as a failure)."""
+    """The result's flags, plus what its request explains: a cap the ledger's remaining budget lowered
+    (max_seconds left out), a timeout under a cap below the server's (store.TIMEOUT_UNDER_LOWERED_CAP: the
+    kernel may run fine with more time), and a failure of the reference kernel (store.REFERENCE_FAILED):
+    family models do not learn those two as the kernel's failure, nor compare_kernels answer from them."""
     flags = list(result.flags)
     if lowered_to_budget:
         flags.append("max_seconds_lowered_to_budget")
     if result.status == "timeout" and cap < server_cap:
         flags.append(TIMEOUT_UNDER_LOWERED_CAP)
+    if result.status != "ok" and (result.message or "").startswith(REFERENCE_FAILURE_PREFIX):
+        # The reference kernel faulted: the caller's check failed, not this kernel (store.REFERENCE_FAILED).
+        flags.append(REFERENCE_FAILED)
     return list(dict.fromkeys(flags))
 
 

@@ -211,3 +211,33 @@ async def test_a_printing_kernel_cannot_fill_the_disk_within_one_job(tmp_path: P
         )
     assert result.status == "ok", result.message
     assert int(peak.read_text()) <= (4 + 9) << 20  # the limit, plus at most 8 runs' output before a check
+
+
+def test_out_of_memory_loading_the_module_is_not_the_kernels_launch_error() -> None:
+    # What the device holds at that moment, not the kernel: run() answers it as out_of_memory (never cached);
+    # load() turned it into launch_error, cached and learned as the kernel's own failure.
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from fake_gpu_worker import FakeDriver, FakeMemoryError
+
+    from forecaster_mcp.measure.gpu_worker import GpuSession
+    from forecaster_mcp.measure.worker_protocol import KernelImage
+    from forecaster_mcp.models import Launch, Workload
+
+    driver = FakeDriver()
+
+    def oom(path: str) -> None:
+        raise FakeMemoryError("cuModuleLoad failed: out of memory")
+
+    driver.module_from_file = oom  # type: ignore[method-assign]
+    session = object.__new__(GpuSession)
+    session.cuda = driver
+    image = KernelImage(
+        cubin_path="/nonexistent",
+        symbol="k",
+        entry="k",
+        launch=Launch.model_validate({"grid": [1], "block": [1]}),
+    )
+    with pytest.raises(FakeMemoryError):
+        session.load(image, Workload.model_validate({"args": []}))

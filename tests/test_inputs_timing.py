@@ -381,6 +381,9 @@ def test_integers_are_compared_exactly_not_through_float64() -> None:
     assert not compare_buffer("u", "uint64", wide, wide[::-1].copy(), atol=0.0, rtol=0.0).passed
     close = compare_buffer("n", "int32", np.array([10, 20], np.int32), np.array([11, 20], np.int32), 1.0, 0.0)
     assert close.passed and close.max_abs_error == 1.0  # a tolerance still applies
+    # ... an absolute one only: the default rtol let a wrong index through (123579 for 123456).
+    idx = np.array([123456], np.int32)
+    assert not compare_buffer("idx", "int32", idx + 123, idx, atol=1e-5, rtol=1e-3).passed
 
 
 def test_fewer_than_six_runs_cannot_bound_the_median_at_95_percent() -> None:

@@ -681,3 +681,36 @@ async def test_a_hold_whose_release_fails_is_released_in_the_background(tmp_path
         assert view is not None and view.reserved_gpu_seconds == 0 and view.spent_gpu_seconds == 0
     finally:
         await svc.close()
+
+
+async def test_a_reference_that_faults_is_not_the_measured_kernels_failure(tmp_path: Path) -> None:
+    # The reference's fault was saved as the kernel's launch_error: compare_kernels then called a kernel twice
+    # as slow "faster, by cache" against it, whatever reference (or none) later checks it.
+    def op(name: str, **defines: Any) -> Kernel:
+        return Kernel(source=SRC, entry="vadd", launch=Launch.model_validate({"grid": [4], "block": [256]}),
+                      defines={"FAKE_OP": name, **defines})  # fmt: skip
+
+    # The real gpu_worker on the fake driver (FAKE_OP="wild": an illegal address in the reference).
+    gpu = PycudaMeasurer(
+        tmp_path / "cache",
+        worker_cmd=[sys.executable, FAKE, "--fake-pycuda"],
+        device_names=[DEVICE],
+        nvcc=FAKE_NVCC,
+        kill_slack_s=0.3,
+        startup_grace_s=20.0,
+    )
+    svc = await make_service(tmp_path, gpu)
+    try:
+        good = op("add", FAKE_MS=1.0)
+        faulted = await svc.measure(ledger="L", kernel=good, workload=WORKLOAD, reference=op("wild"))
+        assert faulted.status == "launch_error" and "reference_failed" in faulted.flags
+        await svc.measure(ledger="L", kernel=op("add", FAKE_MS=2.0), workload=WORKLOAD)
+        res = await svc.compare(
+            ledger="L", candidates=[good, op("add", FAKE_MS=2.0)], workload=WORKLOAD, baseline=None,
+            hardware=None, target_error=None, measure_if_unsure=False, max_measurements=0,
+        )  # fmt: skip
+        assert res.candidates[0].decided_by == "forecast"
+        assert await svc.store.failed_status(good.content_key(), DEVICE, WORKLOAD.key()) is None
+    finally:
+        await gpu.aclose()
+        await svc.close()

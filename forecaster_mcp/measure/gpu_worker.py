@@ -43,6 +43,7 @@ from forecaster_mcp.measure.inputs import (
 )
 from forecaster_mcp.measure.timing import AdaptiveStopper, StoppingRule
 from forecaster_mcp.measure.worker_protocol import (
+    REFERENCE_FAILURE_PREFIX,
     DeviceInfo,
     Fatal,
     JobResult,
@@ -279,6 +280,8 @@ class GpuSession:
         cuda = self.cuda
         try:
             module = cuda.module_from_file(image.cubin_path)
+        except cuda.MemoryError:
+            raise  # the device's memory at this moment (what others hold), not the kernel: out_of_memory
         except cuda.Error as exc:
             raise JobFailure(
                 "launch_error", f"could not load the compiled kernel {image.entry}: {exc}"
@@ -476,13 +479,15 @@ class GpuSession:
             self.sync()
             damage = buffers.check()
             if damage is not None:
-                raise JobFailure("out_of_bounds_write", f"reference kernel: {damage}", restart=True)
+                raise JobFailure("out_of_bounds_write", f"{REFERENCE_FAILURE_PREFIX} {damage}", restart=True)
             return buffers.download(outputs)
         except self.cuda.MemoryError:
             raise
         except self.cuda.Error as exc:
             # The context may be damaged: restart, but say whose fault it was.
-            raise JobFailure("launch_error", f"reference kernel: CUDA error: {exc}", restart=True) from exc
+            raise JobFailure(
+                "launch_error", f"{REFERENCE_FAILURE_PREFIX} CUDA error: {exc}", restart=True
+            ) from exc
 
     def _sample(
         self,

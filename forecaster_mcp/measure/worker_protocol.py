@@ -229,3 +229,7 @@ def read_frame_sync(stream: BinaryIO) -> bytes | None:
 def write_frame_sync(stream: BinaryIO, message: BaseModel) -> None:
     stream.write(encode_frame(message))
     stream.flush()
+
+
+# How a worker's message begins when the reference kernel, not the measured one, failed (gpu_worker._reference).
+REFERENCE_FAILURE_PREFIX = "reference kernel:"

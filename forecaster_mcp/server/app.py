@@ -337,8 +337,9 @@ def build_server(service: Service, *, http: bool = False) -> MCPServer:
         rtol: Annotated[
             float,
             Field(
-                description="relative tolerance of the output check (see atol); for float16 and bfloat16 outputs "
-                "at least one unit in their last place (2^-10, 2^-7)",
+                description="relative tolerance of the output check (see atol) of floating-point outputs; for "
+                "float16 and bfloat16 at least one unit in their last place (2^-10, 2^-7). Integer and bool "
+                "outputs are compared with atol alone (exactly, at the default)",
                 json_schema_extra={"minimum": 0},
             ),
         ] = 1e-3,

@@ -72,6 +72,13 @@ _NOT_A_POINT = ("out_of_memory", "worker_crashed")
 # ... nor a timeout under a cap below the server's (a caller's max_seconds, or a nearly spent ledger's): the
 # kernel may well run in the time the server allows, and one ledger's cap must not mark it failed for all.
 TIMEOUT_UNDER_LOWERED_CAP = "timeout_under_lowered_cap"
+# ... nor a failure of the reference kernel the caller checked it against (its fault, not this kernel's).
+REFERENCE_FAILED = "reference_failed"
+# A failed row with one of these flags says nothing of the kernel itself: neither learned nor answered from.
+_NOT_THE_KERNELS = (
+    "NOT EXISTS (SELECT 1 FROM json_each(result_json, '$.flags') "
+    f"WHERE value IN ('{TIMEOUT_UNDER_LOWERED_CAP}', '{REFERENCE_FAILED}'))"
+)
 _PLACES = ", ".join("?" for _ in _NOT_CACHEABLE)
 
 
@@ -158,8 +165,7 @@ _FAMILY_LATEST = (
     "(PARTITION BY content_key ORDER BY (status = 'ok') DESC, id DESC) AS rn "
     "FROM measurements WHERE family_key = ? AND hardware = ? AND workload_key = ? "
     f"AND status NOT IN ({', '.join(repr(s) for s in _NOT_A_POINT)}) "
-    "AND NOT (status = 'timeout' AND EXISTS (SELECT 1 FROM json_each(result_json, '$.flags') "
-    f"WHERE value = '{TIMEOUT_UNDER_LOWERED_CAP}')))"
+    f"AND (status = 'ok' OR {_NOT_THE_KERNELS}))"
 )
 
 
@@ -1136,7 +1142,8 @@ class Store:
         nothing final of the kernel and does not count."""
         rows = await self._fetch(
             "SELECT status FROM measurements WHERE content_key = ? AND hardware = ? AND workload_key = ? "
-            f"AND status NOT IN ({_PLACES}) ORDER BY status = 'ok' DESC, id DESC LIMIT 1",
+            f"AND status NOT IN ({_PLACES}) AND (status = 'ok' OR {_NOT_THE_KERNELS}) "
+            "ORDER BY status = 'ok' DESC, id DESC LIMIT 1",
             (content_key, hardware, workload_key, *_NOT_CACHEABLE),
         )
         return str(rows[0][0]) if rows and rows[0][0] != "ok" else None
