@@ -986,3 +986,16 @@ async def test_a_long_lived_worker_s_stderr_file_is_emptied_between_jobs(
             sizes.append(os.fstat(worker.stderr.fileno()).st_size)
         assert len(pids) == 1 and max(sizes) <= 1000  # one worker throughout, its file emptied after each job
         assert (await m.measure(request(m, op("add")))).status == "ok"
+
+
+@pytest.mark.anyio
+async def test_a_slow_progress_callback_neither_charges_nor_kills_the_job(tmp_path: Path) -> None:
+    # A slow client (an SSE stream with no buffer) stalled the supervisor's progress forwarding: the stall was
+    # charged as device time (a 0.04 s job charged its whole 1 s cap) and, past the cap, killed the job.
+    async with real_worker(tmp_path, kill_slack_s=0.3) as m:
+
+        async def slow(done: float, total: float | None, message: str | None) -> None:
+            await anyio.sleep(1.5)
+
+        r = await m.measure(request(m, op("add", FAKE_MS=0.05), reference=op("add"), max_seconds=1.0), slow)
+        assert r.status == "ok" and r.cost.gpu_seconds < 0.5

@@ -581,6 +581,10 @@ class WorkerGone(Exception):
     """The worker's output ended (it exited or was killed)."""
 
 
+# How long one progress report may hold up a job's supervision (a client that reads its stream slowly).
+PROGRESS_WAIT_S = 5.0
+
+
 class _Worker:
     """One running worker process, its framed pipes, and its stderr (kept in an unlinked temp file)."""
 
@@ -1058,7 +1062,15 @@ class PycudaMeasurer:
                                     f"progress for job {message.job_id} during job {job.job_id}"
                                 )
                             if progress is not None:
-                                await progress(message.done, message.total, message.message)
+                                # A slow client (an SSE stream with no buffer) stalls this await while the
+                                # worker goes on: the stall moves the kill deadline, and the charge is the
+                                # worker's own time (below), not the supervisor's.
+                                t_progress = time.perf_counter()
+                                # Shielded from the kill deadline (the stall is not the job's), for at most
+                                # PROGRESS_WAIT_S: a report the client cannot take by then is dropped.
+                                with anyio.move_on_after(PROGRESS_WAIT_S, shield=True):
+                                    await progress(message.done, message.total, message.message)
+                                scope.deadline += time.perf_counter() - t_progress
                             continue
                         if isinstance(message, JobResult) and message.job_id == job.job_id:
                             result = message
@@ -1097,7 +1109,10 @@ class PycudaMeasurer:
             else:
                 worker.trim_log()
             done = True
-            return _JobOutcome(result, result.status, result.message, min(elapsed, cap))
+            # The worker's time on the job is the device's occupancy; the supervisor's elapsed time also holds
+            # what it spent forwarding progress (0 from a worker that does not say: elapsed, as before).
+            occupied = result.worker_seconds if 0.0 < result.worker_seconds <= elapsed else elapsed
+            return _JobOutcome(result, result.status, result.message, min(occupied, cap))
         except BaseException as exc:
             if not done and sent:
                 # Cancelled from outside (or the progress callback raised) with the job on the device: that
