@@ -359,7 +359,8 @@ class Service:
             )  # reads every source
         notes.extend(dict.fromkeys(n for f in forecasts for n in f.notes))  # e.g. a forecaster skipped
         for c in dict.fromkeys(choices.values()):
-            notes.append(f"verdicts decided at confidence >= {c.threshold:.3f} ({c.reason})")
+            shown = f"{c.threshold:.3f}" if c.threshold < 0.9995 else f"{c.threshold:.6g}"  # not "1.000"
+            notes.append(f"verdicts decided at confidence >= {shown} ({c.reason})")
         measurements: list[MeasureResult] = []
         charged = 0.0
         unsure = [i for i in measure_next if i != base.id and results[i].verdict == "unsure"]

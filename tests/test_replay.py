@@ -511,3 +511,26 @@ def test_recorded_times_whose_sum_overflows_still_load(tmp_path: Path) -> None:
     )
     by_bx = {e.params["bx"]: e for e in load_space(path).entries}
     assert by_bx[64].ok and by_bx[64].time_ms == 2.0 and by_bx[32].time_ms == 1e308
+
+
+@pytest.mark.anyio
+async def test_recorded_runs_of_no_length_and_negative_durations_are_not_replayed(tmp_path: Path) -> None:
+    # A hand-made recording with a run of -5 ms reported a minimum of -5 ms and a negative cost, and a negative
+    # verification time lowered the charge (none of the shared recordings has either).
+    import json
+
+    doc = {
+        "device_name": "NVIDIA A100-PCIE-40GB", "kernel_name": "k", "problem_size": [1024],
+        "tune_params_keys": ["bx"], "tune_params": {"bx": [1, 2]}, "objective": "time",
+        "cache": {"1": {"bx": 1, "time": 1.0, "times": [1.0, -5.0, 0.0, 1.0]},
+                  "2": {"bx": 2, "time": 1.0, "times": [1.0, 1.0], "verification_time": -1e9}},
+    }  # fmt: skip
+    path = tmp_path / "neg.json"
+    path.write_text(json.dumps(doc))
+    m = ReplayMeasurer([path])
+    for bx in (1, 2):
+        k = Kernel(source="x", entry="k", defines={"bx": bx})
+        r = await m.measure(MeasureRequest(kernel=k, workload=Workload(), device=m.devices()[0]))
+        assert (
+            r.status == "ok" and r.runtime_ms is not None and r.runtime_ms.min > 0 and r.cost.gpu_seconds > 0
+        )

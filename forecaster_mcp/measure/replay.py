@@ -356,10 +356,12 @@ def _entry(key: str, rec: Mapping[str, Any], param_keys: Sequence[str]) -> Repla
     verify_ms = _number(rec.get("verification_time"))
     time = rec.get("time")
     number = _number(time)
+    if verify_ms is not None and verify_ms < 0:
+        verify_ms = None  # a negative duration is no measurement of one (it would lower the charge)
     if number is not None and number > 0:  # a zero or negative runtime is no measurement: no usable time
-        return ReplayEntry(
-            params, number, "ok", _times(rec.get("times")) or [number], None, compile_ms, verify_ms
-        )
+        # Runs of zero or negative length are dropped the same way (a minimum of -5 ms, a cost below 0).
+        runs = [t for t in _times(rec.get("times")) if t > 0]
+        return ReplayEntry(params, number, "ok", runs or [number], None, compile_ms, verify_ms)
     if isinstance(time, str):
         return ReplayEntry(params, None, _FAILURES.get(time, "launch_error"), [], time, compile_ms, verify_ms)
     return ReplayEntry(
