@@ -185,6 +185,8 @@ def test_decide() -> None:
         (0.99, 0.0, 0.0),
         (0.5, 0.3, 0.3),
         (0.2, 0.5, 0.1),
+        (0.5, 0.99, 0.99),
+        (0.5, 0.96, 0.3),
     ],
 )
 def test_decision_p_is_what_decide_weighs(p: float, pf: float, pfb: float) -> None:
@@ -197,7 +199,7 @@ def test_decision_p_is_what_decide_weighs(p: float, pf: float, pfb: float) -> No
         verdict = decide(p, t, pf, pfb)
         if verdict == "faster":
             assert q >= t
-        elif verdict == "slower" and pf < t:
+        elif verdict == "slower":
             assert 1.0 - q >= t
         else:
             assert verdict == "slower" or max(q, 1.0 - q) < t

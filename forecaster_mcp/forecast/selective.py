@@ -269,7 +269,8 @@ def decision_p(p_faster: float, p_fail: float = 0.0, p_fail_baseline: float = 0.
     if p_fail <= 0.0 and p_fail_baseline <= 0.0:
         return p
     better = runs * (1.0 - baseline_runs + baseline_runs * p)
-    worse = baseline_runs * (1.0 - runs + runs * (1.0 - p))
+    # "slower" also for a candidate that fails with probability at least the threshold, whatever the baseline.
+    worse = max(baseline_runs * (1.0 - runs + runs * (1.0 - p)), min(1.0, p_fail))
     if max(better, worse) < 0.5:
         return 0.5  # neither direction would be decided at any threshold
     return better if better >= worse else 1.0 - worse
