@@ -710,7 +710,20 @@ async def test_a_reference_that_faults_is_not_the_measured_kernels_failure(tmp_p
             hardware=None, target_error=None, measure_if_unsure=False, max_measurements=0,
         )  # fmt: skip
         assert res.candidates[0].decided_by == "forecast"
-        assert await svc.store.failed_status(good.content_key(), DEVICE, WORKLOAD.key()) is None
+        stored_as = res.hardware  # the canonical name measurements are filed under
+        assert await svc.store.failed_status(good.content_key(), stored_as, WORKLOAD.key()) is None
+        assert all(
+            p.status == "ok"
+            for p in await svc.store.family_points(good.family_key(), stored_as, WORKLOAD.key())
+        )
+        # A reference whose signature does not fit the workload is the caller's check failing too.
+        other = op("add", FAKE_MS=3.0)
+        bad_ref = Kernel.model_validate(
+            {**op("add").model_dump(), "source": SRC.replace("int n)", "int n, int extra)")}
+        )
+        refused = await svc.measure(ledger="L", kernel=other, workload=WORKLOAD, reference=bad_ref)
+        assert refused.status == "launch_error" and "reference_failed" in refused.flags
+        assert await svc.store.failed_status(other.content_key(), stored_as, WORKLOAD.key()) is None
     finally:
         await gpu.aclose()
         await svc.close()

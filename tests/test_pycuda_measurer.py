@@ -999,3 +999,26 @@ async def test_a_slow_progress_callback_neither_charges_nor_kills_the_job(tmp_pa
 
         r = await m.measure(request(m, op("add", FAKE_MS=0.05), reference=op("add"), max_seconds=1.0), slow)
         assert r.status == "ok" and r.cost.gpu_seconds < 0.5
+
+
+@pytest.mark.anyio
+async def test_a_slow_client_cannot_keep_a_hung_kernel_past_its_cap_for_long(tmp_path: Path) -> None:
+    # Each stalled progress report moved the kill deadline: 8 reports queued before a hang, at 2 s each, held
+    # the device 16.6 s past a 1 s cap. The stalls are bounded per job (PROGRESS_WAIT_S in all).
+    from forecaster_mcp.measure.pycuda_measurer import PROGRESS_WAIT_S
+
+    worker = str(Path(__file__).with_name("progress_then_hang_worker.py"))
+    m = PycudaMeasurer(
+        tmp_path / "cache", worker_cmd=[sys.executable, worker], device_names=["NVIDIA H100 80GB HBM3"],
+        nvcc=FAKE_NVCC, kill_slack_s=0.3, startup_grace_s=20.0,
+    )  # fmt: skip
+
+    async def slow(done: float, total: float | None, message: str | None) -> None:
+        await anyio.sleep(2.0)
+
+    async with m:
+        k = Kernel(source=SRC, entry="vadd", launch=launch(4, 256), defines={"FAKE_MODE": "hang", "N": 8})
+        t0 = time.perf_counter()
+        r = await m.measure(request(m, k, max_seconds=1.0), slow)
+        assert r.status == "timeout" and r.cost.gpu_seconds == pytest.approx(1.0)
+        assert time.perf_counter() - t0 < 1.0 + 0.3 + PROGRESS_WAIT_S + 1.5

@@ -363,7 +363,14 @@ class GpuSession:
             send(Progress(job_id=job.job_id, done=done, total=float(job.max_runs), message=message))
 
         kernel = self.load(job.kernel, workload)
-        reference = self.load(job.reference, workload) if job.reference is not None else None
+        reference = None
+        if job.reference is not None:
+            try:
+                reference = self.load(job.reference, workload)
+            except JobFailure as failure:  # the caller's check cannot run: say whose the failure is
+                raise JobFailure(
+                    failure.status, f"{REFERENCE_FAILURE_PREFIX} {failure.message}", restart=failure.restart
+                ) from failure
         self.reset_persisting_l2()
 
         comparisons: list[Comparison] = []

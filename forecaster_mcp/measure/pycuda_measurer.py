@@ -55,6 +55,7 @@ from forecaster_mcp.measure.timing import (
 from forecaster_mcp.measure.worker_protocol import (
     HEADER,
     PROTOCOL_VERSION,
+    REFERENCE_FAILURE_PREFIX,
     DeviceInfo,
     Fatal,
     JobResult,
@@ -581,7 +582,7 @@ class WorkerGone(Exception):
     """The worker's output ended (it exited or was killed)."""
 
 
-# How long one progress report may hold up a job's supervision (a client that reads its stream slowly).
+# How long progress reports may hold up one job's supervision in all (a client that reads its stream slowly).
 PROGRESS_WAIT_S = 5.0
 
 
@@ -862,7 +863,7 @@ class PycudaMeasurer:
             else None
         )
         compile_seconds = time.perf_counter() - t_compile
-        for what, built in (("", compiled), ("reference kernel: ", ref_compiled)):
+        for what, built in (("", compiled), (f"{REFERENCE_FAILURE_PREFIX} ", ref_compiled)):
             if isinstance(built, CompileFailure):
                 # A compile that ran out of time is no verdict on the kernel: "timeout" is never cached.
                 status: MeasureStatus = "timeout" if built.transient else "compile_error"
@@ -880,6 +881,8 @@ class PycudaMeasurer:
                     what, k, ck, info
                 )
                 if mismatch is not None:
+                    if what == "reference":  # the caller's check cannot run: not this kernel's failure
+                        mismatch = f"{REFERENCE_FAILURE_PREFIX} {mismatch}"
                     refused = self._result(
                         request, slot, "launch_error", mismatch, 0.0, compile_seconds, compiled=compiled
                     )
@@ -1046,6 +1049,7 @@ class PycudaMeasurer:
         worker = await self._ensure_worker(slot)
         cap = job.max_seconds
         started = time.perf_counter()
+        stalled = 0.0  # seconds spent forwarding progress to a slow client (not the job's device time)
         done = False
         sent = False
         result: JobResult | None = None
@@ -1065,12 +1069,16 @@ class PycudaMeasurer:
                                 # A slow client (an SSE stream with no buffer) stalls this await while the
                                 # worker goes on: the stall moves the kill deadline, and the charge is the
                                 # worker's own time (below), not the supervisor's.
-                                t_progress = time.perf_counter()
-                                # Shielded from the kill deadline (the stall is not the job's), for at most
-                                # PROGRESS_WAIT_S: a report the client cannot take by then is dropped.
-                                with anyio.move_on_after(PROGRESS_WAIT_S, shield=True):
-                                    await progress(message.done, message.total, message.message)
-                                scope.deadline += time.perf_counter() - t_progress
+                                if stalled < PROGRESS_WAIT_S:
+                                    # Shielded from the kill deadline (the stall is not the job's), and at most
+                                    # PROGRESS_WAIT_S in all per job: later reports are dropped, so a hung
+                                    # kernel is still killed at most that long after its cap.
+                                    t_progress = time.perf_counter()
+                                    with anyio.move_on_after(PROGRESS_WAIT_S - stalled, shield=True):
+                                        await progress(message.done, message.total, message.message)
+                                    spent = time.perf_counter() - t_progress
+                                    stalled += spent
+                                    scope.deadline += spent
                             continue
                         if isinstance(message, JobResult) and message.job_id == job.job_id:
                             result = message
@@ -1090,7 +1098,7 @@ class PycudaMeasurer:
                     None,
                     "worker_crashed",
                     f"{what}. The device went to a fresh worker; check the kernel for faults, or retry.",
-                    min(elapsed, cap),
+                    min(max(elapsed - stalled, 0.0), cap),
                 )
             elapsed = time.perf_counter() - started
             if scope.cancelled_caught:
@@ -1118,7 +1126,7 @@ class PycudaMeasurer:
                 # Cancelled from outside (or the progress callback raised) with the job on the device: that
                 # occupancy is charged like a run's (the service commits it), and the exception goes on.
                 with contextlib.suppress(AttributeError, TypeError):
-                    setattr(exc, OCCUPIED_ATTR, min(time.perf_counter() - started, cap))
+                    setattr(exc, OCCUPIED_ATTR, min(max(time.perf_counter() - started - stalled, 0.0), cap))
             raise
         finally:
             if not done:
