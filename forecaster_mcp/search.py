@@ -768,6 +768,8 @@ def search_command(settings: Any, args: Any) -> int:
     ledger_seconds = "1000000000" if args.gpu_seconds is None else repr(float(args.gpu_seconds))
     # The servers inherit this environment: an API key in it adds Claude (paid) to the forecast runs.
     forecasters = "local+claude" if settings.anthropic_api_key else "local"
+    # The runs' servers take none of this environment's settings (own_settings) but the key, as ANTHROPIC_API_KEY.
+    key_env = {"ANTHROPIC_API_KEY": settings.anthropic_api_key} if settings.anthropic_api_key else {}
     del settings  # each run gets its own state directory; nothing else in the settings applies
     strategies = ["forecast", "random"] if args.strategy == "both" else [args.strategy]
     traces: list[SearchTrace] = []
@@ -787,6 +789,7 @@ def search_command(settings: Any, args: Any) -> int:
                     "FORECASTER_MCP_REPLAY": "",
                     "FORECASTER_MCP_MEASURER": "replay",
                     "FORECASTER_MCP_DEFAULT_LEDGER_GPU_SECONDS": ledger_seconds,
+                    **key_env,
                 },
                 own_settings=True,
             ) as (_client, call):
@@ -843,7 +846,11 @@ def search_command(settings: Any, args: Any) -> int:
                 for k in ("forecast", "random")
             )
         )
-    difficulty = space_difficulty(space, args.measurements)
+    # On a GPU budget the runs made fewer measurements than --measurements: the random runs' count is the yardstick.
+    made = [t.measurements for t in traces if t.strategy == "random"] or [t.measurements for t in traces]
+    difficulty = space_difficulty(
+        space, args.measurements if args.gpu_seconds is None else max(1, round(statistics.fmean(made)))
+    )
     print(
         f"space: {difficulty.configurations} configurations, "
         + ", ".join(f"{difficulty.within[k]} within {k} of the best" for k in difficulty.within)
