@@ -68,7 +68,11 @@ class CalibrationSummary(BaseModel):
     verified_pairs: int = Field(
         default=0, description="verified forecasts, decided or unsure, that are not ties within noise"
     )
-    brier: float | None = Field(default=None, description="Brier score of p_faster on those pairs")
+    brier: float | None = Field(
+        default=None,
+        description="Brier score on those pairs of the probability verdicts are decided by (p_faster, with "
+        "either kernel's chance of failing counted: selective.decision_p)",
+    )
 
 
 class BudgetStatus(BaseModel):

@@ -1332,7 +1332,8 @@ class Store:
         - gpu_seconds_saved.cache: what the results served from cache cost when measured; .forecasts: pairs
           decided by a forecast and never measured since, times the median charge of this ledger's
           non-cached measurements.
-        - calibration: Brier of p_faster against S > 1 (forecast.metrics.brier) over every verified pair (the
+        - calibration: Brier of the stored p_faster (the probability the verdict was decided by,
+          selective.decision_p) against S > 1 (forecast.metrics.brier) over every verified pair (the
           last forecast of each) not decided by cache (unsure ones included), ties left out; verified_pairs:
           how many."""
 
