@@ -492,6 +492,19 @@ async def test_ten_measurements_forecast_unmeasured_pairs_without_gross_under_co
     assert -0.2 < gap < 0.1
 
 
+def test_a_flat_family_is_not_trusted_far_beyond_its_measured_range() -> None:
+    # Every member measured at 2.00 ms: the model kept "2 ms (+-1%)" for a block size 128x beyond the range
+    # and decided it against a 2.1 ms baseline.
+    from forecaster_mcp.forecast import local
+
+    pts = [FamilyPoint({"BS": bs}, None, "ok", 2.0 * (1 + 0.001 * (i % 3)), f"p{i}")
+           for i, bs in enumerate(range(32, 513, 32))]  # fmt: skip
+    model = local.fit_family(pts)
+    _, cov = model.predict([{"BS": 256}, {"BS": 1024}, {"BS": 65536}])
+    sd = np.sqrt(np.diag(cov))
+    assert sd[0] < 0.01 and sd[0] < sd[1] < sd[2] and sd[2] > 0.05
+
+
 def test_short_length_scale_companion_widens_only_away_from_the_measurements(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -499,6 +512,7 @@ def test_short_length_scale_companion_widens_only_away_from_the_measurements(
     it, that the learned length scales may not hold (hyperparameter uncertainty)."""
     from forecaster_mcp.forecast import local
 
+    monkeypatch.setattr(local, "EXTRAPOLATION_SLACK", 1e9)  # the range widening is tested on its own
     rng = np.random.default_rng(3)
     # Measured: only the first half of `a` (the basin); `b` is a switch seen in both states there.
     pts = []

@@ -711,6 +711,9 @@ def _fit_subset(
     return np.sort(np.concatenate([keep_best, rest]))
 
 
+Y_STD_FLOOR_LOG2 = 0.1  # about 7%: how far apart untried members of a flat family may still turn out
+
+
 def fit_gp(
     x: Array,
     y: Array,
@@ -731,9 +734,9 @@ def fit_gp(
     n, d = x.shape
     rng = np.random.default_rng(seed)
     y_mean = float(np.mean(y))
-    y_std = float(np.std(y))
-    if not y_std > 1e-9:
-        y_std = max(abs(y_mean) * 1e-3, 1e-3)
+    # The prior spread is the family's measured spread, but never below Y_STD_FLOOR_LOG2: a family measured
+    # all at 2.00 ms forecast a block size 128x beyond its range at "2 ms (+-1%)" and decided it.
+    y_std = max(float(np.std(y)), Y_STD_FLOOR_LOG2)
     ys = (y - y_mean) / y_std
     idx = _fit_subset(n, y, MAX_FIT_POINTS, rng)
     sq = _sqdist_per_dim(x[idx], x[idx])
@@ -900,6 +903,11 @@ def _loo_scale(z: Array) -> float:
 # only two-valued switches lost the convolution gains. Pair accuracy and ECE on held-out spaces unchanged.
 SHORT_LS_FACTOR = 0.3
 SHORT_WEIGHT = 0.1
+# How far beyond the measured range (in units of that range) a prediction keeps the model's own spread.
+EXTRAPOLATION_SLACK = 0.5
+# ... and the spread it grows towards, at least (log2 units squared: sd 0.5, a factor 1.4 either way), for a
+# flat family whose own spread says nothing of what happens far outside what was measured.
+EXTRAPOLATION_VAR_FLOOR_LOG2 = 0.25
 
 
 def _predict_one(gp: GPFit, xq: Array) -> tuple[Array, Array]:
@@ -974,6 +982,14 @@ class FamilyModel:
             gap = mean - m2
             cov = (1.0 - w) * cov + w * c2 + (w * (1.0 - w)) * np.outer(gap, gap)
             mean = (1.0 - w) * mean + w * m2
+        # Beyond the measured range of a parameter (encoded outside [0, 1]) nothing says the trend goes on:
+        # the variance grows towards the family's prior spread with the distance out (a whole range out:
+        # all of it), whatever the length scales learned inside (a flat family is flat where it was measured).
+        excess = np.max(np.maximum(xq - 1.0, -xq), axis=1, initial=0.0) if xq.size else np.zeros(len(rows))
+        far = np.minimum(1.0, np.maximum(excess - EXTRAPOLATION_SLACK, 0.0))
+        if np.any(far > 0.0):
+            spread = max(self.gp.prior_var * max(1.0, self.gp.loo_scale) ** 2, EXTRAPOLATION_VAR_FLOOR_LOG2)
+            cov[np.diag_indices_from(cov)] += far * spread
         # A parameter the family was never measured with: its effect is unknown, so the prediction falls
         # back to the family's spread around its mean.
         for i, row in enumerate(rows):
@@ -1666,7 +1682,7 @@ class LocalForecaster:
         if b.kind == "measured" and c.kind == "measured":
             return f"both measured: {_fmt_ms(c.mean)} vs baseline {_fmt_ms(b.mean)}"
         n_ok = model.n_ok if model is not None else 0
-        fails = f", {model.n_failed} failed" if model is not None and model.n_failed else ""
+        fails = f" (and {model.n_failed} that failed)" if model is not None and model.n_failed else ""
         parts = [f"family model on {n_ok} measurements{fails}"]
         if c.kind == "model":
             parts.append(
