@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import sqlite3
 import sys
 from pathlib import Path
@@ -718,12 +719,17 @@ async def test_a_reference_that_faults_is_not_the_measured_kernels_failure(tmp_p
         )
         # A reference whose signature does not fit the workload is the caller's check failing too.
         other = op("add", FAKE_MS=3.0)
+        assert (await svc.measure(ledger="L", kernel=other, workload=WORKLOAD)).status == "ok"
         bad_ref = Kernel.model_validate(
             {**op("add").model_dump(), "source": SRC.replace("int n)", "int n, int extra)")}
         )
         refused = await svc.measure(ledger="L", kernel=other, workload=WORKLOAD, reference=bad_ref)
         assert refused.status == "launch_error" and "reference_failed" in refused.flags
         assert await svc.store.failed_status(other.content_key(), stored_as, WORKLOAD.key()) is None
+        # An export keeps the kernel's ok result, not the later failure of its reference.
+        rows = await svc.store.export_rows()
+        exported = {Kernel.model_validate_json(k).content_key(): json.loads(r) for _, _, k, r in rows}
+        assert exported[other.content_key()]["status"] == "ok"
     finally:
         await gpu.aclose()
         await svc.close()

@@ -1075,13 +1075,15 @@ class Store:
     async def export_rows(self) -> list[tuple[str, str, str, str]]:
         """(hardware, workload_key, kernel_json, result_json) of what `forecaster-mcp export` writes: per kernel
         content, workload and device the latest result that was measured (not served from cache), leaving out
-        the results the cache never serves either (a worker crash, a timeout, the device out of memory)."""
+        the results the cache never serves either (a worker crash, a timeout, the device out of memory) and
+        failures that were not the kernel's (its reference kernel failed): one would hide an earlier ok result."""
         return [
             (str(h), str(w), str(k), str(r))
             for h, w, k, r in await self._fetch(
                 "SELECT hardware, workload_key, kernel_json, result_json FROM measurements WHERE id IN "
                 "(SELECT MAX(id) FROM measurements WHERE cached = 0 "
-                f"AND status NOT IN ({_PLACES}) GROUP BY hardware, content_key, workload_key) ORDER BY id",
+                f"AND status NOT IN ({_PLACES}) AND (status = 'ok' OR {_NOT_THE_KERNELS}) "
+                "GROUP BY hardware, content_key, workload_key) ORDER BY id",
                 _NOT_CACHEABLE,
             )
         ]
