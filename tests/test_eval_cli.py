@@ -441,6 +441,33 @@ def test_eval_fails_when_no_forecaster_answered_any_pair(
     assert not (out / "metrics.json").exists()
 
 
+def test_the_final_row_names_who_answered_when_claude_was_skipped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # local+claude with the API refusing every request: the local forecaster answers alone, and the final
+    # row said "local+claude final" as if both had.
+    from forecaster_mcp.forecast import evaluate
+    from forecaster_mcp.forecast.claude import ClaudeForecaster
+    from tests._anthropic_mock import AnthropicMock, error
+
+    mock = AnthropicMock(lambda params: error(401, "authentication_error", "invalid x-api-key"))
+    real = evaluate.build_forecasters
+
+    def local_and_failing_claude(names: Any, settings: Any, history: Any, *, ptxas: bool = True) -> list[Any]:
+        claude = ClaudeForecaster(
+            "bad-key", "claude-sonnet-5", samples=1, features=None, http_client=mock.client()
+        )
+        return [*real(["local"], settings, history, ptxas=ptxas), claude]
+
+    monkeypatch.setattr(evaluate, "build_forecasters", local_and_failing_claude)
+    pairs = _write(tmp_path / "pairs.jsonl", TINY)
+    out = tmp_path / "out"
+    assert main(["eval", str(pairs), "--out", str(out), "--forecaster", "local+claude"]) == 0
+    report = json.loads((out / "metrics.json").read_text())
+    assert [c.split("@")[0] for c in report["forecaster"]["answered"]] == ["local"]
+    assert "local+claude final (local answered)" in capsys.readouterr().out
+
+
 def test_a_write_that_fails_midway_leaves_the_previous_run_whole(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

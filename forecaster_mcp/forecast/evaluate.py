@@ -420,6 +420,16 @@ def _small(x: float) -> str:
     return f"{x:.3f}" if abs(x) >= 0.01 else f"{x:.2g}"
 
 
+def _final_label(forecaster: dict[str, Any]) -> str:
+    """ "<name> final", naming the components that answered when not all did (Claude skipped, say)."""
+    answered = forecaster.get("answered")
+    components = forecaster.get("components") or []
+    if answered is None or len(answered) == len(components):
+        return f"{forecaster['name']} final"
+    names = "+".join(str(c).split("@")[0] for c in answered) or "none"
+    return f"{forecaster['name']} final ({names} answered)"
+
+
 def print_table(report: dict[str, Any], out: TextIO) -> None:
     cols = [
         ("pairs", "n_pairs"),
@@ -437,7 +447,7 @@ def print_table(report: dict[str, Any], out: TextIO) -> None:
         rows.append((f"{name} raw", comp["raw"]))
         if "calibrated" in comp:
             rows.append((f"{name} calibrated", comp["calibrated"]))
-    rows.append((f"{report['forecaster']['name']} final", report["final"]))
+    rows.append((_final_label(report["forecaster"]), report["final"]))
     width = max(len(r[0]) for r in rows) + 2
     print("forecaster".ljust(width) + "".join(_fmt(c) for c, _ in cols), file=out)
     for label, m in rows:
@@ -670,8 +680,8 @@ def run_eval(
             calibrated = [forecasts[i].calibrated[name] for i in idx]
             comp["calibrated"] = M.summarize(calibrated, s)
         components[name] = comp
-    info = engine.info()
-    final_label = f"{info.name} final" + (" (calibrated)" if calibration is not None else "")
+    info = engine.info(forecasts)  # with `answered`: a configured forecaster that was skipped is not credited
+    final_label = _final_label(info.model_dump()) + (" (calibrated)" if calibration is not None else "")
     series[final_label] = ([f.p_faster for f in forecasts], speedups.tolist())
     by_hw: dict[str, Any] = {}
     if len({hw for hw, _ in thresholds}) > 1:
