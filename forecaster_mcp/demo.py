@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from forecaster_mcp.errors import OperatorError
+from forecaster_mcp.errors import BUDGET_EXHAUSTED_TEXT, OperatorError
 from forecaster_mcp.server.client import ToolCaller, ToolCallFailed, connect_stdio, tool_failure
 from forecaster_mcp.settings import Settings
 
@@ -248,7 +248,7 @@ def demo_command(settings: Settings, args: argparse.Namespace) -> int:
         if failure is None:
             raise
         hint = ""
-        if throw_away and "GPU-seconds left" in str(failure):
+        if throw_away and BUDGET_EXHAUSTED_TEXT in str(failure):
             hint = (
                 f" (the demo's throw-away ledger 'default' gets FORECASTER_MCP_DEFAULT_LEDGER_GPU_SECONDS = "
                 f"{settings.default_ledger_gpu_seconds:g} GPU-seconds: unset it or raise it)"

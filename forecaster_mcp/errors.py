@@ -26,6 +26,11 @@ class BudgetExhausted(AgentError):
     """The ledger cannot cover the reservation a measurement needs."""
 
 
+# Every BudgetExhausted message holds this phrase: an MCP client sees only the text of a refused call, and the
+# project's own clients (demo, search) tell a spent budget from other refusals by it.
+BUDGET_EXHAUSTED_TEXT = "GPU-seconds left"
+
+
 class NotMeasurable(AgentError):
     """No measurer can run this kernel here (not in any recording, no such device, no backend)."""
 

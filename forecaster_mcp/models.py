@@ -201,7 +201,7 @@ def source_problem(source: str) -> str | None:
         )
     for m in _HAS_INCLUDE.finditer(joined):
         if not m.group(1) and _TESTED_FOR.search(joined, max(0, m.start() - 40), m.start()) is not None:
-            if _TESTED_NAME.match(m.group(2)) is not None or not m.group(2):
+            if _TESTED_NAME.match(m.group(2)) is not None:  # ")" or the line's end (comments, && and || too)
                 continue  # defined(__has_include), #ifdef __has_include: asks whether the compiler has it
         # Without its parenthesis the name comes from a macro: refused as a header not named plainly.
         rest = m.group(2) if m.group(1) else ""
@@ -806,8 +806,8 @@ class MeasureResult(BaseModel):
         "runs_capped_by_max_seconds, too_few_runs_for_interval, below_physical_floor (faster than the memory "
         "traffic allows: suspect), events_disagree_with_wall_clock, clock_throttled, "
         "max_seconds_lowered_to_budget (no max_seconds given, and the ledger had less left than the default "
-        "cap), timeout_under_lowered_cap (a timeout under a cap below the server's: not learned as the "
-        "kernel's failure)",
+        "cap), timeout_under_lowered_cap (a timeout under a cap below the server's) and reference_failed (the "
+        "reference kernel failed, not this one): neither is learned as the kernel's failure",
     )
     measurement_id: int | None = None
 

@@ -55,10 +55,11 @@ class BudgetSpent(Exception):
 
 def _budget_refusal(exc: BaseException) -> bool:
     """Whether a tool call failed because the ledger cannot pay for it (errors.BudgetExhausted's text)."""
+    from forecaster_mcp.errors import BUDGET_EXHAUSTED_TEXT
     from forecaster_mcp.server.client import tool_failure
 
     failed = tool_failure(exc)
-    return failed is not None and "GPU-seconds left" in str(failed)
+    return failed is not None and BUDGET_EXHAUSTED_TEXT in str(failed)
 
 
 async def until_budget_spent(run: Awaitable[SearchTrace]) -> SearchTrace:

@@ -15,7 +15,7 @@ import math
 import re
 import shlex
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -632,8 +632,7 @@ class Service:
             raise NotMeasurable(self._no_device_message(hw.name))
         out: list[MeasureResult] = []
         charged = 0.0
-        skipped: list[str] = []
-        skipped_ids: set[str] = set()
+        skipped: dict[str, str] = {}  # id -> why this server cannot measure it
         total = min(max_measurements, len(measure_next))
         for n, kid in enumerate(measure_next):
             if len(out) >= max_measurements:
@@ -648,14 +647,9 @@ class Service:
                 if kid == base.id:
                     if not out:
                         raise
-                    return (
-                        out,
-                        charged,
-                        self._stopped_note(out, kid, str(exc), measure_next[n:], skipped),
-                        skipped_ids,
-                    )
-                skipped.append(f"{kid} ({one_line(str(exc), 160)})")
-                skipped_ids.add(kid)
+                    note = self._stopped_note(out, kid, str(exc), measure_next[n:], skipped)
+                    return out, charged, note, set(skipped)
+                skipped[kid] = one_line(str(exc), 160)
                 continue
             except Exception as exc:
                 if not out:
@@ -665,7 +659,12 @@ class Service:
                 else:
                     log.exception("measure_if_unsure: measuring %s failed", kid)
                     why = "an internal error, logged on the server"
-                return out, charged, self._stopped_note(out, kid, why, measure_next[n:], skipped), skipped_ids
+                return (
+                    out,
+                    charged,
+                    self._stopped_note(out, kid, why, measure_next[n:], skipped),
+                    set(skipped),
+                )
             out.append(res)
             charged += res.cost.gpu_seconds
             if kid == base.id and res.status != "ok":
@@ -673,23 +672,23 @@ class Service:
                 # failure is explained by the failed-baseline note; a passing one (a crash, no memory, the cap)
                 # is said here.
                 if res.status not in NOT_CACHEABLE:
-                    return out, charged, None, skipped_ids
+                    return out, charged, None, set(skipped)
                 why = f"it measured {res.status}: {one_line(res.message or 'no detail', 200)}"
                 note = self._stopped_note(out, kid, why, measure_next[n + 1 :], skipped)
-                return out, charged, note, skipped_ids
+                return out, charged, note, set(skipped)
         if not skipped:
-            return out, charged, None, skipped_ids
+            return out, charged, None, set()
         note = (
-            f"measure_if_unsure skipped what this server cannot measure: {'; '.join(skipped)}. Those are "
+            f"measure_if_unsure skipped what this server cannot measure: {_listed(skipped)}. Those are "
             "forecasts only, left out of measure_next (measure them where they can run)"
         )
-        return out, charged, note, skipped_ids
+        return out, charged, note, set(skipped)
 
     @staticmethod
     def _stopped_note(
-        out: Sequence[MeasureResult], kid: str, why: str, rest: Sequence[str], skipped: Sequence[str]
+        out: Sequence[MeasureResult], kid: str, why: str, rest: Sequence[str], skipped: Mapping[str, str]
     ) -> str:
-        also = f" Skipped as not measurable here: {'; '.join(skipped)}." if skipped else ""
+        also = f" Skipped as not measurable here: {_listed(skipped)}." if skipped else ""
         return (
             f"measure_if_unsure stopped after {len(out)} measurements: {kid} could not be measured "
             f"({one_line(why, 300)}). Not measured: {', '.join(rest)}.{also} The measurements made are in "
@@ -1163,6 +1162,14 @@ def _one_side_failed(cid: str, status: str, *, base_failed: bool, by: DecidedBy)
     )
 
 
+MAX_SECONDS_LOWERED_TO_BUDGET = "max_seconds_lowered_to_budget"  # a result flag (MeasureResult.flags)
+
+
+def _listed(skipped: Mapping[str, str]) -> str:
+    """The candidates measure_if_unsure skipped, each with why: "k3 (not in the recording); k7 (...)"."""
+    return "; ".join(f"{kid} ({why})" for kid, why in skipped.items())
+
+
 def _cap_flags(result: MeasureResult, cap: float, server_cap: float, lowered_to_budget: bool) -> list[str]:
     """The result's flags, plus what its request explains: a cap the ledger's remaining budget lowered
     (max_seconds left out), a timeout under a cap below the server's (store.TIMEOUT_UNDER_LOWERED_CAP: the
@@ -1170,7 +1177,7 @@ def _cap_flags(result: MeasureResult, cap: float, server_cap: float, lowered_to_
     family models do not learn those two as the kernel's failure, nor compare_kernels answer from them."""
     flags = list(result.flags)
     if lowered_to_budget:
-        flags.append("max_seconds_lowered_to_budget")
+        flags.append(MAX_SECONDS_LOWERED_TO_BUDGET)
     if result.status == "timeout" and cap < server_cap:
         flags.append(TIMEOUT_UNDER_LOWERED_CAP)
     if result.status != "ok" and (result.message or "").startswith(REFERENCE_FAILURE_PREFIX):
@@ -1324,7 +1331,7 @@ def _differences(used: IdempotentRequest, kernel: Kernel, workload_key: str, dev
 
 
 # Flags that describe the request a result answered, not the result: not carried to the copies others get.
-_REQUEST_FLAGS = frozenset({"max_seconds_lowered_to_budget"})
+_REQUEST_FLAGS = frozenset({MAX_SECONDS_LOWERED_TO_BUDGET})
 
 
 def _free_copy(result: MeasureResult, kernel_id: str) -> MeasureResult:

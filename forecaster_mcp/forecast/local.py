@@ -986,10 +986,10 @@ class FamilyModel:
         # flat: where its prior spread is below EXTRAPOLATION_VAR_FLOOR_LOG2, the variance grows towards that
         # floor with the distance out (a whole range past the slack: all of it). A family with a real spread
         # keeps its model's own extrapolation (widening it too cost the searches: TUNE slice 0.94 -> 0.87).
-        excess = np.max(np.maximum(xq - 1.0, -xq), axis=1, initial=0.0) if xq.size else np.zeros(len(rows))
-        far = np.minimum(1.0, np.maximum(excess - EXTRAPOLATION_SLACK, 0.0))
         missing = EXTRAPOLATION_VAR_FLOOR_LOG2 - self.gp.prior_var * max(1.0, self.gp.loo_scale) ** 2
-        if missing > 0.0 and np.any(far > 0.0):
+        if missing > 0.0 and xq.size:
+            excess = np.max(np.maximum(xq - 1.0, -xq), axis=1)
+            far = np.minimum(1.0, np.maximum(excess - EXTRAPOLATION_SLACK, 0.0))
             cov[np.diag_indices_from(cov)] += far * missing
         # A parameter the family was never measured with: its effect is unknown, so the prediction falls
         # back to the family's spread around its mean.

@@ -1065,20 +1065,18 @@ class PycudaMeasurer:
                                 raise ProtocolError(
                                     f"progress for job {message.job_id} during job {job.job_id}"
                                 )
-                            if progress is not None:
+                            if progress is not None and stalled < PROGRESS_WAIT_S:
                                 # A slow client (an SSE stream with no buffer) stalls this await while the
-                                # worker goes on: the stall moves the kill deadline, and the charge is the
-                                # worker's own time (below), not the supervisor's.
-                                if stalled < PROGRESS_WAIT_S:
-                                    # Shielded from the kill deadline (the stall is not the job's), and at most
-                                    # PROGRESS_WAIT_S in all per job: later reports are dropped, so a hung
-                                    # kernel is still killed at most that long after its cap.
-                                    t_progress = time.perf_counter()
-                                    with anyio.move_on_after(PROGRESS_WAIT_S - stalled, shield=True):
-                                        await progress(message.done, message.total, message.message)
-                                    spent = time.perf_counter() - t_progress
-                                    stalled += spent
-                                    scope.deadline += spent
+                                # worker goes on. The wait is shielded from the kill deadline and moves it (the
+                                # stall is not the job's), PROGRESS_WAIT_S in all per job: later reports are
+                                # dropped, so a hung kernel is still killed at most that long after its cap.
+                                # The charge is the worker's own time (below), not the supervisor's.
+                                t_progress = time.perf_counter()
+                                with anyio.move_on_after(PROGRESS_WAIT_S - stalled, shield=True):
+                                    await progress(message.done, message.total, message.message)
+                                spent = time.perf_counter() - t_progress
+                                stalled += spent
+                                scope.deadline += spent
                             continue
                         if isinstance(message, JobResult) and message.job_id == job.job_id:
                             result = message

@@ -156,14 +156,20 @@ class _CompactArgumentErrors(FuncMetadata):
             raise compact_validation_error(exc) from None
 
 
+def _registered(mcp: MCPServer, tool: Callable[..., Any]) -> Any:
+    """The SDK's record of a registered tool (its tool manager's: the SDK offers no public hook for what the
+    two functions below change)."""
+    registered = mcp._tool_manager.get_tool(tool.__name__)
+    if registered is None:
+        raise RuntimeError(f"tool {tool.__name__} is not registered")
+    return registered
+
+
 def _compact_argument_errors(mcp: MCPServer, tools: Sequence[Callable[..., Any]]) -> None:
-    """Make each tool report argument errors as `arg_errors.summary` does. The SDK has no hook for it; its
-    tool manager holds each tool's FuncMetadata, whose class (fields unchanged) gets the override."""
+    """Make each tool report argument errors as `arg_errors.summary` does: each tool's FuncMetadata gets the
+    override as its class (fields unchanged)."""
     for tool in tools:
-        registered = mcp._tool_manager.get_tool(tool.__name__)
-        if registered is None:
-            raise RuntimeError(f"tool {tool.__name__} is not registered")
-        registered.fn_metadata.__class__ = _CompactArgumentErrors
+        _registered(mcp, tool).fn_metadata.__class__ = _CompactArgumentErrors
 
 
 def _close_input_schemas(mcp: MCPServer, tools: Sequence[Callable[..., Any]]) -> None:
@@ -171,10 +177,7 @@ def _close_input_schemas(mcp: MCPServer, tools: Sequence[Callable[..., Any]]) ->
     so that a schema-driven client learns before calling that a misspelt name is an error. The SDK builds the
     schema from the signature and offers no option for it; its tool manager holds the schema it lists."""
     for tool in tools:
-        registered = mcp._tool_manager.get_tool(tool.__name__)
-        if registered is None:
-            raise RuntimeError(f"tool {tool.__name__} is not registered")
-        registered.parameters["additionalProperties"] = False
+        _registered(mcp, tool).parameters["additionalProperties"] = False
 
 
 async def _call(fn: Callable[[], Awaitable[T]]) -> T:

@@ -32,17 +32,14 @@ def _is_branch(part: int | str) -> bool:
     return isinstance(part, str) and (part in _SCALAR_BRANCHES or "[" in part or part[:1].isupper())
 
 
-def _pattern(loc: Loc) -> str:
+def _path(loc: Loc, any_item: bool = False) -> str:
+    """`candidates[3].source`; with `any_item`, `candidates[*].source` (the place in every list item)."""
     out = ""
     for part in loc:
-        out += "[*]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out or "arguments"
-
-
-def _path(loc: Loc) -> str:
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+        if isinstance(part, int):
+            out += "[*]" if any_item else f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
     return out or "arguments"
 
 
@@ -79,7 +76,7 @@ def summary(exc: ValidationError) -> str:
     groups: dict[tuple[str, str], list[tuple[Loc, Any]]] = {}
     merged = _merged(exc.errors(include_url=False))
     for loc, msg, value in merged:
-        groups.setdefault((_pattern(loc), msg), []).append((loc, value))
+        groups.setdefault((_path(loc, any_item=True), msg), []).append((loc, value))
     lines = []
     for (pattern, msg), found in list(groups.items())[:MAX_LINES]:
         where = _path(found[0][0]) if len(found) == 1 else pattern

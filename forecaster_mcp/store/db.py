@@ -35,6 +35,7 @@ import aiosqlite
 
 from forecaster_mcp import bins
 from forecaster_mcp.errors import (
+    BUDGET_EXHAUSTED_TEXT,
     AlreadyMeasured,
     BudgetExhausted,
     InvalidRequest,
@@ -74,10 +75,10 @@ _NOT_A_POINT = ("out_of_memory", "worker_crashed")
 TIMEOUT_UNDER_LOWERED_CAP = "timeout_under_lowered_cap"
 # ... nor a failure of the reference kernel the caller checked it against (its fault, not this kernel's).
 REFERENCE_FAILED = "reference_failed"
-# A failed row with one of these flags says nothing of the kernel itself: neither learned nor answered from.
-_NOT_THE_KERNELS = (
-    "NOT EXISTS (SELECT 1 FROM json_each(result_json, '$.flags') "
-    f"WHERE value IN ('{TIMEOUT_UNDER_LOWERED_CAP}', '{REFERENCE_FAILED}'))"
+# A row that is ok, or whose failure was the kernel's own (none of these flags): what is learned and answered from.
+_KERNELS_OWN = (
+    "(status = 'ok' OR NOT EXISTS (SELECT 1 FROM json_each(result_json, '$.flags') "
+    f"WHERE value IN ('{TIMEOUT_UNDER_LOWERED_CAP}', '{REFERENCE_FAILED}')))"
 )
 _PLACES = ", ".join("?" for _ in _NOT_CACHEABLE)
 
@@ -165,7 +166,7 @@ _FAMILY_LATEST = (
     "(PARTITION BY content_key ORDER BY (status = 'ok') DESC, id DESC) AS rn "
     "FROM measurements WHERE family_key = ? AND hardware = ? AND workload_key = ? "
     f"AND status NOT IN ({', '.join(repr(s) for s in _NOT_A_POINT)}) "
-    f"AND (status = 'ok' OR {_NOT_THE_KERNELS}))"
+    f"AND {_KERNELS_OWN})"
 )
 
 
@@ -1082,7 +1083,7 @@ class Store:
             for h, w, k, r in await self._fetch(
                 "SELECT hardware, workload_key, kernel_json, result_json FROM measurements WHERE id IN "
                 "(SELECT MAX(id) FROM measurements WHERE cached = 0 "
-                f"AND status NOT IN ({_PLACES}) AND (status = 'ok' OR {_NOT_THE_KERNELS}) "
+                f"AND status NOT IN ({_PLACES}) AND {_KERNELS_OWN} "
                 "GROUP BY hardware, content_key, workload_key) ORDER BY id",
                 _NOT_CACHEABLE,
             )
@@ -1144,7 +1145,7 @@ class Store:
         nothing final of the kernel and does not count."""
         rows = await self._fetch(
             "SELECT status FROM measurements WHERE content_key = ? AND hardware = ? AND workload_key = ? "
-            f"AND status NOT IN ({_PLACES}) AND (status = 'ok' OR {_NOT_THE_KERNELS}) "
+            f"AND status NOT IN ({_PLACES}) AND {_KERNELS_OWN} "
             "ORDER BY status = 'ok' DESC, id DESC LIMIT 1",
             (content_key, hardware, workload_key, *_NOT_CACHEABLE),
         )
@@ -1483,7 +1484,7 @@ def _exhausted(ledger: str, limit: int, spent: int, reserved: int, amount: int) 
         else ""
     )
     return BudgetExhausted(
-        f"ledger '{ledger}' has {fmt_gpu_seconds(_gs(left))} GPU-seconds left "
+        f"ledger '{ledger}' has {fmt_gpu_seconds(_gs(left))} {BUDGET_EXHAUSTED_TEXT} "
         f"(limit {fmt_gpu_seconds(_gs(limit))}, spent {fmt_gpu_seconds(_gs(spent))}{held}); "
         f"this measurement needs up to {fmt_gpu_seconds(_gs(amount))}. "
         f"Forecasts with compare_kernels are free; {smaller}"
