@@ -660,7 +660,9 @@ class DictHistory:
         self._points: dict[tuple[str, str, str], dict[str, Any]] = {}
 
     def add(self, key: tuple[str, str, str], point: Any) -> None:
-        self._points.setdefault(key, {})[point.content_key] = point
+        points = self._points.setdefault(key, {})
+        points.pop(point.content_key, None)  # oldest first, as the Store returns them
+        points[point.content_key] = point
 
     async def family_points(self, family_key: str, hardware: str, workload_key: str) -> list[Any]:
         return list(self._points.get((family_key, hardware, workload_key), {}).values())

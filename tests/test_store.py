@@ -835,3 +835,30 @@ async def test_family_states_are_kept_per_family_gpu_and_workload(tmp_path: Path
         assert await s.load_family_state("fam", "A100", "other") is None
     finally:
         await s.close()
+
+
+@pytest.mark.anyio
+async def test_a_kernel_measured_under_two_spellings_is_answered_by_the_newer_measurement(store: Store) -> None:
+    """0x20 and 32u are one configuration (#define BX 32 either way) with two content keys: a third spelling
+    is answered from the newer of their measurements, whichever order their content keys sort in."""
+    from forecaster_mcp.forecast.base import PairQuery
+    from forecaster_mcp.forecast.local import LocalForecaster
+    from forecaster_mcp.hardware.specs import lookup
+    from forecaster_mcp.models import Workload
+
+    def member(bx: object) -> Kernel:
+        return Kernel(id=f"m{bx}", source=SOURCE, entry="k", defines={"BX": bx})
+
+    class History:
+        async def family_points(self, family_key: str, hardware: str, workload_key: str) -> list[Any]:
+            return await store.family_points(family_key, hardware, "w")
+
+    for hardware, (older, newer) in (("A100-PCIE-40GB", ("0x20", "32u")), ("H100-SXM", ("32u", "0x20"))):
+        for bx in (8, 16, 64, 128):
+            await save(store, member(bx), 2.0, hardware=hardware)
+        await save(store, member(older), 1.0, hardware=hardware)
+        await save(store, member(newer), 4.0, hardware=hardware)  # re-measured under the other spelling
+        f = LocalForecaster(History(), ptxas_wait_s=0.0)
+        [out] = await f.forecast([PairQuery(member(8), member(32), Workload(), hardware, lookup(hardware))])
+        assert out.extras["measured"] == 1.0, out.rationale
+        assert out.extras["mu_log2"] == pytest.approx(-1.0, abs=1e-9), (hardware, out.rationale)

@@ -76,7 +76,8 @@ log = logging.getLogger(__name__)
 
 
 class FamilyHistory(Protocol):
-    """Where the family model's measurements come from (the Store implements it)."""
+    """Where the family model's measurements come from (the Store implements it): the latest per kernel,
+    oldest first."""
 
     async def family_points(self, family_key: str, hardware: str, workload_key: str) -> list[FamilyPoint]: ...
 
@@ -1078,7 +1079,9 @@ def fit_family(
         measured[p.content_key] = Measured(ok, log2_ms, p.status)
         rows.append(kernel_params(p.defines, p.launch, p.compile_options))
         key = row_key(rows[-1])
-        if ok or key not in by_row:  # an ok measurement under either spelling wins over a failed one
+        # Points come oldest first: of spellings of one configuration the newest ok measurement answers, and
+        # an ok measurement under any spelling wins over a failed one.
+        if ok or key not in by_row:
             by_row[key] = measured[p.content_key]
         failed.append(0.0 if ok else 1.0)
         if ok and log2_ms is not None:

@@ -161,7 +161,7 @@ class ForecastRow:
 # each numbered per kernel: rn = 1 is the latest ok measurement if there is one, else the latest of any status.
 # family_points and best_runtime read the same rows, so the model and measure_next's best agree.
 _FAMILY_LATEST = (
-    "(SELECT defines_json, launch_json, status, runtime_ms, content_key, "
+    "(SELECT id, defines_json, launch_json, status, runtime_ms, content_key, "
     "json_extract(kernel_json, '$.compile_options') AS compile_options, row_number() OVER "
     "(PARTITION BY content_key ORDER BY (status = 'ok') DESC, id DESC) AS rn "
     "FROM measurements WHERE family_key = ? AND hardware = ? AND workload_key = ? "
@@ -1092,10 +1092,11 @@ class Store:
     async def family_points(self, family_key: str, hardware: str, workload_key: str) -> list[FamilyPoint]:
         """Every stored measurement of this family on this hardware and workload (latest per content_key).
 
-        Per kernel, the latest ok measurement if there is one, else the latest of any status."""
+        Per kernel, the latest ok measurement if there is one, else the latest of any status; oldest first
+        (of one configuration stored under several spellings, the model answers from the last ok one)."""
         rows = await self._fetch(
             "SELECT defines_json, launch_json, status, runtime_ms, content_key, compile_options FROM "
-            f"{_FAMILY_LATEST} WHERE rn = 1 ORDER BY content_key",
+            f"{_FAMILY_LATEST} WHERE rn = 1 ORDER BY id",
             (family_key, hardware, workload_key),
         )
         return [
