@@ -646,3 +646,20 @@ def test_forecasts_issued_under_an_early_overconfident_calibration_do_not_lock_v
         store.add("local", "H100", _bins_with(c), 1.5 if rng.random() < c else 0.6)
     value, source = anyio.run(threshold)
     assert source in ("history", "default") and value <= 0.95  # deciding again
+
+
+@pytest.mark.anyio
+async def test_an_answer_from_two_measurements_is_not_calibrated_or_combined() -> None:
+    """When the local model answers from both kernels' stored measurements, a calibration fitted on its
+    forecasts (here: overconfident ones, pulled to 70%) does not soften it, and another component's guess is
+    not mixed in."""
+    store = FakeStore()
+    _overconfident_history(store, "local", 400, np.random.default_rng(0))
+    local, claude = _scripted("local", _bins_with(0.95)), _scripted("claude", _bins_with(0.1))
+    measured = {"measured": 1.0, "baseline_measured": 1.0, "mu_log2": 1.0, "sd_log2": 0.05}
+    local.enqueue(BinForecast(_bins_with(0.999), "both measured: 1 ms vs baseline 2 ms", measured))
+    engine = ForecastEngine([local, claude], store)
+    [m, f] = await engine.forecast([_query(0), _query(1)])
+    assert m.p_faster == pytest.approx(0.999) and m.extras["mu_log2"] == 1.0
+    assert list(m.calibrated) == ["local"]
+    assert f.p_faster < 0.8  # a forecast is still calibrated and combined

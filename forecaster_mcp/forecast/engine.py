@@ -117,6 +117,10 @@ def slot_of(component: str, forecast: BinForecast) -> str:
     return component + _SUFFIX[regime_of(forecast)]
 
 
+def _both_measured(forecast: BinForecast) -> bool:
+    return forecast.extras.get("measured", 0.0) >= 1.0 and forecast.extras.get("baseline_measured", 0.0) >= 1.0
+
+
 def _regime_of_slot(slot: str) -> Regime:
     return next((r for r in REGIMES if _SUFFIX[r] and slot.endswith(_SUFFIX[r])), "model")
 
@@ -387,8 +391,16 @@ class ForecastEngine:
             )
         raw = {n: list(f.probs) for n, f in per.items()}
         slots = {n: slot_of(n, f) for n, f in per.items()}
-        calibrated = {n: self._calibrators[slots[n]].probs(p, hardware) for n, p in raw.items()}
-        probs = self._combiner.combine(calibrated)
+        # An answer from two stored measurements (the local model found both kernels measured, for instance
+        # under other spellings of their parameters) is measurement noise, not a forecast: no calibration
+        # fitted on forecasts applies to it, and no other component's guess is mixed in.
+        measured = next((n for n, f in per.items() if _both_measured(f)), None)
+        if measured is not None:
+            calibrated = {measured: raw[measured]}
+            probs = list(raw[measured])
+        else:
+            calibrated = {n: self._calibrators[slots[n]].probs(p, hardware) for n, p in raw.items()}
+            probs = self._combiner.combine(calibrated)
         p = bins.p_faster(probs)
         centers = _combined_centers(calibrated, {n: f.centers for n, f in per.items()})
         if len(self._names) == 1:
@@ -403,7 +415,7 @@ class ForecastEngine:
             # The first component's extras stand for the forecast (p_fail, measured flags...), except its own
             # predictive distribution when others answered too: measure_next would then rank on one
             # component's numbers instead of the combined forecast it shows, so it ranks on the final bins.
-            own = {} if len(per) == 1 else _OWN_DISTRIBUTION
+            own = {} if len(per) == 1 or measured == first else _OWN_DISTRIBUTION
             extras.update({k: float(v) for k, v in per[first].extras.items() if k not in own})
         return EngineForecast(
             probs=probs,
