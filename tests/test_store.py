@@ -838,7 +838,7 @@ async def test_family_states_are_kept_per_family_gpu_and_workload(tmp_path: Path
 
 
 @pytest.mark.anyio
-async def test_a_kernel_measured_under_two_spellings_is_answered_by_the_newer_measurement(store: Store) -> None:
+async def test_a_kernel_stored_under_two_spellings_answers_from_the_newer(store: Store) -> None:
     """0x20 and 32u are one configuration (#define BX 32 either way) with two content keys: a third spelling
     is answered from the newer of their measurements, whichever order their content keys sort in."""
     from forecaster_mcp.forecast.base import PairQuery

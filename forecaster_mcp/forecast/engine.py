@@ -118,7 +118,9 @@ def slot_of(component: str, forecast: BinForecast) -> str:
 
 
 def _both_measured(forecast: BinForecast) -> bool:
-    return forecast.extras.get("measured", 0.0) >= 1.0 and forecast.extras.get("baseline_measured", 0.0) >= 1.0
+    return (
+        forecast.extras.get("measured", 0.0) >= 1.0 and forecast.extras.get("baseline_measured", 0.0) >= 1.0
+    )
 
 
 def _regime_of_slot(slot: str) -> Regime:
