@@ -203,7 +203,8 @@ class FakeSession:
         op = defines.get("FAKE_OP", "add")
         comparisons = []
         stale: dict[str, np.ndarray] | None = None
-        for seed in (job.seed, job.seed + 7919):
+        seeds = (job.seed, job.seed + 7919)
+        for seed in seeds:
             if seed == job.seed:
                 # The "timing" phase sits between the two input sets, as in the real worker.
                 samples, stop = self._samples(job, defines)
@@ -227,7 +228,9 @@ class FakeSession:
         left = busy - (time.monotonic() - started)
         if left > 0:
             time.sleep(left)
-        correctness = correctness_of(comparisons, None if job.reference else "no reference kernel given")
+        correctness = correctness_of(
+            comparisons, None if job.reference else "no reference kernel given", seeds[: len(comparisons)]
+        )
         return JobResult(
             job_id=job.job_id,
             status="wrong_output" if correctness.passed is False else "ok",

@@ -233,6 +233,9 @@ def test_compare_outputs_checks_only_outputs_and_merges_sets() -> None:
     assert merged.checked and merged.passed is False and merged.input_sets == 2
     assert merged.max_abs_error == 0.5
     assert merged.detail == second.detail
+    named = correctness_of([first, second], seeds=[11, 42])
+    assert named.detail == f"{second.detail} (input set 2 of 2, seed 42)"
+    assert correctness_of([first, first], seeds=[11, 42]).detail is None
     unchecked = correctness_of([], "no reference kernel given")
     assert (
         not unchecked.checked and unchecked.passed is None and unchecked.detail == "no reference kernel given"

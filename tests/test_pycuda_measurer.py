@@ -230,6 +230,8 @@ async def test_wrong_output_and_cached_answers_are_caught(gpu: PycudaMeasurer) -
     cached = await gpu.measure(request(gpu, kernel(FAKE_OP="cache")))
     assert cached.status == "wrong_output"
     assert cached.correctness.input_sets == 2
+    # The fake worker's fresh set is the job's seed (0 here) + 7919: the failure names the set and its seed.
+    assert cached.message is not None and cached.message.endswith("(input set 2 of 2, seed 7919)")
     nan = await gpu.measure(request(gpu, kernel(FAKE_OP="nan")))
     assert nan.status == "wrong_output"
     assert "NaN positions differ" in (nan.message or "")

@@ -392,7 +392,7 @@ class GpuSession:
                 buffers.upload(inputs)
                 if not comparisons[0].passed:
                     # Already wrong: timing it would only spend the caller's budget.
-                    correctness = correctness_of(comparisons)
+                    correctness = correctness_of(comparisons, seeds=[job.seed])
                     return JobResult(
                         job_id=job.job_id,
                         status="wrong_output",
@@ -429,7 +429,7 @@ class GpuSession:
             buffers.upload(fresh)
             self.launch(kernel, buffers)
             self.sync()
-            self._guards(buffers, "on the fresh input set")
+            self._guards(buffers, f"on the fresh input set (seed {fresh_seed})")
             if reference is not None:
                 got = buffers.download(outputs)
                 want = self._reference(reference, buffers, fresh, outputs)
@@ -438,7 +438,7 @@ class GpuSession:
             buffers.free()
 
         note = None if reference is not None else "no reference kernel given: outputs were not checked"
-        correctness = correctness_of(comparisons, note)
+        correctness = correctness_of(comparisons, note, [job.seed, fresh_seed][: len(comparisons)])
         if correctness.checked and len(comparisons) == 2:
             correctness.detail = (
                 correctness.detail or f"input sets: seed {job.seed} and fresh seed {fresh_seed}"

@@ -354,9 +354,12 @@ def compare_outputs(
     return Comparison(failure is None, max_abs, max_rel, failure, buffers)
 
 
-def correctness_of(comparisons: Sequence[Comparison], note: str | None = None) -> Correctness:
+def correctness_of(
+    comparisons: Sequence[Comparison], note: str | None = None, seeds: Sequence[int] = ()
+) -> Correctness:
     """Merge the comparisons of several input sets into the public Correctness record. Comparisons of no
-    buffer at all checked nothing: never reported as a pass."""
+    buffer at all checked nothing: never reported as a pass. With the input sets' `seeds`, a failure names
+    the set and seed it failed on (what a caller needs to reproduce it)."""
     if comparisons and not any(c.buffers for c in comparisons):
         return Correctness(
             checked=False,
@@ -366,8 +369,11 @@ def correctness_of(comparisons: Sequence[Comparison], note: str | None = None) -
         )
     if not comparisons:
         return Correctness(checked=False, passed=None, input_sets=0, detail=note)
-    failed = [c for c in comparisons if not c.passed]
-    detail = failed[0].detail if failed else note
+    failed = [i for i, c in enumerate(comparisons) if not c.passed]
+    detail = comparisons[failed[0]].detail if failed else note
+    if failed and len(seeds) == len(comparisons):
+        where = f"input set {failed[0] + 1} of {len(comparisons)}, seed {seeds[failed[0]]}"
+        detail = f"{detail} ({where})" if detail else where
     return Correctness(
         checked=True,
         passed=not failed,
