@@ -111,6 +111,23 @@ def test_eval_writes_metrics_predictions_and_plots(
     assert "over the non-tie pairs" in printed
 
 
+def test_eval_of_only_ties_says_its_plots_are_empty(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pairs = _write(tmp_path / "pairs.jsonl", [_pair(0, 128, 256, 1.01), _pair(1, 64, 512, 0.99)])
+    out = tmp_path / "out"
+    assert main(["eval", str(pairs), "--out", str(out)]) == 0
+    report = json.loads((out / "metrics.json").read_text())
+    assert report["final"]["n_ties"] == 2
+    # The plots are still written (a stale pair from an earlier run would pass for this one), and say why
+    # they hold no line.
+    assert report["plots"] == ["reliability.png", "risk_coverage.png"]
+    for name in report["plots"]:
+        assert (out / name).read_bytes()[:8] == PNG_MAGIC
+    assert any("every pair is a tie" in n for n in report["notes"])
+    assert "note: plots are empty" in capsys.readouterr().out
+
+
 def test_eval_notes_repeated_questions_and_pairs_the_history_answers(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

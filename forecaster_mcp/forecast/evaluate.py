@@ -698,9 +698,11 @@ def run_eval(
     plot_files = {name: out_dir / name for name in _EVAL_FILES if name.endswith(".png")}
     try:
         try:
-            reliability_png(partial_path(plot_files["reliability.png"]), series)
+            drawn = reliability_png(partial_path(plot_files["reliability.png"]), series)
             risk_coverage_png(partial_path(plot_files["risk_coverage.png"]), series, target)
             plots = list(plot_files)
+            if not drawn:
+                notes.append("plots are empty: every pair is a tie, so there is no direction to score")
         except PlotsUnavailable as exc:
             notes.append(f"plots skipped: {exc}")
         rows = [
