@@ -51,6 +51,19 @@ def test_value_is_chance_and_size_of_improvement_not_uncertainty() -> None:
     assert expected_improvement(item("a", 0.0, 0.5)) > expected_improvement(item("b", 0.0, 0.1))
 
 
+def test_a_well_explored_family_values_near_certain_polish_again() -> None:
+    # Early on only a clear win (beyond the margin) counts, so the long shot ranks first; once the
+    # family has many measurements the margin drops and the near-certain small win ranks first.
+    def pair(n: float) -> list[AcqItem]:
+        return [
+            item("near", -0.10, 0.15, n_family_points=n),
+            item("far", -0.41, 0.35, n_family_points=n),
+        ]
+
+    assert rank_for_measurement(pair(20)) == ["far", "near"]
+    assert rank_for_measurement(pair(60)) == ["near", "far"]
+
+
 def test_failure_risk_discounts_and_measured_candidates_drop_out() -> None:
     risky = item("risky", 0.5, 0.2, p_fail=0.8)
     safe = item("safe", 0.3, 0.2)

@@ -54,11 +54,23 @@ def _cdf(z: float) -> float:
 # the TUNE spaces of benchmarks/tune_local.py: it removed most of the stuck runs and cost under 0.3% on
 # flat spaces where every improvement is small.
 XI_LOG2 = 0.08
+# Once a family has XI_LATE_POINTS measurements the basins have been explored and what is left is
+# polish: the margin drops to XI_LATE_LOG2 so near-certain small wins count again. Measured with a plain
+# random-pool client (10 seeds, 90 steps) it turned 7 of 150 held-out runs below 0.9 of the space's best
+# into 3 (sum of per-space means 14.62 -> 14.69 over 15 spaces) and was no worse on the TUNE spaces
+# (12 -> 11 runs below 0.9, sum of means 7.72 -> 7.75).
+XI_LATE_LOG2 = 0.0
+XI_LATE_POINTS = 50
 
 
-def normal_ei(mean: float, sd: float) -> float:
-    """E[max(0, X - XI_LOG2)] for X ~ Normal(mean, sd^2)."""
-    mean = mean - XI_LOG2
+def margin(extras: Mapping[str, float]) -> float:
+    """The margin an improvement must clear for this candidate's family (see XI_LOG2)."""
+    return XI_LATE_LOG2 if float(extras.get("n_family_points", 0.0)) >= XI_LATE_POINTS else XI_LOG2
+
+
+def normal_ei(mean: float, sd: float, xi: float = XI_LOG2) -> float:
+    """E[max(0, X - xi)] for X ~ Normal(mean, sd^2)."""
+    mean = mean - xi
     if sd <= 1e-12:
         return max(0.0, mean)
     z = mean / sd
@@ -66,8 +78,9 @@ def normal_ei(mean: float, sd: float) -> float:
 
 
 def expected_improvement(item: AcqItem) -> float:
-    """E[max(0, log2 S - XI_LOG2)] of one candidate (before the failure discount)."""
+    """E[max(0, log2 S - margin)] of one candidate (before the failure discount)."""
     ex = item.extras
+    xi = margin(ex)
     mu, sd = ex.get("mu_log2"), ex.get("sd_log2")
     if mu is not None and sd is not None and math.isfinite(mu) and math.isfinite(sd):
         w = float(ex.get("tail_weight", 0.0))
@@ -75,12 +88,12 @@ def expected_improvement(item: AcqItem) -> float:
             scale = float(ex.get("tail_scale", 1.0))
             # sd_log2 is the mixture's overall sd; recover the core component's sd from it.
             core = sd / math.sqrt((1.0 - w) + w * scale * scale)
-            return (1.0 - w) * normal_ei(mu, core) + w * normal_ei(mu, core * scale)
-        return normal_ei(mu, sd)
+            return (1.0 - w) * normal_ei(mu, core, xi) + w * normal_ei(mu, core * scale, xi)
+        return normal_ei(mu, sd, xi)
     probs = bins.normalize(list(item.probs))
     # Bins are against the baseline; `against_best` records how much faster than it the best measured is.
     gain = max(0.0, float(ex.get("best_gain_log2", 0.0)))
-    return sum(probs[i] * max(0.0, v - gain - XI_LOG2) for i, v in _FASTER_BIN_VALUE.items())
+    return sum(probs[i] * max(0.0, v - gain - xi) for i, v in _FASTER_BIN_VALUE.items())
 
 
 # Tuning switch (benchmarks): weigh the failure discount fully (1.0) or not at all (0.0).
