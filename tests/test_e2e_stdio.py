@@ -157,19 +157,24 @@ async def test_two_server_processes_asked_for_one_measurement_charge_it_once(
     from replay_kernels import SLOW
 
     home = tmp_path / "home"
-    slow = {"FORECASTER_MCP_REPLAY_REALTIME": "2"}  # the recorded ~1 GPU-second takes ~2 s of wall time
+    slow = {"FORECASTER_MCP_REPLAY_REALTIME": "4"}  # the recorded ~1 GPU-second takes ~4 s of wall time
     async with connect_stdio(home, replay=[conv_a100]) as (_c, call):
         await call("budget_status", {})  # creates the state directory and its default ledger first
     costs: list[dict[str, Any]] = []
 
-    async def one(delay: float) -> None:
+    async def one(second: bool) -> None:
         async with connect_stdio(home, replay=[conv_a100], extra_env=slow) as (_c, call):
-            await anyio.sleep(delay)
+            if second:
+                # Asks only once the first process holds the device (its hold is visible to every process):
+                # a fixed delay raced the first server's start-up on a slow machine and both measured.
+                with anyio.fail_after(60):
+                    while (await call("budget_status", {}))["reserved_gpu_seconds"] == 0:  # noqa: ASYNC110
+                        await anyio.sleep(0.05)  # the hold is in another process: nothing here to wait on
             costs.append((await call("measure_kernel", {"kernel": conv("x", SLOW)}))["cost"])
 
     async with anyio.create_task_group() as tg:
-        tg.start_soon(one, 0.0)
-        tg.start_soon(one, 1.0)
+        tg.start_soon(one, False)
+        tg.start_soon(one, True)
     assert sorted(c["cached"] for c in costs) == [False, True], costs
     charged = [c["gpu_seconds"] for c in costs if not c["cached"]]
     async with connect_stdio(home, replay=[conv_a100]) as (_c, call):
