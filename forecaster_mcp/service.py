@@ -917,20 +917,29 @@ class Service:
         told = False
         # Looked up under this key, then under the key results were stored under before (_legacy_cache_key).
         lookup_keys = tuple(dict.fromkeys((cache_key, _legacy_cache_key(request, fingerprint))))
+        min_runs = getattr(measurer, "min_runs", 1)
+
+        async def served_from_cache() -> MeasureResult | None:
+            """A free copy of a stored result that may answer this request (saved as a cache hit), or None."""
+            hit, hit_key = None, cache_key
+            for key in lookup_keys:
+                hit, hit_key = await self.store.find_measurement(key), key
+                if hit is not None:
+                    break
+            if hit is None or not _precise_enough(hit, request, min_runs):
+                return None
+            result = _free_copy(hit, str(kernel.id))
+            # The copy joins the key it was found under: what it saved is read from that key's original.
+            result.measurement_id = await self.store.save_measurement(
+                **{**save, "cache_key": hit_key}, result=result, charged_gpu_seconds=0.0, cached=True
+            )
+            return result
+
         async with self._alone(("cache", cache_key)):
             while True:
-                hit, hit_key = None, cache_key
-                for key in lookup_keys:
-                    hit, hit_key = await self.store.find_measurement(key), key
-                    if hit is not None:
-                        break
-                if hit is not None and _precise_enough(hit, request, getattr(measurer, "min_runs", 1)):
-                    result = _free_copy(hit, str(kernel.id))
-                    # The copy joins the key it was found under: what it saved is read from that key's original.
-                    result.measurement_id = await self.store.save_measurement(
-                        **{**save, "cache_key": hit_key}, result=result, charged_gpu_seconds=0.0, cached=True
-                    )
-                    return result
+                cached = await served_from_cache()
+                if cached is not None:
+                    return cached
                 try:
                     hold = await self.store.reserve(
                         ledger,
@@ -940,7 +949,6 @@ class Service:
                         cache_key=cache_key,
                         exclusive=time.monotonic() < wait_until,
                     )
-                    break
                 except SameMeasurementRunning:
                     if progress is not None and not told:
                         told = True
@@ -954,6 +962,21 @@ class Service:
                     )
                     assert prior is not None
                     return prior
+                else:
+                    # Another process may have saved the same measurement between the lookup above and this
+                    # hold (the lookup read while its save held the write lock, and the hold waited for that
+                    # save to commit and close its hold): look once more before paying for it again.
+                    try:
+                        cached = await served_from_cache()
+                    except BaseException:
+                        with anyio.CancelScope(shield=True):
+                            await self.store.release(hold)
+                        raise
+                    if cached is None:
+                        break
+                    with anyio.CancelScope(shield=True):
+                        await self.store.release(hold)
+                    return cached
             settled = False
             try:
                 try:

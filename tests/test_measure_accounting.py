@@ -214,6 +214,47 @@ async def test_concurrent_identical_measurements_run_once_and_the_rest_are_free(
         await svc.close()
 
 
+async def test_a_result_another_process_saves_between_lookup_and_hold_is_served_free(tmp_path: Path) -> None:
+    """Two server processes on one database: the second looked in the cache while the first's save was still
+    committing, then got its hold once that save had closed the first's hold. It must look again before it
+    pays for the same measurement (both measured and both were charged: the CI failure of stop 28)."""
+    from forecaster_mcp.measure.fake import FakeMeasurer
+
+    first_fake, second_fake = FakeMeasurer([DEVICE], gpu_seconds=0.5), FakeMeasurer([DEVICE], gpu_seconds=0.5)
+    gate = anyio.Event()
+    first_fake.script("vadd", block_until=gate)
+    first, second = await make_service(tmp_path, first_fake), await make_service(tmp_path, second_fake)
+    first_done = anyio.Event()
+    reserve = second.store.reserve
+
+    async def reserve_once_the_first_has_saved(*args: Any, **kwargs: Any) -> Any:
+        if not gate.is_set():  # the second's lookup found nothing: now the first finishes and saves
+            gate.set()
+            await first_done.wait()
+        return await reserve(*args, **kwargs)
+
+    second.store.reserve = reserve_once_the_first_has_saved  # type: ignore[method-assign]
+    try:
+        results: list[MeasureResult] = []
+
+        async def run_first() -> None:
+            results.append(await first.measure(ledger="L", kernel=kernel(), workload=WORKLOAD))
+            first_done.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run_first)
+            await first_fake.wait_for_calls(1)  # the first holds the device
+            results.append(await second.measure(ledger="L", kernel=kernel(), workload=WORKLOAD))
+        assert second_fake.history == []
+        assert [r.cost.cached for r in results] == [False, True]
+        view = await second.store.get_ledger("L")
+        assert view is not None and view.spent_gpu_seconds == pytest.approx(0.5)
+        assert view.reserved_gpu_seconds == 0  # the second's hold was released, free
+    finally:
+        await first.close()
+        await second.close()
+
+
 async def test_a_time_cap_below_the_minimum_is_refused_uncharged(tmp_path: Path) -> None:
     from forecaster_mcp.errors import InvalidRequest
     from forecaster_mcp.measure.fake import FakeMeasurer
