@@ -595,8 +595,8 @@ class Service:
             rows.append(row)
             per = getattr(fc_by_id[str(k.id)], "per_forecaster", None) or {}
             for comp, probs in per.items():
-                # Component rows (same pair, named raw:<slot>, never the engine's own name) feed per-forecaster
-                # calibration only; they are not the caller's forecasts.
+                # Component rows (same pair, named raw:<name>@<version>[regime], never the engine's own name)
+                # feed per-forecaster calibration only; they are not the caller's forecasts.
                 rows.append(
                     dataclasses.replace(
                         row,

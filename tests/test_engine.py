@@ -98,15 +98,15 @@ def test_info_names_the_combination() -> None:
     assert info.name == "local+claude"
     assert info.components == ["local@0", "claude@0"]
     assert engine.row_names() == [
-        "local+claude",
-        "local+claude:unmeasured",
-        "local+claude:prior",
-        "raw:local",
-        "raw:local:unmeasured",
-        "raw:local:prior",
-        "raw:claude",
-        "raw:claude:unmeasured",
-        "raw:claude:prior",
+        "local@0+claude@0",
+        "local@0+claude@0:unmeasured",
+        "local@0+claude@0:prior",
+        "raw:local@0",
+        "raw:local@0:unmeasured",
+        "raw:local@0:prior",
+        "raw:claude@0",
+        "raw:claude@0:unmeasured",
+        "raw:claude@0:prior",
     ]
     assert ForecastEngine([_scripted("local")]).info().name == "local"
     with pytest.raises(ValueError):
@@ -127,8 +127,8 @@ async def test_two_forecasters_are_pooled_without_history() -> None:
     assert f.confidence == pytest.approx(max(expected, 1 - expected))
     assert sum(f.probs) == pytest.approx(1.0) and len(f.probs) == 8
     assert f.expected_speedup == pytest.approx(bins.expected_speedup(f.probs))
-    assert set(f.per_forecaster) == {"raw:a", "raw:b"}
-    assert bins.p_faster(f.per_forecaster["raw:a"]) == pytest.approx(0.8)
+    assert set(f.per_forecaster) == {"raw:a@0", "raw:b@0"}
+    assert bins.p_faster(f.per_forecaster["raw:a@0"]) == pytest.approx(0.8)
     # Per component only: a's own mu/sd would rank measure_next on a alone (the final bins stand instead).
     assert "mu_log2" not in f.extras and f.extras["a.mu_log2"] == 0.4 and f.extras["a.sd_log2"] == 0.3
     assert "a: a thinks faster" in f.rationale and "b: b leans faster" in f.rationale
@@ -187,7 +187,7 @@ async def test_a_failing_forecaster_is_skipped_with_a_note() -> None:
     assert len(out) == 2
     for f in out:
         assert f.p_faster == pytest.approx(0.9)  # the one answer, passed through
-        assert set(f.per_forecaster) == {"raw:local"}
+        assert set(f.per_forecaster) == {"raw:local@0"}
         assert any("broken skipped: RuntimeError: model server unreachable" in n for n in f.notes)
         assert any("short skipped" in n for n in f.notes)
 
@@ -223,13 +223,13 @@ def _overconfident_history(
 @pytest.mark.anyio
 async def test_calibration_is_fitted_from_the_store_and_persisted() -> None:
     store = FakeStore()
-    _overconfident_history(store, "local", 400, np.random.default_rng(0))
+    _overconfident_history(store, "local@0", 400, np.random.default_rng(0))
     engine = ForecastEngine([_scripted("local", _bins_with(0.95))], store)
     [f] = await engine.forecast([_query()])
     assert 0.6 < f.p_faster < 0.8  # pulled from 0.95 towards the observed 70%
     assert bins.p_faster(f.raw["local"]) == pytest.approx(0.95)
-    assert ("local", "*") in store.saves
-    state = json.loads(store.states[("local", "*")])
+    assert ("local@0", "*") in store.saves
+    state = json.loads(store.states[("local@0", "*")])
     assert state["rows"].startswith("400:") and state["calibrator"]["kind"] == "platt"
 
     # A fresh engine (server restart) starts from the saved state and does not refit: counts unchanged.
@@ -241,14 +241,45 @@ async def test_calibration_is_fitted_from_the_store_and_persisted() -> None:
 
 
 @pytest.mark.anyio
+async def test_another_claude_model_starts_from_the_defaults_not_the_last_models_calibration() -> None:
+    """Calibration, combination and threshold history are learned per component name *and version* (for
+    Claude, the model): switching the model in the settings must not apply what one model's verified forecasts
+    taught to another's answers, nor let one model's record certify a threshold for the next."""
+    store = FakeStore()
+    rng = np.random.default_rng(7)
+    _overconfident_history(store, "claude@model-a", 400, rng)  # claims 0.95, right 70% of the time
+    for i in range(300):  # final forecasts at 0.9 right 99%: certify a threshold below the default
+        store.add("claude@model-a", "A100", _bins_with(0.9), 0.5 if i % 100 == 0 else 2.0)
+
+    def claude(model: str) -> ScriptedForecaster:
+        f = _scripted("claude", _bins_with(0.95))
+        f.version = model
+        return f
+
+    old = ForecastEngine([claude("model-a")], store)
+    [f] = await old.forecast([_query()])
+    assert 0.6 < f.p_faster < 0.8  # its own history pulls it towards the observed 70%
+    assert (await old.threshold("A100", 0.1)).source == "history"
+    assert old.final_name(f) == "claude@model-a" and list(f.per_forecaster) == ["raw:claude@model-a"]
+
+    new = ForecastEngine([claude("model-b")], store)
+    [g] = await new.forecast([_query()])
+    assert g.p_faster == pytest.approx(0.95)  # no verified pair of model-b yet: its answer as it is
+    assert (await new.threshold("A100", 0.1)).source == "default"
+    assert new.final_name(g) == "claude@model-b" and list(g.per_forecaster) == ["raw:claude@model-b"]
+    assert ("claude@model-a", "*") in store.states and ("claude@model-b", "*") in store.states
+    assert new.info().name == old.info().name == "claude"  # what the agent sees names the component
+
+
+@pytest.mark.anyio
 async def test_static_prior_answers_are_calibrated_and_decided_apart_from_model_answers() -> None:
     """A family model's verified history says nothing about the static prior's answers (two different
     kernels): it must neither recalibrate them nor lower the threshold they are decided at."""
     store = FakeStore()
     rng = np.random.default_rng(3)
-    _overconfident_history(store, "local", 400, rng)  # model answers: 0.95 claimed, 70% right
+    _overconfident_history(store, "local@0", 400, rng)  # model answers: 0.95 claimed, 70% right
     for i in range(300):  # final forecasts at 0.9, right 99%: certifies 0.9
-        store.add("local", "A100", _bins_with(0.9), 0.5 if i % 100 == 0 else 2.0)
+        store.add("local@0", "A100", _bins_with(0.9), 0.5 if i % 100 == 0 else 2.0)
     local = _scripted("local")
     local.enqueue(
         BinForecast(_bins_with(0.95), "family model"),
@@ -259,25 +290,26 @@ async def test_static_prior_answers_are_calibrated_and_decided_apart_from_model_
     assert 0.6 < model.p_faster < 0.8  # recalibrated on the model's verified answers
     assert prior.p_faster == pytest.approx(0.95)  # its own slot has no history: left as it is
     assert prior.regime == "prior" and model.regime == "model"
-    assert list(model.per_forecaster) == ["raw:local"] and list(prior.per_forecaster) == ["raw:local:prior"]
+    assert list(model.per_forecaster) == ["raw:local@0"]
+    assert list(prior.per_forecaster) == ["raw:local@0:prior"]
     choice = await engine.threshold("A100", 0.1)
     assert choice.source == "history" and choice.threshold == pytest.approx(0.9)
     prior_choice = await engine.threshold("A100", 0.1, "prior")
     assert prior_choice.source == "default" and prior_choice.threshold == pytest.approx(0.95)
     assert "static prior" in prior_choice.reason
-    assert engine.final_name(model) == "local" and engine.final_name(prior) == "local:prior"
+    assert engine.final_name(model) == "local@0" and engine.final_name(prior) == "local@0:prior"
 
     # The prior's own verified answers calibrate its slot (persisted apart).
-    _overconfident_history(store, "local:prior", 400, rng)
+    _overconfident_history(store, "local@0:prior", 400, rng)
     engine.mark_stale()
     local.enqueue(BinForecast(_bins_with(0.95), "static prior", {"prior": 1.0}))
     [again] = await engine.forecast([_query(2)])
     assert 0.6 < again.p_faster < 0.8
-    assert json.loads(store.states[("local:prior", "*")])["rows"].startswith("400:")
-    assert json.loads(store.states[("local", "*")])["rows"].startswith("400:")
+    assert json.loads(store.states[("local@0:prior", "*")])["rows"].startswith("400:")
+    assert json.loads(store.states[("local@0", "*")])["rows"].startswith("400:")
     # ... and the prior's own verified final forecasts certify its threshold.
     for i in range(300):
-        store.add("local:prior", "A100", _bins_with(0.85), 0.5 if i % 100 == 0 else 2.0)
+        store.add("local@0:prior", "A100", _bins_with(0.85), 0.5 if i % 100 == 0 else 2.0)
     engine.mark_stale()
     assert (await engine.threshold("A100", 0.1, "prior")).threshold == pytest.approx(0.85)
     assert (await engine.threshold("A100", 0.1)).threshold == pytest.approx(0.9)
@@ -287,8 +319,8 @@ async def test_static_prior_answers_are_calibrated_and_decided_apart_from_model_
     local.enqueue(BinForecast(_bins_with(0.95), "static prior", {"prior": 1.0}))
     both = ForecastEngine([local, other])
     [mixed] = await both.forecast([_query(3)])
-    assert mixed.regime == "prior" and both.final_name(mixed) == "local+claude:prior"
-    assert set(mixed.per_forecaster) == {"raw:local:prior", "raw:claude"}
+    assert mixed.regime == "prior" and both.final_name(mixed) == "local@0+claude@0:prior"
+    assert set(mixed.per_forecaster) == {"raw:local@0:prior", "raw:claude@0"}
 
     # Evaluation: in-memory fits route each outcome to its answer's slot.
     fresh = ForecastEngine([_scripted("local")])
@@ -306,7 +338,7 @@ async def test_pairs_of_two_unmeasured_kernels_are_calibrated_and_decided_apart(
     certifies does not hold for pairs whose runtimes are both predictions, which err more."""
     store = FakeStore()
     for i in range(300):  # final forecasts against a measured kernel at 0.9, right 99%: certifies 0.9
-        store.add("local", "A100", _bins_with(0.9), 0.5 if i % 100 == 0 else 2.0)
+        store.add("local@0", "A100", _bins_with(0.9), 0.5 if i % 100 == 0 else 2.0)
     local = _scripted("local")
     local.enqueue(
         BinForecast(_bins_with(0.92), "vs measured", {"measured": 0.0, "baseline_measured": 1.0}),
@@ -316,17 +348,17 @@ async def test_pairs_of_two_unmeasured_kernels_are_calibrated_and_decided_apart(
     engine = ForecastEngine([local], store)
     vs, both, measured = await engine.forecast([_query(0), _query(1), _query(2)])
     assert (vs.regime, both.regime, measured.regime) == ("model", "unmeasured", "model")
-    assert list(both.per_forecaster) == ["raw:local:unmeasured"]
-    assert engine.final_name(both) == "local:unmeasured"
-    assert "local:unmeasured" in engine.row_names() and "raw:local:unmeasured" in engine.row_names()
+    assert list(both.per_forecaster) == ["raw:local@0:unmeasured"]
+    assert engine.final_name(both) == "local@0:unmeasured"
+    assert "local@0:unmeasured" in engine.row_names() and "raw:local@0:unmeasured" in engine.row_names()
     assert (await engine.threshold("A100", 0.1)).threshold == pytest.approx(0.9)
     unmeasured = await engine.threshold("A100", 0.1, "unmeasured")
     assert unmeasured.source == "default" and unmeasured.threshold == pytest.approx(0.975)  # 1 - target / 4
     assert "neither kernel measured" in unmeasured.reason
     # Its own verified final forecasts certify its own threshold; its raw rows calibrate its own slot.
     for i in range(300):
-        store.add("local:unmeasured", "A100", _bins_with(0.97), 0.5 if i % 100 == 0 else 2.0)
-    _overconfident_history(store, "local:unmeasured", 400, np.random.default_rng(5))
+        store.add("local@0:unmeasured", "A100", _bins_with(0.97), 0.5 if i % 100 == 0 else 2.0)
+    _overconfident_history(store, "local@0:unmeasured", 400, np.random.default_rng(5))
     engine.mark_stale()
     assert (await engine.threshold("A100", 0.1, "unmeasured")).threshold == pytest.approx(0.97)
     assert (await engine.threshold("A100", 0.1)).threshold == pytest.approx(0.9)
@@ -339,10 +371,11 @@ async def test_pairs_of_two_unmeasured_kernels_are_calibrated_and_decided_apart(
     other = _scripted("claude", _bins_with(0.9))
     local.enqueue(BinForecast(_bins_with(0.6), "static prior", {"prior": 1.0, **UNMEASURED}))
     [mixed] = await ForecastEngine([local, other]).forecast([_query(5)])
-    assert mixed.regime == "prior" and set(mixed.per_forecaster) == {"raw:local:prior", "raw:claude"}
+    assert mixed.regime == "prior" and set(mixed.per_forecaster) == {"raw:local@0:prior", "raw:claude@0"}
     local.enqueue(BinForecast(_bins_with(0.6), "both predicted", UNMEASURED))
     [pair] = await ForecastEngine([local, other]).forecast([_query(6)])
-    assert pair.regime == "unmeasured" and set(pair.per_forecaster) == {"raw:local:unmeasured", "raw:claude"}
+    assert pair.regime == "unmeasured"
+    assert set(pair.per_forecaster) == {"raw:local@0:unmeasured", "raw:claude@0"}
 
 
 @pytest.mark.anyio
@@ -350,10 +383,10 @@ async def test_a_family_with_enough_history_of_its_own_is_thresholded_on_it() ->
     """History pooled over kernel families certifies a threshold that a rougher family errs above."""
     store = FakeStore()
     for i in range(600):  # a smooth family: right 99% at 0.7
-        store.add("local", "A100", _bins_with(0.7), 0.5 if i % 100 == 0 else 2.0, "smooth")
+        store.add("local@0", "A100", _bins_with(0.7), 0.5 if i % 100 == 0 else 2.0, "smooth")
     for i in range(100):  # a rough one: right 80% at 0.7, 99% at 0.95
-        store.add("local", "A100", _bins_with(0.7), 0.5 if i % 5 == 0 else 2.0, "rough")
-        store.add("local", "A100", _bins_with(0.95), 0.5 if i % 100 == 0 else 2.0, "rough")
+        store.add("local@0", "A100", _bins_with(0.7), 0.5 if i % 5 == 0 else 2.0, "rough")
+        store.add("local@0", "A100", _bins_with(0.95), 0.5 if i % 100 == 0 else 2.0, "rough")
     engine = ForecastEngine([_scripted("local")], store)
     gpu = await engine.threshold("A100", 0.1)
     assert gpu.threshold == pytest.approx(0.7)  # 800 pairs at 0.7, 26 wrong
@@ -361,7 +394,7 @@ async def test_a_family_with_enough_history_of_its_own_is_thresholded_on_it() ->
     assert rough.threshold == pytest.approx(0.95) and "this kernel family" in rough.reason
     assert (await engine.threshold("A100", 0.1, "model", "smooth")).threshold == pytest.approx(0.7)
     # A family with too little history of its own, or none known, gets the GPU's.
-    store.add("local", "A100", _bins_with(0.7), 0.5, "new")
+    store.add("local@0", "A100", _bins_with(0.7), 0.5, "new")
     engine.mark_stale()
     assert (await engine.threshold("A100", 0.1, "model", "new")).threshold == pytest.approx(0.7)
     assert (await engine.threshold("A100", 0.1, "model", None)).threshold == pytest.approx(0.7)
@@ -387,13 +420,13 @@ async def test_combination_weights_follow_the_better_forecaster() -> None:
         speedup = (2.0 + i * 1e-4) if faster else 1 / (2.0 + i * 1e-4)  # distinct: rows join on it
         good = 0.9 if faster else 0.1  # always right
         noise = 0.9 if rng.random() < 0.5 else 0.1  # a coin
-        store.add("raw:good", "A100", _bins_with(good), speedup)
-        store.add("raw:noise", "A100", _bins_with(noise), speedup)
+        store.add("raw:good@0", "A100", _bins_with(good), speedup)
+        store.add("raw:noise@0", "A100", _bins_with(noise), speedup)
     good_f, noise_f = _scripted("good", _bins_with(0.9)), _scripted("noise", _bins_with(0.1))
     engine = ForecastEngine([good_f, noise_f], store)
     [f] = await engine.forecast([_query()])
     assert f.p_faster > 0.9  # the good one wins the disagreement
-    state = json.loads(store.states[("good+noise", "*")])
+    state = json.loads(store.states[("good@0+noise@0", "*")])
     w_good, w_noise = state["combiner"]["weights"]
     # The coin calibrates to p ~ 0.5 (log-odds ~ 0), so only the good one's weight is identifiable.
     assert w_good > 0.8 and w_noise >= 0.0
@@ -411,7 +444,7 @@ async def test_threshold_default_then_certified_then_cached() -> None:
 
     # 300 verified final forecasts at confidence 0.9, right 99% of the time.
     for i in range(300):
-        store.add("local", "A100", _bins_with(0.9), 0.5 if i % 100 == 0 else 2.0)
+        store.add("local@0", "A100", _bins_with(0.9), 0.5 if i % 100 == 0 else 2.0)
     assert (await engine.threshold("A100", 0.1)).source == "default"  # cached until stale or expired
     engine.mark_stale()
     second = await engine.threshold("A100", 0.1)
@@ -439,7 +472,7 @@ async def test_threshold_default_then_certified_then_cached() -> None:
 async def test_threshold_falls_back_to_history_pooled_over_gpus() -> None:
     store = FakeStore()
     for i in range(300):
-        store.add("local", "A100", _bins_with(0.1), 2.0 if i % 100 == 0 else 0.5)
+        store.add("local@0", "A100", _bins_with(0.1), 2.0 if i % 100 == 0 else 0.5)
     engine = ForecastEngine([_scripted("local")], store)
     choice = await engine.threshold("H100", 0.1)
     assert choice.source == "history" and "pooled over GPUs" in choice.reason
@@ -461,12 +494,12 @@ async def test_a_store_failure_never_breaks_a_forecast() -> None:
 @pytest.mark.anyio
 async def test_unreadable_saved_state_is_refitted() -> None:
     store = FakeStore()
-    store.states[("local", "*")] = "{not json"
-    _overconfident_history(store, "local", 200, np.random.default_rng(2))
+    store.states[("local@0", "*")] = "{not json"
+    _overconfident_history(store, "local@0", 200, np.random.default_rng(2))
     engine = ForecastEngine([_scripted("local", _bins_with(0.95))], store)
     [f] = await engine.forecast([_query()])
     assert f.p_faster < 0.85
-    assert json.loads(store.states[("local", "*")])["rows"].startswith("200:")
+    assert json.loads(store.states[("local@0", "*")])["rows"].startswith("200:")
 
 
 @pytest.mark.anyio
@@ -559,8 +592,8 @@ def test_a_remeasured_baseline_refits_the_calibration_now_and_after_a_restart(tm
             rows = []
             for i in range(1, 41):
                 c = kernel(BS=i)
-                r = forecast(base, c, 0.8, "unsure", forecaster="raw:local")
-                rows += [r, dataclasses.replace(r, forecaster="local")]
+                r = forecast(base, c, 0.8, "unsure", forecaster="raw:local@0")
+                rows += [r, dataclasses.replace(r, forecaster="local@0")]
                 await save(store, c, 1.0)
             await store.save_forecasts(rows)
             await save(store, base, 2.0)  # every candidate 2x faster
@@ -634,7 +667,7 @@ def test_forecasts_issued_under_an_early_overconfident_calibration_do_not_lock_v
     rng = np.random.default_rng(0)
     store = FakeStore()
     for _ in range(80):
-        store.add("local", "H100", _bins_with(0.999), 1.5 if rng.random() < 0.7 else 0.6)
+        store.add("local@0", "H100", _bins_with(0.999), 1.5 if rng.random() < 0.7 else 0.6)
 
     async def threshold() -> tuple[float, str]:
         choice = await ForecastEngine([_scripted("local")], store).threshold("H100", 0.1)
@@ -643,7 +676,7 @@ def test_forecasts_issued_under_an_early_overconfident_calibration_do_not_lock_v
     assert anyio.run(threshold) == (1.0, "never")  # refuted, rightly, while those are all there is
     for _ in range(HISTORY_WINDOW):  # then calibrated ones: right with probability equal to their confidence
         c = rng.uniform(0.6, 0.95)
-        store.add("local", "H100", _bins_with(c), 1.5 if rng.random() < c else 0.6)
+        store.add("local@0", "H100", _bins_with(c), 1.5 if rng.random() < c else 0.6)
     value, source = anyio.run(threshold)
     assert source in ("history", "default") and value <= 0.95  # deciding again
 
@@ -654,7 +687,7 @@ async def test_an_answer_from_two_measurements_is_not_calibrated_or_combined() -
     forecasts (here: overconfident ones, pulled to 70%) does not soften it, and another component's guess is
     not mixed in."""
     store = FakeStore()
-    _overconfident_history(store, "local", 400, np.random.default_rng(0))
+    _overconfident_history(store, "local@0", 400, np.random.default_rng(0))
     local, claude = _scripted("local", _bins_with(0.95)), _scripted("claude", _bins_with(0.1))
     measured = {"measured": 1.0, "baseline_measured": 1.0, "mu_log2": 1.0, "sd_log2": 0.05}
     local.enqueue(BinForecast(_bins_with(0.999), "both measured: 1 ms vs baseline 2 ms", measured))

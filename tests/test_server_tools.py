@@ -10,11 +10,14 @@ from mcp import Client
 from replay_kernels import FAILS, FAST, SLOW, conv
 from tool_calls import call, error_of, running
 
+from forecaster_mcp.forecast.local import VERSION as LOCAL_VERSION
 from forecaster_mcp.forecast.selective import MAX_TARGET_ERROR, MIN_TARGET_ERROR
 from forecaster_mcp.models import MAX_DEFINES, MAX_SOURCE_BYTES, MIN_MEASURE_SECONDS, Kernel
 from forecaster_mcp.server.app import build_server
 from forecaster_mcp.service import Service
 from forecaster_mcp.settings import Settings
+
+LOCAL = f"local@{LOCAL_VERSION}"  # the local forecaster's name in stored rows (engine module doc)
 
 pytestmark = pytest.mark.anyio
 
@@ -304,7 +307,7 @@ async def test_static_prior_forecasts_are_stored_and_thresholded_apart(
         await call(client, "measure_kernel", {"kernel": conv("a", FAST)})
         await call(client, "measure_kernel", {"kernel": conv("b", SLOW)})
         verified = await service.store.verified_pairs()
-        assert sorted(v.forecaster for v in verified) == ["local:prior", "raw:local:prior"]
+        assert sorted(v.forecaster for v in verified) == [f"{LOCAL}:prior", f"raw:{LOCAL}:prior"]
         status = await call(client, "budget_status", {})
         assert status["calibration"]["verified_pairs"] == 1
 
@@ -340,12 +343,12 @@ async def test_pairs_of_two_unmeasured_kernels_are_stored_and_thresholded_apart(
         names = sorted(v.forecaster for v in verified)
         # a vs b (both predicted then), and a, b against the measured baseline.
         assert names == [
-            "local",
-            "local",
-            "local:unmeasured",
-            "raw:local",
-            "raw:local",
-            "raw:local:unmeasured",
+            LOCAL,
+            LOCAL,
+            f"{LOCAL}:unmeasured",
+            f"raw:{LOCAL}",
+            f"raw:{LOCAL}",
+            f"raw:{LOCAL}:unmeasured",
         ]
 
 

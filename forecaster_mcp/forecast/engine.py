@@ -1,20 +1,24 @@
 """The forecast engine: run every forecaster, calibrate each, combine, and choose the selective threshold.
 
-Rows the server stores (ForecastRow.forecaster names), and what the engine reads back:
-- `info().name` (e.g. "local" or "local+claude"): the engine's final, calibrated and combined forecast as
-  it was issued. Its verified pairs choose the selective threshold (a forecast made before its outcome was
-  known is an honest sample of the policy's error). `<info().name>:prior`: the same for forecasts in which a
-  component answered from a static prior (a pair no family model covers: different kernels, or too few
-  measurements); they choose the threshold of such forecasts (`final_name`).
-- `raw:<component>` (e.g. "raw:local", "raw:claude"): each component's uncalibrated forecast, the keys of
+Rows the server stores (ForecastRow.forecaster names), and what the engine reads back. Each component is
+named in them as `<name>@<version>` (for Claude the version is the model), written `<c>` below, and the
+engine as its components joined by "+", written `<e>` ("local@1.0", "local@1.0+claude@<model>"): what was
+learned on one model's forecasts (calibration, combination weights, threshold history) says nothing about
+another's, so switching the Claude model, or a new local model version, starts again from the defaults.
+- `<e>`: the engine's final, calibrated and combined forecast as it was issued. Its verified pairs choose the
+  selective threshold (a forecast made before its outcome was known is an honest sample of the policy's
+  error). `<e>:prior`: the same for forecasts in which a component answered from a static prior (a pair no
+  family model covers: different kernels, or too few measurements); they choose the threshold of such
+  forecasts (`final_name`).
+- `raw:<c>` (e.g. "raw:local@1.0"): each component's uncalibrated forecast, the keys of
   `EngineForecast.per_forecaster`. Their verified pairs fit that component's calibration and, joined on
   (hardware, measured speedup), the combination weights.
-- `raw:<component>:prior`: a component's answers from a static prior instead of a model of measured data
+- `raw:<c>:prior`: a component's answers from a static prior instead of a model of measured data
   (the local forecaster on two different kernels, or a family with too few measurements; `extras["prior"]`).
   They are calibrated apart: a calibration learned on a family model's verified pairs says nothing about the
   prior's, and the other way round; likewise a threshold certified on the family model's history does not
   certify the prior's forecasts, which have their own.
-- `raw:<component>:unmeasured` and `<info().name>:unmeasured`: the same split for model answers on a pair of
+- `raw:<c>:unmeasured` and `<e>:unmeasured`: the same split for model answers on a pair of
   which neither kernel is measured (`extras["measured"]` and `extras["baseline_measured"]` both 0). Both
   runtimes are predictions, so these err more than a prediction against a measured baseline (the search case,
   which dominates verified history): on the 15 held-out replay spaces, a threshold certified on
@@ -27,9 +31,8 @@ it has enough of its own (stored rows carry `family_key`), else of the GPU, else
 differ: three A6000 replay spaces served together (convolution, dedispersion, 6-parameter convolution; 100
 measurements each) certified 0.506 on their pooled history, at which the 6-parameter convolution erred on 11.2%
 of its decided verdicts; its own history certifies 0.70-0.77 (benchmarks/family_thresholds.py, 2 seeds).
-Calibration state is persisted with `save_calibration(<slot>, "*")` for every slot (`<component>`,
-`<component>:unmeasured`, `<component>:prior`) and, with several components, `save_calibration(info().name,
-"*")` for the combiner.
+Calibration state is persisted with `save_calibration(<slot>, "*")` for every slot (`<c>`, `<c>:unmeasured`,
+`<c>:prior`) and, with several components, `save_calibration(<e>, "*")` for the combiner.
 """
 
 from __future__ import annotations
@@ -177,7 +180,7 @@ class EngineForecast:
     # mu_log2 / sd_log2 / p_fail), and every component's under "<component>.<key>".
     extras: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
-    # Extra rows to store beside the final one: forecaster name ("raw:<slot>") -> bins.
+    # Extra rows to store beside the final one: forecaster name ("raw:<name>@<version><regime suffix>") -> bins.
     per_forecaster: dict[str, list[float]] = field(default_factory=dict)
     slots: dict[str, str] = field(default_factory=dict)  # component -> calibration slot of its answer
     regime: Regime = "model"  # the most uncertain of its components' regimes (module doc)
@@ -253,6 +256,11 @@ class ForecastEngine:
         self._timeout_s = timeout_s
         self._clock = clock
         self._slots = [n + _SUFFIX[r] for n in names for r in REGIMES]
+        # In the store every component is "<name>@<version>" (for Claude the version is the model): a
+        # calibration, combination weights or threshold history learned on one model's forecasts says nothing
+        # about another's, so a new Claude model (or local model version) starts from the defaults.
+        self._keys = {f.name: f"{f.name}@{f.version}" for f in forecasters}
+        self._stored_name = "+".join(self._keys[n] for n in names)
         # A forecaster may say how far its stated confidence is trusted before any pair is verified
         # (`calibration_slope`, 1 unless set): its calibration starts there, and its fits are drawn to it.
         slopes = {f.name: float(getattr(f, "calibration_slope", 1.0)) for f in forecasters}
@@ -299,11 +307,20 @@ class ForecastEngine:
 
     def row_names(self) -> list[str]:
         """Every forecaster name the engine reads verified pairs under."""
-        return [*(self.name + _SUFFIX[r] for r in REGIMES), *(raw_name(s) for s in self._slots)]
+        return [
+            *(self._stored_name + _SUFFIX[r] for r in REGIMES),
+            *(raw_name(self._stored(s)) for s in self._slots),
+        ]
 
     def final_name(self, forecast: EngineForecast) -> str:
-        """The forecaster name a final forecast is stored under (its regime's threshold history)."""
-        return self.name + _SUFFIX[forecast.regime]
+        """The forecaster name a final forecast is stored under (its regime's threshold history): the
+        components' names and versions (`local@1.0+claude@<model>`), then the regime's suffix."""
+        return self._stored_name + _SUFFIX[forecast.regime]
+
+    def _stored(self, slot: str) -> str:
+        """A calibration slot's name in the store: its component's `name@version`, then the regime suffix."""
+        component = _component_of(slot)
+        return self._keys[component] + slot.removeprefix(component)
 
     # ------------------------------------------------------------------ forecasting
 
@@ -429,7 +446,7 @@ class ForecastEngine:
             calibrated=calibrated,
             extras=extras,
             notes=list(notes),
-            per_forecaster={raw_name(slots[n]): v for n, v in raw.items()},
+            per_forecaster={raw_name(self._stored(slots[n])): v for n, v in raw.items()},
             slots=slots,
             regime=max((_regime_of_slot(s) for s in slots.values()), key=REGIMES.index),
         )
@@ -587,8 +604,9 @@ class ForecastEngine:
             by_name: dict[str, list[VerifiedPair]] = {}
             for v in await store.verified_pairs():
                 by_name.setdefault(v.forecaster, []).append(v)
-            # Slot s of component n: its rows are "raw:<s>"; the component is s without the regime suffix.
-            rows = {s: by_name.get(raw_name(s), []) for s in self._slots}
+            # Slot s of component n: its rows are raw_name(_stored(s)); the component is s without the regime
+            # suffix.
+            rows = {s: by_name.get(raw_name(self._stored(s)), []) for s in self._slots}
             signatures = {s: _rows_signature(rows[s]) for s in self._slots}
             for s in self._slots:
                 if signatures[s] != self._fit_signatures.get(s):
@@ -597,15 +615,15 @@ class ForecastEngine:
                         s, [(n, Outcome(v.hardware, v.actual_speedup, {n: v.probs}, {n: s})) for v in rows[s]]
                     )
                     self._fit_signatures[s] = signatures[s]
-                    await store.save_calibration(s, POOLED, self._calibration_state(s))
+                    await store.save_calibration(self._stored(s), POOLED, self._calibration_state(s))
             # The combination weights are learned on the components' model answers (joined per pair).
             combined = {n: signatures[n] for n in self._names}
             if len(self._names) > 1 and combined != self._combiner_signatures:
                 self._combiner = self._fit_combiner(_join(rows, self._names))
                 self._combiner_signatures = combined
-                await store.save_calibration(self.name, POOLED, self._combiner_state())
+                await store.save_calibration(self._stored_name, POOLED, self._combiner_state())
             for regime in REGIMES:
-                final = by_name.get(self.name + _SUFFIX[regime], [])
+                final = by_name.get(self._stored_name + _SUFFIX[regime], [])
                 signature = _rows_signature(final)
                 if signature != self._history_signatures.get(regime):
                     self._set_regime_history(
@@ -640,7 +658,7 @@ class ForecastEngine:
     async def _load(self, store: CalibrationStore) -> None:
         """Start from the persisted state; an unreadable one is ignored and refitted from the pairs."""
         for n in self._slots:
-            text = await store.load_calibration(n, POOLED)
+            text = await store.load_calibration(self._stored(n), POOLED)
             if text is None:
                 continue
             try:
@@ -652,7 +670,7 @@ class ForecastEngine:
             except (ValueError, KeyError, TypeError, AttributeError) as exc:
                 log.warning("ignoring unreadable calibration state of %s: %s", n, exc)
         if len(self._names) > 1:
-            text = await store.load_calibration(self.name, POOLED)
+            text = await store.load_calibration(self._stored_name, POOLED)
             if text is None:
                 return
             try:
