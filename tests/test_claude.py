@@ -669,6 +669,20 @@ def test_fence_outlasts_backticks_in_the_source() -> None:
     assert prompt.fence("x = 1", "triton").startswith("```python\n")
 
 
+def test_one_long_source_with_two_entries_is_shown_for_each() -> None:
+    """The same source shown once is cut around the baseline's entry: with another entry for the candidate,
+    the candidate's function could be cut away, and Claude asked about a kernel it never saw."""
+    filler = "".join(f"// helper line {i} ........................................\n" for i in range(2700))
+    src = (
+        filler + "__global__ void kb(float* x) { x[0] = 1; }\n" + filler + "__global__ void kc(float* x) {}\n"
+    )
+    assert len(src) > prompt.MAX_SOURCE_CHARS
+    text = prompt.build_user_prompt(
+        PairQuery(Kernel(source=src, entry="kc"), Kernel(source=src, entry="kb"), Workload(), "A100", None)
+    )
+    assert "void kc(" in text and "void kb(" in text and "SAME source" not in text
+
+
 def test_a_source_over_the_limit_keeps_its_entry_function() -> None:
     """Helpers first and the kernel last (the usual order): the cut source still shows the kernel."""
     helpers = "".join(f"__device__ float h{i}(float x) {{ return x * {i}.0f; }}\n" for i in range(5000))
@@ -714,6 +728,10 @@ async def test_a_pair_whose_prompt_is_over_the_limit_is_not_sent() -> None:
         ({"reasoning": "no numbers"}, "missing"),
         ("not json", "not JSON"),
         ([0.1] * 8, "not an object"),
+        # json.loads raises ValueError / RecursionError, not JSONDecodeError, on these: still retried.
+        ('{"probabilities": [' + "1" * 5000 + ", 0, 0, 0, 0, 0, 0, 0]}", "not usable JSON: ValueError"),
+        ("[" * 100_000, "not usable JSON: RecursionError"),
+        ({"probabilities": "[" + "1" * 5000 + ", 0, 0, 0, 0, 0, 0, 0]"}, "not a JSON list"),
     ],
 )
 def test_parse_answer_rejects(payload: object, problem: str) -> None:
@@ -759,6 +777,27 @@ async def test_batch_flow() -> None:
     assert slept == [7.0, 7.0]  # one in_progress poll per batch
     assert sink.calls[0]["input_tokens"] == 5 * 1000
     assert sink.calls[0]["cost_usd"] == pytest.approx(cost_usd(MODEL, TokenUsage(5000, 500)) / 2)
+
+
+@pytest.mark.anyio
+async def test_a_batch_result_the_sdk_cannot_make_sense_of_drops_that_sample_only() -> None:
+    """Like a live sample: one paid answer that is not a message block (here a bare number) costs its own
+    sample, not the whole batch's answers (it raised out of forecast_batch and Claude was skipped)."""
+
+    def responder(params: dict[str, Any]) -> Any:
+        text = params["messages"][0]["content"][0]["text"]
+        if "saxpy4" in text:
+            return {**tool_answer(FASTER), "content": [42]}
+        return tool_answer(SLOWER)
+
+    mock = AnthropicMock(responder)
+    _, fake_sleep = recording_sleep()
+    f = make(mock, samples=1, sleep=fake_sleep, batch_poll_interval_s=0.0)
+    with pytest.raises(ClaudeUnavailable, match="unexpected") as info:
+        await f.forecast_batch([pair(), pair(same_source=True)])
+    partial = info.value.partial
+    assert partial is not None and partial[0] is None
+    assert partial[1] is not None and partial[1].probs == pytest.approx(SLOWER)
 
 
 @pytest.mark.anyio

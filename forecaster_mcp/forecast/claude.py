@@ -727,6 +727,9 @@ class ClaudeForecaster:
                 return max_tokens
             except _Dropped as exc:
                 problems.append(str(exc))
+            except Exception as exc:  # as in _sample: a result the SDK could not make sense of drops this one
+                log.warning("claude batch result failed unexpectedly", exc_info=True)
+                problems.append(f"unexpected {type(exc).__name__} handling the answer: {exc}")
             return None
         if result.type == "errored":
             error = result.error.error

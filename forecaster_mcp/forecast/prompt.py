@@ -149,6 +149,8 @@ def parse_answer(payload: object) -> tuple[list[float], str]:
             payload = json.loads(_strip_code_fence(payload))
         except json.JSONDecodeError as exc:
             raise InvalidAnswer(f"answer is not JSON: {exc.msg}") from exc
+        except (ValueError, RecursionError) as exc:  # a 5,000-digit number, arrays nested 100,000 deep
+            raise InvalidAnswer(f"answer is not usable JSON: {type(exc).__name__}") from exc
     if not isinstance(payload, Mapping):
         raise InvalidAnswer(f"answer is a {type(payload).__name__}, not an object")
     raw = payload.get("probabilities")
@@ -156,7 +158,7 @@ def parse_answer(payload: object) -> tuple[list[float], str]:
         # Some models string-encode the array inside a tool call.
         try:
             raw = json.loads(raw)
-        except json.JSONDecodeError as exc:
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
             raise InvalidAnswer("probabilities is a string that is not a JSON list") from exc
     if not isinstance(raw, list):
         raise InvalidAnswer("probabilities missing or not a list")
@@ -199,7 +201,9 @@ def build_user_prompt(query: PairQuery, static_features: str | None = None) -> s
         "## Workload\n" + describe_workload(query.workload, query.hardware),
     ]
     base, cand = query.baseline, query.candidate
-    same_source = base.source == cand.source and base.language == cand.language
+    # One source shown once only for one entry: a long source is cut around the baseline's entry, and another
+    # entry's function may fall in the part cut away.
+    same_source = base.source == cand.source and base.language == cand.language and base.entry == cand.entry
     parts.append("## BASELINE kernel\n" + describe_kernel(base, query.hardware, with_source=True))
     if same_source:
         parts.append(
