@@ -331,6 +331,12 @@ class Service:
             # A candidate whose stored measurement failed is "slower" because it was measured, not forecast:
             # answered from the store ("cache"), neither saved as a forecast nor counted as one decided.
             measured_failed = f.extras.get("measured", 0.0) >= 1.0 and f.p_fail >= 1.0
+            # So is a pair the local model found measured under other spellings of its parameters (0x20 for
+            # 32): saved as a forecast, it later verified near-certain and right, and inflated the history
+            # that certifies thresholds and the calibration fitted on forecasts.
+            from_store = measured_failed or f.from_measurements
+            both_ran = f.from_measurements and f.p_fail < 1.0 and p_fail_baseline_of(f.extras) < 1.0
+            mu = f.extras.get("mu_log2", math.nan)
             # Likewise a candidate that ran against a baseline whose measurement failed is the faster one.
             if base_failed is not None and cid in measured:
                 results[cid] = _one_side_failed(cid, base_failed, base_failed=True, by="cache")
@@ -341,9 +347,10 @@ class Service:
                 speedup_bins=list(f.probs),
                 expected_speedup=f.expected_speedup,
                 verdict="slower" if measured_failed else verdict,
-                decided_by="cache" if measured_failed else "forecast",
+                decided_by="cache" if from_store else "forecast",
                 rationale=rationale,
                 confidence=f.confidence,
+                measured_speedup=2.0**mu if both_ran and math.isfinite(mu) else None,
             )
         # Saved once the call succeeds (below): a compare refused for its measurements records nothing.
         forecast_results = dict(results)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -310,6 +311,27 @@ async def test_static_prior_forecasts_are_stored_and_thresholded_apart(
         assert sorted(v.forecaster for v in verified) == [f"{LOCAL}:prior", f"raw:{LOCAL}:prior"]
         status = await call(client, "budget_status", {})
         assert status["calibration"]["verified_pairs"] == 1
+
+
+async def test_a_pair_measured_under_other_spellings_is_answered_from_the_store_not_stored_as_a_forecast(
+    tmp_path: Path, conv_a100: Path
+) -> None:
+    """The local model knows block_size_x "0x20" is the 32 it measured: its answer is two measurements, so it
+    says so (decided_by cache, the measured speedup) and is not stored as a forecast, which later verified
+    near-certain and right and inflated the history thresholds are certified on."""
+    async with running(tmp_path, [conv_a100]) as (client, service):
+        await call(client, "measure_kernel", {"kernel": conv("a", FAST)})
+        await call(client, "measure_kernel", {"kernel": conv("b", SLOW)})
+        spelled = conv("a2", {**FAST, "block_size_x": "0x20"})
+        out = await call(client, "compare_kernels", {"candidates": [spelled, conv("b", SLOW)]})
+        [slow] = out["candidates"]
+        assert slow["verdict"] == "slower" and slow["decided_by"] == "cache", slow
+        assert 0.01 < slow["measured_speedup"] < 0.03  # 0.55 ms against 31 ms
+        assert out["measure_next"] == []
+        status = await call(client, "budget_status", {})
+        assert status["forecasts"]["count"] == 0
+    with sqlite3.connect(service.settings.db_path) as db:  # nor any component's row
+        assert db.execute("SELECT count(*) FROM forecasts").fetchone() == (0,)
 
 
 async def test_pairs_of_two_unmeasured_kernels_are_stored_and_thresholded_apart(

@@ -184,6 +184,9 @@ class EngineForecast:
     per_forecaster: dict[str, list[float]] = field(default_factory=dict)
     slots: dict[str, str] = field(default_factory=dict)  # component -> calibration slot of its answer
     regime: Regime = "model"  # the most uncertain of its components' regimes (module doc)
+    # Answered from two stored measurements (the local model found both kernels measured, for instance under
+    # other spellings of their parameters): measured truth, not a forecast to store, verify or learn from.
+    from_measurements: bool = False
 
     @property
     def p_fail(self) -> float:
@@ -449,6 +452,7 @@ class ForecastEngine:
             per_forecaster={raw_name(self._stored(slots[n])): v for n, v in raw.items()},
             slots=slots,
             regime=max((_regime_of_slot(s) for s in slots.values()), key=REGIMES.index),
+            from_measurements=measured is not None,
         )
 
     def combine_raw(
