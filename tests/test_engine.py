@@ -469,6 +469,25 @@ async def test_threshold_default_then_certified_then_cached() -> None:
 
 
 @pytest.mark.anyio
+async def test_a_small_target_error_is_certified_on_as_much_history_as_it_needs() -> None:
+    """target_error 0.001 needs 5,990 verified pairs before a threshold is tested; certified on the newest
+    2,000 only, it could never be, and its verdicts stayed at the uncertified default for good."""
+    from forecaster_mcp.forecast.engine import HISTORY_WINDOW
+    from forecaster_mcp.forecast.selective import default_min_history
+
+    need = default_min_history(0.001, 0.05)
+    assert need > HISTORY_WINDOW
+    store = FakeStore()
+    for _ in range(need + 10):  # confident and never wrong
+        store.add("local@0", "A100", _bins_with(0.999), 2.0)
+    engine = ForecastEngine([_scripted("local")], store)
+    choice = await engine.threshold("A100", 0.001)
+    assert choice.source == "history" and choice.n_history == need, choice.reason  # the newest `need`
+    assert choice.error_ucb is not None and choice.error_ucb <= 0.001
+    assert (await engine.threshold("A100", 0.1)).n_history == HISTORY_WINDOW  # the usual window otherwise
+
+
+@pytest.mark.anyio
 async def test_threshold_falls_back_to_history_pooled_over_gpus() -> None:
     store = FakeStore()
     for i in range(300):

@@ -54,6 +54,7 @@ from forecaster_mcp.forecast.base import BinForecast, Forecaster, PairQuery
 from forecaster_mcp.forecast.calibration import Calibrator, Platt
 from forecaster_mcp.forecast.combine import Combiner
 from forecaster_mcp.forecast.selective import (
+    MIN_TARGET_ERROR,
     ThresholdChoice,
     choose_threshold,
     decide,
@@ -130,7 +131,8 @@ def _regime_of_slot(slot: str) -> Regime:
     return next((r for r in REGIMES if _SUFFIX[r] and slot.endswith(_SUFFIX[r])), "model")
 
 
-# Verified final forecasts (newest) a threshold is certified on, per GPU, family or pool (_set_regime_history).
+# Verified final forecasts (newest) a threshold is certified on, per GPU, family or pool (_set_regime_history);
+# more when the target error needs more to certify anything (default_min_history: 5,990 pairs for 0.001).
 HISTORY_WINDOW = 2000
 # Extras that describe one component's own predictive distribution (acquisition.expected_improvement).
 _OWN_DISTRIBUTION = frozenset({"mu_log2", "sd_log2", "tail_weight", "tail_scale"})
@@ -478,12 +480,18 @@ class ForecastEngine:
         if cached is not None:
             return cached
         history = self._history.get(regime, {})
-        conf, correct = history.get(hardware, (_EMPTY, _EMPTY))
-        pooled = history.get(POOLED, (_EMPTY, _EMPTY))
-        own = history.get(_family_slot(hardware, family), (_EMPTY, _EMPTY)) if family else (_EMPTY, _EMPTY)
-        who = self.name + _LABEL[regime]
         default = default_threshold_for(regime, target_error)
         need = default_min_history(target_error, self._delta)
+        window = max(HISTORY_WINDOW, need)  # a window below `need` could never certify this target
+
+        def newest(key: str | None) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+            c, r = history.get(key, (_EMPTY, _EMPTY)) if key is not None else (_EMPTY, _EMPTY)
+            return c[-window:], r[-window:]
+
+        conf, correct = newest(hardware)
+        pooled = newest(POOLED)
+        own = newest(_family_slot(hardware, family) if family else None)
+        who = self.name + _LABEL[regime]
         if own[0].size >= need:
             choice = choose_threshold(own[0], own[1], target_error, self._delta, default=default)
             choice = replace(choice, reason=f"{who} on {hardware}, this kernel family: {choice.reason}")
@@ -533,12 +541,12 @@ class ForecastEngine:
                 conf_list, correct_list = by_hw.setdefault(key, ([], []))
                 conf_list.append(max(p, 1.0 - p))
                 correct_list.append(right)
-        # Each threshold is certified on the latest HISTORY_WINDOW verified forecasts of its key: forecasts
-        # issued under an early, overconfident calibration otherwise stayed at the top of the confidence
-        # range for good, failed the first test of the fixed sequence and kept a GPU from ever deciding.
-        self._history[regime] = {
-            k: (np.array(c[-HISTORY_WINDOW:]), np.array(r[-HISTORY_WINDOW:])) for k, (c, r) in by_hw.items()
-        }
+        # Each threshold is certified on the latest HISTORY_WINDOW verified forecasts of its key (`threshold`):
+        # forecasts issued under an early, overconfident calibration otherwise stayed at the top of the
+        # confidence range for good, failed the first test of the fixed sequence and kept a GPU from ever
+        # deciding. Kept: as many as the smallest target error accepted needs.
+        keep = max(HISTORY_WINDOW, default_min_history(MIN_TARGET_ERROR, self._delta))
+        self._history[regime] = {k: (np.array(c[-keep:]), np.array(r[-keep:])) for k, (c, r) in by_hw.items()}
         self._thresholds.clear()
 
     # ------------------------------------------------------------------ fitting

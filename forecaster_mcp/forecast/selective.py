@@ -21,8 +21,8 @@ engine re-chooses the threshold as history grows, each choice valid at delta but
 (a threshold whose true error sits just above target is certified at some look more often than delta).
 The verified history is what got measured, not a random sample of the verdicts: measure_next lists unsure and
 faster candidates and leaves confident "slower" ones out, so errors among "slower" verdicts are seen less
-often than they happen. The engine certifies on its newest verified forecasts only (engine.HISTORY_WINDOW),
-so forecasts issued under an older calibration stop counting.
+often than they happen. The engine certifies on its newest verified forecasts only (engine.HISTORY_WINDOW,
+or as many as the target error needs), so forecasts issued under an older calibration stop counting.
 """
 
 from __future__ import annotations
