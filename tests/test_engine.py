@@ -17,7 +17,7 @@ from forecaster_mcp.forecast.base import BinForecast, PairQuery, ScriptedForecas
 from forecaster_mcp.forecast.calibration import logit, sigmoid, with_p_faster
 from forecaster_mcp.forecast.engine import EngineForecast, ForecastEngine, Outcome, raw_name
 from forecaster_mcp.models import Kernel, Workload
-from forecaster_mcp.store.db import VerifiedPair
+from forecaster_mcp.store.db import FAILED_CANDIDATE_SPEEDUP, VerifiedPair
 
 SRC = "__global__ void k(float* x) { x[threadIdx.x] = 0; }"
 
@@ -51,11 +51,20 @@ class FakeStore:
         probs: Sequence[float],
         speedup: float,
         family: str | None = None,
+        failure: str | None = None,
     ) -> None:
         p = list(bins.normalize(probs))
         self.pairs.append(
             VerifiedPair(
-                forecaster, hardware, p, bins.p_faster(p), speedup, "unsure", float(len(self.pairs)), family
+                forecaster,
+                hardware,
+                p,
+                bins.p_faster(p),
+                speedup,
+                "unsure",
+                float(len(self.pairs)),
+                family,
+                failure=failure,
             )
         )
 
@@ -466,6 +475,21 @@ async def test_threshold_default_then_certified_then_cached() -> None:
     clock.now += 6.0
     await engine.threshold("A100", 0.1)
     assert store.reads > reads and len(store.saves) == saves
+
+
+@pytest.mark.anyio
+async def test_pairs_verified_by_a_failure_score_verdicts_but_calibrate_nothing() -> None:
+    """ "faster" said of candidates that then failed to compile were wrong verdicts: they count against the
+    threshold. They say nothing of the forecaster's chance of being faster when both run: no calibration."""
+    store = FakeStore()
+    for _ in range(300):
+        store.add("raw:local@0", "A100", _bins_with(0.95), FAILED_CANDIDATE_SPEEDUP, failure="candidate")
+        store.add("local@0", "A100", _bins_with(0.97), FAILED_CANDIDATE_SPEEDUP, failure="candidate")
+    engine = ForecastEngine([_scripted("local", _bins_with(0.95))], store)
+    [f] = await engine.forecast([_query()])
+    assert f.p_faster == pytest.approx(0.95)  # uncalibrated: no pair of both running was verified
+    choice = await engine.threshold("A100", 0.1)
+    assert choice.source == "never", choice.reason  # every decided verdict of its history was wrong
 
 
 @pytest.mark.anyio

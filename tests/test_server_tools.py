@@ -334,6 +334,24 @@ async def test_a_pair_measured_under_other_spellings_is_answered_from_the_store_
         assert db.execute("SELECT count(*) FROM forecasts").fetchone() == (0,)
 
 
+async def test_a_forecast_whose_candidate_then_fails_is_verified_by_that_failure(
+    tmp_path: Path, conv_a100: Path
+) -> None:
+    """A candidate forecast and then measured failing (here a launch error) checks the forecast: the baseline
+    was the better choice. Until stop 29 such pairs never verified, and a "faster" verdict on a kernel that
+    did not even run was never counted against the threshold."""
+    async with running(tmp_path, [conv_a100]) as (client, service):
+        await call(client, "compare_kernels", {"candidates": [conv("a", FAST), conv("f", FAILS)]})
+        await call(client, "measure_kernel", {"kernel": conv("a", FAST)})
+        failed = await call(client, "measure_kernel", {"kernel": conv("f", FAILS)})
+        assert failed["status"] == "launch_error"
+        verified = await service.store.verified_pairs()
+        assert sorted(v.forecaster for v in verified) == [f"{LOCAL}:prior", f"raw:{LOCAL}:prior"]
+        assert {v.failure for v in verified} == {"candidate"}
+        status = await call(client, "budget_status", {})
+        assert status["calibration"]["verified_pairs"] == 1  # (this verdict was unsure: none decided)
+
+
 async def test_pairs_of_two_unmeasured_kernels_are_stored_and_thresholded_apart(
     tmp_path: Path, conv_a100: Path
 ) -> None:

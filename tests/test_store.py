@@ -19,7 +19,14 @@ from hypothesis import strategies as st
 from forecaster_mcp.errors import BudgetExhausted, InvalidRequest, OperatorError, UnknownLedger
 from forecaster_mcp.models import DeviceProvenance, Kernel, Launch, MeasureCost, MeasureResult, RuntimeStats
 from forecaster_mcp.store import migrations
-from forecaster_mcp.store.db import MICRO, ForecastRow, Store
+from forecaster_mcp.store.db import (
+    FAILED_BASELINE_SPEEDUP,
+    FAILED_CANDIDATE_SPEEDUP,
+    MICRO,
+    REFERENCE_FAILED,
+    ForecastRow,
+    Store,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -428,10 +435,21 @@ async def test_forecasts_are_verified_when_both_kernels_get_measured(store: Stor
     assert await store.verified_pairs() == []
     await save(store, base, 3.0)
     assert await store.verified_pairs() == []  # only one side measured
-    await save(store, cand, status="compile_error")
-    assert await store.verified_pairs() == []  # a failed run verifies nothing
-    cand_id = await save(store, cand, 1.5)
+    fail_id = await save(store, cand, status="compile_error")
+    # The candidate failed for good while the baseline ran: the "faster" verdict was wrong.
     [pair] = await store.verified_pairs()
+    assert (pair.failure, pair.actual_speedup, pair.verdict) == (
+        "candidate",
+        FAILED_CANDIDATE_SPEEDUP,
+        "faster",
+    )
+    with raw(store.path) as conn:
+        assert conn.execute(
+            "SELECT verified_by_measurement FROM forecasts WHERE id = ?", (fid,)
+        ).fetchone() == (fail_id,)
+    cand_id = await save(store, cand, 1.5)  # measured ok after all: the runtimes are the truth
+    [pair] = await store.verified_pairs()
+    assert pair.failure is None
     assert (pair.forecaster, pair.hardware, pair.actual_speedup, pair.verdict) == (
         "local",
         "A100",
@@ -447,6 +465,45 @@ async def test_forecasts_are_verified_when_both_kernels_get_measured(store: Stor
     await save(store, cand, 6.0)
     [pair] = await store.verified_pairs()
     assert pair.actual_speedup == 0.5
+
+
+async def test_a_kernel_failing_for_good_while_the_other_runs_verifies_the_forecast(store: Store) -> None:
+    """A verdict on a kernel that then fails to compile or gives wrong output is checked like any other (the
+    one that ran is the better choice); what says nothing final of the kernel verifies nothing."""
+    base = kernel(BS=1)
+    cands = {
+        status: kernel(BS=i + 2) for i, status in enumerate(("timeout", "out_of_memory", "worker_crashed"))
+    }
+    ref_failed, both, base_fails, later = kernel(BS=10), kernel(BS=11), kernel(BS=12), kernel(BS=13)
+    await save(store, base, 2.0)
+    await store.save_forecasts([forecast(base, k, 0.9, "faster") for k in (*cands.values(), ref_failed)])
+    for status, k in cands.items():
+        await save(store, k, status=status)
+    flagged = result("wrong_output").model_copy(update={"flags": [REFERENCE_FAILED]})
+    await store.save_measurement(
+        cache_key="ref", ledger="x", idempotency_key=None, kernel_json=ref_failed.model_dump_json(),
+        workload_key="w", family_key=ref_failed.family_key(), content_key=ref_failed.content_key(),
+        hardware="A100", result=flagged, charged_gpu_seconds=1.0, cached=False,
+    )  # fmt: skip
+    assert await store.verified_pairs() == []  # a crash, no memory, a timeout, the reference's failure
+
+    # Both kernels failed: nothing says which is faster.
+    failing = kernel(BS=20)
+    await save(store, failing, status="compile_error")
+    await store.save_forecasts([forecast(failing, both, 0.5, "unsure")])
+    await save(store, both, status="launch_error")
+    assert await store.verified_pairs() == []
+
+    # The baseline failed and the candidate ran, measured before the forecast was saved: verified at once.
+    await save(store, base_fails, status="wrong_output")
+    await save(store, later, 4.0)
+    await store.save_forecasts([forecast(base_fails, later, 0.2, "slower")])
+    [pair] = await store.verified_pairs()
+    assert (pair.failure, pair.actual_speedup, pair.verdict) == (
+        "baseline",
+        FAILED_BASELINE_SPEEDUP,
+        "slower",
+    )
 
 
 async def test_save_forecasts_verifies_at_once_and_filters(store: Store) -> None:

@@ -618,7 +618,12 @@ class ForecastEngine:
                 by_name.setdefault(v.forecaster, []).append(v)
             # Slot s of component n: its rows are raw_name(_stored(s)); the component is s without the regime
             # suffix.
-            rows = {s: by_name.get(raw_name(self._stored(s)), []) for s in self._slots}
+            # A component's raw p_faster is its chance of being faster if both run: a pair verified by a kernel
+            # failing (VerifiedPair.failure) scores the verdict (thresholds, below), not that calibration.
+            rows = {
+                s: [v for v in by_name.get(raw_name(self._stored(s)), []) if v.failure is None]
+                for s in self._slots
+            }
             signatures = {s: _rows_signature(rows[s]) for s in self._slots}
             for s in self._slots:
                 if signatures[s] != self._fit_signatures.get(s):

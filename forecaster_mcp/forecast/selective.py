@@ -19,6 +19,8 @@ Limits, known and kept: the default kept on long history rests on the point esti
 overconfident forecaster whose error at the default is a little above target can keep deciding); and the
 engine re-chooses the threshold as history grows, each choice valid at delta but not all of them together
 (a threshold whose true error sits just above target is certified at some look more often than delta).
+A verdict on a kernel that then fails for good while the other runs is verified as the one that ran being the
+better choice (store: verified_failure), so "faster" said of a kernel that never ran counts as an error.
 The verified history is what got measured, not a random sample of the verdicts: measure_next lists unsure and
 faster candidates and leaves confident "slower" ones out, so errors among "slower" verdicts are seen less
 often than they happen. The engine certifies on its newest verified forecasts only (engine.HISTORY_WINDOW,

@@ -127,6 +127,9 @@ class VerifiedPair:
     created_at: float
     family_key: str | None = None  # the candidate's kernel family (None for rows stored before it was kept)
     pair: str | None = None  # workload, baseline and candidate keys: the question this row answered
+    # 'candidate' / 'baseline': verified by that kernel failing for good while the other ran (actual_speedup
+    # is then FAILED_CANDIDATE_SPEEDUP / FAILED_BASELINE_SPEEDUP); None: both ran.
+    failure: str | None = None
 
 
 @dataclass(frozen=True)
@@ -340,9 +343,47 @@ _VERIFY = (
     f"/ ({_LATEST_OK.format(col='m.runtime_ms', key='candidate_key')}), "
     f"verified_by_measurement = max(({_LATEST_OK.format(col='m.id', key='baseline_key')}), "
     f"({_LATEST_OK.format(col='m.id', key='candidate_key')})), "
-    "verified_at = ? "
+    "verified_failure = NULL, verified_at = ? "
     f"WHERE EXISTS ({_LATEST_OK.format(col='1', key='baseline_key')}) "
     f"AND EXISTS ({_LATEST_OK.format(col='1', key='candidate_key')}) AND "
+)
+# The speedup a pair is verified with when one kernel failed for good and the other ran: the extreme bin's, as
+# a forecast puts a measured failure (service._one_side_failed). verified_failure says which side failed.
+FAILED_CANDIDATE_SPEEDUP = 2.0**-4
+FAILED_BASELINE_SPEEDUP = 2.0**4
+# The latest failure of a kernel that says something final of it (not a crash, an out-of-memory or a timeout,
+# nor a failure that was its reference's), when it was never measured ok (failed_status's rule).
+_LATEST_FAILED = (
+    "SELECT {col} FROM measurements AS m WHERE m.content_key = forecasts.{key} "
+    "AND m.hardware = forecasts.hardware AND m.workload_key = forecasts.workload_key "
+    f"AND m.status != 'ok' AND m.status NOT IN ({', '.join(repr(s) for s in _NOT_CACHEABLE)}) "
+    f"AND {_KERNELS_OWN} AND NOT EXISTS ({_LATEST_OK.format(col='1', key='{key}')}) "
+    "ORDER BY m.id DESC LIMIT 1"
+)
+
+
+def _failed_side(side: str, other: str) -> str:
+    return (
+        f"(EXISTS ({_LATEST_FAILED.format(col='1', key=side)}) "
+        f"AND EXISTS ({_LATEST_OK.format(col='1', key=other)}))"
+    )
+
+
+# Verifies the not yet verified forecasts (of the caller's WHERE clause) one of whose kernels failed for good
+# while the other ran; a pair whose kernels both failed says nothing of which is faster and stays unverified.
+_VERIFY_FAILED = (
+    "UPDATE forecasts SET "
+    f"verified_failure = CASE WHEN {_failed_side('candidate_key', 'baseline_key')} "
+    "THEN 'candidate' ELSE 'baseline' END, "
+    f"actual_speedup = CASE WHEN {_failed_side('candidate_key', 'baseline_key')} "
+    f"THEN {FAILED_CANDIDATE_SPEEDUP!r} ELSE {FAILED_BASELINE_SPEEDUP!r} END, "
+    f"verified_by_measurement = max(coalesce(({_LATEST_OK.format(col='m.id', key='baseline_key')}), "
+    f"({_LATEST_FAILED.format(col='m.id', key='baseline_key')})), "
+    f"coalesce(({_LATEST_OK.format(col='m.id', key='candidate_key')}), "
+    f"({_LATEST_FAILED.format(col='m.id', key='candidate_key')}))), "
+    "verified_at = ? "
+    f"WHERE actual_speedup IS NULL AND ({_failed_side('candidate_key', 'baseline_key')} "
+    f"OR {_failed_side('baseline_key', 'candidate_key')}) AND "
 )
 
 
@@ -1042,14 +1083,17 @@ class Store:
                 ),
             )  # fmt: skip
             mid = int(cur.lastrowid)
+            # A UNION of two index lookups: an OR would scan every forecast on this workload.
+            mine = (
+                "id IN (SELECT id FROM forecasts WHERE hardware = ? AND workload_key = ? "
+                "AND baseline_key = ? UNION SELECT id FROM forecasts WHERE hardware = ? "
+                "AND workload_key = ? AND candidate_key = ?)"
+            )
+            args = (now, hardware, workload_key, content_key, hardware, workload_key, content_key)
             if runtime is not None and runtime > 0:
-                await conn.execute(
-                    # A UNION of two index lookups: an OR would scan every forecast on this workload.
-                    _VERIFY + "id IN (SELECT id FROM forecasts WHERE hardware = ? AND workload_key = ? "
-                    "AND baseline_key = ? UNION SELECT id FROM forecasts WHERE hardware = ? "
-                    "AND workload_key = ? AND candidate_key = ?)",
-                    (now, hardware, workload_key, content_key, hardware, workload_key, content_key),
-                )
+                await conn.execute(_VERIFY + mine, args)
+            # An ok run completes a pair whose other kernel failed; a failure, one whose other kernel ran.
+            await conn.execute(_VERIFY_FAILED + mine, args)
             return mid
 
         async def body_and_commit(conn: Any) -> int:
@@ -1213,6 +1257,7 @@ class Store:
             # We hold the write lock, so the new rows are exactly those above the previous maximum id.
             ids = await conn.execute_fetchall("SELECT id FROM forecasts WHERE id > ? ORDER BY id", (first,))
             await conn.execute(_VERIFY + "id > ?", (now, first))
+            await conn.execute(_VERIFY_FAILED + "id > ?", (now, first))
             return [int(i[0]) for i in ids]
 
         return await self._write(body)
@@ -1228,7 +1273,7 @@ class Store:
         or weigh in a calibration several times over."""
         rows = await self._fetch(
             "SELECT forecaster, hardware, probs_json, p_faster, actual_speedup, verdict, created_at, family_key, "
-            "workload_key || '|' || baseline_key || '|' || candidate_key FROM forecasts WHERE id IN "
+            "workload_key || '|' || baseline_key || '|' || candidate_key, verified_failure FROM forecasts WHERE id IN "
             "(SELECT MAX(id) FROM forecasts WHERE actual_speedup IS NOT NULL "
             "AND decided_by != 'cache' AND (? IS NULL OR forecaster = ?) AND (? IS NULL OR hardware = ?) "
             f"GROUP BY forecaster, {_PAIR}) ORDER BY id",
@@ -1245,6 +1290,7 @@ class Store:
                 created_at=float(r[6]),
                 family_key=None if r[7] is None else str(r[7]),
                 pair=str(r[8]),
+                failure=None if r[9] is None else str(r[9]),
             )
             for r in rows
         ]

@@ -206,6 +206,12 @@ _FAMILY_STATE = (
     )""",
 )
 
+# A forecast is also verified when one of its kernels fails for good (compile or launch error, wrong output)
+# while the other runs: a "faster" verdict on a candidate that then fails to compile was wrong, and a
+# threshold certified on what ran only, never on what failed, counted too few errors. The column says which
+# side failed ('candidate' / 'baseline'); actual_speedup then holds the extreme bin's speedup (1/16 or 16).
+_FORECAST_FAILURE = ("ALTER TABLE forecasts ADD COLUMN verified_failure TEXT",)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "initial schema", _INITIAL),
     Migration(2, "idempotency keys on open reservations", _RESERVATION_IDEMPOTENCY),
@@ -214,6 +220,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(5, "the measurement each open reservation pays for", _RESERVATION_CACHE_KEY),
     Migration(6, "one unverified row per forecast pair, running totals of forecasts made", _FORECAST_TOTALS),
     Migration(7, "the local model's hyperparameters per kernel family", _FAMILY_STATE),
+    Migration(8, "forecasts verified by one kernel failing while the other runs", _FORECAST_FAILURE),
 )
 
 
