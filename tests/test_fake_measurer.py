@@ -8,6 +8,7 @@ import anyio
 import pytest
 
 from forecaster_mcp.errors import NotMeasurable, WorkerCrashed
+from forecaster_mcp.forecast.local import VERSION as LOCAL_VERSION
 from forecaster_mcp.measure.base import Measurer, MeasureRequest
 from forecaster_mcp.measure.fake import FakeMeasurer
 from forecaster_mcp.models import Kernel, Workload
@@ -340,7 +341,7 @@ async def test_a_verdict_a_likely_failure_decided_is_stored_in_the_direction_it_
         assert against_runtime, [(c.id, c.verdict, c.p_faster) for c in res.candidates]
         fake.script("k", defines={"BS": 512, "U": 48}, runtime_ms=0.5)  # the baseline runs, and is fastest
         await svc.measure(ledger="team", kernel=base, workload=Workload(), hardware="A100")
-        stored = [v for v in await svc.store.verified_pairs() if v.forecaster == "local"]
+        stored = [v for v in await svc.store.verified_pairs() if v.forecaster == f"local@{LOCAL_VERSION}"]
         assert stored and all(
             v.verdict == "faster" and v.p_faster > 0.5 and v.actual_speedup < 1 for v in stored
         )
