@@ -241,6 +241,17 @@ def test_prior_is_neutral_without_differences_hand_terms_mild_fitted_terms_cappe
     assert capped.reasons[0].startswith("one global atomic per element")  # largest contribution first
 
 
+def test_a_kernel_that_cannot_launch_is_the_slower_whichever_side_it_is() -> None:
+    """Occupancy 0 (registers or shared memory beyond the SM's): the candidate was penalised even when the
+    baseline could not launch either, and a baseline that could not launch said nothing."""
+    plain = kernel_features(Kernel(source="__global__ void k(float* a) { a[0] = 1; }", entry="k"), None, None)
+    runs, stuck = dataclasses.replace(plain, occupancy=0.5), dataclasses.replace(plain, occupancy=0.0)
+    assert prior_shift(stuck, stuck).mean_log2 == 0.0
+    assert prior_shift(runs, stuck).mean_log2 == -MAX_SHIFT_LOG2
+    assert prior_shift(stuck, runs).mean_log2 == MAX_SHIFT_LOG2
+    assert "baseline cannot launch" in prior_shift(stuck, runs).reasons[0]
+
+
 STRIDED_ROW = """
 __global__ void rows(const float* A, float* y, int M, int N) {
     int row = blockIdx.x * blockDim.x + threadIdx.x;

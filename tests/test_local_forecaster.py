@@ -393,6 +393,34 @@ def test_define_values_written_as_c_literals_are_numbers() -> None:
     assert "MODE=fast" in ParamEncoder([{"MODE": "fast"}, {"MODE": "0x1g"}]).dim_names
 
 
+def test_octal_literals_and_mixed_categories_encode_as_the_compiler_reads_them() -> None:
+    """ "016" is octal 14 in C (and to row_key): the model placed it at 16, the point of another member. A
+    column of categories labelled 16 and 16.0, True and 1 apart: one member, two categories."""
+    enc = ParamEncoder([{"X": v} for v in (8, 14, 32, 64)])
+    x = enc.encode([{"X": "016"}, {"X": 14}, {"X": 16}])
+    assert np.array_equal(x[0], x[1]) and not np.array_equal(x[0], x[2])
+    mixed = ParamEncoder([{"M": v} for v in ("auto", 16, 16.0, True, 1)])
+    assert mixed.dim_names == ["M=1", "M=16", "M=auto"]
+    y = mixed.encode([{"M": 16.0}, {"M": "16"}, {"M": True}, {"M": 1}])
+    assert np.array_equal(y[0], y[1]) and np.array_equal(y[2], y[3])
+
+
+def test_a_define_some_members_lack_is_told_apart_from_its_values() -> None:
+    """`#ifdef USE_SHMEM` members against those without it: absent, the define encoded at its one measured
+    value, so both kinds were one point and the model could not learn the 4x between them."""
+    from forecaster_mcp.forecast.local import fit_family
+
+    def point(defines: dict[str, int], t_ms: float) -> FamilyPoint:
+        return FamilyPoint(defines, None, "ok", t_ms, repr(sorted(defines.items())))
+
+    plain = [point({"A": a}, 4.0) for a in (1, 2, 4, 8)]
+    shmem = [point({"A": a, "USE_SHMEM": 1}, 1.0) for a in (1, 8)]
+    model = fit_family(plain + shmem)
+    assert "USE_SHMEM:given" in model.encoder.dim_names
+    mean, _ = model.predict([{"A": 2, "USE_SHMEM": 1}, {"A": 2}])
+    assert 2.0 ** mean[0] == pytest.approx(1.0, rel=0.25) and 2.0 ** mean[1] == pytest.approx(4.0, rel=0.1)
+
+
 def test_gp_recovers_a_smooth_function_with_honest_spread() -> None:
     rng = np.random.default_rng(0)
     x = rng.random((60, 2))

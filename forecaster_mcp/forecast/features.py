@@ -762,8 +762,12 @@ def prior_shift(
         # Occupancy matters mostly when it is low: above one half, latency is usually hidden.
         lo_a, lo_b = min(a.occupancy, 0.5), min(b.occupancy, 0.5)
         add(0.25 * math.log2(lo_b / lo_a), "occupancy")
-    elif a.occupancy is not None and b.occupancy == 0.0:
-        add(-MAX_SHIFT_LOG2, "candidate cannot launch at this block size")
+    elif a.occupancy is not None and b.occupancy is not None and (a.occupancy > 0) != (b.occupancy > 0):
+        # One of the two cannot launch at all (registers or shared memory beyond the SM's); neither: no term.
+        if b.occupancy == 0.0:
+            add(-MAX_SHIFT_LOG2, "candidate cannot launch at this block size")
+        else:
+            add(MAX_SHIFT_LOG2, "baseline cannot launch at this block size")
     if a.sm_utilisation is not None and b.sm_utilisation is not None and a.sm_utilisation > 0:
         if b.sm_utilisation > 0:
             add(0.4 * math.log2(b.sm_utilisation / a.sm_utilisation), "SM utilisation (waves)")

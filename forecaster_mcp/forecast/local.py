@@ -98,6 +98,13 @@ def _as_number(value: Any) -> float | None:
         # A -D value as C writes it: 16, "16", 0x10, 16u, 2.5f, 1e-3 (suffixes and hex are still numbers, and
         # a tuning parameter read as a category loses its order).
         text = value.strip()
+        if _C_INT.fullmatch(text) is not None:
+            exact = _canonical(text)  # "016" is octal 14, as in C and in row_key
+            if isinstance(exact, int):
+                try:
+                    return float(exact)
+                except OverflowError:
+                    return None
         hexa = _HEX.fullmatch(text)
         try:
             number = float(int(hexa.group(1), 16)) if hexa else float(_DEC_SUFFIX.sub("", text))
@@ -174,6 +181,11 @@ def _canonical(value: Any) -> int | float | str:
 
 # An integer literal as C spells it: decimal, octal (leading 0) or hex, with an optional u/l suffix.
 _C_INT = re.compile(rf"([+-]?(?:0[xX][0-9a-fA-F]+|[0-9]+)){_INT_SUFFIX}?")
+
+
+def _category(value: Any) -> str:
+    """A categorical column's label of a value: its canonical spelling (`_canonical`)."""
+    return str(_canonical(value))
 
 
 def row_key(row: dict[str, Any]) -> tuple[tuple[str, int | float | str], ...]:
@@ -285,8 +297,17 @@ class ParamEncoder:
                 if name not in _COUNT_COLUMNS:
                     self.flags.extend((name, f) for f in self._flags_for(nums))
             else:
-                cats = tuple(sorted({str(v) for v in values}))
+                # One category per value as the compiler reads it (16 and 16.0, True and 1 are one member).
+                cats = tuple(sorted({_category(v) for v in values}))
                 self.columns.append(_Column(name, "cat", categories=cats))
+        # A numeric parameter some members lack: absent, it encodes at its column's default (the middle of the
+        # range, or the one value measured), where a member that has it may sit. A 0/1 "given" dimension keeps
+        # `#ifdef USE_SHMEM` members apart from those without it. (Categories need none: absent is no category;
+        # compile flags are 0 where not given already.)
+        self.given = [
+            c.name for c in self.columns if c.kind == "num" and c.name not in self._always
+            and not c.name.startswith(_FLAG_PREFIX)
+        ]  # fmt: skip
         self.block_names = [n for n in names if _BLOCK_NAME.match(n)]
         self.threads_col: _Column | None = None
         self.threads_mod32 = False
@@ -304,6 +325,7 @@ class ParamEncoder:
             else:
                 self.dim_names.append(c.name)
         self.dim_names.extend(f"{n}:{f}" for n, f in self.flags)
+        self.dim_names.extend(f"{n}:given" for n in self.given)
         if self.threads_col is not None:
             self.dim_names.append("threads")
         if self.threads_mod32:
@@ -396,8 +418,8 @@ class ParamEncoder:
             for c in self.columns:
                 if c.kind == "cat":
                     value = row.get(c.name)
-                    if value is not None and str(value) in c.categories:
-                        out[i, j + c.categories.index(str(value))] = 1.0
+                    if value is not None and _category(value) in c.categories:
+                        out[i, j + c.categories.index(_category(value))] = 1.0
                     j += len(c.categories)
                     continue
                 number = _as_number(row.get(c.name))
@@ -417,6 +439,9 @@ class ParamEncoder:
                         out[i, j] = float(number == int(number) and int(number) % int(flag[3:]) == 0)
                 else:
                     out[i, j] = 0.5
+                j += 1
+            for name in self.given:
+                out[i, j] = float(row.get(name) is not None)
                 j += 1
             if self.threads_col is not None or self.threads_mod32:
                 threads = _threads(row, self.block_names)
@@ -441,7 +466,7 @@ class ParamEncoder:
             if value is None:
                 if c.name in self._always:
                     out.append(c.name)
-            elif (_as_number(value) is None) if c.kind == "num" else (str(value) not in c.categories):
+            elif (_as_number(value) is None) if c.kind == "num" else (_category(value) not in c.categories):
                 out.append(c.name)
         known = {c.name for c in self.columns}
         out.extend(k for k in row if k not in known and (self.launch_used or not k.startswith("@")))
