@@ -458,6 +458,14 @@ class FakeDriver:
         self.check()
         array.view(np.uint8).ravel()[:] = self.view(int(ptr), array.nbytes)
 
+    def memcpy_dtod(self, dest: Any, src: Any, nbytes: int) -> None:
+        self.check()
+        self.view(int(dest), nbytes)[:] = self.view(int(src), nbytes)
+
+    def memcpy_dtod_async(self, dest: Any, src: Any, nbytes: int, stream: Any = None) -> None:
+        self.memcpy_dtod(dest, src, nbytes)
+        (stream or self.default_stream).clock_ms += 0.001
+
     def module_from_file(self, path: str) -> Any:
         image = json.loads(Path(path).read_text())
         return _FakeModule(self, image)

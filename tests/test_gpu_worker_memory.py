@@ -105,7 +105,8 @@ async def test_reference_check_does_not_hold_the_workload_twice(tmp_path: Path) 
         if with_reference:
             assert result.correctness.input_sets == 2 and result.correctness.max_abs_error == 0.0
         peaks[with_reference] = int(peak_file.read_text())
-    assert peaks[False] == FAKE_L2 + data + guards
+    # The workload, its guards, and one pristine copy of it that every timed run is restored from.
+    assert peaks[False] == FAKE_L2 + 2 * data + guards
     # Before the fix the reference got a second full set of buffers: 12 MiB more at the peak.
     assert peaks[True] == peaks[False]
 
@@ -241,3 +242,46 @@ def test_out_of_memory_loading_the_module_is_not_the_kernels_launch_error() -> N
     )
     with pytest.raises(FakeMemoryError):
         session.load(image, Workload.model_validate({"args": []}))
+
+
+SKIPS = """
+import numpy as np
+orig_call = f._FakeFunction.prepared_async_call
+def call(self, grid, block, stream, *args, shared_size=0):
+    d = self.module.driver
+    if self.module.image["defines"].get("FAKE_OP") != "skip":
+        return orig_call(self, grid, block, stream, *args, shared_size=shared_size)
+    n = int(args[3])
+    a, b, c = (d.view(int(p), 4 * n).view(np.float32) for p in args[:3])
+    if c[0] == a[0] + b[0]:  # the output already holds the answer: skip the work
+        (stream or d.default_stream).clock_ms += 0.001
+        return
+    c[:] = a + b
+    (stream or d.default_stream).clock_ms += 1.0
+f._FakeFunction.prepared_async_call = call
+"""
+
+# The pristine copies (a buffer's size without its guards) do not fit: every run is restored from the host.
+NO_ROOM_FOR_COPIES = """
+orig_alloc = f.FakeDriver.mem_alloc
+def mem_alloc(self, nbytes):
+    if nbytes == 4 * 1024:
+        raise f.FakeMemoryError("cuMemAlloc failed: out of memory")
+    return orig_alloc(self, nbytes)
+f.FakeDriver.mem_alloc = mem_alloc
+"""
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("patch", ["", NO_ROOM_FOR_COPIES], ids=["device copies", "host copies"])
+async def test_every_timed_run_starts_from_the_jobs_inputs(tmp_path: Path, patch: str) -> None:
+    """A kernel that skips its work when its output already holds the answer passed both checks (each starts
+    from fresh buffers) and was timed at its early exit: every timed run saw the previous run's output."""
+    async with measurer(tmp_path, wrapper(tmp_path, SKIPS + patch)) as m:
+        results = {
+            name: await m.measure(request(m, op(name), vadd_workload(1024), reference=op("add"), max_runs=50))
+            for name in ("add", "skip")
+        }
+    for r in results.values():
+        assert r.status == "ok" and r.correctness.passed and r.runtime_ms is not None, r.message
+    assert results["skip"].runtime_ms.median == pytest.approx(1.0, rel=1e-6)  # (was 0.001 ms)

@@ -119,6 +119,8 @@ class GuardedBuffers:
         self.workload = workload
         self.allocs: list[Any] = []
         self.params: list[int | float | bool] = []
+        self.pristine: list[Any] = []  # device copies of every buffer for `restore` (keep_pristine)
+        self._pristine_host: Sequence[HostArg] | None = None  # or the host inputs, where those did not fit
         try:
             for arg, value in zip(workload.args, host, strict=True):
                 if isinstance(arg, BufferArg):
@@ -178,11 +180,43 @@ class GuardedBuffers:
                     )
         return None
 
+    def keep_pristine(self, host: Sequence[HostArg]) -> None:
+        """Keep the buffers as they are now (the job's inputs, just uploaded from `host`) for `restore`: a
+        device copy of each, or where the device cannot hold a second copy, the host inputs themselves."""
+        try:
+            for arg, alloc in self._buffers():
+                copy = self.cuda.mem_alloc(max(arg.nbytes, 1))
+                self.pristine.append(copy)
+                self.cuda.memcpy_dtod(int(copy), int(alloc) + GUARD_BYTES, arg.nbytes)
+        except self.cuda.MemoryError:
+            self._free_pristine()
+            self._pristine_host = host
+
+    def restore(self, stream: Any) -> None:
+        """Put every buffer back as `keep_pristine` found it, queued on `stream` (before a timed run's events).
+
+        Each timed run then starts from the job's inputs, not from what the previous run left: an in-place
+        kernel (x *= 2, a sort) is not timed on its own output, and one that skips its work when the output
+        already holds the answer is timed doing the work (it passed both checks, which start from fresh
+        buffers, and was timed at its early exit)."""
+        if self._pristine_host is not None:
+            self.upload(self._pristine_host)
+            return
+        for (arg, alloc), copy in zip(self._buffers(), self.pristine, strict=True):
+            self.cuda.memcpy_dtod_async(int(alloc) + GUARD_BYTES, int(copy), arg.nbytes, stream)
+
+    def _free_pristine(self) -> None:
+        for copy in self.pristine:
+            copy.free()
+        self.pristine = []
+
     def free(self) -> None:
         for alloc in self.allocs:
             if alloc is not None:
                 alloc.free()
         self.allocs = [None] * len(self.allocs)
+        self._free_pristine()
+        self._pristine_host = None
 
 
 # ---------------------------------------------------------------- the session
@@ -312,7 +346,9 @@ class GpuSession:
         )
 
     def timed_sample(self, kernel: Loaded, buffers: GuardedBuffers) -> float:
-        """One sample in ms: L2 flush, start event, launch, end event, device-wide synchronize."""
+        """One sample in ms: the buffers restored to the job's inputs, L2 flush, start event, launch, end event,
+        device-wide synchronize."""
+        buffers.restore(self.stream)
         self.flush_l2()
         self.start.record(self.stream)
         self.launch(kernel, buffers)
@@ -321,7 +357,9 @@ class GpuSession:
         return float(self.end.time_since(self.start))
 
     def wall_sample(self, kernel: Loaded, buffers: GuardedBuffers) -> float:
-        """Host wall clock (ms) around one launch and a device-wide synchronize, L2 flushed beforehand."""
+        """Host wall clock (ms) around one launch and a device-wide synchronize, the buffers restored and the
+        L2 flushed beforehand."""
+        buffers.restore(self.stream)
         self.flush_l2()
         self.sync()
         t0 = time.perf_counter()
@@ -388,8 +426,7 @@ class GpuSession:
                 got = buffers.download(outputs)
                 want = self._reference(reference, buffers, inputs, outputs)
                 comparisons.append(compare_outputs(workload, got, want, job.atol, job.rtol))
-                # Timing starts from the job's inputs, not from whatever the reference left behind.
-                buffers.upload(inputs)
+                del got, want  # the fresh check below holds two more host copies (HOST_COPIES)
                 if not comparisons[0].passed:
                     # Already wrong: timing it would only spend the caller's budget.
                     correctness = correctness_of(comparisons, seeds=[job.seed])
@@ -400,6 +437,9 @@ class GpuSession:
                         correctness=correctness,
                     )
             check_seconds = time.perf_counter() - t_check
+            # Every timed run starts from the job's inputs, not from what the check (or the run before) left.
+            buffers.upload(inputs)
+            buffers.keep_pristine(inputs)
             # The fresh-input check after timing generates and uploads a new input set and checks it again:
             # about what the first set cost, input generation included. Keep that (with a margin) in reserve,
             # or a large workload runs past max_seconds there and loses every sample.
