@@ -595,6 +595,11 @@ class BufferArg(_Arg):
     def _shape(cls, v: list[int]) -> list[int]:
         if any(d <= 0 for d in v):
             raise ValueError(f"buffer shape {v} has a non-positive dimension")
+        if any(d > MAX_WORKLOAD_BYTES for d in v):
+            # (Checked here, on each dimension: a product of huge ones cannot even be shown in GiB.)
+            raise ValueError(
+                f"a buffer dimension is over {MAX_WORKLOAD_BYTES:,} elements: workloads are limited to 64 GiB"
+            )
         return v
 
     @property
@@ -691,7 +696,8 @@ class Workload(_Strict):
     def _sizes(self) -> Workload:
         total = sum(a.nbytes for a in self.args if isinstance(a, BufferArg))
         if total > MAX_WORKLOAD_BYTES:
-            raise ValueError(f"workload buffers need {total / 2**30:.1f} GiB, over the 64 GiB limit")
+            gib = f"{total / 2**30:.1f}" if total < 2**80 else f"about 2^{total.bit_length() - 31}"
+            raise ValueError(f"workload buffers need {gib} GiB, over the 64 GiB limit: use smaller shapes")
         names = [a.name for a in self.args]
         if len(set(names)) != len(names):
             raise ValueError("workload argument names must be unique")

@@ -261,3 +261,33 @@ async def test_misspelt_argument_names_are_refused_with_the_valid_ones(
         assert await spent(client) == 0
         status = await call(client, "budget_status", {})
         assert status["measurements"]["count"] == 0 and status["forecasts"]["count"] == 0
+
+
+async def test_a_buffer_shape_beyond_any_memory_is_a_clear_error(tmp_path: Path, conv_a100: Path) -> None:
+    """A product of huge dimensions overflowed a float while the error was written: an internal error the
+    agent saw as a bare "Error executing tool"."""
+    async with running(tmp_path, [conv_a100]) as (client, _):
+        pair = [conv("a", FAST), conv("b", SLOW)]
+        for shape in ([2**600, 2**600], [10**4000], [2**20] * 3):
+            workload = {"args": [{"name": "a", "dtype": "float32", "shape": shape}]}
+            msg = await error_of(client, "compare_kernels", {"candidates": pair, "workload": workload})
+            assert "64 GiB" in msg, msg
+
+
+async def test_string_arguments_that_look_like_json_are_taken_as_sent(
+    tmp_path: Path, conv_a100: Path
+) -> None:
+    """The SDK parsed every string argument as JSON: baseline "null" became no baseline (silently the first
+    candidate's), idempotency_key "null" no key (a retry was charged again), "[1]" a list and was refused."""
+    async with running(tmp_path, [conv_a100]) as (client, _):
+        trio = [conv("a", FAST), conv("null", SLOW), conv("[1]", conv_block(16, 2)["defines"])]
+        out = await call(client, "compare_kernels", {"candidates": trio, "baseline": "null"})
+        assert out["baseline"] == "null"
+        out = await call(client, "compare_kernels", {"candidates": trio, "baseline": "[1]"})
+        assert out["baseline"] == "[1]"
+        first = await call(client, "measure_kernel", {"kernel": conv("a", FAST), "idempotency_key": "null"})
+        msg = await error_of(client, "measure_kernel", {"kernel": conv("b", SLOW), "idempotency_key": "null"})
+        assert "idempotency_key 'null' was already used" in msg
+        again = await call(client, "measure_kernel", {"kernel": conv("a", FAST), "idempotency_key": "null"})
+        assert again["cost"]["gpu_seconds"] == 0 and again["measurement_id"] == first["measurement_id"]
+        assert await spent(client) == pytest.approx(first["cost"]["gpu_seconds"])

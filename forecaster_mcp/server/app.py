@@ -23,7 +23,7 @@ import socket
 import sys
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from typing import IO, Annotated, Any, TypeVar, cast
+from typing import IO, Annotated, Any, TypeVar, cast, get_args
 
 import anyio
 from mcp.server.auth.middleware.auth_context import get_access_token
@@ -146,8 +146,26 @@ def _refuse_unknown_arguments(ctx: Context, tool: Callable[..., Any]) -> None:
     )
 
 
+def _accepts_str(annotation: Any) -> bool:
+    """Whether a field's type takes a string as it is (str, or a union with str in it)."""
+    return annotation is str or str in get_args(annotation)
+
+
 class _CompactArgumentErrors(FuncMetadata):
     """The SDK's argument validation, its errors summarised (arg_errors): same model, same checks."""
+
+    def pre_parse_json(self, data: dict[str, Any]) -> dict[str, Any]:
+        """The SDK's pre-parse (a list or object sent as JSON text is read as one), except for the string
+        arguments it would misread: it parses every string of a field not typed exactly `str`, so
+        `baseline: "null"` became no baseline (the first candidate's, silently) and `idempotency_key: "null"`
+        no key (a retry was charged again), and `"[1]"` was refused as a list though a string was sent."""
+        parsed = super().pre_parse_json(data)
+        fields = self.arg_model.model_fields
+        for key, value in data.items():
+            field = fields.get(key)
+            if isinstance(value, str) and field is not None and _accepts_str(field.annotation):
+                parsed[key] = value
+        return parsed
 
     def validate_arguments(self, arguments_to_validate: dict[str, Any]) -> dict[str, Any]:
         try:
