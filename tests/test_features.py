@@ -12,12 +12,14 @@ import pytest
 
 from forecaster_mcp.forecast.features import (
     FITTED_TERMS,
+    MAX_CONDITIONS,
     MAX_SHIFT_LOG2,
     MAX_TOTAL_SHIFT_LOG2,
     PRIOR_SD_LOG2,
     WORK_RATIO_CAP_LOG2,
     StaticFeatures,
     entry_parameter_count,
+    entry_text,
     fitted_values,
     kernel_features,
     preprocess,
@@ -601,6 +603,24 @@ def test_a_crafted_source_is_read_in_linear_time(unit: str) -> None:
     entry_parameter_count(source, "k")
     strip_comments(source)
     assert time.perf_counter() - start < 10.0
+
+
+def test_nested_kernel_headers_are_matched_in_linear_time() -> None:
+    # A hang guard, not a speed target: each kernel's "(" was matched by a scan to its ")" (114 KB: 27 s).
+    n = 16_000
+    source = "__global__ void f(" * n + ")" * n + "\n__global__ void k(float* x) { x[0] = 1.0f; }\n"
+    start = time.perf_counter()
+    assert "void k(" in entry_text(source, "k")
+    assert entry_parameter_count(source, "k") == 1
+    assert time.perf_counter() - start < 10.0
+
+
+def test_conditions_past_the_per_source_budget_count_both_branches() -> None:
+    """Each #if costs an expansion and a parse; 1 MB of them took 43 s. Past MAX_CONDITIONS in one source the
+    rest are undecided, as a condition that cannot be evaluated is: both branches kept."""
+    block = "#if 0\nDROPPED\n#endif\n"
+    text = preprocess(block * MAX_CONDITIONS + "#if 0\nKEPT\n#endif\n", {})
+    assert "DROPPED" not in text and "KEPT" in text
 
 
 def test_a_kernel_name_is_found_however_its_declaration_is_spelled() -> None:

@@ -94,6 +94,9 @@ _ALLOWED_NODES = (
 MAX_CONDITION_CHARS = 4096
 
 
+MAX_CONDITIONS = 2000  # #if / #elif conditions evaluated per source (preprocess)
+
+
 def _eval_condition(expr: str, macros: dict[str, str]) -> bool | None:
     """Evaluate a #if expression; None when it cannot be evaluated safely (then both branches count)."""
     if len(expr) > MAX_CONDITION_CHARS:
@@ -208,6 +211,15 @@ def preprocess(source: str, defines: dict[str, Any]) -> str:
     # evaluated makes its branch active without closing the others, so every branch then counts.
     stack: list[tuple[bool, bool, bool]] = []
     active = True
+    # Each condition costs up to MAX_CONDITION_CHARS of expansion and a parse: past this many in one source
+    # (a crafted 1 MB of `#if A` lines took 43 s), the rest count as undecided (both branches kept).
+    evaluations = 0
+
+    def evaluate(expr: str) -> bool | None:
+        nonlocal evaluations
+        evaluations += 1
+        return _eval_condition(expr, macros) if evaluations <= MAX_CONDITIONS else None
+
     text = strip_comments(source).replace("\\\n", " ")
     for line in text.splitlines():
         m = _DIRECTIVE.match(line)
@@ -218,7 +230,7 @@ def preprocess(source: str, defines: dict[str, Any]) -> str:
         name, rest = m.group(1), m.group(2).strip()
         if name in ("if", "ifdef", "ifndef"):
             if name == "if":
-                cond = _eval_condition(rest, macros)
+                cond = evaluate(rest)
             else:
                 word = rest.split()[0] if rest.split() else ""
                 cond = (word in macros) == (name == "ifdef")
@@ -227,7 +239,7 @@ def preprocess(source: str, defines: dict[str, Any]) -> str:
             active = active and taken
         elif name == "elif" and stack:
             parent, _, done = stack[-1]
-            cond = _eval_condition(rest, macros)
+            cond = evaluate(rest)
             branch = (not done) and (True if cond is None else cond)
             stack[-1] = (parent, branch, done or (branch and cond is True))
             active = parent and branch
@@ -459,17 +471,18 @@ def _global_names(text: str) -> Iterator[tuple[int, str, int]]:
 _LAUNCH_BOUNDS = re.compile(r"__launch_bounds__\s*\([^()]*\)")
 
 
-def _matching(text: str, start: int, open_ch: str, close_ch: str) -> int | None:
-    """Index just past the bracket that closes the one at `start` (None when unbalanced)."""
-    depth = 0
-    for i in range(start, len(text)):
-        if text[i] == open_ch:
-            depth += 1
-        elif text[i] == close_ch:
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
+def _closers(text: str, open_ch: str, close_ch: str) -> dict[int, int]:
+    """For each `open_ch` in `text` that is closed, the index just past its closing bracket: one pass for
+    every bracket (scanning from each kernel's bracket to its match was quadratic on a crafted source of nested
+    `__global__ void f(` lines: 27 s for 114 KB)."""
+    out: dict[int, int] = {}
+    stack: list[int] = []
+    for m in re.finditer(f"[{re.escape(open_ch)}{re.escape(close_ch)}]", text):
+        if m.group() == open_ch:
+            stack.append(m.start())
+        elif stack:
+            out[stack.pop()] = m.start() + 1
+    return out
 
 
 def entry_text(text: str, entry: str | None) -> str:
@@ -484,11 +497,12 @@ def entry_text(text: str, entry: str | None) -> str:
     probe = _LAUNCH_BOUNDS.sub(lambda m: " " * len(m.group(0)), text)
     spans: list[tuple[int, int]] = []
     names: set[str] = set()
+    parens, braces = _closers(probe, "(", ")"), _closers(probe, "{", "}")
     for start, name, paren in _global_names(probe):
         if spans and start < spans[-1][1]:
             continue  # inside a kernel already cut (kernels do not nest; rescanning it per name is quadratic)
         names.add(name)
-        close = _matching(probe, paren, "(", ")")
+        close = parens.get(paren)
         if close is None:
             return text
         brace = close
@@ -496,7 +510,7 @@ def entry_text(text: str, entry: str | None) -> str:
             brace += 1
         if name == entry or not probe.startswith("{", brace):
             continue  # the entry itself, or a declaration without a body
-        end = _matching(probe, brace, "{", "}")
+        end = braces.get(brace)
         if end is None:
             return text
         spans.append((start, end))
@@ -514,10 +528,12 @@ def entry_parameter_count(source: str, entry: str) -> int | None:
     """How many parameters the `__global__` function `entry` declares, or None where its definition cannot be
     read plainly (not found, a preprocessor line in its list, parentheses that never close)."""
     probe = _LAUNCH_BOUNDS.sub(lambda m: " " * len(m.group(0)), strip_comments(source))
+    parens: dict[int, int] | None = None
     for _, name, paren in _global_names(probe):
         if name != entry:
             continue
-        close = _matching(probe, paren, "(", ")")
+        parens = _closers(probe, "(", ")") if parens is None else parens
+        close = parens.get(paren)
         if close is None:
             return None
         listed = probe[paren + 1 : close - 1]
