@@ -734,6 +734,10 @@ class Workload(_Strict):
 
 # ---------------------------------------------------------------- measurement results
 
+# A result flag: the compiler ran out of time or was killed (a loaded machine, the OOM killer), so the
+# "timeout" says nothing of the kernel: neither learned as its failure nor answered from (store._KERNELS_OWN).
+COMPILE_INTERRUPTED = "compile_interrupted"
+
 MeasureStatus = Literal[
     "ok",
     "compile_error",

@@ -48,6 +48,7 @@ from forecaster_mcp.measure.base import OCCUPIED_ATTR, Measurer, MeasureRequest,
 from forecaster_mcp.measure.timing import median_ci_covers
 from forecaster_mcp.measure.worker_protocol import REFERENCE_FAILURE_PREFIX
 from forecaster_mcp.models import (
+    COMPILE_INTERRUPTED,
     CONTROL_CHARACTER,
     MAX_CANDIDATES,
     MIN_CANDIDATES,
@@ -418,7 +419,10 @@ class Service:
                 if m.status != "ok"
                 and (
                     m.status not in NOT_CACHEABLE
-                    or (m.status == "timeout" and TIMEOUT_UNDER_LOWERED_CAP not in m.flags)
+                    or (
+                        m.status == "timeout"
+                        and not {TIMEOUT_UNDER_LOWERED_CAP, COMPILE_INTERRUPTED} & set(m.flags)
+                    )
                 )
             }
             for cid in list(results):

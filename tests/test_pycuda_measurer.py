@@ -52,7 +52,7 @@ from forecaster_mcp.measure.worker_protocol import (
     read_frame_sync,
     write_frame_sync,
 )
-from forecaster_mcp.models import Kernel, Launch, Workload
+from forecaster_mcp.models import COMPILE_INTERRUPTED, Kernel, Launch, Workload
 
 FAKE = str(Path(__file__).with_name("fake_gpu_worker.py"))
 FAKE_NVCC = [sys.executable, FAKE, "nvcc"]
@@ -440,6 +440,8 @@ async def test_compile_timeout_is_reported_and_not_cached(tmp_path: Path) -> Non
         assert result.status == "timeout" and result.cost.gpu_seconds == 0.0
         assert "did not finish within 1 s" in (result.message or "") and "retry" in (result.message or "")
         assert not list((tmp_path / "cache" / "kernels").glob("*/meta.json"))
+        # Flagged: the store neither learns it as the kernel's failure nor answers from it (test_store).
+        assert COMPILE_INTERRUPTED in result.flags
 
 
 @pytest.mark.anyio

@@ -17,7 +17,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from forecaster_mcp.errors import BudgetExhausted, InvalidRequest, OperatorError, UnknownLedger
-from forecaster_mcp.models import DeviceProvenance, Kernel, Launch, MeasureCost, MeasureResult, RuntimeStats
+from forecaster_mcp.models import (
+    COMPILE_INTERRUPTED,
+    DeviceProvenance,
+    Kernel,
+    Launch,
+    MeasureCost,
+    MeasureResult,
+    RuntimeStats,
+)
 from forecaster_mcp.store import migrations
 from forecaster_mcp.store.db import (
     FAILED_BASELINE_SPEEDUP,
@@ -504,6 +512,22 @@ async def test_a_kernel_failing_for_good_while_the_other_runs_verifies_the_forec
         FAILED_BASELINE_SPEEDUP,
         "slower",
     )
+
+
+async def test_an_interrupted_compile_is_not_the_kernels_failure(store: Store) -> None:
+    """nvcc past its time limit or killed (a loaded machine, the OOM killer) gives a "timeout" that says
+    nothing of the kernel: it was learned as one (family models, compare_kernels' failed map) like a kernel
+    that ran past its cap."""
+    k = kernel(BS=3)
+    interrupted = result("timeout").model_copy(update={"flags": [COMPILE_INTERRUPTED]})
+    await store.save_measurement(
+        cache_key="c", ledger="x", idempotency_key=None, kernel_json=k.model_dump_json(), workload_key="w",
+        family_key=k.family_key(), content_key=k.content_key(), hardware="A100", result=interrupted,
+        charged_gpu_seconds=0.0, cached=False,
+    )  # fmt: skip
+    assert await store.family_points(k.family_key(), "A100", "w") == []
+    await save(store, kernel(BS=4), status="timeout")  # a kernel that ran past its cap is learned
+    assert [p.status for p in await store.family_points(k.family_key(), "A100", "w")] == ["timeout"]
 
 
 async def test_save_forecasts_verifies_at_once_and_filters(store: Store) -> None:

@@ -70,6 +70,7 @@ from forecaster_mcp.measure.worker_protocol import (
     parse_header,
 )
 from forecaster_mcp.models import (
+    COMPILE_INTERRUPTED,
     CONTROL_CHARACTER,
     BufferArg,
     Correctness,
@@ -869,6 +870,8 @@ class PycudaMeasurer:
                 status: MeasureStatus = "timeout" if built.transient else "compile_error"
                 message = what + built.message + (" (not a compile error; retry)" if built.transient else "")
                 failed = self._result(request, slot, status, message, 0.0, compile_seconds)
+                if built.transient:
+                    failed.flags.append(COMPILE_INTERRUPTED)
                 return failed, []
         assert isinstance(compiled, CompiledKernel)
         assert ref_compiled is None or isinstance(ref_compiled, CompiledKernel)

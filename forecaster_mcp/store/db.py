@@ -44,7 +44,7 @@ from forecaster_mcp.errors import (
     SameMeasurementRunning,
     UnknownLedger,
 )
-from forecaster_mcp.models import MIN_MEASURE_SECONDS, MeasureResult
+from forecaster_mcp.models import COMPILE_INTERRUPTED, MIN_MEASURE_SECONDS, MeasureResult
 from forecaster_mcp.store.migrations import migrate
 
 log = logging.getLogger(__name__)
@@ -76,9 +76,10 @@ TIMEOUT_UNDER_LOWERED_CAP = "timeout_under_lowered_cap"
 # ... nor a failure of the reference kernel the caller checked it against (its fault, not this kernel's).
 REFERENCE_FAILED = "reference_failed"
 # A row that is ok, or whose failure was the kernel's own (none of these flags): what is learned and answered from.
+# (COMPILE_INTERRUPTED: the compiler, not the kernel, ran out of time or was killed.)
 _KERNELS_OWN = (
     "(status = 'ok' OR NOT EXISTS (SELECT 1 FROM json_each(result_json, '$.flags') "
-    f"WHERE value IN ('{TIMEOUT_UNDER_LOWERED_CAP}', '{REFERENCE_FAILED}')))"
+    f"WHERE value IN ('{TIMEOUT_UNDER_LOWERED_CAP}', '{REFERENCE_FAILED}', '{COMPILE_INTERRUPTED}')))"
 )
 _PLACES = ", ".join("?" for _ in _NOT_CACHEABLE)
 
