@@ -285,3 +285,27 @@ async def test_every_timed_run_starts_from_the_jobs_inputs(tmp_path: Path, patch
     for r in results.values():
         assert r.status == "ok" and r.correctness.passed and r.runtime_ms is not None, r.message
     assert results["skip"].runtime_ms.median == pytest.approx(1.0, rel=1e-6)  # (was 0.001 ms)
+
+
+COUNTS = """
+from forecaster_mcp.measure import gpu_worker as g
+orig_launch = g.GpuSession.launch
+launches = [0]
+def launch(self, kernel, buffers):
+    launches[0] += 1
+    open(COUNT_FILE, "w").write(str(launches[0]))
+    return orig_launch(self, kernel, buffers)
+g.GpuSession.launch = launch
+"""
+
+
+@pytest.mark.anyio
+async def test_max_runs_bounds_the_warm_up_and_wall_clock_runs_too(tmp_path: Path) -> None:
+    """max_runs=1 launched the kernel 108 times (up to 100 warm-up runs, 3 wall-clock samples), all charged."""
+    count = tmp_path / "count"
+    count.write_text("0")
+    async with measurer(tmp_path, wrapper(tmp_path, f"COUNT_FILE = {str(count)!r}\n{COUNTS}")) as m:
+        result = await m.measure(request(m, op("add"), vadd_workload(1024), reference=op("add"), max_runs=1))
+    assert result.status == "ok" and result.runtime_ms is not None and result.runtime_ms.runs == 1
+    # Each input set's check and its reference run (4), one warm-up, one timed and one wall-clock run.
+    assert int(count.read_text()) == 7

@@ -451,7 +451,7 @@ class GpuSession:
             )
             self._guards(buffers, "during timing")
             wall: list[float] = []
-            for _ in range(WALL_SAMPLES):
+            for _ in range(max(1, min(WALL_SAMPLES, job.max_runs))):
                 if time.perf_counter() + reserve + 2 * (sum(samples[-1:]) / 1e3) > deadline:
                     break
                 wall.append(self.wall_sample(kernel, buffers))
@@ -553,11 +553,13 @@ class GpuSession:
         per_sample = 0.0  # host seconds per sample, a running maximum-biased estimate
         warm = 0
         warm_end = time.perf_counter() + WARMUP_SECONDS
-        while warm < WARMUP_MAX_RUNS:
+        # No more warm-up runs than timed ones asked for: max_runs=1 ran up to 100 (all charged).
+        warm_max = max(1, min(WARMUP_MAX_RUNS, job.max_runs))
+        while warm < warm_max:
             now = time.perf_counter()
             if now + per_sample + reserve > deadline:
                 break
-            if warm >= WARMUP_MIN_RUNS and now >= warm_end:
+            if warm >= min(WARMUP_MIN_RUNS, warm_max) and now >= warm_end:
                 break
             self.timed_sample(kernel, buffers)
             per_sample = max(per_sample * 0.5, time.perf_counter() - now)
