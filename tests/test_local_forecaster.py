@@ -421,6 +421,16 @@ def test_a_define_some_members_lack_is_told_apart_from_its_values() -> None:
     assert 2.0 ** mean[0] == pytest.approx(1.0, rel=0.25) and 2.0 ** mean[1] == pytest.approx(4.0, rel=0.1)
 
 
+def test_an_ok_of_no_runtime_is_neither_a_runtime_nor_a_failure() -> None:
+    """A recording's "ok" at 0 ms was counted a failure: the family's p_fail rose and a forecast against it
+    read "candidate failed when measured (ok)"."""
+    from forecaster_mcp.forecast.local import fit_family
+
+    points = [FamilyPoint({"A": a}, None, "ok", 2.0 * a, f"p{a}") for a in (1, 2, 4, 8)]
+    model = fit_family([*points, FamilyPoint({"A": 16}, None, "ok", 0.0, "zero")])
+    assert model.n_failed == 0 and "zero" not in model.measured
+
+
 def test_gp_recovers_a_smooth_function_with_honest_spread() -> None:
     rng = np.random.default_rng(0)
     x = rng.random((60, 2))

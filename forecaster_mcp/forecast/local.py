@@ -1093,7 +1093,10 @@ def fit_family(
     y: list[float] = []
     failed: list[float] = []
     for p in points:
-        ok = p.status == _OK_STATUS and p.runtime_ms is not None and p.runtime_ms > 0
+        if p.status == _OK_STATUS and not (p.runtime_ms is not None and p.runtime_ms > 0):
+            # An "ok" of no runtime (a recording's 0 ms): neither a runtime to learn nor a failure.
+            continue
+        ok = p.status == _OK_STATUS
         # Clamped to a range no kernel leaves (1e-18 to 1e18 ms): a recording may hold any finite runtime,
         # and 1e300 ms would overflow the speedups and rationale built from it.
         log2_ms = (
