@@ -269,6 +269,16 @@ def test_make_pairs_then_eval_with_calibration(
     twice = tmp_path / "twice.jsonl"
     assert main(["make-pairs", str(conv_a100), str(conv_a100), "-n", "5", "--out", str(twice)]) == 0
     assert len({p.id for p in read_pairs_file(twice).pairs}) == 10
+    # ... and each copy is a family of its own: with history, one copy's history points (the same kernels and
+    # runtimes) answered the other copy's pairs.
+    both = tmp_path / "both.jsonl"
+    argv = ["make-pairs", str(conv_a100), str(conv_a100), "-n", "40", "--history", "200", "--out", str(both)]
+    assert main(argv) == 0
+    read = read_pairs_file(both)
+    history = {(h.hardware, h.kernel.content_key()) for h in read.history}
+    assert not any(
+        (p.hardware, k.content_key()) in history for p in read.pairs for k in (p.baseline, p.candidate)
+    )
     space = load_space(conv_a100)
     medians = {tuple(sorted(e.params.items())): statistics.median(e.times) for e in space.entries if e.ok}
     for r in rows[:10]:

@@ -67,11 +67,15 @@ def test_a_confidence_on_an_edge_falls_in_the_bin_above_it() -> None:
 
 def test_bin_accuracy_and_multiclass_brier() -> None:
     half = [0.0] * 8
-    half[5] = half[6] = 0.5  # argmax picks bin 5, [0.5, 1) in log2
+    half[5] = half[6] = 0.5  # bins 5 and 6 tied for the most likely: half the credit for a bin-6 truth
     sure = bins.one_hot(3.0)  # bin 6
     probs = [half, sure]
     s = [3.0, 3.0]  # log2 3 = 1.58: bin 6
-    assert M.bin_accuracy(probs, s) == pytest.approx(0.5)
+    assert M.bin_accuracy(probs, s) == pytest.approx(0.75)
+    # A forecast symmetric about S = 1 (bins 3 and 4 equal to the last bit or not) is a coin flip between
+    # them, whichever side the truth is on: it was credited fully below 1 and not at all above.
+    flip = bins.from_normal(0.0, 1.0)
+    assert M.bin_accuracy([flip], [0.8]) == M.bin_accuracy([flip], [1.25]) == pytest.approx(0.5)
     # Row 1: 0.5^2 + 0.5^2; row 2: perfect.
     assert M.multiclass_brier(probs, s) == pytest.approx(0.25)
 

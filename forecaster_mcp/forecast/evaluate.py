@@ -855,7 +855,14 @@ def make_pairs(
         rng = np.random.default_rng([seed, r])
         order = rng.permutation(len(valid))
         hist_idx, pool = order[:history_per_recording], order[history_per_recording:]
+        prefix = f"{path.parent.name}-{path.name.split('.')[0]}"
         source = _placeholder_source(space.kernel_name, path)
+        if prefix in prefixes:
+            # The same recording given again: a family of its own, or its history points (the same kernels
+            # and runtimes) would answer the other copy's pairs.
+            prefix = f"{prefix}-r{r}"
+            source += f"// copy {r}: this recording was given more than once\n"
+        prefixes.add(prefix)
         workload = _workload(space.kernel_name, space.problem_size).model_dump(exclude_none=True)
         median = {id(e): statistics.median(e.times) for e in valid}
 
@@ -873,10 +880,6 @@ def make_pairs(
                 }
             )
         seen: set[tuple[int, int]] = set()
-        prefix = f"{path.parent.name}-{path.name.split('.')[0]}"
-        if prefix in prefixes:
-            prefix = f"{prefix}-r{r}"
-        prefixes.add(prefix)
         max_pairs = len(pool) * (len(pool) - 1)
         want = min(n_per_recording, max_pairs)
         while len(seen) < want:

@@ -92,10 +92,16 @@ def pairwise_accuracy(p_faster: ArrayLike, speedups: ArrayLike) -> float:
 
 
 def bin_accuracy(probs: Sequence[Sequence[float]] | FloatArray, speedups: ArrayLike) -> float:
-    """Fraction of pairs whose most likely bin holds the true speedup (ties included)."""
+    """Fraction of pairs whose most likely bin holds the true speedup (ties included). Bins tied for the most
+    likely (within rounding) share the credit, as a coin flip scores 0.5 on direction: a forecast symmetric
+    about S = 1 was credited with its slower bin alone (argmax takes the first of equals)."""
     p = as_probs(probs)
+    if not p.size:
+        return math.nan
     truth = np.array([bins.bin_index(float(s)) for s in _vec(speedups, "speedups")], dtype=np.int64)
-    return _mean_or_nan((p.argmax(axis=1) == truth).astype(np.float64)) if p.size else math.nan
+    top = np.isclose(p, p.max(axis=1, keepdims=True), rtol=1e-9, atol=1e-12)
+    hit = top[np.arange(len(truth)), truth]
+    return _mean_or_nan(hit / top.sum(axis=1))
 
 
 def brier(p_faster: ArrayLike, speedups: ArrayLike) -> float:
