@@ -930,15 +930,16 @@ class Service:
         lookup_keys = tuple(dict.fromkeys((cache_key, _legacy_cache_key(request, fingerprint))))
         min_runs = getattr(measurer, "min_runs", 1)
 
-        async def served_from_cache() -> MeasureResult | None:
-            """A free copy of a stored result that may answer this request (saved as a cache hit), or None."""
-            hit, hit_key = None, cache_key
+        async def cached_hit() -> tuple[MeasureResult, str] | None:
+            """A stored result that may answer this request, and the key it was found under; or None."""
             for key in lookup_keys:
-                hit, hit_key = await self.store.find_measurement(key), key
+                hit = await self.store.find_measurement(key)
                 if hit is not None:
-                    break
-            if hit is None or not _precise_enough(hit, request, min_runs):
-                return None
+                    return (hit, key) if _precise_enough(hit, request, min_runs) else None
+            return None
+
+        async def serve(hit: MeasureResult, hit_key: str) -> MeasureResult:
+            """A free copy of `hit`, saved as a cache hit."""
             result = _free_copy(hit, str(kernel.id))
             # The copy joins the key it was found under: what it saved is read from that key's original.
             result.measurement_id = await self.store.save_measurement(
@@ -948,9 +949,9 @@ class Service:
 
         async with self._alone(("cache", cache_key)):
             while True:
-                cached = await served_from_cache()
-                if cached is not None:
-                    return cached
+                found = await cached_hit()
+                if found is not None:
+                    return await serve(*found)
                 try:
                     hold = await self.store.reserve(
                         ledger,
@@ -976,18 +977,20 @@ class Service:
                 else:
                     # Another process may have saved the same measurement between the lookup above and this
                     # hold (the lookup read while its save held the write lock, and the hold waited for that
-                    # save to commit and close its hold): look once more before paying for it again.
+                    # save to commit and close its hold): look once more before paying for it again. The hold
+                    # is released before the free copy is saved: under an idempotency key, an open hold on
+                    # the key reads as that very request still running.
                     try:
-                        cached = await served_from_cache()
+                        found = await cached_hit()
                     except BaseException:
                         with anyio.CancelScope(shield=True):
                             await self.store.release(hold)
                         raise
-                    if cached is None:
+                    if found is None:
                         break
                     with anyio.CancelScope(shield=True):
                         await self.store.release(hold)
-                    return cached
+                    return await serve(*found)
             settled = False
             try:
                 try:

@@ -214,10 +214,14 @@ async def test_concurrent_identical_measurements_run_once_and_the_rest_are_free(
         await svc.close()
 
 
-async def test_a_result_another_process_saves_between_lookup_and_hold_is_served_free(tmp_path: Path) -> None:
+@pytest.mark.parametrize("idempotency_key", [None, "retry-1"])
+async def test_a_result_another_process_saves_between_lookup_and_hold_is_served_free(
+    tmp_path: Path, idempotency_key: str | None
+) -> None:
     """Two server processes on one database: the second looked in the cache while the first's save was still
     committing, then got its hold once that save had closed the first's hold. It must look again before it
-    pays for the same measurement (both measured and both were charged: the CI failure of stop 28)."""
+    pays for the same measurement (both measured and both were charged: the CI failure of stop 28), and,
+    under an idempotency key, not read its own open hold as that request still running."""
     from forecaster_mcp.measure.fake import FakeMeasurer
 
     first_fake, second_fake = FakeMeasurer([DEVICE], gpu_seconds=0.5), FakeMeasurer([DEVICE], gpu_seconds=0.5)
@@ -244,7 +248,11 @@ async def test_a_result_another_process_saves_between_lookup_and_hold_is_served_
         async with anyio.create_task_group() as tg:
             tg.start_soon(run_first)
             await first_fake.wait_for_calls(1)  # the first holds the device
-            results.append(await second.measure(ledger="L", kernel=kernel(), workload=WORKLOAD))
+            results.append(
+                await second.measure(
+                    ledger="L", kernel=kernel(), workload=WORKLOAD, idempotency_key=idempotency_key
+                )
+            )
         assert second_fake.history == []
         assert [r.cost.cached for r in results] == [False, True]
         view = await second.store.get_ledger("L")
