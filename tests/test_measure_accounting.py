@@ -660,6 +660,32 @@ async def test_a_commit_that_fails_is_retried_in_the_background_until_the_databa
         await store.close()
 
 
+async def test_a_commit_retried_in_the_background_never_gives_up_while_the_process_lives(
+    tmp_path: Path,
+) -> None:
+    """It gave up after 60 tries (about 10 minutes of a locked database): the device time was never charged,
+    and the hold stayed open, blocking that budget, until the next start released it free."""
+    store = await Store.open(tmp_path / "s.sqlite3")
+    await store.ensure_ledger("L", 10.0)
+    hold = await store.reserve("L", 5.0, "measure k")
+    real, failures = store.commit, [sqlite3.OperationalError("database is locked")] * 80
+
+    async def flaky(reservation: Any, seconds: float) -> float:
+        if failures:
+            raise failures.pop()
+        return await real(reservation, seconds)
+
+    store.commit = flaky  # type: ignore[method-assign]
+    try:
+        store.commit_later(hold, 2.0, interval_s=0.001, max_interval_s=0.002)
+        with anyio.fail_after(10):
+            await asyncio.gather(*store._retrying)
+        view = await store.get_ledger("L")
+        assert view is not None and view.spent_gpu_seconds == 2.0 and view.reserved_gpu_seconds == 0
+    finally:
+        await store.close()
+
+
 async def test_a_commit_still_failing_at_close_gets_a_last_attempt(tmp_path: Path) -> None:
     """The caller was told the run was charged: closing the store does not drop the pending charge."""
     store = await Store.open(tmp_path / "s.sqlite3")

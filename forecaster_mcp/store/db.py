@@ -775,22 +775,25 @@ class Store:
         actual_gpu_seconds: float | None,
         *,
         interval_s: float = 10.0,
-        attempts: int = 60,
+        max_interval_s: float = 300.0,
     ) -> None:
-        """Keep trying `commit` (`release` for None) in the background (every `interval_s`, at most `attempts`
-        times) after it failed on a locked or full database: a run that used the device is charged once the
-        database takes writes again, and its hold does not stay open (reserved budget, a retry under its key
-        "still running") meanwhile."""
+        """Keep trying `commit` (`release` for None) in the background after it failed on a locked or full
+        database, every `interval_s` at first, backing off to `max_interval_s`, for as long as the process
+        lives (and once more at `close`): a run that used the device is charged once the database takes
+        writes again, and its hold does not stay open (reserved budget, a retry under its key "still
+        running") meanwhile. (It gave up after 60 tries, about 10 minutes: the device time was then never
+        charged and the hold stayed open until the next start released it free.)"""
 
         async def retry() -> None:
-            for _ in range(attempts):
-                await asyncio.sleep(interval_s)
+            wait = interval_s
+            while True:
+                await asyncio.sleep(wait)
                 try:
                     await self._settle_now(reservation, actual_gpu_seconds)
                     return
                 except sqlite3.Error as exc:
                     log.warning("commit of reservation %s still failing: %s", reservation.id, exc)
-            log.error("gave up committing reservation %s; it is released at the next start", reservation.id)
+                wait = min(max_interval_s, 2.0 * wait)
 
         fut = asyncio.ensure_future(retry())
         self._retrying[fut] = (reservation, actual_gpu_seconds)
