@@ -356,8 +356,15 @@ class Service:
         # Saved once the call succeeds (below): a compare refused for its measurements records nothing.
         forecast_results = dict(results)
 
-        measure_next = await self._measure_next(
-            base, measured, results, fc_by_id, family, hw.name, wkey, by_id, base_failed
+        unmeasurable: dict[str, str] = {}
+        measure_next = self._measurable_only(
+            await self._measure_next(
+                base, measured, results, fc_by_id, family, hw.name, wkey, by_id, base_failed
+            ),
+            by_id,
+            workload,
+            hw,
+            unmeasurable,
         )
         notes = list(hw.notes)
         if hw.device_of is None or hw.device_of.name != "replay":
@@ -436,8 +443,14 @@ class Service:
                     results[cid] = _one_side_failed(cid, status, base_failed=False, by="measurement")
                 elif base_failed is not None and m_cand is not None:
                     results[cid] = _one_side_failed(cid, base_failed, base_failed=True, by="measurement")
-            measure_next = await self._measure_next(
-                base, measured, results, fc_by_id, family, hw.name, wkey, by_id, base_failed
+            measure_next = self._measurable_only(
+                await self._measure_next(
+                    base, measured, results, fc_by_id, family, hw.name, wkey, by_id, base_failed
+                ),
+                by_id,
+                workload,
+                hw,
+                unmeasurable,
             )
             # measure_next lists what the caller should measure: not what this server just found it cannot.
             measure_next = [i for i in measure_next if i not in not_measurable]
@@ -471,6 +484,13 @@ class Service:
                 "the best measured kernel of its family) with no real chance of a clear win; measure none of "
                 "them, and send candidates from elsewhere (other parameter values, another approach) to keep "
                 "searching"
+            )
+        if unmeasurable:
+            first = next(iter(unmeasurable.values()))
+            notes.append(
+                f"left out of measure_next, as this server cannot measure them: {', '.join(list(unmeasurable)[:10])}"
+                f"{' ...' if len(unmeasurable) > 10 else ''} ({one_line(first, 300)}); their forecasts stand, "
+                "but do not send them to measure_kernel here"
             )
         speed = {base.id: 1.0, **{r.id: r.measured_speedup or r.expected_speedup for r in ordered}}
         ranking = sorted(speed, key=lambda i: -speed[i])
@@ -507,6 +527,30 @@ class Service:
             interval = await _by_content(k, lambda key: self.store.measured_interval(key, hardware, wkey))
             if interval is not None and interval[0] > 0:
                 out[str(k.id)] = interval
+        return out
+
+    @staticmethod
+    def _measurable_only(
+        ranked: Sequence[str],
+        by_id: dict[str | None, Kernel],
+        workload: Workload,
+        hw: HardwareChoice,
+        refused: dict[str, str],
+    ) -> list[str]:
+        """`ranked` without the candidates this server's measurer can tell at once it would refuse (a replay
+        recording without that combination of values); those go into `refused` with why. A combination the
+        tuner never ran stayed at the head of measure_next call after call, and a client that measures the
+        head never moved on (a refusal charges nothing)."""
+        check = getattr(hw.device_of, "cannot_measure", None)
+        if check is None:
+            return list(ranked)
+        out = []
+        for cid in ranked:
+            why = check(by_id[cid], workload.key(), hw.name)
+            if why is None:
+                out.append(cid)
+            else:
+                refused[cid] = why
         return out
 
     async def _measure_next(

@@ -645,3 +645,33 @@ async def test_copies_of_one_kernel_are_listed_once_and_a_zero_cap_says_so(
         )
     assert capped["measurements"] == [] and capped["gpu_seconds_charged"] == 0
     assert any("max_measurements 0 measured nothing" in n for n in capped["notes"])
+
+
+async def test_measure_next_leaves_out_what_the_recording_cannot_replay(
+    tmp_path: Path, conv_a100: Path
+) -> None:
+    """A combination of recorded values the tuner never ran is refused by measure_kernel (free): at the head of
+    measure_next call after call, a client that measures the head never moved on."""
+    import itertools
+
+    from forecaster_mcp.measure.replay import load_space
+
+    space = load_space(conv_a100)
+    values = [space.tune_params[k] for k in space.param_keys]
+    unrecorded = [
+        dict(zip(space.param_keys, combo, strict=True))
+        for combo in itertools.islice(itertools.product(*values), 20_000)
+        if space.find(dict(zip(space.param_keys, combo, strict=True))) is None
+    ][::997][:4]
+    recorded = [e.params for e in space.valid_entries()][7::301][:4]
+    assert len(unrecorded) == 4 and len(recorded) == 4
+    async with running(tmp_path, [conv_a100]) as (client, _):
+        await call(client, "measure_kernel", {"kernel": conv("base", FAST)})
+        candidates = [conv("base", FAST)]
+        candidates += [conv(f"u{i}", p) for i, p in enumerate(unrecorded)]
+        candidates += [conv(f"r{i}", p) for i, p in enumerate(recorded)]
+        out = await call(client, "compare_kernels", {"candidates": candidates})
+        assert not any(i.startswith("u") for i in out["measure_next"]), out["measure_next"]
+        assert {c["id"] for c in out["candidates"]} >= {"u0", "u1", "u2", "u3"}  # still forecast
+        [note] = [n for n in out["notes"] if n.startswith("left out of measure_next")]
+        assert "u0" in note and "not recorded" in note, note

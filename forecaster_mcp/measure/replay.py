@@ -659,6 +659,25 @@ class ReplayMeasurer:
         for r in self._recordings:
             await anyio.to_thread.run_sync(r.load)
 
+    def cannot_measure(self, kernel: Kernel, workload_key: str, device: str) -> str | None:
+        """Why `measure` would refuse `kernel` (`workload_key`: `Workload.key()`) on `device`, or None when it
+        would not or that cannot be told without loading a recording. compare_kernels leaves such candidates
+        out of `measure_next`: a combination of recorded values the tuner never ran stayed at its head call
+        after call, and a client that measures the head never moved on (the refusal charges nothing)."""
+        resolved = self._device_or_none(device)
+        if resolved is None:
+            return None  # not this measurer's device: the service picked another
+        if (resolved, kernel.content_key(), workload_key) in self._exported:
+            return None
+        try:
+            rec = self._recording(resolved, kernel)
+        except NotMeasurable as exc:
+            return str(exc)
+        space = rec.space
+        if space is None or space.find(kernel.defines) is not None:
+            return None
+        return self._values_message(resolved, kernel, space)
+
     # ---- resolution and refusals
 
     def _device_or_none(self, device: str) -> str | None:
