@@ -306,18 +306,19 @@ def _neighbours(space: SpaceLike, index: int, lookup: Mapping[tuple[Any, ...], i
     return out
 
 
-_VALUES_CACHE: dict[int, dict[str, list[Any]]] = {}
+# The last space's values, with the space itself: keyed by id() alone, a new space at a freed one's address
+# was answered the old one's values.
+_VALUES_CACHE: list[tuple[SpaceLike, dict[str, list[Any]]]] = []
 
 
 def _values(space: SpaceLike) -> dict[str, list[Any]]:
-    cached = _VALUES_CACHE.get(id(space))
-    if cached is None:
-        cached = {}
-        for k in space.param_keys:
-            seen = {json.dumps(e.params[k]): e.params[k] for e in space.entries}
-            cached[k] = sorted(seen.values(), key=_sort_key)
-        _VALUES_CACHE.clear()
-        _VALUES_CACHE[id(space)] = cached
+    if _VALUES_CACHE and _VALUES_CACHE[0][0] is space:
+        return _VALUES_CACHE[0][1]
+    cached: dict[str, list[Any]] = {}
+    for k in space.param_keys:
+        seen = {json.dumps(e.params[k]): e.params[k] for e in space.entries}
+        cached[k] = sorted(seen.values(), key=_sort_key)
+    _VALUES_CACHE[:] = [(space, cached)]
     return cached
 
 
