@@ -357,15 +357,16 @@ class Service:
         forecast_results = dict(results)
 
         unmeasurable: dict[str, str] = {}
-        measure_next = self._measurable_only(
-            await self._measure_next(
+
+        async def next_to_measure() -> list[str]:
+            """measure_next as things stand (measured and results as they are now), less what this server's
+            measurer can tell it would refuse (into `unmeasurable`)."""
+            ranked = await self._measure_next(
                 base, measured, results, fc_by_id, family, hw.name, wkey, by_id, base_failed
-            ),
-            by_id,
-            workload,
-            hw,
-            unmeasurable,
-        )
+            )
+            return self._measurable_only(ranked, by_id, workload, hw, unmeasurable)
+
+        measure_next = await next_to_measure()
         notes = list(hw.notes)
         if hw.device_of is None or hw.device_of.name != "replay":
             # (A replay answers from recordings matched on entry and defines: it neither compiles nor runs.)
@@ -443,15 +444,7 @@ class Service:
                     results[cid] = _one_side_failed(cid, status, base_failed=False, by="measurement")
                 elif base_failed is not None and m_cand is not None:
                     results[cid] = _one_side_failed(cid, base_failed, base_failed=True, by="measurement")
-            measure_next = self._measurable_only(
-                await self._measure_next(
-                    base, measured, results, fc_by_id, family, hw.name, wkey, by_id, base_failed
-                ),
-                by_id,
-                workload,
-                hw,
-                unmeasurable,
-            )
+            measure_next = await next_to_measure()
             # measure_next lists what the caller should measure: not what this server just found it cannot.
             measure_next = [i for i in measure_next if i not in not_measurable]
             left = [i for i in measure_next if i != base.id and results[i].verdict == "unsure"]
