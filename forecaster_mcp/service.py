@@ -356,15 +356,11 @@ class Service:
         # Saved once the call succeeds (below): a compare refused for its measurements records nothing.
         forecast_results = dict(results)
 
-        unmeasurable: dict[str, str] = {}
-
         async def next_to_measure() -> list[str]:
-            """measure_next as things stand (measured and results as they are now), less what this server's
-            measurer can tell it would refuse (into `unmeasurable`)."""
-            ranked = await self._measure_next(
+            """measure_next as things stand (measured and results as they are now)."""
+            return await self._measure_next(
                 base, measured, results, fc_by_id, family, hw.name, wkey, by_id, base_failed
             )
-            return self._measurable_only(ranked, by_id, workload, hw, unmeasurable)
 
         measure_next = await next_to_measure()
         notes = list(hw.notes)
@@ -478,6 +474,10 @@ class Service:
                 "them, and send candidates from elsewhere (other parameter values, another approach) to keep "
                 "searching"
             )
+        # What the caller is told to measure, less what this server's measurer can tell at once it would refuse
+        # (measure_if_unsure, above, tried those itself: a baseline it cannot measure stops it, free).
+        unmeasurable: dict[str, str] = {}
+        measure_next = self._measurable_only(measure_next, by_id, workload, hw, unmeasurable)
         if unmeasurable:
             first = next(iter(unmeasurable.values()))
             notes.append(

@@ -667,9 +667,9 @@ class ReplayMeasurer:
         resolved = self._device_or_none(device)
         if resolved is None:
             return None  # not this measurer's device: the service picked another
-        if (resolved, kernel.content_key(), workload_key) in self._exported:
-            return None
         try:
+            if self._export_for(kernel, workload_key, resolved) is not None:
+                return None
             rec = self._recording(resolved, kernel)
         except NotMeasurable as exc:
             return str(exc)
@@ -705,15 +705,18 @@ class ReplayMeasurer:
     def _export_of(self, request: MeasureRequest, device: str) -> _Exported | None:
         """The exported measurement of exactly this kernel and workload on `device`; NotMeasurable when the
         device has only exports and this is not among them."""
-        found = self._exported.get((device, request.kernel.content_key(), request.workload.key()))
+        return self._export_for(request.kernel, request.workload.key(), device)
+
+    def _export_for(self, kernel: Kernel, workload_key: str, device: str) -> _Exported | None:
+        found = self._exported.get((device, kernel.content_key(), workload_key))
         if found is None and not any(r.header.device == device for r in self._recordings):
             entries = [e.entry for k, e in self._exported.items() if k[0] == device]
-            same = sum(e == request.kernel.entry for e in entries)
+            same = sum(e == kernel.entry for e in entries)
             raise NotMeasurable(
-                f"kernel {request.kernel.id or 'k0'!r} is not among the exported measurements on {device}: an "
+                f"kernel {kernel.id or 'k0'!r} is not among the exported measurements on {device}: an "
                 "export replays a kernel only with the source, entry, defines, launch, compile options and "
                 "workload it was measured with "
-                f"({same} of the {len(entries)} exported there have entry {request.kernel.entry[:80]!r}). "
+                f"({same} of the {len(entries)} exported there have entry {kernel.entry[:80]!r}). "
                 "Forecast it with compare_kernels (free) instead."
             )
         return found
