@@ -99,23 +99,22 @@ def _as_number(value: Any) -> float | None:
         # a tuning parameter read as a category loses its order).
         text = value.strip()
         if _C_INT.fullmatch(text) is not None:
-            exact = _canonical(text)  # "016" is octal 14, as in C and in row_key
+            # An integer literal (hex and suffixes included) as C reads it: "016" is octal 14, as in row_key.
+            exact = _canonical(text)
             if isinstance(exact, int):
                 try:
                     return float(exact)
                 except OverflowError:
                     return None
-        hexa = _HEX.fullmatch(text)
         try:
-            number = float(int(hexa.group(1), 16)) if hexa else float(_DEC_SUFFIX.sub("", text))
-        except (ValueError, OverflowError):
+            number = float(_DEC_SUFFIX.sub("", text))
+        except ValueError:
             return None
         return number if math.isfinite(number) else None
     return None
 
 
 _INT_SUFFIX = r"(?:[uU][lL]{0,2}|[lL]{1,2}[uU]?)"
-_HEX = re.compile(rf"([+-]?0[xX][0-9a-fA-F]+){_INT_SUFFIX}?")
 _DEC_SUFFIX = re.compile(rf"(?<=[0-9.])(?:{_INT_SUFFIX}|[fF])$")
 
 
@@ -418,8 +417,9 @@ class ParamEncoder:
             for c in self.columns:
                 if c.kind == "cat":
                     value = row.get(c.name)
-                    if value is not None and _category(value) in c.categories:
-                        out[i, j + c.categories.index(_category(value))] = 1.0
+                    label = None if value is None else _category(value)
+                    if label in c.categories:
+                        out[i, j + c.categories.index(label)] = 1.0
                     j += len(c.categories)
                     continue
                 number = _as_number(row.get(c.name))
