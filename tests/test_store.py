@@ -32,6 +32,7 @@ from forecaster_mcp.store.db import (
     FAILED_CANDIDATE_SPEEDUP,
     MICRO,
     REFERENCE_FAILED,
+    TIMEOUT_UNDER_LOWERED_CAP,
     ForecastRow,
     Store,
 )
@@ -476,37 +477,52 @@ async def test_forecasts_are_verified_when_both_kernels_get_measured(store: Stor
 
 
 async def test_a_kernel_failing_for_good_while_the_other_runs_verifies_the_forecast(store: Store) -> None:
-    """A verdict on a kernel that then fails to compile or gives wrong output is checked like any other (the
-    one that ran is the better choice); what says nothing final of the kernel verifies nothing."""
+    """A verdict on a kernel that then fails to compile, gives wrong output or runs past the server's cap is
+    checked like any other (the one that ran is the better choice); what says nothing final of the kernel
+    verifies nothing."""
     base = kernel(BS=1)
-    cands = {
-        status: kernel(BS=i + 2) for i, status in enumerate(("timeout", "out_of_memory", "worker_crashed"))
+    cands = {status: kernel(BS=i + 2) for i, status in enumerate(("out_of_memory", "worker_crashed"))}
+    both, base_fails, later = kernel(BS=11), kernel(BS=12), kernel(BS=13)
+    flagged_cands = {
+        flag: kernel(BS=30 + i) for i, flag in enumerate((REFERENCE_FAILED, TIMEOUT_UNDER_LOWERED_CAP))
     }
-    ref_failed, both, base_fails, later = kernel(BS=10), kernel(BS=11), kernel(BS=12), kernel(BS=13)
+    slow = kernel(BS=40)
     await save(store, base, 2.0)
-    await store.save_forecasts([forecast(base, k, 0.9, "faster") for k in (*cands.values(), ref_failed)])
+    await store.save_forecasts(
+        [forecast(base, k, 0.9, "faster") for k in (*cands.values(), *flagged_cands.values(), slow)]
+    )
     for status, k in cands.items():
         await save(store, k, status=status)
-    flagged = result("wrong_output").model_copy(update={"flags": [REFERENCE_FAILED]})
-    await store.save_measurement(
-        cache_key="ref", ledger="x", idempotency_key=None, kernel_json=ref_failed.model_dump_json(),
-        workload_key="w", family_key=ref_failed.family_key(), content_key=ref_failed.content_key(),
-        hardware="A100", result=flagged, charged_gpu_seconds=1.0, cached=False,
-    )  # fmt: skip
-    assert await store.verified_pairs() == []  # a crash, no memory, a timeout, the reference's failure
+    for flag, k in flagged_cands.items():
+        status = "wrong_output" if flag == REFERENCE_FAILED else "timeout"
+        await store.save_measurement(
+            cache_key=f"flagged/{flag}", ledger="x", idempotency_key=None, kernel_json=k.model_dump_json(),
+            workload_key="w", family_key=k.family_key(), content_key=k.content_key(), hardware="A100",
+            result=result(status).model_copy(update={"flags": [flag]}), charged_gpu_seconds=1.0, cached=False,
+        )  # fmt: skip
+    assert await store.verified_pairs() == []  # a crash, no memory, the reference's failure, a lowered cap
+
+    # Past the server's own cap: the kernel's failure (as compare_kernels and the family model take it).
+    await save(store, slow, status="timeout")
+    [pair] = await store.verified_pairs()
+    assert (pair.failure, pair.actual_speedup, pair.verdict) == (
+        "candidate",
+        FAILED_CANDIDATE_SPEEDUP,
+        "faster",
+    )
 
     # Both kernels failed: nothing says which is faster.
     failing = kernel(BS=20)
     await save(store, failing, status="compile_error")
     await store.save_forecasts([forecast(failing, both, 0.5, "unsure")])
     await save(store, both, status="launch_error")
-    assert await store.verified_pairs() == []
+    assert len(await store.verified_pairs()) == 1
 
     # The baseline failed and the candidate ran, measured before the forecast was saved: verified at once.
     await save(store, base_fails, status="wrong_output")
     await save(store, later, 4.0)
     await store.save_forecasts([forecast(base_fails, later, 0.2, "slower")])
-    [pair] = await store.verified_pairs()
+    [pair] = [p for p in await store.verified_pairs() if p.failure == "baseline"]
     assert (pair.failure, pair.actual_speedup, pair.verdict) == (
         "baseline",
         FAILED_BASELINE_SPEEDUP,

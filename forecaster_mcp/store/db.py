@@ -352,12 +352,15 @@ _VERIFY = (
 # a forecast puts a measured failure (service._one_side_failed). verified_failure says which side failed.
 FAILED_CANDIDATE_SPEEDUP = 2.0**-4
 FAILED_BASELINE_SPEEDUP = 2.0**4
-# The latest failure of a kernel that says something final of it (not a crash, an out-of-memory or a timeout,
-# nor a failure that was its reference's), when it was never measured ok (failed_status's rule).
+# The latest failure of a kernel that is its own, when it was never measured ok: what family models learn as a
+# failure (not a crash or an out-of-memory, nor a failure that was its reference's, nor a timeout under a
+# lowered cap or an interrupted compile). A timeout under the server's cap counts, as compare_kernels answers
+# it: a "faster" said of a kernel that then ran past the cap was wrong, and leaving it out would keep the worst
+# errors out of the history that certifies thresholds.
 _LATEST_FAILED = (
     "SELECT {col} FROM measurements AS m WHERE m.content_key = forecasts.{key} "
     "AND m.hardware = forecasts.hardware AND m.workload_key = forecasts.workload_key "
-    f"AND m.status != 'ok' AND m.status NOT IN ({', '.join(repr(s) for s in _NOT_CACHEABLE)}) "
+    f"AND m.status != 'ok' AND m.status NOT IN ({', '.join(repr(s) for s in _NOT_A_POINT)}) "
     f"AND {_KERNELS_OWN} AND NOT EXISTS ({_LATEST_OK.format(col='1', key='{key}')}) "
     "ORDER BY m.id DESC LIMIT 1"
 )
