@@ -52,6 +52,7 @@ class FakeStore:
         speedup: float,
         family: str | None = None,
         failure: str | None = None,
+        verified_by: int | None = None,
     ) -> None:
         p = list(bins.normalize(probs))
         self.pairs.append(
@@ -65,6 +66,7 @@ class FakeStore:
                 float(len(self.pairs)),
                 family,
                 failure=failure,
+                verified_by=verified_by,
             )
         )
 
@@ -475,6 +477,26 @@ async def test_threshold_default_then_certified_then_cached() -> None:
     clock.now += 6.0
     await engine.threshold("A100", 0.1)
     assert store.reads > reads and len(store.saves) == saves
+
+
+@pytest.mark.anyio
+async def test_pairs_one_measurement_settled_certify_a_threshold_as_one_trial() -> None:
+    """A search forecasts one candidate against each best-so-far, and its measurement then settles every such
+    pair at once. 40 measurements, each settling 5 right pairs at 0.96, are 40 trials, not 200: too few to
+    test a threshold at target 0.05 (118 are needed); counted as 200 they certified 0.96."""
+    store = FakeStore()
+    for m in range(40):
+        for _ in range(5):
+            store.add("local@0", "A100", _bins_with(0.96), 2.0, verified_by=m)
+    engine = ForecastEngine([_scripted("local")], store)
+    choice = await engine.threshold("A100", 0.05)
+    assert choice.source == "default" and choice.n_history == 40, choice.reason
+    for m in range(40, 140):
+        store.add("local@0", "A100", _bins_with(0.96), 2.0, verified_by=m)
+    engine.mark_stale()
+    choice = await engine.threshold("A100", 0.05)
+    assert choice.source == "history" and choice.n_history == 140, choice.reason
+    assert choice.threshold < 0.975  # below the default: certified on the 140 trials
 
 
 @pytest.mark.anyio

@@ -465,7 +465,7 @@ async def test_forecasts_are_verified_when_both_kernels_get_measured(store: Stor
         2.0,
         "faster",
     )
-    assert pair.p_faster == 0.9 and len(pair.probs) == 8
+    assert pair.p_faster == 0.9 and len(pair.probs) == 8 and pair.verified_by == cand_id
     with raw(store.path) as conn:
         assert conn.execute(
             "SELECT verified_by_measurement FROM forecasts WHERE id = ?", (fid,)

@@ -131,6 +131,10 @@ class VerifiedPair:
     # 'candidate' / 'baseline': verified by that kernel failing for good while the other ran (actual_speedup
     # is then FAILED_CANDIDATE_SPEEDUP / FAILED_BASELINE_SPEEDUP); None: both ran.
     failure: str | None = None
+    # The measurement that settled the pair (the later of the two kernels' measurements). One measurement
+    # settles every pair its kernel was forecast in at once, and they are right or wrong together: thresholds
+    # are certified on one pair per measurement (engine), never on its copies.
+    verified_by: int | None = None
 
 
 @dataclass(frozen=True)
@@ -1280,7 +1284,8 @@ class Store:
         or weigh in a calibration several times over."""
         rows = await self._fetch(
             "SELECT forecaster, hardware, probs_json, p_faster, actual_speedup, verdict, created_at, family_key, "
-            "workload_key || '|' || baseline_key || '|' || candidate_key, verified_failure FROM forecasts WHERE id IN "
+            "workload_key || '|' || baseline_key || '|' || candidate_key, verified_failure, verified_by_measurement "
+            "FROM forecasts WHERE id IN "
             "(SELECT MAX(id) FROM forecasts WHERE actual_speedup IS NOT NULL "
             "AND decided_by != 'cache' AND (? IS NULL OR forecaster = ?) AND (? IS NULL OR hardware = ?) "
             f"GROUP BY forecaster, {_PAIR}) ORDER BY id",
@@ -1298,6 +1303,7 @@ class Store:
                 family_key=None if r[7] is None else str(r[7]),
                 pair=str(r[8]),
                 failure=None if r[9] is None else str(r[9]),
+                verified_by=None if r[10] is None else int(r[10]),
             )
             for r in rows
         ]
