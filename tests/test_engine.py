@@ -534,6 +534,40 @@ async def test_a_small_target_error_is_certified_on_as_much_history_as_it_needs(
 
 
 @pytest.mark.anyio
+async def test_a_measurement_landing_during_a_refresh_is_read_on_the_next_call() -> None:
+    """mark_stale() while a refresh is reading the store: that read may have missed the new pairs, so the
+    engine stays stale. It was cleared at the end of the refresh, and the new pairs waited for the interval."""
+
+    class SlowStore(FakeStore):
+        gate: anyio.Event | None = None
+
+        async def verified_pairs(
+            self, forecaster: str | None = None, hardware: str | None = None
+        ) -> list[VerifiedPair]:
+            rows = await super().verified_pairs(forecaster, hardware)
+            if self.gate is not None:
+                await self.gate.wait()
+            return rows
+
+    store = SlowStore()
+    clock = Clock()  # frozen: only mark_stale can trigger a re-read
+    engine = ForecastEngine([_scripted("local")], store, clock=clock, refresh_interval_s=5.0)
+    assert (await engine.threshold("A100", 0.1)).source == "default"
+    store.gate = anyio.Event()
+    engine.mark_stale()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(engine.refresh)
+        await anyio.wait_all_tasks_blocked()  # the refresh has read (no pairs yet) and waits on the gate
+        for _ in range(200):  # confidently wrong, verified by a measurement that lands now
+            store.add("local@0", "A100", _bins_with(0.99), 0.5)
+        engine.mark_stale()
+        store.gate.set()
+    store.gate = None
+    choice = await engine.threshold("A100", 0.1)
+    assert choice.source == "never" and choice.n_history == 200, choice.reason
+
+
+@pytest.mark.anyio
 async def test_threshold_falls_back_to_history_pooled_over_gpus() -> None:
     store = FakeStore()
     for i in range(300):

@@ -629,6 +629,9 @@ class ForecastEngine:
             if not self._loaded:
                 await self._load(store)
                 self._loaded = True
+            # Cleared before the read, not after: a measurement that lands during the read marks the engine
+            # stale again, and the next call re-reads what this read may have missed.
+            self._stale = False
             # One read, split by forecaster name (row_names): the raw rows of every slot and the final rows.
             by_name: dict[str, list[VerifiedPair]] = {}
             for v in await store.verified_pairs():
@@ -664,7 +667,6 @@ class ForecastEngine:
                         regime, [(v.hardware, v.p_faster, v.actual_speedup, v.family_key) for v in final]
                     )
                     self._history_signatures[regime] = signature
-            self._stale = False
             self._fresh_until = self._clock() + self._refresh_interval_s
 
     def _calibration_state(self, name: str) -> str:
