@@ -529,3 +529,28 @@ def test_a_write_that_fails_midway_leaves_the_previous_run_whole(
     assert main(["eval", str(small), "--out", str(out)]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["metrics.json", "predictions.jsonl"]
     assert json.loads((out / "metrics.json").read_text())["n_pairs"] == 2
+
+
+def test_calibration_history_certifies_on_the_confidence_verdicts_are_decided_on() -> None:
+    """A history forecast at p_faster 0.97 whose candidate fails one time in five is decided at 0.776
+    (selective.decision_p), as the server stores it; eval's history recorded it at 0.97, so its thresholds
+    were certified on a number its own verdicts never use."""
+    from forecaster_mcp import bins
+    from forecaster_mcp.forecast.base import ScriptedForecaster
+    from forecaster_mcp.forecast.engine import ForecastEngine
+    from forecaster_mcp.forecast.evaluate import _apply_calibration, _Calibration
+    from forecaster_mcp.forecast.selective import decision_p
+
+    engine = ForecastEngine([ScriptedForecaster()])
+    recorded: list[list[float]] = []
+    engine.set_history = lambda hw, p, s, r: recorded.append(list(p))  # type: ignore[method-assign]
+    probs = bins.from_normal(3.0, 1.6)
+    p = bins.p_faster(probs)
+    cal = _Calibration(
+        fit_outcomes=[], history_hw=["A100", "A100"], history_raw=[{"scripted": probs}] * 2,
+        history_slots=[{}, {}], history_regimes=["model", "model"], history_speedups=[2.0, 2.0], n_pairs=4,
+        history_fail=[(0.2, 0.0), (0.0, 0.0)],
+    )  # fmt: skip
+    _apply_calibration(engine, cal)
+    assert recorded == [[pytest.approx(decision_p(p, 0.2)), pytest.approx(p)]]
+    assert decision_p(p, 0.2) < p - 0.1

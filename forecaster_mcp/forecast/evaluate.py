@@ -34,7 +34,13 @@ from pydantic import ValidationError
 
 from forecaster_mcp.errors import OperatorError
 from forecaster_mcp.forecast import metrics as M
-from forecaster_mcp.forecast.selective import MAX_TARGET_ERROR, MIN_TARGET_ERROR, ThresholdChoice
+from forecaster_mcp.forecast.selective import (
+    MAX_TARGET_ERROR,
+    MIN_TARGET_ERROR,
+    ThresholdChoice,
+    decision_p,
+    p_fail_baseline_of,
+)
 from forecaster_mcp.models import Kernel, MeasureStatus, Workload
 
 if TYPE_CHECKING:
@@ -345,6 +351,9 @@ class _Calibration:
     history_speedups: list[float]
     n_pairs: int
     llm: dict[str, float] = field(default_factory=dict)
+    # Each history forecast's chances of its candidate and its baseline failing: thresholds are certified on
+    # the confidence its verdict was decided on (selective.decision_p), as the server stores it.
+    history_fail: list[tuple[float, float]] = field(default_factory=list)
 
 
 _LLM_COUNTS = ("requests", "input_tokens", "output_tokens", "cache_read_tokens", "cache_write_tokens")
@@ -376,6 +385,7 @@ async def _calibrate_phase(
     forecasts = await engine.forecast(queries, bulk=batch)
     fit, hw, raw, slots, speedups = [], [], [], [], []
     regimes: list[Regime] = []
+    fails: list[tuple[float, float]] = []
     for i, (q, p, f) in enumerate(zip(queries, cal.pairs, forecasts, strict=True)):
         if not f.raw:
             continue
@@ -387,9 +397,10 @@ async def _calibrate_phase(
             slots.append(dict(f.slots))
             regimes.append(f.regime)
             speedups.append(p.speedup)
+            fails.append((f.p_fail, p_fail_baseline_of(f.extras)))
     notes = _unknown_gpu_notes(cal.pairs) + sorted({n for f in forecasts for n in f.notes})
     return _Calibration(
-        fit, hw, raw, slots, regimes, speedups, len(cal.pairs), _llm_usage(forecasters)
+        fit, hw, raw, slots, regimes, speedups, len(cal.pairs), _llm_usage(forecasters), fails
     ), notes
 
 
@@ -398,8 +409,10 @@ def _apply_calibration(engine: ForecastEngine, cal: _Calibration) -> None:
 
     engine.fit(cal.fit_outcomes)
     finals = [
-        bins.p_faster(engine.combine_raw(r, hw, sl))
-        for r, hw, sl in zip(cal.history_raw, cal.history_hw, cal.history_slots, strict=True)
+        decision_p(bins.p_faster(engine.combine_raw(r, hw, sl)), p_fail, p_fail_baseline)
+        for r, hw, sl, (p_fail, p_fail_baseline) in zip(
+            cal.history_raw, cal.history_hw, cal.history_slots, cal.history_fail, strict=True
+        )
     ]
     engine.set_history(cal.history_hw, finals, cal.history_speedups, cal.history_regimes)
 
