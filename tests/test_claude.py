@@ -987,3 +987,47 @@ async def test_a_batch_retry_that_never_ends_keeps_the_answers_already_paid_for(
     partial = info.value.partial
     assert partial is not None and partial[1] is None
     assert partial[0] is not None and partial[0].probs == pytest.approx(FASTER)
+
+
+@pytest.mark.anyio
+async def test_a_request_refused_as_invalid_drops_that_sample_and_keeps_the_calls_other_answers() -> None:
+    """A 400 about one request (here a truncation retry past the model's max_tokens) is that request's: it
+    ended the whole call, and the other pairs' answers, already paid for, were thrown away with it."""
+
+    def responder(body: dict[str, Any]) -> Any:
+        text = json.dumps(body["messages"])
+        if "LONG_ANSWER" not in text:
+            return tool_answer(FASTER)
+        if body["max_tokens"] > 64000:
+            return error(400, "invalid_request_error", f"max_tokens: {body['max_tokens']} > 64000")
+        return tool_input({"reasoning": "the vectorised"}, stop_reason="max_tokens")
+
+    mock = AnthropicMock(responder)
+    long = pair()
+    long = replace(long, candidate=long.candidate.model_copy(update={"source": VEC4 + "// LONG_ANSWER\n"}))
+    with pytest.raises(ClaudeUnavailable, match="1 of 2 pair") as info:
+        await make(mock, max_tokens=64000).forecast([pair(), long])
+    first, dropped = info.value.partial or []
+    assert first is not None and first.probs == pytest.approx(FASTER)
+    assert dropped is None and "max_tokens: 128000 > 64000" in str(info.value)
+
+
+@pytest.mark.anyio
+async def test_a_billing_refusal_stops_the_call_and_keeps_what_was_answered() -> None:
+    """402 (billing) refuses every request alike: the call stops at once, as for a bad key, instead of sending
+    every sample of every pair; answers already in are kept (partial)."""
+    calls = {"n": 0}
+
+    def responder(body: dict[str, Any]) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            return tool_answer(FASTER)
+        return error(402, "billing_error", "your credit balance is too low")
+
+    mock = AnthropicMock(responder)
+    with pytest.raises(ClaudeUnavailable, match="PaymentRequiredError") as info:
+        await make(mock, samples=3, warm_cache=True).forecast([pair(), pair(), pair()])
+    # The warm-up answer, then the requests already in flight; not all 9 (3 pairs x 3 samples).
+    assert len(mock.message_bodies) < 9
+    answered = [p for p in info.value.partial or [] if p is not None]
+    assert len(answered) == 1 and bins.p_faster(answered[0].probs) > 0.5

@@ -337,9 +337,13 @@ class ClaudeForecaster:
                 if fits and self._warm_cache and time.monotonic() >= self._cache_warm_until:
                     # One request alone writes the shared system-prompt cache that every other request reads.
                     got[fits[0]].append(await self._sample(texts[fits[0]], usage, problems))
-                await _gather_or_cancel(
-                    [self._forecast_one(text, usage, problems, got[i]) for i, text in enumerate(texts)]
-                )
+                try:
+                    await _gather_or_cancel(
+                        [self._forecast_one(text, usage, problems, got[i]) for i, text in enumerate(texts)]
+                    )
+                except ClaudeUnavailable as exc:
+                    # The key or model was refused mid-call: the answers already in are paid for; keep them.
+                    raise ClaudeUnavailable(str(exc), partial=[self._aggregated(g) for g in got]) from exc
             if scope.cancelled_caught:
                 problems.append(
                     f"Claude did not finish within {limit:g} s (forecast_timeout_s; raise it for compares of "
@@ -469,7 +473,7 @@ class ClaudeForecaster:
                     try:
                         return self._interpret(message, mode)
                     except _Truncated:
-                        max_tokens = min(2 * max_tokens, 8 * self._max_tokens())
+                        max_tokens = self._grown(max_tokens)
                         raise
         except prompt.InvalidAnswer as exc:
             problems.append(f"unusable answer after {1 + self.invalid_retries} attempts: {exc}")
@@ -502,12 +506,16 @@ class ClaudeForecaster:
                     mode = "json"
                     max_tokens = max(max_tokens, self._max_tokens())
                     message = await self._client.messages.create(**self._params(text, mode, max_tokens))
+            except an.BadRequestError as exc:
+                # Something about this request (a 400 is not billed): the call's other requests still run.
+                raise _Dropped(f"Claude refused the request ({type(exc).__name__}): {exc}") from exc
             except (
                 an.AuthenticationError,
                 an.PermissionDeniedError,
                 an.NotFoundError,
-                an.BadRequestError,
+                an.PaymentRequiredError,
             ) as exc:
+                # The key, the account's billing or the model: every other request would be refused too.
                 raise ClaudeUnavailable(f"Claude request rejected ({type(exc).__name__}): {exc}") from exc
             except an.APIConnectionError as exc:
                 raise _Transient(f"{_UNREACHABLE} ({type(exc).__name__}): {exc}") from exc
@@ -557,6 +565,11 @@ class ClaudeForecaster:
         return _Sample(probs, reasoning)
 
     # ------------------------------------------------------------ requests
+
+    def _grown(self, max_tokens: int) -> int:
+        """max_tokens for the retry of an answer cut off at `max_tokens`: doubled, up to 8x the first. (Past the
+        model's own limit the retry is refused with a 400, which drops that sample only.)"""
+        return min(2 * max_tokens, 8 * self._max_tokens())
 
     def _max_tokens(self) -> int:
         if self._max_tokens_override is not None:
@@ -721,7 +734,7 @@ class ClaudeForecaster:
                 into.append(self._interpret(message, mode))
             except _Truncated as exc:
                 problems.append(str(exc))
-                return min(2 * max_tokens, 8 * self._max_tokens())
+                return self._grown(max_tokens)
             except prompt.InvalidAnswer as exc:
                 problems.append(f"unusable answer: {exc}")
                 return max_tokens
