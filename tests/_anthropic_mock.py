@@ -127,6 +127,13 @@ class _Batch:
     canceled: bool = False
 
 
+async def _breaking(chunks: list[bytes], after: int) -> Any:
+    """The chunks, then a dropped connection after `after` of them (as a reset mid-download reads)."""
+    for chunk in chunks[:after]:
+        yield chunk
+    raise httpx2.ReadError("connection reset by peer")
+
+
 @dataclass
 class AnthropicMock:
     """The fake API. `responder` answers /v1/messages bodies (and each batch request's params)."""
@@ -138,6 +145,7 @@ class AnthropicMock:
     finished_before_cancel: int = 0  # requests of a cancelled batch that had succeeded (the rest: canceled)
     batch_creates_allowed: int | None = None  # later batch creations answer 500
     batches_that_end: int | None = None  # later batches never end, cancelled or not
+    results_reads_allowed: int | None = None  # later results downloads break midway (connection reset)
     requests: list[RecordedRequest] = field(default_factory=list)
     batches: dict[str, _Batch] = field(default_factory=dict)
 
@@ -205,9 +213,13 @@ class AnthropicMock:
             else:
                 result = {"type": "succeeded", "message": {**out, "model": req["params"]["model"]}}
             lines.append(json.dumps({"custom_id": req["custom_id"], "result": result}))
-        return httpx2.Response(
-            200, content=("\n".join(lines) + "\n").encode(), headers={"content-type": "application/binary"}
-        )
+        headers = {"content-type": "application/binary"}
+        reads = sum(r.path.endswith("/results") for r in self.requests)
+        if self.results_reads_allowed is not None and reads > self.results_reads_allowed:
+            return httpx2.Response(
+                200, content=_breaking([f"{x}\n".encode() for x in lines], 1), headers=headers
+            )
+        return httpx2.Response(200, content=("\n".join(lines) + "\n").encode(), headers=headers)
 
     def _batch_json(self, batch: _Batch, status: str) -> dict[str, Any]:
         n = len(batch.requests)

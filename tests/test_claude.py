@@ -1031,3 +1031,22 @@ async def test_a_billing_refusal_stops_the_call_and_keeps_what_was_answered() ->
     assert len(mock.message_bodies) < 9
     answered = [p for p in info.value.partial or [] if p is not None]
     assert len(answered) == 1 and bins.p_faster(answered[0].probs) > 0.5
+
+
+@pytest.mark.anyio
+async def test_a_results_download_that_breaks_keeps_and_bills_the_results_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A connection reset while a later batch's results download: the earlier batch's results are paid for
+    (half price). They were thrown away with their tokens, and the transport error escaped as a raw
+    httpx2.ReadError, past the cancellation of the batches not read."""
+    monkeypatch.setattr(claude_module, "_BATCH_MAX_REQUESTS", 1)  # one batch per request
+    mock = AnthropicMock(lambda body: tool_answer(FASTER), results_reads_allowed=1)
+    sink = FakeSink()
+    _, no_sleep = recording_sleep()
+    f = make(mock, sleep=no_sleep, usage_sink=sink, batch_poll_interval_s=1.0)
+    with pytest.raises(ClaudeUnavailable, match=r"batch failed.*ReadError") as info:
+        await f.forecast_batch([pair(), pair()])
+    assert [p is not None for p in info.value.partial or []] == [True, False]  # the first batch's answer
+    [call] = sink.calls
+    assert call["input_tokens"] == 1000 and call["cost_usd"] > 0

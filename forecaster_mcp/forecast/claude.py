@@ -397,12 +397,7 @@ class ClaudeForecaster:
                     f"q{i}-s{j}-r{round_no}": self._params(texts[i], mode, max_tokens)
                     for (i, j), max_tokens in pending.items()
                 }
-                try:
-                    outcomes, gave_up = await self._run_batches(requests)
-                except ClaudeUnavailable as exc:
-                    # Earlier rounds' answers are paid for: keep them (the engine uses `partial`).
-                    partial = [self._aggregate(s) if s else None for s in samples]
-                    raise ClaudeUnavailable(str(exc), partial=partial) from exc
+                outcomes, gave_up = await self._run_batches(requests)
                 retry: dict[tuple[int, int], int] = {}
                 rejected: ClaudeUnavailable | None = None
                 for (i, j), max_tokens in pending.items():
@@ -422,7 +417,7 @@ class ClaudeForecaster:
                         str(rejected), partial=[self._aggregate(s) if s else None for s in samples]
                     )
                 if gave_up is not None:
-                    # What the cancelled batch finished is counted and kept; no further round.
+                    # What the cancelled or failed batches finished is counted and kept; no further round.
                     raise ClaudeUnavailable(
                         gave_up, partial=[self._aggregate(s) if s else None for s in samples]
                     )
@@ -645,9 +640,13 @@ class ClaudeForecaster:
 
     async def _run_batches(self, requests: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], str | None]:
         """Submit `requests` (custom_id -> params) as one or more batches. Returns custom_id -> result object,
-        and why the wait was given up (None: every batch ended). A batch still running after
+        and why the batches were given up (None: every batch ended and was read). A batch still running after
         `batch_max_wait_s` is cancelled and what it had finished is read all the same (those answers are
-        paid for); on an API error every batch already created is cancelled (best effort)."""
+        paid for). On an API or transport error (also one while a result stream is read) every batch not yet
+        read is cancelled (best effort), and the results read until then are returned with the error: they
+        are paid for too, and their tokens must be recorded."""
+        import httpx2
+
         chunks: list[list[Any]] = [[]]
         size = 0
         for custom_id, params in requests.items():
@@ -678,12 +677,13 @@ class ClaudeForecaster:
                 async for item in decoder:
                     outcomes[item.custom_id] = item.result
                 read.add(batch_id)
-        except (an.APIStatusError, an.APIConnectionError) as exc:
+        except (an.APIError, httpx2.TransportError) as exc:
+            log.warning("claude batch failed; keeping the %d results read", len(outcomes), exc_info=True)
             with anyio.CancelScope(shield=True):
                 for batch_id in created:
                     if batch_id not in read:
                         await self._cancel_batch(batch_id)
-            raise ClaudeUnavailable(f"Claude batch failed ({type(exc).__name__}): {exc}") from exc
+            return outcomes, f"Claude batch failed ({type(exc).__name__}): {exc}"
         return outcomes, gave_up
 
     async def _wait_batch(self, batch_id: str) -> str | None:
