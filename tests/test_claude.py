@@ -696,6 +696,30 @@ def test_a_source_over_the_limit_keeps_its_entry_function() -> None:
     assert "more characters cut */" in prompt.fence(helpers + NAIVE, "cuda", "missing")
 
 
+@pytest.mark.parametrize(
+    ("language", "kernel"),
+    [
+        ("opencl", "__kernel void saxpy(__global float* y, float a) { y[get_global_id(0)] *= a; }\n"),
+        ("triton", "@triton.jit\ndef saxpy(y_ptr, a, BLOCK: tl.constexpr):\n    pid = tl.program_id(0)\n"),
+        ("cuda", "__global__ void saxpy(float* y, float a) { y[threadIdx.x] *= a; }\n"),
+    ],
+)
+def test_a_long_source_keeps_its_entry_in_every_language_and_skips_a_declaration(
+    language: str, kernel: str
+) -> None:
+    """The entry was found by `__global__ ... entry(` only, and the first match won: an OpenCL or Triton
+    kernel late in a long source was cut away, and so was a CUDA definition after its forward declaration."""
+    comment = "#" if language == "triton" else "//"
+    filler = "".join(
+        f"{comment} helper line {i} ........................................\n" for i in range(5000)
+    )
+    declaration = "__global__ void saxpy(float* y, float a);\n" if language == "cuda" else ""
+    src = declaration + filler + kernel
+    assert len(src) > prompt.MAX_SOURCE_CHARS
+    shown = prompt.fence(src, language, "saxpy")
+    assert kernel in shown and "the entry function saxpy follows" in shown
+
+
 @pytest.mark.anyio
 async def test_a_pair_whose_prompt_is_over_the_limit_is_not_sent() -> None:
     """Both kernels with the most and longest defines the request allows (each shown in its listing and in

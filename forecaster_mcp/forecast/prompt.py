@@ -327,18 +327,55 @@ def describe_differences(base: Kernel, cand: Kernel) -> str:
     return "\n".join(rows)
 
 
-def shown_source(source: str, entry: str | None = None) -> str:
+# What marks a kernel's definition before its name, per language (C-like ones: within the 400 characters
+# before it, with no ; { } between). Python and Triton kernels are `def name(`.
+_KERNEL_QUALIFIER = {
+    "cuda": re.compile(r"__global__[^;{}]{0,400}$"),
+    "hip": re.compile(r"__global__[^;{}]{0,400}$"),
+    "opencl": re.compile(r"\b(?:__kernel|kernel)\b[^;{}]{0,400}$"),
+}
+_MAX_ENTRY_MATCHES = 1000  # occurrences of the entry's name looked at (a bound on hostile sources)
+
+
+def _entry_start(source: str, entry: str, language: str) -> int | None:
+    """Where the line defining the entry function starts, or None. A declaration (`__global__ void k(float*);`)
+    is skipped for the definition after it; Python and Triton kernels are found by `def entry(`, with the
+    decorators above it."""
+    name = re.escape(entry)
+    if language not in _KERNEL_QUALIFIER:
+        found = re.search(rf"^[ \t]*(?:async[ \t]+)?def[ \t]+{name}[ \t]*\(", source, re.MULTILINE)
+        if found is None:
+            return None
+        start = found.start()
+        while start > 0:  # with its decorators (@triton.jit)
+            above = source.rfind("\n", 0, start - 1) + 1
+            if not source[above:start].lstrip().startswith("@"):
+                break
+            start = above
+        return start
+    qualifier = _KERNEL_QUALIFIER[language]
+    first = None
+    for n, found in enumerate(re.finditer(rf"\b{name}\s*\(", source)):
+        if n >= _MAX_ENTRY_MATCHES:
+            break
+        if qualifier.search(source, max(0, found.start() - 420), found.start()) is None:
+            continue
+        start = source.rfind("\n", 0, found.start()) + 1
+        first = start if first is None else first
+        # A definition: the parameter list is followed by a body ({), a declaration by ;.
+        after = re.compile(r"[;{]").search(source, found.end(), found.end() + 4000)
+        if after is not None and after.group() == "{":
+            return start
+    return first
+
+
+def shown_source(source: str, entry: str | None = None, language: str = "cuda") -> str:
     """At most MAX_SOURCE_CHARS of a source, with markers where it was cut. A source over the limit keeps its
     head (includes, helpers) and, when the entry function comes later, the text from that function on: the
     kernel itself is what a forecast is about, and it often comes last."""
     if len(source) <= MAX_SOURCE_CHARS:
         return source
-    start = None
-    if entry:
-        # The __global__ definition of `entry` (a bounded pattern: no backtracking over a long source).
-        found = re.search(rf"__global__[^;{{}}]{{0,400}}?\b{re.escape(entry)}\s*\(", source)
-        if found is not None:
-            start = source.rfind("\n", 0, found.start()) + 1
+    start = _entry_start(source, entry, language) if entry else None
     if start is None or start <= MAX_SOURCE_CHARS // 5:
         return source[:MAX_SOURCE_CHARS] + f"\n/* ... {len(source) - MAX_SOURCE_CHARS} more characters cut */"
     # The entry function and what follows it, in at most 4/5 of the room; the head fills the rest.
@@ -356,7 +393,7 @@ def shown_source(source: str, entry: str | None = None) -> str:
 def fence(source: str, language: str, entry: str | None = None) -> str:
     """Source in a Markdown code fence tagged by language, longer than any backtick run inside (a source over
     MAX_SOURCE_CHARS is cut as `shown_source` says)."""
-    text = shown_source(source, entry)
+    text = shown_source(source, entry, language)
     longest = max((len(m) for m in re.findall(r"`+", text)), default=0)
     ticks = "`" * max(3, longest + 1)
     return f"{ticks}{_FENCE_LANGUAGE.get(language, language)}\n{text.rstrip()}\n{ticks}"
