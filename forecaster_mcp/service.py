@@ -225,6 +225,25 @@ class Service:
             for d in m.devices():
                 if _names_device(wanted, spec, d):
                     return HardwareChoice(d, specs.lookup(d), m)
+        # A name that does not settle the form factor or memory ("A100 40GB") picks its family's first row
+        # (SXM4); a measurement device of the same model that it does not contradict (an A100-PCIE-40GB) is
+        # what the caller means. Taken for another GPU, the forecasts never learned from the measurements.
+        for m in self.measurers:
+            for d in m.devices():
+                device_spec = specs.lookup(d)
+                if spec is not None and device_spec is not None and specs.could_be(wanted, device_spec):
+                    return HardwareChoice(d, device_spec, m)
+        # A recording that names no GPU (device_name empty, a file name that is no GPU's): the only such device
+        # is the one the caller means, whatever it calls it; the caller's name gives the specification.
+        unnamed = [(d, m) for m in self.measurers for d in (getattr(m, "unnamed_devices", list)() or [])]
+        if len(unnamed) == 1:
+            d, m = unnamed[0]
+            return HardwareChoice(
+                d,
+                spec,
+                m,
+                [f"the recording of device {d!r} names no GPU: taken to be the {wanted} this call names"],
+            )
         if spec is not None:
             return HardwareChoice(spec.name, spec, None, self._measured_elsewhere_notes(spec.name))
         close = specs.suggest(wanted, limit=3)

@@ -170,10 +170,40 @@ async def test_a_fragment_or_another_gpus_name_never_becomes_the_measurement_dev
             assert "can measure on: A100-PCIE-40GB" in msg, name
         out = await call(client, "compare_kernels", {"candidates": pair, "hardware": "A10"})
         assert out["hardware"] == "A10" and out["hardware_known"] is True  # the A10's own spec row
-        for name in ("A100", "nvidia a100", "NVIDIA A100-PCIE-40GB", "a100 pcie"):
+        # Names that leave the form factor or memory open are this A100 (lookup alone picks the SXM4 row, and
+        # the forecasts for it never learned from this server's measurements); ones that contradict it are not.
+        for name in ("A100", "nvidia a100", "NVIDIA A100-PCIE-40GB", "a100 pcie", "A100 40GB", "A100-40GB"):
             out = await call(client, "compare_kernels", {"candidates": pair, "hardware": name})
             assert out["hardware"] == "A100-PCIE-40GB", name
+        for name in ("A100-SXM4-40GB", "A100 80GB"):
+            out = await call(client, "compare_kernels", {"candidates": pair, "hardware": name})
+            assert out["hardware"] != "A100-PCIE-40GB", name
         assert await spent(client) == 0
+
+
+async def test_a_recording_that_names_no_gpu_is_the_gpu_the_caller_names(tmp_path: Path) -> None:
+    """The MI250X recordings leave device_name empty; renamed, the file name is no GPU's either. The device
+    was then named after the file ("unseen"), a caller naming the GPU got forecasts for another device, and
+    they never learned from the measurements (a search through the tools then did about as well as random)."""
+    import shutil
+
+    from conftest import dataset
+
+    unseen = tmp_path / "unseen.json.gz"
+    shutil.copy(dataset("cachefiles", "convolution_milo", "MI250X.json.gz"), unseen)
+    async with running(tmp_path / "home", [unseen]) as (client, _):
+        first = {
+            "block_size_x": 16, "block_size_y": 1, "tile_size_x": 1, "tile_size_y": 1, "read_only": 0,
+            "use_padding": 0, "use_shmem": 0, "use_cmem": 1, "filter_height": 15, "filter_width": 15,
+        }  # fmt: skip
+        kernel = {"id": "a", "source": "// recorded", "entry": "convolution_kernel", "defines": first}
+        measured = await call(client, "measure_kernel", {"kernel": kernel, "hardware": "MI250X"})
+        assert measured["status"] in ("ok", "launch_error"), measured
+        other = {**kernel, "id": "b", "defines": {**first, "block_size_x": 32}}
+        out = await call(client, "compare_kernels", {"candidates": [kernel, other], "hardware": "MI250X"})
+        assert out["hardware"] == measured["device"]["name"] and out["hardware_known"] is True
+        assert any("names no GPU" in n for n in out["notes"])
+        assert not any("measure_kernel will find no such kernel" in n for n in out["notes"])
 
 
 async def test_a_hardware_name_with_a_newline_is_refused_in_both_tools(

@@ -613,6 +613,21 @@ def _match(query: _Query) -> GpuSpec | None:
     return None
 
 
+def could_be(name: str, spec: GpuSpec) -> bool:
+    """Whether `name` may mean the GPU of `spec` although `lookup(name)` picks another row of its family: the
+    same model, and no form factor or memory size stated that `spec` contradicts ("A100 40GB" may be an
+    A100-PCIE-40GB; "A100 SXM4" or "A100 80GB" is not)."""
+    if not name or len(name) > 200:
+        return False
+    query = _parse(name)
+    row = next((r for r in _rows() if r.spec == spec), None)
+    if row is None or not query.model or query.model not in row.models:
+        return False
+    if query.form is not None and row.form is not None and query.form != row.form:
+        return False
+    return query.mem_gb is None or query.mem_gb == row.mem_gb
+
+
 @lru_cache(maxsize=512)
 def lookup(name: str) -> GpuSpec | None:
     """The spec for a GPU name as a person, nvidia-smi or rocm-smi would write it; None when unknown."""

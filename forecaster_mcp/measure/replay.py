@@ -639,6 +639,17 @@ class ReplayMeasurer:
             dict.fromkeys([*(r.header.device for r in self._recordings), *(k[0] for k in self._exported)])
         )
 
+    def unnamed_devices(self) -> list[str]:
+        """Devices of recordings that name no GPU: device_name empty and a file name that is no known GPU (a
+        copy renamed `unseen.json.gz`). Whatever GPU a caller names is taken to be such a device (service)."""
+        return list(
+            dict.fromkeys(
+                r.header.device
+                for r in self._recordings
+                if not r.header.recorded_device_name and lookup(r.header.device) is None
+            )
+        )
+
     def headers(self) -> list[ReplayHeader]:
         return [r.header for r in self._recordings]
 
