@@ -586,6 +586,30 @@ def test_prices_and_unknown_model(caplog: pytest.LogCaptureFixture) -> None:
     assert "no price known for model 'claude-nonesuch-9'" in caplog.text
 
 
+def test_a_prompt_over_100k_tokens_is_billed_at_the_models_long_prompt_band() -> None:
+    """Haiku 5.5 bills every token of a request whose prompt is over 100k tokens at 5x; the summed usage was
+    priced at the lower band (an under-count of up to 5x on such requests). Other models have no such band."""
+
+    class _Usage:
+        def __init__(self, input_tokens: int, cache_read: int, output_tokens: int) -> None:
+            self.input_tokens, self.output_tokens = input_tokens, output_tokens
+            self.cache_read_input_tokens, self.cache_creation_input_tokens = cache_read, 0
+
+    u = TokenUsage()
+    u.add_usage(_Usage(10_000, 0, 1_000))  # short: the usual band
+    u.add_usage(_Usage(60_000, 50_000, 1_000))  # 110k prompt tokens: the long band, output included
+    short = (10_000 * 0.10 + 1_000 * 0.50) / 1e6
+    long = (60_000 * 0.50 + 50_000 * 0.05 + 1_000 * 2.50) / 1e6
+    assert cost_usd("claude-haiku-5-5", u) == pytest.approx(short + long)
+    assert cost_usd("claude-haiku-5-5-20261001", u, batch=True) == pytest.approx((short + long) / 2)
+    total = TokenUsage()
+    total.add(u)  # sums keep the split
+    assert cost_usd("claude-haiku-5-5", total) == pytest.approx(short + long)
+    assert cost_usd("claude-haiku-4-5", u) == pytest.approx(
+        cost_usd("claude-haiku-4-5", TokenUsage(*u._counts()))
+    )
+
+
 # ---------------------------------------------------------------- prompt content
 
 

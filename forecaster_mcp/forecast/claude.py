@@ -115,7 +115,7 @@ class ModelPrice:
 
 
 # From platform.claude.com/docs/en/about-claude/pricing (checked against the model pages, October 2026).
-# Haiku 5.5 has a second, higher band for prompts over 100k tokens; the prompts here are far below it.
+# Haiku 5.5 has a second, higher band for prompts over 100k tokens (LONG_PROMPT_PRICES).
 PRICES: dict[str, ModelPrice] = {
     "claude-fable-5-1": ModelPrice(10.0, 50.0, 12.5, 0.25),
     "claude-mythos-5-1": ModelPrice(10.0, 50.0, 12.5, 0.25),
@@ -141,39 +141,65 @@ PRICES: dict[str, ModelPrice] = {
     "claude-haiku-4-5": ModelPrice(1.0, 5.0, 1.25, 0.10),
     "claude-3-5-haiku": ModelPrice(0.80, 4.0, 1.0, 0.08),
 }
+# A request whose prompt (input, cache reads and writes) is over LONG_PROMPT_TOKENS is billed, all its tokens,
+# output included, at the model's long-prompt band. A pair near prompt.MAX_PROMPT_CHARS can get there.
+LONG_PROMPT_TOKENS = 100_000
+LONG_PROMPT_PRICES: dict[str, ModelPrice] = {"claude-haiku-5-5": ModelPrice(0.50, 2.50, 0.625, 0.05)}
 BATCH_DISCOUNT = 0.5  # the Batches API bills every token category at half price
 _warned_unknown: set[str] = set()
 
 
-def price_for(model: str) -> ModelPrice | None:
-    """The price row of a model id, allowing a date or alias suffix (`claude-sonnet-4-5-20250929`,
+def _price_key(model: str) -> str | None:
+    """The PRICES key of a model id, allowing a date or alias suffix (`claude-sonnet-4-5-20250929`,
     `claude-3-5-haiku-latest`)."""
     if model in PRICES:
-        return PRICES[model]
+        return model
     for key in sorted(PRICES, key=len, reverse=True):
         if model.startswith(key) and re.fullmatch(r"(-\d{8}|-latest)?(-v\d+(:\d+)?)?", model[len(key) :]):
-            return PRICES[key]
+            return key
     return None
+
+
+def price_for(model: str) -> ModelPrice | None:
+    """The price row of a model id (a date or alias suffix allowed)."""
+    key = _price_key(model)
+    return None if key is None else PRICES[key]
 
 
 @dataclass
 class TokenUsage:
-    """Tokens spent (summed over requests)."""
+    """Tokens spent (summed over requests). `long` holds, within these sums, the tokens of requests whose prompt
+    was over LONG_PROMPT_TOKENS (a model with a long-prompt band bills all of such a request's tokens there)."""
 
     input_tokens: int = 0
     output_tokens: int = 0
     cache_read_tokens: int = 0
     cache_write_tokens: int = 0
     requests: int = 0
+    long: TokenUsage | None = None
 
     def add_usage(self, usage: Usage | None) -> None:
         """One answered request. The SDK does not validate response bodies: a field (or the whole usage
         block) may be missing from a malformed one, and counts as 0 (the request still counts)."""
-        self.input_tokens += _tokens(usage, "input_tokens")
-        self.output_tokens += _tokens(usage, "output_tokens")
-        self.cache_read_tokens += _tokens(usage, "cache_read_input_tokens")
-        self.cache_write_tokens += _tokens(usage, "cache_creation_input_tokens")
-        self.requests += 1
+        one = TokenUsage(
+            _tokens(usage, "input_tokens"),
+            _tokens(usage, "output_tokens"),
+            _tokens(usage, "cache_read_input_tokens"),
+            _tokens(usage, "cache_creation_input_tokens"),
+            1,
+        )
+        if one.input_tokens + one.cache_read_tokens + one.cache_write_tokens > LONG_PROMPT_TOKENS:
+            one.long = TokenUsage(*one._counts())
+        self.add(one)
+
+    def _counts(self) -> tuple[int, int, int, int, int]:
+        return (
+            self.input_tokens,
+            self.output_tokens,
+            self.cache_read_tokens,
+            self.cache_write_tokens,
+            self.requests,
+        )
 
     def add(self, other: TokenUsage) -> None:
         self.input_tokens += other.input_tokens
@@ -181,6 +207,10 @@ class TokenUsage:
         self.cache_read_tokens += other.cache_read_tokens
         self.cache_write_tokens += other.cache_write_tokens
         self.requests += other.requests
+        if other.long is not None:
+            if self.long is None:
+                self.long = TokenUsage()
+            self.long.add(other.long)
 
 
 def _tokens(usage: object, name: str) -> int:
@@ -196,13 +226,21 @@ def cost_usd(model: str, usage: TokenUsage, *, batch: bool = False) -> float:
             _warned_unknown.add(model)
             log.warning("no price known for model %r: its usage is recorded with cost 0", model)
         return 0.0
-    dollars = (
+    dollars = _dollars(usage, price)
+    long_price = LONG_PROMPT_PRICES.get(_price_key(model) or "")
+    if long_price is not None and usage.long is not None:
+        # Those requests' tokens at the long-prompt band instead.
+        dollars += _dollars(usage.long, long_price) - _dollars(usage.long, price)
+    return dollars * (BATCH_DISCOUNT if batch else 1.0)
+
+
+def _dollars(usage: TokenUsage, price: ModelPrice) -> float:
+    return (
         usage.input_tokens * price.input
         + usage.output_tokens * price.output
         + usage.cache_read_tokens * price.cache_read
         + usage.cache_write_tokens * price.cache_write
     ) / 1e6
-    return dollars * (BATCH_DISCOUNT if batch else 1.0)
 
 
 # ---------------------------------------------------------------- answers
