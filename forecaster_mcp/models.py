@@ -870,7 +870,9 @@ class CompareResult(BaseModel):
     measure_next: list[str] = Field(
         description="ids worth measuring, most valuable first (the chance and size of beating the best "
         "kernel of their family measured so far, or the baseline when that is faster or nothing is measured): "
-        "unsure and faster candidates, and slower ones whose wide forecast still leaves a real expected gain"
+        "unsure and faster candidates, and slower ones whose wide forecast still leaves a real expected gain; "
+        "while the baseline's tuning family has fewer than 10 measurements, its configurations come in a "
+        "random order (a random start: too few points to rank by)"
     )
     forecaster: ForecasterInfo
     target_error: float

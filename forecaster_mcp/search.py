@@ -637,7 +637,12 @@ class ToolEmulator:
             )
             if decided_by != "forecast":
                 continue
-            item = against_best(AcqItem(str(k.id), f.probs, f.extras, p), t_base, t_best)
+            same_family = k.family_key() == base.family_key()
+            item = against_best(
+                AcqItem(str(k.id), f.probs, f.extras, p, k.content_key() if same_family else None),
+                t_base,
+                t_best,
+            )
             listed = (
                 self.policy == "all"
                 or (self.policy == "unsure" and verdict == "unsure")

@@ -593,9 +593,16 @@ class Service:
             if t_base is not None
             else {}  # nothing is revalued against an unmeasured baseline (acquisition.against_best)
         )
+        base_family = base.family_key()
         items = [
             against_best(
-                AcqItem(id=cid, probs=fc_by_id[cid].probs, extras=fc_by_id[cid].extras, p_faster=r.p_faster),
+                AcqItem(
+                    id=cid,
+                    probs=fc_by_id[cid].probs,
+                    extras=fc_by_id[cid].extras,
+                    p_faster=r.p_faster,
+                    explore_key=by_id[cid].content_key() if family.get(cid) == base_family else None,
+                ),
                 t_base,
                 best.get(family.get(cid, "")),
             )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from pathlib import Path
@@ -62,6 +63,34 @@ def test_a_well_explored_family_values_near_certain_polish_again() -> None:
 
     assert rank_for_measurement(pair(20)) == ["far", "near"]
     assert rank_for_measurement(pair(60)) == ["near", "far"]
+
+
+def test_a_young_tuning_family_is_explored_in_a_random_order_then_ranked_by_value() -> None:
+    """Under EXPLORE_POINTS measurements of the baseline's family, configurations of that family are listed
+    in an order drawn from their content keys, not by a value a few points (or the static prior) cannot yet
+    give: a client measuring the head of measure_next from its first measurement gets a random start."""
+    from forecaster_mcp.forecast.acquisition import EXPLORE_POINTS
+
+    def pool(n: float, keys: range, family: bool = True) -> list[AcqItem]:
+        # Values fall with the index: by value the order would be c0, c1, c2, ...
+        return [
+            dataclasses.replace(
+                item(f"c{i}", 1.0 - 0.05 * i, 0.3, n_family_points=n), explore_key=f"k{i}" if family else None
+            )
+            for i in keys
+        ]
+
+    by_value = [f"c{i}" for i in range(40)]
+    young = rank_for_measurement(pool(EXPLORE_POINTS - 1, range(40)))
+    assert sorted(young) == sorted(by_value) and young != by_value
+    assert rank_for_measurement(pool(EXPLORE_POINTS - 1, range(40))) == young  # the same call, the same order
+    heads = {rank_for_measurement(pool(3, range(j, j + 40)))[0] for j in range(20)}
+    assert len(heads) > 10  # other candidates, a fresh draw: not the same favourite every call
+    assert rank_for_measurement(pool(EXPLORE_POINTS, range(40))) == by_value  # enough points: by value
+    assert rank_for_measurement(pool(0, range(40), family=False)) == by_value  # other kernels: by value
+    measured = pool(2, range(5))
+    measured[0] = dataclasses.replace(measured[0], extras={**measured[0].extras, "measured": 1.0})
+    assert "c0" not in rank_for_measurement(measured)
 
 
 def test_failure_risk_discounts_and_measured_candidates_drop_out() -> None:

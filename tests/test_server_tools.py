@@ -675,3 +675,28 @@ async def test_measure_next_leaves_out_what_the_recording_cannot_replay(
         assert {c["id"] for c in out["candidates"]} >= {"u0", "u1", "u2", "u3"}  # still forecast
         [note] = [n for n in out["notes"] if n.startswith("left out of measure_next")]
         assert "u0" in note and "not recorded" in note, note
+
+
+async def test_measure_next_explores_a_young_tuning_family_in_a_random_order(
+    tmp_path: Path, conv_a100: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server marks configurations of the baseline's family for exploration (acquisition.EXPLORE_POINTS):
+    with a measured baseline and few points, measure_next's order is drawn from the candidates, not their
+    value; with exploration off it is by value. Every id is listed either way."""
+    from replay_kernels import conv_block
+
+    from forecaster_mcp.forecast import acquisition
+
+    shapes = [(bx, by) for bx in (16, 32, 48, 64, 96, 128) for by in (1, 2, 4)]
+    cands = [conv("base", FAST), *(conv_block(bx, by, f"c{bx}x{by}") for bx, by in shapes)]
+    orders, default = {}, acquisition.EXPLORE_POINTS
+    for explore in (default, 0):
+        monkeypatch.setattr(acquisition, "EXPLORE_POINTS", explore)
+        async with running(tmp_path / f"home{explore}", [conv_a100]) as (client, _):
+            await call(client, "measure_kernel", {"kernel": cands[0]})
+            out = await call(client, "compare_kernels", {"candidates": cands, "baseline": "base"})
+            orders[explore] = out["measure_next"]
+            again = await call(client, "compare_kernels", {"candidates": cands, "baseline": "base"})
+            assert again["measure_next"] == out["measure_next"]  # the same call, the same order
+    explored, by_value = orders[default], orders[0]
+    assert sorted(explored) == sorted(by_value) and explored != by_value
