@@ -235,7 +235,7 @@ class Service:
                     return HardwareChoice(d, device_spec, m)
         # A recording that names no GPU (device_name empty, a file name that is no GPU's): the only such device
         # is the one the caller means, whatever it calls it; the caller's name gives the specification.
-        unnamed = [(d, m) for m in self.measurers for d in (getattr(m, "unnamed_devices", list)() or [])]
+        unnamed = [(d, m) for m in self.measurers for d in getattr(m, "unnamed_devices", list)()]
         if len(unnamed) == 1:
             d, m = unnamed[0]
             return HardwareChoice(

@@ -606,7 +606,7 @@ def test_a_prompt_over_100k_tokens_is_billed_at_the_models_long_prompt_band() ->
     total.add(u)  # sums keep the split
     assert cost_usd("claude-haiku-5-5", total) == pytest.approx(short + long)
     assert cost_usd("claude-haiku-4-5", u) == pytest.approx(
-        cost_usd("claude-haiku-4-5", TokenUsage(*u._counts()))
+        cost_usd("claude-haiku-4-5", replace(u, long=None))
     )
 
 

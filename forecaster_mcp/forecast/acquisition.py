@@ -19,6 +19,7 @@ kernel measured so far, not whichever baseline a client named (`against_best`).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -163,8 +164,6 @@ EXPLORE_POINTS = 10
 def _explore_order(items: Sequence[AcqItem]) -> list[AcqItem] | None:
     """`items` in a random order that depends on which candidates they are (the same call gets the same
     order, the next call of other candidates a fresh one), when exploration applies (EXPLORE_POINTS)."""
-    import hashlib
-
     keys = [it.explore_key for it in items]
     if not items or EXPLORE_POINTS <= 0 or any(k is None for k in keys):
         return None
@@ -181,10 +180,6 @@ def rank_for_measurement(items: Sequence[AcqItem]) -> list[str]:
     explored = _explore_order(unmeasured)
     if explored is not None:
         return [it.id for it in explored]
-    scored = [
-        (measurement_value(it), it.p_faster, -i, it.id)
-        for i, it in enumerate(items)
-        if it.extras.get("measured", 0.0) < 1.0
-    ]
+    scored = [(measurement_value(it), it.p_faster, -i, it.id) for i, it in enumerate(unmeasured)]
     scored.sort(reverse=True)
     return [s[3] for s in scored]

@@ -24,7 +24,7 @@ import re
 import statistics
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
@@ -189,17 +189,8 @@ class TokenUsage:
             1,
         )
         if one.input_tokens + one.cache_read_tokens + one.cache_write_tokens > LONG_PROMPT_TOKENS:
-            one.long = TokenUsage(*one._counts())
+            one.long = replace(one)
         self.add(one)
-
-    def _counts(self) -> tuple[int, int, int, int, int]:
-        return (
-            self.input_tokens,
-            self.output_tokens,
-            self.cache_read_tokens,
-            self.cache_write_tokens,
-            self.requests,
-        )
 
     def add(self, other: TokenUsage) -> None:
         self.input_tokens += other.input_tokens

@@ -335,6 +335,7 @@ _KERNEL_QUALIFIER = {
     "opencl": re.compile(r"\b(?:__kernel|kernel)\b[^;{}]{0,400}$"),
 }
 _MAX_ENTRY_MATCHES = 1000  # occurrences of the entry's name looked at (a bound on hostile sources)
+_BODY_OR_DECLARATION = re.compile(r"[;{]")
 
 
 def _entry_start(source: str, entry: str, language: str) -> int | None:
@@ -363,7 +364,7 @@ def _entry_start(source: str, entry: str, language: str) -> int | None:
         start = source.rfind("\n", 0, found.start()) + 1
         first = start if first is None else first
         # A definition: the parameter list is followed by a body ({), a declaration by ;.
-        after = re.compile(r"[;{]").search(source, found.end(), found.end() + 4000)
+        after = _BODY_OR_DECLARATION.search(source, found.end(), found.end() + 4000)
         if after is not None and after.group() == "{":
             return start
     return first
