@@ -1069,7 +1069,7 @@ async def test_a_billing_refusal_stops_the_call_and_keeps_what_was_answered() ->
     def responder(body: dict[str, Any]) -> Any:
         calls["n"] += 1
         if calls["n"] == 1:
-            return tool_answer(FASTER)
+            return tool_answer(FASTER, tokens=usage(cache_write=1500))  # cached: the pairs are warmed up
         return error(402, "billing_error", "your credit balance is too low")
 
     mock = AnthropicMock(responder)
@@ -1098,3 +1098,42 @@ async def test_a_results_download_that_breaks_keeps_and_bills_the_results_read(
     assert [p is not None for p in info.value.partial or []] == [True, False]  # the first batch's answer
     [call] = sink.calls
     assert call["input_tokens"] == 1000 and call["cost_usd"] > 0
+
+
+def _overlap_client(cache_tokens: int) -> tuple[httpx2.AsyncClient, list[int]]:
+    """An API whose every answer reports `cache_tokens` written to the cache; per request, how many requests had
+    been answered when it was sent (clear the list between calls: a warm-up is sent alone, so the request after
+    it sees one answered)."""
+    seen: list[int] = []
+    answered: list[int] = []
+
+    async def handle(request: httpx2.Request) -> httpx2.Response:
+        if not seen:
+            answered.clear()
+        seen.append(len(answered))
+        await asyncio.sleep(0.02)
+        answered.append(1)
+        return httpx2.Response(200, json=tool_answer(FASTER, tokens=usage(cache_write=cache_tokens)))
+
+    return httpx2.AsyncClient(transport=httpx2.MockTransport(handle)), seen
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("cache_tokens", [0, 1500])
+async def test_warm_ups_stop_once_the_api_says_the_prompt_is_too_short_to_cache(cache_tokens: int) -> None:
+    """A prompt below the model's minimum cacheable length is neither written nor read: a warm-up for it only
+    holds the other requests back (a pair's other samples, every pair of a call). Once an answer's usage shows
+    nothing cached, pairs no longer than it are sampled all at once; while the cache takes the prompt, every
+    pair is still warmed first."""
+    client, seen = _overlap_client(cache_tokens)
+    f = ClaudeForecaster("k", MODEL, samples=3, http_client=client, features=None, warm_cache=True)
+    assert (await f.forecast([pair()]))[0] is not None
+    assert seen == [0, 1, 1]  # the warm-up alone, then the pair's other two samples together
+    for _ in range(2):
+        seen.clear()
+        assert (await f.forecast([pair(), pair()]))[0] is not None
+        # Within the system prompt's cache window: only the pairs' own warm-ups are left.
+        if cache_tokens == 0:
+            assert seen == [0] * 6
+        else:
+            assert sorted(seen)[:2] == [0, 0] and min(sorted(seen)[2:]) >= 1  # two warm-ups, then the rest

@@ -333,6 +333,11 @@ class ClaudeForecaster:
         self._features: prompt.FeaturesFn | Literal["auto"] | None = features
         self._warm_cache = warm_cache
         self._cache_warm_until = 0.0
+        # What the API's usage said of earlier warm-ups: a prompt below the model's minimum cacheable length is
+        # neither written nor read, and a warm-up for it only holds the other requests back. The system prompt
+        # is the same in every request (one such answer settles it); a pair's prefix grows with its text.
+        self._system_uncacheable = False
+        self._pair_uncacheable_chars = 0
         self._batch_poll_interval_s = batch_poll_interval_s
         self._batch_max_wait_s = batch_max_wait_s
         self._sleep = sleep or asyncio.sleep
@@ -363,9 +368,24 @@ class ClaudeForecaster:
             with anyio.move_on_after(limit) as scope:
                 texts = await self._user_texts(queries)
                 fits = [i for i, text in enumerate(texts) if len(text) <= prompt.MAX_PROMPT_CHARS]
-                if fits and self._warm_cache and time.monotonic() >= self._cache_warm_until:
+                if (
+                    fits
+                    and self._warm_cache
+                    and not self._system_uncacheable
+                    and time.monotonic() >= self._cache_warm_until
+                ):
                     # One request alone writes the shared system-prompt cache that every other request reads.
-                    got[fits[0]].append(await self._sample(texts[fits[0]], usage, problems))
+                    cached: list[bool] = []
+                    got[fits[0]].append(await self._sample(texts[fits[0]], usage, problems, cached))
+                    if cached and not any(cached):
+                        log.info(
+                            "%s cached nothing of the system prompt: no more warm-up requests", self.model
+                        )
+                        self._system_uncacheable = True
+                        if self.samples > 1:  # the request also carried this pair's breakpoint
+                            self._pair_uncacheable_chars = max(
+                                self._pair_uncacheable_chars, len(texts[fits[0]])
+                            )
                 try:
                     await _gather_or_cancel(
                         [self._forecast_one(text, usage, problems, got[i]) for i, text in enumerate(texts)]
@@ -468,9 +488,13 @@ class ClaudeForecaster:
         if len(text) > prompt.MAX_PROMPT_CHARS:
             problems.append(_too_long(text))
             return
-        if not got and self._warm_cache and self.samples > 1:
+        if not got and self._warm_cache and self.samples > 1 and len(text) > self._pair_uncacheable_chars:
             # The first sample writes this pair's cache entry; the others then read the long kernel text.
-            got.append(await self._sample(text, usage, problems))
+            cached: list[bool] = []
+            got.append(await self._sample(text, usage, problems, cached))
+            if cached and not any(cached):
+                # Below the model's minimum cacheable prompt: no shorter pair is cached either.
+                self._pair_uncacheable_chars = max(self._pair_uncacheable_chars, len(text))
 
         async def one() -> None:
             got.append(await self._sample(text, usage, problems))
@@ -481,8 +505,11 @@ class ClaudeForecaster:
         valid = [s for s in got if s is not None]
         return self._aggregate(valid) if valid else None
 
-    async def _sample(self, text: str, usage: TokenUsage, problems: list[str]) -> _Sample | None:
-        """One validated sample, or None (dropped) when it stays unusable after the retries."""
+    async def _sample(
+        self, text: str, usage: TokenUsage, problems: list[str], cached: list[bool] | None = None
+    ) -> _Sample | None:
+        """One validated sample, or None (dropped) when it stays unusable after the retries. `cached` gets, per
+        answered request, whether the API read or wrote any of its prompt from or to the cache."""
         from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt
 
         max_tokens = self._max_tokens()
@@ -494,6 +521,13 @@ class ClaudeForecaster:
             ):
                 with attempt:
                     message, mode = await self._create(text, self._mode, max_tokens, usage)
+                    if cached is not None:
+                        tokens = getattr(message, "usage", None)
+                        cached.append(
+                            _tokens(tokens, "cache_read_input_tokens")
+                            + _tokens(tokens, "cache_creation_input_tokens")
+                            > 0
+                        )
                     try:
                         return self._interpret(message, mode)
                     except _Truncated:
