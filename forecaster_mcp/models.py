@@ -797,6 +797,11 @@ class MeasureCost(BaseModel):
     gpu_seconds: float = Field(description="GPU-seconds charged to the ledger by this call")
     compile_seconds: float = 0.0
     cached: bool = False
+    max_seconds: float | None = Field(
+        default=None,
+        description="the cap on GPU-seconds the measurement ran under (a cached copy: the original's)",
+    )
+    max_runs: int | None = Field(default=None, description="the cap on timed runs the measurement ran under")
 
 
 class MeasureResult(BaseModel):

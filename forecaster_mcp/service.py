@@ -1084,7 +1084,9 @@ class Service:
                     result = result.model_copy(
                         update={
                             "kernel_id": kernel.id,
-                            "cost": result.cost.model_copy(update={"gpu_seconds": expected}),
+                            "cost": result.cost.model_copy(
+                                update={"gpu_seconds": expected, "max_seconds": cap, "max_runs": max_runs}
+                            ),
                             "flags": _cap_flags(
                                 result, cap, self.settings.max_measure_seconds, lowered_to_budget
                             ),
@@ -1438,7 +1440,13 @@ def _free_copy(result: MeasureResult, kernel_id: str) -> MeasureResult:
     return result.model_copy(
         update={
             "kernel_id": kernel_id,
-            "cost": MeasureCost(gpu_seconds=0.0, compile_seconds=0.0, cached=True),
+            "cost": MeasureCost(
+                gpu_seconds=0.0,
+                compile_seconds=0.0,
+                cached=True,
+                max_seconds=result.cost.max_seconds,
+                max_runs=result.cost.max_runs,
+            ),
             "flags": [f for f in result.flags if f not in _REQUEST_FLAGS],
         }
     )
@@ -1455,14 +1463,20 @@ def _precise_enough(hit: MeasureResult, request: MeasureRequest, min_runs: int) 
 
     Failures and results without timings are served as they are. An ok result is served when a fresh run
     under this request could be no more precise: it already has max_runs runs, or it used at least the
-    request's max_seconds, or it was complete (none of _IMPRECISE_FLAGS, and at least min(max_runs,
-    min_runs) runs, min_runs being the measurer's own minimum). Otherwise the kernel is measured again (and
-    charged), so a quick max_runs=1 result never stands in for a max_runs=1000 request."""
+    request's max_seconds, or it ran under limits at least this request's (a measurer stops before the run that
+    would cross its cap, so a capped result costs a little under it), or it was complete (none of
+    _IMPRECISE_FLAGS, and at least min(max_runs, min_runs) runs, min_runs being the measurer's own minimum).
+    Otherwise the kernel is measured again (and charged), so a quick max_runs=1 result never stands in for a
+    max_runs=1000 request."""
     stats = hit.runtime_ms
     if hit.status != "ok" or stats is None:
         return True
     if stats.runs >= request.max_runs or hit.cost.gpu_seconds >= request.max_seconds:
         return True
+    ran_seconds, ran_runs = hit.cost.max_seconds, hit.cost.max_runs
+    if ran_seconds is not None and ran_runs is not None:
+        if ran_seconds >= request.max_seconds and ran_runs >= request.max_runs:
+            return True
     complete = not _IMPRECISE_FLAGS.intersection(hit.flags)
     return complete and stats.runs >= min(request.max_runs, max(1, min_runs))
 

@@ -105,3 +105,34 @@ async def test_a_pair_no_forecaster_answered_is_ranked_last_and_never_recorded(
         await service.close()
     assert status["forecasts"]["count"] == 1
     assert status["calibration"]["verified_pairs"] == 1
+
+
+async def test_the_same_capped_request_again_is_served_from_cache_free(
+    tmp_path: Path, conv_a100: Path
+) -> None:
+    """A replayed measurement stops before the run that would cross max_seconds, so a capped result costs a
+    little under its cap, and the cache (which served a hit only when its cost reached the request's cap) charged
+    the very same request again on every call: 20 concurrent copies of one request drained a 3 GPU-second
+    ledger. A fresh run under limits no larger than the stored one's can be no more precise: it is served free.
+    A larger cap still buys a new measurement."""
+    settings = Settings.from_env(home=tmp_path, replay=[conv_a100], measurer="replay", ledger="team")
+    store = await Store.open(settings.db_path)
+    measurers, notes = build_measurers(settings)
+    service = Service(settings, store, [ScriptedForecaster(default=FASTER)], measurers, notes)
+    await store.create_ledger("team", 100)
+    try:
+        async with Client(build_server(service)) as client:
+            args = {"kernel": conv("s", SLOW), "max_seconds": 0.5}
+            first = await call(client, "measure_kernel", args)
+            assert "runs_capped_by_max_seconds" in first["flags"] and 0 < first["cost"]["gpu_seconds"] < 0.5
+            assert (first["cost"]["max_seconds"], first["cost"]["max_runs"]) == (0.5, 1000)
+            for smaller in (args, {**args, "max_seconds": 0.4}):
+                again = await call(client, "measure_kernel", smaller)
+                assert again["cost"]["cached"] and again["cost"]["gpu_seconds"] == 0.0
+                assert again["runtime_ms"] == first["runtime_ms"]
+            spent = (await call(client, "budget_status", {}))["spent_gpu_seconds"]
+            assert spent == pytest.approx(first["cost"]["gpu_seconds"])
+            more = await call(client, "measure_kernel", {**args, "max_seconds": 1.0})
+            assert not more["cost"]["cached"] and more["runtime_ms"]["runs"] > first["runtime_ms"]["runs"]
+    finally:
+        await service.close()
