@@ -171,6 +171,14 @@ def test_bad_lines_name_the_line(tmp_path: Path, capsys: pytest.CaptureFixture[s
             }
         ): "unknown status 'OK': one of ok, compile_error",
         json.dumps({**TINY[1], "history": []}): "a line is a pair or holds history points",
+        # A history point of no GPU ("None", 5) was read, matched no pair and taught nothing, silently.
+        json.dumps(
+            {"history": {"hardware": None, "workload": WORKLOAD, "kernel": _kernel(64), "runtime_ms": 1.0}}
+        ): "'hardware' must be a GPU name",
+        json.dumps(
+            {"history": {"hardware": 5, "workload": WORKLOAD, "kernel": _kernel(64), "runtime_ms": 1.0}}
+        ): ("'hardware' must be a GPU name"),
+        json.dumps({**TINY[1], "id": {"a": 1}}): "'id' must be a string or an integer",
     }
     for bad, message in cases.items():
         pairs = _write(tmp_path / "bad.jsonl", [TINY[0], "", bad])
@@ -186,6 +194,12 @@ def test_bad_lines_name_the_line(tmp_path: Path, capsys: pytest.CaptureFixture[s
     bom.write_bytes(b"\xef\xbb\xbf" + json.dumps(TINY[0]).encode() + b"\n")
     assert len(read_pairs_file(bom).pairs) == 1  # a byte-order mark is skipped, not refused
     assert not (tmp_path / "o" / "metrics.json").exists()
+
+
+def test_a_null_id_is_named_by_its_line(tmp_path: Path) -> None:
+    """It was the string 'None', so a second null id (or a pair named "None") clashed with it."""
+    pairs = _write(tmp_path / "ids.jsonl", [{**TINY[0], "id": None}, {**TINY[1], "id": "None"}])
+    assert [p.id for p in read_pairs_file(pairs).pairs] == ["line1", "None"]
 
 
 def test_a_line_separator_inside_a_string_is_not_a_line_break(tmp_path: Path) -> None:

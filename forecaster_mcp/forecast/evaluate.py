@@ -11,8 +11,9 @@ A line may instead be `{"history": point}` or `{"history": [point, ...]}` with
 measurements the local model may learn from (the kernel family's online model), as the server's store
 would hold them. Pairs never share a kernel with history written by make-pairs.
 
-`--calibrate-on CAL.jsonl` forecasts CAL's pairs first and splits them alternately: even lines fit the
-calibration and combination, odd lines (forecast with that calibration) choose the selective threshold,
+`--calibrate-on CAL.jsonl` forecasts CAL's pairs first and splits them alternately by their order among the pairs
+(history lines not counted; a pair no forecaster answered is skipped): the 1st, 3rd, ... fit the calibration and
+combination, the 2nd, 4th, ... (forecast with that calibration) choose the selective threshold,
 so the threshold is certified on pairs the calibration never saw. Then PAIRS is evaluated.
 """
 
@@ -129,12 +130,29 @@ def _positive(path: Path, line: int, what: str, value: Any) -> float:
 _STATUSES: tuple[str, ...] = get_args(MeasureStatus)
 
 
+def _check_hardware(path: Path, line: int, value: Any) -> None:
+    if not isinstance(value, str) or not value.strip():
+        raise _bad(path, line, "'hardware' must be a GPU name such as \"A100\"")
+
+
+def _pair_id(path: Path, line: int, value: Any) -> str:
+    """A pair's id: a string or an integer as written, `line<n>` when absent or null."""
+    if value is None:
+        return f"line{line}"
+    if isinstance(value, bool) or not isinstance(value, str | int):
+        raise _bad(
+            path, line, "'id' must be a string or an integer (or left out: the line number names the pair)"
+        )
+    return str(value)
+
+
 def _history_point(path: Path, line: int, d: Any) -> HistoryPoint:
     if not isinstance(d, dict):
         raise _bad(path, line, "each history point must be a JSON object")
     missing = [k for k in ("hardware", "workload", "kernel") if k not in d]
     if missing:
         raise _bad(path, line, f"history point lacks {', '.join(missing)}")
+    _check_hardware(path, line, d["hardware"])
     status = str(d.get("status", "ok"))
     if status not in _STATUSES:
         # Anything but "ok" is a failure to the model: a typo ("OK") would drop the runtime and fail the kernel.
@@ -193,9 +211,8 @@ def read_pairs_file(path: Path) -> PairsFile:
             raise _bad(
                 path, n, f"missing {', '.join(missing)} (a pair needs hardware, baseline, candidate, speedup)"
             )
-        if not isinstance(d["hardware"], str) or not d["hardware"].strip():
-            raise _bad(path, n, "'hardware' must be a GPU name such as \"A100\"")
-        pair_id = str(d.get("id", f"line{n}"))
+        _check_hardware(path, n, d["hardware"])
+        pair_id = _pair_id(path, n, d.get("id"))
         out.pairs.append(
             EvalPair(
                 id=pair_id,
