@@ -827,8 +827,8 @@ class Service:
             math.isfinite(max_seconds) and max_seconds >= MIN_MEASURE_SECONDS
         ):
             raise InvalidRequest(
-                f"max_seconds must be at least {MIN_MEASURE_SECONDS:g} (the device is held for a launch, a "
-                f"checked run and timing) and at most {cap:g} on this server"
+                f"max_seconds must be a number of at least {MIN_MEASURE_SECONDS:g} (the device is held for a "
+                f"launch, a checked run and timing); more than this server's cap of {cap:g} is run at the cap"
             )
         if max_runs < 1:
             raise InvalidRequest("max_runs must be at least 1")

@@ -145,8 +145,32 @@ def test_stdio_server_survives_lines_the_surrogate_filter_cannot_parse(
         json.dumps({"jsonrpc": "2.0", "id": 3, "method": "ping", "params": {"x": "\udc80"}}),
     ]
     replies = raw_exchange(tmp_path / "home", conv_a100, lines, lambda r: 3 in r)
-    # The deep line goes the way the SDK treats any line nested that deep (dropped); the server goes on.
+    # The deep line is answered as any line nested that deep is (a parse error), and the server goes on.
+    assert replies.get(2, {}).get("error", {}).get("code") == -32700, replies
     assert replies.get(3) == {"jsonrpc": "2.0", "id": 3, "result": {}}, replies
+
+
+def test_stdio_server_answers_lines_it_cannot_parse_with_a_parse_error(tmp_path: Path, conv_a100: Path) -> None:
+    """mcp 2.3's stdio transport hands a line it cannot parse to the session, which drops it: a client sending
+    a define nested 300 lists deep, an integer of 5000 digits or a cut-off line waited for ever (HTTP answers
+    400 with -32700). Each now gets a JSON-RPC parse error under its id (null when none can be read)."""
+    deep = {"name": "compare_kernels", "arguments": {"candidates": [conv("a", FAST), conv("b", FAST)]}}
+    deep["arguments"]["candidates"][1]["defines"] = {"X": "@"}
+    text = json.dumps({"jsonrpc": "2.0", "id": 10, "method": "tools/call", "params": deep})
+    lines = [
+        json.dumps(INITIALIZE),
+        json.dumps(INITIALIZED),
+        text.replace('"@"', "[" * 300 + "1" + "]" * 300),
+        '{"jsonrpc": "2.0", "id": "big", "method": "ping", "params": {"n": ' + "9" * 5000 + "}}",
+        '{"jsonrpc": "2.0", "method": "ping", "params": {"id": 5}, "id": 12, "x": [[',
+        '{"params": [1, 2',
+        json.dumps({"jsonrpc": "2.0", "id": 13, "method": "ping"}),
+    ]
+    replies = raw_exchange(tmp_path / "home", conv_a100, lines, lambda r: 13 in r)
+    for key in (10, "big", 12, None):
+        error = replies.get(key, {}).get("error", {})
+        assert error.get("code") == -32700 and "flatten the value" in error.get("message", ""), replies
+    assert replies.get(13) == {"jsonrpc": "2.0", "id": 13, "result": {}}, replies
 
 
 async def test_two_server_processes_asked_for_one_measurement_charge_it_once(

@@ -638,8 +638,9 @@ def without_lone_surrogates(line: str) -> str:
     already puts for bytes that are not UTF-8. Lines without such an escape are returned as they are.
 
     The replacement is textual, in one linear scan: re-parsing the line would fail (and a RecursionError end
-    the server) on lines Python's json cannot load but the SDK answers, such as a very deep nesting or an
-    integer of more than 4300 digits; everything but the lone escapes stays byte for byte.
+    the server) on lines Python's json cannot load, such as a very deep nesting or an integer of more than 4300
+    digits (which the SDK cannot parse either: `_answer_unparsed` replies to those); everything but the lone
+    escapes stays byte for byte.
     """
     if not _SURROGATE_ESCAPE.search(line):
         return line
@@ -663,6 +664,7 @@ class _WireLines:
 
     def __init__(self, text: IO[str]) -> None:
         self._text = text
+        self.last = ""  # the line yielded last: the one the SDK is parsing or has just parsed
 
     async def __aiter__(self) -> AsyncIterator[str]:
         loop = asyncio.get_running_loop()
@@ -683,7 +685,65 @@ class _WireLines:
 
         threading.Thread(target=pump, name="stdio-wire", daemon=True).start()
         while (line := await queue.get()) is not None:
+            self.last = line
             yield without_lone_surrogates(line)
+
+
+# How far into an unparsable line its top-level "id" is looked for (a request names it near the start).
+_ID_SCAN_CHARS = 65536
+_ID_VALUE = re.compile(r'\s*:\s*(-?[0-9]{1,18}(?![0-9.eE])|"(?:[^"\\]|\\.){0,200}")')
+
+
+def top_level_id(line: str) -> str | int | None:
+    """The `"id"` member of the JSON object `line` starts with, read without parsing the line (it could not be
+    parsed): a key at depth 1, outside strings, in the first _ID_SCAN_CHARS characters; None if not found."""
+    depth, i, n = 0, 0, min(len(line), _ID_SCAN_CHARS)
+    while i < n:
+        ch = line[i]
+        if ch == '"':
+            end = i + 1
+            while end < n and line[end] != '"':
+                end += 2 if line[end] == "\\" else 1
+            if depth == 1 and line[i + 1 : end] == "id" and (m := _ID_VALUE.match(line, end + 1)):
+                value = m.group(1)
+                try:
+                    parsed = json.loads(value)
+                except ValueError:
+                    return None
+                return parsed if isinstance(parsed, str | int) else None
+            i = end + 1
+            continue
+        if ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+        i += 1
+    return None
+
+
+async def _answer_unparsed(read_stream: Any, inner: Any, write_stream: Any, lines: _WireLines) -> None:
+    """Forward the SDK's parsed messages to the server; answer each line it could not parse with a JSON-RPC
+    parse error (the request's id when it can be read, else null). mcp 2.3's stdio transport hands such a line
+    to the session, which drops it without a reply, so the client waited for ever (HTTP answers 400 -32700)."""
+    from mcp.shared.message import SessionMessage
+    from mcp.types import ErrorData, JSONRPCError
+
+    async with inner:
+        async for item in read_stream:
+            if not isinstance(item, Exception):
+                await inner.send(item)
+                continue
+            detail = str(item).splitlines()[0][:200] if str(item) else type(item).__name__
+            log.warning("stdio: a line that is not a JSON-RPC message this server can parse: %s", detail)
+            message = (
+                f"Parse error: the line is not a JSON-RPC message this server can read ({detail}). Nesting deeper "
+                "than about 190 levels and integers of more than 4300 digits are refused: flatten the value or "
+                "send it as a string."
+            )
+            reply = JSONRPCError(
+                jsonrpc="2.0", id=top_level_id(lines.last), error=ErrorData(code=-32700, message=message)
+            )
+            await write_stream.send(SessionMessage(reply))
 
 
 async def _run_stdio(server: MCPServer) -> None:
@@ -701,10 +761,16 @@ async def _run_stdio(server: MCPServer) -> None:
     try:
         # closefd=False: the reader thread may still block on the duplicate when serving ends.
         text = io.TextIOWrapper(os.fdopen(wire, "rb", closefd=False), encoding="utf-8", errors="replace")
-        lines = cast("anyio.AsyncFile[str]", _WireLines(text))
-        async with stdio_server(stdin=lines) as (read_stream, write_stream):
+        lines = _WireLines(text)
+        async with stdio_server(stdin=cast("anyio.AsyncFile[str]", lines)) as (read_stream, write_stream):
+            from mcp.shared._context_streams import create_context_streams
+
+            inner_send, inner_read = create_context_streams[Any](0)
             lowlevel = server._lowlevel_server
-            await lowlevel.run(read_stream, write_stream, lowlevel.create_initialization_options())
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_answer_unparsed, read_stream, inner_send, write_stream, lines)
+                await lowlevel.run(inner_read, write_stream, lowlevel.create_initialization_options())
+                tg.cancel_scope.cancel()
     finally:
         os.dup2(wire, 0)
 
