@@ -271,7 +271,7 @@ async def test_a_time_cap_below_the_minimum_is_refused_uncharged(tmp_path: Path)
     svc = await make_service(tmp_path, fake)
     try:
         for tiny in (1e-9, 0.05):
-            with pytest.raises(InvalidRequest, match=r"max_seconds must be at least 0\.1"):
+            with pytest.raises(InvalidRequest, match=r"max_seconds must be a number of at least 0\.1"):
                 await svc.measure(ledger="L", kernel=kernel(), workload=WORKLOAD, max_seconds=tiny)
         assert fake.history == []
         view = await svc.store.get_ledger("L")
