@@ -43,6 +43,10 @@ class ResultNotSaved(AgentError):
     """A measurement ran and was charged, but the server could not store its result (disk full, database
     locked): not the caller's doing, but the caller must know it was charged and that a retry measures again."""
 
+    def __init__(self, message: str, charged_gpu_seconds: float = 0.0) -> None:
+        super().__init__(message)
+        self.charged_gpu_seconds = charged_gpu_seconds  # what the lost measurement was charged
+
 
 class SameMeasurementRunning(ForecasterMcpError):
     """Internal: another hold (possibly of another process) pays for this very measurement (its cache key)."""

@@ -415,9 +415,10 @@ class Service:
                 measurements, charged, stopped, not_measurable = await self._measure_unsure(
                     ledger, base, by_id, unsure, max_measurements, workload, hw, progress
                 )
-            except (NotMeasurable, BudgetExhausted) as exc:
-                # Nothing could run here (no GPU, no such device, a baseline the recordings lack, a ledger that
-                # cannot pay for it), and nothing ran or was charged: the free forecasts are still the answer.
+            except (NotMeasurable, BudgetExhausted, InvalidRequest) as exc:
+                # Nothing could run here (no GPU, no such device, a baseline the recordings lack or the backend
+                # refuses as sent, a ledger that cannot pay for it), and nothing ran or was charged: the free
+                # forecasts are still the answer.
                 where = (
                     ""
                     if isinstance(exc, BudgetExhausted)
@@ -717,7 +718,9 @@ class Service:
                 res = await self.measure(
                     ledger=ledger, kernel=by_id[kid], workload=workload, hardware=hw.name
                 )
-            except NotMeasurable as exc:
+            except (NotMeasurable, InvalidRequest) as exc:
+                # Not in the recordings, or refused as sent (pycuda: no launch given, shared memory that does
+                # not fit): that kernel only, and nothing ran or was charged.
                 if kid == base.id:
                     if not out:
                         raise
@@ -726,7 +729,10 @@ class Service:
                 skipped[kid] = one_line(str(exc), 160)
                 continue
             except Exception as exc:
-                if not out:
+                lost = isinstance(exc, ResultNotSaved)
+                if isinstance(exc, ResultNotSaved):
+                    charged += exc.charged_gpu_seconds  # it ran and was charged; its result was lost
+                if not out and not lost:
                     raise
                 if isinstance(exc, AgentError):
                     why = str(exc)
@@ -753,8 +759,9 @@ class Service:
         if not skipped:
             return out, charged, None, set()
         note = (
-            f"measure_if_unsure skipped what this server cannot measure: {_listed(skipped)}. Those are "
-            "forecasts only, left out of measure_next (measure them where they can run)"
+            f"measure_if_unsure skipped what this server cannot measure as sent: {_listed(skipped)}. Those are "
+            "forecasts only, left out of measure_next (fix what the reason says, or measure them where they can "
+            "run)"
         )
         return out, charged, note, set(skipped)
 
@@ -1112,7 +1119,8 @@ class Service:
                             f"the measurement of {kernel.id} ran and was charged {fmt_gpu_seconds(charged)} "
                             f"GPU-seconds, but the server could not store its result ({type(exc).__name__}: "
                             f"{one_line(str(exc), 200)}): tell the server's operator (its state folder may be full "
-                            "or locked); a retry measures, and is charged, again"
+                            "or locked); a retry measures, and is charged, again",
+                            charged,
                         ) from exc
                     settled = True
                     result.cost.gpu_seconds = charged

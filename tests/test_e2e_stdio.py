@@ -150,7 +150,9 @@ def test_stdio_server_survives_lines_the_surrogate_filter_cannot_parse(
     assert replies.get(3) == {"jsonrpc": "2.0", "id": 3, "result": {}}, replies
 
 
-def test_stdio_server_answers_lines_it_cannot_parse_with_a_parse_error(tmp_path: Path, conv_a100: Path) -> None:
+def test_stdio_server_answers_lines_it_cannot_parse_with_a_parse_error(
+    tmp_path: Path, conv_a100: Path
+) -> None:
     """mcp 2.3's stdio transport hands a line it cannot parse to the session, which drops it: a client sending
     a define nested 300 lists deep, an integer of 5000 digits or a cut-off line waited for ever (HTTP answers
     400 with -32700). Each now gets a JSON-RPC parse error under its id (null when none can be read)."""

@@ -271,7 +271,7 @@ async def test_a_candidate_this_server_cannot_measure_is_left_out_of_measure_nex
         res = await _compare(svc, _kernels("base", "nope", "good"))
         assert "nope" not in res.measure_next
         assert {m.kernel_id for m in res.measurements} == {"base", "good"}
-        assert any("skipped what this server cannot measure: nope" in n for n in res.notes)
+        assert any("skipped what this server cannot measure as sent: nope" in n for n in res.notes)
     finally:
         await svc.close()
 
@@ -346,5 +346,63 @@ async def test_a_verdict_a_likely_failure_decided_is_stored_in_the_direction_it_
             v.verdict == "faster" and v.p_faster > 0.5 and v.actual_speedup < 1 for v in stored
         )
         assert (await svc.budget_status("team")).forecasts.verified_correct == 0
+    finally:
+        await svc.close()
+
+
+def _refusing(fake: FakeMeasurer, entry: str) -> None:
+    """The backend refuses `entry` as sent, as pycuda does a kernel without a launch (InvalidRequest)."""
+    from forecaster_mcp.errors import InvalidRequest
+
+    real = fake.measure
+
+    async def measure(req: Any, *args: Any, **kw: Any) -> Any:
+        if req.kernel.entry == entry:
+            raise InvalidRequest("kernel.launch is required to run it: give grid and block")
+        return await real(req, *args, **kw)
+
+    fake.measure = measure  # type: ignore[method-assign]
+
+
+async def test_a_candidate_the_backend_refuses_is_skipped_and_the_rest_are_measured(tmp_path: Any) -> None:
+    """A kernel sent without a launch (optional for forecasting) that pycuda refuses: it ended the call's
+    measurements (the candidates after it never measured), or, refused first, failed the whole call and lost
+    its free forecasts. Like a kernel the recordings lack, it is now skipped with a note."""
+    fake = FakeMeasurer(["A100-PCIE-40GB"], gpu_seconds=0.5)
+    _refusing(fake, "nolaunch")
+    svc = await _service(tmp_path, fake)
+    try:
+        res = await _compare(svc, _kernels("base", "nolaunch", "c1", "c2"))
+        assert sorted(m.kernel_id for m in res.measurements) == ["base", "c1", "c2"]
+        assert res.gpu_seconds_charged == pytest.approx(1.5) and "nolaunch" not in res.measure_next
+        assert any("nolaunch (kernel.launch is required" in n for n in res.notes), res.notes
+        # Refused as the baseline, first: the forecasts stand, with a note; nothing is charged.
+        first = await _compare(svc, _kernels("nolaunch", "c3"))
+        assert first.measurements == [] and first.gpu_seconds_charged == 0.0 and len(first.candidates) == 1
+        assert any("measured nothing: kernel.launch is required" in n for n in first.notes), first.notes
+    finally:
+        await svc.close()
+
+
+async def test_a_measurement_charged_but_not_stored_counts_in_the_calls_charge(tmp_path: Any) -> None:
+    """The store could not keep a measurement's result (disk full): its device time is charged, and the call's
+    gpu_seconds_charged left it out (review: 0.018 said, 1.049 spent)."""
+    fake = FakeMeasurer(["A100-PCIE-40GB"], gpu_seconds=0.5)
+    svc = await _service(tmp_path, fake)
+    real = svc.store.save_and_commit
+    calls = {"n": 0}
+
+    async def flaky(hold: Any, **kw: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError("disk full")
+        return await real(hold, **kw)
+
+    svc.store.save_and_commit = flaky
+    try:
+        res = await _compare(svc, _kernels("base", "c1", "c2"))
+        spent = (await svc.budget_status("team")).spent_gpu_seconds
+        assert res.gpu_seconds_charged == pytest.approx(spent) == pytest.approx(1.0)
+        assert any("ran and was charged" in n for n in res.notes), res.notes
     finally:
         await svc.close()
