@@ -396,7 +396,13 @@ class Service:
         charged = 0.0
         unsure = [i for i in measure_next if i != base.id and results[i].verdict == "unsure"]
         if not unsure and measure_next == [base.id]:
-            unsure = _waiting_on_baseline(results, measured)  # measured candidates the baseline settles
+            # Measured candidates, or unsure copies of the baseline: the baseline's measurement settles them.
+            copies = [
+                i
+                for i, r in results.items()
+                if r.verdict == "unsure" and by_id[i].content_key() == by_id[base.id].content_key()
+            ]
+            unsure = _waiting_on_baseline(results, measured) or copies
         if base_failed is not None:
             notes.append(_base_failed_note(base.id, base_failed, measure_if_unsure))
             unsure = []  # no measurement settles a pair against a baseline that does not run
@@ -616,18 +622,21 @@ class Service:
         # is worth a measurement, after those whose forecasts say why.
         ranked += [it.id for it in items if not fc_by_id[it.id].raw]
         # One measurement answers every candidate with the same content (and a copy of the baseline): list it once.
-        seen = {by_id[base.id].content_key()}
+        base_key = by_id[base.id].content_key()
+        seen = {base_key}
         unique = []
         for cid in ranked:
             ck = by_id[cid].content_key()
             if ck not in seen:
                 seen.add(ck)
                 unique.append(cid)
+        # A copy of the baseline is settled by the baseline's own measurement (equal runtimes).
+        copies_of_base = any(by_id[cid].content_key() == base_key for cid in ranked)
         ranked = unique
         if (
             str(base.id) not in measured
             and base_failed is None  # measuring a failed baseline again only answers the failure again
-            and (ranked or _waiting_on_baseline(results, measured))
+            and (ranked or copies_of_base or _waiting_on_baseline(results, measured))
         ):
             # A candidate's measurement only settles the pair once the baseline is measured too; with every
             # candidate measured already, the baseline alone settles the unsure ones.

@@ -406,3 +406,22 @@ async def test_a_measurement_charged_but_not_stored_counts_in_the_calls_charge(t
         assert any("ran and was charged" in n for n in res.notes), res.notes
     finally:
         await svc.close()
+
+
+async def test_an_unsure_copy_of_an_unmeasured_baseline_is_settled_by_measuring_the_baseline(
+    tmp_path: Any,
+) -> None:
+    """The copy was dropped from measure_next as the baseline's duplicate, so the baseline was never listed
+    either: the copy stayed unsure, and the note said no candidate's forecast was."""
+    fake = FakeMeasurer(["A100-PCIE-40GB"], gpu_seconds=0.5)
+    svc = await _service(tmp_path, fake)
+    try:
+        base = _kernels("base")[0]
+        copy = base.model_copy(update={"id": "copy"})
+        res = await _compare(svc, [base, copy])
+        assert [m.kernel_id for m in res.measurements] == ["base", "copy"]
+        assert res.gpu_seconds_charged == pytest.approx(0.5) and res.measurements[1].cost.cached
+        assert res.candidates[0].decided_by == "measurement" and res.measure_next == []
+        assert not any("no candidate's forecast is unsure" in n for n in res.notes)
+    finally:
+        await svc.close()
