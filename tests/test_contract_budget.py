@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 from mcp import Client
@@ -25,14 +26,20 @@ TIE_B = {**TIE_A, "block_size_x": 48, "block_size_y": 1, "tile_size_y": 1, "read
 FASTER = [0.0] * 7 + [1.0]  # every candidate forecast much faster than the baseline
 
 
+async def _replay_service(home: Path, recording: Path, forecaster: Any) -> Service:
+    """A service replaying `recording`, forecasting with `forecaster`, its ledger "team" holding 100 GPU-s."""
+    settings = Settings.from_env(home=home, replay=[recording], measurer="replay", ledger="team")
+    store = await Store.open(settings.db_path)
+    measurers, notes = build_measurers(settings)
+    service = Service(settings, store, [forecaster], measurers, notes)
+    await store.create_ledger("team", 100)
+    return service
+
+
 async def test_budget_status_leaves_ties_within_noise_out_of_accuracy_and_brier(
     tmp_path: Path, conv_a100: Path
 ) -> None:
-    settings = Settings.from_env(home=tmp_path, replay=[conv_a100], measurer="replay", ledger="team")
-    store = await Store.open(settings.db_path)
-    measurers, notes = build_measurers(settings)
-    service = Service(settings, store, [ScriptedForecaster(default=FASTER)], measurers, notes)
-    await store.create_ledger("team", 100)
+    service = await _replay_service(tmp_path, conv_a100, ScriptedForecaster(default=FASTER))
     try:
         async with Client(build_server(service)) as client:
             out = await call(
@@ -84,11 +91,7 @@ async def test_a_pair_no_forecaster_answered_is_ranked_last_and_never_recorded(
 ) -> None:
     """Its even odds are not a forecast: recorded, it entered the calibration history and budget_status's
     Brier score as a forecast of p 0.5; ranked by them, it came first in measure_next."""
-    settings = Settings.from_env(home=tmp_path, replay=[conv_a100], measurer="replay", ledger="team")
-    store = await Store.open(settings.db_path)
-    measurers, notes = build_measurers(settings)
-    service = Service(settings, store, [_FailsOnPoison()], measurers, notes)
-    await store.create_ledger("team", 100)
+    service = await _replay_service(tmp_path, conv_a100, _FailsOnPoison())
     kernels = {"a": TIE_A, "poison": SLOW, "fast": FAST}
     try:
         async with Client(build_server(service)) as client:
@@ -115,11 +118,7 @@ async def test_the_same_capped_request_again_is_served_from_cache_free(
     the very same request again on every call: 20 concurrent copies of one request drained a 3 GPU-second
     ledger. A fresh run under limits no larger than the stored one's can be no more precise: it is served free.
     A larger cap still buys a new measurement."""
-    settings = Settings.from_env(home=tmp_path, replay=[conv_a100], measurer="replay", ledger="team")
-    store = await Store.open(settings.db_path)
-    measurers, notes = build_measurers(settings)
-    service = Service(settings, store, [ScriptedForecaster(default=FASTER)], measurers, notes)
-    await store.create_ledger("team", 100)
+    service = await _replay_service(tmp_path, conv_a100, ScriptedForecaster(default=FASTER))
     try:
         async with Client(build_server(service)) as client:
             args = {"kernel": conv("s", SLOW), "max_seconds": 0.5}
