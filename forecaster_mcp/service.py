@@ -397,10 +397,9 @@ class Service:
         unsure = [i for i in measure_next if i != base.id and results[i].verdict == "unsure"]
         if not unsure and measure_next == [base.id]:
             # Measured candidates, or unsure copies of the baseline: the baseline's measurement settles them.
+            base_key = base.content_key()
             copies = [
-                i
-                for i, r in results.items()
-                if r.verdict == "unsure" and by_id[i].content_key() == by_id[base.id].content_key()
+                i for i, r in results.items() if r.verdict == "unsure" and by_id[i].content_key() == base_key
             ]
             unsure = _waiting_on_baseline(results, measured) or copies
         if base_failed is not None:
@@ -738,10 +737,9 @@ class Service:
                 skipped[kid] = one_line(str(exc), 160)
                 continue
             except Exception as exc:
-                lost = isinstance(exc, ResultNotSaved)
                 if isinstance(exc, ResultNotSaved):
                     charged += exc.charged_gpu_seconds  # it ran and was charged; its result was lost
-                if not out and not lost:
+                elif not out:
                     raise
                 if isinstance(exc, AgentError):
                     why = str(exc)

@@ -375,17 +375,11 @@ class ClaudeForecaster:
                     and time.monotonic() >= self._cache_warm_until
                 ):
                     # One request alone writes the shared system-prompt cache that every other request reads.
-                    cached: list[bool] = []
-                    got[fits[0]].append(await self._sample(texts[fits[0]], usage, problems, cached))
-                    if cached and not any(cached):
+                    if await self._warm_up(texts[fits[0]], usage, problems, got[fits[0]]):
                         log.info(
                             "%s cached nothing of the system prompt: no more warm-up requests", self.model
                         )
                         self._system_uncacheable = True
-                        if self.samples > 1:  # the request also carried this pair's breakpoint
-                            self._pair_uncacheable_chars = max(
-                                self._pair_uncacheable_chars, len(texts[fits[0]])
-                            )
                 try:
                     await _gather_or_cancel(
                         [self._forecast_one(text, usage, problems, got[i]) for i, text in enumerate(texts)]
@@ -490,16 +484,26 @@ class ClaudeForecaster:
             return
         if not got and self._warm_cache and self.samples > 1 and len(text) > self._pair_uncacheable_chars:
             # The first sample writes this pair's cache entry; the others then read the long kernel text.
-            cached: list[bool] = []
-            got.append(await self._sample(text, usage, problems, cached))
-            if cached and not any(cached):
-                # Below the model's minimum cacheable prompt: no shorter pair is cached either.
-                self._pair_uncacheable_chars = max(self._pair_uncacheable_chars, len(text))
+            await self._warm_up(text, usage, problems, got)
 
         async def one() -> None:
             got.append(await self._sample(text, usage, problems))
 
         await _gather_or_cancel([one() for _ in range(self.samples - len(got))])
+
+    async def _warm_up(
+        self, text: str, usage: TokenUsage, problems: list[str], got: list[_Sample | None]
+    ) -> bool:
+        """One sample of `text` sent alone, so that the requests after it read what it wrote to the cache;
+        appended to `got`. Returns whether its answer says nothing was cached: the prompt is below the model's
+        minimum cacheable length, and (with several samples, the pair's text carrying a breakpoint too) so is
+        every pair no longer than this one."""
+        cached: list[bool] = []
+        got.append(await self._sample(text, usage, problems, cached))
+        nothing = bool(cached) and not any(cached)
+        if nothing and self.samples > 1:
+            self._pair_uncacheable_chars = max(self._pair_uncacheable_chars, len(text))
+        return nothing
 
     def _aggregated(self, got: Sequence[_Sample | None]) -> BinForecast | None:
         valid = [s for s in got if s is not None]

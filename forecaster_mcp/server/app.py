@@ -733,7 +733,8 @@ async def _answer_unparsed(read_stream: Any, inner: Any, write_stream: Any, line
             if not isinstance(item, Exception):
                 await inner.send(item)
                 continue
-            detail = str(item).splitlines()[0][:200] if str(item) else type(item).__name__
+            text = str(item)
+            detail = text.splitlines()[0][:200] if text.strip() else type(item).__name__
             log.warning("stdio: a line that is not a JSON-RPC message this server can parse: %s", detail)
             message = (
                 f"Parse error: the line is not a JSON-RPC message this server can read ({detail}). Nesting deeper "

@@ -207,8 +207,8 @@ _FAMILY_STATE = (
 )
 
 # A forecast is also verified when one of its kernels fails for good (compile or launch error, wrong output,
-# a run past the server's cap) while the other runs: a "faster" verdict on a candidate that then fails to compile was wrong, and a
-# threshold certified on what ran only, never on what failed, counted too few errors. The column says which
+# a run past the server's cap) while the other runs: a "faster" verdict on a candidate that then fails to
+# compile was wrong, and a threshold certified on what ran only, never on what failed, counted too few errors. The column says which
 # side failed ('candidate' / 'baseline'); actual_speedup then holds the extreme bin's speedup (1/16 or 16).
 _FORECAST_FAILURE = ("ALTER TABLE forecasts ADD COLUMN verified_failure TEXT",)
 
