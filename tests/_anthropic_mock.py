@@ -216,9 +216,10 @@ class AnthropicMock:
         headers = {"content-type": "application/binary"}
         reads = sum(r.path.endswith("/results") for r in self.requests)
         if self.results_reads_allowed is not None and reads > self.results_reads_allowed:
-            return httpx2.Response(
-                200, content=_breaking([f"{x}\n".encode() for x in lines], 1), headers=headers
-            )
+            # Cut inside the first line: no SDK version can decode a result from it (2.17 yields each complete
+            # line as it arrives, so a cut after a whole line would hand that line over).
+            first = f"{lines[0]}\n".encode()
+            return httpx2.Response(200, content=_breaking([first[: len(first) // 2]], 1), headers=headers)
         return httpx2.Response(200, content=("\n".join(lines) + "\n").encode(), headers=headers)
 
     def _batch_json(self, batch: _Batch, status: str) -> dict[str, Any]:
