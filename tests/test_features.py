@@ -8,6 +8,7 @@ import stat
 import time
 from pathlib import Path
 
+import anyio
 import pytest
 
 from forecaster_mcp.forecast.features import (
@@ -28,7 +29,10 @@ from forecaster_mcp.forecast.features import (
     strip_comments,
 )
 from forecaster_mcp.forecast.ptxas import (
+    PtxasEntry,
+    PtxasUsage,
     find_nvcc,
+    nvcc_version,
     parse_ptxas,
     ptxas_usage,
     safe_options,
@@ -406,7 +410,10 @@ async def test_ptxas_kills_a_hung_compiler(tmp_path: Path) -> None:
     pid_file = tmp_path / "pid"
     fake = tmp_path / "nvcc"
     # Stands in for a compiler that hangs: it records its pid and never finishes on its own.
-    fake.write_text(f"#!/bin/sh\necho $$ > {pid_file}\nexec sleep 60\n")
+    fake.write_text(
+        '#!/bin/sh\n[ "$1" = --version ] && { echo "release 0.0"; exit 0; }\n'
+        f"echo $$ > {pid_file}\necho $TMPDIR > {tmp_path / 'tmpdir'}\nexec sleep 60\n"
+    )
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     k = Kernel(source=SMALL, entry="add")
     t0 = time.perf_counter()
@@ -419,6 +426,79 @@ async def test_ptxas_kills_a_hung_compiler(tmp_path: Path) -> None:
     assert not (tmp_path / "cache" / "ptxas").exists() or not list(
         (tmp_path / "cache" / "ptxas").glob("*.json")
     )
+    # nvcc's intermediates (tmpxft_*, which hold the source) went to a folder removed with the compile.
+    left = (tmp_path / "tmpdir").read_text().strip()
+    assert left and not await anyio.Path(left).exists()
+
+
+def _fake_nvcc(path: Path, version: str, body: str) -> str:
+    """A stand-in nvcc at `path`: `--version` prints `version`, any compile runs the shell `body`."""
+    path.write_text(f'#!/bin/sh\n[ "$1" = --version ] && {{ echo "{version}"; exit 0; }}\n{body}\n')
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return str(path)
+
+
+def _ptxas_says(registers: int) -> str:
+    return (
+        "echo \"ptxas info    : Compiling entry function '_Z3addPfPKfi' for 'sm_80'\"\n"
+        f"echo 'ptxas info    : Used {registers} registers, 360 bytes cmem[0]'"
+    )
+
+
+@pytest.mark.anyio
+async def test_ptxas_cache_knows_the_compiler_version_and_skips_the_machines_failures(tmp_path: Path) -> None:
+    """A toolkit upgraded behind the same path is not served the old one's figures; a compile killed by a
+    signal (the OOM killer) or failing on a full disk is not cached as the source's failure."""
+    k = Kernel(source=SMALL, entry="add")
+    cache = tmp_path / "cache"
+    nvcc = _fake_nvcc(tmp_path / "nvcc", "release 12.8", _ptxas_says(24))
+    first = await ptxas_usage(k, "sm_80", nvcc, cache)
+    assert first is not None and first.entries[0].registers == 24
+    nvcc_version.cache_clear()  # a restart after the upgrade
+    _fake_nvcc(tmp_path / "nvcc", "release 13.0", _ptxas_says(40))
+    upgraded = await ptxas_usage(k, "sm_80", nvcc, cache)
+    assert upgraded is not None and upgraded.entries[0].registers == 40
+    for broken in ("kill -9 $$", "echo 'fatal: No space left on device' >&2; exit 1"):
+        nvcc_version.cache_clear()
+        other = Kernel(source=SMALL, entry="add", defines={"BS": 64})
+        _fake_nvcc(tmp_path / "nvcc", "release 13.1", broken)
+        assert await ptxas_usage(other, "sm_80", nvcc, cache) is None
+        _fake_nvcc(tmp_path / "nvcc", "release 13.1", _ptxas_says(32))
+        again = await ptxas_usage(other, "sm_80", nvcc, cache)
+        assert again is not None and again.entries[0].registers == 32, broken
+        for f in (cache / "ptxas").glob("*.json"):
+            f.unlink()
+    # A compile error is the source's own, and is cached.
+    _fake_nvcc(tmp_path / "nvcc", "release 13.1", "echo 'kernel.cu(3): error: expected a )'; exit 1")
+    assert await ptxas_usage(k, "sm_80", nvcc, cache) is None
+    _fake_nvcc(tmp_path / "nvcc", "release 13.1", _ptxas_says(32))
+    assert await ptxas_usage(k, "sm_80", nvcc, cache) is None
+
+
+@pytest.mark.anyio
+async def test_ptxas_compiles_device_code_only(tmp_path: Path) -> None:
+    """Host code never reaches the host compiler or assembler: `asm(".incbin ...")` in it made the compile's
+    success tell whether a file on the server exists (and could write gigabytes of object file)."""
+    nvcc = find_nvcc(None)
+    if nvcc is None:
+        pytest.skip("nvcc is not installed here")
+    for path in ("/etc/passwd", "/nonexistent/secret"):
+        k = Kernel(source=SMALL + f'\nasm(".incbin \\"{path}\\"");\n', entry="add")
+        usage = await ptxas_usage(k, "sm_80", nvcc, None)
+        assert usage is not None and usage.for_entry("add") is not None, path
+    relocatable = await ptxas_usage(
+        Kernel(source=SMALL, entry="add", compile_options=["-dc"]), "sm_80", nvcc, None
+    )
+    assert relocatable is not None
+
+
+def test_a_namespaced_kernel_is_found_among_others() -> None:
+    usage = PtxasUsage(
+        "sm_90", (PtxasEntry("_Z5otherPf", 8, 0, 0, 0, 0), PtxasEntry("_ZN3opt4gemvEPf", 10, 0, 0, 0, 0))
+    )
+    found = usage.for_entry("gemv")
+    assert found is not None and found.registers == 10
+    assert usage.for_entry("other") is not None and usage.for_entry("missing") is None
 
 
 def test_features_describe_the_entry_kernel_not_its_neighbours() -> None:

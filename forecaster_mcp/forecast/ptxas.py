@@ -1,7 +1,9 @@
 """Resource usage from `ptxas -v`: registers, shared memory and spills per entry, when nvcc is present.
 
-Compiling takes a second or two, so results are cached on disk by content hash and architecture (failed
-compiles too; a timeout is not cached). Anything that stops a compile (no nvcc, a language nvcc does not
+Compiling takes a second or two, so results are cached on disk by content hash, architecture and compiler
+version (failed compiles too; a timeout, a kill or a full disk is not cached). Only device code is compiled
+(`-cubin`): the host compiler and assembler never see the source, so `asm(".incbin ...")` in host code can
+neither read the server's files nor write a huge object file. Anything that stops a compile (no nvcc, a language nvcc does not
 take, a compile error, a timeout) gives None: the forecaster then works without these features.
 
 An nvcc covers a window of architectures (CUDA 13 dropped sm_5x-sm_72; CUDA 12.2 knows nothing after sm_90).
@@ -35,9 +37,10 @@ _K = TypeVar("_K", bound=Hashable)
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = "2"
+CACHE_VERSION = "3"
 _ARCH = re.compile(r"^sm_\d{2,3}[a-z]?$")
 _PLAIN_ARCH = re.compile(r"^sm_(\d{2,3})$")
+_DEVICE_C_FLAGS = ("-dc", "--device-c")
 _RE_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
 _RE_PROPS = re.compile(r"Function properties for (\S+)")
 _RE_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
@@ -69,12 +72,33 @@ class PtxasUsage:
     entries: tuple[PtxasEntry, ...]
 
     def for_entry(self, entry: str) -> PtxasEntry | None:
-        """The entry named `entry` (matches extern "C" names and Itanium-mangled `_Z<len><name>...`)."""
-        mangled = f"_Z{len(entry)}{entry}"
+        """The entry named `entry`: an extern "C" name, or the unqualified name of an Itanium-mangled one
+        (`_Z4gemvPf`, and `_ZN3opt4gemvEPf` in a namespace); the first of several overloads."""
         for e in self.entries:
-            if e.name == entry or e.name.startswith(mangled):
+            if e.name == entry or itanium_function_name(e.name) == entry:
                 return e
         return self.entries[0] if len(self.entries) == 1 else None
+
+
+def itanium_function_name(symbol: str) -> str | None:
+    """The unqualified name in an Itanium-mangled symbol (`_Z3addPf` -> add, `_ZN2ns3addE...` -> add)."""
+    if not symbol.startswith("_Z"):
+        return None
+    i = 2
+    nested = symbol.startswith("_ZN")
+    if nested:
+        i = 3
+    name: str | None = None
+    while i < len(symbol) and symbol[i].isdigit():
+        j = i
+        while j < len(symbol) and symbol[j].isdigit():
+            j += 1
+        length = int(symbol[i:j])
+        name = symbol[j : j + length]
+        i = j + length
+        if not nested:
+            break
+    return name
 
 
 def find_nvcc(configured: str | None) -> str | None:
@@ -93,6 +117,18 @@ def find_nvcc(configured: str | None) -> str | None:
             if candidate.is_file() and os.access(candidate, os.X_OK):
                 return str(candidate)
     return None
+
+
+@functools.lru_cache(maxsize=8)
+def nvcc_version(nvcc: str) -> str:
+    """The compiler's version line (`nvcc --version`), part of every cache key: a toolkit upgraded behind the
+    same path must not be served the old compiler's results. 'unknown' when it cannot say."""
+    try:
+        done = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, ValueError, subprocess.SubprocessError):  # ValueError: a path with a NUL
+        return "unknown"
+    lines = [ln for ln in done.stdout.splitlines() if ln.strip()]
+    return lines[-1] if done.returncode == 0 and lines else "unknown"
 
 
 @functools.lru_cache(maxsize=8)
@@ -125,8 +161,11 @@ def stand_in_arch(arch: str, supported: Sequence[str]) -> str:
 
 def safe_options(options: list[str]) -> list[str]:
     """The kernel's compile options to pass here: those models.Kernel accepts (validation already rejects the
-    rest; this guards kernels built without it), less the architecture flags, since this compile picks its own."""
-    return [o for o in options if compile_option_allowed(o) and not is_arch_option(o)]
+    rest; this guards kernels built without it), less the architecture flags, since this compile picks its own,
+    and less `-dc`, which names another output than the `-cubin` this compile makes."""
+    return [
+        o for o in options if compile_option_allowed(o) and not is_arch_option(o) and o not in _DEVICE_C_FLAGS
+    ]
 
 
 def parse_ptxas(output: str) -> tuple[PtxasEntry, ...]:
@@ -163,7 +202,7 @@ def _cache_key(kernel: Kernel, arch: str, nvcc: str, flags: list[str]) -> str:
     defines = {k: kernel.defines[k] for k in sorted(kernel.defines)}
     payload = {
         "v": CACHE_VERSION, "source": kernel.source_hash(), "defines": defines, "arch": arch, "nvcc": nvcc,
-        "flags": flags,
+        "nvcc_version": nvcc_version(nvcc), "flags": flags,
     }  # fmt: skip
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:40]
 
@@ -241,11 +280,13 @@ async def read_bounded(stream: AsyncIterable[bytes], keep: int = OUTPUT_KEEP_BYT
 async def ptxas_usage(
     kernel: Kernel, arch: str, nvcc: str | None, cache_dir: Path | None, timeout_s: float = 20.0
 ) -> PtxasUsage | None:
-    """Compile `kernel` with `nvcc -c -arch=<arch> -Xptxas -v` and report per-entry resources, or None."""
+    """Compile `kernel`'s device code with `nvcc -cubin -arch=<arch> -Xptxas -v` and report per-entry
+    resources, or None."""
     if kernel.language != "cuda" or nvcc is None or not _ARCH.match(arch):
         return None
     flags = safe_options(kernel.compile_options)
-    cache_path = cache_dir / "ptxas" / f"{_cache_key(kernel, arch, nvcc, flags)}.json" if cache_dir else None
+    key = await anyio.to_thread.run_sync(_cache_key, kernel, arch, nvcc, flags)  # nvcc --version, once
+    cache_path = cache_dir / "ptxas" / f"{key}.json" if cache_dir else None
     if cache_path is not None:
         hit, cached = _read_cache(cache_path)
         if hit:
@@ -256,20 +297,21 @@ async def ptxas_usage(
         src.write_text(kernel.compile_source(), encoding="utf-8", errors="surrogatepass")
         cmd = [
             nvcc,
-            "-c",
+            "-cubin",
             f"-arch={arch}",
             "-Xptxas",
             "-v",
             *flags,
             "-o",
-            str(Path(tmp) / "kernel.o"),
+            str(Path(tmp) / "kernel.cubin"),
             str(src),
         ]
         try:
             proc = await anyio.open_process(
                 cmd,
                 cwd=tmp,
-                env=compiler_env(),
+                # nvcc's own intermediates (tmpxft_*) go to TMPDIR: here, so a killed compile leaves none.
+                env=compiler_env(TMPDIR=tmp),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -302,9 +344,21 @@ async def ptxas_usage(
         usage = PtxasUsage(arch, entries) if entries else None
     else:
         log.debug("nvcc failed (rc=%s) on %s: %s", proc.returncode, kernel.entry, output[-500:])
+        if not _source_failure(proc.returncode, output):
+            return None  # the machine's doing, not the source's: the next compile may pass
     if cache_path is not None:
         _write_cache(cache_path, usage)
     return usage
+
+
+# A compile that failed for one of these reasons failed because of the machine, not the source.
+_ENVIRONMENT_FAILURE = re.compile(r"No space left on device|Cannot allocate memory|out of memory|Killed")
+
+
+def _source_failure(returncode: int | None, output: str) -> bool:
+    """Whether a failed compile is the source's own (cached as a failure) rather than a kill by a signal (the
+    OOM killer, an operator) or an environment error such as a full disk (not cached)."""
+    return returncode is not None and returncode > 0 and _ENVIRONMENT_FAILURE.search(output) is None
 
 
 async def ptxas_usages(

@@ -258,32 +258,11 @@ def trim_compiler_message(text: str, workdir: str | Path | None = None, limit: i
     return "\n".join(kept).strip()
 
 
-def _itanium_function_name(symbol: str) -> str | None:
-    """The unqualified name in an Itanium-mangled symbol (`_Z3addPf` -> add, `_ZN2ns3addE...` -> add)."""
-    if not symbol.startswith("_Z"):
-        return None
-    i = 2
-    nested = symbol.startswith("_ZN")
-    if nested:
-        i = 3
-    name: str | None = None
-    while i < len(symbol) and symbol[i].isdigit():
-        j = i
-        while j < len(symbol) and symbol[j].isdigit():
-            j += 1
-        length = int(symbol[i:j])
-        name = symbol[j : j + length]
-        i = j + length
-        if not nested:
-            break
-    return name
-
-
 def resolve_symbol(entry: str, symbols: Sequence[str]) -> str | CompileFailure:
     """The symbol of `entry` among the cubin's entry functions."""
     if entry in symbols:
         return entry
-    matches = [s for s in symbols if _itanium_function_name(s) == entry]
+    matches = [s for s in symbols if ptxas.itanium_function_name(s) == entry]
     if len(matches) == 1:
         return matches[0]
     found = ", ".join(symbols) if symbols else "none"
