@@ -551,6 +551,53 @@ async def test_aclose_stops_the_workers(tmp_path: Path) -> None:
         await m.measure(request(m, kernel()))
 
 
+def _our_workers(flag: str) -> list[int]:
+    """Pids of this test process's live children whose command line has `flag`."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            stat_fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, IndexError, ValueError):
+            continue
+        if int(stat_fields[1]) == os.getpid() and stat_fields[0] != "Z" and flag in cmdline:
+            pids.append(int(proc.name))
+    return pids
+
+
+@pytest.mark.anyio
+async def test_a_request_cancelled_while_its_worker_starts_leaves_no_worker(tmp_path: Path) -> None:
+    """A client that hangs up during a worker's start-up: the half-started worker (a CUDA context on a real
+    GPU) was not the slot's yet, so nothing, not even aclose(), would ever stop it."""
+    async with make(tmp_path, "--startup", "hang", startup_grace_s=20.0) as m:
+        with anyio.move_on_after(1.0):
+            await m.measure(request(m, kernel()))
+        started = _our_workers("--startup hang")
+        assert all(exited_within(pid, 5.0) for pid in started)
+        assert not _our_workers("--startup hang")
+
+
+@pytest.mark.anyio
+async def test_a_request_queued_while_the_measurer_closes_starts_no_worker(tmp_path: Path) -> None:
+    m = make(tmp_path)
+    outcomes: list[str] = []
+
+    async def queued() -> None:
+        try:
+            outcomes.append((await m.measure(request(m, kernel()))).status)
+        except NotMeasurable as exc:
+            outcomes.append(str(exc))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(m.measure, request(m, kernel("hang"), max_seconds=30.0))
+        await anyio.sleep(1.0)  # the hang holds the device; the next request waits for it
+        tg.start_soon(queued)
+        await anyio.sleep(0.2)
+        await m.aclose()
+    assert outcomes == ["the GPU measurer is shut down"]
+    assert m.worker_pid(m.devices()[0]) is None and not _our_workers(FAKE)
+
+
 @pytest.mark.anyio
 async def test_a_cancelled_request_does_not_leave_a_busy_worker(gpu: PycudaMeasurer) -> None:
     assert (await gpu.measure(request(gpu, kernel()))).status == "ok"

@@ -971,6 +971,8 @@ class PycudaMeasurer:
             return slot.worker
         if slot.worker is not None:
             await self._retire(slot)
+        if self._closed:  # a request that queued for the slot while aclose() ran starts no new worker
+            raise NotMeasurable("the GPU measurer is shut down")
         env = dict(os.environ)
         # Ordinals in PCI order match nvidia-smi's indices, which named the devices.
         env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
@@ -993,6 +995,12 @@ class PycudaMeasurer:
         try:
             with anyio.fail_after(self.startup_grace_s):
                 message = await worker.receive()
+        except anyio.get_cancelled_exc_class():
+            # The request went away while the worker started (a client hung up): the worker is not the slot's
+            # yet, so nothing else would ever stop it and its CUDA context.
+            await worker.kill()
+            worker.close_log()
+            raise
         except TimeoutError:
             failure = f"it did not become ready within {self.startup_grace_s:g} s"
         except (WorkerGone, ProtocolError) as exc:
