@@ -7,6 +7,7 @@ import os
 import stat
 import time
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -18,6 +19,7 @@ from forecaster_mcp.forecast.features import (
     MAX_TOTAL_SHIFT_LOG2,
     PRIOR_SD_LOG2,
     WORK_RATIO_CAP_LOG2,
+    SourceFeatures,
     StaticFeatures,
     entry_parameter_count,
     entry_text,
@@ -152,6 +154,47 @@ def test_library_warp_reductions_count_as_shuffles() -> None:
     assert source_features(cg, {}).warp_shuffles == 2
     assert source_features(cub, {}).warp_shuffles >= 1
     assert source_features("__global__ void k(float* x) { x[0] = 1.0f; }", {}).warp_shuffles == 0
+
+
+ARCH_GUARDED = """
+#include <mma.h>
+__global__ void mm(const half* a, float* c) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  __shared__ half tile[256];
+  nvcuda::wmma::fragment<nvcuda::wmma::matrix_a, 16, 16, 16, half, nvcuda::wmma::row_major> fa;
+  __syncthreads();
+#else
+  c[threadIdx.x] = 0.0f;
+#endif
+#ifdef USE_FAST
+  c[threadIdx.x] += 1.0f;
+#endif
+}
+"""
+
+
+def test_source_features_see_the_compilers_own_macros_and_flags() -> None:
+    """`__CUDA_ARCH__` (from the GPU), `__CUDACC__` and the `-D`/`-U` flags of compile_options are what nvcc's
+    device pass sees: arch-guarded tensor-core paths were dropped as if `__CUDA_ARCH__` were undefined, and a
+    macro set by `-D` was ignored."""
+
+    def features(spec: str | None, **kw: Any) -> SourceFeatures:
+        gpu = lookup(spec) if spec else None
+        return kernel_features(Kernel(source=ARCH_GUARDED, entry="mm", **kw), Workload(), gpu).source
+
+    a100, v100, unknown = features("A100"), features("V100"), features(None)
+    assert a100.tensor_core >= 1 and a100.shared == 1 and a100.barriers == 1
+    assert v100.tensor_core == 0 and v100.shared == 0  # sm_70 compiles the other branch
+    assert unknown.tensor_core >= 1 and unknown.shared == 1  # GPU unknown: both branches count
+    assert features("A100", compile_options=["-DUSE_FAST"]).lines == a100.lines + 1
+    assert features("A100", defines={"USE_FAST": 1}).lines == a100.lines + 1
+    assert features("A100", compile_options=["-DUSE_FAST", "-UUSE_FAST"]).lines == a100.lines
+    cudacc = kernel_features(
+        Kernel(source="#ifdef __CUDACC__\n__global__ void k(float* a) { a[0] = 1; }\n#endif\n", entry="k"),
+        Workload(),
+        None,
+    )
+    assert cudacc.source.lines >= 1
 
 
 def test_kernel_features_use_the_spec_only_when_known() -> None:

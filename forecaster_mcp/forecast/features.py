@@ -634,6 +634,30 @@ def _numeric_defines(defines: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+# What `#if` reads as a condition it cannot decide (the ternary rule of _eval_condition): both branches count.
+_UNDECIDED = "?"
+
+
+def compile_macros(kernel: Kernel, spec: GpuSpec | None) -> dict[str, Any]:
+    """The macros nvcc's device pass sees for `kernel`: `__CUDACC__`, `__NVCC__` and `__CUDA_ARCH__` (from the
+    GPU's compute capability; unknown, its conditions count both ways), the `-D`/`-U` flags of its compile
+    options in order, then its defines (never the same name as a flag: models.Kernel refuses that)."""
+    macros: dict[str, Any] = {}
+    if kernel.language == "cuda":
+        cc = spec.compute_capability if spec is not None else None
+        major, _, minor = (cc or "").partition(".")
+        arch = int(major) * 100 + int(minor or 0) * 10 if major.isdigit() and minor.isdigit() else _UNDECIDED
+        macros.update({"__CUDACC__": 1, "__NVCC__": 1, "__CUDA_ARCH__": arch})
+    for option in kernel.compile_options:
+        if option.startswith("-D"):
+            name, eq, value = option[2:].partition("=")
+            macros[name] = value if eq else 1
+        elif option.startswith("-U"):
+            macros.pop(option[2:], None)
+    macros.update(kernel.defines)
+    return macros
+
+
 def _occupancy(spec: GpuSpec, threads: int, registers: int, shared: int) -> tuple[float, int] | None:
     """(occupancy, resident blocks per SM) from the hardware module, None if it is unavailable."""
     try:
@@ -649,7 +673,7 @@ def kernel_features(
 ) -> StaticFeatures:
     """Static features of one kernel; hardware-specific ones only when `spec` is known."""
     del workload  # sizes enter through the launch; kept in the signature for forecasters that use it
-    src = source_features(kernel.source, dict(kernel.defines), kernel.entry)
+    src = source_features(kernel.source, compile_macros(kernel, spec), kernel.entry)
     threads = blocks = dyn = None
     if kernel.launch is not None:
         threads = kernel.launch.threads_per_block
