@@ -339,6 +339,17 @@ __global__ void hist(const int* d, int* h, int n) {
 """
 
 
+BLOCK_SUM = """
+__global__ void sum(const float* x, float* out, int n, bool done) {{
+    __shared__ float s[256];
+    int tid = threadIdx.x;
+    s[tid] = x[blockIdx.x * 256 + tid];
+    __syncthreads();
+    {guard}
+}}
+"""
+
+
 @pytest.mark.parametrize(
     ("source", "strided", "atomics"),
     [
@@ -358,6 +369,21 @@ __global__ void hist(const int* d, int* h, int n) {
         ),
         (PER_ELEMENT_ATOMIC, 0, 1),
         (PRIVATISED_ATOMICS, 0, 0),
+        # One thread per block merges a reduction: however the guard is spelled, not a per-element atomic.
+        (BLOCK_SUM.format(guard="float v = s[0];\nif (!threadIdx.x) atomicAdd(out, v);"), 0, 0),
+        (BLOCK_SUM.format(guard="float v = s[0];\nif (threadIdx.x == 0 && n > 0) atomicAdd(out, v);"), 0, 0),
+        (
+            BLOCK_SUM.format(
+                guard="if (tid < 1) {\n  float v = s[0];\n  v *= 2.0f;\n  atomicAdd(out, v);\n}"
+            ),
+            0,
+            0,
+        ),
+        (BLOCK_SUM.format(guard="if (tid == 0)\n{\n  float v = s[0];\n\n  atomicAdd(out, v);\n}"), 0, 0),
+        (BLOCK_SUM.format(guard="if (threadIdx.x != 0) return;\nfloat v = s[0];\natomicAdd(out, v);"), 0, 0),
+        # A flag that is not a thread index guards nothing; a block closed before the atomic no longer does.
+        (BLOCK_SUM.format(guard="if (!done) atomicAdd(out + tid, x[tid]);"), 0, 1),
+        (BLOCK_SUM.format(guard="if (tid == 0) {\n  s[0] = 0;\n}\n\n\natomicAdd(out + tid, 1.0f);"), 0, 1),
     ],
 )
 def test_access_pattern_passes(source: str, strided: int, atomics: int) -> None:
@@ -714,6 +740,8 @@ CRAFTED = [
     "x[threadIdx.x * ",
     "__global__ void a(){",
     "a",
+    ("atomicAdd(x, 1); " * 60 + "for (" * 190)[:1990]
+    + "\n",  # an atomic and a for-header per line: 21 s before
 ]
 
 

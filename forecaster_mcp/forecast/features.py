@@ -317,7 +317,6 @@ _INT_ASSIGN = re.compile(
 _FOR_INIT = re.compile(r"\bfor\s*\(\s*(?:[\w:]+\s+)?([A-Za-z_]\w*)\s*=\s*([^;]{1,200});")
 _SHARED_ARRAY = re.compile(r"__shared__\s+[\w\s]{1,200}?\b([A-Za-z_]\w*)\s*\[")
 _ATOMIC_TARGET = re.compile(r"\batomic\w*\s*\(\s*&?\s*\(?\s*([A-Za-z_]\w*)")
-_ONE_THREAD_GUARD = re.compile(r"==\s*0\s*\)|\(\s*0\s*==")
 _CAST = r"(?:\(\s*[\w\s]{1,60}\)\s*)?"
 _NOT_A_SIZE = {"blockDim", "gridDim", "blockIdx", "threadIdx", "sizeof", "warpSize"}
 
@@ -346,12 +345,11 @@ def _lane_fast_variables(text: str) -> set[str]:
     return fast
 
 
-def _strided_accesses(text: str, shared: set[str]) -> int:
+def _strided_accesses(text: str, shared: set[str], fast: set[str]) -> int:
     """Products of a lane-fast index with a run-time size (`row * N`, `(size_t)x * n`) outside shared-memory
     subscripts: neighbouring threads then touch addresses a whole row apart (uncoalesced global access).
     Products with literals or ALL-CAPS constants (tile widths) are left out: those are tiles, not rows.
-    `shared`: the shared arrays and their aliases (`_shared_names`)."""
-    fast = _lane_fast_variables(text)
+    `shared`: the shared arrays and their aliases (`_shared_names`); `fast`: the lane-fast variables."""
     named = sorted(fast, key=lambda n: (-len(n), n))[:_MAX_FAST_NAMES]
     alt = "|".join(re.escape(n) for n in sorted({*named, "threadIdx.x"}, key=len, reverse=True))
     fast_times = re.compile(rf"{_CAST}\b(?:{alt})\b\s*\)?\s*\*\s*\(?\s*{_CAST}([A-Za-z_]\w*)")
@@ -395,27 +393,65 @@ def _shared_names(text: str) -> set[str]:
     return shared
 
 
-def _thread_atomics(text: str, shared: set[str]) -> int:
+# Past this many atomics in one kernel the rest are not examined (each costs a few line look-ups).
+_MAX_ATOMICS = 512
+
+
+def _one_thread_patterns(fast: set[str]) -> tuple[re.Pattern[str], re.Pattern[str]]:
+    """(guard, early return) for the lane-fast names `fast`: a condition true on one thread (`x == 0`,
+    `0 == x`, `!x`, `x < 1`, also as the first of an `&&`), and `if (x) return;` / `if (x != 0) return;` /
+    `if (x > 0) return;`, after which the rest of the kernel runs on one thread."""
+    names = sorted({*fast, "threadIdx.x", "threadIdx.y", "threadIdx.z"}, key=len, reverse=True)[
+        :_MAX_FAST_NAMES
+    ]
+    alt = "|".join(re.escape(n) for n in names)
+    guard = re.compile(
+        rf"==\s*0\s*(?:\)|&&)|\(\s*0\s*==|\(\s*!\s*\(?\s*(?:{alt})\b|\b(?:{alt})\s*<\s*1\s*(?:\)|&&)"
+    )
+    early = re.compile(rf"\bif\s*\(\s*(?:{alt})\s*(?:!=\s*0|>\s*0)?\s*\)\s*return\b")
+    return guard, early
+
+
+def _thread_atomics(text: str, shared: set[str], fast: set[str]) -> int:
     """Atomics on global memory issued once per element: not on a shared array, not under a one-thread guard
-    such as `if (lane == 0)` (same or two lines before), not merging a shared-memory partial (`hist[b] +=
-    sh[b]`), not in a loop over a fixed small range (`for (b = tid; b < BINS; ...)`, a per-bin merge)."""
+    (`if (lane == 0)`, `if (!threadIdx.x)`, `if (tid == 0 && n > 0)`: on the same line or up to two before, or
+    opening a block the atomic is in), not after an early `if (threadIdx.x != 0) return;`, not merging a
+    shared-memory partial (`hist[b] += sh[b]`), not in a loop over a fixed small range (`for (b = tid; b <
+    BINS; ...)`, a per-bin merge). `fast`: the lane-fast variables (`_lane_fast_variables`). Each line's facts
+    are found once, so the pass is linear in the text."""
     reads_shared = re.compile(r"\b(?:" + "|".join(map(re.escape, shared)) + r")\s*\[") if shared else None
-    lines = text.splitlines()
-    count = 0
+    guard_re, early_re = _one_thread_patterns(fast)
+    lines = [line if len(line) <= _MAX_LINE else "" for line in text.splitlines()]
+    guard = [guard_re.search(line) is not None for line in lines]
+    small_loop = []
+    for line in lines:
+        header = _FOR_HEADER.search(line)
+        small_loop.append(header is not None and _SMALL_BOUND.search(header.group(2).strip()) is not None)
+    braces: list[bool] = []  # per open brace: whether a one-thread guard opened it
+    guarded_open = 0
+    returned = False
+    count = examined = 0
     for i, line in enumerate(lines):
-        if len(line) > _MAX_LINE:
-            continue
+        returned = returned or early_re.search(line) is not None
         for m in _ATOMIC_TARGET.finditer(line):
-            window = [w[:_MAX_LINE] for w in lines[max(0, i - 2) : i + 1]]
-            if m.group(1) in shared or _ONE_THREAD_GUARD.search(" ".join(window)):
+            examined += 1
+            if examined > _MAX_ATOMICS:
+                return count
+            if m.group(1) in shared or returned or guarded_open or any(guard[max(0, i - 2) : i + 1]):
                 continue
             if reads_shared is not None and reads_shared.search(line[m.end() :]):
                 continue
-            near = (w[:_MAX_LINE] for w in lines[max(0, i - 8) : i + 1])
-            headers = [h for h in map(_FOR_HEADER.search, near) if h is not None]
-            if any(_SMALL_BOUND.search(h.group(2).strip()) for h in headers):
+            if any(small_loop[max(0, i - 8) : i + 1]):
                 continue
             count += 1
+        # A block opened on a guard's line, or on the line after one (`if (tid == 0)` then `{`).
+        opens_guarded = guard[i] or (i > 0 and guard[i - 1] and line.lstrip().startswith("{"))
+        for ch in re.findall(r"[{}]", line):
+            if ch == "{":
+                braces.append(opens_guarded and "else" not in line)
+                guarded_open += braces[-1]
+            elif braces:
+                guarded_open -= braces.pop()
     return count
 
 
@@ -561,10 +597,11 @@ def source_features(source: str, defines: dict[str, Any], entry: str | None = No
     lines = sum(1 for line in text.splitlines() if line.strip())
     flow = text[:_MAX_FLOW_TEXT]
     shared = _shared_names(flow)
+    fast = _lane_fast_variables(flow)
     return SourceFeatures(
         lines=lines,
-        strided_access=_strided_accesses(flow, shared),
-        thread_atomics=_thread_atomics(flow, shared),
+        strided_access=_strided_accesses(flow, shared, fast),
+        thread_atomics=_thread_atomics(flow, shared, fast),
         **counts,
     )
 
