@@ -339,6 +339,12 @@ __global__ void hist(const int* d, int* h, int n) {
 """
 
 
+LANE_PRODUCT = """
+__global__ void k(float* o, float x0, float dx, int n) {{
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    {body}
+}}
+"""
 BLOCK_SUM = """
 __global__ void sum(const float* x, float* out, int n, bool done) {{
     __shared__ float s[256];
@@ -369,6 +375,12 @@ __global__ void sum(const float* x, float* out, int n, bool done) {{
         ),
         (PER_ELEMENT_ATOMIC, 0, 1),
         (PRIVATISED_ATOMICS, 0, 0),
+        # A product with a lane-fast index is a stride only where it is an address: a subscript, a pointer, an
+        # integer later used as an index; not arithmetic on values (a linspace, a scale, a hash).
+        (LANE_PRODUCT.format(body="o[i] = x0 + i * dx;"), 0, 0),
+        (LANE_PRODUCT.format(body="float w = i * dx; o[i] = w;"), 0, 0),
+        (LANE_PRODUCT.format(body="int at = i * n; o[at] = x0;"), 1, 0),
+        (LANE_PRODUCT.format(body="float* row = o + i * n; row[0] = x0;"), 1, 0),
         # One thread per block merges a reduction: however the guard is spelled, not a per-element atomic.
         (BLOCK_SUM.format(guard="float v = s[0];\nif (!threadIdx.x) atomicAdd(out, v);"), 0, 0),
         (BLOCK_SUM.format(guard="float v = s[0];\nif (threadIdx.x == 0 && n > 0) atomicAdd(out, v);"), 0, 0),

@@ -354,10 +354,14 @@ def _strided_accesses(text: str, shared: set[str], fast: set[str]) -> int:
     alt = "|".join(re.escape(n) for n in sorted({*named, "threadIdx.x"}, key=len, reverse=True))
     fast_times = re.compile(rf"{_CAST}\b(?:{alt})\b\s*\)?\s*\*\s*\(?\s*{_CAST}([A-Za-z_]\w*)")
     times_fast = re.compile(rf"\b([A-Za-z_]\w*)\s*\)?\s*\*\s*\(?\s*{_CAST}\b(?:{alt})\b")
+    indices = {n for sub in _SUBSCRIPT.findall(text) for n in _IDENT.findall(sub)}
     count = 0
     for line in text.splitlines():
         if len(line) > _MAX_LINE:
             continue
+        # Where a product on this line can be an address: an integer later used as an index, a pointer.
+        index_names = {m.group(1) for m in _INT_ASSIGN.finditer(line)} & indices
+        pointer = _POINTER_ASSIGN.search(line) is not None
         for m in [*fast_times.finditer(line), *times_fast.finditer(line)]:
             other = m.group(1)
             if (
@@ -372,8 +376,23 @@ def _strided_accesses(text: str, shared: set[str], fast: set[str]) -> int:
                 owner = _SUBSCRIPT_OWNER.search(before[-200:])
                 if owner and owner.group(1) in shared:
                     continue
+            elif not (pointer or _assigns_one_of(before, index_names)):
+                continue  # arithmetic, not an address: `x0 + i * dx`, `float w = i * alpha`
             count += 1
     return count
+
+
+# A subscript's text (`a[row * N + col]` -> `row * N + col`), and the name an assignment ahead of a point sets.
+_SUBSCRIPT = re.compile(r"\[([^\[\]]{1,200})\]")
+_ASSIGNED = re.compile(r"\b([A-Za-z_]\w*)\s*=[^=;]*$")
+
+
+def _assigns_one_of(before: str, names: set[str]) -> bool:
+    """Whether the text ahead of a product on its line ends inside the assignment of one of `names`."""
+    if not names:
+        return False
+    assigned = _ASSIGNED.search(before[-400:])
+    return assigned is not None and assigned.group(1) in names
 
 
 # The array whose subscript is still open at the end of a text: `sh[a][b + ` -> sh.
