@@ -846,7 +846,13 @@ class CandidateForecast(BaseModel):
     )
     decided_by: DecidedBy
     rationale: str
-    confidence: float = Field(description="calibrated probability of the more likely direction")
+    confidence: float = Field(
+        description=(
+            "calibrated probability of the more likely direction, either kernel's chance of failing to compile "
+            "or run counted (a kernel that runs beats one that fails): what the verdict's threshold is "
+            "compared with; max(p_faster, 1 - p_faster) when neither may fail"
+        )
+    )
     measured_speedup: float | None = None
 
 

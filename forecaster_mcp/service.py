@@ -369,7 +369,11 @@ class Service:
                 verdict="slower" if measured_failed else verdict,
                 decided_by="cache" if from_store else "forecast",
                 rationale=rationale,
-                confidence=f.confidence,
+                # The chance the verdict rests on: either kernel's chance of failing counted, as decide() does
+                # (a "faster" decided because the baseline likely fails reported the runtime's 0.93 for "slower").
+                confidence=max(
+                    dp := decision_p(f.p_faster, f.p_fail, p_fail_baseline_of(f.extras)), 1.0 - dp
+                ),
                 measured_speedup=2.0**mu if both_ran and math.isfinite(mu) else None,
             )
         # Saved once the call succeeds (below): a compare refused for its measurements records nothing.
@@ -511,7 +515,14 @@ class Service:
                 "but do not send them to measure_kernel here"
             )
         speed = {base.id: 1.0, **{r.id: r.measured_speedup or r.expected_speedup for r in ordered}}
-        ranking = sorted(speed, key=lambda i: -speed[i])
+        # A kernel more likely than not to fail to compile or run (forecast so; measured failures already carry
+        # the extreme bin) ranks below every one that likely runs: expected_speedup is its runtime if it runs.
+        fails = {r.id for r in ordered if r.decided_by == "forecast" and fc_by_id[r.id].p_fail >= 0.5}
+        if base_failed is not None or any(
+            p_fail_baseline_of(fc_by_id[r.id].extras) >= 0.5 for r in ordered if r.decided_by == "forecast"
+        ):
+            fails.add(base.id)
+        ranking = sorted(speed, key=lambda i: (i in fails, -speed[i]))
         return CompareResult(
             baseline=base.id,
             hardware=hw.name,

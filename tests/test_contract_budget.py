@@ -13,6 +13,9 @@ from tool_calls import call
 
 from forecaster_mcp import bins
 from forecaster_mcp.forecast.base import BinForecast, PairQuery, PartialForecast, ScriptedForecaster
+from forecaster_mcp.forecast.calibration import with_p_faster
+from forecaster_mcp.forecast.selective import decision_p
+from forecaster_mcp.models import Kernel, Workload
 from forecaster_mcp.server.app import build_server
 from forecaster_mcp.service import Service, build_measurers
 from forecaster_mcp.settings import Settings
@@ -135,3 +138,30 @@ async def test_the_same_capped_request_again_is_served_from_cache_free(
             assert not more["cost"]["cached"] and more["runtime_ms"]["runs"] > first["runtime_ms"]["runs"]
     finally:
         await service.close()
+
+
+async def test_confidence_and_ranking_count_the_chance_of_failing(tmp_path: Path) -> None:
+    """A verdict decided by a kernel's chance of failing reports the confidence it was decided at, and a
+    kernel that likely fails ranks below those that likely run. The baseline here likely fails: "faster" for a
+    candidate whose runtime forecast says slower (p_faster 0.07) came with confidence 0.93 (the other side's),
+    and the ranking put the failing baseline above it."""
+    settings = Settings.from_env(home=tmp_path, measurer="none")
+    store = await Store.open(settings.db_path)
+    scripted = ScriptedForecaster()
+    slower = with_p_faster(bins.from_normal(-1.0, 0.5), 0.07)
+    scripted.enqueue(BinForecast(slower, "runs; the baseline likely fails", extras={"p_fail_baseline": 0.97}))
+    scripted.enqueue(BinForecast(slower, "also runs", extras={"p_fail_baseline": 0.97}))
+    service = Service(settings, store, [scripted], [])
+    source = "__global__ void k(float* a) { a[threadIdx.x] *= 2.0f; }\n"
+    kernels = [Kernel(id=f"b{b}", source=source, entry="k", defines={"B": b}) for b in (64, 128, 256)]
+    try:
+        out = await service.compare(
+            ledger=None, candidates=kernels, workload=Workload(), baseline=None, hardware="A100",
+            target_error=None, measure_if_unsure=False, max_measurements=0,
+        )  # fmt: skip
+    finally:
+        await service.close()
+    for c in out.candidates:
+        assert c.verdict == "faster" and c.p_faster == pytest.approx(0.07, abs=1e-6)
+        assert c.confidence == pytest.approx(decision_p(0.07, 0.0, 0.97)) and c.confidence >= 0.95
+    assert out.ranking[-1] == "b64"  # the baseline, which likely fails, last
