@@ -127,6 +127,20 @@ def test_combiner_learns_to_trust_the_informative_forecaster() -> None:
         eq.combine({"c": p})
 
 
+def test_the_combiner_waits_for_history_and_a_worthless_record_pools_to_no_evidence() -> None:
+    """One verified miss that both components called at 0.97 pulled both weights to 0.026 (two components each
+    at 0.995 then pooled to 0.57); a worse miss drove them to exactly 0, which pooled as equal weights (0.995)."""
+    base = bins.from_normal(0.0, 1.0)
+    sure = {"a": with_p_faster(base, 0.995), "b": with_p_faster(base, 0.995)}
+    for p_said in (0.97, 0.9999):
+        one_miss = Combiner.fit(["a", "b"], [[p_said, p_said]], [False])
+        assert one_miss == Combiner.equal(["a", "b"])
+        assert bins.p_faster(one_miss.combine(sure)) == pytest.approx(0.995, abs=1e-6)
+    worthless = Combiner(("a", "b"), (0.0, 0.0), 50)
+    assert bins.p_faster(worthless.combine(sure)) == pytest.approx(0.5, abs=1e-9)
+    assert bins.p_faster(Combiner(("a", "b", "c"), (0.0, 0.0, 1.0), 50).combine(sure)) == pytest.approx(0.5)
+
+
 def test_combined_log_loss_beats_either_component_when_errors_are_independent() -> None:
     rng = np.random.default_rng(13)
     n = 4000

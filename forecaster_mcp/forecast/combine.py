@@ -2,7 +2,7 @@
 
 p_faster: a logarithmic opinion pool, logit(p) = sum_i w_i * logit(p_i), with weights w_i >= 0 fitted by
 maximum a posteriori log loss on verified pairs that every component forecast, under a Gaussian prior at
-equal weights 1/m. With little history the pool is the geometric mean of the components' odds; with more
+equal weights 1/m, once MIN_FIT_PAIRS such pairs are verified (as calibration). With little history the pool is the geometric mean of the components' odds; with more
 it learns to trust the better forecaster and, when the components err independently, to sum their
 evidence (weights adding up to more than 1).
 
@@ -21,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from forecaster_mcp import bins
-from forecaster_mcp.forecast.calibration import logit, map_logistic, sigmoid, with_p_faster
+from forecaster_mcp.forecast.calibration import MIN_FIT_PAIRS, logit, map_logistic, sigmoid, with_p_faster
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -62,7 +62,9 @@ class Combiner:
         y = np.asarray(faster, dtype=np.float64)
         if p.shape[0] != y.size:
             raise ValueError("p_calibrated and faster must have the same number of pairs")
-        if y.size == 0:
+        if y.size < MIN_FIT_PAIRS:
+            # As calibration: one verified miss at 0.97 pulled both weights to 0.026, and two components each
+            # at 0.995 then pooled to 0.57 (the next verdicts unsure) until several more pairs came in.
             return cls.equal(names)
         w = map_logistic(
             logit(p),
@@ -91,9 +93,11 @@ class Combiner:
         w = np.array([weight[n] for n in present])
         total = float(w.sum())
         if total <= 0:
-            w = np.full(len(present), 1.0 / len(present))
-            total = 1.0
-        elif len(present) < len(self.names):
+            # History taught that none of these components is worth its word: no evidence, p_faster 0.5 (equal
+            # weights here made a worse record, all weights 0, pool as confidently as a clean one).
+            mean = np.array([bins.normalize(probs_by_name[n]) for n in present]).mean(axis=0)
+            return with_p_faster([float(v) for v in mean], 0.5)
+        if len(present) < len(self.names):
             w = w / total
             total = 1.0
         rows = np.array([bins.normalize(probs_by_name[n]) for n in present])
