@@ -959,3 +959,43 @@ async def test_a_kernel_stored_under_two_spellings_answers_from_the_newer(store:
         [out] = await f.forecast([PairQuery(member(8), member(32), Workload(), hardware, lookup(hardware))])
         assert out.extras["measured"] == 1.0, out.rationale
         assert out.extras["mu_log2"] == pytest.approx(-1.0, abs=1e-9), (hardware, out.rationale)
+
+
+def test_an_owner_is_dead_only_on_positive_evidence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where /proc hides other users' processes (hidepid) or the boot id is masked, a live server's hold was
+    called an orphan by any operator command (`ledger show`) and released: the ledger was then overspent."""
+    from forecaster_mcp.store import db
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        host, pidns = db._Owner.current().host, db._read_pidns()
+        start = db._proc_start(child.pid, db._read_boot_id())
+        assert start is not None
+        assert db._owner_state(db._Owner.current(), child.pid, host, pidns, start) == "alive"
+        # The checker's view: its own /proc entry and namespace, no boot id, the owner's entry hidden.
+        hidden = tmp_path / "proc"
+        (hidden / "self" / "ns").mkdir(parents=True)
+        assert pidns is not None
+        os.symlink(pidns, hidden / "self" / "ns" / "pid")
+        (hidden / str(os.getpid())).mkdir()
+        (hidden / str(os.getpid()) / "stat").write_text(Path(f"/proc/{os.getpid()}/stat").read_text())
+        monkeypatch.setattr(db, "_PROC", hidden)
+        me = db._Owner.current()
+        assert me.start is not None and me.start.startswith("?:") and me.pidns == pidns
+        assert db._owner_state(me, child.pid, host, pidns, start) == "unknown"  # alive, unverifiable
+        child.kill()
+        child.wait()
+        assert db._owner_state(me, child.pid, host, pidns, start) == "dead"  # the kernel says so
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_remaining_is_exact_and_a_name_with_a_final_newline_is_refused() -> None:
+    from forecaster_mcp.store.db import LedgerView, check_ledger_name
+
+    assert LedgerView("x", 0.3, 0.1, 0.2).remaining_gpu_seconds == 0.0  # was -2.8e-17 in floats
+    assert LedgerView("x", 1.0, 0.25, 0.000001).remaining_gpu_seconds == 0.749999
+    check_ledger_name("run-42")
+    with pytest.raises(OperatorError, match="not allowed"):
+        check_ledger_name("run-42\n")  # `$` matched before a final newline: a second, look-alike ledger

@@ -58,7 +58,7 @@ MAX_GPU_SECONDS = (
 BUSY_TIMEOUT_S = 30.0
 TOKEN_PREFIX = "fmcp_"
 FINGERPRINT_CHARS = 12
-_LEDGER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:@+-]{0,127}$")
+_LEDGER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@+-]{0,127}")  # fullmatch: `$` takes a final newline
 # A live process's measurement may wait in a queue before it runs, so expiry is generous and only applies
 # to owners whose liveness cannot be checked (another host or PID namespace, no /proc).
 EXPIRY_FACTOR = 2.0
@@ -93,7 +93,9 @@ class LedgerView:
 
     @property
     def remaining_gpu_seconds(self) -> float:
-        return self.limit_gpu_seconds - self.spent_gpu_seconds - self.reserved_gpu_seconds
+        """In whole micro-seconds, as the ledger keeps them: 0.3 - 0.1 - 0.2 in floats is -2.8e-17."""
+        micro = round(self.limit_gpu_seconds * MICRO) - round(self.spent_gpu_seconds * MICRO)
+        return _gs(micro - round(self.reserved_gpu_seconds * MICRO))
 
 
 @dataclass(frozen=True)
@@ -221,7 +223,7 @@ def fmt_gpu_seconds(value: float) -> str:
 
 def check_ledger_name(name: object, what: str = "ledger name") -> None:
     """OperatorError unless `name` is a name a ledger may have (`ledger create` enforces it)."""
-    if not isinstance(name, str) or not _LEDGER_NAME.match(name):
+    if not isinstance(name, str) or not _LEDGER_NAME.fullmatch(name):
         raise OperatorError(
             f"{what} {str(name)[:80]!r} is not allowed: use 1 to 128 letters, digits "
             "and _ . : @ + - (starting with a letter or digit)"
@@ -272,17 +274,37 @@ def _read_pidns() -> str | None:
         return None
 
 
-def _proc_start(pid: int, boot_id: str | None) -> str | None:
-    """'<boot id>:<start ticks>' of a live process, None when no such live process exists (or no /proc)."""
+_GONE = "gone"  # _start_ticks: /proc says no such live process (and kill(pid, 0) agrees)
+
+
+def _start_ticks(pid: int) -> str | None:
+    """The start time (clock ticks since boot) of live process `pid`; _GONE when it has surely exited (a
+    zombie, or no such pid); None when this process cannot tell (/proc hidden with hidepid, unreadable, or
+    absent: an entry that cannot be read is never taken for a dead process)."""
     try:
         text = (_PROC / str(pid) / "stat").read_text()
     except OSError:
+        # hidepid=invisible shows another user's live process as no entry at all: ask the kernel directly.
+        if os.name == "nt":  # os.kill(pid, 0) would send CTRL_C_EVENT on Windows
+            return None
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return _GONE
+        except OSError:
+            return None
         return None
     # Field 2 (comm) may hold spaces and parentheses: split after the last ')'. rest[0] is field 3.
     rest = text[text.rfind(")") + 2 :].split()
-    if len(rest) < 20 or rest[0] in ("Z", "X"):  # a zombie is dead for our purposes
-        return None
-    return f"{boot_id or '?'}:{rest[19]}"  # field 22: start time in clock ticks since boot
+    if len(rest) >= 1 and rest[0] in ("Z", "X"):  # a zombie is dead for our purposes
+        return _GONE
+    return rest[19] if len(rest) >= 20 else None  # field 22
+
+
+def _proc_start(pid: int, boot_id: str | None) -> str | None:
+    """'<boot id>:<start ticks>' of a live process, None when it cannot be read ('?' for an unreadable boot)."""
+    ticks = _start_ticks(pid)
+    return None if ticks is None or ticks == _GONE else f"{boot_id or '?'}:{ticks}"
 
 
 @dataclass(frozen=True)
@@ -304,25 +326,19 @@ class _Owner:
 
 def _owner_state(me: _Owner, pid: int, host: str, pidns: str | None, start: str | None) -> str:
     """'dead', 'alive' (verified, same start time) or 'unknown' (cannot check from here)."""
+    # Dead only on positive evidence: a hold released while its owner still measures is an overspent ledger.
     if host != me.host or pidns != me.pidns:
         return "unknown"
     if me.start is not None and start is not None:
-        my_boot = me.start.split(":", 1)[0]
-        if start.split(":", 1)[0] != my_boot:
+        my_boot, owner_boot = me.start.split(":", 1)[0], start.split(":", 1)[0]
+        if "?" not in (my_boot, owner_boot) and owner_boot != my_boot:
             return "dead"  # the machine rebooted since
-        current = _proc_start(pid, my_boot)
-        if current is None:
-            return "dead"
-        return "alive" if current == start else "dead"  # a different start time: the pid was reused
-    if os.name == "nt":  # os.kill(pid, 0) would send CTRL_C_EVENT on Windows
-        return "unknown"
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    ticks = _start_ticks(pid)
+    if ticks == _GONE:
         return "dead"
-    except OSError:
-        return "unknown"
-    return "unknown"  # exists, but without a start time we cannot rule out pid reuse
+    if ticks is None or start is None:
+        return "unknown"  # exists, or cannot be seen from here: without a start time pid reuse is possible
+    return "alive" if start.split(":", 1)[1] == ticks else "dead"  # another start time: the pid was reused
 
 
 # ---------------------------------------------------------------------------- SQL
