@@ -452,3 +452,39 @@ def test_the_demo_suggests_a_recording_that_exists_from_where_it_runs(
     assert code == 2 and "recording not found: nope.json.gz" in out
     hint = out.split("(try ", 1)[1].rstrip().removesuffix(")")
     assert Path(hint).is_file() or "AutoTuningAssociation/benchmark_hub" in hint
+
+
+HOLDER = """
+import asyncio, sys
+from forecaster_mcp.store.db import Store
+async def main():
+    store = await Store.open(sys.argv[1])
+    await store.reserve("run", 5.0, "measure k")
+    print("held", flush=True)
+    await asyncio.sleep(120)
+asyncio.run(main())
+"""
+
+
+def test_ledger_show_does_not_wait_on_a_writer_for_a_live_hold(tmp_path: Path) -> None:
+    """Another server measuring (its hold open, its owner alive) while some writer holds the lock: `ledger
+    show` took the write lock to release orphans anyway and waited out the 30 s busy timeout."""
+    home = tmp_path / "home"
+    cli(home, "ledger", "create", "run", "--gpu-seconds", "60")
+    db_path = Settings.from_env(home=home).db_path
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(db_path)], stdout=subprocess.PIPE, text=True)
+    lock = sqlite3.connect(db_path, isolation_level=None)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        lock.execute("BEGIN IMMEDIATE")
+        env = {**os.environ, "FORECASTER_MCP_HOME": str(home)}
+        shown = subprocess.run(
+            [sys.executable, "-m", "forecaster_mcp", "ledger", "show", "run", "--json"],
+            env=env, capture_output=True, text=True, timeout=15,
+        )  # fmt: skip
+        assert shown.returncode == 0, shown.stderr
+        assert json.loads(shown.stdout)["reserved_gpu_seconds"] == 5.0
+    finally:
+        lock.close()
+        holder.kill()
+        holder.wait()

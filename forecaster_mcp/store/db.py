@@ -341,6 +341,12 @@ def _owner_state(me: _Owner, pid: int, host: str, pidns: str | None, start: str 
     return "alive" if start.split(":", 1)[1] == ticks else "dead"  # another start time: the pid was reused
 
 
+def _releasable(me: _Owner, pid: Any, host: Any, pidns: Any, start: Any, expires_at: Any, now: float) -> bool:
+    """Whether an open hold may be released now: its owner is dead, or expired and not provably alive."""
+    state = _owner_state(me, int(pid), str(host), pidns, start)
+    return state == "dead" or (state == "unknown" and float(expires_at) < now)
+
+
 # ---------------------------------------------------------------------------- SQL
 
 _LEDGER_COLS = "name, limit_micro, spent_micro, reserved_micro"
@@ -840,11 +846,14 @@ class Store:
         stays locked (or cannot be written) releases nothing now instead of failing the read."""
         me = self._owner
         others = await self._fetch(
-            "SELECT 1 FROM reservations WHERE state = 'open' "
-            "AND NOT (owner_pid = ? AND owner_host = ? AND owner_start IS ?) LIMIT 1",
+            "SELECT owner_pid, owner_host, owner_pidns, owner_start, expires_at FROM reservations "
+            "WHERE state = 'open' AND NOT (owner_pid = ? AND owner_host = ? AND owner_start IS ?)",
             (me.pid, me.host, me.start),
         )
-        if not others:
+        now = time.time()
+        # Only a hold that is releasable now is worth the write lock: another server's live measurement is not
+        # (a reader queued behind every writer for nothing, up to the 30 s busy timeout).
+        if not any(_releasable(me, pid, host, ns, start, exp, now) for pid, host, ns, start, exp in others):
             return 0
         try:
             return await self._write(lambda conn: self._release_orphans(conn, time.time()))
@@ -880,9 +889,9 @@ class Store:
         )
         released = 0
         for rid, ledger, amount, pid, host, pidns, start, expires_at in rows:
-            state = _owner_state(me, int(pid), str(host), pidns, start)
-            if state == "alive" or (state == "unknown" and float(expires_at) >= now):
+            if not _releasable(me, pid, host, pidns, start, expires_at, now):
                 continue
+            state = _owner_state(me, int(pid), str(host), pidns, start)
             reason = (
                 f"owner pid {pid} on {host} is gone"
                 if state == "dead"
