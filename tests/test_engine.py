@@ -795,3 +795,27 @@ async def test_an_answer_from_two_measurements_is_not_calibrated_or_combined() -
     assert m.p_faster == pytest.approx(0.999) and m.extras["mu_log2"] == 1.0
     assert list(m.calibrated) == ["local"]
     assert f.p_faster < 0.8  # a forecast is still calibrated and combined
+
+
+@pytest.mark.anyio
+async def test_a_gpus_own_record_refutes_a_threshold_pooled_over_gpus() -> None:
+    """H100 has too few pairs to choose its own threshold, and half of them wrong (its "faster" verdicts on
+    candidates that then failed, which calibration rightly leaves out): the threshold other GPUs' history
+    certified was used anyway, and H100 kept deciding "faster" at 0.988."""
+    store = FakeStore()
+    for i in range(1000):
+        for name in ("raw:local@0", "local@0"):
+            store.add(name, "A100", _bins_with(0.97), 2.0 if i % 33 else 0.5)
+    for i in range(50):
+        for name in ("raw:local@0", "local@0"):
+            if i % 2:
+                store.add(name, "H100", _bins_with(0.97), 2.0)
+            else:
+                store.add(name, "H100", _bins_with(0.97), FAILED_CANDIDATE_SPEEDUP, failure="candidate")
+    engine = ForecastEngine([_scripted("local", _bins_with(0.97))], store)
+    h100 = await engine.threshold("H100", 0.1)
+    assert h100.source == "never" and "on H100 erred on 25 of 50" in h100.reason
+    [f] = await engine.forecast([_query(hardware="H100")])
+    assert f.verdict(h100.threshold) == "unsure"
+    a100 = await engine.threshold("A100", 0.1)
+    assert a100.source == "history" and a100.threshold < 1.0  # its own record certifies its own

@@ -61,6 +61,7 @@ from forecaster_mcp.forecast.selective import (
     default_min_history,
     p_fail_baseline_of,
     p_fail_of,
+    refuted_below,
 )
 from forecaster_mcp.models import ForecasterInfo, Verdict
 
@@ -518,6 +519,11 @@ class ForecastEngine:
         else:
             choice = choose_threshold(conf, correct, target_error, self._delta, default=default)
             choice = replace(choice, reason=f"{who} on {hardware}: {choice.reason}")
+        # A narrower history too short to choose on may still refute what the wider one chose.
+        if own[0].size < need:
+            choice = refuted_below(choice, own[0], own[1], "this kernel family")
+        if conf.size < need:
+            choice = refuted_below(choice, conf, correct, f"the forecaster on {hardware}")
         self._thresholds[key] = choice
         return choice
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -240,6 +240,36 @@ def choose_threshold(
         f"{k_d} of {n_d}, within target: default kept",
         "default",
         n_d,
+    )
+
+
+def refuted_below(
+    choice: ThresholdChoice,
+    confidences: Sequence[float] | np.ndarray[Any, Any],
+    correct: Sequence[float] | np.ndarray[Any, Any],
+    what: str,
+) -> ThresholdChoice:
+    """`choice` (made on a wider history: pooled over GPUs, or a GPU's for one kernel family), or NEVER when
+    the narrower history `confidences`/`correct` (too short to choose on) refutes it: at the chosen threshold
+    its error is far above target (the binomial test of `choose_threshold`). A GPU whose own 50 pairs erred on
+    25 must not decide on a threshold other GPUs' 1000 right pairs certified."""
+    if choice.threshold >= NEVER:
+        return choice
+    conf = np.asarray(confidences, dtype=np.float64)
+    sel = conf >= choice.threshold
+    n = int(sel.sum())
+    k = math.ceil(float((1.0 - np.asarray(correct, dtype=np.float64))[sel].sum()) - 1e-9)
+    if not _refutes(k, n, choice.target_error, choice.delta):
+        return choice
+    return replace(
+        choice,
+        threshold=NEVER,
+        error_ucb=None,
+        source="never",
+        n_above=0,
+        reason=f"{choice.reason}; but {what} erred on {k} of {n} verified pairs at confidence >= "
+        f"{choice.threshold:.3f}, far above target {choice.target_error:g} (binomial test at delta "
+        f"{choice.delta:g}): no forecast is decided until it is recalibrated",
     )
 
 
