@@ -493,6 +493,11 @@ class _FakeFunction:
         self.fmt = ""
         self.rng = np.random.default_rng(0)
 
+    @property
+    def max_threads_per_block(self) -> int:
+        """As the driver computes it from registers and __launch_bounds__: FAKE_MAX_THREADS (default 1024)."""
+        return int(self.module.image["defines"].get("FAKE_MAX_THREADS", "1024"))
+
     def prepare(self, fmt: str) -> None:
         self.fmt = fmt
 
@@ -506,6 +511,8 @@ class _FakeFunction:
 
         driver = self.module.driver
         driver.check()
+        if int(np.prod(block)) > self.max_threads_per_block:
+            raise FakeLaunchError("cuLaunchKernel failed: too many resources requested for launch")
         struct.pack("@" + self.fmt, *args)  # the real pycuda packs the same way: wrong types fail here
         defines = self.module.image["defines"]
         op = defines.get("FAKE_OP", "add")

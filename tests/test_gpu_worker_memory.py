@@ -309,3 +309,32 @@ async def test_max_runs_bounds_the_warm_up_and_wall_clock_runs_too(tmp_path: Pat
     assert result.status == "ok" and result.runtime_ms is not None and result.runtime_ms.runs == 1
     # Each input set's check and its reference run (4), one warm-up, one timed and one wall-clock run.
     assert int(count.read_text()) == 7
+
+
+@pytest.mark.anyio
+async def test_a_block_the_compiled_kernel_cannot_launch_is_refused_before_its_inputs(tmp_path: Path) -> None:
+    """Registers per thread (or __launch_bounds__) allow fewer threads per block than the launch asks: the
+    worker generated and uploaded the whole workload (seconds, charged) before a launch that cannot succeed."""
+    marker = tmp_path / "inputs-generated"
+    body = (
+        "import forecaster_mcp.measure.gpu_worker as g\n"
+        "orig = g.generate_inputs\n"
+        "def generate(*a, **k):\n"
+        f"    open({str(marker)!r}, 'a').write('x')\n"
+        "    return orig(*a, **k)\n"
+        "g.generate_inputs = generate\n"
+    )
+    heavy = Kernel(
+        source=SRC,
+        entry="vadd",
+        launch=Launch.model_validate({"grid": [4], "block": [256]}),
+        defines={"FAKE_OP": "add", "FAKE_MAX_THREADS": 128},
+    )
+    async with measurer(tmp_path, wrapper(tmp_path, body)) as m:
+        refused = await m.measure(request(m, heavy, vadd_workload(1024)))
+        generated_for_refused = marker.exists()
+        fits = await m.measure(request(m, op("add"), vadd_workload(1024)))
+    assert refused.status == "launch_error" and refused.message is not None
+    assert "cannot launch blocks of 256 threads" in refused.message and "at most 128" in refused.message
+    assert not generated_for_refused and marker.exists()  # only the kernel that fits had inputs made
+    assert fits.status == "ok", fits.message

@@ -326,6 +326,19 @@ class GpuSession:
             raise JobFailure(
                 "launch_error", f"entry {image.entry} not found in the compiled module: {exc}"
             ) from exc
+        # The driver's own limit for this compiled kernel: registers per thread times threads, and
+        # __launch_bounds__, can allow fewer threads than the device's 1024. Refused before the workload is
+        # generated and uploaded (seconds for a large one, charged), not by a launch that cannot succeed.
+        limit = int(getattr(function, "max_threads_per_block", 0) or 0)
+        threads = image.launch.threads_per_block
+        if 0 < limit < threads:
+            raise JobFailure(
+                "launch_error",
+                f"{image.entry} cannot launch blocks of {threads} threads: compiled, it allows at most {limit} "
+                f"per block ({getattr(function, 'num_regs', '?')} registers per thread, or its "
+                "__launch_bounds__); launch smaller blocks, or cap registers with -maxrregcount or "
+                "__launch_bounds__",
+            )
         fmt = param_format(workload)
         function.prepare(fmt)
         shared = image.launch.shared_mem_bytes
