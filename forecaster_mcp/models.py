@@ -737,6 +737,9 @@ class Workload(_Strict):
 # A result flag: the compiler ran out of time or was killed (a loaded machine, the OOM killer), so the
 # "timeout" says nothing of the kernel: neither learned as its failure nor answered from (store._KERNELS_OWN).
 COMPILE_INTERRUPTED = "compile_interrupted"
+# A result flag: max_seconds ran out while the workload's inputs were still being generated and uploaded, before
+# the kernel first ran: the timeout says nothing of the kernel (store._KERNELS_OWN), only of the workload's size.
+INPUTS_UNFINISHED = "inputs_unfinished"
 
 MeasureStatus = Literal[
     "ok",

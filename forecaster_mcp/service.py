@@ -50,6 +50,7 @@ from forecaster_mcp.measure.worker_protocol import REFERENCE_FAILURE_PREFIX
 from forecaster_mcp.models import (
     COMPILE_INTERRUPTED,
     CONTROL_CHARACTER,
+    INPUTS_UNFINISHED,
     MAX_CANDIDATES,
     MIN_CANDIDATES,
     MIN_MEASURE_SECONDS,
@@ -454,7 +455,8 @@ class Service:
                     m.status not in NOT_CACHEABLE
                     or (
                         m.status == "timeout"
-                        and not {TIMEOUT_UNDER_LOWERED_CAP, COMPILE_INTERRUPTED} & set(m.flags)
+                        and not {TIMEOUT_UNDER_LOWERED_CAP, COMPILE_INTERRUPTED, INPUTS_UNFINISHED}
+                        & set(m.flags)
                     )
                 )
             }

@@ -13,7 +13,7 @@ import pytest
 from forecaster_mcp.measure.base import MeasureRequest
 from forecaster_mcp.measure.gpu_worker import GUARD_BYTES
 from forecaster_mcp.measure.pycuda_measurer import PycudaMeasurer
-from forecaster_mcp.models import BufferArg, Kernel, Launch, Workload
+from forecaster_mcp.models import INPUTS_UNFINISHED, BufferArg, Kernel, Launch, Workload
 
 TESTS = Path(__file__).resolve().parent
 FAKE = str(TESTS / "fake_gpu_worker.py")
@@ -338,3 +338,30 @@ async def test_a_block_the_compiled_kernel_cannot_launch_is_refused_before_its_i
     assert "cannot launch blocks of 256 threads" in refused.message and "at most 128" in refused.message
     assert not generated_for_refused and marker.exists()  # only the kernel that fits had inputs made
     assert fits.status == "ok", fits.message
+
+
+@pytest.mark.anyio
+async def test_a_job_killed_at_its_cap_is_reported_as_what_it_was_doing(tmp_path: Path) -> None:
+    """A hanging reference was reported (and learned) as the measured kernel's own timeout, and so was a cap
+    that ran out while the workload's inputs were still being made, before the kernel ever ran."""
+    slow_inputs = (
+        "import time\n"
+        "import forecaster_mcp.measure.gpu_worker as g\n"
+        "orig = g.generate_inputs\n"
+        "def generate(*a, **k):\n"
+        "    time.sleep(30)\n"
+        "    return orig(*a, **k)\n"
+        "g.generate_inputs = generate\n"
+    )
+    workload = vadd_workload(1024)
+    async with measurer(tmp_path, [sys.executable, FAKE, "--fake-pycuda"]) as m:
+        ref_hangs = await m.measure(request(m, op("add"), workload, reference=op("hang"), max_seconds=1.0))
+        kernel_hangs = await m.measure(request(m, op("hang"), workload, reference=op("add"), max_seconds=1.0))
+    async with measurer(tmp_path / "slow", wrapper(tmp_path, slow_inputs)) as m:
+        inputs_slow = await m.measure(request(m, op("add"), workload, max_seconds=1.0))
+    assert ref_hangs.status == kernel_hangs.status == inputs_slow.status == "timeout"
+    assert (ref_hangs.message or "").startswith("reference kernel: ")
+    assert not (kernel_hangs.message or "").startswith("reference kernel")
+    assert "the kernel did not finish" in (kernel_hangs.message or "")
+    assert "inputs were being generated" in (inputs_slow.message or "")
+    assert INPUTS_UNFINISHED in inputs_slow.flags and INPUTS_UNFINISHED not in kernel_hangs.flags

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from forecaster_mcp.errors import BudgetExhausted, InvalidRequest, OperatorError, UnknownLedger
 from forecaster_mcp.models import (
     COMPILE_INTERRUPTED,
+    INPUTS_UNFINISHED,
     DeviceProvenance,
     Kernel,
     Launch,
@@ -530,12 +531,13 @@ async def test_a_kernel_failing_for_good_while_the_other_runs_verifies_the_forec
     )
 
 
-async def test_an_interrupted_compile_is_not_the_kernels_failure(store: Store) -> None:
-    """nvcc past its time limit or killed (a loaded machine, the OOM killer) gives a "timeout" that says
-    nothing of the kernel: it was learned as one (family models, compare_kernels' failed map) like a kernel
-    that ran past its cap."""
+@pytest.mark.parametrize("flag", [COMPILE_INTERRUPTED, INPUTS_UNFINISHED])
+async def test_an_interrupted_compile_is_not_the_kernels_failure(store: Store, flag: str) -> None:
+    """nvcc past its time limit or killed (a loaded machine, the OOM killer), or a cap that ran out while the
+    workload's inputs were made, gives a "timeout" that says nothing of the kernel: it was learned as one
+    (family models, compare_kernels' failed map) like a kernel that ran past its cap."""
     k = kernel(BS=3)
-    interrupted = result("timeout").model_copy(update={"flags": [COMPILE_INTERRUPTED]})
+    interrupted = result("timeout").model_copy(update={"flags": [flag]})
     await store.save_measurement(
         cache_key="c", ledger="x", idempotency_key=None, kernel_json=k.model_dump_json(), workload_key="w",
         family_key=k.family_key(), content_key=k.content_key(), hardware="A100", result=interrupted,

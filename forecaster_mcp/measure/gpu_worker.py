@@ -43,6 +43,9 @@ from forecaster_mcp.measure.inputs import (
 )
 from forecaster_mcp.measure.timing import AdaptiveStopper, StoppingRule
 from forecaster_mcp.measure.worker_protocol import (
+    PHASE_INPUTS,
+    PHASE_KERNEL,
+    PHASE_REFERENCE,
     REFERENCE_FAILURE_PREFIX,
     DeviceInfo,
     Fatal,
@@ -426,18 +429,22 @@ class GpuSession:
 
         comparisons: list[Comparison] = []
         t_inputs = time.perf_counter()
+        progress(0.0, PHASE_INPUTS)
         inputs = generate_inputs(workload, job.seed)
         buffers = GuardedBuffers(self.cuda, workload, inputs)
         input_seconds = time.perf_counter() - t_inputs
         try:
             # First input set: one run, guards, reference.
             t_check = time.perf_counter()
+            progress(0.0, PHASE_KERNEL)
             self.launch(kernel, buffers)
             self.sync()
             self._guards(buffers, "on its first run")
             if reference is not None:
                 got = buffers.download(outputs)
+                progress(0.0, PHASE_REFERENCE)
                 want = self._reference(reference, buffers, inputs, outputs)
+                progress(0.0, PHASE_KERNEL)
                 comparisons.append(compare_outputs(workload, got, want, job.atol, job.rtol))
                 del got, want  # the fresh check below holds two more host copies (HOST_COPIES)
                 if not comparisons[0].passed:
@@ -478,13 +485,17 @@ class GpuSession:
 
             # Fresh input set, new random seed: a kernel that replays an earlier answer fails here.
             fresh_seed = secrets.randbits(62)
+            runs = float(len(samples))
+            progress(runs, PHASE_INPUTS)
             fresh = generate_inputs(workload, fresh_seed)
             buffers.upload(fresh)
+            progress(runs, PHASE_KERNEL)
             self.launch(kernel, buffers)
             self.sync()
             self._guards(buffers, f"on the fresh input set (seed {fresh_seed})")
             if reference is not None:
                 got = buffers.download(outputs)
+                progress(runs, PHASE_REFERENCE)
                 want = self._reference(reference, buffers, fresh, outputs)
                 comparisons.append(compare_outputs(workload, got, want, job.atol, job.rtol))
         finally:

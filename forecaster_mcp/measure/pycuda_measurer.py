@@ -54,6 +54,9 @@ from forecaster_mcp.measure.timing import (
 )
 from forecaster_mcp.measure.worker_protocol import (
     HEADER,
+    PHASE_INPUTS,
+    PHASE_KERNEL,
+    PHASE_REFERENCE,
     PROTOCOL_VERSION,
     REFERENCE_FAILURE_PREFIX,
     DeviceInfo,
@@ -72,6 +75,7 @@ from forecaster_mcp.measure.worker_protocol import (
 from forecaster_mcp.models import (
     COMPILE_INTERRUPTED,
     CONTROL_CHARACTER,
+    INPUTS_UNFINISHED,
     BufferArg,
     Correctness,
     DeviceProvenance,
@@ -719,6 +723,40 @@ class _JobOutcome:
     status: MeasureStatus
     message: str | None
     gpu_seconds: float
+    flags: tuple[str, ...] = ()
+
+
+_PHASES = frozenset({PHASE_INPUTS, PHASE_REFERENCE, PHASE_KERNEL})
+
+
+def _timed_out(phase: str, cap: float) -> _JobOutcome:
+    """A job killed at its cap, reported as what it was doing then: making the workload's inputs (not the
+    kernel's failure: INPUTS_UNFINISHED), running the reference (REFERENCE_FAILURE_PREFIX: the caller's check,
+    not this kernel), or running the kernel."""
+    killed = "the worker and its process group were killed and the cap was charged"
+    if phase == PHASE_INPUTS:
+        return _JobOutcome(
+            None,
+            "timeout",
+            f"max_seconds={cap:g} ran out while the workload's inputs were being generated and uploaded, before "
+            f"the kernel ran on them: raise max_seconds, or use smaller buffers; {killed}",
+            cap,
+            (INPUTS_UNFINISHED,),
+        )
+    if phase == PHASE_REFERENCE:
+        return _JobOutcome(
+            None,
+            "timeout",
+            f"{REFERENCE_FAILURE_PREFIX} the reference kernel did not finish within max_seconds={cap:g} (a hang, "
+            f"or too slow for the cap); the kernel measured had run; {killed}",
+            cap,
+        )
+    return _JobOutcome(
+        None,
+        "timeout",
+        f"the kernel did not finish within max_seconds={cap:g} (a hang, or runs too slow for the cap); {killed}",
+        cap,
+    )
 
 
 # ---------------------------------------------------------------- the measurer
@@ -898,6 +936,7 @@ class PycudaMeasurer:
             compile_seconds,
             compiled=compiled,
             job=outcome.result,
+            flags=outcome.flags,
         )
         return result, list(outcome.result.samples_ms) if outcome.result else []
 
@@ -1042,6 +1081,7 @@ class PycudaMeasurer:
         stalled = 0.0  # seconds spent forwarding progress to a slow client (not the job's device time)
         done = False
         sent = False
+        phase = PHASE_KERNEL  # what the job was doing, as the worker last said (worker_protocol.PHASE_*)
         result: JobResult | None = None
         try:
             try:
@@ -1055,6 +1095,8 @@ class PycudaMeasurer:
                                 raise ProtocolError(
                                     f"progress for job {message.job_id} during job {job.job_id}"
                                 )
+                            if message.message in _PHASES:
+                                phase = message.message
                             if progress is not None and stalled < PROGRESS_WAIT_S:
                                 # A slow client (an SSE stream with no buffer) stalls this await while the
                                 # worker goes on. The wait is shielded from the kill deadline and moves it (the
@@ -1092,13 +1134,7 @@ class PycudaMeasurer:
             if scope.cancelled_caught:
                 await self._retire(slot)
                 done = True
-                return _JobOutcome(
-                    None,
-                    "timeout",
-                    f"the kernel did not finish within max_seconds={cap:g} (a hang, or runs too slow for the "
-                    "cap); the worker and its process group were killed and the cap was charged",
-                    cap,
-                )
+                return _timed_out(phase, cap)
             assert result is not None
             if result.restart:
                 await self._retire(slot)
@@ -1132,9 +1168,10 @@ class PycudaMeasurer:
         *,
         compiled: CompiledKernel | None = None,
         job: JobResult | None = None,
+        flags: Sequence[str] = (),
     ) -> MeasureResult:
         info = slot.info
-        flags = list(job.flags) if job is not None else []
+        flags = [*(job.flags if job is not None else []), *flags]
         stats = summarize(job.samples_ms) if job is not None and job.samples_ms else None
         notes: list[str] = [message] if message else []
         if stats is not None and job is not None:

@@ -233,3 +233,8 @@ def write_frame_sync(stream: BinaryIO, message: BaseModel) -> None:
 
 # How a worker's message begins when the reference kernel, not the measured one, failed (gpu_worker._reference).
 REFERENCE_FAILURE_PREFIX = "reference kernel:"
+# Progress messages a worker sends as a job enters a phase: a job killed at its cap is then reported as what it
+# was doing (the workload's inputs, the reference), not as the kernel's own timeout.
+PHASE_INPUTS = "generating and uploading the workload's inputs"
+PHASE_REFERENCE = "running the reference kernel"
+PHASE_KERNEL = "running the kernel"

@@ -44,7 +44,7 @@ from forecaster_mcp.errors import (
     SameMeasurementRunning,
     UnknownLedger,
 )
-from forecaster_mcp.models import COMPILE_INTERRUPTED, MIN_MEASURE_SECONDS, MeasureResult
+from forecaster_mcp.models import COMPILE_INTERRUPTED, INPUTS_UNFINISHED, MIN_MEASURE_SECONDS, MeasureResult
 from forecaster_mcp.store.migrations import migrate
 
 log = logging.getLogger(__name__)
@@ -76,10 +76,12 @@ TIMEOUT_UNDER_LOWERED_CAP = "timeout_under_lowered_cap"
 # ... nor a failure of the reference kernel the caller checked it against (its fault, not this kernel's).
 REFERENCE_FAILED = "reference_failed"
 # A row that is ok, or whose failure was the kernel's own (none of these flags): what is learned and answered from.
-# (COMPILE_INTERRUPTED: the compiler, not the kernel, ran out of time or was killed.)
+# (COMPILE_INTERRUPTED: the compiler, not the kernel, ran out of time or was killed; INPUTS_UNFINISHED: the time
+# ran out while the workload's inputs were made, before the kernel ran.)
 _KERNELS_OWN = (
     "(status = 'ok' OR NOT EXISTS (SELECT 1 FROM json_each(result_json, '$.flags') "
-    f"WHERE value IN ('{TIMEOUT_UNDER_LOWERED_CAP}', '{REFERENCE_FAILED}', '{COMPILE_INTERRUPTED}')))"
+    f"WHERE value IN ('{TIMEOUT_UNDER_LOWERED_CAP}', '{REFERENCE_FAILED}', '{COMPILE_INTERRUPTED}', "
+    f"'{INPUTS_UNFINISHED}')))"
 )
 _PLACES = ", ".join("?" for _ in _NOT_CACHEABLE)
 
