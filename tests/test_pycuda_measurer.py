@@ -21,6 +21,7 @@ import pytest
 
 from forecaster_mcp.errors import InvalidRequest, NotMeasurable
 from forecaster_mcp.examples import load_examples
+from forecaster_mcp.measure import pycuda_measurer
 from forecaster_mcp.measure.base import MeasureRequest
 from forecaster_mcp.measure.pycuda_measurer import (
     CompiledKernel,
@@ -1073,3 +1074,41 @@ async def test_a_slow_client_cannot_keep_a_hung_kernel_past_its_cap_for_long(tmp
         r = await m.measure(request(m, k, max_seconds=1.0), slow)
         assert r.status == "timeout" and r.cost.gpu_seconds == pytest.approx(1.0)
         assert time.perf_counter() - t0 < 1.0 + 0.3 + PROGRESS_WAIT_S + 1.5
+
+
+@pytest.mark.anyio
+async def test_the_compile_cache_is_bounded_least_recently_used_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Compiles are free and were all kept: a client cycling a define over a kernel with a large initialised
+    __device__ array grew the cache 30 MiB a request until the disk was full."""
+    monkeypatch.setattr(pycuda_measurer, "KERNEL_CACHE_MIN_AGE_S", 0.0)
+    compiler = NvccCompiler(tmp_path / "cache", FAKE_NVCC)
+    kernels_dir = tmp_path / "cache" / "kernels"
+
+    def entries() -> set[str]:
+        return {p.name for p in kernels_dir.iterdir()}
+
+    first = [kernel(N=i) for i in range(3)]
+    for k in first:
+        assert isinstance(await compiler.compile(k, "sm_90"), CompiledKernel)
+    size = sum(f.stat().st_size for f in kernels_dir.rglob("*") if f.is_file())
+    keys = [compiler.key(k, "sm_90") for k in first]
+    assert entries() == set(keys)
+    await compiler.compile(first[1], "sm_90")  # a hit: marks it used now
+    for f in (kernels_dir / keys[2]).iterdir():
+        os.utime(f, (2, 2))
+    for f in (kernels_dir / keys[0]).iterdir():
+        os.utime(f, (1, 1))  # the oldest use
+    monkeypatch.setattr(pycuda_measurer, "KERNEL_CACHE_BYTES", size)  # one more entry is over the bound
+    fourth = kernel(N=3)
+    assert isinstance(await compiler.compile(fourth, "sm_90"), CompiledKernel)
+    left = entries()
+    assert compiler.key(fourth, "sm_90") in left and keys[1] in left  # the new one and the one just used
+    assert keys[0] not in left  # least recently used went first
+    again = await compiler.compile(first[0], "sm_90")  # an evicted kernel is simply compiled again
+    assert isinstance(again, CompiledKernel) and await anyio.Path(again.cubin_path).exists()
+    monkeypatch.setattr(pycuda_measurer, "KERNEL_CACHE_MIN_AGE_S", 3600.0)
+    before = entries()
+    await compiler.compile(kernel(N=4), "sm_90")
+    assert before <= entries()  # nothing used within the last hour is removed

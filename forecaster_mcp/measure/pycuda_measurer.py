@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import anyio
+import anyio.to_thread
 from anyio.abc import Process
 from anyio.streams.buffered import BufferedByteReceiveStream
 
@@ -388,10 +389,14 @@ class NvccCompiler:
         meta_path = entry_dir / "meta.json"
         cached = _read_meta(meta_path)
         if cached is not None:
+            with contextlib.suppress(OSError):
+                os.utime(meta_path)  # last used: what eviction orders by
             return cached
         result, cacheable = await self._compile_fresh(kernel, arch, entry_dir)
         if cacheable:
             _write_meta(meta_path, result)
+            if isinstance(result, CompiledKernel):
+                await anyio.to_thread.run_sync(evict_compiled, self.cache_dir / "kernels", entry_dir)
         return result
 
     def _command(self, kernel: Kernel, arch: str, relocatable: bool, out_name: str) -> list[str]:
@@ -498,6 +503,56 @@ def _install(entry: str, ptxas_output: str, work: Path, entry_dir: Path) -> Comp
         spill_bytes=(info["spill_stores"] + info["spill_loads"]) if "spill_stores" in info else None,
         stack_bytes=info.get("stack"),
     )
+
+
+# The compile cache's bound: compiles are free, so without one a client cycling a define over a kernel with a
+# large initialised __device__ array kept 30 MiB per request (each under MAX_CUBIN_BYTES) until the disk was
+# full. Past it the least recently used entries go (a later request recompiles them), down to
+# KERNEL_CACHE_LOW_WATER of it, never one used within KERNEL_CACHE_MIN_AGE_S (a job may be about to load it).
+KERNEL_CACHE_BYTES = 4 << 30
+KERNEL_CACHE_LOW_WATER = 0.8
+KERNEL_CACHE_MIN_AGE_S = 600.0
+
+
+def evict_compiled(kernels_dir: Path, keep: Path) -> int:
+    """Remove the least recently used compile-cache entries while the cache is over KERNEL_CACHE_BYTES (not
+    `keep`, nor any used in the last KERNEL_CACHE_MIN_AGE_S); how many went."""
+    entries: list[tuple[float, int, str]] = []
+    total = 0
+    try:
+        with os.scandir(kernels_dir) as it:
+            for d in it:
+                if not d.is_dir(follow_symlinks=False):
+                    continue
+                size, used = 0, 0.0
+                with contextlib.suppress(OSError), os.scandir(d.path) as files:
+                    for f in files:
+                        st = f.stat(follow_symlinks=False)
+                        size += st.st_size
+                        used = max(used, st.st_mtime)
+                entries.append((used, size, d.path))
+                total += size
+    except OSError:
+        return 0
+    if total <= KERNEL_CACHE_BYTES:
+        return 0
+    now = time.time()
+    removed = 0
+    for used, size, path in sorted(entries):
+        if total <= KERNEL_CACHE_BYTES * KERNEL_CACHE_LOW_WATER:
+            break
+        if path == str(keep) or now - used < KERNEL_CACHE_MIN_AGE_S:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        total -= size
+        removed += 1
+    if removed:
+        log.info(
+            "compile cache over %d MiB: removed %d least recently used entries",
+            KERNEL_CACHE_BYTES >> 20,
+            removed,
+        )
+    return removed
 
 
 def _read_meta(path: Path) -> CompiledKernel | CompileFailure | None:
