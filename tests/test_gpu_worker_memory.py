@@ -365,3 +365,28 @@ async def test_a_job_killed_at_its_cap_is_reported_as_what_it_was_doing(tmp_path
     assert "the kernel did not finish" in (kernel_hangs.message or "")
     assert "inputs were being generated" in (inputs_slow.message or "")
     assert INPUTS_UNFINISHED in inputs_slow.flags and INPUTS_UNFINISHED not in kernel_hangs.flags
+
+
+@pytest.mark.anyio
+async def test_a_kernel_too_slow_for_any_timed_run_is_not_run_again(tmp_path: Path) -> None:
+    """One run takes 3 s, the reference's check too, under max_seconds=10: after the check no timed run can fit,
+    yet the worker ran the kernel once more (a warm-up, or with no timed sample a wall-clock run), charged."""
+    launches = tmp_path / "launches"
+    body = (
+        "orig = f._FakeFunction.prepared_async_call\n"
+        "def call(self, *a, **k):\n"
+        f"    open({str(launches)!r}, 'a').write(self.module.image['defines'].get('FAKE_OP', '') + '\\n')\n"
+        "    return orig(self, *a, **k)\n"
+        "f._FakeFunction.prepared_async_call = call\n"
+    )
+    slow = Kernel(
+        source=SRC,
+        entry="vadd",
+        launch=Launch.model_validate({"grid": [4], "block": [256]}),
+        defines={"FAKE_OP": "side", "FAKE_WALL_MS": 3000},
+    )
+    async with measurer(tmp_path, wrapper(tmp_path, body)) as m:
+        result = await m.measure(request(m, slow, vadd_workload(1024), reference=op("add"), max_seconds=10.0))
+    assert result.status == "timeout" and "leaves no time for timed runs" in (result.message or "")
+    assert launches.read_text().split() == ["side", "add"]  # the checked run and the reference, no more
+    assert result.cost.gpu_seconds < 4.5

@@ -439,6 +439,7 @@ class GpuSession:
             progress(0.0, PHASE_KERNEL)
             self.launch(kernel, buffers)
             self.sync()
+            first_run_s = time.perf_counter() - t_check  # what one run takes, before any warm-up is tried
             self._guards(buffers, "on its first run")
             if reference is not None:
                 got = buffers.download(outputs)
@@ -467,21 +468,21 @@ class GpuSession:
             progress(0, "first input set checked; warming up")
 
             samples, warmups, stop, (sm_mhz, mem_mhz, reasons) = self._sample(
-                job, kernel, buffers, deadline, reserve, progress
+                job, kernel, buffers, deadline, reserve, progress, first_run_s
             )
             self._guards(buffers, "during timing")
-            wall: list[float] = []
-            for _ in range(max(1, min(WALL_SAMPLES, job.max_runs))):
-                if time.perf_counter() + reserve + 2 * (sum(samples[-1:]) / 1e3) > deadline:
-                    break
-                wall.append(self.wall_sample(kernel, buffers))
-            if not samples:
+            if not samples:  # before the wall-clock runs: with no sample their time check had nothing to go on
                 raise JobFailure(
                     "timeout",
                     f"one checked run takes {check_seconds:.3g} s and generating and uploading an input set "
                     f"{input_seconds:.3g} s (a second set is checked after timing), which leaves no time for "
                     f"timed runs within max_seconds={job.max_seconds:g}: raise max_seconds",
                 )
+            wall: list[float] = []
+            for _ in range(max(1, min(WALL_SAMPLES, job.max_runs))):
+                if time.perf_counter() + reserve + 2 * (sum(samples[-1:]) / 1e3) > deadline:
+                    break
+                wall.append(self.wall_sample(kernel, buffers))
 
             # Fresh input set, new random seed: a kernel that replays an earlier answer fails here.
             fresh_seed = secrets.randbits(62)
@@ -568,13 +569,17 @@ class GpuSession:
         deadline: float,
         reserve: float,
         progress: Callable[[float, str], None],
+        first_run_s: float = 0.0,
     ) -> tuple[list[float], int, StopReason, tuple[float | None, float | None, list[str]]]:
         """Warm-up then adaptive timed sampling; returns (samples ms, warm-up runs, why it stopped, clocks).
+
+        `first_run_s`, the checked first run's time, seeds the per-run estimate: a warm-up that cannot leave
+        time for a timed run is not started (a 3 s kernel under a 10 s cap spent 3 s, charged, on one).
 
         The clocks are read between warm-up and timing, while the GPU is at its working clocks (after the
         timed runs it may already be idling), in at most a quarter of the time left: nvidia-smi may take
         seconds, and the device is held (and charged) meanwhile."""
-        per_sample = 0.0  # host seconds per sample, a running maximum-biased estimate
+        per_sample = first_run_s  # host seconds per sample, a running maximum-biased estimate
         warm = 0
         warm_end = time.perf_counter() + WARMUP_SECONDS
         # No more warm-up runs than timed ones asked for: max_runs=1 ran up to 100 (all charged).
