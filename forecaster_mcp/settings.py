@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from forecaster_mcp.errors import OperatorError
 from forecaster_mcp.models import MIN_MEASURE_SECONDS
@@ -74,6 +74,23 @@ class Settings(BaseModel):
     @property
     def db_path(self) -> Path:
         return self.home / "forecaster.sqlite3"
+
+    @field_validator("anthropic_api_key")
+    @classmethod
+    def _one_token_key(cls, key: str | None) -> str | None:
+        """The key as one token: a trailing newline (from an env file or a mounted secret) stripped, a key with
+        spaces or control characters inside refused. It was sent as is, and the API's refusal of the header
+        read as "the API could not be reached" (never the key itself in the message)."""
+        if key is None:
+            return None
+        key = key.strip()
+        if not key:
+            return None
+        if any(ch.isspace() or not ch.isprintable() for ch in key):
+            raise ValueError(
+                "the Anthropic API key has a space or control character inside it: set it to the key alone"
+            )
+        return key
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides: object) -> Settings:

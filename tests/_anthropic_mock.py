@@ -146,6 +146,8 @@ class AnthropicMock:
     batch_creates_allowed: int | None = None  # later batch creations answer 500
     batches_that_end: int | None = None  # later batches never end, cancelled or not
     results_reads_allowed: int | None = None  # later results downloads break midway (connection reset)
+    broken_results_reads: frozenset[int] = frozenset()  # these results downloads (1 = the first) break midway
+    failing_status_checks: int = 0  # the next this many batch status checks answer 503
     requests: list[RecordedRequest] = field(default_factory=list)
     batches: dict[str, _Batch] = field(default_factory=dict)
 
@@ -175,6 +177,9 @@ class AnthropicMock:
         if len(parts) >= 4 and parts[:3] == ["v1", "messages", "batches"] and parts[3] in self.batches:
             batch = self.batches[parts[3]]
             if len(parts) == 4 and request.method == "GET":
+                if self.failing_status_checks > 0:
+                    self.failing_status_checks -= 1
+                    return error(503, "overloaded_error", "mock: status check failed")
                 batch.polls += 1
                 ended = (batch.canceled and self.cancel_ends) or (
                     not self.batch_never_ends and batch.polls > self.batch_polls_in_progress
@@ -215,7 +220,9 @@ class AnthropicMock:
             lines.append(json.dumps({"custom_id": req["custom_id"], "result": result}))
         headers = {"content-type": "application/binary"}
         reads = sum(r.path.endswith("/results") for r in self.requests)
-        if self.results_reads_allowed is not None and reads > self.results_reads_allowed:
+        if (self.results_reads_allowed is not None and reads > self.results_reads_allowed) or (
+            reads in self.broken_results_reads
+        ):
             # Cut inside the first line: no SDK version can decode a result from it (2.17 yields each complete
             # line as it arrives, so a cut after a whole line would hand that line over).
             first = f"{lines[0]}\n".encode()

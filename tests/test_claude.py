@@ -17,7 +17,7 @@ import httpx2
 import pytest
 
 from forecaster_mcp import bins
-from forecaster_mcp.errors import ForecasterMcpError
+from forecaster_mcp.errors import ForecasterMcpError, OperatorError
 from forecaster_mcp.forecast import claude as claude_module
 from forecaster_mcp.forecast import prompt
 from forecaster_mcp.forecast.base import PairQuery
@@ -33,6 +33,7 @@ from forecaster_mcp.forecast.claude import (
 from forecaster_mcp.forecast.ptxas import find_nvcc
 from forecaster_mcp.hardware.specs import GpuSpec
 from forecaster_mcp.models import BufferArg, Kernel, Launch, ScalarArg, Workload
+from forecaster_mcp.settings import Settings
 from tests._anthropic_mock import (
     AnthropicMock,
     error,
@@ -140,7 +141,7 @@ class FakeSink:
 
 @pytest.mark.anyio
 async def test_good_answer_and_request_body() -> None:
-    mock = scripted(tool_answer([x * 10 for x in FASTER], "float4 loads quarter the instructions"))
+    mock = scripted(tool_answer([x * 100 for x in FASTER], "float4 loads quarter the instructions"))
     f = make(mock)
     [out] = await f.forecast([pair()])
 
@@ -771,6 +772,12 @@ async def test_a_pair_whose_prompt_is_over_the_limit_is_not_sent() -> None:
     [
         ({"probabilities": [0.1] * 9}, "got 9"),
         ({"probabilities": [0.0] * 8}, "sum to zero"),
+        # Not a distribution, whatever its shape: rescaled, the first became certainty in the last bin.
+        ({"probabilities": [0.0] * 7 + [0.001]}, "sum to 0.001, not to 1"),
+        ({"probabilities": [0.1] * 7}, "got 7"),
+        ({"probabilities": [0.0875] * 8}, "sum to 0.7, not to 1"),
+        ({"probabilities": [1] * 8}, "sum to 8, not to 1"),
+        ({"probabilities": [9.375] * 8}, "sum to 75, not to 1"),
         ({"probabilities": [math.inf, *[0.1] * 7]}, "not finite"),
         ({"probabilities": [True, *[0.1] * 7]}, "not a number"),
         ({"reasoning": "no numbers"}, "missing"),
@@ -790,7 +797,9 @@ def test_parse_answer_rejects(payload: object, problem: str) -> None:
 def test_parse_answer_accepts_string_encoded_and_fenced_json() -> None:
     probs, reason = prompt.parse_answer({"probabilities": json.dumps(FASTER), "reasoning": " r "})
     assert probs == pytest.approx(FASTER) and reason == "r"
-    probs, _ = prompt.parse_answer("```json\n" + json.dumps({"probabilities": [1] * 8}) + "\n```")
+    probs, _ = prompt.parse_answer("```json\n" + json.dumps({"probabilities": [12.5] * 8}) + "\n```")
+    assert probs == pytest.approx([0.125] * 8)  # percentages
+    probs, _ = prompt.parse_answer({"probabilities": [0.13] * 8})  # a sum of 1.04: rounding, normalised
     assert probs == pytest.approx([0.125] * 8)
 
 
@@ -1139,3 +1148,59 @@ async def test_warm_ups_stop_once_the_api_says_the_prompt_is_too_short_to_cache(
             assert seen == [0] * 6
         else:
             assert sorted(seen)[:2] == [0, 0] and min(sorted(seen)[2:]) >= 1  # two warm-ups, then the rest
+
+
+@pytest.mark.anyio
+async def test_batches_outlast_a_status_blip_and_a_broken_download() -> None:
+    """A status check that fails past the SDK's retries (503s for a few seconds) cancelled every batch and
+    threw away what they had finished, paid for; a results download cut once lost the whole batch. Now the
+    batch is polled again, its results read again, and every answer kept and billed."""
+    mock = AnthropicMock(
+        lambda body: tool_answer(FASTER), failing_status_checks=3, broken_results_reads=frozenset({1})
+    )
+    sink = FakeSink()
+    _, no_sleep = recording_sleep()
+    f = make(mock, sleep=no_sleep, usage_sink=sink, batch_poll_interval_s=1.0)
+    out = await f.forecast_batch([pair(), pair()])
+    assert all(o is not None and bins.p_faster(o.probs) > 0.5 for o in out)
+    assert not any(r.path.endswith("/cancel") for r in mock.requests)
+    assert sum(r.path.endswith("/results") for r in mock.requests) == 2  # cut once, read again
+    [call] = sink.calls
+    assert call["input_tokens"] == 2000
+
+
+@pytest.mark.anyio
+async def test_an_errored_batch_result_of_unknown_shape_drops_only_itself() -> None:
+    """An errored result without the inner error object raised AttributeError out of forecast_batch: every
+    pair's answer, paid for, was lost."""
+    mock = AnthropicMock(lambda body: tool_answer(FASTER))
+    original = mock._results
+
+    def results(batch: Any) -> httpx2.Response:
+        response = original(batch)
+        lines = response.content.decode().splitlines()
+        first = json.loads(lines[0])
+        first["result"] = {"type": "errored", "error": {"type": "error"}}
+        return httpx2.Response(
+            200,
+            content=("\n".join([json.dumps(first), *lines[1:]]) + "\n").encode(),
+            headers=response.headers,
+        )
+
+    mock._results = results  # type: ignore[method-assign]
+    _, no_sleep = recording_sleep()
+    f = make(mock, sleep=no_sleep, batch_poll_interval_s=1.0, invalid_retries=0)
+    with pytest.raises(ClaudeUnavailable) as info:
+        await f.forecast_batch([pair(), pair()])
+    kept = [p for p in info.value.partial or [] if p is not None]
+    assert len(kept) == 1
+
+
+def test_the_api_key_setting_is_one_token() -> None:
+    """A key read from an env file or a mounted secret ends in a newline: sent as is, the API's refusal of the
+    header read as "the API could not be reached" (and a 60 s pause after each call)."""
+    assert Settings.from_env(environ={"ANTHROPIC_API_KEY": "sk-ant-abc\n"}).anthropic_api_key == "sk-ant-abc"
+    assert Settings.from_env(environ={"ANTHROPIC_API_KEY": " \n"}).anthropic_api_key is None
+    with pytest.raises(OperatorError, match="space or control character") as info:
+        Settings.from_env(environ={"ANTHROPIC_API_KEY": "sk-ant-a\x00bc"})
+    assert "sk-ant" not in str(info.value)

@@ -59,6 +59,7 @@ _NO_FORCED_TOOL_PREFIXES = (
 _CACHE_TTL_S = 270.0
 # Polls a cancelled batch gets to end (so what it finished can be read) before its results are given up.
 _CANCEL_POLLS = 3
+_RESULTS_READS = 3  # attempts at one ended batch's results download (_read_results)
 # Message Batches limits: 100,000 requests and 256 MB per batch; stay well under both.
 _BATCH_MAX_REQUESTS = 10_000
 _BATCH_MAX_BYTES = 100 * 2**20
@@ -71,6 +72,16 @@ _UNREACHABLE = "the Anthropic API could not be reached after retries"
 MAX_PTXAS_KERNELS = 8
 _PTXAS_WAIT_S = 20.0
 _TRANSIENT_BATCH_ERRORS = {"rate_limit_error", "api_error", "overloaded_error", "timeout_error"}
+
+
+def _transient_api_error(an: Any, exc: BaseException) -> bool:
+    """A failure worth trying again later: the connection (a reset, a timeout), a rate limit, a server error."""
+    import httpx2
+
+    if isinstance(exc, (an.APIConnectionError, httpx2.TransportError)):
+        return True
+    status = getattr(exc, "status_code", None)
+    return isinstance(status, int) and (status == 429 or status >= 500)
 
 
 class ClaudeUnavailable(PartialForecast):
@@ -740,9 +751,7 @@ class ClaudeForecaster:
                     await self._cancel_batch(batch_id)
                     if not await self._ended_after_cancel(batch_id):
                         continue  # still not ended: its results cannot be read yet
-                decoder = await self._client.messages.batches.results(batch_id)
-                async for item in decoder:
-                    outcomes[item.custom_id] = item.result
+                await self._read_results(batch_id, outcomes)
                 read.add(batch_id)
         except (an.APIError, httpx2.TransportError) as exc:
             log.warning("claude batch failed; keeping the %d results read", len(outcomes), exc_info=True)
@@ -757,14 +766,43 @@ class ClaudeForecaster:
         """Poll until the batch ends (None), or for batch_max_wait_s: then why the wait is given up (the caller
         cancels it)."""
         waited = 0.0
+        status = "in_progress"
         while True:
-            batch = await self._client.messages.batches.retrieve(batch_id)
-            if batch.processing_status == "ended":
-                return None
+            try:
+                batch = await self._client.messages.batches.retrieve(batch_id)
+                status = batch.processing_status
+            except self._anthropic.APIError as exc:
+                # A status check that still fails after the SDK's own retries (a 503, a connection blip) says
+                # nothing of the batch, which goes on (and is billed): poll again, never cancel for it.
+                if not _transient_api_error(self._anthropic, exc):
+                    raise
+                log.warning("claude batch %s status check failed (%s); polling again", batch_id, exc)
+            else:
+                if status == "ended":
+                    return None
             if waited >= self._batch_max_wait_s:
-                return f"Claude batch {batch_id} still {batch.processing_status} after {waited:.0f} s; cancelled it"
+                return f"Claude batch {batch_id} still {status} after {waited:.0f} s; cancelled it"
             await self._sleep(self._batch_poll_interval_s)
             waited += self._batch_poll_interval_s
+
+    async def _read_results(self, batch_id: str, outcomes: dict[str, Any]) -> None:
+        """Read an ended batch's results into `outcomes` (custom_id -> result). A download cut midway (a
+        connection reset) is tried again, up to _RESULTS_READS times with a pause between: the results stay
+        available and every one is paid for. The last failure is raised."""
+        import httpx2
+
+        for attempt in range(_RESULTS_READS):
+            try:
+                decoder = await self._client.messages.batches.results(batch_id)
+                async for item in decoder:
+                    outcomes[item.custom_id] = item.result
+                return
+            except (self._anthropic.APIError, httpx2.TransportError) as exc:
+                last = attempt == _RESULTS_READS - 1
+                if last or not _transient_api_error(self._anthropic, exc):
+                    raise
+                log.warning("claude batch %s results download broke (%s); reading it again", batch_id, exc)
+                await self._sleep(self._batch_poll_interval_s)
 
     async def _cancel_batch(self, batch_id: str) -> None:
         try:
@@ -812,7 +850,11 @@ class ClaudeForecaster:
                 problems.append(f"unexpected {type(exc).__name__} handling the answer: {exc}")
             return None
         if result.type == "errored":
-            error = result.error.error
+            error = getattr(getattr(result, "error", None), "error", None)
+            if error is None or not isinstance(getattr(error, "type", None), str):
+                # An error of a shape the SDK did not model: drop this request, keep the rest of the batch.
+                problems.append("batch request errored (no error detail)")
+                return None
             problems.append(f"batch request errored: {error.type}: {error.message}")
             if error.type in _TRANSIENT_BATCH_ERRORS or self._switch_to_json(mode, error.message):
                 return self._max_tokens() if mode != self._mode else max_tokens

@@ -180,9 +180,17 @@ def parse_answer(payload: object) -> tuple[list[float], str]:
         raise InvalidAnswer("probabilities sum to zero")
     if not math.isfinite(total):  # 8 x 1e308 overflows to inf and would normalise to all zeros
         raise InvalidAnswer(f"probabilities sum to {total}, not a positive finite number")
+    # Rounding is normalised away, and so are percentages; anything else is not a distribution: rescaled,
+    # [0, ..., 0, 0.001] became certainty in the last bin.
+    if not any(abs(total - unit) <= SUM_TOLERANCE * unit for unit in (1.0, 100.0)):
+        raise InvalidAnswer(f"probabilities sum to {total:.4g}, not to 1 (or 100 as percentages)")
     reasoning = payload.get("reasoning", "")
     text = reasoning.strip()[:MAX_REASONING_CHARS] if isinstance(reasoning, str) else ""
     return [v / total for v in values], text
+
+
+# How far from 1 (or 100) a sum of probabilities may be and still be read as a distribution rounded by the model.
+SUM_TOLERANCE = 0.05
 
 
 def _strip_code_fence(text: str) -> str:

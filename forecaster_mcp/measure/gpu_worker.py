@@ -471,7 +471,9 @@ class GpuSession:
                 job, kernel, buffers, deadline, reserve, progress, first_run_s
             )
             self._guards(buffers, "during timing")
-            if not samples:  # before the wall-clock runs: with no sample their time check had nothing to go on
+            if (
+                not samples
+            ):  # before the wall-clock runs: with no sample their time check had nothing to go on
                 raise JobFailure(
                     "timeout",
                     f"one checked run takes {check_seconds:.3g} s and generating and uploading an input set "
