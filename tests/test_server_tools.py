@@ -700,3 +700,22 @@ async def test_measure_next_explores_a_young_tuning_family_in_a_random_order(
             assert again["measure_next"] == out["measure_next"]  # the same call, the same order
     explored, by_value = orders[default], orders[0]
     assert sorted(explored) == sorted(by_value) and explored != by_value
+
+
+async def test_a_list_of_a_million_candidates_is_refused_at_its_length(
+    tmp_path: Path, conv_a100: Path
+) -> None:
+    """The 64-candidate bound was only advertised: pydantic validated every item of the list and the error
+    summary described each one (a 4 MiB body of empty strings peaked at 2 GB of server memory, 10 s on the
+    event loop; 95 MiB took the server down)."""
+    import tracemalloc
+
+    async with running(tmp_path, [conv_a100]) as (client, _):
+        tracemalloc.start()
+        try:
+            msg = await error_of(client, "compare_kernels", {"candidates": [""] * 1_000_000})
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    assert "at most 256" in msg and len(msg) < 2000
+    assert peak < 600 * 2**20  # the request itself (a million list items) and not much more

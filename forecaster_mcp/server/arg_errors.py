@@ -71,10 +71,19 @@ def _merged(errors: Sequence[ErrorDetails]) -> list[tuple[Loc, str, Any]]:
     return out
 
 
+MAX_ERRORS_READ = 1000
+
+
 def summary(exc: ValidationError) -> str:
     """The errors of `exc`, one line per (place, message), naming the list items that share it."""
     groups: dict[tuple[str, str], list[tuple[Loc, Any]]] = {}
-    merged = _merged(exc.errors(include_url=False))
+    if exc.error_count() > MAX_ERRORS_READ:
+        # Each error costs a dict of its own (with its input): a list of a million bad items took gigabytes to
+        # describe. The first are enough to say what is wrong.
+        errors = exc.errors(include_url=False, include_input=False)[:MAX_ERRORS_READ]
+    else:
+        errors = exc.errors(include_url=False)
+    merged = _merged(errors)
     for loc, msg, value in merged:
         groups.setdefault((_path(loc, any_item=True), msg), []).append((loc, value))
     lines = []
