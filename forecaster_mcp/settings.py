@@ -47,6 +47,12 @@ class Settings(BaseModel):
         allow_inf_nan=False,
         description="cap on one measurement's GPU time",
     )
+    max_sessions_per_ledger: int = Field(
+        default=100,
+        ge=1,
+        le=10_000,
+        description="open MCP sessions one ledger's tokens may hold on an HTTP server at once",
+    )
     anthropic_api_key: str | None = None
     claude_model: str = "claude-sonnet-5-5"
     claude_samples: int = Field(default=3, ge=1, le=16)

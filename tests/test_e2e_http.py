@@ -228,3 +228,33 @@ async def test_sigterm_closes_the_store_before_the_process_exits(tmp_path: Path,
         srv.stop()
     assert not (home / "forecaster.sqlite3-wal").exists()  # the last connection closed cleanly
     assert _ledger(home, "alice")["spent_gpu_seconds"] > 0
+
+
+def test_one_ledger_cannot_take_every_session(tmp_path: Path, conv_a100: Path) -> None:
+    """The SDK's session limit is server-wide (10,000, idle ones kept 30 minutes): one token opening sessions in
+    a loop locked every other ledger out. Each ledger now has its own limit."""
+    home = tmp_path / "srv"
+    tokens = {name: _ledger_and_token(home, name, 5) for name in ("mallory", "alice")}
+    srv = start_http(home, ["--replay", str(conv_a100)], env={"FORECASTER_MCP_MAX_SESSIONS_PER_LEDGER": "2"})
+    body = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "initialize",
+        "params": {
+            "protocolVersion": "2025-06-18",
+            "capabilities": {},
+            "clientInfo": {"name": "t", "version": "1"},
+        },
+    }
+    headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+
+    def open_session(ledger: str) -> int:
+        auth = {**headers, "Authorization": f"Bearer {tokens[ledger]}"}
+        with httpx2.Client(timeout=10) as http:
+            return http.post(srv.url, json=body, headers=auth).status_code
+
+    try:
+        assert [open_session("mallory") for _ in range(3)] == [200, 200, 503]
+        assert open_session("alice") == 200
+    finally:
+        srv.stop()

@@ -585,6 +585,7 @@ async def serve(
                 # What MCPServer.run_streamable_http_async does, on the sockets bound before the service opened
                 # (without any, uvicorn binds host:port itself).
                 app = server.streamable_http_app(host=host, max_request_body_size=MAX_HTTP_BODY_BYTES)
+                _limit_sessions_per_ledger(server.session_manager, settings.max_sessions_per_ledger)
                 config = uvicorn.Config(app, host=host, port=port, log_level="warning")
                 await _server_that_returns_on_signals(uvicorn, config).serve(sockets=list(sockets) or None)
             else:
@@ -594,6 +595,31 @@ async def serve(
     finally:
         with anyio.CancelScope(shield=True):
             await service.close()
+
+
+def _limit_sessions_per_ledger(manager: Any, limit: int) -> None:
+    """At most `limit` open sessions per ledger (the tokens' client_id): the SDK's one limit is server-wide
+    (10,000, idle ones kept 30 minutes), so one token opening sessions in a loop locked every other ledger out
+    ("Too many open sessions") for half an hour. A ledger at its limit is refused the same way (503) while the
+    others still open theirs. Wraps the SDK session manager's admission step (mcp 2.x); where that is not
+    there, the server-wide limit alone stays, with a warning."""
+    admit = getattr(manager, "_admit_session", None)
+    owners = getattr(manager, "_session_owners", None)
+    live = getattr(manager, "_server_instances", None)
+    if admit is None or not isinstance(owners, dict) or not isinstance(live, dict):
+        log.warning("this mcp version admits sessions differently: no per-ledger session limit")
+        return
+
+    def admit_within_limit(requestor: Any) -> Any:
+        if requestor is not None:
+            who = requestor.get("client_id")
+            held = sum(1 for sid, owner in owners.items() if sid in live and owner.get("client_id") == who)
+            if held >= limit:
+                log.warning("ledger %r holds %d open sessions, its limit: a new one is refused", who, held)
+                return None
+        return admit(requestor)
+
+    manager._admit_session = admit_within_limit
 
 
 def _server_that_returns_on_signals(uvicorn: Any, config: Any) -> Any:
