@@ -250,6 +250,13 @@ async def test_values_match_forgivingly_and_keys_in_any_order(conv_a100: Path) -
     assert (
         normalize_value(True) == 1 and normalize_value(" 0.5 ") == 0.5 and normalize_value("float") == "float"
     )
+    # As the compiler reads the #define: "016" is octal 14 (it was answered with 16's runtime), hex is hex, and
+    # what is no C number stays text (it matches no recorded number).
+    assert normalize_value("016") == 14 and normalize_value("0x10") == 16 and normalize_value("1.6e1") == 16
+    assert normalize_value("1_6") == "1_6" and normalize_value("16u") == 16 and normalize_value("09") == "09"
+    with_octal = {**base, "block_size_x": "016"}
+    with pytest.raises(NotMeasurable, match="not in the recorded space"):
+        await _measure(m, kernel("convolution_kernel", with_octal), "A100-PCIE-40GB")
 
 
 @pytest.mark.anyio

@@ -47,7 +47,7 @@ from forecaster_mcp import bins
 from forecaster_mcp.forecast.base import BinForecast, PairQuery, PartialForecast
 from forecaster_mcp.forecast.features import StaticFeatures, kernel_features, prior_shift
 from forecaster_mcp.forecast.ptxas import PtxasUsage
-from forecaster_mcp.models import Kernel
+from forecaster_mcp.models import C_INT_SUFFIX, Kernel, c_integer
 from forecaster_mcp.store.db import FamilyPoint
 
 Array = NDArray[np.float64]
@@ -114,7 +114,7 @@ def _as_number(value: Any) -> float | None:
     return None
 
 
-_INT_SUFFIX = r"(?:[uU][lL]{0,2}|[lL]{1,2}[uU]?)"
+_INT_SUFFIX = C_INT_SUFFIX
 _DEC_SUFFIX = re.compile(rf"(?<=[0-9.])(?:{_INT_SUFFIX}|[fF])$")
 
 
@@ -159,27 +159,16 @@ def _canonical(value: Any) -> int | float | str:
         return value
     if isinstance(value, str):
         text = value.strip()
-        exact = _C_INT.fullmatch(text)
-        if exact is not None:
-            digits = exact.group(1)
-            sign = -1 if digits.startswith("-") else 1
-            body = digits.lstrip("+-")
-            try:
-                if body[:2] in ("0x", "0X"):
-                    return sign * int(body[2:], 16)
-                if len(body) > 1 and body.startswith("0"):
-                    return sign * int(body, 8)
-                return sign * int(body)
-            except ValueError:  # "09": not octal, not a number C reads
-                return text
+        if _C_INT.fullmatch(text) is not None:
+            exact = c_integer(text)
+            return text if exact is None else exact  # None: "09", not octal, not a number C reads
     number = _as_number(value)
     if number is None:
         return str(value).strip()
     return int(number) if number.is_integer() and abs(number) < 2.0**53 else number
 
 
-# An integer literal as C spells it: decimal, octal (leading 0) or hex, with an optional u/l suffix.
-_C_INT = re.compile(rf"([+-]?(?:0[xX][0-9a-fA-F]+|[0-9]+)){_INT_SUFFIX}?")
+_C_INT = re.compile(rf"([+-]?(?:0[xX][0-9a-fA-F]+|[0-9]+)){_INT_SUFFIX}?")  # as models.c_integer reads
 
 
 def _category(value: Any) -> str:

@@ -35,6 +35,7 @@ import io
 import json
 import logging
 import math
+import re
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -54,6 +55,7 @@ from forecaster_mcp.models import (
     MeasureCost,
     MeasureResult,
     RuntimeStats,
+    c_integer,
 )
 
 log = logging.getLogger(__name__)
@@ -106,8 +108,15 @@ def runtime_stats(times_ms: Sequence[float]) -> RuntimeStats:
 # ---------------------------------------------------------------- value matching
 
 
+# A plain decimal float literal (the text a define becomes; an integer literal is models.c_integer's).
+_C_FLOAT = re.compile(r"[+-]?(?:[0-9]+\.[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|[+-]?[0-9]+[eE][+-]?[0-9]+")
+
+
 def normalize_value(value: Any) -> int | float | str:
-    """Tuning-parameter values compared forgivingly: 16 == 16.0 == "16", True == 1, " 0.5" == 0.5."""
+    """Tuning-parameter values compared as the compiler reads them, forgiving only the spelling of a number:
+    16 == 16.0 == "16" == "0x10" == "16u", True == 1, " 0.5" == 0.5. A string is read as a C literal (as the
+    local forecaster reads it): "016" is octal 14 (it was taken for 16 and answered with 16's runtime), and
+    text that is no C number ("1_6") stays text, matching no recorded number."""
     if isinstance(value, bool):
         return int(value)
     if isinstance(value, int):
@@ -115,17 +124,14 @@ def normalize_value(value: Any) -> int | float | str:
     if isinstance(value, float):
         return int(value) if value.is_integer() else value
     text = str(value).strip()
-    try:
-        return int(text)
-    except ValueError:
-        pass
-    try:
+    integer = c_integer(text)
+    if integer is not None:
+        return integer
+    if len(text) <= 64 and _C_FLOAT.fullmatch(text):
         number = float(text)
-    except ValueError:
-        return text
-    if math.isfinite(number) and number.is_integer():
-        return int(number)
-    return number
+        if math.isfinite(number):
+            return int(number) if number.is_integer() else number
+    return text
 
 
 def _fmt(value: Any) -> str:
