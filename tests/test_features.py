@@ -799,3 +799,24 @@ def test_a_kernel_name_is_found_however_its_declaration_is_spelled() -> None:
     }
     for source, count in spelled.items():
         assert entry_parameter_count(source, "k") == count, source
+
+
+@pytest.mark.anyio
+async def test_a_kernel_for_an_architecture_specific_target_gets_its_registers(tmp_path: Path) -> None:
+    """wgmma compiles only for sm_90a: the compile dropped the kernel's -arch=sm_90a for plain sm_90 and failed,
+    so such kernels (and their cached failure, shared with the plain kernel's key) had no ptxas features."""
+    nvcc = find_nvcc(None)
+    if nvcc is None:
+        pytest.skip("nvcc is not installed here")
+    if "sm_90" not in supported_archs(nvcc):
+        pytest.skip("this nvcc does not target sm_90")
+    source = (
+        '__global__ void k(float* a) { asm volatile("wgmma.fence.sync.aligned;\\n"); a[threadIdx.x] = 1; }\n'
+    )
+    plain = Kernel(source=source, entry="k")
+    assert await ptxas_usage(plain, "sm_90", nvcc, tmp_path) is None  # not for plain sm_90: cached so
+    for option in ("-arch=sm_90a", "-gencode=arch=compute_90a,code=sm_90a"):
+        usage = await ptxas_usage(
+            Kernel(source=source, entry="k", compile_options=[option]), "sm_90", nvcc, tmp_path
+        )
+        assert usage is not None and usage.for_entry("k") is not None, option

@@ -202,7 +202,7 @@ def _cache_key(kernel: Kernel, arch: str, nvcc: str, flags: list[str]) -> str:
     defines = {k: kernel.defines[k] for k in sorted(kernel.defines)}
     payload = {
         "v": CACHE_VERSION, "source": kernel.source_hash(), "defines": defines, "arch": arch, "nvcc": nvcc,
-        "nvcc_version": nvcc_version(nvcc), "flags": flags,
+        "nvcc_version": nvcc_version(nvcc), "flags": flags, "target": _target_flag(kernel.compile_options, arch),
     }  # fmt: skip
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:40]
 
@@ -298,7 +298,7 @@ async def ptxas_usage(
         cmd = [
             nvcc,
             "-cubin",
-            f"-arch={arch}",
+            _target_flag(kernel.compile_options, arch),
             "-Xptxas",
             "-v",
             *flags,
@@ -349,6 +349,24 @@ async def ptxas_usage(
     if cache_path is not None:
         _write_cache(cache_path, usage)
     return usage
+
+
+_SUFFIXED_ARCH = re.compile(r"(?:sm|compute)_(\d{2,3})([af])\b")
+
+
+def _target_flag(options: Sequence[str], arch: str) -> str:
+    """`-arch=<arch>`, or the architecture-specific target (sm_90a, sm_100f) the kernel's own options ask for on
+    this GPU's architecture: wgmma, setmaxnreg or tcgen05 compile only there, so the plain target gave no
+    features for such kernels."""
+    plain = _PLAIN_ARCH.match(arch)
+    for option in options:
+        if not is_arch_option(option):
+            continue
+        for found in _SUFFIXED_ARCH.finditer(option):
+            if plain is not None and found.group(1) == plain.group(1):
+                n, suffix = found.groups()
+                return f"-gencode=arch=compute_{n}{suffix},code=sm_{n}{suffix}"
+    return f"-arch={arch}"
 
 
 # A compile that failed for one of these reasons failed because of the machine, not the source.
