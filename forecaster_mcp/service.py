@@ -339,7 +339,7 @@ class Service:
                 continue
             f = next(it)
             fc_by_id[cid] = f
-            threshold = choices[(f.regime, family[cid])].threshold
+            threshold = self.engine.threshold_for(f, choices[(f.regime, family[cid])]).threshold
             verdict = f.verdict(threshold)
             rationale = f.rationale
             if verdict == "unsure" and (plain := decide(f.p_faster, threshold)) != "unsure":

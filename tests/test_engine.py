@@ -16,6 +16,7 @@ from forecaster_mcp import bins
 from forecaster_mcp.forecast.base import BinForecast, PairQuery, ScriptedForecaster
 from forecaster_mcp.forecast.calibration import logit, sigmoid, with_p_faster
 from forecaster_mcp.forecast.engine import EngineForecast, ForecastEngine, Outcome, raw_name
+from forecaster_mcp.forecast.selective import ThresholdChoice
 from forecaster_mcp.models import Kernel, Workload
 from forecaster_mcp.store.db import FAILED_CANDIDATE_SPEEDUP, VerifiedPair
 
@@ -819,3 +820,28 @@ async def test_a_gpus_own_record_refutes_a_threshold_pooled_over_gpus() -> None:
     assert f.verdict(h100.threshold) == "unsure"
     a100 = await engine.threshold("A100", 0.1)
     assert a100.source == "history" and a100.threshold < 1.0  # its own record certifies its own
+
+
+@pytest.mark.anyio
+async def test_a_forecast_a_component_did_not_answer_is_not_the_combinations() -> None:
+    """With Claude down, the local-only forecast was stored (and thresholded) as the combination's: its
+    outcome then certified the combination's threshold, and the combination's history decided it."""
+
+    class Down:
+        name, version, remote = "claude", "m1", True
+
+        async def forecast(self, queries: Sequence[PairQuery]) -> list[BinForecast | None]:
+            raise ConnectionError("API unreachable")
+
+    engine = ForecastEngine([_scripted("local", _bins_with(0.97)), Down()], None)  # type: ignore[list-item]
+    [partial] = await engine.forecast([_query()])
+    assert partial.partial and list(partial.raw) == ["local"]
+    assert engine.final_name(partial) == "local@0"  # not "local@0+claude@m1"
+    certified = ThresholdChoice(0.9, 500, 0.05, "certified", "history", 400, 0.1, 0.05)
+    assert engine.threshold_for(partial, certified).threshold == pytest.approx(0.95)  # its regime's default
+    whole = ForecastEngine(
+        [_scripted("local", _bins_with(0.97)), _scripted("claude", _bins_with(0.97))], None
+    )
+    [both] = await whole.forecast([_query()])
+    assert not both.partial and whole.final_name(both) == "local@0+claude@0"
+    assert whole.threshold_for(both, certified) == certified

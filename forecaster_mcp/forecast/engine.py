@@ -207,6 +207,9 @@ class EngineForecast:
     # Answered from two stored measurements (the local model found both kernels measured, for instance under
     # other spellings of their parameters): measured truth, not a forecast to store, verify or learn from.
     from_measurements: bool = False
+    # Some of the engine's components did not answer (Claude down, timed out, or skipped this pair): stored under
+    # the names of those that did (`final_name`), and decided at no lower a threshold than its regime's default.
+    partial: bool = False
 
     @property
     def p_fail(self) -> float:
@@ -337,8 +340,29 @@ class ForecastEngine:
 
     def final_name(self, forecast: EngineForecast) -> str:
         """The forecaster name a final forecast is stored under (its regime's threshold history): the
-        components' names and versions (`local@1.0+claude@<model>`), then the regime's suffix."""
+        components' names and versions (`local@1.0+claude@<model>`), then the regime's suffix. A forecast some
+        components did not answer goes under the names of those that did: one forecaster's record must not
+        certify another's (local-only verdicts in a Claude outage fed the combination's history)."""
+        if forecast.partial:
+            answered = "+".join(self._keys[n] for n in self._names if n in forecast.raw)
+            return answered + _SUFFIX[forecast.regime]
         return self._stored_name + _SUFFIX[forecast.regime]
+
+    def threshold_for(self, forecast: EngineForecast, choice: ThresholdChoice) -> ThresholdChoice:
+        """`choice` (certified on this engine's history) as it applies to `forecast`: a partial forecast is
+        not what that history certified, so it is decided at no lower a threshold than its regime's default."""
+        if not forecast.partial:
+            return choice
+        floor = default_threshold_for(forecast.regime, choice.target_error)
+        if choice.threshold >= floor:
+            return choice
+        return replace(
+            choice,
+            threshold=floor,
+            error_ucb=None,
+            source="default",
+            reason=f"{choice.reason}; this forecast lacks a component's answer: default {floor:.3f}",
+        )
 
     def _stored(self, slot: str) -> str:
         """A calibration slot's name in the store: its component's `name@version`, then the regime suffix."""
@@ -473,6 +497,7 @@ class ForecastEngine:
             slots=slots,
             regime=max((_regime_of_slot(s) for s in slots.values()), key=REGIMES.index),
             from_measurements=measured is not None,
+            partial=len(raw) < len(self._names),
         )
 
     def combine_raw(
