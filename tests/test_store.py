@@ -684,7 +684,7 @@ async def test_tokens_are_stored_hashed_and_can_be_revoked(store: Store) -> None
     listed = await store.list_tokens()
     assert [t["label"] for t in listed] == ["agent run 1", None]
     assert all(token not in str(t) for t in listed)
-    for path in store.path.parent.iterdir():  # the database, its WAL and shared-memory files
+    for path in (p for p in store.path.parent.rglob("*") if p.is_file()):  # the database, WAL, owner locks...
         data = path.read_bytes()
         assert token.encode() not in data and token[5:].encode() not in data, path
     assert await store.revoke_token(token) is True
@@ -1001,3 +1001,57 @@ def test_remaining_is_exact_and_a_name_with_a_final_newline_is_refused() -> None
     check_ledger_name("run-42")
     with pytest.raises(OperatorError, match="not allowed"):
         check_ledger_name("run-42\n")  # `$` matched before a final newline: a second, look-alike ledger
+
+
+HOLD_LOCK = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("locked", flush=True)
+time.sleep(60)
+"""
+
+
+def _hold_lock(path: Path) -> subprocess.Popen[str]:
+    """A process holding an exclusive flock on `path` (as a server holds its owner lock) until killed."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(path)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+    return holder
+
+
+def _end(process: subprocess.Popen[str]) -> None:
+    process.kill()
+    process.wait()
+
+
+async def test_a_dead_owner_in_another_pid_namespace_is_found_by_its_lock(tmp_path: Path) -> None:
+    """A server restarted in a fresh container (a new PID namespace) could not tell its predecessor's holds
+    from a live server's: pids say nothing across namespaces, so they waited for expiry (2 x cap + 300 s)
+    and the ledger looked spent meanwhile. The owner's flock, which the kernel drops at its death, tells."""
+    from forecaster_mcp.store import db
+
+    path = tmp_path / "state" / "forecaster.sqlite3"
+    server = await Store.open(path)
+    await server.create_ledger("run", 60.0)
+    me = db._Owner.current()
+    if me.start is None or me.start.startswith("?"):
+        pytest.skip("no /proc boot id here: owners are told apart by pids and expiry only")
+    # The predecessor: same machine and kernel, another PID namespace (its pid is meaningless here).
+    other = db._Owner(pid=1, host=me.host, pidns="pid:[4026999999]", start=f"{me.start.split(':')[0]}:12345")
+    lock = path.parent / "owners" / db._owner_lock_name(other.pid, other.host, other.pidns, other.start)
+    holder = _hold_lock(lock)
+    try:
+        server._owner = other  # its reservation records the predecessor as owner
+        await server.reserve("run", 60.0, "measure k")
+        server._owner = me
+        checker = await Store.open(path)
+        try:
+            assert (await checker.get_ledger("run")).reserved_gpu_seconds == 60.0  # alive: kept
+            _end(holder)
+            assert await checker.release_orphans() == 1  # its lock is free: it died
+            assert (await checker.get_ledger("run")).remaining_gpu_seconds == 60.0
+        finally:
+            await checker.close()
+    finally:
+        _end(holder)
+        await server.close()

@@ -326,11 +326,110 @@ class _Owner:
         )
 
 
-def _owner_state(me: _Owner, pid: int, host: str, pidns: str | None, start: str | None) -> str:
-    """'dead', 'alive' (verified, same start time) or 'unknown' (cannot check from here)."""
+# ---------------------------------------------------------------------------- owner locks
+#
+# Each process with a store open holds an exclusive flock on a file of its own in the state folder's owners/
+# (named by its identity, as reservations record it). The kernel drops the lock when the process dies, in any
+# PID namespace: a server restarted in a fresh container (a new PID namespace, where pids say nothing of the
+# old one) can tell that its predecessor's holds are orphans instead of waiting for their expiry (2 x cap +
+# 300 s). Trusted only between processes of one kernel (the same boot id): flock over a network filesystem may
+# be local to each host.
+
+_OWNER_LOCKS: dict[str, tuple[int, int]] = {}  # path -> (fd, stores of this process holding it)
+
+
+def _owner_lock_name(pid: int, host: str, pidns: str | None, start: str | None) -> str:
+    identity = f"{host}|{pidns}|{pid}|{start}"
+    return hashlib.sha256(identity.encode("utf-8", "surrogatepass")).hexdigest()[:32] + ".lock"
+
+
+def _take_owner_lock(folder: Path, owner: _Owner) -> str | None:
+    """Hold this process's owner lock (shared by its stores); the lock file's path, None where it cannot be."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: pids and expiry only
+        return None
+    path = str(folder / _owner_lock_name(owner.pid, owner.host, owner.pidns, owner.start))
+    held = _OWNER_LOCKS.get(path)
+    if held is not None:
+        _OWNER_LOCKS[path] = (held[0], held[1] + 1)
+        return path
+    try:
+        folder.mkdir(exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        log.debug("no owner lock in %s: %s", folder, exc)
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        log.debug("owner lock %s not taken: %s", path, exc)
+        return None
+    _OWNER_LOCKS[path] = (fd, 1)
+    return path
+
+
+def _drop_owner_lock(path: str | None) -> None:
+    held = _OWNER_LOCKS.get(path) if path is not None else None
+    if path is None or held is None:
+        return
+    fd, count = held
+    if count > 1:
+        _OWNER_LOCKS[path] = (fd, count - 1)
+        return
+    del _OWNER_LOCKS[path]
+    os.close(fd)  # the lock goes with the descriptor; the file stays for checkers to find unlocked
+
+
+def _lock_says(folder: Path | None, pid: int, host: str, pidns: str | None, start: str | None) -> str:
+    """'dead' when the owner's lock file is there and nobody holds it, 'alive' when it is held, else
+    'unknown' (no such file: an owner from before these locks, or one that could not take its lock)."""
+    if folder is None:
+        return "unknown"
+    try:
+        import fcntl
+    except ImportError:
+        return "unknown"
+    path = folder / _owner_lock_name(pid, host, pidns, start)
+    fd = -1
+    for flags in (os.O_RDWR, os.O_RDONLY):
+        try:
+            fd = os.open(path, flags)
+            break
+        except OSError:
+            continue
+    if fd < 0:
+        return "unknown"
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return "alive"
+    except OSError:
+        return "unknown"
+    else:
+        return "dead"
+    finally:
+        os.close(fd)
+
+
+def _same_kernel(me: _Owner, start: str | None) -> bool:
+    """Whether the owner ran under this process's kernel (the same readable boot id): where a flock is
+    authoritative."""
+    if me.start is None or start is None:
+        return False
+    my_boot, owner_boot = me.start.split(":", 1)[0], start.split(":", 1)[0]
+    return "?" not in (my_boot, owner_boot) and my_boot == owner_boot
+
+
+def _owner_state(
+    me: _Owner, pid: int, host: str, pidns: str | None, start: str | None, locks: Path | None = None
+) -> str:
+    """'dead', 'alive' (verified, same start time) or 'unknown' (cannot check from here). `locks`: the state
+    folder's owner-lock folder, asked when pids cannot tell (another PID namespace of this kernel)."""
     # Dead only on positive evidence: a hold released while its owner still measures is an overspent ledger.
     if host != me.host or pidns != me.pidns:
-        return "unknown"
+        return _lock_says(locks, pid, host, pidns, start) if _same_kernel(me, start) else "unknown"
     if me.start is not None and start is not None:
         my_boot, owner_boot = me.start.split(":", 1)[0], start.split(":", 1)[0]
         if "?" not in (my_boot, owner_boot) and owner_boot != my_boot:
@@ -343,9 +442,11 @@ def _owner_state(me: _Owner, pid: int, host: str, pidns: str | None, start: str 
     return "alive" if start.split(":", 1)[1] == ticks else "dead"  # another start time: the pid was reused
 
 
-def _releasable(me: _Owner, pid: Any, host: Any, pidns: Any, start: Any, expires_at: Any, now: float) -> bool:
+def _releasable(
+    me: _Owner, pid: Any, host: Any, pidns: Any, start: Any, expires_at: Any, now: float, locks: Path | None
+) -> bool:
     """Whether an open hold may be released now: its owner is dead, or expired and not provably alive."""
-    state = _owner_state(me, int(pid), str(host), pidns, start)
+    state = _owner_state(me, int(pid), str(host), pidns, start, locks)
     return state == "dead" or (state == "unknown" and float(expires_at) < now)
 
 
@@ -429,6 +530,8 @@ class Store:
         self.path = path
         self._lock = asyncio.Lock()
         self._owner = _Owner.current()
+        self._locks: Path | None = path.parent / "owners"
+        self._owner_lock = _take_owner_lock(self._locks, self._owner)
         self._background: set[asyncio.Future[Any]] = set()
         # commit_later's retries and what each one commits: close() makes a last attempt, then cancels them.
         self._retrying: dict[asyncio.Future[Any], tuple[Reservation, float | None]] = {}
@@ -494,6 +597,8 @@ class Store:
         if self._conn is not None:
             conn, self._conn = self._conn, None
             await conn.close()
+            _drop_owner_lock(self._owner_lock)
+            self._owner_lock = None
 
     # ---------------------------------------------------------------- transactions
 
@@ -855,7 +960,10 @@ class Store:
         now = time.time()
         # Only a hold that is releasable now is worth the write lock: another server's live measurement is not
         # (a reader queued behind every writer for nothing, up to the 30 s busy timeout).
-        if not any(_releasable(me, pid, host, ns, start, exp, now) for pid, host, ns, start, exp in others):
+        locks = self._locks
+        if not any(
+            _releasable(me, pid, host, ns, start, exp, now, locks) for pid, host, ns, start, exp in others
+        ):
             return 0
         try:
             return await self._write(lambda conn: self._release_orphans(conn, time.time()))
@@ -891,9 +999,9 @@ class Store:
         )
         released = 0
         for rid, ledger, amount, pid, host, pidns, start, expires_at in rows:
-            if not _releasable(me, pid, host, pidns, start, expires_at, now):
+            if not _releasable(me, pid, host, pidns, start, expires_at, now, self._locks):
                 continue
-            state = _owner_state(me, int(pid), str(host), pidns, start)
+            state = _owner_state(me, int(pid), str(host), pidns, start, self._locks)
             reason = (
                 f"owner pid {pid} on {host} is gone"
                 if state == "dead"
