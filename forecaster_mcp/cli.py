@@ -241,6 +241,12 @@ def _parser() -> argparse.ArgumentParser:
         "call, and its measure_next head is measured unless a faster one is worth more) or unsure (the plain "
         "client letting compare_kernels measure with measure_if_unsure, max_measurements 1)",
     )
+    se.add_argument(
+        "--claude",
+        action="store_true",
+        help="forecast with Claude too (paid; needs ANTHROPIC_API_KEY): without it the runs use the local "
+        "forecaster only, whatever the environment holds",
+    )
     se.add_argument("--out", type=Path, default=None, help="write the report as JSON here")
     se.set_defaults(handler="forecaster_mcp.search:search_command")
 

@@ -775,10 +775,14 @@ def search_command(settings: Any, args: Any) -> int:
     # is large enough for the runs, which end at --measurements (GPU-seconds are still reported per run).
     # Set, not defaulted: an operator's own default (600 in the README) would run out partway.
     ledger_seconds = "1000000000" if args.gpu_seconds is None else repr(float(args.gpu_seconds))
-    # The servers inherit this environment: an API key in it adds Claude (paid) to the forecast runs.
-    forecasters = "local+claude" if settings.anthropic_api_key else "local"
-    # The runs' servers take none of this environment's settings (own_settings) but the key, as ANTHROPIC_API_KEY.
-    key_env = {"ANTHROPIC_API_KEY": settings.anthropic_api_key} if settings.anthropic_api_key else {}
+    # Claude (paid) only when asked for: an API key in the environment (Claude Code users have one) added it to
+    # every compare of every run, billed, and said so only in the report.
+    if args.claude and not settings.anthropic_api_key:
+        raise OperatorError("--claude needs an Anthropic API key: set ANTHROPIC_API_KEY")
+    forecasters = "local+claude" if args.claude else "local"
+    # The runs' servers take none of this environment's settings (own_settings); the key only with --claude (an
+    # empty ANTHROPIC_API_KEY is no key: the inherited one must not reach them either).
+    key_env = {"ANTHROPIC_API_KEY": settings.anthropic_api_key or "" if args.claude else ""}
     del settings  # each run gets its own state directory; nothing else in the settings applies
     strategies = ["forecast", "random"] if args.strategy == "both" else [args.strategy]
     traces: list[SearchTrace] = []

@@ -512,3 +512,25 @@ def test_search_command_on_a_gpu_budget_stops_each_run_when_its_ledger_refuses(
     from forecaster_mcp.search import init_count
 
     assert (init_count(5), init_count(14), init_count(100)) == (2, 7, 10)
+
+
+def test_search_forecasts_with_claude_only_when_asked(conv_a100: Path, tmp_path: Path) -> None:
+    """An ANTHROPIC_API_KEY in the environment (Claude Code users have one) added the paid Claude forecaster to
+    every compare of every run, said only in the report: now it takes --claude."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "search.json"
+    env = {**os.environ, "FORECASTER_MCP_HOME": str(tmp_path / "home"), "ANTHROPIC_API_KEY": "sk-ant-test"}
+    base = [sys.executable, "-m", "forecaster_mcp", "search", str(conv_a100), "--seeds", "1"]
+    done = subprocess.run(
+        [*base, "--measurements", "11", "--strategy", "forecast", "--client", "plain", "--out", str(out)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads(out.read_text())["forecasters"] == "local" and "claude" not in done.stderr
+    no_key = {k: v for k, v in env.items() if "ANTHROPIC" not in k}
+    refused = subprocess.run([*base, "--claude"], env=no_key, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "--claude needs an Anthropic API key" in refused.stderr
