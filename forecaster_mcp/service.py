@@ -14,6 +14,7 @@ import logging
 import math
 import re
 import shlex
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -168,7 +169,9 @@ class Service:
             if warm is not None:
                 try:
                     await warm()
-                except Exception:  # a bad recording is reported when it is used, not at start-up
+                except NotMeasurable as exc:  # a recording that cannot be read: each use of it says so too
+                    print(f"forecaster-mcp: warning: {one_line(str(exc), 400)}", file=sys.stderr)
+                except Exception:
                     log.warning("preloading %s failed", m.name, exc_info=True)
 
     async def close(self) -> None:

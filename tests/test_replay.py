@@ -541,3 +541,20 @@ async def test_recorded_runs_of_no_length_and_negative_durations_are_not_replaye
         assert (
             r.status == "ok" and r.runtime_ms is not None and r.runtime_ms.min > 0 and r.cost.gpu_seconds > 0
         )
+
+
+@pytest.mark.anyio
+async def test_a_recording_damaged_past_its_header_is_refused_by_name(
+    tmp_path: Path, conv_a100: Path
+) -> None:
+    """A truncated recording: its header reads, so the server started, and then every measurement of it
+    answered the agent only "Error executing tool" (an unexpected ValueError), with a traceback per call."""
+    cut = anyio.Path(tmp_path / "A100.json.gz")
+    await cut.write_bytes((await anyio.Path(conv_a100).read_bytes())[:20000])
+    m = ReplayMeasurer([Path(cut)])
+    with pytest.raises(
+        NotMeasurable, match=r"cannot read replay recording .*A100\.json\.gz.*replace or remove"
+    ):
+        await m.preload()
+    with pytest.raises(NotMeasurable, match="cannot read replay recording"):
+        await _measure(m, kernel("convolution_kernel", CONV), "A100-PCIE-40GB")

@@ -436,7 +436,14 @@ class _Recording:
         # Concurrent first uses parse once: the others wait here, in their own worker threads.
         with self.lock:
             if self.space is None:
-                space = load_space(self.header.path)
+                try:
+                    space = load_space(self.header.path)
+                except ValueError as exc:
+                    # Its header read at start-up, its body not (truncated, damaged): every measurement of it
+                    # answered the agent "Error executing tool" before. Said as what it is, nothing charged.
+                    raise NotMeasurable(
+                        f"{exc}; this server's operator must replace or remove the recording"
+                    ) from exc
                 space.index()  # built here, off the event loop
                 self.space = space
             return self.space
@@ -673,8 +680,14 @@ class ReplayMeasurer:
         """Parse every recording in a worker thread, so no later call waits for a parse."""
         import anyio.to_thread
 
+        unreadable = []
         for r in self._recordings:
-            await anyio.to_thread.run_sync(r.load)
+            try:
+                await anyio.to_thread.run_sync(r.load)
+            except NotMeasurable as exc:  # the others are still worth parsing now
+                unreadable.append(str(exc))
+        if unreadable:
+            raise NotMeasurable("; ".join(unreadable))
 
     def cannot_measure(self, kernel: Kernel, workload_key: str, device: str) -> str | None:
         """Why `measure` would refuse `kernel` (`workload_key`: `Workload.key()`) on `device`, or None when it
