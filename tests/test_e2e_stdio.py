@@ -228,3 +228,35 @@ def test_a_signal_ends_a_stdio_server_cleanly(tmp_path: Path, conv_a100: Path, s
         proc.kill()
         proc.wait()
     assert not (tmp_path / "forecaster.sqlite3-wal").exists()
+
+
+async def test_a_parse_error_names_its_own_lines_id_when_the_reader_is_ahead() -> None:
+    """The SDK's reader may take the next line before the previous line's parse error is answered: the error
+    was sent under the next request's id (now and then in a full run), and the unparsable request's client
+    waited for ever."""
+    import io
+
+    import anyio
+    from mcp.shared.message import SessionMessage
+    from mcp.types import JSONRPCRequest
+
+    from forecaster_mcp.server.app import _answer_unparsed, _WireLines
+
+    bad = '{"jsonrpc": "2.0", "id": 10, "method": "ping", "params": [[[\n'
+    good = '{"jsonrpc": "2.0", "id": 13, "method": "ping"}\n'
+    lines = _WireLines(io.StringIO(bad + good))
+    read_send, read_stream = anyio.create_memory_object_stream[Any](4)
+    inner_send, inner_read = anyio.create_memory_object_stream[Any](4)
+    write_send, write_read = anyio.create_memory_object_stream[Any](4)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_answer_unparsed, read_stream, inner_send, write_send, lines)
+        seen = [line async for line in lines]  # the reader has read both lines before either item is taken
+        assert len(seen) == 2
+        await read_send.send(ValueError("EOF while parsing a list"))
+        await read_send.send(SessionMessage(JSONRPCRequest(jsonrpc="2.0", id=13, method="ping")))
+        with anyio.fail_after(5):
+            reply = await write_read.receive()
+            forwarded = await inner_read.receive()
+        tg.cancel_scope.cancel()
+    assert reply.message.id == 10 and reply.message.error.code == -32700
+    assert forwarded.message.id == 13

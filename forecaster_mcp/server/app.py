@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import difflib
 import errno
@@ -694,7 +695,14 @@ class _WireLines:
 
     def __init__(self, text: IO[str]) -> None:
         self._text = text
-        self.last = ""  # the line yielded last: the one the SDK is parsing or has just parsed
+        # The lines yielded whose parsed message (or parse error) has not been taken yet, oldest first: the SDK
+        # turns each line into exactly one item, but may read the next line before the previous item is
+        # handled, so "the line yielded last" named the wrong request (its id) now and then.
+        self._pending: collections.deque[str] = collections.deque()
+
+    def take(self) -> str:
+        """The line the item just received from the SDK was parsed from (one per item, in order)."""
+        return self._pending.popleft() if self._pending else ""
 
     async def __aiter__(self) -> AsyncIterator[str]:
         loop = asyncio.get_running_loop()
@@ -715,7 +723,7 @@ class _WireLines:
 
         threading.Thread(target=pump, name="stdio-wire", daemon=True).start()
         while (line := await queue.get()) is not None:
-            self.last = line
+            self._pending.append(line)
             yield without_lone_surrogates(line)
 
 
@@ -760,6 +768,7 @@ async def _answer_unparsed(read_stream: Any, inner: Any, write_stream: Any, line
 
     async with inner:
         async for item in read_stream:
+            line = lines.take()
             if not isinstance(item, Exception):
                 await inner.send(item)
                 continue
@@ -772,7 +781,7 @@ async def _answer_unparsed(read_stream: Any, inner: Any, write_stream: Any, line
                 "send it as a string."
             )
             reply = JSONRPCError(
-                jsonrpc="2.0", id=top_level_id(lines.last), error=ErrorData(code=-32700, message=message)
+                jsonrpc="2.0", id=top_level_id(line), error=ErrorData(code=-32700, message=message)
             )
             await write_stream.send(SessionMessage(reply))
 
