@@ -110,6 +110,13 @@ def _serve_options(args: argparse.Namespace) -> None:
             "--ledger applies to a stdio server; an HTTP server charges each request to the ledger of its "
             f"bearer token: issue one with `forecaster-mcp token issue --ledger {shlex.quote(args.ledger)}`"
         )
+    if args.http and os.environ.get("FORECASTER_MCP_LEDGER"):
+        # Not refused (it may be set for the stdio servers an IDE starts), but said: it is ignored here.
+        print(
+            "forecaster-mcp: warning: FORECASTER_MCP_LEDGER is ignored by an HTTP server: each request is "
+            "charged to the ledger of its bearer token",
+            file=sys.stderr,
+        )
     args.host = DEFAULT_HOST if args.host is None else args.host
     args.port = DEFAULT_PORT if args.port is None else args.port
 

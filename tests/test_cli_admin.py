@@ -488,3 +488,24 @@ def test_ledger_show_does_not_wait_on_a_writer_for_a_live_hold(tmp_path: Path) -
         lock.close()
         holder.kill()
         holder.wait()
+
+
+def test_a_token_label_is_one_line_and_an_http_server_says_it_ignores_the_ledger_setting(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    assert run(capsys, "ledger", "create", "lbl", "--gpu-seconds", "1")[0] == 0
+    code, _, err = run(capsys, "token", "issue", "--ledger", "lbl", "--label", "run\n42")
+    assert code == 2 and "one line of printable text" in err  # a newline broke `token list`'s table
+    home = tmp_path / "srv"
+    env = {**os.environ, "FORECASTER_MCP_HOME": str(home), "FORECASTER_MCP_LEDGER": "nope"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "forecaster_mcp", "serve", "--http", "--port", "0"],
+        env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stderr is not None
+        first = proc.stderr.readline()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    assert "FORECASTER_MCP_LEDGER is ignored by an HTTP server" in first

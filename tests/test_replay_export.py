@@ -81,6 +81,9 @@ def test_export_refuses_an_empty_store_and_replay_refuses_a_file_that_is_not_an_
     assert main(["--home", str(tmp_path / "empty"), "export", "--out", str(tmp_path / "e.jsonl")]) == 2
     assert "nothing to export" in capsys.readouterr().err
     assert not (tmp_path / "e.jsonl").exists()
+    # Replay knows an export by its suffix: another name was written, and the printed replay command failed.
+    assert main(["--home", str(tmp_path / "empty"), "export", "--out", str(tmp_path / "e.json")]) == 2
+    assert "must end in .jsonl" in capsys.readouterr().err
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"format": "something else"}\n')
     from forecaster_mcp.errors import OperatorError

@@ -204,6 +204,12 @@ def export_command(settings: Settings, args: argparse.Namespace) -> int:
     from forecaster_mcp.models import HISTORY_SCOPE_MARK, Kernel, MeasureResult
 
     out = Path(args.out)
+    if out.suffix != ".jsonl":
+        # `serve --replay` and `search` tell an export from a Kernel Tuner recording by this suffix: another
+        # name was written, and the replay command printed below then failed on it.
+        raise OperatorError(
+            f"--out {out} must end in .jsonl (how `serve --replay` knows an export): use {out.stem}.jsonl"
+        )
     check_writable_file(out)
     rows = _with_store(settings, lambda s: s.export_rows())
     stored = sorted({r[0] for r in rows})

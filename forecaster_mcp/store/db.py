@@ -1053,6 +1053,9 @@ class Store:
 
     async def issue_token(self, ledger: str, label: str | None = None) -> str:
         """A new bearer token for `ledger`; only its SHA-256 is stored: this is the one chance to see it."""
+        if label is not None and (len(label) > 200 or any(not ch.isprintable() for ch in label)):
+            # A newline in it broke `token list`'s table.
+            raise OperatorError("--label must be one line of printable text, at most 200 characters")
         token = TOKEN_PREFIX + secrets.token_urlsafe(32)
 
         async def body(conn: Any) -> str:
