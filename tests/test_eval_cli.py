@@ -453,6 +453,9 @@ def test_eval_batch_sends_claude_through_the_batches_api(
     llm = json.loads((out / "metrics.json").read_text())["llm"]
     assert llm["requests"] == len(TINY) and llm["input_tokens"] == 1000 * len(TINY) and llm["cost_usd"] > 0
     assert f"claude: {len(TINY)} requests, {1000 * len(TINY)} input" in capsys.readouterr().out
+    # Without Claude, --batch only lifted the chunking of the local model (4 GB for 10k pairs): refused.
+    assert main(["eval", str(pairs), "--out", str(tmp_path / "local"), "--batch"]) == 2
+    assert "--batch applies to the Claude forecaster" in capsys.readouterr().err
 
 
 def test_eval_fails_when_no_forecaster_answered_any_pair(

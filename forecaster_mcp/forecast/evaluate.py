@@ -664,6 +664,9 @@ def run_eval(
             f"--target-error must be at least {MIN_TARGET_ERROR:g} and below {MAX_TARGET_ERROR:g}, got {target}"
         )
     names = parse_forecaster_arg(forecaster)
+    if batch and "claude" not in names:
+        # It only changes how Claude is asked; for the local model it lifted the chunking (4 GB for 10k pairs).
+        raise OperatorError("--batch applies to the Claude forecaster: add --forecaster claude (or local+claude)")
     main = read_pairs_file(pairs_path)
     cal_file = read_pairs_file(calibrate_on) if calibrate_on is not None else None
     if cal_file is not None:
