@@ -6,6 +6,8 @@ import json
 import math
 import os
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -571,3 +573,27 @@ def test_calibration_history_certifies_on_the_confidence_verdicts_are_decided_on
     _apply_calibration(engine, cal)
     assert recorded == [[pytest.approx(decision_p(p, 0.2)), pytest.approx(p)]]
     assert decision_p(p, 0.2) < p - 0.1
+
+
+def test_eval_compiles_every_kernel_of_the_file_for_ptxas_features(tmp_path: Path) -> None:
+    """A chunk of pairs has far more new kernels than the server's per-call compile limit (8), so eval compiled
+    none of them: its forecasts had no registers or spills, and --no-ptxas changed nothing."""
+    from forecaster_mcp.forecast.ptxas import find_nvcc
+
+    if find_nvcc(None) is None:
+        pytest.skip("nvcc is not installed here")
+    blocks = [32, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512]
+    rows: list[dict[str, Any] | str] = [
+        _pair(i, b, blocks[(i + 1) % len(blocks)], 1.1) for i, b in enumerate(blocks)
+    ]
+    pairs = _write(tmp_path / "pairs.jsonl", rows)
+    for flag, home in (([], "with"), (["--no-ptxas"], "without")):
+        env = {**os.environ, "FORECASTER_MCP_HOME": str(tmp_path / home)}
+        done = subprocess.run(
+            [sys.executable, "-m", "forecaster_mcp", "eval", str(pairs), "--out", str(tmp_path / f"out-{home}"), *flag],
+            env=env, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+    compiled = list((tmp_path / "with" / "cache" / "ptxas").glob("*.json"))
+    assert len(compiled) == len(blocks)  # one per distinct kernel, more than 8
+    assert not (tmp_path / "without" / "cache" / "ptxas").exists()

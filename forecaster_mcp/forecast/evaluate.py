@@ -167,6 +167,8 @@ def _history_point(path: Path, line: int, d: Any) -> HistoryPoint:
     )
 
 
+# How long one eval chunk's kernels may compile for the local model's ptxas features (2 at a time, cached).
+EVAL_PTXAS_WAIT_S = 1800.0
 # Pairs forecast per engine call by `forecaster-mcp eval` (without --batch).
 EVAL_CHUNK_PAIRS = 1000
 
@@ -291,7 +293,17 @@ def build_forecasters(
 
             cache_dir = settings.home / "cache"
             if ptxas:
-                out.append(LocalForecaster(history, nvcc=settings.nvcc, cache_dir=cache_dir))
+                # Every kernel of the file compiled (cached by content): a chunk has far more new kernels than
+                # the server's per-call limit, so eval compiled none of them and --no-ptxas changed nothing.
+                out.append(
+                    LocalForecaster(
+                        history,
+                        nvcc=settings.nvcc,
+                        cache_dir=cache_dir,
+                        ptxas_wait_s=EVAL_PTXAS_WAIT_S,
+                        max_ptxas_per_call=2 * EVAL_CHUNK_PAIRS,
+                    )
+                )
             else:
                 out.append(
                     LocalForecaster(history, nvcc=settings.nvcc, cache_dir=cache_dir, ptxas_wait_s=0.0)

@@ -1223,18 +1223,22 @@ class LocalForecaster:
         ptxas_wait_s: float = 10.0,
         max_cached_families: int = 64,
         max_cache_bytes: int = 512 * 2**20,
+        max_ptxas_per_call: int = MAX_PTXAS_PER_CALL,
     ) -> None:
         """`history`: the store (None: static prior only). `nvcc`: path or name (None: found on PATH).
         `cache_dir`: where ptxas results are kept between runs (None: memory only). `ptxas_wait_s`: the
         longest a forecast waits for nvcc on kernels it has not seen (0 turns ptxas off). Fitted family
         models are kept for at most `max_cached_families` families and `max_cache_bytes` of memory
-        (`model_bytes`), least recently used dropped first; the one just fitted is always kept."""
+        (`model_bytes`), least recently used dropped first; the one just fitted is always kept.
+        `max_ptxas_per_call`: a call with more kernels not compiled yet compiles none of them (a screening call;
+        an evaluation over a pairs file raises it)."""
         from forecaster_mcp.forecast.ptxas import find_nvcc
 
         self._history = history
         self._nvcc = find_nvcc(nvcc)
         self._cache_dir = cache_dir
         self._ptxas_wait_s = ptxas_wait_s
+        self._max_ptxas_per_call = max_ptxas_per_call
         self._models: OrderedDict[tuple[str, str, str], _GroupState] = OrderedDict()
         self._warm: dict[tuple[str, str, str], Array] = {}
         self._hyper_n: dict[tuple[str, str, str], int] = {}
@@ -1499,7 +1503,7 @@ class LocalForecaster:
         # for a screening call over dozens of configurations (those have the family model, or nothing).
         if not todo:
             return usage, frozenset()
-        if len(todo) > MAX_PTXAS_PER_CALL:
+        if len(todo) > self._max_ptxas_per_call:
             return usage, frozenset(ck for ck, _ in todo)
         assert self._nvcc is not None
         jobs = {key: (k, key[1]) for key, k in todo.items()}
