@@ -128,6 +128,9 @@ async def search(
         return rng.sample(fresh, min(n, len(fresh)))
 
     async with connect(recording, url, token, gpu_seconds) as client:
+        # A token's ledger may have been spent on before (another run of the same agent): this run's spend is
+        # what budget_status says at the end less what it said at the start.
+        spent_before = (await tool(client, "budget_status", {}))["spent_gpu_seconds"]
         best: dict[str, Any] | None = None
         best_ms = float("inf")
         used = proposed = idle = 0
@@ -172,7 +175,7 @@ async def search(
         found = f"best {best_ms:.4g} ms" if best is not None else "no configuration ran"
         print(
             f"{found} after {used} measurements, {len(seen)} candidates considered, "
-            f"{status['spent_gpu_seconds']:.3f} GPU-seconds spent"
+            f"{status['spent_gpu_seconds'] - spent_before:.3f} GPU-seconds spent"
         )
 
 

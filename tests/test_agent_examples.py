@@ -140,16 +140,25 @@ def test_search_loop_drives_a_shared_http_server_until_its_budget_is_spent(
         done = _search_loop(
             str(conv_a100), "--url", srv.url, "--measurements", "40", env={"FORECASTER_MCP_TOKEN": token}
         )
+        between = json.loads(cli(home, "ledger", "show", "agent-run-1", "--json").stdout)["spent_gpu_seconds"]
+        # Again on the same ledger: it reports what this run spent, not the ledger's lifetime spend.
+        again = _search_loop(
+            str(conv_a100), "--url", srv.url, "--measurements", "40", env={"FORECASTER_MCP_TOKEN": token}
+        )
     finally:
         srv.stop()
+    assert again.returncode == 0, again.stderr[-2000:]
+    after = json.loads(cli(home, "ledger", "show", "agent-run-1", "--json").stdout)["spent_gpu_seconds"]
+    last_again = again.stdout.strip().splitlines()[-1]
+    second = float(re.search(r"([0-9.]+) GPU-seconds spent", last_again).group(1))  # type: ignore[union-attr]
+    assert second == pytest.approx(after - between, abs=1e-3) and between > 0
     assert done.returncode == 0, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
     assert "stopping: the server refused a measurement" in done.stdout and "GPU-seconds left" in done.stdout
     last = done.stdout.strip().splitlines()[-1]
     spent = float(re.search(r"([0-9.]+) GPU-seconds spent", last).group(1))  # type: ignore[union-attr]
     assert 0 < spent <= 0.15
-    shown = json.loads(cli(home, "ledger", "show", "agent-run-1", "--json").stdout)
-    assert shown["spent_gpu_seconds"] == pytest.approx(spent, abs=1e-3)
+    assert between == pytest.approx(spent, abs=1e-3)
 
 
 @pytest.mark.parametrize(
