@@ -195,6 +195,7 @@ class _Column:
     span: float = 1.0
     categories: tuple[str, ...] = ()
     default: float = 0.5  # encoded value used when a kernel lacks this parameter
+    offset: float = 0.0  # a log column's shift: log2(x + offset) (a range starting at 0, as unroll 0, 1, 2, 4...)
 
 
 _BLOCK_NAME = re.compile(r"^block_?size_?[xyz]$", re.IGNORECASE)
@@ -276,14 +277,20 @@ class ParamEncoder:
                 nums = [float(n) for n in numbers if n is not None]
                 lo, hi = min(nums), max(nums)
                 use_log = lo > 0 and hi / lo >= 4.0
+                positive = [n for n in nums if n > 0]
+                offset = 0.0
+                if lo == 0 and positive and max(positive) / min(positive) >= 4.0:
+                    # 0, 1, 2, 4, ..., 256 (an unroll factor, 0 for none): linear, 1, 2 and 4 sat within one
+                    # length scale of 0 and of each other. Log-encoded one smallest step up, 0 keeps its place.
+                    use_log, offset = True, min(positive)
                 if use_log:
-                    lo, hi = math.log2(lo), math.log2(hi)
+                    lo, hi = math.log2(lo + offset), math.log2(hi + offset)
                 span = hi - lo if hi > lo else 1.0
-                col = _Column(name, "num", use_log, lo, span)
+                col = _Column(name, "num", use_log, lo, span, offset=offset)
                 col.default = 0.5 if hi > lo else 0.0
                 self.columns.append(col)
                 if name not in _COUNT_COLUMNS:
-                    self.flags.extend((name, f) for f in self._flags_for(nums))
+                    self.flags.extend((name, f) for f in self._flags_for(positive if offset else nums))
             else:
                 # One category per value as the compiler reads it (16 and 16.0, True and 1 are one member).
                 cats = tuple(sorted({_category(v) for v in values}))
@@ -416,7 +423,8 @@ class ParamEncoder:
                     out[i, j] = c.default
                 else:
                     if c.log:
-                        number = math.log2(number) if number > 0 else c.lo - 1.0
+                        shifted = number + c.offset
+                        number = math.log2(shifted) if shifted > 0 else c.lo - 1.0
                     out[i, j] = (number - c.lo) / c.span
                 j += 1
             for name, flag in self.flags:
