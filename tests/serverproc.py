@@ -12,6 +12,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+# A client's first message, written out (the tests that speak the wire themselves).
+INITIALIZE = {
+    "jsonrpc": "2.0",
+    "id": 1,
+    "method": "initialize",
+    "params": {
+        "protocolVersion": "2025-06-18",
+        "capabilities": {},
+        "clientInfo": {"name": "raw", "version": "0"},
+    },
+}
+
 
 def cli(home: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     """Run the real CLI entry point (`python -m forecaster_mcp`) against a state directory."""

@@ -11,7 +11,7 @@ import anyio
 import httpx2
 import pytest
 from replay_kernels import conv_block as kernel
-from serverproc import HttpServer, cli, free_port, start_http
+from serverproc import INITIALIZE, HttpServer, cli, free_port, start_http
 
 from forecaster_mcp.server.client import ToolCallFailed, connect_http
 
@@ -236,16 +236,7 @@ def test_one_ledger_cannot_take_every_session(tmp_path: Path, conv_a100: Path) -
     home = tmp_path / "srv"
     tokens = {name: _ledger_and_token(home, name, 5) for name in ("mallory", "alice")}
     srv = start_http(home, ["--replay", str(conv_a100)], env={"FORECASTER_MCP_MAX_SESSIONS_PER_LEDGER": "2"})
-    body = {
-        "jsonrpc": "2.0",
-        "id": 1,
-        "method": "initialize",
-        "params": {
-            "protocolVersion": "2025-06-18",
-            "capabilities": {},
-            "clientInfo": {"name": "t", "version": "1"},
-        },
-    }
+    body = INITIALIZE
     headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
 
     def open_session(ledger: str) -> int:

@@ -12,22 +12,13 @@ from typing import Any
 
 import pytest
 from replay_kernels import FAST, conv
+from serverproc import INITIALIZE
 
 from forecaster_mcp.server.client import connect_stdio, stdio_params
 
 pytestmark = pytest.mark.anyio
 
 Replies = dict[int, dict[str, Any]]
-INITIALIZE = {
-    "jsonrpc": "2.0",
-    "id": 1,
-    "method": "initialize",
-    "params": {
-        "protocolVersion": "2025-06-18",
-        "capabilities": {},
-        "clientInfo": {"name": "raw", "version": "0"},
-    },
-}
 INITIALIZED = {"jsonrpc": "2.0", "method": "notifications/initialized"}
 
 

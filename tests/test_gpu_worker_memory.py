@@ -39,9 +39,9 @@ def vadd_workload(n: int) -> Workload:
     )
 
 
-def op(name: str) -> Kernel:
+def op(name: str, **defines: int | str) -> Kernel:
     launch = Launch.model_validate({"grid": [4], "block": [256]})
-    return Kernel(source=SRC, entry="vadd", launch=launch, defines={"FAKE_OP": name})
+    return Kernel(source=SRC, entry="vadd", launch=launch, defines={"FAKE_OP": name, **defines})
 
 
 def wrapper(tmp_path: Path, body: str) -> list[str]:
@@ -324,12 +324,7 @@ async def test_a_block_the_compiled_kernel_cannot_launch_is_refused_before_its_i
         "    return orig(*a, **k)\n"
         "g.generate_inputs = generate\n"
     )
-    heavy = Kernel(
-        source=SRC,
-        entry="vadd",
-        launch=Launch.model_validate({"grid": [4], "block": [256]}),
-        defines={"FAKE_OP": "add", "FAKE_MAX_THREADS": 128},
-    )
+    heavy = op("add", FAKE_MAX_THREADS=128)
     async with measurer(tmp_path, wrapper(tmp_path, body)) as m:
         refused = await m.measure(request(m, heavy, vadd_workload(1024)))
         generated_for_refused = marker.exists()
@@ -379,12 +374,7 @@ async def test_a_kernel_too_slow_for_any_timed_run_is_not_run_again(tmp_path: Pa
         "    return orig(self, *a, **k)\n"
         "f._FakeFunction.prepared_async_call = call\n"
     )
-    slow = Kernel(
-        source=SRC,
-        entry="vadd",
-        launch=Launch.model_validate({"grid": [4], "block": [256]}),
-        defines={"FAKE_OP": "side", "FAKE_WALL_MS": 3000},
-    )
+    slow = op("side", FAKE_WALL_MS=3000)
     async with measurer(tmp_path, wrapper(tmp_path, body)) as m:
         result = await m.measure(request(m, slow, vadd_workload(1024), reference=op("add"), max_seconds=10.0))
     assert result.status == "timeout" and "leaves no time for timed runs" in (result.message or "")
