@@ -678,7 +678,9 @@ def run_eval(
     names = parse_forecaster_arg(forecaster)
     if batch and "claude" not in names:
         # It only changes how Claude is asked; for the local model it lifted the chunking (4 GB for 10k pairs).
-        raise OperatorError("--batch applies to the Claude forecaster: add --forecaster claude (or local+claude)")
+        raise OperatorError(
+            "--batch applies to the Claude forecaster: add --forecaster claude (or local+claude)"
+        )
     main = read_pairs_file(pairs_path)
     cal_file = read_pairs_file(calibrate_on) if calibrate_on is not None else None
     if cal_file is not None:

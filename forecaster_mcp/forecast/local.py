@@ -195,7 +195,7 @@ class _Column:
     span: float = 1.0
     categories: tuple[str, ...] = ()
     default: float = 0.5  # encoded value used when a kernel lacks this parameter
-    offset: float = 0.0  # a log column's shift: log2(x + offset) (a range starting at 0, as unroll 0, 1, 2, 4...)
+    offset: float = 0.0  # a log column's shift, log2(x + offset): a range from 0 (unroll 0, 1, 2, 4...)
 
 
 _BLOCK_NAME = re.compile(r"^block_?size_?[xyz]$", re.IGNORECASE)
