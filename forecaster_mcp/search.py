@@ -838,6 +838,12 @@ def search_command(settings: Any, args: Any) -> int:
         if failed is None:
             raise
         raise OperatorError(f"a search run stopped: the server answered {failed}") from exc
+    if args.gpu_seconds is not None and all(t.measurements == 0 for t in traces):
+        # Not a result: "best 0.000 ... (budget spent)" at 0 GPU-s, and a space line for 1 measurement.
+        raise OperatorError(
+            f"no run could make a single measurement within --gpu-seconds {args.gpu_seconds:g}: the ledger "
+            "refused the first one (a measurement is held at up to its cap); raise --gpu-seconds"
+        )
     summary = summarize(traces)
     for strategy, s in summary.items():
         if strategy == "at_equal_gpu_seconds":

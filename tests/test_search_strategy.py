@@ -534,3 +534,15 @@ def test_search_forecasts_with_claude_only_when_asked(conv_a100: Path, tmp_path:
     no_key = {k: v for k, v in env.items() if "ANTHROPIC" not in k}
     refused = subprocess.run([*base, "--claude"], env=no_key, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "--claude needs an Anthropic API key" in refused.stderr
+
+
+def test_a_gpu_budget_too_small_for_one_measurement_is_an_error_not_a_result(
+    conv_a100: Path, tmp_path: Path
+) -> None:
+    """Below one measurement's cost every run made 0 measurements and was printed as a result ("best 0.000 ...
+    (budget spent)" at 0 GPU-s), with the space's difficulty for 1 measurement."""
+    from serverproc import cli
+
+    done = cli(tmp_path, "search", str(conv_a100), "--gpu-seconds", "0.0001", "--seeds", "1", check=False)
+    assert done.returncode == 2 and "could make a single measurement within --gpu-seconds" in done.stderr
+    assert "best-fraction median" not in done.stdout
