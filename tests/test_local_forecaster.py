@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 
@@ -1019,3 +1020,34 @@ def test_a_text_parameter_keeps_its_most_measured_categories_only() -> None:
     assert encoder.dim <= MAX_CATEGORIES + 4  # the kept categories, B and its flags
     assert encoder.unknown_names({"VARIANT": "common", "B": 64}) == []
     assert encoder.unknown_names({"VARIANT": "v999", "B": 64}) == ["VARIANT"]
+
+
+def test_a_define_new_to_a_large_family_is_optimised_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past 100 measurements fits only condition on new points; a define new to the family adds a dimension,
+    so the warm start no longer fits and the hyperparameters were optimised from the defaults, on the request
+    path, again on every call (never written back) until the next background refit."""
+    from forecaster_mcp.forecast import local
+
+    history = FakeHistory()
+    for bs in range(32, 32 + 8 * 120, 8):
+        history.add(member(bs, 1 + bs % 4), runtime(bs, 1 + bs % 4))
+    optimised = {"n": 0}
+    original = local._lbfgs
+
+    def counting(*a: Any, **k: Any) -> Any:
+        optimised["n"] += 1
+        return original(*a, **k)
+
+    monkeypatch.setattr(local, "_lbfgs", counting)
+    forecaster = LocalForecaster(history, nvcc=None, ptxas_wait_s=0.0)
+    monkeypatch.setattr(forecaster, "_start_refit", lambda *a: None)  # the background refit is not the point
+    ask = [query(member(256), member(264, 2))]
+    anyio.run(forecaster.forecast, ask)
+    counts = []
+    for i in range(3):
+        flagged = Kernel(source=SOURCE, entry="k", defines={"BS": 1000 + 8 * i, "UNROLL": 1, "EXTRA": 1})
+        history.add(flagged, runtime(1000 + 8 * i, 1))
+        optimised["n"] = 0
+        anyio.run(forecaster.forecast, ask)
+        counts.append(optimised["n"])
+    assert counts[0] >= 1 and counts[1:] == [0, 0]
