@@ -390,15 +390,13 @@ class Launch(_Strict):
 _DECIMAL_INT = re.compile(r"-?(0|[1-9][0-9]{0,17})")
 # An integer literal as C spells it: decimal, octal (leading 0) or hex, with an optional u/l suffix.
 C_INT_SUFFIX = r"(?:[uU][lL]{0,2}|[lL]{1,2}[uU]?)"
-_C_INT = re.compile(rf"([+-]?(?:0[xX][0-9a-fA-F]+|[0-9]+)){C_INT_SUFFIX}?")
+C_INT = re.compile(rf"([+-]?(?:0[xX][0-9a-fA-F]+|[0-9]+)){C_INT_SUFFIX}?")
 
 
 def c_integer(text: str) -> int | None:
     """The integer C reads in `text` when it is an integer literal ("016" is octal 14, "0x10" 16, "16u" 16),
-    else None ("09" is no octal number, "1_6" no literal)."""
-    if len(text) > 64:  # no tuning value is this long, and int() of thousands of digits is slow
-        return None
-    exact = _C_INT.fullmatch(text.strip())
+    else None ("09" is no octal number, "1_6" no literal; nor more digits than int() reads)."""
+    exact = C_INT.fullmatch(text.strip())
     if exact is None:
         return None
     digits = exact.group(1)

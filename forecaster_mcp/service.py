@@ -49,9 +49,7 @@ from forecaster_mcp.measure.base import OCCUPIED_ATTR, Measurer, MeasureRequest,
 from forecaster_mcp.measure.timing import median_ci_covers
 from forecaster_mcp.measure.worker_protocol import REFERENCE_FAILURE_PREFIX
 from forecaster_mcp.models import (
-    COMPILE_INTERRUPTED,
     CONTROL_CHARACTER,
-    INPUTS_UNFINISHED,
     MAX_CANDIDATES,
     MIN_CANDIDATES,
     MIN_MEASURE_SECONDS,
@@ -69,6 +67,7 @@ from forecaster_mcp.reports import BudgetStatus, GpuSpecRow
 from forecaster_mcp.settings import Settings
 from forecaster_mcp.store.db import (
     NOT_CACHEABLE,
+    NOT_THE_KERNELS,
     REFERENCE_FAILED,
     TIMEOUT_UNDER_LOWERED_CAP,
     ForecastRow,
@@ -456,11 +455,7 @@ class Service:
                 if m.status != "ok"
                 and (
                     m.status not in NOT_CACHEABLE
-                    or (
-                        m.status == "timeout"
-                        and not {TIMEOUT_UNDER_LOWERED_CAP, COMPILE_INTERRUPTED, INPUTS_UNFINISHED}
-                        & set(m.flags)
-                    )
+                    or (m.status == "timeout" and not set(NOT_THE_KERNELS) & set(m.flags))
                 )
             }
             for cid in list(results):

@@ -57,6 +57,18 @@ def wrapper(tmp_path: Path, body: str) -> list[str]:
     return [sys.executable, str(script)]
 
 
+def recording_calls(target: str, record: str, path: Path) -> str:
+    """Worker-script lines (for `wrapper`) that make each call of `target` first append `record`, an expression
+    of the call's arguments `a`, to the file `path`."""
+    return (
+        f"orig = {target}\n"
+        "def recorded(*a, **k):\n"
+        f"    open({str(path)!r}, 'a').write({record})\n"
+        "    return orig(*a, **k)\n"
+        f"{target} = recorded\n"
+    )
+
+
 def measurer(tmp_path: Path, worker_cmd: list[str]) -> PycudaMeasurer:
     return PycudaMeasurer(
         tmp_path / "cache",
@@ -316,13 +328,8 @@ async def test_a_block_the_compiled_kernel_cannot_launch_is_refused_before_its_i
     """Registers per thread (or __launch_bounds__) allow fewer threads per block than the launch asks: the
     worker generated and uploaded the whole workload (seconds, charged) before a launch that cannot succeed."""
     marker = tmp_path / "inputs-generated"
-    body = (
-        "import forecaster_mcp.measure.gpu_worker as g\n"
-        "orig = g.generate_inputs\n"
-        "def generate(*a, **k):\n"
-        f"    open({str(marker)!r}, 'a').write('x')\n"
-        "    return orig(*a, **k)\n"
-        "g.generate_inputs = generate\n"
+    body = "import forecaster_mcp.measure.gpu_worker as g\n" + recording_calls(
+        "g.generate_inputs", "'x'", marker
     )
     heavy = op("add", FAKE_MAX_THREADS=128)
     async with measurer(tmp_path, wrapper(tmp_path, body)) as m:
@@ -367,13 +374,8 @@ async def test_a_kernel_too_slow_for_any_timed_run_is_not_run_again(tmp_path: Pa
     """One run takes 3 s, the reference's check too, under max_seconds=10: after the check no timed run can fit,
     yet the worker ran the kernel once more (a warm-up, or with no timed sample a wall-clock run), charged."""
     launches = tmp_path / "launches"
-    body = (
-        "orig = f._FakeFunction.prepared_async_call\n"
-        "def call(self, *a, **k):\n"
-        f"    open({str(launches)!r}, 'a').write(self.module.image['defines'].get('FAKE_OP', '') + '\\n')\n"
-        "    return orig(self, *a, **k)\n"
-        "f._FakeFunction.prepared_async_call = call\n"
-    )
+    op_name = "a[0].module.image['defines'].get('FAKE_OP', '') + '\\n'"  # a[0]: the function called
+    body = recording_calls("f._FakeFunction.prepared_async_call", op_name, launches)
     slow = op("side", FAKE_WALL_MS=3000)
     async with measurer(tmp_path, wrapper(tmp_path, body)) as m:
         result = await m.measure(request(m, slow, vadd_workload(1024), reference=op("add"), max_seconds=10.0))

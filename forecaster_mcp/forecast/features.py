@@ -359,10 +359,13 @@ def _strided_accesses(text: str, shared: set[str], fast: set[str]) -> int:
     for line in text.splitlines():
         if len(line) > _MAX_LINE:
             continue
+        products = [*fast_times.finditer(line), *times_fast.finditer(line)]
+        if not products:
+            continue
         # Where a product on this line can be an address: an integer later used as an index, a pointer.
         index_names = {m.group(1) for m in _INT_ASSIGN.finditer(line)} & indices
         pointer = _POINTER_ASSIGN.search(line) is not None
-        for m in [*fast_times.finditer(line), *times_fast.finditer(line)]:
+        for m in products:
             other = m.group(1)
             if (
                 other in _NOT_A_SIZE

@@ -47,7 +47,7 @@ from forecaster_mcp import bins
 from forecaster_mcp.forecast.base import BinForecast, PairQuery, PartialForecast
 from forecaster_mcp.forecast.features import StaticFeatures, kernel_features, prior_shift
 from forecaster_mcp.forecast.ptxas import PtxasUsage
-from forecaster_mcp.models import C_INT_SUFFIX, Kernel, c_integer
+from forecaster_mcp.models import C_INT, C_INT_SUFFIX, Kernel, c_integer
 from forecaster_mcp.store.db import FamilyPoint
 
 Array = NDArray[np.float64]
@@ -98,7 +98,7 @@ def _as_number(value: Any) -> float | None:
         # A -D value as C writes it: 16, "16", 0x10, 16u, 2.5f, 1e-3 (suffixes and hex are still numbers, and
         # a tuning parameter read as a category loses its order).
         text = value.strip()
-        if _C_INT.fullmatch(text) is not None:
+        if C_INT.fullmatch(text) is not None:
             # An integer literal (hex and suffixes included) as C reads it: "016" is octal 14, as in row_key.
             exact = _canonical(text)
             if isinstance(exact, int):
@@ -159,16 +159,13 @@ def _canonical(value: Any) -> int | float | str:
         return value
     if isinstance(value, str):
         text = value.strip()
-        if _C_INT.fullmatch(text) is not None:
+        if C_INT.fullmatch(text) is not None:
             exact = c_integer(text)
             return text if exact is None else exact  # None: "09", not octal, not a number C reads
     number = _as_number(value)
     if number is None:
         return str(value).strip()
     return int(number) if number.is_integer() and abs(number) < 2.0**53 else number
-
-
-_C_INT = re.compile(rf"([+-]?(?:0[xX][0-9a-fA-F]+|[0-9]+)){_INT_SUFFIX}?")  # as models.c_integer reads
 
 
 def _category(value: Any) -> str:

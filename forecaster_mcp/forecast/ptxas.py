@@ -120,15 +120,17 @@ def find_nvcc(configured: str | None) -> str | None:
 
 
 @functools.lru_cache(maxsize=8)
-def nvcc_version(nvcc: str) -> str:
-    """The compiler's version line (`nvcc --version`), part of every cache key: a toolkit upgraded behind the
-    same path must not be served the old compiler's results. 'unknown' when it cannot say."""
+def nvcc_version(command: str | tuple[str, ...]) -> str:
+    """The compiler's version line (the last line `nvcc --version` prints), part of every cache key here and
+    in the measurer's: a toolkit upgraded behind the same path must not be served the old compiler's results.
+    `command`: nvcc's path, or the words that run it. 'unknown' when it cannot say."""
+    words = [command] if isinstance(command, str) else list(command)
     try:
-        done = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=30, check=False)
+        done = subprocess.run([*words, "--version"], capture_output=True, text=True, timeout=30, check=False)
     except (OSError, ValueError, subprocess.SubprocessError):  # ValueError: a path with a NUL
         return "unknown"
     lines = [ln for ln in done.stdout.splitlines() if ln.strip()]
-    return lines[-1] if done.returncode == 0 and lines else "unknown"
+    return lines[-1] if lines else "unknown"
 
 
 @functools.lru_cache(maxsize=8)
@@ -198,11 +200,11 @@ def parse_ptxas(output: str) -> tuple[PtxasEntry, ...]:
     return tuple(out)
 
 
-def _cache_key(kernel: Kernel, arch: str, nvcc: str, flags: list[str]) -> str:
+def _cache_key(kernel: Kernel, arch: str, nvcc: str, flags: list[str], target: str) -> str:
     defines = {k: kernel.defines[k] for k in sorted(kernel.defines)}
     payload = {
         "v": CACHE_VERSION, "source": kernel.source_hash(), "defines": defines, "arch": arch, "nvcc": nvcc,
-        "nvcc_version": nvcc_version(nvcc), "flags": flags, "target": _target_flag(kernel.compile_options, arch),
+        "nvcc_version": nvcc_version(nvcc), "flags": flags, "target": target,
     }  # fmt: skip
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:40]
 
@@ -285,7 +287,10 @@ async def ptxas_usage(
     if kernel.language != "cuda" or nvcc is None or not _ARCH.match(arch):
         return None
     flags = safe_options(kernel.compile_options)
-    key = await anyio.to_thread.run_sync(_cache_key, kernel, arch, nvcc, flags)  # nvcc --version, once
+    target = _target_flag(kernel.compile_options, arch)
+    key = await anyio.to_thread.run_sync(
+        _cache_key, kernel, arch, nvcc, flags, target
+    )  # nvcc --version, once
     cache_path = cache_dir / "ptxas" / f"{key}.json" if cache_dir else None
     if cache_path is not None:
         hit, cached = _read_cache(cache_path)
@@ -298,7 +303,7 @@ async def ptxas_usage(
         cmd = [
             nvcc,
             "-cubin",
-            _target_flag(kernel.compile_options, arch),
+            target,
             "-Xptxas",
             "-v",
             *flags,

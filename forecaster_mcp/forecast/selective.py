@@ -169,13 +169,8 @@ def choose_threshold(
     ) -> ThresholdChoice:
         return ThresholdChoice(threshold, n, ucb, reason, source, n_above, target_error, delta)
 
-    def above(t: float) -> tuple[int, int]:
-        sel = conf >= t
-        # Half-credit coin flips count as errors: the bound must stay conservative.
-        return int(sel.sum()), math.ceil(float(err[sel].sum()) - 1e-9)
-
     if n < need:
-        n_d, k_d = above(default)
+        n_d, k_d = _decided_at(conf, err, default)
         if _refutes(k_d, n_d, target_error, delta):
             return choice(
                 NEVER,
@@ -197,7 +192,7 @@ def choose_threshold(
 
     accepted: tuple[float, int, int] | None = None
     for t in GRID:
-        n_t, k_t = above(t)
+        n_t, k_t = _decided_at(conf, err, t)
         if n_t < need:
             continue  # too few pairs this high to be worth a test; skipping depends on confidences only
         if not _certifies(k_t, n_t, target_error, delta):
@@ -222,7 +217,7 @@ def choose_threshold(
     # that confident yet, or an observed error there within target (too few pairs to certify, not enough
     # to refute). Its burden is the point estimate, not a test proving it errs: an overconfident forecaster
     # whose error at the default sits a little above target would otherwise keep deciding for ever.
-    n_d, k_d = above(default)
+    n_d, k_d = _decided_at(conf, err, default)
     if n_d > 0 and k_d > target_error * n_d:
         return choice(
             NEVER,
@@ -243,6 +238,13 @@ def choose_threshold(
     )
 
 
+def _decided_at(conf: np.ndarray[Any, Any], err: np.ndarray[Any, Any], threshold: float) -> tuple[int, int]:
+    """(pairs, errors) of the history at confidence >= `threshold`. Half-credit coin flips count as errors:
+    the bound must stay conservative."""
+    sel = conf >= threshold
+    return int(sel.sum()), math.ceil(float(err[sel].sum()) - 1e-9)
+
+
 def refuted_below(
     choice: ThresholdChoice,
     confidences: Sequence[float] | np.ndarray[Any, Any],
@@ -255,10 +257,8 @@ def refuted_below(
     25 must not decide on a threshold other GPUs' 1000 right pairs certified."""
     if choice.threshold >= NEVER:
         return choice
-    conf = np.asarray(confidences, dtype=np.float64)
-    sel = conf >= choice.threshold
-    n = int(sel.sum())
-    k = math.ceil(float((1.0 - np.asarray(correct, dtype=np.float64))[sel].sum()) - 1e-9)
+    err = 1.0 - np.asarray(correct, dtype=np.float64)
+    n, k = _decided_at(np.asarray(confidences, dtype=np.float64), err, choice.threshold)
     if not _refutes(k, n, choice.target_error, choice.delta):
         return choice
     return replace(

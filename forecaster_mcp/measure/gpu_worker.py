@@ -471,9 +471,8 @@ class GpuSession:
                 job, kernel, buffers, deadline, reserve, progress, first_run_s
             )
             self._guards(buffers, "during timing")
-            if (
-                not samples
-            ):  # before the wall-clock runs: with no sample their time check had nothing to go on
+            # Before the wall-clock runs: with no sample their time check had nothing to go on.
+            if not samples:
                 raise JobFailure(
                     "timeout",
                     f"one checked run takes {check_seconds:.3g} s and generating and uploading an input set "

@@ -352,17 +352,7 @@ class NvccCompiler:
     def version(self) -> str:
         """The compiler's version line (part of every cache key); 'unavailable' without nvcc."""
         if self._version is None:
-            if self.command is None:
-                self._version = "unavailable"
-            else:
-                try:
-                    out = subprocess.run(
-                        [*self.command, "--version"], capture_output=True, text=True, timeout=30
-                    )
-                    lines = [ln for ln in out.stdout.splitlines() if ln.strip()]
-                    self._version = lines[-1] if lines else "unknown"
-                except (OSError, subprocess.SubprocessError):
-                    self._version = "unknown"
+            self._version = "unavailable" if self.command is None else ptxas.nvcc_version(tuple(self.command))
         return self._version
 
     def key(self, kernel: Kernel, arch: str) -> str:

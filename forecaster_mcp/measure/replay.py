@@ -127,7 +127,7 @@ def normalize_value(value: Any) -> int | float | str:
     integer = c_integer(text)
     if integer is not None:
         return integer
-    if len(text) <= 64 and _C_FLOAT.fullmatch(text):
+    if _C_FLOAT.fullmatch(text):
         number = float(text)
         if math.isfinite(number):
             return int(number) if number.is_integer() else number

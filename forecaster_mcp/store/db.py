@@ -78,10 +78,10 @@ REFERENCE_FAILED = "reference_failed"
 # A row that is ok, or whose failure was the kernel's own (none of these flags): what is learned and answered from.
 # (COMPILE_INTERRUPTED: the compiler, not the kernel, ran out of time or was killed; INPUTS_UNFINISHED: the time
 # ran out while the workload's inputs were made, before the kernel ran.)
+NOT_THE_KERNELS = (TIMEOUT_UNDER_LOWERED_CAP, REFERENCE_FAILED, COMPILE_INTERRUPTED, INPUTS_UNFINISHED)
 _KERNELS_OWN = (
     "(status = 'ok' OR NOT EXISTS (SELECT 1 FROM json_each(result_json, '$.flags') "
-    f"WHERE value IN ('{TIMEOUT_UNDER_LOWERED_CAP}', '{REFERENCE_FAILED}', '{COMPILE_INTERRUPTED}', "
-    f"'{INPUTS_UNFINISHED}')))"
+    f"WHERE value IN ({', '.join(repr(flag) for flag in NOT_THE_KERNELS)})))"
 )
 _PLACES = ", ".join("?" for _ in _NOT_CACHEABLE)
 
@@ -413,13 +413,12 @@ def _lock_says(folder: Path | None, pid: int, host: str, pidns: str | None, star
         os.close(fd)
 
 
-def _same_kernel(me: _Owner, start: str | None) -> bool:
-    """Whether the owner ran under this process's kernel (the same readable boot id): where a flock is
-    authoritative."""
+def _boot_ids(me: _Owner, start: str | None) -> tuple[str, str] | None:
+    """(this process's boot id, the owner's), None where either cannot be read."""
     if me.start is None or start is None:
-        return False
-    my_boot, owner_boot = me.start.split(":", 1)[0], start.split(":", 1)[0]
-    return "?" not in (my_boot, owner_boot) and my_boot == owner_boot
+        return None
+    mine, owner = me.start.split(":", 1)[0], start.split(":", 1)[0]
+    return None if "?" in (mine, owner) else (mine, owner)
 
 
 def _owner_state(
@@ -428,12 +427,13 @@ def _owner_state(
     """'dead', 'alive' (verified, same start time) or 'unknown' (cannot check from here). `locks`: the state
     folder's owner-lock folder, asked when pids cannot tell (another PID namespace of this kernel)."""
     # Dead only on positive evidence: a hold released while its owner still measures is an overspent ledger.
+    boots = _boot_ids(me, start)
     if host != me.host or pidns != me.pidns:
-        return _lock_says(locks, pid, host, pidns, start) if _same_kernel(me, start) else "unknown"
-    if me.start is not None and start is not None:
-        my_boot, owner_boot = me.start.split(":", 1)[0], start.split(":", 1)[0]
-        if "?" not in (my_boot, owner_boot) and owner_boot != my_boot:
-            return "dead"  # the machine rebooted since
+        # Only under this process's kernel (the same boot id) is an owner's flock authoritative.
+        same_kernel = boots is not None and boots[0] == boots[1]
+        return _lock_says(locks, pid, host, pidns, start) if same_kernel else "unknown"
+    if boots is not None and boots[0] != boots[1]:
+        return "dead"  # the machine rebooted since
     ticks = _start_ticks(pid)
     if ticks == _GONE:
         return "dead"
@@ -442,11 +442,9 @@ def _owner_state(
     return "alive" if start.split(":", 1)[1] == ticks else "dead"  # another start time: the pid was reused
 
 
-def _releasable(
-    me: _Owner, pid: Any, host: Any, pidns: Any, start: Any, expires_at: Any, now: float, locks: Path | None
-) -> bool:
-    """Whether an open hold may be released now: its owner is dead, or expired and not provably alive."""
-    state = _owner_state(me, int(pid), str(host), pidns, start, locks)
+def _releasable(state: str, expires_at: Any, now: float) -> bool:
+    """Whether an open hold whose owner is in `state` (`_owner_state`) may be released now: its owner is dead,
+    or the hold expired and its owner is not provably alive."""
     return state == "dead" or (state == "unknown" and float(expires_at) < now)
 
 
@@ -960,9 +958,9 @@ class Store:
         now = time.time()
         # Only a hold that is releasable now is worth the write lock: another server's live measurement is not
         # (a reader queued behind every writer for nothing, up to the 30 s busy timeout).
-        locks = self._locks
         if not any(
-            _releasable(me, pid, host, ns, start, exp, now, locks) for pid, host, ns, start, exp in others
+            _releasable(_owner_state(me, int(pid), str(host), ns, start, self._locks), exp, now)
+            for pid, host, ns, start, exp in others
         ):
             return 0
         try:
@@ -999,9 +997,9 @@ class Store:
         )
         released = 0
         for rid, ledger, amount, pid, host, pidns, start, expires_at in rows:
-            if not _releasable(me, pid, host, pidns, start, expires_at, now, self._locks):
-                continue
             state = _owner_state(me, int(pid), str(host), pidns, start, self._locks)
+            if not _releasable(state, expires_at, now):
+                continue
             reason = (
                 f"owner pid {pid} on {host} is gone"
                 if state == "dead"
