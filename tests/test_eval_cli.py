@@ -597,3 +597,93 @@ def test_eval_compiles_every_kernel_of_the_file_for_ptxas_features(tmp_path: Pat
     compiled = list((tmp_path / "with" / "cache" / "ptxas").glob("*.json"))
     assert len(compiled) == len(blocks)  # one per distinct kernel, more than 8
     assert not (tmp_path / "without" / "cache" / "ptxas").exists()
+
+
+_Table = dict[int, tuple[float, float]]  # a candidate's V define -> (speedup, p_faster)
+
+
+class _Keyed:
+    """A forecaster answering each pair's p_faster from its table; no answer for a pair not in it."""
+
+    version = "0"
+
+    def __init__(self, name: str, table: _Table) -> None:
+        self.name, self._table = name, table
+
+    async def forecast(self, queries: Any) -> list[Any]:
+        from forecaster_mcp.forecast.base import BinForecast
+
+        out: list[Any] = []
+        for q in queries:
+            row = self._table.get(int(q.candidate.defines["V"]))
+            if row is None:
+                out.append(None)
+            else:
+                pf = row[1]
+                out.append(BinForecast([(1 - pf) / 4] * 4 + [pf / 4] * 4, "keyed"))
+        return out
+
+
+def _keyed_files(tmp_path: Path) -> tuple[Path, Path, _Table, _Table]:
+    """A calibration file of 160 pairs (right 9 times in 10, confidences 0.6 to 0.95) and 20 pairs to score (raw
+    p_faster 0.7, all faster); the tables say each pair's speedup and forecast p_faster."""
+
+    def kernel(v: int) -> dict[str, Any]:
+        return {**_kernel(128), "defines": {"BLOCK": 128, "V": v}}
+
+    cal_table = {}
+    for i in range(160):
+        right = 0.6 + 0.35 * (i % 7) / 6
+        speedup = 2.0 if (i // 2) % 2 == 0 else 0.5
+        cal_table[i] = (speedup, right if (speedup > 1) == (i % 10 > 0) else 1 - right)
+    main_table = {i: (2.0, 0.7) for i in range(1000, 1020)}
+    files = []
+    for name, table in (("cal", cal_table), ("main", main_table)):
+        rows: list[dict[str, Any] | str] = [
+            {"id": f"{name}{i}", "hardware": "A100", "workload": WORKLOAD, "baseline": kernel(10_000 + i),
+             "candidate": kernel(i), "speedup": s}
+            for i, (s, _) in table.items()
+        ]  # fmt: skip
+        files.append(_write(tmp_path / f"{name}.jsonl", rows))
+    return files[0], files[1], cal_table, main_table
+
+
+def _eval_keyed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, files: tuple[Path, Path], first: Any, second: Any
+) -> list[str]:
+    from forecaster_mcp.forecast import evaluate
+
+    cal, pairs = files
+    monkeypatch.setattr(evaluate, "build_forecasters", lambda *a, **k: [first, second])
+    out = tmp_path / "out"
+    argv = ["eval", str(pairs), "--calibrate-on", str(cal), "--out", str(out), "--target-error", "0.3"]
+    assert main([*argv, "--forecaster", "local+claude"]) == 0
+    return [json.loads(line)["verdict"] for line in (out / "predictions.jsonl").read_text().splitlines()]
+
+
+def test_a_forecast_missing_a_component_is_decided_at_the_default_as_the_server_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Claude answered none of the scored pairs: the local model's answers alone (0.674 calibrated) were decided
+    'faster' at the 0.583 the combination's history certified; the server decides such forecasts at no lower
+    than the default (0.85 for target 0.3): unsure."""
+    cal, pairs, cal_table, main_table = _keyed_files(tmp_path)
+    local, claude = _Keyed("local", {**cal_table, **main_table}), _Keyed("claude", cal_table)
+    verdicts = _eval_keyed(tmp_path, monkeypatch, (cal, pairs), local, claude)
+    out = capsys.readouterr().out
+    assert "threshold on A100-SXM4-80GB: 0.58" in out  # certified on the combination's history
+    assert set(verdicts) == {"unsure"}
+    assert "20 pair(s) lack a component's answer" in out
+
+
+def test_calibration_pairs_missing_a_component_certify_no_threshold_of_the_combination(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Claude answered none of the calibration pairs: the local model's answers alone certified 0.585 for
+    local+claude, and its forecasts at 0.687 were decided 'faster'. The server stores such forecasts under the
+    local model's name: the combination has no history, so its default (0.85) stands."""
+    cal, pairs, cal_table, main_table = _keyed_files(tmp_path)
+    local, claude = _Keyed("local", {**cal_table, **main_table}), _Keyed("claude", main_table)
+    verdicts = _eval_keyed(tmp_path, monkeypatch, (cal, pairs), local, claude)
+    assert "threshold on A100-SXM4-80GB: 0.850" in capsys.readouterr().out
+    assert set(verdicts) == {"unsure"}

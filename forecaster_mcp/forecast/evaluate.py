@@ -420,7 +420,9 @@ async def _calibrate_phase(
             continue
         if i % 2 == 0:
             fit.append(f.outcome(q.hardware_name, p.speedup))
-        else:
+        elif not f.partial:
+            # A forecast some components did not answer is not the combination's: the server stores it under
+            # the names of those that did, so it certifies none of the combination's thresholds.
             hw.append(q.hardware_name)
             raw.append(dict(f.raw))
             slots.append(dict(f.slots))
@@ -700,9 +702,16 @@ def run_eval(
 
     final_probs = np.array([f.probs for f in forecasts])
     final = M.summarize(final_probs, speedups)
-    verdicts = [
-        f.verdict(thresholds[(hw, f.regime)].threshold) for f, hw in zip(forecasts, hardware, strict=True)
-    ]
+    # As the server decides: a forecast lacking a component's answer at no lower than its regime's default.
+    choices = [thresholds[(hw, f.regime)] for f, hw in zip(forecasts, hardware, strict=True)]
+    applied = [engine.threshold_for(f, c) for f, c in zip(forecasts, choices, strict=True)]
+    verdicts = [f.verdict(c.threshold) for f, c in zip(forecasts, applied, strict=True)]
+    raised = sum(a is not c for a, c in zip(applied, choices, strict=True))
+    if raised:
+        notes.append(
+            f"{raised} pair(s) lack a component's answer: decided at no lower than their regime's default "
+            "threshold, as the server decides them, not at the threshold printed for the combination"
+        )
     d = M.decided_summary(verdicts, speedups)
     final.update(
         {
