@@ -603,61 +603,70 @@ _Table = dict[int, tuple[float, float]]  # a candidate's V define -> (speedup, p
 
 
 class _Keyed:
-    """A forecaster answering each pair's p_faster from its table; no answer for a pair not in it."""
+    """A forecaster answering each pair's p_faster from its table; no answer for a pair not in it. Pairs in
+    `lookups` are answered as the local model answers two measured kernels (both flagged measured)."""
 
     version = "0"
 
-    def __init__(self, name: str, table: _Table) -> None:
-        self.name, self._table = name, table
+    def __init__(self, name: str, table: _Table, lookups: range = range(0)) -> None:
+        self.name, self._table, self._lookups = name, table, lookups
 
     async def forecast(self, queries: Any) -> list[Any]:
         from forecaster_mcp.forecast.base import BinForecast
 
         out: list[Any] = []
         for q in queries:
-            row = self._table.get(int(q.candidate.defines["V"]))
+            v = int(q.candidate.defines["V"])
+            row = self._table.get(v)
             if row is None:
                 out.append(None)
             else:
                 pf = row[1]
-                out.append(BinForecast([(1 - pf) / 4] * 4 + [pf / 4] * 4, "keyed"))
+                measured = {"measured": 1.0, "baseline_measured": 1.0} if v in self._lookups else {}
+                out.append(BinForecast([(1 - pf) / 4] * 4 + [pf / 4] * 4, "keyed", measured))
         return out
+
+
+def _keyed_kernel(v: int) -> dict[str, Any]:
+    return {**_kernel(128), "defines": {"BLOCK": 128, "V": v}}
+
+
+def _table_files(tmp_path: Path, cal_table: _Table, main_table: _Table) -> tuple[Path, Path]:
+    """A calibration file and a pairs file with a pair per table entry (its candidate's V define, its speedup)."""
+    files = []
+    for name, table in (("cal", cal_table), ("main", main_table)):
+        rows: list[dict[str, Any] | str] = [
+            {"id": f"{name}{i}", "hardware": "A100", "workload": WORKLOAD, "baseline": _keyed_kernel(10_000 + i),
+             "candidate": _keyed_kernel(i), "speedup": s}
+            for i, (s, _) in table.items()
+        ]  # fmt: skip
+        files.append(_write(tmp_path / f"{name}.jsonl", rows))
+    return files[0], files[1]
 
 
 def _keyed_files(tmp_path: Path) -> tuple[Path, Path, _Table, _Table]:
     """A calibration file of 160 pairs (right 9 times in 10, confidences 0.6 to 0.95) and 20 pairs to score (raw
     p_faster 0.7, all faster); the tables say each pair's speedup and forecast p_faster."""
-
-    def kernel(v: int) -> dict[str, Any]:
-        return {**_kernel(128), "defines": {"BLOCK": 128, "V": v}}
-
     cal_table = {}
     for i in range(160):
         right = 0.6 + 0.35 * (i % 7) / 6
         speedup = 2.0 if (i // 2) % 2 == 0 else 0.5
         cal_table[i] = (speedup, right if (speedup > 1) == (i % 10 > 0) else 1 - right)
     main_table = {i: (2.0, 0.7) for i in range(1000, 1020)}
-    files = []
-    for name, table in (("cal", cal_table), ("main", main_table)):
-        rows: list[dict[str, Any] | str] = [
-            {"id": f"{name}{i}", "hardware": "A100", "workload": WORKLOAD, "baseline": kernel(10_000 + i),
-             "candidate": kernel(i), "speedup": s}
-            for i, (s, _) in table.items()
-        ]  # fmt: skip
-        files.append(_write(tmp_path / f"{name}.jsonl", rows))
-    return files[0], files[1], cal_table, main_table
+    return *_table_files(tmp_path, cal_table, main_table), cal_table, main_table
 
 
 def _eval_keyed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, files: tuple[Path, Path], first: Any, second: Any
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, files: tuple[Path, Path], *forecasters: Any
 ) -> list[str]:
+    """Eval (target error 0.3) of files[1] calibrated on files[0] with these forecasters; the verdicts."""
     from forecaster_mcp.forecast import evaluate
 
     cal, pairs = files
-    monkeypatch.setattr(evaluate, "build_forecasters", lambda *a, **k: [first, second])
+    monkeypatch.setattr(evaluate, "build_forecasters", lambda *a, **k: list(forecasters))
     out = tmp_path / "out"
     argv = ["eval", str(pairs), "--calibrate-on", str(cal), "--out", str(out), "--target-error", "0.3"]
-    assert main([*argv, "--forecaster", "local+claude"]) == 0
+    assert main([*argv, "--forecaster", "+".join(f.name for f in forecasters)]) == 0
     return [json.loads(line)["verdict"] for line in (out / "predictions.jsonl").read_text().splitlines()]
 
 
@@ -687,3 +696,26 @@ def test_calibration_pairs_missing_a_component_certify_no_threshold_of_the_combi
     verdicts = _eval_keyed(tmp_path, monkeypatch, (cal, pairs), local, claude)
     assert "threshold on A100-SXM4-80GB: 0.850" in capsys.readouterr().out
     assert set(verdicts) == {"unsure"}
+
+
+def test_calibration_pairs_the_history_answers_neither_calibrate_nor_certify(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A calibration file whose history measures both kernels of 100 of its 200 pairs: those are answered from
+    the measurements (0.9999, right), which the server neither stores nor learns from. Eval counted them: with
+    the other forecasts right only 60% of the time at 0.7, they certified 0.645 (20 errors in 100) and every
+    scored pair, as good as those forecasts, was decided: 40% of them wrong against a target of 0.3."""
+
+    def forecast(i: int, right: bool, p: float) -> tuple[float, float]:
+        speedup = 2.0 if (i // 2) % 2 == 0 else 0.5
+        return speedup, p if (speedup > 1) == right else 1 - p
+
+    cal_table = {
+        i: forecast(i, True, 0.9999) if i < 100 else forecast(i, i % 5 >= 2, 0.7) for i in range(200)
+    }
+    main_table = {i: forecast(i, i % 5 >= 2, 0.7) for i in range(1000, 1040)}
+    local = _Keyed("local", {**cal_table, **main_table}, lookups=range(100))
+    verdicts = _eval_keyed(tmp_path, monkeypatch, _table_files(tmp_path, cal_table, main_table), local)
+    assert set(verdicts) == {"unsure"}  # nothing certified on 50 forecasts erring 40% of the time
+    notes = json.loads((tmp_path / "out" / "metrics.json").read_text())["notes"]
+    assert any("100 pair(s) have both kernels in the file's history" in n for n in notes)

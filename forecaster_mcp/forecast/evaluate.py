@@ -12,7 +12,8 @@ measurements the local model may learn from (the kernel family's online model), 
 would hold them. Pairs never share a kernel with history written by make-pairs.
 
 `--calibrate-on CAL.jsonl` forecasts CAL's pairs first and splits them alternately by their order among the pairs
-(history lines not counted; a pair no forecaster answered is skipped): the 1st, 3rd, ... fit the calibration and
+(history lines not counted; a pair no forecaster answered is skipped, and so is one answered from two
+measurements of the file's history, which the server would not learn from): the 1st, 3rd, ... fit the calibration and
 combination, the 2nd, 4th, ... (forecast with that calibration) choose the selective threshold,
 so the threshold is certified on pairs the calibration never saw. Then PAIRS is evaluated.
 """
@@ -415,7 +416,14 @@ async def _calibrate_phase(
     fit, hw, raw, slots, speedups = [], [], [], [], []
     regimes: list[Regime] = []
     fails: list[tuple[float, float]] = []
+    lookups = 0
     for i, (q, p, f) in enumerate(zip(queries, cal.pairs, forecasts, strict=True)):
+        if f.from_measurements:
+            # Answered from two measurements of the file's history: measured truth, near-certain and right. The
+            # server neither stores nor learns from such answers; here they sharpened the calibration and
+            # certified thresholds the forecasts themselves would not.
+            lookups += 1
+            continue
         if not f.raw:
             continue
         if i % 2 == 0:
@@ -430,6 +438,11 @@ async def _calibrate_phase(
             speedups.append(p.speedup)
             fails.append((f.p_fail, p_fail_baseline_of(f.extras)))
     notes = _unknown_gpu_notes(cal.pairs) + sorted({n for f in forecasts for n in f.notes})
+    if lookups:
+        notes.append(
+            f"{lookups} pair(s) have both kernels in the file's history: answered from those measurements, they "
+            "are left out of the calibration and the thresholds (as the server leaves such answers out)"
+        )
     return _Calibration(
         fit, hw, raw, slots, regimes, speedups, len(cal.pairs), _llm_usage(forecasters), fails
     ), notes
