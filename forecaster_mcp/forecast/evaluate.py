@@ -412,7 +412,7 @@ async def _calibrate_phase(
     )
     engine = ForecastEngine(forecasters, None)
     queries = _queries(cal.pairs)
-    forecasts = await engine.forecast(queries, bulk=batch)
+    forecasts = await _forecast_in_chunks(engine, queries, batch)
     fit, hw, raw, slots, speedups = [], [], [], [], []
     regimes: list[Regime] = []
     fails: list[tuple[float, float]] = []
@@ -446,6 +446,22 @@ async def _calibrate_phase(
     return _Calibration(
         fit, hw, raw, slots, regimes, speedups, len(cal.pairs), _llm_usage(forecasters), fails
     ), notes
+
+
+async def _forecast_in_chunks(
+    engine: ForecastEngine, queries: Sequence[PairQuery], batch: bool
+) -> list[EngineForecast]:
+    """The engine's forecasts of `queries`, EVAL_CHUNK_PAIRS pairs a call (the pairs file and --calibrate-on's).
+
+    In chunks: the local model predicts a call's unmeasured kernels jointly (memory grows with the square of their
+    number; 11k distinct kernels in one call took 6 GB). Each pair's two kernels share a chunk. With `batch`, one
+    Message Batches submission for the file: chunks would each wait their turn on the API."""
+    if batch:
+        return await engine.forecast(queries, bulk=True)
+    forecasts: list[EngineForecast] = []
+    for start in range(0, len(queries), EVAL_CHUNK_PAIRS):
+        forecasts += await engine.forecast(queries[start : start + EVAL_CHUNK_PAIRS])
+    return forecasts
 
 
 def _apply_calibration(engine: ForecastEngine, cal: _Calibration) -> None:
@@ -572,14 +588,7 @@ async def _forecast_all(
     if calibration is not None:
         _apply_calibration(engine, calibration)
     queries = _queries(main.pairs)
-    if batch:  # one Message Batches submission for the file: chunks would each wait their turn on the API
-        forecasts = await engine.forecast(queries, bulk=True)
-    else:
-        # In chunks: the local model predicts a call's unmeasured kernels jointly (memory grows with the square
-        # of their number; 11k distinct kernels in one call took 6 GB). Each pair's two kernels share a chunk.
-        forecasts = []
-        for start in range(0, len(queries), EVAL_CHUNK_PAIRS):
-            forecasts += await engine.forecast(queries[start : start + EVAL_CHUNK_PAIRS])
+    forecasts = await _forecast_in_chunks(engine, queries, batch)
     notes += _unknown_gpu_notes(main.pairs) + _pairs_notes(main)
     notes += sorted({n for f in forecasts for n in f.notes})
     # Per GPU the threshold of each regime forecasts were made in (module doc of forecast/engine.py).
