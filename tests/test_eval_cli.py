@@ -736,3 +736,19 @@ def test_calibration_pairs_are_forecast_in_chunks_as_the_scored_pairs_are(
     local = _Keyed("local", {**cal_table, **main_table})
     _eval_keyed(tmp_path, monkeypatch, _table_files(tmp_path, cal_table, main_table), local)
     assert local.calls == [4, 4, 2, 4, 2]  # the calibration file's 10 pairs, then the 6 scored
+
+
+def test_calibration_thresholds_are_certified_on_every_calibration_pair(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server certifies on its newest 2000 verified forecasts (older ones were issued under an older
+    calibration); eval kept that window, so a calibration file's threshold rested on its last 2000 history pairs
+    in file order, often one recording's: on 6,000 convolution then dedispersion A100 pairs, 500 of the 1,500
+    convolution ones counted, and the 0.530 certified let convolution's decided verdicts err 13.1% of the
+    time (target 0.1; 0.575 and 11.6% on all 2,476)."""
+    cal_table = {i: (2.0 if i % 2 else 0.5, 0.9 if i % 2 else 0.1) for i in range(4100)}
+    main_table = {i: (2.0, 0.9) for i in range(20_000, 20_004)}
+    local = _Keyed("local", {**cal_table, **main_table})
+    _eval_keyed(tmp_path, monkeypatch, _table_files(tmp_path, cal_table, main_table), local)
+    threshold = json.loads((tmp_path / "out" / "metrics.json").read_text())["thresholds"]["A100-SXM4-80GB"]
+    assert threshold["n_history"] == 2050  # the 2nd, 4th, ... of 4,100 calibration pairs

@@ -257,6 +257,10 @@ class ForecastEngine:
     `timeout_s` bounds forecasters that declare `remote = True` (a network API such as Claude's): one still
     answering after that long is skipped with a note. Local forecasters are not timed out: their answer is
     the one a compare falls back on, and a first fit or ptxas compile may take seconds.
+
+    `history_window`: the newest verified forecasts a threshold is certified on (HISTORY_WINDOW: forecasts
+    issued under an older calibration stop counting). None counts them all: an evaluation's were all made under
+    one calibration, and their order is only the file's.
     """
 
     def __init__(
@@ -268,6 +272,7 @@ class ForecastEngine:
         delta: float = 0.05,
         timeout_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        history_window: int | None = HISTORY_WINDOW,
     ) -> None:
         if not forecasters:
             raise ValueError("the engine needs at least one forecaster")
@@ -281,6 +286,7 @@ class ForecastEngine:
         self._delta = delta
         self._timeout_s = timeout_s
         self._clock = clock
+        self._history_window = history_window
         self._slots = [n + _SUFFIX[r] for n in names for r in REGIMES]
         # In the store every component is "<name>@<version>" (for Claude the version is the model): a
         # calibration, combination weights or threshold history learned on one model's forecasts says nothing
@@ -525,11 +531,12 @@ class ForecastEngine:
         history = self._history.get(regime, {})
         default = default_threshold_for(regime, target_error)
         need = default_min_history(target_error, self._delta)
-        window = max(HISTORY_WINDOW, need)  # a window below `need` could never certify this target
+        # A window below `need` could never certify this target; None: every verified forecast (evaluation).
+        window = None if self._history_window is None else max(self._history_window, need)
 
         def newest(key: str | None) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
             c, r = history.get(key, (_EMPTY, _EMPTY)) if key is not None else (_EMPTY, _EMPTY)
-            return c[-window:], r[-window:]
+            return (c, r) if window is None else (c[-window:], r[-window:])
 
         conf, correct = newest(hardware)
         pooled = newest(POOLED)
@@ -593,8 +600,15 @@ class ForecastEngine:
         # forecasts issued under an early, overconfident calibration otherwise stayed at the top of the
         # confidence range for good, failed the first test of the fixed sequence and kept a GPU from ever
         # deciding. Kept: as many as the smallest target error accepted needs.
-        keep = max(HISTORY_WINDOW, default_min_history(MIN_TARGET_ERROR, self._delta))
-        self._history[regime] = {k: (np.array(c[-keep:]), np.array(r[-keep:])) for k, (c, r) in by_hw.items()}
+        keep = (
+            None
+            if self._history_window is None
+            else max(self._history_window, default_min_history(MIN_TARGET_ERROR, self._delta))
+        )
+        self._history[regime] = {
+            k: (np.array(c if keep is None else c[-keep:]), np.array(r if keep is None else r[-keep:]))
+            for k, (c, r) in by_hw.items()
+        }
         self._thresholds.clear()
 
     # ------------------------------------------------------------------ fitting

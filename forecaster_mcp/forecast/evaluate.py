@@ -584,7 +584,9 @@ async def _forecast_all(
     forecasters = build_forecasters(
         names, settings, MemoryHistory(main.history), ptxas=ptxas and _worth_compiling(main)
     )
-    engine = ForecastEngine(forecasters, None)
+    # Thresholds certified on every calibration pair: the newest-first window of a server (forecasts under an
+    # older calibration stop counting) would keep only the file's last pairs here, often one recording's.
+    engine = ForecastEngine(forecasters, None, history_window=None)
     if calibration is not None:
         _apply_calibration(engine, calibration)
     queries = _queries(main.pairs)
