@@ -900,7 +900,8 @@ class CompareResult(BaseModel):
     hardware_known: bool
     candidates: list[CandidateForecast]
     ranking: list[str] = Field(
-        description="all ids, fastest first (by expected speedup): the best guess now. To choose what to "
+        description="all ids, fastest first (by expected speedup; a kernel measured failing, or more likely "
+        "than not to fail, after every one that runs): the best guess now. To choose what to "
         "measure next in a search, use measure_next (measuring ranking's head every time gets stuck)"
     )
     measure_next: list[str] = Field(

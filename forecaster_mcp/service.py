@@ -333,6 +333,7 @@ class Service:
         }
         results: dict[str, CandidateForecast] = {}
         fc_by_id = {}
+        measured_failing: set[str] = set()  # candidates whose stored measurement failed: they do not run
         it = iter(forecasts)
         for p in pairs:
             cid = str(p.candidate.id)
@@ -358,6 +359,8 @@ class Service:
             # 32): saved as a forecast, it later verified near-certain and right, and inflated the history
             # that certifies thresholds and the calibration fitted on forecasts.
             from_store = measured_failed or f.from_measurements
+            if measured_failed:
+                measured_failing.add(cid)
             both_ran = f.from_measurements and f.p_fail < 1.0 and p_fail_baseline_of(f.extras) < 1.0
             mu = f.extras.get("mu_log2", math.nan)
             # Likewise a candidate that ran against a baseline whose measurement failed is the faster one.
@@ -467,6 +470,7 @@ class Service:
                 elif (status := failed.get(by_id[cid].content_key())) is not None:
                     # Measured in this call and it failed: slower now, not an unsure forecast until the next call.
                     results[cid] = _one_side_failed(cid, status, base_failed=False, by="measurement")
+                    measured_failing.add(cid)
                 elif base_failed is not None and m_cand is not None:
                     results[cid] = _one_side_failed(cid, base_failed, base_failed=True, by="measurement")
             measure_next = await next_to_measure()
@@ -515,9 +519,11 @@ class Service:
                 "but do not send them to measure_kernel here"
             )
         speed = {base.id: 1.0, **{r.id: r.measured_speedup or r.expected_speedup for r in ordered}}
-        # A kernel more likely than not to fail to compile or run (forecast so; measured failures already carry
-        # the extreme bin) ranks below every one that likely runs: expected_speedup is its runtime if it runs.
+        # A kernel more likely than not to fail to compile or run (forecast so, or measured failing) ranks below
+        # every one that likely runs: expected_speedup is its runtime if it runs, and a measured failure's is
+        # its extreme bin's centre (0.18x), which ranked it above a measured kernel 50x slower than the baseline.
         fails = {r.id for r in ordered if r.decided_by == "forecast" and fc_by_id[r.id].p_fail >= 0.5}
+        fails |= measured_failing
         if base_failed is not None or any(
             p_fail_baseline_of(fc_by_id[r.id].extras) >= 0.5 for r in ordered if r.decided_by == "forecast"
         ):

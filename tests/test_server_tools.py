@@ -149,6 +149,22 @@ async def test_measured_pairs_answer_from_measurements(tmp_path: Path, conv_a100
         assert out["ranking"] == ["a", "b"]
 
 
+async def test_a_candidate_measured_failing_ranks_below_one_that_runs(
+    tmp_path: Path, conv_a100: Path
+) -> None:
+    """A candidate that failed when measured does not run: it ranks last, below a measured kernel 57x slower
+    than the baseline. Its expected_speedup (the extreme bin's 0.18x) ranked it above that one (0.018x), both
+    when measure_if_unsure measured it and when the next call answered from the store."""
+    async with running(tmp_path, [conv_a100]) as (client, _):
+        args = {"candidates": [conv("a", FAST), conv("b", SLOW), conv("c", FAILS)]}
+        out = await call(client, "compare_kernels", {**args, "measure_if_unsure": True})
+        assert [m["status"] for m in out["measurements"]] == ["ok", "ok", "launch_error"]
+        assert out["ranking"] == ["a", "b", "c"]
+        again = await call(client, "compare_kernels", args)
+        assert {c["id"]: c["decided_by"] for c in again["candidates"]} == {"b": "cache", "c": "cache"}
+        assert again["ranking"] == ["a", "b", "c"]
+
+
 async def test_measure_if_unsure_measures_and_charges(tmp_path: Path, conv_a100: Path) -> None:
     async with running(tmp_path, [conv_a100]) as (client, _):
         near = {**FAST, "block_size_x": 48}
