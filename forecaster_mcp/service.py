@@ -528,7 +528,11 @@ class Service:
             p_fail_baseline_of(fc_by_id[r.id].extras) >= 0.5 for r in ordered if r.decided_by == "forecast"
         ):
             fails.add(base.id)
-        ranking = sorted(speed, key=lambda i: (i in fails, -speed[i]))
+        # Kernels measured against a baseline that failed all have the extreme bin's speedup (none is defined
+        # against it): their measured runtimes order them, not the order they were sent in.
+        ranking = sorted(
+            speed, key=lambda i: (i in fails, -speed[i], measured[i][0] if i in measured else math.inf)
+        )
         return CompareResult(
             baseline=base.id,
             hardware=hw.name,

@@ -165,6 +165,24 @@ async def test_a_candidate_measured_failing_ranks_below_one_that_runs(
         assert again["ranking"] == ["a", "b", "c"]
 
 
+async def test_candidates_measured_against_a_failed_baseline_rank_by_their_runtimes(
+    tmp_path: Path, conv_a100: Path
+) -> None:
+    """Against a baseline measured failing no speedup is defined: every candidate that ran gets the extreme
+    bin (expected_speedup 5.66). The ranking then followed the order they were sent in, and put a kernel
+    measured at 31 ms first, ahead of one measured at 0.55 ms."""
+    async with running(tmp_path, [conv_a100]) as (client, _):
+        for kernel in (conv("fast", FAST), conv("slow", SLOW), conv("fails", FAILS)):
+            await call(client, "measure_kernel", {"kernel": kernel})
+        out = await call(
+            client,
+            "compare_kernels",
+            {"candidates": [conv("fails", FAILS), conv("slow", SLOW), conv("fast", FAST)]},
+        )
+        assert {c["id"]: c["verdict"] for c in out["candidates"]} == {"slow": "faster", "fast": "faster"}
+        assert out["ranking"] == ["fast", "slow", "fails"]
+
+
 async def test_measure_if_unsure_measures_and_charges(tmp_path: Path, conv_a100: Path) -> None:
     async with running(tmp_path, [conv_a100]) as (client, _):
         near = {**FAST, "block_size_x": 48}
