@@ -88,6 +88,37 @@ async def test_an_idempotency_key_reused_on_another_device_is_refused(tmp_path: 
         assert len(fake.history) == 1
 
 
+async def test_a_reference_a_replay_cannot_run_is_not_charged_again(tmp_path: Path, conv_a100: Path) -> None:
+    """A replay checks no outputs: a reference kernel (or other tolerances) changes nothing it answers. Each
+    such request was keyed and charged as a new measurement: the same recorded answer four times, 0.071 GPU-s
+    for 0.018, by sending the kernel without a reference, with one, with another atol and another reference."""
+    out = {"args": [{"name": "y", "dtype": "float32", "shape": [16], "intent": "out"}]}
+    args = {"kernel": conv("a", FAST), "workload": out}
+    async with running(tmp_path, [conv_a100]) as (client, _):
+        first = await call(client, "measure_kernel", args)
+        paid = await spent(client)
+        assert paid > 0 and not first["cost"]["cached"]
+        for check in (
+            {"reference": conv("ref", SLOW)},
+            {"reference": conv("ref", SLOW), "atol": 0.5},
+            {"reference": conv("ref2", FAST), "idempotency_key": "with-ref"},
+        ):
+            again = await call(client, "measure_kernel", {**args, **check})
+            assert again["cost"] == {
+                **first["cost"],
+                "gpu_seconds": 0.0,
+                "compile_seconds": 0.0,
+                "cached": True,
+            }
+            assert again["runtime_ms"] == first["runtime_ms"] and not again["correctness"]["checked"]
+            assert "reference kernel was not run" in again["correctness"]["detail"]
+        assert await spent(client) == pytest.approx(paid, abs=1e-9)
+        # The retry under that key is answered by its first answer (nothing checked either way).
+        retry = await call(client, "measure_kernel", {**args, "idempotency_key": "with-ref"})
+        assert retry["runtime_ms"] == first["runtime_ms"]
+        assert await spent(client) == pytest.approx(paid, abs=1e-9)
+
+
 # ---------------------------------------------------------------- 2. measure_if_unsure
 
 

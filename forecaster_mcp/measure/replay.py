@@ -605,6 +605,9 @@ class ReplayMeasurer:
     (`--replay PATH`, file or folder; see the module doc)."""
 
     name = "replay"
+    # A recording holds no outputs to check: a reference kernel is never run here (the service then keys and
+    # charges the request as one without a reference).
+    runs_references = False
 
     def __init__(self, paths: Sequence[Path | str]) -> None:
         recordings: dict[tuple[str, str, frozenset[str]], _Recording] = {}
