@@ -30,6 +30,20 @@ MAX_SOURCE_BYTES = 1_000_000
 HISTORY_SCOPE_MARK = "@"  # between a workload key (hex) and the ledger of an isolated history (history_key)
 MAX_CANDIDATES = 64
 MIN_CANDIDATES = 2
+
+
+def candidate_count_problem(count: int) -> str | None:
+    """Why `count` candidates are no compare_kernels call (2 to 64, the baseline among them), or None."""
+    if MIN_CANDIDATES <= count <= MAX_CANDIDATES:
+        return None
+    advice = (
+        "the baseline is one of the candidates: pass it and at least one kernel to compare with it"
+        if count < MIN_CANDIDATES
+        else "split larger sets into several calls against the same baseline (repeat it in each)"
+    )
+    return f"compare_kernels takes {MIN_CANDIDATES} to {MAX_CANDIDATES} candidates, got {count}; {advice}"
+
+
 # The smallest time cap a measurement may ask for (max_seconds). Below it the device would be held (loading,
 # a checked run) for far longer than the cap, and charging only the cap would make that time close to free.
 MIN_MEASURE_SECONDS = 0.1

@@ -51,7 +51,6 @@ from forecaster_mcp.measure.worker_protocol import REFERENCE_FAILURE_PREFIX
 from forecaster_mcp.models import (
     CONTROL_CHARACTER,
     MAX_CANDIDATES,
-    MIN_CANDIDATES,
     MIN_MEASURE_SECONDS,
     BufferArg,
     CandidateForecast,
@@ -62,6 +61,7 @@ from forecaster_mcp.models import (
     MeasureResult,
     Verdict,
     Workload,
+    candidate_count_problem,
 )
 from forecaster_mcp.reports import BudgetStatus, GpuSpecRow
 from forecaster_mcp.settings import Settings
@@ -1243,16 +1243,8 @@ HOLD_KEEPALIVE_S = 60.0
 
 
 def _assign_ids(candidates: Sequence[Kernel]) -> list[Kernel]:
-    if not MIN_CANDIDATES <= len(candidates) <= MAX_CANDIDATES:
-        advice = (
-            "the baseline is one of the candidates: pass it and at least one kernel to compare with it"
-            if len(candidates) < MIN_CANDIDATES
-            else "split larger sets into several calls against the same baseline (repeat it in each)"
-        )
-        raise InvalidRequest(
-            f"compare_kernels takes {MIN_CANDIDATES} to {MAX_CANDIDATES} candidates, got {len(candidates)}; "
-            f"{advice}"
-        )
+    if (problem := candidate_count_problem(len(candidates))) is not None:
+        raise InvalidRequest(problem)
     # A default id is positional (k<i>); where the caller gave that id to another candidate, the first k<j>
     # nobody uses: [{"id": "k1"}, {no id}] is no clash of the caller's making.
     taken = {k.id for k in candidates if k.id}

@@ -751,5 +751,18 @@ async def test_a_list_of_a_million_candidates_is_refused_at_its_length(
             _, peak = tracemalloc.get_traced_memory()
         finally:
             tracemalloc.stop()
-    assert "at most 256" in msg and len(msg) < 2000
+    assert "2 to 64 candidates, got 1000000" in msg and len(msg) < 2000
     assert peak < 600 * 2**20  # the request itself (a million list items) and not much more
+
+
+async def test_a_list_past_the_hard_bound_is_told_the_contracts_count(
+    tmp_path: Path, conv_a100: Path
+) -> None:
+    """Past the hard bound (256) the refusal named that bound: 300 candidates were told "at most 256 items",
+    and 256 were then told "2 to 64". Every count past 64 is now told the contract's."""
+    async with running(tmp_path, [conv_a100]) as (client, _):
+        for count in (65, 256, 257, 300):
+            many = [conv(f"c{i}", FAST) for i in range(count)]
+            msg = await error_of(client, "compare_kernels", {"candidates": many})
+            assert f"2 to 64 candidates, got {count}" in msg and "split larger sets" in msg, count
+            assert "256" not in msg.replace(f"got {count}", "")

@@ -34,7 +34,7 @@ from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp.server.mcpserver.utilities.func_metadata import FuncMetadata
 from mcp.types import ToolAnnotations
-from pydantic import AnyHttpUrl, Field, ValidationError
+from pydantic import AnyHttpUrl, BeforeValidator, Field, ValidationError
 
 from forecaster_mcp import __version__, bins
 from forecaster_mcp.errors import AgentError, OperatorError
@@ -48,6 +48,7 @@ from forecaster_mcp.models import (
     Kernel,
     MeasureResult,
     Workload,
+    candidate_count_problem,
 )
 from forecaster_mcp.reports import BudgetStatus, GpuSpecRow
 from forecaster_mcp.server.arg_errors import compact_validation_error
@@ -145,6 +146,15 @@ def _refuse_unknown_arguments(ctx: Context, tool: Callable[..., Any]) -> None:
         f"{tool.__name__} has no argument {', '.join(named)}{more}; its arguments are: {', '.join(valid)}. "
         "Nothing was run or charged: resend with the names corrected."
     )
+
+
+def _refuse_past_the_hard_bound(value: Any) -> Any:
+    """A candidates list past compare_kernels' hard length bound, refused with the contract's count (2 to 64)
+    before its items are validated: pydantic's own message named the bound (256), so an agent that sent 300
+    resent 256 and was refused again."""
+    if isinstance(value, list) and len(value) > 4 * MAX_CANDIDATES:
+        raise ValueError(candidate_count_problem(len(value)))
+    return value
 
 
 def _accepts_str(annotation: Any) -> bool:
@@ -272,7 +282,8 @@ def build_server(service: Service, *, http: bool = False) -> MCPServer:
             list[Kernel],
             # A hard length bound well above the contract's (the service says "2 to 64" for 65 to 256): pydantic
             # stops at it instead of validating, and reporting, every item of a list of millions, which took
-            # one 95 MiB request to 24 GB of server memory.
+            # one 95 MiB request to 24 GB of server memory. Past it, the same "2 to 64" (not "at most 256").
+            BeforeValidator(_refuse_past_the_hard_bound),
             Field(
                 description=f"{MIN_CANDIDATES} to {MAX_CANDIDATES} kernels; ids unique (default k0, k1, ...)",
                 max_length=4 * MAX_CANDIDATES,
