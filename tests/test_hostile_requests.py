@@ -119,6 +119,37 @@ async def test_a_reference_a_replay_cannot_run_is_not_charged_again(tmp_path: Pa
         assert await spent(client) == pytest.approx(paid, abs=1e-9)
 
 
+async def test_a_replay_in_real_time_refuses_and_charges_as_the_replay_does(
+    tmp_path: Path, conv_a100: Path
+) -> None:
+    """FORECASTER_MCP_REPLAY_REALTIME wraps the replay; the wrapper offered only the measurer seam, so what the
+    service asks the replay for by name went missing: measure_next listed a configuration the recording lacks
+    (block_size_x=17, which a client measuring the head is refused for, call after call), and a reference
+    kernel the replay never runs was charged as a new measurement."""
+    settings = Settings.from_env(
+        home=tmp_path, replay=[conv_a100], measurer="replay", ledger="team", replay_realtime=1e-9
+    )
+    service = await Service.open(settings)
+    try:
+        await service.store.create_ledger("team", 100.0)
+        await service.preload()
+        async with Client(build_server(service)) as client:
+            lacking = conv("lacking", {**FAST, "block_size_x": 17})
+            out = await call(
+                client, "compare_kernels", {"candidates": [conv("a", FAST), conv("b", SLOW), lacking]}
+            )
+            assert out["measure_next"] == ["a", "b"]
+            assert any(n.startswith("left out of measure_next") and "lacking" in n for n in out["notes"])
+            written = {"args": [{"name": "y", "dtype": "float32", "shape": [16], "intent": "out"}]}
+            args = {"kernel": conv("a", FAST), "workload": written}
+            await call(client, "measure_kernel", args)
+            paid = await spent(client)
+            again = await call(client, "measure_kernel", {**args, "reference": conv("ref", SLOW)})
+            assert again["cost"]["cached"] and await spent(client) == pytest.approx(paid, abs=1e-9)
+    finally:
+        await service.close()
+
+
 # ---------------------------------------------------------------- 2. measure_if_unsure
 
 
