@@ -490,7 +490,8 @@ class Service:
             )
         ordered = [results[str(k.id)] for k in others]
         if measure_if_unsure and not unsure and base_failed is None:
-            notes.append(_nothing_unsure_note(measure_next, results, base.id))
+            cannot = self._no_device_message(hw.name) if hw.device_of is None else None
+            notes.append(_nothing_unsure_note(measure_next, results, base.id, cannot))
         # Unmeasured: forecast, and neither in `measured` nor a kernel the forecaster holds as measured.
         unmeasured = [
             r
@@ -1344,9 +1345,13 @@ def _base_failed_note(base_id: str, status: str, measure_if_unsure: bool) -> str
 
 
 def _nothing_unsure_note(
-    measure_next: Sequence[str], results: dict[str, CandidateForecast], base_id: str
+    measure_next: Sequence[str],
+    results: dict[str, CandidateForecast],
+    base_id: str,
+    cannot_measure: str | None = None,
 ) -> str:
-    """Why measure_if_unsure measured nothing, and what a search would measure instead."""
+    """Why measure_if_unsure measured nothing, and what a search would measure instead (`cannot_measure`: why
+    this server cannot measure for the call's hardware, when it cannot)."""
     text = (
         "measure_if_unsure measured nothing: no candidate's forecast is unsure (it measures only those; a measured "
         "pair left unsure is within its noise: measure_kernel both with a larger max_runs to separate them)"
@@ -1356,6 +1361,12 @@ def _nothing_unsure_note(
     head = measure_next[0]
     # _measure_next puts an unmeasured baseline first: candidates' measurements settle nothing without it.
     why = "the baseline, not measured yet" if head == base_id else f"verdict {results[head].verdict}"
+    if cannot_measure is not None:
+        # Sent to measure_kernel here, it is refused: a server without a GPU (an IDE on a laptop) said to.
+        return (
+            f"{text}; measure_next ranks {head} ({why}) most worth a measurement, but not on this server: "
+            f"{one_line(cannot_measure, 400)}"
+        )
     return (
         f"{text}; measure_next still ranks {head} ({why}) most worth a measurement: a verdict is a forecast, "
         "so to confirm it or keep searching, measure that id with measure_kernel"

@@ -165,3 +165,32 @@ async def test_confidence_and_ranking_count_the_chance_of_failing(tmp_path: Path
         assert c.verdict == "faster" and c.p_faster == pytest.approx(0.07, abs=1e-6)
         assert c.confidence == pytest.approx(decision_p(0.07, 0.0, 0.97)) and c.confidence >= 0.95
     assert out.ranking[-1] == "b64"  # the baseline, which likely fails, last
+
+
+async def test_measure_if_unsure_on_a_server_without_a_gpu_does_not_send_the_agent_to_measure_kernel(
+    tmp_path: Path,
+) -> None:
+    """A server that cannot measure (an IDE on a laptop, no GPU, no recording), every verdict decided: the
+    note of measure_if_unsure told the agent to "measure that id with measure_kernel", which this server then
+    refuses. It now says measure_next's head is worth a measurement, but not here, and why."""
+    settings = Settings.from_env(home=tmp_path, measurer="none", ledger="team")
+    store = await Store.open(settings.db_path)
+    service = Service(settings, store, [ScriptedForecaster(default=FASTER)], [])
+    source = "__global__ void k(float* a) { a[threadIdx.x] *= 2.0f; }\n"
+    kernels = [{"id": f"b{b}", "source": source, "entry": "k", "defines": {"B": b}} for b in (64, 128)]
+    try:
+        await store.create_ledger("team", 100)
+        async with Client(build_server(service)) as client:
+            out = await call(
+                client,
+                "compare_kernels",
+                {"candidates": kernels, "hardware": "H100", "measure_if_unsure": True},
+            )
+            refused = await client.call_tool("measure_kernel", {"kernel": kernels[0]})
+    finally:
+        await service.close()
+    assert [c["verdict"] for c in out["candidates"]] == ["faster"] and out["measure_next"][0] == "b64"
+    (note,) = [n for n in out["notes"] if n.startswith("measure_if_unsure measured nothing")]
+    assert "measure that id with measure_kernel" not in note
+    assert "not on this server: this server cannot measure" in note
+    assert refused.is_error and "this server cannot measure" in str(refused.content)
