@@ -823,6 +823,12 @@ class Service:
         if not self.measurers or not self.devices():
             raise NotMeasurable(self._no_device_message(hardware))
         if hardware is None:
+            # The device compare_kernels forecasts for when it is not told (serve --hardware where this server
+            # measures on it): its measure_next is measured there, not on another device of the server.
+            with contextlib.suppress(InvalidRequest):  # a configured name that is no GPU name: the first
+                configured = self.resolve_hardware(None)
+                if configured.device_of is not None:
+                    return configured.device_of, configured.name
             for m in self.measurers:
                 for d in m.devices():
                     return m, d

@@ -425,3 +425,31 @@ async def test_an_unsure_copy_of_an_unmeasured_baseline_is_settled_by_measuring_
         assert not any("no candidate's forecast is unsure" in n for n in res.notes)
     finally:
         await svc.close()
+
+
+async def test_measure_without_hardware_uses_the_device_compare_forecasts_for(tmp_path: Any) -> None:
+    """A server with two devices and --hardware naming the second: compare_kernels forecast (and listed
+    measure_next) for the second, and measure_kernel without hardware measured on the first, charged, so the
+    listed candidates' pairs stayed unsure. Both now default to the configured device where it is measurable."""
+    from forecaster_mcp.service import Service, build_forecasters
+    from forecaster_mcp.settings import Settings
+    from forecaster_mcp.store.db import Store
+
+    fake = FakeMeasurer(["A100-PCIE-40GB", "RTX A6000"])
+    settings = Settings.from_env(home=tmp_path, measurer="none", ledger="team", hardware="A6000")
+    store = await Store.open(settings.db_path)
+    await store.create_ledger("team", 100.0)
+    svc = Service(settings, store, build_forecasters(settings, store), [fake])
+    try:
+        base, cand = _kernels("base", "cand")
+        await svc.measure(ledger="team", kernel=base, workload=Workload())
+        await svc.measure(ledger="team", kernel=cand, workload=Workload())
+        assert [r.device for r in fake.history] == ["RTX A6000", "RTX A6000"]
+        out = await svc.compare(
+            ledger="team", candidates=[base, cand], workload=Workload(), baseline=None, hardware=None,
+            target_error=None, measure_if_unsure=False, max_measurements=0,
+        )  # fmt: skip
+        assert out.hardware == "RTX A6000"
+        assert out.candidates[0].decided_by == "cache"
+    finally:
+        await svc.close()

@@ -401,7 +401,11 @@ def build_server(service: Service, *, http: bool = False) -> MCPServer:
             ),
         ] = None,
         hardware: Annotated[
-            str | None, Field(description="device to measure on; default the server's first")
+            str | None,
+            Field(
+                description="device to measure on; default the one compare_kernels forecasts for when not told "
+                "(the server's configured GPU where it measures on it, else its first device)"
+            ),
         ] = None,
         ledger: Annotated[
             str | None, Field(description="must match this connection's ledger if given")
