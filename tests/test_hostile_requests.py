@@ -243,17 +243,21 @@ async def test_a_fragment_or_another_gpus_name_never_becomes_the_measurement_dev
         assert await spent(client) == 0
 
 
-async def test_a_recording_that_names_no_gpu_is_the_gpu_the_caller_names(tmp_path: Path) -> None:
+@pytest.mark.parametrize("realtime", [0.0, 1e-6])
+async def test_a_recording_that_names_no_gpu_is_the_gpu_the_caller_names(
+    tmp_path: Path, realtime: float
+) -> None:
     """The MI250X recordings leave device_name empty; renamed, the file name is no GPU's either. The device
     was then named after the file ("unseen"), a caller naming the GPU got forecasts for another device, and
-    they never learned from the measurements (a search through the tools then did about as well as random)."""
+    they never learned from the measurements (a search through the tools then did about as well as random).
+    The same at a replay pace (serve --replay-realtime), whose wrapper hid the unnamed device."""
     import shutil
 
     from conftest import dataset
 
     unseen = tmp_path / "unseen.json.gz"
     shutil.copy(dataset("cachefiles", "convolution_milo", "MI250X.json.gz"), unseen)
-    async with running(tmp_path / "home", [unseen]) as (client, _):
+    async with running(tmp_path / "home", [unseen], replay_realtime=realtime) as (client, _):
         first = {
             "block_size_x": 16, "block_size_y": 1, "tile_size_x": 1, "tile_size_y": 1, "read_only": 0,
             "use_padding": 0, "use_shmem": 0, "use_cmem": 1, "filter_height": 15, "filter_width": 15,

@@ -681,11 +681,13 @@ async def test_copies_of_one_kernel_are_listed_once_and_a_zero_cap_says_so(
     assert any("max_measurements 0 measured nothing" in n for n in capped["notes"])
 
 
+@pytest.mark.parametrize("realtime", [0.0, 1e-6])
 async def test_measure_next_leaves_out_what_the_recording_cannot_replay(
-    tmp_path: Path, conv_a100: Path
+    tmp_path: Path, conv_a100: Path, realtime: float
 ) -> None:
     """A combination of recorded values the tuner never ran is refused by measure_kernel (free): at the head of
-    measure_next call after call, a client that measures the head never moved on."""
+    measure_next call after call, a client that measures the head never moved on. The same at a replay pace
+    (serve --replay-realtime), whose wrapper hid the recording's check: all four were listed."""
     import itertools
 
     from forecaster_mcp.measure.replay import load_space
@@ -699,7 +701,7 @@ async def test_measure_next_leaves_out_what_the_recording_cannot_replay(
     ][::997][:4]
     recorded = [e.params for e in space.valid_entries()][7::301][:4]
     assert len(unrecorded) == 4 and len(recorded) == 4
-    async with running(tmp_path, [conv_a100]) as (client, _):
+    async with running(tmp_path, [conv_a100], replay_realtime=realtime) as (client, _):
         await call(client, "measure_kernel", {"kernel": conv("base", FAST)})
         candidates = [conv("base", FAST)]
         candidates += [conv(f"u{i}", p) for i, p in enumerate(unrecorded)]

@@ -29,10 +29,13 @@ async def error_of(client: Client, name: str, args: dict[str, Any]) -> str:
 
 @asynccontextmanager
 async def running(
-    home: Path, replay: list[Path], ledger_seconds: float | None = 100.0
+    home: Path, replay: list[Path], ledger_seconds: float | None = 100.0, replay_realtime: float = 0.0
 ) -> AsyncIterator[tuple[Client, Service]]:
-    """An in-process server replaying `replay`, with ledger 'team' of `ledger_seconds` (None: no ledger)."""
-    settings = Settings.from_env(home=home, replay=replay, measurer="replay", ledger="team")
+    """An in-process server replaying `replay`, with ledger 'team' of `ledger_seconds` (None: no ledger), at
+    `replay_realtime` wall-clock seconds per GPU-second (serve --replay-realtime; 0: at once)."""
+    settings = Settings.from_env(
+        home=home, replay=replay, measurer="replay", ledger="team", replay_realtime=replay_realtime
+    )
     service = await Service.open(settings)
     try:
         if ledger_seconds is not None:
