@@ -1330,7 +1330,8 @@ def _cap_flags(result: MeasureResult, cap: float, server_cap: float, lowered_to_
     (max_seconds left out), a timeout under a cap below the server's (store.TIMEOUT_UNDER_LOWERED_CAP: the
     kernel may run fine with more time), and a failure of the reference kernel (store.REFERENCE_FAILED):
     family models do not learn those two as the kernel's failure, nor compare_kernels answer from them."""
-    flags = list(result.flags)
+    # The measurer's own flags; one of _REQUEST_FLAGS there came with a replayed export, from its request.
+    flags = [f for f in result.flags if f not in _REQUEST_FLAGS]
     if lowered_to_budget:
         flags.append(MAX_SECONDS_LOWERED_TO_BUDGET)
     if result.status == "timeout" and cap < server_cap:

@@ -135,3 +135,22 @@ async def test_an_export_of_isolated_ledgers_replays_on_any_server(
     async with running(tmp_path / "b", [out]) as (client, _):
         again = await call(client, "measure_kernel", {"kernel": conv("fast2", FAST)})
         assert again["runtime_ms"] == measured["fast"]["runtime_ms"]
+
+
+async def test_a_replayed_export_does_not_say_this_request_was_lowered_to_the_budget(
+    tmp_path: Path, conv_a100: Path
+) -> None:
+    """max_seconds_lowered_to_budget describes the request a result answered (a nearly spent ledger held the
+    default cap down), not the measurement. Exported with the result, it came back on every replay of it,
+    though the replaying ledger had 100 GPU-seconds and the request's cap was not lowered."""
+    async with running(tmp_path / "a", [conv_a100], ledger_seconds=5.0) as (client, _):
+        first = await call(client, "measure_kernel", {"kernel": conv("fast", FAST)})
+    assert "max_seconds_lowered_to_budget" in first["flags"]
+    out = tmp_path / "export.jsonl"
+    argv = ["--home", str(tmp_path / "a"), "export", "--out", str(out)]
+    assert await anyio.to_thread.run_sync(main, argv) == 0
+    async with running(tmp_path / "b", [out]) as (client, _):
+        again = await call(client, "measure_kernel", {"kernel": conv("fast2", FAST)})
+    assert again["runtime_ms"] == first["runtime_ms"]
+    assert "max_seconds_lowered_to_budget" not in again["flags"]
+    assert again["cost"]["max_seconds"] == 30.0
