@@ -786,3 +786,27 @@ async def test_a_reference_that_faults_is_not_the_measured_kernels_failure(tmp_p
     finally:
         await gpu.aclose()
         await svc.close()
+
+
+async def test_a_cancelled_replay_at_a_pace_charges_the_time_it_occupied(tmp_path: Path) -> None:
+    """serve --replay-realtime makes a replayed measurement hold the simulated device for its recorded time. A
+    request cancelled meanwhile was charged nothing (the hold released), where a GPU charges a cancelled run
+    the device time it used; agents under evaluation could start and drop measurements for free."""
+    from forecaster_mcp.measure.fake import FakeMeasurer
+    from forecaster_mcp.measure.realtime import RealtimeReplay
+
+    paced = RealtimeReplay(FakeMeasurer(["X"], gpu_seconds=1.0), scale=20.0)  # 20 s of wall clock
+    svc = await make_service(tmp_path, paced)
+    try:
+        with anyio.move_on_after(0.5) as scope:  # the client goes away while the recording plays
+            await svc.measure(ledger="L", kernel=kernel(), workload=WORKLOAD, max_seconds=10)
+        assert scope.cancelled_caught
+        view = await svc.store.get_ledger("L")
+        assert view is not None and view.reserved_gpu_seconds == 0
+        # About 0.5 s of the 20 s the recorded 1 GPU-second takes at this pace: 0.025 GPU-seconds.
+        assert 0.01 < view.spent_gpu_seconds < 0.5
+        status = await svc.budget_status("L")
+        assert status.measurements.count == 0
+        assert status.measurements.cancelled_gpu_seconds == pytest.approx(view.spent_gpu_seconds)
+    finally:
+        await svc.close()

@@ -1,4 +1,5 @@
-"""Replay in real time: a recorded measurement occupies the (simulated) device for its recorded duration.
+"""Replay in real time: a recorded measurement occupies the (simulated) device for its recorded duration, and a
+request cancelled meanwhile is charged what it occupied, as on a GPU.
 
 Agent evaluations that care about wall-clock behaviour, and crash tests that must kill a server in the middle
 of a measurement, need replayed measurements to take time like real ones.
@@ -6,11 +7,12 @@ of a measurement, need replayed measurements to take time like real ones.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import anyio
 
-from forecaster_mcp.measure.base import Measurer, MeasureRequest, ProgressCallback
+from forecaster_mcp.measure.base import OCCUPIED_ATTR, Measurer, MeasureRequest, ProgressCallback
 from forecaster_mcp.models import MeasureResult
 
 
@@ -44,5 +46,15 @@ class RealtimeReplay:
         self, request: MeasureRequest, progress: ProgressCallback | None = None
     ) -> MeasureResult:
         result = await self.inner.measure(request, progress)
-        await anyio.sleep(result.cost.gpu_seconds * self.scale)
+        started = anyio.current_time()
+        try:
+            await anyio.sleep(result.cost.gpu_seconds * self.scale)
+        except BaseException as exc:
+            # Cancelled while the recording occupies the simulated device: charged the occupancy so far, as a
+            # run cancelled on a GPU is (OCCUPIED_ATTR), and never more than the whole run charges.
+            if self.scale > 0:
+                used = min((anyio.current_time() - started) / self.scale, result.cost.gpu_seconds)
+                with contextlib.suppress(AttributeError, TypeError):
+                    setattr(exc, OCCUPIED_ATTR, max(used, 0.0))
+            raise
         return result
