@@ -510,6 +510,20 @@ async def test_a_worker_that_cannot_start_is_not_measurable(tmp_path: Path, star
 
 
 @pytest.mark.anyio
+async def test_a_worker_holding_another_gpu_than_listed_is_not_measured_on(tmp_path: Path) -> None:
+    """Device 0 listed as an H100 (nvidia-smi's order, or the server's own cuInit under its CUDA_DEVICE_ORDER)
+    while CUDA gave the worker an A100: the supervisor only logged it, and the A100's times were returned,
+    cached and learned as the H100's (result.device.name H100-SXM5-80GB). Nothing is measured or charged."""
+    async with make(tmp_path, "--name", "NVIDIA A100-PCIE-40GB") as m:
+        with anyio.fail_after(30), pytest.raises(NotMeasurable) as info:
+            await m.measure(request(m, kernel()))
+        message = str(info.value)
+        assert "'NVIDIA A100-PCIE-40GB', not the H100-SXM5-80GB" in message
+        assert "CUDA_DEVICE_ORDER=PCI_BUS_ID" in message
+        assert m.worker_pid("H100-SXM5-80GB") is None
+
+
+@pytest.mark.anyio
 async def test_the_real_worker_says_why_it_cannot_start(tmp_path: Path) -> None:
     """Here pycuda is missing, or installed without a driver to load: either way the real worker says so."""
     import ctypes.util

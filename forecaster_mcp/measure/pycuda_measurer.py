@@ -1098,6 +1098,15 @@ class PycudaMeasurer:
                 failure = message.message
             elif not isinstance(message, Ready) or message.protocol != PROTOCOL_VERSION:
                 failure = f"it spoke an unexpected first message ({type(message).__name__})"
+            elif canonical_device_name(message.device.name) != slot.name:
+                # Every result, cache key and family model would name the listed GPU for another one's times.
+                failure = (
+                    f"CUDA device {slot.index} is a {message.device.name!r}, not the {slot.name} the driver listed "
+                    "there (the listing and CUDA order devices differently, or a MIG instance stands for its "
+                    "GPU), so its measurements would be filed under another GPU. Set CUDA_DEVICE_ORDER=PCI_BUS_ID "
+                    "and select devices with CUDA_VISIBLE_DEVICES (a MIG instance by its UUID), then restart the "
+                    "server"
+                )
         if failure is not None:
             await worker.kill()
             worker.close_log()
@@ -1108,8 +1117,6 @@ class PycudaMeasurer:
         worker.info = message.device
         slot.info = message.device
         slot.worker = worker
-        if canonical_device_name(message.device.name) != slot.name:
-            log.warning("device %d reports %r, expected %r", slot.index, message.device.name, slot.name)
         return worker
 
     async def _retire(self, slot: _Slot) -> None:
