@@ -209,6 +209,11 @@ _MIN_RELATION_ROWS = 8
 _ENCODED_LIMIT = 1e3
 # Categories (one-hot dimensions) kept per text parameter (ParamEncoder).
 MAX_CATEGORIES = 32
+# A pair with a member at a value of a parameter the family's runtimes never varied in (FamilyModel.novel):
+# its surprise component weighs at least NOVEL_TAIL_WEIGHT and is widened by NOVEL_EFFECT_VAR times the
+# family's spread (LocalForecaster._pair_forecast).
+NOVEL_TAIL_WEIGHT = 0.1
+NOVEL_EFFECT_VAR = 1.0
 
 
 def _is_pow2(x: float) -> bool:
@@ -977,6 +982,14 @@ class FamilyModel:
     # The same measurements by parameters (`row_key`): 16 and "16" are one kernel to the model, and a
     # kernel measured under another spelling is answered by its measurement, not a prediction.
     by_row: dict[tuple[Any, ...], Measured] = field(default_factory=dict)
+    # Parameters every ok measurement had at one value (canonical): the model never saw them vary.
+    constant: dict[str, int | float | str] = field(default_factory=dict)
+
+    def novel(self, row: dict[str, Any]) -> set[tuple[str, int | float | str]]:
+        """(parameter, value) of `row` at a value the family's runtimes never varied from (`constant`)."""
+        return {
+            (n, c) for n, v in row.items() if n in self.constant and (c := _canonical(v)) != self.constant[n]
+        }
 
     def lookup(self, content_key: str, row: dict[str, Any]) -> Measured | None:
         """The stored measurement of this member, by content key or else by its parameters."""
@@ -1127,22 +1140,29 @@ def fit_family(
             x_ok, y_ok, warm=warm, refit=refit, previous=previous.gp if previous is not None else None
         )
         gp_short = _short_companion(gp, x_ok, y_ok, previous.gp_short if previous is not None else None)
+    ok_params = [rows[i] for i in ok_rows]
+    constant = {
+        name: values.pop()
+        for name in (c.name for c in encoder.columns)
+        if len(values := {_canonical(r[name]) for r in ok_params if name in r}) == 1
+        and all(name in r for r in ok_params)
+    }
     n_failed = int(sum(failed))
     failed_arr = np.asarray(failed)
     fail_ls = (
         _fail_lengthscales(x_all, failed_arr, gp.ls if gp is not None else None) if n_failed else np.zeros(0)
     )
     return FamilyModel(
-        encoder, gp, measured, x_all, failed_arr, len(ok_rows), n_failed, fail_ls, gp_short, by_row
+        encoder, gp, measured, x_all, failed_arr, len(ok_rows), n_failed, fail_ls, gp_short, by_row, constant
     )
 
 
 # ---------------------------------------------------------------- the forecaster
 
 
-def _tail_sd_factor(weight: float) -> float:
+def _tail_sd_factor(weight: float, scale: float = TAIL_SCALE) -> float:
     """Overall sd of the tail mixture over its core sd."""
-    return math.sqrt((1.0 - weight) + weight * TAIL_SCALE**2)
+    return math.sqrt((1.0 - weight) + weight * scale**2)
 
 
 def _tail_weight(predicted: int) -> float:
@@ -1151,7 +1171,9 @@ def _tail_weight(predicted: int) -> float:
     return TAIL_WEIGHT * predicted if predicted <= 1 else 1.0 - (1.0 - TAIL_WEIGHT) ** predicted
 
 
-def _mixture_bins(mean: float, core_sd: float, weight: float) -> tuple[list[float], list[float]]:
+def _mixture_bins(
+    mean: float, core_sd: float, weight: float, scale: float = TAIL_SCALE
+) -> tuple[list[float], list[float]]:
     """8 bins of a normal (weight 0), or of the heavier-tailed scale mixture (1-w) N(mean, sd) + w N(mean, k sd),
     and the mixture's mean within each bin.
 
@@ -1161,7 +1183,7 @@ def _mixture_bins(mean: float, core_sd: float, weight: float) -> tuple[list[floa
     a, ca = bins.normal_bins(mean, core_sd)
     if weight <= 0.0:
         return a, ca
-    b, cb = bins.normal_bins(mean, core_sd * TAIL_SCALE)
+    b, cb = bins.normal_bins(mean, core_sd * scale)
     core, tail = [(1.0 - weight) * p for p in a], [weight * q for q in b]
     return [p + q for p, q in zip(core, tail, strict=True)], bins.mix_centers([(core, ca), (tail, cb)], ca)
 
@@ -1183,6 +1205,8 @@ class _Belief:
     p_fail: float = 0.0
     status: str = ""
     cov_row: Array | None = None  # covariance with every kernel predicted in the same batch
+    # "name=value" of parameters at a value the family's runtimes never varied from (FamilyModel.novel)
+    novel: tuple[str, ...] = ()
 
 
 # Measurements after the one a background hyperparameter optimisation started on until its result is used.
@@ -1679,7 +1703,10 @@ class LocalForecaster:
             return _Belief("unknown", p_fail=float(model.p_fail([row])[0]))
         i = slots[ck][0]
         mean, cov, pf = prediction
-        return _Belief("model", float(mean[i]), float(cov[i, i]), key, i, float(pf[i]), cov_row=cov[i])
+        return _Belief(
+            "model", float(mean[i]), float(cov[i, i]), key, i, float(pf[i]), cov_row=cov[i],
+            novel=tuple(sorted(f"{n}={v}" for n, v in model.novel(row))),
+        )  # fmt: skip
 
     def _pair_forecast(
         self, b: _Belief, c: _Belief, base_model: FamilyModel | None, cand_model: FamilyModel | None
@@ -1708,11 +1735,19 @@ class LocalForecaster:
             var -= 2.0 * float(b.cov_row[c.index])
         sd = math.sqrt(max(var, 1e-8))
         weight = _tail_weight(int(b.kind == "model") + int(c.kind == "model"))
+        scale = TAIL_SCALE
+        if (b.novel or c.novel) and model is not None and model.gp is not None:
+            # A member at a value of a parameter the family's runtimes never varied in: most such switches
+            # change little, some (shared memory on or off) change more than the whole measured spread. The
+            # surprise component is widened by the family's spread and weighs more (NOVEL_TAIL_WEIGHT).
+            spread = model.gp.prior_var * max(1.0, model.gp.loo_scale) ** 2
+            scale = math.sqrt(TAIL_SCALE**2 + NOVEL_EFFECT_VAR * spread / sd**2)
+            weight = 1.0 - (1.0 - weight) * (1.0 - NOVEL_TAIL_WEIGHT)
         # sd_log2 is the overall spread; acquisition recovers the core from it and the tail shape.
-        extras.update(mu_log2=mean, sd_log2=sd * _tail_sd_factor(weight))
+        extras.update(mu_log2=mean, sd_log2=sd * _tail_sd_factor(weight, scale))
         if weight > 0.0:
-            extras.update(tail_weight=weight, tail_scale=TAIL_SCALE)
-        probs, centers = _mixture_bins(mean, sd, weight)
+            extras.update(tail_weight=weight, tail_scale=scale)
+        probs, centers = _mixture_bins(mean, sd, weight, scale)
         return BinForecast(probs, self._rationale(b, c, mean, sd, n_points, model), extras, centers)
 
     def _rationale(
@@ -1737,6 +1772,9 @@ class LocalForecaster:
         parts.append(f"speedup ~{speed:.2f}x (log2 sd {sd:.2f})")
         if c.p_fail >= 0.2:
             parts.append(f"P(candidate fails) {c.p_fail:.2f}")
+        novel = sorted(set(b.novel) | set(c.novel))
+        if novel:
+            parts.append(f"{', '.join(novel[:3])} never measured in this family: its effect is a guess")
         return "; ".join(parts)
 
     def _prior_forecast(
