@@ -13,6 +13,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+import anyio
+import anyio.lowlevel
 import httpx2
 import pytest
 
@@ -946,6 +948,23 @@ async def test_a_failed_batch_creation_cancels_the_batches_already_created(
         await f.forecast_batch([pair(), pair()])
     [first] = mock.batches.values()
     assert first.canceled  # not left running (and billed) after the call gave up
+
+
+@pytest.mark.anyio
+async def test_an_interrupted_batch_evaluation_cancels_its_batches() -> None:
+    """`eval --batch` stopped with Ctrl-C (the event loop cancels the call) while a batch runs: the batch is
+    cancelled, not left running for up to 24 h and billed in full for answers no one reads."""
+    mock = AnthropicMock(lambda body: tool_answer(FASTER), batch_never_ends=True)
+    with anyio.CancelScope() as interrupt:
+
+        async def sleep(seconds: float) -> None:  # the user interrupts during the first wait
+            interrupt.cancel()
+            await anyio.lowlevel.checkpoint()
+
+        await make(mock, sleep=sleep).forecast_batch([pair(), pair()])
+    assert interrupt.cancelled_caught
+    [batch] = mock.batches.values()
+    assert batch.canceled
 
 
 # ---------------------------------------------------------------- guards

@@ -722,7 +722,8 @@ class ClaudeForecaster:
         `batch_max_wait_s` is cancelled and what it had finished is read all the same (those answers are
         paid for). On an API or transport error (also one while a result stream is read) every batch not yet
         read is cancelled (best effort), and the results read until then are returned with the error: they
-        are paid for too, and their tokens must be recorded."""
+        are paid for too, and their tokens must be recorded. A call cancelled while it waits cancels its batches
+        too before it ends."""
         import httpx2
 
         chunks: list[list[Any]] = [[]]
@@ -760,6 +761,14 @@ class ClaudeForecaster:
                     if batch_id not in read:
                         await self._cancel_batch(batch_id)
             return outcomes, f"Claude batch failed ({type(exc).__name__}): {exc}"
+        except BaseException:
+            # Cancelled (an evaluation stopped with Ctrl-C) or failed otherwise: a batch left running goes on for
+            # up to 24 h and is billed in full for answers no one will read.
+            with anyio.CancelScope(shield=True):
+                for batch_id in created:
+                    if batch_id not in read:
+                        await self._cancel_batch(batch_id)
+            raise
         return outcomes, gave_up
 
     async def _wait_batch(self, batch_id: str) -> str | None:
