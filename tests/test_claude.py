@@ -232,6 +232,31 @@ async def test_disagreeing_samples_lower_confidence() -> None:
     assert "0.95/0.95/0.05" in s.rationale
 
 
+@pytest.mark.anyio
+async def test_a_pair_asked_again_is_answered_as_before_not_paid_twice() -> None:
+    """The same compare sent twice (first to look, then with measure_if_unsure): the second call sent every
+    sample again (paid twice), and its new draw could decide otherwise than the first."""
+    mock = scripted(tool_answer(FASTER), tool_answer(FASTER), tool_answer(SLOWER), tool_answer(FASTER))
+    sink = FakeSink()
+    f = make(mock, samples=3, usage_sink=sink)
+    [first] = await f.forecast([pair()])
+    [again, other] = await f.forecast([pair(), pair(same_source=True)])
+    assert again.probs == pytest.approx(first.probs) and again.rationale == first.rationale
+    assert len(mock.message_bodies) == 3 + 3  # the new pair's samples only
+    assert [c["input_tokens"] for c in sink.calls] == [3000, 3000]
+    assert other.p_faster == pytest.approx(0.95)
+
+
+@pytest.mark.anyio
+async def test_a_pair_that_lacked_a_sample_is_asked_again_in_full() -> None:
+    mock = scripted(tool_answer(FASTER), refusal(), tool_answer(FASTER))
+    f = make(mock, samples=2)
+    [short] = await f.forecast([pair()])
+    assert short.extras["claude_samples"] == 1
+    [full] = await f.forecast([pair()])
+    assert full.extras["claude_samples"] == 2 and len(mock.message_bodies) == 4
+
+
 # ---------------------------------------------------------------- unusable answers
 
 
@@ -1148,6 +1173,12 @@ def _overlap_client(cache_tokens: int) -> tuple[httpx2.AsyncClient, list[int]]:
     return httpx2.AsyncClient(transport=httpx2.MockTransport(handle)), seen
 
 
+def _variant(vec: int) -> PairQuery:
+    """A pair of one source, its candidate's VEC define set to `vec` (a one-digit value: no longer than pair())."""
+    q = pair(same_source=True)
+    return replace(q, candidate=q.candidate.model_copy(update={"defines": {"BLOCK": 256, "VEC": vec}}))
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize("cache_tokens", [0, 1500])
 async def test_warm_ups_stop_once_the_api_says_the_prompt_is_too_short_to_cache(cache_tokens: int) -> None:
@@ -1159,9 +1190,10 @@ async def test_warm_ups_stop_once_the_api_says_the_prompt_is_too_short_to_cache(
     f = ClaudeForecaster("k", MODEL, samples=3, http_client=client, features=None, warm_cache=True)
     assert (await f.forecast([pair()]))[0] is not None
     assert seen == [0, 1, 1]  # the warm-up alone, then the pair's other two samples together
-    for _ in range(2):
+    for round_no in range(2):
         seen.clear()
-        assert (await f.forecast([pair(), pair()]))[0] is not None
+        # Pairs not asked before (a pair asked again is answered without a request), none longer than the first.
+        assert (await f.forecast([_variant(2 * round_no + 1), _variant(2 * round_no + 2)]))[0] is not None
         # Within the system prompt's cache window: only the pairs' own warm-ups are left.
         if cache_tokens == 0:
             assert seen == [0] * 6

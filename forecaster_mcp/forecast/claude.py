@@ -10,12 +10,14 @@ How one pair is forecast:
   (Opus 5.5, Sonnet 5.5, ...) a JSON-schema output format;
 - `samples` separate requests are sampled, validated, averaged, and shrunk toward uniform by how much
   their p_faster disagree (their spread is a signal of uncertainty the mean alone hides);
-- the SDK retries rate limits and server errors itself; tenacity retries only unusable answers.
+- the SDK retries rate limits and server errors itself; tenacity retries only unusable answers;
+- a pair answered with all its samples is kept: asked again (the same prompt), it is answered from them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import math
@@ -23,6 +25,7 @@ import os
 import re
 import statistics
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -71,6 +74,8 @@ _UNREACHABLE = "the Anthropic API could not be reached after retries"
 # answer back), each compile bounded.
 MAX_PTXAS_KERNELS = 8
 _PTXAS_WAIT_S = 20.0
+# Complete answers kept per pair text (least recently used dropped first): a pair asked again is answered as before.
+_ANSWERS_KEPT = 4096
 _TRANSIENT_BATCH_ERRORS = {"rate_limit_error", "api_error", "overloaded_error", "timeout_error"}
 
 
@@ -360,6 +365,10 @@ class ClaudeForecaster:
         self._cache_dir = cache_dir
         self.usage_total = TokenUsage()
         self.cost_usd_total = 0.0
+        # The samples of each pair answered in full, by the hash of its prompt (the model and system prompt are
+        # this forecaster's own): the same compare sent again (say with measure_if_unsure this time) paid for
+        # every sample a second time, and a new draw could turn a decided verdict unsure between the two calls.
+        self._answers: OrderedDict[str, tuple[_Sample, ...]] = OrderedDict()
 
     # ------------------------------------------------------------ public
 
@@ -373,12 +382,19 @@ class ClaudeForecaster:
         usage = TokenUsage()
         problems: list[str] = []
         got: list[list[_Sample | None]] = [[] for _ in queries]
+        texts: list[str] = []
         try:
             limit = math.inf if self.time_limit_s is None else self.time_limit_s
             # The limit counts from the call: building the prompts (ptxas, features) is inside it too.
             with anyio.move_on_after(limit) as scope:
                 texts = await self._user_texts(queries)
-                fits = [i for i, text in enumerate(texts) if len(text) <= prompt.MAX_PROMPT_CHARS]
+                for i, text in enumerate(texts):
+                    got[i].extend(self._answered(text))
+                fits = [
+                    i
+                    for i, text in enumerate(texts)
+                    if len(text) <= prompt.MAX_PROMPT_CHARS and len(got[i]) < self.samples
+                ]
                 if (
                     fits
                     and self._warm_cache
@@ -406,12 +422,33 @@ class ClaudeForecaster:
         finally:
             with anyio.CancelScope(shield=True):  # a timed-out call still paid for what it got
                 await self._record(usage, batch=False)
+        for text, g in zip(texts, got, strict=False):
+            self._remember(text, g)
         results = [self._aggregated(g) for g in got]
         if queries and not any(results) and any(p.startswith(_UNREACHABLE) for p in problems):
             # Nothing answered and the API could not be reached (after the SDK's retries): the next calls
             # skip Claude at once for a while instead of each waiting out the same retries again.
             self._unreachable = (time.monotonic() + UNREACHABLE_PAUSE_S, problems[-1])
         return self._finish(results, problems)
+
+    def _answered(self, text: str) -> tuple[_Sample, ...]:
+        """The samples of an earlier complete answer to this prompt (none if there is none)."""
+        key = hashlib.sha256(text.encode()).hexdigest()
+        samples = self._answers.get(key, ())
+        if samples:
+            self._answers.move_to_end(key)
+        return samples
+
+    def _remember(self, text: str, got: Sequence[_Sample | None]) -> None:
+        """Keep a pair's samples once it has all it asked for (a pair missing some is asked again next time)."""
+        samples = tuple(s for s in got if s is not None)
+        if len(samples) < self.samples:
+            return
+        key = hashlib.sha256(text.encode()).hexdigest()
+        self._answers[key] = samples
+        self._answers.move_to_end(key)
+        while len(self._answers) > _ANSWERS_KEPT:
+            self._answers.popitem(last=False)
 
     def _refuse_while_unreachable(self) -> None:
         if self._unreachable is not None:
