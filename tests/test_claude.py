@@ -390,6 +390,31 @@ async def test_bad_key_fails_at_once() -> None:
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("status", "kind", "remedy"),
+    [
+        (401, "authentication_error", "set FORECASTER_MCP_ANTHROPIC_API_KEY"),
+        (404, "not_found_error", "set FORECASTER_MCP_CLAUDE_MODEL"),
+        (403, "permission_error", "FORECASTER_MCP_CLAUDE_MODEL to a model it may use"),
+        (402, "billing_error", "add credit"),
+    ],
+)
+async def test_a_refused_key_or_model_says_what_to_set(status: int, kind: str, remedy: str) -> None:
+    """Every request refused alike (a bad key, a misspelt claude_model): the note in the answer said only
+    "Claude request rejected (NotFoundError): 404 model: claude-sonet-5", not what to change."""
+    from forecaster_mcp.forecast.engine import ForecastEngine
+
+    mock = scripted(error(status, kind, "refused"))
+    engine = ForecastEngine([make(mock, model="claude-sonet-5")])
+    [out] = await engine.forecast([pair()])
+    assert any(remedy in note for note in out.notes), out.notes
+    # ... and so does the batch path.
+    _, no_sleep = recording_sleep()
+    with pytest.raises(ClaudeUnavailable, match=remedy):
+        await make(mock, model="claude-sonet-5", sleep=no_sleep).forecast_batch([pair()])
+
+
+@pytest.mark.anyio
 async def test_a_prompt_over_the_context_window_drops_that_pair_only() -> None:
     def responder(body: dict[str, Any]) -> Any:
         text = json.dumps(body["messages"])

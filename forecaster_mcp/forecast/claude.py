@@ -626,7 +626,10 @@ class ClaudeForecaster:
                 an.PaymentRequiredError,
             ) as exc:
                 # The key, the account's billing or the model: every other request would be refused too.
-                raise ClaudeUnavailable(f"Claude request rejected ({type(exc).__name__}): {exc}") from exc
+                raise ClaudeUnavailable(
+                    f"Claude request rejected ({type(exc).__name__}): {self._rejection_hint(type(exc).__name__)}; "
+                    f"the API said: {exc}"
+                ) from exc
             except an.APIConnectionError as exc:
                 raise _Transient(f"{_UNREACHABLE} ({type(exc).__name__}): {exc}") from exc
             except an.APIStatusError as exc:
@@ -634,6 +637,28 @@ class ClaudeForecaster:
         usage.add_usage(getattr(message, "usage", None))
         self._cache_warm_until = time.monotonic() + _CACHE_TTL_S
         return message, mode
+
+    def _rejection_hint(self, kind: str) -> str:
+        """What the operator does about a refusal of every request (an SDK class name or an API error type); it
+        comes first, since the answer's note keeps only the start of the message."""
+        if kind in ("AuthenticationError", "authentication_error"):
+            return (
+                "the API key is not valid: set FORECASTER_MCP_ANTHROPIC_API_KEY (or ANTHROPIC_API_KEY) to a valid "
+                "key and restart the server or rerun eval"
+            )
+        if kind in ("NotFoundError", "not_found_error"):
+            return (
+                f"no model {self.model!r} for this key: set FORECASTER_MCP_CLAUDE_MODEL to a model it can use "
+                "and restart the server or rerun eval"
+            )
+        if kind in ("PermissionDeniedError", "permission_error"):
+            return (
+                f"this key may not use {self.model!r}: give its workspace access, or set "
+                "FORECASTER_MCP_CLAUDE_MODEL to a model it may use"
+            )
+        if kind in ("PaymentRequiredError", "billing_error"):
+            return "the Anthropic account is out of credit: add credit in the Anthropic Console"
+        return "fix the account or model in the Anthropic Console, or unset the API key to forecast without Claude"
 
     def _switch_to_json(self, mode: str, error: str) -> bool:
         """A model that rejects forced tool use, or turning thinking off for it, gets JSON output instead."""
@@ -906,7 +931,10 @@ class ClaudeForecaster:
                 return self._max_tokens() if mode != self._mode else max_tokens
             if error.type == "invalid_request_error":
                 return None
-            raise ClaudeUnavailable(f"Claude batch request rejected: {error.type}: {error.message}")
+            raise ClaudeUnavailable(
+                f"Claude batch request rejected ({error.type}): {self._rejection_hint(error.type)}; the API said: "
+                f"{error.message}"
+            )
         problems.append(f"batch request {result.type}")  # canceled or expired: worth one more try
         return max_tokens
 
