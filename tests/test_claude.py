@@ -753,7 +753,7 @@ def test_one_long_source_with_two_entries_is_shown_for_each() -> None:
     src = (
         filler + "__global__ void kb(float* x) { x[0] = 1; }\n" + filler + "__global__ void kc(float* x) {}\n"
     )
-    assert len(src) > prompt.MAX_SOURCE_CHARS
+    assert len(src) > prompt.MAX_SHOWN_SOURCE_BYTES
     text = prompt.build_user_prompt(
         PairQuery(Kernel(source=src, entry="kc"), Kernel(source=src, entry="kb"), Workload(), "A100", None)
     )
@@ -764,10 +764,12 @@ def test_a_source_over_the_limit_keeps_its_entry_function() -> None:
     """Helpers first and the kernel last (the usual order): the cut source still shows the kernel."""
     helpers = "".join(f"__device__ float h{i}(float x) {{ return x * {i}.0f; }}\n" for i in range(5000))
     src = helpers + NAIVE
-    assert len(src) > prompt.MAX_SOURCE_CHARS
+    assert len(src) > prompt.MAX_SHOWN_SOURCE_BYTES
     shown = prompt.fence(src, "cuda", "saxpy")
     assert NAIVE in shown and "characters cut; the entry function saxpy follows" in shown
-    assert shown.startswith("```cuda\n__device__ float h0(") and len(shown) < prompt.MAX_SOURCE_CHARS + 200
+    assert (
+        shown.startswith("```cuda\n__device__ float h0(") and len(shown) < prompt.MAX_SHOWN_SOURCE_BYTES + 200
+    )
     # An entry near the top (or not found) keeps the head, as before.
     assert NAIVE in prompt.fence(NAIVE + helpers, "cuda", "saxpy")
     assert "more characters cut */" in prompt.fence(helpers + NAIVE, "cuda", "missing")
@@ -792,9 +794,29 @@ def test_a_long_source_keeps_its_entry_in_every_language_and_skips_a_declaration
     )
     declaration = "__global__ void saxpy(float* y, float a);\n" if language == "cuda" else ""
     src = declaration + filler + kernel
-    assert len(src) > prompt.MAX_SOURCE_CHARS
+    assert len(src) > prompt.MAX_SHOWN_SOURCE_BYTES
     shown = prompt.fence(src, language, "saxpy")
     assert kernel in shown and "the entry function saxpy follows" in shown
+
+
+@pytest.mark.anyio
+async def test_a_source_of_wide_characters_is_cut_by_bytes_not_characters() -> None:
+    """An agent's 90k-character comment in CJK (270 kB, about 90k tokens) was under the 100k-character limit and
+    sent whole in both kernels, at every sample: a pair of about 180k tokens where code is cut at about 30k.
+    Cut by UTF-8 bytes, it costs what the same room of ASCII code does, and the kernel itself is still shown."""
+    comment = "// " + "核" * 90_000 + "\n"
+    q = pair()
+    wide = replace(
+        q,
+        baseline=q.baseline.model_copy(update={"source": comment + NAIVE}),
+        candidate=q.candidate.model_copy(update={"source": comment + VEC4}),
+    )
+    mock = scripted(tool_answer(FASTER))
+    await make(mock).forecast([wide])
+    [body] = mock.message_bodies
+    text = body["messages"][0]["content"][0]["text"]
+    assert NAIVE in text and VEC4 in text and "characters cut; the entry function saxpy4 follows" in text
+    assert len(text.encode()) < 2 * prompt.MAX_SHOWN_SOURCE_BYTES + 10_000
 
 
 @pytest.mark.anyio
@@ -813,7 +835,9 @@ async def test_a_pair_whose_prompt_is_over_the_limit_is_not_sent() -> None:
         baseline=q.baseline.model_copy(update={"defines": many("x")}),
         candidate=q.candidate.model_copy(update={"defines": many("y")}),
     )
-    with pytest.raises(ClaudeUnavailable, match=r"1 of 2 pair.*over the 350000 Claude is sent") as info:
+    with pytest.raises(
+        ClaudeUnavailable, match=r"1 of 2 pair.*bytes, over the 350000 Claude is sent"
+    ) as info:
         await f.forecast([pair(), big])
     assert info.value.partial is not None and info.value.partial[1] is None
     assert len(mock.message_bodies) == 1  # the other pair only

@@ -158,7 +158,7 @@ PRICES: dict[str, ModelPrice] = {
     "claude-3-5-haiku": ModelPrice(0.80, 4.0, 1.0, 0.08),
 }
 # A request whose prompt (input, cache reads and writes) is over LONG_PROMPT_TOKENS is billed, all its tokens,
-# output included, at the model's long-prompt band. A pair near prompt.MAX_PROMPT_CHARS can get there.
+# output included, at the model's long-prompt band. A pair near prompt.MAX_PROMPT_BYTES can get there.
 LONG_PROMPT_TOKENS = 100_000
 LONG_PROMPT_PRICES: dict[str, ModelPrice] = {"claude-haiku-5-5": ModelPrice(0.50, 2.50, 0.625, 0.05)}
 BATCH_DISCOUNT = 0.5  # the Batches API bills every token category at half price
@@ -393,7 +393,7 @@ class ClaudeForecaster:
                 fits = [
                     i
                     for i, text in enumerate(texts)
-                    if len(text) <= prompt.MAX_PROMPT_CHARS and len(got[i]) < self.samples
+                    if prompt.utf8_size(text) <= prompt.MAX_PROMPT_BYTES and len(got[i]) < self.samples
                 ]
                 if (
                     fits
@@ -472,13 +472,13 @@ class ClaudeForecaster:
         try:
             texts = await self._user_texts(queries)
             for text in texts:
-                if len(text) > prompt.MAX_PROMPT_CHARS:
+                if prompt.utf8_size(text) > prompt.MAX_PROMPT_BYTES:
                     problems.append(_too_long(text))
             pending = {
                 (i, j): self._max_tokens()
                 for i in range(len(queries))
                 for j in range(self.samples)
-                if len(texts[i]) <= prompt.MAX_PROMPT_CHARS
+                if prompt.utf8_size(texts[i]) <= prompt.MAX_PROMPT_BYTES
             }
             for round_no in range(1 + self.invalid_retries):
                 if not pending:
@@ -527,7 +527,7 @@ class ClaudeForecaster:
         self, text: str, usage: TokenUsage, problems: list[str], got: list[_Sample | None]
     ) -> None:
         """This pair's samples, appended to `got` as each arrives (a timeout keeps those already in)."""
-        if len(text) > prompt.MAX_PROMPT_CHARS:
+        if prompt.utf8_size(text) > prompt.MAX_PROMPT_BYTES:
             problems.append(_too_long(text))
             return
         if not got and self._warm_cache and self.samples > 1 and len(text) > self._pair_uncacheable_chars:
@@ -1007,7 +1007,7 @@ class ClaudeForecaster:
 
 def _too_long(text: str) -> str:
     return (
-        f"a pair's prompt is {len(text)} characters, over the {prompt.MAX_PROMPT_CHARS} Claude is sent (long "
+        f"a pair's prompt is {prompt.utf8_size(text)} bytes, over the {prompt.MAX_PROMPT_BYTES} Claude is sent (long "
         "sources, many defines): not sent; send only the kernel and its tuning parameters"
     )
 

@@ -26,12 +26,15 @@ log = logging.getLogger(__name__)
 
 TOOL_NAME = "report_speedup_forecast"
 MAX_REASONING_CHARS = 2000
-# A source over this many characters is cut in the prompt: a 1 MB source would not fit most context
-# windows, and the kernel's hot loop is rarely past the first 100k characters.
-MAX_SOURCE_CHARS = 100_000
-# A pair's whole prompt (two sources at most MAX_SOURCE_CHARS each, the defines twice each, features): about
-# 100k tokens. A longer one is not sent: it would be paid for at every sample.
-MAX_PROMPT_CHARS = 350_000
+# Sizes are counted in UTF-8 bytes, not characters: a token is at least a byte, so bytes bound the tokens paid
+# for whatever the script. 100k characters of ASCII code are about 30k tokens, but of CJK or emoji (comments an
+# agent wrote) 100-400k: counted in characters, such a pair was sent at several times the tokens meant.
+# A source over this many bytes is cut in the prompt: a 1 MB source would not fit most context windows, and
+# the kernel's hot loop is rarely past the first 100 kB.
+MAX_SHOWN_SOURCE_BYTES = 100_000
+# A pair's whole prompt (two sources at most MAX_SHOWN_SOURCE_BYTES each, the defines twice each, features):
+# about 100k tokens of code. A longer one is not sent: it would be paid for at every sample.
+MAX_PROMPT_BYTES = 350_000
 _FENCE_LANGUAGE = {"cuda": "cuda", "hip": "hip", "opencl": "opencl", "triton": "python", "python": "python"}
 
 SYSTEM_PROMPT = f"""You are an expert GPU performance engineer. You forecast the relative runtime of two GPU \
@@ -378,22 +381,34 @@ def _entry_start(source: str, entry: str, language: str) -> int | None:
     return first
 
 
+def utf8_size(text: str) -> int:
+    """Bytes of `text` in UTF-8 (a lone surrogate, which a JSON request may carry, counted as 3)."""
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def _head_bytes(text: str, limit: int) -> str:
+    """The longest start of `text` within `limit` UTF-8 bytes (a character cut in two is left out)."""
+    return text.encode("utf-8", "surrogatepass")[:limit].decode("utf-8", "ignore")
+
+
 def shown_source(source: str, entry: str | None = None, language: str = "cuda") -> str:
-    """At most MAX_SOURCE_CHARS of a source, with markers where it was cut. A source over the limit keeps its
-    head (includes, helpers) and, when the entry function comes later, the text from that function on: the
+    """At most MAX_SHOWN_SOURCE_BYTES of a source, with markers where it was cut. A source over the limit keeps
+    its head (includes, helpers) and, when the entry function comes later, the text from that function on: the
     kernel itself is what a forecast is about, and it often comes last."""
-    if len(source) <= MAX_SOURCE_CHARS:
+    room = MAX_SHOWN_SOURCE_BYTES
+    if utf8_size(source) <= room:
         return source
     start = _entry_start(source, entry, language) if entry else None
-    if start is None or start <= MAX_SOURCE_CHARS // 5:
-        return source[:MAX_SOURCE_CHARS] + f"\n/* ... {len(source) - MAX_SOURCE_CHARS} more characters cut */"
+    if start is None or utf8_size(source[:start]) <= room // 5:
+        shown = _head_bytes(source, room)
+        return shown + f"\n/* ... {len(source) - len(shown)} more characters cut */"
     # The entry function and what follows it, in at most 4/5 of the room; the head fills the rest.
-    body = source[start : start + MAX_SOURCE_CHARS - MAX_SOURCE_CHARS // 5]
-    head = MAX_SOURCE_CHARS - len(body)
+    body = _head_bytes(source[start:], room - room // 5)
+    head = _head_bytes(source, room - utf8_size(body))
     rest = len(source) - start - len(body)
     return (
-        source[:head]
-        + f"\n/* ... {start - head} characters cut; the entry function {entry} follows */\n"
+        head
+        + f"\n/* ... {start - len(head)} characters cut; the entry function {entry} follows */\n"
         + body
         + (f"\n/* ... {rest} more characters cut */" if rest > 0 else "")
     )
@@ -401,7 +416,7 @@ def shown_source(source: str, entry: str | None = None, language: str = "cuda") 
 
 def fence(source: str, language: str, entry: str | None = None) -> str:
     """Source in a Markdown code fence tagged by language, longer than any backtick run inside (a source over
-    MAX_SOURCE_CHARS is cut as `shown_source` says)."""
+    MAX_SHOWN_SOURCE_BYTES is cut as `shown_source` says)."""
     text = shown_source(source, entry, language)
     longest = max((len(m) for m in re.findall(r"`+", text)), default=0)
     ticks = "`" * max(3, longest + 1)
@@ -543,8 +558,8 @@ def _launch_text(k: Kernel) -> str:
 
 
 __all__ = [
-    "MAX_PROMPT_CHARS",
-    "MAX_SOURCE_CHARS",
+    "MAX_PROMPT_BYTES",
+    "MAX_SHOWN_SOURCE_BYTES",
     "SYSTEM_PROMPT",
     "TOOL_NAME",
     "InvalidAnswer",
@@ -556,4 +571,5 @@ __all__ = [
     "fence",
     "parse_answer",
     "tool_definition",
+    "utf8_size",
 ]
