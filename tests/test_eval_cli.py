@@ -752,3 +752,47 @@ def test_calibration_thresholds_are_certified_on_every_calibration_pair(
     _eval_keyed(tmp_path, monkeypatch, _table_files(tmp_path, cal_table, main_table), local)
     threshold = json.loads((tmp_path / "out" / "metrics.json").read_text())["thresholds"]["A100-SXM4-80GB"]
     assert threshold["n_history"] == 2050  # the 2nd, 4th, ... of 4,100 calibration pairs
+
+
+def test_eval_batch_still_asks_the_local_model_in_chunks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--batch sends Claude's pairs as one Message Batches submission; it also sent the whole file to the local
+    model in one call, which predicts a call's kernels jointly (6 GB for 11k kernels; 4.1 GB for 10k pairs).
+    Claude still gets one batch; the local model (and any forecaster without batches) its EVAL_CHUNK_PAIRS
+    chunks, and a chunk it answers in part keeps its part."""
+    from forecaster_mcp.forecast import evaluate
+    from forecaster_mcp.forecast.claude import ClaudeForecaster
+    from tests._anthropic_mock import AnthropicMock, tool_answer
+
+    monkeypatch.setattr(evaluate, "EVAL_CHUNK_PAIRS", 4)
+    mock = AnthropicMock(lambda params: tool_answer([0.0, 0.0, 0.0, 0.05, 0.15, 0.5, 0.25, 0.05]))
+
+    async def no_sleep(s: float) -> None:
+        return None
+
+    claude = ClaudeForecaster(
+        "test-key", "claude-sonnet-5", samples=1, features=None, http_client=mock.client(), sleep=no_sleep
+    )
+    from forecaster_mcp.forecast.base import PartialForecast
+
+    class PartlyFailing(_Keyed):
+        async def forecast(self, queries: Any) -> list[Any]:
+            out = await super().forecast(queries)
+            if None in out:
+                raise PartialForecast("failed on 1 pair", out)
+            return out
+
+    table = {i: (2.0, 0.7) for i in range(10) if i != 5}  # no local answer for pair 5 (a partial chunk)
+    local = PartlyFailing("local", table)
+    monkeypatch.setattr(evaluate, "build_forecasters", lambda *a, **k: [local, claude])
+    _, pairs = _table_files(tmp_path, {}, {i: (2.0, 0.7) for i in range(10)})
+    out = tmp_path / "out"
+    assert main(["eval", str(pairs), "--out", str(out), "--forecaster", "local+claude", "--batch"]) == 0
+    assert local.calls == [4, 4, 2]
+    [batch] = mock.batches.values()
+    assert len(batch.requests) == 10 and not mock.message_bodies
+    preds = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    assert [sorted(p["raw"]) for p in preds].count(["claude", "local"]) == 9
+    notes = json.loads((out / "metrics.json").read_text())["notes"]
+    assert any("forecaster local skipped on 1 of 10 pairs" in n for n in notes), notes

@@ -50,7 +50,7 @@ import anyio
 import numpy as np
 
 from forecaster_mcp import bins
-from forecaster_mcp.forecast.base import BinForecast, Forecaster, PairQuery
+from forecaster_mcp.forecast.base import BinForecast, Forecaster, PairQuery, PartialForecast
 from forecaster_mcp.forecast.calibration import Calibrator, Platt
 from forecaster_mcp.forecast.combine import Combiner
 from forecaster_mcp.forecast.selective import (
@@ -247,6 +247,32 @@ def one_line(text: str, limit: int = 400) -> str:
     return flat if len(flat) <= limit else flat[: limit - 1] + "…"
 
 
+async def _in_chunks(
+    f: Forecaster, queries: Sequence[PairQuery], chunk: int | None
+) -> list[BinForecast | None]:
+    """`f`'s forecasts of `queries`, `chunk` pairs a call (all at once without a chunk); a chunk it answered in
+    part keeps its part, and the call then fails as partial for the whole list."""
+    if chunk is None or len(queries) <= chunk:
+        return list(await f.forecast(queries))
+    out: list[BinForecast | None] = []
+    errors: list[Exception] = []
+    for start in range(0, len(queries), chunk):
+        part = queries[start : start + chunk]
+        try:
+            out += await f.forecast(part)
+        except Exception as exc:
+            partial = getattr(exc, "partial", None)
+            if not (isinstance(partial, list) and len(partial) == len(part)):
+                raise
+            out += partial
+            errors.append(exc)
+    if errors:
+        raise PartialForecast(
+            f"{errors[0]} (and {len(errors) - 1} more chunks)" if len(errors) > 1 else str(errors[0]), out
+        ) from errors[0]
+    return out
+
+
 class ForecastEngine:
     """Glue between forecasters, calibration, combination and the selective policy.
 
@@ -377,12 +403,16 @@ class ForecastEngine:
 
     # ------------------------------------------------------------------ forecasting
 
-    async def forecast(self, queries: Sequence[PairQuery], *, bulk: bool = False) -> list[EngineForecast]:
+    async def forecast(
+        self, queries: Sequence[PairQuery], *, bulk: bool = False, chunk_pairs: int | None = None
+    ) -> list[EngineForecast]:
         """One EngineForecast per query. A forecaster that raises (or times out) is skipped with a note; one
         that answered some pairs (an exception with `partial`) is kept for those.
 
         `bulk`: forecasters with a `forecast_batch` (Claude: the Message Batches API, half price, minutes to
-        hours) answer through it; for evaluations, not for an agent waiting on a call."""
+        hours) answer through it; for evaluations, not for an agent waiting on a call. `chunk_pairs`: the
+        others are asked that many pairs a call (the local model predicts a call's kernels jointly, in memory
+        growing with the square of their number)."""
         if not queries:
             return []
         await self._maybe_refresh()
@@ -400,7 +430,10 @@ class ForecastEngine:
                 with anyio.CancelScope(
                     deadline=math.inf if limit is None else anyio.current_time() + limit
                 ) as scope:
-                    out = await (batch or f.forecast)(queries)
+                    if batch is not None:
+                        out = await batch(queries)
+                    else:
+                        out = await _in_chunks(f, queries, chunk_pairs)
                 if scope.cancelled_caught:
                     raise TimeoutError(
                         f"no answer within {limit:g} s (forecast_timeout_s); the other forecasters answered"

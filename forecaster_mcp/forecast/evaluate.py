@@ -455,9 +455,10 @@ async def _forecast_in_chunks(
 
     In chunks: the local model predicts a call's unmeasured kernels jointly (memory grows with the square of their
     number; 11k distinct kernels in one call took 6 GB). Each pair's two kernels share a chunk. With `batch`, one
-    Message Batches submission for the file: chunks would each wait their turn on the API."""
+    Message Batches submission for the file (chunks would each wait their turn on the API), and the forecasters
+    without batches still answer in chunks."""
     if batch:
-        return await engine.forecast(queries, bulk=True)
+        return await engine.forecast(queries, bulk=True, chunk_pairs=EVAL_CHUNK_PAIRS)
     forecasts: list[EngineForecast] = []
     for start in range(0, len(queries), EVAL_CHUNK_PAIRS):
         forecasts += await engine.forecast(queries[start : start + EVAL_CHUNK_PAIRS])
