@@ -490,6 +490,18 @@ async def test_plausibility_flags(gpu: PycudaMeasurer) -> None:
     assert "noise_target_not_reached" in noisy.flags
 
 
+@pytest.mark.anyio
+async def test_a_run_ended_by_its_run_cap_says_so(gpu: PycudaMeasurer) -> None:
+    """The result schema lists runs_capped_by_max_runs / runs_capped_by_max_seconds and replay sets them, but
+    a GPU measurement stopped by max_runs never said so: a client could not tell a cap from the noise target."""
+    capped = await gpu.measure(request(gpu, kernel(FAKE_NOISE=0.5), reference=None, max_runs=12))
+    assert "runs_capped_by_max_runs" in capped.flags
+    assert "runs_capped_by_max_seconds" not in capped.flags
+    quiet = await gpu.measure(request(gpu, kernel(FAKE_NOISE=0.0001), reference=None, max_runs=500))
+    assert quiet.runtime_ms is not None and quiet.runtime_ms.runs < 500
+    assert not {"runs_capped_by_max_runs", "runs_capped_by_max_seconds"} & set(quiet.flags)
+
+
 # ---------------------------------------------------------------- start-up, routing, detection
 
 

@@ -1229,6 +1229,12 @@ class PycudaMeasurer:
         if stats is not None and job is not None:
             if job.stop_reason != "noise_target" and stats.relative_noise > self.target_relative_noise:
                 flags.append("noise_target_not_reached")
+            # Which limit ended the sampling (the result schema's flags; replay sets them as well): a request
+            # with a larger one could get more runs.
+            if job.stop_reason == "max_runs":
+                flags.append("runs_capped_by_max_runs")
+            elif job.stop_reason == "time_cap":
+                flags.append("runs_capped_by_max_seconds")
             if not median_ci_covers(stats.runs):
                 flags.append("too_few_runs_for_interval")
             peak = _peak_bandwidth_gbs(slot.name, info)
