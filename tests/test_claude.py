@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import math
+import re
 import subprocess
 import sys
 import types
@@ -676,6 +677,18 @@ async def test_same_source_is_shown_once_and_unknown_gpu_is_named() -> None:
     assert "unknown GPU: 'RTX 9999'" in user
     assert "blocks per SM" not in user  # needs the SM count
     assert "threads in all" in user  # how much work each thread does, for a pair of different kernels
+
+
+@pytest.mark.anyio
+async def test_the_launch_line_and_the_features_do_not_give_two_numbers_one_name() -> None:
+    """The launch line said '606.81 blocks per SM' (the grid over the SMs) beside the static features'
+    blocks_per_sm: 8 (resident at once): one name for two numbers, in a prompt asking for a runtime."""
+    mock = scripted(tool_answer(FASTER))
+    feats = {"baseline": {"blocks_per_sm": 8}, "candidate": {"blocks_per_sm": 8}}
+    await make(mock, features=lambda q: feats).forecast([pair()])
+    user = mock.message_bodies[0]["messages"][0]["content"][0]["text"]
+    assert "grid blocks per SM over the run (not all resident at once)" in user
+    assert re.search(r"[0-9.]+ blocks per SM", user) is None
 
 
 @pytest.mark.anyio

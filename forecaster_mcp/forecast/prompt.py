@@ -302,7 +302,8 @@ def describe_kernel(kernel: Kernel, spec: GpuSpec | None, *, with_source: bool) 
             f"dynamic shared memory {la.shared_mem_bytes} B"
         )
         if spec is not None and spec.sms > 0:
-            line += f"; {la.blocks / spec.sms:.2f} blocks per SM"
+            # Per SM over the whole run; the static features' blocks_per_sm is how many are resident at once.
+            line += f"; {la.blocks / spec.sms:.2f} grid blocks per SM over the run (not all resident at once)"
         rows.append(line)
     else:
         rows.append("launch: not given (derived by the caller from the defines)")
