@@ -173,7 +173,7 @@ def _parser() -> argparse.ArgumentParser:
     issue.add_argument("--ledger", required=True)
     issue.add_argument("--label", default=None)
     revoke = tsub.add_parser("revoke", help="revoke a token")
-    revoke.add_argument("token")
+    revoke.add_argument("token", help="the token, or its id or fingerprint from `token list`")
     tsub.add_parser("list", help="list tokens (never their secret)")
     token.set_defaults(handler="forecaster_mcp.store.admin:token_command")
 

@@ -128,6 +128,17 @@ def test_token_issue_list_revoke(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "token", "revoke", fingerprint)
     assert code == 0 and out.strip() == "revoked"
 
+    # ... or by the id in its first column (it was refused: 'no active token matches').
+    run(capsys, "token", "issue", "--ledger", "agent-1")
+    code, out, _ = run(capsys, "token", "list")
+    third = out.splitlines()[3].split()[0]
+    assert third == "3"
+    code, out, _ = run(capsys, "token", "revoke", third)
+    assert code == 0 and out.strip() == "revoked"
+    assert run(capsys, "token", "list")[1].splitlines()[3].split()[-3] == "revoked"
+    code, _, err = run(capsys, "token", "revoke", third)  # no longer active
+    assert code == 2 and "its id or fingerprint" in err
+
 
 def test_empty_listings_say_what_to_do(capsys: pytest.CaptureFixture[str]) -> None:
     assert "ledger create NAME" in run(capsys, "ledger", "show")[1]

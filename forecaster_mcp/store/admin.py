@@ -165,7 +165,7 @@ def token_command(settings: Settings, args: argparse.Namespace) -> int:
     if action == "revoke":
         if not _with_store(settings, lambda s: s.revoke_token(args.token)):
             raise OperatorError(
-                "no active token matches; pass the token itself or its fingerprint "
+                "no active token matches; pass the token itself, or its id or fingerprint "
                 "from `forecaster-mcp token list`"
             )
         print("revoked")

@@ -1068,12 +1068,17 @@ class Store:
         return await self._write(body)
 
     async def revoke_token(self, token: str) -> bool:
-        """Revoke by the token itself or by the fingerprint `list_tokens` shows. True if an active token was
-        revoked; OperatorError if a fingerprint matches several active tokens."""
+        """Revoke by the token itself, by the fingerprint `list_tokens` shows, or by its id there (digits,
+        fewer than a fingerprint's 8). True if an active token was revoked; OperatorError if a fingerprint
+        matches several active tokens."""
         token = token.strip()
 
         async def body(conn: Any) -> bool:
-            if token.startswith(TOKEN_PREFIX):
+            if re.fullmatch(r"[0-9]{1,7}", token):
+                rows = await conn.execute_fetchall(
+                    "SELECT id FROM tokens WHERE id = ? AND revoked_at IS NULL", (int(token),)
+                )
+            elif token.startswith(TOKEN_PREFIX):
                 rows = await conn.execute_fetchall(
                     "SELECT id FROM tokens WHERE token_sha256 = ? AND revoked_at IS NULL",
                     (_hash_token(token),),
