@@ -307,12 +307,15 @@ class Service:
         others = [k for k in kernels if k.id != base_id]
 
         measured = await self._measured(kernels, hw.name, wkey)
+        suspect = await self._suspect(kernels, measured, hw.name, wkey)
         base_failed = await self._failed(base, hw.name, wkey)
         pairs = [_Pair(k) for k in others]
         for p in pairs:
             m_base, m_cand = measured.get(base.id), measured.get(str(p.candidate.id))
             if m_base is not None and m_cand is not None:
-                p.truth = _from_measurement(str(p.candidate.id), m_base, m_cand, "cache")
+                p.truth = _from_measurement(
+                    str(p.candidate.id), m_base, m_cand, "cache", _suspicion(base.id, p.candidate.id, suspect)
+                )
             else:
                 p.query = PairQuery(base, p.candidate, workload, hw.name, hw.spec)
 
@@ -446,6 +449,7 @@ class Service:
             if stopped is not None:
                 notes.append(stopped)
             measured = await self._measured(kernels, hw.name, wkey)
+            suspect = await self._suspect(kernels, measured, hw.name, wkey)
             m_base = measured.get(base.id)
             base_failed = await self._failed(base, hw.name, wkey)
             if base_failed is not None:
@@ -466,7 +470,9 @@ class Service:
                 if results[cid].decided_by != "forecast":
                     continue
                 if m_base is not None and m_cand is not None:
-                    results[cid] = _from_measurement(cid, m_base, m_cand, "measurement")
+                    results[cid] = _from_measurement(
+                        cid, m_base, m_cand, "measurement", _suspicion(base.id, cid, suspect)
+                    )
                 elif (status := failed.get(by_id[cid].content_key())) is not None:
                     # Measured in this call and it failed: slower now, not an unsure forecast until the next call.
                     results[cid] = _one_side_failed(cid, status, base_failed=False, by="measurement")
@@ -567,6 +573,23 @@ class Service:
             interval = await _by_content(k, lambda key: self.store.measured_interval(key, hardware, wkey))
             if interval is not None and interval[0] > 0:
                 out[str(k.id)] = interval
+        return out
+
+    async def _suspect(
+        self, kernels: Sequence[Kernel], measured: Mapping[str, object], hardware: str, wkey: str
+    ) -> dict[str, list[str]]:
+        """Per measured kernel id, the flags of its measurement that say its runtime may not be the kernel's
+        work (SUSPECT_FLAGS); only kernels that have some."""
+        out: dict[str, list[str]] = {}
+        for k in kernels:
+            if str(k.id) not in measured:
+                continue
+            flags = await _by_content(
+                k, lambda key: _nonempty(self.store.measured_flags(key, hardware, wkey))
+            )
+            suspect = [f for f in flags or () if f in SUSPECT_FLAGS]
+            if suspect:
+                out[str(k.id)] = suspect
         return out
 
     @staticmethod
@@ -1285,6 +1308,34 @@ def _waiting_on_baseline(
     ]
 
 
+# Flags of an ok measurement that say its runtime may not be the kernel's work: a median faster than the
+# kernel's memory traffic allows (work skipped, inputs never read) or host time far above the events (work
+# outside the timed stream). A pair resting on such a measurement is not decided (`_from_measurement`).
+SUSPECT_FLAGS = frozenset({"below_physical_floor", "events_disagree_with_wall_clock"})
+
+
+async def _nonempty(flags: Awaitable[list[str]]) -> list[str] | None:
+    """None for no flags (so `_by_content` also looks under a kernel's earlier content key)."""
+    return (await flags) or None
+
+
+def _suspicion(base_id: object, cid: object, suspect: Mapping[str, list[str]]) -> str | None:
+    """Why a measured pair of these two kernels is not decided, or None."""
+    parts = [
+        f"the {role}'s measurement is flagged {', '.join(flags)}"
+        for role, kid in (("baseline", base_id), ("candidate", cid))
+        if (flags := suspect.get(str(kid)))
+    ]
+    if not parts:
+        return None
+    return (
+        "; ".join(parts)
+        + " (its runtime may not be the kernel's work: skipped work, inputs never read, or work "
+        "outside the timed stream); measure it with a reference kernel so its output is checked, and see the "
+        "measurement's notes"
+    )
+
+
 async def _by_content(kernel: Kernel, lookup: Callable[[str], Awaitable[_T | None]]) -> _T | None:
     """`lookup` under the kernel's content key, else under the key results were stored under before
     (`Kernel.earlier_content_key`)."""
@@ -1396,13 +1447,18 @@ def _log_sd(interval: tuple[float, float, float, int]) -> float:
 
 
 def _from_measurement(
-    cid: str, base: tuple[float, float, float, int], cand: tuple[float, float, float, int], by: str
+    cid: str,
+    base: tuple[float, float, float, int],
+    cand: tuple[float, float, float, int],
+    by: str,
+    suspicion: str | None = None,
 ) -> CandidateForecast:
     """The answer two measurements give: (median, low, high, runs) of each kernel's runtime interval (ms).
 
     Decided, at its measured bin, when the speedup's 95% interval (from both medians' intervals) leaves out 1;
     otherwise the two are within each other's noise: unsure, with p_faster and the bins of that interval. Two
-    equal medians (one kernel sent twice) are never "slower"."""
+    equal medians (one kernel sent twice) are never "slower". A `suspicion` (`_suspicion`: a measurement whose
+    runtime may not be the kernel's work) leaves the pair unsure and says why."""
     t_base_ms, t_cand_ms = base[0], cand[0]
     s = t_base_ms / t_cand_ms
     sd = math.hypot(_log_sd(base), _log_sd(cand))
@@ -1425,6 +1481,9 @@ def _from_measurement(
             f"{t_cand_ms:.4g} ms [{cand[1]:.4g}, {cand[2]:.4g}] (speedup {s:.3f}x, its 95% interval includes 1); "
             "measure both with more runs to separate them"
         )
+    if suspicion is not None and verdict != "unsure":
+        verdict = "unsure"
+        rationale += f"; not decided: {suspicion}"
     return CandidateForecast(
         id=cid,
         p_faster=p,

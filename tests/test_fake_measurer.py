@@ -453,3 +453,31 @@ async def test_measure_without_hardware_uses_the_device_compare_forecasts_for(tm
         assert out.candidates[0].decided_by == "cache"
     finally:
         await svc.close()
+
+
+async def test_a_pair_resting_on_a_suspect_measurement_is_not_decided(tmp_path: Any) -> None:
+    """A measurement faster than the kernel's memory traffic allows (below_physical_floor: work skipped or
+    inputs never read) stays 'ok' with a flag, and compare decided 'faster' on it, in the call that measured it
+    and from the store after. Now unsure, saying why and what to do; a clean pair is still decided."""
+    fake = FakeMeasurer(["A100-PCIE-40GB"], gpu_seconds=0.5)
+    fake.script("base", runtime_ms=2.0)
+    fake.script("skips", runtime_ms=0.001, flags=("below_physical_floor",))
+    fake.script("good", runtime_ms=1.0)
+    svc = await _service(tmp_path, fake)
+    try:
+        for res in (
+            await _compare(svc, _kernels("base", "skips", "good")),
+            await _compare(svc, _kernels("base", "skips", "good"), measure_if_unsure=False),
+        ):
+            by_id = {c.id: c for c in res.candidates}
+            assert by_id["skips"].decided_by in ("measurement", "cache")
+            assert by_id["skips"].verdict == "unsure"
+            assert "candidate's measurement is flagged below_physical_floor" in by_id["skips"].rationale
+            assert "reference kernel" in by_id["skips"].rationale
+            assert by_id["good"].verdict == "faster"
+        # The suspect kernel as the baseline: every pair against it is unsure.
+        flipped = await _compare(svc, _kernels("skips", "base", "good"), measure_if_unsure=False)
+        assert {c.verdict for c in flipped.candidates} == {"unsure"}
+        assert all("baseline's measurement is flagged" in c.rationale for c in flipped.candidates)
+    finally:
+        await svc.close()

@@ -49,6 +49,7 @@ class FakeBehaviour:
     block_until: anyio.Event | None = None
     gpu_seconds: float | None = None  # None: the measurer's gpu_seconds
     noise: float | None = None  # relative std of the generated runs; None: the measurer's
+    flags: tuple[str, ...] = ()  # result flags of an ok run (below_physical_floor, ...)
 
 
 def _defines_key(defines: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
@@ -102,10 +103,20 @@ class FakeMeasurer:
         block_until: anyio.Event | None = None,
         gpu_seconds: float | None = None,
         noise: float | None = None,
+        flags: tuple[str, ...] = (),
     ) -> FakeBehaviour:
         """Script the kernel with this entry (and, when given, exactly these defines). Later scripts win."""
         behaviour = FakeBehaviour(
-            runtime_ms, status, message, timeout, crash, not_measurable, block_until, gpu_seconds, noise
+            runtime_ms,
+            status,
+            message,
+            timeout,
+            crash,
+            not_measurable,
+            block_until,
+            gpu_seconds,
+            noise,
+            flags,
         )
         if defines is None:
             self._by_entry[entry] = behaviour
@@ -213,4 +224,5 @@ class FakeMeasurer:
             ),
             device=device,
             cost=cost,
+            flags=list(b.flags),
         )

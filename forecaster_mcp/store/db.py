@@ -1335,6 +1335,21 @@ class Store:
         high = float(high) if isinstance(high, int | float) else median
         return median, min(low, median), max(high, median), int(runs) if isinstance(runs, int) else 1
 
+    async def measured_flags(self, content_key: str, hardware: str, workload_key: str) -> list[str]:
+        """The flags of the measurement `measured_interval` answers from (the latest ok one); [] if none."""
+        rows = await self._fetch(
+            "SELECT json_extract(result_json, '$.flags') FROM measurements WHERE content_key = ? AND hardware = ? "
+            "AND workload_key = ? AND status = 'ok' AND runtime_ms > 0 ORDER BY id DESC LIMIT 1",
+            (content_key, hardware, workload_key),
+        )
+        if not rows or not isinstance(rows[0][0], str):
+            return []
+        try:
+            flags = json.loads(rows[0][0])
+        except ValueError:
+            return []
+        return [str(f) for f in flags] if isinstance(flags, list) else []
+
     async def failed_status(self, content_key: str, hardware: str, workload_key: str) -> str | None:
         """The status of this exact kernel's latest measurement when it failed (compile or launch error, wrong
         output, an out-of-bounds write) and it was never measured ok; None otherwise. What is never served from
