@@ -506,6 +506,12 @@ class Service:
             and r.id not in measured
             and fc_by_id[r.id].extras.get("measured", 0.0) < 1.0
         ]
+        # Candidates (and a baseline) whose source does not compile: left out of measure_next, and said why.
+        if note := _compile_errors_note(
+            base.id, [r for r in ordered if r.decided_by == "forecast"], fc_by_id
+        ):
+            notes.append(note)
+        unmeasured = [r for r in unmeasured if not _does_not_compile(fc_by_id[r.id].extras)]
         if not measure_next and unmeasured and all(r.verdict == "slower" for r in unmeasured):
             # An empty list is an answer too; say what it means so a client does not read it as a fault.
             notes.append(
@@ -660,7 +666,15 @@ class Service:
             for cid, r in results.items()
             if r.decided_by == "forecast" and cid not in measured
         ]
-        listed = [it for it in items if worth_measuring(it, results[it.id].verdict) and fc_by_id[it.id].raw]
+        # A candidate whose source this server's nvcc rejected is left out: its measurement would be a compile
+        # error (the rationale has the first error line; `_compile_errors_note` says so).
+        listed = [
+            it
+            for it in items
+            if worth_measuring(it, results[it.id].verdict)
+            and fc_by_id[it.id].raw
+            and not _does_not_compile(fc_by_id[it.id].extras)
+        ]
         ranked = rank_for_measurement(listed) if listed else []
         # A candidate no forecaster answered has no value to rank by (its even odds are not a forecast): it
         # is worth a measurement, after those whose forecasts say why.
@@ -680,6 +694,8 @@ class Service:
         if (
             str(base.id) not in measured
             and base_failed is None  # measuring a failed baseline again only answers the failure again
+            # nor one whose source does not compile
+            and not any(_does_not_compile(f.extras, baseline=True) for f in fc_by_id.values())
             and (ranked or copies_of_base or _waiting_on_baseline(results, measured))
         ):
             # A candidate's measurement only settles the pair once the baseline is measured too; with every
@@ -1494,6 +1510,29 @@ def _from_measurement(
         rationale=rationale,
         confidence=max(p, 1.0 - p),
         measured_speedup=s,
+    )
+
+
+def _does_not_compile(extras: Mapping[str, Any], baseline: bool = False) -> bool:
+    """Whether a forecast found its candidate's source (`baseline`: its baseline's) rejected by this server's
+    nvcc (`extras["compile_error"]`, from the local forecaster's ptxas compile)."""
+    return float(extras.get("compile_error_baseline" if baseline else "compile_error", 0.0)) >= 1.0
+
+
+def _compile_errors_note(
+    base_id: str, forecast: Sequence[CandidateForecast], fc_by_id: Mapping[str, Any]
+) -> str | None:
+    """What measure_next left out because this server's nvcc rejects the source, and what to do; None if none."""
+    ids = [r.id for r in forecast if _does_not_compile(fc_by_id[r.id].extras)]
+    if any(_does_not_compile(fc_by_id[r.id].extras, baseline=True) for r in forecast):
+        ids.insert(0, f"{base_id} (the baseline)")
+    if not ids:
+        return None
+    shown = ", ".join(ids[:10]) + (" ..." if len(ids) > 10 else "")
+    return (
+        f"left out of measure_next, as their source does not compile with this server's nvcc: {shown} (the first "
+        "error line is in each rationale); fix the source and ask again, or measure_kernel one for the compiler's "
+        "full output"
     )
 
 

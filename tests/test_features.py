@@ -573,6 +573,118 @@ async def test_ptxas_compiles_device_code_only(tmp_path: Path) -> None:
     assert relocatable is not None
 
 
+# Fails on a source holding BROKEN as nvcc does (with host paths), compiles any other; `extra` runs first.
+def _nvcc_rejecting_broken(path: Path, extra: str = "") -> str:
+    return _fake_nvcc(
+        path,
+        "release 13.0",
+        '[ "$1" = --list-gpu-code ] && exit 1\n'  # cannot say: each GPU's own architecture is used
+        f"{extra}\n"
+        'for a; do src="$a"; done\n'
+        'if grep -q BROKEN "$src"; then\n'
+        '  echo "$PWD/kernel.cu(5): error: identifier \\"BROKEN\\" is undefined"\n'
+        '  echo "/usr/local/cuda/include/crt/host_defines.h(9): error: a second error"; exit 1\n'
+        "fi\n" + _ptxas_says(32),
+    )
+
+
+def _pair(base: Kernel, cand: Kernel, hardware: str | None) -> Any:
+    from forecaster_mcp.forecast.base import PairQuery
+
+    workload = Workload(problem={"n": 1 << 20})
+    return PairQuery(base, cand, workload, hardware or "unknown", lookup(hardware) if hardware else None)
+
+
+@pytest.mark.anyio
+async def test_a_kernel_whose_source_does_not_compile_is_forecast_to_fail(tmp_path: Path) -> None:
+    """nvcc's compile error makes the kernel's chance of failing near 1 (a little less for an error found on a
+    stand-in architecture), and the rationale says so with the first error line, host paths stripped. Before,
+    a failed compile only took the ptxas features away: p_fail 0, and the head of measure_next."""
+    from forecaster_mcp.forecast.local import (
+        P_FAIL_COMPILE_ERROR,
+        P_FAIL_COMPILE_ERROR_STAND_IN,
+        LocalForecaster,
+    )
+
+    launch = Launch(grid=(4096, 1, 1), block=(256, 1, 1))
+    good = Kernel(source=SMALL, entry="add", launch=launch)
+    broken = Kernel(source=SMALL + "\nint BROKEN_USE = BROKEN;\n", entry="add", launch=launch)
+    nvcc = _nvcc_rejecting_broken(tmp_path / "nvcc")
+    cache = tmp_path / "cache"
+    f = LocalForecaster(None, nvcc=nvcc, cache_dir=cache, ptxas_wait_s=30.0)
+    cand_fails, base_fails, stand_in = await f.forecast(
+        [_pair(good, broken, "H100"), _pair(broken, good, "H100"), _pair(good, broken, None)]
+    )
+    assert cand_fails.extras["p_fail"] == P_FAIL_COMPILE_ERROR >= 0.95
+    assert cand_fails.extras["p_fail_baseline"] == 0.0 and cand_fails.extras["compile_error"] == 1.0
+    first_line = 'kernel.cu(5): error: identifier "BROKEN" is undefined'
+    assert cand_fails.rationale.startswith(
+        f"candidate does not compile (this server's nvcc for sm_90): {first_line}"
+    )
+    assert "a second error" not in cand_fails.rationale and "fmcp-ptxas" not in cand_fails.rationale
+    assert base_fails.extras["p_fail_baseline"] == P_FAIL_COMPILE_ERROR and base_fails.extras["p_fail"] == 0.0
+    assert base_fails.rationale.startswith("baseline does not compile") and first_line in base_fails.rationale
+    # An unknown GPU is compiled for sm_80, a stand-in: an error there is less sure to recur on the real one.
+    assert stand_in.extras["p_fail"] == P_FAIL_COMPILE_ERROR_STAND_IN < P_FAIL_COMPILE_ERROR
+    assert "stand-in" in stand_in.rationale and first_line in stand_in.rationale
+    # A header this machine lacks may be installed where the kernel is measured.
+    header = Kernel(source='#include "BROKEN/extension.h"\n' + SMALL, entry="add", launch=launch)
+    missing = _fake_nvcc(
+        tmp_path / "nvcc-no-header",
+        "release 13.0",
+        'for a; do src="$a"; done\ngrep -q BROKEN "$src" && '
+        "{ echo 'kernel.cu:1:10: fatal error: BROKEN/extension.h: No such file or directory'; exit 1; }\n"
+        + _ptxas_says(32),
+    )
+    (no_header,) = await LocalForecaster(None, nvcc=missing).forecast([_pair(good, header, "H100")])
+    assert no_header.extras["p_fail"] == P_FAIL_COMPILE_ERROR_STAND_IN and "header" in no_header.rationale
+    assert no_header.extras["p_fail_baseline"] == 0.0
+    # The error is the source's own: kept in the cache with its line, as a restarted server reads it.
+    _fake_nvcc(tmp_path / "nvcc", "release 13.0", _ptxas_says(32))
+    (again,) = await LocalForecaster(None, nvcc=nvcc, cache_dir=cache).forecast([_pair(good, broken, "H100")])
+    assert again.extras["p_fail"] == P_FAIL_COMPILE_ERROR and first_line in again.rationale
+
+
+@pytest.mark.parametrize(
+    "trouble",
+    [
+        "kill -9 $$",  # killed by a signal (the OOM killer, an operator)
+        "sleep 30",  # still compiling when the forecast stops waiting
+        "echo 'fatal: No space left on device' >&2; exit 1",
+        "echo \"nvcc fatal   : Unsupported gpu architecture 'compute_90'\"; exit 1",
+        "echo 'error -- unsupported GNU version! gcc versions later than 13 are not supported!'; exit 1",
+        "echo 'usage: prog [options]'; exit 2",  # a configured "nvcc" that is another program: no diagnostic
+    ],
+)
+@pytest.mark.anyio
+async def test_a_compile_that_fails_for_the_machines_reason_is_no_compile_error(
+    tmp_path: Path, trouble: str
+) -> None:
+    """A timeout, a kill, a full disk, the compiler's own set-up or a failure without a diagnostic says nothing
+    of the kernel: no chance of failing is added, as without nvcc or for a language nvcc does not take."""
+    from forecaster_mcp.forecast.local import LocalForecaster
+
+    launch = Launch(grid=(4096, 1, 1), block=(256, 1, 1))
+    good = Kernel(source=SMALL, entry="add", launch=launch)
+    broken = Kernel(source=SMALL + "\nint BROKEN_USE = BROKEN;\n", entry="add", launch=launch)
+    # `trouble` hits every compile; the plain error of a BROKEN source would follow it.
+    nvcc = _nvcc_rejecting_broken(tmp_path / "nvcc", trouble)
+    forecasters = [
+        LocalForecaster(None, nvcc=nvcc, cache_dir=tmp_path / "cache", ptxas_wait_s=0.5),
+        LocalForecaster(None, nvcc=str(tmp_path / "missing-nvcc"), ptxas_wait_s=30.0),
+    ]
+    for f in forecasters:
+        pairs = [_pair(good, broken, "H100"), _pair(broken, good, "H100")]
+        for fc in await f.forecast(pairs):
+            assert fc.extras["p_fail"] == fc.extras["p_fail_baseline"] == 0.0, trouble
+            assert "compile" not in fc.rationale and "compile_error" not in fc.extras
+    hip = broken.model_copy(update={"language": "hip"})
+    (fc,) = await LocalForecaster(None, nvcc=_nvcc_rejecting_broken(tmp_path / "nvcc2")).forecast(
+        [_pair(good, hip, "H100")]
+    )
+    assert fc.extras["p_fail"] == 0.0
+
+
 def test_a_namespaced_kernel_is_found_among_others() -> None:
     usage = PtxasUsage(
         "sm_90", (PtxasEntry("_Z5otherPf", 8, 0, 0, 0, 0), PtxasEntry("_ZN3opt4gemvEPf", 10, 0, 0, 0, 0))

@@ -899,7 +899,7 @@ async def test_ptxas_runs_once_per_call_for_every_pair_and_its_cap_holds_for_the
         running[0] -= 1
         return ptxas.PtxasUsage(arch, (ptxas.PtxasEntry(kernel.entry, 40, 0, 0, 0, 0),))
 
-    monkeypatch.setattr(ptxas, "ptxas_usage", fake_usage)
+    monkeypatch.setattr(ptxas, "ptxas_result", fake_usage)
     monkeypatch.setattr(ptxas, "supported_archs", lambda nvcc: ("sm_80",))
 
     def unrelated(i: int) -> Kernel:  # each its own family: no model, the static prior answers
@@ -910,8 +910,8 @@ async def test_ptxas_runs_once_per_call_for_every_pair_and_its_cap_holds_for_the
     few = [query(unrelated(2 * i), unrelated(2 * i + 1)) for i in range(MAX_PTXAS_PER_CALL // 2)]
     assert len(await f.forecast(few)) == len(few)
     assert sorted(calls) == sorted(f"k{i}" for i in range(MAX_PTXAS_PER_CALL)) and running[1] == 2
-    [feats] = f._static([few[0].baseline], few[0], {})  # cached with what ptxas said
-    assert feats.registers == 40
+    [(feats, error)] = f._static([few[0].baseline], few[0], {})  # cached with what ptxas said
+    assert feats.registers == 40 and error is None
 
     calls.clear()
     many = [query(unrelated(100 + 2 * i), unrelated(101 + 2 * i)) for i in range(MAX_PTXAS_PER_CALL)]

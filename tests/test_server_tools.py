@@ -12,6 +12,7 @@ from replay_kernels import FAILS, FAST, SLOW, conv
 from tool_calls import call, error_of, running
 
 from forecaster_mcp.forecast.local import VERSION as LOCAL_VERSION
+from forecaster_mcp.forecast.ptxas import find_nvcc
 from forecaster_mcp.forecast.selective import MAX_TARGET_ERROR, MIN_TARGET_ERROR
 from forecaster_mcp.models import MAX_DEFINES, MAX_SOURCE_BYTES, MIN_MEASURE_SECONDS, Kernel
 from forecaster_mcp.server.app import build_server
@@ -768,3 +769,87 @@ async def test_a_list_past_the_hard_bound_is_told_the_contracts_count(
             msg = await error_of(client, "compare_kernels", {"candidates": many})
             assert f"2 to 64 candidates, got {count}" in msg and "split larger sets" in msg, count
             assert "256" not in msg.replace(f"got {count}", "")
+
+
+_ADD = """
+__global__ void add(float* a, const float* b, int n) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) a[i] += b[i];
+}
+"""
+_ADD_STRIDED = """
+__global__ void add(float* a, const float* __restrict__ b, int n) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) a[i] += b[i];
+}
+"""
+# A real kernel with a missing ";" (and an undefined name after it).
+_ADD_BROKEN = """
+__global__ void add(float* a, const float* b, int n) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x
+  if (i < n) a[i] += undefined_buffer[i];
+}
+"""
+
+
+def _add(kid: str, source: str, grid: int = 4096, block: int = 256) -> dict[str, object]:
+    return {
+        "id": kid,
+        "source": source,
+        "entry": "add",
+        "launch": {"grid": [grid, 1, 1], "block": [block, 1, 1]},
+    }
+
+
+async def _compiled_beforehand(home: Path, kernels: list[dict[str, object]], arch: str) -> None:
+    """ptxas results of `kernels` put in the server's cache first, so a busy test machine cannot make the
+    compare's own wait for nvcc run out (the forecast would then have no ptxas result, rightly)."""
+    from forecaster_mcp.forecast.ptxas import find_nvcc, ptxas_results
+
+    nvcc = find_nvcc(None)
+    assert nvcc is not None
+    jobs = {i: (Kernel.model_validate({**k, "id": None}), arch) for i, k in enumerate(kernels)}
+    assert len(await ptxas_results(jobs, nvcc, home / "cache", wait_s=300.0)) == len(kernels)
+
+
+@pytest.mark.skipif(find_nvcc(None) is None, reason="needs nvcc")
+async def test_a_candidate_that_does_not_compile_is_ranked_last_and_not_measured_next(tmp_path: Path) -> None:
+    """With nvcc present, a source nvcc rejects ("this is not C", a kernel missing a ";") ranked first and second
+    in measure_next, ahead of kernels that compile: a failed compile only took the ptxas features away. Now it is
+    "slower" (never "faster"), ranks below every kernel likely to run, stays out of measure_next, and its
+    rationale gives the compiler's first error line."""
+    candidates = [
+        _add("base", _ADD),
+        _add("notc", "this is not C"),
+        _add("broken", _ADD_BROKEN),
+        _add("strided", _ADD_STRIDED, grid=1024),
+        _add("narrow", _ADD, block=128, grid=8192),
+    ]
+    settings = Settings.from_env(home=tmp_path, measurer="none", ledger="default")
+    await _compiled_beforehand(settings.home, candidates, "sm_90")
+    service = await Service.open(settings)
+    try:
+        async with Client(build_server(service)) as client:
+            args = {"candidates": candidates, "hardware": "H100", "workload": {"problem": {"n": 1 << 20}}}
+            out = await call(client, "compare_kernels", args)
+            swapped = await call(client, "compare_kernels", {**args, "baseline": "broken"})
+    finally:
+        await service.close()
+    by_id = {c["id"]: c for c in out["candidates"]}
+    for kid, line in (
+        ("notc", "kernel.cu(1): error: expected a declaration"),
+        ("broken", 'error: expected a ";"'),
+    ):
+        assert by_id[kid]["verdict"] == "slower", by_id[kid]
+        assert by_id[kid]["rationale"].startswith("candidate does not compile"), by_id[kid]["rationale"]
+        assert line in by_id[kid]["rationale"] and "/tmp" not in by_id[kid]["rationale"]
+    assert set(out["ranking"][-2:]) == {"notc", "broken"}
+    assert out["measure_next"] and not {"notc", "broken"} & set(out["measure_next"])
+    assert any("does not compile" in n and "notc, broken" in n for n in out["notes"])
+    # Against a baseline that does not compile: the baseline is not measured next, and ranks below those that
+    # compile (the kernels that compile are "faster": they run, it does not).
+    assert "broken" not in swapped["measure_next"] and "notc" not in swapped["measure_next"]
+    assert set(swapped["ranking"][-2:]) == {"notc", "broken"}
+    by_id = {c["id"]: c for c in swapped["candidates"]}
+    assert by_id["notc"]["verdict"] != "faster"
+    assert "baseline does not compile" in by_id["strided"]["rationale"]
+    assert any("broken (the baseline)" in n for n in swapped["notes"])

@@ -46,7 +46,7 @@ from numpy.typing import NDArray
 from forecaster_mcp import bins
 from forecaster_mcp.forecast.base import BinForecast, PairQuery, PartialForecast
 from forecaster_mcp.forecast.features import StaticFeatures, kernel_features, prior_shift
-from forecaster_mcp.forecast.ptxas import PtxasUsage
+from forecaster_mcp.forecast.ptxas import PtxasError, PtxasUsage
 from forecaster_mcp.models import C_INT, C_INT_SUFFIX, Kernel, c_integer
 from forecaster_mcp.store.db import FamilyPoint
 
@@ -69,6 +69,15 @@ TAIL_WEIGHT = 0.1
 TAIL_SCALE = 2.5
 # The prior path compiles with nvcc only when a call brings at most this many kernels it has not seen.
 MAX_PTXAS_PER_CALL = 8
+# The chance a kernel fails to compile or run when this server's nvcc reported an error in its source, compiled
+# for the GPU's own architecture: the measurer compiles with the same nvcc for the same architecture, and an
+# error there is all but certain to recur. Not 1: the measurement may be made elsewhere (another toolkit, a
+# device other than the one named), and the compile here is device code only.
+P_FAIL_COMPILE_ERROR = 0.98
+# The same for an error found compiling for a stand-in architecture (an unknown GPU, or one outside this nvcc's
+# window, see ptxas.stand_in_arch): a syntax error recurs on any architecture, an intrinsic or instruction that
+# one architecture lacks may not. Also for a header this machine lacks: the machine measuring may have it.
+P_FAIL_COMPILE_ERROR_STAND_IN = 0.9
 _SQRT5 = math.sqrt(5.0)
 _OK_STATUS = "ok"
 
@@ -1287,7 +1296,10 @@ class LocalForecaster:
         self._max_bytes = max_cache_bytes
         self.cached_bytes = 0  # what the kept models hold (model_bytes)
         # (content key, GPU, workload key) -> features: blocks, waves and occupancy depend on all three.
-        self._features: OrderedDict[tuple[str, str, str], StaticFeatures] = OrderedDict()
+        # With them, the source's compile error when nvcc found one (ptxas.PtxasError), else None.
+        self._features: OrderedDict[tuple[str, str, str], tuple[StaticFeatures, PtxasError | None]] = (
+            OrderedDict()
+        )
         self.fits = 0  # how many family models were fitted (tests and benchmarks read it)
 
     # ---- family models
@@ -1483,26 +1495,27 @@ class LocalForecaster:
         self,
         kernels: Sequence[Kernel],
         q: PairQuery,
-        usage: Mapping[tuple[str, str], PtxasUsage],
+        usage: Mapping[tuple[str, str], PtxasUsage | PtxasError],
         skipped: frozenset[str] = frozenset(),
         feature_key: Callable[[Kernel, PairQuery], tuple[str, str, str]] | None = None,
-    ) -> list[StaticFeatures]:
-        """Static features of `kernels` (in order) for the pair `q` (its GPU and workload), with the ptxas
-        results in `usage` (by content key and architecture; see `_ptxas_for`). Kept per kernel, GPU and
-        workload (`_feature_key`, or the call's memoised `feature_key`), with or without ptxas (the same
+    ) -> list[tuple[StaticFeatures, PtxasError | None]]:
+        """Static features of `kernels` (in order) for the pair `q` (its GPU and workload), each with its compile
+        error, from the ptxas results in `usage` (by content key and architecture; see `_ptxas_for`). Kept per
+        kernel, GPU and workload (`_feature_key`, or the call's memoised `feature_key`), with or without ptxas (the same
         question gets the same answer, and a compile that timed out is not retried on every call), except for
         kernels in `skipped` (content keys a crowded call did not compile): a later, smaller call compiles
         them."""
         arch = _arch_of(q)
         key_of = feature_key or _feature_key
-        out: list[StaticFeatures] = []
+        out: list[tuple[StaticFeatures, PtxasError | None]] = []
         for k in kernels:
             key = key_of(k, q)
             cached = self._features.get(key)
             if cached is None:
                 u = usage.get((key[0], arch))
-                entry = u.for_entry(k.entry) if u is not None else None
-                cached = kernel_features(k, q.workload, q.hardware, entry)
+                entry = u.for_entry(k.entry) if isinstance(u, PtxasUsage) else None
+                error = u if isinstance(u, PtxasError) else None
+                cached = (kernel_features(k, q.workload, q.hardware, entry), error)
                 if key[0] not in skipped:
                     self._features[key] = cached
                     while len(self._features) > 4096:
@@ -1515,19 +1528,21 @@ class LocalForecaster:
             self._nvcc is not None
             and self._ptxas_wait_s > 0
             and k.language == "cuda"
-            and "__global__" in k.source
+            # A source of comments only (a replay's stand-in for a recorded kernel) has nothing to compile.
+            and ("__global__" in k.source or _CODE.search(_COMMENTS.sub(" ", k.source)) is not None)
         )
 
     async def _ptxas_for(
         self,
         queries: Sequence[PairQuery],
         feature_key: Callable[[Kernel, PairQuery], tuple[str, str, str]] | None = None,
-    ) -> tuple[dict[tuple[str, str], PtxasUsage], frozenset[str]]:
+    ) -> tuple[dict[tuple[str, str], PtxasUsage | PtxasError], frozenset[str]]:
         """ptxas results (by content key and architecture) for the kernels of these prior-path pairs whose
         features are not cached, compiled for the whole call at once, two at a time, within one wait of
-        ptxas_wait_s (+1 s); and the content keys left uncompiled because the call had more than
-        MAX_PTXAS_PER_CALL of them (a screening call: those are compiled when asked about in a smaller one)."""
-        from forecaster_mcp.forecast.ptxas import ptxas_usages
+        ptxas_wait_s (+1 s), or their compile errors; and the content keys left uncompiled because the call had
+        more than MAX_PTXAS_PER_CALL of them (a screening call: those are compiled when asked about in a smaller
+        one)."""
+        from forecaster_mcp.forecast.ptxas import ptxas_results
 
         key_of = feature_key or _feature_key
         todo: dict[tuple[str, str], Kernel] = {}  # (content key, arch) -> kernel
@@ -1537,7 +1552,7 @@ class LocalForecaster:
                 key = key_of(k, q)
                 if key not in self._features and self._compilable(k):
                     todo.setdefault((key[0], arch), k)
-        usage: dict[tuple[str, str], PtxasUsage] = {}
+        usage: dict[tuple[str, str], PtxasUsage | PtxasError] = {}
         # nvcc takes a second or two per kernel: worth it for the few kernels of an agent's question, not
         # for a screening call over dozens of configurations (those have the family model, or nothing).
         if not todo:
@@ -1546,7 +1561,7 @@ class LocalForecaster:
             return usage, frozenset(ck for ck, _ in todo)
         assert self._nvcc is not None
         jobs = {key: (k, key[1]) for key, k in todo.items()}
-        return await ptxas_usages(jobs, self._nvcc, self._cache_dir, self._ptxas_wait_s), frozenset()
+        return await ptxas_results(jobs, self._nvcc, self._cache_dir, self._ptxas_wait_s), frozenset()
 
     # ---- forecasting
 
@@ -1643,8 +1658,8 @@ class LocalForecaster:
             [q for q, bc in zip(queries, beliefs, strict=True) if prior_path(bc)], feature_key
         )
 
-        def statics() -> dict[int, list[StaticFeatures] | Exception]:
-            found: dict[int, list[StaticFeatures] | Exception] = {}
+        def statics() -> dict[int, list[tuple[StaticFeatures, PtxasError | None]] | Exception]:
+            found: dict[int, list[tuple[StaticFeatures, PtxasError | None]] | Exception] = {}
             for i, (q, belief) in enumerate(zip(queries, beliefs, strict=True)):
                 if prior_path(belief):
                     try:
@@ -1669,7 +1684,8 @@ class LocalForecaster:
                     feats = static_of[i]
                     if isinstance(feats, Exception):
                         raise feats
-                    out.append(self._prior_forecast(q, b, c, groups[kc], *feats))
+                    (fb, eb), (fc, ec) = feats
+                    out.append(self._prior_forecast(q, b, c, groups[kc], fb, fc, eb, ec))
                 else:
                     out.append(self._pair_forecast(b, c, groups[group_of(q.baseline, q)], groups[kc]))
             except Exception as exc:
@@ -1785,16 +1801,23 @@ class LocalForecaster:
         cand_model: FamilyModel | None,
         fb: StaticFeatures,
         fc: StaticFeatures,
+        eb: PtxasError | None = None,
+        ec: PtxasError | None = None,
     ) -> BinForecast:
-        """The static prior of a pair, from both kernels' static features (`_static`)."""
+        """The static prior of a pair, from both kernels' static features and compile errors (`_static`). Its
+        bins are conditional on both kernels running, as every forecast's are; a compile error raises the
+        kernel's chance of failing (`_compile_p_fail`) and leads the rationale."""
+        # A kernel measured running compiled where it was measured, whatever this nvcc says.
+        eb = eb if b.kind != "measured" else None
+        ec = ec if c.kind != "measured" else None
         same_family = q.baseline.family_key() == q.candidate.family_key()
         shift = prior_shift(fb, fc, same_family=same_family)
         n_points = float(len(cand_model.measured)) if cand_model is not None else 0.0
         extras = {
             "mu_log2": shift.mean_log2,
             "sd_log2": shift.sd_log2,
-            "p_fail": c.p_fail,
-            "p_fail_baseline": b.p_fail,
+            "p_fail": max(c.p_fail, _compile_p_fail(ec, q)),
+            "p_fail_baseline": max(b.p_fail, _compile_p_fail(eb, q)),
             "n_family_points": n_points,
             "n_family_ok": float(cand_model.n_ok) if cand_model is not None else 0.0,
             "measured": 1.0 if c.kind == "measured" else 0.0,
@@ -1809,8 +1832,52 @@ class LocalForecaster:
             rationale = f"static prior ({why}): " + ", ".join(shift.reasons[:4])
         else:
             rationale = f"static prior ({why}): no informative static difference, near 50/50"
+        failing = [(who, e) for who, e in (("candidate", ec), ("baseline", eb)) if e is not None]
+        if ec is not None:
+            extras["compile_error"] = 1.0
+        if eb is not None:
+            extras["compile_error_baseline"] = 1.0
+        if failing:
+            said = "; ".join(f"{who} {_compile_error_text(e, q)}" for who, e in failing)
+            rationale = f"{said}; if both ran, {rationale}"
         probs, centers = bins.normal_bins(shift.mean_log2, shift.sd_log2)
         return BinForecast(probs, rationale, extras, centers)
+
+
+_MISSING_HEADER = re.compile(r"cannot open source file|No such file or directory")
+_COMMENTS = re.compile(r"//[^\n]*|/\*.*?(?:\*/|\Z)", re.DOTALL)
+_CODE = re.compile(r"\S")
+
+
+def _on_own_arch(e: PtxasError, q: PairQuery) -> bool:
+    """Whether `e` was found compiling for the pair's GPU's own architecture (not a stand-in)."""
+    spec = q.hardware
+    return spec is not None and spec.vendor == "nvidia" and e.arch == spec.arch
+
+
+def _compile_p_fail(e: PtxasError | None, q: PairQuery) -> float:
+    """A kernel's chance of failing for its compile error (0 without one): see P_FAIL_COMPILE_ERROR."""
+    if e is None:
+        return 0.0
+    sure = _on_own_arch(e, q) and _MISSING_HEADER.search(e.message) is None
+    return P_FAIL_COMPILE_ERROR if sure else P_FAIL_COMPILE_ERROR_STAND_IN
+
+
+def _compile_error_text(e: PtxasError, q: PairQuery) -> str:
+    """'does not compile (...): <first error line>', saying which architecture the error was found for."""
+    if _on_own_arch(e, q):
+        where = f"this server's nvcc for {e.arch}"
+    else:
+        target = (
+            q.hardware.arch if q.hardware is not None and q.hardware.vendor == "nvidia" else "an unknown GPU"
+        )
+        where = (
+            f"this server's nvcc for {e.arch}, a stand-in for {target}: an error tied to the architecture may not "
+            "recur there"
+        )
+    if _MISSING_HEADER.search(e.message):
+        where += "; a header missing here may be installed where it is measured"
+    return f"does not compile ({where}): {e.message}"
 
 
 def _feature_key(k: Kernel, q: PairQuery) -> tuple[str, str, str]:

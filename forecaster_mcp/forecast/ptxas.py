@@ -3,8 +3,10 @@
 Compiling takes a second or two, so results are cached on disk by content hash, architecture and compiler
 version (failed compiles too; a timeout, a kill or a full disk is not cached). Only device code is compiled
 (`-cubin`): the host compiler and assembler never see the source, so `asm(".incbin ...")` in host code can
-neither read the server's files nor write a huge object file. Anything that stops a compile (no nvcc, a language nvcc does not
-take, a compile error, a timeout) gives None: the forecaster then works without these features.
+neither read the server's files nor write a huge object file. A compile error of the source itself is a
+`PtxasError` (`ptxas_result`: its first error line, host paths stripped): the forecaster reports such a kernel
+as one that does not compile. Anything else that stops a compile (no nvcc, a language nvcc does not take, a
+timeout, a kill, a full disk) gives None: the forecaster then works without these features.
 
 An nvcc covers a window of architectures (CUDA 13 dropped sm_5x-sm_72; CUDA 12.2 knows nothing after sm_90).
 For a GPU outside the window, `stand_in_arch` picks the nearest one inside it: register and shared-memory
@@ -78,6 +80,15 @@ class PtxasUsage:
             if e.name == entry or itanium_function_name(e.name) == entry:
                 return e
         return self.entries[0] if len(self.entries) == 1 else None
+
+
+@dataclass(frozen=True)
+class PtxasError:
+    """A compile that failed for the source's own reason (nvcc exited with an error; not a timeout, a signal or
+    a full disk), for architecture `arch`."""
+
+    arch: str
+    message: str  # the first error line, host paths stripped ("kernel.cu(3): error: expected a \";\"")
 
 
 def itanium_function_name(symbol: str) -> str | None:
@@ -209,27 +220,32 @@ def _cache_key(kernel: Kernel, arch: str, nvcc: str, flags: list[str], target: s
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:40]
 
 
-def _read_cache(path: Path) -> tuple[bool, PtxasUsage | None]:
-    """(hit, usage): a cached failure is a hit with usage None."""
+def _read_cache(path: Path) -> tuple[bool, PtxasUsage | PtxasError | None]:
+    """(hit, result): a source that compiled without entries is a hit with None. A failure cached without its
+    message (written before failures kept one) is a miss: compiled again, its error line is kept."""
     try:
         raw = json.loads(path.read_text())
     except (OSError, ValueError):
         return False, None
-    if not raw.get("ok"):
-        return True, None
     try:
+        if not raw.get("ok"):
+            if not isinstance(raw.get("error"), str) or not isinstance(raw.get("arch"), str):
+                return False, None
+            return True, PtxasError(raw["arch"], raw["error"])
         entries = tuple(PtxasEntry(**e) for e in raw["entries"])
-        return True, PtxasUsage(raw["arch"], entries)
-    except (KeyError, TypeError):
+        return True, PtxasUsage(raw["arch"], entries) if entries else None
+    except (AttributeError, KeyError, TypeError):
         return False, None
 
 
-def _write_cache(path: Path, usage: PtxasUsage | None) -> None:
+def _write_cache(path: Path, result: PtxasUsage | PtxasError | None, arch: str) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        body: dict[str, Any] = {"ok": False}
-        if usage is not None:
-            body = {"ok": True, "arch": usage.arch, "entries": [asdict(e) for e in usage.entries]}
+        body: dict[str, Any] = {"ok": True, "arch": arch, "entries": []}
+        if isinstance(result, PtxasError):
+            body = {"ok": False, "arch": result.arch, "error": result.message}
+        elif result is not None:
+            body = {"ok": True, "arch": result.arch, "entries": [asdict(e) for e in result.entries]}
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(body))
         tmp.replace(path)
@@ -284,6 +300,15 @@ async def ptxas_usage(
 ) -> PtxasUsage | None:
     """Compile `kernel`'s device code with `nvcc -cubin -arch=<arch> -Xptxas -v` and report per-entry
     resources, or None."""
+    result = await ptxas_result(kernel, arch, nvcc, cache_dir, timeout_s)
+    return result if isinstance(result, PtxasUsage) else None
+
+
+async def ptxas_result(
+    kernel: Kernel, arch: str, nvcc: str | None, cache_dir: Path | None, timeout_s: float = 20.0
+) -> PtxasUsage | PtxasError | None:
+    """`ptxas_usage`, or the source's own compile error (`PtxasError`); None when no compile could tell
+    (no nvcc, another language, a timeout, a kill, a full disk) or the source has no entry function."""
     if kernel.language != "cuda" or nvcc is None or not _ARCH.match(arch):
         return None
     flags = safe_options(kernel.compile_options)
@@ -343,17 +368,37 @@ async def ptxas_usage(
         log.info("nvcc timed out after %.0f s on %s: ptxas features unavailable", timeout_s, kernel.entry)
         return None
     output = raw.decode("utf-8", "replace")
-    usage: PtxasUsage | None = None
+    result: PtxasUsage | PtxasError | None = None
     if proc.returncode == 0:
         entries = parse_ptxas(output)
-        usage = PtxasUsage(arch, entries) if entries else None
+        result = PtxasUsage(arch, entries) if entries else None
     else:
         log.debug("nvcc failed (rc=%s) on %s: %s", proc.returncode, kernel.entry, output[-500:])
         if not _source_failure(proc.returncode, output):
             return None  # the machine's doing, not the source's: the next compile may pass
+        line = first_error_line(output, tmp)
+        if not line:
+            # No diagnostic at all (a crashed front end, or a configured "nvcc" that is another program): nothing
+            # says the source is wrong.
+            return None
+        result = PtxasError(arch, line)
     if cache_path is not None:
-        _write_cache(cache_path, usage)
-    return usage
+        _write_cache(cache_path, result, arch)
+    return result
+
+
+_ERROR_LINE = re.compile(r"\berror\b|\bfatal\b", re.IGNORECASE)
+ERROR_LINE_CHARS = 240
+
+
+def first_error_line(output: str, workdir: str | Path | None = None) -> str:
+    """The first line of a compiler's output that reports an error, without host paths (as the measurer trims
+    compiler messages), at most ERROR_LINE_CHARS long; '' when no line does."""
+    from forecaster_mcp.measure.pycuda_measurer import trim_compiler_message
+
+    lines = trim_compiler_message(output, workdir).splitlines()
+    line = next((ln for ln in lines if _ERROR_LINE.search(ln)), "").strip()
+    return line if len(line) <= ERROR_LINE_CHARS else line[: ERROR_LINE_CHARS - 1] + "…"
 
 
 _SUFFIXED_ARCH = re.compile(r"(?:sm|compute)_(\d{2,3})([af])\b")
@@ -374,8 +419,13 @@ def _target_flag(options: Sequence[str], arch: str) -> str:
     return f"-arch={arch}"
 
 
-# A compile that failed for one of these reasons failed because of the machine, not the source.
-_ENVIRONMENT_FAILURE = re.compile(r"No space left on device|Cannot allocate memory|out of memory|Killed")
+# A compile that failed for one of these reasons failed because of the machine, not the source. "nvcc fatal" is
+# the compiler driver refusing its command or its setup (an architecture it does not take, its host compiler's
+# set-up, an option), and "unsupported GNU version" the toolkit's own check of the host compiler: neither is an
+# error in the kernel's code.
+_ENVIRONMENT_FAILURE = re.compile(
+    r"No space left on device|Cannot allocate memory|out of memory|Killed|nvcc fatal|unsupported GNU version"
+)
 
 
 def _source_failure(returncode: int | None, output: str) -> bool:
@@ -394,15 +444,28 @@ async def ptxas_usages(
     """`ptxas_usage` of each (kernel, architecture), `concurrency` compiles at a time, all within one wait of
     `wait_s` (+1 s); an architecture this nvcc does not target is replaced by the nearest one it does. Kernels
     that fail to compile, or are still compiling when the wait ends, are left out."""
+    found = await ptxas_results(kernels, nvcc, cache_dir, wait_s, concurrency)
+    return {key: r for key, r in found.items() if isinstance(r, PtxasUsage)}
+
+
+async def ptxas_results(
+    kernels: Mapping[_K, tuple[Kernel, str]],
+    nvcc: str,
+    cache_dir: Path | None,
+    wait_s: float,
+    concurrency: int = 2,
+) -> dict[_K, PtxasUsage | PtxasError]:
+    """`ptxas_usages`, with the kernels whose source failed to compile as their `PtxasError` (its `arch` the
+    stand-in when one was used). Kernels no compile could tell about are left out."""
     archs = await anyio.to_thread.run_sync(supported_archs, nvcc)
     limiter = anyio.CapacityLimiter(concurrency)
-    out: dict[_K, PtxasUsage] = {}
+    out: dict[_K, PtxasUsage | PtxasError] = {}
 
     async def one(key: _K, kernel: Kernel, arch: str) -> None:
         async with limiter:
-            usage = await ptxas_usage(kernel, stand_in_arch(arch, archs), nvcc, cache_dir, timeout_s=wait_s)
-        if usage is not None:
-            out[key] = usage
+            result = await ptxas_result(kernel, stand_in_arch(arch, archs), nvcc, cache_dir, timeout_s=wait_s)
+        if result is not None:
+            out[key] = result
 
     with anyio.move_on_after(wait_s + 1.0):
         async with anyio.create_task_group() as tg:
