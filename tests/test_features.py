@@ -355,6 +355,17 @@ __global__ void sum(const float* x, float* out, int n, bool done) {{
 }}
 """
 
+# A block-local counter or histogram in shared memory, bumped by every thread (stream compaction, histograms).
+SHARED_ATOMIC = """
+__global__ void count(const int* d, unsigned int* out, int n) {{
+    {decl}
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    bool keep = i < n && d[i] > 0;
+
+    if (keep) atomicAdd(&{target}, 1u);
+}}
+"""
+
 
 @pytest.mark.parametrize(
     ("source", "strided", "atomics"),
@@ -396,6 +407,20 @@ __global__ void sum(const float* x, float* out, int n, bool done) {{
         # A flag that is not a thread index guards nothing; a block closed before the atomic no longer does.
         (BLOCK_SUM.format(guard="if (!done) atomicAdd(out + tid, x[tid]);"), 0, 1),
         (BLOCK_SUM.format(guard="if (tid == 0) {\n  s[0] = 0;\n}\n\n\natomicAdd(out + tid, 1.0f);"), 0, 1),
+        # Atomics on shared memory however it is declared: a scalar counter, an aligned array, a second name.
+        (SHARED_ATOMIC.format(decl="__shared__ unsigned int c;", target="c"), 0, 0),
+        (
+            SHARED_ATOMIC.format(decl="__shared__ __align__(16) unsigned int c[64];", target="c[d[i] & 63]"),
+            0,
+            0,
+        ),
+        (
+            SHARED_ATOMIC.format(decl="alignas(16) __shared__ unsigned int c[64];", target="c[d[i] & 63]"),
+            0,
+            0,
+        ),
+        (SHARED_ATOMIC.format(decl="__shared__ unsigned int a[64], c[64];", target="c[d[i] & 63]"), 0, 0),
+        (SHARED_ATOMIC.format(decl="__shared__ unsigned int c;", target="out[d[i] & 63]"), 0, 1),
     ],
 )
 def test_access_pattern_passes(source: str, strided: int, atomics: int) -> None:

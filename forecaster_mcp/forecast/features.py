@@ -315,7 +315,11 @@ _INT_ASSIGN = re.compile(
     r"uint64_t|auto)\s+([A-Za-z_]\w*)\s*=\s*([^;]{1,400});"
 )
 _FOR_INIT = re.compile(r"\bfor\s*\(\s*(?:[\w:]+\s+)?([A-Za-z_]\w*)\s*=\s*([^;]{1,200});")
-_SHARED_ARRAY = re.compile(r"__shared__\s+[\w\s]{1,200}?\b([A-Za-z_]\w*)\s*\[")
+# A __shared__ declaration up to its ";": arrays, scalars (`__shared__ unsigned int count;`), several names in
+# one (`__shared__ float a[64], b[64];`), an alignment (`__shared__ __align__(16) float t[256];`).
+_SHARED_DECL = re.compile(r"__shared__\b([^;{}]{1,300});")
+_SHARED_NOISE = re.compile(r"\b(?:__align__|alignas)\s*\([^()]{0,60}\)|\[[^\[\]]{0,200}\]|<[^<>]{0,200}>")
+_LAST_NAME = re.compile(r"([A-Za-z_]\w*)\W*$")
 _ATOMIC_TARGET = re.compile(r"\batomic\w*\s*\(\s*&?\s*\(?\s*([A-Za-z_]\w*)")
 _CAST = r"(?:\(\s*[\w\s]{1,60}\)\s*)?"
 _NOT_A_SIZE = {"blockDim", "gridDim", "blockIdx", "threadIdx", "sizeof", "warpSize"}
@@ -406,8 +410,12 @@ _SMALL_BOUND = re.compile(r"<=?\s*(?:[A-Z_][A-Z0-9_]+|\d+)\s*$")  # BINS, 64; no
 
 
 def _shared_names(text: str) -> set[str]:
-    """Shared arrays and the pointers made from them (`int* mine = sh + warp * BINS;`)."""
-    shared = set(_SHARED_ARRAY.findall(text))
+    """Shared variables (arrays and scalars) and the pointers made from them (`int* mine = sh + warp * BINS;`)."""
+    shared: set[str] = set()
+    for m in _SHARED_DECL.finditer(text):
+        for declarator in _SHARED_NOISE.sub(" ", m.group(1)).split(","):
+            if name := _LAST_NAME.search(declarator):
+                shared.add(name.group(1))
     for _ in range(2):
         for m in _POINTER_ASSIGN.finditer(text):
             if set(re.findall(r"\b[A-Za-z_]\w*\b", m.group(2))) & shared:
