@@ -95,6 +95,22 @@ def test_preprocess_follows_defines_through_if_else() -> None:
     assert with_shmem.tensor_core == 0
 
 
+@pytest.mark.parametrize(
+    ("pragma", "unrolled"),
+    [
+        ("#pragma unroll", 1),
+        ("#pragma unroll 4", 1),
+        ("#pragma unroll 16", 1),
+        ("#pragma unroll 1", 0),
+        ("#pragma unroll (1)", 0),
+        ("#  pragma unroll 1 ", 0),
+    ],
+)
+def test_unroll_one_keeps_a_loop_rolled(pragma: str, unrolled: int) -> None:
+    src = f"__global__ void k(float* a, int n) {{\n    {pragma}\n    for (int i = 0; i < n; i++) a[i] += 1.0f;\n}}\n"
+    assert source_features(src, {}).unroll_pragmas == unrolled
+
+
 def test_preprocess_undecidable_condition_keeps_both_branches() -> None:
     src = "#if FOO ? 1 : 0\nA_BRANCH\n#else\nB_BRANCH\n#endif\n"
     out = preprocess(src, {})

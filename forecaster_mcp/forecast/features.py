@@ -269,7 +269,10 @@ _PATTERNS: dict[str, re.Pattern[str]] = {
     "vector_types": re.compile(
         r"\b(?:float[24]|double2|int[24]|uint[24]|longlong2|half2|__half2|nv_bfloat162|__nv_bfloat162|short4|char4|uchar4)\b"
     ),
-    "unroll_pragmas": re.compile(r"#\s*pragma\s+unroll"),
+    # `#pragma unroll 1` is how a loop is kept rolled: it is no unrolling.
+    "unroll_pragmas": re.compile(
+        r"#\s*pragma\s+unroll\b(?![ \t]*\(?[ \t]*1[uUlL]*[ \t]*\)?[ \t]*$)", re.MULTILINE
+    ),
     "loops": re.compile(r"\b(?:for|while)\s*\("),
     "tensor_core": re.compile(r"\b(?:wmma::|mma_sync|mma\.sync|wgmma|ldmatrix|__hmma|nvcuda::wmma|tcgen05)"),
     "async_copy": re.compile(
