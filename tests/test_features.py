@@ -437,6 +437,28 @@ __global__ void count(const int* d, unsigned int* out, int n) {{
         ),
         (SHARED_ATOMIC.format(decl="__shared__ unsigned int a[64], c[64];", target="c[d[i] & 63]"), 0, 0),
         (SHARED_ATOMIC.format(decl="__shared__ unsigned int c;", target="out[d[i] & 63]"), 0, 1),
+        # Past a cast of the address: the float max trick on a shared scalar, a 64-bit view of a global array.
+        (
+            SHARED_ATOMIC.format(decl="__shared__ int c;", target="c").replace(
+                "(&c, 1u)", "((int*)&c, d[i])"
+            ),
+            0,
+            0,
+        ),
+        (
+            SHARED_ATOMIC.format(decl="__shared__ int c;", target="c").replace(
+                "(&c, 1u)", "(reinterpret_cast<unsigned int*>(&c), 1u)"
+            ),
+            0,
+            0,
+        ),
+        (
+            SHARED_ATOMIC.format(decl="", target="out[i]").replace(
+                "(&out[i], 1u)", "((unsigned long long*)&out[2 * i], 1ull)"
+            ),
+            0,
+            1,
+        ),
     ],
 )
 def test_access_pattern_passes(source: str, strided: int, atomics: int) -> None:

@@ -323,7 +323,13 @@ _FOR_INIT = re.compile(r"\bfor\s*\(\s*(?:[\w:]+\s+)?([A-Za-z_]\w*)\s*=\s*([^;]{1
 _SHARED_DECL = re.compile(r"__shared__\b([^;{}]{1,300});")
 _SHARED_NOISE = re.compile(r"\b(?:__align__|alignas)\s*\([^()]{0,60}\)|\[[^\[\]]{0,200}\]|<[^<>]{0,200}>")
 _LAST_NAME = re.compile(r"([A-Za-z_]\w*)\W*$")
-_ATOMIC_TARGET = re.compile(r"\batomic\w*\s*\(\s*&?\s*\(?\s*([A-Za-z_]\w*)")
+# The variable an atomic updates, past a cast of its address: `atomicMax((int*)&smax, v)`,
+# `atomicAdd(reinterpret_cast<unsigned long long*>(&acc[i]), x)`.
+_ATOMIC_TARGET = re.compile(
+    r"\batomic\w*\s*\(\s*"
+    r"(?:\(\s*[\w\s:]{1,80}\*+\s*\)\s*|(?:reinterpret|static)_cast\s*<[^<>;]{1,80}>\s*\(\s*)?"
+    r"&?\s*\(?\s*([A-Za-z_]\w*)"
+)
 _CAST = r"(?:\(\s*[\w\s]{1,60}\)\s*)?"
 _NOT_A_SIZE = {"blockDim", "gridDim", "blockIdx", "threadIdx", "sizeof", "warpSize"}
 
