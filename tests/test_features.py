@@ -408,6 +408,11 @@ __global__ void count(const int* d, unsigned int* out, int n) {{
         (LANE_PRODUCT.format(body="float w = i * dx; o[i] = w;"), 0, 0),
         (LANE_PRODUCT.format(body="int at = i * n; o[at] = x0;"), 1, 0),
         (LANE_PRODUCT.format(body="float* row = o + i * n; row[0] = x0;"), 1, 0),
+        # A named compile-time constant is a literal (a tile or vector width), not a row length.
+        (LANE_PRODUCT.format(body="const int vec = 4; o[i * vec] = x0;"), 0, 0),
+        (LANE_PRODUCT.format(body="constexpr int kVec = 2 * 2; int at = i * kVec; o[at] = x0;"), 0, 0),
+        ("template <typename T, int vec>\n" + LANE_PRODUCT.format(body="o[i * vec] = x0;"), 0, 0),
+        (LANE_PRODUCT.format(body="const int stride = n * 2; o[i * stride] = x0;"), 1, 0),
         # One thread per block merges a reduction: however the guard is spelled, not a per-element atomic.
         (BLOCK_SUM.format(guard="float v = s[0];\nif (!threadIdx.x) atomicAdd(out, v);"), 0, 0),
         (BLOCK_SUM.format(guard="float v = s[0];\nif (threadIdx.x == 0 && n > 0) atomicAdd(out, v);"), 0, 0),

@@ -358,11 +358,38 @@ def _lane_fast_variables(text: str) -> set[str]:
     return fast
 
 
+# Names that hold a compile-time constant, as a literal does: `constexpr int kVec = 4;`, `const int vec = 2 * 4;`,
+# `template <int vec, typename T>`.
+_CONST_INT = re.compile(
+    r"\b(?:constexpr|const)\s+(?:static\s+)?(?:unsigned\s+|signed\s+)?(?:int|long|short|size_t|unsigned|auto|"
+    r"u?int(?:8|16|32|64)_t)\s+([A-Za-z_]\w*)\s*=\s*([0-9xXa-fA-FuUlL\s+\-*()<>]{1,60});"
+)
+_INT_LITERAL = re.compile(r"\b(?:0[xX][0-9a-fA-F]+|\d+)[uUlL]*\b")
+_TEMPLATE_HEAD = re.compile(r"\btemplate\s*<([^<>]{1,300})>")
+_TEMPLATE_INT = re.compile(
+    r"\b(?:int|unsigned|long|short|size_t|auto|u?int(?:8|16|32|64)_t)\s+([A-Za-z_]\w*)"
+)
+
+
+def _constant_names(text: str) -> set[str]:
+    """Names of compile-time integer constants (`_CONST_INT`, template non-type parameters)."""
+    names = {
+        m.group(1)
+        for m in _CONST_INT.finditer(text)
+        if re.fullmatch(r"[\s+\-*()<>]*", _INT_LITERAL.sub("", m.group(2))) and re.search(r"\d", m.group(2))
+    }
+    for head in _TEMPLATE_HEAD.finditer(text):
+        names.update(_TEMPLATE_INT.findall(head.group(1)))
+    return names
+
+
 def _strided_accesses(text: str, shared: set[str], fast: set[str]) -> int:
     """Products of a lane-fast index with a run-time size (`row * N`, `(size_t)x * n`) outside shared-memory
     subscripts: neighbouring threads then touch addresses a whole row apart (uncoalesced global access).
-    Products with literals or ALL-CAPS constants (tile widths) are left out: those are tiles, not rows.
+    Products with literals or constants (ALL-CAPS names, constexpr / const ints set from literals, template
+    parameters: tile widths) are left out: those are tiles, not rows.
     `shared`: the shared arrays and their aliases (`_shared_names`); `fast`: the lane-fast variables."""
+    constants = _constant_names(text)
     named = sorted(fast, key=lambda n: (-len(n), n))[:_MAX_FAST_NAMES]
     alt = "|".join(re.escape(n) for n in sorted({*named, "threadIdx.x"}, key=len, reverse=True))
     fast_times = re.compile(rf"{_CAST}\b(?:{alt})\b\s*\)?\s*\*\s*\(?\s*{_CAST}([A-Za-z_]\w*)")
@@ -384,6 +411,7 @@ def _strided_accesses(text: str, shared: set[str], fast: set[str]) -> int:
                 other in _NOT_A_SIZE
                 or other in shared
                 or other in fast
+                or other in constants
                 or (other.isupper() and len(other) > 1)
             ):
                 continue
