@@ -520,3 +520,24 @@ def test_a_token_label_is_one_line_and_an_http_server_says_it_ignores_the_ledger
         proc.terminate()
         proc.wait(timeout=10)
     assert "FORECASTER_MCP_LEDGER is ignored by an HTTP server" in first
+
+
+def test_ledger_show_text_accounts_for_all_that_was_spent(capsys: pytest.CaptureFixture[str]) -> None:
+    """Device time charged with no stored result (a cancelled run) is part of spent: the text report said
+    'spent 3.25' and 'measurements 0 (...), 0 GPU-seconds charged' and nothing of the rest."""
+    run(capsys, "ledger", "create", "x", "--gpu-seconds", "10")
+
+    async def cancelled_run() -> None:
+        store = await Store.open(Settings.from_env().db_path)
+        try:
+            await store.commit(await store.reserve("x", 5, "measure k"), 3.25)
+        finally:
+            await store.close()
+
+    asyncio.run(cancelled_run())
+    code, out, _ = run(capsys, "ledger", "show", "x")
+    lines = {line.split()[0]: line for line in out.splitlines()[1:]}
+    assert code == 0 and lines["spent"].split()[1:] == ["3.25", "GPU-seconds"]
+    assert (
+        "0 GPU-seconds charged; 3.25 more for device time that left no stored result" in lines["measurements"]
+    )

@@ -65,7 +65,14 @@ def _report_text(name: str, r: dict[str, Any]) -> str:
         (
             "measurements",
             f"{m['count']} ({m['cache_hits']} cache hits, {m['failures']} failures), "
-            f"{fmt_gpu_seconds(m['gpu_seconds'])} GPU-seconds charged",
+            f"{fmt_gpu_seconds(m['gpu_seconds'])} GPU-seconds charged"
+            # The rest of `spent`: without it the two lines did not add up (spent 3.25, measurements 0 charged).
+            + (
+                f"; {fmt_gpu_seconds(m['cancelled_gpu_seconds'])} more for device time that left no stored "
+                "result (a measurement cancelled on the device, or one whose result could not be saved)"
+                if m.get("cancelled_gpu_seconds")
+                else ""
+            ),
         ),
         (
             "forecasts",
