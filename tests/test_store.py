@@ -1055,3 +1055,24 @@ async def test_a_dead_owner_in_another_pid_namespace_is_found_by_its_lock(tmp_pa
     finally:
         _end(holder)
         await server.close()
+
+
+async def test_a_closed_store_leaves_no_lock_file_unless_it_left_a_hold(tmp_path: Path) -> None:
+    """Each process that opened the store left a file in owners/ for good: every CLI command and stdio
+    session added one (11 after a ledger create, a few top-ups, a token issue and revokes), and an evaluation
+    running thousands of them filled the folder. Only an owner that left an open hold needs its file."""
+    path = tmp_path / "state" / "forecaster.sqlite3"
+    owners = path.parent / "owners"
+    store = await Store.open(path)
+    await store.create_ledger("run", 10.0)
+    other = await Store.open(path)  # a second store of this process shares the lock
+    await store.commit(await store.reserve("run", 5.0, "measure k"), 1.0)
+    await store.close()
+    assert len(list(owners.iterdir())) == 1  # still held by the other store
+    await other.close()
+    assert list(owners.iterdir()) == []
+
+    left = await Store.open(path)
+    await left.reserve("run", 2.0, "measure k")  # a charge that failed at close: released at the next start
+    await left.close()
+    assert len(list(owners.iterdir())) == 1

@@ -14,6 +14,7 @@ leaves the connection mid-transaction, and a reservation whose caller was cancel
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -370,16 +371,29 @@ def _take_owner_lock(folder: Path, owner: _Owner) -> str | None:
     return path
 
 
-def _drop_owner_lock(path: str | None) -> None:
+_OWNER_LOCKS_KEPT: set[str] = set()  # lock files a closed store of this process left an open hold under
+
+
+def _drop_owner_lock(path: str | None, *, holds_left: bool = True) -> None:
+    """Let go of this process's owner lock (once its last store closes). The file is removed when no store
+    of this process left an open hold under it: only a checker of such a hold reads it, and one file per
+    process ever started (each CLI command, each stdio session) piled up in owners/ for good."""
     held = _OWNER_LOCKS.get(path) if path is not None else None
     if path is None or held is None:
         return
+    if holds_left:
+        _OWNER_LOCKS_KEPT.add(path)
     fd, count = held
     if count > 1:
         _OWNER_LOCKS[path] = (fd, count - 1)
         return
     del _OWNER_LOCKS[path]
-    os.close(fd)  # the lock goes with the descriptor; the file stays for checkers to find unlocked
+    if path not in _OWNER_LOCKS_KEPT:
+        # Removed while still locked: a checker that opened it already sees it held until the close below.
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    _OWNER_LOCKS_KEPT.discard(path)
+    os.close(fd)  # the lock goes with the descriptor; a kept file stays for checkers to find unlocked
 
 
 def _lock_says(folder: Path | None, pid: int, host: str, pidns: str | None, start: str | None) -> str:
@@ -594,8 +608,21 @@ class Store:
             await asyncio.gather(*list(self._background), return_exceptions=True)
         if self._conn is not None:
             conn, self._conn = self._conn, None
+            me = self._owner
+            try:
+                # A hold still open (its charge failed at close) is released at the next start, which needs
+                # this process's lock file to tell that its owner died.
+                holds_left = bool(
+                    await conn.execute_fetchall(
+                        "SELECT 1 FROM reservations WHERE state = 'open' AND owner_pid = ? AND owner_host = ? "
+                        "AND owner_pidns IS ? AND owner_start IS ? LIMIT 1",
+                        (me.pid, me.host, me.pidns, me.start),
+                    )
+                )
+            except sqlite3.Error:
+                holds_left = True
             await conn.close()
-            _drop_owner_lock(self._owner_lock)
+            _drop_owner_lock(self._owner_lock, holds_left=holds_left)
             self._owner_lock = None
 
     # ---------------------------------------------------------------- transactions
