@@ -1076,3 +1076,23 @@ async def test_a_closed_store_leaves_no_lock_file_unless_it_left_a_hold(tmp_path
     await left.reserve("run", 2.0, "measure k")  # a charge that failed at close: released at the next start
     await left.close()
     assert len(list(owners.iterdir())) == 1
+
+
+async def test_a_pair_forecast_before_and_after_its_baseline_was_measured_is_one_verified_pair(
+    store: Store,
+) -> None:
+    """A search asks about a candidate before its baseline is measured (stored under the regime's name,
+    `local@1.0:unmeasured`) and again after (`local@1.0`). budget_status counted the pair once per name: one
+    decided pair spared two measurements, and once measured it was two verified forecasts, both correct."""
+    base, cand, paid = kernel(BS=1), kernel(BS=2), kernel(BS=3)
+    await save(store, paid, 5.0, charged=2.0)  # this ledger's typical paid measurement: 2 GPU-seconds
+    await store.save_forecasts([forecast(base, cand, 0.96, "faster", forecaster="local@1.0:unmeasured")])
+    await store.save_forecasts([forecast(base, cand, 0.97, "faster", forecaster="local@1.0")])
+    report = await store.ledger_report("x")
+    assert report["forecasts"]["decided"] == 2  # two forecasts were made ...
+    assert report["gpu_seconds_saved"]["forecasts"] == 2.0  # ... of one pair: one measurement spared
+    await save(store, base, 3.0)
+    await save(store, cand, 1.5)
+    report = await store.ledger_report("x")
+    assert (report["forecasts"]["verified"], report["forecasts"]["verified_correct"]) == (1, 1)
+    assert report["calibration"]["verified_pairs"] == 1

@@ -1610,11 +1610,13 @@ class Store:
                 or [(0, 0, 0)]
             )[0]
             # One row per pair of kernels (the last forecast of it): a loop that asks about the same pair again
-            # and again has still had one forecast checked.
+            # and again has still had one forecast checked. Whatever name it was stored under: a pair asked
+            # before and after its baseline was measured is stored under two (the regime's suffix, `:unmeasured`),
+            # and counted once per name it was one pair verified twice, and one measurement spared twice.
             verified = await conn.execute_fetchall(
                 "SELECT verdict, decided_by, p_faster, actual_speedup FROM forecasts WHERE id IN "
                 "(SELECT MAX(id) FROM forecasts WHERE ledger = ? AND actual_speedup IS NOT NULL "
-                f"AND decided_by != 'cache' GROUP BY forecaster, {_PAIR})",
+                f"AND decided_by != 'cache' GROUP BY {_PAIR})",
                 (ledger,),
             )
             # Measurements a decided verdict spared: pairs decided by a forecast and never measured after.
@@ -1622,7 +1624,7 @@ class Store:
                 await conn.execute_fetchall(
                     "SELECT count(*) FROM (SELECT 1 FROM forecasts WHERE ledger = ? "
                     "AND decided_by = 'forecast' AND verdict != 'unsure' AND actual_speedup IS NULL "
-                    f"GROUP BY forecaster, {_PAIR})",
+                    f"GROUP BY {_PAIR})",
                     (ledger,),
                 )
             )[0][0]
