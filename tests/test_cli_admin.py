@@ -541,3 +541,27 @@ def test_ledger_show_text_accounts_for_all_that_was_spent(capsys: pytest.Capture
     assert (
         "0 GPU-seconds charged; 3.25 more for device time that left no stored result" in lines["measurements"]
     )
+
+
+def test_a_state_folder_without_a_database_is_named_and_left_as_it_was(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Every operator command made a database wherever --home pointed: a mistyped one got an empty database,
+    'ledger show' said 'no ledgers yet' and 'ledger topup' 'ledger ... does not exist' (the operator's ledgers
+    gone, it seemed). Only `ledger create` makes one."""
+    home = tmp_path / "fmcp-prdo"
+    code, out, _ = run(capsys, "ledger", "show", "--home", str(home))
+    assert code == 0 and f"no state database at {home}" in out and "ledger create NAME" in out
+    code, out, _ = run(capsys, "token", "list", "--home", str(home))
+    assert code == 0 and f"no state database at {home}" in out
+    for argv in (
+        ["ledger", "topup", "run-1", "--gpu-seconds", "5"],
+        ["ledger", "show", "run-1"],
+        ["token", "issue", "--ledger", "run-1"],
+        ["token", "revoke", "1"],
+    ):
+        code, out, err = run(capsys, *argv, "--home", str(home))
+        assert (code, out) == (2, "") and f"no state database at {home}" in err, argv
+    assert not home.exists()
+    code, _, _ = run(capsys, "ledger", "create", "run-1", "--gpu-seconds", "5", "--home", str(home))
+    assert code == 0 and "run-1" in run(capsys, "ledger", "show", "--home", str(home))[1]

@@ -21,7 +21,25 @@ from forecaster_mcp.store.db import LedgerView, Store, fmt_gpu_seconds
 T = TypeVar("T")
 
 
-def _with_store(settings: Settings, action: Callable[[Store], Awaitable[T]]) -> T:
+def _no_database(settings: Settings) -> str | None:
+    """What to say when the state folder holds no database yet, else None. Only `ledger create` makes one:
+    any other command pointed at a mistyped --home made an empty database there, and then said 'no ledgers
+    yet' or 'ledger ... does not exist' as if the operator's ledgers were gone."""
+    folder = settings.db_path.parent
+    if settings.db_path.exists() or (folder.exists() and not folder.is_dir()):
+        return None  # a database, or a state folder that is a file (Store.open says so)
+    return (
+        f"no state database at {settings.db_path} (nothing was created there): check --home "
+        "(env FORECASTER_MCP_HOME), or make the first ledger there with: "
+        "forecaster-mcp ledger create NAME --gpu-seconds N"
+    )
+
+
+def _with_store(settings: Settings, action: Callable[[Store], Awaitable[T]], *, create: bool = False) -> T:
+    """Run `action` on the state database; OperatorError when there is none and `create` is false."""
+    if not create and (missing := _no_database(settings)) is not None:
+        raise OperatorError(missing)
+
     async def run() -> T:
         store = await Store.open(settings.db_path)
         try:
@@ -104,7 +122,7 @@ def ledger_command(settings: Settings, args: argparse.Namespace) -> int:
     """`ledger create|topup|show`: prints a human summary, or JSON for `show --json`."""
     action = args.action
     if action == "create":
-        view = _with_store(settings, lambda s: s.create_ledger(args.name, args.gpu_seconds))
+        view = _with_store(settings, lambda s: s.create_ledger(args.name, args.gpu_seconds), create=True)
         print(f"created {_ledger_line(view)}")
         return 0
     if action == "topup":
@@ -120,6 +138,11 @@ def _show(settings: Settings, name: str | None, as_json: bool) -> int:
     if name is not None:
         report = _with_store(settings, lambda s: s.ledger_report(name))
         print(json.dumps({"name": name, **report}, indent=2) if as_json else _report_text(name, report))
+        return 0
+    if (missing := _no_database(settings)) is not None:
+        if as_json:
+            print(f"forecaster-mcp: {missing}", file=sys.stderr)
+        print(json.dumps([]) if as_json else missing)
         return 0
     views = _with_store(settings, lambda s: s.list_ledgers())
     if as_json:
@@ -178,6 +201,9 @@ def token_command(settings: Settings, args: argparse.Namespace) -> int:
         print("revoked")
         return 0
     if action == "list":
+        if (missing := _no_database(settings)) is not None:
+            print(f"{missing}, then issue a token with: forecaster-mcp token issue --ledger NAME")
+            return 0
         tokens = _with_store(settings, lambda s: s.list_tokens())
         if not tokens:
             print("no tokens yet; issue one with: forecaster-mcp token issue --ledger NAME")
@@ -218,6 +244,8 @@ def export_command(settings: Settings, args: argparse.Namespace) -> int:
             f"--out {out} must end in .jsonl (how `serve --replay` knows an export): use {out.stem}.jsonl"
         )
     check_writable_file(out)
+    if (missing := _no_database(settings)) is not None:
+        raise OperatorError(f"nothing to export: {missing}")
     rows = _with_store(settings, lambda s: s.export_rows())
     stored = sorted({r[0] for r in rows})
     if args.device is not None:
