@@ -81,6 +81,16 @@ class Settings(BaseModel):
     def db_path(self) -> Path:
         return self.home / "forecaster.sqlite3"
 
+    @field_validator("home", "nvcc")
+    @classmethod
+    def _tilde_is_the_users_home(cls, path: Path | str | None) -> Path | str | None:
+        """`~/...` as the user's home: an IDE's JSON config passes it as written (no shell expands it), and the
+        server then kept its state in a folder named `~` under the IDE's working directory, not where the
+        operator commands, run from a shell, create ledgers and tokens."""
+        if isinstance(path, Path):
+            return path.expanduser()
+        return os.path.expanduser(path) if path is not None else None
+
     @field_validator("anthropic_api_key")
     @classmethod
     def _one_token_key(cls, key: str | None) -> str | None:

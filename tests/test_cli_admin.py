@@ -565,3 +565,19 @@ def test_a_state_folder_without_a_database_is_named_and_left_as_it_was(
     assert not home.exists()
     code, _, _ = run(capsys, "ledger", "create", "run-1", "--gpu-seconds", "5", "--home", str(home))
     assert code == 0 and "run-1" in run(capsys, "ledger", "show", "--home", str(home))[1]
+
+
+def test_a_state_folder_given_with_a_tilde_is_in_the_users_home(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # What an IDE's JSON config passes as written (no shell expands it): the server kept its state in a folder
+    # named "~" under the IDE's working directory, apart from the ledgers `ledger create` made from a shell.
+    monkeypatch.setenv("HOME", str(tmp_path / "user"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FORECASTER_MCP_HOME", "~/fmcp")
+    monkeypatch.setenv("FORECASTER_MCP_NVCC", "~/cuda/bin/nvcc")
+    code, _, err = run(capsys, "ledger", "create", "ide", "--gpu-seconds", "2")
+    assert code == 0, err
+    assert not (tmp_path / "~").exists()
+    assert (tmp_path / "user" / "fmcp" / "forecaster.sqlite3").is_file()
+    assert Settings.from_env().nvcc == str(tmp_path / "user" / "cuda" / "bin" / "nvcc")
