@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -247,5 +248,29 @@ def test_one_ledger_cannot_take_every_session(tmp_path: Path, conv_a100: Path) -
     try:
         assert [open_session("mallory") for _ in range(3)] == [200, 200, 503]
         assert open_session("alice") == 200
+    finally:
+        srv.stop()
+
+
+def _ipv6_available() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_available(), reason="this machine has no IPv6")
+def test_host_double_colon_listens_on_ipv4_too_as_its_start_up_line_says(tmp_path: Path) -> None:
+    # `serve --http --host ::` said "port P of every interface (on this machine: http://127.0.0.1:P/mcp)" but
+    # listened on IPv6 only: that URL, and every IPv4 client, was refused a connection.
+    srv = start_http(tmp_path / "srv", ["--host", "::"])  # waits for 127.0.0.1:PORT to accept (bounded)
+    try:
+        body = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}}
+        headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+        with httpx2.Client(timeout=10) as http:
+            for url in (srv.url, f"http://[::1]:{srv.port}/mcp"):
+                assert http.post(url, json=body, headers=headers).status_code == 401  # reached: asks a token
     finally:
         srv.stop()

@@ -517,7 +517,10 @@ def _listen(host: str, port: int) -> list[socket.socket]:
             sockets.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                # IPv6 only, except for `::`, every interface: IPv4 too (dual stack), as the start-up line says
+                # (`http://127.0.0.1:PORT/mcp` on this machine). A name such as localhost binds its IPv4 address
+                # on a socket of its own.
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0 if _every_interface(host) else 1)
             sock.bind(addr)
     except OSError as exc:
         for sock in sockets:
@@ -537,8 +540,16 @@ def _listen(host: str, port: int) -> list[socket.socket]:
     return sockets
 
 
+def _every_interface(host: str) -> bool:
+    """Whether `host` is an unspecified address (0.0.0.0, ::): listen on every interface."""
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
+
+
 def _shown_url(host: str, port: int) -> str:
-    if host in ("0.0.0.0", "::"):
+    if _every_interface(host):
         return f"port {port} of every interface, path /mcp (on this machine: http://127.0.0.1:{port}/mcp)"
     shown = f"[{host}]" if ":" in host else host
     return f"http://{shown}:{port}/mcp"
