@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -274,3 +276,55 @@ def test_host_double_colon_listens_on_ipv4_too_as_its_start_up_line_says(tmp_pat
                 assert http.post(url, json=body, headers=headers).status_code == 401  # reached: asks a token
     finally:
         srv.stop()
+
+
+@pytest.mark.anyio
+async def test_sigterm_cancels_a_call_in_flight_and_charges_what_it_used(
+    tmp_path: Path, conv_a100: Path
+) -> None:
+    # uvicorn waited for every open request: SIGTERM during a measurement kept the server serving it (here for
+    # hours), and a second Ctrl-C closed the store under it ("the store is closed"; the hold released free at
+    # the next start). Now it waits a few seconds, then cancels the call, charged its occupancy, as stdio does.
+    home = tmp_path / "srv"
+    token = _ledger_and_token(home, "alice", 50)
+    srv = start_http(home, ["--replay", str(conv_a100)], env={"FORECASTER_MCP_REPLAY_REALTIME": "100000"})
+    db = home / "forecaster.sqlite3"
+    errors: list[BaseException] = []
+
+    async def measure() -> None:
+        try:
+            async with connect_http(srv.url, token) as (_, call):
+                await call("measure_kernel", {"kernel": kernel(32, 4)})
+        except Exception as exc:  # the server stops under the call: that is the point
+            errors.append(exc)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(measure)
+            deadline = time.monotonic() + 30  # bounded wait until the measurement holds its reservation
+            while time.monotonic() < deadline:
+                if _open_holds(db):
+                    break
+                await anyio.sleep(0.05)
+            assert _open_holds(db), "the server never reserved"
+            srv.proc.terminate()
+            await anyio.to_thread.run_sync(lambda: srv.proc.wait(timeout=20))
+            tg.cancel_scope.cancel()
+        assert srv.proc.returncode == 0
+        assert srv.proc.stderr is not None
+        err = srv.proc.stderr.read().decode()
+        assert "Traceback" not in err and "cancelled" in err, err
+    finally:
+        srv.stop()
+    state = _ledger(home, "alice")
+    assert state["reserved_gpu_seconds"] == 0  # settled at shutdown, not left for the next start
+    assert 0 < state["spent_gpu_seconds"] < 0.01  # a few seconds at 100,000 s per GPU-second
+
+
+def _open_holds(db: Path) -> int:
+    import sqlite3
+
+    if not db.exists():
+        return 0
+    with contextlib.closing(sqlite3.connect(db)) as conn:
+        return int(conn.execute("SELECT COUNT(*) FROM reservations WHERE state = 'open'").fetchone()[0])

@@ -613,7 +613,14 @@ async def serve(
                 # (without any, uvicorn binds host:port itself).
                 app = server.streamable_http_app(host=host, max_request_body_size=MAX_HTTP_BODY_BYTES)
                 _limit_sessions_per_ledger(server.session_manager, settings.max_sessions_per_ledger)
-                config = uvicorn.Config(app, host=host, port=port, log_level="warning")
+                config = uvicorn.Config(
+                    app,
+                    host=host,
+                    port=port,
+                    log_level="warning",
+                    timeout_graceful_shutdown=HTTP_SHUTDOWN_GRACE_S,
+                )
+                logging.getLogger("uvicorn.error").addFilter(_CancelledAtShutdown())
                 await _server_that_returns_on_signals(uvicorn, config).serve(sockets=list(sockets) or None)
             else:
                 tg.start_soon(_cancel_on_signals, tg.cancel_scope)
@@ -649,6 +656,24 @@ def _limit_sessions_per_ledger(manager: Any, limit: int) -> None:
     manager._admit_session = admit_within_limit
 
 
+class _CancelledAtShutdown(logging.Filter):
+    """uvicorn's account of the calls a shutdown cancels, in one line: it logged each as an ERROR with a
+    CancelledError traceback ("Exception in ASGI application"), which read as a crash."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, asyncio.CancelledError):
+            return False
+        if "timeout graceful shutdown exceeded" in record.getMessage():
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.msg, record.args = (
+                "stopping: the calls still running after %g s are cancelled (a measurement is charged the device "
+                "time it used)",
+                (HTTP_SHUTDOWN_GRACE_S,),
+            )
+        return True
+
+
 def _server_that_returns_on_signals(uvicorn: Any, config: Any) -> Any:
     """uvicorn's server, except that the SIGTERM / SIGINT it shut down for is not raised again once it has:
     raised, it killed the process before `serve` closed the service (the store never closed, its WAL left
@@ -665,6 +690,11 @@ def _server_that_returns_on_signals(uvicorn: Any, config: Any) -> Any:
 
     return Server(config)
 
+
+# How long SIGTERM / SIGINT let the calls in flight finish before they are cancelled (a measurement on the device
+# is charged what it used, as on stdio). uvicorn's default waits for every open request, so a server asked to stop
+# during a compare that measures kept serving it for minutes, and a second Ctrl-C closed the store under it.
+HTTP_SHUTDOWN_GRACE_S = 3
 
 # What one HTTP request may carry: compare_kernels takes 64 kernels of up to 1 MB of source each, about 1.5 MB
 # each once JSON-escaped. The SDK's default (4 MiB) refused 64 sources of 70 KB with a bare 413 that clients
