@@ -733,6 +733,11 @@ def summarize(traces: Sequence[SearchTrace]) -> dict[str, Any]:
     return out
 
 
+def _never_forecast(trace: SearchTrace) -> bool:
+    """A forecast-guided run whose budget ran out before its first compare_kernels call (in its random start)."""
+    return trace.strategy == "forecast" and trace.stopped_by_budget and trace.forecast_calls == 0
+
+
 def search_command(settings: Any, args: Any) -> int:
     """`forecaster-mcp search RECORDING`: run the strategies over seeds through a stdio server per run."""
     import tempfile
@@ -825,7 +830,14 @@ def search_command(settings: Any, args: Any) -> int:
                 print(
                     f"{strategy:8s} seed {seed}: best {t.fraction:.3f} of the space's best after "
                     f"{t.measurements} measurements, {t.candidates_considered} candidates considered, "
-                    f"{t.gpu_seconds:.3g} GPU-s" + (" (budget spent)" if t.stopped_by_budget else ""),
+                    f"{t.gpu_seconds:.3g} GPU-s"
+                    + (
+                        " (budget spent before the forecast was asked)"
+                        if _never_forecast(t)
+                        else " (budget spent)"
+                        if t.stopped_by_budget
+                        else ""
+                    ),
                     file=sys.stderr,
                 )
 
@@ -843,6 +855,17 @@ def search_command(settings: Any, args: Any) -> int:
         raise OperatorError(
             f"no run could make a single measurement within --gpu-seconds {args.gpu_seconds:g}: the ledger "
             "refused the first one (a measurement is held at up to its cap); raise --gpu-seconds"
+        )
+    guided = [t for t in traces if t.strategy == "forecast"]
+    if guided and all(_never_forecast(t) for t in guided):
+        # Not a comparison: a guided run that never forecast measured its seed's random start, as random did.
+        n_init = init_count(args.measurements)
+        per = sum(t.gpu_seconds for t in guided) / max(1, sum(t.measurements for t in guided))
+        raise OperatorError(
+            f"no forecast-guided run got past its {n_init} random starting measurements within --gpu-seconds "
+            f"{args.gpu_seconds:g} (about {per:.3g} GPU-s a measurement here): the forecast was never asked, so "
+            "there is nothing to compare; raise --gpu-seconds, or lower --measurements (the random start is half "
+            f"of it, at most {N_INIT})"
         )
     summary = summarize(traces)
     for strategy, s in summary.items():

@@ -498,14 +498,16 @@ def test_search_command_on_a_gpu_budget_stops_each_run_when_its_ledger_refuses(
     out = tmp_path / "search.json"
     done = cli(
         tmp_path / "home",
-        *("search", str(conv_a100), "--measurements", "60", "--seeds", "1", "--client", "plain"),
-        *("--gpu-seconds", "0.05", "--out", str(out)),
+        # A budget past the forecast runs' 4 random starting measurements (see the test below).
+        *("search", str(conv_a100), "--measurements", "8", "--seeds", "1", "--client", "plain"),
+        *("--gpu-seconds", "0.3", "--out", str(out)),
     )
     assert "(budget spent)" in done.stderr
     report = json.loads(out.read_text())
-    assert report["gpu_seconds"] == 0.05
+    assert report["gpu_seconds"] == 0.3
     for run in report["runs"]:
-        assert run["stopped_by_budget"] and 0 < run["gpu_seconds"] <= 0.05 and run["measurements"] < 60
+        assert run["stopped_by_budget"] and 0 < run["gpu_seconds"] <= 0.3 and run["measurements"] < 8
+    assert [run["forecast_calls"] > 0 for run in report["runs"]] == [True, False]  # forecast, then random
     bad = cli(tmp_path / "home", "search", str(conv_a100), "--gpu-seconds", "-1", check=False)
     assert bad.returncode == 2 and "--gpu-seconds must be a positive number" in bad.stderr
     # With 10 measurements or fewer, the forecast still guides half of them (it was never asked).
@@ -545,4 +547,20 @@ def test_a_gpu_budget_too_small_for_one_measurement_is_an_error_not_a_result(
 
     done = cli(tmp_path, "search", str(conv_a100), "--gpu-seconds", "0.0001", "--seeds", "1", check=False)
     assert done.returncode == 2 and "could make a single measurement within --gpu-seconds" in done.stderr
+    assert "best-fraction median" not in done.stdout
+
+
+def test_a_gpu_budget_spent_before_any_forecast_is_an_error_not_a_comparison(
+    conv_a100: Path, tmp_path: Path
+) -> None:
+    """--gpu-seconds 0.05 held one measurement: each forecast run ended in its 10 random starting measurements,
+    never forecast, and measured what the random run of its seed measured; both were printed as a comparison
+    (forecast median 0.520, random median 0.520) as if the forecast had been no help."""
+    from serverproc import cli
+
+    args = ("--measurements", "60", "--seeds", "1", "--client", "plain", "--gpu-seconds", "0.05")
+    done = cli(tmp_path, "search", str(conv_a100), *args, check=False)
+    assert done.returncode == 2, done.stderr
+    assert "(budget spent before the forecast was asked)" in done.stderr
+    assert "no forecast-guided run got past its 10 random starting measurements" in done.stderr
     assert "best-fraction median" not in done.stdout
