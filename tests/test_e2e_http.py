@@ -328,3 +328,25 @@ def _open_holds(db: Path) -> int:
         return 0
     with contextlib.closing(sqlite3.connect(db)) as conn:
         return int(conn.execute("SELECT COUNT(*) FROM reservations WHERE state = 'open'").fetchone()[0])
+
+
+def test_a_tls_proxy_keeping_the_host_reaches_a_loopback_server(tmp_path: Path) -> None:
+    # The README's advice beyond a trusted network, a TLS reverse proxy in front of a server on 127.0.0.1: a proxy
+    # that passes on the Host it was asked for (Caddy's default, nginx with `proxy_set_header Host $host`) got
+    # 421 "Invalid Host header" for every request, its token valid. The token is the check.
+    home = tmp_path / "srv"
+    token = _ledger_and_token(home, "alice", 5)
+    srv = start_http(home)  # --host 127.0.0.1
+    try:
+        headers = {
+            "Accept": "application/json, text/event-stream",
+            "Content-Type": "application/json",
+            "Host": "gpu-box.example.com",
+        }
+        with httpx2.Client(timeout=10) as http:
+            refused = http.post(srv.url, json=INITIALIZE, headers=headers)  # no token
+            assert refused.status_code == 401
+            auth = {**headers, "Authorization": f"Bearer {token}"}
+            assert http.post(srv.url, json=INITIALIZE, headers=auth).status_code == 200
+    finally:
+        srv.stop()

@@ -33,6 +33,7 @@ from mcp.server.auth.settings import AuthSettings
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp.server.mcpserver.utilities.func_metadata import FuncMetadata
+from mcp.server.transport_security import TransportSecuritySettings
 from mcp.types import ToolAnnotations
 from pydantic import AnyHttpUrl, BeforeValidator, Field, ValidationError
 
@@ -611,7 +612,14 @@ async def serve(
                 print(f"forecaster-mcp: serving streamable HTTP at {_shown_url(host, port)}", file=sys.stderr)
                 # What MCPServer.run_streamable_http_async does, on the sockets bound before the service opened
                 # (without any, uvicorn binds host:port itself).
-                app = server.streamable_http_app(host=host, max_request_body_size=MAX_HTTP_BODY_BYTES)
+                app = server.streamable_http_app(
+                    host=host,
+                    max_request_body_size=MAX_HTTP_BODY_BYTES,
+                    # No Host / Origin allow-list (the SDK's default on a loopback address): every request needs a
+                    # bearer token, checked before the transport, which a DNS-rebinding page cannot send; the list
+                    # only refused (421) every request through a TLS proxy that keeps the Host it was asked for.
+                    transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False),
+                )
                 _limit_sessions_per_ledger(server.session_manager, settings.max_sessions_per_ledger)
                 config = uvicorn.Config(
                     app,
