@@ -14,7 +14,7 @@ from pathlib import Path
 
 from forecaster_mcp import __version__
 from forecaster_mcp.errors import AgentError, OperatorError
-from forecaster_mcp.settings import Settings
+from forecaster_mcp.settings import Settings, unknown_variables
 
 
 def _os_reason(exc: OSError, path: Path) -> str:
@@ -300,6 +300,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             measurer=getattr(args, "measurer", None),
             isolate_ledgers=getattr(args, "isolate_ledgers", None),
         )
+        for line in unknown_variables():
+            print(f"forecaster-mcp: warning: {line}", file=sys.stderr)
         module_name, func_name = args.handler.split(":")
         handler = getattr(importlib.import_module(module_name), func_name)
         code: int = handler(settings, args)

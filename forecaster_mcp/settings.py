@@ -13,6 +13,8 @@ from forecaster_mcp.models import MIN_MEASURE_SECONDS
 from forecaster_mcp.store.db import MAX_GPU_SECONDS
 
 ENV_PREFIX = "FORECASTER_MCP_"
+# FORECASTER_MCP_* variables read elsewhere, not settings: a client's bearer token, the test suite's switches.
+OTHER_VARIABLES = frozenset({"TOKEN", "FORBID_REAL_API", "GPU_TESTS"})
 
 
 def default_home() -> Path:
@@ -134,3 +136,21 @@ class Settings(BaseModel):
             raise OperatorError(
                 f"bad setting {field_name} (env {ENV_PREFIX}{field_name.upper()}): {first['msg']}"
             ) from exc
+
+
+def unknown_variables(environ: dict[str, str] | None = None) -> list[str]:
+    """A line for each FORECASTER_MCP_* variable of the environment that names no setting (a misspelt one would be
+    ignored without a word), with the setting it is closest to, if any."""
+    import difflib
+
+    env = os.environ if environ is None else environ
+    names = [name.upper() for name in Settings.model_fields]
+    lines = []
+    for var in sorted(env):
+        name = var[len(ENV_PREFIX) :]
+        if not var.startswith(ENV_PREFIX) or name in names or name in OTHER_VARIABLES:
+            continue
+        close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+        hint = f" (did you mean {ENV_PREFIX}{close[0]}?)" if close else ""
+        lines.append(f"{var[:80]} is not a setting{hint}: it is ignored")
+    return lines

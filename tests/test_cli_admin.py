@@ -581,3 +581,18 @@ def test_a_state_folder_given_with_a_tilde_is_in_the_users_home(
     assert not (tmp_path / "~").exists()
     assert (tmp_path / "user" / "fmcp" / "forecaster.sqlite3").is_file()
     assert Settings.from_env().nvcc == str(tmp_path / "user" / "cuda" / "bin" / "nvcc")
+
+
+def test_a_misspelt_setting_in_the_environment_is_named_not_silently_ignored(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # FORECASTER_MCP_MAX_MEASURE_SECOND=5 (the S missing) left every measurement capped at the default 30 s,
+    # without a word; the variables read elsewhere (a client's token) are not settings and are not named.
+    monkeypatch.setenv("FORECASTER_MCP_MAX_MEASURE_SECOND", "5")
+    monkeypatch.setenv("FORECASTER_MCP_TOKEN", "fmcp_client_side")
+    code, _, err = run(capsys, "ledger", "create", "typo", "--gpu-seconds", "2")
+    assert code == 0, err
+    assert err.strip().splitlines() == [
+        "forecaster-mcp: warning: FORECASTER_MCP_MAX_MEASURE_SECOND is not a setting (did you mean "
+        "FORECASTER_MCP_MAX_MEASURE_SECONDS?): it is ignored"
+    ]
