@@ -810,3 +810,26 @@ async def test_a_cancelled_replay_at_a_pace_charges_the_time_it_occupied(tmp_pat
         assert status.measurements.cancelled_gpu_seconds == pytest.approx(view.spent_gpu_seconds)
     finally:
         await svc.close()
+
+
+async def test_a_replay_at_a_pace_says_it_is_done_only_when_its_wait_is_over() -> None:
+    """The paced replay passed on the recording's '1.0/1.0 replayed' before waiting out the recorded time: a
+    client watching progress was told the measurement was done with the whole wait still to come."""
+    from forecaster_mcp.measure.base import MeasureRequest
+    from forecaster_mcp.measure.fake import FakeMeasurer
+    from forecaster_mcp.measure.realtime import RealtimeReplay
+
+    seen: list[tuple[float, float | None, str | None, float]] = []
+
+    async def progress(done: float, total: float | None, message: str | None) -> None:
+        seen.append((done, total, message, anyio.current_time()))
+
+    paced = RealtimeReplay(FakeMeasurer(["X"], gpu_seconds=0.1), scale=1.0)  # 0.1 s of wall clock
+    started = anyio.current_time()
+    await paced.measure(MeasureRequest(kernel=kernel(), workload=WORKLOAD, device="X"), progress)
+    assert [(s[0], s[2]) for s in seen] == [
+        (0.0, "fake measurement started"),
+        (0.0, "occupying the device for 0.1 GPU-s"),
+        (1.0, "fake measurement done"),
+    ]
+    assert seen[-1][3] - started >= 0.1  # done once the wait is over

@@ -45,10 +45,23 @@ class RealtimeReplay:
     async def measure(
         self, request: MeasureRequest, progress: ProgressCallback | None = None
     ) -> MeasureResult:
-        result = await self.inner.measure(request, progress)
+        done: list[tuple[float, float | None, str | None]] = []
+
+        async def held_back(current: float, total: float | None, message: str | None) -> None:
+            # The replay says it is done before the paced wait: that report waits for the wait's end, and the
+            # wait reports where it is (a client was told 1.0/1.0 while the whole wait was still to come).
+            if total is not None and current >= total:
+                done.append((current, total, message))
+            elif progress is not None:
+                await progress(current, total, message)
+
+        result = await self.inner.measure(request, held_back)
         started = anyio.current_time()
+        wait_s = result.cost.gpu_seconds * self.scale
         try:
-            await anyio.sleep(result.cost.gpu_seconds * self.scale)
+            if progress is not None and wait_s > 0:
+                await progress(0.0, 1.0, f"occupying the device for {result.cost.gpu_seconds:.3g} GPU-s")
+            await anyio.sleep(wait_s)
         except BaseException as exc:
             # Cancelled while the recording occupies the simulated device: charged the occupancy so far, as a
             # run cancelled on a GPU is (OCCUPIED_ATTR), and never more than the whole run charges.
@@ -57,4 +70,7 @@ class RealtimeReplay:
                 with contextlib.suppress(AttributeError, TypeError):
                     setattr(exc, OCCUPIED_ATTR, max(used, 0.0))
             raise
+        if progress is not None:
+            for report in done:
+                await progress(*report)
         return result
