@@ -306,8 +306,7 @@ class Service:
         wkey = workload.history_key()
         others = [k for k in kernels if k.id != base_id]
 
-        measured = await self._measured(kernels, hw.name, wkey)
-        suspect = await self._suspect(kernels, measured, hw.name, wkey)
+        measured, suspect = await self._measured(kernels, hw.name, wkey)
         base_failed = await self._failed(base, hw.name, wkey)
         pairs = [_Pair(k) for k in others]
         for p in pairs:
@@ -448,8 +447,7 @@ class Service:
                 )
             if stopped is not None:
                 notes.append(stopped)
-            measured = await self._measured(kernels, hw.name, wkey)
-            suspect = await self._suspect(kernels, measured, hw.name, wkey)
+            measured, suspect = await self._measured(kernels, hw.name, wkey)
             m_base = measured.get(base.id)
             base_failed = await self._failed(base, hw.name, wkey)
             if base_failed is not None:
@@ -572,31 +570,19 @@ class Service:
 
     async def _measured(
         self, kernels: Sequence[Kernel], hardware: str, wkey: str
-    ) -> dict[str, tuple[float, float, float, int]]:
-        """Per kernel id, the (median, low, high, runs) of its latest ok measurement, for those measured."""
+    ) -> tuple[dict[str, tuple[float, float, float, int]], dict[str, list[str]]]:
+        """Per kernel id, the (median, low, high, runs) of its latest ok measurement, for those measured; and
+        per measured kernel id with some, that measurement's flags saying its runtime may not be the kernel's
+        work (SUSPECT_FLAGS)."""
         out: dict[str, tuple[float, float, float, int]] = {}
+        suspect: dict[str, list[str]] = {}
         for k in kernels:
-            interval = await _by_content(k, lambda key: self.store.measured_interval(key, hardware, wkey))
-            if interval is not None and interval[0] > 0:
-                out[str(k.id)] = interval
-        return out
-
-    async def _suspect(
-        self, kernels: Sequence[Kernel], measured: Mapping[str, object], hardware: str, wkey: str
-    ) -> dict[str, list[str]]:
-        """Per measured kernel id, the flags of its measurement that say its runtime may not be the kernel's
-        work (SUSPECT_FLAGS); only kernels that have some."""
-        out: dict[str, list[str]] = {}
-        for k in kernels:
-            if str(k.id) not in measured:
-                continue
-            flags = await _by_content(
-                k, lambda key: _nonempty(self.store.measured_flags(key, hardware, wkey))
-            )
-            suspect = [f for f in flags or () if f in SUSPECT_FLAGS]
-            if suspect:
-                out[str(k.id)] = suspect
-        return out
+            found = await _by_content(k, lambda key: self.store.measured_runtime(key, hardware, wkey))
+            if found is not None and found[0][0] > 0:
+                out[str(k.id)] = found[0]
+                if flags := [f for f in found[1] if f in SUSPECT_FLAGS]:
+                    suspect[str(k.id)] = flags
+        return out, suspect
 
     @staticmethod
     def _measurable_only(
@@ -1328,11 +1314,6 @@ def _waiting_on_baseline(
 # kernel's memory traffic allows (work skipped, inputs never read) or host time far above the events (work
 # outside the timed stream). A pair resting on such a measurement is not decided (`_from_measurement`).
 SUSPECT_FLAGS = frozenset({"below_physical_floor", "events_disagree_with_wall_clock"})
-
-
-async def _nonempty(flags: Awaitable[list[str]]) -> list[str] | None:
-    """None for no flags (so `_by_content` also looks under a kernel's earlier content key)."""
-    return (await flags) or None
 
 
 def _suspicion(base_id: object, cid: object, suspect: Mapping[str, list[str]]) -> str | None:

@@ -1347,35 +1347,33 @@ class Store:
     ) -> tuple[float, float, float, int] | None:
         """(median, low, high, runs) of the latest ok measurement of this exact kernel, if stored: its median
         runtime (ms), the 95% interval of that median, and its number of timed runs."""
+        found = await self.measured_runtime(content_key, hardware, workload_key)
+        return None if found is None else found[0]
+
+    async def measured_runtime(
+        self, content_key: str, hardware: str, workload_key: str
+    ) -> tuple[tuple[float, float, float, int], list[str]] | None:
+        """`measured_interval` of the latest ok measurement of this exact kernel, with that measurement's flags."""
         rows = await self._fetch(
             "SELECT runtime_ms, json_extract(result_json, '$.runtime_ms.ci95_low'), "
-            "json_extract(result_json, '$.runtime_ms.ci95_high'), json_extract(result_json, '$.runtime_ms.runs') "
+            "json_extract(result_json, '$.runtime_ms.ci95_high'), json_extract(result_json, '$.runtime_ms.runs'), "
+            "json_extract(result_json, '$.flags') "
             "FROM measurements WHERE content_key = ? AND hardware = ? AND workload_key = ? AND status = 'ok' "
             "AND runtime_ms > 0 ORDER BY id DESC LIMIT 1",
             (content_key, hardware, workload_key),
         )
         if not rows:
             return None
-        median, low, high, runs = rows[0]
+        median, low, high, runs, flags_json = rows[0]
         median = float(median)
         low = float(low) if isinstance(low, int | float) else median
         high = float(high) if isinstance(high, int | float) else median
-        return median, min(low, median), max(high, median), int(runs) if isinstance(runs, int) else 1
-
-    async def measured_flags(self, content_key: str, hardware: str, workload_key: str) -> list[str]:
-        """The flags of the measurement `measured_interval` answers from (the latest ok one); [] if none."""
-        rows = await self._fetch(
-            "SELECT json_extract(result_json, '$.flags') FROM measurements WHERE content_key = ? AND hardware = ? "
-            "AND workload_key = ? AND status = 'ok' AND runtime_ms > 0 ORDER BY id DESC LIMIT 1",
-            (content_key, hardware, workload_key),
-        )
-        if not rows or not isinstance(rows[0][0], str):
-            return []
+        interval = median, min(low, median), max(high, median), int(runs) if isinstance(runs, int) else 1
         try:
-            flags = json.loads(rows[0][0])
+            flags = json.loads(flags_json) if isinstance(flags_json, str) else []
         except ValueError:
-            return []
-        return [str(f) for f in flags] if isinstance(flags, list) else []
+            flags = []
+        return interval, [str(f) for f in flags] if isinstance(flags, list) else []
 
     async def failed_status(self, content_key: str, hardware: str, workload_key: str) -> str | None:
         """The status of this exact kernel's latest measurement when it failed (compile or launch error, wrong
