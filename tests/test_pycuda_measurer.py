@@ -4,6 +4,7 @@ Compiler tests use the real nvcc when it is installed (nvcc -cubin needs no GPU)
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -615,9 +616,20 @@ async def test_a_request_queued_while_the_measurer_closes_starts_no_worker(tmp_p
         except NotMeasurable as exc:
             outcomes.append(str(exc))
 
+    async def hanging() -> None:
+        with contextlib.suppress(NotMeasurable):  # what the hang itself gets on shut-down is not the point
+            await m.measure(request(m, kernel("hang"), max_seconds=30.0))
+
     async with anyio.create_task_group() as tg:
-        tg.start_soon(m.measure, request(m, kernel("hang"), max_seconds=30.0))
-        await anyio.sleep(1.0)  # the hang holds the device; the next request waits for it
+        tg.start_soon(hanging)
+        # The hang holds the device once its worker is up (it starts it holding the slot); the next request
+        # waits for it. Polled, not slept: on a loaded machine a worker's start took over the 1 s once waited.
+        for _ in range(1500):  # 30 s at most
+            if m.worker_pid(m.devices()[0]) is not None:
+                break
+            await anyio.sleep(0.02)
+        assert m.worker_pid(m.devices()[0]) is not None, "the hang's worker never started"
+        await anyio.sleep(0.3)
         tg.start_soon(queued)
         await anyio.sleep(0.2)
         await m.aclose()
