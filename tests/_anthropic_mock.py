@@ -35,6 +35,11 @@ class RecordedRequest:
     body: Any  # parsed JSON, or None
 
 
+def user_text(body: dict[str, Any]) -> str:
+    """The whole user message of a request body (the forecaster sends it in several blocks)."""
+    return "\n\n".join(block["text"] for block in body["messages"][0]["content"])
+
+
 def usage(
     input_tokens: int = 1000, output_tokens: int = 100, cache_read: int = 0, cache_write: int = 0
 ) -> dict[str, Any]:

@@ -47,6 +47,7 @@ from tests._anthropic_mock import (
     tool_answer,
     tool_input,
     usage,
+    user_text,
 )
 
 MODEL = "claude-sonnet-5"  # takes forced tool use (with thinking off)
@@ -163,7 +164,7 @@ async def test_good_answer_and_request_body() -> None:
     assert body["tool_choice"]["name"] == body["tools"][0]["name"] == prompt.TOOL_NAME
     schema = body["tools"][0]["input_schema"]["properties"]["probabilities"]
     assert schema["minItems"] == schema["maxItems"] == bins.N_BINS
-    user = body["messages"][0]["content"][0]["text"]
+    user = user_text(body)
     assert f"```cuda\n{NAIVE}\n```" in user
     assert f"```cuda\n{VEC4}\n```" in user
     for needle in (
@@ -177,8 +178,8 @@ async def test_good_answer_and_request_body() -> None:
     assert "grid [16384, 1, 1], block [256, 1, 1]" in user
     assert "VEC: baseline unset -> candidate 4" in user
     assert "compile options: -O3" in user
-    # one sample: no second cache breakpoint on the per-pair text
-    assert "cache_control" not in body["messages"][0]["content"][0]
+    # one sample: no cache breakpoint on the pair's own text
+    assert "cache_control" not in body["messages"][0]["content"][-1]
 
 
 def test_bins_come_from_the_one_definition() -> None:
@@ -212,7 +213,7 @@ async def test_several_samples_mark_the_pair_text_for_caching_and_average() -> N
     [out] = await make(mock, samples=3).forecast([pair()])
     bodies = mock.message_bodies
     assert len(bodies) == 3
-    assert all(b["messages"][0]["content"][0]["cache_control"] == {"type": "ephemeral"} for b in bodies)
+    assert all(b["messages"][0]["content"][-1]["cache_control"] == {"type": "ephemeral"} for b in bodies)
     assert out.extras["claude_shrink"] == 0.0
     assert out.probs == pytest.approx([(2 * a + b) / 3 for a, b in zip(FASTER, other, strict=True)])
 
@@ -302,7 +303,7 @@ async def test_every_sample_invalid_raises_claude_unavailable_with_partial() -> 
 )
 async def test_a_malformed_response_is_retried_and_costs_only_its_pair(bad: Any) -> None:
     def responder(body: dict[str, Any]) -> Any:
-        return bad if "BAD" in body["messages"][0]["content"][0]["text"] else tool_answer(FASTER)
+        return bad if "BAD" in user_text(body) else tool_answer(FASTER)
 
     bad_pair = pair()
     bad_pair = replace(
@@ -595,6 +596,162 @@ async def test_usage_is_recorded_with_cost() -> None:
     assert f.usage_total.requests == 2
 
 
+class CachingApi:
+    """The API's prompt cache as Anthropic documents it: a request reads the longest prefix (tools, then system, then
+    message blocks) cached at one of its breakpoints, writes the rest up to its last breakpoint, and pays what follows
+    as input; its breakpoints' prefixes are cached once it is answered (requests in flight together do not read each
+    other's writes). A token is 4 characters."""
+
+    def __init__(self) -> None:
+        self.cached: set[str] = set()
+        self.bodies: list[dict[str, Any]] = []
+        self.tokens: list[dict[str, int]] = []  # per request: read, write, input
+
+    def client(self) -> httpx2.AsyncClient:
+        return httpx2.AsyncClient(transport=httpx2.MockTransport(self.handle))
+
+    @staticmethod
+    def blocks(body: dict[str, Any]) -> list[dict[str, Any]]:
+        return [*body.get("tools", []), *body["system"], *body["messages"][0]["content"]]
+
+    @staticmethod
+    def size(block: dict[str, Any]) -> int:
+        return len(json.dumps({k: v for k, v in block.items() if k != "cache_control"}, sort_keys=True)) // 4
+
+    async def handle(self, request: httpx2.Request) -> httpx2.Response:
+        body = json.loads(request.content)
+        self.bodies.append(body)
+        blocks = self.blocks(body)
+        sizes = [self.size(b) for b in blocks]
+        keys = [
+            repr([{k: v for k, v in b.items() if k != "cache_control"} for b in blocks[: i + 1]])
+            for i in range(len(blocks))
+        ]
+        marks = [i for i, b in enumerate(blocks) if "cache_control" in b]
+        hit = max((i + 1 for i in marks if keys[i] in self.cached), default=0)
+        end = max(hit, max(marks, default=-1) + 1)
+        one = {"read": sum(sizes[:hit]), "write": sum(sizes[hit:end]), "input": sum(sizes[end:])}
+        self.tokens.append(one)
+        await asyncio.sleep(0.01)  # in flight
+        self.cached.update(keys[i] for i in marks)
+        answer = tool_answer(
+            FASTER, tokens=usage(one["input"], 50, cache_read=one["read"], cache_write=one["write"])
+        )
+        return httpx2.Response(200, json={**answer, "model": body["model"]})
+
+
+def _same_baseline(n: int) -> list[PairQuery]:
+    """`n` candidates of one compare, all against pair()'s baseline."""
+    q = pair(same_source=True)
+    return [
+        replace(q, candidate=q.candidate.model_copy(update={"defines": {"VEC": v}})) for v in range(1, n + 1)
+    ]
+
+
+@pytest.mark.anyio
+async def test_the_baseline_shared_by_a_compares_candidates_is_cached_once_and_read_by_the_others(
+    tmp_path: Any,
+) -> None:
+    """A compare of many candidates against one baseline sent the baseline's source and features uncached in every
+    candidate's request (only the system prompt was cached). It is now a cached block of its own, after the system
+    prompt: the first request writes it, the other candidates (and a later compare) read it, and the store bills
+    the reads at the cache-read price."""
+    from forecaster_mcp.store.db import Store
+
+    api = CachingApi()
+
+    def features(q: PairQuery) -> dict[str, Any]:
+        return {
+            "baseline": {"registers": 40},
+            "candidate": {"registers": 30 + int(q.candidate.defines["VEC"])},
+        }
+
+    store = await Store.open(tmp_path / "s.sqlite3")
+    await store.ensure_ledger("L", 1.0)
+    try:
+        f = ClaudeForecaster(
+            "k", MODEL, samples=1, http_client=api.client(), features=features, usage_sink=store, ledger="L"
+        )
+        await f.forecast(_same_baseline(4))
+        bodies = api.bodies
+        assert len(bodies) == 4
+        for body in bodies:
+            assert body["system"][0]["cache_control"] == {"type": "ephemeral"}
+            shared, own = body["messages"][0]["content"]
+            assert (
+                shared["cache_control"] == {"type": "ephemeral"} and "cache_control" not in own
+            )  # one sample
+            assert sum("cache_control" in b for b in CachingApi.blocks(body)) <= 4  # the API's limit
+            text = shared["text"]
+            assert text.index("## GPU") < text.index("## Workload") < text.index("## BASELINE kernel")
+            assert f"```cuda\n{NAIVE}\n```" in text and "- baseline.registers: 40" in text
+            assert "## CANDIDATE" not in text and "candidate." not in text
+            assert own["text"].startswith("## CANDIDATE kernel") and "- candidate.registers: 3" in own["text"]
+            assert own["text"].endswith(f"({bins.LABELS[0]} first, {bins.LABELS[-1]} last).")
+        assert len({b["messages"][0]["content"][0]["text"] for b in bodies}) == 1  # byte for byte the same
+        prefix = sum(CachingApi.size(b) for b in CachingApi.blocks(bodies[0])[:-1])  # tools, system, baseline
+        # The first request (sent alone) writes system prompt and baseline; the other candidates read both.
+        assert api.tokens[0]["write"] == prefix and api.tokens[0]["read"] == 0
+        assert [t["read"] for t in api.tokens[1:]] == [prefix] * 3 and all(
+            t["write"] == 0 for t in api.tokens[1:]
+        )
+
+        # A later compare against the same baseline reads it too, without a warm-up of its own.
+        q = pair(same_source=True)
+        await f.forecast([replace(q, candidate=q.candidate.model_copy(update={"defines": {"VEC": 9}}))])
+        assert api.tokens[4]["read"] == prefix and api.tokens[4]["write"] == 0
+
+        report = await store.ledger_report("L")
+        assert report is not None
+        llm = report["llm"]
+        reads = sum(t["read"] for t in api.tokens)
+        writes = sum(t["write"] for t in api.tokens)
+        inputs = sum(t["input"] for t in api.tokens)
+        assert (llm["cache_read_tokens"], llm["cache_write_tokens"], llm["input_tokens"]) == (
+            reads,
+            writes,
+            inputs,
+        )
+        assert llm["output_tokens"] == 5 * 50
+        price = PRICES[MODEL]
+        # As Anthropic bills: a 5-minute cache write at 1.25 times the input price, a read at a tenth of it; the
+        # usage's input_tokens are those neither read nor written.
+        assert price.cache_write == pytest.approx(1.25 * price.input)
+        assert price.cache_read == pytest.approx(0.1 * price.input)
+        expected = (
+            inputs * price.input + 250 * price.output + reads * price.cache_read + writes * price.cache_write
+        ) / 1e6
+        assert llm["cost_usd"] == pytest.approx(expected)
+    finally:
+        await store.close()
+
+
+@pytest.mark.anyio
+async def test_each_baseline_of_a_call_is_written_to_the_cache_once() -> None:
+    """Pairs of two baselines in one call (an evaluation's chunk): each baseline is written by one request, sent
+    before that baseline's other pairs, which read it."""
+    api = CachingApi()
+    other = [
+        replace(q, baseline=q.baseline.model_copy(update={"defines": {"BLOCK": 128}}))
+        for q in _same_baseline(3)
+    ]
+    f = ClaudeForecaster("k", MODEL, samples=1, http_client=api.client(), features=None)
+    await f.forecast([*_same_baseline(3), *other])
+    full = [sum(CachingApi.size(b) for b in CachingApi.blocks(body)[:-1]) for body in api.bodies]
+    assert sum(t["read"] < n for t, n in zip(api.tokens, full, strict=True)) == 2  # one writer per baseline
+
+
+@pytest.mark.anyio
+async def test_with_several_samples_the_pair_text_is_a_third_breakpoint() -> None:
+    api = CachingApi()
+    await ClaudeForecaster("k", MODEL, samples=3, http_client=api.client(), features=None).forecast(
+        _same_baseline(2)
+    )
+    for body in api.bodies:
+        marks = [b for b in CachingApi.blocks(body) if "cache_control" in b]
+        assert len(marks) == 3 and marks[-1] is body["messages"][0]["content"][-1]
+
+
 @pytest.mark.anyio
 async def test_tokens_of_a_model_with_no_known_price_are_reported_not_shown_as_free(tmp_path: Any) -> None:
     """claude_model set to a name the price table lacks: budget_status says how many tokens its cost_usd
@@ -671,7 +828,7 @@ def test_a_prompt_over_100k_tokens_is_billed_at_the_models_long_prompt_band() ->
 async def test_same_source_is_shown_once_and_unknown_gpu_is_named() -> None:
     mock = scripted(tool_answer(FASTER))
     await make(mock).forecast([pair(hardware=None, same_source=True)])
-    user = mock.message_bodies[0]["messages"][0]["content"][0]["text"]
+    user = user_text(mock.message_bodies[0])
     assert user.count("```cuda") == 1
     assert "SAME source" in user
     assert "unknown GPU: 'RTX 9999'" in user
@@ -686,7 +843,7 @@ async def test_the_launch_line_and_the_features_do_not_give_two_numbers_one_name
     mock = scripted(tool_answer(FASTER))
     feats = {"baseline": {"blocks_per_sm": 8}, "candidate": {"blocks_per_sm": 8}}
     await make(mock, features=lambda q: feats).forecast([pair()])
-    user = mock.message_bodies[0]["messages"][0]["content"][0]["text"]
+    user = user_text(mock.message_bodies[0])
     assert "grid blocks per SM over the run (not all resident at once)" in user
     assert re.search(r"[0-9.]+ blocks per SM", user) is None
 
@@ -696,7 +853,7 @@ async def test_static_features_are_included_and_their_failure_is_tolerated() -> 
     mock = scripted(tool_answer(FASTER))
     feats = {"baseline": {"registers": 16, "occupancy": 1.0}, "candidate": {"registers": 24, "spills": 0}}
     await make(mock, features=lambda q: feats).forecast([pair()])
-    user = mock.message_bodies[0]["messages"][0]["content"][0]["text"]
+    user = user_text(mock.message_bodies[0])
     assert "## Static features" in user
     assert "- baseline.registers: 16" in user and "- candidate.registers: 24" in user
 
@@ -706,7 +863,7 @@ async def test_static_features_are_included_and_their_failure_is_tolerated() -> 
     mock2 = scripted(tool_answer(FASTER))
     [out] = await make(mock2, features=broken).forecast([pair()])
     assert out.probs == pytest.approx(FASTER)
-    assert "## Static features" not in mock2.message_bodies[0]["messages"][0]["content"][0]["text"]
+    assert "## Static features" not in user_text(mock2.message_bodies[0])
 
 
 @dataclass
@@ -729,7 +886,7 @@ async def test_default_features_adapt_a_per_kernel_extractor(monkeypatch: pytest
     mock = scripted(tool_answer(FASTER))
     f = ClaudeForecaster("k", MODEL, samples=1, http_client=mock.client())  # features="auto"
     await f.forecast([pair()])
-    user = mock.message_bodies[0]["messages"][0]["content"][0]["text"]
+    user = user_text(mock.message_bodies[0])
     assert "- baseline.registers: 16" in user and "- candidate.registers: 32" in user
     assert seen == [("saxpy", "A100-PCIE-40GB"), ("saxpy4", "A100-PCIE-40GB")]
 
@@ -746,10 +903,10 @@ async def test_with_nvcc_the_prompt_carries_the_compilers_registers(tmp_path: An
     with_nvcc = ClaudeForecaster(
         "test-key", MODEL, http_client=mock.client(), nvcc=find_nvcc(None), cache_dir=tmp_path
     )
-    text = (await with_nvcc._user_texts([pair()]))[0]
-    assert "- baseline.registers: " in text and "- candidate.spill_bytes: 0" in text
+    [text] = await with_nvcc._prompts([pair()])
+    assert "- baseline.registers: " in text.shared and "- candidate.spill_bytes: 0" in text.own
     plain = ClaudeForecaster("test-key", MODEL, http_client=mock.client())
-    assert "registers: " not in (await plain._user_texts([pair()]))[0]
+    assert "registers: " not in (await plain._prompts([pair()]))[0].text
 
 
 def test_fence_outlasts_backticks_in_the_source() -> None:
@@ -827,7 +984,7 @@ async def test_a_source_of_wide_characters_is_cut_by_bytes_not_characters() -> N
     mock = scripted(tool_answer(FASTER))
     await make(mock).forecast([wide])
     [body] = mock.message_bodies
-    text = body["messages"][0]["content"][0]["text"]
+    text = user_text(body)
     assert NAIVE in text and VEC4 in text and "characters cut; the entry function saxpy4 follows" in text
     assert len(text.encode()) < 2 * prompt.MAX_SHOWN_SOURCE_BYTES + 10_000
 
@@ -898,7 +1055,7 @@ def test_parse_answer_accepts_string_encoded_and_fenced_json() -> None:
 @pytest.mark.anyio
 async def test_batch_flow() -> None:
     def responder(params: dict[str, Any]) -> Any:
-        text = params["messages"][0]["content"][0]["text"]
+        text = user_text(params)
         bad = "saxpy4" in text and params["max_tokens"] == 1024 and responder.bad_left > 0  # type: ignore[attr-defined]
         if bad:
             responder.bad_left -= 1  # type: ignore[attr-defined]
@@ -931,7 +1088,7 @@ async def test_a_batch_result_the_sdk_cannot_make_sense_of_drops_that_sample_onl
     sample, not the whole batch's answers (it raised out of forecast_batch and Claude was skipped)."""
 
     def responder(params: dict[str, Any]) -> Any:
-        text = params["messages"][0]["content"][0]["text"]
+        text = user_text(params)
         if "saxpy4" in text:
             return {**tool_answer(FASTER), "content": [42]}
         return tool_answer(SLOWER)
@@ -952,7 +1109,7 @@ async def test_a_batch_request_refused_for_the_account_keeps_the_other_paid_resu
     are billed and kept (the engine uses `partial`), not thrown away with the refused one."""
 
     def responder(params: dict[str, Any]) -> Any:
-        if "saxpy4" in params["messages"][0]["content"][0]["text"]:
+        if "saxpy4" in user_text(params):
             return error(400, "billing_error", "Your credit balance is too low")
         return tool_answer(FASTER)
 
@@ -1089,7 +1246,7 @@ async def test_in_a_compare_claude_bills_the_callers_ledger_and_a_refused_pair_c
     from forecaster_mcp.store.db import Store
 
     def responder(body: dict[str, Any]) -> Any:
-        text = body["messages"][0]["content"][0]["text"]
+        text = user_text(body)
         return refusal() if "saxpy4" in text else tool_answer(FASTER)
 
     settings = Settings.from_env(home=tmp_path, measurer="none")
@@ -1136,7 +1293,7 @@ async def test_a_batch_retry_that_never_ends_keeps_the_answers_already_paid_for(
     mock = AnthropicMock(lambda body: tool_answer(FASTER))
 
     def responder(params: dict[str, Any]) -> Any:
-        if "saxpy4" in params["messages"][0]["content"][0]["text"]:
+        if "saxpy4" in user_text(params):
             return tool_answer(FASTER)
         mock.batch_never_ends = True  # the retry batch for this unusable answer will hang
         return tool_answer([0.5] * 3)

@@ -5,7 +5,10 @@ to import, which the server's start-up path must not pay when no key is configur
 
 How one pair is forecast:
 - the prompt is a fixed system prompt (instructions, the 8 bins from `forecaster_mcp.bins`, output rules)
-  marked for prompt caching, then a per-pair user message (kernels, launch, workload, GPU, static features);
+  marked for prompt caching, then a per-pair user message in two blocks: the part every pair against the same
+  baseline shares (GPU, workload, the baseline's source and static features), marked for caching too, so the
+  other candidates of a compare (and later compares against that baseline) read it from the cache; then the
+  candidate's part (its kernel, what differs, its static features);
 - the answer is forced structured output: a forced tool call, or on models that refuse forced tool use
   (Opus 5.5, Sonnet 5.5, ...) a JSON-schema output format;
 - `samples` separate requests are sampled, validated, averaged, and shrunk toward uniform by how much
@@ -76,6 +79,8 @@ MAX_PTXAS_KERNELS = 8
 _PTXAS_WAIT_S = 20.0
 # Complete answers kept per pair text (least recently used dropped first): a pair asked again is answered as before.
 _ANSWERS_KEPT = 4096
+# Shared blocks (baselines) whose time in the prompt cache is kept track of.
+_SHARED_WARM_KEPT = 1024
 _TRANSIENT_BATCH_ERRORS = {"rate_limit_error", "api_error", "overloaded_error", "timeout_error"}
 
 
@@ -348,11 +353,14 @@ class ClaudeForecaster:
         self._max_tokens_override = max_tokens
         self._features: prompt.FeaturesFn | Literal["auto"] | None = features
         self._warm_cache = warm_cache
-        self._cache_warm_until = 0.0
+        self._cache_warm_until = 0.0  # of the system prompt
+        # Per shared block (a baseline on a GPU and workload), by its hash: until when the cache holds it.
+        self._shared_warm_until: OrderedDict[str, float] = OrderedDict()
         # What the API's usage said of earlier warm-ups: a prompt below the model's minimum cacheable length is
-        # neither written nor read, and a warm-up for it only holds the other requests back. The system prompt
-        # is the same in every request (one such answer settles it); a pair's prefix grows with its text.
-        self._system_uncacheable = False
+        # neither written nor read, and a warm-up for it only holds the other requests back. The prefix up to the
+        # shared block grows with that block's text (the system prompt is the same in every request), and up to
+        # a pair's own block with the pair's text: no longer than one that cached nothing, none caches anything.
+        self._shared_uncacheable_chars = -1
         self._pair_uncacheable_chars = 0
         self._batch_poll_interval_s = batch_poll_interval_s
         self._batch_max_wait_s = batch_max_wait_s
@@ -382,34 +390,24 @@ class ClaudeForecaster:
         usage = TokenUsage()
         problems: list[str] = []
         got: list[list[_Sample | None]] = [[] for _ in queries]
-        texts: list[str] = []
+        texts: list[prompt.PairPrompt] = []
         try:
             limit = math.inf if self.time_limit_s is None else self.time_limit_s
             # The limit counts from the call: building the prompts (ptxas, features) is inside it too.
             with anyio.move_on_after(limit) as scope:
-                texts = await self._user_texts(queries)
-                for i, text in enumerate(texts):
-                    got[i].extend(self._answered(text))
+                texts = await self._prompts(queries)
+                for i, p in enumerate(texts):
+                    got[i].extend(self._answered(p.text))
                 fits = [
                     i
-                    for i, text in enumerate(texts)
-                    if prompt.utf8_size(text) <= prompt.MAX_PROMPT_BYTES and len(got[i]) < self.samples
+                    for i, p in enumerate(texts)
+                    if prompt.utf8_size(p.text) <= prompt.MAX_PROMPT_BYTES and len(got[i]) < self.samples
                 ]
-                if (
-                    fits
-                    and self._warm_cache
-                    and not self._system_uncacheable
-                    and time.monotonic() >= self._cache_warm_until
-                ):
-                    # One request alone writes the shared system-prompt cache that every other request reads.
-                    if await self._warm_up(texts[fits[0]], usage, problems, got[fits[0]]):
-                        log.info(
-                            "%s cached nothing of the system prompt: no more warm-up requests", self.model
-                        )
-                        self._system_uncacheable = True
+                if fits and self._warm_cache:
+                    await self._warm_up_shared(texts, fits, usage, problems, got)
                 try:
                     await _gather_or_cancel(
-                        [self._forecast_one(text, usage, problems, got[i]) for i, text in enumerate(texts)]
+                        [self._forecast_one(p, usage, problems, got[i]) for i, p in enumerate(texts)]
                     )
                 except ClaudeUnavailable as exc:
                     # The key or model was refused mid-call: the answers already in are paid for; keep them.
@@ -422,14 +420,44 @@ class ClaudeForecaster:
         finally:
             with anyio.CancelScope(shield=True):  # a timed-out call still paid for what it got
                 await self._record(usage, batch=False)
-        for text, g in zip(texts, got, strict=False):
-            self._remember(text, g)
+        for p, g in zip(texts, got, strict=False):
+            self._remember(p.text, g)
         results = [self._aggregated(g) for g in got]
         if queries and not any(results) and any(p.startswith(_UNREACHABLE) for p in problems):
             # Nothing answered and the API could not be reached (after the SDK's retries): the next calls
             # skip Claude at once for a while instead of each waiting out the same retries again.
             self._unreachable = (time.monotonic() + UNREACHABLE_PAUSE_S, problems[-1])
         return self._finish(results, problems)
+
+    async def _warm_up_shared(
+        self,
+        texts: Sequence[prompt.PairPrompt],
+        fits: Sequence[int],
+        usage: TokenUsage,
+        problems: list[str],
+        got: list[list[_Sample | None]],
+    ) -> None:
+        """Warm-up requests sent before the rest of a call, so that the rest read the cache instead of each writing
+        the same prefix: while the system prompt is cold, one request alone (it writes the system prompt that every
+        other request reads, and its pair's shared block); then, together, one request for each other shared
+        block (a baseline) that more than one pending request of the call sends and the cache does not hold."""
+        now = time.monotonic()
+        first = fits[0]
+        if now >= self._cache_warm_until and len(texts[first].shared) > self._shared_uncacheable_chars:
+            await self._warm_up(texts[first], usage, problems, got[first])
+        left: dict[str, list[int]] = {}
+        for i in fits:
+            if len(got[i]) < self.samples:
+                left.setdefault(texts[i].shared, []).append(i)
+        now = time.monotonic()
+        todo = [
+            pairs[0]
+            for shared, pairs in left.items()
+            if sum(self.samples - len(got[i]) for i in pairs) > 1
+            and len(shared) > self._shared_uncacheable_chars
+            and self._shared_warm_until.get(_digest(shared), 0.0) <= now
+        ]
+        await _gather_or_cancel([self._warm_up(texts[i], usage, problems, got[i]) for i in todo])
 
     def _answered(self, text: str) -> tuple[_Sample, ...]:
         """The samples of an earlier complete answer to this prompt (none if there is none)."""
@@ -470,15 +498,15 @@ class ClaudeForecaster:
         problems: list[str] = []
         samples: list[list[_Sample]] = [[] for _ in queries]
         try:
-            texts = await self._user_texts(queries)
-            for text in texts:
-                if prompt.utf8_size(text) > prompt.MAX_PROMPT_BYTES:
-                    problems.append(_too_long(text))
+            texts = await self._prompts(queries)
+            for p in texts:
+                if prompt.utf8_size(p.text) > prompt.MAX_PROMPT_BYTES:
+                    problems.append(_too_long(p.text))
             pending = {
                 (i, j): self._max_tokens()
                 for i in range(len(queries))
                 for j in range(self.samples)
-                if prompt.utf8_size(texts[i]) <= prompt.MAX_PROMPT_BYTES
+                if prompt.utf8_size(texts[i].text) <= prompt.MAX_PROMPT_BYTES
             }
             for round_no in range(1 + self.invalid_retries):
                 if not pending:
@@ -524,13 +552,18 @@ class ClaudeForecaster:
     # ------------------------------------------------------------ one pair, one sample
 
     async def _forecast_one(
-        self, text: str, usage: TokenUsage, problems: list[str], got: list[_Sample | None]
+        self, text: prompt.PairPrompt, usage: TokenUsage, problems: list[str], got: list[_Sample | None]
     ) -> None:
         """This pair's samples, appended to `got` as each arrives (a timeout keeps those already in)."""
-        if prompt.utf8_size(text) > prompt.MAX_PROMPT_BYTES:
-            problems.append(_too_long(text))
+        if prompt.utf8_size(text.text) > prompt.MAX_PROMPT_BYTES:
+            problems.append(_too_long(text.text))
             return
-        if not got and self._warm_cache and self.samples > 1 and len(text) > self._pair_uncacheable_chars:
+        if (
+            not got
+            and self._warm_cache
+            and self.samples > 1
+            and len(text.text) > self._pair_uncacheable_chars
+        ):
             # The first sample writes this pair's cache entry; the others then read the long kernel text.
             await self._warm_up(text, usage, problems, got)
 
@@ -540,25 +573,32 @@ class ClaudeForecaster:
         await _gather_or_cancel([one() for _ in range(self.samples - len(got))])
 
     async def _warm_up(
-        self, text: str, usage: TokenUsage, problems: list[str], got: list[_Sample | None]
-    ) -> bool:
+        self, text: prompt.PairPrompt, usage: TokenUsage, problems: list[str], got: list[_Sample | None]
+    ) -> None:
         """One sample of `text` sent alone, so that the requests after it read what it wrote to the cache;
-        appended to `got`. Returns whether its answer says nothing was cached: the prompt is below the model's
-        minimum cacheable length, and (with several samples, the pair's text carrying a breakpoint too) so is
-        every pair no longer than this one."""
+        appended to `got`. When its answer says nothing was cached, the prompt up to its shared block is below the
+        model's minimum cacheable length, and so is that of every shared block no longer than this one (with
+        several samples, the pair's own block carrying a breakpoint too, the same of every pair's text)."""
         cached: list[bool] = []
         got.append(await self._sample(text, usage, problems, cached))
-        nothing = bool(cached) and not any(cached)
-        if nothing and self.samples > 1:
-            self._pair_uncacheable_chars = max(self._pair_uncacheable_chars, len(text))
-        return nothing
+        if not cached or any(cached):
+            return
+        if len(text.shared) > self._shared_uncacheable_chars:
+            log.info("%s cached nothing of a prompt of %d characters", self.model, len(text.text))
+        self._shared_uncacheable_chars = max(self._shared_uncacheable_chars, len(text.shared))
+        if self.samples > 1:
+            self._pair_uncacheable_chars = max(self._pair_uncacheable_chars, len(text.text))
 
     def _aggregated(self, got: Sequence[_Sample | None]) -> BinForecast | None:
         valid = [s for s in got if s is not None]
         return self._aggregate(valid) if valid else None
 
     async def _sample(
-        self, text: str, usage: TokenUsage, problems: list[str], cached: list[bool] | None = None
+        self,
+        text: prompt.PairPrompt,
+        usage: TokenUsage,
+        problems: list[str],
+        cached: list[bool] | None = None,
     ) -> _Sample | None:
         """One validated sample, or None (dropped) when it stays unusable after the retries. `cached` gets, per
         answered request, whether the API read or wrote any of its prompt from or to the cache."""
@@ -598,7 +638,7 @@ class ClaudeForecaster:
         return None
 
     async def _create(
-        self, text: str, mode: Literal["tool", "json"], max_tokens: int, usage: TokenUsage
+        self, text: prompt.PairPrompt, mode: Literal["tool", "json"], max_tokens: int, usage: TokenUsage
     ) -> tuple[Message, Literal["tool", "json"]]:
         """One request; returns the message and the output mode it was made in."""
         an = self._anthropic
@@ -635,7 +675,13 @@ class ClaudeForecaster:
             except an.APIStatusError as exc:
                 raise _Transient(f"Claude API error after retries ({type(exc).__name__}): {exc}") from exc
         usage.add_usage(getattr(message, "usage", None))
-        self._cache_warm_until = time.monotonic() + _CACHE_TTL_S
+        until = time.monotonic() + _CACHE_TTL_S
+        self._cache_warm_until = until
+        key = _digest(text.shared)
+        self._shared_warm_until[key] = until
+        self._shared_warm_until.move_to_end(key)
+        while len(self._shared_warm_until) > _SHARED_WARM_KEPT:
+            self._shared_warm_until.popitem(last=False)
         return message, mode
 
     def _rejection_hint(self, kind: str) -> str:
@@ -712,10 +758,19 @@ class ClaudeForecaster:
         # JSON mode is used on models that think by default, and thinking counts against max_tokens.
         return 1024 if self._mode == "tool" else 4096
 
-    def _params(self, text: str, mode: Literal["tool", "json"], max_tokens: int) -> dict[str, Any]:
+    def _params(
+        self, text: prompt.PairPrompt, mode: Literal["tool", "json"], max_tokens: int
+    ) -> dict[str, Any]:
         """Request body. Cache order is tools -> system -> messages, so the breakpoint on the system block
-        covers the tool definition too; the second breakpoint (several samples) covers the pair's text."""
-        user_block: dict[str, Any] = {"type": "text", "text": text}
+        covers the tool definition too; the second, on the shared block, covers the baseline (read by every other
+        pair against it); the third (several samples) covers the pair's own text. Three of the API's four
+        breakpoints. A prefix below the model's minimum cacheable length is simply not cached."""
+        shared_block: dict[str, Any] = {
+            "type": "text",
+            "text": text.shared,
+            "cache_control": {"type": "ephemeral"},
+        }
+        user_block: dict[str, Any] = {"type": "text", "text": text.own}
         if self.samples > 1:
             user_block["cache_control"] = {"type": "ephemeral"}
         params: dict[str, Any] = {
@@ -724,7 +779,7 @@ class ClaudeForecaster:
             "system": [
                 {"type": "text", "text": prompt.SYSTEM_PROMPT, "cache_control": {"type": "ephemeral"}}
             ],
-            "messages": [{"role": "user", "content": [user_block]}],
+            "messages": [{"role": "user", "content": [shared_block, user_block]}],
         }
         if mode == "tool":
             # Forced tool use is refused while thinking is on (the default on some models): turn it off.
@@ -741,16 +796,17 @@ class ClaudeForecaster:
             }
         return params
 
-    async def _user_texts(self, queries: Sequence[PairQuery]) -> list[str]:
+    async def _prompts(self, queries: Sequence[PairQuery]) -> list[prompt.PairPrompt]:
         if self._features == "auto":
             self._features = prompt.default_features_fn()
         fn = self._features
         if fn is None:
-            return [prompt.build_user_prompt(q) for q in queries]
+            return [prompt.build_pair_prompt(q) for q in queries]
         ptxas = await self._ptxas(queries) if getattr(fn, "takes_ptxas", False) else {}
 
-        def build(q: PairQuery) -> str:
-            return prompt.build_user_prompt(q, prompt.features_text(fn, q, ptxas))
+        def build(q: PairQuery) -> prompt.PairPrompt:
+            baseline, rest = prompt.features_parts(fn, q, ptxas)
+            return prompt.build_pair_prompt(q, rest, baseline)
 
         # Feature extraction may run nvcc/ptxas: keep it off the event loop.
         return list(await asyncio.gather(*(asyncio.to_thread(build, q) for q in queries)))
@@ -1003,6 +1059,10 @@ class ClaudeForecaster:
         except Exception:
             # Accounting must not turn a paid, successful forecast into a failure.
             log.exception("could not record Claude usage (%d requests, $%.4f)", usage.requests, cost)
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def _too_long(text: str) -> str:

@@ -204,40 +204,70 @@ def _strip_code_fence(text: str) -> str:
 # ---------------------------------------------------------------- the per-pair message
 
 
-def build_user_prompt(query: PairQuery, static_features: str | None = None) -> str:
-    """The per-pair part: hardware, workload, both kernels and (when available) static features."""
-    parts = [
+@dataclasses.dataclass(frozen=True)
+class PairPrompt:
+    """A pair's user message in two parts. `shared`: what every pair against the same baseline on the same GPU and
+    workload has in common (the GPU, the workload, the baseline with its source and its static features), sent as a
+    block of its own that the prompt cache can hold; `own`: the candidate's part. `text` is the whole message."""
+
+    shared: str
+    own: str
+
+    @property
+    def text(self) -> str:
+        return f"{self.shared}\n\n{self.own}"
+
+
+_FEATURES_HEADER = "(ptxas values from the compiler, source counts from the text: rule 7)"
+
+
+def build_pair_prompt(
+    query: PairQuery, static_features: str | None = None, baseline_features: str | None = None
+) -> PairPrompt:
+    """The per-pair message, split as `PairPrompt` says. `baseline_features`: the baseline's static features, shown
+    with it in the shared part; `static_features`: the rest (the candidate's, or the pair's when they do not split
+    by kernel)."""
+    shared = [
         "Forecast S = t(BASELINE) / t(CANDIDATE) for the pair below.",
         "## GPU\n" + describe_hardware(query.hardware_name, query.hardware),
         "## Workload\n" + describe_workload(query.workload, query.hardware),
     ]
     base, cand = query.baseline, query.candidate
+    shared.append("## BASELINE kernel\n" + describe_kernel(base, query.hardware, with_source=True))
+    if baseline_features:
+        shared.append(f"## Static features of the BASELINE {_FEATURES_HEADER}\n" + baseline_features)
     # One source shown once only for one entry: a long source is cut around the baseline's entry, and another
     # entry's function may fall in the part cut away.
     same_source = base.source == cand.source and base.language == cand.language and base.entry == cand.entry
-    parts.append("## BASELINE kernel\n" + describe_kernel(base, query.hardware, with_source=True))
     if same_source:
-        parts.append(
+        own = [
             "## CANDIDATE kernel\nThe candidate has the SAME source as the baseline (shown above); only the "
             "settings below differ.\n" + describe_kernel(cand, query.hardware, with_source=False)
-        )
+        ]
     else:
-        parts.append("## CANDIDATE kernel\n" + describe_kernel(cand, query.hardware, with_source=True))
+        own = ["## CANDIDATE kernel\n" + describe_kernel(cand, query.hardware, with_source=True)]
     diff = describe_differences(base, cand)
     if diff:
-        parts.append("## What differs\n" + diff)
+        own.append("## What differs\n" + diff)
     if static_features:
-        parts.append(
-            "## Static features (ptxas values from the compiler, source counts from the text: rule 7)\n"
-            + static_features
-        )
-    parts.append(
+        whose = " of the CANDIDATE" if baseline_features else ""
+        own.append(f"## Static features{whose} {_FEATURES_HEADER}\n" + static_features)
+    own.append(
         f"Answer with `reasoning` and the {bins.N_BINS} `probabilities` in bin order "
         f"({bins.LABELS[0]} first, {bins.LABELS[-1]} last)."
     )
+    return PairPrompt(_valid_utf8("\n\n".join(shared)), _valid_utf8("\n\n".join(own)))
+
+
+def build_user_prompt(query: PairQuery, static_features: str | None = None) -> str:
+    """The per-pair message as one text (see build_pair_prompt)."""
+    return build_pair_prompt(query, static_features).text
+
+
+def _valid_utf8(text: str) -> str:
     # Valid UTF-8 whatever the source held: a lone surrogate (valid JSON, which a pairs file may carry) would
     # make the SDK fail to encode the request.
-    return "\n\n".join(parts).encode("utf-8", "replace").decode("utf-8")
+    return text.encode("utf-8", "replace").decode("utf-8")
 
 
 def describe_hardware(name: str, spec: GpuSpec | None) -> str:
@@ -486,13 +516,36 @@ _features_warned = False
 def features_text(fn: FeaturesFn | None, query: PairQuery, ptxas: PtxasByKernel | None = None) -> str | None:
     """Run a feature extractor and format its result; any failure means no features, never a crash.
     `ptxas`: the compiler's results for the pair's kernels, for an extractor that takes them."""
+    return format_features(_features_value(fn, query, ptxas))
+
+
+def features_parts(
+    fn: FeaturesFn | None, query: PairQuery, ptxas: PtxasByKernel | None = None
+) -> tuple[str | None, str | None]:
+    """As features_text, split into (the baseline's features, the rest) when the extractor answers per kernel (a
+    mapping with a `baseline` key); otherwise (None, all of it)."""
+    value = _features_value(fn, query, ptxas)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)
+    elif hasattr(value, "model_dump"):
+        value = value.model_dump()
+    if isinstance(value, Mapping) and "baseline" in value:
+        rest = {k: v for k, v in value.items() if k != "baseline"}
+        return format_features({"baseline": value["baseline"]}), format_features(rest)
+    return None, format_features(value)
+
+
+def _features_value(fn: FeaturesFn | None, query: PairQuery, ptxas: PtxasByKernel | None) -> object:
     global _features_warned
     if fn is None:
         return None
     try:
         if ptxas and getattr(fn, "takes_ptxas", False):
-            return format_features(fn(query, ptxas))  # type: ignore[call-arg]
-        return format_features(fn(query))
+            value = fn(query, ptxas)  # type: ignore[call-arg]
+        else:
+            value = fn(query)
+        format_features(value)  # a value that cannot be formatted fails here, as a failed extractor
+        return value
     except Exception as exc:
         # Warn once: a broken extractor fails the same way for every pair.
         level = logging.DEBUG if _features_warned else logging.WARNING
@@ -564,10 +617,13 @@ __all__ = [
     "SYSTEM_PROMPT",
     "TOOL_NAME",
     "InvalidAnswer",
+    "PairPrompt",
     "answer_schema",
+    "build_pair_prompt",
     "build_user_prompt",
     "default_features_fn",
     "describe_hardware",
+    "features_parts",
     "features_text",
     "fence",
     "parse_answer",
