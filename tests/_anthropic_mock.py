@@ -153,6 +153,9 @@ class AnthropicMock:
     results_reads_allowed: int | None = None  # later results downloads break midway (connection reset)
     broken_results_reads: frozenset[int] = frozenset()  # these results downloads (1 = the first) break midway
     failing_status_checks: int = 0  # the next this many batch status checks answer 503
+    mangle_results: Callable[[str], str] | None = (
+        None  # rewrites each results file (JSON lines) as downloaded
+    )
     requests: list[RecordedRequest] = field(default_factory=list)
     batches: dict[str, _Batch] = field(default_factory=dict)
 
@@ -232,7 +235,10 @@ class AnthropicMock:
             # line as it arrives, so a cut after a whole line would hand that line over).
             first = f"{lines[0]}\n".encode()
             return httpx2.Response(200, content=_breaking([first[: len(first) // 2]], 1), headers=headers)
-        return httpx2.Response(200, content=("\n".join(lines) + "\n").encode(), headers=headers)
+        text = "\n".join(lines) + "\n"
+        if self.mangle_results is not None:
+            text = self.mangle_results(text)
+        return httpx2.Response(200, content=text.encode(), headers=headers)
 
     def _batch_json(self, batch: _Batch, status: str) -> dict[str, Any]:
         n = len(batch.requests)

@@ -1466,6 +1466,67 @@ async def test_an_errored_batch_result_of_unknown_shape_drops_only_itself() -> N
     assert len(kept) == 1
 
 
+def _cut_short(text: str) -> str:
+    """The results file ending inside its last line (the first pair's: results come in reverse order)."""
+    return text[: text.rindex("custom_id") + 30]
+
+
+def _garbled(text: str) -> str:
+    lines = text.splitlines()
+    i = next(n for n, line in enumerate(lines) if '"q0-s0-r0"' in line)
+    lines[i] = lines[i][:60] + "<<garbage>>"
+    return "\n".join(lines) + "\n"
+
+
+def _unknown_type(text: str) -> str:
+    lines = text.splitlines()
+    i = next(n for n, line in enumerate(lines) if '"q0-s0-r0"' in line)
+    lines[i] = json.dumps({"custom_id": "q0-s0-r0", "result": {"type": "teleported"}})
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("mangle", "why"),
+    [(_garbled, "not JSON"), (_cut_short, "not JSON"), (_unknown_type, "result type 'teleported' unknown")],
+)
+async def test_an_unreadable_line_of_batch_results_leaves_its_pair_unanswered_and_keeps_the_rest(
+    mangle: Callable[[str], str], why: str
+) -> None:
+    """One line of a batch's results that cannot be read (garbled, the file cut short, a result type this code does
+    not know): the SDK's decoder raised at it, and every result of the batch, paid for, was lost with the call (an
+    unknown type was sent again as if cancelled). Now that pair goes unanswered, named, and the others are kept."""
+    mock = AnthropicMock(lambda body: tool_answer(FASTER), mangle_results=mangle)
+    sink = FakeSink()
+    _, no_sleep = recording_sleep()
+    f = make(mock, samples=1, usage_sink=sink, sleep=no_sleep, batch_poll_interval_s=1.0)
+    queries = [pair(), pair(same_source=True), pair(same_source=True)]
+    with pytest.raises(ClaudeUnavailable) as info:
+        await f.forecast_batch(queries)
+    assert [p is not None for p in info.value.partial or []] == [False, True, True]
+    message = str(info.value)
+    assert "1 of 3 pair(s)" in message and "1 batch result line(s) could not be read" in message
+    assert f"pair 1 (k1 vs k0) sample 1: {why}" in message
+    assert len(mock.batches) == 1  # not sent again
+    [call] = sink.calls
+    assert call["input_tokens"] == 2000  # the two results read, billed
+
+
+@pytest.mark.anyio
+async def test_a_batch_results_line_naming_no_request_leaves_it_missing_and_asked_again() -> None:
+    def mangle(text: str) -> str:
+        return text.replace('"custom_id": "q0-s0-r0", ', "", 1) if len(mock.batches) == 1 else text
+
+    mock = AnthropicMock(lambda body: tool_answer(FASTER), mangle_results=mangle)
+    _, no_sleep = recording_sleep()
+    out = await make(mock, samples=1, sleep=no_sleep, batch_poll_interval_s=1.0).forecast_batch(
+        [pair(), pair()]
+    )
+    assert all(o is not None for o in out)
+    _, second = mock.batches.values()
+    assert [r["custom_id"] for r in second.requests] == ["q0-s0-r1"]
+
+
 def test_the_api_key_setting_is_one_token() -> None:
     """A key read from an env file or a mounted secret ends in a newline: sent as is, the API's refusal of the
     header read as "the API could not be reached" (and a 60 s pause after each call)."""

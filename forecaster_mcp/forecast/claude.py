@@ -493,10 +493,20 @@ class ClaudeForecaster:
 
         Every (pair, sample) is one batch request; unusable answers are resubmitted in up to
         `invalid_retries` further batches. Polls every `batch_poll_interval_s` for at most `batch_max_wait_s`.
+        A line of the results that cannot be read (not JSON, cut short, a result type this code does not know)
+        leaves its sample unanswered (not resubmitted); every other result is kept, and those lines are counted
+        and named in the warning logged and in the exception's message when some pair goes unanswered.
         """
         usage = TokenUsage()
         problems: list[str] = []
         samples: list[list[_Sample]] = [[] for _ in queries]
+        unreadable: list[str] = []  # the requests whose result line could not be read, named
+
+        def unanswered(message: str) -> ClaudeUnavailable:
+            if unreadable:
+                message = f"{_unreadable_note(unreadable)}; {message}"
+            return ClaudeUnavailable(message, partial=[self._aggregate(s) if s else None for s in samples])
+
         try:
             texts = await self._prompts(queries)
             for p in texts:
@@ -521,6 +531,13 @@ class ClaudeForecaster:
                 rejected: ClaudeUnavailable | None = None
                 for (i, j), max_tokens in pending.items():
                     outcome = outcomes.get(f"q{i}-s{j}-r{round_no}")
+                    if isinstance(outcome, _Unreadable):
+                        q = queries[i]
+                        unreadable.append(
+                            f"pair {i + 1} ({q.candidate.id or '-'} vs {q.baseline.id or '-'}) sample {j + 1}: "
+                            f"{outcome.why}"
+                        )
+                        continue
                     try:
                         again = self._batch_outcome(outcome, mode, max_tokens, usage, problems, samples[i])
                     except ClaudeUnavailable as exc:
@@ -530,20 +547,27 @@ class ClaudeForecaster:
                         continue
                     if again is not None:
                         retry[(i, j)] = again
+                # Lines that name no request leave one unanswered, which is then missing: asked again above.
+                nameless = sum(
+                    1 for k, v in outcomes.items() if isinstance(v, _Unreadable) and k not in requests
+                )
+                if nameless:
+                    unreadable.append(f"{nameless} line(s) naming no request, whose requests are asked again")
                 pending = retry
                 if rejected is not None:
-                    raise ClaudeUnavailable(
-                        str(rejected), partial=[self._aggregate(s) if s else None for s in samples]
-                    )
+                    raise unanswered(str(rejected))
                 if gave_up is not None:
                     # What the cancelled or failed batches finished is counted and kept; no further round.
-                    raise ClaudeUnavailable(
-                        gave_up, partial=[self._aggregate(s) if s else None for s in samples]
-                    )
+                    raise unanswered(gave_up)
         finally:
             with anyio.CancelScope(shield=True):  # a timed-out call still paid for what it got
                 await self._record(usage, batch=True)
-        return self._finish([self._aggregate(s) if s else None for s in samples], problems)
+            if unreadable:
+                log.warning("%s", _unreadable_note(unreadable))
+        results = [self._aggregate(s) if s else None for s in samples]
+        if unreadable and not all(results):
+            problems.append(_unreadable_note(unreadable))  # the last problem: the one _finish names
+        return self._finish(results, problems)
 
     async def aclose(self) -> None:
         """Close the HTTP client (also an injected one)."""
@@ -913,16 +937,28 @@ class ClaudeForecaster:
             waited += self._batch_poll_interval_s
 
     async def _read_results(self, batch_id: str, outcomes: dict[str, Any]) -> None:
-        """Read an ended batch's results into `outcomes` (custom_id -> result). A download cut midway (a
-        connection reset) is tried again, up to _RESULTS_READS times with a pause between: the results stay
-        available and every one is paid for. The last failure is raised."""
+        """Read an ended batch's results into `outcomes` (custom_id -> result). A line that cannot be read is an
+        _Unreadable under its custom_id (when it names one; else under a key no request has) and the lines after it
+        are read all the same: the SDK's decoder ended the whole read at the first such line, and every result of
+        the batch, paid for, was lost. A download cut midway (a connection reset) is tried again, up to
+        _RESULTS_READS times with a pause between: the results stay available and every one is paid for. The last
+        failure is raised."""
         import httpx2
 
         for attempt in range(_RESULTS_READS):
             try:
                 decoder = await self._client.messages.batches.results(batch_id)
-                async for item in decoder:
-                    outcomes[item.custom_id] = item.result
+                try:
+                    # The response's lines, not the decoder's items: the decoder raises on a line it cannot
+                    # parse, and its stream cannot be read on after that.
+                    n = 0
+                    async for line in decoder.http_response.aiter_lines():
+                        if line.strip():
+                            n += 1
+                            custom_id, result = _result_line(line)
+                            outcomes[custom_id or f"?{batch_id}:{n}"] = result
+                finally:
+                    await decoder.close()
                 return
             except (self._anthropic.APIError, httpx2.TransportError) as exc:
                 last = attempt == _RESULTS_READS - 1
@@ -1059,6 +1095,42 @@ class ClaudeForecaster:
         except Exception:
             # Accounting must not turn a paid, successful forecast into a failure.
             log.exception("could not record Claude usage (%d requests, $%.4f)", usage.requests, cost)
+
+
+@dataclass(frozen=True)
+class _Unreadable:
+    """A line of a batch's results that could not be read, and why."""
+
+    why: str
+
+
+_RESULT_TYPES = frozenset({"succeeded", "errored", "canceled", "expired"})
+_CUSTOM_ID = re.compile(r'"custom_id"\s*:\s*"([^"\\]{1,64})"')
+
+
+def _result_line(line: str) -> tuple[str | None, Any]:
+    """One line of a batch's results: (its custom_id, or None when it names none; the SDK's result object, or an
+    _Unreadable)."""
+    from anthropic.types.messages import MessageBatchIndividualResponse
+
+    try:
+        item = json.loads(line)
+    except (ValueError, RecursionError) as exc:  # cut short, garbled, nested beyond the parser
+        found = _CUSTOM_ID.search(line)
+        return (found.group(1) if found else None), _Unreadable(f"not JSON ({type(exc).__name__})")
+    custom_id = item.get("custom_id") if isinstance(item, dict) else None
+    if not isinstance(custom_id, str):
+        return None, _Unreadable("no custom_id")
+    result = item.get("result")
+    kind = result.get("type") if isinstance(result, dict) else None
+    if kind not in _RESULT_TYPES:
+        return custom_id, _Unreadable(f"result type {kind!r} unknown" if kind is not None else "no result")
+    return custom_id, MessageBatchIndividualResponse.construct(**item).result
+
+
+def _unreadable_note(named: Sequence[str]) -> str:
+    shown = "; ".join(named[:5]) + (f"; and {len(named) - 5} more" if len(named) > 5 else "")
+    return f"{len(named)} batch result line(s) could not be read, their samples left unanswered ({shown})"
 
 
 def _digest(text: str) -> str:
