@@ -100,10 +100,10 @@ DEFAULT_PORT = 8765
 
 def _serve_options(args: argparse.Namespace) -> None:
     """Refuse `serve` options the chosen transport would silently ignore; fill in the HTTP defaults."""
-    if not args.http and (args.host is not None or args.port is not None):
+    if not args.http and (args.host is not None or args.port is not None or args.allowed_host):
         raise OperatorError(
-            "--host and --port apply to an HTTP server: add --http (without it `serve` speaks MCP over "
-            "stdin/stdout, as an IDE launches it)"
+            "--host, --port and --allowed-host apply to an HTTP server: add --http (without it `serve` speaks MCP "
+            "over stdin/stdout, as an IDE launches it)"
         )
     if args.http and args.ledger is not None:
         raise OperatorError(
@@ -135,6 +135,16 @@ def _parser() -> argparse.ArgumentParser:
     # No argparse defaults: given without --http they would be ignored, so main refuses them (see _serve_options).
     serve.add_argument("--host", help=f"with --http: address to listen on (default {DEFAULT_HOST})")
     serve.add_argument("--port", type=int, help=f"with --http: port to listen on (default {DEFAULT_PORT})")
+    serve.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="HOST",
+        help="with --http: a Host header the server answers besides its own address, e.g. the name a TLS reverse "
+        "proxy passes on (mcp.example.com, or with :PORT); repeatable. Requests for other names get 421 (on a "
+        "loopback address this check is always on; elsewhere only with this option). Env "
+        "FORECASTER_MCP_ALLOWED_HOSTS, comma-separated",
+    )
     serve.add_argument(
         "--replay",
         type=Path,
@@ -295,6 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = Settings.from_env(
             home=args.home,
             replay=getattr(args, "replay", None),
+            allowed_hosts=getattr(args, "allowed_host", None),
             ledger=getattr(args, "ledger", None) if args.command == "serve" else None,
             hardware=getattr(args, "hardware", None),
             measurer=getattr(args, "measurer", None),

@@ -1,8 +1,10 @@
-"""Settings: every field has an environment variable FORECASTER_MCP_<FIELD> (lists: os.pathsep-separated)."""
+"""Settings: every field has an environment variable FORECASTER_MCP_<FIELD> (lists of paths: os.pathsep-separated;
+lists of host names: comma-separated)."""
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -13,6 +15,11 @@ from forecaster_mcp.models import MIN_MEASURE_SECONDS
 from forecaster_mcp.store.db import MAX_GPU_SECONDS
 
 ENV_PREFIX = "FORECASTER_MCP_"
+# A Host header value as `serve --allowed-host` takes it: a name or IPv4 address, or a bracketed IPv6 address, then
+# optionally `:PORT` or `:*` (any port).
+_HOST_VALUE = re.compile(
+    r"(?:[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,252})|\[[0-9A-Fa-f:.]+\])(?::(?:[0-9]{1,5}|\*))?"
+)
 # FORECASTER_MCP_* variables read elsewhere, not settings: a client's bearer token, the test suite's switches.
 OTHER_VARIABLES = frozenset({"TOKEN", "FORBID_REAL_API", "GPU_TESTS"})
 
@@ -48,6 +55,11 @@ class Settings(BaseModel):
         ge=MIN_MEASURE_SECONDS,
         allow_inf_nan=False,
         description="cap on one measurement's GPU time",
+    )
+    allowed_hosts: list[str] = Field(
+        default_factory=list,
+        description="with serve --http: the Host headers (and their http/https origins) the server answers, beside "
+        "its own address; a request with another Host gets 421 (the MCP SDK's DNS-rebinding check)",
     )
     max_sessions_per_ledger: int = Field(
         default=100,
@@ -93,6 +105,26 @@ class Settings(BaseModel):
             return path.expanduser()
         return os.path.expanduser(path) if path is not None else None
 
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _host_header_values(cls, hosts: list[str]) -> list[str]:
+        """Each entry as a client's Host header has it (`mcp.example.com`, `mcp.example.com:8443`, `[::1]:*`):
+        a URL or a path would never equal a Host header, and the server would refuse every request for it."""
+        out = []
+        for raw in hosts:
+            host = raw.strip()
+            if not host:
+                continue
+            if not _HOST_VALUE.fullmatch(host):
+                hint = " (a URL: pass its host alone)" if "/" in host else ""
+                raise ValueError(
+                    f"{host[:80]!r} is not a Host header value{hint}: pass a name or address as clients reach "
+                    "the server, with :PORT or :* if they name a port, e.g. mcp.example.com or [::1]:8443 "
+                    "(--allowed-host, env FORECASTER_MCP_ALLOWED_HOSTS, comma-separated)"
+                )
+            out.append(host)
+        return out
+
     @field_validator("anthropic_api_key")
     @classmethod
     def _one_token_key(cls, key: str | None) -> str | None:
@@ -121,6 +153,8 @@ class Settings(BaseModel):
                 continue
             if field.annotation == list[Path]:
                 values[name] = [p for p in raw.split(os.pathsep) if p]
+            elif field.annotation == list[str]:
+                values[name] = raw.split(",")  # a Host header value holds no comma (nor os.pathsep's ":")
             else:
                 values[name] = raw
         if "anthropic_api_key" not in values and env.get("ANTHROPIC_API_KEY"):

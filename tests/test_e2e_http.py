@@ -194,6 +194,8 @@ async def test_401_points_at_no_oauth_server_when_bound_to_every_interface(tmp_p
                 assert http.get(f"{base}/.well-known/{well_known}").status_code == 404
         async with connect_http(srv.url, token) as (_, call):  # the static token is what works
             assert (await call("budget_status", {}))["ledger"] == "alice"
+        # Whatever name clients reach the machine by (no --allowed-host: no Host check off loopback).
+        assert _post_initialize(srv, token, Host="gpu-box:8765") == 200
     finally:
         srv.stop()
 
@@ -330,23 +332,71 @@ def _open_holds(db: Path) -> int:
         return int(conn.execute("SELECT COUNT(*) FROM reservations WHERE state = 'open'").fetchone()[0])
 
 
-def test_a_tls_proxy_keeping_the_host_reaches_a_loopback_server(tmp_path: Path) -> None:
-    # The README's advice beyond a trusted network, a TLS reverse proxy in front of a server on 127.0.0.1: a proxy
-    # that passes on the Host it was asked for (Caddy's default, nginx with `proxy_set_header Host $host`) got
-    # 421 "Invalid Host header" for every request, its token valid. The token is the check.
+def _post_initialize(srv: HttpServer, token: str | None, **headers: str) -> int:
+    sent = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json", **headers}
+    if token is not None:
+        sent["Authorization"] = f"Bearer {token}"
+    with httpx2.Client(timeout=10) as http:
+        return http.post(srv.url, json=INITIALIZE, headers=sent).status_code
+
+
+def _stopped_stderr(srv: HttpServer) -> str:
+    srv.stop()
+    assert srv.proc.stderr is not None
+    return srv.proc.stderr.read().decode()
+
+
+def test_a_loopback_server_refuses_a_foreign_host_even_with_a_valid_token(tmp_path: Path) -> None:
+    # The MCP SDK's (and the specification's) DNS-rebinding check on a loopback address: 31c5346 had turned it
+    # off, so a page that learnt a token could call the server from any name. Refused requests say in the
+    # server's log how a reverse proxy's name is let in.
     home = tmp_path / "srv"
     token = _ledger_and_token(home, "alice", 5)
     srv = start_http(home)  # --host 127.0.0.1
     try:
-        headers = {
-            "Accept": "application/json, text/event-stream",
-            "Content-Type": "application/json",
-            "Host": "gpu-box.example.com",
-        }
-        with httpx2.Client(timeout=10) as http:
-            refused = http.post(srv.url, json=INITIALIZE, headers=headers)  # no token
-            assert refused.status_code == 401
-            auth = {**headers, "Authorization": f"Bearer {token}"}
-            assert http.post(srv.url, json=INITIALIZE, headers=auth).status_code == 200
+        assert _post_initialize(srv, None, Host="gpu-box.example.com") == 401  # the token is checked first
+        assert _post_initialize(srv, token, Host="gpu-box.example.com") == 421
+        assert _post_initialize(srv, token, Host=f"localhost:{srv.port}") == 200
+        assert _post_initialize(srv, token, Origin="https://evil.example") == 403
+        assert _post_initialize(srv, token, Origin=f"http://localhost:{srv.port}") == 200
+    finally:
+        err = _stopped_stderr(srv)
+    assert "refused a request (421) for Host 'gpu-box.example.com'" in err
+    assert "serve --allowed-host NAME" in err
+
+
+@pytest.mark.parametrize("how", ["option", "env"])
+def test_a_tls_proxy_keeping_the_host_reaches_a_loopback_server_named_by_allowed_host(
+    tmp_path: Path, how: str
+) -> None:
+    # The README's advice beyond a trusted network, a TLS reverse proxy in front of a server on 127.0.0.1: a proxy
+    # that passes on the Host it was asked for (Caddy's default, nginx with `proxy_set_header Host $host`) is let
+    # in by naming that host; other names are still refused.
+    home = tmp_path / "srv"
+    token = _ledger_and_token(home, "alice", 5)
+    if how == "option":
+        srv = start_http(
+            home, ["--allowed-host", "gpu-box.example.com", "--allowed-host", "other.example:8443"]
+        )
+    else:
+        srv = start_http(
+            home, env={"FORECASTER_MCP_ALLOWED_HOSTS": "gpu-box.example.com, other.example:8443\n"}
+        )
+    try:
+        assert _post_initialize(srv, None, Host="gpu-box.example.com") == 401
+        for host in (
+            "gpu-box.example.com",
+            "gpu-box.example.com:443",
+            "other.example:8443",
+            f"127.0.0.1:{srv.port}",
+        ):
+            assert _post_initialize(srv, token, Host=host) == 200, host
+        assert _post_initialize(srv, token, Host="other.example:9000") == 421
+        assert _post_initialize(srv, token, Host="evil.example") == 421
+        assert (
+            _post_initialize(srv, token, Host="gpu-box.example.com", Origin="https://gpu-box.example.com")
+            == 200
+        )
+        assert _post_initialize(srv, token, Host="gpu-box.example.com", Origin="https://evil.example") == 403
     finally:
         srv.stop()

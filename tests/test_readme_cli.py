@@ -39,7 +39,9 @@ def test_demo_refused_tool_call_is_a_one_line_error(
     assert "0 GPU-seconds left" in err and "FORECASTER_MCP_DEFAULT_LEDGER_GPU_SECONDS" in err
 
 
-@pytest.mark.parametrize("address", [["--port", "8765"], ["--host", "0.0.0.0"]])
+@pytest.mark.parametrize(
+    "address", [["--port", "8765"], ["--host", "0.0.0.0"], ["--allowed-host", "mcp.example.com"]]
+)
 def test_serve_host_or_port_without_http_is_refused(
     capsys: pytest.CaptureFixture[str], address: list[str]
 ) -> None:
@@ -47,6 +49,15 @@ def test_serve_host_or_port_without_http_is_refused(
     code, out, err = run(capsys, "serve", *address)
     assert code == 2 and out == ""
     assert err.startswith("forecaster-mcp: ") and "--http" in err and len(err.strip().splitlines()) == 1
+
+
+def test_an_allowed_host_that_could_never_match_a_host_header_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A URL where the Host header value goes: every request through the proxy would get 421."""
+    code, out, err = run(capsys, "serve", "--http", "--allowed-host", "https://mcp.example.com/mcp")
+    assert code == 2 and out == ""
+    assert "'https://mcp.example.com/mcp' is not a Host header value (a URL: pass its host alone)" in err
 
 
 def test_serve_http_with_ledger_is_refused(capsys: pytest.CaptureFixture[str]) -> None:

@@ -549,6 +549,76 @@ def _every_interface(host: str) -> bool:
         return False
 
 
+# The names a client on this machine reaches a loopback server by (any port), as the MCP SDK allows by default.
+_LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def transport_security(host: str, allowed_hosts: Sequence[str]) -> TransportSecuritySettings:
+    """The MCP SDK's DNS-rebinding check for a server listening on `host` (brackets removed): requests are
+    answered only for these Host headers (else 421) and, from a browser, these Origins (else 403).
+
+    On a loopback address, as the SDK and the MCP specification have it: this machine's names, plus
+    `allowed_hosts` (the name a TLS reverse proxy passes on). On another address only with `allowed_hosts`
+    (the names clients use cannot be guessed), with the address itself (every interface: this machine's
+    names); without them there is no check.
+    The bearer token is checked first either way: the list is a second line, for a token that reached a
+    browser page, and the specification's requirement that a server validate Origin."""
+    names = list(allowed_hosts)
+    if _loopback(host) or (names and _every_interface(host)):  # listening on every interface: loopback too
+        names += _LOOPBACK_NAMES
+    if _loopback(host) or (names and not _every_interface(host)):
+        names.append(f"[{host}]" if ":" in host else host)
+    if not names:
+        return TransportSecuritySettings(enable_dns_rebinding_protection=False)
+    hosts: list[str] = []
+    origins: list[str] = []
+    for name in dict.fromkeys(names):
+        bare, sep, port = ("", "", "") if name.endswith("]") else name.rpartition(":")
+        if sep:
+            hosts.append(name)
+            origins += [f"http://{name}", f"https://{name}"]
+            # A browser leaves the scheme's own port out of Origin.
+            origins += {"80": [f"http://{bare}"], "443": [f"https://{bare}"]}.get(port, [])
+        else:  # no port named: any port, or none (a proxy on 443 passes `mcp.example.com`)
+            hosts += [name, f"{name}:*"]
+            origins += [
+                f"{scheme}://{name}{any_port}" for scheme in ("http", "https") for any_port in ("", ":*")
+            ]
+    return TransportSecuritySettings(
+        enable_dns_rebinding_protection=True,
+        allowed_hosts=hosts,
+        allowed_origins=list(dict.fromkeys(origins)),
+    )
+
+
+class _RefusedHostHint(logging.Filter):
+    """The SDK's one-line warning for a refused Host or Origin, with what the operator can do about it: behind a
+    reverse proxy every request was refused (421) with only "Invalid Host header: mcp.example.com" to go on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        for header, code in (("Host", 421), ("Origin", 403)):
+            prefix = f"Invalid {header} header: "
+            if message.startswith(prefix):
+                value = message[len(prefix) :][:100]
+                record.msg, record.args = (
+                    "refused a request (%d) for %s %r: not a name this server answers to; if clients reach it "
+                    "by that name (a reverse proxy that passes on the Host it was asked for), add "
+                    "`serve --allowed-host NAME` (env FORECASTER_MCP_ALLOWED_HOSTS)",
+                    (code, header, value),
+                )
+        return True
+
+
 def _shown_url(host: str, port: int) -> str:
     if _every_interface(host):
         return f"port {port} of every interface, path /mcp (on this machine: http://127.0.0.1:{port}/mcp)"
@@ -615,11 +685,9 @@ async def serve(
                 app = server.streamable_http_app(
                     host=host,
                     max_request_body_size=MAX_HTTP_BODY_BYTES,
-                    # No Host / Origin allow-list (the SDK's default on a loopback address): every request needs a
-                    # bearer token, checked before the transport, which a DNS-rebinding page cannot send; the list
-                    # only refused (421) every request through a TLS proxy that keeps the Host it was asked for.
-                    transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False),
+                    transport_security=transport_security(host, settings.allowed_hosts),
                 )
+                logging.getLogger("mcp.server.transport_security").addFilter(_RefusedHostHint())
                 _limit_sessions_per_ledger(server.session_manager, settings.max_sessions_per_ledger)
                 config = uvicorn.Config(
                     app,
