@@ -35,7 +35,7 @@ from forecaster_mcp.errors import (
     UnknownLedger,
 )
 from forecaster_mcp.forecast.base import USAGE_LEDGER, Forecaster, PairQuery
-from forecaster_mcp.forecast.engine import one_line
+from forecaster_mcp.forecast.engine import one_line, smallest_default_target
 from forecaster_mcp.forecast.features import entry_parameter_count
 from forecaster_mcp.forecast.selective import (
     MAX_TARGET_ERROR,
@@ -121,6 +121,34 @@ class _Pair:
     candidate: Kernel
     truth: CandidateForecast | None = None
     query: PairQuery | None = None
+
+
+# Float slack when comparing a threshold with a confidence ceiling (1 - 2e-4 / 2 is not exactly 1 - 1e-4).
+_CONFIDENCE_EPS = 1e-12
+
+
+def _out_of_reach_note(
+    target: float, out_of_reach: Sequence[tuple[float, float, float]], n_forecasts: int, measuring: bool
+) -> str:
+    """Why forecasts stay unsure whatever they say: at this target_error their threshold is above the most
+    confident they can be (a target below about 2e-4 asked for verdicts no forecast can give), and the
+    target_error from which they can be decided."""
+    threshold = max(t for t, _, _ in out_of_reach)
+    ceiling = max(c for _, c, _ in out_of_reach)
+    needed = max(n for _, _, n in out_of_reach) * (1.0 - 1e-9)  # float slack, not a rounding up of the need
+    exponent = math.floor(math.log10(needed)) - 1
+    shown = math.ceil(needed / 10.0**exponent) * 10.0**exponent  # rounded up to 2 significant digits
+    measure = (
+        "measure_if_unsure measures them"
+        if measuring
+        else "measure_if_unsure=true settles them by measurement"
+    )
+    return (
+        f"target_error {target:g} is out of the forecasts' reach: {len(out_of_reach)} of {n_forecasts} can be at "
+        f"most {ceiling:.6g} sure under this forecaster's calibration, below the {threshold:.6g} this target "
+        f"needs, so they are unsure whatever they forecast; they can be decided from target_error {shown:.2g} "
+        f"on ({measure}, up to max_measurements)"
+    )
 
 
 class Service:
@@ -337,6 +365,8 @@ class Service:
         fc_by_id = {}
         measured_failing: set[str] = set()  # candidates whose stored measurement failed: they do not run
         it = iter(forecasts)
+        # Forecasts the threshold is out of reach for (threshold, their ceiling, the target that reaches it).
+        out_of_reach: list[tuple[float, float, float]] = []
         for p in pairs:
             cid = str(p.candidate.id)
             if p.truth is not None:
@@ -344,8 +374,13 @@ class Service:
                 continue
             f = next(it)
             fc_by_id[cid] = f
-            threshold = self.engine.threshold_for(f, choices[(f.regime, family[cid])]).threshold
+            choice = self.engine.threshold_for(f, choices[(f.regime, family[cid])])
+            threshold = choice.threshold
             verdict = f.verdict(threshold)
+            if choice.source == "default" and not f.from_measurements:
+                ceiling = self.engine.confidence_ceiling(f, hw.name)
+                if threshold > ceiling + _CONFIDENCE_EPS:
+                    out_of_reach.append((threshold, ceiling, smallest_default_target(f.regime, ceiling)))
             rationale = f.rationale
             if verdict == "unsure" and (plain := decide(f.p_faster, threshold)) != "unsure":
                 p_fail, whose = (
@@ -404,6 +439,8 @@ class Service:
         for c in dict.fromkeys(choices.values()):
             shown = f"{c.threshold:.3f}" if c.threshold < 0.9995 else f"{c.threshold:.6g}"  # not "1.000"
             notes.append(f"verdicts decided at confidence >= {shown} ({c.reason})")
+        if out_of_reach:
+            notes.append(_out_of_reach_note(target, out_of_reach, len(forecasts), measure_if_unsure))
         measurements: list[MeasureResult] = []
         charged = 0.0
         unsure = [i for i in measure_next if i != base.id and results[i].verdict == "unsure"]

@@ -309,6 +309,56 @@ async def test_a_vanishing_target_error_is_a_clear_error(
         assert out["target_error"] == 1e-4
 
 
+async def test_a_target_error_no_forecast_can_reach_says_so_and_from_what_target_they_can(
+    tmp_path: Path, conv_a100: Path
+) -> None:
+    # Forecasts are at most 1 - 1e-4 sure (raw probabilities are clipped at calibration.P_CLIP), and while history
+    # is short a verdict needs 1 - target_error / 2: below 2e-4 every forecast stayed unsure without a word.
+    async with running(tmp_path, [conv_a100]) as (client, _):
+        pair = [conv("a", FAST), conv("b", SLOW)]
+        out = await call(client, "compare_kernels", {"candidates": pair, "target_error": 1e-4})
+        assert [c["verdict"] for c in out["candidates"]] == ["unsure"]
+        (note,) = [n for n in out["notes"] if "out of the forecasts' reach" in n]
+        assert "1 of 1 can be at most 0.9999 sure" in note and "decided from target_error 0.0002 on" in note
+        assert "measure_if_unsure=true settles them by measurement" in note
+        assert out["gpu_seconds_charged"] == 0 and await spent(client) == 0
+        for target in (2e-4, 0.1):
+            out = await call(client, "compare_kernels", {"candidates": pair, "target_error": target})
+            assert not [n for n in out["notes"] if "reach" in n], target
+
+        # The way out the note names: measured, the pair is decided whatever the target.
+        args = {"candidates": pair, "target_error": 1e-4, "measure_if_unsure": True, "max_measurements": 2}
+        out = await call(client, "compare_kernels", args)
+        assert "measure_if_unsure measures them" in " ".join(out["notes"])
+        assert [(c["verdict"], c["decided_by"]) for c in out["candidates"]] == [("slower", "measurement")]
+
+
+async def test_two_unmeasured_kernels_need_twice_the_target_error_to_be_decided(
+    tmp_path: Path, conv_a100: Path
+) -> None:
+    # A pair of two predictions is decided at 1 - target_error / 4 (engine._DEFAULT_SHARE): out of reach below 4e-4.
+    async with running(tmp_path, [conv_a100]) as (client, _):
+        for bx, by in (
+            (16, 2),
+            (16, 4),
+            (16, 8),
+            (32, 2),
+            (32, 8),
+            (64, 2),
+            (64, 4),
+            (64, 8),
+            (128, 2),
+            (128, 4),
+        ):
+            await call(client, "measure_kernel", {"kernel": conv_block(bx, by)})
+        pair = [conv_block(32, 16, "a"), conv_block(16, 16, "b")]
+        out = await call(client, "compare_kernels", {"candidates": pair, "target_error": 3e-4})
+        (note,) = [n for n in out["notes"] if "out of the forecasts' reach" in n]
+        assert "decided from target_error 0.0004 on" in note
+        out = await call(client, "compare_kernels", {"candidates": pair, "target_error": 4e-4})
+        assert not [n for n in out["notes"] if "reach" in n]
+
+
 def test_the_zero_error_count_survives_targets_below_float_resolution() -> None:
     assert min_count_zero_errors(1e-20, 0.05) == pytest.approx(2.996e20, rel=1e-3)
     with pytest.raises(ValueError, match="too small"):

@@ -95,6 +95,12 @@ def default_threshold_for(regime: Regime, target_error: float) -> float:
     return 1.0 - target_error * _DEFAULT_SHARE[regime]
 
 
+def smallest_default_target(regime: Regime, confidence: float) -> float:
+    """The smallest target_error whose default threshold (`default_threshold_for`) a forecast `confidence`
+    sure clears."""
+    return (1.0 - confidence) / _DEFAULT_SHARE[regime]
+
+
 _LABEL: dict[Regime, str] = {
     "model": "",
     "unmeasured": " (neither kernel measured)",
@@ -546,6 +552,23 @@ class ForecastEngine:
         slots = slots or {}
         calibrated = {n: self._calibrators[slots.get(n, n)].probs(p, hardware) for n, p in raw.items()}
         return self._combiner.combine(calibrated)
+
+    def confidence_ceiling(self, forecast: EngineForecast, hardware: str) -> float:
+        """The most confident `forecast`'s components can be in either direction under the current calibration
+        and combination (their raw answers are clipped at calibration.P_CLIP before calibrating): a threshold
+        above it decides none of their forecasts. 1.0 for an answer from measurements (not calibrated)."""
+        if forecast.from_measurements or not forecast.raw:
+            return 1.0
+        top = (
+            bins.N_BINS - 1
+        )  # S >= 4: a raw answer certain the candidate is faster; bin 0 certain it is slower
+        certain = {
+            side: {n: [1.0 if i == side else 0.0 for i in range(bins.N_BINS)] for n in forecast.raw}
+            for side in (0, top)
+        }
+        p_high = bins.p_faster(self.combine_raw(certain[top], hardware, forecast.slots))
+        p_low = bins.p_faster(self.combine_raw(certain[0], hardware, forecast.slots))
+        return max(p_high, 1.0 - p_low)
 
     # ------------------------------------------------------------------ selective threshold
 
