@@ -1,5 +1,5 @@
 """Settings: every field has an environment variable FORECASTER_MCP_<FIELD> (lists of paths: os.pathsep-separated;
-lists of host names: comma-separated)."""
+lists of host names: comma-separated). Values lose the whitespace around them (paths: only line breaks)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from forecaster_mcp.errors import OperatorError
 from forecaster_mcp.models import MIN_MEASURE_SECONDS
@@ -20,8 +20,23 @@ ENV_PREFIX = "FORECASTER_MCP_"
 _HOST_VALUE = re.compile(
     r"(?:[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,252})|\[[0-9A-Fa-f:.]+\])(?::(?:[0-9]{1,5}|\*))?"
 )
+# Settings that name files: they lose only surrounding line breaks (`_trimmed`).
+_PATH_SETTINGS = frozenset({"home", "replay", "nvcc"})
 # FORECASTER_MCP_* variables read elsewhere, not settings: a client's bearer token, the test suite's switches.
 OTHER_VARIABLES = frozenset({"TOKEN", "FORBID_REAL_API", "GPU_TESTS"})
+
+
+def _trimmed(value: object, path: bool) -> object:
+    """A setting's value without the whitespace around it: values come from env files, mounted secrets and
+    `$(cat file)`, whose trailing newline or stray space is never part of a name, number, choice, model or host
+    (a ledger "run-42\n" was refused, a GPU "H100\n" unknown, a measurer "replay\n" not a choice). A path loses
+    only line breaks: a file name may begin or end with a space, never in practice with a line break (a home
+    ".../forecaster\n" became a new, empty state folder)."""
+    if isinstance(value, Path):
+        return Path(str(value).strip("\r\n"))
+    if isinstance(value, str):
+        return value.strip("\r\n") if path else value.strip()
+    return value
 
 
 def default_home() -> Path:
@@ -91,6 +106,22 @@ class Settings(BaseModel):
         "measurements takes about 36 MB); the least recently used are dropped and refitted when asked again",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _without_surrounding_whitespace(cls, values: object) -> object:
+        """Every setting, from the environment or the command line, as `_trimmed`; a list loses entries left
+        empty (`FORECASTER_MCP_REPLAY=a.json:\n`)."""
+        if not isinstance(values, dict):
+            return values
+        out: dict[str, object] = {}
+        for name, value in values.items():
+            path = name in _PATH_SETTINGS
+            if isinstance(value, list):
+                out[name] = [t for v in value if (t := _trimmed(v, path)) != ""]
+            else:
+                out[name] = _trimmed(value, path)
+        return out
+
     @property
     def db_path(self) -> Path:
         return self.home / "forecaster.sqlite3"
@@ -149,7 +180,7 @@ class Settings(BaseModel):
         values: dict[str, object] = {}
         for name, field in cls.model_fields.items():
             raw = env.get(ENV_PREFIX + name.upper())
-            if raw is None or raw == "":
+            if raw is None or not raw.strip():  # set to nothing (or a lone newline): unset
                 continue
             if field.annotation == list[Path]:
                 values[name] = [p for p in raw.split(os.pathsep) if p]

@@ -583,6 +583,63 @@ def test_a_state_folder_given_with_a_tilde_is_in_the_users_home(
     assert Settings.from_env().nvcc == str(tmp_path / "user" / "cuda" / "bin" / "nvcc")
 
 
+@pytest.mark.parametrize(
+    ("variable", "value", "expected"),
+    [
+        ("LEDGER", " run-42\n", "run-42"),  # a name (refused by serve with the newline)
+        ("HARDWARE", "H100\r\n", "H100"),  # an optional name (a GPU "H100\n" the spec table did not know)
+        ("MEASURER", "replay\n", "replay"),  # a choice (refused)
+        ("ISOLATE_LEDGERS", "1\n", True),  # a flag (refused)
+        ("MAX_SESSIONS_PER_LEDGER", " 7\n", 7),  # a number (pydantic strips these itself)
+        ("HOME", "/srv/fmcp\n", Path("/srv/fmcp")),  # a path (a new, empty state folder "fmcp\n")
+        (
+            "HOME",
+            "/srv/fmcp \n",
+            Path("/srv/fmcp "),
+        ),  # ... which keeps its spaces: a file name may end in one
+        ("NVCC", "/opt/cuda/bin/nvcc\n", "/opt/cuda/bin/nvcc"),  # a path kept as text
+        ("REPLAY", f"/r/a.json\n{os.pathsep}/r/b.json{os.pathsep}\n", [Path("/r/a.json"), Path("/r/b.json")]),
+        (
+            "ALLOWED_HOSTS",
+            " mcp.example.com ,\nother.example:8443\n",
+            ["mcp.example.com", "other.example:8443"],
+        ),
+        ("LEDGER", " \n", "default"),  # nothing but whitespace: unset, as an empty variable is
+    ],
+)
+def test_a_setting_read_with_a_trailing_newline_or_stray_spaces_means_what_it_says(
+    variable: str, value: str, expected: object
+) -> None:
+    # From an env file, a mounted secret or `$(cat file)`: whitespace around a value was kept (a ledger, a GPU,
+    # a path), refused (a choice, a flag) or stripped (the API key, numbers), depending on the setting.
+    settings = Settings.from_env(environ={f"FORECASTER_MCP_{variable}": value})
+    assert getattr(settings, variable.lower()) == expected
+
+
+def test_command_line_settings_lose_surrounding_whitespace_too() -> None:
+    settings = Settings.from_env(
+        environ={},
+        home=Path("/srv/fmcp\n"),
+        replay=[Path("/r/a.json\n")],
+        hardware=" A100\n",
+        ledger="team\n",
+    )
+    assert (settings.home, settings.replay) == (Path("/srv/fmcp"), [Path("/r/a.json")])
+    assert (settings.hardware, settings.ledger) == ("A100", "team")
+
+
+def test_a_state_folder_named_with_a_trailing_newline_is_that_folder(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # FORECASTER_MCP_HOME="$(cat home.txt)"-style values: the ledger went to a new folder "fmcp\n", and a server
+    # started with the clean value could not find it.
+    monkeypatch.setenv("FORECASTER_MCP_HOME", f"{tmp_path / 'fmcp'}\n")
+    code, _, err = run(capsys, "ledger", "create", "nl", "--gpu-seconds", "2")
+    assert code == 0, err
+    assert (tmp_path / "fmcp" / "forecaster.sqlite3").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fmcp"]
+
+
 def test_a_misspelt_setting_in_the_environment_is_named_not_silently_ignored(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
