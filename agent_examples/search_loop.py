@@ -215,7 +215,7 @@ def main() -> None:
         p.error(
             "--gpu-seconds is the budget of the server this loop starts: a number >= 0, and not with --url"
         )
-    token = os.environ.get("FORECASTER_MCP_TOKEN")
+    token = os.environ.get("FORECASTER_MCP_TOKEN", "").strip() or None  # a token file read with its newline
     if a.url is not None and not token:
         p.error(
             "--url needs a bearer token in FORECASTER_MCP_TOKEN (forecaster-mcp token issue --ledger NAME)"

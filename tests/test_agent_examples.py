@@ -141,9 +141,15 @@ def test_search_loop_drives_a_shared_http_server_until_its_budget_is_spent(
             str(conv_a100), "--url", srv.url, "--measurements", "40", env={"FORECASTER_MCP_TOKEN": token}
         )
         between = json.loads(cli(home, "ledger", "show", "agent-run-1", "--json").stdout)["spent_gpu_seconds"]
-        # Again on the same ledger: it reports what this run spent, not the ledger's lifetime spend.
+        # Again on the same ledger: it reports what this run spent, not the ledger's lifetime spend. The token
+        # as a secret file mounted into the environment gives it, with its line break (an invalid header before).
         again = _search_loop(
-            str(conv_a100), "--url", srv.url, "--measurements", "40", env={"FORECASTER_MCP_TOKEN": token}
+            str(conv_a100),
+            "--url",
+            srv.url,
+            "--measurements",
+            "40",
+            env={"FORECASTER_MCP_TOKEN": token + "\n"},
         )
     finally:
         srv.stop()
@@ -169,6 +175,11 @@ def test_search_loop_drives_a_shared_http_server_until_its_budget_is_spent(
             ["RECORDING", "--url", "http://127.0.0.1:9/mcp"],
             {"FORECASTER_MCP_TOKEN": ""},
             "FORECASTER_MCP_TOKEN",
+        ),
+        (
+            ["RECORDING", "--url", "http://127.0.0.1:9/mcp"],
+            {"FORECASTER_MCP_TOKEN": " \n"},
+            "--url needs a bearer token in FORECASTER_MCP_TOKEN",
         ),
         (
             ["RECORDING", "--url", "http://127.0.0.1:9/mcp"],

@@ -48,6 +48,13 @@ def test_short_history_uses_the_default() -> None:
         choose_threshold([0.99], [1], TARGET, default=0.4)
 
 
+def test_a_default_close_to_1_is_written_with_its_digits() -> None:
+    # target_error 1e-4 has the default 0.99995: the reason said "default 1.000", which reads as "never".
+    choice = choose_threshold([], [], 1e-4)
+    assert "default 0.99995 " in choice.reason and "1.000" not in choice.reason
+    assert "default 0.95 " in choose_threshold([], [], 0.1).reason
+
+
 def test_short_history_that_refutes_the_default_decides_nothing() -> None:
     # Too few pairs to certify anything, yet all ten at confidence 0.97 were wrong: the default's premise
     # (a calibrated forecaster) is refuted, so nothing is decided. One error in five is not evidence.

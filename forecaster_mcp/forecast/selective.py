@@ -68,6 +68,11 @@ class ThresholdChoice:
         return asdict(self)
 
 
+def _level(p: float) -> str:
+    """A confidence level as text with the digits it needs: 0.95 as 0.95, 0.99995 as 0.99995 (not 1.000)."""
+    return f"{p:.6g}"
+
+
 def default_threshold(target_error: float) -> float:
     """The threshold used while history is short: safe for a calibrated forecaster."""
     return 1.0 - target_error / 2.0
@@ -175,7 +180,7 @@ def choose_threshold(
             return choice(
                 NEVER,
                 None,
-                f"{n} verified pairs, too few to certify a threshold, but at confidence >= {default:.3f} the "
+                f"{n} verified pairs, too few to certify a threshold, but at confidence >= {_level(default)} the "
                 f"forecaster erred on {k_d} of {n_d}: far above target {target_error:g} (binomial test at "
                 f"delta {delta:g}), so no forecast is decided until it is recalibrated",
                 "never",
@@ -185,7 +190,7 @@ def choose_threshold(
             default,
             None,
             f"{n} verified pairs, fewer than the {need} needed to certify a threshold: "
-            f"default {default:.3f} (safe if the forecaster is calibrated)",
+            f"default {_level(default)} (safe if the forecaster is calibrated)",
             "default",
             n_d,
         )
@@ -222,7 +227,7 @@ def choose_threshold(
         return choice(
             NEVER,
             None,
-            f"at confidence >= {default:.3f} the forecaster erred on {k_d} of {n_d} verified pairs, "
+            f"at confidence >= {_level(default)} the forecaster erred on {k_d} of {n_d} verified pairs, "
             f"above target {target_error:g}, and no threshold is certified: no forecast is decided until "
             "it is recalibrated",
             "never",
@@ -231,7 +236,7 @@ def choose_threshold(
     return choice(
         default,
         None,
-        f"no threshold certified on {n} verified pairs; at the default {default:.3f} the forecaster erred on "
+        f"no threshold certified on {n} verified pairs; at the default {_level(default)} the forecaster erred on "
         f"{k_d} of {n_d}, within target: default kept",
         "default",
         n_d,
