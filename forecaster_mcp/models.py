@@ -829,7 +829,11 @@ class DeviceProvenance(BaseModel):
     sm_clock_mhz: float | None = None
     mem_clock_mhz: float | None = None
     throttle_reasons: list[str] = Field(default_factory=list)
-    recording: str | None = Field(default=None, description="replay: the recording file the result came from")
+    recording: str | None = Field(
+        default=None,
+        description="replay: the recording the result came from, as its file name and the start of its sha256 "
+        "(A100.json.gz@sha256:1a2b3c4d5e6f7a8b)",
+    )
 
 
 class MeasureCost(BaseModel):

@@ -4,6 +4,7 @@ server that has only the export."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -46,6 +47,7 @@ async def test_an_export_replays_exactly_what_was_measured(
     assert {d["format"] for d in lines} == {EXPORT_FORMAT}
     assert lines[0]["kernel"]["source"] == conv("x", FAST)["source"]  # the whole kernel, source included
 
+    named = f"export.jsonl@sha256:{hashlib.sha256(out.read_bytes()).hexdigest()[:16]}"
     async with running(tmp_path / "b", [out]) as (client, service):
         assert service.devices() == [measured["fast"]["device"]["name"]]  # type: ignore[index]
         # The request's cap still applies (before it is measured here, so no cache answers): a measurement longer than max_seconds is a timeout charging the cap.
@@ -61,7 +63,7 @@ async def test_an_export_replays_exactly_what_was_measured(
             assert again["status"] == before["status"]
             assert again["runtime_ms"] == before["runtime_ms"]
             assert again["cost"]["gpu_seconds"] == pytest.approx(before["cost"]["gpu_seconds"])  # type: ignore[index]
-            assert again["device"]["backend"] == "replay" and again["device"]["recording"] == str(out)
+            assert again["device"]["backend"] == "replay" and again["device"]["recording"] == named
             assert again["kernel_id"] == f"{kid}2"
         # Exact matching: the same defines with another source, or an unexported configuration, are refused.
         other_source = {**conv("x", FAST), "source": conv("x", FAST)["source"] + "\n// edited\n"}

@@ -440,9 +440,12 @@ class _Recording:
                     space = load_space(self.header.path)
                 except ValueError as exc:
                     # Its header read at start-up, its body not (truncated, damaged): every measurement of it
-                    # answered the agent "Error executing tool" before. Said as what it is, nothing charged.
+                    # answered the agent "Error executing tool" before. Said as what it is, nothing charged; the
+                    # agent is told the file's name, the operator's log its whole path.
+                    log.warning("%s", exc)
+                    why = str(exc).replace(str(self.header.path), self.header.path.name)
                     raise NotMeasurable(
-                        f"{exc}; this server's operator must replace or remove the recording"
+                        f"{why}; this server's operator must replace or remove the recording"
                     ) from exc
                 space.index()  # built here, off the event loop
                 self.space = space
@@ -457,6 +460,17 @@ class _Recording:
             self.digest = h.hexdigest()
         return self.digest
 
+    def identifier(self) -> str:
+        """What results name this recording by (`recording_id`)."""
+        return recording_id(self.header.path, self.file_digest())
+
+
+def recording_id(path: Path, sha256: str) -> str:
+    """A recording as results name it: its file name and the start of its content's sha256
+    (`A100.json.gz@sha256:1a2b3c4d5e6f7a8b`). Enough to tell which file answered and that it is the same file
+    (`sha256sum`), without the operator's folders: results go to the agent, and exports leave the machine."""
+    return f"{path.name}@sha256:{sha256[:16]}"
+
 
 # ---------------------------------------------------------------- the project's own exports
 
@@ -470,6 +484,7 @@ class _Exported:
     path: Path
     entry: str
     result: MeasureResult
+    recording: str  # recording_id of the export file
 
 
 def export_line(hardware: str, workload_key: str, kernel: Kernel, result: MeasureResult) -> str:
@@ -511,6 +526,7 @@ def read_export(path: Path | str) -> tuple[dict[ExportKey, _Exported], str]:
     out: dict[ExportKey, _Exported] = {}
     try:
         data = path.read_bytes()
+        digest = hashlib.sha256(data).hexdigest()
         with io.StringIO(data.decode("utf-8"), newline=None) as f:
             for number, line in enumerate(f, 1):
                 if not line.strip():
@@ -526,12 +542,12 @@ def read_export(path: Path | str) -> tuple[dict[ExportKey, _Exported], str]:
                 except (ValueError, KeyError, TypeError, ValidationError) as exc:
                     first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                     raise ValueError(f"line {number}: {first[:200]}") from exc
-                out[key] = _Exported(path, kernel.entry, result)
+                out[key] = _Exported(path, kernel.entry, result, recording_id(path, digest))
     except (OSError, ValueError) as exc:  # ValueError includes UnicodeDecodeError and the lines' own
         raise ValueError(f"cannot read replay export {path}: {exc}") from exc
     if not out:
         raise ValueError(f"cannot read replay export {path}: it holds no measurements")
-    return out, hashlib.sha256(data).hexdigest()
+    return out, digest
 
 
 def _runs_refusal(request: MeasureRequest, found: _Exported) -> str | None:
@@ -550,7 +566,7 @@ def _runs_refusal(request: MeasureRequest, found: _Exported) -> str | None:
 def _exported_result(request: MeasureRequest, device: str, found: _Exported) -> MeasureResult:
     recorded = found.result
     provenance = recorded.device.model_copy(
-        update={"name": device, "backend": "replay", "recording": str(found.path)}
+        update={"name": device, "backend": "replay", "recording": found.recording}
     )
     kernel_id = request.kernel.id or "k0"
     if recorded.cost.gpu_seconds > request.max_seconds:
@@ -890,7 +906,7 @@ class ReplayMeasurer:
         entry = space.find(request.kernel.defines)
         if entry is None:
             raise NotMeasurable(self._values_message(device, request.kernel, space))
-        result = _result(request, device, space, entry)
+        result = _result(request, device, rec.identifier(), entry)
         if progress is not None:
             await progress(1.0, 1.0, f"replayed from {rec.header.path.name}")
         return result
@@ -952,7 +968,7 @@ def _charge(entry: ReplayEntry, request: MeasureRequest) -> _Charge:
     return _Charge("ok", used, spent / 1000.0, tuple(flags), None)
 
 
-def _result(request: MeasureRequest, device: str, space: ReplaySpace, entry: ReplayEntry) -> MeasureResult:
+def _result(request: MeasureRequest, device: str, recording: str, entry: ReplayEntry) -> MeasureResult:
     charge = _charge(entry, request)
     spec = lookup(device)
     compile_seconds = (entry.compile_time_ms or 0.0) / 1000.0
@@ -969,7 +985,7 @@ def _result(request: MeasureRequest, device: str, space: ReplaySpace, entry: Rep
             name=device,
             backend="replay",
             compute_capability=spec.compute_capability if spec is not None else None,
-            recording=str(space.path),
+            recording=recording,
         ),
         cost=MeasureCost(gpu_seconds=charge.gpu_seconds, compile_seconds=compile_seconds),
         flags=list(charge.flags),

@@ -1,0 +1,69 @@
+"""What a replay server tells an agent about the request it answers, through the MCP tools on a real SQLite
+store: which recording answered (without the operator's folders), and what a request may change and still be
+answered by the same recorded entry."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import anyio
+import anyio.to_thread
+import pytest
+from replay_kernels import FAST, conv
+from tool_calls import call, error_of, running
+
+from forecaster_mcp.cli import main
+
+pytestmark = pytest.mark.anyio
+
+
+def _sha16(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------- 3. the recording's name, not its path
+
+
+async def test_results_name_the_recording_without_the_operators_folders(
+    tmp_path: Path, conv_a100: Path
+) -> None:
+    """Every replayed result carried device.recording = the recording's absolute path on the server
+    ('/srv/operator/recordings/A100.json.gz'), shown to every agent, and copied into exports. It is now the
+    file name and the start of its sha256, for a recording, a cached copy and an export alike."""
+    folder = tmp_path / "operator-private" / "recordings"
+    folder.mkdir(parents=True)
+    recording = folder / "A100.json.gz"
+    shutil.copyfile(conv_a100, recording)
+    async with running(tmp_path / "a", [recording]) as (client, _):
+        first = await call(client, "measure_kernel", {"kernel": conv("a", FAST)})
+        cached = await call(client, "measure_kernel", {"kernel": conv("b", FAST)})
+    assert cached["cost"]["cached"]
+    for result in (first, cached):
+        assert result["device"]["recording"] == f"A100.json.gz@sha256:{_sha16(recording)}"
+        assert "operator-private" not in json.dumps(result)
+
+    out = folder / "export.jsonl"
+    argv = ["--home", str(tmp_path / "a"), "export", "--out", str(out)]
+    assert await anyio.to_thread.run_sync(main, argv) == 0
+    assert "operator-private" not in out.read_text()
+    async with running(tmp_path / "b", [out]) as (client, _):
+        again = await call(client, "measure_kernel", {"kernel": conv("c", FAST)})
+    assert again["device"]["recording"] == f"export.jsonl@sha256:{_sha16(out)}"
+    assert "operator-private" not in json.dumps(again)
+
+
+async def test_a_damaged_recording_is_named_to_the_agent_by_file_name_only(
+    tmp_path: Path, conv_a100: Path
+) -> None:
+    """A recording whose body cannot be read was refused with 'cannot read replay recording /its/whole/path'."""
+    folder = tmp_path / "operator-private"
+    folder.mkdir()
+    cut = folder / "A100.json.gz"
+    await anyio.Path(cut).write_bytes((await anyio.Path(conv_a100).read_bytes())[:20000])
+    async with running(tmp_path / "home", [cut]) as (client, _):
+        message = await error_of(client, "measure_kernel", {"kernel": conv("a", FAST)})
+    assert "cannot read replay recording A100.json.gz" in message and "replace or remove" in message
+    assert "operator-private" not in message
