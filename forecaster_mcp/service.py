@@ -1092,7 +1092,14 @@ class Service:
             max_runs=max_runs,
         )
         fingerprint = measurer.device_fingerprint(device)
-        cache_key = _cache_key(request, fingerprint)
+        # A measurer that answers several spellings of a kernel with one result (a replay: defines 32 and 32.0
+        # are one recorded entry) names the kernel its results are stored under; the request's own keys, under
+        # which such results were stored before, are still looked up.
+        cache_kernel = getattr(measurer, "cache_kernel", None)
+        keyed = (
+            request if cache_kernel is None else dataclasses.replace(request, kernel=cache_kernel(request))
+        )
+        cache_key = _cache_key(keyed, fingerprint)
         save: dict[str, Any] = {
             "cache_key": cache_key,
             "ledger": ledger,
@@ -1112,7 +1119,16 @@ class Service:
         wait_until = time.monotonic() + SAME_MEASUREMENT_WAIT_FACTOR * cap + SAME_MEASUREMENT_WAIT_S
         told = False
         # Looked up under this key, then under the key results were stored under before (_legacy_cache_key).
-        lookup_keys = tuple(dict.fromkeys((cache_key, _legacy_cache_key(request, fingerprint))))
+        lookup_keys = tuple(
+            dict.fromkeys(
+                (
+                    cache_key,
+                    _cache_key(request, fingerprint),
+                    _legacy_cache_key(keyed, fingerprint),
+                    _legacy_cache_key(request, fingerprint),
+                )
+            )
+        )
         min_runs = getattr(measurer, "min_runs", 1)
 
         async def cached_hit() -> tuple[MeasureResult, str] | None:

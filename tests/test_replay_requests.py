@@ -67,3 +67,52 @@ async def test_a_damaged_recording_is_named_to_the_agent_by_file_name_only(
         message = await error_of(client, "measure_kernel", {"kernel": conv("a", FAST)})
     assert "cannot read replay recording A100.json.gz" in message and "replace or remove" in message
     assert "operator-private" not in message
+
+
+# ---------------------------------------------------------------- 2. one recorded entry, one charge
+
+
+async def spent(client: object) -> float:
+    status = await call(client, "budget_status", {})  # type: ignore[arg-type]
+    return float(status["spent_gpu_seconds"])
+
+
+@pytest.mark.parametrize("realtime", [0.0, 1e-9], ids=["replay", "replay-realtime"])
+async def test_defines_spelt_differently_for_one_recorded_entry_are_charged_once(
+    tmp_path: Path, conv_a100: Path, realtime: float
+) -> None:
+    """The recording answers block_size_x = 32, 32.0, "32.0" and "0x20" with one recorded entry, but each
+    spelling was keyed as a kernel of its own: the same 0.018 GPU-s lookup charged once per spelling. The
+    second and later spellings are now cache hits, free, with the first one's answer (also in real time)."""
+    async with running(tmp_path, [conv_a100], replay_realtime=realtime) as (client, _):
+        first = await call(client, "measure_kernel", {"kernel": conv("a", FAST)})
+        paid = await spent(client)
+        assert paid > 0 and not first["cost"]["cached"]
+        for n, value in enumerate((32.0, "32.0", "0x20", "32u")):
+            again = await call(
+                client, "measure_kernel", {"kernel": conv(f"b{n}", {**FAST, "block_size_x": value})}
+            )
+            assert again["cost"]["cached"] and again["cost"]["gpu_seconds"] == 0.0, value
+            assert again["runtime_ms"] == first["runtime_ms"]
+        assert await spent(client) == pytest.approx(paid, abs=1e-9)
+        # Another recorded entry is still a measurement of its own.
+        other = await call(client, "measure_kernel", {"kernel": conv("c", {**FAST, "block_size_x": 64})})
+        assert not other["cost"]["cached"] and await spent(client) > paid
+
+
+async def test_an_export_keeps_defines_spelt_differently_apart(tmp_path: Path, conv_a100: Path) -> None:
+    """An export replays a kernel only as it was measured: 32.0 is not the 32 it holds, and is refused free
+    (the cache does not answer it with 32's measurement either)."""
+    async with running(tmp_path / "a", [conv_a100]) as (client, _):
+        await call(client, "measure_kernel", {"kernel": conv("a", FAST)})
+    out = tmp_path / "export.jsonl"
+    argv = ["--home", str(tmp_path / "a"), "export", "--out", str(out)]
+    assert await anyio.to_thread.run_sync(main, argv) == 0
+    async with running(tmp_path / "b", [out]) as (client, _):
+        await call(client, "measure_kernel", {"kernel": conv("a", FAST)})
+        paid = await spent(client)
+        message = await error_of(
+            client, "measure_kernel", {"kernel": conv("b", {**FAST, "block_size_x": 32.0})}
+        )
+        assert "not among the exported measurements" in message
+        assert await spent(client) == pytest.approx(paid, abs=1e-9)

@@ -862,6 +862,23 @@ class ReplayMeasurer:
         combined = hashlib.sha256("\n".join(digests).encode()).hexdigest()[:16]
         return f"replay:{resolved}:{combined}"
 
+    def cache_kernel(self, request: MeasureRequest) -> Kernel:
+        """The kernel whose stored results answer `request` (the service keys its cache by it): a kernel a
+        recording answers, its defines in the values the recording matches them by (normalize_value), so
+        block_size_x = 32, 32.0, "32.0" and "0x20", answered with one recorded entry, are one measurement and
+        charged once; a kernel an export answers, or none does, as it is (an export matches exactly)."""
+        kernel = request.kernel
+        try:
+            device = self._device(request.device)
+            if self._export_of(request, device) is not None:
+                return kernel
+            self._recording(device, kernel)
+        except NotMeasurable:
+            return kernel
+        return kernel.model_copy(
+            update={"defines": {k: normalize_value(v) for k, v in kernel.defines.items()}}
+        )
+
     def reservation_seconds(self, request: MeasureRequest) -> float:
         """The exact charge of the recorded entry (parsing its file here on first use, so the hold is never
         short), or a small hold when the recording will refuse the request (a refusal charges nothing)."""
