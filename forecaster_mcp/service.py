@@ -636,9 +636,9 @@ class Service:
         check = getattr(hw.device_of, "cannot_measure", None)
         if check is None:
             return list(ranked)
-        out, workload_key = [], workload.key()
+        out = []
         for cid in ranked:
-            why = check(by_id[cid], workload_key, hw.name)
+            why = check(by_id[cid], workload, hw.name)
             if why is None:
                 out.append(cid)
             else:

@@ -116,3 +116,96 @@ async def test_an_export_keeps_defines_spelt_differently_apart(tmp_path: Path, c
         )
         assert "not among the exported measurements" in message
         assert await spent(client) == pytest.approx(paid, abs=1e-9)
+
+
+# ---------------------------------------------------------------- 1. what the recording was made with
+
+
+async def test_a_problem_size_or_block_the_recording_was_not_made_with_is_refused_free(
+    tmp_path: Path, conv_a100: Path
+) -> None:
+    """The A100 convolution recording is of a 4096 x 4096 image, with the block (block_size_x, block_size_y).
+    An agent that asked for its fastest configuration on an 8192 x 8192 image, or launched with another block,
+    was answered the recorded 4096 x 4096 time (0.55 ms) and charged for it, silently. Refused now, naming
+    what the recording holds and what to send, nothing charged; the recorded problem under any names, in any
+    order or with a size of 1, is answered."""
+    launch = {"grid": [128, 342, 1], "block": [32, 4, 1]}
+    async with running(tmp_path, [conv_a100]) as (client, _):
+        for problem in ({"width": 8192, "height": 8192}, {"n": 4096}, {"M": 4096, "N": 4096, "K": 64}):
+            message = await error_of(
+                client, "measure_kernel", {"kernel": conv("a", FAST), "workload": {"problem": problem}}
+            )
+            assert "problem_size [4096, 4096]" in message and "exactly the sizes 4096, 4096" in message
+            assert "nothing was charged" in message
+        wrong_block = {**conv("b", FAST), "launch": {**launch, "block": [64, 4, 1]}}
+        message = await error_of(client, "measure_kernel", {"kernel": wrong_block})
+        assert "block_size_x=32, block_size_y=4" in message and "launch.block [32, 4, 1]" in message
+        assert await spent(client) == 0.0
+        status = await call(client, "budget_status", {})
+        assert status["reserved_gpu_seconds"] == 0.0
+
+        # compare_kernels does not offer to measure what measure_kernel would refuse.
+        pair = [conv("a", FAST), conv("s", {**FAST, "block_size_x": 16})]
+        out = await call(
+            client,
+            "compare_kernels",
+            {"candidates": pair, "workload": {"problem": {"width": 8192, "height": 8192}}},
+        )
+        assert out["measure_next"] == []
+
+        for problem in ({"height": 4096, "width": 4096}, {"x": 4096, "y": 4096, "z": 1, "dtype": "float32"}):
+            ok = await call(
+                client,
+                "measure_kernel",
+                {"kernel": {**conv("c", FAST), "launch": launch}, "workload": {"problem": problem}},
+            )
+            assert ok["status"] == "ok" and ok["runtime_ms"]["median"] == pytest.approx(0.554, abs=0.01)
+
+
+async def test_a_result_says_what_the_recording_could_not_check(tmp_path: Path, conv_a100: Path) -> None:
+    """A recording holds no grid, compiler flags or buffers: a request giving them was answered the recorded
+    time as if it had been measured with them. It is still answered (nothing in the recording contradicts
+    it), and its message names what was not checked; a request giving none of them has no such message."""
+    kernel = {
+        **conv("a", FAST),
+        "launch": {"grid": [128, 342], "block": [32, 4]},
+        "compile_options": ["-use_fast_math"],
+    }
+    workload = {"args": [{"name": "out", "dtype": "float32", "shape": [4096, 4096], "intent": "out"}]}
+    async with running(tmp_path, [conv_a100]) as (client, _):
+        plain = await call(client, "measure_kernel", {"kernel": conv("p", FAST)})
+        assert plain["status"] == "ok" and plain["message"] is None
+        told = await call(client, "measure_kernel", {"kernel": kernel, "workload": workload})
+    assert told["status"] == "ok" and told["runtime_ms"] == plain["runtime_ms"]
+    assert "does not hold this request's launch.grid, compile_options, workload.args" in told["message"]
+    assert "problem_size [4096, 4096]" in told["message"]
+
+
+async def test_the_three_axes_of_a_dedispersion_block_are_checked(tmp_path: Path, dedisp_a100: Path) -> None:
+    """dedispersion_kernel sets all three block axes from tuning parameters, and its problem_size is
+    [25000, 2048, 1]."""
+    defines = {
+        "block_size_x": 1,
+        "block_size_y": 32,
+        "block_size_z": 1,
+        "tile_size_x": 1,
+        "tile_size_y": 1,
+        "tile_stride_x": 0,
+        "tile_stride_y": 0,
+        "loop_unroll_factor_channel": 0,
+    }
+    kernel = {"id": "d", "source": "// dedispersion\n", "entry": "dedispersion_kernel", "defines": defines}
+    async with running(tmp_path, [dedisp_a100]) as (client, _):
+        message = await error_of(
+            client, "measure_kernel", {"kernel": {**kernel, "launch": {"grid": [1], "block": [32, 1, 1]}}}
+        )
+        assert "launch.block [1, 32, 1]" in message
+        ok = await call(
+            client,
+            "measure_kernel",
+            {
+                "kernel": {**kernel, "launch": {"grid": [1], "block": [1, 32, 1]}},
+                "workload": {"problem": {"samples": 25000, "channels": 2048}},
+            },
+        )
+        assert ok["status"] == "ok" and "launch.grid" in ok["message"]

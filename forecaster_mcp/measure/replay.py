@@ -11,7 +11,11 @@ an impossible cost or time is refused there.
 A "measurement" is a lookup: the kernel's `entry` must equal the recording's `kernel_name` and its `defines`
 must be exactly the recorded tuning parameters (values compared forgivingly: 16 == 16.0 == "16"). Anything
 else is refused with `NotMeasurable`, naming what the recording does hold, as Kernel Tuner's simulation mode
-refuses a configuration it has not seen.
+refuses a configuration it has not seen. So is a request that contradicts what the recording holds besides:
+a workload.problem whose sizes are not the recorded problem_size (compared as numbers under any names, sizes
+of 1 left out), or a launch.block other than the block the tuning parameters block_size_x/y/z set. What the
+recording does not hold (the grid, shared memory, compile options, the argument buffers) cannot be checked: a
+result that was asked with any of them says so in its `message`.
 
 Start-up is cheap: construction reads only each file's header (the keys before `"cache"`, which Kernel Tuner
 writes first). The entries are parsed on first use: in a worker thread by `measure`, in place by
@@ -55,6 +59,7 @@ from forecaster_mcp.models import (
     MeasureCost,
     MeasureResult,
     RuntimeStats,
+    Workload,
     c_integer,
 )
 
@@ -141,6 +146,111 @@ def _fmt(value: Any) -> str:
 def _fmt_values(values: Sequence[Any], limit: int = 24) -> str:
     shown = ", ".join(_fmt(v) for v in values[:limit])
     return shown + (f", ... ({len(values)} values)" if len(values) > limit else "")
+
+
+# ---------------------------------------------------------------- what a request says beyond the entry
+
+
+# Kernel Tuner's default names of the tuning parameters it sets the thread block from (x, y, z).
+_BLOCK_PARAMS = ("block_size_x", "block_size_y", "block_size_z")
+
+
+def _sizes(values: Sequence[Any]) -> list[int | float] | None:
+    """Problem sizes compared as numbers, in order of size, a size of 1 left out (a dimension of one is no
+    dimension: [25000, 2048, 1] is the problem {"samples": 25000, "channels": 2048}); None when a value is no
+    number (a size given as a formula) or none is other than 1."""
+    numbers = [normalize_value(v) for v in values]
+    if not numbers or not all(isinstance(n, int | float) for n in numbers):
+        return None
+    sizes = sorted(cast(int | float, n) for n in numbers if n != 1)
+    return sizes or None
+
+
+def _recorded_sizes(header: ReplayHeader) -> list[int | float] | None:
+    """The recording's problem_size as `_sizes`; None when it records none."""
+    recorded = header.problem_size
+    if recorded is None:
+        return None
+    return _sizes(recorded if isinstance(recorded, list) else [recorded])
+
+
+def _given_sizes(workload: Workload) -> list[int | float] | None:
+    """The sizes a request's workload.problem gives: its values that are numbers (a label such as
+    {"dtype": "float32"} is none), as `_sizes`; None when it gives none."""
+    numbers = [v for v in workload.problem.values() if isinstance(normalize_value(v), int | float)]
+    return _sizes(numbers)
+
+
+def _block_axes(header: ReplayHeader) -> list[tuple[int, str]]:
+    """(axis, tuning parameter) for each axis of the block the recording sets from a tuning parameter."""
+    return [(i, name) for i, name in enumerate(_BLOCK_PARAMS) if name in header.param_keys]
+
+
+def _contradiction(kernel: Kernel, workload: Workload, header: ReplayHeader, device: str) -> str | None:
+    """Why the recording cannot answer this request although it holds its entry: its workload.problem gives
+    other sizes than the recorded problem_size, or its launch.block another block than the one the recorded
+    tuning parameters set. None when nothing the request gives contradicts what the recording holds."""
+    parts = []
+    recorded, given = _recorded_sizes(header), _given_sizes(workload)
+    if recorded is not None and given is not None and given != recorded:
+        parts.append(
+            f"the recording {header.path.name} was made for problem_size {header.problem_size}, and this "
+            f"request's workload.problem gives the sizes {_fmt_values(given)}: a replay answers only for the "
+            "recorded problem. Send workload.problem with exactly the sizes "
+            f"{_fmt_values(recorded)} (under any names; sizes of 1 may be left out), or leave it out."
+        )
+    if kernel.launch is not None:
+        axes = _block_axes(header)
+        expected = list(kernel.launch.block)
+        for i, name in axes:
+            value = normalize_value(kernel.defines.get(name))
+            if isinstance(value, int):
+                expected[i] = value
+        if expected != list(kernel.launch.block):
+            params = ", ".join(f"{name}={_fmt(kernel.defines.get(name))}" for _, name in axes)
+            parts.append(
+                f"the recorded block is set by the tuning parameters ({params}), as Kernel Tuner sets it, and "
+                f"this request's launch.block is {list(kernel.launch.block)}: send launch.block {expected}, or "
+                "leave launch out."
+            )
+    if not parts:
+        return None
+    return (
+        f"{kernel.entry} on {device}: "
+        + " ".join(parts)
+        + " Other sizes or launches can be forecast with compare_kernels (free); nothing was charged."
+    )
+
+
+def _unchecked_note(kernel: Kernel, workload: Workload, header: ReplayHeader) -> str | None:
+    """What the request gives that the recording does not record (a Kernel Tuner cache file holds the kernel
+    name, the tuning parameters, the problem size and the device; not the grid, shared memory, compiler flags or
+    buffers), so it was answered unchecked; None when it gives nothing such."""
+    unchecked = []
+    if kernel.launch is not None:
+        unchecked.append("launch.grid")
+        recorded_axes = {i for i, _ in _block_axes(header)}
+        unchecked += [
+            f"launch.block.{'xyz'[i]}"
+            for i, d in enumerate(kernel.launch.block)
+            if i not in recorded_axes and d != 1
+        ]
+        if kernel.launch.shared_mem_bytes:
+            unchecked.append("launch.shared_mem_bytes")
+    if kernel.compile_options:
+        unchecked.append("compile_options")
+    if workload.args:
+        unchecked.append("workload.args")
+    if workload.problem and (_recorded_sizes(header) is None or _given_sizes(workload) is None):
+        unchecked.append("workload.problem")
+    if not unchecked:
+        return None
+    problem = f" on problem_size {header.problem_size}" if _recorded_sizes(header) is not None else ""
+    return (
+        f"the recording {header.path.name} does not hold this request's {', '.join(unchecked)}: the time "
+        f"replayed is the one recorded for these tuning parameters{problem} with whatever of these the tuner "
+        "used, not checked against this request's"
+    )
 
 
 # ---------------------------------------------------------------- the recording format
@@ -708,20 +818,22 @@ class ReplayMeasurer:
         if unreadable:
             raise NotMeasurable("; ".join(unreadable))
 
-    def cannot_measure(self, kernel: Kernel, workload_key: str, device: str) -> str | None:
-        """Why `measure` would refuse `kernel` (`workload_key`: `Workload.key()`) on `device`, or None when it
-        would not or that cannot be told without loading a recording. compare_kernels leaves such candidates
-        out of `measure_next`: a combination of recorded values the tuner never ran stayed at its head call
-        after call, and a client that measures the head never moved on (the refusal charges nothing)."""
+    def cannot_measure(self, kernel: Kernel, workload: Workload, device: str) -> str | None:
+        """Why `measure` would refuse `kernel` on `workload` and `device`, or None when it would not or that
+        cannot be told without loading a recording. compare_kernels leaves such candidates out of
+        `measure_next`: a combination of recorded values the tuner never ran stayed at its head call after
+        call, and a client that measures the head never moved on (the refusal charges nothing)."""
         resolved = self._device_or_none(device)
         if resolved is None:
             return None  # not this measurer's device: the service picked another
         try:
-            if self._export_for(kernel, workload_key, resolved) is not None:
+            if self._export_for(kernel, workload.key(), resolved) is not None:
                 return None
             rec = self._recording(resolved, kernel)
         except NotMeasurable as exc:
             return str(exc)
+        if (why := _contradiction(kernel, workload, rec.header, resolved)) is not None:
+            return why
         space = rec.space
         if space is None or space.find(kernel.defines) is not None:
             return None
@@ -895,6 +1007,8 @@ class ReplayMeasurer:
             rec = self._recording(device, request.kernel)
         except NotMeasurable:
             return fallback
+        if _contradiction(request.kernel, request.workload, rec.header, device) is not None:
+            return fallback
         entry = rec.load().find(request.kernel.defines)
         if entry is None:
             return fallback
@@ -913,6 +1027,9 @@ class ReplayMeasurer:
                 await progress(1.0, 1.0, f"replayed from {exported.path.name}")
             return _exported_result(request, device, exported)
         rec = self._recording(device, request.kernel)
+        refusal = _contradiction(request.kernel, request.workload, rec.header, device)
+        if refusal is not None:
+            raise NotMeasurable(refusal)
         space = rec.space
         if space is None:
             import anyio.to_thread
@@ -924,6 +1041,9 @@ class ReplayMeasurer:
         if entry is None:
             raise NotMeasurable(self._values_message(device, request.kernel, space))
         result = _result(request, device, rec.identifier(), entry)
+        note = _unchecked_note(request.kernel, request.workload, rec.header)
+        if note is not None:
+            result.message = f"{result.message}; {note}" if result.message else note
         if progress is not None:
             await progress(1.0, 1.0, f"replayed from {rec.header.path.name}")
         return result
