@@ -52,6 +52,7 @@ from forecaster_mcp.models import (
     CONTROL_CHARACTER,
     MAX_CANDIDATES,
     MIN_MEASURE_SECONDS,
+    SUSPECT_FLAGS,
     BufferArg,
     CandidateForecast,
     CompareResult,
@@ -389,6 +390,8 @@ class Service:
                     else (p_fail_baseline_of(f.extras), "the baseline's")
                 )
                 rationale += f"; unsure only for {whose} {p_fail:.0%} chance of failing to compile or run"
+            if (unused := _suspicion(base.id, cid, suspect, learned=True)) is not None:
+                rationale += f"; {unused}"
             # A candidate whose stored measurement failed is "slower" because it was measured, not forecast:
             # answered from the store ("cache"), neither saved as a forecast nor counted as one decided.
             measured_failed = f.extras.get("measured", 0.0) >= 1.0 and f.p_fail >= 1.0
@@ -1363,14 +1366,11 @@ def _waiting_on_baseline(
     ]
 
 
-# Flags of an ok measurement that say its runtime may not be the kernel's work: a median faster than the
-# kernel's memory traffic allows (work skipped, inputs never read) or host time far above the events (work
-# outside the timed stream). A pair resting on such a measurement is not decided (`_from_measurement`).
-SUSPECT_FLAGS = frozenset({"below_physical_floor", "events_disagree_with_wall_clock"})
-
-
-def _suspicion(base_id: object, cid: object, suspect: Mapping[str, list[str]]) -> str | None:
-    """Why a measured pair of these two kernels is not decided, or None."""
+def _suspicion(
+    base_id: object, cid: object, suspect: Mapping[str, list[str]], *, learned: bool = False
+) -> str | None:
+    """Why a measured pair of these two kernels is not decided, or None. `learned`: the pair was forecast, and
+    says that the flagged measurement was not learned from (the store leaves it out of the family's points)."""
     parts = [
         f"the {role}'s measurement is flagged {', '.join(flags)}"
         for role, kid in (("baseline", base_id), ("candidate", cid))
@@ -1381,8 +1381,9 @@ def _suspicion(base_id: object, cid: object, suspect: Mapping[str, list[str]]) -
     return (
         "; ".join(parts)
         + " (its runtime may not be the kernel's work: skipped work, inputs never read, or work "
-        "outside the timed stream); measure it with a reference kernel so its output is checked, and see the "
-        "measurement's notes"
+        + "outside the timed stream)"
+        + (": not learned from, forecast as if unmeasured" if learned else "")
+        + "; measure it with a reference kernel so its output is checked, and see the measurement's notes"
     )
 
 

@@ -481,3 +481,42 @@ async def test_a_pair_resting_on_a_suspect_measurement_is_not_decided(tmp_path: 
         assert all("baseline's measurement is flagged" in c.rationale for c in flipped.candidates)
     finally:
         await svc.close()
+
+
+async def test_a_suspect_measurement_teaches_the_family_model_nothing(tmp_path: Any) -> None:
+    """A tuning configuration that skipped its work measured 0.001 ms, flagged below_physical_floor, where its
+    family runs at about 1 ms. The family model learned it as measured, and predicted the unmeasured member
+    beside it at 0.004 ms ('candidate measured 0.001 ms; baseline predicted 0.00418 ms', expected speedup 4.2x).
+    Now the model predicts both from the clean members, and the rationale says why the measurement is not used;
+    it is still stored, returned with its flag and charged."""
+    fake = FakeMeasurer(["A100-PCIE-40GB"], gpu_seconds=0.5)
+    src = "__global__ void k(float* a) { a[threadIdx.x] *= 2.0f; }\n"
+
+    def member(bs: int, kid: str | None = None) -> Kernel:
+        return Kernel(id=kid, source=src, entry="k", defines={"BS": bs})
+
+    svc = await _service(tmp_path, fake)
+    try:
+        for bs in (16, 32, 64, 128, 256):
+            fake.script("k", defines={"BS": bs}, runtime_ms=1.0 + bs / 1024)
+            await svc.measure(ledger="team", kernel=member(bs), workload=Workload(), hardware="A100")
+        fake.script("k", defines={"BS": 512}, runtime_ms=0.001, flags=("below_physical_floor",))
+        skipped = await svc.measure(ledger="team", kernel=member(512), workload=Workload(), hardware="A100")
+        assert skipped.status == "ok" and "below_physical_floor" in skipped.flags
+        assert skipped.cost.gpu_seconds == 0.5 and not skipped.cost.cached
+        spent = (await svc.budget_status("team")).spent_gpu_seconds
+
+        res = await _compare(
+            svc, [member(1024, "base"), member(512, "skips")], measure_if_unsure=False, max_measurements=0
+        )
+        [c] = res.candidates
+        # Its neighbours run in about 1.1 ms, so does the baseline: the fake point made it 0.004 ms, 4x slower.
+        assert 0.7 < c.expected_speedup < 1.4, (c.expected_speedup, c.rationale)
+        assert c.verdict == "unsure"
+        assert "candidate measured" not in c.rationale and "candidate predicted" in c.rationale
+        assert "candidate's measurement is flagged below_physical_floor" in c.rationale
+        assert "not learned from" in c.rationale
+        assert "skips" not in res.measure_next  # measured already: measuring it again answers the same
+        assert (await svc.budget_status("team")).spent_gpu_seconds == pytest.approx(spent)
+    finally:
+        await svc.close()

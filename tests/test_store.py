@@ -48,7 +48,9 @@ def kernel(block: int = 32, **defines: int) -> Kernel:
     return Kernel(source=SOURCE, entry="k", defines=dict(defines), launch=launch)
 
 
-def result(status: str = "ok", median: float = 1.0, gpu_seconds: float = 0.5) -> MeasureResult:
+def result(
+    status: str = "ok", median: float = 1.0, gpu_seconds: float = 0.5, flags: tuple[str, ...] = ()
+) -> MeasureResult:
     stats = None
     if status == "ok":
         stats = RuntimeStats(
@@ -61,6 +63,7 @@ def result(status: str = "ok", median: float = 1.0, gpu_seconds: float = 0.5) ->
         runtime_ms=stats,
         device=DeviceProvenance(name="A100", backend="fake", driver="550.1"),
         cost=MeasureCost(gpu_seconds=gpu_seconds),
+        flags=list(flags),
     )
 
 
@@ -77,6 +80,7 @@ async def save(
     hardware: str = "A100",
     workload_key: str = "w",
     cache_key: str | None = None,
+    flags: tuple[str, ...] = (),
 ) -> int:
     return await store.save_measurement(
         cache_key=cache_key or f"{k.content_key()}/{hardware}/{workload_key}",
@@ -87,7 +91,7 @@ async def save(
         family_key=k.family_key(),
         content_key=k.content_key(),
         hardware=hardware,
-        result=result(status, median, charged),
+        result=result(status, median, charged, flags),
         charged_gpu_seconds=0.0 if cached else charged,
         cached=cached,
     )
@@ -396,6 +400,35 @@ async def test_family_points_latest_per_kernel_preferring_ok(store: Store) -> No
     assert await store.best_runtime(a.family_key(), "A100", "other") is None
     await save(store, a, 1.2)
     await save(store, a, 1.8)  # re-measured slower: the latest measurement of a kernel is its runtime
+    assert await store.best_runtime(a.family_key(), "A100", "w") == 1.5
+
+
+async def test_a_suspect_measurement_is_no_point_of_its_family(store: Store) -> None:
+    """A measurement flagged below_physical_floor or events_disagree_with_wall_clock (its runtime may not be the
+    kernel's work) was a family point like any other: a kernel that skipped its work at 0.001 ms taught the
+    model that configuration 1000x faster, and was the family's best. As compare answers from a kernel's latest
+    ok measurement (Store.measured_runtime), that one counts: flagged, the kernel is no point, also when an
+    earlier measurement of it was clean, until a later clean one. It stays stored, with its flags."""
+    a, b, c = kernel(BS=1), kernel(BS=2), kernel(BS=3)
+    await save(store, a, 1.0)
+    await save(store, b, 0.001, flags=("below_physical_floor",))
+    await save(store, c, 2.0)
+    await save(store, c, 0.002, flags=("events_disagree_with_wall_clock", "too_few_runs_for_interval"))
+
+    async def points() -> dict[int, float | None]:
+        return {p.defines["BS"]: p.runtime_ms for p in await store.family_points(a.family_key(), "A100", "w")}
+
+    assert await points() == {1: 1.0}
+    assert await store.best_runtime(a.family_key(), "A100", "w") == 1.0
+    found = await store.measured_runtime(b.content_key(), "A100", "w")
+    assert found is not None and found[0][0] == 0.001 and found[1] == ["below_physical_floor"]
+    # A flag that says nothing of the runtime leaves the point as it was.
+    await save(store, b, 1.5, flags=("too_few_runs_for_interval",))
+    assert await points() == {1: 1.0, 2: 1.5}
+    # The latest ok measurement counts, not a failure after it (the kernel ran), and not an earlier clean one.
+    await save(store, a, 0.001, flags=("below_physical_floor",))
+    await save(store, a, status="compile_error")
+    assert await points() == {2: 1.5}
     assert await store.best_runtime(a.family_key(), "A100", "w") == 1.5
 
 

@@ -45,7 +45,13 @@ from forecaster_mcp.errors import (
     SameMeasurementRunning,
     UnknownLedger,
 )
-from forecaster_mcp.models import COMPILE_INTERRUPTED, INPUTS_UNFINISHED, MIN_MEASURE_SECONDS, MeasureResult
+from forecaster_mcp.models import (
+    COMPILE_INTERRUPTED,
+    INPUTS_UNFINISHED,
+    MIN_MEASURE_SECONDS,
+    SUSPECT_FLAGS,
+    MeasureResult,
+)
 from forecaster_mcp.store.migrations import migrate
 
 log = logging.getLogger(__name__)
@@ -85,6 +91,14 @@ _KERNELS_OWN = (
     f"WHERE value IN ({', '.join(repr(flag) for flag in NOT_THE_KERNELS)})))"
 )
 _PLACES = ", ".join("?" for _ in _NOT_CACHEABLE)
+# Whether the measurement row {row} carries a flag saying its runtime may not be the kernel's work
+# (models.SUSPECT_FLAGS). The latest ok measurement of a kernel is its runtime, as compare answers from it
+# (Store.measured_runtime); when it has such a flag, the kernel has no runtime to learn from, also when an
+# earlier one had none, until a later measurement without them.
+_SUSPECT = (
+    "EXISTS (SELECT 1 FROM json_each({row}.result_json, '$.flags') "
+    f"WHERE value IN ({', '.join(repr(flag) for flag in sorted(SUSPECT_FLAGS))}))"
+)
 
 
 @dataclass(frozen=True)
@@ -172,14 +186,16 @@ class ForecastRow:
 
 # The measurements of one family on one GPU and workload (parameters: family_key, hardware, workload_key),
 # each numbered per kernel: rn = 1 is the latest ok measurement if there is one, else the latest of any status.
-# family_points and best_runtime read the same rows, so the model and measure_next's best agree.
+# family_points and best_runtime read the same rows, so the model and measure_next's best agree. A kernel whose
+# rn = 1 row is suspect (_SUSPECT) is no point at all: a fake 0.001 ms of a kernel that skipped its work would
+# teach the model that its configuration is thousands of times faster.
 _FAMILY_LATEST = (
-    "(SELECT id, defines_json, launch_json, status, runtime_ms, content_key, "
+    "(SELECT * FROM (SELECT id, defines_json, launch_json, status, runtime_ms, content_key, result_json, "
     "json_extract(kernel_json, '$.compile_options') AS compile_options, row_number() OVER "
     "(PARTITION BY content_key ORDER BY (status = 'ok') DESC, id DESC) AS rn "
     "FROM measurements WHERE family_key = ? AND hardware = ? AND workload_key = ? "
     f"AND status NOT IN ({', '.join(repr(s) for s in _NOT_A_POINT)}) "
-    f"AND {_KERNELS_OWN})"
+    f"AND {_KERNELS_OWN}) AS latest WHERE rn = 1 AND NOT (status = 'ok' AND {_SUSPECT.format(row='latest')}))"
 )
 
 
@@ -1316,10 +1332,11 @@ class Store:
         """Every stored measurement of this family on this hardware and workload (latest per content_key).
 
         Per kernel, the latest ok measurement if there is one, else the latest of any status; oldest first
-        (of one configuration stored under several spellings, the model answers from the last ok one)."""
+        (of one configuration stored under several spellings, the model answers from the last ok one). None of
+        a kernel whose latest ok measurement is flagged suspect (models.SUSPECT_FLAGS)."""
         rows = await self._fetch(
             "SELECT defines_json, launch_json, status, runtime_ms, content_key, compile_options FROM "
-            f"{_FAMILY_LATEST} WHERE rn = 1 ORDER BY id",
+            f"{_FAMILY_LATEST} ORDER BY id",
             (family_key, hardware, workload_key),
         )
         return [
@@ -1337,7 +1354,7 @@ class Store:
     async def best_runtime(self, family_key: str, hardware: str, workload_key: str) -> float | None:
         """The fastest runtime (ms) among `family_points` measured ok, if any (one query, no JSON decoding)."""
         rows = await self._fetch(
-            f"SELECT MIN(runtime_ms) FROM {_FAMILY_LATEST} WHERE rn = 1 AND status = 'ok' AND runtime_ms > 0",
+            f"SELECT MIN(runtime_ms) FROM {_FAMILY_LATEST} WHERE status = 'ok' AND runtime_ms > 0",
             (family_key, hardware, workload_key),
         )
         return float(rows[0][0]) if rows and rows[0][0] is not None else None
