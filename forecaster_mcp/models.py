@@ -778,9 +778,9 @@ COMPILE_INTERRUPTED = "compile_interrupted"
 INPUTS_UNFINISHED = "inputs_unfinished"
 # Result flags of an ok measurement saying its runtime may not be the kernel's work: a median faster than the
 # kernel's memory traffic allows (work skipped, inputs never read) or host time far above the events (work
-# outside the timed stream). Such a measurement is stored, returned and charged, but no pair is decided on it
-# (service._from_measurement) and no family model learns it (store._SUSPECT), until a later measurement of the
-# kernel without them.
+# outside the timed stream). Such a measurement is stored, returned and charged, but nothing rests on it: no
+# pair is decided on it (service._from_measurement), no family model learns it and no forecast is verified by
+# it (store._SUSPECT), until a later measurement of the kernel without them.
 SUSPECT_FLAGS = frozenset({"below_physical_floor", "events_disagree_with_wall_clock"})
 
 MeasureStatus = Literal[
@@ -868,8 +868,8 @@ class MeasureResult(BaseModel):
         default_factory=list,
         description="what qualifies the result: noise_target_not_reached, runs_capped_by_max_runs, "
         "runs_capped_by_max_seconds, too_few_runs_for_interval, below_physical_floor (faster than the memory "
-        "traffic allows) and events_disagree_with_wall_clock (suspect: no verdict is decided and no model "
-        "learns from such a measurement), clock_throttled, "
+        "traffic allows) and events_disagree_with_wall_clock (suspect: no verdict is decided, no model learns "
+        "and no forecast is verified from such a measurement), clock_throttled, "
         "max_seconds_lowered_to_budget (no max_seconds given, and the ledger had less left than the default "
         "cap), timeout_under_lowered_cap (a timeout under a cap below the server's) and reference_failed (the "
         "reference kernel failed, not this one): neither is learned as the kernel's failure",

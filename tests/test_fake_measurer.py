@@ -486,9 +486,10 @@ async def test_a_pair_resting_on_a_suspect_measurement_is_not_decided(tmp_path: 
 async def test_a_suspect_measurement_teaches_the_family_model_nothing(tmp_path: Any) -> None:
     """A tuning configuration that skipped its work measured 0.001 ms, flagged below_physical_floor, where its
     family runs at about 1 ms. The family model learned it as measured, and predicted the unmeasured member
-    beside it at 0.004 ms ('candidate measured 0.001 ms; baseline predicted 0.00418 ms', expected speedup 4.2x).
-    Now the model predicts both from the clean members, and the rationale says why the measurement is not used;
-    it is still stored, returned with its flag and charged."""
+    beside it at 0.004 ms ('candidate measured 0.001 ms; baseline predicted 0.00418 ms', expected speedup 4.2x);
+    once that member was measured, the forecast counted as a verified pair (S = 2000). Now the model predicts
+    both from the clean members, the rationale says why the measurement is not used, and no forecast is verified
+    by it; it is still stored, returned with its flag and charged."""
     fake = FakeMeasurer(["A100-PCIE-40GB"], gpu_seconds=0.5)
     src = "__global__ void k(float* a) { a[threadIdx.x] *= 2.0f; }\n"
 
@@ -517,6 +518,12 @@ async def test_a_suspect_measurement_teaches_the_family_model_nothing(tmp_path: 
         assert "candidate's measurement is flagged below_physical_floor" in c.rationale
         assert "not learned from" in c.rationale
         assert "skips" not in res.measure_next  # measured already: measuring it again answers the same
-        assert (await svc.budget_status("team")).spent_gpu_seconds == pytest.approx(spent)
+
+        fake.script("k", defines={"BS": 1024}, runtime_ms=2.0)
+        await svc.measure(ledger="team", kernel=member(1024), workload=Workload(), hardware="A100")
+        status = await svc.budget_status("team")
+        assert status.forecasts.verified == 0 and status.calibration.verified_pairs == 0
+        assert [v for v in await svc.store.verified_pairs() if v.failure is None] == []
+        assert status.spent_gpu_seconds == pytest.approx(spent + 0.5)
     finally:
         await svc.close()

@@ -510,6 +510,41 @@ async def test_forecasts_are_verified_when_both_kernels_get_measured(store: Stor
     assert pair.actual_speedup == 0.5
 
 
+async def test_a_suspect_measurement_verifies_no_forecast(store: Store) -> None:
+    """A pair whose measurement is flagged below_physical_floor / events_disagree_with_wall_clock was a verified
+    pair (calibration, certified thresholds, combination weights, budget_status) scored against a speedup that
+    is not the kernels': a candidate that skipped its work at 0.001 ms beside a 2 ms baseline made a "faster"
+    forecast right (S = 2000). It is left out while the latest ok measurement of either kernel is flagged."""
+    base, cand, other = kernel(BS=1), kernel(BS=2), kernel(BS=3)
+    await store.save_forecasts([forecast(base, cand, 0.9, "faster"), forecast(base, other, 0.2, "slower")])
+    await save(store, base, 2.0)
+    await save(store, cand, 0.001, flags=("below_physical_floor",))
+    assert await store.verified_pairs() == []
+    report = await store.ledger_report("x")
+    assert report["forecasts"]["verified"] == 0 and report["calibration"]["verified_pairs"] == 0
+    assert report["forecasts"]["verified_correct"] == 0
+    # Measured, if not in a way that stands: charged, not a measurement the forecast spared (only the pair of
+    # the never measured `other` is, at the median charge, 1.0).
+    assert report["gpu_seconds_saved"]["forecasts"] == 1.0
+    # Measured again without the flag: verified, against the clean runtime.
+    await save(store, cand, 4.0)
+    [pair] = await store.verified_pairs()
+    assert pair.actual_speedup == 0.5 and pair.verdict == "faster"
+    assert (await store.ledger_report("x"))["forecasts"]["verified"] == 1
+    # The baseline's latest measurement flagged: out again (as compare answers the pair), the earlier clean
+    # one notwithstanding.
+    await save(store, base, 0.01, flags=("events_disagree_with_wall_clock",))
+    assert await store.verified_pairs() == []
+    assert (await store.ledger_report("x"))["forecasts"]["verified"] == 0
+    await save(store, base, 2.0)
+    assert [p.actual_speedup for p in await store.verified_pairs()] == [0.5]
+    # A pair verified by a kernel failing for good rests on the failure, not on the other kernel's runtime.
+    await save(store, base, 0.01, flags=("below_physical_floor",))
+    await save(store, other, status="compile_error")
+    [pair] = await store.verified_pairs()
+    assert (pair.failure, pair.actual_speedup) == ("candidate", FAILED_CANDIDATE_SPEEDUP)
+
+
 async def test_a_kernel_failing_for_good_while_the_other_runs_verifies_the_forecast(store: Store) -> None:
     """A verdict on a kernel that then fails to compile, gives wrong output or runs past the server's cap is
     checked like any other (the one that ran is the better choice); what says nothing final of the kernel

@@ -93,11 +93,14 @@ _KERNELS_OWN = (
 _PLACES = ", ".join("?" for _ in _NOT_CACHEABLE)
 # Whether the measurement row {row} carries a flag saying its runtime may not be the kernel's work
 # (models.SUSPECT_FLAGS). The latest ok measurement of a kernel is its runtime, as compare answers from it
-# (Store.measured_runtime); when it has such a flag, the kernel has no runtime to learn from, also when an
-# earlier one had none, until a later measurement without them.
+# (Store.measured_runtime); when it has such a flag, the kernel has no runtime to learn or verify from, also
+# when an earlier one had none, until a later measurement without them.
+# (The text search first: parsing each latest row's result for its flags made verified_pairs of 3,000 forecasts
+# take about twice as long, 100 -> 240 ms.)
 _SUSPECT = (
-    "EXISTS (SELECT 1 FROM json_each({row}.result_json, '$.flags') "
-    f"WHERE value IN ({', '.join(repr(flag) for flag in sorted(SUSPECT_FLAGS))}))"
+    f"(({' OR '.join(f'instr({{row}}.result_json, {flag!r}) > 0' for flag in sorted(SUSPECT_FLAGS))}) "
+    "AND EXISTS (SELECT 1 FROM json_each({row}.result_json, '$.flags') "
+    f"WHERE value IN ({', '.join(repr(flag) for flag in sorted(SUSPECT_FLAGS))})))"
 )
 
 
@@ -489,6 +492,14 @@ _LATEST_OK = (
     "SELECT {col} FROM measurements AS m WHERE m.content_key = forecasts.{key} "
     "AND m.hardware = forecasts.hardware AND m.workload_key = forecasts.workload_key "
     "AND m.status = 'ok' AND m.runtime_ms > 0 ORDER BY m.id DESC LIMIT 1"
+)
+# A verified forecast that rests on no suspect runtime (_SUSPECT): the latest ok measurement of neither kernel
+# is flagged. One verified by a kernel failing for good (verified_failure) rests on that failure, not on the
+# other kernel's runtime, as compare answers such a pair. What verified_pairs and budget_status count as checked.
+_ON_TRUSTED_RUNTIMES = (
+    "(verified_failure IS NOT NULL OR NOT EXISTS (SELECT 1 FROM measurements AS s WHERE s.id IN "
+    f"(({_LATEST_OK.format(col='m.id', key='baseline_key')}), "
+    f"({_LATEST_OK.format(col='m.id', key='candidate_key')})) AND {_SUSPECT.format(row='s')}))"
 )
 # A pair of kernels on one GPU and workload, either one the baseline (a GROUP BY over forecasts).
 _PAIR = "hardware, workload_key, min(baseline_key, candidate_key), max(baseline_key, candidate_key)"
@@ -1479,14 +1490,16 @@ class Store:
         One row per forecaster and pair of kernels (on one GPU and workload, either kernel the baseline): the
         last forecast made before the pair was measured. A search loop asks about the same untried candidate
         again and again, and each copy counted as a pair of its own would let one outcome certify a threshold
-        or weigh in a calibration several times over."""
+        or weigh in a calibration several times over. None whose runtimes include a suspect measurement
+        (`_ON_TRUSTED_RUNTIMES`): its speedup is not the kernels' (a kernel that skipped its work measured
+        2000x faster), and recalibrating or certifying a threshold on it would score the forecast against it."""
         rows = await self._fetch(
             "SELECT forecaster, hardware, probs_json, p_faster, actual_speedup, verdict, created_at, family_key, "
             "workload_key || '|' || baseline_key || '|' || candidate_key, verified_failure, verified_by_measurement "
             "FROM forecasts WHERE id IN "
             "(SELECT MAX(id) FROM forecasts WHERE actual_speedup IS NOT NULL "
             "AND decided_by != 'cache' AND (? IS NULL OR forecaster = ?) AND (? IS NULL OR hardware = ?) "
-            f"GROUP BY forecaster, {_PAIR}) ORDER BY id",
+            f"AND {_ON_TRUSTED_RUNTIMES} GROUP BY forecaster, {_PAIR}) ORDER BY id",
             (forecaster, forecaster, hardware, hardware),
         )
         return [
@@ -1587,9 +1600,9 @@ class Store:
         - forecasts.decided: decided_by forecast with verdict faster/slower; deferred: verdict unsure or
           decided_by measurement; rows decided by cache count only in `count`.
         - forecasts.verified: pairs of kernels decided by a forecast whose two kernels were later measured
-          (the last forecast of each pair), ties within noise (|log2 S| <= bins.TIE_LOG2) left out as in
-          forecast.metrics.pairwise_accuracy; verified_correct: those naming the faster kernel; accuracy:
-          correct/verified.
+          (the last forecast of each pair), ties within noise (|log2 S| <= bins.TIE_LOG2, as in
+          forecast.metrics.pairwise_accuracy) and pairs resting on a suspect measurement (`verified_pairs`)
+          left out; verified_correct: those naming the faster kernel; accuracy: correct/verified.
         - gpu_seconds_saved.cache: what the results served from cache cost when measured; .forecasts: pairs
           decided by a forecast and never measured since, times the median charge of this ledger's
           non-cached measurements.
@@ -1631,7 +1644,7 @@ class Store:
             verified = await conn.execute_fetchall(
                 "SELECT verdict, decided_by, p_faster, actual_speedup FROM forecasts WHERE id IN "
                 "(SELECT MAX(id) FROM forecasts WHERE ledger = ? AND actual_speedup IS NOT NULL "
-                f"AND decided_by != 'cache' GROUP BY {_PAIR})",
+                f"AND decided_by != 'cache' AND {_ON_TRUSTED_RUNTIMES} GROUP BY {_PAIR})",
                 (ledger,),
             )
             # Measurements a decided verdict spared: pairs decided by a forecast and never measured after.
