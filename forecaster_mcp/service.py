@@ -28,6 +28,7 @@ from forecaster_mcp.errors import (
     AlreadyMeasured,
     BudgetExhausted,
     InvalidRequest,
+    MeasurementInProgress,
     NotMeasurable,
     OperatorError,
     ResultNotSaved,
@@ -73,6 +74,7 @@ from forecaster_mcp.store.db import (
     TIMEOUT_UNDER_LOWERED_CAP,
     ForecastRow,
     IdempotentRequest,
+    KeyClaim,
     Reservation,
     Store,
     fmt_gpu_seconds,
@@ -984,10 +986,9 @@ class Service:
             result = await run()
         else:
             async with self._alone(("idempotency", ledger, idempotency_key)):
-                prior = await self._idempotent_prior(
-                    ledger, idempotency_key, kernel, workload, device, checks
+                result = await self._measure_under_key(
+                    ledger, idempotency_key, kernel, workload, device, checks, max_seconds, progress, run
                 )
-                result = prior if prior is not None else await run()
         if reference_not_run:
             said = result.correctness.detail
             note = f"the reference kernel was not run: {measurer.name} cannot check outputs"
@@ -1013,6 +1014,74 @@ class Service:
         finally:
             del self._inflight[key]
             done.set()
+
+    async def _measure_under_key(
+        self,
+        ledger: str,
+        key: str,
+        kernel: Kernel,
+        workload: Workload,
+        device: str,
+        checks: tuple[str, ...],
+        max_seconds: float | None,
+        progress: ProgressCallback | None,
+        run: Callable[[], Awaitable[MeasureResult]],
+    ) -> MeasureResult:
+        """`run` once `key` is claimed for this request, across every server process on this database (the
+        claim comes before the cache is looked in, so that a free answer and a paid one cannot both take the key);
+        the recorded answer if the key was used for the same request; a refusal if it was used, or is in use, for
+        another one. While another process runs the same request under the key, this one waits for its answer
+        (for about as long as that measurement may take), free."""
+        cap = min(max_seconds or self.settings.max_measure_seconds, self.settings.max_measure_seconds)
+        request = {
+            "kernel": kernel.content_key(),
+            "workload": workload.history_key(),
+            "hardware": device,
+            "check": checks[0],
+        }
+        may_take = (SAME_MEASUREMENT_WAIT_FACTOR + 1) * cap + SAME_MEASUREMENT_WAIT_S
+        wait_until = time.monotonic() + SAME_MEASUREMENT_WAIT_FACTOR * cap + SAME_MEASUREMENT_WAIT_S
+        told = False
+        while True:
+            prior = await self._idempotent_prior(ledger, key, kernel, workload, device, checks)
+            if prior is not None:
+                return prior
+            try:
+                claim = await self.store.claim_key(ledger, key, request, may_take)
+            except AlreadyMeasured:
+                continue  # saved since the look-up: that measurement answers (or refuses) this request
+            if isinstance(claim, KeyClaim):
+                break
+            labels = {
+                "kernel": "kernel",
+                "workload": "workload",
+                "hardware": "hardware",
+                "check": "reference or atol/rtol",
+            }
+            differs = [label for what, label in labels.items() if claim.request.get(what) != request[what]]
+            if differs:
+                raise InvalidRequest(
+                    f"idempotency_key {key[:80]!r} is in use on ledger {ledger!r} by a measurement of a different "
+                    f"{' and '.join(differs)}, still running (possibly at another server process); a retry must send "
+                    "the same kernel, workload, reference, atol, rtol and hardware. Use a new key for a new "
+                    "measurement; nothing was charged."
+                )
+            if time.monotonic() >= wait_until:
+                raise MeasurementInProgress(
+                    f"a measurement with idempotency_key {key!r} is still running on ledger {ledger!r}; call "
+                    "again with the same key when it has finished (it will not be charged twice)"
+                )
+            if progress is not None and not told:
+                told = True
+                await progress(
+                    0.0, None, "another server process is measuring under this idempotency_key: waiting"
+                )
+            await anyio.sleep(SAME_MEASUREMENT_POLL_S)
+        try:
+            return await run()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.store.release_claim(claim)
 
     async def _idempotent_prior(
         self,

@@ -173,6 +173,23 @@ class IdempotentRequest:
 
 
 @dataclass(frozen=True)
+class KeyClaim:
+    """This request's hold on an idempotency key (`Store.claim_key`), until it is answered or given up."""
+
+    id: int
+    ledger: str
+    idempotency_key: str
+
+
+@dataclass(frozen=True)
+class KeyTaken:
+    """Another request, still running (possibly in another process), holds the key: `request` is what it was
+    claimed for (the `request` given to `Store.claim_key`)."""
+
+    request: dict[str, str]
+
+
+@dataclass(frozen=True)
 class ForecastRow:
     ledger: str | None
     forecaster: str
@@ -574,6 +591,8 @@ class Store:
         self._background: set[asyncio.Future[Any]] = set()
         # commit_later's retries and what each one commits: close() makes a last attempt, then cancels them.
         self._retrying: dict[asyncio.Future[Any], tuple[Reservation, float | None]] = {}
+        # release_claim's retries, cancelled at close (a claim left then is taken over once this process is gone).
+        self._releasing_claims: dict[asyncio.Future[Any], KeyClaim] = {}
 
     @classmethod
     async def open(cls, path: Path) -> Store:
@@ -621,6 +640,8 @@ class Store:
         pending = list(self._retrying.items())
         for fut, _ in pending:
             fut.cancel()
+        for claim_retry in list(self._releasing_claims):
+            claim_retry.cancel()
         await asyncio.gather(*(fut for fut, _ in pending), return_exceptions=True)
         for _, (reservation, seconds) in pending:
             try:
@@ -642,8 +663,9 @@ class Store:
                 holds_left = bool(
                     await conn.execute_fetchall(
                         "SELECT 1 FROM reservations WHERE state = 'open' AND owner_pid = ? AND owner_host = ? "
-                        "AND owner_pidns IS ? AND owner_start IS ? LIMIT 1",
-                        (me.pid, me.host, me.pidns, me.start),
+                        "AND owner_pidns IS ? AND owner_start IS ? UNION ALL SELECT 1 FROM idempotency_claims "
+                        "WHERE owner_pid = ? AND owner_host = ? AND owner_pidns IS ? AND owner_start IS ? LIMIT 1",
+                        (me.pid, me.host, me.pidns, me.start) * 2,
                     )
                 )
             except sqlite3.Error:
@@ -1036,9 +1058,101 @@ class Store:
                 "UPDATE reservations SET expires_at = max(expires_at, ?) WHERE id = ? AND state = 'open'",
                 (expires, reservation.id),
             )
+            # The key the hold measures under is claimed for as long (claim_key).
+            await conn.execute(
+                "UPDATE idempotency_claims SET expires_at = max(expires_at, ?) WHERE (ledger, idempotency_key) "
+                "IN (SELECT ledger, idempotency_key FROM reservations WHERE id = ? AND state = 'open')",
+                (expires, reservation.id),
+            )
             return bool(cur.rowcount)
 
         return await self._write(body)
+
+    # ---------------------------------------------------------------- idempotency keys
+
+    async def claim_key(
+        self, ledger: str, idempotency_key: str, request: dict[str, str], gpu_seconds: float
+    ) -> KeyClaim | KeyTaken:
+        """Atomically take (ledger, idempotency_key) for `request` (what it measures: the service compares it)
+        before it is served or measured, across every process on this database. AlreadyMeasured when a
+        measurement was saved under the key; KeyTaken while another request holds it. A claim whose owner is
+        dead, or expired and not provably alive (as `reserve` judges holds), is taken over: a server that died
+        mid-measurement does not block its key. `gpu_seconds`: how long the request may hold the device and
+        wait for it, which sets the expiry (pushed on by `extend_hold` while its hold is open)."""
+        me = self._owner
+
+        async def body(conn: Any) -> KeyClaim | KeyTaken | Exception:
+            now = time.time()
+            done = await conn.execute_fetchall(
+                "SELECT 1 FROM measurements WHERE ledger = ? AND idempotency_key = ? LIMIT 1",
+                (ledger, idempotency_key),
+            )
+            if done:
+                return AlreadyMeasured(idempotency_key)
+            rows = await conn.execute_fetchall(
+                "SELECT id, request_json, owner_pid, owner_host, owner_pidns, owner_start, expires_at "
+                "FROM idempotency_claims WHERE ledger = ? AND idempotency_key = ?",
+                (ledger, idempotency_key),
+            )
+            if rows:
+                cid, request_json, pid, host, pidns, start, expires_at = rows[0]
+                state = _owner_state(me, int(pid), str(host), pidns, start, self._locks)
+                if not _releasable(state, expires_at, now):
+                    return KeyTaken(json.loads(request_json))
+                await conn.execute("DELETE FROM idempotency_claims WHERE id = ?", (cid,))
+                log.warning(
+                    "took over idempotency_key %r on ledger %r: its claim's owner pid %s on %s is %s",
+                    idempotency_key, ledger, pid, host, "gone" if state == "dead" else "past its expiry",
+                )  # fmt: skip
+            cur = await conn.execute(
+                "INSERT INTO idempotency_claims (ledger, idempotency_key, request_json, owner_pid, owner_host, "
+                "owner_pidns, owner_start, created_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    ledger, idempotency_key, json.dumps(request, sort_keys=True), me.pid, me.host, me.pidns,
+                    me.start, now, _expiry(now, gpu_seconds),
+                ),
+            )  # fmt: skip
+            return KeyClaim(int(cur.lastrowid), ledger, idempotency_key)
+
+        async def undo(outcome: KeyClaim | KeyTaken | Exception) -> None:
+            if isinstance(outcome, KeyClaim):
+                await self.release_claim(outcome)
+
+        outcome = await self._run(body, "BEGIN IMMEDIATE", on_abandoned=undo)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    async def release_claim(self, claim: KeyClaim) -> None:
+        """Give the key up (its request was answered, saved or not, or failed): the next request under it looks
+        again. A database too locked to take it now is retried in the background, as `commit_later` does, so
+        that the key is not held, and its retries kept waiting, for the life of this process."""
+
+        async def body(conn: Any) -> None:
+            await conn.execute("DELETE FROM idempotency_claims WHERE id = ?", (claim.id,))
+
+        try:
+            await self._write(body)
+        except sqlite3.Error as exc:
+            log.warning(
+                "could not give up the claim on idempotency_key %r now (%s); retrying",
+                claim.idempotency_key,
+                exc,
+            )
+
+            async def retry() -> None:
+                wait = 1.0
+                while True:
+                    await asyncio.sleep(wait)
+                    try:
+                        await self._write(body)
+                        return
+                    except sqlite3.Error:
+                        wait = min(60.0, 2.0 * wait)
+
+            fut = asyncio.ensure_future(retry())
+            self._releasing_claims[fut] = claim
+            fut.add_done_callback(lambda done: self._releasing_claims.pop(done, None))
 
     async def _release_orphans(self, conn: Any, now: float) -> int:
         """In a write transaction: release holds whose owner is dead, or expired and not provably alive."""
@@ -1289,6 +1403,12 @@ class Store:
                 ),
             )  # fmt: skip
             mid = int(cur.lastrowid)
+            if idempotency_key is not None:
+                # The key is answered now: a claim on it (claim_key) has nothing left to guard.
+                await conn.execute(
+                    "DELETE FROM idempotency_claims WHERE ledger IS ? AND idempotency_key = ?",
+                    (ledger, idempotency_key),
+                )
             # A UNION of two index lookups: an OR would scan every forecast on this workload.
             mine = (
                 "id IN (SELECT id FROM forecasts WHERE hardware = ? AND workload_key = ? "

@@ -212,6 +212,26 @@ _FAMILY_STATE = (
 # side failed ('candidate' / 'baseline'); actual_speedup then holds the extreme bin's speedup (1/16 or 16).
 _FORECAST_FAILURE = ("ALTER TABLE forecasts ADD COLUMN verified_failure TEXT",)
 
+# An idempotency key is claimed, with what the request under it measures, before anything is looked up,
+# measured or charged for it: two server processes given one key no longer both answer it (one from its cache,
+# one by measuring, each checked its own way), a retry of the same request waits for the first's answer, and
+# one naming another kernel or other checks is refused at once. A claim whose owner died is taken over.
+_IDEMPOTENCY_CLAIMS = (
+    """CREATE TABLE idempotency_claims (
+        id INTEGER PRIMARY KEY,
+        ledger TEXT NOT NULL,
+        idempotency_key TEXT NOT NULL,
+        request_json TEXT NOT NULL,
+        owner_pid INTEGER NOT NULL,
+        owner_host TEXT NOT NULL,
+        owner_pidns TEXT,
+        owner_start TEXT,
+        created_at REAL NOT NULL,
+        expires_at REAL NOT NULL,
+        UNIQUE (ledger, idempotency_key)
+    )""",
+)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "initial schema", _INITIAL),
     Migration(2, "idempotency keys on open reservations", _RESERVATION_IDEMPOTENCY),
@@ -221,6 +241,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(6, "one unverified row per forecast pair, running totals of forecasts made", _FORECAST_TOTALS),
     Migration(7, "the local model's hyperparameters per kernel family", _FAMILY_STATE),
     Migration(8, "forecasts verified by one kernel failing while the other runs", _FORECAST_FAILURE),
+    Migration(9, "idempotency keys claimed before their request runs", _IDEMPOTENCY_CLAIMS),
 )
 
 
