@@ -83,8 +83,11 @@ def _result(kernel_id: str, cost: float = 0.5) -> MeasureResult:
     )
 
 
-async def _save(store: Store, key: str | None, content_key: str, cached: bool) -> int:
+async def _save(
+    store: Store, key: str | None, content_key: str, cached: bool, check_key: str | None = None
+) -> int:
     return await store.save_measurement(
+        check_key=check_key,
         cache_key=f"c-{content_key}",
         ledger="run",
         idempotency_key=key,
@@ -113,6 +116,22 @@ async def test_a_free_answer_cannot_take_a_key_another_process_is_paying_for(tmp
         assert await _save(a, "K", "x", cached=False) == first  # the same measurement again: its row
         with pytest.raises(InvalidRequest, match="another measurement"):
             await _save(b, "K", "y", cached=True)  # another kernel under a used key: never that row's id
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_a_used_key_is_never_the_id_of_a_result_checked_otherwise(tmp_path: Path) -> None:
+    # A save under a used key outside a claim (one taken over from an owner another host could not vouch for,
+    # or a server of an earlier version on the same database) must not pass the key's row off as its own.
+    db = tmp_path / "shared.sqlite3"
+    a, b = await Store.open(db), await Store.open(db)
+    try:
+        await a.create_ledger("run", 10)
+        first = await _save(a, "K", "x", cached=False, check_key="against ref, atol 1e-5")
+        assert await _save(b, "K", "x", cached=True, check_key="against ref, atol 1e-5") == first
+        with pytest.raises(InvalidRequest, match="another measurement"):
+            await _save(b, "K", "x", cached=True, check_key="unchecked")
     finally:
         await a.close()
         await b.close()

@@ -1361,12 +1361,16 @@ class Store:
         async def body(conn: Any) -> int:
             if idempotency_key is not None:
                 rows = await conn.execute_fetchall(
-                    "SELECT id, content_key, workload_key, hardware FROM measurements "
+                    "SELECT id, content_key, workload_key, hardware, check_key FROM measurements "
                     "WHERE ledger IS ? AND idempotency_key = ?",
                     (ledger, idempotency_key),
                 )
                 if rows:
-                    if tuple(rows[0][1:]) != (content_key, workload_key, hardware):
+                    # Checked otherwise (another reference, other atol/rtol) is another measurement too; a row
+                    # saved before check keys were kept, or a caller giving none, cannot tell.
+                    theirs = rows[0][4]
+                    checked_otherwise = None not in (theirs, check_key) and theirs != check_key
+                    if tuple(rows[0][1:4]) != (content_key, workload_key, hardware) or checked_otherwise:
                         # Another process saved another measurement under the key first: not this one's id.
                         raise InvalidRequest(
                             f"idempotency_key {idempotency_key[:80]!r} was already used on ledger {ledger!r} for "
