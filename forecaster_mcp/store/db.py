@@ -157,6 +157,24 @@ class VerifiedPair:
     # settles every pair its kernel was forecast in at once, and they are right or wrong together: thresholds
     # are certified on one pair per measurement (engine), never on its copies.
     verified_by: int | None = None
+    row_id: int | None = None  # the forecast row (verified pairs are ordered by it)
+
+
+# The pair a verified row belongs to, as verified_pairs groups rows: (forecaster, hardware, workload_key, the
+# lesser and the greater of the two kernel keys).
+PairGroup = tuple[str, str, str, str, str]
+
+
+@dataclass(frozen=True)
+class VerifiedChanges:
+    """What changed among the verified pairs since sequence number `since` (Store.verified_changes)."""
+
+    seq: int  # pass it as `since` next time
+    groups: list[PairGroup]  # every pair touched since `since` (all of them on a full read)
+    pairs: list[
+        tuple[PairGroup, VerifiedPair]
+    ]  # the verified pair of each of those that has one now, by row id
+    full: bool  # a full read: `pairs` is every verified pair
 
 
 @dataclass(frozen=True)
@@ -520,6 +538,34 @@ _ON_TRUSTED_RUNTIMES = (
 )
 # A pair of kernels on one GPU and workload, either one the baseline (a GROUP BY over forecasts).
 _PAIR = "hardware, workload_key, min(baseline_key, candidate_key), max(baseline_key, candidate_key)"
+_GROUP_COLS = f"forecaster, {_PAIR}"  # PairGroup
+# What verified_pairs reads of a row (_verified_pair).
+_VERIFIED_COLS = (
+    "forecaster, hardware, probs_json, p_faster, actual_speedup, verdict, created_at, family_key, "
+    "workload_key || '|' || baseline_key || '|' || candidate_key, verified_failure, verified_by_measurement, id"
+)
+
+
+def _verified_pair(r: Any) -> VerifiedPair:
+    return VerifiedPair(
+        forecaster=str(r[0]),
+        hardware=str(r[1]),
+        probs=[float(p) for p in json.loads(r[2])],
+        p_faster=float(r[3]),
+        actual_speedup=float(r[4]),
+        verdict=str(r[5]),
+        created_at=float(r[6]),
+        family_key=None if r[7] is None else str(r[7]),
+        pair=str(r[8]),
+        failure=None if r[9] is None else str(r[9]),
+        verified_by=None if r[10] is None else int(r[10]),
+        row_id=int(r[11]),
+    )
+
+
+def _group(r: Any) -> PairGroup:
+    return (str(r[0]), str(r[1]), str(r[2]), str(r[3]), str(r[4]))
+
 
 # Sets actual_speedup = t(baseline) / t(candidate) from the latest ok measurement of each kernel, for the
 # forecasts selected by the WHERE clause appended by the caller.
@@ -1618,30 +1664,66 @@ class Store:
         (`_ON_TRUSTED_RUNTIMES`): its speedup is not the kernels' (a kernel that skipped its work measured
         2000x faster), and recalibrating or certifying a threshold on it would score the forecast against it."""
         rows = await self._fetch(
-            "SELECT forecaster, hardware, probs_json, p_faster, actual_speedup, verdict, created_at, family_key, "
-            "workload_key || '|' || baseline_key || '|' || candidate_key, verified_failure, verified_by_measurement "
-            "FROM forecasts WHERE id IN "
+            f"SELECT {_VERIFIED_COLS} FROM forecasts WHERE id IN "
             "(SELECT MAX(id) FROM forecasts WHERE actual_speedup IS NOT NULL "
             "AND decided_by != 'cache' AND (? IS NULL OR forecaster = ?) AND (? IS NULL OR hardware = ?) "
             f"AND {_ON_TRUSTED_RUNTIMES} GROUP BY forecaster, {_PAIR}) ORDER BY id",
             (forecaster, forecaster, hardware, hardware),
         )
-        return [
-            VerifiedPair(
-                forecaster=str(r[0]),
-                hardware=str(r[1]),
-                probs=[float(p) for p in json.loads(r[2])],
-                p_faster=float(r[3]),
-                actual_speedup=float(r[4]),
-                verdict=str(r[5]),
-                created_at=float(r[6]),
-                family_key=None if r[7] is None else str(r[7]),
-                pair=str(r[8]),
-                failure=None if r[9] is None else str(r[9]),
-                verified_by=None if r[10] is None else int(r[10]),
+        return [_verified_pair(r) for r in rows]
+
+    async def verified_changes(self, since: int | None = None) -> VerifiedChanges:
+        """`verified_pairs` (of every forecaster and GPU) as changes since sequence number `since`, for a reader
+        that keeps them: the pairs whose rows were verified or re-verified since (forecasts.verify_seq, migration
+        10), and each one's verified pair now (none when it has none: its kernel's latest measurement is flagged).
+        A pair's verified row and whether it counts change only when one of its rows is (re-)verified: a new
+        measurement of either kernel re-verifies every row of that kernel. `since` None: every pair (a full read).
+
+        Applied in order to what the previous calls returned (replace each of `groups` by its entry in `pairs`,
+        or drop it), it gives what `verified_pairs()` returns now."""
+
+        async def body(conn: Any) -> VerifiedChanges:
+            top = await conn.execute_fetchall("SELECT coalesce(max(verify_seq), 0) FROM forecasts")
+            seq = int(top[0][0])
+            if since is None:
+                rows = await conn.execute_fetchall(
+                    f"SELECT {_VERIFIED_COLS}, {_GROUP_COLS} FROM forecasts WHERE id IN "
+                    "(SELECT MAX(id) FROM forecasts WHERE actual_speedup IS NOT NULL AND decided_by != 'cache' "
+                    f"AND {_ON_TRUSTED_RUNTIMES} GROUP BY forecaster, {_PAIR}) ORDER BY id"
+                )
+                pairs = [(_group(r[12:]), _verified_pair(r)) for r in rows]
+                return VerifiedChanges(seq, [g for g, _ in pairs], pairs, full=True)
+            if seq <= since:
+                return VerifiedChanges(seq, [], [], full=False)
+            changed = [
+                _group(r)
+                for r in await conn.execute_fetchall(
+                    f"SELECT DISTINCT {_GROUP_COLS} FROM forecasts WHERE verify_seq > ? AND verify_seq <= ?",
+                    (since, seq),
+                )
+            ]
+            # Every row of those pairs, either kernel the baseline (two lookups on forecasts_pair), then the
+            # verified pair of each as verified_pairs picks it.
+            rows = await conn.execute_fetchall(
+                "WITH changed(forecaster, hardware, workload_key, lo, hi) AS "
+                f"(SELECT DISTINCT {_GROUP_COLS} FROM forecasts WHERE verify_seq > ? AND verify_seq <= ?) "
+                f"SELECT {_VERIFIED_COLS}, {_GROUP_COLS} FROM forecasts WHERE id IN "
+                "(SELECT MAX(id) FROM forecasts WHERE id IN ("
+                "SELECT f.id FROM changed AS c JOIN forecasts AS f ON f.hardware = c.hardware "
+                "AND f.workload_key = c.workload_key AND f.baseline_key = c.lo AND f.candidate_key = c.hi "
+                "AND f.forecaster = c.forecaster UNION "
+                "SELECT f.id FROM changed AS c JOIN forecasts AS f ON f.hardware = c.hardware "
+                "AND f.workload_key = c.workload_key AND f.baseline_key = c.hi AND f.candidate_key = c.lo "
+                "AND f.forecaster = c.forecaster) "
+                "AND actual_speedup IS NOT NULL AND decided_by != 'cache' "
+                f"AND {_ON_TRUSTED_RUNTIMES} GROUP BY forecaster, {_PAIR}) ORDER BY id",
+                (since, seq),
             )
-            for r in rows
-        ]
+            return VerifiedChanges(
+                seq, changed, [(_group(r[12:]), _verified_pair(r)) for r in rows], full=False
+            )
+
+        return await self._read_tx(body)
 
     # ---------------------------------------------------------------- Claude usage
 

@@ -232,6 +232,21 @@ _IDEMPOTENCY_CLAIMS = (
     )""",
 )
 
+# Every change to a forecast's verification (a new verified row, a re-measured kernel's re-verified rows, a
+# kernel whose latest measurement is now flagged: _VERIFY touches all of its rows) stamps the row with the next
+# number of one sequence, so that a reader who has seen the verified pairs up to one number re-reads only the
+# pairs touched since (ForecastEngine.refresh; before, every measurement made the next compare re-read all of
+# them: 0.7 s at 16,000 verified rows). A trigger, not the store's SQL, keeps it: a server of an earlier version
+# writing the same database stamps its rows too. Writes are serialised (BEGIN IMMEDIATE), so the numbers grow in
+# commit order. Rows verified before stay NULL: a first read reads everything.
+_VERIFY_SEQ = (
+    "ALTER TABLE forecasts ADD COLUMN verify_seq INTEGER",
+    "CREATE INDEX forecasts_verify_seq ON forecasts(verify_seq)",
+    """CREATE TRIGGER forecasts_verify_seq AFTER UPDATE OF verified_at ON forecasts
+        BEGIN UPDATE forecasts SET verify_seq = (SELECT coalesce(max(verify_seq), 0) + 1 FROM forecasts)
+        WHERE id = NEW.id; END""",
+)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "initial schema", _INITIAL),
     Migration(2, "idempotency keys on open reservations", _RESERVATION_IDEMPOTENCY),
@@ -242,6 +257,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(7, "the local model's hyperparameters per kernel family", _FAMILY_STATE),
     Migration(8, "forecasts verified by one kernel failing while the other runs", _FORECAST_FAILURE),
     Migration(9, "idempotency keys claimed before their request runs", _IDEMPOTENCY_CLAIMS),
+    Migration(10, "a sequence number on every change of a forecast's verification", _VERIFY_SEQ),
 )
 
 
