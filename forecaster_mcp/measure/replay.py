@@ -24,8 +24,9 @@ off the event loop by `await preload()`, which a server should call at start-up.
 
 Cost, the GPU-seconds a replayed measurement charges: the recorded device time, i.e. the sum of the
 recorded kernel runs plus the recorded verification time (both in ms in the file). Compile time is reported
-as `compile_seconds` and never charged; a configuration that failed to compile or launch occupied no GPU time
-worth charging, so it charges 0. The request's caps apply as they would on a GPU: only the recorded runs that
+as `compile_seconds` and never charged. A configuration that failed is charged like any run: the device time
+recorded for its attempt (Kernel Tuner's `benchmark_time`, a fraction of a ms for one that failed at run time),
+0 for one that never compiled (it never reached the device). The request's caps apply as they would on a GPU: only the recorded runs that
 fit in `max_runs` and `max_seconds` are used, and a single run longer than `max_seconds` is a `timeout` that
 charges the cap.
 """
@@ -267,6 +268,9 @@ class ReplayEntry:
     message: str | None = None  # the recorded failure string
     compile_time_ms: float | None = None
     verification_time_ms: float | None = None
+    # The device time Kernel Tuner recorded for a failed configuration (its `benchmark_time`: the launch that
+    # failed at run time; 0 for one that never compiled). None for a run that worked, whose runs are its cost.
+    failed_device_ms: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -478,10 +482,20 @@ def _entry(key: str, rec: Mapping[str, Any], param_keys: Sequence[str]) -> Repla
         # Runs of zero or negative length are dropped the same way (a minimum of -5 ms, a cost below 0).
         runs = [t for t in _times(rec.get("times")) if t > 0]
         return ReplayEntry(params, number, "ok", runs or [number], None, compile_ms, verify_ms)
+    failed_ms = _number(rec.get("benchmark_time"))
+    failed_ms = failed_ms if failed_ms is not None and failed_ms > 0 else None
     if isinstance(time, str):
-        return ReplayEntry(params, None, _FAILURES.get(time, "launch_error"), [], time, compile_ms, verify_ms)
+        status = _FAILURES.get(time, "launch_error")
+        return ReplayEntry(params, None, status, [], time, compile_ms, verify_ms, failed_ms)
     return ReplayEntry(
-        params, None, "launch_error", [], f"no usable time recorded ({time!r})", compile_ms, verify_ms
+        params,
+        None,
+        "launch_error",
+        [],
+        f"no usable time recorded ({time!r})",
+        compile_ms,
+        verify_ms,
+        failed_ms,
     )
 
 
@@ -1077,7 +1091,11 @@ def _failure_message(entry: ReplayEntry) -> str:
 def _charge(entry: ReplayEntry, request: MeasureRequest) -> _Charge:
     """What replaying `entry` under the request's caps uses and charges."""
     if not entry.ok:
-        return _Charge(entry.status, [], 0.0, (), _failure_message(entry))
+        # Charged like any run (a failing kernel is a result, not a free probe): the device time recorded for
+        # the attempt, within the request's cap; nothing when none was recorded (a compile error, which never
+        # reached the device, records 0).
+        used_s = min((entry.failed_device_ms or 0.0) / 1000.0, request.max_seconds)
+        return _Charge(entry.status, [], used_s, (), _failure_message(entry))
     cap_ms = request.max_seconds * 1000.0
     spent = entry.verification_time_ms or 0.0
     used: list[float] = []
