@@ -333,15 +333,20 @@ async def test_requests_to_one_device_are_serialised_and_waiting_is_not_charged(
     async def one(i: int) -> None:
         results.append(await gpu.measure(request(gpu, kernel(FAKE_BUSY_S=0.2, FAKE_MS=1.0 + i))))
 
+    started = time.perf_counter()
     with anyio.fail_after(60):
         async with anyio.create_task_group() as tg:
             for i in range(3):
                 tg.start_soon(one, i)
+    took = time.perf_counter() - started
     assert [r.status for r in results] == ["ok"] * 3
     assert sorted(round(r.runtime_ms.median) for r in results if r.runtime_ms) == [1, 2, 3]
-    for r in results:
-        # Each held the device about 0.2 s; the ~0.4 s the last one waited for the lock is not charged.
-        assert 0.2 <= r.cost.gpu_seconds < 0.38
+    # Each held the device at least its 0.2 s; the ~0.2 s and ~0.4 s the others waited for the lock are not
+    # charged. Charged spans are the device's, one at a time, so together they fit in the wall time of the
+    # three (waiting charged would overlap them by 0.6 s). Not `< 0.38` each: on a loaded machine a job's own
+    # overhead can come near that.
+    assert all(r.cost.gpu_seconds >= 0.2 for r in results), [r.cost for r in results]
+    assert sum(r.cost.gpu_seconds for r in results) <= took, ([r.cost for r in results], took)
 
 
 @pytest.mark.anyio
@@ -349,12 +354,14 @@ async def test_two_servers_on_one_gpu_take_turns(tmp_path: Path) -> None:
     """Two server processes (two IDE sessions) on one workstation share its GPU: their jobs run one at a time
     (each one's events would otherwise time the other's kernels), and the waiting is not charged."""
     spans: dict[str, tuple[float, float]] = {}
+    charged: dict[str, float] = {}
 
     async def one(m: PycudaMeasurer, who: str) -> None:
         started = time.monotonic()
         r = await m.measure(request(m, kernel(FAKE_BUSY_S=0.4)))
         spans[who] = (started, time.monotonic())
-        assert r.status == "ok" and 0.4 <= r.cost.gpu_seconds < 0.6, (r.status, r.cost)
+        assert r.status == "ok" and r.cost.gpu_seconds >= 0.4, (r.status, r.cost)
+        charged[who] = r.cost.gpu_seconds
 
     async with make(tmp_path) as a, make(tmp_path) as b:
         for m in (a, b):  # started and compiled first: the turns below are the jobs alone
@@ -364,7 +371,11 @@ async def test_two_servers_on_one_gpu_take_turns(tmp_path: Path) -> None:
                 tg.start_soon(one, a, "a")
                 tg.start_soon(one, b, "b")
     # One after the other, not side by side: together they took both jobs' time.
-    assert max(end for _, end in spans.values()) - min(start for start, _ in spans.values()) >= 0.8
+    took = max(end for _, end in spans.values()) - min(start for start, _ in spans.values())
+    assert took >= 0.8
+    # The one that waited is not charged its wait: the charged spans, one at a time, fit in the time both
+    # took (a charged wait would overlap them by ~0.4 s). Not `< 0.6` each: a loaded machine adds to a job.
+    assert sum(charged.values()) <= took, (charged, took)
 
 
 @pytest.mark.anyio
@@ -409,9 +420,10 @@ async def test_compile_time_is_not_gpu_time(gpu: PycudaMeasurer) -> None:
     result = await gpu.measure(request(gpu, kernel(FAKE_COMPILE_SLEEP=0.4), reference=None))
     assert result.status == "ok"
     assert result.cost.compile_seconds >= 0.4
-    assert result.cost.gpu_seconds < 0.3
+    # Charged, the compile's 0.4 s sleep would be in it; what a loaded machine adds to a job is not.
+    assert result.cost.gpu_seconds < 0.4
     again = await gpu.measure(request(gpu, kernel(FAKE_COMPILE_SLEEP=0.4), reference=None))
-    assert again.cost.compile_seconds < 0.2  # the compile cache answered
+    assert again.cost.compile_seconds < 0.4  # the compile cache answered (a compile sleeps 0.4 s)
 
 
 @pytest.mark.anyio
@@ -517,7 +529,10 @@ async def test_a_run_ended_by_its_run_cap_says_so(gpu: PycudaMeasurer) -> None:
     ],
 )
 async def test_a_worker_that_cannot_start_is_not_measurable(tmp_path: Path, startup: str, says: str) -> None:
-    async with make(tmp_path, "--startup", startup, startup_grace_s=1.0) as m:
+    # The 1 s grace is for the hang alone: the others must say why in their own words, however long a loaded
+    # machine takes to start them (a stand-in's imports can take over 1 s there: "did not become ready").
+    grace = 1.0 if startup == "hang" else 20.0
+    async with make(tmp_path, "--startup", startup, startup_grace_s=grace) as m:
         with anyio.fail_after(30), pytest.raises(NotMeasurable, match=says):
             await m.measure(request(m, kernel()))
 
@@ -598,9 +613,16 @@ async def test_a_request_cancelled_while_its_worker_starts_leaves_no_worker(tmp_
     """A client that hangs up during a worker's start-up: the half-started worker (a CUDA context on a real
     GPU) was not the slot's yet, so nothing, not even aclose(), would ever stop it."""
     async with make(tmp_path, "--startup", "hang", startup_grace_s=20.0) as m:
-        with anyio.move_on_after(1.0):
-            await m.measure(request(m, kernel()))
-        started = _our_workers("--startup hang")
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(m.measure, request(m, kernel()))
+            # Hung up once the worker runs (polled: on a loaded machine it may not have started within the 1 s
+            # once waited, and the test then checked nothing).
+            started: list[int] = []
+            with anyio.fail_after(30):
+                while not started:
+                    await anyio.sleep(0.02)
+                    started = _our_workers("--startup hang")
+            tg.cancel_scope.cancel()
         assert all(exited_within(pid, 5.0) for pid in started)
         assert not _our_workers("--startup hang")
 
@@ -616,22 +638,28 @@ async def test_a_request_queued_while_the_measurer_closes_starts_no_worker(tmp_p
         except NotMeasurable as exc:
             outcomes.append(str(exc))
 
+    on_device = anyio.Event()
+
+    async def reported(done: float, total: float | None, message: str | None) -> None:
+        if message and message.startswith("grandchild "):  # the stand-in says so once it runs the job
+            on_device.set()
+
     async def hanging() -> None:
         with contextlib.suppress(NotMeasurable):  # what the hang itself gets on shut-down is not the point
-            await m.measure(request(m, kernel("hang"), max_seconds=30.0))
+            await m.measure(request(m, kernel("hang"), max_seconds=30.0), reported)
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(hanging)
-        # The hang holds the device once its worker is up (it starts it holding the slot); the next request
-        # waits for it. Polled, not slept: on a loaded machine a worker's start took over the 1 s once waited.
-        for _ in range(1500):  # 30 s at most
-            if m.worker_pid(m.devices()[0]) is not None:
+        # Waited for, not slept: on a loaded machine a worker's start took over the 1 s once waited, and the
+        # hang's compile (between its worker's start and its job, the slot free) is no faster there.
+        with anyio.fail_after(30):
+            await on_device.wait()  # the hang holds the device
+        tg.start_soon(queued)
+        for _ in range(1500):  # 30 s at most, until the next request queues for the device behind the hang
+            if outcomes or m._slots[0].lock.statistics().tasks_waiting:
                 break
             await anyio.sleep(0.02)
-        assert m.worker_pid(m.devices()[0]) is not None, "the hang's worker never started"
-        await anyio.sleep(0.3)
-        tg.start_soon(queued)
-        await anyio.sleep(0.2)
+        assert outcomes or m._slots[0].lock.statistics().tasks_waiting, "the next request never queued"
         await m.aclose()
     assert outcomes == ["the GPU measurer is shut down"]
     assert m.worker_pid(m.devices()[0]) is None and not _our_workers(FAKE)
@@ -642,8 +670,19 @@ async def test_a_cancelled_request_does_not_leave_a_busy_worker(gpu: PycudaMeasu
     assert (await gpu.measure(request(gpu, kernel()))).status == "ok"
     pid = gpu.worker_pid(gpu.devices()[0])
     assert pid is not None
-    with anyio.move_on_after(0.5):
-        await gpu.measure(request(gpu, kernel("hang"), max_seconds=30.0))
+    on_device = anyio.Event()
+
+    async def reported(done: float, total: float | None, message: str | None) -> None:
+        if message and message.startswith("grandchild "):  # the stand-in says so once it runs the job
+            on_device.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(gpu.measure, request(gpu, kernel("hang"), max_seconds=30.0), reported)
+        # The client goes away while its job holds the worker: waited for, not a fixed 0.5 s, which a loaded
+        # machine could spend compiling (the worker then never got the job and was rightly kept).
+        with anyio.fail_after(30):
+            await on_device.wait()
+        tg.cancel_scope.cancel()
     assert exited_within(pid, 5.0)
     assert (await gpu.measure(request(gpu, kernel()))).status == "ok"
 
@@ -999,9 +1038,12 @@ async def test_real_worker_measures_and_checks(tmp_path: Path) -> None:
 async def test_real_worker_catches_bad_kernels(
     tmp_path: Path, name: str, status: str, says: str | None
 ) -> None:
+    # The hang's cap is short to keep the test quick; the others get the default cap, which they must finish
+    # within (on a loaded machine 0.5 s, with 0.3 s of slack, was not far from a job's own time).
+    cap = 0.5 if name == "hang" else 5.0
     async with real_worker(tmp_path) as m:
         with anyio.fail_after(30):
-            result = await m.measure(request(m, op(name), reference=op("add"), max_seconds=0.5))
+            result = await m.measure(request(m, op(name), reference=op("add"), max_seconds=cap))
         assert result.status == status, result.message
         if says is not None:
             assert says in (result.message or "")
@@ -1088,7 +1130,9 @@ async def test_a_slow_progress_callback_neither_charges_nor_kills_the_job(tmp_pa
             await anyio.sleep(1.5)
 
         r = await m.measure(request(m, op("add", FAKE_MS=0.05), reference=op("add"), max_seconds=1.0), slow)
-        assert r.status == "ok" and r.cost.gpu_seconds < 0.5
+        # A charged stall (1.5 s) is charged the whole 1 s cap; the job's own time (about 0.06 s here, several
+        # times that on a loaded machine) is all that may be.
+        assert r.status == "ok" and r.cost.gpu_seconds < 0.9
 
 
 @pytest.mark.anyio
@@ -1103,15 +1147,19 @@ async def test_a_slow_client_cannot_keep_a_hung_kernel_past_its_cap_for_long(tmp
         nvcc=FAKE_NVCC, kill_slack_s=0.3, startup_grace_s=20.0,
     )  # fmt: skip
 
+    first_report: list[float] = []
+
     async def slow(done: float, total: float | None, message: str | None) -> None:
+        first_report[:] = first_report or [time.perf_counter()]
         await anyio.sleep(2.0)
 
     async with m:
         k = Kernel(source=SRC, entry="vadd", launch=launch(4, 256), defines={"FAKE_MODE": "hang", "N": 8})
-        t0 = time.perf_counter()
         r = await m.measure(request(m, k, max_seconds=1.0), slow)
         assert r.status == "timeout" and r.cost.gpu_seconds == pytest.approx(1.0)
-        assert time.perf_counter() - t0 < 1.0 + 0.3 + PROGRESS_WAIT_S + 1.5
+        # Counted from the job's first report, when it holds the device: the worker's start and the compile
+        # before it are no part of the bound, and on a loaded machine they can take its 1.5 s of margin.
+        assert first_report and time.perf_counter() - first_report[0] < 1.0 + 0.3 + PROGRESS_WAIT_S + 1.5
 
 
 @pytest.mark.anyio
