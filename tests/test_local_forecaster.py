@@ -446,7 +446,8 @@ def test_gp_recovers_a_smooth_function_with_honest_spread() -> None:
 
 
 @pytest.mark.anyio
-async def test_real_space_pairs_and_latency(conv_a100: Path) -> None:
+async def test_real_space_pairs_and_latency(conv_a100: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from forecaster_mcp.forecast import local
     from forecaster_mcp.measure.replay import load_space
 
     space = load_space(conv_a100)
@@ -474,10 +475,22 @@ async def test_real_space_pairs_and_latency(conv_a100: Path) -> None:
     ]
     assert statistics.fmean(right) > 0.8
     two = queries[:1]
+    fits: list[int] = []
+    fit_family = local.fit_family
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        fits.append(1)
+        return fit_family(*args, **kwargs)
+
+    monkeypatch.setattr(local, "fit_family", counted)
     t0 = time.perf_counter()
     for _ in range(20):
         await f.forecast(two)
-    assert (time.perf_counter() - t0) / 20 < 0.02  # cached model: a 2-candidate compare stays in milliseconds
+    # The cached model answers: nothing is fitted again. A 2-candidate compare then stays in milliseconds (4-6 ms
+    # on a quiet machine; tune_local.py latency measures it); the bound, once 20 ms, is a guard against a slow
+    # path, with room for a loaded machine (35 ms a call with three busy loops on the tests' core).
+    assert fits == []
+    assert (time.perf_counter() - t0) / 20 < 0.1
     assert MIN_FAMILY_POINTS <= 10
 
 
