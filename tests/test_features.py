@@ -498,6 +498,30 @@ def test_parse_ptxas_reads_each_entry() -> None:
     assert add.spill_bytes == 16 and entries[1].shared_bytes == 0
 
 
+def test_parse_ptxas_charges_a_noinline_helpers_spills_to_the_entry() -> None:
+    # nvcc 13, sm_90, -maxrregcount=32: the spills of a __noinline__ helper are reported under its own name,
+    # after the entry's block; they were dropped, so the kernel read as spilling nothing.
+    out = """ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'kern' for 'sm_90'
+ptxas info    : Function properties for kern
+    1216 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 32 registers, used 0 barriers, 1216 bytes cumulative stack size
+ptxas info    : Compile time = 154.999 ms
+ptxas info    : Function properties for _Z6helperPKfi
+    0 bytes stack frame, 812 bytes spill stores, 848 bytes spill loads
+"""
+    (kern,) = parse_ptxas(out)
+    assert (kern.name, kern.registers, kern.spill_stores_bytes, kern.spill_loads_bytes) == (
+        "kern",
+        32,
+        812,
+        848,
+    )
+    assert kern.stack_frame_bytes == 1216  # as reported (ptxas's cumulative figure counts the callee's frame)
+    # Entries alone, as before: nothing added.
+    assert [e.spill_bytes for e in parse_ptxas(PTXAS_OUTPUT)] == [16, 0]
+
+
 def test_safe_options_drop_anything_touching_files() -> None:
     opts = [
         "-O3",
@@ -508,6 +532,8 @@ def test_safe_options_drop_anything_touching_files() -> None:
         "-Xcompiler=-fplugin=x",
     ]
     assert safe_options(opts) == ["-O3", "--use_fast_math", "-maxrregcount=64"]
+    # Relocatable device code leaves file-scope shared memory to the link: left out of the resource compile.
+    assert safe_options(["-rdc=true", "--relocatable-device-code=true", "-rdc=false", "-O3"]) == ["-O3"]
 
 
 SMALL = """
@@ -539,6 +565,28 @@ async def test_ptxas_really_compiles_and_caches(tmp_path: Path) -> None:
     t0 = time.perf_counter()
     again = await ptxas_usage(k, "sm_80", nvcc, tmp_path)
     assert again == usage and time.perf_counter() - t0 < 0.5  # from the cache, no second compile
+
+
+FILE_SCOPE_SHARED = """
+__shared__ float gtile[512];
+extern "C" __global__ void kern(float* p) {
+  gtile[threadIdx.x] = p[threadIdx.x];
+  __syncthreads();
+  p[threadIdx.x] = gtile[(threadIdx.x + 1) % 512];
+}
+"""
+
+
+@pytest.mark.anyio
+async def test_ptxas_counts_file_scope_shared_memory_of_a_kernel_built_with_rdc(tmp_path: Path) -> None:
+    nvcc = find_nvcc(None)
+    if nvcc is None:
+        pytest.skip("nvcc is not installed here")
+    k = Kernel(source=FILE_SCOPE_SHARED, entry="kern", compile_options=["-rdc=true"])
+    usage = await ptxas_usage(k, "sm_80", nvcc, tmp_path)
+    entry = usage.for_entry("kern") if usage is not None else None
+    # With -rdc=true ptxas leaves the array to the link and reported no shared memory: 0 bytes.
+    assert entry is not None and entry.shared_bytes == 512 * 4
 
 
 @pytest.mark.anyio

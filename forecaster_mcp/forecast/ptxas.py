@@ -39,10 +39,13 @@ _K = TypeVar("_K", bound=Hashable)
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = "3"
+CACHE_VERSION = "4"  # 4: callee spills charged to entries, -rdc left out
 _ARCH = re.compile(r"^sm_\d{2,3}[a-z]?$")
 _PLAIN_ARCH = re.compile(r"^sm_(\d{2,3})$")
 _DEVICE_C_FLAGS = ("-dc", "--device-c")
+# Relocatable device code leaves file-scope `__shared__` arrays to the link: ptxas then reports no shared memory
+# for the entry (2,048 bytes of `__shared__ float t[512]` read as 0), so the resource compile is whole-program.
+_RELOCATABLE = re.compile(r"^(?:-rdc|--relocatable-device-code)=")
 _RE_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
 _RE_PROPS = re.compile(r"Function properties for (\S+)")
 _RE_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
@@ -175,9 +178,15 @@ def stand_in_arch(arch: str, supported: Sequence[str]) -> str:
 def safe_options(options: list[str]) -> list[str]:
     """The kernel's compile options to pass here: those models.Kernel accepts (validation already rejects the
     rest; this guards kernels built without it), less the architecture flags, since this compile picks its own,
-    and less `-dc`, which names another output than the `-cubin` this compile makes."""
+    less `-dc`, which names another output than the `-cubin` this compile makes, and less `-rdc=...`, under which
+    ptxas cannot count file-scope shared memory (_RELOCATABLE)."""
     return [
-        o for o in options if compile_option_allowed(o) and not is_arch_option(o) and o not in _DEVICE_C_FLAGS
+        o
+        for o in options
+        if compile_option_allowed(o)
+        and not is_arch_option(o)
+        and o not in _DEVICE_C_FLAGS
+        and not _RELOCATABLE.match(o)
     ]
 
 
@@ -203,11 +212,18 @@ def parse_ptxas(output: str) -> tuple[PtxasEntry, ...]:
         if (m := _RE_USED.search(line)) and current_entry is not None:
             smem_match = _RE_SMEM.search(line)
             used[current_entry] = (int(m.group(1)), int(smem_match.group(1)) if smem_match else 0)
+    # Spills of a device function that is not inlined (`__noinline__`, recursion) are reported under its own
+    # name, not its caller's. Which entry calls it is not in the output, so each entry of the source is charged
+    # every such function's spills: exact for the usual source of one kernel, an over-count for a source whose
+    # kernels call different helpers. (Stack frames are left as reported: ptxas's own cumulative figure for the
+    # entry already counts the callees' frames.)
+    callee_stores = sum(f[1] for n, f in frames.items() if n not in order)
+    callee_loads = sum(f[2] for n, f in frames.items() if n not in order)
     out = []
     for name in order:
         regs, smem = used.get(name, (0, 0))
         stack, stores, loads = frames.get(name, (0, 0, 0))
-        out.append(PtxasEntry(name, regs, smem, stores, loads, stack))
+        out.append(PtxasEntry(name, regs, smem, stores + callee_stores, loads + callee_loads, stack))
     return tuple(out)
 
 
