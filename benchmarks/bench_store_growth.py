@@ -14,9 +14,12 @@ For each size it builds a store the way weeks of a search loop leave one, then t
   below_physical_floor), and forecasts as compare_kernels stores them: a final row under the engine's name on
   one of LEDGERS ledgers plus its raw:<component> row, in the three regimes. Most pairs have both kernels
   measured; the store's own verification SQL (_VERIFY, _VERIFY_FAILED) then sets what it would have set.
-- Then, per round: measure_kernel of a new configuration (replay, paid), compare_kernels right after it (the
-  engine is stale: the new measurement may have verified pairs), compare_kernels again (fresh), measure_kernel
-  of a measured configuration (cache hit), budget_status. Medians over ROUNDS rounds.
+- Then, per round: measure_kernel of a new configuration never compared (replay, paid; it verifies no pair),
+  compare_kernels right after it (the engine is stale), compare_kernels of an untried configuration against
+  three measured ones, measure_kernel of that configuration (it verifies the pairs it was just forecast in, as
+  a search loop's measurements do), compare_kernels right after it (the engine re-reads those pairs and refits
+  the forecaster names they changed), compare_kernels again (fresh), measure_kernel of a measured
+  configuration (cache hit), budget_status. Medians over ROUNDS rounds.
 """
 
 from __future__ import annotations
@@ -237,6 +240,20 @@ async def run_size(
                 async def measure_new() -> None:
                     structured(await client.call_tool("measure_kernel", {"kernel": kernel(next(fresh), "m")}))
 
+                # A search loop's step: compare an untried configuration against measured ones, then measure
+                # it; that measurement verifies the pairs it was just forecast in (the engine's final and raw
+                # rows), so the next compare re-signs and refits those forecaster names.
+                tried: list[dict[str, Any]] = []
+
+                async def compare_untried() -> None:
+                    tried.append(next(fresh))
+                    pick = [*rng.sample(configs[:ACTIVE_POINTS], 3), tried[-1]]
+                    cands = [kernel(d, f"c{j}") for j, d in enumerate(pick)]
+                    structured(await client.call_tool("compare_kernels", {"candidates": cands}))
+
+                async def measure_compared() -> None:
+                    structured(await client.call_tool("measure_kernel", {"kernel": kernel(tried[-1], "m")}))
+
                 async def measure_hit() -> None:
                     d = rng.choice(configs[:ACTIVE_POINTS])
                     structured(await client.call_tool("measure_kernel", {"kernel": kernel(d, "h")}))
@@ -249,6 +266,9 @@ async def run_size(
                     for name, fn in (
                         ("measure_kernel (replay, new)", measure_new),
                         ("compare_kernels (after a measurement)", compare),
+                        ("compare_kernels (an untried candidate)", compare_untried),
+                        ("measure_kernel (replay, the untried one)", measure_compared),
+                        ("compare_kernels (after it verified pairs)", compare),
                         ("compare_kernels (no new measurement)", compare),
                         ("measure_kernel (cache hit)", measure_hit),
                         ("compare_kernels (after a cache hit)", compare),

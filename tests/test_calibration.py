@@ -178,3 +178,15 @@ def test_a_gpu_s_own_pairs_count_once() -> None:
     cal = Calibrator.fit(p, faster, ["A100"] * 40)
     assert cal.for_hardware("A100").a == pytest.approx(cal.pooled.a)
     assert cal.for_hardware("A100").b == pytest.approx(cal.pooled.b)
+
+
+@pytest.mark.parametrize("n", [10, 57, 3000])
+def test_a_single_gpus_fit_is_that_of_its_own_pairs(n: int) -> None:
+    """With every pair on one GPU, its fit is taken from the pooled one (the same rows, the same prior) instead
+    of fitting the rows twice: it equals a fit on that GPU's pairs with the prior, number for number."""
+    rng = np.random.default_rng(n)
+    p = rng.random(n)
+    y = rng.random(n) < p**2
+    prior = Platt(a=0.8)
+    cal = Calibrator.fit(p, y, ["H100"] * n, prior=prior)
+    assert cal.hardware["H100"] == fit_platt(p, y, prior=prior)

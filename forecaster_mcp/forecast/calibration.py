@@ -198,7 +198,7 @@ class Calibrator:
         cls,
         p_raw: Sequence[float] | FloatArray,
         faster: Sequence[bool] | npt.NDArray[np.bool_],
-        hardware: Sequence[str],
+        hardware: Sequence[str] | npt.NDArray[np.object_],
         prior: Platt = Platt(),
     ) -> Calibrator:
         """Fit from verified non-tie pairs: raw p_faster, whether the candidate was faster, the GPU. `prior`
@@ -217,6 +217,11 @@ class Calibrator:
             mine, others = hw == h, hw != h
             if int(mine.sum()) < MIN_FIT_PAIRS:
                 continue  # for_hardware falls back to the pooled fit
+            if not others.any():
+                # Every pair is this GPU's, and its prior is `prior`: the pooled fit, on the same numbers (a
+                # second fit of every row cost 40 ms at 160,000 verified pairs).
+                per_hw[str(h)] = pooled
+                continue
             rest = (
                 fit_platt(p[others], y[others], prior=prior) if int(others.sum()) >= MIN_FIT_PAIRS else prior
             )

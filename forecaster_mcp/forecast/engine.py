@@ -37,7 +37,6 @@ Calibration state is persisted with `save_calibration(<slot>, "*")` for every sl
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -63,6 +62,7 @@ from forecaster_mcp.forecast.selective import (
     p_fail_of,
     refuted_below,
 )
+from forecaster_mcp.forecast.verified_rows import VerifiedRows
 from forecaster_mcp.models import ForecasterInfo, Verdict
 
 if TYPE_CHECKING:
@@ -334,7 +334,7 @@ class ForecastEngine:
         self._prior: dict[str, Platt] = {s: Platt(a=slopes[_component_of(s)]) for s in self._slots}
         self._calibrators: dict[str, Calibrator] = {s: Calibrator(self._prior[s]) for s in self._slots}
         self._combiner = Combiner.equal(names)
-        # What the last fits saw (_rows_signature of the rows): a refit happens when the rows change, not only
+        # What the last fits saw (verified_rows.rows_signature of the rows): a refit happens when the rows change, not only
         # their number (a re-measured kernel re-verifies its pairs, a new forecast replaces a pair's row).
         self._fit_signatures: dict[str, str] = {}
         self._combiner_signatures: dict[str, str] = {}
@@ -342,13 +342,11 @@ class ForecastEngine:
         self._history: dict[Regime, dict[str, tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]]] = {}
         self._history_signatures: dict[Regime, str] = {}
         self._thresholds: dict[tuple[str, float, Regime, str | None], ThresholdChoice] = {}
-        # The verified pairs as last read (`_read_verified`), by forecaster name and pair, and the sequence
-        # number of that read; the names whose pairs changed since the last completed refresh (None: all).
-        self._pairs: dict[str, dict[PairGroup, VerifiedPair]] | None = None
-        self._by_name: dict[str, list[VerifiedPair]] = {}
+        # The verified pairs as last read (`_read_verified`), by forecaster name (None: not read yet), and the
+        # sequence number of that read; the names whose pairs changed since the last completed refresh (None: all).
+        self._tables: dict[str, VerifiedRows] | None = None
         self._seq = 0
         self._dirty: set[str] | None = None
-        self._slot_rows: dict[str, list[VerifiedPair]] = {}
         self._slot_signatures: dict[str, str] = {}
         self._loaded = False
         self._stale = True
@@ -663,15 +661,7 @@ class ForecastEngine:
                 conf_list, correct_list = by_hw.setdefault(key, ([], []))
                 conf_list.append(max(p, 1.0 - p))
                 correct_list.append(right)
-        # Each threshold is certified on the latest HISTORY_WINDOW verified forecasts of its key (`threshold`):
-        # forecasts issued under an early, overconfident calibration otherwise stayed at the top of the
-        # confidence range for good, failed the first test of the fixed sequence and kept a GPU from ever
-        # deciding. Kept: as many as the smallest target error accepted needs.
-        keep = (
-            None
-            if self._history_window is None
-            else max(self._history_window, default_min_history(MIN_TARGET_ERROR, self._delta))
-        )
+        keep = self._history_keep()
         self._history[regime] = {
             k: (np.array(c if keep is None else c[-keep:]), np.array(r if keep is None else r[-keep:]))
             for k, (c, r) in by_hw.items()
@@ -745,7 +735,7 @@ class ForecastEngine:
             # stale again, and the next call re-reads what this read may have missed.
             self._stale = False
             # One read, split by forecaster name (row_names): the raw rows of every slot and the final rows.
-            by_name = await self._read_verified(store)
+            tables = await self._read_verified(store)
             dirty = self._dirty
 
             def changed(name: str) -> bool:
@@ -755,26 +745,30 @@ class ForecastEngine:
             # suffix.
             # A component's raw p_faster is its chance of being faster if both run: a pair verified by a kernel
             # failing (VerifiedPair.failure) scores the verdict (thresholds, below), not that calibration.
-            # Only the names whose pairs changed are filtered and signed again: the others' rows, and so their
-            # signatures, are those of the last refresh.
+            # Only the names whose pairs changed are signed again: the others' rows, and so their signatures, are
+            # those of the last refresh. Signatures and fit inputs come from the name's columns (VerifiedRows):
+            # the values _fit_calibrator would compute from the rows, without a pass over them in Python.
+            empty = VerifiedRows(_family_slot)
             for s in self._slots:
-                if changed(raw_name(self._stored(s))) or s not in self._slot_rows:
-                    self._slot_rows[s] = [
-                        v for v in by_name.get(raw_name(self._stored(s)), []) if v.failure is None
-                    ]
-                    self._slot_signatures[s] = _rows_signature(self._slot_rows[s])
-            rows, signatures = self._slot_rows, self._slot_signatures
+                if changed(raw_name(self._stored(s))) or s not in self._slot_signatures:
+                    table = tables.get(raw_name(self._stored(s)), empty)
+                    self._slot_signatures[s] = table.calibration_signature()
+            signatures = self._slot_signatures
             for s in self._slots:
                 if signatures[s] != self._fit_signatures.get(s):
-                    n = _component_of(s)
-                    self._calibrators[s] = self._fit_calibrator(
-                        s, [(n, Outcome(v.hardware, v.actual_speedup, {n: v.probs}, {n: s})) for v in rows[s]]
-                    )
+                    p_raw, faster, hardware = tables.get(
+                        raw_name(self._stored(s)), empty
+                    ).calibration_inputs()
+                    self._calibrators[s] = Calibrator.fit(p_raw, faster, hardware, prior=self._prior[s])
                     self._fit_signatures[s] = signatures[s]
                     await store.save_calibration(self._stored(s), POOLED, self._calibration_state(s))
             # The combination weights are learned on the components' model answers (joined per pair).
             combined = {n: signatures[n] for n in self._names}
             if len(self._names) > 1 and combined != self._combiner_signatures:
+                rows = {
+                    s: [v for v in tables.get(raw_name(self._stored(s)), empty).rows() if v.failure is None]
+                    for s in self._names
+                }
                 self._combiner = self._fit_combiner(_join(rows, self._names))
                 self._combiner_signatures = combined
                 await store.save_calibration(self._stored_name, POOLED, self._combiner_state())
@@ -782,47 +776,65 @@ class ForecastEngine:
                 name = self._stored_name + _SUFFIX[regime]
                 if not changed(name) and regime in self._history_signatures:
                     continue  # the same rows as at the last refresh: the same signature
-                final = one_per_measurement(by_name.get(name, []))
-                signature = _rows_signature(final)
+                # _set_regime_history of one_per_measurement(the name's rows), from its columns.
+                table = tables.get(name, empty)
+                signature = table.history_signature()
                 if signature != self._history_signatures.get(regime):
-                    self._set_regime_history(
-                        regime, [(v.hardware, v.p_faster, v.actual_speedup, v.family_key) for v in final]
-                    )
+                    self._history[regime] = table.history(self._history_keep(), POOLED)
+                    self._thresholds.clear()
                     self._history_signatures[regime] = signature
             self._dirty = set()
             self._fresh_until = self._clock() + self._refresh_interval_s
 
-    async def _read_verified(self, store: CalibrationStore) -> dict[str, list[VerifiedPair]]:
-        """The verified pairs by forecaster name, oldest first, as `store.verified_pairs()` returns them, and the
-        names whose pairs changed since the last read added to `_dirty`.
+    async def _read_verified(self, store: CalibrationStore) -> dict[str, VerifiedRows]:
+        """The verified pairs by forecaster name, as `store.verified_pairs()` returns them, and the names whose
+        pairs changed since the last read added to `_dirty`.
 
         A store with `verified_changes` is read for what changed since the last read only (a search loop
         measures once per compare: re-reading every verified pair after each measurement made a compare take
-        0.7 s at 16,000 verified rows, 7 s at 160,000); its pairs are kept here by pair (`PairGroup`)."""
+        0.7 s at 16,000 verified rows, 7 s at 160,000), and only those pairs are applied to the names' tables."""
         changes_since = getattr(store, "verified_changes", None)
         if changes_since is None:
-            by_name: dict[str, list[VerifiedPair]] = {}
-            for v in await store.verified_pairs():
-                by_name.setdefault(v.forecaster, []).append(v)
+            by_name: dict[str, list[tuple[PairGroup, VerifiedPair]]] = {}
+            for i, v in enumerate(await store.verified_pairs()):
+                # A store that does not number its rows: they come oldest first, numbered by their place.
+                v = v if v.row_id is not None else replace(v, row_id=i)
+                by_name.setdefault(v.forecaster, []).append(((v.forecaster, str(v.row_id), "", "", ""), v))
             self._dirty = None
-            return by_name
-        changes = await changes_since(None if self._pairs is None else self._seq)
-        if changes.full or self._pairs is None:
-            self._pairs, self._by_name = {}, {}
+            tables = {name: VerifiedRows(_family_slot) for name in by_name}
+            for name, pairs in by_name.items():
+                tables[name].apply([], pairs)
+            return tables
+        changes = await changes_since(None if self._tables is None else self._seq)
+        if changes.full or self._tables is None:
+            self._tables = {}
             self._dirty = None
-        touched: set[str] = set()
+        gone: dict[str, list[PairGroup]] = {}
         for g in changes.groups:
-            if self._pairs.get(g[0], {}).pop(g, None) is not None:
-                touched.add(g[0])
+            gone.setdefault(g[0], []).append(g)
+        added: dict[str, list[tuple[PairGroup, VerifiedPair]]] = {}
         for g, v in changes.pairs:
-            self._pairs.setdefault(g[0], {})[g] = v
-            touched.add(g[0])
+            added.setdefault(g[0], []).append((g, v))
+        touched: set[str] = set()
+        for name in {*gone, *added}:
+            table = self._tables.setdefault(name, VerifiedRows(_family_slot))
+            before = len(table)
+            table.apply(gone.get(name, []), added.get(name, []))
+            if before or len(table):
+                touched.add(name)
         self._seq = changes.seq
-        for name in touched if not changes.full else list(self._pairs):
-            self._by_name[name] = sorted(self._pairs.get(name, {}).values(), key=lambda v: v.row_id or 0)
         if self._dirty is not None:
             self._dirty |= touched
-        return self._by_name
+        return self._tables
+
+    def _history_keep(self) -> int | None:
+        # Each threshold is certified on the latest HISTORY_WINDOW verified forecasts of its key (`threshold`):
+        # forecasts issued under an early, overconfident calibration otherwise stayed at the top of the
+        # confidence range for good, failed the first test of the fixed sequence and kept a GPU from ever
+        # deciding. Kept: as many as the smallest target error accepted needs.
+        if self._history_window is None:
+            return None
+        return max(self._history_window, default_min_history(MIN_TARGET_ERROR, self._delta))
 
     def _calibration_state(self, name: str) -> str:
         return json.dumps(
@@ -876,15 +888,6 @@ class ForecastEngine:
                 self._combiner_signatures = {str(k): str(v) for k, v in d.get("rows", {}).items()}
             except (ValueError, KeyError, TypeError, AttributeError) as exc:
                 log.warning("ignoring unreadable combiner state of %s: %s", self.name, exc)
-
-
-def _rows_signature(rows: Sequence[VerifiedPair]) -> str:
-    """What a fit on `rows` depends on, in a few bytes: equal signatures, equal fits."""
-    digest = hashlib.sha256()
-    numbers = [x for v in rows for x in (v.p_faster, v.actual_speedup, len(v.probs), *v.probs)]
-    digest.update(np.array(numbers, dtype=np.float64).tobytes())
-    digest.update("\x1f".join(f"{v.hardware}\x1e{v.family_key}\x1e{v.pair}" for v in rows).encode())
-    return f"{len(rows)}:{digest.hexdigest()[:32]}"
 
 
 def _join(rows: Mapping[str, Sequence[VerifiedPair]], names: Sequence[str]) -> list[Outcome]:

@@ -1,0 +1,107 @@
+"""VerifiedRows, the columns the engine keeps per forecaster name and updates by the pairs that changed, gives
+what a straightforward recomputation from the name's rows gives: the rows, their signatures, the calibration
+(ForecastEngine._fit_calibrator on the rows) and the threshold history (_set_regime_history of
+one_per_measurement), after every step of a random sequence of pairs verified, re-verified, replaced and
+dropped."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+from test_engine import _scripted
+
+from forecaster_mcp.forecast.calibration import Calibrator
+from forecaster_mcp.forecast.engine import POOLED, ForecastEngine, Outcome, _family_slot, one_per_measurement
+from forecaster_mcp.forecast.verified_rows import VerifiedRows, rows_signature
+from forecaster_mcp.store.db import PairGroup, VerifiedPair
+
+
+def _pair(rng: random.Random, row_id: int, measurements: int = 8) -> VerifiedPair:
+    w = [rng.random() for _ in range(8)]
+    probs = [x / sum(w) for x in w]
+    p = rng.choice([0.5, sum(probs[4:]), rng.random()])
+    return VerifiedPair(
+        forecaster="raw:local@0",
+        hardware=rng.choice(["A100", "H100"]),
+        probs=probs,
+        p_faster=p,
+        actual_speedup=rng.choice([1.0, 1.01, 0.3, rng.lognormvariate(0, 1)]),  # ties among them
+        verdict="unsure",
+        created_at=0.0,
+        family_key=rng.choice([None, "", "fa", "fb", "fc"]),
+        pair=f"w|{row_id}",
+        failure=rng.choice([None, None, None, "compile_error"]),
+        verified_by=rng.choice([None, *range(measurements)]),  # several rows settled by one measurement
+        row_id=row_id,
+    )
+
+
+def _history(h: dict[str, Any]) -> dict[str, Any]:
+    return {k: (c.tolist(), r.tolist()) for k, (c, r) in h.items()}
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_columns_match_a_recomputation_from_the_rows(seed: int) -> None:
+    rng = random.Random(seed)
+    engine = ForecastEngine([_scripted("local")])
+    slot = engine._slots[0]
+    keep = rng.choice([3, 7, None])  # short windows, so that the newest-rows cut is exercised
+    engine._history_keep = lambda: keep  # type: ignore[method-assign]
+    table = VerifiedRows(_family_slot)
+    current: dict[PairGroup, VerifiedPair] = {}
+    ids = iter(rng.sample(range(1, 10_000), 2_000))  # new rows land anywhere in id order, not only at the end
+    groups: list[PairGroup] = [("raw:local@0", "A100", "w", f"a{i}", f"b{i}") for i in range(400)]
+    measurements = rng.choice([8, 150])
+    for step in range(30):
+        # The first read brings every pair (and many measurements at once); each later one a few.
+        touched = rng.sample(groups, 300 if step == 0 else rng.randrange(1, 12))
+        pairs = []
+        for g in touched:
+            r = rng.random()
+            if r < 0.2:
+                continue  # no verified pair now (its kernel's latest measurement is flagged)
+            same = current.get(g) if r < 0.4 else None  # the same row re-verified, or a newer row
+            pairs.append((g, _pair(rng, same.row_id if same and same.row_id else next(ids), measurements)))
+        for g in touched:
+            current.pop(g, None)
+        current.update(pairs)
+        table.apply(touched, pairs)
+
+        rows = sorted(current.values(), key=lambda v: v.row_id or 0)
+        assert table.rows() == rows
+        calibration_rows = [v for v in rows if v.failure is None]
+        assert table.calibration_signature() == rows_signature(calibration_rows)
+        expected = engine._fit_calibrator(
+            slot,
+            [("local", Outcome(v.hardware, v.actual_speedup, {"local": v.probs})) for v in calibration_rows],
+        )
+        p_raw, faster, hardware = table.calibration_inputs()
+        got = Calibrator.fit(p_raw, faster, hardware, prior=engine._prior[slot])
+        assert got.to_dict() == expected.to_dict()
+
+        final = one_per_measurement(rows)
+        assert table.history_signature() == rows_signature(final)
+        engine._set_regime_history(
+            "model", [(v.hardware, v.p_faster, v.actual_speedup, v.family_key) for v in final]
+        )
+        assert _history(table.history(keep, POOLED)) == _history(engine._history["model"])
+
+
+def test_a_changed_row_changes_the_signature() -> None:
+    """Equal signatures must mean equal fits: a row whose speedup, place or forecast differs signs otherwise."""
+    rng = random.Random(1)
+    rows = [_pair(rng, i) for i in range(1, 20)]
+    base = rows_signature(rows)
+    changed = [
+        [
+            *rows[:5],
+            VerifiedPair(**{**rows[5].__dict__, "actual_speedup": rows[5].actual_speedup * 1.0001}),
+            *rows[6:],
+        ],
+        [*rows[:5], VerifiedPair(**{**rows[5].__dict__, "row_id": 99}), *rows[6:]],
+        [*rows[:5], VerifiedPair(**{**rows[5].__dict__, "p_faster": 0.123}), *rows[6:]],
+        rows[1:],
+    ]
+    assert all(rows_signature(c) != base for c in changed)
