@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 import sqlite3
 import statistics
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,68 +58,103 @@ def _straightforward(db: Path, ledger: str) -> dict[str, Any]:
     }
 
 
-async def test_the_report_matches_a_straightforward_read(tmp_path: Path) -> None:
+async def _scenario(store: Store, check: Callable[[], Awaitable[None]]) -> None:
     """Pairs verified, re-verified, forecast both ways round, resting on a flagged measurement (left out until a
-    clean one), verified by a failure, decided by cache, on two ledgers and two GPUs: after each step the report
-    equals the straightforward read's, number for number."""
+    clean one), verified by a failure, decided by cache, on two ledgers and two GPUs; `check` after each step."""
     rng = random.Random(11)
+    for name in ("x", "y"):
+        await store.create_ledger(name, 1e6)
+    ks = [kernel(BS=i) for i in range(24)]
+    rows = []
+    for _ in range(150):
+        b, c = rng.sample(range(24), 2)
+        p = rng.random()
+        verdict = "faster" if p > 0.8 else "slower" if p < 0.2 else "unsure"
+        rows.append(
+            forecast(
+                ks[b],
+                ks[c],
+                p,
+                verdict,
+                ledger=rng.choice(["x", "y"]),
+                hardware=rng.choice(["A100", "H100"]),
+                decided_by=rng.choice(["forecast"] * 8 + ["cache", "measurement"]),
+                forecaster=rng.choice(["local", "local:unmeasured"]),
+            )
+        )
+    await store.save_forecasts(rows)
+    await check()
+    for i in range(20):
+        for hw in ("A100", "H100"):
+            await save(
+                store, ks[i], rng.uniform(0.5, 4.0), hardware=hw, ledger=rng.choice(["x", "y"]),
+                charged=rng.choice([0.5, 1.0, 2.0]),
+            )  # fmt: skip
+    await check()
+    await save(store, ks[3], 0.001, flags=("below_physical_floor",))  # its A100 pairs left out
+    await save(store, ks[5], 0.01, hardware="H100", flags=("events_disagree_with_wall_clock",))
+    await check()
+    await save(store, ks[20], status="compile_error")  # verified by the failure, also beside ks[3]
+    await save(store, ks[21], 1.3, cached=True)
+    await store.save_forecasts([forecast(ks[4], ks[3], 0.7, "faster"), forecast(ks[1], ks[2], 0.1, "slower")])
+    await check()
+    await save(store, ks[3], 1.9)  # measured clean again: its pairs count again
+    await check()
+
+
+async def test_the_report_matches_a_straightforward_read(tmp_path: Path) -> None:
+    """After each step of the scenario, budget_status's figures equal the straightforward read's, number for
+    number, on both ledgers."""
     db = tmp_path / "state" / "forecaster.sqlite3"
     store = await Store.open(db)
+
+    async def check() -> None:
+        for ledger in ("x", "y"):
+            report = await store.ledger_report(ledger)
+            got = {
+                "verified": report["forecasts"]["verified"],
+                "verified_correct": report["forecasts"]["verified_correct"],
+                "verified_pairs": report["calibration"]["verified_pairs"],
+                "brier": report["calibration"]["brier"],
+                "spared_gpu_seconds": report["gpu_seconds_saved"]["forecasts"],
+            }
+            assert got == _straightforward(db, ledger)
+
     try:
-        for name in ("x", "y"):
-            await store.create_ledger(name, 1e6)
-        ks = [kernel(BS=i) for i in range(24)]
+        await _scenario(store, check)
+    finally:
+        await store.close()
 
-        async def check() -> None:
-            for ledger in ("x", "y"):
-                report = await store.ledger_report(ledger)
-                expected = _straightforward(db, ledger)
-                got = {
-                    "verified": report["forecasts"]["verified"],
-                    "verified_correct": report["forecasts"]["verified_correct"],
-                    "verified_pairs": report["calibration"]["verified_pairs"],
-                    "brier": report["calibration"]["brier"],
-                    "spared_gpu_seconds": report["gpu_seconds_saved"]["forecasts"],
-                }
-                assert got == expected
 
-        rows = []
-        for _ in range(150):
-            b, c = rng.sample(range(24), 2)
-            p = rng.random()
-            verdict = "faster" if p > 0.8 else "slower" if p < 0.2 else "unsure"
-            rows.append(
-                forecast(
-                    ks[b],
-                    ks[c],
-                    p,
-                    verdict,
-                    ledger=rng.choice(["x", "y"]),
-                    hardware=rng.choice(["A100", "H100"]),
-                    decided_by=rng.choice(["forecast"] * 8 + ["cache", "measurement"]),
-                    forecaster=rng.choice(["local", "local:unmeasured"]),
+async def test_verified_pairs_match_a_per_row_check(tmp_path: Path) -> None:
+    """The verified pairs a first refresh reads (verified_pairs, verified_changes(None)) through the suspect
+    kernels are those of the per-row check (_ON_TRUSTED_RUNTIMES), row for row, after each step."""
+    db = tmp_path / "state" / "forecaster.sqlite3"
+    store = await Store.open(db)
+
+    async def check() -> None:
+        conn = sqlite3.connect(db)
+        try:
+            ids = [
+                i
+                for (i,) in conn.execute(
+                    "SELECT id FROM forecasts WHERE id IN (SELECT MAX(id) FROM forecasts NOT INDEXED WHERE "
+                    f"actual_speedup IS NOT NULL AND decided_by != 'cache' AND {_ON_TRUSTED_RUNTIMES} "
+                    f"GROUP BY forecaster, {_PAIR}) ORDER BY id"
                 )
-            )
-        await store.save_forecasts(rows)
-        await check()
-        for i in range(20):
-            for hw in ("A100", "H100"):
-                await save(
-                    store, ks[i], rng.uniform(0.5, 4.0), hardware=hw, ledger=rng.choice(["x", "y"]),
-                    charged=rng.choice([0.5, 1.0, 2.0]),
-                )  # fmt: skip
-        await check()
-        await save(store, ks[3], 0.001, flags=("below_physical_floor",))  # its A100 pairs left out
-        await save(store, ks[5], 0.01, hardware="H100", flags=("events_disagree_with_wall_clock",))
-        await check()
-        await save(store, ks[20], status="compile_error")  # verified by the failure, also beside ks[3]
-        await save(store, ks[21], 1.3, cached=True)
-        await store.save_forecasts(
-            [forecast(ks[4], ks[3], 0.7, "faster"), forecast(ks[1], ks[2], 0.1, "slower")]
-        )
-        await check()
-        await save(store, ks[3], 1.9)  # measured clean again: its pairs count again
-        await check()
+            ]
+        finally:
+            conn.close()
+        assert [v.row_id for v in await store.verified_pairs()] == ids
+        assert [v.row_id for _, v in (await store.verified_changes(None)).pairs] == ids
+        assert [v.row_id for v in await store.verified_pairs("local", "A100")] == [
+            i
+            for i, v in zip(ids, await store.verified_pairs(), strict=True)
+            if (v.forecaster, v.hardware) == ("local", "A100")
+        ]
+
+    try:
+        await _scenario(store, check)
     finally:
         await store.close()
 

@@ -536,7 +536,8 @@ _ON_TRUSTED_RUNTIMES = (
     f"(({_LATEST_OK.format(col='m.id', key='baseline_key')}), "
     f"({_LATEST_OK.format(col='m.id', key='candidate_key')})) AND {_SUSPECT.format(row='s')}))"
 )
-# _ON_TRUSTED_RUNTIMES for many rows at once (budget_status reads every verified forecast of a ledger): the
+# _ON_TRUSTED_RUNTIMES for many rows at once (budget_status reads every verified forecast of a ledger, a first
+# refresh every verified pair: Store.verified_pairs, verified_changes(None)): the
 # kernels whose latest ok measurement is flagged, found once (`_SUSPECT_KERNELS`: a few among thousands, read from
 # the measurements_suspect index; a WITH clause SQLite materializes as it is used twice, without the MATERIALIZED
 # keyword SQLite before 3.35 refuses), then looked up for each row's two kernels, instead of finding each row's
@@ -1683,10 +1684,10 @@ class Store:
         (`_ON_TRUSTED_RUNTIMES`): its speedup is not the kernels' (a kernel that skipped its work measured
         2000x faster), and recalibrating or certifying a threshold on it would score the forecast against it."""
         rows = await self._fetch(
-            f"SELECT {_VERIFIED_COLS} FROM forecasts WHERE id IN "
+            f"WITH {_SUSPECT_KERNELS} SELECT {_VERIFIED_COLS} FROM forecasts WHERE id IN "
             "(SELECT MAX(id) FROM forecasts WHERE actual_speedup IS NOT NULL "
             "AND decided_by != 'cache' AND (? IS NULL OR forecaster = ?) AND (? IS NULL OR hardware = ?) "
-            f"AND {_ON_TRUSTED_RUNTIMES} GROUP BY forecaster, {_PAIR}) ORDER BY id",
+            f"AND {_ON_TRUSTED_KERNELS} GROUP BY forecaster, {_PAIR}) ORDER BY id",
             (forecaster, forecaster, hardware, hardware),
         )
         return [_verified_pair(r) for r in rows]
@@ -1705,10 +1706,11 @@ class Store:
             top = await conn.execute_fetchall("SELECT coalesce(max(verify_seq), 0) FROM forecasts")
             seq = int(top[0][0])
             if since is None:
+                # Every verified row: the suspect kernels found once (_ON_TRUSTED_KERNELS), not per row.
                 rows = await conn.execute_fetchall(
-                    f"SELECT {_VERIFIED_COLS}, {_GROUP_COLS} FROM forecasts WHERE id IN "
+                    f"WITH {_SUSPECT_KERNELS} SELECT {_VERIFIED_COLS}, {_GROUP_COLS} FROM forecasts WHERE id IN "
                     "(SELECT MAX(id) FROM forecasts WHERE actual_speedup IS NOT NULL AND decided_by != 'cache' "
-                    f"AND {_ON_TRUSTED_RUNTIMES} GROUP BY forecaster, {_PAIR}) ORDER BY id"
+                    f"AND {_ON_TRUSTED_KERNELS} GROUP BY forecaster, {_PAIR}) ORDER BY id"
                 )
                 pairs = [(_group(r[12:]), _verified_pair(r)) for r in rows]
                 return VerifiedChanges(seq, [g for g, _ in pairs], pairs, full=True)
