@@ -162,6 +162,28 @@ async def test_a_problem_size_or_block_the_recording_was_not_made_with_is_refuse
             assert ok["status"] == "ok" and ok["runtime_ms"]["median"] == pytest.approx(0.554, abs=0.01)
 
 
+async def test_a_problem_of_ones_is_refused_and_labels_are_not_sizes(tmp_path: Path, conv_a100: Path) -> None:
+    """A workload.problem whose sizes are all 1 ({"width": 1, "height": 1}) was taken for one that gives no
+    sizes: answered with the recorded 4096 x 4096 time and charged, its message saying the recording does not
+    hold workload.problem. Refused now, free. Values that can be no size (a flag, a factor such as alpha 1.5,
+    0) are not compared as sizes: {"width": 4096, "height": 4096, "alpha": 1.5} was refused for "the sizes
+    1.5, 4096, 4096", which no renaming could fix."""
+    async with running(tmp_path, [conv_a100]) as (client, _):
+        for problem in ({"width": 1, "height": 1}, {"n": 1}, {"n": "1", "batched": 1.0}):
+            message = await error_of(
+                client, "measure_kernel", {"kernel": conv("a", FAST), "workload": {"problem": problem}}
+            )
+            assert "gives only sizes of 1" in message and "exactly the sizes 4096, 4096" in message, problem
+            assert "nothing was charged" in message
+        assert await spent(client) == 0.0
+        labelled = {"width": 4096, "height": 4096, "alpha": 1.5, "offset": 0, "dtype": "float32"}
+        ok = await call(
+            client, "measure_kernel", {"kernel": conv("b", FAST), "workload": {"problem": labelled}}
+        )
+        assert ok["status"] == "ok" and ok["runtime_ms"]["median"] == pytest.approx(0.554, abs=0.01)
+        assert ok["message"] is None
+
+
 async def test_a_result_says_what_the_recording_could_not_check(tmp_path: Path, conv_a100: Path) -> None:
     """A recording holds no grid, compiler flags or buffers: a request giving them was answered the recorded
     time as if it had been measured with them. It is still answered (nothing in the recording contradicts

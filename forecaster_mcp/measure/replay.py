@@ -158,13 +158,12 @@ _BLOCK_PARAMS = ("block_size_x", "block_size_y", "block_size_z")
 
 def _sizes(values: Sequence[Any]) -> list[int | float] | None:
     """Problem sizes compared as numbers, in order of size, a size of 1 left out (a dimension of one is no
-    dimension: [25000, 2048, 1] is the problem {"samples": 25000, "channels": 2048}); None when a value is no
-    number (a size given as a formula) or none is other than 1."""
+    dimension: [25000, 2048, 1] is the problem {"samples": 25000, "channels": 2048}, and [1, 1] has no sizes
+    left, []); None when a value is no number (a size given as a formula) or there are none."""
     numbers = [normalize_value(v) for v in values]
     if not numbers or not all(isinstance(n, int | float) for n in numbers):
         return None
-    sizes = sorted(cast(int | float, n) for n in numbers if n != 1)
-    return sizes or None
+    return sorted(cast(int | float, n) for n in numbers if n != 1)
 
 
 def _recorded_sizes(header: ReplayHeader) -> list[int | float] | None:
@@ -175,11 +174,23 @@ def _recorded_sizes(header: ReplayHeader) -> list[int | float] | None:
     return _sizes(recorded if isinstance(recorded, list) else [recorded])
 
 
+def _size_value(value: Any) -> int | None:
+    """`value` as a problem size: a whole number of at least 1 however spelt (4096, 4096.0, "4096"); None for
+    what can be no size: a label ("float32"), a flag (true), a factor (alpha 1.5), 0 or a negative."""
+    if isinstance(value, bool):
+        return None
+    number = normalize_value(value)
+    return number if isinstance(number, int) and number >= 1 else None
+
+
 def _given_sizes(workload: Workload) -> list[int | float] | None:
-    """The sizes a request's workload.problem gives: its values that are numbers (a label such as
-    {"dtype": "float32"} is none), as `_sizes`; None when it gives none."""
-    numbers = [v for v in workload.problem.values() if isinstance(normalize_value(v), int | float)]
-    return _sizes(numbers)
+    """The sizes a request's workload.problem gives (its values that can be sizes, `_size_value`), as `_sizes`:
+    [] when every one is 1 ({"n": 1} is no problem of 4096 x 4096); None when it gives none."""
+    return _sizes([size for value in workload.problem.values() if (size := _size_value(value)) is not None])
+
+
+def _fmt_given(sizes: Sequence[int | float]) -> str:
+    return f"the sizes {_fmt_values(sizes)}" if sizes else "only sizes of 1"
 
 
 def _block_axes(header: ReplayHeader) -> list[tuple[int, str]]:
@@ -196,7 +207,7 @@ def _contradiction(kernel: Kernel, workload: Workload, header: ReplayHeader, dev
     if recorded is not None and given is not None and given != recorded:
         parts.append(
             f"the recording {header.path.name} was made for problem_size {header.problem_size}, and this "
-            f"request's workload.problem gives the sizes {_fmt_values(given)}: a replay answers only for the "
+            f"request's workload.problem gives {_fmt_given(given)}: a replay answers only for the "
             "recorded problem. Send workload.problem with exactly the sizes "
             f"{_fmt_values(recorded)} (under any names; sizes of 1 may be left out), or leave it out."
         )
