@@ -22,6 +22,20 @@ _HOST_VALUE = re.compile(
 )
 # Settings that name files: they lose only surrounding line breaks (`_trimmed`).
 _PATH_SETTINGS = frozenset({"home", "replay", "nvcc"})
+
+
+def host_key(host: str) -> str:
+    """A Host header value as the server compares it: lower case, without the trailing dot of a fully qualified
+    name (`MCP.Example.com.:443` is `mcp.example.com:443`). A host name is case-insensitive and its trailing dot
+    names the same host: an operator's `--allowed-host MCP.example.com` never equalled the lower-case Host a
+    browser or nginx's `$host` sends, and every request was refused (421)."""
+    host = host.lower()
+    if host.startswith("["):  # a bracketed IPv6 address: no name to end in a dot
+        return host
+    name, sep, port = host.partition(":")
+    return (name.rstrip(".") or name) + sep + port
+
+
 # FORECASTER_MCP_* variables read elsewhere, not settings: a client's bearer token, the test suite's switches.
 OTHER_VARIABLES = frozenset({"TOKEN", "FORBID_REAL_API", "GPU_TESTS"})
 
@@ -147,13 +161,19 @@ class Settings(BaseModel):
             if not host:
                 continue
             if not _HOST_VALUE.fullmatch(host):
-                hint = " (a URL: pass its host alone)" if "/" in host else ""
+                hint = (
+                    " (a URL: pass its host alone)"
+                    if "/" in host
+                    else " (an IPv6 address goes in brackets: [::1], [::1]:8443)"
+                    if host.count(":") > 1 and not host.startswith("[")
+                    else ""
+                )
                 raise ValueError(
                     f"{host[:80]!r} is not a Host header value{hint}: pass a name or address as clients reach "
                     "the server, with :PORT or :* if they name a port, e.g. mcp.example.com or [::1]:8443 "
                     "(--allowed-host, env FORECASTER_MCP_ALLOWED_HOSTS, comma-separated)"
                 )
-            out.append(host)
+            out.append(host_key(host))
         return out
 
     @field_validator("anthropic_api_key")

@@ -400,3 +400,32 @@ def test_a_tls_proxy_keeping_the_host_reaches_a_loopback_server_named_by_allowed
         assert _post_initialize(srv, token, Host="gpu-box.example.com", Origin="https://evil.example") == 403
     finally:
         srv.stop()
+
+
+def test_allowed_hosts_are_names_as_clients_send_them(tmp_path: Path) -> None:
+    # A Host name is case-insensitive, a trailing dot names the same host, and a client leaves the scheme's own
+    # port out of Host. `--allowed-host GPU-Box.Example.com:443` refused every request through a proxy on 443
+    # (its clients send `gpu-box.example.com`, nginx's $host is lower case), `other.example:*` refused the name
+    # without a port, and `Host: LOCALHOST:PORT` or `localhost.:PORT` from this machine got 421.
+    home = tmp_path / "srv"
+    token = _ledger_and_token(home, "alice", 5)
+    srv = start_http(home, ["--allowed-host", "GPU-Box.Example.com:443", "--allowed-host", "other.example:*"])
+    try:
+        for host in (
+            "gpu-box.example.com",
+            "gpu-box.example.com:443",
+            "GPU-BOX.example.com.",
+            "other.example",
+            "other.example:9000",
+            f"LOCALHOST:{srv.port}",
+            f"localhost.:{srv.port}",
+        ):
+            assert _post_initialize(srv, token, Host=host) == 200, host
+        for host in ("gpu-box.example.com:8443", "evil.example", "gpu-box.example.com.evil.example"):
+            assert _post_initialize(srv, token, Host=host) == 421, host
+        assert _post_initialize(srv, None, Host="gpu-box.example.com") == 401
+        for origin in ("https://gpu-box.example.com", "https://other.example", "http://other.example:9000"):
+            assert _post_initialize(srv, token, Host="gpu-box.example.com", Origin=origin) == 200, origin
+        assert _post_initialize(srv, token, Host="gpu-box.example.com", Origin="https://evil.example") == 403
+    finally:
+        srv.stop()

@@ -60,6 +60,15 @@ def test_an_allowed_host_that_could_never_match_a_host_header_is_refused(
     assert "'https://mcp.example.com/mcp' is not a Host header value (a URL: pass its host alone)" in err
 
 
+def test_an_unbracketed_ipv6_allowed_host_is_refused_with_how_to_write_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`::1` is no Host header value (a client sends `[::1]:8765`): the refusal says to bracket it."""
+    code, out, err = run(capsys, "serve", "--http", "--allowed-host", "fe80::1")
+    assert code == 2 and out == ""
+    assert "'fe80::1' is not a Host header value (an IPv6 address goes in brackets: [::1], [::1]:8443)" in err
+
+
 def test_serve_http_with_ledger_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     """An HTTP server charges each token's ledger: --ledger would be silently ignored."""
     # An out-of-range port: were --ledger not refused first, the server would refuse the port, never serve.

@@ -54,7 +54,7 @@ from forecaster_mcp.models import (
 from forecaster_mcp.reports import BudgetStatus, GpuSpecRow
 from forecaster_mcp.server.arg_errors import compact_validation_error
 from forecaster_mcp.service import Service
-from forecaster_mcp.settings import Settings
+from forecaster_mcp.settings import Settings, host_key
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -581,12 +581,18 @@ def transport_security(host: str, allowed_hosts: Sequence[str]) -> TransportSecu
         return TransportSecuritySettings(enable_dns_rebinding_protection=False)
     hosts: list[str] = []
     origins: list[str] = []
-    for name in dict.fromkeys(names):
+    for name in dict.fromkeys(host_key(n) for n in names):  # as _ComparableHost gives the request's Host
         bare, sep, port = ("", "", "") if name.endswith("]") else name.rpartition(":")
         if sep:
             hosts.append(name)
             origins += [f"http://{name}", f"https://{name}"]
-            # A browser leaves the scheme's own port out of Origin.
+            # A client leaves the scheme's own port out of Host, and a browser out of Origin: behind a proxy on 443,
+            # `--allowed-host mcp.example.com:443` is asked for as `mcp.example.com`.
+            # So does `:*` (any port) answer the name without one.
+            if port in ("80", "443", "*"):
+                hosts.append(bare)
+            if port == "*":
+                origins += [f"http://{bare}", f"https://{bare}"]
             origins += {"80": [f"http://{bare}"], "443": [f"https://{bare}"]}.get(port, [])
         else:  # no port named: any port, or none (a proxy on 443 passes `mcp.example.com`)
             hosts += [name, f"{name}:*"]
@@ -598,6 +604,29 @@ def transport_security(host: str, allowed_hosts: Sequence[str]) -> TransportSecu
         allowed_hosts=hosts,
         allowed_origins=list(dict.fromkeys(origins)),
     )
+
+
+class _ComparableHost:
+    """ASGI wrapper that gives the app the request's Host header as `settings.host_key` writes the allowed ones
+    (lower case, no trailing dot), so that the SDK's exact comparison treats the header as the case-insensitive
+    name it is: `Host: LOCALHOST:8765` or `localhost.:8765` (this machine, by a name the DNS-rebinding check
+    cannot mean to refuse) was refused (421)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope.get("type") in ("http", "websocket"):
+            headers = scope.get("headers") or []
+            fixed = [
+                (name, host_key(value.decode("latin-1")).encode("latin-1"))
+                if name == b"host"
+                else (name, value)
+                for name, value in headers
+            ]
+            if fixed != list(headers):
+                scope = {**scope, "headers": fixed}
+        await self.app(scope, receive, send)
 
 
 class _RefusedHostHint(logging.Filter):
@@ -690,7 +719,7 @@ async def serve(
                 logging.getLogger("mcp.server.transport_security").addFilter(_RefusedHostHint())
                 _limit_sessions_per_ledger(server.session_manager, settings.max_sessions_per_ledger)
                 config = uvicorn.Config(
-                    app,
+                    _ComparableHost(app),
                     host=host,
                     port=port,
                     log_level="warning",
