@@ -763,6 +763,34 @@ async def test_with_several_samples_the_pair_text_is_a_third_breakpoint() -> Non
 
 
 @pytest.mark.anyio
+async def test_a_baseline_no_other_request_reads_is_not_written_to_the_cache() -> None:
+    """With one sample, a compare of one candidate (or an evaluation's pair against a baseline of its own) marked
+    its baseline block for caching all the same: a cache write, 1.25x the input price, that no request read. The
+    block is marked only when another request will read it: several of the call's requests send it, or one sent
+    it a cache lifetime ago or less (a search comparing its current best with one candidate at a time); the
+    third compare against that baseline then reads it."""
+    api = CachingApi()
+    f = ClaudeForecaster("k", MODEL, samples=1, http_client=api.client(), features=None)
+    queries = _same_baseline(3)
+    for q in queries:
+        await f.forecast([q])
+    marked = ["cache_control" in body["messages"][0]["content"][0] for body in api.bodies]
+    assert marked == [False, True, True]
+    system = sum(CachingApi.size(b) for b in CachingApi.blocks(api.bodies[0])[:-2])
+    shared = CachingApi.size(api.bodies[0]["messages"][0]["content"][0])
+    assert api.tokens[0]["write"] == system  # the system prompt only, not the baseline
+    assert api.tokens[1]["write"] == shared and api.tokens[2]["read"] == system + shared
+
+    # A batch: a baseline of one request is not marked; one that several requests send is.
+    mock = AnthropicMock(lambda params: tool_answer(FASTER))
+    own = replace(queries[0], baseline=queries[0].baseline.model_copy(update={"defines": {"BLOCK": 128}}))
+    await make(mock, samples=1, sleep=recording_sleep()[1]).forecast_batch([own, *queries[:2]])
+    [batch] = mock.batches.values()
+    by_id = {r["custom_id"]: r["params"]["messages"][0]["content"][0] for r in batch.requests}
+    assert ["cache_control" in by_id[f"q{i}-s0-r0"] for i in range(3)] == [False, True, True]
+
+
+@pytest.mark.anyio
 async def test_tokens_of_a_model_with_no_known_price_are_reported_not_shown_as_free(tmp_path: Any) -> None:
     """claude_model set to a name the price table lacks: budget_status says how many tokens its cost_usd
     leaves out, instead of a bare, exact-looking $0."""

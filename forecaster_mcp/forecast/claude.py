@@ -6,9 +6,9 @@ to import, which the server's start-up path must not pay when no key is configur
 How one pair is forecast:
 - the prompt is a fixed system prompt (instructions, the 8 bins from `forecaster_mcp.bins`, output rules)
   marked for prompt caching, then a per-pair user message in two blocks: the part every pair against the same
-  baseline shares (GPU, workload, the baseline's source and static features), marked for caching too, so the
-  other candidates of a compare (and later compares against that baseline) read it from the cache; then the
-  candidate's part (its kernel, what differs, its static features);
+  baseline shares (GPU, workload, the baseline's source and static features), marked for caching too when another
+  request will read it (`_marked`), so the other candidates of a compare (and later compares against that
+  baseline) read it from the cache; then the candidate's part (its kernel, what differs, its static features);
 - the answer is forced structured output: a forced tool call, or on models that refuse forced tool use
   (Opus 5.5, Sonnet 5.5, ...) a JSON-schema output format;
 - `samples` separate requests are sampled, validated, averaged, and shrunk toward uniform by how much
@@ -356,6 +356,9 @@ class ClaudeForecaster:
         self._cache_warm_until = 0.0  # of the system prompt
         # Per shared block (a baseline on a GPU and workload), by its hash: until when the cache holds it.
         self._shared_warm_until: OrderedDict[str, float] = OrderedDict()
+        # Per shared block, by its hash: until when a request that sent it (marked or not) is recent enough that
+        # another request for it is likely, and the block worth the cache write (`_marked`).
+        self._shared_sent_until: OrderedDict[str, float] = OrderedDict()
         # What the API's usage said of earlier warm-ups: a prompt below the model's minimum cacheable length is
         # neither written nor read, and a warm-up for it only holds the other requests back. The prefix up to the
         # shared block grows with that block's text (the system prompt is the same in every request), and up to
@@ -403,6 +406,7 @@ class ClaudeForecaster:
                     for i, p in enumerate(texts)
                     if prompt.utf8_size(p.text) <= prompt.MAX_PROMPT_BYTES and len(got[i]) < self.samples
                 ]
+                texts = self._marked(texts, [(i, self.samples - len(got[i])) for i in fits])
                 if fits and self._warm_cache:
                     await self._warm_up_shared(texts, fits, usage, problems, got)
                 try:
@@ -458,6 +462,27 @@ class ClaudeForecaster:
             and self._shared_warm_until.get(_digest(shared), 0.0) <= now
         ]
         await _gather_or_cancel([self._warm_up(texts[i], usage, problems, got[i]) for i in todo])
+
+    def _marked(
+        self, texts: Sequence[prompt.PairPrompt], sends: Sequence[tuple[int, int]]
+    ) -> list[prompt.PairPrompt]:
+        """`texts` with their shared block marked for caching where another request will read it: more than one
+        of the requests about to be sent (`sends`: (text, how many requests)) carries it, or a request sent it a
+        cache lifetime ago or less (a search comparing candidates against its current best one at a time). A
+        block only this request sends is not marked: its cache write costs 1.25x its input price, and nothing
+        would read it (an evaluation's pairs, each against a baseline of its own, paid a quarter more for each)."""
+        count: dict[str, int] = {}
+        for i, n in sends:
+            count[texts[i].shared] = count.get(texts[i].shared, 0) + n
+        now = time.monotonic()
+        return [
+            replace(
+                p,
+                cache_shared=count.get(p.shared, 0) > 1
+                or self._shared_sent_until.get(_digest(p.shared), 0.0) > now,
+            )
+            for p in texts
+        ]
 
     def _answered(self, text: str) -> tuple[_Sample, ...]:
         """The samples of an earlier complete answer to this prompt (none if there is none)."""
@@ -522,8 +547,9 @@ class ClaudeForecaster:
                 if not pending:
                     break
                 mode = self._mode
+                marked = self._marked(texts, [(i, 1) for i, _ in pending])
                 requests = {
-                    f"q{i}-s{j}-r{round_no}": self._params(texts[i], mode, max_tokens)
+                    f"q{i}-s{j}-r{round_no}": self._params(marked[i], mode, max_tokens)
                     for (i, j), max_tokens in pending.items()
                 }
                 outcomes, gave_up = await self._run_batches(requests)
@@ -605,8 +631,8 @@ class ClaudeForecaster:
         several samples, the pair's own block carrying a breakpoint too, the same of every pair's text)."""
         cached: list[bool] = []
         got.append(await self._sample(text, usage, problems, cached))
-        if not cached or any(cached):
-            return
+        if not cached or any(cached) or not text.cache_shared:
+            return  # (an unmarked shared block: only the system prompt was asked to be cached)
         if len(text.shared) > self._shared_uncacheable_chars:
             log.info("%s cached nothing of a prompt of %d characters", self.model, len(text.text))
         self._shared_uncacheable_chars = max(self._shared_uncacheable_chars, len(text.shared))
@@ -702,10 +728,9 @@ class ClaudeForecaster:
         until = time.monotonic() + _CACHE_TTL_S
         self._cache_warm_until = until
         key = _digest(text.shared)
-        self._shared_warm_until[key] = until
-        self._shared_warm_until.move_to_end(key)
-        while len(self._shared_warm_until) > _SHARED_WARM_KEPT:
-            self._shared_warm_until.popitem(last=False)
+        _note(self._shared_sent_until, key, until)
+        if text.cache_shared:
+            _note(self._shared_warm_until, key, until)
         return message, mode
 
     def _rejection_hint(self, kind: str) -> str:
@@ -789,11 +814,9 @@ class ClaudeForecaster:
         covers the tool definition too; the second, on the shared block, covers the baseline (read by every other
         pair against it); the third (several samples) covers the pair's own text. Three of the API's four
         breakpoints. A prefix below the model's minimum cacheable length is simply not cached."""
-        shared_block: dict[str, Any] = {
-            "type": "text",
-            "text": text.shared,
-            "cache_control": {"type": "ephemeral"},
-        }
+        shared_block: dict[str, Any] = {"type": "text", "text": text.shared}
+        if text.cache_shared:
+            shared_block["cache_control"] = {"type": "ephemeral"}
         user_block: dict[str, Any] = {"type": "text", "text": text.own}
         if self.samples > 1:
             user_block["cache_control"] = {"type": "ephemeral"}
@@ -1131,6 +1154,13 @@ def _result_line(line: str) -> tuple[str | None, Any]:
 def _unreadable_note(named: Sequence[str]) -> str:
     shown = "; ".join(named[:5]) + (f"; and {len(named) - 5} more" if len(named) > 5 else "")
     return f"{len(named)} batch result line(s) could not be read, their samples left unanswered ({shown})"
+
+
+def _note(until_by_key: OrderedDict[str, float], key: str, until: float) -> None:
+    until_by_key[key] = until
+    until_by_key.move_to_end(key)
+    while len(until_by_key) > _SHARED_WARM_KEPT:
+        until_by_key.popitem(last=False)
 
 
 def _digest(text: str) -> str:

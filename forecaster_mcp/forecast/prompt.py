@@ -208,10 +208,13 @@ def _strip_code_fence(text: str) -> str:
 class PairPrompt:
     """A pair's user message in two parts. `shared`: what every pair against the same baseline on the same GPU and
     workload has in common (the GPU, the workload, the baseline with its source and its static features), sent as a
-    block of its own that the prompt cache can hold; `own`: the candidate's part. `text` is the whole message."""
+    block of its own that the prompt cache can hold; `own`: the candidate's part. `text` is the whole message.
+    `cache_shared`: whether the shared block is marked for caching (a write costs 1.25x the input price, paid back
+    only by a later request that reads it)."""
 
     shared: str
     own: str
+    cache_shared: bool = True
 
     @property
     def text(self) -> str:
