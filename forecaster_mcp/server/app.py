@@ -568,7 +568,7 @@ def transport_security(host: str, allowed_hosts: Sequence[str]) -> TransportSecu
 
     On a loopback address, as the SDK and the MCP specification have it: this machine's names, plus
     `allowed_hosts` (the name a TLS reverse proxy passes on). On another address only with `allowed_hosts`
-    (the names clients use cannot be guessed), with the address itself (every interface: this machine's
+    (the names clients use cannot be guessed), with the address itself (every interface: this machine's loopback
     names); without them there is no check.
     The bearer token is checked first either way: the list is a second line, for a token that reached a
     browser page, and the specification's requirement that a server validate Origin."""
