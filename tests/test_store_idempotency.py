@@ -196,6 +196,54 @@ async def test_a_key_is_claimed_once_until_answered(tmp_path: Path) -> None:
         await b.close()
 
 
+# Another server process: claims its key K2, says the claim's id, and holds it until its stdin closes.
+CLAIM_HOLDER = textwrap.dedent(
+    """
+    import asyncio, sys
+    from pathlib import Path
+    from forecaster_mcp.store.db import Store
+
+    async def main(db):
+        store = await Store.open(Path(db))
+        claim = await store.claim_key("run", "K2", {"kernel": "z"}, 60.0)
+        print(claim.id, flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+        await store.close()
+
+    asyncio.run(main(sys.argv[1]))
+    """
+)
+
+
+async def test_giving_up_an_answered_claim_leaves_another_servers_claim_alone(tmp_path: Path) -> None:
+    # A claim's row is deleted when its measurement is saved; a claim taken next (here by another server
+    # process) may get the same row id (SQLite reuses the largest rowid), and the late give-up of the first
+    # request (service: after its save) must not delete it: the key it guards would be free while measured.
+    db = tmp_path / "shared.sqlite3"
+    a, b = await Store.open(db), await Store.open(db)
+    proc: subprocess.Popen[str] | None = None
+    try:
+        await a.create_ledger("run", 10)
+        claim = await a.claim_key("run", "K", {"kernel": "x"}, 1.0)
+        assert isinstance(claim, KeyClaim)
+        await _save(a, "K", "x", cached=False)  # answered: the save drops the claim
+        proc = _start(CLAIM_HOLDER, str(db))
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        assert ready, proc.stderr and proc.stderr.read()
+        assert int(proc.stdout.readline()) == claim.id  # the row id is reused (what makes the case)
+        await a.release_claim(claim)  # the first request gives its claim up after its save
+        assert await b.claim_key("run", "K2", {"kernel": "y"}, 1.0) == KeyTaken({"kernel": "z"})
+        with sqlite3.connect(db) as conn:
+            assert conn.execute("SELECT idempotency_key FROM idempotency_claims").fetchall() == [("K2",)]
+    finally:
+        if proc is not None:
+            if proc.poll() is None:
+                proc.communicate(timeout=30)
+        await a.close()
+        await b.close()
+
+
 # ---------------------------------------------------------------- measure_kernel under one key, two servers
 
 SRC = "__global__ void vadd(const float* a, const float* b, float* c, int n) { c[0] = a[0] + b[0]; }\n"

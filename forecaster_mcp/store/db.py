@@ -1194,8 +1194,19 @@ class Store:
         again. A database too locked to take it now is retried in the background, as `commit_later` does, so
         that the key is not held, and its retries kept waiting, for the life of this process."""
 
+        me = self._owner
+
         async def body(conn: Any) -> None:
-            await conn.execute("DELETE FROM idempotency_claims WHERE id = ?", (claim.id,))
+            # Not by id alone: a claim answered is deleted by its save (or one expired, by a take-over), and
+            # SQLite gives the next claim the largest rowid free again, maybe this one's; deleting that by id
+            # would free another request's key (another kernel then measured under it, a retry paid twice).
+            # Only this process's claim on this key is ours (a key is never claimed again once answered, and
+            # a live owner's claim is never taken over by itself).
+            await conn.execute(
+                "DELETE FROM idempotency_claims WHERE id = ? AND ledger = ? AND idempotency_key = ? "
+                "AND owner_pid = ? AND owner_host = ? AND owner_pidns IS ? AND owner_start IS ?",
+                (claim.id, claim.ledger, claim.idempotency_key, me.pid, me.host, me.pidns, me.start),
+            )
 
         try:
             await self._write(body)
