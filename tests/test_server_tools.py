@@ -263,6 +263,18 @@ async def test_bad_input_is_a_clear_error_and_charges_nothing(tmp_path: Path, co
         assert await service.store.idempotent_request("team", "nope") is None
 
 
+async def test_a_misspelt_field_is_one_line_naming_the_field_meant(tmp_path: Path, conv_a100: Path) -> None:
+    # pydantic's frame came with it: "1 validation error for measure_kernelArguments" before the summary and
+    # "[type=invalid_arguments, input_value='(above)', input_type=str]" after, on three lines.
+    async with running(tmp_path, [conv_a100]) as (client, _service):
+        typo = {**conv("a", FAST), "entyr": "convolution_kernel"}
+        msg = await error_of(client, "measure_kernel", {"kernel": typo})
+        assert "\n" not in msg
+        assert "kernel.entyr: Extra inputs are not permitted (did you mean 'entry'?)" in msg
+        assert "validation error for" not in msg and "input_value" not in msg
+        assert "nothing was run or charged" in msg
+
+
 async def test_one_mistake_over_many_candidates_is_one_short_line(tmp_path: Path, conv_a100: Path) -> None:
     # pydantic's text echoed every error of every item (a null define fails each branch of int | float | str):
     # 64 candidates made 40 KB, an agent's context spent on one mistake.

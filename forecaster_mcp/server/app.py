@@ -52,7 +52,7 @@ from forecaster_mcp.models import (
     candidate_count_problem,
 )
 from forecaster_mcp.reports import BudgetStatus, GpuSpecRow
-from forecaster_mcp.server.arg_errors import compact_validation_error
+from forecaster_mcp.server.arg_errors import compact_validation_error, field_names
 from forecaster_mcp.service import Service
 from forecaster_mcp.settings import Settings, host_key
 
@@ -183,7 +183,7 @@ class _CompactArgumentErrors(FuncMetadata):
         try:
             return super().validate_arguments(arguments_to_validate)
         except ValidationError as exc:
-            raise compact_validation_error(exc) from None
+            raise compact_validation_error(exc, field_names(self.arg_model)) from None
 
 
 def _registered(mcp: MCPServer, tool: Callable[..., Any]) -> Any:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails, PydanticCustomError
 
 MAX_LINES = 8
@@ -74,8 +74,43 @@ def _merged(errors: Sequence[ErrorDetails]) -> list[tuple[Loc, str, Any]]:
 MAX_ERRORS_READ = 1000
 
 
-def summary(exc: ValidationError) -> str:
-    """The errors of `exc`, one line per (place, message), naming the list items that share it."""
+def field_names(model: type[BaseModel]) -> frozenset[str]:
+    """Every field name of `model` and of the models nested in it, for "did you mean" on a misspelt field."""
+    names: set[str] = set()
+    todo: list[Any] = [model]
+    seen: set[int] = set()
+    while todo:
+        t = todo.pop()
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        if isinstance(t, type) and issubclass(t, BaseModel):
+            for name, field in t.model_fields.items():
+                names.add(field.alias or name)
+                todo.append(field.annotation)
+        for arg in getattr(t, "__args__", ()) or ():
+            todo.append(arg)
+        todo.extend(getattr(t, "__metadata__", ()) or ())
+        origin = getattr(t, "__origin__", None)
+        if origin is not None:
+            todo.append(origin)
+    return frozenset(names)
+
+
+def _did_you_mean(loc: Loc, msg: str, known: frozenset[str]) -> str:
+    """`msg` for a field the tool does not take, with the known field names closest to it."""
+    import difflib  # only error paths need it
+
+    if not known or not loc or not isinstance(loc[-1], str) or msg != "Extra inputs are not permitted":
+        return msg
+    # A name some other model takes (a buffer's `name` sent in a Kernel) is no misspelling of itself.
+    close = difflib.get_close_matches(loc[-1], sorted(known - {loc[-1]}), n=2, cutoff=0.6)
+    return f"{msg} (did you mean {' or '.join(repr(c) for c in close)}?)" if close else msg
+
+
+def summary(exc: ValidationError, known_fields: frozenset[str] = frozenset()) -> str:
+    """The errors of `exc`, one line per (place, message), naming the list items that share it; a field not
+    taken gets the closest of `known_fields` as a suggestion. One problem comes on one line."""
     groups: dict[tuple[str, str], list[tuple[Loc, Any]]] = {}
     if exc.error_count() > MAX_ERRORS_READ:
         # Each error costs a dict of its own (with its input): a list of a million bad items took gigabytes to
@@ -85,6 +120,7 @@ def summary(exc: ValidationError) -> str:
         errors = exc.errors(include_url=False)
     merged = _merged(errors)
     for loc, msg, value in merged:
+        msg = _did_you_mean(loc, msg, known_fields)
         groups.setdefault((_path(loc, any_item=True), msg), []).append((loc, value))
     lines = []
     for (pattern, msg), found in list(groups.items())[:MAX_LINES]:
@@ -105,16 +141,34 @@ def summary(exc: ValidationError) -> str:
     text = "\n".join(lines)
     if len(text) > MAX_CHARS:
         text = text[: MAX_CHARS - 3] + "..."
-    return f"the arguments do not fit the tool; nothing was run or charged: correct and resend\n{text}"
+    head = "the arguments do not fit the tool; nothing was run or charged: correct and resend"
+    if len(lines) == 1:
+        return (
+            f"the arguments do not fit the tool, nothing was run or charged: {text[2:]}; correct and resend"
+        )
+    return f"{head}\n{text}"
 
 
-def compact_validation_error(exc: ValidationError) -> ValidationError:
+class ArgumentsError(ValidationError):
+    """A ValidationError whose text is the summary alone: the SDK reports `str()` of it to the agent, and
+    pydantic's own text wraps a message in "1 validation error for compare_kernelsArguments" and
+    "[type=..., input_value=..., input_type=...]", noise around the one line the agent should read."""
+
+    def __str__(self) -> str:
+        return str(self.errors(include_url=False)[0]["msg"])
+
+
+def compact_validation_error(
+    exc: ValidationError, known_fields: frozenset[str] = frozenset()
+) -> ValidationError:
     """A ValidationError whose text is `summary(exc)` (the SDK reports a ValidationError's text to the agent)."""
-    return ValidationError.from_exception_data(
+    return ArgumentsError.from_exception_data(
         exc.title,
         [
             {
-                "type": PydanticCustomError("invalid_arguments", "{summary}", {"summary": summary(exc)}),
+                "type": PydanticCustomError(
+                    "invalid_arguments", "{summary}", {"summary": summary(exc, known_fields)}
+                ),
                 "loc": (),
                 "input": "(above)",
             }
