@@ -188,6 +188,10 @@ def test_canonical_name_and_suggest() -> None:
     assert "H100-SXM5-80GB" in suggest("H10")
     assert "RTX 4090" in suggest("rtx 4080")
     assert suggest("zzzzzzzz") == []
+    # a letter O for a zero, an easy slip in a GPU name, found nothing to suggest
+    assert suggest("H1OO")[0] == "H100-SXM5-80GB"
+    assert suggest("b2oo")[0].startswith("B200")
+    assert suggest("RTX 4O90")[0] == "RTX 4090"
 
 
 def test_table_covers_the_required_gpus() -> None:

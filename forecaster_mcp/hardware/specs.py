@@ -663,6 +663,11 @@ def suggest(name: str, limit: int = 5) -> list[str]:
             by_key.setdefault(key, row.spec.name)
         by_key.setdefault(row.spec.name.lower(), row.spec.name)
     probe = query.model or name.lower().strip()
+    if not out and any(c.isdigit() for c in probe) and "o" in probe:
+        # A letter O typed for a zero ("H1OO", "B2OO"): difflib finds half the characters wrong and no match.
+        zeros = _parse(name.replace("o", "0").replace("O", "0"))
+        if zeros.model:
+            out += [row.spec.name for row in _rows() if zeros.model in row.models]
     for key in difflib.get_close_matches(probe, list(by_key), n=limit * 2, cutoff=0.6):
         out.append(by_key[key])
     unique = list(dict.fromkeys(out))
