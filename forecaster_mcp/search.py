@@ -752,6 +752,14 @@ def search_command(settings: Any, args: Any) -> int:
         raise OperatorError(
             f"--measurements and --seeds must be at least 1 (got {args.measurements} and {args.seeds})"
         )
+    from forecaster_mcp.forecast.evaluate import is_pairs_file
+
+    if str(args.recording).endswith(".jsonl") and is_pairs_file(Path(args.recording)):
+        raise OperatorError(
+            f"{args.recording} is a pairs file (make-pairs writes them): `forecaster-mcp eval {args.recording}` "
+            "scores the forecaster on it; a search needs a whole recorded space, a Kernel Tuner cache file (.json "
+            "or .json.gz)"
+        )
     if str(args.recording).endswith(".jsonl"):
         raise OperatorError(
             f"{args.recording} is a `forecaster-mcp export` file: it replays the kernels it holds (serve --replay), "

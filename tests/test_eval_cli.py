@@ -796,3 +796,21 @@ def test_eval_batch_still_asks_the_local_model_in_chunks(
     assert [sorted(p["raw"]) for p in preds].count(["claude", "local"]) == 9
     notes = json.loads((out / "metrics.json").read_text())["notes"]
     assert any("forecaster local skipped on 1 of 10 pairs" in n for n in notes), notes
+
+
+def test_a_file_given_to_the_wrong_command_is_named_with_the_command_that_reads_it(
+    conv_a100: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # eval on a recording said "not UTF-8 text (byte 0x8b at column 2)"; search and make-pairs on a pairs file
+    # called it a `forecaster-mcp export` file.
+    assert main(["eval", str(conv_a100)]) == 2
+    err = capsys.readouterr().err
+    assert "is gzip-compressed (a Kernel Tuner recording?), not a pairs file" in err
+    assert f"forecaster-mcp make-pairs {conv_a100} --history 100 --out pairs.jsonl" in err
+    pairs = _write(tmp_path / "pairs.jsonl", [_pair(0, 64, 128, 1.5)])
+    assert main(["make-pairs", str(pairs), "--out", str(tmp_path / "more.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert "pairs.jsonl is a pairs file" in err and "export" not in err
+    assert main(["search", str(pairs), "--measurements", "2", "--seeds", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"forecaster-mcp eval {pairs}` scores the forecaster on it" in err and "export" not in err

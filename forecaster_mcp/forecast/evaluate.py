@@ -174,12 +174,33 @@ EVAL_PTXAS_WAIT_S = 1800.0
 EVAL_CHUNK_PAIRS = 1000
 
 
+def is_pairs_file(path: Path) -> bool:
+    """Whether `path` starts with a pairs-file line (a pair or a history point), to tell a user who passed one
+    where a recording or an export belongs what the file is."""
+    try:
+        with path.open("rb") as f:
+            first = b""
+            for raw in f:
+                if raw.strip():
+                    first = raw
+                    break
+        d = json.loads(first.decode("utf-8-sig"))
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(d, dict) and ("history" in d or ("baseline" in d and "candidate" in d))
+
+
 def read_pairs_file(path: Path) -> PairsFile:
     """Parse a pairs file; OperatorError naming the file and line for anything malformed."""
     try:
         data = path.read_bytes()
     except OSError as exc:
         raise OperatorError(f"cannot read pairs file {path}: {exc}") from exc
+    if data[:2] == b"\x1f\x8b":
+        raise OperatorError(
+            f"{path} is gzip-compressed (a Kernel Tuner recording?), not a pairs file (JSON lines): make one from "
+            f"a recording with `forecaster-mcp make-pairs {path} --history 100 --out pairs.jsonl`, then eval that"
+        )
     try:
         text = data.decode("utf-8-sig")  # a leading byte-order mark (some editors write one) is skipped
     except UnicodeDecodeError as exc:
@@ -989,6 +1010,12 @@ def make_pairs_command(settings: Settings, args: argparse.Namespace) -> int:
     from forecaster_mcp.cli import check_writable_file, write_atomically
 
     exports = [str(r) for r in args.recordings if str(r).endswith(".jsonl")]
+    pairs_files = [e for e in exports if is_pairs_file(Path(e))]
+    if pairs_files:
+        raise OperatorError(
+            f"{pairs_files[0]} is a pairs file (make-pairs writes them, `forecaster-mcp eval` reads them): "
+            "make-pairs draws configurations of a Kernel Tuner cache file (.json or .json.gz)"
+        )
     if exports:
         raise OperatorError(
             f"{exports[0]} is a `forecaster-mcp export` file: it replays the kernels it holds (serve --replay), "
