@@ -277,7 +277,8 @@ def test_make_pairs_then_eval_with_calibration(
     assert main(["make-pairs", str(conv_a100), "-n", "80", "--seed", "1", "--out", str(again)]) == 0
     assert pairs.read_bytes() == again.read_bytes()  # the seed fixes the sample
     assert main(["make-pairs", str(conv_a100), "-n", "120", "--seed", "2", "--out", str(cal)]) == 0
-    assert "wrote 80 pairs" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "wrote 80 pairs" in out and "recordings" not in out  # "from 1 recording"
 
     rows = [json.loads(line) for line in pairs.read_text().splitlines()]
     assert len(rows) == 80 and len({r["id"] for r in rows}) == 80

@@ -865,3 +865,11 @@ async def test_a_candidate_that_does_not_compile_is_ranked_last_and_not_measured
     assert by_id["notc"]["verdict"] != "faster"
     assert "baseline does not compile" in by_id["strided"]["rationale"]
     assert any("broken (the baseline)" in n for n in swapped["notes"])
+
+
+async def test_a_family_of_one_measurement_is_said_in_the_singular(tmp_path: Path, conv_a100: Path) -> None:
+    async with running(tmp_path, [conv_a100]) as (client, _service):
+        await call(client, "measure_kernel", {"kernel": conv("fast", FAST)})
+        out = await call(client, "compare_kernels", {"candidates": [conv("fast", FAST), conv("slow", SLOW)]})
+        rationale = out["candidates"][0]["rationale"]
+        assert "only 1 measurement of this family" in rationale, rationale

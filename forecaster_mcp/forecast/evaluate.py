@@ -1033,5 +1033,6 @@ def make_pairs_command(settings: Settings, args: argparse.Namespace) -> int:
     except OSError as exc:
         raise _write_failed(args.out, exc) from exc
     extra = f" and {len(history)} history points" if history else ""
-    print(f"wrote {len(pairs)} pairs{extra} from {len(args.recordings)} recordings to {args.out}")
+    n_rec = len(args.recordings)
+    print(f"wrote {len(pairs)} pairs{extra} from {n_rec} recording{'' if n_rec == 1 else 's'} to {args.out}")
     return 0

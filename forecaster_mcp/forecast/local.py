@@ -1825,7 +1825,10 @@ class LocalForecaster:
             "prior": 1.0,
         }
         if same_family:
-            why = f"only {int(extras['n_family_ok'])} measurements of this family (need {MIN_FAMILY_POINTS})"
+            n_ok = int(extras["n_family_ok"])
+            why = (
+                f"only {n_ok} measurement{'' if n_ok == 1 else 's'} of this family (need {MIN_FAMILY_POINTS})"
+            )
         else:
             why = "different kernels, not both measured or modelled"
         if shift.reasons:
