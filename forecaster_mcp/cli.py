@@ -154,7 +154,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--ledger", help="ledger a stdio server charges (env FORECASTER_MCP_LEDGER)")
     serve.add_argument("--hardware", help="default GPU for forecasts, e.g. H100")
-    serve.add_argument("--measurer", choices=["auto", "replay", "pycuda", "none"])
+    serve.add_argument(
+        "--measurer",
+        choices=["auto", "replay", "pycuda", "none"],
+        help="how measure_kernel measures (auto: replay with --replay, else pycuda where a GPU is; env "
+        "FORECASTER_MCP_MEASURER)",
+    )
     serve.add_argument(
         "--isolate-ledgers",
         action="store_true",
@@ -167,21 +172,21 @@ def _parser() -> argparse.ArgumentParser:
     ledger = sub.add_parser("ledger", help="operator: create, top up and show GPU-second ledgers")
     lsub = ledger.add_subparsers(dest="action", required=True)
     create = lsub.add_parser("create", help="create a ledger with a limit")
-    create.add_argument("name")
-    create.add_argument("--gpu-seconds", type=float, required=True)
+    create.add_argument("name", help="the ledger's name (what --ledger and token issue --ledger name)")
+    create.add_argument("--gpu-seconds", type=float, required=True, help="its limit, in GPU-seconds")
     topup = lsub.add_parser("topup", help="raise a ledger's limit")
-    topup.add_argument("name")
-    topup.add_argument("--gpu-seconds", type=float, required=True)
+    topup.add_argument("name", help="an existing ledger")
+    topup.add_argument("--gpu-seconds", type=float, required=True, help="GPU-seconds added to its limit")
     show = lsub.add_parser("show", help="show one ledger or all")
-    show.add_argument("name", nargs="?")
-    show.add_argument("--json", action="store_true")
+    show.add_argument("name", nargs="?", help="one ledger in detail (default: a table of all)")
+    show.add_argument("--json", action="store_true", help="print JSON instead of text")
     ledger.set_defaults(handler="forecaster_mcp.store.admin:ledger_command")
 
     token = sub.add_parser("token", help="operator: issue and revoke bearer tokens for HTTP")
     tsub = token.add_subparsers(dest="action", required=True)
     issue = tsub.add_parser("issue", help="issue a token for a ledger (printed once)")
-    issue.add_argument("--ledger", required=True)
-    issue.add_argument("--label", default=None)
+    issue.add_argument("--ledger", required=True, help="the ledger the token's requests are charged to")
+    issue.add_argument("--label", default=None, help="a note shown by token list (who or what holds it)")
     revoke = tsub.add_parser("revoke", help="revoke a token")
     revoke.add_argument("token", help="the token, or its id or fingerprint from `token list`")
     tsub.add_parser("list", help="list tokens (never their secret)")
@@ -197,10 +202,15 @@ def _parser() -> argparse.ArgumentParser:
     ex.set_defaults(handler="forecaster_mcp.store.admin:export_command")
 
     ev = sub.add_parser("eval", help="forecaster metrics on a pairs file (JSON lines)")
-    ev.add_argument("pairs", type=Path)
+    ev.add_argument("pairs", type=Path, help="pairs file (JSON lines), e.g. from make-pairs")
     ev.add_argument("--out", type=Path, default=Path("eval-out"), help="folder for metrics.json and plots")
     ev.add_argument("--forecaster", default="local", help="local, claude or local+claude")
-    ev.add_argument("--target-error", type=float, default=None)
+    ev.add_argument(
+        "--target-error",
+        type=float,
+        default=None,
+        help="largest acceptable error rate among decided verdicts (default 0.1; env FORECASTER_MCP_TARGET_ERROR)",
+    )
     ev.add_argument("--calibrate-on", type=Path, default=None, help="pairs file to fit calibration on first")
     ev.add_argument("--no-ptxas", action="store_true", help="skip nvcc/ptxas resource features")
     ev.add_argument(
@@ -211,10 +221,10 @@ def _parser() -> argparse.ArgumentParser:
     ev.set_defaults(handler="forecaster_mcp.forecast.evaluate:eval_command")
 
     mp = sub.add_parser("make-pairs", help="write a pairs file sampled from Kernel Tuner recordings")
-    mp.add_argument("recordings", type=Path, nargs="+")
-    mp.add_argument("-n", type=int, default=1000, help="pairs per recording")
-    mp.add_argument("--seed", type=int, default=0)
-    mp.add_argument("--out", type=Path, required=True)
+    mp.add_argument("recordings", type=Path, nargs="+", help="Kernel Tuner cache files (.json or .json.gz)")
+    mp.add_argument("-n", type=int, default=1000, help="pairs per recording (1000)")
+    mp.add_argument("--seed", type=int, default=0, help="random seed: the same seed writes the same file (0)")
+    mp.add_argument("--out", type=Path, required=True, help="the pairs file to write (.jsonl)")
     mp.add_argument(
         "--history",
         type=int,
@@ -224,7 +234,7 @@ def _parser() -> argparse.ArgumentParser:
     mp.set_defaults(handler="forecaster_mcp.forecast.evaluate:make_pairs_command")
 
     se = sub.add_parser("search", help="budgeted search over a replay space through the MCP tools")
-    se.add_argument("recording", type=Path)
+    se.add_argument("recording", type=Path, help="Kernel Tuner cache file (.json or .json.gz) to search")
     se.add_argument(
         "--measurements",
         type=int,
