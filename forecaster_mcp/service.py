@@ -193,7 +193,11 @@ class Service:
         return cls(settings, store, forecasters, measurers, notes)
 
     async def preload(self) -> None:
-        """Warm what the first measurement would otherwise wait for (parsing replay recordings)."""
+        """Warm what the first calls would otherwise wait for: the replay recordings' parsing (0.1-0.4 s a
+        file), then the forecast engine's first read of the verified pairs (a full read: 6 s on a store of
+        200,000 forecasts, benchmarks/bench_store_growth.py, which the first compare_kernels paid). A call
+        arriving meanwhile waits for the same work (the recording's load, the engine's lock); none is done
+        twice."""
         for m in self.measurers:
             warm = getattr(m, "preload", None) or getattr(getattr(m, "inner", None), "preload", None)
             if warm is not None:
@@ -203,6 +207,10 @@ class Service:
                     print(f"forecaster-mcp: warning: {one_line(str(exc), 400)}", file=sys.stderr)
                 except Exception:
                     log.warning("preloading %s failed", m.name, exc_info=True)
+        try:
+            await self.engine.refresh()
+        except Exception:  # the first compare_kernels reads again (and keeps forecasting if that fails too)
+            log.warning("preloading the forecast engine failed", exc_info=True)
 
     async def close(self) -> None:
         for m in self.measurers:

@@ -527,3 +527,43 @@ async def test_a_suspect_measurement_teaches_the_family_model_nothing(tmp_path: 
         assert status.spent_gpu_seconds == pytest.approx(spent + 0.5)
     finally:
         await svc.close()
+
+
+async def test_preload_reads_the_verified_pairs_before_the_first_compare(tmp_path: Any) -> None:
+    """A restarted server's first compare_kernels made the engine's full read of every verified pair (6 s on a
+    store of 200,000 forecasts); preload, which serve starts in the background, now does it, so the first
+    compare reads nothing of them."""
+    from forecaster_mcp.service import Service, build_forecasters
+    from forecaster_mcp.store.db import Store
+
+    fake = FakeMeasurer(["A100-PCIE-40GB"], gpu_seconds=0.5)
+    fake.script("a", runtime_ms=1.0)
+    fake.script("b", runtime_ms=2.0)
+    svc = await _service(tmp_path, fake)
+    try:  # a verified pair: forecast, then both kernels measured
+        await _compare(svc, _kernels("a", "b"), measure_if_unsure=False, max_measurements=0)
+        for k in _kernels("a", "b"):
+            await svc.measure(ledger="team", kernel=k, workload=Workload(), hardware="A100")
+        assert await svc.store.verified_pairs()
+    finally:
+        await svc.close()
+
+    store = await Store.open(svc.settings.db_path)
+    again = Service(svc.settings, store, build_forecasters(svc.settings, store), [fake])
+    reads: list[str] = []
+    for name in ("verified_pairs", "verified_changes"):
+        real = getattr(store, name)
+
+        async def counted(*args: Any, _real: Any = real, _name: str = name, **kw: Any) -> Any:
+            reads.append(_name)
+            return await _real(*args, **kw)
+
+        setattr(store, name, counted)
+    try:
+        await again.preload()
+        assert reads, "preload read no verified pairs"
+        reads.clear()
+        await _compare(again, _kernels("a", "b"), measure_if_unsure=False, max_measurements=0)
+        assert reads == []  # the first compare of this process found them read
+    finally:
+        await again.close()
