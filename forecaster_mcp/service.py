@@ -1172,13 +1172,17 @@ class Service:
             max_runs=max_runs,
         )
         fingerprint = measurer.device_fingerprint(device)
-        # A measurer that answers several spellings of a kernel with one result (a replay: defines 32 and 32.0
-        # are one recorded entry) names the kernel its results are stored under; the request's own keys, under
-        # which such results were stored before, are still looked up.
+        # A measurer that answers several spellings of a kernel or workload with one result (a replay: defines
+        # 32 and 32.0, or problem {width: 4096, height: 4096} and none, are one recorded entry) names the kernel
+        # and workload its results are stored under; the request's own keys, under which such results were
+        # stored before, are still looked up.
+        keyed = request
         cache_kernel = getattr(measurer, "cache_kernel", None)
-        keyed = (
-            request if cache_kernel is None else dataclasses.replace(request, kernel=cache_kernel(request))
-        )
+        if cache_kernel is not None:
+            keyed = dataclasses.replace(keyed, kernel=cache_kernel(request))
+        cache_workload = getattr(measurer, "cache_workload", None)
+        if cache_workload is not None:
+            keyed = dataclasses.replace(keyed, workload=cache_workload(request))
         cache_key = _cache_key(keyed, fingerprint)
         save: dict[str, Any] = {
             "cache_key": cache_key,

@@ -16,6 +16,7 @@ from replay_kernels import FAST, conv
 from tool_calls import call, error_of, running
 
 from forecaster_mcp.cli import main
+from forecaster_mcp.measure.replay import ReplayMeasurer
 
 pytestmark = pytest.mark.anyio
 
@@ -98,6 +99,62 @@ async def test_defines_spelt_differently_for_one_recorded_entry_are_charged_once
         # Another recorded entry is still a measurement of its own.
         other = await call(client, "measure_kernel", {"kernel": conv("c", {**FAST, "block_size_x": 64})})
         assert not other["cost"]["cached"] and await spent(client) > paid
+
+
+@pytest.mark.parametrize("realtime", [0.0, 1e-9], ids=["replay", "replay-realtime"])
+async def test_the_recorded_problem_under_any_names_or_none_is_charged_once(
+    tmp_path: Path, conv_a100: Path, realtime: float
+) -> None:
+    """The A100 convolution recording is of problem_size [4096, 4096]: workload.problem {width: 4096,
+    height: 4096}, the same sizes under other names or in another order, and no workload are answered with one
+    recorded entry, but each was keyed by its own workload and charged the same 0.018 GPU-s again. The second
+    and later are now cache hits, free, with the first one's answer. A workload the answer tells apart (args,
+    which its message names as unchecked) is still a measurement of its own."""
+    async with running(tmp_path, [conv_a100], replay_realtime=realtime) as (client, _):
+        problem = {"problem": {"width": 4096, "height": 4096}}
+        first = await call(client, "measure_kernel", {"kernel": conv("a", FAST), "workload": problem})
+        paid = await spent(client)
+        assert paid > 0 and not first["cost"]["cached"]
+        for n, workload in enumerate(
+            (
+                None,
+                {},
+                {"problem": {}},
+                {"problem": {"height": 4096, "width": 4096}},
+                {"problem": {"nx": 4096.0, "ny": "4096", "nz": 1}},
+                {"problem": {"width": 4096, "height": 4096, "dtype": "float32"}, "name": "image"},
+            )
+        ):
+            arguments: dict[str, object] = {"kernel": conv(f"b{n}", FAST)}
+            if workload is not None:
+                arguments["workload"] = workload
+            again = await call(client, "measure_kernel", arguments)
+            assert again["cost"]["cached"] and again["cost"]["gpu_seconds"] == 0.0, workload
+            assert again["runtime_ms"] == first["runtime_ms"] and again["message"] is None
+        assert await spent(client) == pytest.approx(paid, abs=1e-9)
+        args = {"args": [{"name": "out", "dtype": "float32", "shape": [4096, 4096], "intent": "out"}]}
+        told = await call(client, "measure_kernel", {"kernel": conv("c", FAST), "workload": args})
+        assert not told["cost"]["cached"] and "workload.args" in told["message"]
+        assert await spent(client) > paid
+
+
+async def test_a_result_stored_under_its_workloads_own_key_is_still_found(
+    tmp_path: Path, conv_a100: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A measurement stored before the replay keyed the recorded problem as no workload (under the key of
+    {width: 4096, height: 4096} itself, as a server without ReplayMeasurer.cache_workload stores it) still
+    answers that request, free, after a restart."""
+    problem = {"problem": {"height": 4096, "width": 4096}}
+    monkeypatch.delattr(ReplayMeasurer, "cache_workload")
+    async with running(tmp_path, [conv_a100]) as (client, _):
+        await call(client, "measure_kernel", {"kernel": conv("a", FAST), "workload": problem})
+        paid = await spent(client)
+    monkeypatch.undo()
+    assert hasattr(ReplayMeasurer, "cache_workload")
+    async with running(tmp_path, [conv_a100], ledger_seconds=None) as (client, _):
+        again = await call(client, "measure_kernel", {"kernel": conv("b", FAST), "workload": problem})
+        assert again["cost"]["cached"] and again["cost"]["gpu_seconds"] == 0.0
+        assert await spent(client) == pytest.approx(paid, abs=1e-9)
 
 
 async def test_an_export_keeps_defines_spelt_differently_apart(tmp_path: Path, conv_a100: Path) -> None:

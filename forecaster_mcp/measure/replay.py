@@ -1005,16 +1005,40 @@ class ReplayMeasurer:
         block_size_x = 32, 32.0, "32.0" and "0x20", answered with one recorded entry, are one measurement and
         charged once; a kernel an export answers, or none does, as it is (an export matches exactly)."""
         kernel = request.kernel
-        try:
-            device = self._device(request.device)
-            if self._export_of(request, device) is not None:
-                return kernel
-            self._recording(device, kernel)
-        except NotMeasurable:
+        if self._recording_answering(request) is None:
             return kernel
         return kernel.model_copy(
             update={"defines": {k: normalize_value(v) for k, v in kernel.defines.items()}}
         )
+
+    def cache_workload(self, request: MeasureRequest) -> Workload:
+        """The workload whose stored results answer `request` (the service keys its cache by it): for a kernel
+        a recording answers, a workload that gets the very answer no workload gets (no args, and no problem or
+        exactly the recorded sizes under any names, in any order, with sizes of 1 or labels beside them) is the
+        empty workload, so {width: 4096, height: 4096}, {height: 4096, width: 4096} and none, answered with one
+        recorded entry, are one measurement and charged once. Any other workload (one the result's message
+        tells apart, or that the recording refuses), and any for an export (it matches exactly), as it is."""
+        workload = request.workload
+        rec = self._recording_answering(request)
+        if rec is None or workload.args:
+            return workload
+        if workload.problem:
+            recorded = _recorded_sizes(rec.header)
+            if recorded is None or _given_sizes(workload) != recorded:
+                return workload
+        # model_copy keeps the workload's ledger scope (Workload.scoped), which its history key carries.
+        return workload.model_copy(update={"problem": {}, "name": None})
+
+    def _recording_answering(self, request: MeasureRequest) -> _Recording | None:
+        """The recording that holds `request`'s kernel on its device; None when an export answers it (an
+        export matches exactly) or nothing does."""
+        try:
+            device = self._device(request.device)
+            if self._export_of(request, device) is not None:
+                return None
+            return self._recording(device, request.kernel)
+        except NotMeasurable:
+            return None
 
     def reservation_seconds(self, request: MeasureRequest) -> float:
         """The exact charge of the recorded entry (parsing its file here on first use, so the hold is never
