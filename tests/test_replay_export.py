@@ -94,6 +94,27 @@ def test_export_refuses_an_empty_store_and_replay_refuses_a_file_that_is_not_an_
         ReplayMeasurer([bad])
 
 
+def test_serve_replay_names_a_pairs_file_and_what_replay_takes(
+    tmp_path: Path, conv_a100: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`serve --replay pairs.jsonl` (what make-pairs writes, for `forecaster-mcp eval`) said only 'line 1: not a
+    forecaster-mcp-measurement/1 line; pass a file `forecaster-mcp export` wrote'. It now says the file looks
+    like a pairs file for eval, and that --replay takes a Kernel Tuner cache file or an export; a file with
+    history points first is known too."""
+    home = str(tmp_path / "home")
+    for name, extra in (("pairs.jsonl", []), ("history.jsonl", ["--history", "3"])):
+        pairs = tmp_path / name
+        argv = ["--home", home, "make-pairs", str(conv_a100), "-n", "4", "--seed", "1", "--out", str(pairs)]
+        assert main([*argv, *extra]) == 0
+        capsys.readouterr()
+        assert main(["--home", home, "serve", "--replay", str(pairs)]) == 2
+        err = capsys.readouterr().err
+        assert "looks like a pairs file for `forecaster-mcp eval`" in err, err
+        assert f"`forecaster-mcp eval {pairs}`" in err
+        assert "--replay takes a Kernel Tuner cache file (.json or .json.gz)" in err
+        assert "`forecaster-mcp export` wrote" in err
+
+
 def test_replay_refuses_an_export_line_with_an_impossible_cost(tmp_path: Path) -> None:
     """A corrupt export must not reach the ledger: a NaN or negative recorded cost is refused at start-up."""
     from forecaster_mcp.errors import OperatorError

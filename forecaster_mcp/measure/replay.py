@@ -743,6 +743,20 @@ def _expand(paths: Sequence[Path | str]) -> Iterator[tuple[Path, bool]]:
             raise OperatorError(f"replay recording not found: {path}")
 
 
+def _starts_like_pairs_file(path: Path) -> bool:
+    """Whether the first non-blank line of `path` is a line of a pairs file for `forecaster-mcp eval` (a pair:
+    baseline and candidate; or a history point), so `--replay pairs.jsonl` can say what the file is. Read only
+    on the way to refusing the file. The same test as forecast.evaluate.is_pairs_file, kept here so a
+    measurer does not import the evaluation code (numpy, the forecasters) that itself imports this module."""
+    try:
+        with path.open("rb") as f:
+            first = next((raw for raw in f if raw.strip()), b"")
+        doc = json.loads(first.decode("utf-8-sig"))
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(doc, dict) and ("history" in doc or ("baseline" in doc and "candidate" in doc))
+
+
 def _refuse_or_skip(exc: ValueError, explicit: bool, hint: str) -> None:
     """A file that is not a recording: an OperatorError when it was named, skipped with a warning when a
     folder held it."""
@@ -769,7 +783,20 @@ class ReplayMeasurer:
                 try:
                     found, digest = read_export(path)
                 except ValueError as exc:
-                    _refuse_or_skip(exc, explicit, "pass a file `forecaster-mcp export` wrote")
+                    why = exc
+                    if _starts_like_pairs_file(path):
+                        why = ValueError(
+                            f"{path} is not a replay export: it looks like a pairs file for `forecaster-mcp "
+                            "eval` (make-pairs writes them; its first line is a pair or a history point, not "
+                            f"a {EXPORT_FORMAT} measurement), which `forecaster-mcp eval {path}` scores the "
+                            "forecaster on"
+                        )
+                    _refuse_or_skip(
+                        why,
+                        explicit,
+                        "--replay takes a Kernel Tuner cache file (.json or .json.gz) or a file "
+                        "`forecaster-mcp export` wrote",
+                    )
                     continue
                 self._exported.update(found)
                 for device in dict.fromkeys(k[0] for k in found):
