@@ -176,18 +176,11 @@ EVAL_CHUNK_PAIRS = 1000
 
 def is_pairs_file(path: Path) -> bool:
     """Whether `path` starts with a pairs-file line (a pair or a history point), to tell a user who passed one
-    where a recording or an export belongs what the file is."""
-    try:
-        with path.open("rb") as f:
-            first = b""
-            for raw in f:
-                if raw.strip():
-                    first = raw
-                    break
-        d = json.loads(first.decode("utf-8-sig"))
-    except (OSError, ValueError, RecursionError):
-        return False
-    return isinstance(d, dict) and ("history" in d or ("baseline" in d and "candidate" in d))
+    where a recording or an export belongs what the file is (the test lives with the replay, which needs it
+    without importing this module)."""
+    from forecaster_mcp.measure.replay import starts_like_pairs_file
+
+    return starts_like_pairs_file(path)
 
 
 def read_pairs_file(path: Path) -> PairsFile:

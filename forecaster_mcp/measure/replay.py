@@ -743,11 +743,11 @@ def _expand(paths: Sequence[Path | str]) -> Iterator[tuple[Path, bool]]:
             raise OperatorError(f"replay recording not found: {path}")
 
 
-def _starts_like_pairs_file(path: Path) -> bool:
+def starts_like_pairs_file(path: Path) -> bool:
     """Whether the first non-blank line of `path` is a line of a pairs file for `forecaster-mcp eval` (a pair:
     baseline and candidate; or a history point), so `--replay pairs.jsonl` can say what the file is. Read only
-    on the way to refusing the file. The same test as forecast.evaluate.is_pairs_file, kept here so a
-    measurer does not import the evaluation code (numpy, the forecasters) that itself imports this module."""
+    on the way to refusing the file. Here, not with the evaluation code that also asks it
+    (forecast.evaluate.is_pairs_file): a measurer does not import that (numpy, the forecasters)."""
     try:
         with path.open("rb") as f:
             first = next((raw for raw in f if raw.strip()), b"")
@@ -784,7 +784,7 @@ class ReplayMeasurer:
                     found, digest = read_export(path)
                 except ValueError as exc:
                     why = exc
-                    if _starts_like_pairs_file(path):
+                    if starts_like_pairs_file(path):
                         why = ValueError(
                             f"{path} is not a replay export: it looks like a pairs file for `forecaster-mcp "
                             "eval` (make-pairs writes them; its first line is a pair or a history point, not "
