@@ -522,6 +522,42 @@ ptxas info    : Function properties for _Z6helperPKfi
     assert [e.spill_bytes for e in parse_ptxas(PTXAS_OUTPUT)] == [16, 0]
 
 
+def test_parse_ptxas_charges_each_entry_the_spills_of_the_helpers_it_calls() -> None:
+    # nvcc 13, sm_90, -maxrregcount=32, two kernels: k3 calls a __noinline__ helper, k2 the recursive fib and the
+    # helper. ptxas compiles a copy of the callees with each entry and reports them after that entry's block.
+    # Every entry was charged every reported function's spills (k3 those of fib, which it never calls, and of
+    # k2's copy of the helper: 744/780 instead of 788/824).
+    out = """ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function '_Z2k3Pfi' for 'sm_90'
+ptxas info    : Function properties for _Z2k3Pfi
+    896 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 32 registers, used 0 barriers, 896 bytes cumulative stack size
+ptxas info    : Compile time = 45.750 ms
+ptxas info    : Function properties for _Z6helperPfi
+    0 bytes stack frame, 788 bytes spill stores, 824 bytes spill loads
+ptxas info    : Compiling entry function '_Z2k2Pfi' for 'sm_90'
+ptxas info    : Function properties for _Z2k2Pfi
+    896 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 32 registers, used 0 barriers, 896 bytes cumulative stack size
+ptxas info    : Compile time = 46.498 ms
+ptxas info    : Function properties for _Z3fibi
+    24 bytes stack frame, 20 bytes spill stores, 20 bytes spill loads
+ptxas info    : Function properties for _Z6helperPfi
+    0 bytes stack frame, 724 bytes spill stores, 760 bytes spill loads
+"""
+    k3, k2 = parse_ptxas(out)
+    assert (k3.name, k3.spill_stores_bytes, k3.spill_loads_bytes) == ("_Z2k3Pfi", 788, 824)
+    assert (k2.name, k2.spill_stores_bytes, k2.spill_loads_bytes) == ("_Z2k2Pfi", 744, 780)
+    # A function reported before any entry cannot be placed: every entry is charged it.
+    (kern,) = parse_ptxas(
+        "ptxas info    : Function properties for _Z6helperPfi$1\n"
+        "    0 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads\n"
+        "ptxas info    : Compiling entry function 'kern' for 'sm_90'\n"
+        "ptxas info    : Used 12 registers\n"
+    )
+    assert (kern.spill_stores_bytes, kern.spill_loads_bytes) == (8, 4)
+
+
 def test_safe_options_drop_anything_touching_files() -> None:
     opts = [
         "-O3",

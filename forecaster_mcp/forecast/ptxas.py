@@ -39,7 +39,7 @@ _K = TypeVar("_K", bound=Hashable)
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = "4"  # 4: callee spills charged to entries, -rdc left out
+CACHE_VERSION = "5"  # 4: callee spills charged to entries, -rdc left out; 5: to the entry calling them
 _ARCH = re.compile(r"^sm_\d{2,3}[a-z]?$")
 _PLAIN_ARCH = re.compile(r"^sm_(\d{2,3})$")
 _DEVICE_C_FLAGS = ("-dc", "--device-c")
@@ -195,6 +195,9 @@ def parse_ptxas(output: str) -> tuple[PtxasEntry, ...]:
     frames: dict[str, tuple[int, int, int]] = {}
     used: dict[str, tuple[int, int]] = {}
     order: list[str] = []
+    # Spills of device functions that are not inlined (`__noinline__`, recursion), by the entry whose section
+    # reported them (None: before any entry).
+    callee_spills: dict[str | None, tuple[int, int]] = {}
     current_entry: str | None = None
     props_for: str | None = None
     for line in output.splitlines():
@@ -207,23 +210,39 @@ def parse_ptxas(output: str) -> tuple[PtxasEntry, ...]:
             props_for = m.group(1)
             continue
         if (m := _RE_FRAME.search(line)) and props_for is not None:
-            frames[props_for] = (int(m.group(1)), int(m.group(2)), int(m.group(3)))
+            frame = (int(m.group(1)), int(m.group(2)), int(m.group(3)))
+            if props_for in order:
+                frames[props_for] = frame
+            else:
+                stores, loads = callee_spills.get(current_entry, (0, 0))
+                callee_spills[current_entry] = (stores + frame[1], loads + frame[2])
+            props_for = None
             continue
         if (m := _RE_USED.search(line)) and current_entry is not None:
             smem_match = _RE_SMEM.search(line)
             used[current_entry] = (int(m.group(1)), int(smem_match.group(1)) if smem_match else 0)
-    # Spills of a device function that is not inlined (`__noinline__`, recursion) are reported under its own
-    # name, not its caller's. Which entry calls it is not in the output, so each entry of the source is charged
-    # every such function's spills: exact for the usual source of one kernel, an over-count for a source whose
-    # kernels call different helpers. (Stack frames are left as reported: ptxas's own cumulative figure for the
-    # entry already counts the callees' frames.)
-    callee_stores = sum(f[1] for n, f in frames.items() if n not in order)
-    callee_loads = sum(f[2] for n, f in frames.items() if n not in order)
+    # ptxas compiles each entry with its own copy of the device functions it calls and reports their
+    # properties, under the function's own name, after the entry's block and before the next entry: an entry
+    # is charged the spills of its section's functions (a helper two kernels call is reported, and charged,
+    # once for each, with the spills of that kernel's copy). Any reported before the first entry are charged
+    # to every entry. (Stack frames are left as reported: ptxas's own cumulative figure for the entry already
+    # counts the callees' frames.)
+    before_stores, before_loads = callee_spills.get(None, (0, 0))
     out = []
     for name in order:
         regs, smem = used.get(name, (0, 0))
         stack, stores, loads = frames.get(name, (0, 0, 0))
-        out.append(PtxasEntry(name, regs, smem, stores + callee_stores, loads + callee_loads, stack))
+        own_stores, own_loads = callee_spills.get(name, (0, 0))
+        out.append(
+            PtxasEntry(
+                name,
+                regs,
+                smem,
+                stores + before_stores + own_stores,
+                loads + before_loads + own_loads,
+                stack,
+            )
+        )
     return tuple(out)
 
 
