@@ -256,6 +256,29 @@ async def test_failed_configurations_map_to_statuses_and_charge_the_device_time_
 
 
 @pytest.mark.anyio
+async def test_a_failed_attempt_longer_than_max_seconds_is_a_timeout_charged_the_cap() -> None:
+    """The A6000 convolution recording holds RuntimeFailedConfig entries whose attempt took 5-12 s. Under
+    max_seconds=2 one was a launch_error, 'fails at run time', charged 2 s: a GPU stops the run at the cap, a
+    timeout that cannot tell how it would have ended, as a run that worked and is over the cap already is."""
+    path = dataset("cachefiles/convolution_milo/A6000.json.gz")
+    space = load_space(path)
+    entry = next(e for e in space.entries if e.failed_device_ms is not None and e.failed_device_ms > 5000)
+    m = ReplayMeasurer([path])
+    req = request(kernel("convolution_kernel", entry.params), "RTX A6000", max_seconds=2.0)
+    result = await m.measure(req)
+    assert result.status == "timeout" and result.cost.gpu_seconds == 2.0
+    assert result.message is not None and "over max_seconds=2" in result.message
+    assert "fails at run time" not in result.message
+    assert m.reservation_seconds(req) == 2.0  # the hold is the charge
+    # Under a cap it fits in, the recorded failure and its whole attempt.
+    req = request(kernel("convolution_kernel", entry.params), "RTX A6000", max_seconds=20.0)
+    result = await m.measure(req)
+    assert result.status == "launch_error"
+    assert result.cost.gpu_seconds == pytest.approx(entry.failed_device_ms / 1000)
+    assert m.reservation_seconds(req) == pytest.approx(result.cost.gpu_seconds)
+
+
+@pytest.mark.anyio
 async def test_values_match_forgivingly_and_keys_in_any_order(conv_a100: Path) -> None:
     m = ReplayMeasurer([conv_a100])
     base = dict(CONV)

@@ -1156,8 +1156,19 @@ def _charge(entry: ReplayEntry, request: MeasureRequest) -> _Charge:
         # Charged like any run (a failing kernel is a result, not a free probe): the device time recorded for
         # the attempt, within the request's cap; nothing when none was recorded (a compile error, which never
         # reached the device, records 0).
-        used_s = min((entry.failed_device_ms or 0.0) / 1000.0, request.max_seconds)
-        return _Charge(entry.status, [], used_s, (), _failure_message(entry))
+        attempt_ms = entry.failed_device_ms or 0.0
+        if attempt_ms > request.max_seconds * 1000.0:
+            # An attempt longer than the cap (the A6000 convolution's RuntimeFailedConfig entries of 5-12 s)
+            # is stopped at the cap on a GPU, a timeout, before its failure could show, as a run that worked is.
+            return _Charge(
+                "timeout",
+                [],
+                request.max_seconds,
+                (),
+                f"the recorded attempt at this configuration occupied the device for {attempt_ms:.3f} ms, "
+                f"over max_seconds={request.max_seconds:g}",
+            )
+        return _Charge(entry.status, [], attempt_ms / 1000.0, (), _failure_message(entry))
     cap_ms = request.max_seconds * 1000.0
     spent = entry.verification_time_ms or 0.0
     used: list[float] = []
