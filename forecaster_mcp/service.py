@@ -1176,13 +1176,8 @@ class Service:
         # 32 and 32.0, or problem {width: 4096, height: 4096} and none, are one recorded entry) names the kernel
         # and workload its results are stored under; the request's own keys, under which such results were
         # stored before, are still looked up.
-        keyed = request
-        cache_kernel = getattr(measurer, "cache_kernel", None)
-        if cache_kernel is not None:
-            keyed = dataclasses.replace(keyed, kernel=cache_kernel(request))
-        cache_workload = getattr(measurer, "cache_workload", None)
-        if cache_workload is not None:
-            keyed = dataclasses.replace(keyed, workload=cache_workload(request))
+        cache_request = getattr(measurer, "cache_request", None)
+        keyed = request if cache_request is None else cache_request(request)
         cache_key = _cache_key(keyed, fingerprint)
         save: dict[str, Any] = {
             "cache_key": cache_key,

@@ -142,15 +142,18 @@ async def test_a_result_stored_under_its_workloads_own_key_is_still_found(
     tmp_path: Path, conv_a100: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A measurement stored before the replay keyed the recorded problem as no workload (under the key of
-    {width: 4096, height: 4096} itself, as a server without ReplayMeasurer.cache_workload stores it) still
-    answers that request, free, after a restart."""
+    {width: 4096, height: 4096} itself, as a server whose ReplayMeasurer.cache_request kept the workload as
+    it was stores it) still answers that request, free, after a restart."""
     problem = {"problem": {"height": 4096, "width": 4096}}
-    monkeypatch.delattr(ReplayMeasurer, "cache_workload")
+    monkeypatch.setattr(ReplayMeasurer, "_keyed_workload", staticmethod(lambda rec, workload: workload))
     async with running(tmp_path, [conv_a100]) as (client, _):
         await call(client, "measure_kernel", {"kernel": conv("a", FAST), "workload": problem})
         paid = await spent(client)
     monkeypatch.undo()
-    assert hasattr(ReplayMeasurer, "cache_workload")
+    assert (
+        "_keyed_workload" in vars(ReplayMeasurer)
+        and ReplayMeasurer._keyed_workload.__name__ == "_keyed_workload"
+    )
     async with running(tmp_path, [conv_a100], ledger_seconds=None) as (client, _):
         again = await call(client, "measure_kernel", {"kernel": conv("b", FAST), "workload": problem})
         assert again["cost"]["cached"] and again["cost"]["gpu_seconds"] == 0.0

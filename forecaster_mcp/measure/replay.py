@@ -34,6 +34,7 @@ charges the cap.
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import gzip
 import hashlib
 import io
@@ -1026,28 +1027,29 @@ class ReplayMeasurer:
         combined = hashlib.sha256("\n".join(digests).encode()).hexdigest()[:16]
         return f"replay:{resolved}:{combined}"
 
-    def cache_kernel(self, request: MeasureRequest) -> Kernel:
-        """The kernel whose stored results answer `request` (the service keys its cache by it): a kernel a
-        recording answers, its defines in the values the recording matches them by (normalize_value), so
-        block_size_x = 32, 32.0, "32.0" and "0x20", answered with one recorded entry, are one measurement and
-        charged once; a kernel an export answers, or none does, as it is (an export matches exactly)."""
-        kernel = request.kernel
-        if self._recording_answering(request) is None:
-            return kernel
-        return kernel.model_copy(
-            update={"defines": {k: normalize_value(v) for k, v in kernel.defines.items()}}
+    def cache_request(self, request: MeasureRequest) -> MeasureRequest:
+        """The request whose stored results answer `request` (the service keys its cache by its kernel and
+        workload), so that spellings one recorded entry answers alike are one measurement, charged once:
+        - for a kernel a recording answers, its defines in the values the recording matches them by
+          (normalize_value): block_size_x = 32, 32.0, "32.0" and "0x20";
+        - and a workload that gets the very answer no workload gets (no args, and no problem or exactly the
+          recorded sizes under any names, in any order, with sizes of 1 or labels beside them) as the empty
+          workload: {width: 4096, height: 4096}, {height: 4096, width: 4096} and none (`_keyed_workload`).
+        Any other workload (one the result's message tells apart, or that the recording refuses), and a kernel
+        an export answers (it matches exactly) or none does, as they are."""
+        rec = self._recording_answering(request)
+        if rec is None:
+            return request
+        kernel = request.kernel.model_copy(
+            update={"defines": {k: normalize_value(v) for k, v in request.kernel.defines.items()}}
+        )
+        return dataclasses.replace(
+            request, kernel=kernel, workload=self._keyed_workload(rec, request.workload)
         )
 
-    def cache_workload(self, request: MeasureRequest) -> Workload:
-        """The workload whose stored results answer `request` (the service keys its cache by it): for a kernel
-        a recording answers, a workload that gets the very answer no workload gets (no args, and no problem or
-        exactly the recorded sizes under any names, in any order, with sizes of 1 or labels beside them) is the
-        empty workload, so {width: 4096, height: 4096}, {height: 4096, width: 4096} and none, answered with one
-        recorded entry, are one measurement and charged once. Any other workload (one the result's message
-        tells apart, or that the recording refuses), and any for an export (it matches exactly), as it is."""
-        workload = request.workload
-        rec = self._recording_answering(request)
-        if rec is None or workload.args:
+    @staticmethod
+    def _keyed_workload(rec: _Recording, workload: Workload) -> Workload:
+        if workload.args:
             return workload
         if workload.problem:
             recorded = _recorded_sizes(rec.header)
