@@ -13,9 +13,19 @@ import pytest
 from test_engine import _scripted
 
 from forecaster_mcp.forecast.calibration import Calibrator
-from forecaster_mcp.forecast.engine import POOLED, ForecastEngine, Outcome, _family_slot, one_per_measurement
+from forecaster_mcp.forecast.engine import POOLED, ForecastEngine, Outcome, _family_slot
 from forecaster_mcp.forecast.verified_rows import VerifiedRows, rows_signature
 from forecaster_mcp.store.db import PairGroup, VerifiedPair
+
+
+def one_per_measurement(rows: list[VerifiedPair]) -> list[VerifiedPair]:
+    """The straightforward reference: the newest pair each measurement settled, in the rows' order (oldest
+    first); rows with no measurement id kept as they are."""
+    newest: dict[int, int] = {}
+    for i, v in enumerate(rows):
+        if v.verified_by is not None:
+            newest[v.verified_by] = i
+    return [v for i, v in enumerate(rows) if v.verified_by is None or newest[v.verified_by] == i]
 
 
 def _pair(rng: random.Random, row_id: int, measurements: int = 8) -> VerifiedPair:

@@ -149,23 +149,6 @@ def _component_of(slot: str) -> str:
     return slot.removesuffix(_SUFFIX[_regime_of_slot(slot)])
 
 
-def one_per_measurement(rows: Sequence[VerifiedPair]) -> list[VerifiedPair]:
-    """The newest pair each measurement settled, in the rows' order (oldest first).
-
-    A search compares one untried candidate against each best-so-far in turn, and the candidate's measurement
-    then settles all those pairs at once: nearly the same question, right or wrong together. Counted as
-    independent trials they would certify a threshold on far fewer outcomes than the bound assumes (five
-    copies per measurement let a forecaster whose error is 0.11 certify a target of 0.1 about one time in ten
-    at delta 0.05, instead of under one in twenty). The newest copy is kept: it was asked with the most
-    history, and which copy is kept does not depend on its outcome. Rows with no measurement id (older
-    stores) are kept as they are."""
-    newest: dict[int, int] = {}
-    for i, v in enumerate(rows):
-        if v.verified_by is not None:
-            newest[v.verified_by] = i
-    return [v for i, v in enumerate(rows) if v.verified_by is None or newest[v.verified_by] == i]
-
-
 class CalibrationStore(Protocol):
     """The part of the store the engine reads and writes."""
 
@@ -776,7 +759,7 @@ class ForecastEngine:
                 name = self._stored_name + _SUFFIX[regime]
                 if not changed(name) and regime in self._history_signatures:
                     continue  # the same rows as at the last refresh: the same signature
-                # _set_regime_history of one_per_measurement(the name's rows), from its columns.
+                # _set_regime_history of the newest row of each measurement (VerifiedRows), from its columns.
                 table = tables.get(name, empty)
                 signature = table.history_signature()
                 if signature != self._history_signatures.get(regime):

@@ -3,7 +3,7 @@ changed (ForecastEngine.refresh after Store.verified_changes).
 
 A search loop measures once per compare, and each measurement verifies the pairs its kernel was just forecast
 in. Rebuilding the engine's view of a name from its rows after each one (VerifiedPair lists, a signature over
-every number, one_per_measurement, the threshold history, the calibration's inputs) cost O(rows) in Python:
+every number, one row per measurement, the threshold history, the calibration's inputs) cost O(rows) in Python:
 about 85 ms at 16,000 verified rows, over a second at 160,000. Here every per-row value the engine reads is
 computed once, when a row arrives (with the same Python expressions the engine used on the lists), and what a
 refresh needs is taken from the columns with numpy: the same numbers in the same (row id) order, so the same
@@ -69,7 +69,7 @@ class VerifiedRows:
         self._vby = np.zeros(n, np.int64)  # verified_by (-1: none)
         self._failure = np.zeros(n, bool)  # verified by a kernel failing: no calibration row
         self._tie = np.zeros(n, bool)  # bins.is_tie(actual_speedup): scored by nothing
-        self._kept = np.zeros(n, bool)  # the newest row of its measurement (one_per_measurement)
+        self._kept = np.zeros(n, bool)  # the newest row of its measurement (see apply)
         self._hardware: npt.NDArray[Any] = np.zeros(n, object)
         self._hw_code = np.zeros(n, np.int64)
         self._family_code = np.zeros(n, np.int64)  # -1: no family
@@ -122,8 +122,14 @@ class VerifiedRows:
                 if v.verified_by is not None:
                     self._by_measurement.setdefault(v.verified_by, set()).add(v.row_id)
                     touched.add(v.verified_by)
-        # one_per_measurement: of the rows one measurement verified, the newest (largest id) is kept. Many
-        # measurements touched (a first read): every row's flag at once.
+        # One row per measurement: of the rows one measurement verified, the newest (largest id) is kept for the
+        # threshold history. A search compares one untried candidate against each best-so-far in turn, and its
+        # measurement then settles all those pairs at once: nearly the same question, right or wrong together.
+        # Counted as independent trials they would certify a threshold on far fewer outcomes than the bound
+        # assumes (five copies per measurement let a forecaster whose error is 0.11 certify a target of 0.1
+        # about one time in ten at delta 0.05, instead of under one in twenty). The newest copy was asked with
+        # the most history, and which copy is kept does not depend on its outcome. Rows with no measurement id
+        # (older stores) are all kept. Many measurements touched (a first read): every row's flag at once.
         if len(touched) > 64:
             self._kept = self._vby < 0
             settled = np.flatnonzero(~self._kept)
@@ -205,13 +211,13 @@ class VerifiedRows:
         return self._p_raw[mask], self._faster[mask], self._hardware[mask]
 
     def history_signature(self) -> str:
-        """rows_signature of one_per_measurement(rows())."""
+        """rows_signature of the newest row of each measurement, in id order."""
         return self._signature(self._kept)
 
     def history(
         self, keep: int | None, pooled: str
     ) -> dict[str, tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]]:
-        """ForecastEngine._set_regime_history's table of one_per_measurement(rows()): for each GPU, family slot
+        """ForecastEngine._set_regime_history's table of the newest row of each measurement: for each GPU, family slot
         and `pooled`, the confidences and right/wrong scores of its newest `keep` untied rows, oldest first."""
         sel = np.flatnonzero(self._kept & ~self._tie)
         out: dict[str, tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]] = {}
