@@ -15,9 +15,17 @@ import pytest
 from test_store import forecast, kernel, save
 
 from forecaster_mcp import bins
-from forecaster_mcp.store.db import _ON_TRUSTED_RUNTIMES, _PAIR, _SUSPECT_KERNELS, Store
+from forecaster_mcp.store.db import _LATEST_OK, _PAIR, _SUSPECT, _SUSPECT_KERNELS, Store
 
 pytestmark = pytest.mark.anyio
+
+# The per-row check, the straightforward reference: a verified row rests on no suspect runtime when neither of its
+# two kernels' latest ok measurements is flagged (or it was verified by a kernel failing for good).
+_ON_TRUSTED_RUNTIMES = (
+    "(verified_failure IS NOT NULL OR NOT EXISTS (SELECT 1 FROM measurements AS s WHERE s.id IN "
+    f"(({_LATEST_OK.format(col='m.id', key='baseline_key')}), "
+    f"({_LATEST_OK.format(col='m.id', key='candidate_key')})) AND {_SUSPECT.format(row='s')}))"
+)
 
 
 def _straightforward(db: Path, ledger: str) -> dict[str, Any]:

@@ -531,18 +531,11 @@ _LATEST_OK = (
 # A verified forecast that rests on no suspect runtime (_SUSPECT): the latest ok measurement of neither kernel
 # is flagged. One verified by a kernel failing for good (verified_failure) rests on that failure, not on the
 # other kernel's runtime, as compare answers such a pair. What verified_pairs and budget_status count as checked.
-_ON_TRUSTED_RUNTIMES = (
-    "(verified_failure IS NOT NULL OR NOT EXISTS (SELECT 1 FROM measurements AS s WHERE s.id IN "
-    f"(({_LATEST_OK.format(col='m.id', key='baseline_key')}), "
-    f"({_LATEST_OK.format(col='m.id', key='candidate_key')})) AND {_SUSPECT.format(row='s')}))"
-)
-# _ON_TRUSTED_RUNTIMES for many rows at once (budget_status reads every verified forecast of a ledger, a first
-# refresh every verified pair: Store.verified_pairs, verified_changes(None)): the
-# kernels whose latest ok measurement is flagged, found once (`_SUSPECT_KERNELS`: a few among thousands, read from
-# the measurements_suspect index; a WITH clause SQLite materializes as it is used twice, without the MATERIALIZED
-# keyword SQLite before 3.35 refuses), then looked up for each row's two kernels, instead of finding each row's
-# two latest measurements and parsing their flags (most of a 0.47 s budget_status at 50,000 forecasts on a
-# ledger). The same rows: a row rests on no suspect runtime exactly when neither of its kernels is among them.
+# Read as: the kernels whose latest ok measurement is flagged, found once (`_SUSPECT_KERNELS`: a few among
+# thousands, read from the measurements_suspect index; a WITH clause SQLite materializes as it is used twice,
+# without the MATERIALIZED keyword SQLite before 3.35 refuses), then looked up for each row's two kernels
+# (`_ON_TRUSTED_KERNELS`), instead of finding each row's two latest measurements and parsing their flags (most of
+# a 0.47 s budget_status at 50,000 forecasts on a ledger).
 _SUSPECT_KERNELS = (
     "suspect(content_key, hardware, workload_key) AS (SELECT s.content_key, s.hardware, "
     f"s.workload_key FROM measurements AS s WHERE s.status = 'ok' AND s.runtime_ms > 0 AND {_SUSPECT.format(row='s')} "
@@ -1692,7 +1685,7 @@ class Store:
         last forecast made before the pair was measured. A search loop asks about the same untried candidate
         again and again, and each copy counted as a pair of its own would let one outcome certify a threshold
         or weigh in a calibration several times over. None whose runtimes include a suspect measurement
-        (`_ON_TRUSTED_RUNTIMES`): its speedup is not the kernels' (a kernel that skipped its work measured
+        (`_ON_TRUSTED_KERNELS`): its speedup is not the kernels' (a kernel that skipped its work measured
         2000x faster), and recalibrating or certifying a threshold on it would score the forecast against it."""
         rows = await self._fetch(
             f"WITH {_SUSPECT_KERNELS} SELECT {_VERIFIED_COLS} FROM forecasts WHERE id IN "
@@ -1737,7 +1730,7 @@ class Store:
             # Every row of those pairs, either kernel the baseline (two lookups on forecasts_pair), then the
             # verified pair of each as verified_pairs picks it.
             rows = await conn.execute_fetchall(
-                "WITH changed(forecaster, hardware, workload_key, lo, hi) AS "
+                f"WITH {_SUSPECT_KERNELS}, changed(forecaster, hardware, workload_key, lo, hi) AS "
                 f"(SELECT DISTINCT {_GROUP_COLS} FROM forecasts WHERE verify_seq > ? AND verify_seq <= ?) "
                 f"SELECT {_VERIFIED_COLS}, {_GROUP_COLS} FROM forecasts WHERE id IN "
                 "(SELECT MAX(id) FROM forecasts WHERE id IN ("
@@ -1748,7 +1741,7 @@ class Store:
                 "AND f.workload_key = c.workload_key AND f.baseline_key = c.hi AND f.candidate_key = c.lo "
                 "AND f.forecaster = c.forecaster) "
                 "AND actual_speedup IS NOT NULL AND decided_by != 'cache' "
-                f"AND {_ON_TRUSTED_RUNTIMES} GROUP BY forecaster, {_PAIR}) ORDER BY id",
+                f"AND {_ON_TRUSTED_KERNELS} GROUP BY forecaster, {_PAIR}) ORDER BY id",
                 (since, seq),
             )
             return VerifiedChanges(
