@@ -199,6 +199,20 @@ async def test_measure_if_unsure_with_an_unrecordable_candidate_keeps_the_others
         assert b["decided_by"] == "forecast"
 
 
+@pytest.mark.parametrize(("ledger_seconds", "cap"), [(0.5, {"max_seconds": 5}), (0.05, {})])
+async def test_a_configuration_the_recording_lacks_is_refused_as_such_on_a_nearly_spent_ledger(
+    tmp_path: Path, conv_a100: Path, ledger_seconds: float, cap: dict[str, float]
+) -> None:
+    # Its refusal held up to 1 GPU-s: with less left, the agent was told "this measurement needs up to 1",
+    # to lower max_seconds or have the ledger topped up, neither of which could ever measure it.
+    async with running(tmp_path, [conv_a100], ledger_seconds=ledger_seconds) as (client, _):
+        text = await error_of(
+            client, "measure_kernel", {"kernel": conv("b", {**FAST, "block_size_x": 7}), **cap}
+        )
+        assert "block_size_x=7" in text and "GPU-seconds left" not in text
+        assert await spent(client) == 0
+
+
 async def test_measure_if_unsure_on_a_spent_budget_answers_with_the_free_forecasts(
     tmp_path: Path, conv_a100: Path
 ) -> None:

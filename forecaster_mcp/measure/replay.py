@@ -1071,8 +1071,10 @@ class ReplayMeasurer:
 
     def reservation_seconds(self, request: MeasureRequest) -> float:
         """The exact charge of the recorded entry (parsing its file here on first use, so the hold is never
-        short), or a small hold when the recording will refuse the request (a refusal charges nothing)."""
-        fallback = max(min(request.max_seconds, 1.0), _MIN_RESERVATION_SECONDS)
+        short), or the smallest hold when the recording will refuse the request (a refusal charges nothing):
+        a hold of up to 1 GPU-s there turned the recording's refusal into "the ledger has 0.5 left, this
+        measurement needs up to 1" on a nearly spent ledger, and stopped measure_if_unsure at that candidate."""
+        fallback = _MIN_RESERVATION_SECONDS
         try:
             device = self._device(request.device)
             exported = self._export_of(request, device)
