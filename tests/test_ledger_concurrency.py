@@ -86,6 +86,28 @@ async def test_300_coroutines_cannot_overspend(tmp_path: Path) -> None:
         await store.close()
 
 
+async def test_a_refusal_for_budget_held_by_measurements_in_progress_says_to_call_again(
+    tmp_path: Path,
+) -> None:
+    # Parallel measurements near the end of a ledger each hold their whole cap: the one refused was told only to
+    # lower max_seconds or have the ledger topped up ("0 GPU-seconds left", with 20 merely held), and a search
+    # loop that reads a budget refusal as the end stopped with most of those 20 about to come back unused.
+    store = await Store.open(tmp_path / "db.sqlite3")
+    await store.create_ledger("L", 20.0)
+    try:
+        held = await store.reserve("L", 20.0, "first")
+        with pytest.raises(BudgetExhausted) as refused:
+            await store.reserve("L", 20.0, "second")
+        assert "20 held by measurements in progress" in str(refused.value)
+        assert "call again then" in str(refused.value)
+        await store.commit(held, 19.5)
+        with pytest.raises(BudgetExhausted) as spent:
+            await store.reserve("L", 1.0, "third")
+        assert "call again" not in str(spent.value)  # nothing held: nothing comes back
+    finally:
+        await store.close()
+
+
 async def test_300_coroutines_reserving_and_committing_balance_exactly(tmp_path: Path) -> None:
     store = await Store.open(tmp_path / "db.sqlite3")
     await store.create_ledger("small", 20.0)

@@ -1991,10 +1991,16 @@ def _exhausted(ledger: str, limit: int, spent: int, reserved: int, amount: int) 
         if left >= round(MIN_MEASURE_SECONDS * MICRO)
         else ""
     )
+    # A hold is a measurement's whole cap, most of it released unused when it ends: budget held is not spent.
+    wait = (
+        "What is held comes back, less what those measurements use, as each finishes: call again then. "
+        if reserved
+        else ""
+    )
     return BudgetExhausted(
         f"ledger '{ledger}' has {fmt_gpu_seconds(_gs(left))} {BUDGET_EXHAUSTED_TEXT} "
         f"(limit {fmt_gpu_seconds(_gs(limit))}, spent {fmt_gpu_seconds(_gs(spent))}{held}); "
-        f"this measurement needs up to {fmt_gpu_seconds(_gs(amount))}. "
+        f"this measurement needs up to {fmt_gpu_seconds(_gs(amount))}. {wait}"
         f"Forecasts with compare_kernels are free; {smaller}"
         f"ask the operator to top up (forecaster-mcp ledger topup {ledger} --gpu-seconds N)"
     )
