@@ -400,6 +400,17 @@ class Service:
                     else (p_fail_baseline_of(f.extras), "the baseline's")
                 )
                 rationale += f"; unsure only for {whose} {p_fail:.0%} chance of failing to compile or run"
+            elif verdict != "unsure" and decide(f.p_faster, threshold) != verdict:
+                # Decided by a chance of failing, not by the runtimes (a "slower" at p_faster 0.5 whose rationale
+                # said only "near 50/50", or one that said "baseline failed when measured"): say so.
+                p_fail, whose = (
+                    (f.p_fail, "its")
+                    if verdict == "slower"
+                    else (p_fail_baseline_of(f.extras), "the baseline's")
+                )
+                rationale += (
+                    f"; {verdict} for {whose} {100 * p_fail:.3g}% chance of failing to compile or run"
+                )
             if (unused := _suspicion(base.id, cid, suspect, learned=True)) is not None:
                 rationale += f"; {unused}"
             # A candidate whose stored measurement failed is "slower" because it was measured, not forecast:

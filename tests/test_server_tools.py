@@ -873,3 +873,40 @@ async def test_a_family_of_one_measurement_is_said_in_the_singular(tmp_path: Pat
         out = await call(client, "compare_kernels", {"candidates": [conv("fast", FAST), conv("slow", SLOW)]})
         rationale = out["candidates"][0]["rationale"]
         assert "only 1 measurement of this family" in rationale, rationale
+
+
+async def test_a_verdict_decided_by_a_chance_of_failing_says_so(tmp_path: Path) -> None:
+    """A kernel family whose every measurement failed: an unmeasured member is "slower" (it likely fails too)
+    at p_faster 0.5. Its rationale said only "static prior ...: no informative static difference, near 50/50",
+    and against a baseline measured failing "baseline failed when measured", beside p_faster 1.0: nothing in
+    the answer said why the verdict was "slower"."""
+    cache: dict[str, dict[str, object]] = {
+        str(bx): {"bx": bx, "time": "RuntimeFailedConfig"} for bx in range(12)
+    }
+    cache["12"] = {"bx": 12, "time": 1.0, "times": [1.0] * 5}
+    cache["13"] = {"bx": 13, "time": 1.0, "times": [1.0] * 5}
+    doc = {
+        "device_name": "NVIDIA A100-PCIE-40GB",
+        "kernel_name": "kk",
+        "problem_size": [1024],
+        "tune_params_keys": ["bx"],
+        "tune_params": {"bx": list(range(14))},
+        "objective": "time",
+        "cache": cache,
+    }
+    recording = tmp_path / "fails.json"
+    recording.write_text(json.dumps(doc))
+
+    def kk(kid: str, bx: int) -> dict[str, object]:
+        return {"id": kid, "source": "// kk\n", "entry": "kk", "defines": {"bx": bx}}
+
+    async with running(tmp_path, [recording]) as (client, _):
+        for bx in range(12):
+            assert (await call(client, "measure_kernel", {"kernel": kk("m", bx)}))["status"] != "ok"
+        for base in (13, 0):  # unmeasured, then measured failing
+            out = await call(client, "compare_kernels", {"candidates": [kk("base", base), kk("c", 12)]})
+            (cand,) = out["candidates"]
+            assert (cand["verdict"], cand["decided_by"]) == ("slower", "forecast"), cand
+            assert cand["p_faster"] >= 0.5
+            assert "slower for its 99" in cand["rationale"], cand["rationale"]
+            assert "chance of failing to compile or run" in cand["rationale"]
