@@ -321,11 +321,18 @@ class _Strict(BaseModel):
 
 
 def _dim3(value: Any, what: str) -> tuple[int, int, int]:
+    # A whole float (128.0, what a client's `4096 / 32` sends) is the integer it names, as the published schema
+    # (JSON Schema "integer") and every other integer field here take it: it was refused, "must hold integers".
+    if isinstance(value, float):
+        value = [value]
     if isinstance(value, int):
         value = [value]
     if not isinstance(value, list | tuple) or not 1 <= len(value) <= 3:
         raise ValueError(f"{what} must be a list of 1 to 3 positive integers, e.g. [256, 1, 1]")
-    dims = [*value, *([1] * (3 - len(value)))]
+    dims: list[Any] = [
+        int(d) if isinstance(d, float) and d.is_integer() and abs(d) < 2**53 else d
+        for d in (*value, *([1] * (3 - len(value))))
+    ]
     if not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
         raise ValueError(f"{what} must hold integers, got {value!r}")
     if any(d <= 0 for d in dims):

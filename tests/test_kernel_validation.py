@@ -620,6 +620,43 @@ def test_launches_at_cuda_limits_are_accepted() -> None:
     )
 
 
+def test_whole_float_launch_sizes_are_the_integers_they_name() -> None:
+    # A client computing `4096 / 32` sends 128.0, which the published schema (JSON Schema "integer") accepts, as
+    # the server accepts it in max_runs, shared_mem_bytes or a buffer's shape; the launch alone refused it ("must
+    # hold integers"). A fractional size is still refused.
+    import jsonschema
+
+    launch = {"grid": [128.0, 2.0], "block": 256.0, "shared_mem_bytes": 0.0}
+    jsonschema.validate(launch, Launch.model_json_schema())
+    parsed = Launch.model_validate(launch)
+    assert (parsed.grid, parsed.block) == ((128, 2, 1), (256, 1, 1))
+    assert parsed == Launch.model_validate({"grid": [128, 2], "block": 256})
+    for bad in ({"grid": [128.5], "block": [32]}, {"grid": [1], "block": 32.5}):
+        with pytest.raises(ValidationError, match="must hold integers"):
+            Launch.model_validate(bad)
+    with pytest.raises(ValidationError, match="must be positive"):
+        Launch.model_validate({"grid": [-4.0], "block": [32]})
+
+
+@pytest.mark.anyio
+async def test_a_launch_sent_with_whole_floats_is_measured_as_with_integers(
+    tmp_path: Path, conv_a100: Path
+) -> None:
+    async with running(tmp_path, [conv_a100]) as client:
+        sent = {**conv("a", FAST), "launch": {"grid": [128.0, 1024.0], "block": [32.0, 4.0, 1.0]}}
+        first = structured(await client.call_tool("measure_kernel", {"kernel": sent}))
+        assert first["status"] == "ok" and not first["cost"]["cached"]
+        same = {**sent, "launch": {"grid": [128, 1024], "block": [32, 4, 1]}}
+        again = structured(await client.call_tool("measure_kernel", {"kernel": same}))
+        assert again["cost"]["cached"] and again["runtime_ms"] == first["runtime_ms"]
+        out = structured(
+            await client.call_tool(
+                "compare_kernels", {"candidates": [sent, {**conv("b", SLOW), "launch": same["launch"]}]}
+            )
+        )
+        assert [c["id"] for c in out["candidates"]] == ["b"]
+
+
 @pytest.mark.anyio
 async def test_launch_limits_are_clear_tool_errors(tmp_path: Path, conv_a100: Path) -> None:
     async with running(tmp_path, [conv_a100]) as client:
