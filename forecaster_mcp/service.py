@@ -477,7 +477,7 @@ class Service:
             unsure = _waiting_on_baseline(results, measured) or copies
         if base_failed is not None:
             notes.append(_base_failed_note(base.id, base_failed, measure_if_unsure))
-            unsure = []  # no measurement settles a pair against a baseline that does not run
+            unsure = []  # measure_if_unsure measures nothing against a baseline that does not run
         if measure_if_unsure and unsure and max_measurements == 0:
             notes.append(
                 f"measure_if_unsure with max_measurements 0 measured nothing ({len(unsure)} unsure): raise "
@@ -512,7 +512,7 @@ class Service:
             m_base = measured.get(base.id)
             base_failed = await self._failed(base, hw.name, wkey)
             if base_failed is not None:
-                # Measured in this call and it failed: no measurement settles a pair against it, so none more.
+                # Measured in this call and it failed: measure_if_unsure measures nothing more against it.
                 notes.append(_base_failed_note(base.id, base_failed, measure_if_unsure=False))
             # A crash or OOM is no verdict; a timeout is, as the family model learns it (under the server's cap).
             failed = {
@@ -863,7 +863,8 @@ class Service:
             out.append(res)
             charged += res.cost.gpu_seconds
             if kid == base.id and res.status != "ok":
-                # No candidate's pair is settled against a baseline that did not run: stop paying. A final
+                # No speedup is defined against a baseline that did not run: stop paying (a candidate's own
+                # measurement would only say whether it runs; measure_kernel measures one). A final
                 # failure is explained by the failed-baseline note; a passing one (a crash, no memory, the cap)
                 # is said here.
                 if res.status not in NOT_CACHEABLE:
@@ -1532,11 +1533,15 @@ def _cap_flags(result: MeasureResult, cap: float, server_cap: float, lowered_to_
 
 
 def _base_failed_note(base_id: str, status: str, measure_if_unsure: bool) -> str:
+    """Why pairs against a baseline measured failing are answered as they are. A candidate's own measurement
+    still decides its pair (`_one_side_failed`: one that ran is faster, one that failed slower), so candidates
+    measured are decided by measurement and measure_next may list more; measure_if_unsure measures none."""
     what = "measure_if_unsure measured nothing: " if measure_if_unsure else ""
     return (
-        f"{what}the baseline {base_id} was measured {status} and never ran: no measurement settles a pair against "
-        "it, and its forecasts are not kept (they could never be verified). Compare against a baseline that "
-        "runs, e.g. a candidate measured ok"
+        f"{what}the baseline {base_id} was measured {status} and never ran: no speedup is defined against it, so "
+        "a candidate is decided only by its own measurement (one that runs is faster, one that fails slower) "
+        "and measure_if_unsure measures none against it; its forecasts are not kept (they could never be "
+        "verified). Compare against a baseline that runs, e.g. a candidate measured ok"
     )
 
 

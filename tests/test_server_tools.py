@@ -184,6 +184,30 @@ async def test_candidates_measured_against_a_failed_baseline_rank_by_their_runti
         assert out["ranking"] == ["fast", "slow", "fails"]
 
 
+async def test_a_baseline_measured_failing_by_measure_if_unsure_is_noted_as_what_happened(
+    tmp_path: Path, conv_a100: Path
+) -> None:
+    """measure_if_unsure measured a baseline that fails (launch_error): the candidates measured before came back
+    'faster', decided by measurement, and measure_next listed another, while the note said 'no measurement
+    settles a pair against it'. It now says what decides them and that measure_if_unsure measures no more."""
+    async with running(tmp_path, [conv_a100]) as (client, _):
+        for kernel in (conv("fast", FAST), conv("slow", SLOW)):
+            await call(client, "measure_kernel", {"kernel": kernel})
+        mid = conv("mid", {**FAST, "block_size_x": 16})
+        args = {"candidates": [conv("fails", FAILS), conv("slow", SLOW), conv("fast", FAST), mid]}
+        for measure in (True, False):  # measured in this call, then answered from the store
+            out = await call(client, "compare_kernels", {**args, "measure_if_unsure": measure})
+            assert [m["kernel_id"] for m in out["measurements"]] == (["fails"] if measure else [])
+            decided = {c["id"]: (c["verdict"], c["decided_by"]) for c in out["candidates"]}
+            by = "measurement" if measure else "cache"
+            assert decided["fast"] == decided["slow"] == ("faster", by)
+            assert out["measure_next"] == ["mid"]
+            (note,) = [n for n in out["notes"] if "the baseline fails was measured launch_error" in n]
+            assert "no measurement settles" not in note
+            assert "decided only by its own measurement (one that runs is faster" in note
+            assert "measure_if_unsure measures none against it" in note
+
+
 async def test_measure_if_unsure_measures_and_charges(tmp_path: Path, conv_a100: Path) -> None:
     async with running(tmp_path, [conv_a100]) as (client, _):
         near = {**FAST, "block_size_x": 48}
