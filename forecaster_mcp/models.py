@@ -688,16 +688,25 @@ class ScalarArg(_Arg):
         return v
 
 
-def _arg_kind(value: Any) -> str:
-    """A buffer has a shape, a scalar a value: validation errors then speak of the one the caller meant."""
+def _arg_kind(value: Any) -> str | None:
+    """A buffer has a shape, a scalar a value: validation errors then speak of the one the caller meant. One
+    with neither is neither (None): refused with `_NO_ARG_KIND`, not as a buffer whose shape is missing."""
     if isinstance(value, dict):
+        if "value" not in value and "shape" not in value:
+            return None
         return "scalar" if "value" in value and "shape" not in value else "buffer"
     return "scalar" if isinstance(value, ScalarArg) else "buffer"
 
 
+# The refusal of an argument with neither shape nor value ("buffer.shape: Field required" did not say that a
+# scalar is sent with a value).
+_NO_ARG_KIND = (
+    "has neither shape nor value: send shape and dtype for an array (a buffer), value and dtype for a scalar"
+)
+
 WorkloadArg = Annotated[
     Annotated[BufferArg, Tag("buffer")] | Annotated[ScalarArg, Tag("scalar")],
-    Discriminator(_arg_kind),
+    Discriminator(_arg_kind, custom_error_type="workload_arg_kind", custom_error_message=_NO_ARG_KIND),
 ]
 MAX_WORKLOAD_BYTES = 64 * 2**30
 

@@ -299,6 +299,43 @@ async def test_a_misspelt_field_is_one_line_naming_the_field_meant(tmp_path: Pat
         assert "nothing was run or charged" in msg
 
 
+async def test_an_argument_with_neither_shape_nor_value_is_told_what_to_send(
+    tmp_path: Path, conv_a100: Path
+) -> None:
+    """A workload argument with neither shape nor value (a scalar sent without its value) was refused as
+    'workload.args[1].buffer.shape: Field required': nothing said that a scalar takes a value. Several problems
+    come one to a line, a validator's message without pydantic's 'Value error, ' before it."""
+    async with running(tmp_path, [conv_a100]) as (client, _service):
+        pair = [conv("a", FAST), conv("b", SLOW)]
+        x = {"name": "x", "dtype": "float32", "shape": [4]}
+        n = {"name": "n", "dtype": "int32"}
+        msg = await error_of(client, "compare_kernels", {"candidates": pair, "workload": {"args": [x, n]}})
+        assert "\n" not in msg and "Field required" not in msg
+        assert (
+            "workload.args[1]: has neither shape nor value: send shape and dtype for an array (a buffer), "
+            "value and dtype for a scalar; got {'name': 'n', 'dtype': 'int32'}" in msg
+        )
+        bad = {"args": [{**x, "shape": [-1]}, n]}
+        msg = await error_of(
+            client, "measure_kernel", {"kernel": {**pair[0], "entry": 3}, "workload": bad, "max_runs": "x"}
+        )
+        head, *lines = msg.split("\n")
+        assert "do not fit the tool" in head and len(lines) == 4
+        assert lines[0].startswith("- kernel.entry: Input should be a valid string")
+        assert (
+            lines[1]
+            == "- workload.args[0].buffer.shape: buffer shape [-1] has a non-positive dimension; got [-1]"
+        )
+        assert lines[2].startswith("- workload.args[1]: has neither shape nor value: send shape and dtype")
+        assert lines[3].startswith("- max_runs: Input should be a valid integer")
+        # Sent as a scalar, the argument is taken.
+        out = await call(
+            client, "compare_kernels", {"candidates": pair, "workload": {"args": [x, {**n, "value": 4}]}}
+        )
+        assert len(out["candidates"]) == 1
+        await _unchanged(client, 0.0)
+
+
 async def test_one_mistake_over_many_candidates_is_one_short_line(tmp_path: Path, conv_a100: Path) -> None:
     # pydantic's text echoed every error of every item (a null define fails each branch of int | float | str):
     # 64 candidates made 40 KB, an agent's context spent on one mistake.

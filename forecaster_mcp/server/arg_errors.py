@@ -67,7 +67,8 @@ def _merged(errors: Sequence[ErrorDetails]) -> list[tuple[Loc, str, Any]]:
                 kinds = " or ".join(str(b["loc"][-1]) for b in branches[spot])
                 out.append((spot, f"should be {kinds}", e.get("input")))
             continue
-        out.append((loc, str(e["msg"]), e.get("input")))
+        # A validator's own message without pydantic's "Value error, " before it (noise on every such line).
+        out.append((loc, str(e["msg"]).removeprefix("Value error, "), e.get("input")))
     return out
 
 
