@@ -168,6 +168,11 @@ def test_decide() -> None:
     # A candidate that (surely) fails is never the better choice, even against a failing baseline.
     assert decide(0.0, 0.95, p_fail=1.0, p_fail_baseline=1.0) == "slower"
     assert decide(0.5, 0.95, p_fail=0.97, p_fail_baseline=0.2) == "slower"
+    # Both failing at or past the threshold: "slower" in both orders (the docstring said the other order was
+    # then "unsure"); the orders differ only when the other kernel's chance of failing is below it.
+    for p, fc, fb in [(0.5, 0.97, 0.96), (0.9, 1.0, 0.95), (0.0, 0.95, 1.0)]:
+        assert decide(p, 0.95, fc, fb) == decide(1 - p, 0.95, fb, fc) == "slower", (p, fc, fb)
+    assert decide(0.5, 0.95, p_fail=0.2, p_fail_baseline=0.97) == "unsure"
     # The two orders of one pair agree: (p, fail cand, fail base) against (1 - p, fail base, fail cand).
     for p, fc, fb in [
         (0.97, 0.01, 0.3),

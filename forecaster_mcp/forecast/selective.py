@@ -322,8 +322,11 @@ def decide(p_faster: float, threshold: float, p_fail: float = 0.0, p_fail_baseli
     (1 - p_fail_baseline) * p_faster), to clear the threshold, "slower" the baseline's. compare(A, B) and
     compare(B, A) then agree: a candidate that runs beats a baseline that (surely) fails, in either order.
     Also "slower": a candidate that fails with probability at least the threshold (one measured as failing),
-    whatever the baseline; it is not the better choice even against a baseline that fails too (the one case
-    where the two orders can differ: the other order is then "unsure"). A non-finite input is "unsure"."""
+    whatever the baseline; a failing kernel is never the better choice, even against a baseline that fails
+    too. When both kernels fail with probability at least the threshold, both orders are therefore "slower"
+    (neither is the better choice). The two orders differ only when the other kernel's chance of failing is
+    below the threshold yet too high for it to be decided "faster" (0.97 against 0.2 at threshold 0.95): that
+    order is then "unsure". A non-finite input is "unsure"."""
     if threshold >= NEVER or not all(math.isfinite(x) for x in (p_faster, p_fail, p_fail_baseline)):
         return "unsure"
     runs, baseline_runs, p = _runs(p_fail), _runs(p_fail_baseline), min(1.0, max(0.0, p_faster))
