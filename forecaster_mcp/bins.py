@@ -89,6 +89,14 @@ def expected_speedup(probs: Sequence[float], centers: Sequence[float] | None = N
     return float(2.0 ** expected_log2(probs, centers))
 
 
+def speedup_text(speedup: float, decimals: int = 2) -> str:
+    """A speedup as a rationale writes it: `decimals` decimals from 0.01 to 1000 ("1.37"), 3 significant digits
+    outside them, as the expected_speedup field reads ("3e-08" and "1e+10", not "0.00" and "9999818868.72")."""
+    if 0.01 <= abs(speedup) <= 1000.0 or speedup == 0.0 or not math.isfinite(speedup):
+        return f"{speedup:.{decimals}f}"
+    return f"{speedup:.3g}"
+
+
 def _phi(z: float) -> float:
     return 0.5 * (1.0 + math.erf(z / math.sqrt(2.0)))
 

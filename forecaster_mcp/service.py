@@ -1609,7 +1609,7 @@ def _from_measurement(
     probs = bins.one_hot(s)
     p = 1.0 if s > 1 else 0.0
     verdict: Verdict = "faster" if s > 1 else "slower"
-    rationale = f"measured: baseline {t_base_ms:.4g} ms, candidate {t_cand_ms:.4g} ms (speedup {s:.3f}x)"
+    rationale = f"measured: baseline {t_base_ms:.4g} ms, candidate {t_cand_ms:.4g} ms (speedup {bins.speedup_text(s, 3)}x)"
     if s == 1.0:
         # Equal runtimes: half the mass on each side of S = 1, so that p_faster and the bins agree.
         probs = [0.0] * bins.N_BINS
@@ -1621,7 +1621,7 @@ def _from_measurement(
         p, verdict = bins.p_faster(probs), "unsure"
         rationale = (
             f"measured within noise: baseline {t_base_ms:.4g} ms [{base[1]:.4g}, {base[2]:.4g}], candidate "
-            f"{t_cand_ms:.4g} ms [{cand[1]:.4g}, {cand[2]:.4g}] (speedup {s:.3f}x, its 95% interval includes 1); "
+            f"{t_cand_ms:.4g} ms [{cand[1]:.4g}, {cand[2]:.4g}] (speedup {bins.speedup_text(s, 3)}x, its 95% interval includes 1); "
             "measure both with more runs to separate them"
         )
     if suspicion is not None and verdict != "unsure":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import statistics
 import time
 from pathlib import Path
@@ -1101,3 +1102,38 @@ async def test_a_switch_the_family_never_varied_is_not_forecast_as_irrelevant(co
                 wrong += (fc.p_faster > 0.5) != faster
     assert decided >= 10  # still decides where the rest of the model says enough
     assert wrong <= 7 and wrong <= 0.2 * decided, (wrong, decided)
+
+
+@pytest.mark.anyio
+async def test_a_rationale_writes_an_extreme_speedup_in_significant_digits() -> None:
+    """A family whose runtimes span 1 ms to 1e10 ms: its rationale said 'speedup ~0.00x' for a candidate
+    forecast 1e-10 times as fast (and '~9999818868.72x' for the mirror), beside an extras mu_log2 of -33."""
+    h = FakeHistory()
+    for bs, u in GRID:
+        if (bs, u) not in {(32, 2), (1024, 2)}:
+            h.add(member(bs, u), 10.0 ** (2 * (math.log2(bs) - 5)))  # bs 32: 1 ms, bs 1024: 1e10 ms
+    f = LocalForecaster(h, ptxas_wait_s=0.0)
+    slow, fast = await f.forecast(
+        [query(member(32, 1), member(1024, 2)), query(member(1024, 1), member(32, 2))]
+    )
+    for fc in (slow, fast):
+        shown = re.search(r"speedup ~(\S+)x", fc.rationale)
+        assert shown is not None, fc.rationale
+        assert float(shown[1]) == pytest.approx(2.0 ** fc.extras["mu_log2"], rel=0.01), fc.rationale
+    assert "0.00x" not in slow.rationale
+    # Ordinary speedups keep their two decimals.
+    train = GRID[::2]
+    a, b = [p for p in GRID if p not in train][:2]
+    [mid] = await LocalForecaster(trained(train), ptxas_wait_s=0.0).forecast([query(member(*a), member(*b))])
+    assert re.search(r"speedup ~\d+\.\d\dx", mid.rationale), mid.rationale
+
+
+def test_speedup_text_keeps_ordinary_values_and_reads_extreme_ones() -> None:
+    assert [bins.speedup_text(s) for s in (0.01, 0.0172, 1.37, 1000.0)] == ["0.01", "0.02", "1.37", "1000.00"]
+    assert bins.speedup_text(1.5, 3) == "1.500"
+    assert [bins.speedup_text(s) for s in (3e-8, 0.00123, 1234.5, 1e10)] == [
+        "3e-08",
+        "0.00123",
+        "1.23e+03",
+        "1e+10",
+    ]

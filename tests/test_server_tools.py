@@ -16,7 +16,7 @@ from forecaster_mcp.forecast.ptxas import find_nvcc
 from forecaster_mcp.forecast.selective import MAX_TARGET_ERROR, MIN_TARGET_ERROR
 from forecaster_mcp.models import MAX_DEFINES, MAX_SOURCE_BYTES, MIN_MEASURE_SECONDS, Kernel
 from forecaster_mcp.server.app import build_server
-from forecaster_mcp.service import Service
+from forecaster_mcp.service import Service, _from_measurement
 from forecaster_mcp.settings import Settings
 
 LOCAL = f"local@{LOCAL_VERSION}"  # the local forecaster's name in stored rows (engine module doc)
@@ -148,6 +148,17 @@ async def test_measured_pairs_answer_from_measurements(tmp_path: Path, conv_a100
         assert cand["verdict"] == "slower"
         assert cand["expected_speedup"] < 0.1  # 0.55 ms vs 32 ms
         assert out["ranking"] == ["a", "b"]
+
+
+def test_a_measured_rationale_writes_an_extreme_speedup_in_significant_digits() -> None:
+    """Measured at 1e-3 ms against 20 ms (and the mirror), the rationale said 'speedup 20000.000x' and
+    'speedup 0.000x' beside a measured_speedup of 2e4 and 5e-05; an ordinary one keeps its three decimals."""
+    base, fast = (20.0, 19.9, 20.1, 100), (1e-3, 0.99e-3, 1.01e-3, 100)
+    up, down = _from_measurement("c", base, fast, "cache"), _from_measurement("c", fast, base, "cache")
+    assert "(speedup 2e+04x)" in up.rationale and "(speedup 5e-05x)" in down.rationale
+    assert up.measured_speedup == pytest.approx(2e4) and down.measured_speedup == pytest.approx(5e-5)
+    ordinary = _from_measurement("c", (0.55, 0.54, 0.56, 100), (32.0, 31.9, 32.1, 100), "cache")
+    assert "(speedup 0.017x)" in ordinary.rationale
 
 
 async def test_a_candidate_measured_failing_ranks_below_one_that_runs(

@@ -1785,7 +1785,7 @@ class LocalForecaster:
             parts.append(f"baseline measured {_fmt_ms(b.mean)}")
         else:
             parts.append(f"baseline predicted {_fmt_ms(b.mean)}")
-        parts.append(f"speedup ~{speed:.2f}x (log2 sd {sd:.2f})")
+        parts.append(f"speedup ~{bins.speedup_text(speed)}x (log2 sd {sd:.2f})")
         if c.p_fail >= 0.2:
             parts.append(f"P(candidate fails) {c.p_fail:.2f}")
         novel = sorted(set(b.novel) | set(c.novel))
