@@ -198,3 +198,16 @@ def test_bad_inputs_are_rejected() -> None:
         M.as_probs([[0.5, 0.5]])
     with pytest.raises(ValueError):
         M.brier([math.nan], [2.0])
+
+
+def test_risk_coverage_groups_confidences_equal_but_for_the_last_bit() -> None:
+    # Two mirrored forecasts: 1 - 0.3722 and 0.6278 are one confidence, reached by two roundings.
+    high = 0.6276970180349811
+    low = np.nextafter(high, 0.0)
+    assert low != high
+    first = M.risk_coverage([0.9, high, low, 0.55], [1, 1, 0, 0])
+    second = M.risk_coverage([0.9, high, low, 0.55], [1, 0, 1, 0])
+    # One group with error rate 0.5, whichever of the two is right (the old order put the last-bit higher first).
+    assert first.risk.tolist() == pytest.approx([0.0, 0.25, 1 / 3, 0.5])
+    assert second.risk.tolist() == pytest.approx(first.risk.tolist())
+    assert second.risk_at(0.5) == pytest.approx(0.25)

@@ -242,7 +242,9 @@ def risk_coverage(confidences: ArrayLike, correct: ArrayLike) -> RiskCoverage:
     """Risk-coverage curve of scored predictions (correct in [0, 1]), most confident first.
 
     Pairs with equal confidence cannot be ordered by the forecaster, so inside a group of equal confidence
-    the curve uses the expected error of a random order (the group's mean error), not the input order.
+    the curve uses the expected error of a random order (the group's mean error), not the input order. Equal
+    to 12 decimals: max(p, 1 - p) of two mirrored forecasts (p and 1 - p reached by different sums) can differ
+    in the last bit, which ordered them by rounding noise, the one a bit higher counted as surer.
     """
     conf = _vec(confidences, "confidences")
     err = 1.0 - _vec(correct, "correct")
@@ -252,11 +254,12 @@ def risk_coverage(confidences: ArrayLike, correct: ArrayLike) -> RiskCoverage:
     if n == 0:
         empty = np.zeros(0)
         return RiskCoverage(empty, empty, empty)
-    order = np.argsort(-conf, kind="stable")
+    level = np.round(conf, 12)
+    order = np.argsort(-level, kind="stable")
     conf_sorted = conf[order]
     err_sorted = err[order]
     # Group boundaries of equal confidence.
-    starts = np.flatnonzero(np.r_[True, conf_sorted[1:] != conf_sorted[:-1]])
+    starts = np.flatnonzero(np.r_[True, level[order][1:] != level[order][:-1]])
     ends = np.r_[starts[1:], n]
     cum = np.r_[0.0, np.cumsum(err_sorted)]
     expected = np.empty(n)
