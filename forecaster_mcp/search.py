@@ -575,12 +575,16 @@ class ToolEmulator:
                 tuple(kernel.compile_options),
             ),
         )
-        gpu_seconds = (sum(times) + float(getattr(entry, "verification_time_ms", 0.0) or 0.0)) / 1000.0
+        if ok:
+            gpu_seconds = (sum(times) + float(getattr(entry, "verification_time_ms", 0.0) or 0.0)) / 1000.0
+        else:
+            # As the replay charges it: the device time recorded for the failed attempt (0 for a compile error).
+            gpu_seconds = float(getattr(entry, "failed_device_ms", 0.0) or 0.0) / 1000.0
         return {
             "kernel_id": kernel.id,
             "status": status,
             "runtime_ms": {"median": median} if ok else None,
-            "cost": {"gpu_seconds": gpu_seconds if ok else 0.0, "cached": False},
+            "cost": {"gpu_seconds": gpu_seconds, "cached": False},
         }
 
     async def _compare(self, args: dict[str, Any]) -> dict[str, Any]:

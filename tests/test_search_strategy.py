@@ -564,3 +564,22 @@ def test_a_gpu_budget_spent_before_any_forecast_is_an_error_not_a_comparison(
     assert "(budget spent before the forecast was asked)" in done.stderr
     assert "no forecast-guided run got past its 10 random starting measurements" in done.stderr
     assert "best-fraction median" not in done.stdout
+
+
+@pytest.mark.anyio
+async def test_the_emulator_charges_a_recorded_failure_as_the_replay_does(conv_a100: Path) -> None:
+    """A configuration recorded as failing at run time is charged the device time recorded for its attempt,
+    as ReplayMeasurer charges it (0.37 ms on A100 convolution); one that never compiled, nothing. The emulator
+    charged every failure 0, so the GPU-seconds of benchmarks/tune_local.py were not a server's."""
+    space = load_space(conv_a100)
+    emu = ToolEmulator(space)
+    for recorded, status in [
+        ("RuntimeFailedConfig", "launch_error"),
+        ("CompilationFailedConfig", "compile_error"),
+    ]:
+        index = next(i for i, e in enumerate(space.entries) if e.message == recorded)
+        result = await emu("measure_kernel", {"kernel": kernel_dict(space, index), "workload": {}})
+        assert result["status"] == status and result["runtime_ms"] is None
+        expected = (space.entries[index].failed_device_ms or 0.0) / 1000.0
+        assert result["cost"]["gpu_seconds"] == pytest.approx(expected)
+        assert (expected > 0) == (status == "launch_error")
