@@ -475,6 +475,51 @@ async def test_model_rejecting_forced_tool_use_switches_to_json_output(rejection
 
 
 @pytest.mark.anyio
+async def test_an_answer_cut_off_after_the_switch_to_json_is_retried_with_more_tokens_not_fewer() -> None:
+    """The sample whose tool-mode request was refused is sent in JSON mode at JSON's 4096 tokens; cut off there,
+    its retry grew from tool mode's 1024 and asked for 2048, half what had just fallen short. The batch path
+    likewise: a request cut off in tool mode is resubmitted at no less than JSON's 4096 once the mode switched."""
+    answered: list[str] = []
+
+    def responder(body: dict[str, Any]) -> Any:
+        if "tool_choice" in body:
+            return error(400, "invalid_request_error", "tool_choice: forced tool use is not supported")
+        answered.append("json")
+        if len(answered) == 1:
+            return text_answer('{"reasoning": "the vectorised loads', stop_reason="max_tokens")
+        return json_answer(FASTER)
+
+    mock = AnthropicMock(responder)
+    [out] = await make(mock).forecast([pair()])
+    assert out.probs == pytest.approx(FASTER)
+    assert [("tool_choice" in b, b["max_tokens"]) for b in mock.message_bodies] == [
+        (True, 1024),
+        (False, 4096),
+        (False, 8192),
+    ]
+
+    # Batches: one sample is cut off in tool mode, the other refused for forced tool use (the switch to JSON).
+    tool_requests: list[int] = []
+
+    def batch_responder(body: dict[str, Any]) -> Any:
+        if "tool_choice" not in body:
+            return json_answer(FASTER)
+        tool_requests.append(body["max_tokens"])
+        if len(tool_requests) == 1:
+            return tool_input({"reasoning": "the vec"}, stop_reason="max_tokens")
+        return error(400, "invalid_request_error", "tool_choice: forced tool use is not supported")
+
+    _, no_sleep = recording_sleep()
+    mock = AnthropicMock(batch_responder)
+    f = make(mock, samples=2, sleep=no_sleep, batch_poll_interval_s=1.0)
+    [out] = await f.forecast_batch([pair()])
+    first, second = (b.requests for b in mock.batches.values())
+    assert [r["params"]["max_tokens"] for r in first] == [1024, 1024]
+    assert sorted(r["params"]["max_tokens"] for r in second) == [4096, 4096]
+    assert all("output_config" in r["params"] for r in second)
+
+
+@pytest.mark.anyio
 async def test_a_call_past_its_time_limit_keeps_the_pairs_already_answered() -> None:
     """compare_kernels' time limit cancels the requests still running, but what was answered is paid for:
     those pairs keep Claude's forecast (a pair with one of its two samples is aggregated from that one), the

@@ -547,6 +547,8 @@ class ClaudeForecaster:
                 if not pending:
                     break
                 mode = self._mode
+                # A retry grown from tool mode's max_tokens, when the mode was switched to JSON since, gets JSON's.
+                pending = {k: max(v, self._max_tokens()) for k, v in pending.items()}
                 marked = self._marked(texts, [(i, 1) for i, _ in pending])
                 requests = {
                     f"q{i}-s{j}-r{round_no}": self._params(marked[i], mode, max_tokens)
@@ -662,7 +664,7 @@ class ClaudeForecaster:
                 reraise=True,
             ):
                 with attempt:
-                    message, mode = await self._create(text, self._mode, max_tokens, usage)
+                    message, mode, max_tokens = await self._create(text, self._mode, max_tokens, usage)
                     if cached is not None:
                         tokens = getattr(message, "usage", None)
                         cached.append(
@@ -689,10 +691,13 @@ class ClaudeForecaster:
 
     async def _create(
         self, text: prompt.PairPrompt, mode: Literal["tool", "json"], max_tokens: int, usage: TokenUsage
-    ) -> tuple[Message, Literal["tool", "json"]]:
-        """One request; returns the message and the output mode it was made in."""
+    ) -> tuple[Message, Literal["tool", "json"], int]:
+        """One request; returns the message, and the output mode and max_tokens it was made with (a retry of an
+        answer cut off grows from the latter). Never below the mode's own max_tokens: a sample begun in tool mode
+        (1024) whose mode was switched to JSON (4096, thinking counted) since is not sent with tool mode's."""
         an = self._anthropic
         message: Message
+        max_tokens = max(max_tokens, self._max_tokens())
         async with self._semaphore:
             try:
                 try:
@@ -731,7 +736,7 @@ class ClaudeForecaster:
         _note(self._shared_sent_until, key, until)
         if text.cache_shared:
             _note(self._shared_warm_until, key, until)
-        return message, mode
+        return message, mode, max_tokens
 
     def _rejection_hint(self, kind: str) -> str:
         """What the operator does about a refusal of every request (an SDK class name or an API error type); it
