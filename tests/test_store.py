@@ -782,6 +782,30 @@ async def test_reopen_is_idempotent_and_keeps_data(tmp_path: Path) -> None:
         assert conn.execute("SELECT count(*) FROM ledgers").fetchone() == (1,)
 
 
+async def test_a_new_database_another_process_is_creating_is_waited_for(tmp_path: Path) -> None:
+    """Servers started at once on an empty state folder: one of them holds the new file's write lock before
+    its switch to WAL. The others' switch got "database is locked" at once, with no busy wait (one start in
+    about twelve failed with three processes), and now waits for it as every other statement does."""
+    path = tmp_path / "db.sqlite3"
+    other = sqlite3.connect(path, isolation_level=None)
+    try:
+        other.execute("BEGIN IMMEDIATE")  # a new file, not yet WAL: what the first process holds for a moment
+        opening = asyncio.ensure_future(Store.open(path))
+        with pytest.raises(TimeoutError):  # the old code failed here, at its first try
+            await asyncio.wait_for(asyncio.shield(opening), 1.0)
+        other.execute("COMMIT")
+    finally:
+        other.close()
+    s = await asyncio.wait_for(opening, 60)
+    try:
+        await s.create_ledger("x", 5)
+    finally:
+        await s.close()
+    with raw(path) as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+        assert conn.execute("SELECT count(*) FROM schema_version").fetchone() == (len(migrations.MIGRATIONS),)
+
+
 async def _database_at_version(path: Path, version: int, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A database file as a forecaster-mcp that knew only the first `version` migrations left it."""
     with monkeypatch.context() as m:

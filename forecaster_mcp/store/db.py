@@ -635,6 +635,25 @@ _VERIFY_FAILED = (
 )
 
 
+async def _wal_mode(conn: Any) -> None:
+    """Switch the database to WAL, waiting (up to the busy timeout) for another process switching it too.
+
+    On a new, empty file the switch needs an exclusive lock, and SQLite answers a process that finds another
+    one switching (or migrating before its switch is on disk) "database is locked" at once, without its busy
+    handler: of three processes started at once on an empty state folder, one in about twelve failed to start.
+    """
+    deadline = time.monotonic() + BUSY_TIMEOUT_S
+    while True:
+        try:
+            await conn.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            busy = getattr(exc, "sqlite_errorcode", None) in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+            if not busy or time.monotonic() >= deadline:
+                raise
+        await asyncio.sleep(0.05)
+
+
 class Store:
     """Async facade over the database file.
 
@@ -669,7 +688,7 @@ class Store:
             ) from exc
         try:
             await conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
-            await conn.execute("PRAGMA journal_mode = WAL")
+            await _wal_mode(conn)
             # NORMAL survives process crashes in WAL mode; only a power cut may lose the last commits.
             await conn.execute("PRAGMA synchronous = NORMAL")
             await conn.execute("PRAGMA foreign_keys = ON")
