@@ -382,6 +382,41 @@ def test_a_state_folder_that_is_a_file_or_a_database_that_is_not_one_is_a_one_li
     assert (garbage / "forecaster.sqlite3").read_text().startswith("this is not a database")  # left as it was
 
 
+UNOPENABLE = """
+import asyncio, sys
+from pathlib import Path
+from forecaster_mcp.errors import OperatorError
+from forecaster_mcp.store.db import Store
+for _ in range(3):
+    try:
+        asyncio.run(Store.open(Path(sys.argv[1])))
+    except OperatorError as exc:
+        print(exc, file=sys.stderr)
+"""
+
+
+def test_a_database_that_cannot_be_opened_is_one_line_and_no_traceback(tmp_path: Path) -> None:
+    """A folder where the database file should be said 'unable to open database file; point ... at a folder
+    you can write to', and then two tracebacks ('Event loop is closed') of aiosqlite's thread, still stopping
+    after the command's event loop had closed; so did any database that could not be opened (a
+    symlink to a volume that is not mounted)."""
+    home = tmp_path / "home"
+    (home / "forecaster.sqlite3").mkdir(parents=True)
+    for argv in (["ledger", "show"], ["serve", "--measurer", "none"]):
+        proc = cli(home, *argv, check=False)
+        assert (
+            proc.returncode == 2 and "forecaster.sqlite3: it is a folder, not a database file" in proc.stderr
+        )
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    dangling = tmp_path / "db.sqlite3"
+    dangling.symlink_to(tmp_path / "unmounted" / "db.sqlite3")  # a state file on a volume that is not there
+    proc = subprocess.run(
+        [sys.executable, "-c", UNOPENABLE, str(dangling)], capture_output=True, text=True, timeout=60
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 3 and all("unable to open database file" in line for line in lines), proc.stderr
+
+
 @pytest.mark.parametrize(
     "setting",
     [

@@ -26,6 +26,7 @@ import shlex
 import socket
 import sqlite3
 import statistics
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -635,6 +636,15 @@ _VERIFY_FAILED = (
 )
 
 
+async def _stopped(connection: Any) -> None:
+    """Wait for the thread of an aiosqlite connection that failed to open. aiosqlite stops it without waiting,
+    and when the event loop closed first (a CLI command exiting at once with its one-line error) the thread
+    printed two tracebacks ("RuntimeError: Event loop is closed") after that line."""
+    thread = getattr(connection, "_thread", None)
+    if isinstance(thread, threading.Thread) and thread.is_alive():
+        await asyncio.to_thread(thread.join, BUSY_TIMEOUT_S)
+
+
 async def _wal_mode(conn: Any) -> None:
     """Switch the database to WAL, waiting (up to the busy timeout) for another process switching it too.
 
@@ -678,11 +688,19 @@ class Store:
         reservations (owner process dead on this host, or expired)."""
         path = Path(path)
         where = "the state folder (--home, env FORECASTER_MCP_HOME)"
+        connecting: Any = None
         try:
+            if path.is_dir():
+                raise OperatorError(
+                    f"cannot open the state database {path}: it is a folder, not a database file; move it "
+                    f"aside or point {where} at another folder"
+                )
             path.parent.mkdir(parents=True, exist_ok=True)
             # isolation_level=None: we issue BEGIN IMMEDIATE / COMMIT ourselves.
-            conn = await aiosqlite.connect(str(path), timeout=BUSY_TIMEOUT_S, isolation_level=None)
+            connecting = aiosqlite.connect(str(path), timeout=BUSY_TIMEOUT_S, isolation_level=None)
+            conn = await connecting
         except (OSError, sqlite3.Error) as exc:
+            await _stopped(connecting)
             raise OperatorError(
                 f"cannot open the state database {path}: {exc}; point {where} at a folder you can write to"
             ) from exc
