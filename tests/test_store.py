@@ -873,6 +873,26 @@ async def test_a_newer_schema_is_refused(tmp_path: Path) -> None:
         await Store.open(path)
 
 
+async def test_a_newer_schema_is_refused_at_once_while_a_newer_server_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The refusal waited for the write lock: with a server of the newer version writing, this one waited out
+    the 30 s busy timeout and then said 'database is locked' (the CLI: 'busy ... try again when it is free')."""
+    path = tmp_path / "db.sqlite3"
+    await (await Store.open(path)).close()
+    with raw(path) as conn:
+        conn.execute(f"PRAGMA user_version = {migrations.latest_version() + 1}")
+    newer = sqlite3.connect(path, isolation_level=None)
+    try:
+        newer.execute("BEGIN IMMEDIATE")
+        newer.execute("INSERT INTO ledgers VALUES ('n', 1, 0, 0, 1, 1)")
+        with pytest.raises(OperatorError, match="newer than this forecaster-mcp"):
+            await asyncio.wait_for(Store.open(path), 10)  # the busy timeout is 30 s
+        newer.execute("COMMIT")
+    finally:
+        newer.close()
+
+
 # ------------------------------------------------------------------------------------------- orphans
 
 

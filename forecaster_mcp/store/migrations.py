@@ -287,6 +287,14 @@ def latest_version() -> int:
     return MIGRATIONS[-1].version
 
 
+def _refuse_newer(current: int) -> None:
+    if current > latest_version():
+        raise OperatorError(
+            f"the database has schema version {current}, newer than this forecaster-mcp knows "
+            f"({latest_version()}): upgrade forecaster-mcp or point FORECASTER_MCP_HOME elsewhere"
+        )
+
+
 async def migrate(conn: Any) -> int:
     """Apply pending migrations in one write transaction (safe when several processes open at once).
 
@@ -296,17 +304,16 @@ async def migrate(conn: Any) -> int:
     row = await cursor.fetchone()
     if row is not None and int(row[0]) == latest_version():
         return latest_version()
+    # Refused before taking the write lock too: a newer server writing (or a read-only file) made this wait out
+    # the busy timeout and say "busy ... try again when it is free", which never helps.
+    _refuse_newer(int(row[0]) if row is not None else 0)
     await conn.execute("BEGIN IMMEDIATE")
     try:
         # Re-read under the write lock: another process may have migrated while we waited.
         cursor = await conn.execute("PRAGMA user_version")
         row = await cursor.fetchone()
         current = int(row[0]) if row is not None else 0
-        if current > latest_version():
-            raise OperatorError(
-                f"the database has schema version {current}, newer than this forecaster-mcp knows "
-                f"({latest_version()}): upgrade forecaster-mcp or point FORECASTER_MCP_HOME elsewhere"
-            )
+        _refuse_newer(current)
         for migration in MIGRATIONS:
             if migration.version <= current:
                 continue
