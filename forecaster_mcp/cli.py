@@ -337,6 +337,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    except sqlite3.DatabaseError as exc:
+        # Damage past the pages read at open (a disk or copy that lost blocks): each command crashed with a
+        # traceback. Not retried: it stays damaged until someone recovers it.
+        print(
+            f"forecaster-mcp: the state database is damaged ({exc}): stop the servers using it, copy the state "
+            "folder aside, and recover its ledgers and measurements (sqlite3 forecaster.sqlite3 .recover), or "
+            "point --home (env FORECASTER_MCP_HOME) at another folder",
+            file=sys.stderr,
+        )
+        return 2
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

@@ -382,6 +382,31 @@ def test_a_state_folder_that_is_a_file_or_a_database_that_is_not_one_is_a_one_li
     assert (garbage / "forecaster.sqlite3").read_text().startswith("this is not a database")  # left as it was
 
 
+def test_a_database_damaged_past_its_first_pages_is_a_one_line_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Damage Store.open does not read (a lost block under the ledgers table) crashed every command, the server
+    included, with a traceback ending in 'sqlite3.DatabaseError: database disk image is malformed'."""
+    assert run(capsys, "ledger", "create", "L", "--gpu-seconds", "5")[0] == 0
+    path = Path(os.environ["FORECASTER_MCP_HOME"]) / "forecaster.sqlite3"
+    with sqlite3.connect(path) as conn:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        page_size = conn.execute("PRAGMA page_size").fetchone()[0]
+        [(root,)] = conn.execute("SELECT rootpage FROM sqlite_master WHERE name = 'ledgers'").fetchall()
+    conn.close()
+    with path.open("r+b") as f:
+        f.seek((root - 1) * page_size)
+        f.write(b"\xff" * page_size)
+    for argv in (
+        ["ledger", "show"],
+        ["ledger", "topup", "L", "--gpu-seconds", "1"],
+        ["serve", "--measurer", "none"],
+    ):
+        code, _, err = run(capsys, *argv)
+        assert code == 2 and "the state database is damaged (database disk image is malformed)" in err, err
+        assert ".recover" in err and len(err.strip().splitlines()) == 1
+
+
 UNOPENABLE = """
 import asyncio, sys
 from pathlib import Path
