@@ -982,3 +982,25 @@ async def test_a_verdict_decided_by_a_chance_of_failing_says_so(tmp_path: Path) 
             assert cand["p_faster"] >= 0.5
             assert "slower for its 99" in cand["rationale"], cand["rationale"]
             assert "chance of failing to compile or run" in cand["rationale"]
+
+
+async def test_a_state_database_that_cannot_be_written_is_named_to_the_agent(
+    tmp_path: Path, conv_a100: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full, read-only or long-locked state folder: measure_kernel answered only 'Error executing tool
+    measure_kernel' (an unexpected error), so the agent could neither act on it nor tell anyone what was wrong."""
+    from forecaster_mcp.store import db
+
+    monkeypatch.setattr(db, "BUSY_TIMEOUT_S", 0.2)
+    async with running(tmp_path, [conv_a100]) as (client, service):
+        other = sqlite3.connect(service.store.path, isolation_level=None)
+        try:
+            other.execute("BEGIN IMMEDIATE")  # another process writing, for longer than the busy timeout
+            text = await error_of(client, "measure_kernel", {"kernel": conv("k", FAST)})
+        finally:
+            other.execute("ROLLBACK")
+            other.close()
+        assert "the server's state database cannot be used now (database is locked)" in text, text
+        assert "tell the server's operator" in text
+        status = await call(client, "budget_status", {})
+        assert status["spent_gpu_seconds"] == 0 and status["reserved_gpu_seconds"] == 0

@@ -21,6 +21,7 @@ import re
 import shlex
 import signal
 import socket
+import sqlite3
 import sys
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -39,6 +40,7 @@ from pydantic import AnyHttpUrl, BeforeValidator, Field, ValidationError
 
 from forecaster_mcp import __version__, bins
 from forecaster_mcp.errors import AgentError, OperatorError
+from forecaster_mcp.forecast.engine import one_line
 from forecaster_mcp.forecast.selective import MAX_TARGET_ERROR, MIN_TARGET_ERROR
 from forecaster_mcp.hardware import specs
 from forecaster_mcp.models import (
@@ -215,6 +217,14 @@ async def _call(fn: Callable[[], Awaitable[T]]) -> T:
         return await fn()
     except AgentError as exc:
         raise ToolError(str(exc)) from exc
+    except sqlite3.OperationalError as exc:
+        # A full, read-only or long-locked state folder: the agent was told only "Error executing tool
+        # measure_kernel", nothing it could act on or pass on. The operator gets the traceback in the log.
+        log.warning("the state database failed a tool call", exc_info=True)
+        raise ToolError(
+            f"the server's state database cannot be used now ({one_line(str(exc), 200)}): tell the server's "
+            "operator (its state folder may be full, read-only or locked); budget_status says what was charged"
+        ) from exc
 
 
 # AuthSettings requires an issuer URL, but with no authorization-server provider and no resource_server_url the
