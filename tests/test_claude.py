@@ -547,6 +547,50 @@ async def test_a_call_past_its_time_limit_keeps_the_pairs_already_answered() -> 
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("warm_up_answers", [True, False])
+async def test_a_hanging_warm_up_does_not_hold_the_other_pairs_past_the_time_limit(
+    warm_up_answers: bool,
+) -> None:
+    """The first request of a call (the cache warm-up) is sent alone and the rest wait for it, but only half the
+    time left: when it hung, no other request was sent and every pair of the call lost Claude's answer at the
+    limit. Now the others are sent without it and answered; the warm-up is not cancelled (it is paid for): its
+    answer, when it comes, is one of its pair's two samples, and no extra one is sent. Still running at the
+    limit, it is cancelled there and its pair keeps the sample it has."""
+    mock = AnthropicMock(lambda body: tool_answer(FASTER))
+    others = 5  # 3 pairs x 2 samples, less the warm-up
+    answered_others = asyncio.Event()
+    warm_up_cancelled = []
+    seen = 0
+
+    async def handle(request: httpx2.Request) -> httpx2.Response:
+        nonlocal seen
+        seen += 1
+        if seen == 1:  # the warm-up: answers once every other request is answered, or never
+            try:
+                await (answered_others.wait() if warm_up_answers else asyncio.Event().wait())
+            except asyncio.CancelledError:
+                warm_up_cancelled.append(True)
+                raise
+            return mock.handle(request)
+        response = mock.handle(request)  # (records the request: the warm-up's is recorded once answered)
+        if len(mock.message_bodies) == others:
+            answered_others.set()
+        return response
+
+    sink = FakeSink()
+    f = ClaudeForecaster(
+        "test-key", MODEL, samples=2, features=None, usage_sink=sink, time_limit_s=2.0,
+        http_client=httpx2.AsyncClient(transport=httpx2.MockTransport(handle)),
+    )  # fmt: skip
+    queries = [pair(), pair(same_source=True), replace(pair(same_source=True), hardware_name="H100")]
+    out = await asyncio.wait_for(f.forecast(queries), timeout=20)
+    assert seen == 1 + others
+    assert [o.extras["claude_samples"] for o in out] == [2 if warm_up_answers else 1, 2, 2]
+    assert warm_up_cancelled == ([] if warm_up_answers else [True])
+    assert sum(c["input_tokens"] for c in sink.calls) == 1000 * (others + warm_up_answers)
+
+
+@pytest.mark.anyio
 async def test_the_time_limit_counts_from_the_call_not_from_the_prompts_being_built() -> None:
     """Building the prompts (ptxas, features) is inside the limit: when it ran before the limit started, a slow
     build let the engine's backstop cancel the call and drop the answers Claude had given."""

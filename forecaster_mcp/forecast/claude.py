@@ -81,6 +81,8 @@ _PTXAS_WAIT_S = 20.0
 _ANSWERS_KEPT = 4096
 # Shared blocks (baselines) whose time in the prompt cache is kept track of.
 _SHARED_WARM_KEPT = 1024
+# The part of a call's time left that its other requests wait for a warm-up request (_warm_up_wait_s).
+_WARM_UP_SHARE = 0.5
 _TRANSIENT_BATCH_ERRORS = {"rate_limit_error", "api_error", "overloaded_error", "timeout_error"}
 
 
@@ -396,6 +398,7 @@ class ClaudeForecaster:
         texts: list[prompt.PairPrompt] = []
         try:
             limit = math.inf if self.time_limit_s is None else self.time_limit_s
+            deadline = time.monotonic() + limit
             # The limit counts from the call: building the prompts (ptxas, features) is inside it too.
             with anyio.move_on_after(limit) as scope:
                 texts = await self._prompts(queries)
@@ -407,12 +410,18 @@ class ClaudeForecaster:
                     if prompt.utf8_size(p.text) <= prompt.MAX_PROMPT_BYTES and len(got[i]) < self.samples
                 ]
                 texts = self._marked(texts, [(i, self.samples - len(got[i])) for i in fits])
-                if fits and self._warm_cache:
-                    await self._warm_up_shared(texts, fits, usage, problems, got)
+                marked = texts
+
+                def pairs() -> list[Coroutine[Any, Any, None]]:
+                    return [
+                        self._forecast_one(p, usage, problems, got[i], deadline) for i, p in enumerate(marked)
+                    ]
+
                 try:
-                    await _gather_or_cancel(
-                        [self._forecast_one(p, usage, problems, got[i]) for i, p in enumerate(texts)]
-                    )
+                    if fits and self._warm_cache:
+                        await self._warm_up_shared(texts, fits, usage, problems, got, deadline, pairs)
+                    else:
+                        await _gather_or_cancel(pairs())
                 except ClaudeUnavailable as exc:
                     # The key or model was refused mid-call: the answers already in are paid for; keep them.
                     raise ClaudeUnavailable(str(exc), partial=[self._aggregated(g) for g in got]) from exc
@@ -440,28 +449,39 @@ class ClaudeForecaster:
         usage: TokenUsage,
         problems: list[str],
         got: list[list[_Sample | None]],
+        deadline: float,
+        pairs: Callable[[], Sequence[Coroutine[Any, Any, None]]],
     ) -> None:
-        """Warm-up requests sent before the rest of a call, so that the rest read the cache instead of each writing
+        """The call's requests (`pairs`), after warm-up requests that let them read the cache instead of each writing
         the same prefix: while the system prompt is cold, one request alone (it writes the system prompt that every
         other request reads, and its pair's shared block); then, together, one request for each other shared
-        block (a baseline) that more than one pending request of the call sends and the cache does not hold."""
+        block (a baseline) that more than one pending request of the call sends and the cache does not hold. Each
+        warm-up is waited for only so long (`_after_warm_ups`)."""
         now = time.monotonic()
         first = fits[0]
+        warm_first = []
         if now >= self._cache_warm_until and len(texts[first].shared) > self._shared_uncacheable_chars:
-            await self._warm_up(texts[first], usage, problems, got[first])
-        left: dict[str, list[int]] = {}
-        for i in fits:
-            if len(got[i]) < self.samples:
-                left.setdefault(texts[i].shared, []).append(i)
-        now = time.monotonic()
-        todo = [
-            pairs[0]
-            for shared, pairs in left.items()
-            if sum(self.samples - len(got[i]) for i in pairs) > 1
-            and len(shared) > self._shared_uncacheable_chars
-            and self._shared_warm_until.get(_digest(shared), 0.0) <= now
-        ]
-        await _gather_or_cancel([self._warm_up(texts[i], usage, problems, got[i]) for i in todo])
+            warm_first = [self._warm_up(texts[first], usage, problems, got[first])]
+
+        def shared_warm_ups() -> list[Coroutine[Any, Any, None]]:
+            left: dict[str, list[int]] = {}
+            for i in fits:
+                if len(got[i]) < self.samples:
+                    left.setdefault(texts[i].shared, []).append(i)
+            now = time.monotonic()
+            todo = [
+                sending[0]
+                for shared, sending in left.items()
+                if sum(self.samples - len(got[i]) for i in sending) > 1
+                and len(shared) > self._shared_uncacheable_chars
+                and self._shared_warm_until.get(_digest(shared), 0.0) <= now
+            ]
+            return [self._warm_up(texts[i], usage, problems, got[i]) for i in todo]
+
+        def after_first() -> list[Coroutine[Any, Any, None]]:
+            return [_after_warm_ups(shared_warm_ups(), _warm_up_wait_s(deadline), pairs)]
+
+        await _after_warm_ups(warm_first, _warm_up_wait_s(deadline), after_first)
 
     def _marked(
         self, texts: Sequence[prompt.PairPrompt], sends: Sequence[tuple[int, int]]
@@ -604,12 +624,19 @@ class ClaudeForecaster:
     # ------------------------------------------------------------ one pair, one sample
 
     async def _forecast_one(
-        self, text: prompt.PairPrompt, usage: TokenUsage, problems: list[str], got: list[_Sample | None]
+        self,
+        text: prompt.PairPrompt,
+        usage: TokenUsage,
+        problems: list[str],
+        got: list[_Sample | None],
+        deadline: float = math.inf,
     ) -> None:
-        """This pair's samples, appended to `got` as each arrives (a timeout keeps those already in)."""
+        """This pair's samples, in `got` as each arrives (a timeout keeps those already in). A warm-up of this pair
+        still in flight holds a place in `got` (None until it answers): no more samples than asked are sent."""
         if prompt.utf8_size(text.text) > prompt.MAX_PROMPT_BYTES:
             problems.append(_too_long(text.text))
             return
+        warm = []
         if (
             not got
             and self._warm_cache
@@ -617,22 +644,38 @@ class ClaudeForecaster:
             and len(text.text) > self._pair_uncacheable_chars
         ):
             # The first sample writes this pair's cache entry; the others then read the long kernel text.
-            await self._warm_up(text, usage, problems, got)
+            warm = [self._warm_up(text, usage, problems, got)]
 
         async def one() -> None:
             got.append(await self._sample(text, usage, problems))
 
-        await _gather_or_cancel([one() for _ in range(self.samples - len(got))])
+        await _after_warm_ups(
+            warm, _warm_up_wait_s(deadline), lambda: [one() for _ in range(self.samples - len(got))]
+        )
 
-    async def _warm_up(
+    def _warm_up(
         self, text: prompt.PairPrompt, usage: TokenUsage, problems: list[str], got: list[_Sample | None]
+    ) -> Coroutine[Any, Any, None]:
+        """One sample of `text` sent alone, so that the requests after it read what it wrote to the cache. Its
+        place in `got` is taken at once (None until it answers, and if it never does), so that requests of the
+        same pair sent while it is still in flight count it. When its answer says nothing was cached, the prompt
+        up to its shared block is below the model's minimum cacheable length, and so is that of every shared block
+        no longer than this one (with several samples, the pair's own block carrying a breakpoint too, the same of
+        every pair's text)."""
+        slot = len(got)
+        got.append(None)
+        return self._warmed(text, usage, problems, got, slot)
+
+    async def _warmed(
+        self,
+        text: prompt.PairPrompt,
+        usage: TokenUsage,
+        problems: list[str],
+        got: list[_Sample | None],
+        slot: int,
     ) -> None:
-        """One sample of `text` sent alone, so that the requests after it read what it wrote to the cache;
-        appended to `got`. When its answer says nothing was cached, the prompt up to its shared block is below the
-        model's minimum cacheable length, and so is that of every shared block no longer than this one (with
-        several samples, the pair's own block carrying a breakpoint too, the same of every pair's text)."""
         cached: list[bool] = []
-        got.append(await self._sample(text, usage, problems, cached))
+        got[slot] = await self._sample(text, usage, problems, cached)
         if not cached or any(cached) or not text.cache_shared:
             return  # (an unmarked shared block: only the system prompt was asked to be cached)
         if len(text.shared) > self._shared_uncacheable_chars:
@@ -1179,7 +1222,44 @@ def _too_long(text: str) -> str:
     )
 
 
-async def _gather_or_cancel(coros: Sequence[Coroutine[Any, Any, _T]]) -> list[_T]:
+def _warm_up_wait_s(deadline: float) -> float | None:
+    """How long the other requests of a call wait for a warm-up: until it answers, or half the call's time left
+    (without a time limit, until it answers). A warm-up is one ordinary request, answered well within half of
+    forecast_timeout_s unless the API is slow: the rest are then sent after it and read the cache as before.
+    Still running at half the time left, it has taken as long as the rest have left, and waiting longer would
+    leave them too little: they are sent beside it, paying uncached input for answers within the limit. Each
+    warm-up in turn (the system prompt's, the baselines', a pair's own) waits half of what is left then."""
+    if math.isinf(deadline):
+        return None
+    return max(0.0, (deadline - time.monotonic()) * _WARM_UP_SHARE)
+
+
+async def _after_warm_ups(
+    warm_ups: Sequence[Coroutine[Any, Any, None]],
+    wait_s: float | None,
+    rest: Callable[[], Sequence[Coroutine[Any, Any, None]]],
+) -> None:
+    """The warm-ups, then the requests `rest` builds (once the warm-ups are done: it counts what they got) beside
+    any warm-up still running after `wait_s`. A warm-up left running is not cancelled (it is paid for, and its
+    answer is one of its pair's samples): it is awaited with the rest, and cancelled with them at the call's
+    time limit. The first exception (the key refused) cancels everything still running, as _gather_or_cancel."""
+    tasks = [asyncio.ensure_future(c) for c in warm_ups]
+    try:
+        if tasks:
+            await asyncio.wait(tasks, timeout=wait_s, return_when=asyncio.FIRST_EXCEPTION)
+        for task in tasks:
+            if task.done():
+                task.result()  # its error stops the call before the rest is sent, as before
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+    await _gather_or_cancel([*(t for t in tasks if not t.done()), *rest()])
+
+
+async def _gather_or_cancel(coros: Sequence[Awaitable[_T]]) -> list[_T]:
     """gather(), but the first exception cancels the siblings (no paid requests left running)."""
     tasks = [asyncio.ensure_future(c) for c in coros]
     try:
