@@ -170,7 +170,7 @@ async def test_good_answer_and_request_body() -> None:
     for needle in (
         "A100-PCIE-40GB",
         "SMs (or CUs): 108",
-        "1555 GB/s",
+        "memory: 40 GiB at 1555 GB/s",  # mem_gib is GiB (it read "40 GB")
         "N=16777216",
         "x: buffer float32[16777216]",
     ):

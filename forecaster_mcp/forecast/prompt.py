@@ -290,7 +290,7 @@ def describe_hardware(name: str, spec: GpuSpec | None) -> str:
         f"per thread: at most {spec.max_registers_per_thread} registers; per block: at most "
         f"{_kib(spec.max_shared_mem_per_block_bytes)} shared memory",
         f"L2: {spec.l2_bytes / 2**20:.1f} MiB; "
-        f"memory: {spec.mem_gib:g} GB at {spec.mem_bandwidth_gbs:g} GB/s",
+        f"memory: {spec.mem_gib:g} GiB at {spec.mem_bandwidth_gbs:g} GB/s",
         f"peak: {spec.fp32_tflops:g} FP32 TFLOP/s, {spec.fp16_tensor_tflops:g} FP16 tensor TFLOP/s; "
         f"machine balance {balance:.1f} FP32 FLOP per DRAM byte",
     ]

@@ -13,7 +13,7 @@ Conventions, so rows are comparable:
 - `fp16_tensor_tflops`: dense (no 2:4 sparsity) FP16 inputs with FP32 accumulation, the mode GEMMs use by
   default. GeForce cards run that mode at half their FP16-accumulate rate, so their figure is the halved one.
   AMD parts without matrix units (MI50, RDNA2) list packed FP16 vector throughput instead.
-- `mem_gib`: nominal capacity as marketed (GB).
+- `mem_gib`: nominal capacity as marketed, in GiB (a GPU's "80GB" is 80 GiB of memory chips).
 - `shared_mem_per_sm_bytes` / `max_shared_mem_per_block_bytes`: the largest carveout and the opt-in per-block
   maximum (`cudaDevAttrMaxSharedMemoryPerBlockOptin`).
 - AMD rows: `sms` counts compute units as HIP reports them (an MI250X is two devices of 110 CUs each, so
