@@ -644,6 +644,21 @@ async def test_an_unreachable_api_is_not_tried_again_on_every_call() -> None:
 
 
 @pytest.mark.anyio
+async def test_a_request_too_large_is_not_said_to_have_been_retried() -> None:
+    """A 413 is not retried by the SDK; its note said 'after retries'. A 529 still says it (it was retried)."""
+    mock = AnthropicMock(lambda body: error(413, "request_too_large", "request exceeds the maximum size"))
+    with pytest.raises(ClaudeUnavailable, match=r"Claude API error not retried \(ContentTooLargeError\)"):
+        await make(mock, max_retries=1).forecast([pair()])
+    assert len(mock.message_bodies) == 1
+    busy = AnthropicMock(
+        lambda body: error(529, "overloaded_error", "overloaded", headers={"retry-after-ms": "1"})
+    )
+    with pytest.raises(ClaudeUnavailable, match=r"Claude API error after retries \(OverloadedError\)"):
+        await make(busy, max_retries=1).forecast([pair()])
+    assert len(busy.message_bodies) == 2
+
+
+@pytest.mark.anyio
 async def test_concurrency_is_bounded_by_the_semaphore() -> None:
     in_flight = 0
     peak = 0

@@ -771,7 +771,12 @@ class ClaudeForecaster:
             except an.APIConnectionError as exc:
                 raise _Transient(f"{_UNREACHABLE} ({type(exc).__name__}): {exc}") from exc
             except an.APIStatusError as exc:
-                raise _Transient(f"Claude API error after retries ({type(exc).__name__}): {exc}") from exc
+                # The SDK retries only 408, 409, 429 and 5xx (a 413, request too large, is answered at once).
+                retried = self._client.max_retries > 0 and (
+                    exc.status_code in (408, 409, 429) or exc.status_code >= 500
+                )
+                when = "after retries" if retried else "not retried"
+                raise _Transient(f"Claude API error {when} ({type(exc).__name__}): {exc}") from exc
         usage.add_usage(getattr(message, "usage", None))
         until = time.monotonic() + _CACHE_TTL_S
         self._cache_warm_until = until
