@@ -644,6 +644,29 @@ async def test_an_unreachable_api_is_not_tried_again_on_every_call() -> None:
 
 
 @pytest.mark.anyio
+async def test_the_unreachable_pause_quotes_the_problem_that_made_the_api_unreachable() -> None:
+    """The pause's message quoted the call's last problem: here a request refused (400) after another could not
+    connect, so the next calls said the API 'could not be reached' because a request was refused."""
+    calls = []
+
+    def handle(request: httpx2.Request) -> httpx2.Response:
+        calls.append(request)
+        if len(calls) == 1:  # the warm-up, sent alone
+            raise httpx2.ConnectError("connection refused", request=request)
+        return error(400, "invalid_request_error", "messages: malformed block")
+
+    f = ClaudeForecaster(
+        "test-key", MODEL, samples=1, features=None, max_retries=0,
+        http_client=httpx2.AsyncClient(transport=httpx2.MockTransport(handle)),
+    )  # fmt: skip
+    with pytest.raises(ClaudeUnavailable, match="malformed block"):
+        await f.forecast([pair(), pair(same_source=True)])
+    with pytest.raises(ClaudeUnavailable, match=r"could not be reached on an earlier call") as info:
+        await f.forecast([pair()])
+    assert "connection refused" in str(info.value) and "malformed" not in str(info.value)
+
+
+@pytest.mark.anyio
 async def test_a_request_too_large_is_not_said_to_have_been_retried() -> None:
     """A 413 is not retried by the SDK; its note said 'after retries'. A 529 still says it (it was retried)."""
     mock = AnthropicMock(lambda body: error(413, "request_too_large", "request exceeds the maximum size"))

@@ -439,7 +439,9 @@ class ClaudeForecaster:
         if queries and not any(results) and any(p.startswith(_UNREACHABLE) for p in problems):
             # Nothing answered and the API could not be reached (after the SDK's retries): the next calls
             # skip Claude at once for a while instead of each waiting out the same retries again.
-            self._unreachable = (time.monotonic() + UNREACHABLE_PAUSE_S, problems[-1])
+            # Quoted: the problem that made it unreachable, not the call's last one (a refused request, the limit).
+            why = next(p for p in reversed(problems) if p.startswith(_UNREACHABLE))
+            self._unreachable = (time.monotonic() + UNREACHABLE_PAUSE_S, why)
         return self._finish(results, problems)
 
     async def _warm_up_shared(
