@@ -339,7 +339,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except sqlite3.DatabaseError as exc:
         # Damage past the pages read at open (a disk or copy that lost blocks): each command crashed with a
-        # traceback. Not retried: it stays damaged until someone recovers it.
+        # traceback. Not retried: it stays damaged until someone recovers it. Any other DatabaseError (a
+        # constraint or a statement refused: a bug) is no damage, and "run .recover" would send the operator
+        # the wrong way: it stays a traceback.
+        from forecaster_mcp.store.db import damaged
+
+        if not damaged(exc):
+            raise
         print(
             f"forecaster-mcp: the state database is damaged ({exc}): stop the servers using it, copy the state "
             "folder aside, and recover its ledgers and measurements (sqlite3 forecaster.sqlite3 .recover), or "

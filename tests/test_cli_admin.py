@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from replay_kernels import small_recording
 from serverproc import cli
+from state_files import damage_table
 
 from forecaster_mcp.cli import main
 from forecaster_mcp.settings import Settings
@@ -388,15 +389,7 @@ def test_a_database_damaged_past_its_first_pages_is_a_one_line_error(
     """Damage Store.open does not read (a lost block under the ledgers table) crashed every command, the server
     included, with a traceback ending in 'sqlite3.DatabaseError: database disk image is malformed'."""
     assert run(capsys, "ledger", "create", "L", "--gpu-seconds", "5")[0] == 0
-    path = Path(os.environ["FORECASTER_MCP_HOME"]) / "forecaster.sqlite3"
-    with sqlite3.connect(path) as conn:
-        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-        page_size = conn.execute("PRAGMA page_size").fetchone()[0]
-        [(root,)] = conn.execute("SELECT rootpage FROM sqlite_master WHERE name = 'ledgers'").fetchall()
-    conn.close()
-    with path.open("r+b") as f:
-        f.seek((root - 1) * page_size)
-        f.write(b"\xff" * page_size)
+    damage_table(Path(os.environ["FORECASTER_MCP_HOME"]) / "forecaster.sqlite3", "ledgers")
     for argv in (
         ["ledger", "show"],
         ["ledger", "topup", "L", "--gpu-seconds", "1"],
@@ -405,6 +398,28 @@ def test_a_database_damaged_past_its_first_pages_is_a_one_line_error(
         code, _, err = run(capsys, *argv)
         assert code == 2 and "the state database is damaged (database disk image is malformed)" in err, err
         assert ".recover" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_bug_that_sqlite_refuses_is_not_told_as_a_damaged_database(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every sqlite3.DatabaseError was told 'the state database is damaged ... recover it (.recover)', also a
+    constraint the code broke (an IntegrityError, a bug): the operator was sent to recover a sound file, and
+    the traceback that locates the bug was lost. Only damage is told as damage."""
+    assert run(capsys, "ledger", "create", "L", "--gpu-seconds", "5")[0] == 0
+    with sqlite3.connect(":memory:") as conn:
+        conn.execute("CREATE TABLE t (x INTEGER CHECK (x >= 0))")
+        with pytest.raises(sqlite3.IntegrityError) as broken:
+            conn.execute("INSERT INTO t VALUES (-1)")
+    conn.close()
+
+    async def refused(self: Store) -> None:
+        raise broken.value
+
+    monkeypatch.setattr(Store, "list_ledgers", refused)
+    with pytest.raises(sqlite3.IntegrityError):
+        main(["ledger", "show"])
+    assert "damaged" not in capsys.readouterr().err
 
 
 UNOPENABLE = """

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from mcp import Client
 from replay_kernels import FAILS, FAST, SLOW, conv
+from state_files import damage_table
 from tool_calls import call, error_of, running
 
 from forecaster_mcp.forecast.local import VERSION as LOCAL_VERSION
@@ -18,6 +19,7 @@ from forecaster_mcp.models import MAX_DEFINES, MAX_SOURCE_BYTES, MIN_MEASURE_SEC
 from forecaster_mcp.server.app import build_server
 from forecaster_mcp.service import Service, _from_measurement
 from forecaster_mcp.settings import Settings
+from forecaster_mcp.store.db import Store
 
 LOCAL = f"local@{LOCAL_VERSION}"  # the local forecaster's name in stored rows (engine module doc)
 
@@ -1004,3 +1006,19 @@ async def test_a_state_database_that_cannot_be_written_is_named_to_the_agent(
         assert "tell the server's operator" in text
         status = await call(client, "budget_status", {})
         assert status["spent_gpu_seconds"] == 0 and status["reserved_gpu_seconds"] == 0
+
+
+async def test_a_damaged_state_database_is_named_to_the_agent(tmp_path: Path, conv_a100: Path) -> None:
+    """A database damaged past the pages Store.open reads (a lost block under the ledgers table) answered every
+    tool call 'Error executing tool budget_status': the CLI names such damage, the server told the agent
+    nothing it could pass on."""
+    store = await Store.open(Settings.from_env(home=tmp_path).db_path)
+    try:
+        await store.create_ledger("team", 100.0)
+    finally:
+        await store.close()
+    damage_table(Settings.from_env(home=tmp_path).db_path, "ledgers")
+    async with running(tmp_path, [conv_a100], ledger_seconds=None) as (client, _):
+        text = await error_of(client, "budget_status", {})
+    assert "the server's state database is damaged (database disk image is malformed)" in text, text
+    assert "tell the server's operator" in text

@@ -57,6 +57,7 @@ from forecaster_mcp.reports import BudgetStatus, GpuSpecRow
 from forecaster_mcp.server.arg_errors import compact_validation_error, field_names
 from forecaster_mcp.service import Service
 from forecaster_mcp.settings import Settings, host_key
+from forecaster_mcp.store.db import damaged
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -224,6 +225,17 @@ async def _call(fn: Callable[[], Awaitable[T]]) -> T:
         raise ToolError(
             f"the server's state database cannot be used now ({one_line(str(exc), 200)}): tell the server's "
             "operator (its state folder may be full, read-only or locked); budget_status says what was charged"
+        ) from exc
+    except sqlite3.DatabaseError as exc:
+        # A damaged file ("database disk image is malformed", as the CLI names it): the same blind "Error
+        # executing tool" otherwise. Waiting does not mend it, so the agent is not told to retry. Other
+        # DatabaseErrors (a constraint, a bug) stay internal errors.
+        if not damaged(exc):
+            raise
+        log.error("the state database is damaged", exc_info=True)
+        raise ToolError(
+            f"the server's state database is damaged ({one_line(str(exc), 200)}): tell the server's operator "
+            "(it must be recovered; retrying will not help)"
         ) from exc
 
 

@@ -636,6 +636,19 @@ _VERIFY_FAILED = (
 )
 
 
+def damaged(exc: BaseException) -> bool:
+    """Whether `exc` says the database file is damaged (a lost or overwritten page: "database disk image is
+    malformed", "file is not a database"): not busy, full or read-only (OperationalError), and not a bug of ours
+    (IntegrityError, ProgrammingError), which are DatabaseErrors too and must not be told to the operator as
+    damage to recover from."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    return (
+        isinstance(exc, sqlite3.DatabaseError)
+        and isinstance(code, int)
+        and (code & 0xFF) in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB)
+    )
+
+
 async def _stopped(connection: Any) -> None:
     """Wait for the thread of an aiosqlite connection that failed to open. aiosqlite stops it without waiting,
     and when the event loop closed first (a CLI command exiting at once with its one-line error) the thread
