@@ -1208,3 +1208,30 @@ async def test_a_pair_forecast_before_and_after_its_baseline_was_measured_is_one
     report = await store.ledger_report("x")
     assert (report["forecasts"]["verified"], report["forecasts"]["verified_correct"]) == (1, 1)
     assert report["calibration"]["verified_pairs"] == 1
+
+
+async def test_the_wal_switch_retries_busy_in_its_extended_codes() -> None:
+    """Python reports SQLite's extended result code: a WAL being recovered by another process is
+    SQLITE_BUSY_RECOVERY (261), not SQLITE_BUSY (5). The switch compared the plain codes, so it failed at once
+    on 261 instead of waiting for the other process as it does on 5; a damaged-file error still fails at once."""
+    from forecaster_mcp.store import db
+
+    def error(code: int) -> sqlite3.OperationalError:
+        exc = sqlite3.OperationalError("database is locked")
+        exc.sqlite_errorcode = code  # type: ignore[attr-defined]
+        return exc
+
+    class Conn:
+        def __init__(self, codes: list[int]) -> None:
+            self.codes, self.calls = codes, 0
+
+        async def execute(self, sql: str) -> None:
+            self.calls += 1
+            if self.codes:
+                raise error(self.codes.pop(0))
+
+    busy = Conn([5, 261, 517, 6])  # BUSY, BUSY_RECOVERY, BUSY_SNAPSHOT, LOCKED
+    await db._wal_mode(busy)
+    assert busy.calls == 5
+    with pytest.raises(sqlite3.OperationalError):
+        await db._wal_mode(Conn([11]))  # SQLITE_CORRUPT

@@ -649,6 +649,13 @@ def damaged(exc: BaseException) -> bool:
     )
 
 
+def _busy(exc: BaseException) -> bool:
+    """Whether `exc` is SQLite's "busy" or "locked", in any of their extended codes (SQLITE_BUSY_RECOVERY,
+    SQLITE_BUSY_SNAPSHOT, ...: Python reports the extended code, 261 for a WAL being recovered, not 5)."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    return isinstance(code, int) and (code & 0xFF) in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+
+
 async def _stopped(connection: Any) -> None:
     """Wait for the thread of an aiosqlite connection that failed to open. aiosqlite stops it without waiting,
     and when the event loop closed first (a CLI command exiting at once with its one-line error) the thread
@@ -671,8 +678,7 @@ async def _wal_mode(conn: Any) -> None:
             await conn.execute("PRAGMA journal_mode = WAL")
             return
         except sqlite3.OperationalError as exc:
-            busy = getattr(exc, "sqlite_errorcode", None) in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
-            if not busy or time.monotonic() >= deadline:
+            if not _busy(exc) or time.monotonic() >= deadline:
                 raise
         await asyncio.sleep(0.05)
 
