@@ -548,7 +548,10 @@ class ToolEmulator:
         raise ValueError(f"unknown tool {tool!r}")
 
     def _measure(self, args: dict[str, Any]) -> dict[str, Any]:
+        from forecaster_mcp.measure.base import MeasureRequest
+        from forecaster_mcp.measure.replay import ReplayEntry, recorded_charge
         from forecaster_mcp.models import Kernel, Workload
+        from forecaster_mcp.settings import Settings
         from forecaster_mcp.store.db import FamilyPoint
 
         kernel = Kernel.model_validate(args["kernel"])
@@ -575,11 +578,18 @@ class ToolEmulator:
                 tuple(kernel.compile_options),
             ),
         )
-        if ok:
-            gpu_seconds = (sum(times) + float(getattr(entry, "verification_time_ms", 0.0) or 0.0)) / 1000.0
+        if isinstance(entry, ReplayEntry):
+            # What a replaying server charges under its default caps (ReplayMeasurer's own rule): the recorded
+            # runs and verification, or for a failure the device time recorded for its attempt.
+            cap = Settings.model_fields["max_measure_seconds"].default
+            request = MeasureRequest(kernel, workload, self.space.device, max_seconds=cap)
+            gpu_seconds = recorded_charge(entry, request).gpu_seconds
         else:
-            # As the replay charges it: the device time recorded for the failed attempt (0 for a compile error).
-            gpu_seconds = float(getattr(entry, "failed_device_ms", 0.0) or 0.0) / 1000.0
+            gpu_seconds = (
+                (sum(times) + float(getattr(entry, "verification_time_ms", 0.0) or 0.0)) / 1000.0
+                if ok
+                else 0.0
+            )
         return {
             "kernel_id": kernel.id,
             "status": status,

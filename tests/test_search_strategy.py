@@ -567,19 +567,32 @@ def test_a_gpu_budget_spent_before_any_forecast_is_an_error_not_a_comparison(
 
 
 @pytest.mark.anyio
-async def test_the_emulator_charges_a_recorded_failure_as_the_replay_does(conv_a100: Path) -> None:
-    """A configuration recorded as failing at run time is charged the device time recorded for its attempt,
-    as ReplayMeasurer charges it (0.37 ms on A100 convolution); one that never compiled, nothing. The emulator
-    charged every failure 0, so the GPU-seconds of benchmarks/tune_local.py were not a server's."""
+async def test_the_emulator_charges_what_a_replaying_server_charges(conv_a100: Path) -> None:
+    """The emulator charges what ReplayMeasurer charges under the server's default caps, by the same rule: a run
+    that worked its recorded runs and verification, one recorded as failing at run time the device time recorded
+    for its attempt (0.37 ms on A100 convolution), one that never compiled nothing. It charged every failure 0,
+    so the GPU-seconds of benchmarks/tune_local.py were not a server's."""
+    from forecaster_mcp.measure.base import MeasureRequest
+    from forecaster_mcp.measure.replay import ReplayMeasurer
+    from forecaster_mcp.settings import Settings
+
     space = load_space(conv_a100)
     emu = ToolEmulator(space)
+    server = ReplayMeasurer([conv_a100])
+    cap = Settings().max_measure_seconds
     for recorded, status in [
+        (None, "ok"),
         ("RuntimeFailedConfig", "launch_error"),
         ("CompilationFailedConfig", "compile_error"),
     ]:
-        index = next(i for i, e in enumerate(space.entries) if e.message == recorded)
-        result = await emu("measure_kernel", {"kernel": kernel_dict(space, index), "workload": {}})
-        assert result["status"] == status and result["runtime_ms"] is None
-        expected = (space.entries[index].failed_device_ms or 0.0) / 1000.0
-        assert result["cost"]["gpu_seconds"] == pytest.approx(expected)
-        assert (expected > 0) == (status == "launch_error")
+        index = next(
+            i for i, e in enumerate(space.entries) if (e.ok if recorded is None else e.message == recorded)
+        )
+        k = kernel_dict(space, index)
+        result = await emu("measure_kernel", {"kernel": k, "workload": {}})
+        replayed = await server.measure(
+            MeasureRequest(Kernel.model_validate(k), Workload(), space.device, max_seconds=cap)
+        )
+        assert result["status"] == replayed.status == status
+        assert result["cost"]["gpu_seconds"] == pytest.approx(replayed.cost.gpu_seconds)
+        assert (result["cost"]["gpu_seconds"] > 0) == (status != "compile_error")

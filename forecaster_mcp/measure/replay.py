@@ -1092,7 +1092,7 @@ class ReplayMeasurer:
         entry = rec.load().find(request.kernel.defines)
         if entry is None:
             return fallback
-        return max(_charge(entry, request).gpu_seconds, _MIN_RESERVATION_SECONDS)
+        return max(recorded_charge(entry, request).gpu_seconds, _MIN_RESERVATION_SECONDS)
 
     async def measure(
         self, request: MeasureRequest, progress: ProgressCallback | None = None
@@ -1154,8 +1154,8 @@ def _failure_message(entry: ReplayEntry) -> str:
     return f"the recording marks this configuration as one that {words} (Kernel Tuner {label})"
 
 
-def _charge(entry: ReplayEntry, request: MeasureRequest) -> _Charge:
-    """What replaying `entry` under the request's caps uses and charges."""
+def recorded_charge(entry: ReplayEntry, request: MeasureRequest) -> _Charge:
+    """What replaying `entry` under the request's caps uses and charges (also what search.ToolEmulator charges)."""
     if not entry.ok:
         # Charged like any run (a failing kernel is a result, not a free probe): the device time recorded for
         # the attempt, within the request's cap; nothing when none was recorded (a compile error, which never
@@ -1201,7 +1201,7 @@ def _charge(entry: ReplayEntry, request: MeasureRequest) -> _Charge:
 
 
 def _result(request: MeasureRequest, device: str, recording: str, entry: ReplayEntry) -> MeasureResult:
-    charge = _charge(entry, request)
+    charge = recorded_charge(entry, request)
     spec = lookup(device)
     compile_seconds = (entry.compile_time_ms or 0.0) / 1000.0
     detail = "replay of a recording: outputs were not re-checked"
