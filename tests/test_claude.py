@@ -579,7 +579,7 @@ async def test_a_hanging_warm_up_does_not_hold_the_other_pairs_past_the_time_lim
 
     sink = FakeSink()
     f = ClaudeForecaster(
-        "test-key", MODEL, samples=2, features=None, usage_sink=sink, time_limit_s=2.0,
+        "test-key", MODEL, samples=2, features=None, usage_sink=sink, time_limit_s=6.0,
         http_client=httpx2.AsyncClient(transport=httpx2.MockTransport(handle)),
     )  # fmt: skip
     queries = [pair(), pair(same_source=True), replace(pair(same_source=True), hardware_name="H100")]
