@@ -100,6 +100,10 @@ async def test_a_refusal_for_budget_held_by_measurements_in_progress_says_to_cal
             await store.reserve("L", 20.0, "second")
         assert "20 held by measurements in progress" in str(refused.value)
         assert "call again then" in str(refused.value)
+        # A cap above what is unspent is refused again once the hold comes back: not told to call again.
+        with pytest.raises(BudgetExhausted) as too_big:
+            await store.reserve("L", 25.0, "larger")
+        assert "20 held" in str(too_big.value) and "call again" not in str(too_big.value)
         await store.commit(held, 19.5)
         with pytest.raises(BudgetExhausted) as spent:
             await store.reserve("L", 1.0, "third")

@@ -2048,9 +2048,10 @@ def _exhausted(ledger: str, limit: int, spent: int, reserved: int, amount: int) 
         else ""
     )
     # A hold is a measurement's whole cap, most of it released unused when it ends: budget held is not spent.
+    # Said only where this measurement would fit once nothing is held (not of a cap above what is unspent).
     wait = (
         "What is held comes back, less what those measurements use, as each finishes: call again then. "
-        if reserved
+        if reserved and amount <= limit - spent
         else ""
     )
     return BudgetExhausted(
