@@ -559,7 +559,34 @@ def test_recorded_times_whose_sum_overflows_still_load(tmp_path: Path) -> None:
         },
     )
     by_bx = {e.params["bx"]: e for e in load_space(path).entries}
-    assert by_bx[64].ok and by_bx[64].time_ms == 2.0 and by_bx[32].time_ms == 1e308
+    assert by_bx[64].ok and by_bx[64].time_ms == 2.0
+    assert not by_bx[32].ok and by_bx[32].time_ms is None  # 1e308 ms is no runtime (see below)
+
+
+@pytest.mark.anyio
+async def test_kernel_tuners_huge_failure_times_are_failures_not_runs(tmp_path: Path) -> None:
+    """Kernel Tuner's strategies record a configuration that failed or broke a restriction with the time 1e20
+    (minimize's error_time) or sys.float_info.max. Read as runtimes, replaying one was a `timeout` charging the
+    request's whole max_seconds ("a recorded run takes 100000000000000000000.000 ms"); they are failures,
+    charged the recorded attempt, and never the best time."""
+    from replay_kernels import small_recording
+
+    path = small_recording(
+        tmp_path / "r.json",
+        {
+            "32": {"bx": 32, "time": 1e20, "times": [1e20], "benchmark_time": 0.5},
+            "64": {"bx": 64, "time": 1.7976931348623157e308, "benchmark_time": 0.0},
+            "128": {"bx": 128, "time": 2.0, "times": [2.0, 2.0, 1e20]},
+        },
+    )
+    space = load_space(path)
+    by_bx = {e.params["bx"]: e for e in space.entries}
+    assert space.best_time_ms == 2.0 and by_bx[128].times == [2.0, 2.0]
+    m = ReplayMeasurer([path])
+    for bx, charged in ((32, 0.0005), (64, 0.0)):
+        r = await _measure(m, kernel("kk", {"bx": bx}), "A100-PCIE-40GB")
+        assert r.status == "launch_error" and r.cost.gpu_seconds == pytest.approx(charged)
+        assert "over a day" in str(r.message) and r.runtime_ms is None
 
 
 @pytest.mark.anyio

@@ -73,6 +73,7 @@ _FAILURES: dict[str, ReplayStatus] = {
     "RuntimeFailedConfig": "launch_error",
 }
 _MIN_RESERVATION_SECONDS = 0.001  # the ledger refuses a zero hold
+_MAX_RECORDED_RUN_MS = 86400.0 * 1000.0  # no recorded kernel run takes a day: a longer "time" is a marker
 
 
 # ---------------------------------------------------------------- statistics
@@ -490,21 +491,29 @@ def _entry(key: str, rec: Mapping[str, Any], param_keys: Sequence[str]) -> Repla
     number = _number(time)
     if verify_ms is not None and verify_ms < 0:
         verify_ms = None  # a negative duration is no measurement of one (it would lower the charge)
-    if number is not None and number > 0:  # a zero or negative runtime is no measurement: no usable time
+    # A zero or negative runtime is no measurement: no usable time. Nor is one over a day: Kernel Tuner's
+    # strategies record a configuration that failed or broke a restriction as 1e20 (minimize's error_time)
+    # or sys.float_info.max, which replayed as a run that works and times out, charging the request's cap.
+    if number is not None and 0 < number <= _MAX_RECORDED_RUN_MS:
         # Runs of zero or negative length are dropped the same way (a minimum of -5 ms, a cost below 0).
-        runs = [t for t in _times(rec.get("times")) if t > 0]
+        runs = [t for t in _times(rec.get("times")) if 0 < t <= _MAX_RECORDED_RUN_MS]
         return ReplayEntry(params, number, "ok", runs or [number], None, compile_ms, verify_ms)
     failed_ms = _number(rec.get("benchmark_time"))
     failed_ms = failed_ms if failed_ms is not None and failed_ms > 0 else None
     if isinstance(time, str):
         status = _FAILURES.get(time, "launch_error")
         return ReplayEntry(params, None, status, [], time, compile_ms, verify_ms, failed_ms)
+    why = f"no usable time recorded ({time!r})"
+    if number is not None and number > _MAX_RECORDED_RUN_MS:
+        why = (
+            f"no usable time recorded ({time!r} ms, over a day: the value Kernel Tuner records for a failure)"
+        )
     return ReplayEntry(
         params,
         None,
         "launch_error",
         [],
-        f"no usable time recorded ({time!r})",
+        why,
         compile_ms,
         verify_ms,
         failed_ms,
