@@ -627,3 +627,31 @@ async def test_a_recording_damaged_past_its_header_is_refused_by_name(
         await m.preload()
     with pytest.raises(NotMeasurable, match="cannot read replay recording"):
         await _measure(m, kernel("convolution_kernel", CONV), "A100-PCIE-40GB")
+
+
+@pytest.mark.anyio
+async def test_a_recording_of_an_objective_that_is_no_runtime_is_refused_by_name(tmp_path: Path) -> None:
+    """The benchmark hub's hyperparameter-tuning cache files record Kernel Tuner's objective "score" and no
+    "time": every configuration read as a failed run, and replaying one was a `timeout` charging the request's
+    cap (its benchmark_time is 13 minutes); `search` said none of them "ran successfully". A recording whose
+    objective is another observable with "time" beside it (GFLOP/s) still replays its runtimes."""
+    from replay_kernels import small_recording
+
+    score = small_recording(
+        tmp_path / "score.json",
+        {"32": {"bx": 32, "score": -0.4, "scores": [-0.4], "compile_time": 39.4, "benchmark_time": 786954.4}},
+    )
+    doc = json.loads(score.read_text())
+    doc.update(objective="score", objective_higher_is_better=True)
+    score.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match=r"record no 'time' \(its objective is 'score'\)"):
+        load_space(score)
+    m = ReplayMeasurer([score])
+    with pytest.raises(NotMeasurable, match=r"record no 'time'.*score\.json|score\.json.*record no 'time'"):
+        await _measure(m, kernel("kk", {"bx": 32}), "A100-PCIE-40GB")
+
+    doc.update(objective="GFLOP/s", cache={"32": {"bx": 32, "time": 2.0, "times": [2.0], "GFLOP/s": 9.5}})
+    gflops = tmp_path / "gflops.json"
+    gflops.write_text(json.dumps(doc))
+    r = await _measure(ReplayMeasurer([gflops]), kernel("kk", {"bx": 32}), "A100-PCIE-40GB")
+    assert r.status == "ok" and r.runtime_ms is not None and r.runtime_ms.median == 2.0

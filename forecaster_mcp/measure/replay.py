@@ -526,7 +526,16 @@ def _space_from(path: Path, doc: Mapping[str, Any]) -> ReplaySpace:
     if not isinstance(cache, dict):
         raise ValueError("it has no 'cache' object: not a Kernel Tuner cache file")
     keys = list(header.param_keys)
-    entries = [_entry(str(k), rec, keys) for k, rec in cache.items() if isinstance(rec, dict)]
+    records = [(str(k), rec) for k, rec in cache.items() if isinstance(rec, dict)]
+    if records and not any("time" in rec for _, rec in records):
+        # Kernel Tuner records the objective it tuned for; one that is no runtime (a hyperparameter tuning
+        # "score", an energy) without "time" beside it was read as a failed run of every configuration,
+        # each charged its recorded benchmark_time (minutes) as a timeout.
+        raise ValueError(
+            f"its entries record no 'time' (its objective is {doc.get('objective')!r}): a replay answers with "
+            "recorded kernel runtimes (Kernel Tuner's 'time', in ms) and this recording holds none"
+        )
+    entries = [_entry(k, rec, keys) for k, rec in records]
     tune_params = dict(header.tune_params)
     if not tune_params:
         for k in keys:
