@@ -655,3 +655,17 @@ async def test_a_recording_of_an_objective_that_is_no_runtime_is_refused_by_name
     gflops.write_text(json.dumps(doc))
     r = await _measure(ReplayMeasurer([gflops]), kernel("kk", {"bx": 32}), "A100-PCIE-40GB")
     assert r.status == "ok" and r.runtime_ms is not None and r.runtime_ms.median == 2.0
+
+
+def test_a_recording_with_a_byte_order_mark_reads(tmp_path: Path) -> None:
+    """A cache file saved with a UTF-8 byte-order mark: load_space read it (json.loads skips the mark) but
+    read_header, which serve and the measurer start from, refused it as "the file is not a JSON object";
+    open-ended (Kernel Tuner's interrupted run) it did not load at all."""
+    from replay_kernels import small_recording
+
+    path = small_recording(tmp_path / "r.json", {"32": {"bx": 32, "time": 2.0, "times": [2.0]}})
+    text = path.read_text()
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    assert read_header(path).kernel_name == "kk" and load_space(path).best_time_ms == 2.0
+    path.write_bytes(b"\xef\xbb\xbf" + text.rstrip().removesuffix("}}").encode() + b",\n")
+    assert read_header(path).kernel_name == "kk" and load_space(path).best_time_ms == 2.0

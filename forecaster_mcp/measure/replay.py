@@ -402,7 +402,9 @@ def _scan_header(text: str, decoder: json.JSONDecoder) -> tuple[dict[str, Any], 
 def _read_header_fields(path: Path, max_chars: int = 8 * 2**20) -> dict[str, Any] | None:
     """The keys before "cache", streamed; None when "cache" does not come last (parse the whole file)."""
     decoder = json.JSONDecoder()
-    utf8 = codecs.getincrementaldecoder("utf-8")()
+    # utf-8-sig: a byte-order mark (a file saved by a Windows editor) is no part of the JSON, as json.loads
+    # already reads it; the header scan refused such a file that load_space read.
+    utf8 = codecs.getincrementaldecoder("utf-8-sig")()
     text = ""
     with _open_binary(path) as f:
         while True:
@@ -427,7 +429,7 @@ def _load_json(path: Path) -> dict[str, Any]:
         doc = json.loads(raw)
     except json.JSONDecodeError:
         # Kernel Tuner leaves a cache file open-ended while tuning and closes it this way when reading it.
-        text = raw.decode("utf-8").rstrip().rstrip(",")
+        text = raw.decode("utf-8-sig").rstrip().rstrip(",")
         doc = json.loads(text + "}}")
     if not isinstance(doc, dict):
         raise ValueError("the file is not a JSON object")
