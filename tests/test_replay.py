@@ -669,3 +669,24 @@ def test_a_recording_with_a_byte_order_mark_reads(tmp_path: Path) -> None:
     assert read_header(path).kernel_name == "kk" and load_space(path).best_time_ms == 2.0
     path.write_bytes(b"\xef\xbb\xbf" + text.rstrip().removesuffix("}}").encode() + b",\n")
     assert read_header(path).kernel_name == "kk" and load_space(path).best_time_ms == 2.0
+
+
+def test_a_t4_results_file_is_refused_as_what_it_is(tmp_path: Path) -> None:
+    """Kernel Tuner's T4 export (the benchmark hub ships one *_T4.json.gz beside each cache file) was refused as
+    "not a Kernel Tuner cache file", leaving an operator to guess why a Kernel Tuner file was not one."""
+    t4 = {
+        "schema_version": "1.0.0",
+        "metadata": {"timeunit": "miliseconds"},
+        "results": [
+            {"configuration": {"bx": 32}, "times": {"compilation": 1.0, "runtimes": [2.0]},
+             "invalidity": "correct", "correctness": 1,
+             "measurements": [{"name": "time", "value": 2.0, "unit": ""}], "objectives": ["time"]}
+        ],
+    }  # fmt: skip
+    path = tmp_path / "A100_T4.json.gz"
+    path.write_bytes(gzip.compress(json.dumps(t4).encode()))
+    for read in (read_header, load_space):
+        with pytest.raises(
+            ValueError, match=r"A100_T4\.json\.gz: it is a T4 results file .*cache file it was"
+        ):
+            read(path)

@@ -449,6 +449,12 @@ def _make_header(path: Path, fields: Mapping[str, Any]) -> ReplayHeader:
     keys = fields.get("tune_params_keys")
     kernel = fields.get("kernel_name")
     if not isinstance(keys, list) or not isinstance(kernel, str) or not kernel:
+        if isinstance(fields.get("results"), list) and "cache" not in fields:
+            # Kernel Tuner's T4 export (cache/convert.py convert_cache_to_t4; the hub's *_T4.json.gz files).
+            raise ValueError(
+                "it is a T4 results file (Kernel Tuner's T4 export): it names no kernel, device or tuning "
+                "parameters to replay; replay the Kernel Tuner cache file it was converted from"
+            )
         raise ValueError("it has no kernel_name / tune_params_keys: not a Kernel Tuner cache file")
     tune = fields.get("tune_params")
     tune_params = {str(k): list(v) for k, v in tune.items()} if isinstance(tune, dict) else {}
