@@ -690,3 +690,35 @@ def test_a_t4_results_file_is_refused_as_what_it_is(tmp_path: Path) -> None:
             ValueError, match=r"A100_T4\.json\.gz: it is a T4 results file .*cache file it was"
         ):
             read(path)
+
+
+def test_a_large_json_file_that_is_no_cache_file_is_refused_without_rescanning_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The header scan started again from the top at every 16 KiB read while a value was longer than the text
+    read so far: an 18 MB T4 results file took 42 s to refuse and a 10 MB JSON file of other data 132 s, each,
+    at serve start-up over a folder that holds them (the hub's *_T4.json.gz lie beside its cache files). A T4
+    file is now told from its header alone, even cut short, and any other file is rescanned a few times."""
+    import forecaster_mcp.measure.replay as replay
+
+    scans = 0
+    real = replay._scan_header
+
+    def counting(text: str, decoder: json.JSONDecoder) -> Any:
+        nonlocal scans
+        scans += 1
+        return real(text, decoder)
+
+    monkeypatch.setattr(replay, "_scan_header", counting)
+    result = {"configuration": {"bx": 32}, "times": {"runtimes": [2.0] * 32}, "objectives": ["time"]}
+    t4 = json.dumps({"schema_version": "1.0.0", "metadata": {}, "results": [result] * 5000})
+    path = tmp_path / "A100_T4.json.gz"
+    path.write_bytes(gzip.compress(t4.encode())[:1000])  # cut short: only its header can be read
+    with pytest.raises(ValueError, match="it is a T4 results file"):
+        read_header(path)
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"data": [result] * 20000, "cache": {}}))  # 3 MB before "cache"
+    scans = 0
+    with pytest.raises(ValueError, match="not a Kernel Tuner cache file"):
+        read_header(other)
+    assert scans <= 12
