@@ -1,8 +1,9 @@
 """Replay start-up and lookup speed: construction, devices(), first measure (parses the file), later measures.
 
-Run: python benchmarks/bench_replay_load.py [RECORDING ...]
+Run: python benchmarks/bench_replay_load.py [RECORDING ... | --synthetic N]
 Default: the largest shared recording, a synthetic 18,000-entry file written to a tmp dir, and all shared
-recordings at once. Prints medians (ms) of several fresh runs.
+recordings at once. Prints medians (ms) of several fresh runs. `--synthetic N` times a synthetic recording of
+N entries instead (200000: a space larger than any recorded one), with the memory its parsed space holds.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import gzip
 import json
 import random
+import resource
 import statistics
 import sys
 import tempfile
@@ -103,7 +105,45 @@ async def bench(label: str, paths: list[Path]) -> None:
     )
 
 
+def rss_mb() -> float:
+    """This process's resident memory (Linux), MB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024.0
+    return float("nan")
+
+
+def bench_big(entries: int) -> None:
+    """One parse of a synthetic recording of `entries` entries (a fresh parse is what start-up pays): header
+    read, full parse, first lookup, and the memory the parsed space holds."""
+    from forecaster_mcp.measure.replay import load_space
+
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        path = synthetic(Path(tmp) / f"synthetic{entries}.json.gz", entries=entries)
+        written = time.perf_counter() - t0
+        before = rss_mb()
+        t0 = time.perf_counter()
+        read_header(path)
+        t1 = time.perf_counter()
+        space = load_space(path)
+        t2 = time.perf_counter()
+        space.find(space.entries[-1].params)
+        t3 = time.perf_counter()
+        after = rss_mb()
+        print(
+            f"synthetic {entries:,} entries x 32 runs: file={path.stat().st_size / 1e6:.1f}MB (gz, written in "
+            f"{written:.1f}s) read_header={(t1 - t0) * 1e3:.2f}ms load_space={t2 - t1:.2f}s "
+            f"first_find(index)={(t3 - t2) * 1e3:.0f}ms rss_growth={after - before:.0f}MB "
+            f"(rss={after:.0f}MB, process peak incl. writing the file={resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f}MB) "
+            f"valid={len(space.valid_entries())}"
+        )
+
+
 async def main(argv: list[str]) -> None:
+    if argv[:1] == ["--synthetic"]:
+        bench_big(int(argv[1]))
+        return
     if argv:
         for p in argv:
             await bench(p, [Path(p)])
