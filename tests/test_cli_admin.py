@@ -240,7 +240,7 @@ def test_demo_says_so_when_no_starting_configuration_can_be_replayed(tmp_path: P
     no runtime to start the search from."""
     slow = small_recording(
         tmp_path / "slow.json",
-        {"32": {"bx": 32, "time": 1e20, "times": []}, "64": {"bx": 64, "time": "InvalidConfig"}},
+        {"32": {"bx": 32, "time": 1e6, "times": []}, "64": {"bx": 64, "time": "InvalidConfig"}},
     )
     out = cli(tmp_path / "home", "demo", "--replay", str(slow)).stdout
     assert "starting configuration {'bx': 32}: timeout" in out
