@@ -382,3 +382,31 @@ async def test_a_kernel_too_slow_for_any_timed_run_is_not_run_again(tmp_path: Pa
     assert result.status == "timeout" and "leaves no time for timed runs" in (result.message or "")
     assert launches.read_text().split() == ["side", "add"]  # the checked run and the reference, no more
     assert result.cost.gpu_seconds < 4.5
+
+
+THROTTLES_WHILE_TIMED = """
+import forecaster_mcp.measure.gpu_worker as g
+g.Telemetry.clocks = lambda self, within_s=5.0: (1980.0, 2619.0, ["gpu_idle"])  # idle, just synchronized
+def poll(self):
+    open(POLL_FILE, "a").write("x")
+    return 1410.0, ["sw_power_cap", "hw_thermal_slowdown"]  # what NVML says with a timed run on the device
+g.Telemetry.poll = poll
+"""
+
+
+@pytest.mark.anyio
+async def test_throttling_during_the_timed_runs_is_reported(tmp_path: Path) -> None:
+    """The clocks were read once, between warm-up and timing, just after a synchronize: a thermal or power
+    slowdown that set in while the runs were timed (a sustained load) left no flag, and the provenance gave the
+    boost clock read before it."""
+    polls = tmp_path / "polls"
+    polls.write_text("")
+    cmd = wrapper(tmp_path, f"POLL_FILE = {str(polls)!r}\n{THROTTLES_WHILE_TIMED}")
+    async with measurer(tmp_path, cmd) as m:
+        result = await m.measure(request(m, op("add"), vadd_workload(1024), max_runs=50))
+    assert result.status == "ok", result.message
+    assert "clock_throttled" in result.flags
+    assert result.device.sm_clock_mhz == 1410.0
+    assert result.device.throttle_reasons == ["sw_power_cap", "hw_thermal_slowdown"]
+    # Polled at the first timed run, not at every one (0.25 s apart; the fake's 50 runs take far less).
+    assert 1 <= len(polls.read_text()) < 50

@@ -361,14 +361,19 @@ class GpuSession:
             shared_size=launch.shared_mem_bytes,
         )
 
-    def timed_sample(self, kernel: Loaded, buffers: GuardedBuffers) -> float:
+    def timed_sample(
+        self, kernel: Loaded, buffers: GuardedBuffers, while_running: Callable[[], None] | None = None
+    ) -> float:
         """One sample in ms: the buffers restored to the job's inputs, L2 flush, start event, launch, end event,
-        device-wide synchronize."""
+        device-wide synchronize. `while_running` is called between the end event and the synchronize, with the
+        sample queued or running on the device (the events do not see the host's time)."""
         buffers.restore(self.stream)
         self.flush_l2()
         self.start.record(self.stream)
         self.launch(kernel, buffers)
         self.end.record(self.stream)
+        if while_running is not None:
+            while_running()
         self.sync()
         return float(self.end.time_since(self.start))
 
@@ -579,7 +584,8 @@ class GpuSession:
 
         The clocks are read between warm-up and timing, while the GPU is at its working clocks (after the
         timed runs it may already be idling), in at most a quarter of the time left: nvidia-smi may take
-        seconds, and the device is held (and charged) meanwhile."""
+        seconds, and the device is held (and charged) meanwhile. Through NVML they are polled again during the
+        timed runs, each poll with a run on the device: the lowest SM clock and every reason seen are returned."""
         per_sample = first_run_s  # host seconds per sample, a running maximum-biased estimate
         warm = 0
         warm_end = time.perf_counter() + WARMUP_SECONDS
@@ -604,12 +610,21 @@ class GpuSession:
         )
         stopper = AdaptiveStopper(rule)
         next_progress = time.perf_counter() + 0.5
+        # Throttling that starts during the timed runs (heat, power over a sustained load) is what the single read
+        # above cannot see: the clocks are polled again with a timed run on the device, at the first run and every
+        # POLL_SECONDS after (NVML only: microseconds; nvidia-smi would take longer than most samples).
+        seen = TimedClocks()
+        next_poll = time.perf_counter()
         while True:
             now = time.perf_counter()
             reason = stopper.reason(deadline - reserve - now, per_sample)
             if reason is not None:
-                return stopper.samples, warm, reason, clocks
-            stopper.add(self.timed_sample(kernel, buffers))
+                return stopper.samples, warm, reason, seen.merged(clocks)
+            poll = None
+            if now >= next_poll:
+                next_poll = now + POLL_SECONDS
+                poll = lambda: seen.add(self.telemetry.poll())  # noqa: E731
+            stopper.add(self.timed_sample(kernel, buffers, poll))
             took = time.perf_counter() - now
             # Decays slowly, jumps up at once: the deadline check must not underestimate a sample.
             per_sample = max(took, 0.9 * per_sample)
@@ -619,6 +634,39 @@ class GpuSession:
 
 
 # ---------------------------------------------------------------- clocks, throttling, driver
+
+# How often the clocks are polled during the timed runs (`GpuSession._sample`).
+POLL_SECONDS = 0.25
+
+
+@dataclass
+class TimedClocks:
+    """What the polls during the timed runs saw: the lowest SM clock and every throttle reason."""
+
+    sm_mhz: float | None = None
+    reasons: tuple[str, ...] = ()
+
+    def add(self, polled: tuple[float | None, list[str]] | None) -> None:
+        if polled is None:
+            return
+        sm, reasons = polled
+        if sm is not None:
+            self.sm_mhz = sm if self.sm_mhz is None else min(self.sm_mhz, sm)
+        self.reasons += tuple(r for r in reasons if r not in self.reasons)
+
+    def merged(
+        self, before: tuple[float | None, float | None, list[str]]
+    ) -> tuple[float | None, float | None, list[str]]:
+        """The read before timing with the polls: the lowest SM clock seen with a run on the device, and the
+        reasons of either (a slowdown at any point is one the samples may carry)."""
+        sm, mem, reasons = before
+        if self.sm_mhz is None and not self.reasons:
+            return before
+        if self.sm_mhz is not None:
+            sm = self.sm_mhz
+        # The read before timing came just after a synchronize: its gpu_idle is that instant's, not the runs'.
+        kept = [r for r in reasons if r != "gpu_idle"]
+        return sm, mem, [*kept, *(r for r in self.reasons if r not in kept)]
 
 
 class Telemetry:
@@ -673,6 +721,20 @@ class Telemetry:
                 except ValueError:
                     continue
         return None, None, []
+
+    def poll(self) -> tuple[float | None, list[str]] | None:
+        """(SM MHz, active throttle reasons) through NVML, cheap enough to call during the timed runs; None
+        without NVML."""
+        if self.nvml is None:
+            return None
+        try:
+            nv = self.nvml
+            sm = float(nv.nvmlDeviceGetClockInfo(self.handle, nv.NVML_CLOCK_SM))
+            getter = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None)
+            getter = getter or nv.nvmlDeviceGetCurrentClocksThrottleReasons
+            return sm, throttle_names(int(getter(self.handle)))
+        except Exception:  # provenance, never worth a measurement
+            return None
 
     def _smi(self, fields: list[str], timeout_s: float = 5.0) -> list[str] | None:
         if self.smi is None:
