@@ -37,7 +37,7 @@ def host_key(host: str) -> str:
 
 
 # FORECASTER_MCP_* variables read elsewhere, not settings: a client's bearer token, the test suite's switches.
-OTHER_VARIABLES = frozenset({"TOKEN", "FORBID_REAL_API", "GPU_TESTS"})
+OTHER_VARIABLES = frozenset({"TOKEN", "FORBID_REAL_API", "GPU_TESTS", "GPU_LOCK_SCOPE"})
 
 
 def _trimmed(value: object, path: bool) -> object:

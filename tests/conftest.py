@@ -26,6 +26,9 @@ def _isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[
     # Any real Anthropic call in tests must fail loudly (the Claude tests inject a MockTransport).
     monkeypatch.setenv("ANTHROPIC_BASE_URL", "http://127.0.0.1:9/forbidden-real-api-call-in-tests")
     monkeypatch.setenv("FORECASTER_MCP_FORBID_REAL_API", "1")
+    # The stand-in GPUs of every test share one PCI bus id: without a scope of its own, a test's jobs would take
+    # turns with those of other tests running on this machine (pycuda_measurer._machine_lock).
+    monkeypatch.setenv("FORECASTER_MCP_GPU_LOCK_SCOPE", f"forecaster-mcp-test-{os.getpid()}-{id(tmp_path):x}")
     yield home
 
 

@@ -379,6 +379,29 @@ async def test_two_servers_on_one_gpu_take_turns(tmp_path: Path) -> None:
 
 
 @pytest.mark.anyio
+async def test_two_servers_with_their_own_state_folders_on_one_gpu_take_turns(tmp_path: Path) -> None:
+    """The turns were kept by a lock file in the state folder: two users' servers (or two FORECASTER_MCP_HOMEs)
+    on one workstation ran their jobs on its GPU side by side, each one's events timing the other's kernels."""
+    spans: dict[str, tuple[float, float]] = {}
+
+    async def one(m: PycudaMeasurer, who: str) -> None:
+        started = time.monotonic()
+        r = await m.measure(request(m, kernel(FAKE_BUSY_S=1.0)))
+        spans[who] = (started, time.monotonic())
+        assert r.status == "ok", (r.status, r.message)
+
+    async with make(tmp_path / "alice") as a, make(tmp_path / "bob") as b:
+        for m in (a, b):  # started and compiled first: the turns below are the jobs alone
+            await m.measure(request(m, kernel()))
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(one, a, "a")
+                tg.start_soon(one, b, "b")
+    took = max(end for _, end in spans.values()) - min(start for start, _ in spans.values())
+    assert took >= 2.0  # one after the other (side by side: about 1 s)
+
+
+@pytest.mark.anyio
 async def test_a_worker_that_died_while_idle_is_replaced_not_blamed_on_the_next_kernel(
     gpu: PycudaMeasurer,
 ) -> None:

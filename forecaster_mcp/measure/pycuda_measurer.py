@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import errno
 import hashlib
 import importlib.util
 import itertools
@@ -751,6 +752,38 @@ async def _device_lock(path: Path, poll_s: float = 0.05) -> Any:
         os.close(fd)  # releases the lock
 
 
+# Servers that share a GPU must share this (the default does): the machine-wide lock's name starts with it.
+GPU_LOCK_SCOPE_ENV = "FORECASTER_MCP_GPU_LOCK_SCOPE"
+
+
+@contextlib.asynccontextmanager
+async def _machine_lock(name: str, poll_s: float = 0.05) -> Any:
+    """A lock every process on this machine shares, whatever its user or state folder: a Unix socket bound to
+    `name` in Linux's abstract namespace (no file, no permissions; the kernel releases it when its holder
+    exits, even killed). Polled, so waiting stays cancellable. Containers with their own network namespace do
+    not share it (the state folder's lock still serves them where they share that); elsewhere than Linux, or
+    where the socket cannot be made, the job runs without it."""
+    if not sys.platform.startswith("linux"):
+        yield
+        return
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        while True:
+            try:
+                sock.bind("\0" + name)
+                break
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    log.warning(
+                        "machine-wide device lock %r unavailable (%s): measuring without it", name, exc
+                    )
+                    break
+                await anyio.sleep(poll_s)
+        yield
+    finally:
+        sock.close()  # releases the name
+
+
 @dataclass
 class _Slot:
     """One device: its lock (requests are serialised), its worker, and what the worker reported."""
@@ -848,6 +881,7 @@ class PycudaMeasurer:
         self._job_ids = itertools.count(1)
         self._round_robin = itertools.count()
         self._closed = False
+        self._lock_scope = os.environ.get(GPU_LOCK_SCOPE_ENV) or "forecaster-mcp"
 
     # ---------------------------------------------------------------- detection
 
@@ -970,7 +1004,9 @@ class PycudaMeasurer:
             await self._ensure_worker(slot)  # it says which device it holds (its PCI bus id)
             # Other server processes on this machine (one per IDE session) measure on the same GPU: one job at a
             # time across them, or each one's events would time the other's kernels too. Waiting is uncharged.
-            async with _device_lock(self._lock_path(slot)):
+            # Servers with another state folder (another user, another FORECASTER_MCP_HOME) share the GPU too,
+            # not the folder's lock: the machine-wide one covers them.
+            async with _device_lock(self._lock_path(slot)), _machine_lock(self._machine_lock_name(slot)):
                 outcome = await self._run_job(slot, job, progress)
         result = self._result(
             request,
@@ -993,6 +1029,14 @@ class PycudaMeasurer:
             r"[^A-Za-z0-9_.-]", "_", f"{socket.gethostname()}-{bus or f'device{slot.index}-{slot.name}'}"
         )
         return self.cache_dir / "locks" / f"gpu-{name}.lock"
+
+    def _machine_lock_name(self, slot: _Slot) -> str:
+        """The machine-wide lock of the slot's device (`_machine_lock`): its PCI bus id, under the scope."""
+        bus = slot.info.pci_bus_id if slot.info is not None else f"device{slot.index}-{slot.name}"
+        name = f"{self._lock_scope}-gpu-{bus}"
+        if len(name) > 100:  # an abstract socket name holds at most 107 bytes
+            name = f"forecaster-mcp-gpu-{hashlib.sha256(name.encode()).hexdigest()[:40]}"
+        return name
 
     def device_info(self, device: str) -> DeviceInfo | None:
         """What the worker reported about `device` (L2, SMs, bandwidth...); None before it first started."""
