@@ -379,6 +379,9 @@ async def test_two_servers_on_one_gpu_take_turns(tmp_path: Path) -> None:
 
 
 @pytest.mark.anyio
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="the machine-wide lock is Linux's (abstract sockets)"
+)
 async def test_two_servers_with_their_own_state_folders_on_one_gpu_take_turns(tmp_path: Path) -> None:
     """The turns were kept by a lock file in the state folder: two users' servers (or two FORECASTER_MCP_HOMEs)
     on one workstation ran their jobs on its GPU side by side, each one's events timing the other's kernels."""
@@ -399,6 +402,43 @@ async def test_two_servers_with_their_own_state_folders_on_one_gpu_take_turns(tm
                 tg.start_soon(one, b, "b")
     took = max(end for _, end in spans.values()) - min(start for start, _ in spans.values())
     assert took >= 2.0  # one after the other (side by side: about 1 s)
+
+
+@pytest.mark.anyio
+async def test_a_machine_that_refuses_unix_sockets_still_measures(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The machine-wide lock is a courtesy: where no AF_UNIX socket can be made (a sandbox, no descriptor
+    left), the job runs without it. The socket was made outside the fallback, so the OSError failed the job."""
+    import socket as real
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise PermissionError(13, "Permission denied")
+
+    fake = type(
+        "socket", (), {"socket": staticmethod(refused), "gethostname": staticmethod(real.gethostname)}
+    )
+    fake.AF_UNIX, fake.SOCK_STREAM = real.AF_UNIX, real.SOCK_STREAM  # type: ignore[attr-defined]
+    async with make(tmp_path) as m:
+        await m.measure(request(m, kernel()))  # started before: only the job's lock meets the refusal
+        monkeypatch.setattr(pycuda_measurer, "socket", fake)
+        r = await m.measure(request(m, kernel(FAKE_MS=2.0)))
+    assert r.status == "ok", (r.status, r.message)
+
+
+def test_the_machine_lock_of_a_device_without_a_bus_id_is_named_by_its_slot(tmp_path: Path) -> None:
+    """A worker that reports no PCI bus id: the state folder's lock falls back to the slot, the machine-wide
+    one was named "...-gpu-None", one name for every such device of the machine (two GPUs took turns)."""
+    m = make(tmp_path)
+    slots = [
+        pycuda_measurer._Slot(i, "H200", anyio.Lock(), info=_device_info().model_copy(update={"index": i}))
+        for i in (0, 1)
+    ]
+    names = [m._machine_lock_name(s) for s in slots]
+    assert names[0] != names[1] and all("None" not in n for n in names), names
+    # A long (or non-ASCII) scope is hashed to fit the 107 bytes of an abstract name, counted in bytes.
+    m._lock_scope = "é" * 60
+    assert len(m._machine_lock_name(slots[0]).encode()) <= 107
 
 
 @pytest.mark.anyio

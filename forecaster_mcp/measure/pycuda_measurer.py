@@ -766,7 +766,12 @@ async def _machine_lock(name: str, poll_s: float = 0.05) -> Any:
     if not sys.platform.startswith("linux"):
         yield
         return
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    except OSError as exc:  # AF_UNIX refused (a sandbox), no descriptor left: the job is not refused for it
+        log.warning("machine-wide device lock %r unavailable (%s): measuring without it", name, exc)
+        yield
+        return
     try:
         while True:
             try:
@@ -1032,9 +1037,10 @@ class PycudaMeasurer:
 
     def _machine_lock_name(self, slot: _Slot) -> str:
         """The machine-wide lock of the slot's device (`_machine_lock`): its PCI bus id, under the scope."""
-        bus = slot.info.pci_bus_id if slot.info is not None else f"device{slot.index}-{slot.name}"
-        name = f"{self._lock_scope}-gpu-{bus}"
-        if len(name) > 100:  # an abstract socket name holds at most 107 bytes
+        bus = slot.info.pci_bus_id if slot.info is not None else None
+        # A worker that reports no bus id: named as the state folder's lock names it (not "...-gpu-None").
+        name = f"{self._lock_scope}-gpu-{bus or f'device{slot.index}-{slot.name}'}"
+        if len(name.encode()) > 100:  # an abstract socket name holds at most 107 bytes (a scope may be UTF-8)
             name = f"forecaster-mcp-gpu-{hashlib.sha256(name.encode()).hexdigest()[:40]}"
         return name
 
