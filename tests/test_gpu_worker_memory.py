@@ -391,6 +391,7 @@ def poll(self):
     open(POLL_FILE, "a").write("x")
     return 1410.0, ["sw_power_cap", "hw_thermal_slowdown"]  # what NVML says with a timed run on the device
 g.Telemetry.poll = poll
+g.POLL_SECONDS = 1e9  # polled at the first timed run only, however slow the machine
 """
 
 
@@ -408,5 +409,21 @@ async def test_throttling_during_the_timed_runs_is_reported(tmp_path: Path) -> N
     assert "clock_throttled" in result.flags
     assert result.device.sm_clock_mhz == 1410.0
     assert result.device.throttle_reasons == ["sw_power_cap", "hw_thermal_slowdown"]
-    # Polled at the first timed run, not at every one (0.25 s apart; the fake's 50 runs take far less).
-    assert 1 <= len(polls.read_text()) < 50
+    # Polled at the first timed run, not at every one (POLL_SECONDS apart).
+    assert len(polls.read_text()) == 1
+
+
+@pytest.mark.anyio
+async def test_a_poll_after_a_short_run_has_ended_reports_no_gpu_idle(tmp_path: Path) -> None:
+    """A poll follows the sample's launch: a run of microseconds has ended by then and NVML says gpu_idle,
+    which the read before timing's gpu_idle was dropped for (it is no reason the timed runs ran slower)."""
+    idle = THROTTLES_WHILE_TIMED.replace(
+        '1410.0, ["sw_power_cap", "hw_thermal_slowdown"]', '1965.0, ["gpu_idle"]'
+    )
+    cmd = wrapper(tmp_path, f"POLL_FILE = {str(tmp_path / 'polls')!r}\n{idle}")
+    async with measurer(tmp_path, cmd) as m:
+        result = await m.measure(request(m, op("add"), vadd_workload(1024), max_runs=50))
+    assert result.status == "ok", result.message
+    assert "clock_throttled" not in result.flags
+    assert result.device.sm_clock_mhz == 1965.0
+    assert result.device.throttle_reasons == []

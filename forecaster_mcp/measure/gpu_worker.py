@@ -652,7 +652,9 @@ class TimedClocks:
         sm, reasons = polled
         if sm is not None:
             self.sm_mhz = sm if self.sm_mhz is None else min(self.sm_mhz, sm)
-        self.reasons += tuple(r for r in reasons if r not in self.reasons)
+        # A poll comes after the sample's launch: a short kernel has finished by then (the device idles until
+        # the next one), and gpu_idle says so, not what the timed runs ran at (as the read before timing).
+        self.reasons += tuple(r for r in reasons if r not in self.reasons and r != "gpu_idle")
 
     def merged(
         self, before: tuple[float | None, float | None, list[str]]
