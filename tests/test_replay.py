@@ -692,6 +692,19 @@ def test_a_t4_results_file_is_refused_as_what_it_is(tmp_path: Path) -> None:
             read(path)
 
 
+def test_a_cache_file_with_results_of_its_own_before_kernel_name_is_no_t4_file(tmp_path: Path) -> None:
+    """The header scan took any top-level "results" before kernel_name for T4's: a cache file another tool
+    wrote with a "results" key first was refused by read_header (so by serve) as a T4 results file, while
+    load_space read it."""
+    from replay_kernels import small_recording
+
+    path = small_recording(tmp_path / "r.json", {"32": {"bx": 32, "time": 2.0, "times": [2.0]}})
+    doc = json.loads(path.read_text())
+    for results in ([], [1.5, 2.5], [{"bx": 32, "score": 0.9}]):
+        path.write_text(json.dumps({"results": results, **doc}))
+        assert read_header(path).kernel_name == "kk" and load_space(path).best_time_ms == 2.0
+
+
 def test_a_large_json_file_that_is_no_cache_file_is_refused_without_rescanning_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

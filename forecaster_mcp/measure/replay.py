@@ -384,7 +384,13 @@ def _scan_header(text: str, decoder: json.JSONDecoder) -> tuple[dict[str, Any], 
             return header, True
         if key == "results" and "kernel_name" not in header:
             # A T4 results file: its header says what it is (_make_header), without decoding all its results.
-            return {**header, "results": []}, False
+            # Told by its first result (T4's {configuration, times, ...}): a cache file of another writer may
+            # hold a "results" of its own before kernel_name, and is read on (load_space reads it).
+            t4 = _t4_results(text, pos, decoder)
+            if t4 is None:
+                return None
+            if t4:
+                return {**header, "results": []}, False
         try:
             value, pos = decoder.raw_decode(text, pos)
         except json.JSONDecodeError:
@@ -400,6 +406,23 @@ def _scan_header(text: str, decoder: json.JSONDecoder) -> tuple[dict[str, Any], 
             return header, False
         else:
             raise ValueError("the file is not a JSON object")
+
+
+def _t4_results(text: str, pos: int, decoder: json.JSONDecoder) -> bool | None:
+    """Whether the value at `pos` opens T4's results, a list of {configuration, ...}; None when `text` is too
+    short to tell (only the first result is decoded)."""
+    if text[pos] != "[":
+        return False
+    first = _skip_ws(text, pos + 1)
+    if first >= len(text):
+        return None
+    if text[first] != "{":
+        return False
+    try:
+        line, _ = decoder.raw_decode(text, first)
+    except json.JSONDecodeError:
+        return None
+    return isinstance(line, dict) and "configuration" in line
 
 
 def _read_header_fields(path: Path, max_chars: int = 8 * 2**20) -> dict[str, Any] | None:
