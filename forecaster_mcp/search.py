@@ -563,8 +563,22 @@ class ToolEmulator:
         entry = self.space.entries[index]
         times = list(getattr(entry, "times", []) or [])
         ok = entry.time_ms is not None
-        median = statistics.median(times) if ok and times else entry.time_ms
-        status = "ok" if ok else str(getattr(entry, "status", "launch_error"))
+        gpu_seconds = (
+            (sum(times) + float(getattr(entry, "verification_time_ms", 0.0) or 0.0)) / 1000.0 if ok else 0.0
+        )
+        if isinstance(entry, ReplayEntry):
+            # What a replaying server answers under its default caps (ReplayMeasurer's own rule): the recorded
+            # runs and verification, or for a failure the device time recorded for its attempt; a run (or an
+            # attempt) over the cap is a timeout, not a runtime charged the cap.
+            cap = Settings.model_fields["max_measure_seconds"].default
+            charge = recorded_charge(
+                entry, MeasureRequest(kernel, workload, self.space.device, max_seconds=cap)
+            )
+            ok, times, gpu_seconds = charge.status == "ok", list(charge.times), charge.gpu_seconds
+            status: str = charge.status
+        else:
+            status = "ok" if ok else str(getattr(entry, "status", "launch_error"))
+        median = statistics.median(times) if ok and times else (entry.time_ms if ok else None)
         self._runtime[kernel.content_key()] = median
         self.history.add(
             (kernel.family_key(), self.space.device, workload.key()),
@@ -578,18 +592,6 @@ class ToolEmulator:
                 tuple(kernel.compile_options),
             ),
         )
-        if isinstance(entry, ReplayEntry):
-            # What a replaying server charges under its default caps (ReplayMeasurer's own rule): the recorded
-            # runs and verification, or for a failure the device time recorded for its attempt.
-            cap = Settings.model_fields["max_measure_seconds"].default
-            request = MeasureRequest(kernel, workload, self.space.device, max_seconds=cap)
-            gpu_seconds = recorded_charge(entry, request).gpu_seconds
-        else:
-            gpu_seconds = (
-                (sum(times) + float(getattr(entry, "verification_time_ms", 0.0) or 0.0)) / 1000.0
-                if ok
-                else 0.0
-            )
         return {
             "kernel_id": kernel.id,
             "status": status,

@@ -596,3 +596,40 @@ async def test_the_emulator_charges_what_a_replaying_server_charges(conv_a100: P
         assert result["status"] == replayed.status == status
         assert result["cost"]["gpu_seconds"] == pytest.approx(replayed.cost.gpu_seconds)
         assert (result["cost"]["gpu_seconds"] > 0) == (status != "compile_error")
+
+
+@pytest.mark.anyio
+async def test_the_emulator_answers_a_run_over_the_cap_as_the_replay_does(tmp_path: Path) -> None:
+    """A configuration whose recorded run (or failed attempt) takes longer than the server's default cap is a
+    timeout on a replaying server, with no runtime. The emulator charged the cap, by the replay's rule, but
+    answered 'ok' with the recorded median (or the recorded failure): a strategy learnt from what no server
+    says."""
+    from forecaster_mcp.measure.base import MeasureRequest
+    from forecaster_mcp.measure.replay import ReplayMeasurer
+    from forecaster_mcp.settings import Settings
+
+    path = small_recording(
+        tmp_path / "slow.json",
+        {
+            "32": {"bx": 32, "time": 2.0, "times": [2.0, 2.0]},
+            "64": {"bx": 64, "time": 40_000.0, "times": [40_000.0]},
+            "128": {"bx": 128, "time": "RuntimeFailedConfig", "benchmark_time": 40_000.0},
+        },
+    )
+    space = load_space(path)
+    server = ReplayMeasurer([path])
+    cap = Settings().max_measure_seconds
+    assert cap < 40  # the runs below are over it
+    statuses = []
+    for index in range(len(space.entries)):
+        k = kernel_dict(space, index)
+        result = await ToolEmulator(space)("measure_kernel", {"kernel": k, "workload": {}})
+        replayed = await server.measure(
+            MeasureRequest(Kernel.model_validate(k), Workload(), space.device, max_seconds=cap)
+        )
+        assert result["status"] == replayed.status, (result, replayed.message)
+        median = replayed.runtime_ms.median if replayed.runtime_ms is not None else None
+        assert (result["runtime_ms"] or {}).get("median") == median
+        assert result["cost"]["gpu_seconds"] == pytest.approx(replayed.cost.gpu_seconds)
+        statuses.append(result["status"])
+    assert sorted(statuses) == ["ok", "timeout", "timeout"]
