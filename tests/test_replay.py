@@ -646,6 +646,10 @@ async def test_a_recording_of_an_objective_that_is_no_runtime_is_refused_by_name
     score.write_text(json.dumps(doc))
     with pytest.raises(ValueError, match=r"record no 'time' \(its objective is 'score'\)"):
         load_space(score)
+    unnamed = tmp_path / "unnamed.json"
+    unnamed.write_text(json.dumps({k: v for k, v in doc.items() if k != "objective"}))
+    with pytest.raises(ValueError, match=r"record no 'time' \(it names no objective\)"):
+        load_space(unnamed)
     m = ReplayMeasurer([score])
     with pytest.raises(NotMeasurable, match=r"record no 'time'.*score\.json|score\.json.*record no 'time'"):
         await _measure(m, kernel("kk", {"bx": 32}), "A100-PCIE-40GB")

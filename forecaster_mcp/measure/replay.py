@@ -569,9 +569,11 @@ def _space_from(path: Path, doc: Mapping[str, Any]) -> ReplaySpace:
         # Kernel Tuner records the objective it tuned for; one that is no runtime (a hyperparameter tuning
         # "score", an energy) without "time" beside it was read as a failed run of every configuration,
         # each charged its recorded benchmark_time (minutes) as a timeout.
+        objective = doc.get("objective")
+        named = f"its objective is {objective!r}" if objective is not None else "it names no objective"
         raise ValueError(
-            f"its entries record no 'time' (its objective is {doc.get('objective')!r}): a replay answers with "
-            "recorded kernel runtimes (Kernel Tuner's 'time', in ms) and this recording holds none"
+            f"its entries record no 'time' ({named}): a replay answers with recorded kernel runtimes (Kernel "
+            "Tuner's 'time', in ms) and this recording holds none"
         )
     entries = [_entry(k, rec, keys) for k, rec in records]
     tune_params = dict(header.tune_params)
