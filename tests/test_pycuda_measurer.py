@@ -349,29 +349,35 @@ async def test_requests_to_one_device_are_serialised_and_waiting_is_not_charged(
     assert sum(r.cost.gpu_seconds for r in results) <= took, ([r.cost for r in results], took)
 
 
-@pytest.mark.anyio
-async def test_two_servers_on_one_gpu_take_turns(tmp_path: Path) -> None:
-    """Two server processes (two IDE sessions) on one workstation share its GPU: their jobs run one at a time
-    (each one's events would otherwise time the other's kernels), and the waiting is not charged."""
+async def _side_by_side(folders: tuple[Path, Path], busy_s: float) -> tuple[float, dict[str, float]]:
+    """Two measurers (two server processes' worth, on `folders`) each started, then one job of `busy_s` on the
+    device from each at once: the wall time both took, and what each was charged."""
     spans: dict[str, tuple[float, float]] = {}
     charged: dict[str, float] = {}
 
     async def one(m: PycudaMeasurer, who: str) -> None:
         started = time.monotonic()
-        r = await m.measure(request(m, kernel(FAKE_BUSY_S=0.4)))
+        r = await m.measure(request(m, kernel(FAKE_BUSY_S=busy_s)))
         spans[who] = (started, time.monotonic())
-        assert r.status == "ok" and r.cost.gpu_seconds >= 0.4, (r.status, r.cost)
+        assert r.status == "ok" and r.cost.gpu_seconds >= busy_s, (r.status, r.message, r.cost)
         charged[who] = r.cost.gpu_seconds
 
-    async with make(tmp_path) as a, make(tmp_path) as b:
+    async with make(folders[0]) as a, make(folders[1]) as b:
         for m in (a, b):  # started and compiled first: the turns below are the jobs alone
             await m.measure(request(m, kernel()))
         with anyio.fail_after(60):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(one, a, "a")
                 tg.start_soon(one, b, "b")
+    return max(end for _, end in spans.values()) - min(start for start, _ in spans.values()), charged
+
+
+@pytest.mark.anyio
+async def test_two_servers_on_one_gpu_take_turns(tmp_path: Path) -> None:
+    """Two server processes (two IDE sessions) on one workstation share its GPU: their jobs run one at a time
+    (each one's events would otherwise time the other's kernels), and the waiting is not charged."""
+    took, charged = await _side_by_side((tmp_path, tmp_path), 0.4)
     # One after the other, not side by side: together they took both jobs' time.
-    took = max(end for _, end in spans.values()) - min(start for start, _ in spans.values())
     assert took >= 0.8
     # The one that waited is not charged its wait: the charged spans, one at a time, fit in the time both
     # took (a charged wait would overlap them by ~0.4 s). Not `< 0.6` each: a loaded machine adds to a job.
@@ -385,22 +391,7 @@ async def test_two_servers_on_one_gpu_take_turns(tmp_path: Path) -> None:
 async def test_two_servers_with_their_own_state_folders_on_one_gpu_take_turns(tmp_path: Path) -> None:
     """The turns were kept by a lock file in the state folder: two users' servers (or two FORECASTER_MCP_HOMEs)
     on one workstation ran their jobs on its GPU side by side, each one's events timing the other's kernels."""
-    spans: dict[str, tuple[float, float]] = {}
-
-    async def one(m: PycudaMeasurer, who: str) -> None:
-        started = time.monotonic()
-        r = await m.measure(request(m, kernel(FAKE_BUSY_S=1.0)))
-        spans[who] = (started, time.monotonic())
-        assert r.status == "ok", (r.status, r.message)
-
-    async with make(tmp_path / "alice") as a, make(tmp_path / "bob") as b:
-        for m in (a, b):  # started and compiled first: the turns below are the jobs alone
-            await m.measure(request(m, kernel()))
-        with anyio.fail_after(60):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(one, a, "a")
-                tg.start_soon(one, b, "b")
-    took = max(end for _, end in spans.values()) - min(start for start, _ in spans.values())
+    took, _ = await _side_by_side((tmp_path / "alice", tmp_path / "bob"), 1.0)
     assert took >= 2.0  # one after the other (side by side: about 1 s)
 
 
