@@ -25,6 +25,15 @@ class UnknownLedger(AgentError):
 class BudgetExhausted(AgentError):
     """The ledger cannot cover the reservation a measurement needs."""
 
+    def __init__(
+        self, message: str, left_gpu_seconds: float | None = None, needed_gpu_seconds: float | None = None
+    ) -> None:
+        super().__init__(message)
+        # What the ledger had left (limit less spent and held) and what the refused hold needed, where known:
+        # with something left, a cheaper measurement may still fit (measure_if_unsure goes on to it).
+        self.left_gpu_seconds = left_gpu_seconds
+        self.needed_gpu_seconds = needed_gpu_seconds
+
 
 # Every BudgetExhausted message holds this phrase: an MCP client sees only the text of a refused call, and the
 # project's own clients (demo, search) tell a spent budget from other refusals by it.

@@ -24,6 +24,7 @@ import anyio
 
 from forecaster_mcp import __version__, bins
 from forecaster_mcp.errors import (
+    BUDGET_EXHAUSTED_TEXT,
     AgentError,
     AlreadyMeasured,
     BudgetExhausted,
@@ -814,7 +815,9 @@ class Service:
     ) -> tuple[list[MeasureResult], float, str | None, set[str]]:
         """Measure in order, up to `max_measurements`; when one fails after others were made, stop and say why
         in a note. A candidate this server cannot measure (not in its recordings) is skipped, with a note, for
-        the next one; the baseline is not: without it no candidate's pair is settled.
+        the next one; the baseline is not: without it no candidate's pair is settled. So is a candidate whose
+        hold is more than the ledger has left while something is left (a cheaper one later may fit); a ledger
+        with nothing left stops the loop at once.
 
         Returns the measurements made (and charged; only a failure of the first one raises), what they cost,
         the note, and the ids skipped as not measurable here.
@@ -824,6 +827,7 @@ class Service:
         out: list[MeasureResult] = []
         charged = 0.0
         skipped: dict[str, str] = {}  # id -> why this server cannot measure it
+        unaffordable: dict[str, str] = {}  # id -> what it needed and what the ledger had left
         total = min(max_measurements, len(measure_next))
         for n, kid in enumerate(measure_next):
             if len(out) >= max_measurements:
@@ -840,10 +844,22 @@ class Service:
                 if kid == base.id:
                     if not out:
                         raise
-                    note = self._stopped_note(out, kid, str(exc), measure_next[n:], skipped)
+                    note = self._stopped_note(out, kid, str(exc), measure_next[n:], skipped, unaffordable)
                     return out, charged, note, set(skipped)
                 skipped[kid] = one_line(str(exc), 160)
                 continue
+            except BudgetExhausted as exc:
+                left, needed = exc.left_gpu_seconds, exc.needed_gpu_seconds
+                if kid != base.id and left is not None and needed is not None and left > 0:
+                    # More than is left, nothing charged: a cheaper candidate later in the list may still fit.
+                    unaffordable[kid] = (
+                        f"needs up to {fmt_gpu_seconds(needed)}, {fmt_gpu_seconds(left)} {BUDGET_EXHAUSTED_TEXT}"
+                    )
+                    continue
+                if not out:
+                    raise
+                note = self._stopped_note(out, kid, str(exc), measure_next[n:], skipped, unaffordable)
+                return out, charged, note, set(skipped)
             except Exception as exc:
                 if isinstance(exc, ResultNotSaved):
                     charged += exc.charged_gpu_seconds  # it ran and was charged; its result was lost
@@ -857,7 +873,7 @@ class Service:
                 return (
                     out,
                     charged,
-                    self._stopped_note(out, kid, why, measure_next[n:], skipped),
+                    self._stopped_note(out, kid, why, measure_next[n:], skipped, unaffordable),
                     set(skipped),
                 )
             out.append(res)
@@ -870,22 +886,35 @@ class Service:
                 if res.status not in NOT_CACHEABLE:
                     return out, charged, None, set(skipped)
                 why = f"it measured {res.status}: {one_line(res.message or 'no detail', 200)}"
-                note = self._stopped_note(out, kid, why, measure_next[n + 1 :], skipped)
+                note = self._stopped_note(out, kid, why, measure_next[n + 1 :], skipped, unaffordable)
                 return out, charged, note, set(skipped)
-        if not skipped:
-            return out, charged, None, set()
-        note = (
-            f"measure_if_unsure skipped what this server cannot measure as sent: {_listed(skipped)}. Those are "
-            "forecasts only, left out of measure_next (fix what the reason says, or measure them where they can "
-            "run)"
-        )
-        return out, charged, note, set(skipped)
+        notes = []
+        if skipped:
+            notes.append(
+                f"measure_if_unsure skipped what this server cannot measure as sent: {_listed(skipped)}. Those "
+                "are forecasts only, left out of measure_next (fix what the reason says, or measure them where "
+                "they can run)"
+            )
+        if unaffordable:
+            notes.append(
+                f"measure_if_unsure skipped, as each needs more than the ledger had left: {_listed(unaffordable)}. "
+                "They stay in measure_next: measure them once the ledger is topped up (forecasts with "
+                "compare_kernels are free)"
+            )
+        return out, charged, ". ".join(notes) or None, set(skipped)
 
     @staticmethod
     def _stopped_note(
-        out: Sequence[MeasureResult], kid: str, why: str, rest: Sequence[str], skipped: Mapping[str, str]
+        out: Sequence[MeasureResult],
+        kid: str,
+        why: str,
+        rest: Sequence[str],
+        skipped: Mapping[str, str],
+        unaffordable: Mapping[str, str],
     ) -> str:
         also = f" Skipped as not measurable here: {_listed(skipped)}." if skipped else ""
+        if unaffordable:
+            also += f" Skipped as more than the ledger had left: {_listed(unaffordable)}."
         return (
             f"measure_if_unsure stopped after {len(out)} measurements: {kid} could not be measured "
             f"({one_line(why, 300)}). Not measured: {', '.join(rest)}.{also} The measurements made are in "

@@ -173,8 +173,76 @@ async def test_measure_if_unsure_out_of_budget_mid_call_returns_what_it_charged(
         assert paid > 0 and out["measurements"]
         assert out["gpu_seconds_charged"] == pytest.approx(paid, abs=1e-6)
         assert sum(m["cost"]["gpu_seconds"] for m in out["measurements"]) == pytest.approx(paid, abs=1e-6)
+        # 0.012 GPU-s is left after the first, and every other one costs more: each is skipped, and said so.
+        (skipped,) = [
+            n for n in out["notes"] if n.startswith("measure_if_unsure skipped, as each needs more")
+        ]
+        assert "GPU-seconds left" in skipped
+        assert [m["kernel_id"] for m in out["measurements"]] == ["a"]
+        assert {"b", "c", "d", "e"} <= set(out["measure_next"])
+
+
+async def test_measure_if_unsure_skips_a_candidate_the_ledger_cannot_pay_for_and_measures_a_cheaper_one(
+    tmp_path: Path, conv_a100: Path
+) -> None:
+    """With 0.052 GPU-s left after the baseline, `big` (recorded at 0.098) was refused for budget and ended the
+    loop, though `e` and `c` after it (0.020 each) fit. They are measured now; big and mid (0.054, more than
+    is left by then) are skipped, named in a note, and stay in measure_next; nothing is charged past the limit."""
+    async with running(tmp_path, [conv_a100], ledger_seconds=0.07) as (client, _):
+        cands = [
+            conv_block(32, 4, "a"),
+            conv_block(16, 16, "big"),
+            conv_block(32, 16, "mid"),
+            conv_block(128, 1, "c"),
+            conv_block(48, 2, "e"),
+        ]
+        args = {"candidates": cands, "target_error": 0.001}
+        assert (await call(client, "compare_kernels", args))["measure_next"] == ["a", "big", "e", "c", "mid"]
+        out = await call(
+            client, "compare_kernels", {**args, "measure_if_unsure": True, "max_measurements": 5}
+        )
+        assert [m["kernel_id"] for m in out["measurements"]] == ["a", "e", "c"]
+        paid = await spent(client)
+        assert out["gpu_seconds_charged"] == pytest.approx(paid, abs=1e-6) and paid <= 0.07
+        (skipped,) = [
+            n for n in out["notes"] if n.startswith("measure_if_unsure skipped, as each needs more")
+        ]
+        assert "big (needs up to 0.097734, 0.052285 GPU-seconds left)" in skipped and "mid (" in skipped
+        assert not [n for n in out["notes"] if n.startswith("measure_if_unsure stopped")]
+        assert {"big", "mid"} <= set(out["measure_next"])
+
+    # max_measurements still bounds what is measured, skips not counted.
+    async with running(tmp_path / "two", [conv_a100], ledger_seconds=0.07) as (client, _):
+        out = await call(
+            client, "compare_kernels", {**args, "measure_if_unsure": True, "max_measurements": 2}
+        )
+        assert [m["kernel_id"] for m in out["measurements"]] == ["a", "e"]
+
+
+async def test_measure_if_unsure_stops_at_once_on_a_spent_ledger(
+    tmp_path: Path, conv_a100: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ledger the baseline spent to the last micro-second ends the loop at the next refusal: no candidate
+    after it is tried (a skip is only for what costs more than a ledger that still has something left)."""
+    async with running(tmp_path, [conv_a100], ledger_seconds=0.017715) as (client, service):
+        tried: list[str | None] = []
+        measure = service.measure
+
+        async def counting(**kw: Any) -> Any:
+            tried.append(kw["kernel"].id)
+            return await measure(**kw)
+
+        monkeypatch.setattr(service, "measure", counting)
+        cands = [*unsure_trio(), conv_block(16, 8, "d"), conv_block(48, 2, "e")]
+        out = await call(
+            client,
+            "compare_kernels",
+            {"candidates": cands, "measure_if_unsure": True, "max_measurements": 5, "target_error": 0.001},
+        )
+        assert [m["kernel_id"] for m in out["measurements"]] == ["a"] and len(tried) == 2
         (stopped,) = [n for n in out["notes"] if n.startswith("measure_if_unsure stopped")]
-        assert "GPU-seconds left" in stopped and "Not measured:" in stopped
+        assert "has 0 GPU-seconds left" in stopped and "Not measured:" in stopped
+        assert await spent(client) == pytest.approx(0.017715, abs=1e-9)
 
 
 async def test_measure_if_unsure_with_an_unrecordable_candidate_keeps_the_others(

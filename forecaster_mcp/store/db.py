@@ -2059,5 +2059,7 @@ def _exhausted(ledger: str, limit: int, spent: int, reserved: int, amount: int) 
         f"(limit {fmt_gpu_seconds(_gs(limit))}, spent {fmt_gpu_seconds(_gs(spent))}{held}); "
         f"this measurement needs up to {fmt_gpu_seconds(_gs(amount))}. {wait}"
         f"Forecasts with compare_kernels are free; {smaller}"
-        f"ask the operator to top up (forecaster-mcp ledger topup {ledger} --gpu-seconds N)"
+        f"ask the operator to top up (forecaster-mcp ledger topup {ledger} --gpu-seconds N)",
+        left_gpu_seconds=_gs(max(left, 0)),
+        needed_gpu_seconds=_gs(amount),
     )
