@@ -20,9 +20,13 @@ class MeasurementCounts(BaseModel):
     gpu_seconds: float = Field(default=0.0, description="charged for the measurements counted here")
     cancelled_gpu_seconds: float = Field(
         default=0.0,
-        description="charged for device time that left no stored result (a measurement cancelled while it "
-        "held the device, or one whose result could not be saved); with gpu_seconds, what spent_gpu_seconds "
-        "is made of",
+        description="charged for device time of measurements cancelled while they held the device (no result); "
+        "with gpu_seconds and not_saved_gpu_seconds, what spent_gpu_seconds is made of",
+    )
+    not_saved_gpu_seconds: float = Field(
+        default=0.0,
+        description="charged for measurements that ran but whose result the server could not store (the caller "
+        "was told so); counted as cancelled on databases written before this was recorded",
     )
 
 

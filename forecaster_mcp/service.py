@@ -1361,10 +1361,13 @@ class Service:
                             "could not save the measurement of %s; charging its device time", kernel.id
                         )
                         settled = True  # never released free: the device time was used
+                        lost = dataclasses.replace(
+                            hold, result_not_saved=True
+                        )  # budget_status: not cancelled
                         try:
-                            charged = await self.store.commit(hold, expected)
+                            charged = await self.store.commit(lost, expected)
                         except Exception:
-                            self.store.commit_later(hold, expected)
+                            self.store.commit_later(lost, expected)
                             charged = expected
                         raise ResultNotSaved(
                             f"the measurement of {kernel.id} ran and was charged {fmt_gpu_seconds(charged)} "

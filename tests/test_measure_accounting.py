@@ -614,8 +614,35 @@ async def test_a_result_the_store_cannot_keep_is_still_charged_and_the_caller_to
         view = await svc.store.get_ledger("L")
         assert view is not None and view.spent_gpu_seconds == 0.25 and view.reserved_gpu_seconds == 0
         assert [r["state"] for r in await svc.store.reservations("L")] == ["committed"]
+        # budget_status names that charge for what it was, not a cancelled measurement.
+        status = await svc.budget_status("L")
+        assert status.measurements.count == 0 and status.measurements.gpu_seconds == 0
+        assert status.measurements.cancelled_gpu_seconds == 0
+        assert status.measurements.not_saved_gpu_seconds == 0.25
     finally:
         await svc.close()
+
+
+async def test_a_charge_committed_later_for_a_result_not_saved_is_reported_as_not_saved(
+    tmp_path: Path,
+) -> None:
+    """On a locked database the charge of a result not saved is committed in the background: it is still
+    told from a cancelled measurement's, which budget_status counts beside it."""
+    import asyncio
+    import dataclasses
+
+    store = await Store.open(tmp_path / "s.sqlite3")
+    try:
+        await store.ensure_ledger("L", 10.0)
+        lost = await store.reserve("L", 2.0, "measure k")
+        cancelled = await store.reserve("L", 2.0, "measure k2")
+        store.commit_later(dataclasses.replace(lost, result_not_saved=True), 0.5, interval_s=0.0)
+        await store.commit(cancelled, 0.25)
+        await asyncio.wait(list(store._retrying))  # the background commit, done
+        m = (await store.ledger_report("L"))["measurements"]
+        assert (m["not_saved_gpu_seconds"], m["cancelled_gpu_seconds"]) == (0.5, 0.25)
+    finally:
+        await store.close()
 
 
 async def test_a_saved_result_and_its_charge_are_one_transaction(tmp_path: Path) -> None:

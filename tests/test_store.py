@@ -704,6 +704,7 @@ async def test_ledger_report_counts_everything(store: Store) -> None:
             "failures": 1,
             "gpu_seconds": 8.0,
             "cancelled_gpu_seconds": 0.0,
+            "not_saved_gpu_seconds": 0.0,
         },
         "forecasts": {
             "count": 7,

@@ -87,8 +87,14 @@ def _report_text(name: str, r: dict[str, Any]) -> str:
             # The rest of `spent`: without it the two lines did not add up (spent 3.25, measurements 0 charged).
             + (
                 f"; {fmt_gpu_seconds(m['cancelled_gpu_seconds'])} more for device time that left no stored "
-                "result (a measurement cancelled on the device, or one whose result could not be saved)"
+                "result (a measurement cancelled on the device)"
                 if m.get("cancelled_gpu_seconds")
+                else ""
+            )
+            + (
+                f"; {fmt_gpu_seconds(m['not_saved_gpu_seconds'])} more for measurements whose result could not "
+                "be saved"
+                if m.get("not_saved_gpu_seconds")
                 else ""
             ),
         ),

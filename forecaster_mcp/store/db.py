@@ -124,6 +124,13 @@ class Reservation:
     id: int
     ledger: str
     gpu_seconds: float
+    # Committed for a run whose result could not be stored (ResultNotSaved): its commit event says so
+    # (RESULT_NOT_SAVED), and budget_status counts the charge as not saved rather than as cancelled.
+    result_not_saved: bool = False
+
+
+# The end of the commit event's detail of a charge whose result could not be stored (Reservation.result_not_saved).
+RESULT_NOT_SAVED = "; result not saved"
 
 
 @dataclass(frozen=True)
@@ -1082,7 +1089,9 @@ class Store:
         else:
             await self._event(
                 conn, reservation.ledger, "commit", charged, spent_delta=charged, reserved_delta=-held,
-                reservation_id=reservation.id, detail=f"released {fmt_gpu_seconds(_gs(held - charged))}",
+                reservation_id=reservation.id,
+                detail=f"released {fmt_gpu_seconds(_gs(held - charged))}"
+                + (RESULT_NOT_SAVED if reservation.result_not_saved else ""),
                 now=now,
             )  # fmt: skip
         return charged
@@ -1917,6 +1926,14 @@ class Store:
             costs = await conn.execute_fetchall(
                 "SELECT charged_micro FROM measurements WHERE ledger = ? AND cached = 0", (ledger,)
             )
+            # Charges for runs whose result could not be stored: no measurement row either, but not cancelled.
+            not_saved = (
+                await conn.execute_fetchall(
+                    "SELECT coalesce(sum(spent_delta_micro), 0) FROM ledger_events WHERE ledger = ? "
+                    "AND kind = 'commit' AND detail LIKE ?",
+                    (ledger, f"%{RESULT_NOT_SAVED}"),
+                )
+            )[0][0]
             # Every forecast made counts, also those a later forecast of the same pair replaced.
             f = (
                 await conn.execute_fetchall(
@@ -1959,13 +1976,14 @@ class Store:
                 )
             )[0]
             return {
-                "ledger": row, "m": m, "costs": costs, "f": f, "verified": verified, "spared": spared, "llm": llm,
+                "ledger": row, "m": m, "costs": costs, "not_saved": not_saved, "f": f, "verified": verified, "spared": spared, "llm": llm,
             }  # fmt: skip
 
         raw = await self._read_tx(body)
         if raw is None:
             raise _unknown_ledger(ledger)
         limit, spent, reserved = (int(x) for x in raw["ledger"][1:4])
+        not_saved = int(raw["not_saved"])
         m, f, llm = raw["m"], raw["f"], raw["llm"]
         scored = [(v, by, p, float(s)) for v, by, p, s in raw["verified"] if not bins.is_tie(float(s))]
         decided_checked = [(str(v), s) for v, by, _, s in scored if by == "forecast" and v != "unsure"]
@@ -1984,8 +2002,9 @@ class Store:
                 "failures": int(m[2]),
                 "gpu_seconds": _gs(int(m[3])),
                 # Only measurements charge a ledger; a cancelled one is charged its device time but stores no
-                # row, so it is what spent holds beyond the rows' charges.
-                "cancelled_gpu_seconds": _gs(max(0, spent - int(m[3]))),
+                # row, so it is what spent holds beyond the rows' charges and those of results not saved.
+                "cancelled_gpu_seconds": _gs(max(0, spent - int(m[3]) - not_saved)),
+                "not_saved_gpu_seconds": _gs(not_saved),
             },
             "forecasts": {
                 "count": int(f[0]),
