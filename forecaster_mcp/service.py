@@ -39,6 +39,7 @@ from forecaster_mcp.errors import (
 from forecaster_mcp.forecast.base import USAGE_LEDGER, Forecaster, PairQuery
 from forecaster_mcp.forecast.engine import one_line, smallest_default_target
 from forecaster_mcp.forecast.features import entry_parameter_count
+from forecaster_mcp.forecast.local import member_key
 from forecaster_mcp.forecast.selective import (
     MAX_TARGET_ERROR,
     MIN_TARGET_ERROR,
@@ -375,6 +376,7 @@ class Service:
         }
         results: dict[str, CandidateForecast] = {}
         fc_by_id = {}
+        base_member = member_key(base)
         measured_failing: set[str] = set()  # candidates whose stored measurement failed: they do not run
         it = iter(forecasts)
         # Forecasts the threshold is out of reach for (threshold, their ceiling, the target that reaches it).
@@ -411,6 +413,12 @@ class Service:
                 )
                 rationale += (
                     f"; {verdict} for {whose} {100 * p_fail:.3g}% chance of failing to compile or run"
+                )
+            if not f.from_measurements and member_key(p.candidate) == base_member:
+                # Left out of measure_next (_measure_next): say why, as its forecast only says "near 50/50".
+                rationale += (
+                    "; the baseline's own configuration (its defines spelled otherwise, or the same kernel): "
+                    "a tie, settled by the baseline's measurement"
                 )
             if (unused := _suspicion(base.id, cid, suspect, learned=True)) is not None:
                 rationale += f"; {unused}"
@@ -469,11 +477,11 @@ class Service:
         measurements: list[MeasureResult] = []
         charged = 0.0
         unsure = [i for i in measure_next if i != base.id and results[i].verdict == "unsure"]
+        copies: list[str] = []
         if not unsure and measure_next == [base.id]:
             # Measured candidates, or unsure copies of the baseline: the baseline's measurement settles them.
-            base_key = base.content_key()
             copies = [
-                i for i, r in results.items() if r.verdict == "unsure" and by_id[i].content_key() == base_key
+                i for i, r in results.items() if r.verdict == "unsure" and member_key(by_id[i]) == base_member
             ]
             unsure = _waiting_on_baseline(results, measured) or copies
         if base_failed is not None:
@@ -488,7 +496,9 @@ class Service:
             if ledger is None:
                 raise InvalidRequest("measure_if_unsure needs a ledger; this server has none configured")
             if measure_next[0] == base.id:
-                unsure = [base.id, *(i for i in unsure if i not in measured)]
+                # (Not the copies of the baseline: its measurement answers them; one spelled otherwise, "0x20"
+                # for 32, was measured again, and paid for on a GPU.)
+                unsure = [base.id, *(i for i in unsure if i not in measured and i not in copies)]
             not_measurable: set[str] = set()
             try:
                 measurements, charged, stopped, not_measurable = await self._measure_unsure(
@@ -529,6 +539,8 @@ class Service:
                 m_cand = measured.get(cid)
                 if results[cid].decided_by != "forecast":
                     continue
+                if m_cand is None and cid in copies:
+                    m_cand = m_base  # the baseline's configuration spelled otherwise: its measurement answers
                 if m_base is not None and m_cand is not None:
                     results[cid] = _from_measurement(
                         cid, m_base, m_cand, "measurement", _suspicion(base.id, cid, suspect)
@@ -727,17 +739,20 @@ class Service:
         # A candidate no forecaster answered has no value to rank by (its even odds are not a forecast): it
         # is worth a measurement, after those whose forecasts say why.
         ranked += [it.id for it in items if not fc_by_id[it.id].raw]
-        # One measurement answers every candidate with the same content (and a copy of the baseline): list it once.
-        base_key = by_id[base.id].content_key()
+        # One measurement answers every candidate that is the same member of its family as the model tells
+        # them apart (the same content, or defines spelled otherwise: 32 and "0x20"), and a copy of the
+        # baseline: list it once. (Only same-content copies were left out: a "0x20" copy of the baseline was
+        # listed, and measuring it paid for the baseline's runtime twice.)
+        base_key = member_key(by_id[base.id])
         seen = {base_key}
         unique = []
         for cid in ranked:
-            ck = by_id[cid].content_key()
-            if ck not in seen:
-                seen.add(ck)
+            mk = member_key(by_id[cid])
+            if mk not in seen:
+                seen.add(mk)
                 unique.append(cid)
         # A copy of the baseline is settled by the baseline's own measurement (equal runtimes).
-        copies_of_base = any(by_id[cid].content_key() == base_key for cid in ranked)
+        copies_of_base = any(member_key(by_id[cid]) == base_key for cid in ranked)
         ranked = unique
         if (
             str(base.id) not in measured

@@ -768,6 +768,43 @@ async def test_copies_of_one_kernel_are_listed_once_and_a_zero_cap_says_so(
     assert any("max_measurements 0 measured nothing" in n for n in capped["notes"])
 
 
+async def test_a_copy_spelled_otherwise_is_listed_once_and_its_rationale_says_why(
+    tmp_path: Path, conv_a100: Path
+) -> None:
+    """Defines the compiler and the family model read as one value (32, "0x20", "32u", "32.0") make one kernel:
+    a copy of the baseline so spelled was listed in measure_next (an agent paid for the baseline's runtime
+    twice), and so was a second spelling of a candidate. Both are left out, and a copy of the baseline's
+    unsure forecast says it is the baseline's configuration; measuring the baseline alone settles it."""
+    base = conv("b", FAST)
+    hex_copy = conv("hex", {**FAST, "block_size_x": "0x20"})
+    suffixed = conv("u", {**FAST, "block_size_x": "32u", "block_size_y": "4.0"})
+    cand = conv("c", {**FAST, "block_size_x": 64})
+    cand_again = conv("c2", {**FAST, "block_size_x": "64u"})
+    async with running(tmp_path, [conv_a100]) as (client, _service):
+        out = await call(
+            client, "compare_kernels", {"candidates": [base, hex_copy, suffixed, cand, cand_again]}
+        )
+        # One of c and c2 (ranked alike): measuring it answers the other.
+        assert out["measure_next"][0] == "b" and out["measure_next"][1:] in (["c"], ["c2"])
+        by_id = {c["id"]: c for c in out["candidates"]}
+        for cid in ("hex", "u"):
+            assert (
+                by_id[cid]["verdict"] == "unsure"
+                and "the baseline's own configuration" in by_id[cid]["rationale"]
+            )
+        assert "baseline's own configuration" not in by_id["c2"]["rationale"]
+        # Only copies of the baseline unsure: measure_if_unsure measures the baseline, which settles them.
+        settled = await call(
+            client, "compare_kernels", {"candidates": [base, hex_copy, suffixed], "measure_if_unsure": True}
+        )
+    assert [m["kernel_id"] for m in settled["measurements"]] == ["b"]
+    assert {c["id"]: c["decided_by"] for c in settled["candidates"]} == {
+        "hex": "measurement",
+        "u": "measurement",
+    }
+    assert settled["measure_next"] == []
+
+
 @pytest.mark.parametrize("realtime", [0.0, 1e-6])
 async def test_measure_next_leaves_out_what_the_recording_cannot_replay(
     tmp_path: Path, conv_a100: Path, realtime: float

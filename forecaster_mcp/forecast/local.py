@@ -187,6 +187,13 @@ def row_key(row: dict[str, Any]) -> tuple[tuple[str, int | float | str], ...]:
     return tuple(sorted((k, _canonical(v)) for k, v in row.items()))
 
 
+def member_key(kernel: Kernel) -> tuple[str, tuple[tuple[str, int | float | str], ...]]:
+    """The kernel as the family model tells members apart: its family and `row_key` of its parameters, so
+    that defines spelled otherwise (32, "0x20", "32u", "32.0") are one member, answered by one measurement."""
+    row = kernel_params(dict(kernel.defines), _launch_dict(kernel), kernel.compile_options)
+    return kernel.family_key(), row_key(row)
+
+
 def _split_launch(row: dict[str, Any]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
     defines = row_key({k: v for k, v in row.items() if not k.startswith("@")})
     return defines, row_key({k: v for k, v in row.items() if k.startswith("@")})
