@@ -841,6 +841,11 @@ class ResourceUsage(BaseModel):
     shared_mem_bytes: int | None = None
     spill_bytes: int | None = None
     occupancy: float | None = Field(default=None, description="theoretical occupancy 0..1")
+    local_bytes: int | None = Field(
+        default=None,
+        description="local memory per thread in bytes (local arrays, stack frame, spills), as the driver reports "
+        "it for the compiled kernel; None where not known (replay)",
+    )
 
 
 class DeviceProvenance(BaseModel):

@@ -5,7 +5,8 @@ It runs the real worker's `serve` loop and framing (`gpu_worker.serve`) with a f
 test picks through the kernel's defines (FAKE_MODE and friends), which the fake nvcc writes into the "cubin":
   ok (default)  numpy stand-in for the kernel (FAKE_OP: add | wrong | cache | nan), lognormal timing
                 samples around FAKE_MS with spread FAKE_NOISE, stopped by the real AdaptiveStopper;
-                FAKE_BUSY_S holds the "device" that long; FAKE_WALL_MS sets the wall-clock samples
+                FAKE_BUSY_S holds the "device" that long; FAKE_WALL_MS sets the wall-clock samples;
+                FAKE_REGS / FAKE_LOCAL_BYTES set the registers and local memory per thread reported
   hang          starts a grandchild in its process group, reports its pid as progress, then hangs
   crash         prints a path to stderr and dies of SIGSEGV mid-job
   garbage       writes bytes that are not a frame to the protocol pipe
@@ -241,7 +242,7 @@ class FakeSession:
             correctness=correctness,
             registers=int(defines.get("FAKE_REGS", "32")),
             static_shared_bytes=0,
-            local_bytes=0,
+            local_bytes=int(defines.get("FAKE_LOCAL_BYTES", "0")),
             sm_clock_mhz=1980.0,
             mem_clock_mhz=2619.0,
         )
@@ -486,12 +487,16 @@ class _FakeModule:
 class _FakeFunction:
     num_regs = 24
     shared_size_bytes = 0
-    local_size_bytes = 0
 
     def __init__(self, module: _FakeModule) -> None:
         self.module = module
         self.fmt = ""
         self.rng = np.random.default_rng(0)
+
+    @property
+    def local_size_bytes(self) -> int:
+        """CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES: FAKE_LOCAL_BYTES (default 0), e.g. a local array's stack frame."""
+        return int(self.module.image["defines"].get("FAKE_LOCAL_BYTES", "0"))
 
     @property
     def max_threads_per_block(self) -> int:

@@ -213,6 +213,7 @@ async def test_ok_measurement_reports_stats_correctness_resources_and_costs(gpu:
     assert result.correctness.input_sets == 2
     assert result.resources.registers == 32
     assert result.resources.occupancy is not None and 0 < result.resources.occupancy <= 1
+    assert result.resources.local_bytes == 0
     assert result.device.backend == "pycuda" and result.device.compute_capability == "9.0"
     assert result.device.sm_clock_mhz == 1980.0
     assert 0 < result.cost.gpu_seconds < 5.0
@@ -1040,6 +1041,7 @@ async def test_gpu_check_recordings_replay(tmp_path: Path) -> None:
     result = await replay.measure(MeasureRequest(kernel=tiled, workload=WORKLOAD, device=device))
     assert result.status == "ok" and result.runtime_ms is not None
     assert result.runtime_ms.median == pytest.approx(1.0)
+    assert result.resources.local_bytes is None  # a recording does not say
     naive = Kernel(source=SRC, entry="matmul_naive", launch=launch(4, 256))
     assert (
         await replay.measure(MeasureRequest(kernel=naive, workload=WORKLOAD, device=device))
@@ -1060,6 +1062,17 @@ def op(name: str, **defines: str | int | float) -> Kernel:
 
 
 @pytest.mark.anyio
+async def test_real_worker_reports_local_memory_per_thread(tmp_path: Path) -> None:
+    """A kernel with a 2 KiB local array (ptxas: "2048 bytes stack frame") has no spills, but its local memory
+    (CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES) is in the result's resources: it was read and dropped."""
+    async with real_worker(tmp_path) as m:
+        result = await m.measure(request(m, op("add", FAKE_MS=0.05, FAKE_LOCAL_BYTES=2048), max_runs=10))
+    assert result.status == "ok", result.message
+    assert result.resources.local_bytes == 2048
+    assert result.resources.spill_bytes == 0
+
+
+@pytest.mark.anyio
 async def test_real_worker_measures_and_checks(tmp_path: Path) -> None:
     async with real_worker(tmp_path) as m:
         result = await m.measure(request(m, op("add", FAKE_MS=0.05), reference=op("add")))
@@ -1069,6 +1082,7 @@ async def test_real_worker_measures_and_checks(tmp_path: Path) -> None:
         assert result.correctness.passed and result.correctness.input_sets == 2
         assert result.correctness.max_abs_error == 0.0
         assert result.resources.registers == 24  # the function's own attribute wins over ptxas's figure
+        assert result.resources.local_bytes == 0
         assert result.device.driver == "CUDA driver API 12.8"
         info = m.device_info(m.devices()[0])
         assert info is not None and info.l2_bytes == 4 * 2**20

@@ -1313,11 +1313,15 @@ class PycudaMeasurer:
             launch = request.kernel.launch
             dynamic = launch.shared_mem_bytes if launch else 0
             shared = (static_shared or 0) + dynamic
+            local = job.local_bytes if job else None
+            if local is None and compiled is not None:
+                local = compiled.stack_bytes
             resources = ResourceUsage(
                 registers=registers,
                 shared_mem_bytes=shared,
                 spill_bytes=compiled.spill_bytes if compiled else None,
                 occupancy=_occupancy(info, launch.threads_per_block if launch else 0, registers or 0, shared),
+                local_bytes=local,
             )
         device = DeviceProvenance(
             name=slot.name,
