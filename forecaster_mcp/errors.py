@@ -5,6 +5,17 @@ Every error an agent could have avoided derives from `AgentError`; the MCP layer
 Anything else is an internal error.
 """
 
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+
+def validation_message(error: Mapping[str, Any]) -> str:
+    """One pydantic error's message (an entry of `ValidationError.errors()`) without the "Value error, "
+    pydantic puts before a validator's own text: noise on every line an agent or an operator reads."""
+    return str(error["msg"]).removeprefix("Value error, ")
+
 
 class ForecasterMcpError(Exception):
     """Base of every error this package raises on purpose."""

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from forecaster_mcp.errors import OperatorError
+from forecaster_mcp.errors import OperatorError, validation_message
 from forecaster_mcp.models import MIN_MEASURE_SECONDS
 from forecaster_mcp.store.db import MAX_GPU_SECONDS
 
@@ -219,7 +219,7 @@ class Settings(BaseModel):
             first = exc.errors()[0]
             field_name = ".".join(str(p) for p in first["loc"])
             raise OperatorError(
-                f"bad setting {field_name} (env {ENV_PREFIX}{field_name.upper()}): {first['msg']}"
+                f"bad setting {field_name} (env {ENV_PREFIX}{field_name.upper()}): {validation_message(first)}"
             ) from exc
 
 

@@ -364,6 +364,19 @@ def test_a_bad_model_cache_bound_is_an_operator_error(
     assert "bad setting model_cache_mb (env FORECASTER_MCP_MODEL_CACHE_MB)" in err
 
 
+def test_a_bad_setting_says_what_its_validator_said_without_pydantics_prefix(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FORECASTER_MCP_ALLOWED_HOSTS", "https://mcp.example.com/")
+    code, out, err = run(capsys, "ledger", "show", "default")
+    assert code == 2 and out == ""
+    assert (
+        "bad setting allowed_hosts (env FORECASTER_MCP_ALLOWED_HOSTS): 'https://mcp.example.com/' is not a Host "
+        "header value (a URL: pass its host alone)"
+    ) in err, err
+    assert "Value error" not in err
+
+
 def test_a_state_folder_that_is_a_file_or_a_database_that_is_not_one_is_a_one_line_error(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

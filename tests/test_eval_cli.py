@@ -198,6 +198,17 @@ def test_bad_lines_name_the_line(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert not (tmp_path / "o" / "metrics.json").exists()
 
 
+def test_a_bad_kernel_line_says_what_the_validator_said_without_pydantics_prefix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = {**TINY[0], "baseline": {"source": SRC, "entry": "not an identifier"}}
+    pairs = _write(tmp_path / "bad.jsonl", [bad])
+    assert main(["eval", str(pairs), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "bad.jsonl:1: bad baseline: entry: entry 'not an identifier' is not a C identifier" in err, err
+    assert "Value error" not in err
+
+
 def test_a_null_id_is_named_by_its_line(tmp_path: Path) -> None:
     """It was the string 'None', so a second null id (or a pair named "None") clashed with it."""
     pairs = _write(tmp_path / "ids.jsonl", [{**TINY[0], "id": None}, {**TINY[1], "id": "None"}])

@@ -191,6 +191,14 @@ def test_protocol_rejects_garbage_truncation_and_huge_lengths() -> None:
         decode_worker_message(b'{"type": "result", "job_id": "x"}')
     with pytest.raises(ProtocolError):
         decode_worker_message(b"not json")
+    # A validator's own message, without pydantic's "Value error, " before it.
+    image = {"cubin_path": "k.cubin", "symbol": "k", "entry": "k", "launch": {"grid": [0], "block": [1]}}
+    with pytest.raises(ProtocolError) as bad_launch:
+        decode_supervisor_message(json.dumps({"type": "measure", "job_id": 1, "kernel": image}).encode())
+    assert str(bad_launch.value) == (
+        "invalid supervisor message: measure.kernel.launch.grid: launch.grid dimensions must be positive "
+        "(at least 1), got [0]"
+    )
 
 
 # ---------------------------------------------------------------- measuring through the stand-in worker

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, TextIO, get_args
 import numpy as np
 from pydantic import ValidationError
 
-from forecaster_mcp.errors import OperatorError
+from forecaster_mcp.errors import OperatorError, validation_message
 from forecaster_mcp.forecast import metrics as M
 from forecaster_mcp.forecast.selective import (
     MAX_TARGET_ERROR,
@@ -104,7 +104,7 @@ def _bad(path: Path, line: int, message: str) -> OperatorError:
 def _validation_message(exc: ValidationError) -> str:
     first = exc.errors()[0]
     where = ".".join(str(p) for p in first["loc"])
-    return f"{where}: {first['msg']}" if where else str(first["msg"])
+    return f"{where}: {validation_message(first)}" if where else validation_message(first)
 
 
 def _model(path: Path, line: int, what: str, value: Any, cls: type[Kernel] | type[Workload]) -> Any:

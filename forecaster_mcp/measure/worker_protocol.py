@@ -16,6 +16,7 @@ from typing import Annotated, BinaryIO, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from forecaster_mcp.errors import validation_message
 from forecaster_mcp.models import Correctness, Launch, MeasureStatus, Workload
 
 PROTOCOL_VERSION = 1
@@ -199,7 +200,7 @@ def decode_supervisor_message(payload: bytes) -> MeasureJob | Shutdown:
 def _first_error(exc: ValidationError) -> str:
     first = exc.errors()[0]
     where = ".".join(str(p) for p in first["loc"]) or "message"
-    return f"{where}: {first['msg']}"
+    return f"{where}: {validation_message(first)}"
 
 
 def _read_exactly(stream: BinaryIO, size: int) -> bytes:

@@ -15,6 +15,8 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails, PydanticCustomError
 
+from forecaster_mcp.errors import validation_message
+
 MAX_LINES = 8
 MAX_LINE_CHARS = (
     1500  # a validator's own message (the accepted compile options) is long and all of it matters
@@ -68,7 +70,7 @@ def _merged(errors: Sequence[ErrorDetails]) -> list[tuple[Loc, str, Any]]:
                 out.append((spot, f"should be {kinds}", e.get("input")))
             continue
         # A validator's own message without pydantic's "Value error, " before it (noise on every such line).
-        out.append((loc, str(e["msg"]).removeprefix("Value error, "), e.get("input")))
+        out.append((loc, validation_message(e), e.get("input")))
     return out
 
 

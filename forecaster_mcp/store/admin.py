@@ -14,7 +14,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-from forecaster_mcp.errors import OperatorError
+from forecaster_mcp.errors import OperatorError, validation_message
 from forecaster_mcp.settings import Settings
 from forecaster_mcp.store.db import LedgerView, Store, fmt_gpu_seconds
 
@@ -274,7 +274,7 @@ def export_command(settings: Settings, args: argparse.Namespace) -> int:
                 hw, key, kernel, MeasureResult.model_validate_json(rj)
             )
         except ValidationError as exc:  # stored by an older version whose rules were looser
-            skipped.append(str(exc.errors()[0].get("msg", exc))[:200])
+            skipped.append(validation_message(exc.errors()[0])[:200])
     lines = list(by_key.values())
     if skipped:
         print(
