@@ -18,6 +18,18 @@ import anyio
 import anyio.lowlevel
 import httpx2
 import pytest
+from _anthropic_mock import (
+    AnthropicMock,
+    error,
+    json_answer,
+    rate_limited,
+    refusal,
+    text_answer,
+    tool_answer,
+    tool_input,
+    usage,
+    user_text,
+)
 
 from forecaster_mcp import bins
 from forecaster_mcp.errors import ForecasterMcpError, OperatorError
@@ -37,18 +49,6 @@ from forecaster_mcp.forecast.ptxas import find_nvcc
 from forecaster_mcp.hardware.specs import GpuSpec
 from forecaster_mcp.models import BufferArg, Kernel, Launch, ScalarArg, Workload
 from forecaster_mcp.settings import Settings
-from tests._anthropic_mock import (
-    AnthropicMock,
-    error,
-    json_answer,
-    rate_limited,
-    refusal,
-    text_answer,
-    tool_answer,
-    tool_input,
-    usage,
-    user_text,
-)
 
 MODEL = "claude-sonnet-5"  # takes forced tool use (with thinking off)
 A100 = GpuSpec(

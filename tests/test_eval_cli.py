@@ -430,9 +430,10 @@ def test_eval_batch_sends_claude_through_the_batches_api(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """--batch: every pair goes through the Message Batches API (half price), none through /v1/messages."""
+    from _anthropic_mock import AnthropicMock, tool_answer
+
     from forecaster_mcp.forecast import evaluate
     from forecaster_mcp.forecast.claude import ClaudeForecaster
-    from tests._anthropic_mock import AnthropicMock, tool_answer
 
     faster = [0.0, 0.0, 0.0, 0.05, 0.15, 0.5, 0.25, 0.05]
     mock = AnthropicMock(lambda params: tool_answer(faster))
@@ -477,9 +478,10 @@ def test_eval_fails_when_no_forecaster_answered_any_pair(
 ) -> None:
     """`--forecaster claude` with the API failing on every request used to exit 0 and write the metrics of the
     engine's even-odds stand-in, which read as a coin-flip forecaster. Through the real SDK (mocked transport)."""
+    from _anthropic_mock import AnthropicMock, error
+
     from forecaster_mcp.forecast import evaluate
     from forecaster_mcp.forecast.claude import ClaudeForecaster
-    from tests._anthropic_mock import AnthropicMock, error
 
     mock = AnthropicMock(lambda params: error(401, "authentication_error", "invalid x-api-key"))
 
@@ -504,9 +506,10 @@ def test_the_final_row_names_who_answered_when_claude_was_skipped(
 ) -> None:
     # local+claude with the API refusing every request: the local forecaster answers alone, and the final
     # row said "local+claude final" as if both had.
+    from _anthropic_mock import AnthropicMock, error
+
     from forecaster_mcp.forecast import evaluate
     from forecaster_mcp.forecast.claude import ClaudeForecaster
-    from tests._anthropic_mock import AnthropicMock, error
 
     mock = AnthropicMock(lambda params: error(401, "authentication_error", "invalid x-api-key"))
     real = evaluate.build_forecasters
@@ -773,9 +776,10 @@ def test_eval_batch_still_asks_the_local_model_in_chunks(
     model in one call, which predicts a call's kernels jointly (6 GB for 11k kernels; 4.1 GB for 10k pairs).
     Claude still gets one batch; the local model (and any forecaster without batches) its EVAL_CHUNK_PAIRS
     chunks, and a chunk it answers in part keeps its part."""
+    from _anthropic_mock import AnthropicMock, tool_answer
+
     from forecaster_mcp.forecast import evaluate
     from forecaster_mcp.forecast.claude import ClaudeForecaster
-    from tests._anthropic_mock import AnthropicMock, tool_answer
 
     monkeypatch.setattr(evaluate, "EVAL_CHUNK_PAIRS", 4)
     mock = AnthropicMock(lambda params: tool_answer([0.0, 0.0, 0.0, 0.05, 0.15, 0.5, 0.25, 0.05]))
