@@ -53,7 +53,7 @@ from forecaster_mcp.models import (
     SUSPECT_FLAGS,
     MeasureResult,
 )
-from forecaster_mcp.store.migrations import migrate
+from forecaster_mcp.store.migrations import NOT_SAVED_COMMITS, RESULT_NOT_SAVED, migrate
 
 log = logging.getLogger(__name__)
 
@@ -127,10 +127,6 @@ class Reservation:
     # Committed for a run whose result could not be stored (ResultNotSaved): its commit event says so
     # (RESULT_NOT_SAVED), and budget_status counts the charge as not saved rather than as cancelled.
     result_not_saved: bool = False
-
-
-# The end of the commit event's detail of a charge whose result could not be stored (Reservation.result_not_saved).
-RESULT_NOT_SAVED = "; result not saved"
 
 
 @dataclass(frozen=True)
@@ -1929,9 +1925,9 @@ class Store:
             # Charges for runs whose result could not be stored: no measurement row either, but not cancelled.
             not_saved = (
                 await conn.execute_fetchall(
-                    "SELECT coalesce(sum(spent_delta_micro), 0) FROM ledger_events WHERE ledger = ? "
-                    "AND kind = 'commit' AND detail LIKE ?",
-                    (ledger, f"%{RESULT_NOT_SAVED}"),
+                    "SELECT coalesce(sum(spent_delta_micro), 0) FROM ledger_events INDEXED BY ledger_events_not_saved "
+                    f"WHERE ledger = ? AND {NOT_SAVED_COMMITS}",
+                    (ledger,),
                 )
             )[0][0]
             # Every forecast made counts, also those a later forecast of the same pair replaced.

@@ -268,6 +268,16 @@ _LEDGER_REPORT = (
     "CREATE INDEX measurements_ledger_cost ON measurements(ledger, cached, charged_micro)",
 )
 
+# The end of the commit event's detail of a charge whose result could not be stored (store.Reservation's
+# result_not_saved), and the condition that finds those events: budget_status sums them on every call, and
+# without an index that was a scan of the ledger's every event (63 ms at 400,000 events on one ledger).
+# The report's query must spell the condition as the index does, for SQLite to use the index.
+RESULT_NOT_SAVED = "; result not saved"
+NOT_SAVED_COMMITS = f"kind = 'commit' AND detail LIKE '%{RESULT_NOT_SAVED}'"
+_NOT_SAVED_INDEX = (
+    f"CREATE INDEX ledger_events_not_saved ON ledger_events(ledger, spent_delta_micro) WHERE {NOT_SAVED_COMMITS}",
+)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "initial schema", _INITIAL),
     Migration(2, "idempotency keys on open reservations", _RESERVATION_IDEMPOTENCY),
@@ -280,6 +290,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(9, "idempotency keys claimed before their request runs", _IDEMPOTENCY_CLAIMS),
     Migration(10, "a sequence number on every change of a forecast's verification", _VERIFY_SEQ),
     Migration(11, "indexes for a ledger's report", _LEDGER_REPORT),
+    Migration(12, "an index of the charges whose result could not be stored", _NOT_SAVED_INDEX),
 )
 
 
