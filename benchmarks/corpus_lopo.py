@@ -1,6 +1,6 @@
 """Leave-one-problem-out estimate of the static prior on measured pairs of different kernels (not in CI).
 
-    python benchmarks/corpus_lopo.py benchmarks/corpus/measured/h200_2026-11-29.jsonl [--lam 3]
+    python benchmarks/corpus_lopo.py benchmarks/corpus/measured/h200_2026-11-29.jsonl [--lam 3] [--anchors 0.5]
 
 For each problem of the corpus in turn, the weights of `features.FITTED_TERMS` are refitted (ridge on log2
 speedup minus the hand-set part of `prior_shift`) on the other problems' pairs, and the held-out problem's pairs
@@ -8,12 +8,18 @@ are forecast as `prior_shift` would with those weights, its spread the training 
 honest figure for kernels of problems the fit never saw; `forecaster-mcp eval` on the same pairs is in-sample.
 Registers and shared memory come from the measured lines (what ptxas reported on the GPU machine), so the
 figures do not depend on the nvcc of the machine running this. Also prints the weights fitted on all pairs.
+
+--anchors SHARE measures that share of each workload's kernels (drawn at random, --draws times) and forecasts the
+pairs of one measured and one unmeasured kernel twice, with features.anchored_log2_ms (the forecaster's own code,
+with the fold's weights and spread): from the pair's measured kernel alone (the plain prior), and anchored on every
+measured kernel of the workload, as a store holding an agent's earlier kernels is.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import random
 import sys
 from pathlib import Path
 from typing import Any
@@ -81,10 +87,14 @@ def main() -> int:
     ap.add_argument("--corpus", type=Path, default=ROOT / "benchmarks" / "corpus")
     ap.add_argument("--lam", type=float, default=3.0, help="ridge penalty")
     ap.add_argument("--threshold", type=float, default=0.95)
+    ap.add_argument("--anchors", help="share of each workload's kernels measured (anchors), e.g. 0.5")
+    ap.add_argument("--draws", type=int, default=20, help="random draws of the measured kernels (--anchors)")
     args = ap.parse_args()
     rows = read_measured(args.measured)
     pairs = build_pairs(rows, args.corpus, seed=0)
     x, rest, y, groups = design(rows, pairs)
+    if args.anchors is not None:
+        return _anchored(rows, pairs, x, rest, y, groups, args)
     mu, sd = np.zeros_like(y), np.zeros_like(y)
     for g in sorted(set(groups)):
         train, test = groups != g, groups == g
@@ -117,6 +127,112 @@ def main() -> int:
     rms = math.sqrt(float(np.mean((y - rest - x @ w) ** 2)))
     fitted = ", ".join(f"{n} {v:+.2f}" for n, v in zip(NAMES, w, strict=True))
     print(f"  weights on all pairs: {fitted}; residual rms {rms:.2f}")
+    return 0
+
+
+def _summary(p: np.ndarray, speedups: np.ndarray, threshold: float, what: str) -> None:
+    verdicts = metrics.verdicts_at(p, threshold)
+    decided = metrics.decided_summary(verdicts, speedups)
+    n_decided = sum(v != "unsure" for v in verdicts)
+    floor, floor_p90 = metrics.ece_if_calibrated(p, speedups)
+    print(
+        f"{what}: pairwise accuracy {metrics.pairwise_accuracy(p, speedups):.3f}  ECE {metrics.ece(p, speedups):.3f} "
+        f"(a calibrated forecaster: {floor:.3f}, 90% at most {floor_p90:.3f})  Brier {metrics.brier(p, speedups):.3f}  "
+        f"decided {n_decided / len(p):.1%}, error among decided {decided.error:.3f}"
+    )
+
+
+def _anchored(
+    rows: list[dict[str, Any]],
+    pairs: list[dict[str, Any]],
+    x: np.ndarray,
+    rest: np.ndarray,
+    y: np.ndarray,
+    groups: np.ndarray,
+    args: argparse.Namespace,
+) -> int:
+    share = float(args.anchors)
+    if not 0.0 < share < 1.0:
+        raise SystemExit("--anchors is the share of each workload's kernels measured, between 0 and 1")
+    resources = {r["id"]: r["result"].get("resources") for r in rows}
+    log2_ms = {
+        r["id"]: math.log2(r["result"]["runtime_ms"]["median"]) for r in rows if r["result"].get("runtime_ms")
+    }
+    kernels: dict[str, Kernel] = {}
+    members: dict[str, set[str]] = {}
+    for pair in pairs:
+        for side in ("baseline", "candidate"):
+            kernels[pair[side]["id"]] = Kernel.model_validate(pair[side])
+            members.setdefault(pair["id"].split(":", 1)[0], set()).add(pair[side]["id"])
+    hardware = pairs[0]["hardware"]
+    feats = {kid: _features(k, resources.get(kid), hardware) for kid, k in kernels.items()}
+    folds = {}
+    for g in sorted(set(groups)):
+        train = groups != g
+        w = _ridge(x[train], y[train] - rest[train], args.lam)
+        residual = y[train] - rest[train] - x[train] @ w
+        terms = tuple(
+            (name, float(wi), why) for (name, _, why), wi in zip(features.FITTED_TERMS, w, strict=True)
+        )
+        folds[g] = terms, math.sqrt(float(np.mean(residual**2)) / 2.0)
+    saved = features.FITTED_TERMS, features.KERNEL_ERROR_SD_LOG2
+    figures: dict[str, list[np.ndarray]] = {"the pair's other kernel alone": [], "anchored": []}
+    try:
+        for draw in range(args.draws):
+            rng = random.Random(draw)
+            measured: set[str] = set()
+            for _, ids in sorted(members.items()):
+                order = sorted(ids)
+                rng.shuffle(order)
+                measured |= set(order[: max(1, int(len(order) * share))])
+            p: dict[str, list[float]] = {what: [] for what in figures}
+            speedups: list[float] = []
+            for pair, g in zip(pairs, groups, strict=True):
+                b, c = pair["baseline"]["id"], pair["candidate"]["id"]
+                if (b in measured) == (c in measured):
+                    continue
+                features.FITTED_TERMS, features.KERNEL_ERROR_SD_LOG2 = folds[g]
+                known, unknown = (b, c) if b in measured else (c, b)
+                others = sorted(members[pair["id"].split(":", 1)[0]] & measured - {b, c})
+                for what, anchors in (
+                    ("the pair's other kernel alone", [known]),
+                    ("anchored", [known, *others]),
+                ):
+                    t, sd = features.anchored_log2_ms(
+                        feats[unknown], [(feats[m], log2_ms[m]) for m in anchors], unknown == c
+                    )
+                    mean = log2_ms[b] - t if unknown == c else t - log2_ms[c]
+                    p[what].append(float(_phi(np.array([mean / sd]))[0]))
+                speedups.append(pair["speedup"])
+            s_arr = np.array(speedups)
+            for what, values in p.items():
+                q = np.array(values)
+                verdicts = metrics.verdicts_at(q, args.threshold)
+                n_decided = sum(v != "unsure" for v in verdicts)
+                figures[what].append(
+                    np.array(
+                        [
+                            metrics.pairwise_accuracy(q, s_arr),
+                            metrics.ece(q, s_arr),
+                            metrics.brier(q, s_arr),
+                            n_decided / len(q),
+                            metrics.decided_summary(verdicts, s_arr).error if n_decided else 0.0,
+                            len(q),
+                        ]
+                    )
+                )
+    finally:
+        features.FITTED_TERMS, features.KERNEL_ERROR_SD_LOG2 = saved
+    print(
+        f"{share:.0%} of each workload's kernels measured ({args.draws} random draws), pairs of one measured and "
+        "one unmeasured kernel, leave-one-problem-out; means over the draws:"
+    )
+    for what, rows_ in figures.items():
+        acc, ece, brier, decided, error, n = np.mean(rows_, axis=0)
+        print(
+            f"  {what:30s} {n:.0f} pairs  accuracy {acc:.3f}  ECE {ece:.3f}  Brier {brier:.4f}  "
+            f"decided {decided:.1%}, error among decided {error:.3f}"
+        )
     return 0
 
 

@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from forecaster_mcp.forecast.base import Forecaster, PairQuery
     from forecaster_mcp.forecast.engine import EngineForecast, ForecastEngine, Regime
     from forecaster_mcp.settings import Settings
-    from forecaster_mcp.store.db import FamilyPoint
+    from forecaster_mcp.store.db import AnchorPoint, FamilyPoint
 
 KNOWN_FORECASTERS = ("local", "claude")
 # make-pairs writes this into the stand-in source of recorded kernels: there is nothing to compile.
@@ -281,9 +281,34 @@ class MemoryHistory:
                 compile_options=tuple(p.kernel.compile_options),
             )
         self._points = {k: list(v.values()) for k, v in latest.items()}
+        # Per (GPU, workload): the kernels measured running, latest last, as Store.workload_anchors reads them.
+        self._running: dict[tuple[str, str], dict[str, HistoryPoint]] = {}
+        for p in points:
+            running = self._running.setdefault((_canonical(p.hardware), p.workload.key()), {})
+            content = p.kernel.content_key()
+            running.pop(content, None)
+            if p.status == "ok" and p.runtime_ms is not None and p.runtime_ms > 0:
+                running[content] = p
 
     async def family_points(self, family_key: str, hardware: str, workload_key: str) -> list[FamilyPoint]:
         return list(self._points.get((family_key, hardware, workload_key), []))
+
+    async def workload_anchors(
+        self, hardware: str, workload_key: str, limit: int, exclude_families: Sequence[str] = ()
+    ) -> list[AnchorPoint]:
+        """The Store's workload_anchors over the file's history: the latest running kernel of each family."""
+        from forecaster_mcp.store.db import AnchorPoint
+
+        excluded = set(exclude_families)
+        out: list[AnchorPoint] = []
+        for content, p in reversed(self._running.get((hardware, workload_key), {}).items()):
+            family = p.kernel.family_key()
+            if family in excluded or len(out) >= limit:
+                continue
+            excluded.add(family)
+            assert p.runtime_ms is not None
+            out.append(AnchorPoint(p.kernel.model_dump_json(), family, content, p.runtime_ms, None))
+        return out
 
 
 # ---------------------------------------------------------------- running forecasters

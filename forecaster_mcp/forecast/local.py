@@ -45,10 +45,16 @@ from numpy.typing import NDArray
 
 from forecaster_mcp import bins
 from forecaster_mcp.forecast.base import BinForecast, PairQuery, PartialForecast
-from forecaster_mcp.forecast.features import StaticFeatures, kernel_features, prior_shift
-from forecaster_mcp.forecast.ptxas import PtxasError, PtxasUsage
+from forecaster_mcp.forecast.features import (
+    MAX_ANCHORS,
+    StaticFeatures,
+    anchored_log2_ms,
+    kernel_features,
+    prior_shift,
+)
+from forecaster_mcp.forecast.ptxas import PtxasEntry, PtxasError, PtxasUsage
 from forecaster_mcp.models import C_INT, C_INT_SUFFIX, Kernel, c_integer
-from forecaster_mcp.store.db import FamilyPoint
+from forecaster_mcp.store.db import AnchorPoint, FamilyPoint
 
 Array = NDArray[np.float64]
 
@@ -1308,6 +1314,9 @@ class LocalForecaster:
             OrderedDict()
         )
         self.fits = 0  # how many family models were fitted (tests and benchmarks read it)
+        # Measured kernels the static prior anchors on (_anchor_points), parsed once, by content key.
+        self._anchor_kernels: OrderedDict[str, Kernel] = OrderedDict()
+        self._anchor_resources: dict[str, PtxasEntry | None] = {}
 
     # ---- family models
 
@@ -1530,6 +1539,56 @@ class LocalForecaster:
             out.append(cached)
         return out
 
+    async def _anchor_points(self, hardware: str, workload_key: str) -> list[tuple[Kernel, float, str, str]]:
+        """(kernel, log2 ms, family key, content key) of the latest measured kernels of MAX_ANCHORS + 2 families on this
+        workload and GPU (two more: a pair's own two families are left out of its anchors); none from a history
+        that keeps no anchors (a pairs file's, a benchmark's)."""
+        fetch = getattr(self._history, "workload_anchors", None)
+        if fetch is None:
+            return []
+        points: list[AnchorPoint] = await fetch(hardware, workload_key, MAX_ANCHORS + 2)
+        out = []
+        for p in points:
+            kernel = self._anchor_kernels.get(p.content_key)
+            if kernel is None:
+                try:
+                    kernel = Kernel.model_validate_json(p.kernel_json)
+                except ValueError:
+                    continue  # stored by an older version under rules this one refuses: not an anchor
+                self._anchor_kernels[p.content_key] = kernel
+                self._anchor_resources[p.content_key] = _ptxas_entry(kernel.entry, p.resources)
+                while len(self._anchor_kernels) > 256:
+                    dropped, _ = self._anchor_kernels.popitem(last=False)
+                    self._anchor_resources.pop(dropped, None)
+            out.append((kernel, math.log2(p.runtime_ms), p.family_key, p.content_key))
+        return out
+
+    def _anchor_features(
+        self,
+        points: Sequence[tuple[Kernel, float, str, str]],
+        families: tuple[str, str],
+        q: PairQuery,
+        workload_key: str,
+    ) -> list[tuple[StaticFeatures, float]]:
+        """Static features and log2 runtime of the anchors of pair `q` (kernels of the pair's own families left
+        out), at most MAX_ANCHORS; registers and shared memory as measured (`MeasureResult.resources`)."""
+        out = []
+        for kernel, log2_ms, family, content_key in points:
+            if family in families:
+                continue
+            key = (content_key, q.hardware_name, workload_key)
+            cached = self._features.get(key)
+            if cached is None:
+                entry = self._anchor_resources.get(content_key)
+                cached = (kernel_features(kernel, q.workload, q.hardware, entry), None)
+                self._features[key] = cached
+                while len(self._features) > 4096:
+                    self._features.popitem(last=False)
+            out.append((cached[0], log2_ms))
+            if len(out) >= MAX_ANCHORS:
+                break
+        return out
+
     def _compilable(self, k: Kernel) -> bool:
         return (
             self._nvcc is not None
@@ -1665,18 +1724,38 @@ class LocalForecaster:
             [q for q, bc in zip(queries, beliefs, strict=True) if prior_path(bc)], feature_key
         )
 
-        def statics() -> dict[int, list[tuple[StaticFeatures, PtxasError | None]] | Exception]:
+        # Pairs of different kernels, one measured and one not: the measured kernels of their workload anchor the
+        # unmeasured one's runtime (features.anchored_log2_ms), fetched once per workload and GPU.
+        anchored: dict[int, tuple[str, str]] = {}
+        for i, (q, belief) in enumerate(zip(queries, beliefs, strict=True)):
+            if prior_path(belief) and not isinstance(belief, Exception):
+                kinds = {belief[0].kind, belief[1].kind}
+                if kinds == {"measured", "unknown"} and keys[id(q.baseline)][0] != keys[id(q.candidate)][0]:
+                    anchored[i] = (q.hardware_name, workload_keys[id(q.workload)])
+        anchor_points = {where: await self._anchor_points(*where) for where in set(anchored.values())}
+
+        def statics() -> tuple[
+            dict[int, list[tuple[StaticFeatures, PtxasError | None]] | Exception],
+            dict[int, list[tuple[StaticFeatures, float]]],
+        ]:
             found: dict[int, list[tuple[StaticFeatures, PtxasError | None]] | Exception] = {}
+            anchors: dict[int, list[tuple[StaticFeatures, float]]] = {}
             for i, (q, belief) in enumerate(zip(queries, beliefs, strict=True)):
                 if prior_path(belief):
                     try:
                         found[i] = self._static([q.baseline, q.candidate], q, usage, skipped, feature_key)
+                        if i in anchored:
+                            families = (keys[id(q.baseline)][0], keys[id(q.candidate)][0])
+                            where = anchored[i]
+                            anchors[i] = self._anchor_features(anchor_points[where], families, q, where[1])
                     except Exception as exc:
                         found[i] = exc
-            return found
+            return found, anchors
 
         # Reading sources (agent-written, up to 1 MB each) off the event loop: other calls go on meanwhile.
-        static_of = await anyio.to_thread.run_sync(statics) if any(map(prior_path, beliefs)) else {}
+        static_of, anchors_of = (
+            await anyio.to_thread.run_sync(statics) if any(map(prior_path, beliefs)) else ({}, {})
+        )
         out: list[BinForecast | None] = []
         errors: list[Exception] = []
         for i, (q, belief) in enumerate(zip(queries, beliefs, strict=True)):
@@ -1692,7 +1771,9 @@ class LocalForecaster:
                     if isinstance(feats, Exception):
                         raise feats
                     (fb, eb), (fc, ec) = feats
-                    out.append(self._prior_forecast(q, b, c, groups[kc], fb, fc, eb, ec))
+                    out.append(
+                        self._prior_forecast(q, b, c, groups[kc], fb, fc, eb, ec, anchors_of.get(i, []))
+                    )
                 else:
                     out.append(self._pair_forecast(b, c, groups[group_of(q.baseline, q)], groups[kc]))
             except Exception as exc:
@@ -1810,10 +1891,14 @@ class LocalForecaster:
         fc: StaticFeatures,
         eb: PtxasError | None = None,
         ec: PtxasError | None = None,
+        anchors: Sequence[tuple[StaticFeatures, float]] = (),
     ) -> BinForecast:
         """The static prior of a pair, from both kernels' static features and compile errors (`_static`). Its
         bins are conditional on both kernels running, as every forecast's are; a compile error raises the
-        kernel's chance of failing (`_compile_p_fail`) and leads the rationale."""
+        kernel's chance of failing (`_compile_p_fail`) and leads the rationale. `anchors`: measured kernels of
+        other families on the pair's workload and GPU (features, log2 ms), when one kernel of the pair is
+        measured and the other not: with them the unmeasured one's runtime is anchored on all the measured
+        ones (features.anchored_log2_ms), not on the pair's other kernel alone."""
         # A kernel measured running compiled where it was measured, whatever this nvcc says.
         eb = eb if b.kind != "measured" else None
         ec = ec if c.kind != "measured" else None
@@ -1838,10 +1923,23 @@ class LocalForecaster:
             )
         else:
             why = "different kernels, not both measured or modelled"
+        mean, sd = shift.mean_log2, shift.sd_log2
+        what = "static prior"
+        if anchors and {b.kind, c.kind} == {"measured", "unknown"}:
+            if c.kind == "unknown":
+                log2_ms, sd = anchored_log2_ms(fc, [(fb, b.mean), *anchors], target_is_candidate=True)
+                mean = b.mean - log2_ms
+            else:
+                log2_ms, sd = anchored_log2_ms(fb, [(fc, c.mean), *anchors], target_is_candidate=False)
+                mean = log2_ms - c.mean
+            extras.update(mu_log2=mean, sd_log2=sd, anchors=float(len(anchors) + 1))
+            what = f"static prior anchored on {len(anchors) + 1} measured kernels of this workload"
         if shift.reasons:
-            rationale = f"static prior ({why}): " + ", ".join(shift.reasons[:4])
+            rationale = f"{what} ({why}): " + ", ".join(shift.reasons[:4])
         else:
-            rationale = f"static prior ({why}): no informative static difference, near 50/50"
+            # Anchored, the two may still differ: what the measured kernels say of this workload decides.
+            same = "no informative static difference" + (", near 50/50" if what == "static prior" else "")
+            rationale = f"{what} ({why}): {same}"
         failing = [(who, e) for who, e in (("candidate", ec), ("baseline", eb)) if e is not None]
         if ec is not None:
             extras["compile_error"] = 1.0
@@ -1850,7 +1948,7 @@ class LocalForecaster:
         if failing:
             said = "; ".join(f"{who} {_compile_error_text(e, q)}" for who, e in failing)
             rationale = f"{said}; if both ran, {rationale}"
-        probs, centers = bins.normal_bins(shift.mean_log2, shift.sd_log2)
+        probs, centers = bins.normal_bins(mean, sd)
         return BinForecast(probs, rationale, extras, centers)
 
 
@@ -1899,6 +1997,25 @@ def _arch_of(q: PairQuery) -> str:
     """The architecture a pair's kernels are compiled for by ptxas: its NVIDIA GPU's, else sm_80."""
     spec = q.hardware
     return spec.arch if spec is not None and spec.vendor == "nvidia" else "sm_80"
+
+
+def _ptxas_entry(entry: str, resources: dict[str, Any] | None) -> PtxasEntry | None:
+    """What ptxas would report for a measured kernel, from the registers and shared memory its measurement
+    reported (MeasureResult.resources); None when it reported none (a replay, an older result)."""
+    if not resources:
+        return None
+    try:
+        spills = int(resources.get("spill_bytes") or 0)
+        return PtxasEntry(
+            name=entry,
+            registers=int(resources["registers"]),
+            shared_bytes=int(resources.get("shared_mem_bytes") or 0),
+            spill_stores_bytes=spills,
+            spill_loads_bytes=0,
+            stack_frame_bytes=0,
+        )
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def _launch_dict(kernel: Kernel) -> dict[str, Any] | None:

@@ -28,7 +28,7 @@ import sqlite3
 import statistics
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -142,6 +142,17 @@ class FamilyPoint:
 
 
 @dataclass(frozen=True)
+class AnchorPoint:
+    """A kernel measured running on a workload and GPU, the latest of its family (`Store.workload_anchors`)."""
+
+    kernel_json: str
+    family_key: str
+    content_key: str
+    runtime_ms: float  # median
+    resources: dict[str, Any] | None  # MeasureResult.resources (registers, shared memory), when reported
+
+
+@dataclass(frozen=True)
 class VerifiedPair:
     """A stored forecast later checked by measurements of both kernels."""
 
@@ -231,6 +242,8 @@ class ForecastRow:
 # family_points and best_runtime read the same rows, so the model and measure_next's best agree. A kernel whose
 # rn = 1 row is suspect (_SUSPECT) is no point at all: a fake 0.001 ms of a kernel that skipped its work would
 # teach the model that its configuration is thousands of times faster.
+# The most families of one workload Store.workload_anchors reads (an agent's kernels of one problem are dozens).
+ANCHOR_MAX_FAMILIES = 1000
 _FAMILY_LATEST = (
     "(SELECT * FROM (SELECT id, defines_json, launch_json, status, runtime_ms, content_key, result_json, "
     "json_extract(kernel_json, '$.compile_options') AS compile_options, row_number() OVER "
@@ -1616,6 +1629,49 @@ class Store:
             )
             for r in rows
         ]
+
+    async def workload_anchors(
+        self, hardware: str, workload_key: str, limit: int, exclude_families: Sequence[str] = ()
+    ) -> list[AnchorPoint]:
+        """The kernels of up to `limit` families (other than `exclude_families`) measured running on this
+        hardware and workload: of each family its latest ok measurement, the most recently measured families
+        first. What a static prior anchors on (LocalForecaster). A family whose latest ok measurement is flagged
+        suspect (models.SUSPECT_FLAGS) has no runtime to anchor on; of more than ANCHOR_MAX_FAMILIES families,
+        those are read whose keys sort last."""
+        if limit <= 0:
+            return []
+        # One index seek per family (measurements_workload), however many measurements a tuning family holds.
+        where = "hardware = ?1 AND workload_key = ?2 AND status = 'ok'"
+        families = await self._fetch(
+            "WITH RECURSIVE fam(key) AS ("
+            f"SELECT max(family_key) FROM measurements WHERE {where} UNION ALL "
+            f"SELECT (SELECT max(family_key) FROM measurements WHERE {where} AND family_key < fam.key) "
+            "FROM fam WHERE fam.key IS NOT NULL LIMIT ?3) "
+            f"SELECT key, (SELECT max(id) FROM measurements WHERE {where} AND family_key = fam.key) "
+            "FROM fam WHERE key IS NOT NULL",
+            (hardware, workload_key, ANCHOR_MAX_FAMILIES),
+        )
+        excluded = set(exclude_families)
+        latest = sorted((int(r[1]) for r in families if r[0] not in excluded), reverse=True)[: 2 * limit]
+        if not latest:
+            return []
+        marks = ", ".join("?" for _ in latest)
+        rows = await self._fetch(
+            f"SELECT id, family_key, content_key, runtime_ms, kernel_json, json_extract(result_json, '$.resources'), "
+            f"{_SUSPECT.format(row='m')} FROM measurements AS m WHERE id IN ({marks}) ORDER BY id DESC",
+            tuple(latest),
+        )
+        out = []
+        for _, family, content, runtime, kernel_json, resources, suspect in rows:
+            if suspect or runtime is None or not runtime > 0:
+                continue
+            resources_dict = None if resources is None else json.loads(resources)
+            out.append(
+                AnchorPoint(str(kernel_json), str(family), str(content), float(runtime), resources_dict)
+            )
+            if len(out) >= limit:
+                break
+        return out
 
     async def best_runtime(self, family_key: str, hardware: str, workload_key: str) -> float | None:
         """The fastest runtime (ms) among `family_points` measured ok, if any (one query, no JSON decoding)."""

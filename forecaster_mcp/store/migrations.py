@@ -278,6 +278,12 @@ _NOT_SAVED_INDEX = (
     f"CREATE INDEX ledger_events_not_saved ON ledger_events(ledger, spent_delta_micro) WHERE {NOT_SAVED_COMMITS}",
 )
 
+# A static prior anchors on the latest kernel of each family measured on its workload (Store.workload_anchors):
+# without an index, a scan of every measurement on each such forecast.
+_WORKLOAD_INDEX = (
+    "CREATE INDEX measurements_workload ON measurements(hardware, workload_key, status, family_key, id)",
+)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "initial schema", _INITIAL),
     Migration(2, "idempotency keys on open reservations", _RESERVATION_IDEMPOTENCY),
@@ -291,6 +297,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(10, "a sequence number on every change of a forecast's verification", _VERIFY_SEQ),
     Migration(11, "indexes for a ledger's report", _LEDGER_REPORT),
     Migration(12, "an index of the charges whose result could not be stored", _NOT_SAVED_INDEX),
+    Migration(13, "measurements by hardware and workload", _WORKLOAD_INDEX),
 )
 
 

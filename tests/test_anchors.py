@@ -1,0 +1,207 @@
+"""The static prior anchored on the kernels measured on a pair's workload (features.anchored_log2_ms).
+
+An agent iterating on one problem writes kernel after kernel (each its own family): the kernels it measured
+say how fast this workload runs on this GPU, and a new kernel much like them is forecast from all of them, not
+from the pair's other kernel alone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_pycuda_measurer import WORKLOAD
+
+from forecaster_mcp.forecast.features import (
+    KERNEL_ERROR_SD_LOG2,
+    PRIOR_SD_LOG2,
+    SourceFeatures,
+    StaticFeatures,
+    anchored_log2_ms,
+    prior_shift,
+)
+from forecaster_mcp.measure.fake import FakeMeasurer
+from forecaster_mcp.models import Kernel, Launch
+from forecaster_mcp.service import Service, build_forecasters
+from forecaster_mcp.settings import Settings
+from forecaster_mcp.store.db import Store
+
+pytestmark = pytest.mark.anyio
+
+DEVICE = "NVIDIA H100 80GB HBM3"
+OTHER = "NVIDIA A100-SXM4-80GB"
+
+
+def kernel(name: str, **defines: Any) -> Kernel:
+    """A kernel of its own family (the entry and the source differ by name), all alike in their features."""
+    return Kernel(
+        id=name + "".join(f"_{k}{v}" for k, v in defines.items()),
+        source=(
+            f"__global__ void {name}(const float* a, const float* b, float* c, int n) {{\n"
+            "  int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < n) c[i] = a[i] + b[i];\n}\n"
+        ),
+        entry=name,
+        launch=Launch.model_validate({"grid": [4], "block": [256]}),
+        defines=defines,
+    )
+
+
+async def open_service(tmp_path: Path, fake: FakeMeasurer) -> Service:
+    settings = Settings(home=tmp_path, measurer="none", nvcc="/nonexistent/nvcc")
+    store = await Store.open(settings.db_path)
+    await store.ensure_ledger("L", 1000.0)
+    return Service(settings, store, build_forecasters(settings, store), [fake])
+
+
+def _features(tensor: int = 0, shuffles: int = 0) -> StaticFeatures:
+    return StaticFeatures(
+        source=SourceFeatures(tensor_core=tensor, warp_shuffles=shuffles), threads_per_block=256
+    )
+
+
+def test_anchored_on_the_pairs_other_kernel_alone_it_is_the_plain_prior_both_ways() -> None:
+    base, cand = _features(), _features(tensor=1, shuffles=2)
+    shift = prior_shift(base, cand)
+    # The candidate unmeasured, the baseline measured at 2 ms (log2 1): the pair's log2 speedup is the prior's.
+    t_c, sd = anchored_log2_ms(cand, [(base, 1.0)], target_is_candidate=True)
+    assert 1.0 - t_c == pytest.approx(shift.mean_log2) and sd == pytest.approx(PRIOR_SD_LOG2)
+    # The baseline unmeasured, the candidate measured.
+    t_b, sd = anchored_log2_ms(base, [(cand, 1.0)], target_is_candidate=False)
+    assert t_b - 1.0 == pytest.approx(shift.mean_log2) and sd == pytest.approx(PRIOR_SD_LOG2)
+
+
+def test_more_anchors_take_the_median_estimate_and_narrow_towards_one_kernels_error() -> None:
+    target = _features()
+    anchors = [(_features(), t) for t in (0.0, -1.0, -2.0, 1.0)]
+    t, sd = anchored_log2_ms(target, anchors, target_is_candidate=True)
+    assert t == pytest.approx(-0.5)  # alike features: each anchor's estimate is its own runtime
+    assert sd == pytest.approx(KERNEL_ERROR_SD_LOG2 * math.sqrt(1 + math.pi / 8))
+    assert KERNEL_ERROR_SD_LOG2 < sd < PRIOR_SD_LOG2
+    # One kernel the features misjudge (1000x slower than the rest) does not move the estimate.
+    t, _ = anchored_log2_ms(
+        target, [(_features(), v) for v in (0.0, 0.1, -0.1, 10.0)], target_is_candidate=True
+    )
+    assert t == pytest.approx(0.05)
+    # Two estimates: their mean, and the spread of a mean.
+    t, sd = anchored_log2_ms(target, [(_features(), 0.0), (_features(), -1.0)], target_is_candidate=True)
+    assert t == pytest.approx(-0.5) and sd == pytest.approx(KERNEL_ERROR_SD_LOG2 * math.sqrt(1.5))
+    with pytest.raises(ValueError, match="at least one"):
+        anchored_log2_ms(target, [], target_is_candidate=True)
+
+
+async def _measure(svc: Service, k: Kernel, hardware: str = DEVICE) -> None:
+    await svc.measure(ledger="L", kernel=k, workload=WORKLOAD, hardware=hardware)
+
+
+async def _compare(svc: Service, base: Kernel, cand: Kernel, baseline: str | None = None) -> Any:
+    out = await svc.compare(
+        ledger="L",
+        candidates=[base, cand],
+        workload=WORKLOAD,
+        baseline=baseline,
+        hardware=DEVICE,
+        target_error=0.1,
+        measure_if_unsure=False,
+        max_measurements=0,
+    )
+    return out.candidates[0]
+
+
+async def test_a_new_kernel_is_forecast_from_every_kernel_measured_on_its_workload(tmp_path: Path) -> None:
+    fake = FakeMeasurer([DEVICE, OTHER], default_runtime_ms=1.0)
+    for name in ("fast1", "fast2", "fast3"):
+        fake.script(name, runtime_ms=0.5)
+    svc = await open_service(tmp_path, fake)
+    try:
+        base, new = kernel("first"), kernel("newest")
+        await _measure(svc, base)  # 1 ms
+        alone = await _compare(svc, base, new)
+        # Alike kernels and nothing else measured: the plain prior, an even bet.
+        assert alone.p_faster == pytest.approx(0.5, abs=1e-6) and "anchored" not in alone.rationale
+
+        # Three more kernels like it measured at 0.5 ms, a failure, and kernels of another GPU or workload.
+        for name in ("fast1", "fast2", "fast3"):
+            await _measure(svc, kernel(name))
+        fake.script("broken", status="launch_error", message="illegal address")
+        await _measure(svc, kernel("broken"))
+        fake.script("elsewhere", runtime_ms=100.0)
+        await _measure(svc, kernel("elsewhere"), hardware=OTHER)
+
+        anchored = await _compare(svc, base, new)
+        assert "static prior anchored on 4 measured kernels of this workload" in anchored.rationale
+        # log2 runtime of the new kernel: the median of 0, -1, -1, -1; its spread the kernel error's x
+        # sqrt(1 + (pi/2)/4).
+        z = 1.0 / (KERNEL_ERROR_SD_LOG2 * math.sqrt(1 + math.pi / 8))
+        assert anchored.p_faster == pytest.approx(0.5 * (1 + math.erf(z / math.sqrt(2))), abs=1e-3)
+        # Asked the other way round (the unmeasured kernel as the baseline), the same belief.
+        reverse = await _compare(svc, base, new, baseline=new.id)
+        assert reverse.p_faster == pytest.approx(1.0 - anchored.p_faster, abs=1e-6)
+        assert "anchored on 4" in reverse.rationale
+    finally:
+        await svc.close()
+
+
+async def test_anchors_are_the_latest_running_kernel_of_each_family(tmp_path: Path) -> None:
+    fake = FakeMeasurer([DEVICE, OTHER], default_runtime_ms=1.0)
+    fake.script("tuned", defines={"BS": 64}, runtime_ms=2.0)
+    fake.script("tuned", defines={"BS": 128}, runtime_ms=3.0)
+    fake.script("failing", status="launch_error", message="illegal address")
+    svc = await open_service(tmp_path, fake)
+    try:
+        await _measure(svc, kernel("tuned", BS=64))
+        await _measure(svc, kernel("tuned", BS=128))
+        await _measure(svc, kernel("failing"))
+        await _measure(svc, kernel("plain"))
+        await _measure(svc, kernel("other_gpu"), hardware=OTHER)
+        wk, hw = WORKLOAD.history_key(), _stored_hardware(svc)
+        found = await svc.store.workload_anchors(hw, wk, 10)
+        # Newest family first; of the tuning family its latest kernel; no failure, no other GPU.
+        assert [(Kernel.model_validate_json(a.kernel_json).id, a.runtime_ms) for a in found] == [
+            ("plain", 1.0),
+            ("tuned_BS128", 3.0),
+        ]
+        assert found[1].family_key == kernel("tuned", BS=64).family_key()
+        others = await svc.store.workload_anchors(hw, wk, 10, [found[0].family_key])
+        assert [a.family_key for a in others] == [found[1].family_key]
+        assert len(await svc.store.workload_anchors(hw, wk, 1)) == 1
+        assert await svc.store.workload_anchors(hw, "another workload", 10) == []
+    finally:
+        await svc.close()
+
+
+def _stored_hardware(svc: Service) -> str:
+    """The hardware name the measurements of DEVICE were stored under."""
+    with sqlite3.connect(svc.settings.db_path) as conn:
+        names = {row[0] for row in conn.execute("SELECT DISTINCT hardware FROM measurements")}
+    [name] = [n for n in names if "H100" in n]
+    return str(name)
+
+
+def test_eval_anchors_on_the_pairs_files_history(tmp_path: Path) -> None:
+    from forecaster_mcp.cli import main
+
+    workload = WORKLOAD.model_dump(mode="json")
+
+    def point(name: str, runtime_ms: float) -> dict[str, Any]:
+        k = kernel(name).model_dump(mode="json")
+        return {"history": {"hardware": DEVICE, "workload": workload, "kernel": k, "runtime_ms": runtime_ms}}
+
+    pair = {
+        "id": "p",
+        "hardware": DEVICE,
+        "workload": workload,
+        "baseline": kernel("first").model_dump(mode="json"),
+        "candidate": kernel("newest").model_dump(mode="json"),
+        "speedup": 2.0,
+    }
+    lines = [point("first", 1.0), point("fast1", 0.5), point("fast2", 0.5), point("fast3", 0.5), pair]
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert main(["eval", str(pairs), "--out", str(tmp_path / "out")]) == 0
+    [row] = [json.loads(x) for x in (tmp_path / "out" / "predictions.jsonl").read_text().splitlines()]
+    z = 1.0 / (KERNEL_ERROR_SD_LOG2 * math.sqrt(1 + math.pi / 8))
+    assert row["p_faster"] == pytest.approx(0.5 * (1 + math.erf(z / math.sqrt(2))), abs=1e-3)
