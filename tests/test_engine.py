@@ -845,3 +845,29 @@ async def test_a_forecast_a_component_did_not_answer_is_not_the_combinations() -
     [both] = await whole.forecast([_query()])
     assert not both.partial and whole.final_name(both) == "local@0+claude@0"
     assert whole.threshold_for(both, certified) == certified
+
+
+@pytest.mark.anyio
+async def test_a_stricter_target_never_decides_what_a_looser_one_leaves_unsure() -> None:
+    """100 verified pairs: at 0.96 wrong 12 of 60, at 0.99 right 40 of 40. target_error 0.1 (58 pairs to test)
+    finds its default 0.95 erring 12% and decides nothing; 0.05 (118 needed) kept its default 0.975 and said
+    'faster' of a forecast at 0.98."""
+    engine = ForecastEngine([_scripted("local")])
+    p = [0.96] * 60 + [0.99] * 40
+    speedups = [0.5] * 12 + [2.0] * 88
+    engine.set_history(["A100"] * 100, p, speedups)
+    forecast = EngineForecast(
+        probs=_bins_with(0.98), p_faster=0.98, confidence=0.98, expected_speedup=1.5, rationale=""
+    )
+    loose = await engine.threshold("A100", 0.1)
+    assert loose.source == "never" and forecast.verdict(loose.threshold) == "unsure"
+    for target in (0.05, 0.02, 0.001):
+        strict = await engine.threshold("A100", target)
+        assert strict.threshold >= loose.threshold and forecast.verdict(strict.threshold) == "unsure", target
+        assert strict.target_error == target and "a stricter target decides no more" in strict.reason
+    # Where the looser target decides lower, the stricter one keeps its own choice (here its default).
+    engine.set_history(["A100"] * 100, list(np.linspace(0.9, 0.99, 100)), [2.0] * 100)
+    assert (await engine.threshold("A100", 0.1)).threshold == pytest.approx(0.9)
+    kept = await engine.threshold("A100", 0.05)
+    assert kept.threshold == pytest.approx(0.975) and "stricter" not in kept.reason
+    assert forecast.verdict(kept.threshold) == "faster"

@@ -141,6 +141,13 @@ def _regime_of_slot(slot: str) -> Regime:
 # Verified final forecasts (newest) a threshold is certified on, per GPU, family or pool (_set_regime_history);
 # more when the target error needs more to certify anything (default_min_history: 5,990 pairs for 0.001).
 HISTORY_WINDOW = 2000
+# A target's threshold is raised to that of each looser target here (`threshold`). Each target is chosen on its
+# own rules, and they disagree: while history is short for 0.05 (118 pairs needed) it keeps its default 0.975
+# unless refuted by a test, while 0.1, with enough history to test (58), decides nothing once its own default
+# 0.95 errs above 10% of the time; a family history long enough for 0.1 but not for 0.05 thresholds them on
+# different pairs. So a client asking at 0.05 got "faster" where 0.1 said "unsure". Raising only ever makes a
+# verdict unsure, and makes thresholds monotone wherever the looser of two targets is one of these.
+_LOOSER_TARGETS: tuple[float, ...] = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3)
 # Extras that describe one component's own predictive distribution (acquisition.expected_improvement).
 _OWN_DISTRIBUTION = frozenset({"mu_log2", "sd_log2", "tail_weight", "tail_scale"})
 
@@ -325,6 +332,8 @@ class ForecastEngine:
         self._history: dict[Regime, dict[str, tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]]] = {}
         self._history_signatures: dict[Regime, str] = {}
         self._thresholds: dict[tuple[str, float, Regime, str | None], ThresholdChoice] = {}
+        # Each target's own choice (`_threshold_at`), before it is compared with looser targets'.
+        self._raw_thresholds: dict[tuple[str, float, Regime, str | None], ThresholdChoice] = {}
         # The verified pairs as last read (`_read_verified`), by forecaster name (None: not read yet), and the
         # sequence number of that read; the names whose pairs changed since the last completed refresh (None: all).
         self._tables: dict[str, VerifiedRows] | None = None
@@ -570,10 +579,35 @@ class ForecastEngine:
         """The confidence threshold for verdicts on this GPU for forecasts of one regime (module doc), from
         that regime's own verified history: of this kernel family on this GPU when it has enough of its own
         (a family rougher than the rest errs more at a threshold certified on theirs), else of this GPU, else
-        pooled over GPUs."""
+        pooled over GPUs. Never below the threshold of a looser target in _LOOSER_TARGETS."""
         await self._maybe_refresh()
         key = (hardware, round(float(target_error), 9), regime, family)
         cached = self._thresholds.get(key)
+        if cached is not None:
+            return cached
+        choice = self._threshold_at(hardware, target_error, regime, family)
+        # A stricter target never decides what a looser one leaves unsure (_LOOSER_TARGETS).
+        for looser in _LOOSER_TARGETS:
+            if looser <= target_error:
+                continue
+            other = self._threshold_at(hardware, looser, regime, family)
+            if other.threshold > choice.threshold:
+                shown = f"{other.threshold:.3f}" if other.threshold < 0.9995 else f"{other.threshold:.6g}"
+                choice = replace(
+                    other,
+                    target_error=choice.target_error,
+                    reason=f"{choice.reason}; but target_error {looser:g} decides only at confidence >= {shown} "
+                    f"({other.reason}), and a stricter target decides no more",
+                )
+        self._thresholds[key] = choice
+        return choice
+
+    def _threshold_at(
+        self, hardware: str, target_error: float, regime: Regime, family: str | None
+    ) -> ThresholdChoice:
+        """`threshold` for this target alone (cached with the looser targets it is compared with)."""
+        key = (hardware, round(float(target_error), 9), regime, family)
+        cached = self._raw_thresholds.get(key)
         if cached is not None:
             return cached
         history = self._history.get(regime, {})
@@ -604,8 +638,12 @@ class ForecastEngine:
             choice = refuted_below(choice, own[0], own[1], "this kernel family")
         if conf.size < need:
             choice = refuted_below(choice, conf, correct, f"the forecaster on {hardware}")
-        self._thresholds[key] = choice
+        self._raw_thresholds[key] = choice
         return choice
+
+    def _clear_thresholds(self) -> None:
+        self._thresholds.clear()
+        self._raw_thresholds.clear()
 
     def set_history(
         self,
@@ -649,7 +687,7 @@ class ForecastEngine:
             k: (np.array(c if keep is None else c[-keep:]), np.array(r if keep is None else r[-keep:]))
             for k, (c, r) in by_hw.items()
         }
-        self._thresholds.clear()
+        self._clear_thresholds()
 
     # ------------------------------------------------------------------ fitting
 
@@ -664,7 +702,7 @@ class ForecastEngine:
             self._calibrators[s] = self._fit_calibrator(s, rows)
         if len(self._names) > 1:
             self._combiner = self._fit_combiner([o for o in outcomes if all(n in o.raw for n in self._names)])
-        self._thresholds.clear()
+        self._clear_thresholds()
 
     def _fit_calibrator(self, slot: str, rows: Sequence[tuple[str, Outcome]]) -> Calibrator:
         """One slot's calibration from (component, outcome) rows."""
@@ -764,7 +802,7 @@ class ForecastEngine:
                 signature = table.history_signature()
                 if signature != self._history_signatures.get(regime):
                     self._history[regime] = table.history(self._history_keep(), POOLED)
-                    self._thresholds.clear()
+                    self._clear_thresholds()
                     self._history_signatures[regime] = signature
             self._dirty = set()
             self._fresh_until = self._clock() + self._refresh_interval_s
