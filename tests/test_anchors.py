@@ -93,6 +93,19 @@ def test_more_anchors_take_the_median_estimate_and_narrow_towards_one_kernels_er
         anchored_log2_ms(target, [], target_is_candidate=True)
 
 
+def test_a_tweak_is_not_judged_by_kernels_of_other_designs() -> None:
+    # The pair: two kernels alike in every fitted term (a tweak). An anchor using warp shuffles (a fitted term)
+    # differs from the tweak in more terms than the pair's own kernel: it does not count, however it ran.
+    base, tweak, other = _features(), _features(), _features(shuffles=1)
+    alone = anchored_log2_ms(tweak, [(base, 0.0)], target_is_candidate=True)
+    assert (
+        anchored_log2_ms(tweak, [(base, 0.0), (other, 5.0), (other, 5.0)], target_is_candidate=True) == alone
+    )
+    # An anchor alike to the tweak counts.
+    t, sd = anchored_log2_ms(tweak, [(base, 0.0), (_features(), -1.0)], target_is_candidate=True)
+    assert t == pytest.approx(-0.5) and sd < alone[1]
+
+
 async def _measure(svc: Service, k: Kernel, hardware: str = DEVICE) -> None:
     await svc.measure(ledger="L", kernel=k, workload=WORKLOAD, hardware=hardware)
 
