@@ -97,6 +97,9 @@ def fake_nvcc(argv: list[str]) -> int:
         print("ptxas info    : Used 16 registers, used 0 barriers, 1024 bytes smem", file=sys.stderr)
     Path(keep).mkdir(parents=True, exist_ok=True)
     Path(keep, "kernel.ptx").write_text("".join(ptx))
+    # What cicc read, which the compilers check for directives gcc did not write: the source less its own.
+    code = [ln for ln in source.splitlines() if not ln.lstrip().startswith("#")]
+    Path(keep, "kernel.cpp1.ii").write_text("\n".join(code) + "\n")
     Path(out).write_text(
         json.dumps({"source": source, "defines": defines, "entries": [e[0] for e in entries]})
     )

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import stat
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -666,7 +668,9 @@ async def test_ptxas_kills_a_hung_compiler(tmp_path: Path) -> None:
 
 def _fake_nvcc(path: Path, version: str, body: str) -> str:
     """A stand-in nvcc at `path`: `--version` prints `version`, any compile runs the shell `body`."""
-    path.write_text(f'#!/bin/sh\n[ "$1" = --version ] && {{ echo "{version}"; exit 0; }}\n{body}\n')
+    # It keeps a preprocessed source, as nvcc --keep does (the compile is checked by it).
+    keep = 'p=; for a; do [ "$p" = --keep-dir ] && : > "$a/kernel.cpp1.ii"; p="$a"; done'
+    path.write_text(f'#!/bin/sh\n[ "$1" = --version ] && {{ echo "{version}"; exit 0; }}\n{keep}\n{body}\n')
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
     return str(path)
 
@@ -1084,3 +1088,27 @@ async def test_a_kernel_for_an_architecture_specific_target_gets_its_registers(t
             Kernel(source=source, entry="k", compile_options=[option]), "sm_90", nvcc, tmp_path
         )
         assert usage is not None and usage.for_entry("k") is not None, option
+
+
+def test_ptxas_compiles_never_read_the_servers_stdin(tmp_path: Path) -> None:
+    """On a stdio server, standard input is the client's requests: a compile inherited it, so a source reading
+    '/dev/stdin' (through a directive macros write) took them, and its error line showed them."""
+    nvcc = _fake_nvcc(
+        tmp_path / "nvcc", "release 13.0", 'echo "kernel.cu(1): error: read [$(head -c 40)]"; exit 1'
+    )
+    script = (
+        "import anyio\n"
+        "from forecaster_mcp.forecast.ptxas import ptxas_result\n"
+        "from forecaster_mcp.models import Kernel\n"
+        "k = Kernel(source='__global__ void k() {}', entry='k')\n"
+        f"print(anyio.run(ptxas_result, k, 'sm_80', {nvcc!r}, None, 60.0))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        input='{"jsonrpc": "2.0", "method": "tools/call"}\n',
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "PtxasError" in done.stdout and "read []" in done.stdout, done.stdout + done.stderr
+    assert "jsonrpc" not in done.stdout

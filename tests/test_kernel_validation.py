@@ -1035,3 +1035,77 @@ def test_the_published_launch_schema_takes_what_the_server_takes() -> None:
     for bad in ({"grid": [], "block": [1]}, {"grid": [1, 1, 1, 1], "block": [1]}, {"grid": 0, "block": [1]}):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
+
+
+# A directive that macros write: gcc leaves it in its output, first on a line, and nvcc's device front end (cicc)
+# obeys it. Each reads the file SECRET names, whose one word then came back in the compiler's first error line.
+def _macro_directives(secret: Path) -> list[str]:
+    body = '__global__ void k(float* a) {{ a[0] = 1 +\n{} include "{}"\n; }}\n'
+    return [
+        "#define H #\n" + body.format("H", secret),
+        "#define P(a, b) a##b\n" + body.format("P(%, :)", secret),  # '%:' pasted: the digraph of '#'
+        "#define I(x) x\n" + body.format("I(#)", secret),  # a '#' passed as a macro's argument
+    ]
+
+
+@pytest.mark.anyio
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+async def test_a_directive_written_by_macros_cannot_read_a_server_file(tmp_path: Path) -> None:
+    """The source checks pass these sources (no '#include' names a file), and compare_kernels answered, free,
+    'secret(1): error: identifier "HIDDEN_WORD_4242" is undefined' in the candidate's rationale; the measurer
+    returned the compiler's whole output (every line of the file) or a cubin built from it."""
+    from forecaster_mcp.forecast.ptxas import find_nvcc, ptxas_results
+
+    secret = tmp_path / "secret"
+    secret.write_text("HIDDEN_WORD_4242\n")
+    sources = _macro_directives(secret)
+    for source in sources:
+        Kernel(source=source, entry="k")  # not refused by the source checks
+    nvcc = find_nvcc(None)
+    assert nvcc is not None
+    settings = Settings.from_env(home=tmp_path / "home", measurer="none", ledger="default")
+    candidates = [{"id": "base", "source": SRC, "entry": "k"}] + [
+        {"id": f"m{i}", "source": s, "entry": "k"} for i, s in enumerate(sources)
+    ]
+    # Compiled first, so a busy machine cannot make the call's own wait for nvcc run out.
+    jobs = {i: (Kernel.model_validate({**c, "id": None}), "sm_90") for i, c in enumerate(candidates)}
+    found = await ptxas_results(jobs, nvcc, settings.home / "cache", wait_s=300.0)
+    assert len(found) == len(candidates)
+    service = await Service.open(settings)
+    try:
+        async with Client(build_server(service)) as client:
+            result = await client.call_tool("compare_kernels", {"candidates": candidates, "hardware": "H100"})
+    finally:
+        await service.close()
+    out = structured(result)
+    assert "HIDDEN_WORD" not in json.dumps(out)
+    for c in out["candidates"]:
+        assert "source refused: a macro writes a preprocessor directive" in c["rationale"], c["rationale"]
+
+    # The measurer's compile: refused as the caller's request (nothing of the compile kept or shown).
+    compiler = NvccCompiler(tmp_path / "cache", shutil.which("nvcc"))
+    for source in sources:
+        with pytest.raises(InvalidRequest, match="a macro writes a preprocessor directive") as info:
+            await compiler.compile(kernel(source=source), "sm_90")
+        assert "HIDDEN_WORD" not in str(info.value)
+    assert not list((tmp_path / "cache" / "kernels").glob("*/meta.json"))
+    assert not list((tmp_path / "cache" / "tmp").iterdir())
+
+
+@pytest.mark.anyio
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+async def test_the_directives_gcc_writes_itself_are_not_refused(tmp_path: Path) -> None:
+    """The toolkit's headers, #pragma and _Pragma in macros, an indented directive and a '#' in a string: gcc
+    writes its linemarkers and pragmas at the start of a line, and those compile as before."""
+    source = (
+        "#include <cuda_fp16.h>\n#include <cub/cub.cuh>\n#include <cooperative_groups.h>\n"
+        '#define UNROLL _Pragma("unroll")\n'
+        "__global__ void k(float* a) {\n    #pragma unroll 4\n    for (int i = 0; i < 8; ++i) a[i] = 1.0f;\n"
+        "  #  pragma nv_diag_suppress 177\n  UNROLL\n  for (int i = 0; i < 4; ++i) a[i] += 1;\n"
+        '  const char* s = "# not a directive";\n}\n'
+    )
+    usage = await ptxas_usage(Kernel(source=source, entry="k"), "sm_90", shutil.which("nvcc"), None, 300.0)
+    assert usage is not None and usage.for_entry("k") is not None
+    compiler = NvccCompiler(tmp_path / "cache", shutil.which("nvcc"))
+    compiled = await compiler.compile(kernel(source=source), "sm_90")
+    assert isinstance(compiled, CompiledKernel), compiled

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 import logging
+import mmap
 import os
 import re
 import shutil
@@ -39,7 +41,10 @@ _K = TypeVar("_K", bound=Hashable)
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = "5"  # 4: callee spills charged to entries, -rdc left out; 5: to the entry calling them
+CACHE_VERSION = (
+    "6"  # 4: callee spills charged to entries, -rdc left out; 5: to the entry calling them; 6: made
+)
+# directives refused (a result cached before may hold a server file's word)
 _ARCH = re.compile(r"^sm_\d{2,3}[a-z]?$")
 _PLAIN_ARCH = re.compile(r"^sm_(\d{2,3})$")
 _DEVICE_C_FLAGS = ("-dc", "--device-c")
@@ -330,6 +335,58 @@ async def read_bounded(stream: AsyncIterable[bytes], keep: int = OUTPUT_KEEP_BYT
     return bytes(head) + middle + bytes(tail)
 
 
+# cicc, nvcc's device front end, reads the host compiler's preprocessed output (`<name>.cpp1.ii`) and obeys any
+# directive in it. gcc writes its own there at the start of a line (linemarkers `# 12 "file"`, `#pragma`), and
+# also a '#' that a macro leaves first on a line (`#define H #` then `H include "/etc/passwd"`; a `%:` pasted
+# from '%' and ':'), indented by a space that gcc's reader would skip but cicc does not: cicc then included the
+# file and quoted it in its errors ('passwd(1): error: identifier "root" is undefined' came back in a
+# compare_kernels rationale). Macros build such a directive where no check of the source can see it, so the
+# preprocessed text is checked after every compile: a hash first on a line is gcc's own (at the line's very
+# start, a linemarker, #pragma or #ident) or the compile is refused.
+PREPROCESSED_GLOB = "*.cpp1.ii"
+NO_PREPROCESSED_SOURCE = "no preprocessed source"
+_LINE_HASH = re.compile(rb"[\r\n][ \t\f\v]*(#|%:|\?\?=)")  # "(?:\A|[\r\n])" scans 4x slower: the start apart
+_FIRST_HASH = re.compile(rb"[ \t\f\v]*(#|%:|\?\?=)")
+_GCC_DIRECTIVE = re.compile(rb'# \d+ "|#pragma\b|#ident\b')
+MADE_DIRECTIVE_ADVICE = (
+    "a macro writes a preprocessor directive (a '#' or '%:' that a macro expansion leaves first on a line, "
+    "as '#define H #' then 'H include ...'): the compiler would obey it, and the server does not compile such "
+    "sources; write directives in the source itself"
+)
+
+
+def made_directive(keep_dir: Path) -> str | None:
+    """The start of the first line in the preprocessed source nvcc kept in `keep_dir` (PREPROCESSED_GLOB) that
+    is a directive gcc did not write, or None when there is none. No preprocessed source at all reads as such a
+    line (NO_PREPROCESSED_SOURCE): nothing then says what cicc read was checked."""
+    files = sorted(keep_dir.glob(PREPROCESSED_GLOB))
+    if not files:
+        return NO_PREPROCESSED_SOURCE
+    for path in files:
+        with path.open("rb") as f:
+            if os.fstat(f.fileno()).st_size == 0:
+                continue
+            # Mapped, not read: a preprocessor explosion can leave hundreds of MB here.
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as text:
+                found = _made_directive_in(text)
+        if found is not None:
+            return found
+    return None
+
+
+def _made_directive_in(text: mmap.mmap) -> str | None:
+    """made_directive in one mapped file (its matches are gone once this returns: the map can close)."""
+    first = _FIRST_HASH.match(text)
+    starts = [(0, first.start(1))] if first else []
+    found = ((m.start() + 1, m.start(1)) for m in _LINE_HASH.finditer(text))
+    for line_at, hash_at in itertools.chain(starts, found):
+        if hash_at == line_at and _GCC_DIRECTIVE.match(text, hash_at):
+            continue
+        line = bytes(text[line_at : line_at + 60]).splitlines()[0]
+        return line.decode("utf-8", "replace").strip()
+    return None
+
+
 async def ptxas_usage(
     kernel: Kernel, arch: str, nvcc: str | None, cache_dir: Path | None, timeout_s: float = 20.0
 ) -> PtxasUsage | None:
@@ -360,12 +417,17 @@ async def ptxas_result(
         src = Path(tmp) / "kernel.cu"
         # As the measurer writes it: a lone surrogate (valid JSON, not valid UTF-8) must not raise here.
         src.write_text(kernel.compile_source(), encoding="utf-8", errors="surrogatepass")
+        keep = Path(tmp) / "keep"  # the preprocessed source cicc read, checked below (made_directive)
+        keep.mkdir()
         cmd = [
             nvcc,
             "-cubin",
             target,
             "-Xptxas",
             "-v",
+            "--keep",
+            "--keep-dir",
+            str(keep),
             *flags,
             "-o",
             str(Path(tmp) / "kernel.cubin"),
@@ -377,6 +439,8 @@ async def ptxas_result(
                 cwd=tmp,
                 # nvcc's own intermediates (tmpxft_*) go to TMPDIR: here, so a killed compile leaves none.
                 env=compiler_env(TMPDIR=tmp),
+                # Not the server's: on stdio that is the client's requests, and a source can read a device.
+                stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -399,12 +463,23 @@ async def ptxas_result(
                 with anyio.CancelScope(shield=True):
                     await proc.wait()
             await proc.aclose()
+        made = None if timed_out else await anyio.to_thread.run_sync(made_directive, keep)
     if timed_out:
         log.info("nvcc timed out after %.0f s on %s: ptxas features unavailable", timeout_s, kernel.entry)
         return None
     output = raw.decode("utf-8", "replace")
     result: PtxasUsage | PtxasError | None = None
-    if proc.returncode == 0:
+    if made == NO_PREPROCESSED_SOURCE and proc.returncode != 0:
+        made = None  # the host preprocessor failed (its messages are its own): cicc never ran
+    if made == NO_PREPROCESSED_SOURCE:
+        log.warning(
+            "nvcc kept no preprocessed source (%s) to check: ptxas features unavailable", PREPROCESSED_GLOB
+        )
+        return None
+    if made is not None:
+        log.info("refused %s: a macro writes the directive %r", kernel.entry, made)
+        result = PtxasError(arch, f"source refused: {MADE_DIRECTIVE_ADVICE}")
+    elif proc.returncode == 0:
         entries = parse_ptxas(output)
         result = PtxasUsage(arch, entries) if entries else None
     else:

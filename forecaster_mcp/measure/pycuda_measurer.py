@@ -326,7 +326,7 @@ def parse_ptx_params(ptx: str, symbol: str) -> list[int] | None:
 class NvccCompiler:
     """nvcc to cubin with `-Xptxas -v`, cached by content under `cache_dir/kernels`."""
 
-    FLOW = "cubin-v2"  # bump when the compile flow changes what a cached entry means
+    FLOW = "cubin-v3"  # bump when the compile flow changes what a cached entry means (v3: made directives refused)
 
     def __init__(
         self, cache_dir: Path, nvcc: str | Sequence[str] | None = None, timeout_s: float = 120.0
@@ -422,6 +422,16 @@ class NvccCompiler:
                 ), False
             if rc < 0:  # killed by a signal (the machine's OOM killer, an operator): not the source's doing
                 return CompileFailure(f"nvcc was killed (signal {-rc})", transient=True), False
+            made = await anyio.to_thread.run_sync(ptxas.made_directive, work / "keep")
+            if made == ptxas.NO_PREPROCESSED_SOURCE and rc == 0:
+                raise NotMeasurable(
+                    f"nvcc kept no preprocessed source ({ptxas.PREPROCESSED_GLOB}) for the server to check before "
+                    "it uses a compile: this nvcc's compile flow is not one the server knows; tell its operator"
+                )
+            if made is not None and made != ptxas.NO_PREPROCESSED_SOURCE:
+                # Nothing from this compile (messages, cubin) may reach the caller: cicc obeyed that directive.
+                log.info("refused %s: a macro writes the directive %r", kernel.entry, made)
+                raise InvalidRequest(f"source refused: {ptxas.MADE_DIRECTIVE_ADVICE}")
             if rc != 0:
                 return CompileFailure(
                     trim_compiler_message(output, work) or f"nvcc failed (exit status {rc})"
