@@ -1109,3 +1109,38 @@ async def test_the_directives_gcc_writes_itself_are_not_refused(tmp_path: Path) 
     compiler = NvccCompiler(tmp_path / "cache", shutil.which("nvcc"))
     compiled = await compiler.compile(kernel(source=source), "sm_90")
     assert isinstance(compiled, CompiledKernel), compiled
+
+
+def _nested_macros(depth: int = 40) -> str:
+    lines = ["#define X0 a+a", *(f"#define X{i} X{i - 1} X{i - 1}" for i in range(1, depth))]
+    return "\n".join(lines) + f"\n__global__ void k(float* a) {{ int b = X{depth - 1}; }}\n"
+
+
+@pytest.mark.anyio
+@needs_nvcc
+@pytest.mark.parametrize(
+    ("source", "limit"),
+    [
+        (_nested_macros(), "COMPILE_ADDRESS_SPACE_BYTES"),  # the preprocessor grows 150 MB/s
+        # Its output without end (100 kB a copy, so the test's limit comes soon).
+        (
+            '#include "kernel.cu"\n#include "kernel.cu"\n' + SRC + "int x = 1 + 2;\n" * 7000,
+            "COMPILE_FILE_BYTES",
+        ),
+    ],
+)
+async def test_a_compile_that_grows_without_bound_stops_at_the_servers_limits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str, limit: str
+) -> None:
+    """A 40-line source of nested macros held 4 GB of the server's memory after 28 s, and went on to the compile
+    timeout (120 s for a measurement), two compiles a call; a source including itself twice wrote its
+    preprocessed output to disk for as long. Each compile now runs under a memory and a file-size limit (here
+    lowered, so the test is quick) and fails as the source's own error, cached, well before the timeout."""
+    from forecaster_mcp.forecast import ptxas
+
+    monkeypatch.setattr(ptxas, limit, 64 << 20, raising=False)
+    compiler = NvccCompiler(tmp_path / "cache", NVCC, timeout_s=60.0)
+    failure = await compiler.compile(kernel(source=source), "sm_90")
+    assert isinstance(failure, CompileFailure) and not failure.transient, failure
+    assert "went past this server's limits" in failure.message
+    assert not list((tmp_path / "cache" / "tmp").iterdir())

@@ -26,6 +26,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 from collections.abc import AsyncIterable, Hashable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -313,6 +314,49 @@ def compiler_env(**extra: str) -> dict[str, str]:
     return {**{k: v for k, v in os.environ.items() if not _SECRET_NAME.search(k)}, **extra}
 
 
+# What one compile (nvcc and every program it runs) may use: address space and the size of any file it writes. A
+# 40-line source of nested macros grew gcc's preprocessor by 150 MB/s (4 GB after 28 s, under a measurement's
+# 120 s compile timeout), two compiles a call; a file that includes itself twice writes without end. Heavy
+# template code (CUTLASS) stays well under both; past them the compile fails as the source's own doing.
+COMPILE_ADDRESS_SPACE_BYTES = 8 << 30
+COMPILE_FILE_BYTES = 1 << 30
+_LIMITS_SHIM = (
+    "import os, resource, signal, sys\n"
+    # Python ignores these at start-up and an exec keeps that: gcc, ignoring SIGXFSZ, wrote on past the limit.
+    "for s in (signal.SIGPIPE, signal.SIGXFSZ):\n"
+    "    signal.signal(s, signal.SIG_DFL)\n"
+    "for r, v in ((resource.RLIMIT_AS, int(sys.argv[1])), (resource.RLIMIT_FSIZE, int(sys.argv[2]))):\n"
+    "    hard = resource.getrlimit(r)[1]\n"
+    "    v = v if hard == resource.RLIM_INFINITY else min(v, hard)\n"
+    "    resource.setrlimit(r, (v, v))\n"
+    "os.execvp(sys.argv[3], sys.argv[3:])\n"
+)
+
+
+def limited(cmd: Sequence[str]) -> list[str]:
+    """`cmd` run under the compile limits (COMPILE_ADDRESS_SPACE_BYTES, COMPILE_FILE_BYTES), which its children
+    inherit: a small exec shim sets them (anyio starts processes without a preexec hook)."""
+    if not hasattr(signal, "SIGXFSZ"):  # no POSIX resource limits here
+        return list(cmd)
+    limits = [str(COMPILE_ADDRESS_SPACE_BYTES), str(COMPILE_FILE_BYTES)]
+    return [sys.executable, "-I", "-S", "-c", _LIMITS_SHIM, *limits, *cmd]
+
+
+def over_limits(returncode: int | None, output: str) -> bool:
+    """Whether a failed compile ran into the compile limits (out of memory, a file past its size)."""
+    return returncode is not None and returncode != 0 and _OVER_LIMITS.search(output) is not None
+
+
+_OVER_LIMITS = re.compile(
+    r"out of memory|Cannot allocate memory|std::bad_alloc|File size limit|[Ss]ignal 25\b"
+)
+OVER_LIMITS_MESSAGE = (
+    f"the compile went past this server's limits ({COMPILE_ADDRESS_SPACE_BYTES >> 30} GiB of memory, "
+    f"{COMPILE_FILE_BYTES >> 30} GiB per file): a macro or #include that expands without bound? "
+    "Simplify the source"
+)
+
+
 async def read_bounded(stream: AsyncIterable[bytes], keep: int = OUTPUT_KEEP_BYTES) -> bytes:
     """All of `stream` read (so the writer never blocks), at most `keep` bytes of its head and of its tail
     kept, with a line saying how much was left out between them."""
@@ -435,7 +479,7 @@ async def ptxas_result(
         ]
         try:
             proc = await anyio.open_process(
-                cmd,
+                limited(cmd),
                 cwd=tmp,
                 # nvcc's own intermediates (tmpxft_*) go to TMPDIR: here, so a killed compile leaves none.
                 env=compiler_env(TMPDIR=tmp),

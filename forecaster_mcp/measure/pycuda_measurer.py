@@ -432,6 +432,8 @@ class NvccCompiler:
                 # Nothing from this compile (messages, cubin) may reach the caller: cicc obeyed that directive.
                 log.info("refused %s: a macro writes the directive %r", kernel.entry, made)
                 raise InvalidRequest(f"source refused: {ptxas.MADE_DIRECTIVE_ADVICE}")
+            if ptxas.over_limits(rc, output):
+                return CompileFailure(ptxas.OVER_LIMITS_MESSAGE), True
             if rc != 0:
                 return CompileFailure(
                     trim_compiler_message(output, work) or f"nvcc failed (exit status {rc})"
@@ -584,7 +586,7 @@ async def _run_bounded(cmd: list[str], cwd: Path, timeout_s: float) -> tuple[int
     # nvcc's own temporaries go in the work directory too: a failed front end leaves files behind.
     env = ptxas.compiler_env(TMPDIR=str(cwd))
     process = await anyio.open_process(
-        cmd,
+        ptxas.limited(cmd),
         cwd=cwd,
         env=env,
         stdin=subprocess.DEVNULL,
