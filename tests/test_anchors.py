@@ -218,3 +218,43 @@ def test_eval_anchors_on_the_pairs_files_history(tmp_path: Path) -> None:
     [row] = [json.loads(x) for x in (tmp_path / "out" / "predictions.jsonl").read_text().splitlines()]
     z = 1.0 / (KERNEL_ERROR_SD_LOG2 * math.sqrt(1 + math.pi / 8))
     assert row["p_faster"] == pytest.approx(0.5 * (1 + math.erf(z / math.sqrt(2))), abs=1e-3)
+
+
+async def test_anchors_are_parsed_off_the_event_loop_and_a_refused_one_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Validating a stored kernel reads its source (up to 1 MB: about 0.1 s each); the anchors of a workload
+    # parsed on the event loop held every other call of the server for up to 2 s. A stored kernel this
+    # version refuses was parsed again on every forecast of its workload.
+    import threading
+
+    fake = FakeMeasurer([DEVICE], default_runtime_ms=1.0)
+    svc = await open_service(tmp_path, fake)
+    try:
+        base, new = kernel("first"), kernel("newest")
+        await _measure(svc, base)
+        for name in ("fast1", "fast2", "refused"):
+            await _measure(svc, kernel(name))
+        with sqlite3.connect(svc.settings.db_path) as conn:
+            # An entry this version refuses (not a C identifier), as an older one may have stored it.
+            conn.execute(
+                "UPDATE measurements SET kernel_json = json_set(kernel_json, '$.entry', 'not an identifier') "
+                "WHERE json_extract(kernel_json, '$.entry') = 'refused'"
+            )
+        loop_thread = threading.get_ident()
+        parsed: list[tuple[str, bool]] = []
+        original = Kernel.model_validate_json
+
+        def spy(json_data: str | bytes, **kwargs: Any) -> Kernel:
+            entry = json.loads(json_data)["entry"]
+            parsed.append((entry, threading.get_ident() == loop_thread))
+            return original(json_data, **kwargs)
+
+        monkeypatch.setattr(Kernel, "model_validate_json", spy)
+        first = await _compare(svc, base, new)
+        again = await _compare(svc, base, new)
+        assert "anchored on 3" in first.rationale and "anchored on 3" in again.rationale
+        anchors = [p for p in parsed if p[0] in ("fast1", "fast2", "not an identifier")]
+        assert sorted(anchors) == [("fast1", False), ("fast2", False), ("not an identifier", False)]
+    finally:
+        await svc.close()

@@ -1314,9 +1314,9 @@ class LocalForecaster:
             OrderedDict()
         )
         self.fits = 0  # how many family models were fitted (tests and benchmarks read it)
-        # Measured kernels the static prior anchors on (_anchor_points), parsed once, by content key.
-        self._anchor_kernels: OrderedDict[str, Kernel] = OrderedDict()
-        self._anchor_resources: dict[str, PtxasEntry | None] = {}
+        # Content keys of stored anchors whose kernel_json this version refuses (_anchor_features): not parsed
+        # again on every forecast of their workload.
+        self._refused_anchors: OrderedDict[str, None] = OrderedDict()
 
     # ---- family models
 
@@ -1539,52 +1539,50 @@ class LocalForecaster:
             out.append(cached)
         return out
 
-    async def _anchor_points(self, hardware: str, workload_key: str) -> list[tuple[Kernel, float, str, str]]:
-        """(kernel, log2 ms, family key, content key) of the latest measured kernels of MAX_ANCHORS + 2 families on this
-        workload and GPU (two more: a pair's own two families are left out of its anchors); none from a history
-        that keeps no anchors (a pairs file's, a benchmark's)."""
+    async def _anchor_points(self, hardware: str, workload_key: str) -> list[AnchorPoint]:
+        """The latest measured kernels of MAX_ANCHORS + 2 families on this workload and GPU (two more: a pair's
+        own two families are left out of its anchors); none from a history that keeps no anchors (a
+        benchmark's). Their kernels are parsed by `_anchor_features`, off the event loop."""
         fetch = getattr(self._history, "workload_anchors", None)
         if fetch is None:
             return []
         points: list[AnchorPoint] = await fetch(hardware, workload_key, MAX_ANCHORS + 2)
-        out = []
-        for p in points:
-            kernel = self._anchor_kernels.get(p.content_key)
-            if kernel is None:
-                try:
-                    kernel = Kernel.model_validate_json(p.kernel_json)
-                except ValueError:
-                    continue  # stored by an older version under rules this one refuses: not an anchor
-                self._anchor_kernels[p.content_key] = kernel
-                self._anchor_resources[p.content_key] = _ptxas_entry(kernel.entry, p.resources)
-                while len(self._anchor_kernels) > 256:
-                    dropped, _ = self._anchor_kernels.popitem(last=False)
-                    self._anchor_resources.pop(dropped, None)
-            out.append((kernel, math.log2(p.runtime_ms), p.family_key, p.content_key))
-        return out
+        return points
 
     def _anchor_features(
         self,
-        points: Sequence[tuple[Kernel, float, str, str]],
+        points: Sequence[AnchorPoint],
         families: tuple[str, str],
         q: PairQuery,
         workload_key: str,
     ) -> list[tuple[StaticFeatures, float]]:
         """Static features and log2 runtime of the anchors of pair `q` (kernels of the pair's own families left
-        out), at most MAX_ANCHORS; registers and shared memory as measured (`MeasureResult.resources`)."""
+        out), at most MAX_ANCHORS; registers and shared memory as measured (`MeasureResult.resources`). Run in
+        a worker thread: a kernel not yet in the feature cache is parsed here (its validation reads a source of
+        up to 1 MB, about 0.1 s), and only its features are kept."""
         out = []
-        for kernel, log2_ms, family, content_key in points:
-            if family in families:
+        for p in points:
+            if p.family_key in families:
                 continue
-            key = (content_key, q.hardware_name, workload_key)
+            key = (p.content_key, q.hardware_name, workload_key)
             cached = self._features.get(key)
             if cached is None:
-                entry = self._anchor_resources.get(content_key)
+                if p.content_key in self._refused_anchors:
+                    continue
+                try:
+                    kernel = Kernel.model_validate_json(p.kernel_json)
+                except ValueError:
+                    # Stored by an older version under rules this one refuses: not an anchor.
+                    self._refused_anchors[p.content_key] = None
+                    while len(self._refused_anchors) > 256:
+                        self._refused_anchors.popitem(last=False)
+                    continue
+                entry = _ptxas_entry(kernel, p.resources)
                 cached = (kernel_features(kernel, q.workload, q.hardware, entry), None)
                 self._features[key] = cached
                 while len(self._features) > 4096:
                     self._features.popitem(last=False)
-            out.append((cached[0], log2_ms))
+            out.append((cached[0], math.log2(p.runtime_ms)))
             if len(out) >= MAX_ANCHORS:
                 break
         return out
@@ -1999,7 +1997,7 @@ def _arch_of(q: PairQuery) -> str:
     return spec.arch if spec is not None and spec.vendor == "nvidia" else "sm_80"
 
 
-def _ptxas_entry(entry: str, resources: dict[str, Any] | None) -> PtxasEntry | None:
+def _ptxas_entry(kernel: Kernel, resources: dict[str, Any] | None) -> PtxasEntry | None:
     """What ptxas would report for a measured kernel, from the registers and shared memory its measurement
     reported (MeasureResult.resources); None when it reported none (a replay, an older result)."""
     if not resources:
@@ -2007,7 +2005,7 @@ def _ptxas_entry(entry: str, resources: dict[str, Any] | None) -> PtxasEntry | N
     try:
         spills = int(resources.get("spill_bytes") or 0)
         return PtxasEntry(
-            name=entry,
+            name=kernel.entry,
             registers=int(resources["registers"]),
             shared_bytes=int(resources.get("shared_mem_bytes") or 0),
             spill_stores_bytes=spills,
