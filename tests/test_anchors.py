@@ -220,6 +220,38 @@ def test_eval_anchors_on_the_pairs_files_history(tmp_path: Path) -> None:
     assert row["p_faster"] == pytest.approx(0.5 * (1 + math.erf(z / math.sqrt(2))), abs=1e-3)
 
 
+def _with_shared(k: Kernel, shared_mem_bytes: int) -> Kernel:
+    launch = Launch.model_validate({"grid": [4], "block": [256], "shared_mem_bytes": shared_mem_bytes})
+    return k.model_copy(update={"launch": launch})
+
+
+async def test_an_anchors_dynamic_shared_memory_is_counted_once(tmp_path: Path) -> None:
+    # A GPU reports a block's shared memory, static and dynamic together (resources.shared_mem_bytes); taken
+    # for ptxas's static figure, the launch's 48 KiB were counted twice, and an anchor exactly like the new
+    # kernel read as half as occupied (2 blocks of 96 KiB per SM instead of 4 of 48), 0.25 log2 slower.
+    fake = FakeMeasurer([DEVICE], default_runtime_ms=1.0)
+    for name in ("fast1", "fast2", "fast3"):
+        fake.script(name, runtime_ms=0.5)
+    svc = await open_service(tmp_path, fake)
+    try:
+        base, new = _with_shared(kernel("first"), 49152), _with_shared(kernel("newest"), 49152)
+        await _measure(svc, base)
+        for name in ("fast1", "fast2", "fast3"):
+            await _measure(svc, _with_shared(kernel(name), 49152))
+        with sqlite3.connect(svc.settings.db_path) as conn:
+            conn.execute(
+                "UPDATE measurements SET result_json = json_set(result_json, '$.resources.registers', 32, "
+                "'$.resources.shared_mem_bytes', 49152) WHERE json_extract(kernel_json, '$.entry') LIKE 'fast%'"
+            )
+        anchored = await _compare(svc, base, new)
+        assert "anchored on 4" in anchored.rationale
+        # Alike kernels: the new one's runtime is the median of 1, 0.5, 0.5, 0.5 ms, as without shared memory.
+        z = 1.0 / (KERNEL_ERROR_SD_LOG2 * math.sqrt(1 + math.pi / 8))
+        assert anchored.p_faster == pytest.approx(0.5 * (1 + math.erf(z / math.sqrt(2))), abs=1e-3)
+    finally:
+        await svc.close()
+
+
 async def test_anchors_are_parsed_off_the_event_loop_and_a_refused_one_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
