@@ -871,3 +871,40 @@ async def test_a_stricter_target_never_decides_what_a_looser_one_leaves_unsure()
     kept = await engine.threshold("A100", 0.05)
     assert kept.threshold == pytest.approx(0.975) and "stricter" not in kept.reason
     assert forecast.verdict(kept.threshold) == "faster"
+
+
+@pytest.mark.anyio
+async def test_the_thresholds_of_many_families_are_chosen_on_the_gpus_history_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A compare of kernels of 100 families asks a threshold for each; fecf24f chose each looser target's too,
+    and chose on the GPU's history again for every family without enough history of its own: 7 choices per
+    family, 1 s of the event loop for 100 families at target 0.05 (0.1 s before). A family's own short
+    history still refutes the GPU's choice for that family alone."""
+    from forecaster_mcp.forecast import engine as engine_module
+
+    rng = np.random.default_rng(0)
+    p = list(rng.uniform(0.9, 1.0, 1500))
+    families: list[str | None] = [None] * 1500
+    # One rough family: 10 verified pairs, all wrong at 0.92 (too few to choose on, enough to refute).
+    p += [0.92] * 10
+    families += ["rough"] * 10
+    speedups = [2.0] * 1500 + [0.5] * 10
+    engine = ForecastEngine([_scripted("local")])
+    engine.set_history(["A100"] * 1510, p, speedups, families=families)
+    calls = 0
+    choose = engine_module.choose_threshold
+
+    def counted(*args: object, **kwargs: object) -> ThresholdChoice:
+        nonlocal calls
+        calls += 1
+        return choose(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine_module, "choose_threshold", counted)
+    gpu = await engine.threshold("A100", 0.05)
+    assert gpu.source == "history"
+    for i in range(100):
+        assert await engine.threshold("A100", 0.05, family=f"family{i}") == gpu
+    rough = await engine.threshold("A100", 0.05, family="rough")
+    assert rough.source == "never" and "this kernel family erred on 10 of 10" in rough.reason
+    assert calls == 4  # 0.05, then the looser 0.1, 0.2 and 0.3: once each

@@ -334,6 +334,8 @@ class ForecastEngine:
         self._thresholds: dict[tuple[str, float, Regime, str | None], ThresholdChoice] = {}
         # Each target's own choice (`_threshold_at`), before it is compared with looser targets'.
         self._raw_thresholds: dict[tuple[str, float, Regime, str | None], ThresholdChoice] = {}
+        # Of those, the choice on the GPU's or the pooled history, before a family's own history refutes it.
+        self._wide_thresholds: dict[tuple[str, float, Regime], ThresholdChoice] = {}
         # The verified pairs as last read (`_read_verified`), by forecaster name (None: not read yet), and the
         # sequence number of that read; the names whose pairs changed since the last completed refresh (None: all).
         self._tables: dict[str, VerifiedRows] | None = None
@@ -627,12 +629,22 @@ class ForecastEngine:
         if own[0].size >= need:
             choice = choose_threshold(own[0], own[1], target_error, self._delta, default=default)
             choice = replace(choice, reason=f"{who} on {hardware}, this kernel family: {choice.reason}")
-        elif conf.size < need and pooled[0].size > conf.size:
-            choice = choose_threshold(pooled[0], pooled[1], target_error, self._delta, default=default)
-            choice = replace(choice, reason=f"{who}, pooled over GPUs: {choice.reason}")
         else:
-            choice = choose_threshold(conf, correct, target_error, self._delta, default=default)
-            choice = replace(choice, reason=f"{who} on {hardware}: {choice.reason}")
+            # The same for every family without enough history of its own: chosen once, not once per family
+            # (with the looser targets, 7 choices of about 1.5 ms each per family of a compare).
+            wide = (hardware, key[1], regime)
+            chosen = self._wide_thresholds.get(wide)
+            if chosen is None:
+                if conf.size < need and pooled[0].size > conf.size:
+                    chosen = choose_threshold(
+                        pooled[0], pooled[1], target_error, self._delta, default=default
+                    )
+                    chosen = replace(chosen, reason=f"{who}, pooled over GPUs: {chosen.reason}")
+                else:
+                    chosen = choose_threshold(conf, correct, target_error, self._delta, default=default)
+                    chosen = replace(chosen, reason=f"{who} on {hardware}: {chosen.reason}")
+                self._wide_thresholds[wide] = chosen
+            choice = chosen
         # A narrower history too short to choose on may still refute what the wider one chose.
         if own[0].size < need:
             choice = refuted_below(choice, own[0], own[1], "this kernel family")
@@ -644,6 +656,7 @@ class ForecastEngine:
     def _clear_thresholds(self) -> None:
         self._thresholds.clear()
         self._raw_thresholds.clear()
+        self._wide_thresholds.clear()
 
     def set_history(
         self,
