@@ -779,6 +779,14 @@ def kernel_features(
     """Static features of one kernel; hardware-specific ones only when `spec` is known."""
     del workload  # sizes enter through the launch; kept in the signature for forecasters that use it
     src = source_features(kernel.source, compile_macros(kernel, spec), kernel.entry)
+    return with_resources(src, kernel, spec, ptxas)
+
+
+def with_resources(
+    src: SourceFeatures, kernel: Kernel, spec: GpuSpec | None, ptxas: PtxasEntry | None
+) -> StaticFeatures:
+    """A kernel's static features from its source features, its launch and (when known) ptxas's resources:
+    `kernel_features` without reading the source again."""
     threads = blocks = dyn = None
     if kernel.launch is not None:
         threads = kernel.launch.threads_per_block

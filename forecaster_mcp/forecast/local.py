@@ -49,8 +49,11 @@ from forecaster_mcp.forecast.features import (
     MAX_ANCHORS,
     StaticFeatures,
     anchored_log2_ms,
+    compile_macros,
     kernel_features,
     prior_shift,
+    source_features,
+    with_resources,
 )
 from forecaster_mcp.forecast.ptxas import PtxasEntry, PtxasError, PtxasUsage
 from forecaster_mcp.models import C_INT, C_INT_SUFFIX, Kernel, c_integer
@@ -1555,34 +1558,42 @@ class LocalForecaster:
         families: tuple[str, str],
         q: PairQuery,
         workload_key: str,
-    ) -> list[tuple[StaticFeatures, float]]:
+    ) -> list[tuple[StaticFeatures, StaticFeatures, float]]:
         """Static features and log2 runtime of the anchors of pair `q` (kernels of the pair's own families left
-        out), at most MAX_ANCHORS; registers and shared memory as measured (`MeasureResult.resources`). Run in
-        a worker thread: a kernel not yet in the feature cache is parsed here (its validation reads a source of
-        up to 1 MB, about 0.1 s), and only its features are kept."""
+        out), at most MAX_ANCHORS: with the registers and shared memory as measured (`MeasureResult.resources`),
+        and without (to set beside a kernel ptxas did not compile: `_prior_forecast`). Run in a worker thread: a
+        kernel not yet in the feature cache is parsed here (its validation reads a source of up to 1 MB, about
+        0.1 s), and only its features are kept. An anchor whose features cannot be made is left out."""
         out = []
         for p in points:
             if p.family_key in families:
                 continue
             key = (p.content_key, q.hardware_name, workload_key)
-            cached = self._features.get(key)
-            if cached is None:
+            bare_key = (f"{p.content_key}{_NO_RESOURCES}", q.hardware_name, workload_key)
+            cached, bare = self._features.get(key), self._features.get(bare_key)
+            if cached is None or bare is None:
                 if p.content_key in self._refused_anchors:
                     continue
                 try:
                     kernel = Kernel.model_validate_json(p.kernel_json)
-                except ValueError:
-                    # Stored by an older version under rules this one refuses: not an anchor.
+                    src = source_features(kernel.source, compile_macros(kernel, q.hardware), kernel.entry)
+                    cached = (
+                        with_resources(src, kernel, q.hardware, _ptxas_entry(kernel, p.resources)),
+                        None,
+                    )
+                    bare = (with_resources(src, kernel, q.hardware, None), None)
+                except Exception:
+                    # Stored by an older version under rules this one refuses, or features this version cannot
+                    # make of it: not an anchor (the pair is forecast from the others).
+                    log.debug("anchor %s left out", p.content_key, exc_info=True)
                     self._refused_anchors[p.content_key] = None
                     while len(self._refused_anchors) > 256:
                         self._refused_anchors.popitem(last=False)
                     continue
-                entry = _ptxas_entry(kernel, p.resources)
-                cached = (kernel_features(kernel, q.workload, q.hardware, entry), None)
-                self._features[key] = cached
+                self._features[key], self._features[bare_key] = cached, bare
                 while len(self._features) > 4096:
                     self._features.popitem(last=False)
-            out.append((cached[0], math.log2(p.runtime_ms)))
+            out.append((cached[0], bare[0], math.log2(p.runtime_ms)))
             if len(out) >= MAX_ANCHORS:
                 break
         return out
@@ -1734,10 +1745,10 @@ class LocalForecaster:
 
         def statics() -> tuple[
             dict[int, list[tuple[StaticFeatures, PtxasError | None]] | Exception],
-            dict[int, list[tuple[StaticFeatures, float]]],
+            dict[int, list[tuple[StaticFeatures, StaticFeatures, float]]],
         ]:
             found: dict[int, list[tuple[StaticFeatures, PtxasError | None]] | Exception] = {}
-            anchors: dict[int, list[tuple[StaticFeatures, float]]] = {}
+            anchors: dict[int, list[tuple[StaticFeatures, StaticFeatures, float]]] = {}
             for i, (q, belief) in enumerate(zip(queries, beliefs, strict=True)):
                 if prior_path(belief):
                     try:
@@ -1889,7 +1900,7 @@ class LocalForecaster:
         fc: StaticFeatures,
         eb: PtxasError | None = None,
         ec: PtxasError | None = None,
-        anchors: Sequence[tuple[StaticFeatures, float]] = (),
+        anchors: Sequence[tuple[StaticFeatures, StaticFeatures, float]] = (),
     ) -> BinForecast:
         """The static prior of a pair, from both kernels' static features and compile errors (`_static`). Its
         bins are conditional on both kernels running, as every forecast's are; a compile error raises the
@@ -1924,11 +1935,14 @@ class LocalForecaster:
         mean, sd = shift.mean_log2, shift.sd_log2
         what = "static prior"
         if anchors and {b.kind, c.kind} == {"measured", "unknown"}:
+            # Registers as measured beside a kernel ptxas did not compile would tilt the occupancy term towards it.
+            target = fc if c.kind == "unknown" else fb
+            used = [(f if target.registers is not None else bare, t) for f, bare, t in anchors]
             if c.kind == "unknown":
-                log2_ms, sd = anchored_log2_ms(fc, [(fb, b.mean), *anchors], target_is_candidate=True)
+                log2_ms, sd = anchored_log2_ms(fc, [(fb, b.mean), *used], target_is_candidate=True)
                 mean = b.mean - log2_ms
             else:
-                log2_ms, sd = anchored_log2_ms(fb, [(fc, c.mean), *anchors], target_is_candidate=False)
+                log2_ms, sd = anchored_log2_ms(fb, [(fc, c.mean), *used], target_is_candidate=False)
                 mean = log2_ms - c.mean
             extras.update(mu_log2=mean, sd_log2=sd, anchors=float(len(anchors) + 1))
             what = f"static prior anchored on {len(anchors) + 1} measured kernels of this workload"
@@ -1995,6 +2009,10 @@ def _arch_of(q: PairQuery) -> str:
     """The architecture a pair's kernels are compiled for by ptxas: its NVIDIA GPU's, else sm_80."""
     spec = q.hardware
     return spec.arch if spec is not None and spec.vendor == "nvidia" else "sm_80"
+
+
+# Marks the feature-cache key of an anchor's features made without its measured resources (_anchor_features).
+_NO_RESOURCES = "#without-resources"
 
 
 def _ptxas_entry(kernel: Kernel, resources: dict[str, Any] | None) -> PtxasEntry | None:
