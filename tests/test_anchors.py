@@ -290,3 +290,43 @@ async def test_anchors_are_parsed_off_the_event_loop_and_a_refused_one_once(
         assert sorted(anchors) == [("fast1", False), ("fast2", False), ("not an identifier", False)]
     finally:
         await svc.close()
+
+
+async def test_measured_registers_are_not_set_beside_a_kernel_ptxas_did_not_compile(tmp_path: Path) -> None:
+    # No nvcc here: the new kernel's features have no registers. Its anchors' measured 255 registers a thread
+    # (an occupancy of one block of 256 threads per SM) beside it tilted the occupancy term its way.
+    fake = FakeMeasurer([DEVICE], default_runtime_ms=1.0)
+    for name in ("fast1", "fast2", "fast3"):
+        fake.script(name, runtime_ms=0.5)
+    svc = await open_service(tmp_path, fake)
+    try:
+        base, new = kernel("first"), kernel("newest")
+        await _measure(svc, base)
+        for name in ("fast1", "fast2", "fast3"):
+            await _measure(svc, kernel(name))
+        with sqlite3.connect(svc.settings.db_path) as conn:
+            conn.execute(
+                "UPDATE measurements SET result_json = json_set(result_json, '$.resources.registers', 255, "
+                "'$.resources.shared_mem_bytes', 0) WHERE json_extract(kernel_json, '$.entry') LIKE 'fast%'"
+            )
+        anchored = await _compare(svc, base, new)
+        assert "anchored on 4" in anchored.rationale
+        z = 1.0 / (KERNEL_ERROR_SD_LOG2 * math.sqrt(1 + math.pi / 8))
+        assert anchored.p_faster == pytest.approx(0.5 * (1 + math.erf(z / math.sqrt(2))), abs=1e-3)
+    finally:
+        await svc.close()
+
+
+async def test_eval_anchors_on_a_kernels_last_run_that_worked_as_the_store_does() -> None:
+    from forecaster_mcp.forecast.evaluate import HistoryPoint, MemoryHistory
+    from forecaster_mcp.hardware.specs import canonical_name
+
+    k = kernel("flaky")
+    history = MemoryHistory(
+        [
+            HistoryPoint(DEVICE, WORKLOAD, k, 0.5, "ok"),
+            HistoryPoint(DEVICE, WORKLOAD, k, None, "launch_error"),
+        ]
+    )
+    [anchor] = await history.workload_anchors(canonical_name(DEVICE), WORKLOAD.key(), 10)
+    assert anchor.runtime_ms == 0.5 and anchor.content_key == k.content_key()

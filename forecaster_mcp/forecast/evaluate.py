@@ -286,8 +286,8 @@ class MemoryHistory:
         for p in points:
             running = self._running.setdefault((_canonical(p.hardware), p.workload.key()), {})
             content = p.kernel.content_key()
-            running.pop(content, None)
             if p.status == "ok" and p.runtime_ms is not None and p.runtime_ms > 0:
+                running.pop(content, None)  # latest last: the store anchors on a kernel's latest ok run
                 running[content] = p
 
     async def family_points(self, family_key: str, hardware: str, workload_key: str) -> list[FamilyPoint]:
