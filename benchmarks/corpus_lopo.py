@@ -198,7 +198,7 @@ def _anchored(
                     ("the pair's other kernel alone", [known]),
                     ("anchored", [known, *others]),
                 ):
-                    t, sd = features.anchored_log2_ms(
+                    t, sd, _ = features.anchored_log2_ms(
                         feats[unknown], [(feats[m], log2_ms[m]) for m in anchors], unknown == c
                     )
                     mean = log2_ms[b] - t if unknown == c else t - log2_ms[c]

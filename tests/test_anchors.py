@@ -67,27 +67,27 @@ def test_anchored_on_the_pairs_other_kernel_alone_it_is_the_plain_prior_both_way
     base, cand = _features(), _features(tensor=1, shuffles=2)
     shift = prior_shift(base, cand)
     # The candidate unmeasured, the baseline measured at 2 ms (log2 1): the pair's log2 speedup is the prior's.
-    t_c, sd = anchored_log2_ms(cand, [(base, 1.0)], target_is_candidate=True)
+    t_c, sd, _ = anchored_log2_ms(cand, [(base, 1.0)], target_is_candidate=True)
     assert 1.0 - t_c == pytest.approx(shift.mean_log2) and sd == pytest.approx(PRIOR_SD_LOG2)
     # The baseline unmeasured, the candidate measured.
-    t_b, sd = anchored_log2_ms(base, [(cand, 1.0)], target_is_candidate=False)
+    t_b, sd, _ = anchored_log2_ms(base, [(cand, 1.0)], target_is_candidate=False)
     assert t_b - 1.0 == pytest.approx(shift.mean_log2) and sd == pytest.approx(PRIOR_SD_LOG2)
 
 
 def test_more_anchors_take_the_median_estimate_and_narrow_towards_one_kernels_error() -> None:
     target = _features()
     anchors = [(_features(), t) for t in (0.0, -1.0, -2.0, 1.0)]
-    t, sd = anchored_log2_ms(target, anchors, target_is_candidate=True)
+    t, sd, _ = anchored_log2_ms(target, anchors, target_is_candidate=True)
     assert t == pytest.approx(-0.5)  # alike features: each anchor's estimate is its own runtime
     assert sd == pytest.approx(KERNEL_ERROR_SD_LOG2 * math.sqrt(1 + math.pi / 8))
     assert KERNEL_ERROR_SD_LOG2 < sd < PRIOR_SD_LOG2
     # One kernel the features misjudge (1000x slower than the rest) does not move the estimate.
-    t, _ = anchored_log2_ms(
+    t, _, _ = anchored_log2_ms(
         target, [(_features(), v) for v in (0.0, 0.1, -0.1, 10.0)], target_is_candidate=True
     )
     assert t == pytest.approx(0.05)
     # Two estimates: their mean, and the spread of a mean.
-    t, sd = anchored_log2_ms(target, [(_features(), 0.0), (_features(), -1.0)], target_is_candidate=True)
+    t, sd, _ = anchored_log2_ms(target, [(_features(), 0.0), (_features(), -1.0)], target_is_candidate=True)
     assert t == pytest.approx(-0.5) and sd == pytest.approx(KERNEL_ERROR_SD_LOG2 * math.sqrt(1.5))
     with pytest.raises(ValueError, match="at least one"):
         anchored_log2_ms(target, [], target_is_candidate=True)
@@ -102,7 +102,7 @@ def test_a_tweak_is_not_judged_by_kernels_of_other_designs() -> None:
         anchored_log2_ms(tweak, [(base, 0.0), (other, 5.0), (other, 5.0)], target_is_candidate=True) == alone
     )
     # An anchor alike to the tweak counts.
-    t, sd = anchored_log2_ms(tweak, [(base, 0.0), (_features(), -1.0)], target_is_candidate=True)
+    t, sd, _ = anchored_log2_ms(tweak, [(base, 0.0), (_features(), -1.0)], target_is_candidate=True)
     assert t == pytest.approx(-0.5) and sd < alone[1]
 
 
@@ -145,7 +145,10 @@ async def test_a_new_kernel_is_forecast_from_every_kernel_measured_on_its_worklo
         await _measure(svc, kernel("elsewhere"), hardware=OTHER)
 
         anchored = await _compare(svc, base, new)
-        assert "static prior anchored on 4 measured kernels of this workload" in anchored.rationale
+        assert (
+            "static prior anchored on 4 measured kernels of this workload (candidate estimated 0.5 ms)"
+            in anchored.rationale
+        )
         # log2 runtime of the new kernel: the median of 0, -1, -1, -1; its spread the kernel error's x
         # sqrt(1 + (pi/2)/4).
         z = 1.0 / (KERNEL_ERROR_SD_LOG2 * math.sqrt(1 + math.pi / 8))
@@ -153,7 +156,9 @@ async def test_a_new_kernel_is_forecast_from_every_kernel_measured_on_its_worklo
         # Asked the other way round (the unmeasured kernel as the baseline), the same belief.
         reverse = await _compare(svc, base, new, baseline=new.id)
         assert reverse.p_faster == pytest.approx(1.0 - anchored.p_faster, abs=1e-6)
-        assert "anchored on 4" in reverse.rationale
+        assert (
+            "anchored on 4 measured kernels of this workload (baseline estimated 0.5 ms)" in reverse.rationale
+        )
     finally:
         await svc.close()
 
@@ -330,3 +335,26 @@ async def test_eval_anchors_on_a_kernels_last_run_that_worked_as_the_store_does(
     )
     [anchor] = await history.workload_anchors(canonical_name(DEVICE), WORKLOAD.key(), 10)
     assert anchor.runtime_ms == 0.5 and anchor.content_key == k.content_key()
+
+
+async def test_kernels_of_other_designs_alone_leave_the_plain_prior(tmp_path: Path) -> None:
+    fake = FakeMeasurer([DEVICE], default_runtime_ms=1.0)
+    fake.script("shuffled", runtime_ms=0.01)
+    svc = await open_service(tmp_path, fake)
+    try:
+        base, new = kernel("first"), kernel("newest")
+        await _measure(svc, base)
+        # A kernel of another design (warp shuffles, a fitted term the pair does not use), measured 100x faster.
+        other = kernel("shuffled").model_copy(
+            update={
+                "source": kernel("shuffled").source.replace(
+                    "c[i] = a[i] + b[i];", "c[i] = __shfl_down_sync(~0u, a[i], 1);"
+                )
+            }
+        )
+        await _measure(svc, other)
+        out = await _compare(svc, base, new)
+        assert "anchored" not in out.rationale and "near 50/50" in out.rationale
+        assert out.p_faster == pytest.approx(0.5, abs=1e-6)
+    finally:
+        await svc.close()

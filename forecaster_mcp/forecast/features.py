@@ -22,7 +22,7 @@ import re
 import statistics
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from forecaster_mcp.forecast.ptxas import PtxasEntry
 from forecaster_mcp.hardware.specs import GpuSpec
@@ -966,9 +966,17 @@ KERNEL_ERROR_SD_LOG2 = PRIOR_SD_LOG2 / math.sqrt(2.0)
 MAX_ANCHORS = 16
 
 
+class Anchored(NamedTuple):
+    """An unmeasured kernel's log2 runtime (ms) as its workload's measured kernels estimate it."""
+
+    log2_ms: float
+    sd_log2: float
+    used: int  # the measured kernels the estimate rests on, the pair's own kernel included
+
+
 def anchored_log2_ms(
     target: StaticFeatures, anchors: Sequence[tuple[StaticFeatures, float]], target_is_candidate: bool
-) -> tuple[float, float]:
+) -> Anchored:
     """Log2 runtime (ms) of an unmeasured kernel and its sd, from measured kernels of the same workload and GPU,
     each given as (features, log2 ms), the first the pair's other kernel: the median of their estimates
     (KERNEL_ERROR_SD_LOG2). Of the others, only those that differ from the target in no more of the fitted terms
@@ -988,7 +996,7 @@ def anchored_log2_ms(
     n = len(estimates)
     # Up to two estimates the median is their mean; beyond, it costs a normal sample's pi/2 in variance.
     spread = 1.0 / n if n <= 2 else (math.pi / 2.0) / n
-    return statistics.median(estimates), KERNEL_ERROR_SD_LOG2 * math.sqrt(1.0 + spread)
+    return Anchored(statistics.median(estimates), KERNEL_ERROR_SD_LOG2 * math.sqrt(1.0 + spread), n)
 
 
 def _terms_apart(a: StaticFeatures, b: StaticFeatures) -> int:

@@ -1939,13 +1939,21 @@ class LocalForecaster:
             target = fc if c.kind == "unknown" else fb
             used = [(f if target.registers is not None else bare, t) for f, bare, t in anchors]
             if c.kind == "unknown":
-                log2_ms, sd = anchored_log2_ms(fc, [(fb, b.mean), *used], target_is_candidate=True)
-                mean = b.mean - log2_ms
+                est = anchored_log2_ms(fc, [(fb, b.mean), *used], target_is_candidate=True)
+                mean = b.mean - est.log2_ms
             else:
-                log2_ms, sd = anchored_log2_ms(fb, [(fc, c.mean), *used], target_is_candidate=False)
-                mean = log2_ms - c.mean
-            extras.update(mu_log2=mean, sd_log2=sd, anchors=float(len(anchors) + 1))
-            what = f"static prior anchored on {len(anchors) + 1} measured kernels of this workload"
+                est = anchored_log2_ms(fb, [(fc, c.mean), *used], target_is_candidate=False)
+                mean = est.log2_ms - c.mean
+            if est.used > 1:  # else none was near enough: the pair's own kernel alone, the plain prior
+                sd = est.sd_log2
+                extras.update(mu_log2=mean, sd_log2=sd, anchors=float(est.used))
+                who = "candidate" if c.kind == "unknown" else "baseline"
+                what = (
+                    f"static prior anchored on {est.used} measured kernels of this workload ({who} estimated "
+                    f"{_fmt_ms(est.log2_ms)})"
+                )
+            else:
+                mean = shift.mean_log2
         if shift.reasons:
             rationale = f"{what} ({why}): " + ", ".join(shift.reasons[:4])
         else:
