@@ -55,6 +55,11 @@ class NotMeasurable(AgentError):
     """No measurer can run this kernel here (not in any recording, no such device, no backend)."""
 
 
+class ServerBusy(AgentError):
+    """The server's shared capacity (its compile slots) stayed taken by other calls for the whole wait: nothing ran
+    and nothing was charged; a retry may find room."""
+
+
 class MeasurementInProgress(AgentError):
     """A measurement with the same idempotency key is still running."""
 

@@ -34,6 +34,7 @@ from forecaster_mcp.errors import (
     OperatorError,
     ResultNotSaved,
     SameMeasurementRunning,
+    ServerBusy,
     UnknownLedger,
 )
 from forecaster_mcp.forecast.base import USAGE_LEDGER, Forecaster, PairQuery
@@ -167,8 +168,11 @@ class Service:
         measurers: Sequence[Measurer],
         measurer_notes: Sequence[str] = (),
     ) -> None:
+        from forecaster_mcp.compile_slots import COMPILE_SLOTS
         from forecaster_mcp.forecast.engine import ForecastEngine
 
+        # Process-wide: every compile of this server, forecasts' and measurements', shares these slots.
+        COMPILE_SLOTS.set_limit(settings.max_concurrent_compiles)
         self.settings = settings
         self.store = store
         self.engine = ForecastEngine(list(forecasters), store, timeout_s=settings.forecast_timeout_s)
@@ -504,13 +508,13 @@ class Service:
                 measurements, charged, stopped, not_measurable = await self._measure_unsure(
                     ledger, base, by_id, unsure, max_measurements, workload, hw, progress
                 )
-            except (NotMeasurable, BudgetExhausted, InvalidRequest) as exc:
+            except (NotMeasurable, BudgetExhausted, InvalidRequest, ServerBusy) as exc:
                 # Nothing could run here (no GPU, no such device, a baseline the recordings lack or the backend
-                # refuses as sent, a ledger that cannot pay for it), and nothing ran or was charged: the free
-                # forecasts are still the answer.
+                # refuses as sent, a ledger that cannot pay for it, a server too busy compiling to compile it), and
+                # nothing ran or was charged: the free forecasts are still the answer.
                 where = (
                     ""
-                    if isinstance(exc, BudgetExhausted)
+                    if isinstance(exc, BudgetExhausted | ServerBusy)
                     else ", and measure_kernel measures where they can run"
                 )
                 stopped = (

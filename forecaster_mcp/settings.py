@@ -10,6 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
+from forecaster_mcp.compile_slots import MEASURE_COMPILE_WAIT_S, default_limit
 from forecaster_mcp.errors import OperatorError, validation_message
 from forecaster_mcp.models import MIN_MEASURE_SECONDS
 from forecaster_mcp.store.db import MAX_GPU_SECONDS
@@ -107,6 +108,15 @@ class Settings(BaseModel):
         "with a note (a slow or hanging API must not hold the agent; the local forecaster answers)",
     )
     nvcc: str | None = Field(default=None, description="path to nvcc; default: found on PATH")
+    max_concurrent_compiles: int = Field(
+        default_factory=default_limit,
+        ge=1,
+        le=1024,
+        description="nvcc runs the server process allows at once, forecasts' ptxas compiles and measurements' "
+        "compiles together (each may use 8 GiB of memory); default half the CPUs, at least 2. A compile past it "
+        "waits: a forecast within its ptxas wait, then without ptxas features; a measurement up to "
+        f"{MEASURE_COMPILE_WAIT_S:g} s, uncharged and without the GPU, then refused (nothing charged)",
+    )
     isolate_ledgers: bool = Field(
         default=False,
         description="each ledger sees only its own measurements: its cache hits, measured answers and family "

@@ -752,6 +752,9 @@ def run_eval(
     if cal_file is not None:
         _refuse_overlap(main, cal_file)
     check_writable_dir(out_dir)  # before forecasting: a bad --out must not cost the whole run
+    from forecaster_mcp.compile_slots import COMPILE_SLOTS
+
+    COMPILE_SLOTS.set_limit(settings.max_concurrent_compiles)  # as a server's: eval compiles every kernel
     engine, queries, forecasts, thresholds, calibration, notes = anyio.run(
         _forecast_all, names, settings, main, cal_file, target, ptxas, batch
     )

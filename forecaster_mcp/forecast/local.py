@@ -1522,8 +1522,8 @@ class LocalForecaster:
         error, from the ptxas results in `usage` (by content key and architecture; see `_ptxas_for`). Kept per
         kernel, GPU and workload (`_feature_key`, or the call's memoised `feature_key`), with or without ptxas (the same
         question gets the same answer, and a compile that timed out is not retried on every call), except for
-        kernels in `skipped` (content keys a crowded call did not compile): a later, smaller call compiles
-        them."""
+        kernels in `skipped` (content keys a crowded call, or a server busy compiling, did not compile): a later
+        call compiles them."""
         arch = _arch_of(q)
         key_of = feature_key or _feature_key
         out: list[tuple[StaticFeatures, PtxasError | None]] = []
@@ -1616,7 +1616,7 @@ class LocalForecaster:
         features are not cached, compiled for the whole call at once, two at a time, within one wait of
         ptxas_wait_s (+1 s), or their compile errors; and the content keys left uncompiled because the call had
         more than MAX_PTXAS_PER_CALL of them (a screening call: those are compiled when asked about in a smaller
-        one)."""
+        one) or because no compile slot of the server came free within the wait (compiled on a later call)."""
         from forecaster_mcp.forecast.ptxas import ptxas_results
 
         key_of = feature_key or _feature_key
@@ -1636,7 +1636,13 @@ class LocalForecaster:
             return usage, frozenset(ck for ck, _ in todo)
         assert self._nvcc is not None
         jobs = {key: (k, key[1]) for key, k in todo.items()}
-        return await ptxas_results(jobs, self._nvcc, self._cache_dir, self._ptxas_wait_s), frozenset()
+        unstarted: set[tuple[str, str]] = set()
+        found = await ptxas_results(
+            jobs, self._nvcc, self._cache_dir, self._ptxas_wait_s, unstarted=unstarted
+        )
+        # A compile that never got a compile slot (a busy server) says nothing of the kernel: not kept, as a
+        # crowded call's kernels are not, so the next call compiles it.
+        return found, frozenset(ck for ck, _ in unstarted)
 
     # ---- forecasting
 

@@ -6,7 +6,9 @@ version (failed compiles too; a timeout, a kill or a full disk is not cached). O
 neither read the server's files nor write a huge object file. A compile error of the source itself is a
 `PtxasError` (`ptxas_result`: its first error line, host paths stripped): the forecaster reports such a kernel
 as one that does not compile. Anything else that stops a compile (no nvcc, a language nvcc does not take, a
-timeout, a kill, a full disk) gives None: the forecaster then works without these features.
+timeout, a kill, a full disk, no compile slot free in time) gives None: the forecaster then works without these
+features. Every compile holds one of the process's compile slots (`compile_slots.COMPILE_SLOTS`) while nvcc runs;
+the wait for one counts against the compile's time.
 
 An nvcc covers a window of architectures (CUDA 13 dropped sm_5x-sm_72; CUDA 12.2 knows nothing after sm_90).
 For a GPU outside the window, `stand_in_arch` picks the nearest one inside it: register and shared-memory
@@ -28,7 +30,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import AsyncIterable, Hashable, Mapping, Sequence
+from collections.abc import AsyncIterable, Callable, Hashable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -36,6 +38,7 @@ from typing import Any, TypeVar
 import anyio
 import anyio.to_thread
 
+from forecaster_mcp.compile_slots import COMPILE_SLOTS
 from forecaster_mcp.models import Kernel, compile_option_allowed, is_arch_option
 
 _K = TypeVar("_K", bound=Hashable)
@@ -441,12 +444,22 @@ async def ptxas_usage(
 
 
 async def ptxas_result(
-    kernel: Kernel, arch: str, nvcc: str | None, cache_dir: Path | None, timeout_s: float = 20.0
+    kernel: Kernel,
+    arch: str,
+    nvcc: str | None,
+    cache_dir: Path | None,
+    timeout_s: float = 20.0,
+    *,
+    on_start: Callable[[], None] | None = None,
 ) -> PtxasUsage | PtxasError | None:
     """`ptxas_usage`, or the source's own compile error (`PtxasError`); None when no compile could tell
-    (no nvcc, another language, a timeout, a kill, a full disk) or the source has no entry function."""
+    (no nvcc, another language, a timeout, a kill, a full disk, no compile slot within `timeout_s`) or the source
+    has no entry function. `timeout_s` covers the wait for a compile slot and the compile. `on_start` is called when
+    the answer is the cache's or nvcc is about to start (its slot taken): a compile that never started is no answer
+    about the source."""
     if kernel.language != "cuda" or nvcc is None or not _ARCH.match(arch):
         return None
+    deadline = anyio.current_time() + timeout_s
     flags = safe_options(kernel.compile_options)
     target = _target_flag(kernel.compile_options, arch)
     key = await anyio.to_thread.run_sync(
@@ -456,7 +469,38 @@ async def ptxas_result(
     if cache_path is not None:
         hit, cached = _read_cache(cache_path)
         if hit:
+            if on_start is not None:
+                on_start()
             return cached
+    left = deadline - anyio.current_time()
+    if left <= 0 or not await COMPILE_SLOTS.acquire(left):
+        # Not cached: nothing was learned about the source, and a quieter moment compiles it.
+        log.info(
+            "no compile slot free within %.1f s (%d compiles at once, this server's limit): ptxas features of %s "
+            "unavailable",
+            timeout_s,
+            COMPILE_SLOTS.limit,
+            kernel.entry,
+        )
+        return None
+    try:
+        if on_start is not None:
+            on_start()
+        return await _compile(kernel, arch, nvcc, flags, target, cache_path, deadline)
+    finally:
+        COMPILE_SLOTS.release()
+
+
+async def _compile(
+    kernel: Kernel,
+    arch: str,
+    nvcc: str,
+    flags: list[str],
+    target: str,
+    cache_path: Path | None,
+    deadline: float,
+) -> PtxasUsage | PtxasError | None:
+    """ptxas_result's compile, its compile slot held, killed at `deadline` (anyio.current_time)."""
     with tempfile.TemporaryDirectory(prefix="fmcp-ptxas-") as tmp:
         src = Path(tmp) / "kernel.cu"
         # As the measurer writes it: a lone surrogate (valid JSON, not valid UTF-8) must not raise here.
@@ -495,7 +539,7 @@ async def ptxas_result(
         raw = b""
         timed_out = True
         try:
-            with anyio.move_on_after(timeout_s):
+            with anyio.move_on_after(deadline - anyio.current_time()):
                 if proc.stdout is not None:
                     raw = await read_bounded(proc.stdout)
                 await proc.wait()
@@ -509,7 +553,7 @@ async def ptxas_result(
             await proc.aclose()
         made = None if timed_out else await anyio.to_thread.run_sync(made_directive, keep)
     if timed_out:
-        log.info("nvcc timed out after %.0f s on %s: ptxas features unavailable", timeout_s, kernel.entry)
+        log.info("nvcc did not finish in its time on %s: ptxas features unavailable", kernel.entry)
         return None
     output = raw.decode("utf-8", "replace")
     result: PtxasUsage | PtxasError | None = None
@@ -595,9 +639,10 @@ async def ptxas_usages(
     wait_s: float,
     concurrency: int = 2,
 ) -> dict[_K, PtxasUsage]:
-    """`ptxas_usage` of each (kernel, architecture), `concurrency` compiles at a time, all within one wait of
-    `wait_s` (+1 s); an architecture this nvcc does not target is replaced by the nearest one it does. Kernels
-    that fail to compile, or are still compiling when the wait ends, are left out."""
+    """`ptxas_usage` of each (kernel, architecture), `concurrency` compiles at a time (each also waiting for a
+    compile slot of the process), all within one wait of `wait_s` (+1 s); an architecture this nvcc does not target
+    is replaced by the nearest one it does. Kernels that fail to compile, or are still compiling or waiting when the
+    wait ends, are left out."""
     found = await ptxas_results(kernels, nvcc, cache_dir, wait_s, concurrency)
     return {key: r for key, r in found.items() if isinstance(r, PtxasUsage)}
 
@@ -608,16 +653,29 @@ async def ptxas_results(
     cache_dir: Path | None,
     wait_s: float,
     concurrency: int = 2,
+    *,
+    unstarted: set[_K] | None = None,
 ) -> dict[_K, PtxasUsage | PtxasError]:
     """`ptxas_usages`, with the kernels whose source failed to compile as their `PtxasError` (its `arch` the
-    stand-in when one was used). Kernels no compile could tell about are left out."""
+    stand-in when one was used). Kernels no compile could tell about are left out; those whose compile never
+    started (no compile slot came free within the wait) are also added to `unstarted`, when given."""
+    deadline = anyio.current_time() + wait_s
     archs = await anyio.to_thread.run_sync(supported_archs, nvcc)
     limiter = anyio.CapacityLimiter(concurrency)
     out: dict[_K, PtxasUsage | PtxasError] = {}
+    started: set[_K] = set()
 
     async def one(key: _K, kernel: Kernel, arch: str) -> None:
         async with limiter:
-            result = await ptxas_result(kernel, stand_in_arch(arch, archs), nvcc, cache_dir, timeout_s=wait_s)
+            # The wait for this call's turn and for a compile slot are both spent out of wait_s.
+            result = await ptxas_result(
+                kernel,
+                stand_in_arch(arch, archs),
+                nvcc,
+                cache_dir,
+                timeout_s=deadline - anyio.current_time(),
+                on_start=lambda: started.add(key),
+            )
         if result is not None:
             out[key] = result
 
@@ -625,4 +683,6 @@ async def ptxas_results(
         async with anyio.create_task_group() as tg:
             for key, (kernel, arch) in kernels.items():
                 tg.start_soon(one, key, kernel, arch)
+    if unstarted is not None:
+        unstarted.update(key for key in kernels if key not in out and key not in started)
     return out

@@ -8,7 +8,8 @@ fresh worker. Requests to one device are serialised; devices run in parallel.
 
 Gas: `cost.gpu_seconds` is the wall time the worker held the device for the request (inputs, warm-up, timed
 runs, correctness), capped at `max_seconds`; a hung kernel is charged the cap. Compiling is `compile_seconds`
-and worker start-up is free.
+and worker start-up is free. A compile takes one of the process's compile slots (`compile_slots`), before the
+device is locked: waiting for one holds no GPU and is not charged, and a wait past its bound is `ServerBusy`.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ import anyio.to_thread
 from anyio.abc import Process
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from forecaster_mcp.errors import InvalidRequest, NotMeasurable
+from forecaster_mcp.compile_slots import COMPILE_SLOTS, MEASURE_COMPILE_WAIT_S
+from forecaster_mcp.errors import InvalidRequest, NotMeasurable, ServerBusy
 from forecaster_mcp.forecast import ptxas
 from forecaster_mcp.measure.base import OCCUPIED_ATTR, MeasureRequest, ProgressCallback
 from forecaster_mcp.measure.gpu_worker import GUARD_BYTES, empty_if_over
@@ -324,15 +326,21 @@ def parse_ptx_params(ptx: str, symbol: str) -> list[int] | None:
 
 
 class NvccCompiler:
-    """nvcc to cubin with `-Xptxas -v`, cached by content under `cache_dir/kernels`."""
+    """nvcc to cubin with `-Xptxas -v`, cached by content under `cache_dir/kernels`; a compile waits up to
+    `slot_wait_s` for a compile slot of the process (`compile_slots.COMPILE_SLOTS`)."""
 
     FLOW = "cubin-v3"  # bump when the compile flow changes what a cached entry means (v3: made directives refused)
 
     def __init__(
-        self, cache_dir: Path, nvcc: str | Sequence[str] | None = None, timeout_s: float = 120.0
+        self,
+        cache_dir: Path,
+        nvcc: str | Sequence[str] | None = None,
+        timeout_s: float = 120.0,
+        slot_wait_s: float = MEASURE_COMPILE_WAIT_S,
     ) -> None:
         self.cache_dir = cache_dir
         self.timeout_s = timeout_s
+        self.slot_wait_s = slot_wait_s
         if nvcc is None:
             found = shutil.which("nvcc") or next(
                 (p for p in ("/usr/local/cuda/bin/nvcc",) if os.access(p, os.X_OK)), None
@@ -368,7 +376,11 @@ class NvccCompiler:
         }
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
-    async def compile(self, kernel: Kernel, arch: str) -> CompiledKernel | CompileFailure:
+    async def compile(
+        self, kernel: Kernel, arch: str, progress: ProgressCallback | None = None
+    ) -> CompiledKernel | CompileFailure:
+        """The cached compile of `kernel` for `arch`, or a fresh one. ServerBusy when no compile slot came free
+        within `slot_wait_s` (nothing compiled, nothing cached)."""
         if self.command is None:
             raise NotMeasurable(
                 "nvcc (the CUDA toolkit) is not installed on the measurement machine; install it or set "
@@ -383,7 +395,23 @@ class NvccCompiler:
             with contextlib.suppress(OSError):
                 os.utime(meta_path)  # last used: what eviction orders by
             return cached
-        result, cacheable = await self._compile_fresh(kernel, arch, entry_dir)
+        if not await COMPILE_SLOTS.acquire(0):
+            if progress is not None:
+                await progress(
+                    0.0,
+                    None,
+                    f"waiting for a compile slot (all {COMPILE_SLOTS.limit} of this server's are taken)",
+                )
+            if not await COMPILE_SLOTS.acquire(self.slot_wait_s):
+                raise ServerBusy(
+                    f"the server is busy compiling other kernels (all {COMPILE_SLOTS.limit} of its compile slots "
+                    f"stayed taken for {self.slot_wait_s:g} s): {kernel.entry} was not compiled or run, and nothing "
+                    "was charged; retry in a minute, or use compare_kernels (free) meanwhile"
+                )
+        try:
+            result, cacheable = await self._compile_fresh(kernel, arch, entry_dir)
+        finally:
+            COMPILE_SLOTS.release()
         if cacheable:
             _write_meta(meta_path, result)
             if isinstance(result, CompiledKernel):
@@ -873,6 +901,7 @@ class PycudaMeasurer:
         driver: str | None = None,
         startup_grace_s: float = 60.0,
         compile_timeout_s: float = 120.0,
+        compile_slot_wait_s: float = MEASURE_COMPILE_WAIT_S,
         kill_slack_s: float = 1.0,
         target_relative_noise: float = TARGET_RELATIVE_NOISE,
     ) -> None:
@@ -891,7 +920,7 @@ class PycudaMeasurer:
             for i, raw in enumerate(device_names)
         ]
         self._driver = driver
-        self.compiler = NvccCompiler(self.cache_dir, nvcc, compile_timeout_s)
+        self.compiler = NvccCompiler(self.cache_dir, nvcc, compile_timeout_s, compile_slot_wait_s)
         self.startup_grace_s = startup_grace_s
         self.kill_slack_s = kill_slack_s
         self.target_relative_noise = target_relative_noise
@@ -969,10 +998,11 @@ class PycudaMeasurer:
                 _check_shared_fits(what, k.launch.shared_mem_bytes, info)
         _check_workload_fits(request.workload, info)
 
+        # Compiled before the device is locked: a compile, or a wait for a compile slot, holds no GPU and is free.
         t_compile = time.perf_counter()
-        compiled = await self.compiler.compile(request.kernel, info.arch)
+        compiled = await self.compiler.compile(request.kernel, info.arch, progress)
         ref_compiled = (
-            await self.compiler.compile(request.reference, info.arch)
+            await self.compiler.compile(request.reference, info.arch, progress)
             if request.reference is not None
             else None
         )

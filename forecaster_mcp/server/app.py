@@ -730,7 +730,11 @@ async def serve(
             # Parse recordings in the background so the first tools/list is not kept waiting.
             tg.start_soon(service.preload)
             if http:
-                print(f"forecaster-mcp: serving streamable HTTP at {_shown_url(host, port)}", file=sys.stderr)
+                print(
+                    f"forecaster-mcp: serving streamable HTTP at {_shown_url(host, port)} (at most "
+                    f"{settings.max_concurrent_compiles} compiles at once: FORECASTER_MCP_MAX_CONCURRENT_COMPILES)",
+                    file=sys.stderr,
+                )
                 # What MCPServer.run_streamable_http_async does, on the sockets bound before the service opened
                 # (without any, uvicorn binds host:port itself).
                 app = server.streamable_http_app(
