@@ -310,6 +310,35 @@ async def test_slots_are_shared_by_event_loops_of_other_threads_and_handed_on_by
     assert slots.running == 0 and slots.waiting == 0
 
 
+async def test_measure_if_unsure_without_a_compile_slot_keeps_the_forecasts(tmp_path: Path) -> None:
+    gpu = fake_gpu(tmp_path)
+    gpu.compiler.slot_wait_s = 0.3
+    svc = await make_service(tmp_path, gpu)
+    COMPILE_SLOTS.set_limit(1)
+    try:
+        assert await COMPILE_SLOTS.acquire(0)
+        try:
+            out = await svc.compare(
+                ledger="L",
+                candidates=[kernel(FAKE_MS=0.5).model_copy(update={"id": "a"}), kernel(FAKE_MS=0.25)],
+                workload=WORKLOAD,
+                baseline="a",
+                hardware=None,
+                target_error=None,
+                measure_if_unsure=True,
+                max_measurements=2,
+            )
+        finally:
+            COMPILE_SLOTS.release()
+        report = await svc.budget_status("L")
+    finally:
+        await svc.close()
+    assert len(out.candidates) == 1
+    (note,) = [n for n in out.notes if n.startswith("measure_if_unsure measured nothing")]
+    assert "busy compiling" in note and "Nothing was charged; the forecasts stand" in note
+    assert report.spent_gpu_seconds == 0 and report.reserved_gpu_seconds == 0
+
+
 def test_the_limit_is_a_setting_an_http_server_reports(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

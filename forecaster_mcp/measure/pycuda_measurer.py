@@ -396,17 +396,14 @@ class NvccCompiler:
                 os.utime(meta_path)  # last used: what eviction orders by
             return cached
         if not await COMPILE_SLOTS.acquire(0):
+            slots = f"{COMPILE_SLOTS.limit} compile slot{'s' if COMPILE_SLOTS.limit != 1 else ''}"
             if progress is not None:
-                await progress(
-                    0.0,
-                    None,
-                    f"waiting for a compile slot (all {COMPILE_SLOTS.limit} of this server's are taken)",
-                )
+                await progress(0.0, None, f"waiting for a compile slot (this server has {slots}, all taken)")
             if not await COMPILE_SLOTS.acquire(self.slot_wait_s):
                 raise ServerBusy(
-                    f"the server is busy compiling other kernels (all {COMPILE_SLOTS.limit} of its compile slots "
-                    f"stayed taken for {self.slot_wait_s:g} s): {kernel.entry} was not compiled or run, and nothing "
-                    "was charged; retry in a minute, or use compare_kernels (free) meanwhile"
+                    f"the server is busy compiling other kernels (its {slots} stayed taken for "
+                    f"{self.slot_wait_s:g} s): {kernel.entry} was not compiled or run, and nothing was charged; "
+                    "retry in a minute, or use compare_kernels (free) meanwhile"
                 )
         try:
             result, cacheable = await self._compile_fresh(kernel, arch, entry_dir)
