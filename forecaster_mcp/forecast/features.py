@@ -2,7 +2,8 @@
 
 Source features are counted on the comment-stripped source after conditional compilation with the
 kernel's `defines` (so `#if USE_SHMEM` blocks count only when enabled). Counts are regex-based: they say
-"this kernel uses vector loads / tensor cores / shared memory", not how often at run time.
+"this kernel uses vector loads / tensor cores / shared memory", not how often at run time. A HIP or OpenCL kernel
+gets the features of its CUDA twin (`_as_cuda`, _DIALECT_PATTERNS).
 
 `prior_shift` turns the differences between two kernels' features into a log2-speedup shift with a wide
 spread: mild hand-set heuristics (occupancy, waves, spills, tensor cores) plus a few terms fitted on measured
@@ -26,7 +27,7 @@ from typing import Any, NamedTuple
 
 from forecaster_mcp.forecast.ptxas import PtxasEntry
 from forecaster_mcp.hardware.specs import GpuSpec
-from forecaster_mcp.models import Kernel, Workload
+from forecaster_mcp.models import Kernel, Language, Workload
 
 # ---------------------------------------------------------------- comments and the preprocessor
 
@@ -301,6 +302,109 @@ _PATTERNS: dict[str, re.Pattern[str]] = {
 }
 
 
+# ---------------------------------------------------------------- HIP and OpenCL, read as their CUDA twins
+
+# A HIP or OpenCL kernel is read as the CUDA kernel it spells otherwise: first the names the data-flow passes
+# and entry_text look for are rewritten to CUDA's (thread and block indices, the kernel qualifier, local memory,
+# atomics), then each count takes the dialect's own spellings beside CUDA's (_DIALECT_PATTERNS). CUDA sources
+# are read as before. Only spellings that mean the same are taken: AMD's matrix instructions are tensor cores,
+# its lane permutes are shuffles; a sub-group barrier is a warp's (__syncwarp counts too).
+_AXIS = {"0": "x", "1": "y", "2": "z"}
+_HIP_REWRITES: tuple[tuple[re.Pattern[str], str | Callable[[re.Match[str]], str]], ...] = (
+    # Older HIP spellings of threadIdx.x and the rest, and the builtins behind them.
+    (
+        re.compile(r"\bhip(Thread|Block)Idx_([xyz])\b"),
+        lambda m: f"{m.group(1).lower()}Idx.{m.group(2)}",
+    ),
+    (re.compile(r"\bhip(Block|Grid)Dim_([xyz])\b"), lambda m: f"{m.group(1).lower()}Dim.{m.group(2)}"),
+    (re.compile(r"\b__builtin_amdgcn_workitem_id_([xyz])\s*\(\s*\)"), r"threadIdx.\1"),
+    (re.compile(r"\b__builtin_amdgcn_workgroup_id_([xyz])\s*\(\s*\)"), r"blockIdx.\1"),
+    # Float atomics as HIP spells them, and clang's builtins (`__hip_atomic_fetch_add(p, v, order, scope)`).
+    (re.compile(r"\b(?:unsafe|safe)AtomicAdd\s*\("), "atomicAdd("),
+    (re.compile(r"\b__hip_atomic_(\w+)\s*\("), r"atomic_\1("),
+)
+_OPENCL_REWRITES: tuple[tuple[re.Pattern[str], str | Callable[[re.Match[str]], str]], ...] = (
+    (re.compile(r"\b(?:__kernel|kernel)\b"), "__global__"),
+    (re.compile(r"\b(?:__local|local)\b"), "__shared__"),
+    (re.compile(r"\bget_local_id\s*\(\s*([012])[uU]?\s*\)"), lambda m: f"threadIdx.{_AXIS[m.group(1)]}"),
+    (re.compile(r"\bget_group_id\s*\(\s*([012])[uU]?\s*\)"), lambda m: f"blockIdx.{_AXIS[m.group(1)]}"),
+    (re.compile(r"\bget_local_size\s*\(\s*([012])[uU]?\s*\)"), lambda m: f"blockDim.{_AXIS[m.group(1)]}"),
+    (re.compile(r"\bget_num_groups\s*\(\s*([012])[uU]?\s*\)"), lambda m: f"gridDim.{_AXIS[m.group(1)]}"),
+    (
+        re.compile(r"\bget_global_id\s*\(\s*([012])[uU]?\s*\)"),
+        lambda m: "(blockIdx.{0} * blockDim.{0} + threadIdx.{0})".format(_AXIS[m.group(1)]),
+    ),
+    (
+        re.compile(r"\bget_global_size\s*\(\s*([012])[uU]?\s*\)"),
+        lambda m: "(gridDim.{0} * blockDim.{0})".format(_AXIS[m.group(1)]),
+    ),
+    # OpenCL 1.0's atom_add; a fence named like an atomic is none.
+    (re.compile(r"\batom_(\w+)\s*\("), r"atomic_\1("),
+    (re.compile(r"\batomic_work_item_fence\s*\("), "mem_fence("),
+    # The integer types the declaration patterns (_INT_ASSIGN) know under their C names.
+    (re.compile(r"\buint\b"), "unsigned int"),
+    (re.compile(r"\bulong\b"), "unsigned long"),
+)
+_DIALECT_PATTERNS: dict[str, dict[str, re.Pattern[str]]] = {
+    "hip": {
+        "vector_types": re.compile(r"\b(?:__hip_bfloat162|hip_bfloat162)\b"),
+        # MFMA (CDNA) and WMMA (RDNA3) builtins, and rocWMMA's fragments.
+        "tensor_core": re.compile(r"\b__builtin_amdgcn_(?:mfma|smfmac|wmma|swmmac)\w*\s*\(|\brocwmma::"),
+        "async_copy": re.compile(r"\b__builtin_amdgcn_global_load_lds\s*\("),
+        "barriers": re.compile(r"\b__builtin_amdgcn_(?:s_barrier|wave_barrier)\s*\("),
+        "warp_shuffles": re.compile(
+            r"\b__builtin_amdgcn_(?:ds_bpermute|ds_permute|ds_swizzle|mov_dpp8?|update_dpp|permlane\w*|readlane)"
+            r"\s*\(|\bhipcub::(?:WarpReduce|BlockReduce)\b|\brocprim::(?:warp_reduce|block_reduce)\b"
+        ),
+        "half": re.compile(r"\b(?:__hip_bfloat16|hip_bfloat16)\b"),
+    },
+    "opencl": {
+        # OpenCL's vectors beyond those CUDA names (CUDA's float3 is no vector load, nor OpenCL's), and the
+        # vector loads and stores of scalar pointers.
+        "vector_types": re.compile(
+            r"\b(?:double|half|u?char|u?short|u?long)[24]\b|\b(?:float|double|half|u?char|u?short|u?int|u?long)"
+            r"(?:8|16)\b|\bv(?:load|store)a?(?:_half)?(?:2|4|8|16)\s*\("
+        ),
+        "unroll_pragmas": re.compile(r"\b__attribute__\s*\(\(\s*opencl_unroll_hint\b(?!\s*\(\s*1[uU]?\s*\))"),
+        "async_copy": re.compile(r"\basync_work_group(?:_strided)?_copy\s*\("),
+        "barriers": re.compile(r"\b(?:work_group_barrier|sub_group_barrier|barrier)\s*\("),
+        "readonly": re.compile(
+            r"\bconst\s+(?:__global\s+|global\s+)?\w+\s*\*\s*(?:const\s+)?(?:restrict|__restrict)\b|"
+            r"\b(?:__global|global)\s+const\s+\w+\s*\*\s*(?:const\s+)?(?:restrict|__restrict)\b"
+        ),
+        "warp_shuffles": re.compile(
+            r"\b(?:intel_)?sub_group_(?:reduce_\w+|scan_\w+|shuffle\w*|broadcast)\s*\(|"
+            r"\bwork_group_(?:reduce|scan_inclusive|scan_exclusive)_\w+\s*\("
+        ),
+        "transcendentals": re.compile(
+            r"\b(?:native|half)_(?:exp|exp2|exp10|log|log2|log10|powr|sin|cos|tan|sqrt|rsqrt)\s*\(|"
+            r"\b(?:rsqrt|exp10)\s*\("
+        ),
+    },
+}
+
+
+def _with_dialect(language: str) -> dict[str, re.Pattern[str]]:
+    """_PATTERNS with each count also taking `language`'s spellings: one pattern per count (alternatives, not
+    two patterns summed), so a token both spell alike (`double2`) counts once."""
+    extra = _DIALECT_PATTERNS.get(language, {})
+    return {
+        name: re.compile(f"(?:{p.pattern})|(?:{extra[name].pattern})", p.flags) if name in extra else p
+        for name, p in _PATTERNS.items()
+    }
+
+
+_LANGUAGE_PATTERNS = {language: _with_dialect(language) for language in ("cuda", *_DIALECT_PATTERNS)}
+
+
+def _as_cuda(text: str, language: str) -> str:
+    """`text` (preprocessed) with the HIP or OpenCL names the passes read rewritten to CUDA's."""
+    rewrites = _HIP_REWRITES if language == "hip" else _OPENCL_REWRITES if language == "opencl" else ()
+    for pattern, replacement in rewrites:
+        text = pattern.sub(replacement, text)
+    return text
+
+
 # ---------------------------------------------------------------- access patterns (a small data-flow pass)
 
 # Agent-written sources are untrusted and analysed on the server's event loop: every pattern here is linear in
@@ -322,6 +426,10 @@ _FOR_INIT = re.compile(r"\bfor\s*\(\s*(?:[\w:]+\s+)?([A-Za-z_]\w*)\s*=\s*([^;]{1
 # A __shared__ declaration up to its ";": arrays, scalars (`__shared__ unsigned int count;`), several names in
 # one (`__shared__ float a[64], b[64];`), an alignment (`__shared__ __align__(16) float t[256];`).
 _SHARED_DECL = re.compile(r"__shared__\b([^;{}]{1,300});")
+# An OpenCL kernel's `__local float* scratch` parameter (read as `__shared__`): local memory the launch sizes.
+_SHARED_PARAM = re.compile(
+    r"__shared__\s+(?:const\s+)?[\w\s]{1,80}?\*\s*(?:(?:restrict|const)\s+)?([A-Za-z_]\w*)\s*[,)]"
+)
 _SHARED_NOISE = re.compile(r"\b(?:__align__|alignas)\s*\([^()]{0,60}\)|\[[^\[\]]{0,200}\]|<[^<>]{0,200}>")
 _LAST_NAME = re.compile(r"([A-Za-z_]\w*)\W*$")
 # The variable an atomic updates, past a cast of its address: `atomicMax((int*)&smax, v)`,
@@ -454,6 +562,7 @@ def _shared_names(text: str) -> set[str]:
         for declarator in _SHARED_NOISE.sub(" ", m.group(1)).split(","):
             if name := _LAST_NAME.search(declarator):
                 shared.add(name.group(1))
+    shared.update(_SHARED_PARAM.findall(text))
     for _ in range(2):
         for m in _POINTER_ASSIGN.finditer(text):
             if set(re.findall(r"\b[A-Za-z_]\w*\b", m.group(2))) & shared:
@@ -572,7 +681,13 @@ def _global_names(text: str) -> Iterator[tuple[int, str, int]]:
         at = text.find(_GLOBAL, after)
 
 
-_LAUNCH_BOUNDS = re.compile(r"__launch_bounds__\s*\([^()]*\)")
+# `__launch_bounds__(256)` and `__attribute__((amdgpu_flat_work_group_size(1, 256)))` (HIP) or
+# `__attribute__((reqd_work_group_size(16, 16, 1)))` (OpenCL) between the qualifier and the name carry parentheses
+# that would read as the parameter list.
+_LAUNCH_BOUNDS = re.compile(
+    r"__launch_bounds__\s*\([^()]*\)|"
+    r"\b__attribute__\s*\(\((?:[^()]|\((?:[^()]|\([^()]{0,200}\)){0,200}\)){0,400}\)\)"
+)
 
 
 def _closers(text: str, open_ch: str, close_ch: str) -> dict[int, int]:
@@ -597,7 +712,7 @@ def entry_text(text: str, entry: str | None) -> str:
     use them). Unchanged when `entry` is not defined here (a macro-generated or templated name)."""
     if not entry or "__global__" not in text:
         return text
-    # __launch_bounds__(256) carries parentheses that would read as the parameter list; blank it in place.
+    # Blanked in place (_LAUNCH_BOUNDS).
     probe = _LAUNCH_BOUNDS.sub(lambda m: " " * len(m.group(0)), text)
     spans: list[tuple[int, int]] = []
     names: set[str] = set()
@@ -657,11 +772,14 @@ def entry_parameter_count(source: str, entry: str) -> int | None:
     return None
 
 
-def source_features(source: str, defines: dict[str, Any], entry: str | None = None) -> SourceFeatures:
+def source_features(
+    source: str, defines: dict[str, Any], entry: str | None = None, language: Language = "cuda"
+) -> SourceFeatures:
     """Count source constructs in `source` preprocessed under `defines`; with `entry`, of that kernel only
-    (the other `__global__` kernels of the source left out, `entry_text`)."""
-    text = entry_text(preprocess(source, defines), entry)
-    counts = {name: len(p.findall(text)) for name, p in _PATTERNS.items()}
+    (the other `__global__` kernels of the source left out, `entry_text`). A HIP or OpenCL source is read as its
+    CUDA twin (`_as_cuda`, _DIALECT_PATTERNS)."""
+    text = entry_text(_as_cuda(preprocess(source, defines), language), entry)
+    counts = {name: len(p.findall(text)) for name, p in _LANGUAGE_PATTERNS.get(language, _PATTERNS).items()}
     lines = sum(1 for line in text.splitlines() if line.strip())
     flow = text[:_MAX_FLOW_TEXT]
     shared = _shared_names(flow)
@@ -744,15 +862,30 @@ _UNDECIDED = "?"
 
 
 def compile_macros(kernel: Kernel, spec: GpuSpec | None) -> dict[str, Any]:
-    """The macros nvcc's device pass sees for `kernel`: `__CUDACC__`, `__NVCC__` and `__CUDA_ARCH__` (from the
-    GPU's compute capability; unknown, its conditions count both ways), the `-D`/`-U` flags of its compile
-    options in order, then its defines (never the same name as a flag: models.Kernel refuses that)."""
+    """The macros the compiler's device pass sees for `kernel`: nvcc's `__CUDACC__`, `__NVCC__` and
+    `__CUDA_ARCH__` (from the GPU's compute capability; unknown, its conditions count both ways); for HIP,
+    hipcc's (`__HIP_DEVICE_COMPILE__`, and by the GPU's vendor `__HIP_PLATFORM_AMD__` with the `__gfx942__`-style
+    architecture, or `__HIP_PLATFORM_NVIDIA__` with nvcc's); for OpenCL, `__OPENCL_VERSION__` (unknown: its
+    conditions count both ways). Then the `-D`/`-U` flags of its compile options in order, then its defines
+    (never the same name as a flag: models.Kernel refuses that)."""
     macros: dict[str, Any] = {}
-    if kernel.language == "cuda":
+    vendor = spec.vendor if spec is not None else None
+    if kernel.language == "hip":
+        macros.update({"__HIPCC__": 1, "__HIP_DEVICE_COMPILE__": 1})
+        if spec is not None and vendor == "amd":
+            macros.update(
+                {"__HIP__": 1, "__HIP_PLATFORM_AMD__": 1, "__HIP_PLATFORM_HCC__": 1, "__AMDGCN__": 1}
+            )
+            macros.update({f"__{spec.arch}__": 1, "__AMDGCN_WAVEFRONT_SIZE": spec.warp_size})
+        elif vendor == "nvidia":
+            macros.update({"__HIP_PLATFORM_NVIDIA__": 1, "__HIP_PLATFORM_NVCC__": 1})
+    if kernel.language == "cuda" or (kernel.language == "hip" and vendor == "nvidia"):
         cc = spec.compute_capability if spec is not None else None
         major, _, minor = (cc or "").partition(".")
         arch = int(major) * 100 + int(minor or 0) * 10 if major.isdigit() and minor.isdigit() else _UNDECIDED
         macros.update({"__CUDACC__": 1, "__NVCC__": 1, "__CUDA_ARCH__": arch})
+    if kernel.language == "opencl":
+        macros.update({"__OPENCL_VERSION__": _UNDECIDED, "__OPENCL_C_VERSION__": _UNDECIDED})
     for option in kernel.compile_options:
         if option.startswith("-D"):
             name, eq, value = option[2:].partition("=")
@@ -778,8 +911,12 @@ def kernel_features(
 ) -> StaticFeatures:
     """Static features of one kernel; hardware-specific ones only when `spec` is known."""
     del workload  # sizes enter through the launch; kept in the signature for forecasters that use it
-    src = source_features(kernel.source, compile_macros(kernel, spec), kernel.entry)
-    return with_resources(src, kernel, spec, ptxas)
+    return with_resources(kernel_source_features(kernel, spec), kernel, spec, ptxas)
+
+
+def kernel_source_features(kernel: Kernel, spec: GpuSpec | None) -> SourceFeatures:
+    """`source_features` of `kernel` in its language, under the macros its compiler sets (`compile_macros`)."""
+    return source_features(kernel.source, compile_macros(kernel, spec), kernel.entry, kernel.language)
 
 
 def with_resources(

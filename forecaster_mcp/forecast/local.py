@@ -49,10 +49,9 @@ from forecaster_mcp.forecast.features import (
     MAX_ANCHORS,
     StaticFeatures,
     anchored_log2_ms,
-    compile_macros,
     kernel_features,
+    kernel_source_features,
     prior_shift,
-    source_features,
     with_resources,
 )
 from forecaster_mcp.forecast.ptxas import PtxasEntry, PtxasError, PtxasUsage
@@ -1576,7 +1575,7 @@ class LocalForecaster:
                     continue
                 try:
                     kernel = Kernel.model_validate_json(p.kernel_json)
-                    src = source_features(kernel.source, compile_macros(kernel, q.hardware), kernel.entry)
+                    src = kernel_source_features(kernel, q.hardware)
                     cached = (
                         with_resources(src, kernel, q.hardware, _ptxas_entry(kernel, p.resources)),
                         None,
