@@ -1,4 +1,5 @@
-"""Static features of HIP and OpenCL kernels read as those of their CUDA twins."""
+"""Static features of HIP and OpenCL kernels read as those of their CUDA twins; Triton and Python sources read
+only for what they say plainly."""
 
 from __future__ import annotations
 
@@ -534,12 +535,14 @@ __kernel void k(__global int* out) {
 @pytest.mark.anyio
 @pytest.mark.parametrize("hardware", ["MI300X", "H100"])
 async def test_compare_kernels_forecasts_every_language_side_by_side(tmp_path: Path, hardware: str) -> None:
-    """Through the tool: a CUDA baseline against its HIP and OpenCL twins, the same kernel: the prior says so."""
+    """Through the tool: a CUDA baseline against its HIP and OpenCL twins (the same kernel: the prior says so)
+    and a Triton kernel; nothing is compiled but the CUDA source, nothing fails."""
     launch = {"grid": [4096, 1, 1], "block": [256, 1, 1]}
     candidates = [
         {"id": "cuda", "source": HIST_PRIVATE[0], "entry": "hist", "launch": launch},
         {"id": "hip", "source": HIST_PRIVATE[1], "entry": "hist", "language": "hip", "launch": launch},
         {"id": "opencl", "source": HIST_PRIVATE[2], "entry": "hist", "language": "opencl", "launch": launch},
+        {"id": "triton", "source": TRITON, "entry": "hist", "language": "triton", "launch": launch},
     ]
     service = await Service.open(Settings.from_env(home=tmp_path, measurer="none"))
     try:
@@ -551,6 +554,7 @@ async def test_compare_kernels_forecasts_every_language_side_by_side(tmp_path: P
     for twin in ("hip", "opencl"):
         assert "no informative static difference" in results[twin]["rationale"], results[twin]["rationale"]
         assert abs(results[twin]["p_faster"] - 0.5) < 0.01
+    assert "triton source read for tl.dot and fp64 only" in results["triton"]["rationale"]
 
 
 @pytest.mark.parametrize(
@@ -561,6 +565,8 @@ async def test_compare_kernels_forecasts_every_language_side_by_side(tmp_path: P
         ("opencl", "__local float* \n"),
         ("hip", 'extern "C" __global__ __attribute__((x(\n'),
         ("hip", "hipThreadIdx_x * n\n"),
+        ("triton", '"""\ntl.dot(((\n'),
+        ("triton", "@triton.jit\ndef f(x):\n    return f(x)\n"),
     ],
 )
 def test_a_crafted_dialect_source_is_read_in_linear_time(language: Language, unit: str) -> None:
@@ -574,7 +580,7 @@ def test_a_crafted_dialect_source_is_read_in_linear_time(language: Language, uni
 
 @pytest.mark.anyio
 async def test_only_cuda_sources_are_given_to_nvcc(tmp_path: Path) -> None:
-    """The ptxas features come from nvcc, which takes CUDA only: a HIP or OpenCL kernel is never
+    """The ptxas features come from nvcc, which takes CUDA only: a HIP, OpenCL, Triton or Python kernel is never
     compiled (nor charged a compile error), a CUDA one is."""
     log = tmp_path / "compiles.log"
     nvcc = tmp_path / "nvcc"
@@ -587,6 +593,8 @@ async def test_only_cuda_sources_are_given_to_nvcc(tmp_path: Path) -> None:
     twins: dict[Language, str] = {
         "hip": HIST_PRIVATE[1],
         "opencl": HIST_PRIVATE[2],
+        "triton": TRITON,
+        "python": TRITON,
     }
     for language, source in twins.items():
         base = Kernel(source=source, entry="hist", language=language, launch=launch)
@@ -603,3 +611,86 @@ async def test_only_cuda_sources_are_given_to_nvcc(tmp_path: Path) -> None:
         ]
     )
     assert log.exists()
+
+
+# ---------------------------------------------------------------- Triton and Python
+
+TRITON = '''
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _bucket(x):
+    """Which bin: // is floor division here, not a comment."""
+    return x // 4
+
+
+@triton.jit
+def hist(x_ptr, h_ptr, n, BLOCK: tl.constexpr):
+    # if the block is partial, mask it
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    # else: nothing to do
+    x = tl.load(x_ptr + offs, mask=mask)
+    tl.atomic_add(h_ptr + _bucket(x), 1, mask=mask)
+
+
+@triton.jit
+def mm(a_ptr, b_ptr, c_ptr, K, BM: tl.constexpr, BK: tl.constexpr):
+    acc = tl.zeros((BM, BM), dtype=tl.float32)
+    for k in range(0, K, BK):
+        a = tl.load(a_ptr + tl.arange(0, BM)[:, None] * K + k + tl.arange(0, BK)[None, :])
+        b = tl.load(b_ptr + (k + tl.arange(0, BK))[:, None] * BM + tl.arange(0, BM)[None, :])
+        acc += tl.dot(a, b)
+    tl.store(c_ptr + tl.arange(0, BM)[:, None] * BM + tl.arange(0, BM)[None, :], acc)
+'''
+
+
+def test_triton_sources_are_read_as_python_for_what_they_say_plainly() -> None:
+    """A Triton kernel was read as C: `# if ...` comments as #if directives, `//` (floor division) as a comment,
+    the other kernels of its file counted with it, and `tl.atomic_add` on a block of pointers as CUDA's one
+    global atomic per element: the prior's largest term (-4 log2), said of a kernel that is not CUDA. Now the
+    entry and the helpers it calls are read as Python; the thread-level constructs stay 0 (Triton's compiler
+    chooses them); tl.dot counts as tensor cores, except a call asking for IEEE fp32."""
+    hist = source_features(TRITON, {}, "hist", "triton")
+    mm = source_features(TRITON, {}, "mm", "triton")
+    assert (hist.atomics, hist.thread_atomics, hist.tensor_core, hist.loops) == (1, 0, 0, 0)
+    assert (mm.atomics, mm.thread_atomics, mm.tensor_core, mm.loops) == (0, 0, 1, 1)
+    for f in (hist, mm):
+        zero = ("shared", "barriers", "warp_shuffles", "vector_types", "strided_access", "readonly")
+        assert all(getattr(f, name) == 0 for name in zero)
+    # The helper hist calls is read with it; mm does not call it.
+    assert hist.lines > mm.lines - 4 and source_features(TRITON, {}, "_bucket", "triton").atomics == 0
+    ieee = TRITON.replace("tl.dot(a, b)", 'tl.dot(a, b, input_precision="ieee")')
+    assert source_features(ieee, {}, "mm", "triton").tensor_core == 0
+    no_tf32 = TRITON.replace("tl.dot(a, b)", "tl.dot(a, b, allow_tf32=False)")
+    assert source_features(no_tf32, {}, "mm", "python").tensor_core == 0
+    commented = TRITON.replace("acc += tl.dot(a, b)", "acc += tl.sum(a) # not tl.dot(a, b)")
+    assert source_features(commented, {}, "mm", "triton").tensor_core == 0
+    # An entry not defined at the top level: the whole file.
+    assert source_features(TRITON, {}, "missing", "triton").tensor_core == 1
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("language", ["triton", "python"])
+async def test_a_python_pair_is_forecast_from_what_its_source_says(language: Language) -> None:
+    """compare_kernels' static prior for two Triton kernels: no CUDA term read into them, and the rationale
+    says how little of their sources was read. Before: 'one global atomic per element (+)', p_faster 1.00
+    for the kernel without tl.atomic_add."""
+    launch = Launch(grid=(4096, 1, 1), block=(128, 1, 1))
+    atomic = Kernel(id="a", source=TRITON, entry="hist", language=language, launch=launch)
+    plain = Kernel(
+        id="b",
+        source=TRITON.replace("tl.atomic_add(", "tl.store("),
+        entry="hist",
+        language=language,
+        launch=launch,
+    )
+    workload = Workload(problem={"n": 1 << 20})
+    query = PairQuery(atomic, plain, workload, "H100", lookup("H100"))
+    (fc,) = await LocalForecaster(None, nvcc="/nonexistent/nvcc").forecast([query])
+    assert "atomic" not in fc.rationale
+    assert f"{language} source read for tl.dot and fp64 only" in fc.rationale
+    assert abs(sum(fc.probs[4:]) - 0.5) < 0.01

@@ -3,7 +3,8 @@
 Source features are counted on the comment-stripped source after conditional compilation with the
 kernel's `defines` (so `#if USE_SHMEM` blocks count only when enabled). Counts are regex-based: they say
 "this kernel uses vector loads / tensor cores / shared memory", not how often at run time. A HIP or OpenCL kernel
-gets the features of its CUDA twin (`_as_cuda`, _DIALECT_PATTERNS).
+gets the features of its CUDA twin (`_as_cuda`, _DIALECT_PATTERNS); a Triton or Python one only those its source
+states plainly (PYTHON_LANGUAGES).
 
 `prior_shift` turns the differences between two kernels' features into a log2-speedup shift with a wide
 spread: mild hand-set heuristics (occupancy, waves, spills, tensor cores) plus a few terms fitted on measured
@@ -777,7 +778,10 @@ def source_features(
 ) -> SourceFeatures:
     """Count source constructs in `source` preprocessed under `defines`; with `entry`, of that kernel only
     (the other `__global__` kernels of the source left out, `entry_text`). A HIP or OpenCL source is read as its
-    CUDA twin (`_as_cuda`, _DIALECT_PATTERNS)."""
+    CUDA twin (`_as_cuda`, _DIALECT_PATTERNS); a Triton or Python one for the little it says plainly
+    (`python_source_features`)."""
+    if language in PYTHON_LANGUAGES:
+        return python_source_features(source, entry)
     text = entry_text(_as_cuda(preprocess(source, defines), language), entry)
     counts = {name: len(p.findall(text)) for name, p in _LANGUAGE_PATTERNS.get(language, _PATTERNS).items()}
     lines = sum(1 for line in text.splitlines() if line.strip())
@@ -790,6 +794,92 @@ def source_features(
         thread_atomics=_thread_atomics(flow, shared, fast),
         **counts,
     )
+
+
+# ---------------------------------------------------------------- Triton and Python
+
+# A Triton program works on blocks: shared memory, vector loads, coalescing, barriers and shuffles are the
+# compiler's choices, not written in the source, so the CUDA constructs and the thread-level passes have nothing
+# to read there and stay 0. What a Triton source says plainly is counted: loops, atomics, transcendentals,
+# precision, and tensor cores, which `tl.dot` uses on every GPU Triton targets (MMA from Volta on, MFMA on CDNA)
+# unless the call asks for IEEE fp32 (`input_precision="ieee"`, `allow_tf32=False`: FMA then). One case is
+# counted wrongly: fp32 inputs on a GPU without TF32 (before Ampere) run on FMA too.
+PYTHON_LANGUAGES: frozenset[str] = frozenset({"triton", "python"})
+# Strings (kept: a keyword argument's value is one), docstrings (dropped) and comments (dropped); a literal left
+# open ends at its line, a docstring at the end of the text, as in strip_comments.
+_PY_COMMENT_OR_STRING = re.compile(
+    r'"""(?:.*?)(?:"""|\Z)|\'\'\'(?:.*?)(?:\'\'\'|\Z)|"(?:\\.|[^"\\\n])*"?|\'(?:\\.|[^\'\\\n])*\'?|#[^\n]*',
+    re.DOTALL,
+)
+_PY_DEF = re.compile(r"^(?:async[ \t]+)?def[ \t]+([A-Za-z_]\w*)[ \t]*\(", re.MULTILINE)
+_PY_TOP_LEVEL = re.compile(r"^(?=[^\s#])", re.MULTILINE)
+_PY_DOT = re.compile(r"\btl\.dot(?:_scaled)?\s*\(((?:[^()]|\((?:[^()]|\([^()]{0,200}\)){0,200}\)){0,2000})\)")
+_PY_FMA_DOT = re.compile(r"""\binput_precision\s*=\s*["']ieee["']|\ballow_tf32\s*=\s*False\b""")
+_PY_PATTERNS: dict[str, re.Pattern[str]] = {
+    "loops": re.compile(r"^[ \t]*(?:for|while)\b", re.MULTILINE),
+    "atomics": re.compile(r"\btl\.atomic_\w+\s*\("),
+    "transcendentals": re.compile(
+        r"\b(?:tl|libdevice|tl\.math|tl\.extra\.cuda\.libdevice)\.(?:exp|exp2|log|log2|sin|cos|sqrt|rsqrt|"
+        r"pow|tanh|erf)\s*\("
+    ),
+    "fp64": re.compile(r"\btl\.float64\b"),
+    "half": re.compile(r"\btl\.(?:float16|bfloat16)\b"),
+}
+
+
+def _python_text(source: str) -> str:
+    """A Python source without comments and docstrings (strings kept: `input_precision="ieee"`)."""
+
+    def repl(m: re.Match[str]) -> str:
+        text = m.group(0)
+        if text.startswith("#"):
+            return ""
+        return "\n" * text.count("\n") if text[:3] in ('"""', "'''") else text
+
+    return _PY_COMMENT_OR_STRING.sub(repl, source)
+
+
+def python_entry_text(text: str, entry: str | None) -> str:
+    """`text` without the top-level functions that `entry` does not call (directly or through those it calls):
+    the other kernels of a file, kept beside it as CUDA's are (`entry_text`). Unchanged when `entry` is not
+    defined at the top level."""
+    if not entry:
+        return text
+    starts = [m.start() for m in _PY_TOP_LEVEL.finditer(text)]
+    blocks: dict[str, tuple[int, int]] = {}  # name -> (start with decorators, end)
+    decorated_from: int | None = None
+    for i, at in enumerate(starts):
+        end = starts[i + 1] if i + 1 < len(starts) else len(text)
+        if text.startswith("@", at):
+            decorated_from = at if decorated_from is None else decorated_from
+            continue
+        if (m := _PY_DEF.match(text, at)) is not None:
+            blocks[m.group(1)] = (at if decorated_from is None else decorated_from, end)
+        decorated_from = None
+    if entry not in blocks:
+        return text
+    kept, queue = {entry}, [entry]
+    while queue:
+        start, end = blocks[queue.pop()]
+        for name in set(_IDENT.findall(text, start, end)) & blocks.keys() - kept:
+            kept.add(name)
+            queue.append(name)
+    cut = sorted(span for name, span in blocks.items() if name not in kept)
+    out, at = [], 0
+    for a, b in cut:
+        out.append(text[at:a])
+        at = b
+    out.append(text[at:])
+    return "".join(out)
+
+
+def python_source_features(source: str, entry: str | None = None) -> SourceFeatures:
+    """The features of a Triton or Python kernel (see PYTHON_LANGUAGES): `entry` and what it calls."""
+    text = python_entry_text(_python_text(source), entry)
+    counts = {name: len(p.findall(text)) for name, p in _PY_PATTERNS.items()}
+    dots = sum(1 for m in _PY_DOT.finditer(text) if _PY_FMA_DOT.search(m.group(1)) is None)
+    lines = sum(1 for line in text.splitlines() if line.strip())
+    return SourceFeatures(lines=lines, tensor_core=dots, **counts)
 
 
 # ---------------------------------------------------------------- launch, occupancy, all together

@@ -47,6 +47,7 @@ from forecaster_mcp import bins
 from forecaster_mcp.forecast.base import BinForecast, PairQuery, PartialForecast
 from forecaster_mcp.forecast.features import (
     MAX_ANCHORS,
+    PYTHON_LANGUAGES,
     StaticFeatures,
     anchored_log2_ms,
     kernel_features,
@@ -1965,6 +1966,12 @@ class LocalForecaster:
             # Anchored, the two may still differ: what the measured kernels say of this workload decides.
             same = "no informative static difference" + (", near 50/50" if what == "static prior" else "")
             rationale = f"{what} ({why}): {same}"
+        # Their sources say little (features.PYTHON_LANGUAGES): the rationale says how little was read.
+        unread = sorted({k.language for k in (q.baseline, q.candidate)} & PYTHON_LANGUAGES)
+        if unread:
+            rationale += (
+                f"; {' and '.join(unread)} source read for tl.dot and fp64 only, not its memory access"
+            )
         failing = [(who, e) for who, e in (("candidate", ec), ("baseline", eb)) if e is not None]
         if ec is not None:
             extras["compile_error"] = 1.0
