@@ -736,6 +736,11 @@ def entry_text(text: str, entry: str | None) -> str:
         spans.append((start, end))
     if entry not in names:
         return text
+    return _cut(text, spans)
+
+
+def _cut(text: str, spans: Sequence[tuple[int, int]]) -> str:
+    """`text` without the (start, end) spans, which are in order and do not overlap."""
     out, at = [], 0
     for a, b in spans:
         out.append(text[at:a])
@@ -864,13 +869,7 @@ def python_entry_text(text: str, entry: str | None) -> str:
         for name in set(_IDENT.findall(text, start, end)) & blocks.keys() - kept:
             kept.add(name)
             queue.append(name)
-    cut = sorted(span for name, span in blocks.items() if name not in kept)
-    out, at = [], 0
-    for a, b in cut:
-        out.append(text[at:a])
-        at = b
-    out.append(text[at:])
-    return "".join(out)
+    return _cut(text, sorted(span for name, span in blocks.items() if name not in kept))
 
 
 def python_source_features(source: str, entry: str | None = None) -> SourceFeatures:
