@@ -1045,6 +1045,8 @@ def _macro_directives(secret: Path) -> list[str]:
         "#define H #\n" + body.format("H", secret),
         "#define P(a, b) a##b\n" + body.format("P(%, :)", secret),  # '%:' pasted: the digraph of '#'
         "#define I(x) x\n" + body.format("I(#)", secret),  # a '#' passed as a macro's argument
+        # After a raw string literal whose lines start with '#' (those the check lets through as the source's own)
+        '#define H #\nconst char* s = R"(\n#x\n)";\n' + body.format("H", secret),
     ]
 
 
@@ -1108,6 +1110,39 @@ async def test_the_directives_gcc_writes_itself_are_not_refused(tmp_path: Path) 
     assert usage is not None and usage.for_entry("k") is not None
     compiler = NvccCompiler(tmp_path / "cache", shutil.which("nvcc"))
     compiled = await compiler.compile(kernel(source=source), "sm_90")
+    assert isinstance(compiled, CompiledKernel), compiled
+
+
+@pytest.mark.anyio
+@needs_nvcc
+@pytest.mark.parametrize("newline", ["\n", "\r\n"])
+async def test_a_raw_string_literal_with_lines_starting_with_a_hash_compiles(
+    tmp_path: Path, newline: str
+) -> None:
+    """gcc copies a raw string literal's lines as they are, and cicc reads them as the string's text: a line of
+    one that starts with '#' (a usage text, a shell or Python snippet kept beside the kernel) read as a directive
+    a macro wrote, and the kernel was refused ('source refused: a macro writes a preprocessor directive')."""
+    from forecaster_mcp.forecast import ptxas
+
+    source = (
+        '__device__ const char* usage = R"(\n# Usage\n\t#include <not_a_header>\n  # pragma none\n)";\n'
+        'const char* script = R"py(\n#!/usr/bin/env python\n)py";\n'
+        "__global__ void k(char* a) { a[threadIdx.x] = usage[N]; }\n"
+    ).replace("\n", newline)
+    found = kernel(source=source, defines={"N": 1})
+    # The refusal that version of the ptxas cache kept is not served.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ptxas, "CACHE_VERSION", "6")
+        stale = (
+            tmp_path / "cache" / "ptxas" / f"{ptxas._cache_key(found, 'sm_90', NVCC, [], '-arch=sm_90')}.json"
+        )
+    stale.parent.mkdir(parents=True)
+    stale.write_text(
+        json.dumps({"ok": False, "arch": "sm_90", "error": "source refused: a macro writes ..."})
+    )
+    usage = await ptxas_usage(found, "sm_90", NVCC, tmp_path / "cache", 300.0)
+    assert usage is not None and usage.for_entry("k") is not None
+    compiled = await NvccCompiler(tmp_path / "cache", NVCC).compile(found, "sm_90")
     assert isinstance(compiled, CompiledKernel), compiled
 
 

@@ -45,10 +45,9 @@ _K = TypeVar("_K", bound=Hashable)
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = (
-    "6"  # 4: callee spills charged to entries, -rdc left out; 5: to the entry calling them; 6: made
-)
-# directives refused (a result cached before may hold a server file's word)
+# 4: callee spills charged to entries, -rdc left out; 5: to the entry calling them; 6: made directives refused (a
+# result cached before may hold a server file's word); 7: a raw string literal's lines are not (6 cached refusals)
+CACHE_VERSION = "7"
 _ARCH = re.compile(r"^sm_\d{2,3}[a-z]?$")
 _PLAIN_ARCH = re.compile(r"^sm_(\d{2,3})$")
 _DEVICE_C_FLAGS = ("-dc", "--device-c")
@@ -389,12 +388,16 @@ async def read_bounded(stream: AsyncIterable[bytes], keep: int = OUTPUT_KEEP_BYT
 # file and quoted it in its errors ('passwd(1): error: identifier "root" is undefined' came back in a
 # compare_kernels rationale). Macros build such a directive where no check of the source can see it, so the
 # preprocessed text is checked after every compile: a hash first on a line is gcc's own (at the line's very
-# start, a linemarker, #pragma or #ident) or the compile is refused.
+# start, a linemarker, #pragma or #ident), or the source's own line as written (a line of a raw string literal,
+# which gcc copies as it is and cicc reads as string text), or the compile is refused. A line the source holds
+# as written is one the source checks (models.source_problem) have read, as they read a directive written plainly.
 PREPROCESSED_GLOB = "*.cpp1.ii"
 NO_PREPROCESSED_SOURCE = "no preprocessed source"
 _LINE_HASH = re.compile(rb"[\r\n][ \t\f\v]*(#|%:|\?\?=)")  # "(?:\A|[\r\n])" scans 4x slower: the start apart
 _FIRST_HASH = re.compile(rb"[ \t\f\v]*(#|%:|\?\?=)")
 _GCC_DIRECTIVE = re.compile(rb'# \d+ "|#pragma\b|#ident\b')
+_CHUNK = 1 << 20
+_LINEMARKER = re.compile(rb'# (\d+) "((?:[^"\\\n]|\\.)*)"')
 MADE_DIRECTIVE_ADVICE = (
     "a macro writes a preprocessor directive (a '#' or '%:' that a macro expansion leaves first on a line, "
     "as '#define H #' then 'H include ...'): the compiler would obey it, and the server does not compile such "
@@ -402,35 +405,65 @@ MADE_DIRECTIVE_ADVICE = (
 )
 
 
-def made_directive(keep_dir: Path) -> str | None:
+def made_directive(keep_dir: Path, source: str | None = None) -> str | None:
     """The start of the first line in the preprocessed source nvcc kept in `keep_dir` (PREPROCESSED_GLOB) that
-    is a directive gcc did not write, or None when there is none. No preprocessed source at all reads as such a
-    line (NO_PREPROCESSED_SOURCE): nothing then says what cicc read was checked."""
+    is a directive gcc did not write, or None when there is none. A line starting with '#' that is the same line
+    of `source` (the kernel's own source, which the compiled `kernel.cu` holds) as written is not one: a line of
+    a raw string literal. No preprocessed source at all reads as such a line (NO_PREPROCESSED_SOURCE): nothing
+    then says what cicc read was checked."""
     files = sorted(keep_dir.glob(PREPROCESSED_GLOB))
     if not files:
         return NO_PREPROCESSED_SOURCE
+    # The source's lines as gcc reads them (a CR LF or a lone CR ends a line), as bytes, as the compile wrote them.
+    lines = (
+        re.split(rb"\r\n|\r|\n", source.removeprefix("\ufeff").encode("utf-8", "surrogatepass"))
+        if source is not None
+        else []
+    )
     for path in files:
         with path.open("rb") as f:
             if os.fstat(f.fileno()).st_size == 0:
                 continue
             # Mapped, not read: a preprocessor explosion can leave hundreds of MB here.
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as text:
-                found = _made_directive_in(text)
+                found = _made_directive_in(text, lines)
         if found is not None:
             return found
     return None
 
 
-def _made_directive_in(text: mmap.mmap) -> str | None:
+def _made_directive_in(text: mmap.mmap, source_lines: Sequence[bytes] = ()) -> str | None:
     """made_directive in one mapped file (its matches are gone once this returns: the map can close)."""
     first = _FIRST_HASH.match(text)
     starts = [(0, first.start(1))] if first else []
     found = ((m.start() + 1, m.start(1)) for m in _LINE_HASH.finditer(text))
+    # Where each line came from, by gcc's last linemarker ('# 12 "kernel.cu"': the next line is line 12 of that
+    # file): the line starting at `cursor` is line `line_no` of the source when `in_source`. Counted only up to
+    # each line checked, so the whole file is counted at most once.
+    in_source, line_no, cursor = False, 0, 0
+    # One byte past the source's longest line and its CR: a line read that far is none of the source's.
+    reach = max(max(map(len, source_lines), default=0) + 2, 60)
     for line_at, hash_at in itertools.chain(starts, found):
         if hash_at == line_at and _GCC_DIRECTIVE.match(text, hash_at):
+            if (marker := _LINEMARKER.match(text, hash_at)) is not None:
+                name = marker.group(2)
+                in_source = name == b"kernel.cu" or name.endswith(b"/kernel.cu")
+                line_no, cursor = int(marker.group(1)), text.find(b"\n", marker.end()) + 1
             continue
-        line = bytes(text[line_at : line_at + 60]).splitlines()[0]
-        return line.decode("utf-8", "replace").strip()
+        # Read no further than any source line reaches (a preprocessor explosion may write a line of a GB).
+        end = text.find(b"\n", line_at, line_at + reach)
+        line = bytes(text[line_at : end if end >= 0 else line_at + reach]).removesuffix(b"\r")
+        if in_source and text[hash_at] == ord("#") and 0 < cursor <= line_at:
+            # A map has no count of its own; counted a MB at a time (the lines between may be a GB).
+            line_no += sum(
+                text[i : min(i + _CHUNK, line_at)].count(b"\n") for i in range(cursor, line_at, _CHUNK)
+            )
+            cursor = line_at
+            # Copied as written (gcc writes a macro's expansion, and a directive it made, otherwise): a raw string
+            # literal's line, which cicc reads as text, and which the source checks read as the source's own.
+            if 1 <= line_no <= len(source_lines) and source_lines[line_no - 1] == line:
+                continue
+        return line[:60].decode("utf-8", "replace").strip()
     return None
 
 
@@ -551,7 +584,7 @@ async def _compile(
                 with anyio.CancelScope(shield=True):
                     await proc.wait()
             await proc.aclose()
-        made = None if timed_out else await anyio.to_thread.run_sync(made_directive, keep)
+        made = None if timed_out else await anyio.to_thread.run_sync(made_directive, keep, kernel.source)
     if timed_out:
         log.info("nvcc did not finish in its time on %s: ptxas features unavailable", kernel.entry)
         return None

@@ -447,7 +447,7 @@ class NvccCompiler:
                 ), False
             if rc < 0:  # killed by a signal (the machine's OOM killer, an operator): not the source's doing
                 return CompileFailure(f"nvcc was killed (signal {-rc})", transient=True), False
-            made = await anyio.to_thread.run_sync(ptxas.made_directive, work / "keep")
+            made = await anyio.to_thread.run_sync(ptxas.made_directive, work / "keep", kernel.source)
             if made == ptxas.NO_PREPROCESSED_SOURCE and rc == 0:
                 raise NotMeasurable(
                     f"nvcc kept no preprocessed source ({ptxas.PREPROCESSED_GLOB}) for the server to check before "
