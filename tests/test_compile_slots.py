@@ -6,6 +6,7 @@ refused, nothing charged."""
 from __future__ import annotations
 
 import fcntl
+import random
 import sys
 import threading
 from collections.abc import Iterator
@@ -352,3 +353,62 @@ def test_the_limit_is_a_setting_an_http_server_reports(
     srv.stop()
     assert srv.proc.stderr is not None
     assert "at most 3 compiles at once" in srv.proc.stderr.read().decode()
+
+
+def test_slots_come_back_after_many_waiters_on_several_loops_time_out_are_cancelled_or_fail() -> None:
+    """Four threads, each its own event loop, 300 compiles each over 3 slots: waits that run out, waiters cancelled
+    while in line or just as they are given a slot, holders that raise. No more than 3 ever hold a slot, and every
+    slot comes back (a slot lost this way would stall every later compile of the server)."""
+    limit = 3
+    slots = CompileSlots(limit)
+    guard = threading.Lock()
+    holding = [0, 0]  # now, most at once
+    outcomes: dict[str, int] = {"held": 0, "no slot": 0, "cancelled": 0}
+
+    def count(what: str) -> None:
+        with guard:
+            outcomes[what] += 1
+
+    async def compile_once(rng: random.Random) -> None:
+        with anyio.move_on_after(rng.choice([1e-4, 1e-3, 5e-3, 60.0])) as scope:
+            if not await slots.acquire(rng.choice([0.0, 1e-4, 1e-3, 0.01, 30.0])):
+                count("no slot")
+                return
+            try:
+                with guard:
+                    holding[0] += 1
+                    holding[1] = max(holding)
+                count("held")
+                for _ in range(rng.randrange(4)):
+                    await anyio.lowlevel.checkpoint()
+                if rng.random() < 0.1:
+                    raise ValueError("nvcc could not start")
+            except ValueError:
+                pass
+            finally:
+                with guard:
+                    holding[0] -= 1
+                slots.release()
+        if scope.cancelled_caught:
+            count("cancelled")
+
+    def loop(seed: int) -> None:
+        async def main() -> None:
+            rng = random.Random(seed)
+            async with anyio.create_task_group() as tg:
+                for _ in range(300):
+                    tg.start_soon(compile_once, random.Random(rng.random()))
+                    if rng.random() < 0.3:
+                        await anyio.lowlevel.checkpoint()
+
+        anyio.run(main)
+
+    threads = [threading.Thread(target=loop, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60.0)
+    assert not any(thread.is_alive() for thread in threads)
+    assert slots.running == 0 and slots.waiting == 0, (slots.running, slots.waiting)
+    assert holding[1] == limit  # the slots were contended, and the bound held
+    assert all(outcomes.values()), outcomes
