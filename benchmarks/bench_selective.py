@@ -21,7 +21,10 @@ by the Calibrator fitted on the pairs verified before it (refitted after every p
 `Calibrator.fit` with the engine's prior), and stored with the confidence it was issued at. After 0, 10, 30,
 100, 300 and 1,000 pairs the engine (`ForecastEngine.set_history` + `threshold`: per GPU, pooled over GPUs
 while a GPU's own history is short, refuted by a GPU's own record) chooses the threshold for each target, and
-fresh pairs from the same forecaster and GPU, calibrated by the current fit, are decided at it. Their error is
+fresh pairs from the same forecaster and GPU, calibrated by the current fit, are decided at it. The history
+the threshold is certified on is scored as the engine scores it (--history issued): at the confidence each
+was issued at; --history oof: each pair's raw forecast calibrated by a fit on the pairs outside its fold;
+--history in-sample: on the current fit, made from those same pairs. Their error is
 the mean of each decided pair's true chance of being wrong (not of drawn outcomes: no sampling noise there).
 
 Prints, per forecaster, history length and target: how often the decided error exceeded the target (the claim:
@@ -59,6 +62,7 @@ TARGETS = (0.02, 0.05, 0.1, 0.2)
 DELTA = 0.05
 ASKED = "H100"  # the GPU fresh pairs are asked about
 OTHER = "A100"  # the shifted forecaster's calibrated GPU
+FOLDS = 5  # of --history oof
 SPEEDUP = 1.5  # measured speedup of a pair whose candidate was faster (1 / SPEEDUP otherwise): never a tie
 
 
@@ -107,6 +111,26 @@ def _calibrate(
     for h in set(hw.tolist()):
         sel = hw == h
         out[sel] = cal.for_hardware(h).p_array(p_raw[sel])
+    return out
+
+
+def _out_of_fold(
+    p_raw: np.ndarray[Any, Any],
+    faster: np.ndarray[Any, Any],
+    hw: np.ndarray[Any, Any],
+    folds: int,
+    prior: Platt,
+    issued: np.ndarray[Any, Any],
+) -> np.ndarray[Any, Any]:
+    """Each pair's raw forecast calibrated by a fit on the pairs outside its fold (folds: a hash of its place)."""
+    out = issued.copy()
+    if p_raw.size < 2 * folds:
+        return out
+    fold = (np.arange(p_raw.size) * 2654435761 % 2**32) % folds
+    for k in range(folds):
+        sel = fold == k
+        cal = Calibrator.fit(p_raw[~sel], faster[~sel], hw[~sel], prior=prior)
+        out[sel] = _calibrate(cal, p_raw[sel], hw[sel])
     return out
 
 
@@ -183,9 +207,14 @@ async def _history_run(
     thresholds_by_length = []
     for length in lengths:
         engine = ForecastEngine([_Silent()], delta=DELTA)
-        history = (
-            _calibrate(checkpoints[length], p_raw[:length], hw[:length]) if args.rescore else issued[:length]
-        )
+        if args.history == "oof":
+            history = _out_of_fold(
+                p_raw[:length], faster[:length], hw[:length], args.folds, prior, issued[:length]
+            )
+        elif args.history == "in-sample":
+            history = _calibrate(checkpoints[length], p_raw[:length], hw[:length])
+        else:
+            history = issued[:length]
         engine.set_history(list(hw[:length]), list(history), list(speedups[:length]))
         p = _calibrate(checkpoints[length], fp_raw, fhw)
         conf = np.maximum(p, 1.0 - p)
@@ -234,7 +263,8 @@ async def _main(args: argparse.Namespace) -> int:
                 bad = any(ts[i] < ts[j] for i in range(len(ts)) for j in range(i + 1, len(ts)))
                 inversions[(kind, length)] = inversions.get((kind, length), 0) + bad
     print(
-        f"{args.reps} histories per forecaster, {args.fresh} fresh pairs, spread {args.spread}, delta {DELTA}"
+        f"{args.reps} histories per forecaster, {args.fresh} fresh pairs, spread {args.spread}, delta {DELTA}, "
+        f"history scored {args.history}" + (f" ({args.folds} folds)" if args.history == "oof" else "")
     )
     print(f"{'forecaster':15s} {'n':>5s} {'target':>6s} {'exceed':>7s} {'err mean':>8s} {'err p95':>8s} "
           f"{'decided':>8s} {'best':>6s}  sources")  # fmt: skip
@@ -265,10 +295,14 @@ def main() -> int:
     ap.add_argument("--forecasters", default=",".join(FORECASTERS))
     ap.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="history lengths reported")
     ap.add_argument(
-        "--rescore",
-        action="store_true",
-        help="certify on the history's raw forecasts as the current fit calibrates them, not as they were issued",
+        "--history",
+        choices=("oof", "issued", "in-sample"),
+        default="issued",
+        help="how the verified history is scored before thresholds are certified on it: its raw forecasts "
+        "calibrated out of fold; at the confidence each was issued at, as the engine scores it (default); or "
+        "calibrated by the current fit, made from those same pairs",
     )
+    ap.add_argument("--folds", type=int, default=FOLDS, help="folds of --history oof")
     ap.add_argument("--slope", type=float, default=0.5, help="the underconfident forecaster's logit slope")
     args = ap.parse_args()
     return anyio.run(_main, args)
