@@ -22,9 +22,9 @@ by the Calibrator fitted on the pairs verified before it (refitted after every p
 100, 300 and 1,000 pairs the engine (`ForecastEngine.set_history` + `threshold`: per GPU, pooled over GPUs
 while a GPU's own history is short, refuted by a GPU's own record) chooses the threshold for each target, and
 fresh pairs from the same forecaster and GPU, calibrated by the current fit, are decided at it. The history
-the threshold is certified on is scored as the engine scores it (--history issued): at the confidence each
-was issued at; --history oof: each pair's raw forecast calibrated by a fit on the pairs outside its fold;
---history in-sample: on the current fit, made from those same pairs. Their error is
+the threshold is certified on is scored as the engine scores it (--history oof): each pair's raw forecast
+calibrated by a fit on the pairs outside its fold; --history issued certifies at the confidence each was issued
+at (the engine before it scored out of fold), --history in-sample on the current fit, made from those pairs. Their error is
 the mean of each decided pair's true chance of being wrong (not of drawn outcomes: no sampling noise there).
 
 Prints, per forecaster, history length and target: how often the decided error exceeded the target (the claim:
@@ -54,7 +54,7 @@ sys.path.insert(0, str(ROOT))
 from forecaster_mcp import bins  # noqa: E402
 from forecaster_mcp.forecast.base import BinForecast, PairQuery  # noqa: E402
 from forecaster_mcp.forecast.calibration import Calibrator, Platt, with_p_faster  # noqa: E402
-from forecaster_mcp.forecast.engine import ForecastEngine, Outcome  # noqa: E402
+from forecaster_mcp.forecast.engine import OOF_FOLDS, ForecastEngine, Outcome  # noqa: E402
 
 FORECASTERS = ("calibrated", "overconfident", "underconfident", "shifted")
 LENGTHS = (0, 10, 30, 100, 300, 1000)
@@ -62,7 +62,6 @@ TARGETS = (0.02, 0.05, 0.1, 0.2)
 DELTA = 0.05
 ASKED = "H100"  # the GPU fresh pairs are asked about
 OTHER = "A100"  # the shifted forecaster's calibrated GPU
-FOLDS = 5  # of --history oof
 SPEEDUP = 1.5  # measured speedup of a pair whose candidate was faster (1 / SPEEDUP otherwise): never a tie
 
 
@@ -122,7 +121,8 @@ def _out_of_fold(
     prior: Platt,
     issued: np.ndarray[Any, Any],
 ) -> np.ndarray[Any, Any]:
-    """Each pair's raw forecast calibrated by a fit on the pairs outside its fold (folds: a hash of its place)."""
+    """Each pair's raw forecast calibrated by a fit on the pairs outside its fold, as ForecastEngine._rescored
+    scores its history (there a fold is a hash of the measurement that settled a pair; here of its place)."""
     out = issued.copy()
     if p_raw.size < 2 * folds:
         return out
@@ -297,12 +297,12 @@ def main() -> int:
     ap.add_argument(
         "--history",
         choices=("oof", "issued", "in-sample"),
-        default="issued",
+        default="oof",
         help="how the verified history is scored before thresholds are certified on it: its raw forecasts "
-        "calibrated out of fold; at the confidence each was issued at, as the engine scores it (default); or "
+        "calibrated out of fold, as the engine scores it (default); at the confidence each was issued at; or "
         "calibrated by the current fit, made from those same pairs",
     )
-    ap.add_argument("--folds", type=int, default=FOLDS, help="folds of --history oof")
+    ap.add_argument("--folds", type=int, default=OOF_FOLDS, help="folds of --history oof")
     ap.add_argument("--slope", type=float, default=0.5, help="the underconfident forecaster's logit slope")
     args = ap.parse_args()
     return anyio.run(_main, args)

@@ -166,17 +166,22 @@ def _bulk(db: Path, n_forecasts: int, configs: list[dict[str, Any]], runtimes: l
         p = sum(probs[4:])
         verdict = "faster" if p > 0.95 else "slower" if p < 0.05 else "unsure"
         t = now + i * 10
-        for row_name, row_ledger, row_verdict in ((name, ledger, verdict), (f"raw:{name}", None, "unsure")):
+        # The final row keeps its kernels' chances of failing (the engine scores it again with them), a raw
+        # row none.
+        for row_name, row_ledger, row_verdict, p_fail in (
+            (name, ledger, verdict, 0.02),
+            (f"raw:{name}", None, "unsure", None),
+        ):
             f_rows.append(
                 (
                     row_ledger, row_name, hw, wkey, base[0], cand[0], json.dumps(probs), p, row_verdict,
-                    "forecast", t, cand[1],
+                    "forecast", t, cand[1], p_fail, p_fail,
                 )
             )  # fmt: skip
     conn.executemany(
         "INSERT INTO forecasts (ledger, forecaster, hardware, workload_key, baseline_key, candidate_key, "
-        "probs_json, p_faster, verdict, decided_by, created_at, family_key) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, "
-        "?, ?)",
+        "probs_json, p_faster, verdict, decided_by, created_at, family_key, p_fail, p_fail_baseline) VALUES "
+        "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         f_rows,
     )
     # What save_measurement and save_forecasts would have set: the store's own verification of every row.

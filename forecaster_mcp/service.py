@@ -802,6 +802,8 @@ class Service:
                 verdict=r.verdict,
                 decided_by="forecast",
                 family_key=family[str(k.id)],
+                p_fail=fc.p_fail,
+                p_fail_baseline=p_fail_baseline_of(fc.extras),
             )
             rows.append(row)
             per = getattr(fc_by_id[str(k.id)], "per_forecaster", None) or {}
@@ -816,6 +818,8 @@ class Service:
                         probs=list(probs),
                         p_faster=bins.p_faster(probs),
                         verdict="unsure",
+                        p_fail=None,
+                        p_fail_baseline=None,
                     )
                 )
         if rows:

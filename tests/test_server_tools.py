@@ -430,6 +430,9 @@ async def test_static_prior_forecasts_are_stored_and_thresholded_apart(
         await call(client, "measure_kernel", {"kernel": conv("b", SLOW)})
         verified = await service.store.verified_pairs()
         assert sorted(v.forecaster for v in verified) == [f"{LOCAL}:prior", f"raw:{LOCAL}:prior"]
+        # The final row keeps the chances of failing its verdict weighed, to be scored again out of fold.
+        final, raw = sorted(verified, key=lambda v: v.forecaster.startswith("raw:"))
+        assert final.p_fail is not None and final.p_fail_baseline is not None and raw.p_fail is None
         status = await call(client, "budget_status", {})
         assert status["calibration"]["verified_pairs"] == 1
 

@@ -11,7 +11,11 @@ import pytest
 from test_engine import _scripted
 from test_store import forecast, kernel, save
 
-from forecaster_mcp.forecast.engine import ForecastEngine
+from forecaster_mcp import bins
+from forecaster_mcp.forecast.calibration import with_p_faster
+from forecaster_mcp.forecast.engine import OOF_FOLDS, ForecastEngine
+from forecaster_mcp.forecast.selective import decision_p
+from forecaster_mcp.forecast.verified_rows import _mix
 from forecaster_mcp.models import Kernel
 from forecaster_mcp.store.db import ForecastRow, Store, VerifiedPair
 
@@ -79,7 +83,10 @@ def rows(base: Kernel, cand: Kernel, p: float, rng: random.Random) -> list[Forec
         base, cand, p, "faster" if p > 0.9 else "slower" if p < 0.1 else "unsure", forecaster=name
     )
     raw = forecast(base, cand, min(1.0, max(0.0, p + rng.gauss(0, 0.05))), "unsure", forecaster="raw:" + name)
-    return [final, ForecastRow(**{**raw.__dict__, "ledger": None})]
+    # Most with the chances of failing the verdict weighed (the history is scored again out of fold), some
+    # without (rows stored before they were kept keep their issued scores).
+    fails = {"p_fail": rng.choice([0.0, 0.02, 0.3]), "p_fail_baseline": 0.02} if rng.random() < 0.8 else {}
+    return [ForecastRow(**{**final.__dict__, **fails}), ForecastRow(**{**raw.__dict__, "ledger": None})]
 
 
 def state(engine: ForecastEngine) -> dict[str, Any]:
@@ -176,3 +183,82 @@ async def test_a_refresh_after_one_measurement_reads_only_that_kernels_pairs(sto
     await engine.refresh()
     assert counting.full_reads == 1
     assert counting.changed_pairs == [2]  # the pair's final row and its raw row, nothing else
+
+
+async def test_thresholds_are_certified_on_the_history_calibrated_out_of_fold(store: Store) -> None:
+    """An underconfident forecaster: its raw 0.6 / 0.4 were right 95% of the time, so today's calibration says
+    about 0.8 for them. Its verified forecasts were issued at 0.6 (before any calibration), and certifying on
+    those confidences chose threshold 0.6, at which today's calibrated forecasts would be decided as confident
+    as 0.6, forecasts whose raw answer is nearer a coin flip than any verified. Scored out of fold, the history
+    certifies about 0.8, what today's calibration says of it."""
+    base = kernel(BS=0)
+    await save(store, base, 1.0)
+    for i in range(1, 201):
+        cand = kernel(BS=i)
+        faster = i % 2 == 0
+        says_faster = faster != (i % 20 == 1)  # wrong on 10 of 200
+        p = 0.6 if says_faster else 0.4
+        final = forecast(base, cand, p, "unsure", forecaster="local@0")
+        raw = forecast(base, cand, p, "unsure", forecaster="raw:local@0", ledger=None)
+        await store.save_forecasts(
+            [ForecastRow(**{**final.__dict__, "p_fail": 0.0, "p_fail_baseline": 0.0}), raw]
+        )
+        await save(store, cand, 0.5 if faster else 2.0)  # settles this pair alone
+    engine = ForecastEngine([_scripted("local")], store, refresh_interval_s=1e9)
+    choice = await engine.threshold("A100", 0.1)
+    today = engine._calibrators["local"].p(0.6, "A100")
+    assert today > 0.75
+    assert choice.source == "history"
+    assert choice.threshold > 0.7, choice  # was 0.6
+    assert choice.threshold <= today  # today's 0.6 is still decided
+    assert engine._calibrators["local"].p(0.55, "A100") < choice.threshold
+
+
+async def test_history_scored_out_of_fold_is_each_forecast_as_its_fold_calibration_would_issue_it(
+    store: Store,
+) -> None:
+    """Two components: each verified final forecast is found with its components' raw rows (stored right after
+    it), each answer calibrated by its slot's fit without the forecast's fold, pooled by the combination weights,
+    its chances of failing weighed as its verdict weighed them: what the engine's own combine_raw and decision_p
+    give with those fits. A final row stored before its chances of failing were kept keeps its issued score."""
+    rng = random.Random(11)
+    name = "local@0+claude@0"
+    base = kernel(BS=0)
+    await save(store, base, 1.0)
+    made: list[tuple[float, float, float, float, float | None]] = []
+    for i in range(1, 81):
+        cand = kernel(BS=i)
+        faster = rng.random() < 0.5
+        p_local = min(0.99, max(0.01, (0.6 if faster else 0.4) + rng.gauss(0, 0.15)))
+        p_claude = min(0.99, max(0.01, (0.8 if faster else 0.2) + rng.gauss(0, 0.2)))
+        p_fail = rng.choice([0.0, 0.02, 0.4]) if i % 10 else None
+        issued = rng.random()
+        final = forecast(base, cand, issued, "unsure", forecaster=name)
+        fails = {} if p_fail is None else {"p_fail": p_fail, "p_fail_baseline": 0.05}
+        await store.save_forecasts(
+            [
+                ForecastRow(**{**final.__dict__, **fails}),
+                forecast(base, cand, p_local, "unsure", forecaster="raw:local@0", ledger=None),
+                forecast(base, cand, p_claude, "unsure", forecaster="raw:claude@0", ledger=None),
+            ]
+        )
+        measurement = await save(store, cand, 0.5 if faster else 2.0)
+        made.append((p_local, p_claude, issued, measurement, p_fail))
+    engine = ForecastEngine([_scripted("local"), _scripted("claude")], store, refresh_interval_s=1e9)
+    await engine.refresh(force=True)
+    expected = []
+    for p_local, p_claude, issued, measurement, p_fail in made:
+        if p_fail is None:
+            d = issued
+        else:
+            fold = _mix(int(measurement)) % OOF_FOLDS
+            raw = {n: with_p_faster([1 / 8] * 8, p) for n, p in (("local", p_local), ("claude", p_claude))}
+            engine_fits = dict(engine._calibrators)
+            engine._calibrators.update({n: engine._oof[n][fold] for n in ("local", "claude")})
+            p = bins.p_faster(engine.combine_raw(raw, "A100"))
+            engine._calibrators = engine_fits
+            d = decision_p(p, p_fail, 0.05)
+        expected.append(max(d, 1 - d))
+    conf, _ = engine._history["model"]["A100"]
+    assert len({round(c, 6) for c in conf}) > 40  # scored, not one number
+    assert conf == pytest.approx(expected, abs=1e-6)

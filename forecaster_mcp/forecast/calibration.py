@@ -80,16 +80,18 @@ def map_logistic(
     prior_precision: FloatArray,
     lower: FloatArray | None = None,
     max_iter: int = 100,
+    start: FloatArray | None = None,
 ) -> FloatArray:
     """MAP weights of a logistic model without implicit intercept: minimise
     sum(log(1 + e^z) - y z) + 0.5 * sum(precision * (w - mean)^2), z = x @ w, subject to w >= lower.
 
     Newton steps on the free coordinates with backtracking; a coordinate at its bound stays fixed while
     its gradient pushes it further out. The objective is strictly convex (positive prior precision).
+    `start`: where the steps start (the prior mean unless given; the optimum is the same).
     """
     d = prior_mean.size
     lo = np.full(d, -np.inf) if lower is None else lower
-    w = np.maximum(prior_mean.astype(np.float64).copy(), lo)
+    w = np.maximum((prior_mean if start is None else start).astype(np.float64).copy(), lo)
 
     def objective(v: FloatArray) -> float:
         z = x @ v
@@ -159,8 +161,10 @@ def fit_platt(
     prior: Platt = Platt(),
     prior_sd_slope: float = PRIOR_SD_SLOPE,
     prior_sd_bias: float = PRIOR_SD_BIAS,
+    start: Platt | None = None,
 ) -> Platt:
-    """MAP Platt scaling of raw p_faster against outcomes (True: the candidate was faster)."""
+    """MAP Platt scaling of raw p_faster against outcomes (True: the candidate was faster). `start`: a fit
+    near the optimum (of most of the same pairs) to start Newton's steps from."""
     p = np.asarray(p_raw, dtype=np.float64)
     y = np.asarray(faster, dtype=np.float64)
     if p.shape != y.shape:
@@ -174,6 +178,7 @@ def fit_platt(
         prior_mean=np.array([prior.a, prior.b]),
         prior_precision=np.array([prior_sd_slope**-2, prior_sd_bias**-2]),
         lower=np.array([0.0, -np.inf]),
+        start=None if start is None else np.array([start.a, start.b]),
     )
     return Platt(float(w[0]), float(w[1]), int(p.size))
 
@@ -200,33 +205,59 @@ class Calibrator:
         faster: Sequence[bool] | npt.NDArray[np.bool_],
         hardware: Sequence[str] | npt.NDArray[np.object_],
         prior: Platt = Platt(),
+        start: Calibrator | None = None,
     ) -> Calibrator:
         """Fit from verified non-tie pairs: raw p_faster, whether the candidate was faster, the GPU. `prior`
-        is where the pooled fit starts from, and what stays on fewer than MIN_FIT_PAIRS pairs."""
+        is where the pooled fit starts from, and what stays on fewer than MIN_FIT_PAIRS pairs. `start`: a fit
+        on most of the same pairs, whose numbers the optimisation starts from (fewer steps, the same fit)."""
+        hw = [str(h) for h in hardware]
+        names = sorted(set(hw))
+        index = {h: i for i, h in enumerate(names)}
+        codes = np.fromiter((index[h] for h in hw), np.int64, len(hw))
+        return cls.fit_codes(p_raw, faster, codes, names, prior, start)
+
+    @classmethod
+    def fit_codes(
+        cls,
+        p_raw: Sequence[float] | FloatArray,
+        faster: Sequence[bool] | npt.NDArray[np.bool_],
+        codes: npt.NDArray[np.int64],
+        names: Sequence[str],
+        prior: Platt = Platt(),
+        start: Calibrator | None = None,
+    ) -> Calibrator:
+        """`fit` with each pair's GPU given as an index into `names` (the engine keeps them so: comparing tens
+        of thousands of GPU names, once per GPU and fit, took longer than the fits)."""
         p = np.asarray(p_raw, dtype=np.float64)
         y = np.asarray(faster, dtype=bool)
-        hw = np.asarray(list(hardware), dtype=object)
+        hw = np.asarray(codes, dtype=np.int64)
         if not (p.shape == y.shape == hw.shape):
             raise ValueError("p_raw, faster and hardware must have the same length")
         if p.size >= MIN_FIT_PAIRS:
-            pooled = fit_platt(p, y, prior=prior)
+            pooled = fit_platt(p, y, prior=prior, start=None if start is None else start.pooled)
         else:
             pooled = Platt(prior.a, prior.b, n_pairs=int(p.size))
         per_hw = {}
-        for h in sorted(set(hw.tolist())):
-            mine, others = hw == h, hw != h
+        for code in np.unique(hw):
+            h = str(names[int(code)])
+            mine, others = hw == code, hw != code
             if int(mine.sum()) < MIN_FIT_PAIRS:
                 continue  # for_hardware falls back to the pooled fit
             if not others.any():
                 # Every pair is this GPU's, and its prior is `prior`: the pooled fit, on the same numbers (a
                 # second fit of every row cost 40 ms at 160,000 verified pairs).
-                per_hw[str(h)] = pooled
+                per_hw[h] = pooled
                 continue
+            near = None if start is None else start.pooled
             rest = (
-                fit_platt(p[others], y[others], prior=prior) if int(others.sum()) >= MIN_FIT_PAIRS else prior
+                fit_platt(p[others], y[others], prior=prior, start=near)
+                if int(others.sum()) >= MIN_FIT_PAIRS
+                else prior
             )
-            per_hw[str(h)] = fit_platt(p[mine], y[mine], prior=rest)
-        return cls(pooled, per_hw)
+            per_hw[h] = fit_platt(
+                p[mine], y[mine], prior=rest, start=None if start is None else start.for_hardware(h)
+            )
+        return cls(pooled, dict(sorted(per_hw.items())))
 
     def for_hardware(self, hardware: str) -> Platt:
         return self.hardware.get(hardware, self.pooled)

@@ -5,11 +5,12 @@ named in them as `<name>@<version>` (for Claude the version is the model), writt
 engine as its components joined by "+", written `<e>` ("local@1.0", "local@1.0+claude@<model>"): what was
 learned on one model's forecasts (calibration, combination weights, threshold history) says nothing about
 another's, so switching the Claude model, or a new local model version, starts again from the defaults.
-- `<e>`: the engine's final, calibrated and combined forecast as it was issued. Its verified pairs choose the
-  selective threshold (a forecast made before its outcome was known is an honest sample of the policy's
-  error). `<e>:prior`: the same for forecasts in which a component answered from a static prior (a pair no
-  family model covers: different kernels, or too few measurements); they choose the threshold of such
-  forecasts (`final_name`).
+- `<e>`: the engine's final, calibrated and combined forecast as it was issued, with its kernels' chances of
+  failing. Its verified pairs choose the selective threshold (a forecast made before its outcome was known is
+  an honest sample of the policy's error), each scored as today's calibration, fitted without it, would issue
+  it (its components' raw rows calibrated out of fold: `_rescored`). `<e>:prior`: the same for forecasts in
+  which a component answered from a static prior (a pair no family model covers: different kernels, or too
+  few measurements); they choose the threshold of such forecasts (`final_name`).
 - `raw:<c>` (e.g. "raw:local@1.0"): each component's uncalibrated forecast, the keys of
   `EngineForecast.per_forecaster`. Their verified pairs fit that component's calibration and, joined on
   (hardware, measured speedup), the combination weights.
@@ -50,13 +51,14 @@ import numpy as np
 
 from forecaster_mcp import bins
 from forecaster_mcp.forecast.base import BinForecast, Forecaster, PairQuery, PartialForecast
-from forecaster_mcp.forecast.calibration import Calibrator, Platt
+from forecaster_mcp.forecast.calibration import OUT_CLIP, Calibrator, Platt, logit, sigmoid
 from forecaster_mcp.forecast.combine import Combiner
 from forecaster_mcp.forecast.selective import (
     MIN_TARGET_ERROR,
     ThresholdChoice,
     choose_threshold,
     decide,
+    decision_p_array,
     default_min_history,
     p_fail_baseline_of,
     p_fail_of,
@@ -141,6 +143,8 @@ def _regime_of_slot(slot: str) -> Regime:
 # Verified final forecasts (newest) a threshold is certified on, per GPU, family or pool (_set_regime_history);
 # more when the target error needs more to certify anything (default_min_history: 5,990 pairs for 0.001).
 HISTORY_WINDOW = 2000
+# Folds of the out-of-fold scoring of the threshold history (`_rescored`).
+OOF_FOLDS = 5
 # A target's threshold is raised to that of each looser target here (`threshold`). Each target is chosen on its
 # own rules, and they disagree: while history is short for 0.05 (118 pairs needed) it keeps its default 0.975
 # unless refuted by a test, while 0.1, with enough history to test (58), decides nothing once its own default
@@ -331,6 +335,11 @@ class ForecastEngine:
         # Verified final forecasts per regime, then per GPU, per (GPU, kernel family) and pooled over GPUs.
         self._history: dict[Regime, dict[str, tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]]] = {}
         self._history_signatures: dict[Regime, str] = {}
+        # Each slot's calibration fitted without each fold of its rows (`_rescored`) and the signature of the rows
+        # they were fitted on; what each regime's history was last scored with (those and the combiner's rows).
+        self._oof: dict[str, list[Calibrator]] = {}
+        self._oof_signatures: dict[str, str] = {}
+        self._history_scored_with: dict[Regime, str] = {}
         self._thresholds: dict[tuple[str, float, Regime, str | None], ThresholdChoice] = {}
         # Each target's own choice (`_threshold_at`), before it is compared with looser targets'.
         self._raw_thresholds: dict[tuple[str, float, Regime, str | None], ThresholdChoice] = {}
@@ -790,12 +799,32 @@ class ForecastEngine:
             signatures = self._slot_signatures
             for s in self._slots:
                 if signatures[s] != self._fit_signatures.get(s):
-                    p_raw, faster, hardware = tables.get(
-                        raw_name(self._stored(s)), empty
-                    ).calibration_inputs()
-                    self._calibrators[s] = Calibrator.fit(p_raw, faster, hardware, prior=self._prior[s])
+                    table = tables.get(raw_name(self._stored(s)), empty)
+                    p_raw, faster, _ = table.calibration_inputs()
+                    codes, names = table.calibration_codes()
+                    self._calibrators[s] = Calibrator.fit_codes(
+                        p_raw, faster, codes, names, prior=self._prior[s]
+                    )
                     self._fit_signatures[s] = signatures[s]
                     await store.save_calibration(self._stored(s), POOLED, self._calibration_state(s))
+            for s in self._slots:
+                if signatures[s] != self._oof_signatures.get(s):
+                    table = tables.get(raw_name(self._stored(s)), empty)
+                    p_raw, faster, _ = table.calibration_inputs()
+                    codes, names = table.calibration_codes()
+                    fold = table.calibration_folds(OOF_FOLDS)
+                    self._oof[s] = [
+                        Calibrator.fit_codes(
+                            p_raw[fold != k],
+                            faster[fold != k],
+                            codes[fold != k],
+                            names,
+                            prior=self._prior[s],
+                            start=self._calibrators[s],  # a fit of these and a fifth more: fewer steps
+                        )
+                        for k in range(OOF_FOLDS)
+                    ]
+                    self._oof_signatures[s] = signatures[s]
             # The combination weights are learned on the components' model answers (joined per pair).
             combined = {n: signatures[n] for n in self._names}
             if len(self._names) > 1 and combined != self._combiner_signatures:
@@ -806,19 +835,87 @@ class ForecastEngine:
                 self._combiner = self._fit_combiner(_join(rows, self._names))
                 self._combiner_signatures = combined
                 await store.save_calibration(self._stored_name, POOLED, self._combiner_state())
+            scored_with = json.dumps(
+                [[self._oof_signatures.get(s, "") for s in self._slots], self._combiner_signatures],
+                sort_keys=True,
+            )
             for regime in REGIMES:
                 name = self._stored_name + _SUFFIX[regime]
-                if not changed(name) and regime in self._history_signatures:
+                same_fits = self._history_scored_with.get(regime) == scored_with
+                if not changed(name) and regime in self._history_signatures and same_fits:
                     continue  # the same rows as at the last refresh: the same signature
                 # _set_regime_history of the newest row of each measurement (VerifiedRows), from its columns.
                 table = tables.get(name, empty)
                 signature = table.history_signature()
-                if signature != self._history_signatures.get(regime):
-                    self._history[regime] = table.history(self._history_keep(), POOLED)
+                if signature != self._history_signatures.get(regime) or not same_fits:
+                    scores = self._rescored(table, tables, empty)
+                    self._history[regime] = table.history(self._history_keep(), POOLED, scores)
                     self._clear_thresholds()
                     self._history_signatures[regime] = signature
+                    self._history_scored_with[regime] = scored_with
             self._dirty = set()
             self._fresh_until = self._clock() + self._refresh_interval_s
+
+    def _rescored(
+        self, table: VerifiedRows, tables: Mapping[str, VerifiedRows], empty: VerifiedRows
+    ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]] | None:
+        """The confidence and right/wrong score of each of `table`'s final forecasts as the components' calibrations
+        fitted out of fold give them: each forecast's raw component answers (the rows stored with it) calibrated by
+        fits on the slots' rows outside its fold (its measurement's; OOF_FOLDS), combined by the current weights,
+        its kernels' chances of failing weighed as its verdict weighed them (selective.decision_p).
+
+        The history certified thresholds at the confidence each forecast was issued at, under whatever calibration
+        was current then: an underconfident forecaster's early forecasts, issued too low, are right more often than
+        today's at the same confidence, and certified thresholds too low (logit slope 0.33, 1,000 verified pairs,
+        target 0.1: error above target in 11.2% of histories, not 5%; benchmarks/bench_selective.py). Scored again
+        under today's fit, in sample, a calibrated forecaster's history looks better than it is (5.8% against
+        4.7%); out of fold it does not (4.7%, and 3.0% for the underconfident one). A forecast without its raw rows or its chances of failing (stored before they were
+        kept) keeps its issued score. None: nothing to score again."""
+        idx, ids, join, fold_key, hw_code, code_names, p_fail, p_fail_baseline = table.rescoring_inputs()
+        if idx.size == 0:
+            return None
+        # Each row's (fold, GPU): the calibration that scores it, one Platt per group.
+        group_of = (fold_key % np.uint64(OOF_FOLDS)).astype(np.int64) * len(code_names) + hw_code
+        groups, group = np.unique(group_of, return_inverse=True)
+        answers = np.full((len(self._names), idx.size), np.nan)
+        for i, n in enumerate(self._names):
+            for regime in REGIMES:
+                s = n + _SUFFIX[regime]
+                raw_ids, keys, p_raw = tables.get(raw_name(self._stored(s)), empty).raw_p()
+                if raw_ids.size == 0 or s not in self._oof:
+                    continue
+                # A forecast's raw rows are stored right after its final row, one per component (service
+                # _save_forecasts): the first of this slot's rows after it, if it is the same forecast's.
+                at = np.searchsorted(raw_ids, ids, side="right")
+                near = np.minimum(at, raw_ids.size - 1)
+                hit = (at < raw_ids.size) & (raw_ids[near] <= ids + len(self._names)) & (keys[near] == join)
+                if not hit.any():
+                    continue
+                fits = [
+                    self._oof[s][int(g) // len(code_names)].for_hardware(code_names[int(g) % len(code_names)])
+                    for g in groups
+                ]
+                a = np.array([f.a for f in fits])[group]
+                b = np.array([f.b for f in fits])[group]
+                p_n = np.clip(sigmoid(a * logit(p_raw[near]) + b), OUT_CLIP, 1.0 - OUT_CLIP)
+                answers[i] = np.where(hit, p_n, answers[i])
+        if len(self._names) == 1:
+            p = answers[0]
+        else:
+            # Combiner.combine's pool of p_faster with every component present (final rows are stored only so).
+            w = np.asarray(self._combiner.weights, dtype=np.float64)
+            p = np.full(idx.size, 0.5) if w.sum() <= 0 else sigmoid(w @ logit(answers))
+            p = np.where(np.isnan(answers).any(axis=0), np.nan, p)
+        ok = np.isfinite(p)
+        if not ok.any():
+            return None
+        d = decision_p_array(p[ok], p_fail[ok], p_fail_baseline[ok])
+        issued_conf, issued_right, faster = table.scores()
+        conf, right = issued_conf.copy(), issued_right.copy()
+        scored = idx[ok]
+        conf[scored] = np.maximum(d, 1.0 - d)
+        right[scored] = np.where(d == 0.5, 0.5, ((d > 0.5) == faster[scored]).astype(np.float64))
+        return conf, right
 
     async def _read_verified(self, store: CalibrationStore) -> dict[str, VerifiedRows]:
         """The verified pairs by forecaster name, as `store.verified_pairs()` returns them, and the names whose

@@ -13,6 +13,7 @@ signatures, calibrations and histories as a rebuild from the rows (tests/test_ve
 from __future__ import annotations
 
 import hashlib
+import math
 import struct
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,18 @@ def row_digest(v: VerifiedPair, position: int) -> tuple[int, int]:
     text = f"{v.hardware}\x1e{v.family_key!r}\x1e{v.pair!r}".encode()
     low, high = struct.unpack("<QQ", hashlib.blake2b(numbers + text, digest_size=16).digest())
     return int(low), int(high)
+
+
+def join_key(v: VerifiedPair) -> int:
+    """64 bits naming the forecast a row belongs to: a final row and its components' raw rows are stored
+    together (one `created_at`) for one question (GPU and `pair`), so they share it."""
+    text = f"{v.hardware}\x1e{v.pair!r}\x1e{v.created_at!r}".encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
+
+
+def _mix(n: int) -> int:
+    """A measurement id spread over 64 bits (consecutive ids land in unrelated folds)."""
+    return int.from_bytes(hashlib.blake2b(struct.pack("<q", n), digest_size=8).digest(), "little")
 
 
 def signature_of(count: int, low: int, high: int) -> str:
@@ -79,6 +92,12 @@ class VerifiedRows:
         self._right = np.zeros(n, np.float64)
         self._low = np.zeros(n, np.uint64)
         self._high = np.zeros(n, np.uint64)
+        # One forecast's rows (the final row and each component's raw row) share a join key (`join_key`) and a
+        # fold (`fold_key`: the measurement that settled it, else the join key).
+        self._join = np.zeros(n, np.uint64)
+        self._fold_key = np.zeros(n, np.uint64)
+        self._p_fail = np.zeros(n, np.float64)  # NaN: not kept (a raw row, or stored before)
+        self._p_fail_baseline = np.zeros(n, np.float64)
 
     def _code(self, key: str) -> int:
         code = self._codes.get(key)
@@ -153,12 +172,13 @@ class VerifiedRows:
     def _columns() -> tuple[str, ...]:
         return (
             "_ids", "_vby", "_failure", "_tie", "_kept", "_hardware", "_hw_code", "_family_code", "_p_raw", "_faster",
-            "_conf", "_right", "_low", "_high",
+            "_conf", "_right", "_low", "_high", "_join", "_fold_key", "_p_fail", "_p_fail_baseline",
         )  # fmt: skip
 
     def _rows_columns(self, rows: Sequence[VerifiedPair]) -> dict[str, npt.NDArray[Any]]:
         """The columns of `rows`, each value computed as the engine computed it from the VerifiedPair."""
         digests = [row_digest(v, 0) for v in rows]
+        joins = [join_key(v) for v in rows]
         return {
             "_ids": np.array([v.row_id for v in rows], np.int64),
             "_vby": np.array([-1 if v.verified_by is None else v.verified_by for v in rows], np.int64),
@@ -186,6 +206,18 @@ class VerifiedRows:
             ),
             "_low": np.array([a for a, _ in digests], np.uint64),
             "_high": np.array([b for _, b in digests], np.uint64),
+            "_join": np.array(joins, np.uint64),
+            "_fold_key": np.array(
+                [
+                    j if v.verified_by is None else _mix(v.verified_by)
+                    for v, j in zip(rows, joins, strict=True)
+                ],
+                np.uint64,
+            ),
+            "_p_fail": np.array([math.nan if v.p_fail is None else v.p_fail for v in rows], np.float64),
+            "_p_fail_baseline": np.array(
+                [math.nan if v.p_fail_baseline is None else v.p_fail_baseline for v in rows], np.float64
+            ),
         }
 
     def __len__(self) -> int:
@@ -210,21 +242,57 @@ class VerifiedRows:
         mask = ~self._failure & ~self._tie
         return self._p_raw[mask], self._faster[mask], self._hardware[mask]
 
+    def calibration_codes(self) -> tuple[npt.NDArray[np.int64], list[str]]:
+        """The GPU of each of `calibration_inputs`' rows as an index into the names returned."""
+        return self._hw_code[~self._failure & ~self._tie], self._keys
+
+    def calibration_folds(self, folds: int) -> npt.NDArray[np.int64]:
+        """The fold (0 .. folds - 1) of each of `calibration_inputs`' rows (`fold_key`)."""
+        mask = ~self._failure & ~self._tie
+        return (self._fold_key[mask] % np.uint64(folds)).astype(np.int64)
+
+    def rescoring_inputs(
+        self,
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], Any, Any, Any, list[str], Any, Any]:
+        """What scoring the threshold history again needs of its rows (`history`'s: the newest of each measurement,
+        untied, with their chances of failing kept): their indexes, row ids, join and fold keys, GPU codes and the
+        names they code, p_fail and p_fail_baseline."""
+        idx = np.flatnonzero(
+            self._kept & ~self._tie & np.isfinite(self._p_fail) & np.isfinite(self._p_fail_baseline)
+        )
+        return (
+            idx, self._ids[idx], self._join[idx], self._fold_key[idx], self._hw_code[idx], self._keys,
+            self._p_fail[idx], self._p_fail_baseline[idx],
+        )  # fmt: skip
+
+    def raw_p(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.uint64], npt.NDArray[np.float64]]:
+        """Each row's id, join key and raw p_faster (a component's rows), in id order."""
+        return self._ids, self._join, self._p_raw
+
+    def scores(self) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64], npt.NDArray[np.bool_]]:
+        """Each row's confidence and right/wrong score as issued, and whether its candidate was faster."""
+        return self._conf, self._right, self._faster
+
     def history_signature(self) -> str:
         """rows_signature of the newest row of each measurement, in id order."""
         return self._signature(self._kept)
 
     def history(
-        self, keep: int | None, pooled: str
+        self,
+        keep: int | None,
+        pooled: str,
+        scores: tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]] | None = None,
     ) -> dict[str, tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]]:
         """ForecastEngine._set_regime_history's table of the newest row of each measurement: for each GPU, family slot
-        and `pooled`, the confidences and right/wrong scores of its newest `keep` untied rows, oldest first."""
+        and `pooled`, the confidences and right/wrong scores of its newest `keep` untied rows, oldest first.
+        `scores`: every row's confidence and score to use instead of those it was issued with."""
+        conf, right = (self._conf, self._right) if scores is None else scores
         sel = np.flatnonzero(self._kept & ~self._tie)
         out: dict[str, tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]] = {}
 
         def put(key: str, idx: npt.NDArray[np.int64]) -> None:
             idx = idx if keep is None else idx[-keep:]
-            out[key] = (self._conf[idx], self._right[idx])
+            out[key] = (conf[idx], right[idx])
 
         if sel.size == 0:
             return out

@@ -173,6 +173,10 @@ class VerifiedPair:
     # are certified on one pair per measurement (engine), never on its copies.
     verified_by: int | None = None
     row_id: int | None = None  # the forecast row (verified pairs are ordered by it)
+    # A final forecast's chances of its candidate and baseline failing as its verdict weighed them (ForecastRow);
+    # None on component rows and rows stored before they were kept.
+    p_fail: float | None = None
+    p_fail_baseline: float | None = None
 
 
 # The pair a verified row belongs to, as verified_pairs groups rows: (forecaster, hardware, workload_key, the
@@ -235,6 +239,10 @@ class ForecastRow:
     verdict: Literal["faster", "slower", "unsure"]
     decided_by: Literal["forecast", "measurement", "cache"]
     family_key: str | None = None  # the candidate's Kernel.family_key()
+    # A final forecast's chances of the candidate and the baseline failing (selective.decision_p weighed them
+    # into p_faster): kept so the forecast can be scored again under another calibration. None on raw rows.
+    p_fail: float | None = None
+    p_fail_baseline: float | None = None
 
 
 # The measurements of one family on one GPU and workload (parameters: family_key, hardware, workload_key),
@@ -572,8 +580,10 @@ _GROUP_COLS = f"forecaster, {_PAIR}"  # PairGroup
 # What verified_pairs reads of a row (_verified_pair).
 _VERIFIED_COLS = (
     "forecaster, hardware, probs_json, p_faster, actual_speedup, verdict, created_at, family_key, "
-    "workload_key || '|' || baseline_key || '|' || candidate_key, verified_failure, verified_by_measurement, id"
+    "workload_key || '|' || baseline_key || '|' || candidate_key, verified_failure, verified_by_measurement, id, "
+    "p_fail, p_fail_baseline"
 )
+_N_VERIFIED_COLS = 14
 
 
 def _verified_pair(r: Any) -> VerifiedPair:
@@ -590,6 +600,8 @@ def _verified_pair(r: Any) -> VerifiedPair:
         failure=None if r[9] is None else str(r[9]),
         verified_by=None if r[10] is None else int(r[10]),
         row_id=int(r[11]),
+        p_fail=None if r[12] is None else float(r[12]),
+        p_fail_baseline=None if r[13] is None else float(r[13]),
     )
 
 
@@ -1742,7 +1754,7 @@ class Store:
                 (
                     r.ledger, r.forecaster, r.hardware, r.workload_key, r.baseline_key, r.candidate_key,
                     json.dumps([float(p) for p in r.probs]), float(r.p_faster), r.verdict, r.decided_by, now,
-                    r.family_key,
+                    r.family_key, r.p_fail, r.p_fail_baseline,
                 )
             )  # fmt: skip
         ledgers = sorted({r.ledger for r in rows if r.ledger is not None})
@@ -1781,8 +1793,8 @@ class Store:
             first = int(before[0][0])
             await conn.executemany(
                 "INSERT INTO forecasts (ledger, forecaster, hardware, workload_key, baseline_key, "
-                "candidate_key, probs_json, p_faster, verdict, decided_by, created_at, family_key) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "candidate_key, probs_json, p_faster, verdict, decided_by, created_at, family_key, p_fail, "
+                "p_fail_baseline) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 params,
             )
             # We hold the write lock, so the new rows are exactly those above the previous maximum id.
@@ -1833,7 +1845,7 @@ class Store:
                     "(SELECT MAX(id) FROM forecasts WHERE actual_speedup IS NOT NULL AND decided_by != 'cache' "
                     f"AND {_ON_TRUSTED_KERNELS} GROUP BY forecaster, {_PAIR}) ORDER BY id"
                 )
-                pairs = [(_group(r[12:]), _verified_pair(r)) for r in rows]
+                pairs = [(_group(r[_N_VERIFIED_COLS:]), _verified_pair(r)) for r in rows]
                 return VerifiedChanges(seq, [g for g, _ in pairs], pairs, full=True)
             if seq <= since:
                 return VerifiedChanges(seq, [], [], full=False)
@@ -1862,7 +1874,7 @@ class Store:
                 (since, seq),
             )
             return VerifiedChanges(
-                seq, changed, [(_group(r[12:]), _verified_pair(r)) for r in rows], full=False
+                seq, changed, [(_group(r[_N_VERIFIED_COLS:]), _verified_pair(r)) for r in rows], full=False
             )
 
         return await self._read_tx(body)

@@ -284,6 +284,15 @@ _WORKLOAD_INDEX = (
     "CREATE INDEX measurements_workload ON measurements(hardware, workload_key, status, family_key, id)",
 )
 
+# The chances of a final forecast's candidate and baseline failing, as its verdict weighed them
+# (selective.decision_p; NULL on component rows and on rows stored before): with the components' raw rows they
+# let the engine score a verified forecast again under another calibration (ForecastEngine: thresholds are
+# certified on the history calibrated out of fold, not at the confidence each forecast was issued at).
+_FORECAST_P_FAIL = (
+    "ALTER TABLE forecasts ADD COLUMN p_fail REAL",
+    "ALTER TABLE forecasts ADD COLUMN p_fail_baseline REAL",
+)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "initial schema", _INITIAL),
     Migration(2, "idempotency keys on open reservations", _RESERVATION_IDEMPOTENCY),
@@ -298,6 +307,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(11, "indexes for a ledger's report", _LEDGER_REPORT),
     Migration(12, "an index of the charges whose result could not be stored", _NOT_SAVED_INDEX),
     Migration(13, "measurements by hardware and workload", _WORKLOAD_INDEX),
+    Migration(14, "each final forecast's chances of its kernels failing", _FORECAST_P_FAIL),
 )
 
 
