@@ -1179,3 +1179,23 @@ async def test_a_compile_that_grows_without_bound_stops_at_the_servers_limits(
     assert isinstance(failure, CompileFailure) and not failure.transient, failure
     assert "went past this server's limits" in failure.message
     assert not list((tmp_path / "cache" / "tmp").iterdir())
+
+
+def test_an_error_in_the_directive_scan_is_raised_as_itself(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The scan runs regex scanners over a memory map of the kept source; an error raised while one was alive
+    # left the map unable to close, and its BufferError ("cannot close exported pointers exist") was all a log
+    # showed of what went wrong.
+    from forecaster_mcp.forecast import ptxas
+
+    (tmp_path / "kernel.cpp1.ii").write_bytes(b'# 1 "kernel.cu"\n__global__ void k() {}\n')
+
+    def failing_scan(text: Any, lines: Any = ()) -> str | None:
+        scanner = re.compile(rb"\n").finditer(text)
+        next(scanner)
+        raise ValueError("the scan failed")
+
+    monkeypatch.setattr(ptxas, "_made_directive_in", failing_scan)
+    with pytest.raises(ValueError, match="the scan failed"):
+        ptxas.made_directive(tmp_path, "__global__ void k() {}\n")

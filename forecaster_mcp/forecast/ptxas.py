@@ -30,6 +30,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import traceback
 from collections.abc import AsyncIterable, Callable, Hashable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -425,8 +426,17 @@ def made_directive(keep_dir: Path, source: str | None = None) -> str | None:
             if os.fstat(f.fileno()).st_size == 0:
                 continue
             # Mapped, not read: a preprocessor explosion can leave hundreds of MB here.
+            failure: Exception | None = None
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as text:
-                found = _made_directive_in(text, lines)
+                try:
+                    found = _made_directive_in(text, lines)
+                except Exception as exc:
+                    # Its frames hold regex scanners over the map, which then cannot close: the map's BufferError
+                    # ("cannot close exported pointers exist") took this error's place. Raised once it is closed.
+                    traceback.clear_frames(exc.__traceback__)
+                    failure = exc
+            if failure is not None:
+                raise failure
         if found is not None:
             return found
     return None
