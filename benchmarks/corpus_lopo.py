@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from corpus_pairs import build_pairs, read_measured  # noqa: E402
 
 from forecaster_mcp.forecast import features, metrics  # noqa: E402
-from forecaster_mcp.forecast.ptxas import PtxasEntry  # noqa: E402
+from forecaster_mcp.forecast.ptxas import measured_entry  # noqa: E402
 from forecaster_mcp.hardware.specs import lookup  # noqa: E402
 from forecaster_mcp.models import Kernel  # noqa: E402
 
@@ -41,17 +41,7 @@ NAMES = [name for name, _, _ in features.FITTED_TERMS]
 
 
 def _features(kernel: Kernel, resources: dict[str, Any] | None, hardware: str) -> features.StaticFeatures:
-    ptxas = None
-    if resources:
-        ptxas = PtxasEntry(
-            name=kernel.entry,
-            registers=int(resources["registers"]),
-            shared_bytes=int(resources["shared_mem_bytes"]),
-            spill_stores_bytes=0,
-            spill_loads_bytes=0,
-            stack_frame_bytes=0,
-        )
-    return features.kernel_features(kernel, None, lookup(hardware), ptxas)
+    return features.kernel_features(kernel, None, lookup(hardware), measured_entry(kernel, resources))
 
 
 def design(rows: list[dict[str, Any]], pairs: list[dict[str, Any]]) -> tuple[np.ndarray, ...]:

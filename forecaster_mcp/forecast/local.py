@@ -55,7 +55,7 @@ from forecaster_mcp.forecast.features import (
     prior_shift,
     with_resources,
 )
-from forecaster_mcp.forecast.ptxas import PtxasEntry, PtxasError, PtxasUsage
+from forecaster_mcp.forecast.ptxas import PtxasError, PtxasUsage, measured_entry
 from forecaster_mcp.models import C_INT, C_INT_SUFFIX, Kernel, c_integer
 from forecaster_mcp.store.db import AnchorPoint, FamilyPoint
 
@@ -1578,7 +1578,7 @@ class LocalForecaster:
                     kernel = Kernel.model_validate_json(p.kernel_json)
                     src = kernel_source_features(kernel, q.hardware)
                     cached = (
-                        with_resources(src, kernel, q.hardware, _ptxas_entry(kernel, p.resources)),
+                        with_resources(src, kernel, q.hardware, measured_entry(kernel, p.resources)),
                         None,
                     )
                     bare = (with_resources(src, kernel, q.hardware, None), None)
@@ -2033,28 +2033,6 @@ def _arch_of(q: PairQuery) -> str:
 
 # Marks the feature-cache key of an anchor's features made without its measured resources (_anchor_features).
 _NO_RESOURCES = "#without-resources"
-
-
-def _ptxas_entry(kernel: Kernel, resources: dict[str, Any] | None) -> PtxasEntry | None:
-    """What ptxas would report for a measured kernel, from the registers and shared memory its measurement
-    reported (MeasureResult.resources); None when it reported none (a replay, an older result). The measurement
-    reports the shared memory of a block, static and dynamic together; ptxas, the static part alone
-    (kernel_features adds the launch's dynamic part)."""
-    if not resources:
-        return None
-    try:
-        spills = int(resources.get("spill_bytes") or 0)
-        dynamic = kernel.launch.shared_mem_bytes if kernel.launch is not None else 0
-        return PtxasEntry(
-            name=kernel.entry,
-            registers=int(resources["registers"]),
-            shared_bytes=max(0, int(resources.get("shared_mem_bytes") or 0) - dynamic),
-            spill_stores_bytes=spills,
-            spill_loads_bytes=0,
-            stack_frame_bytes=0,
-        )
-    except (KeyError, TypeError, ValueError):
-        return None
 
 
 def _launch_dict(kernel: Kernel) -> dict[str, Any] | None:

@@ -78,6 +78,29 @@ class PtxasEntry:
         return self.spill_stores_bytes + self.spill_loads_bytes
 
 
+def measured_entry(kernel: Kernel, resources: dict[str, Any] | None) -> PtxasEntry | None:
+    """What ptxas would report for a measured kernel, from the registers and shared memory its measurement
+    reported (MeasureResult.resources); None when it reported none (a replay, an older result). The measurement
+    reports the shared memory of a block, static and dynamic together; ptxas, the static part alone
+    (kernel_features adds the launch's dynamic part). Used for the kernels a static prior anchors on
+    (LocalForecaster) and by benchmarks/corpus_lopo.py."""
+    if not resources:
+        return None
+    try:
+        spills = int(resources.get("spill_bytes") or 0)
+        dynamic = kernel.launch.shared_mem_bytes if kernel.launch is not None else 0
+        return PtxasEntry(
+            name=kernel.entry,
+            registers=int(resources["registers"]),
+            shared_bytes=max(0, int(resources.get("shared_mem_bytes") or 0) - dynamic),
+            spill_stores_bytes=spills,
+            spill_loads_bytes=0,
+            stack_frame_bytes=0,
+        )
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
 @dataclass(frozen=True)
 class PtxasUsage:
     """Per-entry resource usage of one compiled kernel source for one architecture."""
