@@ -302,8 +302,10 @@ class MemoryHistory:
         excluded = set(exclude_families)
         out: list[AnchorPoint] = []
         for content, p in reversed(self._running.get((hardware, workload_key), {}).items()):
+            if len(out) >= limit:
+                break
             family = p.kernel.family_key()
-            if family in excluded or len(out) >= limit:
+            if family in excluded:
                 continue
             excluded.add(family)
             assert p.runtime_ms is not None

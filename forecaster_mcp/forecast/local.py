@@ -1946,20 +1946,17 @@ class LocalForecaster:
             used = [(f if target.registers is not None else bare, t) for f, bare, t in anchors]
             if c.kind == "unknown":
                 est = anchored_log2_ms(fc, [(fb, b.mean), *used], target_is_candidate=True)
-                mean = b.mean - est.log2_ms
+                anchored_mean, who = b.mean - est.log2_ms, "candidate"
             else:
                 est = anchored_log2_ms(fb, [(fc, c.mean), *used], target_is_candidate=False)
-                mean = est.log2_ms - c.mean
+                anchored_mean, who = est.log2_ms - c.mean, "baseline"
             if est.used > 1:  # else none was near enough: the pair's own kernel alone, the plain prior
-                sd = est.sd_log2
+                mean, sd = anchored_mean, est.sd_log2
                 extras.update(mu_log2=mean, sd_log2=sd, anchors=float(est.used))
-                who = "candidate" if c.kind == "unknown" else "baseline"
                 what = (
                     f"static prior anchored on {est.used} measured kernels of this workload ({who} estimated "
                     f"{_fmt_ms(est.log2_ms)})"
                 )
-            else:
-                mean = shift.mean_log2
         if shift.reasons:
             rationale = f"{what} ({why}): " + ", ".join(shift.reasons[:4])
         else:
