@@ -798,20 +798,20 @@ class ForecastEngine:
                     self._slot_signatures[s] = table.calibration_signature()
             signatures = self._slot_signatures
             for s in self._slots:
-                if signatures[s] != self._fit_signatures.get(s):
-                    table = tables.get(raw_name(self._stored(s)), empty)
-                    p_raw, faster, _ = table.calibration_inputs()
-                    codes, names = table.calibration_codes()
+                refit = signatures[s] != self._fit_signatures.get(s)
+                # A calibration restored from the store is not refitted, but its out-of-fold fits are made.
+                if not refit and signatures[s] == self._oof_signatures.get(s):
+                    continue
+                table = tables.get(raw_name(self._stored(s)), empty)
+                p_raw, faster, _ = table.calibration_inputs()
+                codes, names = table.calibration_codes()
+                if refit:
                     self._calibrators[s] = Calibrator.fit_codes(
                         p_raw, faster, codes, names, prior=self._prior[s]
                     )
                     self._fit_signatures[s] = signatures[s]
                     await store.save_calibration(self._stored(s), POOLED, self._calibration_state(s))
-            for s in self._slots:
                 if signatures[s] != self._oof_signatures.get(s):
-                    table = tables.get(raw_name(self._stored(s)), empty)
-                    p_raw, faster, _ = table.calibration_inputs()
-                    codes, names = table.calibration_codes()
                     fold = table.calibration_folds(OOF_FOLDS)
                     self._oof[s] = [
                         Calibrator.fit_codes(
