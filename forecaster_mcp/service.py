@@ -748,15 +748,15 @@ class Service:
         # baseline: list it once. (Only same-content copies were left out: a "0x20" copy of the baseline was
         # listed, and measuring it paid for the baseline's runtime twice.)
         base_key = member_key(by_id[base.id])
+        members = {cid: member_key(by_id[cid]) for cid in ranked}  # each hashes its source: once
         seen = {base_key}
         unique = []
         for cid in ranked:
-            mk = member_key(by_id[cid])
-            if mk not in seen:
-                seen.add(mk)
+            if members[cid] not in seen:
+                seen.add(members[cid])
                 unique.append(cid)
         # A copy of the baseline is settled by the baseline's own measurement (equal runtimes).
-        copies_of_base = any(member_key(by_id[cid]) == base_key for cid in ranked)
+        copies_of_base = base_key in members.values()
         ranked = unique
         if (
             str(base.id) not in measured
