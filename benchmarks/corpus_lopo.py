@@ -77,7 +77,9 @@ def main() -> int:
     ap.add_argument("--corpus", type=Path, default=ROOT / "benchmarks" / "corpus")
     ap.add_argument("--lam", type=float, default=3.0, help="ridge penalty")
     ap.add_argument("--threshold", type=float, default=0.95)
-    ap.add_argument("--anchors", help="share of each workload's kernels measured (anchors), e.g. 0.5")
+    ap.add_argument(
+        "--anchors", type=float, help="share of each workload's kernels measured (anchors), e.g. 0.5"
+    )
     ap.add_argument("--draws", type=int, default=20, help="random draws of the measured kernels (--anchors)")
     args = ap.parse_args()
     rows = read_measured(args.measured)
@@ -141,7 +143,7 @@ def _anchored(
     groups: np.ndarray,
     args: argparse.Namespace,
 ) -> int:
-    share = float(args.anchors)
+    share = args.anchors
     if not 0.0 < share < 1.0:
         raise SystemExit("--anchors is the share of each workload's kernels measured, between 0 and 1")
     resources = {r["id"]: r["result"].get("resources") for r in rows}
