@@ -1112,3 +1112,28 @@ def test_ptxas_compiles_never_read_the_servers_stdin(tmp_path: Path) -> None:
     )
     assert "PtxasError" in done.stdout and "read []" in done.stdout, done.stdout + done.stderr
     assert "jsonrpc" not in done.stdout
+
+
+@pytest.mark.anyio
+async def test_a_kernel_ptxas_did_not_compile_is_not_set_beside_anothers_registers(tmp_path: Path) -> None:
+    """A CUDA kernel of 255 registers a thread (one block of 256 threads per SM: occupancy 1/8) against its own
+    HIP twin, which ptxas does not compile: the twin's occupancy counted no registers (1.0), and the occupancy
+    term gave it 0.5 log2 (p_faster 0.66) for being read less. Both are read without ptxas's figures now."""
+    from forecaster_mcp.forecast.local import LocalForecaster
+
+    launch = Launch(grid=(4096, 1, 1), block=(256, 1, 1))
+    cuda = Kernel(source=SMALL, entry="add", launch=launch)
+    hip = Kernel(source=SMALL, entry="add", launch=launch, language="hip")
+    nvcc = _fake_nvcc(tmp_path / "nvcc", "release 13.0", _ptxas_says(255))
+    f = LocalForecaster(None, nvcc=nvcc, cache_dir=tmp_path / "cache", ptxas_wait_s=30.0)
+    twin, reverse, both_cuda = await f.forecast(
+        [
+            _pair(cuda, hip, "H100"),
+            _pair(hip, cuda, "H100"),
+            _pair(cuda, cuda.model_copy(update={"id": "b"}), "H100"),
+        ]
+    )
+    assert twin.extras["mu_log2"] == 0.0 and reverse.extras["mu_log2"] == 0.0
+    assert "occupancy" not in twin.rationale and "occupancy" not in reverse.rationale
+    # Two compiled kernels still compare their registers (here alike: no term either).
+    assert both_cuda.extras["mu_log2"] == 0.0

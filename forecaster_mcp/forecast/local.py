@@ -1917,6 +1917,7 @@ class LocalForecaster:
         # A kernel measured running compiled where it was measured, whatever this nvcc says.
         eb = eb if b.kind != "measured" else None
         ec = ec if c.kind != "measured" else None
+        fb, fc = _like_for_like(fb, fc, q)
         same_family = q.baseline.family_key() == q.candidate.family_key()
         shift = prior_shift(fb, fc, same_family=same_family)
         n_points = float(len(cand_model.measured)) if cand_model is not None else 0.0
@@ -1979,6 +1980,21 @@ class LocalForecaster:
             rationale = f"{said}; if both ran, {rationale}"
         probs, centers = bins.normal_bins(mean, sd)
         return BinForecast(probs, rationale, extras, centers)
+
+
+def _like_for_like(
+    fb: StaticFeatures, fc: StaticFeatures, q: PairQuery
+) -> tuple[StaticFeatures, StaticFeatures]:
+    """The pair's features with ptxas's resources on both sides or on neither. A kernel ptxas did not compile (a
+    HIP, OpenCL or Python source, a crowded call's kernels past MAX_PTXAS_PER_CALL, a timeout, a compile error)
+    has no registers or static shared memory, and its occupancy counts none: set beside a compiled kernel's
+    figures, the occupancy term leaned its way, up to 0.5 log2 against a kernel of 255 registers a thread at 256
+    threads (a CUDA kernel against its own HIP twin gave the twin p_faster 0.66)."""
+    if (fb.registers is None) == (fc.registers is None):
+        return fb, fc
+    if fb.registers is not None:
+        return with_resources(fb.source, q.baseline, q.hardware, None), fc
+    return fb, with_resources(fc.source, q.candidate, q.hardware, None)
 
 
 _MISSING_HEADER = re.compile(r"cannot open source file|No such file or directory")
