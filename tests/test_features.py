@@ -1137,3 +1137,23 @@ async def test_a_kernel_ptxas_did_not_compile_is_not_set_beside_anothers_registe
     assert "occupancy" not in twin.rationale and "occupancy" not in reverse.rationale
     # Two compiled kernels still compare their registers (here alike: no term either).
     assert both_cuda.extras["mu_log2"] == 0.0
+
+
+def test_fp64_costs_as_much_more_as_the_gpu_runs_it_slower() -> None:
+    """The fp64 term was 0.1 log2 on every GPU: a kernel accumulating in double against its float twin on an
+    RTX 4090 (FP64 at 1/64 of FP32) was judged as on an H100 (1/2). It grows with log2 of the ratio now, and
+    stays as it was on the data-centre GPUs the corpus was measured on."""
+    launch = Launch(grid=(4096, 1, 1), block=(256, 1, 1))
+    body = "__global__ void k(const float* x, float* y) { int i = blockIdx.x * blockDim.x + threadIdx.x; "
+    single = Kernel(source=body + "float s = x[i]; y[i] = s * s; }", entry="k", launch=launch)
+    double = Kernel(source=body + "double s = x[i]; y[i] = s * s; }", entry="k", launch=launch)
+
+    def shift(gpu: str | None) -> float:
+        spec = lookup(gpu) if gpu else None
+        fs, fd = kernel_features(single, None, spec), kernel_features(double, None, spec)
+        return prior_shift(fs, fd, fitted=False).mean_log2
+
+    assert shift("H100") == pytest.approx(-0.1) and shift("MI250X") == pytest.approx(-0.1)
+    assert shift(None) == pytest.approx(-0.1)
+    assert shift("RTX 4090") == pytest.approx(-0.6) and shift("T4") == pytest.approx(-0.5)
+    assert shift("RX 7900 XTX") == pytest.approx(-0.4)

@@ -899,6 +899,7 @@ class StaticFeatures:
     blocks_per_sm: int | None = None
     waves: float | None = None  # blocks / (SMs x resident blocks per SM)
     sm_utilisation: float | None = None  # busy share of SMs (idle SMs below a wave, partial last wave)
+    fp64_ratio: float | None = None  # the GPU's FP32 over FP64 throughput (GpuSpec.fp64_ratio), with the spec
     numeric_defines: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -1048,6 +1049,7 @@ def with_resources(
         blocks_per_sm=blocks_per_sm,
         waves=waves,
         sm_utilisation=util,
+        fp64_ratio=spec.fp64_ratio if spec is not None else None,
         numeric_defines=_numeric_defines(dict(kernel.defines)),
     )
 
@@ -1088,6 +1090,16 @@ FITTED_TERMS: tuple[tuple[str, float, str], ...] = (
 # tuning variants of one kernel (23 Kernel Tuner spaces, launches derived from block and tile sizes) the one
 # launching fewer threads was faster in 24% to 87% of pairs depending on kernel and GPU, about half overall.
 WORK_RATIO_CAP_LOG2 = 4.0
+
+
+def _fp64_scale(a: StaticFeatures, b: StaticFeatures) -> float:
+    """How much more FP64 costs on the pair's GPU than where the fp64 term's 0.1 log2 was set (half-rate FP64,
+    the data-centre GPUs): log2 of the GPU's FP32 over FP64 throughput, at least 1. On a GeForce or workstation
+    Ampere, Ada or Blackwell (1/64 rate) it is 6: -0.6 log2 for the kernel that uses doubles. On the H200 the
+    fp64 kernels of benchmarks/corpus (conv1d accumulating in double) ran 1.4-1.9x slower than their float
+    twins, so the term stays on the safe side of the throughput ratio (a double may be one scalar)."""
+    ratio = a.fp64_ratio or b.fp64_ratio
+    return max(1.0, math.log2(ratio)) if ratio else 1.0
 
 
 def _presence(a: int, b: int) -> int:
@@ -1158,7 +1170,7 @@ def prior_shift(
     add(0.08 * _presence(sa.async_copy, sb.async_copy), "async copies")
     add(0.05 * _presence(sa.readonly, sb.readonly), "read-only loads")
     add(0.04 * _presence(sa.unroll_pragmas, sb.unroll_pragmas), "unrolling")
-    add(-0.1 * _presence(sa.fp64, sb.fp64), "fp64 arithmetic")
+    add(-0.1 * _fp64_scale(a, b) * _presence(sa.fp64, sb.fp64), "fp64 arithmetic")
     shift = max(-MAX_SHIFT_LOG2, min(MAX_SHIFT_LOG2, shift))
     if fitted:
         for (name, weight, why), value in zip(FITTED_TERMS, fitted_values(a, b), strict=True):

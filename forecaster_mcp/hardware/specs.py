@@ -56,6 +56,11 @@ class GpuSpec:
     warp_size: int = 32
     aliases: tuple[str, ...] = ()
 
+    @property
+    def fp64_ratio(self) -> float:
+        """How many times the FP32 throughput the FP64 throughput is below (_FP64_RATIO)."""
+        return _FP64_RATIO.get(self.arch, 2.0)
+
 
 KIB = 1024
 MIB = 1024 * 1024
@@ -73,6 +78,30 @@ _CC: dict[str, tuple[str, int, int, int, int]] = {
     "10.0": ("sm_100", 2048, 32, 228 * KIB, 227 * KIB),
     # cuda_occupancy.h (CUDA 13) caps 12.x at 24 resident blocks per SM.
     "12.0": ("sm_120", 1536, 24, 100 * KIB, 99 * KIB),
+}
+
+
+# FP32 over FP64 arithmetic throughput by architecture (the CUDA programming guide's throughput table; AMD's
+# ISA and product pages): data-centre parts run FP64 at half rate (CDNA2/3 vector FP64 at the full FP32 rate),
+# Turing at 1/32, GeForce and workstation Ampere, Ada and Blackwell at 1/64, RDNA at 1/16 (single issue).
+# Export parts with FP64 cut further than their chip's are not told apart.
+_FP64_RATIO: dict[str, float] = {
+    "sm_60": 2.0,
+    "sm_70": 2.0,
+    "sm_75": 32.0,
+    "sm_80": 2.0,
+    "sm_86": 64.0,
+    "sm_89": 64.0,
+    "sm_90": 2.0,
+    "sm_100": 2.0,
+    "sm_120": 64.0,
+    "gfx906": 2.0,
+    "gfx908": 2.0,
+    "gfx90a": 1.0,
+    "gfx942": 1.0,
+    "gfx1030": 16.0,
+    "gfx1032": 16.0,
+    "gfx1100": 16.0,
 }
 
 
