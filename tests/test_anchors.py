@@ -17,6 +17,7 @@ import pytest
 from test_pycuda_measurer import WORKLOAD
 
 from forecaster_mcp.forecast.features import (
+    CONFIG_SD_LOG2,
     KERNEL_ERROR_SD_LOG2,
     PRIOR_SD_LOG2,
     SourceFeatures,
@@ -24,6 +25,7 @@ from forecaster_mcp.forecast.features import (
     anchored_log2_ms,
     prior_shift,
 )
+from forecaster_mcp.forecast.local import MEASURED_SD_FLOOR_LOG2
 from forecaster_mcp.measure.fake import FakeMeasurer
 from forecaster_mcp.models import Kernel, Launch
 from forecaster_mcp.service import Service, build_forecasters
@@ -356,5 +358,39 @@ async def test_kernels_of_other_designs_alone_leave_the_plain_prior(tmp_path: Pa
         out = await _compare(svc, base, new)
         assert "anchored" not in out.rationale and "near 50/50" in out.rationale
         assert out.p_faster == pytest.approx(0.5, abs=1e-6)
+    finally:
+        await svc.close()
+
+
+async def test_a_young_familys_measured_configurations_estimate_its_next_one(tmp_path: Path) -> None:
+    # An agent tries variants of a kernel (its defines) against its best kernel: once one variant is measured
+    # twice as slow as the best, the next variant was still forecast from the static prior alone (here an
+    # even bet; with a tiling kernel against a naive one, p_faster 0.99 "faster") until the family had 4
+    # measurements. The family's measured configurations share whatever the prior misjudged in its design.
+    fake = FakeMeasurer([DEVICE], default_runtime_ms=1.0)
+    fake.script("tiled", runtime_ms=2.0)
+    svc = await open_service(tmp_path, fake)
+    try:
+        best, first, nxt = kernel("best"), kernel("tiled", UNROLL=1), kernel("tiled", UNROLL=4)
+        await _measure(svc, best)  # 1 ms
+        alone = await _compare(svc, best, nxt)
+        assert alone.p_faster == pytest.approx(0.5, abs=1e-6)
+
+        await _measure(svc, first)  # 2 ms
+        row = await _compare(svc, best, nxt)
+        assert "candidate estimated from 1 measured configuration of its own kernel" in row.rationale
+        # log2 speedup: 0 - 1, spread one configuration's from another's (two of them) and the measurement's.
+        sd = math.sqrt(2 * CONFIG_SD_LOG2**2 + MEASURED_SD_FLOOR_LOG2**2)
+        assert row.p_faster == pytest.approx(0.5 * (1 + math.erf(-1.0 / sd / math.sqrt(2))), abs=1e-3)
+        # The other way round, the same belief.
+        reverse = await _compare(svc, best, nxt, baseline=nxt.id)
+        assert reverse.p_faster == pytest.approx(1.0 - row.p_faster, abs=1e-6)
+        assert "baseline estimated from 1 measured configuration" in reverse.rationale
+        # A configuration measured is itself, and a family of 4 has its own model.
+        await _measure(svc, nxt)
+        for unroll in (2, 8):
+            await _measure(svc, kernel("tiled", UNROLL=unroll))
+        later = await _compare(svc, best, kernel("tiled", UNROLL=16))
+        assert "configuration" not in later.rationale
     finally:
         await svc.close()

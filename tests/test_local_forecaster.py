@@ -321,8 +321,13 @@ async def test_different_families_combine_their_own_models() -> None:
     [out] = await f.forecast([query(member(32, 1), other)])
     assert out.extras["mu_log2"] == pytest.approx(math.log2(runtime(32, 1) / 0.5), abs=1e-9)
     assert out.p_faster > 0.95
+    # Another configuration of the one-point family: estimated from its measured one (and the model's).
     unmeasured_other = member(64, 1, source=other_src)
-    [prior] = await f.forecast([query(member(32, 1), unmeasured_other)])
+    [sibling] = await f.forecast([query(member(32, 1), unmeasured_other)])
+    assert "candidate estimated from 1 measured configuration of its own kernel" in sibling.rationale
+    assert sibling.p_faster > 0.8
+    # A family with nothing measured: the static prior.
+    [prior] = await f.forecast([query(member(32, 1), member(64, 1, source=SOURCE.replace("2.0f", "4.0f")))])
     assert "static prior" in prior.rationale
 
 

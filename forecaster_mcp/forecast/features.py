@@ -1237,6 +1237,34 @@ def anchored_log2_ms(
     return Anchored(statistics.median(estimates), KERNEL_ERROR_SD_LOG2 * math.sqrt(1.0 + spread), n)
 
 
+# A kernel's configurations (its tuning family: the same source, other defines) share whatever its design gets
+# right or wrong that the static features miss, the error anchoring leaves in (KERNEL_ERROR_SD_LOG2). Once
+# some of them are measured, an unmeasured one is estimated from them, and what is left is how far one
+# configuration lies from another: the sd of log2 runtime within a tuning space, 0.75 (the median over the 23
+# Kernel Tuner spaces of benchmarks/tune_local.py: 0.12 to 2.0, most 0.5 to 0.9; whole spaces, worst
+# configurations included, wider than the few variants an agent tries).
+CONFIG_SD_LOG2 = 0.75
+
+
+def sibling_log2_ms(
+    target: StaticFeatures, siblings: Sequence[tuple[StaticFeatures, float]], target_is_candidate: bool
+) -> Anchored:
+    """Log2 runtime (ms) of an unmeasured kernel and its sd from measured configurations of its own tuning
+    family, each given as (features, log2 ms): the median of their estimates (each sibling's runtime less the
+    same-family prior's shift to the target, in the pair's direction) with CONFIG_SD_LOG2 per configuration."""
+    if not siblings:
+        raise ValueError("sibling_log2_ms needs at least one measured configuration")
+    estimates = [
+        t - prior_shift(f, target, same_family=True).mean_log2
+        if target_is_candidate
+        else t + prior_shift(target, f, same_family=True).mean_log2
+        for f, t in siblings
+    ]
+    n = len(estimates)
+    spread = 1.0 / n if n <= 2 else (math.pi / 2.0) / n
+    return Anchored(statistics.median(estimates), CONFIG_SD_LOG2 * math.sqrt(1.0 + spread), n)
+
+
 def _terms_apart(a: StaticFeatures, b: StaticFeatures) -> int:
     """How many of FITTED_TERMS tell the two kernels apart."""
     return sum(value != 0.0 for value in fitted_values(a, b))

@@ -53,10 +53,11 @@ from forecaster_mcp.forecast.features import (
     kernel_features,
     kernel_source_features,
     prior_shift,
+    sibling_log2_ms,
     with_resources,
 )
 from forecaster_mcp.forecast.ptxas import PtxasError, PtxasUsage, measured_entry
-from forecaster_mcp.models import C_INT, C_INT_SUFFIX, Kernel, c_integer
+from forecaster_mcp.models import C_INT, C_INT_SUFFIX, Kernel, Launch, c_integer
 from forecaster_mcp.store.db import AnchorPoint, FamilyPoint
 
 Array = NDArray[np.float64]
@@ -1009,6 +1010,9 @@ class FamilyModel:
     by_row: dict[tuple[Any, ...], Measured] = field(default_factory=dict)
     # Parameters every ok measurement had at one value (canonical): the model never saw them vary.
     constant: dict[str, int | float | str] = field(default_factory=dict)
+    # A young family's ok measurements (fewer than MIN_FAMILY_POINTS, no GP): what a configuration of it not
+    # yet measured is estimated from against another kernel (LocalForecaster._prior_forecast).
+    young: tuple[FamilyPoint, ...] = ()
 
     def novel(self, row: dict[str, Any]) -> set[tuple[str, int | float | str]]:
         """(parameter, value) of `row` at a value the family's runtimes never varied from (`constant`)."""
@@ -1177,8 +1181,22 @@ def fit_family(
     fail_ls = (
         _fail_lengthscales(x_all, failed_arr, gp.ls if gp is not None else None) if n_failed else np.zeros(0)
     )
+    young = tuple(
+        p for p in points if (m := measured.get(p.content_key)) is not None and m.ok and m.log2_ms is not None
+    )
     return FamilyModel(
-        encoder, gp, measured, x_all, failed_arr, len(ok_rows), n_failed, fail_ls, gp_short, by_row, constant
+        encoder,
+        gp,
+        measured,
+        x_all,
+        failed_arr,
+        len(ok_rows),
+        n_failed,
+        fail_ls,
+        gp_short,
+        by_row,
+        constant,
+        young if gp is None else (),
     )
 
 
@@ -1598,6 +1616,36 @@ class LocalForecaster:
                 break
         return out
 
+    def _sibling_features(
+        self, target: Kernel, points: Sequence[FamilyPoint], q: PairQuery, workload_key: str
+    ) -> list[tuple[StaticFeatures, float]]:
+        """Static features (without ptxas's resources: most were never compiled here) and log2 runtime of the
+        measured configurations of `target`'s young family: `target` under each one's defines, launch and
+        flags. Run in a worker thread, as `_anchor_features`; cached under the anchors' keys."""
+        out = []
+        for p in points:
+            if p.runtime_ms is None or p.runtime_ms <= 0:
+                continue
+            key = (f"{p.content_key}{_NO_RESOURCES}", q.hardware_name, workload_key)
+            cached = self._features.get(key)
+            if cached is None:
+                launch = Launch.model_validate(p.launch) if p.launch is not None else None
+                sibling = target.model_copy(
+                    update={
+                        "defines": dict(p.defines),
+                        "launch": launch,
+                        "compile_options": p.compile_options,
+                    }
+                )
+                features = with_resources(
+                    kernel_source_features(sibling, q.hardware), sibling, q.hardware, None
+                )
+                cached = self._features[key] = (features, None)
+                while len(self._features) > 4096:
+                    self._features.popitem(last=False)
+            out.append((cached[0], math.log2(p.runtime_ms)))
+        return out
+
     def _compilable(self, k: Kernel) -> bool:
         return (
             self._nvcc is not None
@@ -1749,12 +1797,36 @@ class LocalForecaster:
                     anchored[i] = (q.hardware_name, workload_keys[id(q.workload)])
         anchor_points = {where: await self._anchor_points(*where) for where in set(anchored.values())}
 
+        # Pairs of different kernels whose unknown one is a configuration of a young family (some of its
+        # configurations measured, too few for its model) and whose other one is measured or modelled: the
+        # family's measured configurations estimate it (features.sibling_log2_ms).
+        young: dict[int, tuple[bool, FamilyModel]] = {}
+        for i, (q, belief) in enumerate(zip(queries, beliefs, strict=True)):
+            if prior_path(belief) and not isinstance(belief, Exception):
+                b, c = belief
+                if keys[id(q.baseline)][0] == keys[id(q.candidate)][0]:
+                    continue
+                for target_is_candidate, (known, unknown, k) in (
+                    (True, (b, c, q.candidate)),
+                    (False, (c, b, q.baseline)),
+                ):
+                    model = groups[group_of(k, q)]
+                    if (
+                        unknown.kind == "unknown"
+                        and known.kind in ("measured", "model")
+                        and model
+                        and model.young
+                    ):
+                        young[i] = (target_is_candidate, model)
+
         def statics() -> tuple[
             dict[int, list[tuple[StaticFeatures, PtxasError | None]] | Exception],
             dict[int, list[tuple[StaticFeatures, StaticFeatures, float]]],
+            dict[int, list[tuple[StaticFeatures, float]]],
         ]:
             found: dict[int, list[tuple[StaticFeatures, PtxasError | None]] | Exception] = {}
             anchors: dict[int, list[tuple[StaticFeatures, StaticFeatures, float]]] = {}
+            siblings: dict[int, list[tuple[StaticFeatures, float]]] = {}
             for i, (q, belief) in enumerate(zip(queries, beliefs, strict=True)):
                 if prior_path(belief):
                     try:
@@ -1763,13 +1835,19 @@ class LocalForecaster:
                             families = (keys[id(q.baseline)][0], keys[id(q.candidate)][0])
                             where = anchored[i]
                             anchors[i] = self._anchor_features(anchor_points[where], families, q, where[1])
+                        if i in young:
+                            target_is_candidate, model = young[i]
+                            target = q.candidate if target_is_candidate else q.baseline
+                            siblings[i] = self._sibling_features(
+                                target, model.young, q, workload_keys[id(q.workload)]
+                            )
                     except Exception as exc:
                         found[i] = exc
-            return found, anchors
+            return found, anchors, siblings
 
         # Reading sources (agent-written, up to 1 MB each) off the event loop: other calls go on meanwhile.
-        static_of, anchors_of = (
-            await anyio.to_thread.run_sync(statics) if any(map(prior_path, beliefs)) else ({}, {})
+        static_of, anchors_of, siblings_of = (
+            await anyio.to_thread.run_sync(statics) if any(map(prior_path, beliefs)) else ({}, {}, {})
         )
         out: list[BinForecast | None] = []
         errors: list[Exception] = []
@@ -1787,7 +1865,9 @@ class LocalForecaster:
                         raise feats
                     (fb, eb), (fc, ec) = feats
                     out.append(
-                        self._prior_forecast(q, b, c, groups[kc], fb, fc, eb, ec, anchors_of.get(i, []))
+                        self._prior_forecast(
+                            q, b, c, groups[kc], fb, fc, eb, ec, anchors_of.get(i, []), siblings_of.get(i, [])
+                        )
                     )
                 else:
                     out.append(self._pair_forecast(b, c, groups[group_of(q.baseline, q)], groups[kc]))
@@ -1907,13 +1987,17 @@ class LocalForecaster:
         eb: PtxasError | None = None,
         ec: PtxasError | None = None,
         anchors: Sequence[tuple[StaticFeatures, StaticFeatures, float]] = (),
+        siblings: Sequence[tuple[StaticFeatures, float]] = (),
     ) -> BinForecast:
         """The static prior of a pair, from both kernels' static features and compile errors (`_static`). Its
         bins are conditional on both kernels running, as every forecast's are; a compile error raises the
         kernel's chance of failing (`_compile_p_fail`) and leads the rationale. `anchors`: measured kernels of
         other families on the pair's workload and GPU (features, log2 ms), when one kernel of the pair is
         measured and the other not: with them the unmeasured one's runtime is anchored on all the measured
-        ones (features.anchored_log2_ms), not on the pair's other kernel alone."""
+        ones (features.anchored_log2_ms), not on the pair's other kernel alone. `siblings`: measured
+        configurations of the unknown kernel's young family (features, log2 ms), when the other kernel is
+        measured or modelled: they estimate it (features.sibling_log2_ms), in place of the static prior and its
+        anchors, whose error they share."""
         # A kernel measured running compiled where it was measured, whatever this nvcc says.
         eb = eb if b.kind != "measured" else None
         ec = ec if c.kind != "measured" else None
@@ -1941,7 +2025,7 @@ class LocalForecaster:
             why = "different kernels, not both measured or modelled"
         mean, sd = shift.mean_log2, shift.sd_log2
         what = "static prior"
-        if anchors and {b.kind, c.kind} == {"measured", "unknown"}:
+        if anchors and not siblings and {b.kind, c.kind} == {"measured", "unknown"}:
             # Registers as measured beside a kernel ptxas did not compile would tilt the occupancy term towards it.
             target = fc if c.kind == "unknown" else fb
             used = [(f if target.registers is not None else bare, t) for f, bare, t in anchors]
@@ -1958,7 +2042,25 @@ class LocalForecaster:
                     f"static prior anchored on {est.used} measured kernels of this workload ({who} estimated "
                     f"{_fmt_ms(est.log2_ms)})"
                 )
-        if shift.reasons:
+        if siblings:
+            target_is_candidate = c.kind == "unknown"
+            target = fc if target_is_candidate else fb
+            target = with_resources(
+                target.source, q.candidate if target_is_candidate else q.baseline, q.hardware, None
+            )
+            est = sibling_log2_ms(target, siblings, target_is_candidate)
+            known = b if target_is_candidate else c
+            mean = known.mean - est.log2_ms if target_is_candidate else est.log2_ms - known.mean
+            sd = math.sqrt(est.sd_log2**2 + known.var)
+            extras.update(mu_log2=mean, sd_log2=sd, siblings=float(est.used))
+            who = "candidate" if target_is_candidate else "baseline"
+            n = est.used
+            rationale = (
+                f"{who} estimated from {n} measured configuration{'' if n == 1 else 's'} of its own kernel "
+                f"(same source, other defines): {_fmt_ms(est.log2_ms)} against "
+                f"{'measured' if known.kind == 'measured' else 'modelled'} {_fmt_ms(known.mean)}"
+            )
+        elif shift.reasons:
             rationale = f"{what} ({why}): " + ", ".join(shift.reasons[:4])
         else:
             # Anchored, the two may still differ: what the measured kernels say of this workload decides.
