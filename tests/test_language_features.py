@@ -1,10 +1,12 @@
-"""Static features of HIP and OpenCL kernels read as those of their CUDA twins; Triton and Python sources read
-only for what they say plainly."""
+"""Static features of HIP and OpenCL kernels read as those of their CUDA twins, Python ones holding CUDA in their
+strings as that CUDA; Triton and other Python sources read only for what they say plainly."""
 
 from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,9 +18,12 @@ from forecaster_mcp.forecast.features import (
     FITTED_TERMS,
     SourceFeatures,
     StaticFeatures,
+    embedded_cuda,
     entry_parameter_count,
     fitted_values,
     kernel_features,
+    prior_shift,
+    python_source_features,
     source_features,
 )
 from forecaster_mcp.forecast.local import LocalForecaster
@@ -581,7 +586,8 @@ def test_a_crafted_dialect_source_is_read_in_linear_time(language: Language, uni
 @pytest.mark.anyio
 async def test_only_cuda_sources_are_given_to_nvcc(tmp_path: Path) -> None:
     """The ptxas features come from nvcc, which takes CUDA only: a HIP, OpenCL, Triton or Python kernel is never
-    compiled (nor charged a compile error), a CUDA one is."""
+    compiled (nor charged a compile error), a CUDA one is. Nor is the CUDA in a Python kernel's strings: CuPy
+    compiles it with NVRTC and torch with its own headers and flags, which this nvcc would not match."""
     log = tmp_path / "compiles.log"
     nvcc = tmp_path / "nvcc"
     nvcc.write_text(
@@ -590,13 +596,14 @@ async def test_only_cuda_sources_are_given_to_nvcc(tmp_path: Path) -> None:
     nvcc.chmod(0o755)
     forecaster = LocalForecaster(None, nvcc=str(nvcc), cache_dir=tmp_path / "cache", ptxas_wait_s=30.0)
     launch = Launch(grid=(4096, 1, 1), block=(256, 1, 1))
-    twins: dict[Language, str] = {
-        "hip": HIST_PRIVATE[1],
-        "opencl": HIST_PRIVATE[2],
-        "triton": TRITON,
-        "python": TRITON,
-    }
-    for language, source in twins.items():
+    twins: list[tuple[Language, str]] = [
+        ("hip", HIST_PRIVATE[1]),
+        ("opencl", HIST_PRIVATE[2]),
+        ("triton", TRITON),
+        ("python", TRITON),
+        ("python", _cupy_raw_kernel(HIST_PRIVATE[0], "hist")),
+    ]
+    for language, source in twins:
         base = Kernel(source=source, entry="hist", language=language, launch=launch)
         cand = base.model_copy(update={"defines": {"BINS": 32}})
         (fc,) = await forecaster.forecast([PairQuery(base, cand, Workload(), "H100", lookup("H100"))])
@@ -694,3 +701,236 @@ async def test_a_python_pair_is_forecast_from_what_its_source_says(language: Lan
     assert "atomic" not in fc.rationale
     assert f"{language} source read for tl.dot and fp64 only" in fc.rationale
     assert abs(sum(fc.probs[4:]) - 0.5) < 0.01
+
+
+# ---------------------------------------------------------------- CUDA in a Python source's strings
+
+# A kernel kept beside the one launched, with every construct the fitted terms read: read with it, it would
+# change each pair's terms.
+BESIDE = r"""
+extern "C" __global__ void beside(const float* x, float* out, int n) {
+    __shared__ float t[256];
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    float4 v = reinterpret_cast<const float4*>(x)[i];
+    t[threadIdx.x] = v.x;
+    __syncthreads();
+    float s = t[threadIdx.x] + __shfl_down_sync(0xffffffff, v.y, 1);
+    atomicAdd(&out[i % 7], s);
+    out[i * n] = s;
+}
+"""
+
+
+def _cupy_raw_kernel(cuda: str, name: str) -> str:
+    return f'''"""A CuPy kernel: this docstring says __global__ but holds none."""
+import cupy as cp
+
+_kernel = cp.RawKernel(r\'\'\'{cuda}\'\'\', "{name}")
+_beside = cp.RawKernel(r\'\'\'{BESIDE}\'\'\', "beside")  # a twin kept for comparison, never launched by run
+
+
+def run(*args, grid=(4096,), block=(256,)):
+    _kernel(grid, block, args)
+'''
+
+
+def _cupy_raw_module(cuda: str, name: str) -> str:
+    # Implicitly concatenated one-line literals, escapes and all, and an f-string without placeholders.
+    lines = "\n".join(f"    {line!r}" for line in cuda.splitlines(keepends=True))
+    beside = BESIDE.replace("{", "{{").replace("}", "}}")
+    return f"""import cupy
+
+
+class Kernels:
+    def __init__(self):
+        self.module = cupy.RawModule(code=(
+{lines}
+        ))
+        self.beside = cupy.RawModule(code=f'''{beside}''')
+
+    def forward(self, *args):
+        self.module.get_function("{name}")((4096,), (256,), args)
+"""
+
+
+def _torch_load_inline(cuda: str, name: str) -> str:
+    del name  # the host wrapper launches it
+    return f'''import torch
+from torch.utils.cpp_extension import load_inline
+
+CPP = "torch::Tensor launch(torch::Tensor x);"
+CUDA = r"""
+#include <torch/extension.h>
+{cuda}
+torch::Tensor launch(torch::Tensor x) {{ return x; }}
+"""
+BESIDE = r"""{BESIDE}"""
+_ext = load_inline(name="ext", cpp_sources=CPP, cuda_sources=CUDA, functions=["launch"])
+_beside = load_inline(name="beside", cpp_sources=CPP, cuda_sources=BESIDE, functions=["launch"])
+
+
+def forward(x):
+    return _ext.launch(x)
+'''
+
+
+# (wrapper, the entry given: the Python that launches the kernel, or the kernel itself)
+EMBEDDINGS = [
+    (_cupy_raw_kernel, "run"),
+    (_cupy_raw_kernel, None),
+    (_cupy_raw_module, "forward"),
+    (_cupy_raw_module, None),
+    (_torch_load_inline, "forward"),
+]
+
+
+@pytest.mark.parametrize(("name", "baselines", "candidates", "launch", "term", "value"), PAIRS)
+@pytest.mark.parametrize(("wrap", "entry"), EMBEDDINGS)
+def test_cuda_in_python_strings_gets_the_cuda_pairs_features(
+    name: str,
+    baselines: tuple[str, str, str],
+    candidates: tuple[str, str, str],
+    launch: tuple[Dim3, Dim3],
+    term: str,
+    value: float,
+    wrap: Callable[[str, str], str],
+    entry: str | None,
+) -> None:
+    """A Python kernel launching CUDA C from a string (CuPy's RawKernel or RawModule, torch's load_inline)
+    reads as that CUDA: the same counts, fitted terms and prior shift as the plain-CUDA pair, whether the entry
+    given is the Python function launching it or the `__global__` kernel, and whatever else the module keeps
+    beside it. Before, it was read for tl.dot and fp64 only: every pair had the plain 0.5 prior."""
+    grid, block = launch
+    spec = lookup("H100")
+    cuda_b, cuda_c = baselines[0], candidates[0]
+
+    def features(source: str, language: Language, kernel_entry: str) -> StaticFeatures:
+        kernel = Kernel(
+            source=source, entry=kernel_entry, language=language, launch=Launch(grid=grid, block=block)
+        )
+        return kernel_features(kernel, Workload(), spec)
+
+    plain = [features(src, "cuda", _entry(src)) for src in (cuda_b, cuda_c)]
+    embedded = [features(wrap(src, _entry(src)), "python", entry or _entry(src)) for src in (cuda_b, cuda_c)]
+    for p, e in zip(plain, embedded, strict=True):
+        assert e.source.embedded_cuda == 1
+        assert _counts(dataclasses.replace(e.source, embedded_cuda=0)) == _counts(p.source), name
+    assert fitted_values(*embedded) == fitted_values(*plain)
+    assert fitted_values(*plain)[[t for t, _, _ in FITTED_TERMS].index(term)] == value
+    assert prior_shift(*embedded) == prior_shift(*plain)
+
+
+CUPY_SHUFFLE = _cupy_raw_kernel(SHUFFLE_SUM[0], "rsum")
+
+
+@pytest.mark.parametrize(
+    ("source", "entry"),
+    [
+        (TRITON, "hist"),  # no CUDA at all
+        (CUPY_SHUFFLE.replace("def run(*args", "def run(*args,,"), "run"),  # not Python
+        ('f"""' + SHUFFLE_SUM[0].replace("16", "{o}") + '"""\n', "rsum"),  # made at run time
+        ("# " + SHUFFLE_SUM[0].replace("\n", "\n# ") + "\ndef rsum(x):\n    return x\n", "rsum"),  # comments
+        ('"""' + SHUFFLE_SUM[0] + '"""\nimport cupy\n', "rsum"),  # a docstring
+        (TRITON + CUPY_SHUFFLE, "hist"),  # a Triton kernel beside a CuPy one it never launches
+    ],
+)
+def test_python_without_cuda_strings_is_read_as_before(source: str, entry: str) -> None:
+    """A Python source whose entry reaches no CUDA string (none there, a syntax error, a comment or a docstring
+    saying `__global__`, an f-string with placeholders, a CuPy kernel beside a Triton entry) is read as Python,
+    as before."""
+    read = source_features(source, {}, entry, "python")
+    assert read == python_source_features(source, entry)
+    assert read.embedded_cuda == 0 and read.warp_shuffles == 0
+
+
+def test_the_kernel_read_is_the_entrys_else_the_one_launched_else_the_only_one() -> None:
+    """Which kernel of a Python source's CUDA is read: the `entry` when it is a kernel there; else the one named
+    to RawKernel or get_function by the Python `entry` reaches; else the only one; else all of them."""
+    two = r'''
+import cupy as cp
+
+SRC = r"""
+extern "C" __global__ void a(float* x) { x[threadIdx.x] = __shfl_down_sync(0xffffffff, x[0], 1); }
+extern "C" __global__ void b(float* x, int n) { atomicAdd(&x[threadIdx.x % 3], 1.0f); }
+"""
+mod = cp.RawModule(code=SRC)
+
+
+def launch_a(x):
+    mod.get_function("a")((1,), (32,), (x,))
+
+
+def launch_both(x, n):
+    mod.get_function("a")((1,), (32,), (x,))
+    mod.get_function("b")((1,), (32,), (x, n))
+'''
+
+    def read(source: str, entry: str) -> str | None:
+        found = embedded_cuda(source, entry)
+        assert found is not None
+        return found.entry
+
+    assert (read(two, "a"), read(two, "b"), read(two, "launch_a"), read(two, "launch_both")) == (
+        "a",
+        "b",
+        "a",
+        None,
+    )
+    both = source_features(two, {}, "launch_both", "python")
+    assert (both.warp_shuffles, both.atomics) == (1, 1)
+    only_b = source_features(two, {}, "b", "python")
+    assert (only_b.warp_shuffles, only_b.atomics) == (0, 1)
+    assert read(two.replace('extern "C" __global__ void b', "__device__ void b"), "not_named_here") == "a"
+
+
+@pytest.mark.anyio
+async def test_a_cupy_pair_is_forecast_as_its_cuda_pair() -> None:
+    """compare_kernels' static prior for two CuPy kernels, a shuffle reduction against one atomic per element:
+    the CUDA pair's p_faster, and the rationale says the CUDA in the strings was read. Before: 0.50, 'python
+    source read for tl.dot and fp64 only'."""
+    launch = Launch(grid=(4096, 1, 1), block=(256, 1, 1))
+    workload = Workload(problem={"n": 1 << 24})
+    forecaster = LocalForecaster(None, nvcc="/nonexistent/nvcc")
+    p_faster = {}
+    for language, wrap in (("cuda", lambda s: s), ("python", lambda s: _cupy_raw_kernel(s, "rsum"))):
+        base = Kernel(id="a", source=wrap(ATOMIC_SUM[0]), entry="rsum", language=language, launch=launch)
+        cand = Kernel(id="b", source=wrap(SHUFFLE_SUM[0]), entry="rsum", language=language, launch=launch)
+        (fc,) = await forecaster.forecast([PairQuery(base, cand, workload, "H100", lookup("H100"))])
+        p_faster[language] = sum(fc.probs[4:])
+        if language == "python":
+            assert "python source read for the CUDA in its string literals" in fc.rationale, fc.rationale
+            assert "tl.dot" not in fc.rationale and "warp shuffles (+)" in fc.rationale
+    assert p_faster["python"] == pytest.approx(p_faster["cuda"]) and p_faster["cuda"] > 0.95
+
+
+@pytest.mark.parametrize(
+    ("crafted", "parsed"),
+    [
+        ("x = (" + "1, " * 20_000 + ")\n", True),  # as many nodes as the size parsed allows
+        ("x = 1\n" * 10_000, True),  # as many statements
+        ('"a"' + ' + "a"' * 10_000 + "\n", False),  # a concatenation nested too deep for the AST
+        (
+            "def f0(): pass\n" + "".join(f"def f{i}(): f{i - 1}()\n" for i in range(1, 3_000)),
+            True,
+        ),  # a call chain
+        ('k = cp.RawKernel("__global__ void k(){}", "k")\n' * 1_200, True),  # many kernels
+        ("x = '\\d'\n" * 6_000, True),  # invalid escapes (a warning each)
+        ("(" * 60_000, False),  # nesting beyond the parser's limits
+    ],
+)
+def test_a_crafted_python_source_is_read_in_bounded_time(crafted: str, parsed: bool) -> None:
+    """Python's parser reads a source only up to 64 KB that spells `__global__`; syntax and recursion errors mean
+    no embedded CUDA; its warnings are not logged; a 1 MB source is read as Python."""
+    source = '__global__ = """__global__ void k(float* x) { x[0] = 1; }"""\n' + crafted
+    assert len(source) < 64 * 1024
+    start = time.perf_counter()
+    with warnings.catch_warnings(record=True) as logged:
+        warnings.simplefilter("always")
+        for entry in ("k", "f2999", "missing"):
+            source_features(source, {}, entry, "python")
+        assert (embedded_cuda(source, "k") is not None) == parsed
+        huge = source + "x = 1\n" * 200_000
+        assert embedded_cuda(huge, "k") is None
+        assert source_features(huge, {}, "k", "python") == python_source_features(huge, "k")
+    assert time.perf_counter() - start < 10.0
+    assert not logged, logged[0]

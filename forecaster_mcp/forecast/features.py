@@ -3,8 +3,9 @@
 Source features are counted on the comment-stripped source after conditional compilation with the
 kernel's `defines` (so `#if USE_SHMEM` blocks count only when enabled). Counts are regex-based: they say
 "this kernel uses vector loads / tensor cores / shared memory", not how often at run time. A HIP or OpenCL kernel
-gets the features of its CUDA twin (`_as_cuda`, _DIALECT_PATTERNS); a Triton or Python one only those its source
-states plainly (PYTHON_LANGUAGES).
+gets the features of its CUDA twin (`_as_cuda`, _DIALECT_PATTERNS); a Python one holding CUDA C in its string
+literals (CuPy's RawKernel, PyCUDA's SourceModule, torch's load_inline) those of that CUDA (`embedded_cuda`); a
+Triton or other Python one only those its source states plainly (PYTHON_LANGUAGES).
 
 `prior_shift` turns the differences between two kernels' features into a log2-speedup shift with a wide
 spread: mild hand-set heuristics (occupancy, waves, spills, tensor cores) plus a few terms fitted on measured
@@ -18,10 +19,12 @@ thread issues.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import math
 import operator
 import re
 import statistics
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -654,6 +657,7 @@ class SourceFeatures:
     lines: int = 0
     strided_access: int = 0  # lane-fast index times a run-time size, outside shared memory
     thread_atomics: int = 0  # global atomics issued by every thread
+    embedded_cuda: int = 0  # 1: a Python source read as the CUDA in its string literals (`embedded_cuda`)
 
 
 _GLOBAL = "__global__"
@@ -783,10 +787,15 @@ def source_features(
 ) -> SourceFeatures:
     """Count source constructs in `source` preprocessed under `defines`; with `entry`, of that kernel only
     (the other `__global__` kernels of the source left out, `entry_text`). A HIP or OpenCL source is read as its
-    CUDA twin (`_as_cuda`, _DIALECT_PATTERNS); a Triton or Python one for the little it says plainly
+    CUDA twin (`_as_cuda`, _DIALECT_PATTERNS); a Python one as the CUDA its string literals hold, when they hold
+    the entry's (`embedded_cuda`), else, as a Triton one, for the little it says plainly
     (`python_source_features`)."""
     if language in PYTHON_LANGUAGES:
-        return python_source_features(source, entry)
+        embedded = embedded_cuda(source, entry)
+        if embedded is None:
+            return python_source_features(source, entry)
+        cuda = source_features(embedded.text, defines, embedded.entry)
+        return dataclasses.replace(cuda, embedded_cuda=1)
     text = entry_text(_as_cuda(preprocess(source, defines), language), entry)
     counts = {name: len(p.findall(text)) for name, p in _LANGUAGE_PATTERNS.get(language, _PATTERNS).items()}
     lines = sum(1 for line in text.splitlines() if line.strip())
@@ -881,6 +890,188 @@ def python_source_features(source: str, entry: str | None = None) -> SourceFeatu
     return SourceFeatures(lines=lines, tensor_core=dots, **counts)
 
 
+# ---------------------------------------------------------------- CUDA in a Python source's strings
+
+# Agents often launch CUDA C from Python: CuPy's RawKernel(code, name) and RawModule(code=...), PyCUDA's
+# SourceModule(...).get_function(name), torch's load_inline(cuda_sources=...). That CUDA is read as a CUDA source
+# is. Python's own parser finds the literals (raw, triple-quoted, implicitly or `+`-concatenated, f-strings without
+# placeholders); nothing is run. A string made at run time (an f-string's placeholder, .format, a file read) is not
+# read, nor is a source Python cannot parse: those are read as Python, as before. Parsing and reading the tree
+# cost about 5 s and 500 MB per crafted megabyte (`x = 1` lines), the parse holding the GIL throughout, so only
+# sources up to _MAX_EMBEDDING_SOURCE that spell `__global__` are parsed (a module holding its kernels is a few KB
+# to a few tens; a crafted one of that size takes 0.1-0.3 s).
+_MAX_EMBEDDING_SOURCE = 64 * 1024
+_EMBEDDING_FILENAME = "<kernel source>"
+# The calls that name the kernel they launch: RawKernel(code, name), get_function(name) (CuPy's RawModule,
+# PyCUDA's SourceModule).
+_NAMING_CALLS = {"RawKernel": 1, "get_function": 0}
+
+
+class EmbeddedCuda(NamedTuple):
+    """The CUDA a Python source's entry reaches, and the `__global__` kernel read (None: every kernel in it)."""
+
+    text: str
+    entry: str | None
+
+
+def _python_module(source: str) -> ast.Module | None:
+    """`source` parsed by Python, or None: too long to parse (_MAX_EMBEDDING_SOURCE), holding no CUDA kernel, or
+    not Python (a syntax error, nesting beyond the parser's limits)."""
+    if len(source) > _MAX_EMBEDDING_SOURCE or _GLOBAL not in source:
+        return None
+    try:
+        with warnings.catch_warnings():
+            # An invalid escape in a kernel's string ("\d") is the sender's business, not the server log's.
+            warnings.filterwarnings("ignore", module=re.escape(_EMBEDDING_FILENAME))
+            return ast.parse(source, _EMBEDDING_FILENAME)
+    except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError):
+        return None
+
+
+def _string_value(node: ast.AST) -> tuple[str, list[ast.AST]] | None:
+    """The value of a string expression known without running anything (a literal, an f-string without
+    placeholders, a `+` of those), with the nodes it is made of; None for any other expression."""
+    parts: list[str] = []
+    made_of: list[ast.AST] = []
+    stack = [node]
+    while stack:  # a + b + c nests to the left: walked without recursion, however long
+        n = stack.pop()
+        made_of.append(n)
+        if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Add):
+            stack.extend((n.right, n.left))
+        elif isinstance(n, ast.Constant) and isinstance(n.value, str):
+            parts.append(n.value)
+        elif isinstance(n, ast.JoinedStr) and all(isinstance(v, ast.Constant) for v in n.values):
+            parts.extend(str(v.value) for v in n.values if isinstance(v, ast.Constant))
+            made_of.extend(n.values)
+        else:
+            return None
+    return "".join(parts), made_of
+
+
+@dataclass
+class _Statement:
+    """What one top-level statement of a Python module binds, names, and holds of CUDA."""
+
+    binds: set[str] = field(default_factory=set)
+    names: set[str] = field(default_factory=set)
+    literals: list[str] = field(default_factory=list)  # those holding CUDA, in order
+    launched: list[str] = field(default_factory=list)  # kernel names given to RawKernel / get_function
+
+
+_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+_STRINGS = (ast.Constant, ast.JoinedStr, ast.BinOp)
+
+
+def _read_statement(stmt: ast.stmt) -> _Statement:
+    out = _Statement()
+    scope = isinstance(stmt, _SCOPES)
+    if isinstance(stmt, _SCOPES):
+        out.binds.add(stmt.name)  # what it assigns inside is its own
+    skip: set[int] = set()
+    for node in ast.walk(stmt):  # a node at a time by its exact type: this loop is most of the cost
+        kind = type(node)
+        if kind is ast.Name:
+            assert isinstance(node, ast.Name)
+            if type(node.ctx) is not ast.Store:
+                out.names.add(node.id)
+            elif not scope:
+                out.binds.add(node.id)
+        elif kind is ast.Call:
+            assert isinstance(node, ast.Call)
+            if (named := _launched_name(node)) is not None:
+                out.launched.append(named)
+        elif kind in _STRINGS:
+            if id(node) in skip:
+                continue
+            value = _string_value(node)
+            if value is None:
+                if kind is ast.JoinedStr:
+                    # Placeholders: its text is made at run time; its pieces are no kernel's source.
+                    skip.update(id(n) for n in ast.walk(node))
+                continue
+            text, made_of = value
+            skip.update(id(n) for n in made_of)
+            if _GLOBAL in text or "__device__" in text:
+                out.literals.append(text)
+        elif kind is ast.Expr:
+            assert isinstance(node, ast.Expr)
+            if type(node.value) in (ast.Constant, ast.JoinedStr):
+                skip.add(id(node.value))  # a docstring, or a string no call is given
+        elif kind in _SCOPES and not scope:
+            assert isinstance(node, _SCOPES)
+            out.binds.add(node.name)  # a def under a top-level if or try
+    return out
+
+
+def _launched_name(call: ast.Call) -> str | None:
+    """The kernel name a RawKernel or get_function call is given as a literal, if it is one."""
+    func = call.func
+    called = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+    at = _NAMING_CALLS.get(called)
+    if at is None:
+        return None
+    named = next((k.value for k in call.keywords if k.arg == "name"), None) if called == "RawKernel" else None
+    if named is None and len(call.args) > at:
+        named = call.args[at]
+    return named.value if isinstance(named, ast.Constant) and isinstance(named.value, str) else None
+
+
+def embedded_cuda(source: str, entry: str | None) -> EmbeddedCuda | None:
+    """The CUDA C a Python source holds in its string literals, as far as `entry` reaches it; None when it holds
+    none that `entry` reaches, or cannot be parsed (`_python_module`). Which literals: those of the top-level
+    statements `entry` names (a function or class of the module: the Python launching the kernel; a method of a
+    class: the class; else the statements whose literals define `entry` as a `__global__` kernel) and of the
+    statements those use, directly or through others, so not a naive twin kept beside it nor a Triton kernel's
+    module; with `entry` none of these, all. They are read as one CUDA source, its entry `entry` when they define
+    it, else the kernel named to RawKernel or get_function in those statements, else their only kernel, else
+    none (every kernel of them: a Python function launching two runs both)."""
+    module = _python_module(source)
+    if module is None:
+        return None
+    statements = [_read_statement(stmt) for stmt in module.body]
+    if not any(s.literals for s in statements):
+        return None
+    kernels = {
+        t: {name for _, name, _ in _global_names(strip_comments(t))} for s in statements for t in s.literals
+    }
+    binders: dict[str, list[int]] = {}
+    for i, s in enumerate(statements):
+        for name in s.binds:
+            binders.setdefault(name, []).append(i)
+    roots = binders.get(entry or "", [])
+    if not roots and entry:
+        roots = [
+            i
+            for i, stmt in enumerate(module.body)
+            if isinstance(stmt, ast.ClassDef)
+            and any(
+                isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name == entry for n in stmt.body
+            )
+        ]
+    if not roots and entry:
+        roots = [i for i, s in enumerate(statements) if any(entry in kernels[t] for t in s.literals)]
+    used = statements
+    if roots:
+        reached, queue = set(roots), list(roots)
+        while queue:
+            for name in statements[queue.pop()].names:
+                for j in binders.get(name, ()):
+                    if j not in reached:
+                        reached.add(j)
+                        queue.append(j)
+        used = [statements[i] for i in sorted(reached)]
+    literals = list(dict.fromkeys(t for s in used for t in s.literals))
+    if not literals:
+        return None
+    defined = set().union(*(kernels[t] for t in literals))
+    if entry in defined:
+        return EmbeddedCuda("\n".join(literals), entry)
+    launched = {name for s in used for name in s.launched} & defined
+    chosen = launched if len(launched) == 1 else defined if len(defined) == 1 else set()
+    return EmbeddedCuda("\n".join(literals), next(iter(chosen), None))
+
+
 # ---------------------------------------------------------------- launch, occupancy, all together
 
 
@@ -953,7 +1144,8 @@ _UNDECIDED = "?"
 
 def compile_macros(kernel: Kernel, spec: GpuSpec | None) -> dict[str, Any]:
     """The macros the compiler's device pass sees for `kernel`: nvcc's `__CUDACC__`, `__NVCC__` and
-    `__CUDA_ARCH__` (from the GPU's compute capability; unknown, its conditions count both ways); for HIP,
+    `__CUDA_ARCH__` (from the GPU's compute capability; unknown, its conditions count both ways; also for the CUDA
+    in a Python source's strings); for HIP,
     hipcc's (`__HIP_DEVICE_COMPILE__`, and by the GPU's vendor `__HIP_PLATFORM_AMD__` with the `__gfx942__`-style
     architecture, or `__HIP_PLATFORM_NVIDIA__` with nvcc's); for OpenCL, `__OPENCL_VERSION__` (unknown: its
     conditions count both ways). Then the `-D`/`-U` flags of its compile options in order, then its defines
@@ -969,7 +1161,8 @@ def compile_macros(kernel: Kernel, spec: GpuSpec | None) -> dict[str, Any]:
             macros.update({f"__{spec.arch}__": 1, "__AMDGCN_WAVEFRONT_SIZE": spec.warp_size})
         elif vendor == "nvidia":
             macros.update({"__HIP_PLATFORM_NVIDIA__": 1, "__HIP_PLATFORM_NVCC__": 1})
-    if kernel.language == "cuda" or (kernel.language == "hip" and vendor == "nvidia"):
+    # A Python source's CUDA (`embedded_cuda`) is compiled by NVRTC (CuPy) or nvcc (torch): the same macros.
+    if kernel.language in ("cuda", *PYTHON_LANGUAGES) or (kernel.language == "hip" and vendor == "nvidia"):
         cc = spec.compute_capability if spec is not None else None
         major, _, minor = (cc or "").partition(".")
         arch = int(major) * 100 + int(minor or 0) * 10 if major.isdigit() and minor.isdigit() else _UNDECIDED

@@ -1650,6 +1650,9 @@ class LocalForecaster:
         return (
             self._nvcc is not None
             and self._ptxas_wait_s > 0
+            # Not the CUDA in a Python kernel's strings (features.embedded_cuda): CuPy compiles it with NVRTC and
+            # its own headers, torch with its headers and flags, neither as this nvcc would, so its error would not
+            # be the kernel's; and its text, unescaped, never passed the Kernel's source checks as written.
             and k.language == "cuda"
             # A source of comments only (a replay's stand-in for a recorded kernel) has nothing to compile.
             and ("__global__" in k.source or _CODE.search(_COMMENTS.sub(" ", k.source)) is not None)
@@ -2066,12 +2069,19 @@ class LocalForecaster:
             # Anchored, the two may still differ: what the measured kernels say of this workload decides.
             same = "no informative static difference" + (", near 50/50" if what == "static prior" else "")
             rationale = f"{what} ({why}): {same}"
-        # Their sources say little (features.PYTHON_LANGUAGES): the rationale says how little was read.
-        unread = sorted({k.language for k in (q.baseline, q.candidate)} & PYTHON_LANGUAGES)
+        # Python sources say little (features.PYTHON_LANGUAGES) unless their strings hold the kernel's CUDA
+        # (features.embedded_cuda): the rationale says what was read.
+        pair = ((q.baseline, fb), (q.candidate, fc))
+        unread = sorted(
+            {k.language for k, f in pair if k.language in PYTHON_LANGUAGES and not f.source.embedded_cuda}
+        )
+        embedded = sorted({k.language for k, f in pair if f.source.embedded_cuda})
         if unread:
             rationale += (
                 f"; {' and '.join(unread)} source read for tl.dot and fp64 only, not its memory access"
             )
+        if embedded:
+            rationale += f"; {' and '.join(embedded)} source read for the CUDA in its string literals"
         failing = [(who, e) for who, e in (("candidate", ec), ("baseline", eb)) if e is not None]
         if ec is not None:
             extras["compile_error"] = 1.0
