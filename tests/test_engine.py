@@ -18,7 +18,7 @@ from forecaster_mcp.forecast.calibration import logit, sigmoid, with_p_faster
 from forecaster_mcp.forecast.engine import EngineForecast, ForecastEngine, Outcome, raw_name
 from forecaster_mcp.forecast.selective import ThresholdChoice
 from forecaster_mcp.models import Kernel, Workload
-from forecaster_mcp.store.db import FAILED_CANDIDATE_SPEEDUP, VerifiedPair
+from forecaster_mcp.store.db import FAILED_CANDIDATE_SPEEDUP, Store, VerifiedPair
 
 SRC = "__global__ void k(float* x) { x[threadIdx.x] = 0; }"
 
@@ -653,22 +653,36 @@ async def test_a_compare_does_not_wait_on_a_hanging_forecaster(tmp_path: Path) -
 
 
 def test_combination_rows_are_joined_by_the_question_they_answered() -> None:
-    from forecaster_mcp.forecast.engine import _join
+    from forecaster_mcp.forecast.engine import _family_slot, _joined
+    from forecaster_mcp.forecast.verified_rows import VerifiedRows
 
-    def row(name: str, pair: str, probs_at: int) -> VerifiedPair:
-        probs = [0.0] * bins.N_BINS
-        probs[probs_at] = 1.0
-        return VerifiedPair(name, "A100", probs, 0.5, 2.0, "unsure", 0.0, None, pair)
+    def table(*rows: tuple[str | None, float, float]) -> VerifiedRows:
+        """A component's verified rows, each (its question or None, p_faster, measured speedup)."""
+        t = VerifiedRows(_family_slot)
+        pairs = [
+            VerifiedPair("raw:x@0", "A100", _bins_with(p), p, s, "unsure", 0.0, None, pair, row_id=i)
+            for i, (pair, p, s) in enumerate(rows)
+        ]
+        t.apply([], [(("raw:x@0", str(v.row_id), "", "", ""), v) for v in pairs])
+        return t
+
+    def joined(*tables: VerifiedRows) -> list[list[float]]:
+        inputs = [t.combination_inputs() for t in tables]
+        at = _joined([q for q, *_ in inputs])
+        return [
+            [round(float(inp[1][a[k]]), 6) for inp, a in zip(inputs, at, strict=True)]
+            for k in range(at[0].size)
+        ]
 
     # Two pairs with the same measured speedup (quantised replay runtimes): only the one both answered joins,
     # with its own answers, never the local model's answer to the other pair.
-    rows = {
-        "local": [row("local", "w|a|b", 6), row("local", "w|c|d", 1)],
-        "claude": [row("claude", "w|c|d", 2)],
-    }
-    [joined] = _join(rows, ["local", "claude"])
-    assert joined.speedup == 2.0
-    assert joined.raw["local"][1] == 1.0 and joined.raw["claude"][2] == 1.0
+    local = table(("w|a|b", 0.7, 2.0), ("w|c|d", 0.2, 2.0))
+    claude = table(("w|c|d", 0.4, 2.0))
+    assert joined(local, claude) == [[0.2, 0.4]]
+    # Rows without the question (an evaluation's) join by the measured speedup, the k-th of each with the k-th.
+    local = table((None, 0.1, 2.0), (None, 0.2, 3.0), (None, 0.3, 2.0), (None, 0.35, 2.0))
+    claude = table((None, 0.6, 2.0), (None, 0.7, 2.0), (None, 0.8, 5.0))
+    assert joined(local, claude) == [[0.1, 0.6], [0.3, 0.7]]
 
 
 def test_a_remeasured_baseline_refits_the_calibration_now_and_after_a_restart(tmp_path: Path) -> None:
@@ -908,3 +922,149 @@ async def test_the_thresholds_of_many_families_are_chosen_on_the_gpus_history_on
     rough = await engine.threshold("A100", 0.05, family="rough")
     assert rough.source == "never" and "this kernel family erred on 10 of 10" in rough.reason
     assert calls == 4  # 0.05, then the looser 0.1, 0.2 and 0.3: once each
+
+
+class SparseNoisyClaude:
+    """Verified history of two components on four GPUs: "local", informative and verified on 120 pairs per GPU,
+    and "claude", whose answers carry little information, biased differently on each GPU, verified on 12 of
+    them (asked about some of a search's pairs). Deterministic."""
+
+    GPUS = ("A100", "H100", "L4", "V100")
+    PAIRS, ASKED = 120, 12
+
+    def __init__(self, seed: int = 7) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.scale = dict(zip(self.GPUS, self.rng.uniform(0.7, 1.3, len(self.GPUS)), strict=True))
+        self.bias = dict(zip(self.GPUS, self.rng.normal(0.0, 0.7, len(self.GPUS)), strict=True))
+
+    def draw(self, gpu: str, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """n pairs: whether the candidate was faster, local's and claude's raw p_faster."""
+        z = self.rng.normal(0.0, 1.5, n)
+        faster = self.rng.random(n) < sigmoid(z)
+        p_local = sigmoid(self.scale[gpu] * (z + self.rng.normal(0.0, 1.0, n)))
+        p_claude = sigmoid(2.5 * (0.15 * z + self.rng.normal(0.0, 1.0, n)) + self.bias[gpu])
+        return faster, p_local, p_claude
+
+    async def store_history(self, path: Path) -> None:
+        """The history in a store at `path`: each component's raw forecasts, verified by measurements."""
+        from test_store import forecast, kernel, save
+
+        from forecaster_mcp.store.db import Store
+
+        store = await Store.open(path)
+        try:
+            await store.create_ledger("x", 1e6)  # test_store.save charges ledger "x"
+            base = kernel(BS=0)
+            for gpu in self.GPUS:
+                faster, p_local, p_claude = self.draw(gpu, self.PAIRS)
+                rows = []
+                for i in range(self.PAIRS):
+                    cand = kernel(BS=i + 1)
+                    for name, p in (("local", p_local[i]), ("claude", p_claude[i]))[
+                        : 2 if i < self.ASKED else 1
+                    ]:
+                        rows.append(
+                            forecast(
+                                base, cand, p, "unsure", forecaster=f"raw:{name}@0", hardware=gpu, ledger=None
+                            )
+                        )
+                await store.save_forecasts(rows)
+                await save(store, base, 1.0, hardware=gpu)
+                for i in range(self.PAIRS):
+                    await save(store, kernel(BS=i + 1), 0.5 if faster[i] else 2.0, hardware=gpu)
+        finally:
+            await store.close()
+
+    def outcomes(self) -> list[Outcome]:
+        """The same kind of history as evaluation outcomes (`ForecastEngine.fit`)."""
+        out = []
+        for gpu in self.GPUS:
+            faster, p_local, p_claude = self.draw(gpu, self.PAIRS)
+            for i in range(self.PAIRS):
+                raw = {"local": _bins_with(float(p_local[i])), "claude": _bins_with(float(p_claude[i]))}
+                out.append(
+                    Outcome(
+                        gpu, 2.0 if faster[i] else 0.5, raw if i < self.ASKED else {"local": raw["local"]}
+                    )
+                )
+        return out
+
+    def held_out_log_loss(self, engine: ForecastEngine) -> tuple[float, float]:
+        """The log loss of the engine's pooled forecasts of new pairs, and of local's calibrated ones alone."""
+        pooled, alone, outcomes = [], [], []
+        for gpu in self.GPUS:
+            faster, p_local, p_claude = self.draw(gpu, 2000)
+            for y, a, b in zip(faster, p_local, p_claude, strict=True):
+                raw = {"local": _bins_with(float(a)), "claude": _bins_with(float(b))}
+                pooled.append(bins.p_faster(engine.combine_raw(raw, gpu)))
+                alone.append(engine._calibrators["local"].p(float(a), gpu))
+                outcomes.append(bool(y))
+        y = np.array(outcomes)
+
+        def log_loss(p: list[float]) -> float:
+            return float(-np.mean(np.where(y, np.log(p), np.log1p(-np.array(p)))))
+
+        return log_loss(pooled), log_loss(alone)
+
+
+@pytest.mark.anyio
+async def test_combination_weights_are_fitted_on_answers_calibrated_out_of_fold(tmp_path: Path) -> None:
+    """Calibrated by fits made on the very pairs the weights are fitted on (in sample: each GPU's own fit on its
+    12), the weakly informative component's answers looked informative: the combination gave it weight 0.67
+    beside the informative one's 0.74, and the pooled forecasts of new pairs were worse than the informative
+    component's alone (held-out log loss 0.607 against 0.592). Calibrated out of fold, by fits that did not see
+    the pair, it gets 0.42 and pooling costs little (0.595)."""
+    history = SparseNoisyClaude()
+    await history.store_history(tmp_path / "db.sqlite3")
+    store = await Store.open(tmp_path / "db.sqlite3")
+    try:
+        engine = ForecastEngine([_scripted("local"), _scripted("claude")], store, refresh_interval_s=1e9)
+        await engine.refresh(force=True)
+    finally:
+        await store.close()
+    w_local, w_claude = engine._combiner.weights
+    assert engine._combiner.n_pairs == 48
+    assert w_claude < 0.5, (w_local, w_claude)  # 0.42 (in sample: 0.67)
+    pooled, alone = history.held_out_log_loss(engine)
+    assert pooled < alone + 0.008, (pooled, alone)  # 0.595 against 0.592 (in sample: 0.607)
+
+
+def test_evaluation_fits_the_combination_weights_out_of_fold() -> None:
+    """`forecaster-mcp eval` fits the engine on its calibration pairs (`ForecastEngine.fit`): the weights are
+    fitted there as the server fits them, on answers calibrated out of fold: 0.22 for the weakly informative
+    component (in sample 0.67), and a held-out log loss of 0.591 (in sample 0.607; the informative component's
+    alone 0.592)."""
+    history = SparseNoisyClaude()
+    engine = ForecastEngine([_scripted("local"), _scripted("claude")])
+    engine.fit(history.outcomes())
+    w_local, w_claude = engine._combiner.weights
+    assert engine._combiner.n_pairs == 48
+    assert w_claude < 0.5, (w_local, w_claude)
+    pooled, alone = history.held_out_log_loss(engine)
+    assert pooled < alone + 0.008, (pooled, alone)
+
+
+@pytest.mark.anyio
+async def test_combination_weights_fitted_in_sample_are_refitted_after_an_upgrade(tmp_path: Path) -> None:
+    """A combiner state saved before the weights were fitted out of fold (version 1), for the same verified rows,
+    is refitted on the next start, not reused."""
+    await SparseNoisyClaude().store_history(tmp_path / "db.sqlite3")
+
+    async def weights() -> tuple[float, ...]:
+        store = await Store.open(tmp_path / "db.sqlite3")
+        try:
+            engine = ForecastEngine([_scripted("local"), _scripted("claude")], store, refresh_interval_s=1e9)
+            await engine.refresh(force=True)
+            return engine._combiner.weights
+        finally:
+            await store.close()
+
+    fitted = await weights()
+    store = await Store.open(tmp_path / "db.sqlite3")
+    try:
+        state = json.loads(await store.load_calibration("local@0+claude@0", "*") or "{}")
+        old = {**state, "version": 1, "combiner": {**state["combiner"], "weights": [0.0, 2.0]}}
+        await store.save_calibration("local@0+claude@0", "*", json.dumps(old))
+    finally:
+        await store.close()
+    assert await weights() == pytest.approx(fitted)

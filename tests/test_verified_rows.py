@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import numpy as np
 import pytest
 from test_engine import _scripted
 
@@ -115,3 +116,51 @@ def test_a_changed_row_changes_the_signature() -> None:
         rows[1:],
     ]
     assert all(rows_signature(c) != base for c in changed)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_combination_join_of_the_columns_is_the_join_of_the_rows(seed: int) -> None:
+    """engine._joined on the columns pairs the rows a straightforward join of the rows pairs: rows of every
+    component for the same question (GPU and pair; without a pair, GPU and exact speedup, the k-th row of each
+    component with the k-th of the others), in the first component's row order."""
+    from forecaster_mcp.forecast.engine import _joined
+
+    rng = random.Random(seed)
+    names = ["a", "b", "c"][: rng.choice([2, 3])]
+    tables, rows = {}, {}
+    for n in names:
+        table = VerifiedRows(_family_slot)
+        pairs = []
+        for row_id in sorted(rng.sample(range(1, 5_000), rng.randrange(0, 300))):
+            v = _pair(rng, row_id)
+            v = VerifiedPair(
+                **{
+                    **v.__dict__,
+                    "forecaster": n,
+                    "failure": None,
+                    "pair": rng.choice([None, f"w|{rng.randrange(60)}"]),
+                    "actual_speedup": rng.choice([0.5, 2.0, 3.0]),
+                }
+            )
+            if v.pair is not None and any(u.pair == v.pair and u.hardware == v.hardware for u in pairs):
+                continue  # a store keeps one row per question and component
+            pairs.append(v)
+        table.apply([], [((n, str(v.row_id), "", "", ""), v) for v in pairs])
+        tables[n], rows[n] = table, pairs
+    # The reference: group each component's rows by question, the k-th of each joined.
+    groups: dict[tuple[str, Any], dict[str, list[int]]] = {}
+    for n in names:
+        for v in rows[n]:
+            key = (v.hardware, v.pair if v.pair is not None else v.actual_speedup)
+            groups.setdefault(key, {}).setdefault(n, []).append(v.row_id or 0)
+    expected = sorted(
+        tuple(g[n][k] for n in names)
+        for g in groups.values()
+        if len(g) == len(names)
+        for k in range(min(len(ids) for ids in g.values()))
+    )
+    at = _joined([tables[n].combination_inputs()[0] for n in names])
+    ids = [np.array([v.row_id for v in rows[n]], np.int64) for n in names]
+    got = [tuple(int(ids[j][at[j][k]]) for j in range(len(names))) for k in range(at[0].size)]
+    assert got == expected  # in the first component's row order, which is its row ids'
+    assert len(got) >= 2  # and several questions with more than one row of each component, k > 0

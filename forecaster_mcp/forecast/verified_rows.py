@@ -46,6 +46,14 @@ def join_key(v: VerifiedPair) -> int:
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
 
 
+def combination_key(v: VerifiedPair) -> int:
+    """64 bits naming the question a component's row answered, as the combination joins components' rows: the GPU
+    and `pair`, or for a row without `pair` (an evaluation's, an older store's) the GPU and the exact measured
+    speedup."""
+    text = f"{v.hardware}\x1e{v.pair!r}" if v.pair is not None else f"{v.hardware}\x1f{v.actual_speedup!r}"
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
 def _mix(n: int) -> int:
     """A measurement id spread over 64 bits (consecutive ids land in unrelated folds)."""
     return int.from_bytes(hashlib.blake2b(struct.pack("<q", n), digest_size=8).digest(), "little")
@@ -96,6 +104,7 @@ class VerifiedRows:
         # fold (`fold_key`: the measurement that settled it, else the join key).
         self._join = np.zeros(n, np.uint64)
         self._fold_key = np.zeros(n, np.uint64)
+        self._question = np.zeros(n, np.uint64)  # combination_key: joins components' rows of one question
         self._p_fail = np.zeros(n, np.float64)  # NaN: not kept (a raw row, or stored before)
         self._p_fail_baseline = np.zeros(n, np.float64)
 
@@ -172,7 +181,7 @@ class VerifiedRows:
     def _columns() -> tuple[str, ...]:
         return (
             "_ids", "_vby", "_failure", "_tie", "_kept", "_hardware", "_hw_code", "_family_code", "_p_raw", "_faster",
-            "_conf", "_right", "_low", "_high", "_join", "_fold_key", "_p_fail", "_p_fail_baseline",
+            "_conf", "_right", "_low", "_high", "_join", "_fold_key", "_question", "_p_fail", "_p_fail_baseline",
         )  # fmt: skip
 
     def _rows_columns(self, rows: Sequence[VerifiedPair]) -> dict[str, npt.NDArray[Any]]:
@@ -214,6 +223,7 @@ class VerifiedRows:
                 ],
                 np.uint64,
             ),
+            "_question": np.array([combination_key(v) for v in rows], np.uint64),
             "_p_fail": np.array([math.nan if v.p_fail is None else v.p_fail for v in rows], np.float64),
             "_p_fail_baseline": np.array(
                 [math.nan if v.p_fail_baseline is None else v.p_fail_baseline for v in rows], np.float64
@@ -250,6 +260,18 @@ class VerifiedRows:
         """The fold (0 .. folds - 1) of each of `calibration_inputs`' rows (`fold_key`)."""
         mask = ~self._failure & ~self._tie
         return (self._fold_key[mask] % np.uint64(folds)).astype(np.int64)
+
+    def combination_inputs(
+        self,
+    ) -> tuple[npt.NDArray[np.uint64], Any, Any, Any, list[str], Any, Any]:
+        """What the combination weights are fitted on, of the rows not verified by a kernel failing, in id order:
+        each row's question (`combination_key`), raw p_faster, fold key, GPU code and the names they code, whether
+        the candidate was faster and whether the pair is a tie."""
+        mask = ~self._failure
+        return (
+            self._question[mask], self._p_raw[mask], self._fold_key[mask], self._hw_code[mask], self._keys,
+            self._faster[mask], self._tie[mask],
+        )  # fmt: skip
 
     def rescoring_inputs(
         self,
