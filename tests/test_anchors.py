@@ -20,6 +20,7 @@ from forecaster_mcp.forecast.features import (
     CONFIG_SD_LOG2,
     KERNEL_ERROR_SD_LOG2,
     PRIOR_SD_LOG2,
+    SIBLING_MAX_CONFIDENCE,
     SourceFeatures,
     StaticFeatures,
     anchored_log2_ms,
@@ -392,5 +393,22 @@ async def test_a_young_familys_measured_configurations_estimate_its_next_one(tmp
             await _measure(svc, kernel("tiled", UNROLL=unroll))
         later = await _compare(svc, best, kernel("tiled", UNROLL=16))
         assert "configuration" not in later.rationale
+    finally:
+        await svc.close()
+
+
+async def test_a_young_familys_estimate_never_decides_a_verdict_alone(tmp_path: Path) -> None:
+    # A configuration measured 16 times as slow as the best says little of how fast the next may be (tuning
+    # spaces span 64x): of such estimates 95% sure, 10-18% were wrong (benchmarks/young_family.py).
+    fake = FakeMeasurer([DEVICE], default_runtime_ms=1.0)
+    fake.script("tiled", runtime_ms=16.0)
+    svc = await open_service(tmp_path, fake)
+    try:
+        best, first, nxt = kernel("best"), kernel("tiled", UNROLL=1), kernel("tiled", UNROLL=4)
+        await _measure(svc, best)
+        await _measure(svc, first)
+        row = await _compare(svc, best, nxt)
+        assert row.p_faster == pytest.approx(1.0 - SIBLING_MAX_CONFIDENCE, abs=1e-3)
+        assert row.verdict == "unsure" and "at most 85% sure from so few" in row.rationale
     finally:
         await svc.close()

@@ -48,12 +48,14 @@ from forecaster_mcp.forecast.base import BinForecast, PairQuery, PartialForecast
 from forecaster_mcp.forecast.features import (
     MAX_ANCHORS,
     PYTHON_LANGUAGES,
+    SIBLING_MAX_CONFIDENCE,
     StaticFeatures,
     anchored_log2_ms,
     kernel_features,
     kernel_source_features,
     prior_shift,
     sibling_log2_ms,
+    sibling_spread,
     with_resources,
 )
 from forecaster_mcp.forecast.ptxas import PtxasError, PtxasUsage, measured_entry
@@ -2054,7 +2056,8 @@ class LocalForecaster:
             est = sibling_log2_ms(target, siblings, target_is_candidate)
             known = b if target_is_candidate else c
             mean = known.mean - est.log2_ms if target_is_candidate else est.log2_ms - known.mean
-            sd = math.sqrt(est.sd_log2**2 + known.var)
+            spread = math.sqrt(est.sd_log2**2 + known.var)
+            sd = sibling_spread(mean, spread)
             extras.update(mu_log2=mean, sd_log2=sd, siblings=float(est.used))
             who = "candidate" if target_is_candidate else "baseline"
             n = est.used
@@ -2063,6 +2066,8 @@ class LocalForecaster:
                 f"(same source, other defines): {_fmt_ms(est.log2_ms)} against "
                 f"{'measured' if known.kind == 'measured' else 'modelled'} {_fmt_ms(known.mean)}"
             )
+            if sd > spread:
+                rationale += f" (at most {SIBLING_MAX_CONFIDENCE:.0%} sure from so few)"
         elif shift.reasons:
             rationale = f"{what} ({why}): " + ", ".join(shift.reasons[:4])
         else:
