@@ -153,6 +153,7 @@ class AnthropicMock:
     results_reads_allowed: int | None = None  # later results downloads break midway (connection reset)
     broken_results_reads: frozenset[int] = frozenset()  # these results downloads (1 = the first) break midway
     failing_status_checks: int = 0  # the next this many batch status checks answer 503
+    failing_status_check_headers: dict[str, str] | None = None  # ... with these headers (retry-after)
     mangle_results: Callable[[str], str] | None = (
         None  # rewrites each results file (JSON lines) as downloaded
     )
@@ -187,7 +188,12 @@ class AnthropicMock:
             if len(parts) == 4 and request.method == "GET":
                 if self.failing_status_checks > 0:
                     self.failing_status_checks -= 1
-                    return error(503, "overloaded_error", "mock: status check failed")
+                    return error(
+                        503,
+                        "overloaded_error",
+                        "mock: status check failed",
+                        self.failing_status_check_headers,
+                    )
                 batch.polls += 1
                 ended = (batch.canceled and self.cancel_ends) or (
                     not self.batch_never_ends and batch.polls > self.batch_polls_in_progress

@@ -9,6 +9,7 @@ import math
 import re
 import subprocess
 import sys
+import time
 import types
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
@@ -381,6 +382,54 @@ async def test_rate_limit_is_retried_by_the_sdk_not_stacked() -> None:
     with pytest.raises(ClaudeUnavailable, match="RateLimitError"):
         await make(always, max_retries=1, invalid_retries=2).forecast([pair()])
     assert len(always.message_bodies) == 2
+
+
+def _an_hour_from_now() -> dict[str, str]:
+    import email.utils
+    import time
+
+    return {"retry-after": email.utils.formatdate(time.time() + 3600, usegmt=True)}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "wait",
+    [{"retry-after": "3600"}, {"retry-after-ms": "3600000"}, _an_hour_from_now()],
+    ids=["seconds", "milliseconds", "http-date"],
+)
+async def test_a_rate_limit_asking_for_an_hour_is_not_waited_out(wait: dict[str, str]) -> None:
+    """The SDK (2.x) sleeps whatever retry-after a 429 names before retrying, without bound: asked to wait an
+    hour (a rate, ramp or spend limit), one request slept an hour, every compare took its whole
+    forecast_timeout_s for no answer, and an evaluation (no time limit) stalled. Now the request fails at once,
+    and later calls skip Claude until the wait is over, without a request."""
+    mock = scripted(error(429, "rate_limit_error", "spend limit reached", headers=wait))
+    f = make(mock, max_retries=2)
+    with anyio.fail_after(20):  # the old code sleeps 3600 s here
+        with pytest.raises(ClaudeUnavailable, match=r"asked to wait 3\d{3} s"):
+            await f.forecast([pair()])
+    assert len(mock.message_bodies) == 1  # not retried
+    with pytest.raises(ClaudeUnavailable, match=r"asked to wait 3\d{3} s.*not asked again for \d+ s"):
+        await f.forecast([pair()])
+    assert len(mock.message_bodies) == 1  # no request while the API's wait lasts
+    # Asked again within 10 minutes, whatever the wait.
+    assert f._told_to_wait is not None and f._told_to_wait[0] - time.monotonic() <= 600
+    f._told_to_wait = (0.0, "over")
+    with pytest.raises(ClaudeUnavailable, match=r"asked to wait"):
+        await f.forecast([pair()])
+    assert len(mock.message_bodies) == 2
+
+    # A short wait is still the SDK's to wait out (one retry here).
+    short = scripted(rate_limited(), tool_answer(FASTER))
+    [out] = await make(short, max_retries=2).forecast([pair()])
+    assert out.probs == pytest.approx(FASTER) and len(short.message_bodies) == 2
+
+    # A batch status check told to wait an hour is polled again at the forecaster's own interval.
+    slept, sleep = recording_sleep()
+    batchy = scripted(tool_answer(FASTER))
+    batchy.failing_status_checks, batchy.failing_status_check_headers = 1, wait
+    with anyio.fail_after(20):
+        [out] = await make(batchy, sleep=sleep, batch_poll_interval_s=7.0).forecast_batch([pair()])
+    assert out.probs == pytest.approx(FASTER) and slept and max(slept) == 7.0
 
 
 @pytest.mark.anyio

@@ -73,6 +73,13 @@ _BATCH_MAX_BYTES = 100 * 2**20
 # compare, an evaluation's every chunk, waited out the SDK's retries against a dead endpoint).
 UNREACHABLE_PAUSE_S = 60.0
 _UNREACHABLE = "the Anthropic API could not be reached after retries"
+# The SDK (2.x) waits out whatever retry-after a 429 or 5xx names before its retry, without bound (0.x waited at
+# most 60 s): "retry-after: 3600" (a rate, ramp or spend limit) held one request an hour, every compare to its
+# forecast_timeout_s and an evaluation's chunk without a time limit to the hour. A longer wait than this is not
+# waited: the request fails at once, and later calls skip Claude until the API's wait is over (at most
+# RETRY_AFTER_PAUSE_MAX_S at a time; then one call asks again).
+MAX_RETRY_AFTER_S = 60.0
+RETRY_AFTER_PAUSE_MAX_S = 600.0
 # ptxas for the prompt: at most this many kernels a call (a screening call's dozens would hold Claude's
 # answer back), each compile bounded.
 MAX_PTXAS_KERNELS = 8
@@ -94,6 +101,44 @@ def _transient_api_error(an: Any, exc: BaseException) -> bool:
         return True
     status = getattr(exc, "status_code", None)
     return isinstance(status, int) and (status == 429 or status >= 500)
+
+
+def _retry_after_s(headers: Any) -> float | None:
+    """The wait a response's retry-after-ms or retry-after header names, in seconds (None: none, or unreadable),
+    read as the SDK reads them: milliseconds, seconds, or an HTTP date."""
+    for name, scale in (("retry-after-ms", 1e-3), ("retry-after", 1.0)):
+        value = headers.get(name)
+        if value is None:
+            continue
+        try:
+            seconds = float(value) * scale
+        except ValueError:
+            if name == "retry-after-ms":
+                continue
+            import email.utils
+
+            try:
+                when = email.utils.parsedate_to_datetime(value)
+            except (TypeError, ValueError, IndexError):
+                return None
+            if when.tzinfo is None:
+                return None
+            return when.timestamp() - time.time()
+        return seconds if math.isfinite(seconds) else None
+    return None
+
+
+async def _bound_retry_after(request: Any, call_next: Callable[[Any], Awaitable[Any]]) -> Any:
+    """SDK middleware (it runs once per attempt, inside the SDK's retry loop): an error response that names a wait
+    over MAX_RETRY_AFTER_S is marked not to be retried (`x-should-retry: false`, which the SDK obeys), so the
+    SDK raises it at once instead of sleeping that long."""
+    response = await call_next(request)
+    http = getattr(response, "http_response", None)
+    if http is not None and http.status_code >= 400:
+        wait = _retry_after_s(http.headers)
+        if wait is not None and wait > MAX_RETRY_AFTER_S:
+            http.headers["x-should-retry"] = "false"
+    return response
 
 
 class ClaudeUnavailable(PartialForecast):
@@ -338,6 +383,7 @@ class ClaudeForecaster:
             http_client=http_client,
             max_retries=max_retries,
             timeout=request_timeout_s,
+            middleware=[_bound_retry_after],
         )
         self.model = model
         self.version = model
@@ -373,6 +419,8 @@ class ClaudeForecaster:
         # compare_kernels' bound on one call (forecast_timeout_s); the engine's own timeout is a backstop.
         self.time_limit_s = time_limit_s
         self._unreachable: tuple[float, str] | None = None  # (until when calls skip Claude, why)
+        # (until when calls skip Claude, why): the API asked for a wait over MAX_RETRY_AFTER_S.
+        self._told_to_wait: tuple[float, str] | None = None
         # With nvcc, the prompt's static features carry ptxas's registers, shared memory and spills.
         self._nvcc = nvcc
         self._cache_dir = cache_dir
@@ -526,6 +574,12 @@ class ClaudeForecaster:
             self._answers.popitem(last=False)
 
     def _refuse_while_unreachable(self) -> None:
+        if self._told_to_wait is not None:
+            until, why = self._told_to_wait
+            left = until - time.monotonic()
+            if left > 0:
+                raise ClaudeUnavailable(f"{why}; not asked again for {left:.0f} s")
+            self._told_to_wait = None
         if self._unreachable is not None:
             until, why = self._unreachable
             if time.monotonic() < until:
@@ -773,6 +827,16 @@ class ClaudeForecaster:
             except an.APIConnectionError as exc:
                 raise _Transient(f"{_UNREACHABLE} ({type(exc).__name__}): {exc}") from exc
             except an.APIStatusError as exc:
+                wait = _retry_after_s(exc.response.headers)
+                if wait is not None and wait > MAX_RETRY_AFTER_S:
+                    why = (
+                        f"the Anthropic API asked to wait {wait:.0f} s before the next request "
+                        f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]})"
+                    )
+                    until = time.monotonic() + min(wait, RETRY_AFTER_PAUSE_MAX_S)
+                    if self._told_to_wait is None or self._told_to_wait[0] < until:
+                        self._told_to_wait = (until, why)
+                    raise _Transient(f"Claude API error not retried: {why}") from exc
                 # The SDK retries only 408, 409, 429 and 5xx (a 413, request too large, is answered at once).
                 retried = self._client.max_retries > 0 and (
                     exc.status_code in (408, 409, 429) or exc.status_code >= 500
