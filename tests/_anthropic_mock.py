@@ -113,10 +113,14 @@ def refusal(explanation: str = "policy") -> dict[str, Any]:
     )
 
 
-def error(status: int, kind: str, text: str, headers: dict[str, str] | None = None) -> httpx2.Response:
-    return httpx2.Response(
-        status, headers=headers or {}, json={"type": "error", "error": {"type": kind, "message": text}}
-    )
+def error(
+    status: int, kind: str, text: str, headers: dict[str, str] | None = None, *, code: str | None = None
+) -> httpx2.Response:
+    """An API error; `code`: its error.details.error_code (the SDK raises a subclass of its own for some)."""
+    body: dict[str, Any] = {"type": kind, "message": text}
+    if code is not None:
+        body["details"] = {"error_code": code}
+    return httpx2.Response(status, headers=headers or {}, json={"type": "error", "error": body})
 
 
 def rate_limited() -> httpx2.Response:

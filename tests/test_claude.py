@@ -466,6 +466,28 @@ async def test_a_refused_key_or_model_says_what_to_set(status: int, kind: str, r
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("status", "kind", "code", "remedy"),
+    [
+        (400, "invalid_request_error", "organization_on_hold", "put the organization on hold"),
+        (429, "rate_limit_error", "enforced_spend_limit_reached", "raise the limit in the Anthropic Console"),
+        (429, "rate_limit_error", "contract_spend_limit_reached", "contract's spend limit"),
+    ],
+)
+async def test_an_account_refused_under_a_400_or_429_stops_the_call_and_says_why(
+    status: int, kind: str, code: str, remedy: str
+) -> None:
+    """SDK 2.x raises these account-wide refusals as subclasses of BadRequestError and RateLimitError: read as one
+    request's problem, every request of the call was sent (each 429 retried by the SDK) and dropped, and the note
+    named only the class. Now the first stops the call, as a refused key does, saying what to do."""
+    mock = scripted(error(status, kind, "refused", {"retry-after-ms": "1"}, code=code))
+    with pytest.raises(ClaudeUnavailable, match=remedy):
+        await make(mock, samples=3, max_retries=2).forecast([pair(), pair(same_source=True)])
+    # The first request is sent alone (the cache warm-up): it and the SDK's retries of a 429, nothing more.
+    assert len(mock.message_bodies) == (1 if status == 400 else 3)
+
+
+@pytest.mark.anyio
 async def test_a_prompt_over_the_context_window_drops_that_pair_only() -> None:
     def responder(body: dict[str, Any]) -> Any:
         text = json.dumps(body["messages"])

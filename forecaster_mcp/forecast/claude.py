@@ -141,6 +141,32 @@ async def _bound_retry_after(request: Any, call_next: Callable[[Any], Awaitable[
     return response
 
 
+# Refusals of the whole account that the API sends as a 400 or a 429 (told apart by error.details.error_code, which
+# SDK 2.x raises as subclasses of BadRequestError and RateLimitError): every other request would be refused too, so
+# the call stops at the first, saying what to do. Read as one request's problem, each call sent every request (the
+# 429s each retried by the SDK, 1.5 s of backoff apiece without a retry-after) for a note that said only the class.
+_ACCOUNT_REFUSALS = {
+    "organization_on_hold": "Anthropic has put the organization on hold (see the Anthropic Console); unset the API "
+    "key to forecast without Claude",
+    "enforced_spend_limit_reached": "the Anthropic organization has used its API tier's monthly spend: raise the "
+    "limit in the Anthropic Console, or unset the API key to forecast without Claude",
+    "contract_spend_limit_reached": "the Anthropic organization has reached its contract's spend limit: raise it "
+    "with Anthropic, or unset the API key to forecast without Claude",
+}
+
+
+def _error_code(exc: Exception) -> str | None:
+    """The API error's error.details.error_code (SDK 2.x keeps it as `error_code`; read from the body otherwise)."""
+    code = getattr(exc, "error_code", None)
+    if isinstance(code, str):
+        return code
+    body = getattr(exc, "body", None)
+    error = body.get("error") if isinstance(body, dict) else None
+    details = error.get("details") if isinstance(error, dict) else None
+    code = details.get("error_code") if isinstance(details, dict) else None
+    return code if isinstance(code, str) else None
+
+
 class ClaudeUnavailable(PartialForecast):
     """Claude gave no usable forecast (no key, API failure, or every sample invalid for some pair).
 
@@ -811,6 +837,8 @@ class ClaudeForecaster:
                     max_tokens = max(max_tokens, self._max_tokens())
                     message = await self._client.messages.create(**self._params(text, mode, max_tokens))
             except an.BadRequestError as exc:
+                if (hint := _ACCOUNT_REFUSALS.get(_error_code(exc) or "")) is not None:
+                    raise self._account_refused(exc, hint) from exc
                 # Something about this request (a 400 is not billed): the call's other requests still run.
                 raise _Dropped(f"Claude refused the request ({type(exc).__name__}): {exc}") from exc
             except (
@@ -827,6 +855,8 @@ class ClaudeForecaster:
             except an.APIConnectionError as exc:
                 raise _Transient(f"{_UNREACHABLE} ({type(exc).__name__}): {exc}") from exc
             except an.APIStatusError as exc:
+                if (hint := _ACCOUNT_REFUSALS.get(_error_code(exc) or "")) is not None:
+                    raise self._account_refused(exc, hint) from exc
                 wait = _retry_after_s(exc.response.headers)
                 if wait is not None and wait > MAX_RETRY_AFTER_S:
                     why = (
@@ -851,6 +881,11 @@ class ClaudeForecaster:
         if text.cache_shared:
             _note(self._shared_warm_until, key, until)
         return message, mode, max_tokens
+
+    def _account_refused(self, exc: Exception, hint: str) -> ClaudeUnavailable:
+        return ClaudeUnavailable(
+            f"Claude request rejected ({type(exc).__name__}): {hint}; the API said: {exc}"
+        )
 
     def _rejection_hint(self, kind: str) -> str:
         """What the operator does about a refusal of every request (an SDK class name or an API error type); it
