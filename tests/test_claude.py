@@ -1791,3 +1791,11 @@ def test_the_api_key_setting_is_one_token() -> None:
     with pytest.raises(OperatorError, match="space or control character") as info:
         Settings.from_env(environ={"ANTHROPIC_API_KEY": "sk-ant-a\x00bc"})
     assert "sk-ant" not in str(info.value)
+
+
+def test_the_hardware_row_says_how_slow_its_fp64_is() -> None:
+    # An RTX 4090 runs FP64 at 1/64 of FP32, an H100 at 1/2: a kernel accumulating in double is judged by it.
+    from forecaster_mcp.hardware.specs import lookup
+
+    assert "FP64 at 1/64 of FP32" in prompt.describe_hardware("NVIDIA GeForce RTX 4090", lookup("RTX 4090"))
+    assert "FP64 at 1/2 of FP32" in prompt.describe_hardware("H100", lookup("H100"))
