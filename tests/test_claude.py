@@ -1799,3 +1799,31 @@ def test_the_hardware_row_says_how_slow_its_fp64_is() -> None:
 
     assert "FP64 at 1/64 of FP32" in prompt.describe_hardware("NVIDIA GeForce RTX 4090", lookup("RTX 4090"))
     assert "FP64 at 1/2 of FP32" in prompt.describe_hardware("H100", lookup("H100"))
+
+
+@pytest.mark.anyio
+async def test_eval_prompts_carry_the_compilers_registers_as_a_compares_do(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server compare of a few kernels sends Claude their ptxas registers; `forecaster-mcp eval` sends a
+    chunk of a thousand pairs at once, over the per-call limit of 8 kernels, so its prompts never carried them:
+    eval scored another prompt than the server sends."""
+    from test_features import SMALL, _fake_nvcc, _ptxas_says
+
+    from forecaster_mcp.forecast import evaluate
+
+    mock = AnthropicMock(lambda body: tool_answer(FASTER))
+    real = claude_module.ClaudeForecaster
+    monkeypatch.setattr(claude_module, "ClaudeForecaster", lambda **kw: real(**kw, http_client=mock.client()))
+    nvcc = _fake_nvcc(tmp_path / "nvcc", "release 13.0", _ptxas_says(40))
+    settings = Settings(home=tmp_path, measurer="none", nvcc=nvcc, anthropic_api_key="test-key")
+    [forecaster] = evaluate.build_forecasters(["claude"], settings, None)
+    assert isinstance(forecaster, real)
+    kernels = [Kernel(source=SMALL + f"// variant {i}\n", entry="add") for i in range(10)]
+    queries = [
+        PairQuery(a, b, Workload(), "A100", A100) for a, b in zip(kernels[::2], kernels[1::2], strict=True)
+    ]
+    prompts = await forecaster._prompts(queries)
+    assert all(
+        "- baseline.registers: 40" in p.shared and "- candidate.registers: 40" in p.own for p in prompts
+    )

@@ -387,6 +387,8 @@ class ClaudeForecaster:
         time_limit_s: float | None = None,
         nvcc: str | None = None,
         cache_dir: Path | None = None,
+        max_ptxas_kernels: int = MAX_PTXAS_KERNELS,
+        ptxas_wait_s: float = _PTXAS_WAIT_S,
     ) -> None:
         if http_client is None and os.environ.get(FORBID_REAL_API_ENV) == "1":
             raise RealApiCallForbidden(
@@ -450,6 +452,9 @@ class ClaudeForecaster:
         # With nvcc, the prompt's static features carry ptxas's registers, shared memory and spills.
         self._nvcc = nvcc
         self._cache_dir = cache_dir
+        # An evaluation compiles every kernel of its file (forecaster-mcp eval), as the server compiles a compare's.
+        self._max_ptxas_kernels = max_ptxas_kernels
+        self._ptxas_wait_s = ptxas_wait_s
         self.usage_total = TokenUsage()
         self.cost_usd_total = 0.0
         # The samples of each pair answered in full, by the hash of its prompt (the model and system prompt are
@@ -1014,7 +1019,8 @@ class ClaudeForecaster:
 
     async def _ptxas(self, queries: Sequence[PairQuery]) -> dict[str, object]:
         """The compiler's registers, shared memory and spills of the pairs' CUDA kernels (content key ->
-        ptxas entry), when nvcc is configured and the call has at most MAX_PTXAS_KERNELS of them; cached on disk
+        ptxas entry), when nvcc is configured and the call has at most `max_ptxas_kernels` of them (MAX_PTXAS_KERNELS
+        on a server); cached on disk
         by content (the local forecaster compiles the same kernels into the same cache)."""
         if self._nvcc is None:
             return {}
@@ -1027,9 +1033,9 @@ class ClaudeForecaster:
             for k in (q.baseline, q.candidate):
                 if k.language == "cuda":
                     todo.setdefault(k.content_key(), (k, q.hardware.arch))
-        if not todo or len(todo) > MAX_PTXAS_KERNELS:
+        if not todo or len(todo) > self._max_ptxas_kernels:
             return {}
-        usages = await ptxas_usages(todo, self._nvcc, self._cache_dir, _PTXAS_WAIT_S)
+        usages = await ptxas_usages(todo, self._nvcc, self._cache_dir, self._ptxas_wait_s)
         entries = {key: usage.for_entry(todo[key][0].entry) for key, usage in usages.items()}
         return {key: entry for key, entry in entries.items() if entry is not None}
 

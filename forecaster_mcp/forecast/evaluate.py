@@ -367,6 +367,10 @@ def build_forecasters(
                         samples=settings.claude_samples,
                         nvcc=find_nvcc(settings.nvcc) if ptxas else None,
                         cache_dir=settings.home / "cache",
+                        # Every kernel of a chunk compiled, as for the local model: with the server's per-call
+                        # limit, eval's prompts never carried the registers a compare's prompt does.
+                        max_ptxas_kernels=2 * EVAL_CHUNK_PAIRS,
+                        ptxas_wait_s=EVAL_PTXAS_WAIT_S,
                     )
                 )
             except Exception as exc:  # the SDK's own refusals (forbidden in tests, missing key)
