@@ -363,17 +363,24 @@ async def test_kernels_of_other_designs_alone_leave_the_plain_prior(tmp_path: Pa
         await svc.close()
 
 
+async def _best_and_a_young_family(tmp_path: Path, tiled_ms: float) -> tuple[Service, Kernel, Kernel, Kernel]:
+    """A service with kernel 'best' measured at 1 ms, and two configurations of kernel 'tiled' (measured at
+    `tiled_ms` when they are), neither measured yet: the service, best, the first and the next."""
+    fake = FakeMeasurer([DEVICE], default_runtime_ms=1.0)
+    fake.script("tiled", runtime_ms=tiled_ms)
+    svc = await open_service(tmp_path, fake)
+    best = kernel("best")
+    await _measure(svc, best)
+    return svc, best, kernel("tiled", UNROLL=1), kernel("tiled", UNROLL=4)
+
+
 async def test_a_young_familys_measured_configurations_estimate_its_next_one(tmp_path: Path) -> None:
     # An agent tries variants of a kernel (its defines) against its best kernel: once one variant is measured
     # twice as slow as the best, the next variant was still forecast from the static prior alone (here an
     # even bet; with a tiling kernel against a naive one, p_faster 0.99 "faster") until the family had 4
     # measurements. The family's measured configurations share whatever the prior misjudged in its design.
-    fake = FakeMeasurer([DEVICE], default_runtime_ms=1.0)
-    fake.script("tiled", runtime_ms=2.0)
-    svc = await open_service(tmp_path, fake)
+    svc, best, first, nxt = await _best_and_a_young_family(tmp_path, tiled_ms=2.0)
     try:
-        best, first, nxt = kernel("best"), kernel("tiled", UNROLL=1), kernel("tiled", UNROLL=4)
-        await _measure(svc, best)  # 1 ms
         alone = await _compare(svc, best, nxt)
         assert alone.p_faster == pytest.approx(0.5, abs=1e-6)
 
@@ -400,12 +407,8 @@ async def test_a_young_familys_measured_configurations_estimate_its_next_one(tmp
 async def test_a_young_familys_estimate_never_decides_a_verdict_alone(tmp_path: Path) -> None:
     # A configuration measured 16 times as slow as the best says little of how fast the next may be (tuning
     # spaces span 64x): of such estimates 95% sure, 10-18% were wrong (benchmarks/young_family.py).
-    fake = FakeMeasurer([DEVICE], default_runtime_ms=1.0)
-    fake.script("tiled", runtime_ms=16.0)
-    svc = await open_service(tmp_path, fake)
+    svc, best, first, nxt = await _best_and_a_young_family(tmp_path, tiled_ms=16.0)
     try:
-        best, first, nxt = kernel("best"), kernel("tiled", UNROLL=1), kernel("tiled", UNROLL=4)
-        await _measure(svc, best)
         await _measure(svc, first)
         row = await _compare(svc, best, nxt)
         assert row.p_faster == pytest.approx(1.0 - SIBLING_MAX_CONFIDENCE, abs=1e-3)
