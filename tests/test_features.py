@@ -1157,3 +1157,35 @@ def test_fp64_costs_as_much_more_as_the_gpu_runs_it_slower() -> None:
     assert shift(None) == pytest.approx(-0.1)
     assert shift("RTX 4090") == pytest.approx(-0.6) and shift("T4") == pytest.approx(-0.5)
     assert shift("RX 7900 XTX") == pytest.approx(-0.4)
+
+
+@pytest.mark.anyio
+async def test_a_compiled_kernel_that_cannot_launch_says_so_beside_one_ptxas_did_not_compile(
+    tmp_path: Path,
+) -> None:
+    """255 registers a thread at 1024 threads leave a kernel no block on an SM: it cannot launch, whatever the
+    other kernel's resources. Compared like for like with kernels a crowded call did not compile, that fact was
+    dropped with its registers, and the kernel that cannot run was judged as one that does (mu 0, no reason)."""
+    from forecaster_mcp.forecast.local import LocalForecaster
+
+    launch = Launch(grid=(4096, 1, 1), block=(1024, 1, 1))
+    heavy = Kernel(id="heavy", source=SMALL, entry="add", launch=launch, defines={"BS": 1024})
+    nvcc = _fake_nvcc(tmp_path / "nvcc", "release 13.0", _ptxas_says(255))
+    f = LocalForecaster(
+        None, nvcc=nvcc, cache_dir=tmp_path / "cache", ptxas_wait_s=30.0, max_ptxas_per_call=1
+    )
+    await f.forecast([_pair(heavy, heavy.model_copy(update={"id": "same"}), "H100")])  # compiles it alone
+    # Two other kernels (their own families) in one call: past the cap, neither is compiled.
+    others = [
+        Kernel(
+            id=f"k{i}", source=SMALL + f"// variant {i}\n", entry="add", launch=launch, defines={"BS": 1024}
+        )
+        for i in range(2)
+    ]
+    forward, reverse, _ = await f.forecast(
+        [_pair(others[0], heavy, "H100"), _pair(heavy, others[0], "H100"), _pair(heavy, others[1], "H100")]
+    )
+    assert "candidate cannot launch at this block size" in forward.rationale
+    assert forward.extras["mu_log2"] == pytest.approx(-0.6)
+    assert "baseline cannot launch at this block size" in reverse.rationale
+    assert reverse.extras["mu_log2"] == pytest.approx(0.6)

@@ -2106,8 +2106,13 @@ def _like_for_like(
     HIP, OpenCL or Python source, a crowded call's kernels past MAX_PTXAS_PER_CALL, a timeout, a compile error)
     has no registers or static shared memory, and its occupancy counts none: set beside a compiled kernel's
     figures, the occupancy term leaned its way, up to 0.5 log2 against a kernel of 255 registers a thread at 256
-    threads (a CUDA kernel against its own HIP twin gave the twin p_faster 0.66)."""
+    threads (a CUDA kernel against its own HIP twin gave the twin p_faster 0.66). Except a compiled kernel whose
+    resources leave it no block on an SM at its block size (occupancy 0): that it cannot launch is its own fact,
+    not a comparison, and read without them it was judged as a kernel that runs (against a Triton kernel, a CUDA
+    kernel of 255 registers a thread at 1024 threads went from 'candidate cannot launch' to favoured)."""
     if (fb.registers is None) == (fc.registers is None):
+        return fb, fc
+    if fb.occupancy == 0.0 or fc.occupancy == 0.0:
         return fb, fc
     if fb.registers is not None:
         return with_resources(fb.source, q.baseline, q.hardware, None), fc
