@@ -415,3 +415,28 @@ async def test_a_young_familys_estimate_never_decides_a_verdict_alone(tmp_path: 
         assert row.verdict == "unsure" and "at most 85% sure from so few" in row.rationale
     finally:
         await svc.close()
+
+
+async def test_a_measured_configuration_this_version_refuses_is_left_out_not_the_pair(tmp_path: Path) -> None:
+    # A configuration stored by an older version under launch rules this one refuses (here 2048 threads a
+    # block, over CUDA's 1024): reading it as an estimate raised, and the whole pair came back 'no forecaster
+    # answered' (p_faster 0.5), where before young families were estimated it got the static prior.
+    fake = FakeMeasurer([DEVICE], default_runtime_ms=1.0)
+    fake.script("tiled", runtime_ms=2.0)
+    svc = await open_service(tmp_path, fake)
+    try:
+        best = kernel("best")
+        await _measure(svc, best)
+        for unroll in (1, 2):
+            await _measure(svc, kernel("tiled", UNROLL=unroll))
+        with sqlite3.connect(svc.settings.db_path) as conn:
+            conn.execute(
+                "UPDATE measurements SET launch_json = json_set(launch_json, '$.block', json('[2048, 1, 1]')) "
+                "WHERE json_extract(defines_json, '$.UNROLL') = 1"
+            )
+        row = await _compare(svc, best, kernel("tiled", UNROLL=4))
+        assert "no forecaster answered" not in row.rationale
+        assert "candidate estimated from 1 measured configuration of its own kernel" in row.rationale
+        assert row.p_faster < 0.5
+    finally:
+        await svc.close()

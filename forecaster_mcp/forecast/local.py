@@ -1623,7 +1623,9 @@ class LocalForecaster:
     ) -> list[tuple[StaticFeatures, float]]:
         """Static features (without ptxas's resources: most were never compiled here) and log2 runtime of the
         measured configurations of `target`'s young family: `target` under each one's defines, launch and
-        flags. Run in a worker thread, as `_anchor_features`; cached under the anchors' keys."""
+        flags. Run in a worker thread, as `_anchor_features`; cached under the anchors' keys. A configuration
+        whose features cannot be made (a launch stored by an older version under rules this one refuses) is left
+        out, as such an anchor is: the pair is estimated from the others, or forecast as before without them."""
         out = []
         for p in points:
             if p.runtime_ms is None or p.runtime_ms <= 0:
@@ -1631,17 +1633,21 @@ class LocalForecaster:
             key = (f"{p.content_key}{_NO_RESOURCES}", q.hardware_name, workload_key)
             cached = self._features.get(key)
             if cached is None:
-                launch = Launch.model_validate(p.launch) if p.launch is not None else None
-                sibling = target.model_copy(
-                    update={
-                        "defines": dict(p.defines),
-                        "launch": launch,
-                        "compile_options": p.compile_options,
-                    }
-                )
-                features = with_resources(
-                    kernel_source_features(sibling, q.hardware), sibling, q.hardware, None
-                )
+                try:
+                    launch = Launch.model_validate(p.launch) if p.launch is not None else None
+                    sibling = target.model_copy(
+                        update={
+                            "defines": dict(p.defines),
+                            "launch": launch,
+                            "compile_options": p.compile_options,
+                        }
+                    )
+                    features = with_resources(
+                        kernel_source_features(sibling, q.hardware), sibling, q.hardware, None
+                    )
+                except Exception:
+                    log.debug("measured configuration %s left out", p.content_key, exc_info=True)
+                    continue
                 cached = self._features[key] = (features, None)
                 while len(self._features) > 4096:
                     self._features.popitem(last=False)
