@@ -440,3 +440,68 @@ async def test_a_measured_configuration_this_version_refuses_is_left_out_not_the
         assert row.p_faster < 0.5
     finally:
         await svc.close()
+
+
+def test_eval_estimates_a_young_familys_configuration_from_its_last_run_that_worked_as_the_store_does(
+    tmp_path: Path,
+) -> None:
+    # A configuration measured ok (2 ms), then measured again and timed out: the store's family keeps the run
+    # that worked (Store.family_points), so the server estimates the next configuration from it. A pairs file's
+    # history kept the last line, a failure: eval fell back to the plain prior (p_faster 0.5) on the same
+    # history. A worker crash or the device out of memory says nothing of the kernel: the store never learns it.
+    from forecaster_mcp.cli import main
+
+    workload = WORKLOAD.model_dump(mode="json")
+
+    def point(k: Kernel, runtime_ms: float | None, status: str = "ok") -> dict[str, Any]:
+        kernel_json = k.model_dump(mode="json")
+        line = {"hardware": DEVICE, "workload": workload, "kernel": kernel_json, "status": status}
+        return {"history": {**line, "runtime_ms": runtime_ms}}
+
+    first, crashed = kernel("tiled", UNROLL=1), kernel("tiled", UNROLL=2)
+    pair = {
+        "id": "p",
+        "hardware": DEVICE,
+        "workload": workload,
+        "baseline": kernel("best").model_dump(mode="json"),
+        "candidate": kernel("tiled", UNROLL=4).model_dump(mode="json"),
+        "speedup": 0.5,
+    }
+    lines = [
+        point(kernel("best"), 1.0),
+        point(first, 2.0),
+        point(first, None, "timeout"),
+        point(crashed, None, "worker_crashed"),
+        pair,
+    ]
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert main(["eval", str(pairs), "--out", str(tmp_path / "out")]) == 0
+    [row] = [json.loads(x) for x in (tmp_path / "out" / "predictions.jsonl").read_text().splitlines()]
+    sd = math.sqrt(2 * CONFIG_SD_LOG2**2 + MEASURED_SD_FLOOR_LOG2**2)
+    assert row["p_faster"] == pytest.approx(0.5 * (1 + math.erf(-1.0 / sd / math.sqrt(2))), abs=1e-3)
+
+
+async def test_eval_history_keeps_a_kernels_family_points_as_the_store_does() -> None:
+    # Per kernel its latest ok run if it has one, else its latest of any status; none of a worker crash or the
+    # device out of memory (they say nothing of the kernel: the store's family never holds them), which eval
+    # learned as the kernel failing (its neighbours' chance of failing raised with it); ordered by the run kept.
+    from forecaster_mcp.forecast.evaluate import HistoryPoint, MemoryHistory
+    from forecaster_mcp.hardware.specs import canonical_name
+
+    ok_then_timeout, crashed, failed = (kernel("tiled", UNROLL=u) for u in (1, 2, 3))
+    history = MemoryHistory(
+        [
+            HistoryPoint(DEVICE, WORKLOAD, ok_then_timeout, 2.0, "ok"),
+            HistoryPoint(DEVICE, WORKLOAD, failed, None, "compile_error"),
+            HistoryPoint(DEVICE, WORKLOAD, failed, None, "launch_error"),
+            HistoryPoint(DEVICE, WORKLOAD, ok_then_timeout, None, "timeout"),
+            HistoryPoint(DEVICE, WORKLOAD, crashed, None, "worker_crashed"),
+            HistoryPoint(DEVICE, WORKLOAD, crashed, None, "out_of_memory"),
+        ]
+    )
+    points = await history.family_points(ok_then_timeout.family_key(), canonical_name(DEVICE), WORKLOAD.key())
+    assert [(p.defines["UNROLL"], p.status, p.runtime_ms) for p in points] == [
+        (1, "ok", 2.0),
+        (3, "launch_error", None),
+    ]

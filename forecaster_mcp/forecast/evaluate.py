@@ -267,17 +267,26 @@ class MemoryHistory:
     """A FamilyHistory over the pairs file's history points (what the store would hold)."""
 
     def __init__(self, points: Sequence[HistoryPoint]) -> None:
-        from forecaster_mcp.store.db import FamilyPoint
+        from forecaster_mcp.store.db import NOT_A_POINT, FamilyPoint
 
+        # As Store.family_points reads them: per kernel its latest ok point if it has one, else its latest of
+        # any status, none that says nothing of the kernel (NOT_A_POINT), ordered by the point kept.
         latest: dict[tuple[str, str, str], dict[str, FamilyPoint]] = {}
         for p in points:
+            if p.status in NOT_A_POINT:
+                continue
             key = (p.kernel.family_key(), _canonical(p.hardware), p.workload.key())
-            latest.setdefault(key, {})[p.kernel.content_key()] = FamilyPoint(
+            family, content = latest.setdefault(key, {}), p.kernel.content_key()
+            kept = family.get(content)
+            if kept is not None and kept.status == "ok" and p.status != "ok":
+                continue
+            family.pop(content, None)
+            family[content] = FamilyPoint(
                 defines=dict(p.kernel.defines),
                 launch=p.kernel.launch.model_dump() if p.kernel.launch else None,
                 status=p.status,
                 runtime_ms=p.runtime_ms,
-                content_key=p.kernel.content_key(),
+                content_key=content,
                 compile_options=tuple(p.kernel.compile_options),
             )
         self._points = {k: list(v.values()) for k, v in latest.items()}

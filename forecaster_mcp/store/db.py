@@ -78,6 +78,7 @@ NOT_CACHEABLE = frozenset(_NOT_CACHEABLE)  # for callers: a result with one of t
 # Statuses that say nothing about the configuration itself: family models do not learn them as failures.
 # (A timeout is learned: a configuration that runs past its cap is one a search should not propose again.)
 _NOT_A_POINT = ("out_of_memory", "worker_crashed")
+NOT_A_POINT = frozenset(_NOT_A_POINT)  # for callers keeping family points (evaluate.MemoryHistory)
 # ... nor a timeout under a cap below the server's (a caller's max_seconds, or a nearly spent ledger's): the
 # kernel may well run in the time the server allows, and one ledger's cap must not mark it failed for all.
 TIMEOUT_UNDER_LOWERED_CAP = "timeout_under_lowered_cap"
