@@ -505,3 +505,22 @@ async def test_eval_history_keeps_a_kernels_family_points_as_the_store_does() ->
         (1, "ok", 2.0),
         (3, "launch_error", None),
     ]
+
+
+async def test_a_configuration_of_another_block_size_is_not_said_to_have_other_defines(
+    tmp_path: Path,
+) -> None:
+    # Trying block sizes is the commonest tuning: the kernel measured at 128 threads a block estimates it at 256,
+    # and the rationale said 'other defines' of a kernel whose defines are the same.
+    fake = FakeMeasurer([DEVICE], default_runtime_ms=1.0)
+    fake.script("tiled", runtime_ms=2.0)
+    svc = await open_service(tmp_path, fake)
+    try:
+        best, tiled = kernel("best"), kernel("tiled")
+        await _measure(svc, best)
+        await _measure(svc, tiled.model_copy(update={"launch": Launch(grid=(8, 1, 1), block=(128, 1, 1))}))
+        row = await _compare(svc, best, tiled)  # 4 blocks of 256
+        assert "estimated from 1 measured configuration of its own kernel" in row.rationale
+        assert "(same source, other defines or launch)" in row.rationale
+    finally:
+        await svc.close()

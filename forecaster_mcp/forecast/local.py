@@ -2069,7 +2069,7 @@ class LocalForecaster:
             n = est.used
             rationale = (
                 f"{who} estimated from {n} measured configuration{'' if n == 1 else 's'} of its own kernel "
-                f"(same source, other defines): {_fmt_ms(est.log2_ms)} against "
+                f"(same source, other defines or launch): {_fmt_ms(est.log2_ms)} against "
                 f"{'measured' if known.kind == 'measured' else 'modelled'} {_fmt_ms(known.mean)}"
             )
             if sd > spread:
