@@ -524,3 +524,15 @@ async def test_a_configuration_of_another_block_size_is_not_said_to_have_other_d
         assert "(same source, other defines or launch)" in row.rationale
     finally:
         await svc.close()
+
+
+async def test_a_configuration_measured_under_two_spellings_counts_once(tmp_path: Path) -> None:
+    # UNROLL=1 and UNROLL=1u are one configuration to the family model (its parameters), two to the store.
+    svc, best, first, nxt = await _best_and_a_young_family(tmp_path, tiled_ms=2.0)
+    try:
+        await _measure(svc, first)
+        await _measure(svc, kernel("tiled", UNROLL="1u"))
+        row = await _compare(svc, best, nxt)
+        assert "estimated from 1 measured configuration of its own kernel" in row.rationale
+    finally:
+        await svc.close()

@@ -1183,8 +1183,15 @@ def fit_family(
     fail_ls = (
         _fail_lengthscales(x_all, failed_arr, gp.ls if gp is not None else None) if n_failed else np.zeros(0)
     )
+    # One configuration per parameters: the measurement answering for them (by_row), not each spelling's.
+    answering = {id(m) for m in by_row.values()}
     young = tuple(
-        p for p in points if (m := measured.get(p.content_key)) is not None and m.ok and m.log2_ms is not None
+        p
+        for p in points
+        if (m := measured.get(p.content_key)) is not None
+        and m.ok
+        and m.log2_ms is not None
+        and id(m) in answering
     )
     return FamilyModel(
         encoder,
