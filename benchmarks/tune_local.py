@@ -425,10 +425,11 @@ def model_report(
 # ---------------------------------------------------------------- latency
 
 
-def latency_report(repeats: int = 50) -> dict[str, Any]:
-    """LocalForecaster.forecast wall time for 2 and 64 candidates at 100, 1000 and 1500 family points: the
-    first call (hyperparameters fitted), repeated calls (cached model), and a call after each of 5 new
-    measurements (posterior updated with the fitted hyperparameters)."""
+def latency_report(repeats: int = 50, name: str = "dedisp-A100") -> dict[str, Any]:
+    """LocalForecaster.forecast wall time for 2 and 64 candidates at 100, 1000 and 1500 family points of space
+    `name` in a random order: the first call (hyperparameters fitted), repeated calls (cached model), and a call
+    after each of 5 new measurements (posterior updated with the fitted hyperparameters). A space with
+    two-valued parameters (convolution) also fits a stagnant search's other basin (local.other_basin)."""
     import anyio
     import numpy as np
 
@@ -438,7 +439,8 @@ def latency_report(repeats: int = 50) -> dict[str, Any]:
     from forecaster_mcp.search import DictHistory, placeholder_source
     from forecaster_mcp.store.db import FamilyPoint
 
-    sp = space("dedisp-A100")
+    sp = space(name)
+    print(f"\nlatency on {name}")
     rng = np.random.default_rng(0)
     workload = Workload()
     source = placeholder_source(sp.kernel_name)
@@ -537,6 +539,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--opts", default="{}", help="JSON options for the search (pool_size, screens_per_step, ...)"
     )
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--latency-space", default="dedisp-A100", help="the space of the latency report")
     p.add_argument("--verbose", action="store_true", help="print every seed's fraction")
     args = p.parse_args(argv)
     names = _select(args.set)
@@ -556,7 +559,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sizes = [int(s) for s in args.sizes.split(",")]
         report["model"] = model_report(names, sizes, args.model_seeds, args.pairs, args.workers)
     if args.what in ("latency", "all"):
-        report["latency"] = latency_report()
+        report["latency"] = latency_report(name=args.latency_space)
     print(f"\n({time.time() - t0:.0f} s)")
     if args.out is not None:
         args.out.write_text(json.dumps(report, indent=2))
