@@ -1563,11 +1563,17 @@ class LocalForecaster:
                 error = u if isinstance(u, PtxasError) else None
                 cached = (kernel_features(k, q.workload, q.hardware, entry), error)
                 if key[0] not in skipped:
-                    self._features[key] = cached
-                    while len(self._features) > 4096:
-                        self._features.popitem(last=False)
+                    self._keep_features(key, cached)
             out.append(cached)
         return out
+
+    def _keep_features(
+        self, key: tuple[str, str, str], features: tuple[StaticFeatures, PtxasError | None]
+    ) -> None:
+        """Cache a kernel's static features (by content key, GPU and workload), the oldest dropped past 4,096."""
+        self._features[key] = features
+        while len(self._features) > 4096:
+            self._features.popitem(last=False)
 
     async def _anchor_points(self, hardware: str, workload_key: str) -> list[AnchorPoint]:
         """The latest measured kernels of MAX_ANCHORS + 2 families on this workload and GPU (two more: a pair's
@@ -1617,9 +1623,8 @@ class LocalForecaster:
                     while len(self._refused_anchors) > 256:
                         self._refused_anchors.popitem(last=False)
                     continue
-                self._features[key], self._features[bare_key] = cached, bare
-                while len(self._features) > 4096:
-                    self._features.popitem(last=False)
+                self._keep_features(key, cached)
+                self._keep_features(bare_key, bare)
             out.append((cached[0], bare[0], math.log2(p.runtime_ms)))
             if len(out) >= MAX_ANCHORS:
                 break
@@ -1655,9 +1660,8 @@ class LocalForecaster:
                 except Exception:
                     log.debug("measured configuration %s left out", p.content_key, exc_info=True)
                     continue
-                cached = self._features[key] = (features, None)
-                while len(self._features) > 4096:
-                    self._features.popitem(last=False)
+                cached = (features, None)
+                self._keep_features(key, cached)
             out.append((cached[0], math.log2(p.runtime_ms)))
         return out
 
@@ -1806,36 +1810,33 @@ class LocalForecaster:
         )
 
         # Pairs of different kernels, one measured and one not: the measured kernels of their workload anchor the
-        # unmeasured one's runtime (features.anchored_log2_ms), fetched once per workload and GPU.
+        # unmeasured one's runtime (features.anchored_log2_ms), fetched once per workload and GPU. Those whose
+        # unknown kernel is a configuration of a young family (some of its configurations measured, too few for its
+        # model) and whose other one is measured or modelled: the family's measured configurations estimate it
+        # (features.sibling_log2_ms), in place of the anchors.
         anchored: dict[int, tuple[str, str]] = {}
-        for i, (q, belief) in enumerate(zip(queries, beliefs, strict=True)):
-            if prior_path(belief) and not isinstance(belief, Exception):
-                kinds = {belief[0].kind, belief[1].kind}
-                if kinds == {"measured", "unknown"} and keys[id(q.baseline)][0] != keys[id(q.candidate)][0]:
-                    anchored[i] = (q.hardware_name, workload_keys[id(q.workload)])
-        anchor_points = {where: await self._anchor_points(*where) for where in set(anchored.values())}
-
-        # Pairs of different kernels whose unknown one is a configuration of a young family (some of its
-        # configurations measured, too few for its model) and whose other one is measured or modelled: the
-        # family's measured configurations estimate it (features.sibling_log2_ms).
         young: dict[int, tuple[bool, FamilyModel]] = {}
         for i, (q, belief) in enumerate(zip(queries, beliefs, strict=True)):
-            if prior_path(belief) and not isinstance(belief, Exception):
-                b, c = belief
-                if keys[id(q.baseline)][0] == keys[id(q.candidate)][0]:
-                    continue
-                for target_is_candidate, (known, unknown, k) in (
-                    (True, (b, c, q.candidate)),
-                    (False, (c, b, q.baseline)),
+            if not prior_path(belief) or isinstance(belief, Exception):
+                continue
+            if keys[id(q.baseline)][0] == keys[id(q.candidate)][0]:
+                continue
+            b, c = belief
+            if {b.kind, c.kind} == {"measured", "unknown"}:
+                anchored[i] = (q.hardware_name, workload_keys[id(q.workload)])
+            for target_is_candidate, (known, unknown, k) in (
+                (True, (b, c, q.candidate)),
+                (False, (c, b, q.baseline)),
+            ):
+                model = groups[group_of(k, q)]
+                if (
+                    unknown.kind == "unknown"
+                    and known.kind in ("measured", "model")
+                    and model
+                    and model.young
                 ):
-                    model = groups[group_of(k, q)]
-                    if (
-                        unknown.kind == "unknown"
-                        and known.kind in ("measured", "model")
-                        and model
-                        and model.young
-                    ):
-                        young[i] = (target_is_candidate, model)
+                    young[i] = (target_is_candidate, model)
+        anchor_points = {where: await self._anchor_points(*where) for where in set(anchored.values())}
 
         def statics() -> tuple[
             dict[int, list[tuple[StaticFeatures, PtxasError | None]] | Exception],
@@ -1849,16 +1850,17 @@ class LocalForecaster:
                 if prior_path(belief):
                     try:
                         found[i] = self._static([q.baseline, q.candidate], q, usage, skipped, feature_key)
-                        if i in anchored:
-                            families = (keys[id(q.baseline)][0], keys[id(q.candidate)][0])
-                            where = anchored[i]
-                            anchors[i] = self._anchor_features(anchor_points[where], families, q, where[1])
                         if i in young:
                             target_is_candidate, model = young[i]
                             target = q.candidate if target_is_candidate else q.baseline
                             siblings[i] = self._sibling_features(
                                 target, model.young, q, workload_keys[id(q.workload)]
                             )
+                        # Anchors are not used beside a young family's configurations (_prior_forecast).
+                        if i in anchored and not siblings.get(i):
+                            families = (keys[id(q.baseline)][0], keys[id(q.candidate)][0])
+                            where = anchored[i]
+                            anchors[i] = self._anchor_features(anchor_points[where], families, q, where[1])
                     except Exception as exc:
                         found[i] = exc
             return found, anchors, siblings
