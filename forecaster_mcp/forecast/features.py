@@ -1420,14 +1420,28 @@ def anchored_log2_ms(
         raise ValueError("anchored_log2_ms needs at least one measured kernel")
     reach = _terms_apart(anchors[0][0], target)
     near = [anchors[0], *(a for a in anchors[1:] if _terms_apart(a[0], target) <= reach)]
+    return _median_estimate(target, near, target_is_candidate, KERNEL_ERROR_SD_LOG2)
+
+
+def _median_estimate(
+    target: StaticFeatures,
+    measured: Sequence[tuple[StaticFeatures, float]],
+    target_is_candidate: bool,
+    sd_one: float,
+    same_family: bool = False,
+) -> Anchored:
+    """The median of the measured kernels' estimates of the target's log2 runtime (each one's runtime less the
+    prior's shift from it to the target, taken in the pair's direction), each estimate's error `sd_one`."""
     estimates = [
-        t - prior_shift(f, target).mean_log2 if target_is_candidate else t + prior_shift(target, f).mean_log2
-        for f, t in near
+        t - prior_shift(f, target, same_family=same_family).mean_log2
+        if target_is_candidate
+        else t + prior_shift(target, f, same_family=same_family).mean_log2
+        for f, t in measured
     ]
     n = len(estimates)
     # Up to two estimates the median is their mean; beyond, it costs a normal sample's pi/2 in variance.
     spread = 1.0 / n if n <= 2 else (math.pi / 2.0) / n
-    return Anchored(statistics.median(estimates), KERNEL_ERROR_SD_LOG2 * math.sqrt(1.0 + spread), n)
+    return Anchored(statistics.median(estimates), sd_one * math.sqrt(1.0 + spread), n)
 
 
 # A kernel's configurations (its tuning family: the same source, other defines) share whatever its design gets
@@ -1462,15 +1476,7 @@ def sibling_log2_ms(
     same-family prior's shift to the target, in the pair's direction) with CONFIG_SD_LOG2 per configuration."""
     if not siblings:
         raise ValueError("sibling_log2_ms needs at least one measured configuration")
-    estimates = [
-        t - prior_shift(f, target, same_family=True).mean_log2
-        if target_is_candidate
-        else t + prior_shift(target, f, same_family=True).mean_log2
-        for f, t in siblings
-    ]
-    n = len(estimates)
-    spread = 1.0 / n if n <= 2 else (math.pi / 2.0) / n
-    return Anchored(statistics.median(estimates), CONFIG_SD_LOG2 * math.sqrt(1.0 + spread), n)
+    return _median_estimate(target, siblings, target_is_candidate, CONFIG_SD_LOG2, same_family=True)
 
 
 def _terms_apart(a: StaticFeatures, b: StaticFeatures) -> int:
