@@ -15,7 +15,7 @@ from forecaster_mcp import bins
 from forecaster_mcp.forecast.calibration import with_p_faster
 from forecaster_mcp.forecast.engine import OOF_FOLDS, ForecastEngine
 from forecaster_mcp.forecast.selective import decision_p
-from forecaster_mcp.forecast.verified_rows import _mix
+from forecaster_mcp.forecast.verified_rows import spread_id
 from forecaster_mcp.models import Kernel
 from forecaster_mcp.store.db import ForecastRow, Store, VerifiedPair
 
@@ -251,7 +251,7 @@ async def test_history_scored_out_of_fold_is_each_forecast_as_its_fold_calibrati
         if p_fail is None:
             d = issued
         else:
-            fold = _mix(int(measurement)) % OOF_FOLDS
+            fold = spread_id(int(measurement)) % OOF_FOLDS
             raw = {n: with_p_faster([1 / 8] * 8, p) for n, p in (("local", p_local), ("claude", p_claude))}
             engine_fits = dict(engine._calibrators)
             engine._calibrators.update({n: engine._oof[n][fold] for n in ("local", "claude")})

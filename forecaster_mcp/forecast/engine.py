@@ -64,7 +64,7 @@ from forecaster_mcp.forecast.selective import (
     p_fail_of,
     refuted_below,
 )
-from forecaster_mcp.forecast.verified_rows import VerifiedRows, _mix
+from forecaster_mcp.forecast.verified_rows import VerifiedRows, spread_id
 from forecaster_mcp.models import ForecasterInfo, Verdict
 
 if TYPE_CHECKING:
@@ -728,7 +728,7 @@ class ForecastEngine:
         if len(self._names) > 1:
             # As refresh fits them (`_fit_combiner`): on each outcome's answers calibrated by fits without its
             # fold (an outcome's fold from its place in `outcomes`).
-            fold = [int(_mix(i) % OOF_FOLDS) for i in range(len(outcomes))]
+            fold = [int(spread_id(i) % OOF_FOLDS) for i in range(len(outcomes))]
             oof = {
                 s: [
                     self._fit_calibrator(s, [(n, o) for n, o, i in rows if fold[i] != k])

@@ -54,7 +54,7 @@ def combination_key(v: VerifiedPair) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
-def _mix(n: int) -> int:
+def spread_id(n: int) -> int:
     """A measurement id spread over 64 bits (consecutive ids land in unrelated folds)."""
     return int.from_bytes(hashlib.blake2b(struct.pack("<q", n), digest_size=8).digest(), "little")
 
@@ -218,7 +218,7 @@ class VerifiedRows:
             "_join": np.array(joins, np.uint64),
             "_fold_key": np.array(
                 [
-                    j if v.verified_by is None else _mix(v.verified_by)
+                    j if v.verified_by is None else spread_id(v.verified_by)
                     for v, j in zip(rows, joins, strict=True)
                 ],
                 np.uint64,
