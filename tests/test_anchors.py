@@ -233,43 +233,45 @@ def _with_shared(k: Kernel, shared_mem_bytes: int) -> Kernel:
     return k.model_copy(update={"launch": launch})
 
 
-async def _three_fast_anchors_say_twice_as_fast(svc: Service, registers: int, shared_mem_bytes: int) -> None:
-    """Measures 'first' (1 ms) and three kernels like it at 0.5 ms (scripted), all launched with
+async def _three_fast_anchors_say_twice_as_fast(
+    tmp_path: Path, registers: int, shared_mem_bytes: int
+) -> None:
+    """On a new service: measures 'first' (1 ms) and three kernels like it at 0.5 ms (scripted), all launched with
     `shared_mem_bytes`, gives the three these measured resources, and checks the anchored forecast of another
     one like them: the median of 1, 0.5, 0.5, 0.5 ms, whatever the resources."""
 
     def launched(k: Kernel) -> Kernel:
         return _with_shared(k, shared_mem_bytes) if shared_mem_bytes else k
 
-    base, new = launched(kernel("first")), launched(kernel("newest"))
-    await _measure(svc, base)
+    fake = FakeMeasurer([DEVICE], default_runtime_ms=1.0)
     for name in ("fast1", "fast2", "fast3"):
-        await _measure(svc, launched(kernel(name)))
-    with sqlite3.connect(svc.settings.db_path) as conn:
-        conn.execute(
-            "UPDATE measurements SET result_json = json_set(result_json, '$.resources.registers', ?, "
-            "'$.resources.shared_mem_bytes', ?) WHERE json_extract(kernel_json, '$.entry') LIKE 'fast%'",
-            (registers, shared_mem_bytes),
-        )
-    anchored = await _compare(svc, base, new)
-    assert "anchored on 4" in anchored.rationale
-    z = 1.0 / (KERNEL_ERROR_SD_LOG2 * math.sqrt(1 + math.pi / 8))
-    assert anchored.p_faster == pytest.approx(0.5 * (1 + math.erf(z / math.sqrt(2))), abs=1e-3)
+        fake.script(name, runtime_ms=0.5)
+    svc = await open_service(tmp_path, fake)
+    try:
+        base, new = launched(kernel("first")), launched(kernel("newest"))
+        await _measure(svc, base)
+        for name in ("fast1", "fast2", "fast3"):
+            await _measure(svc, launched(kernel(name)))
+        with sqlite3.connect(svc.settings.db_path) as conn:
+            conn.execute(
+                "UPDATE measurements SET result_json = json_set(result_json, '$.resources.registers', ?, "
+                "'$.resources.shared_mem_bytes', ?) WHERE json_extract(kernel_json, '$.entry') LIKE 'fast%'",
+                (registers, shared_mem_bytes),
+            )
+        anchored = await _compare(svc, base, new)
+        assert "anchored on 4" in anchored.rationale
+        z = 1.0 / (KERNEL_ERROR_SD_LOG2 * math.sqrt(1 + math.pi / 8))
+        assert anchored.p_faster == pytest.approx(0.5 * (1 + math.erf(z / math.sqrt(2))), abs=1e-3)
+    finally:
+        await svc.close()
 
 
 async def test_an_anchors_dynamic_shared_memory_is_counted_once(tmp_path: Path) -> None:
     # A GPU reports a block's shared memory, static and dynamic together (resources.shared_mem_bytes); taken
     # for ptxas's static figure, the launch's 48 KiB were counted twice, and an anchor exactly like the new
     # kernel read as half as occupied (2 blocks of 96 KiB per SM instead of 4 of 48), 0.25 log2 slower.
-    fake = FakeMeasurer([DEVICE], default_runtime_ms=1.0)
-    for name in ("fast1", "fast2", "fast3"):
-        fake.script(name, runtime_ms=0.5)
-    svc = await open_service(tmp_path, fake)
-    try:
-        # Alike kernels: the new one's runtime is the median of 1, 0.5, 0.5, 0.5 ms, as without shared memory.
-        await _three_fast_anchors_say_twice_as_fast(svc, registers=32, shared_mem_bytes=49152)
-    finally:
-        await svc.close()
+    # Alike kernels: the new one's runtime is the median of 1, 0.5, 0.5, 0.5 ms, as without shared memory.
+    await _three_fast_anchors_say_twice_as_fast(tmp_path, registers=32, shared_mem_bytes=49152)
 
 
 async def test_anchors_are_parsed_off_the_event_loop_and_a_refused_one_once(
@@ -315,14 +317,7 @@ async def test_anchors_are_parsed_off_the_event_loop_and_a_refused_one_once(
 async def test_measured_registers_are_not_set_beside_a_kernel_ptxas_did_not_compile(tmp_path: Path) -> None:
     # No nvcc here: the new kernel's features have no registers. Its anchors' measured 255 registers a thread
     # (an occupancy of one block of 256 threads per SM) beside it tilted the occupancy term its way.
-    fake = FakeMeasurer([DEVICE], default_runtime_ms=1.0)
-    for name in ("fast1", "fast2", "fast3"):
-        fake.script(name, runtime_ms=0.5)
-    svc = await open_service(tmp_path, fake)
-    try:
-        await _three_fast_anchors_say_twice_as_fast(svc, registers=255, shared_mem_bytes=0)
-    finally:
-        await svc.close()
+    await _three_fast_anchors_say_twice_as_fast(tmp_path, registers=255, shared_mem_bytes=0)
 
 
 async def test_eval_anchors_on_a_kernels_last_run_that_worked_as_the_store_does() -> None:

@@ -9,7 +9,7 @@ import fcntl
 import random
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -225,7 +225,11 @@ async def test_a_measurement_waits_for_a_compile_slot_uncharged_and_off_the_gpu(
     )
 
 
-async def test_a_measurement_without_a_compile_slot_is_refused_and_charged_nothing(tmp_path: Path) -> None:
+async def _while_the_only_slot_is_held(
+    tmp_path: Path, action: Callable[[Service], Awaitable[Any]]
+) -> tuple[Any, Any]:
+    """`action`'s result on a service (fake GPU, slot wait 0.3 s) while its process's only compile slot is held
+    elsewhere, and the ledger's budget_status after."""
     gpu = fake_gpu(tmp_path)
     gpu.compiler.slot_wait_s = 0.3
     svc = await make_service(tmp_path, gpu)
@@ -233,14 +237,23 @@ async def test_a_measurement_without_a_compile_slot_is_refused_and_charged_nothi
     try:
         assert await COMPILE_SLOTS.acquire(0)
         try:
-            with pytest.raises(ServerBusy) as refused:  # an AgentError: the agent gets it as a ToolError
-                await svc.measure(ledger="L", kernel=kernel(), workload=WORKLOAD)
+            result = await action(svc)
         finally:
             COMPILE_SLOTS.release()
         report = await svc.budget_status("L")
     finally:
         await svc.close()
-    assert "busy compiling" in str(refused.value) and "nothing was charged" in str(refused.value)
+    return result, report
+
+
+async def test_a_measurement_without_a_compile_slot_is_refused_and_charged_nothing(tmp_path: Path) -> None:
+    async def measure(svc: Service) -> ServerBusy:
+        with pytest.raises(ServerBusy) as refused:  # an AgentError: the agent gets it as a ToolError
+            await svc.measure(ledger="L", kernel=kernel(), workload=WORKLOAD)
+        return refused.value
+
+    refused, report = await _while_the_only_slot_is_held(tmp_path, measure)
+    assert "busy compiling" in str(refused) and "nothing was charged" in str(refused)
     assert report.spent_gpu_seconds == 0 and report.reserved_gpu_seconds == 0
     assert not list((tmp_path / "cache").glob("locks/gpu-*.lock"))  # the device was never taken
 
@@ -312,28 +325,19 @@ async def test_slots_are_shared_by_event_loops_of_other_threads_and_handed_on_by
 
 
 async def test_measure_if_unsure_without_a_compile_slot_keeps_the_forecasts(tmp_path: Path) -> None:
-    gpu = fake_gpu(tmp_path)
-    gpu.compiler.slot_wait_s = 0.3
-    svc = await make_service(tmp_path, gpu)
-    COMPILE_SLOTS.set_limit(1)
-    try:
-        assert await COMPILE_SLOTS.acquire(0)
-        try:
-            out = await svc.compare(
-                ledger="L",
-                candidates=[kernel(FAKE_MS=0.5).model_copy(update={"id": "a"}), kernel(FAKE_MS=0.25)],
-                workload=WORKLOAD,
-                baseline="a",
-                hardware=None,
-                target_error=None,
-                measure_if_unsure=True,
-                max_measurements=2,
-            )
-        finally:
-            COMPILE_SLOTS.release()
-        report = await svc.budget_status("L")
-    finally:
-        await svc.close()
+    async def compare(svc: Service) -> Any:
+        return await svc.compare(
+            ledger="L",
+            candidates=[kernel(FAKE_MS=0.5).model_copy(update={"id": "a"}), kernel(FAKE_MS=0.25)],
+            workload=WORKLOAD,
+            baseline="a",
+            hardware=None,
+            target_error=None,
+            measure_if_unsure=True,
+            max_measurements=2,
+        )
+
+    out, report = await _while_the_only_slot_is_held(tmp_path, compare)
     assert len(out.candidates) == 1
     (note,) = [n for n in out.notes if n.startswith("measure_if_unsure measured nothing")]
     assert "busy compiling" in note and "Nothing was charged; the forecasts stand" in note
