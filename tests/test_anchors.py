@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from test_pycuda_measurer import WORKLOAD
 
+from forecaster_mcp.forecast.calibration import Calibrator, Platt
 from forecaster_mcp.forecast.features import (
     CONFIG_SD_LOG2,
     KERNEL_ERROR_SD_LOG2,
@@ -408,6 +409,12 @@ async def test_a_young_familys_estimate_never_decides_a_verdict_alone(tmp_path: 
         row = await _compare(svc, best, nxt)
         assert row.p_faster == pytest.approx(1.0 - SIBLING_MAX_CONFIDENCE, abs=1e-3)
         assert row.verdict == "unsure" and "at most 85% sure from so few" in row.rationale
+        # The static prior's calibration, fitted on its other answers, sharpens them (here 3x in log-odds, as
+        # an underconfident prior's would): it made this estimate 0.994 sure and decided it "slower".
+        svc.engine._calibrators["local:prior"] = Calibrator(Platt(3.0, 0.0))
+        sharpened = await _compare(svc, best, nxt)
+        assert sharpened.p_faster == pytest.approx(1.0 - SIBLING_MAX_CONFIDENCE, abs=1e-3)
+        assert sharpened.verdict == "unsure"
     finally:
         await svc.close()
 

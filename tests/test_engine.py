@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from forecaster_mcp import bins
-from forecaster_mcp.forecast.base import BinForecast, PairQuery, ScriptedForecaster
+from forecaster_mcp.forecast.base import MAX_CONFIDENCE, BinForecast, PairQuery, ScriptedForecaster
 from forecaster_mcp.forecast.calibration import logit, sigmoid, with_p_faster
 from forecaster_mcp.forecast.engine import EngineForecast, ForecastEngine, Outcome, raw_name
 from forecaster_mcp.forecast.selective import ThresholdChoice
@@ -339,6 +339,52 @@ async def test_static_prior_answers_are_calibrated_and_decided_apart_from_model_
     fresh.fit([prior.outcome("A100", 2.0 if i % 10 else 0.5) for i in range(200)])
     assert bins.p_faster(fresh.combine_raw(prior.raw, "A100", prior.slots)) > 0.9  # 90% right: kept sharp
     assert bins.p_faster(fresh.combine_raw(model.raw, "A100", model.slots)) == pytest.approx(0.95)
+
+
+@pytest.mark.anyio
+async def test_an_answer_capped_by_its_forecaster_stays_capped_and_decides_nothing_alone() -> None:
+    """The local model caps its estimate from a young family's 1-3 configurations at 85% and says it decides no
+    verdict alone (base.MAX_CONFIDENCE). Calibrated on the static prior's verified answers (underconfident: they
+    say 70% and are right 99% of the time), it came out 0.99 sure; and the threshold the prior's history
+    certified (0.8) decided it even where it stayed at 0.85."""
+    store = FakeStore()
+    rng = np.random.default_rng(11)
+    for i in range(400):
+        faster = bool(rng.random() < 0.5)
+        says = faster if i % 100 else not faster
+        store.add("raw:local@0:prior", "A100", _bins_with(0.7 if says else 0.3), 2.0 if faster else 0.5)
+    for i in range(300):
+        store.add("local@0:prior", "A100", _bins_with(0.8), 0.5 if i % 100 == 0 else 2.0)
+    capped = {"prior": 1.0, MAX_CONFIDENCE: 0.85}
+    local = _scripted("local")
+    local.enqueue(
+        BinForecast(_bins_with(0.85), "static prior", {"prior": 1.0}),
+        BinForecast(_bins_with(0.85), "estimated from 2 configurations", capped),
+        BinForecast(_bins_with(0.15), "estimated from 2 configurations", capped),
+    )
+    engine = ForecastEngine([local], store)
+    plain, sure, unsure_slower = await engine.forecast([_query(0), _query(1), _query(2)])
+    assert plain.p_faster > 0.97  # the prior's calibration sharpens its own answers
+    assert sure.p_faster == pytest.approx(0.85) and unsure_slower.p_faster == pytest.approx(0.15)
+    assert sure.capped and not plain.capped and sure.caps == {"local": 0.85}
+    certified = await engine.threshold("A100", 0.1, "prior")
+    assert certified.source == "history" and certified.threshold == pytest.approx(0.8)
+    assert plain.verdict(engine.threshold_for(plain, certified).threshold) == "faster"
+    held = engine.threshold_for(sure, certified)
+    assert held.threshold == pytest.approx(0.95) and "capped" in held.reason
+    assert sure.verdict(held.threshold) == "unsure"
+    # A caller who accepts 30% wrong gets the regime's default for that target (0.85): decided.
+    loose = engine.threshold_for(sure, await engine.threshold("A100", 0.3, "prior"))
+    assert sure.verdict(loose.threshold) == "faster"
+    # Evaluation scores a capped history forecast as the server issued it.
+    assert bins.p_faster(engine.combine_raw(sure.raw, "A100", sure.slots, sure.caps)) == pytest.approx(0.85)
+    assert bins.p_faster(engine.combine_raw(sure.raw, "A100", sure.slots)) > 0.97
+
+    # Another component that answers uncapped is the combination's to weigh: the forecast is not capped.
+    local.enqueue(BinForecast(_bins_with(0.85), "estimated from 2 configurations", capped))
+    both = ForecastEngine([local, _scripted("claude", _bins_with(0.95))], store)
+    [mixed] = await both.forecast([_query(3)])
+    assert not mixed.capped and bins.p_faster(mixed.calibrated["local"]) == pytest.approx(0.85)
 
 
 UNMEASURED = {"measured": 0.0, "baseline_measured": 0.0}

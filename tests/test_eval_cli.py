@@ -583,7 +583,7 @@ def test_calibration_history_certifies_on_the_confidence_verdicts_are_decided_on
     cal = _Calibration(
         fit_outcomes=[], history_hw=["A100", "A100"], history_raw=[{"scripted": probs}] * 2,
         history_slots=[{}, {}], history_regimes=["model", "model"], history_speedups=[2.0, 2.0], n_pairs=4,
-        history_fail=[(0.2, 0.0), (0.0, 0.0)],
+        history_fail=[(0.2, 0.0), (0.0, 0.0)], history_caps=[{}, {}],
     )  # fmt: skip
     _apply_calibration(engine, cal)
     assert recorded == [[pytest.approx(decision_p(p, 0.2)), pytest.approx(p)]]

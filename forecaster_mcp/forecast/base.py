@@ -17,6 +17,12 @@ from forecaster_mcp.models import Kernel, Workload
 # stays the same for forecasters that cost nothing.
 USAGE_LEDGER: ContextVar[str | None] = ContextVar("forecaster_mcp_usage_ledger", default=None)
 
+# BinForecast.extras key: the most sure of the direction this answer may be after calibration, and a promise that
+# it decides no verdict on its own (the local model's estimate from a young family's 1-3 configurations: a space
+# 64x wide looks narrow through two alike configurations). A calibration fitted on the slot's other answers must not
+# stretch it past this, nor may a threshold certified on their history decide it (ForecastEngine.threshold_for).
+MAX_CONFIDENCE = "max_confidence"
+
 
 class PartialForecast(ForecasterMcpError):
     """A forecaster failed on some pairs of a call.

@@ -50,8 +50,8 @@ import anyio
 import numpy as np
 
 from forecaster_mcp import bins
-from forecaster_mcp.forecast.base import BinForecast, Forecaster, PairQuery, PartialForecast
-from forecaster_mcp.forecast.calibration import OUT_CLIP, Calibrator, Platt, logit, sigmoid
+from forecaster_mcp.forecast.base import MAX_CONFIDENCE, BinForecast, Forecaster, PairQuery, PartialForecast
+from forecaster_mcp.forecast.calibration import OUT_CLIP, Calibrator, Platt, logit, sigmoid, with_p_faster
 from forecaster_mcp.forecast.combine import Combiner
 from forecaster_mcp.forecast.selective import (
     MIN_TARGET_ERROR,
@@ -216,6 +216,14 @@ class EngineForecast:
     # Some of the engine's components did not answer (Claude down, timed out, or skipped this pair): stored under
     # the names of those that did (`final_name`), and decided at no lower a threshold than its regime's default.
     partial: bool = False
+    # component -> the cap its answer set on its own confidence (base.MAX_CONFIDENCE), for those that set one.
+    caps: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def capped(self) -> bool:
+        """Every component that answered capped its answer (base.MAX_CONFIDENCE): the forecast decides nothing
+        on the history its regime certified (ForecastEngine.threshold_for)."""
+        return bool(self.raw) and not self.from_measurements and self.caps.keys() >= self.raw.keys()
 
     @property
     def p_fail(self) -> float:
@@ -230,6 +238,16 @@ class EngineForecast:
     def outcome(self, hardware: str, speedup: float) -> Outcome:
         """This forecast's raw answers as a verified outcome (evaluation)."""
         return Outcome(hardware, speedup, dict(self.raw), dict(self.slots))
+
+
+def _capped(calibrated: list[float], cap: float | None) -> list[float]:
+    """A calibrated answer held to its own cap (base.MAX_CONFIDENCE), if it set one: a calibration fitted on the
+    slot's other answers (an underconfident prior's slope above 1) must not make it surer than it said it may be."""
+    if cap is None:
+        return calibrated
+    p = bins.p_faster(calibrated)
+    held = min(max(p, 1.0 - cap), cap)
+    return calibrated if held == p else with_p_faster(calibrated, held)
 
 
 def _family_slot(hardware: str, family: str | None) -> str:
@@ -403,8 +421,13 @@ class ForecastEngine:
 
     def threshold_for(self, forecast: EngineForecast, choice: ThresholdChoice) -> ThresholdChoice:
         """`choice` (certified on this engine's history) as it applies to `forecast`: a partial forecast is
-        not what that history certified, so it is decided at no lower a threshold than its regime's default."""
-        if not forecast.partial:
+        not what that history certified, nor is one whose every answer is capped (base.MAX_CONFIDENCE: it
+        decides nothing on its own), so each is decided at no lower a threshold than its regime's default."""
+        if forecast.partial:
+            why = "this forecast lacks a component's answer"
+        elif forecast.capped:
+            why = "this forecast is capped and decides nothing on its own history"
+        else:
             return choice
         floor = default_threshold_for(forecast.regime, choice.target_error)
         if choice.threshold >= floor:
@@ -414,7 +437,7 @@ class ForecastEngine:
             threshold=floor,
             error_ucb=None,
             source="default",
-            reason=f"{choice.reason}; this forecast lacks a component's answer: default {floor:.3f}",
+            reason=f"{choice.reason}; {why}: default {floor:.3f}",
         )
 
     def _stored(self, slot: str) -> str:
@@ -517,6 +540,7 @@ class ForecastEngine:
             )
         raw = {n: list(f.probs) for n, f in per.items()}
         slots = {n: slot_of(n, f) for n, f in per.items()}
+        caps = {n: float(f.extras[MAX_CONFIDENCE]) for n, f in per.items() if MAX_CONFIDENCE in f.extras}
         # An answer from two stored measurements (the local model found both kernels measured, for instance
         # under other spellings of their parameters) is measurement noise, not a forecast: no calibration
         # fitted on forecasts applies to it, and no other component's guess is mixed in.
@@ -525,7 +549,7 @@ class ForecastEngine:
             calibrated = {measured: raw[measured]}
             probs = list(raw[measured])
         else:
-            calibrated = {n: self._calibrators[slots[n]].probs(p, hardware) for n, p in raw.items()}
+            calibrated = self._calibrated(raw, hardware, slots, caps)
             probs = self._combiner.combine(calibrated)
         p = bins.p_faster(probs)
         centers = _combined_centers(calibrated, {n: f.centers for n, f in per.items()})
@@ -558,15 +582,32 @@ class ForecastEngine:
             regime=max((_regime_of_slot(s) for s in slots.values()), key=REGIMES.index),
             from_measurements=measured is not None,
             partial=len(raw) < len(self._names),
+            caps=caps,
         )
 
+    def _calibrated(
+        self,
+        raw: Mapping[str, Sequence[float]],
+        hardware: str,
+        slots: Mapping[str, str],
+        caps: Mapping[str, float],
+    ) -> dict[str, list[float]]:
+        """Each component's raw bins calibrated for its slot, held to the cap its answer set (`_capped`)."""
+        return {
+            n: _capped(self._calibrators[slots.get(n, n)].probs(p, hardware), caps.get(n))
+            for n, p in raw.items()
+        }
+
     def combine_raw(
-        self, raw: Mapping[str, Sequence[float]], hardware: str, slots: Mapping[str, str] | None = None
+        self,
+        raw: Mapping[str, Sequence[float]],
+        hardware: str,
+        slots: Mapping[str, str] | None = None,
+        caps: Mapping[str, float] | None = None,
     ) -> list[float]:
-        """The final bins the current calibration and combination give for components' raw bins."""
-        slots = slots or {}
-        calibrated = {n: self._calibrators[slots.get(n, n)].probs(p, hardware) for n, p in raw.items()}
-        return self._combiner.combine(calibrated)
+        """The final bins the current calibration and combination give for components' raw bins (held to
+        `caps`, the answers' own caps: EngineForecast.caps)."""
+        return self._combiner.combine(self._calibrated(raw, hardware, slots or {}, caps or {}))
 
     def confidence_ceiling(self, forecast: EngineForecast, hardware: str) -> float:
         """The most confident `forecast`'s components can be in either direction under the current calibration

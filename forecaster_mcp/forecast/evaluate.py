@@ -438,6 +438,8 @@ class _Calibration:
     # Each history forecast's chances of its candidate and its baseline failing: thresholds are certified on
     # the confidence its verdict was decided on (selective.decision_p), as the server stores it.
     history_fail: list[tuple[float, float]] = field(default_factory=list)
+    # Each history forecast's components' caps on their own confidence (EngineForecast.caps).
+    history_caps: list[dict[str, float]] = field(default_factory=list)
 
 
 _LLM_COUNTS = ("requests", "input_tokens", "output_tokens", "cache_read_tokens", "cache_write_tokens")
@@ -470,6 +472,7 @@ async def _calibrate_phase(
     fit, hw, raw, slots, speedups = [], [], [], [], []
     regimes: list[Regime] = []
     fails: list[tuple[float, float]] = []
+    caps: list[dict[str, float]] = []
     lookups = 0
     for i, (q, p, f) in enumerate(zip(queries, cal.pairs, forecasts, strict=True)):
         if f.from_measurements:
@@ -491,6 +494,7 @@ async def _calibrate_phase(
             regimes.append(f.regime)
             speedups.append(p.speedup)
             fails.append((f.p_fail, p_fail_baseline_of(f.extras)))
+            caps.append(dict(f.caps))
     notes = _unknown_gpu_notes(cal.pairs) + sorted({n for f in forecasts for n in f.notes})
     if lookups:
         notes.append(
@@ -498,7 +502,7 @@ async def _calibrate_phase(
             "are left out of the calibration and the thresholds (as the server leaves such answers out)"
         )
     return _Calibration(
-        fit, hw, raw, slots, regimes, speedups, len(cal.pairs), _llm_usage(forecasters), fails
+        fit, hw, raw, slots, regimes, speedups, len(cal.pairs), _llm_usage(forecasters), fails, caps
     ), notes
 
 
@@ -524,9 +528,14 @@ def _apply_calibration(engine: ForecastEngine, cal: _Calibration) -> None:
 
     engine.fit(cal.fit_outcomes)
     finals = [
-        decision_p(bins.p_faster(engine.combine_raw(r, hw, sl)), p_fail, p_fail_baseline)
-        for r, hw, sl, (p_fail, p_fail_baseline) in zip(
-            cal.history_raw, cal.history_hw, cal.history_slots, cal.history_fail, strict=True
+        decision_p(bins.p_faster(engine.combine_raw(r, hw, sl, cp)), p_fail, p_fail_baseline)
+        for r, hw, sl, (p_fail, p_fail_baseline), cp in zip(
+            cal.history_raw,
+            cal.history_hw,
+            cal.history_slots,
+            cal.history_fail,
+            cal.history_caps,
+            strict=True,
         )
     ]
     engine.set_history(cal.history_hw, finals, cal.history_speedups, cal.history_regimes)

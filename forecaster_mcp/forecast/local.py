@@ -44,7 +44,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from forecaster_mcp import bins
-from forecaster_mcp.forecast.base import BinForecast, PairQuery, PartialForecast
+from forecaster_mcp.forecast.base import MAX_CONFIDENCE, BinForecast, PairQuery, PartialForecast
 from forecaster_mcp.forecast.features import (
     MAX_ANCHORS,
     PYTHON_LANGUAGES,
@@ -2074,6 +2074,7 @@ class LocalForecaster:
             spread = math.sqrt(est.sd_log2**2 + known.var)
             sd = sibling_spread(mean, spread)
             extras.update(mu_log2=mean, sd_log2=sd, siblings=float(est.used))
+            extras[MAX_CONFIDENCE] = SIBLING_MAX_CONFIDENCE
             who = "candidate" if target_is_candidate else "baseline"
             n = est.used
             rationale = (
