@@ -387,6 +387,14 @@ async def test_an_answer_capped_by_its_forecaster_stays_capped_and_decides_nothi
     assert not mixed.capped and bins.p_faster(mixed.calibrated["local"]) == pytest.approx(0.85)
 
 
+def test_a_cap_below_one_half_never_flips_an_answer() -> None:
+    """A forecaster's cap of 0.3 read as [0.7, 0.3] turned a 0.9 "faster" into 0.3 "slower"."""
+    from forecaster_mcp.forecast.engine import _capped
+
+    assert bins.p_faster(_capped(_bins_with(0.9), 0.3)) == pytest.approx(0.5)
+    assert bins.p_faster(_capped(_bins_with(0.9), None)) == pytest.approx(0.9)
+
+
 UNMEASURED = {"measured": 0.0, "baseline_measured": 0.0}
 
 

@@ -245,7 +245,7 @@ def _capped(calibrated: list[float], cap: float | None) -> list[float]:
     slot's other answers (an underconfident prior's slope above 1) must not make it surer than it said it may be."""
     if cap is None:
         return calibrated
-    p = bins.p_faster(calibrated)
+    p, cap = bins.p_faster(calibrated), max(cap, 0.5)  # a cap below 0.5 would flip the answer's direction
     held = min(max(p, 1.0 - cap), cap)
     return calibrated if held == p else with_p_faster(calibrated, held)
 
