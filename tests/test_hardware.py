@@ -116,6 +116,16 @@ def spec(name: str) -> GpuSpec:
         ("AMD Instinct MI100", "MI100"),
         ("AMD Radeon PRO W7900", "Radeon PRO W7900"),
         ("AMD Radeon RX 7900 XTX", "RX 7900 XTX"),
+        # Pascal and Maxwell, as nvidia-smi and Kernel Tuner recordings name them.
+        ("NVIDIA GeForce GTX 1080 Ti", "GTX 1080 Ti"),
+        ("1080 Ti", "GTX 1080 Ti"),
+        ("GTX_1080", "GTX 1080"),
+        ("NVIDIA TITAN Xp", "TITAN Xp"),
+        ("NVIDIA TITAN X (Pascal)", "TITAN X Pascal"),
+        ("GeForce GTX TITAN X", "GTX TITAN X"),
+        ("GTX_Titan_X", "GTX TITAN X"),
+        ("Tesla P40", "P40"),
+        ("Tesla P4", "P4"),
     ],
 )
 def test_lookup_is_forgiving(query: str, expected: str) -> None:
@@ -139,6 +149,7 @@ def test_lookup_is_forgiving(query: str, expected: str) -> None:
         "RTX 4090 D",
         "A100X",
         "H100 NVL 80GB",
+        "TITAN X",  # the Maxwell (2015) or the Pascal (2016) card
     ],
 )
 def test_lookup_refuses_unknown_names(query: str) -> None:
@@ -246,6 +257,14 @@ def test_datasheet_spot_values() -> None:
     )
     assert spec("T4").max_threads_per_sm == 1024 and spec("T4").max_blocks_per_sm == 16
     assert spec("MI250X").warp_size == 64 and spec("W6600").warp_size == 32
+    gtx = spec("GTX 1080 Ti")
+    assert (gtx.arch, gtx.sms, gtx.max_shared_mem_per_block_bytes, gtx.fp64_ratio) == (
+        "sm_61",
+        28,
+        48 * 1024,
+        32,
+    )
+    assert spec("GTX TITAN X").arch == "sm_52" and spec("GTX TITAN X").fp64_ratio == 32
 
 
 def test_specs_import_stays_light() -> None:
@@ -281,6 +300,9 @@ OCCUPANCY_CASES = [
     # GP100 splits registers over 2 processing blocks: 32768 // 1280 = 25 warps each (4 blocks give 24).
     ("P100-SXM2-16GB", 64, 40, 0, 25, 0.78125),
     ("P100-SXM2-16GB", 256, 32, 49152, 1, 0.125),
+    ("GTX 1080 Ti", 128, 64, 0, 8, 0.5),
+    ("GTX 1080 Ti", 256, 0, 49152, 2, 0.25),
+    ("GTX TITAN X", 1024, 33, 0, 1, 0.5),
 ]
 
 

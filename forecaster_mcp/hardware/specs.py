@@ -68,7 +68,9 @@ MIB = 1024 * 1024
 # Per-SM limits by compute capability: (arch, max threads/SM, max blocks/SM, shared memory per SM,
 # opt-in shared memory per block). Registers are 64K per SM and 255 per thread on every row below.
 _CC: dict[str, tuple[str, int, int, int, int]] = {
+    "5.2": ("sm_52", 2048, 32, 96 * KIB, 48 * KIB),
     "6.0": ("sm_60", 2048, 32, 64 * KIB, 48 * KIB),
+    "6.1": ("sm_61", 2048, 32, 96 * KIB, 48 * KIB),
     "7.0": ("sm_70", 2048, 32, 96 * KIB, 96 * KIB),
     "7.5": ("sm_75", 1024, 16, 64 * KIB, 64 * KIB),
     "8.0": ("sm_80", 2048, 32, 164 * KIB, 163 * KIB),
@@ -83,10 +85,12 @@ _CC: dict[str, tuple[str, int, int, int, int]] = {
 
 # FP32 over FP64 arithmetic throughput by architecture (the CUDA programming guide's throughput table; AMD's
 # ISA and product pages): data-centre parts run FP64 at half rate (CDNA2/3 vector FP64 at the full FP32 rate),
-# Turing at 1/32, GeForce and workstation Ampere, Ada and Blackwell at 1/64, RDNA at 1/16 (single issue).
-# Export parts with FP64 cut further than their chip's are not told apart.
+# Maxwell, consumer Pascal and Turing at 1/32, GeForce and workstation Ampere, Ada and Blackwell at 1/64, RDNA at
+# 1/16 (single issue). Export parts with FP64 cut further than their chip's are not told apart.
 _FP64_RATIO: dict[str, float] = {
+    "sm_52": 32.0,
     "sm_60": 2.0,
+    "sm_61": 32.0,
     "sm_70": 2.0,
     "sm_75": 32.0,
     "sm_80": 2.0,
@@ -449,6 +453,30 @@ _SPECS: list[GpuSpec] = [
     _nv("RTX 2070 SUPER", "7.5", sms=40, l2=4 * MIB, bw=448, fp32=9.1, fp16=36.2, mem=8),
     _nv("RTX 2070", "7.5", sms=36, l2=4 * MIB, bw=448, fp32=7.5, fp16=29.9, mem=8),
     _nv("RTX 2060", "7.5", sms=30, l2=3 * MIB, bw=336, fp32=6.5, fp16=25.8, mem=6),
+    # Pascal GP102/GP104 (CC 6.1) and Maxwell GM200 (CC 5.2), the GPUs of many older autotuning recordings, at
+    # reference boost clocks (1080 Ti 1582, Xp 1582, X Pascal 1531, 1080 1733, 1070 1683, P40 1531, P4 1063,
+    # GTX TITAN X 1075, 980 Ti 1075 MHz). No tensor cores, and FP16 arithmetic runs at 1/64 (GP10x) or not at
+    # all (GM200): half-precision code runs in FP32, so the fp16 column holds the FP32 rate. "TITAN X" alone
+    # names two cards (Maxwell 2015, Pascal 2016) and matches neither.
+    _nv("GTX 1080 Ti", "6.1", sms=28, l2=2816 * KIB, bw=484, fp32=11.3, fp16=11.3, mem=11),
+    _nv("TITAN Xp", "6.1", sms=30, l2=3 * MIB, bw=547.7, fp32=12.1, fp16=12.1, mem=12),
+    _nv(
+        "TITAN X Pascal",
+        "6.1",
+        sms=28,
+        l2=3 * MIB,
+        bw=480,
+        fp32=11.0,
+        fp16=11.0,
+        mem=12,
+        aliases=("TITAN X (Pascal)",),
+    ),
+    _nv("GTX 1080", "6.1", sms=20, l2=2 * MIB, bw=320, fp32=8.9, fp16=8.9, mem=8),
+    _nv("GTX 1070", "6.1", sms=15, l2=2 * MIB, bw=256, fp32=6.5, fp16=6.5, mem=8),
+    _nv("P40", "6.1", sms=30, l2=3 * MIB, bw=346, fp32=11.8, fp16=11.8, mem=24),
+    _nv("P4", "6.1", sms=20, l2=2 * MIB, bw=192, fp32=5.4, fp16=5.4, mem=8),
+    _nv("GTX TITAN X", "5.2", sms=24, l2=3 * MIB, bw=336.5, fp32=6.6, fp16=6.6, mem=12),
+    _nv("GTX 980 Ti", "5.2", sms=22, l2=3 * MIB, bw=336.5, fp32=6.1, fp16=6.1, mem=6),
     # AMD CDNA. MI250X: one of its two GCDs (HIP sees each as a device); the package is 220 CUs, 128 GB,
     # 3.2 TB/s, 47.9 TFLOPS FP32, 383 TFLOPS FP16 matrix.
     _amd("MI250X", "gfx90a", cus=110, l2=8 * MIB, bw=1638.4, fp32=23.95, fp16=191.5, mem=64),
@@ -606,7 +634,7 @@ def _model_keys(name: str) -> set[str]:
     model = _parse(name).model
     keys = {model}
     # "4090" and "a6000" name their cards unambiguously; "titan" alone does not.
-    if model.startswith("rtx") and any(c.isdigit() for c in model[3:]):
+    if model.startswith(("rtx", "gtx")) and any(c.isdigit() for c in model[3:]):
         keys.add(model[3:])
     if model.startswith("pro") and any(c.isdigit() for c in model[3:]):
         keys.add(model[3:])
