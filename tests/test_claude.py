@@ -1801,6 +1801,18 @@ def test_the_hardware_row_says_how_slow_its_fp64_is() -> None:
     assert "FP64 at 1/2 of FP32" in prompt.describe_hardware("H100", lookup("H100"))
 
 
+def test_the_hardware_row_of_a_gpu_without_matrix_units_does_not_claim_tensor_throughput() -> None:
+    # The MI50's row said "26.5 FP16 tensor TFLOP/s": packed vector FP16 on a GPU with no matrix instructions.
+    from forecaster_mcp.hardware.specs import lookup
+
+    mi50 = prompt.describe_hardware("MI50", lookup("MI50"))
+    assert (
+        "tensor TFLOP/s" not in mi50 and "no tensor cores or matrix instructions (FP16 26.5 TFLOP/s)" in mi50
+    )
+    assert "FP16 tensor TFLOP/s" not in prompt.describe_hardware("GTX 1080 Ti", lookup("GTX 1080 Ti"))
+    assert "312 FP16 tensor TFLOP/s" in prompt.describe_hardware("A100 PCIe 40GB", lookup("A100-PCIE-40GB"))
+
+
 @pytest.mark.anyio
 async def test_eval_prompts_carry_the_compilers_registers_as_a_compares_do(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch

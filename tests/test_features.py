@@ -1159,6 +1159,24 @@ def test_fp64_costs_as_much_more_as_the_gpu_runs_it_slower() -> None:
     assert shift("RX 7900 XTX") == pytest.approx(-0.4)
 
 
+def test_tensor_cores_count_only_on_a_gpu_that_has_them() -> None:
+    """A wmma kernel against a plain one got +0.35 log2 "tensor cores" on every GPU, also on a GTX 1080 Ti, an
+    MI50 or an RDNA2 card, which have no matrix instructions (on Pascal nvcc refuses mma for the architecture)."""
+    plain = Kernel(source="__global__ void k(float* a) { a[threadIdx.x] *= 2.0f; }", entry="k")
+    tensor = Kernel(source="__global__ void k(float* a) { wmma::mma_sync(c, x, y, c); }", entry="k")
+
+    def reasons(gpu: str | None) -> str:
+        spec = lookup(gpu) if gpu else None
+        return " ".join(
+            prior_shift(kernel_features(plain, None, spec), kernel_features(tensor, None, spec)).reasons
+        )
+
+    for gpu in ("A100", "RTX 4090", "V100", "MI250X", "RX 7900 XTX", None):
+        assert "tensor cores" in reasons(gpu), gpu
+    for gpu in ("GTX 1080 Ti", "P100", "MI50", "Radeon PRO W6600"):
+        assert "tensor cores" not in reasons(gpu), gpu
+
+
 @pytest.mark.anyio
 async def test_a_compiled_kernel_that_cannot_launch_says_so_beside_one_ptxas_did_not_compile(
     tmp_path: Path,

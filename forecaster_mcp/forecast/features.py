@@ -1091,6 +1091,7 @@ class StaticFeatures:
     waves: float | None = None  # blocks / (SMs x resident blocks per SM)
     sm_utilisation: float | None = None  # busy share of SMs (idle SMs below a wave, partial last wave)
     fp64_ratio: float | None = None  # the GPU's FP32 over FP64 throughput (GpuSpec.fp64_ratio), with the spec
+    tensor_cores: bool | None = None  # whether the GPU has matrix instructions (GpuSpec.tensor_cores)
     numeric_defines: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -1243,6 +1244,7 @@ def with_resources(
         waves=waves,
         sm_utilisation=util,
         fp64_ratio=spec.fp64_ratio if spec is not None else None,
+        tensor_cores=spec.tensor_cores if spec is not None else None,
         numeric_defines=_numeric_defines(dict(kernel.defines)),
     )
 
@@ -1359,7 +1361,10 @@ def prior_shift(
         add(0.1 * (int(a.threads_per_block % 32 != 0) - int(b.threads_per_block % 32 != 0)), "partial warps")
         add(0.1 * (int(a.threads_per_block < 64) - int(b.threads_per_block < 64)), "tiny blocks")
     sa, sb = a.source, b.source
-    add(0.35 * _presence(sa.tensor_core, sb.tensor_core), "tensor cores")
+    if a.tensor_cores is not False and b.tensor_cores is not False:
+        # A GPU without matrix instructions (Pascal, MI50, RDNA2) gains nothing from them; on Pascal and
+        # older nvcc refuses mma for the architecture, which ptxas, run for a newer stand-in, does not see.
+        add(0.35 * _presence(sa.tensor_core, sb.tensor_core), "tensor cores")
     add(0.08 * _presence(sa.async_copy, sb.async_copy), "async copies")
     add(0.05 * _presence(sa.readonly, sb.readonly), "read-only loads")
     add(0.04 * _presence(sa.unroll_pragmas, sb.unroll_pragmas), "unrolling")

@@ -291,8 +291,13 @@ def describe_hardware(name: str, spec: GpuSpec | None) -> str:
         f"{_kib(spec.max_shared_mem_per_block_bytes)} shared memory",
         f"L2: {spec.l2_bytes / 2**20:.1f} MiB; "
         f"memory: {spec.mem_gib:g} GiB at {spec.mem_bandwidth_gbs:g} GB/s",
-        f"peak: {spec.fp32_tflops:g} FP32 TFLOP/s, {spec.fp16_tensor_tflops:g} FP16 tensor TFLOP/s, FP64 at "
-        f"1/{spec.fp64_ratio:g} of FP32; machine balance {balance:.1f} FP32 FLOP per DRAM byte",
+        f"peak: {spec.fp32_tflops:g} FP32 TFLOP/s, "
+        + (
+            f"{spec.fp16_tensor_tflops:g} FP16 tensor TFLOP/s"
+            if spec.tensor_cores
+            else f"no tensor cores or matrix instructions (FP16 {spec.fp16_tensor_tflops:g} TFLOP/s)"
+        )
+        + f", FP64 at 1/{spec.fp64_ratio:g} of FP32; machine balance {balance:.1f} FP32 FLOP per DRAM byte",
     ]
     return "\n".join(rows)
 

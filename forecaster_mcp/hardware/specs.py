@@ -61,6 +61,14 @@ class GpuSpec:
         """How many times the FP32 throughput the FP64 throughput is below (_FP64_RATIO)."""
         return _FP64_RATIO.get(self.arch, 2.0)
 
+    @property
+    def tensor_cores(self) -> bool:
+        """Whether the GPU has matrix instructions: NVIDIA from Volta (CC 7.0) on, AMD CDNA (MFMA) and RDNA3
+        (WMMA); not Pascal, Maxwell, Vega 20 (MI50) or RDNA2, whose `fp16_tensor_tflops` is vector FP16."""
+        if self.vendor == "amd":
+            return self.arch not in _AMD_WITHOUT_MATRIX
+        return int((self.compute_capability or "0").split(".")[0]) >= 7
+
 
 KIB = 1024
 MIB = 1024 * 1024
@@ -159,6 +167,10 @@ _AMD: dict[str, tuple[int, int, int, int]] = {
     "gfx1032": (32, 1024, 65536, 256),
     "gfx1100": (32, 1024, 98304, 256),
 }
+
+
+# AMD ISAs without matrix instructions (no MFMA or WMMA).
+_AMD_WITHOUT_MATRIX = frozenset({"gfx906", "gfx1030", "gfx1032"})
 
 
 def _amd(
