@@ -8,7 +8,9 @@ in all) and differs only in what it measures from the answer: `next` the head of
 first untried id of `ranking` (the best guess), `p_faster` the candidate with the highest `p_faster`; `fixed`
 measures the head of `measure_next` too but keeps its first measured kernel as the baseline of every call (a
 client comparing against a reference); `top4` measures the first four of `measure_next` from each call (a search
-loop that forecasts many candidates and measures the top few). `--launch` makes the client pass launch shapes
+loop that forecasts many candidates and measures the top few); `sweep` measures the head of `measure_next` too but
+sends the next 63 untried configurations in the recording's own order instead of a random draw (a client walking
+the space's listing, each call a slice of neighbouring configurations). `--launch` makes the client pass launch shapes
 derived from the parameters (tune_local's option "launch"). Prints median / min / mean best-fraction per space
 and policy.
 """
@@ -30,7 +32,7 @@ from tune_local import _pass_launches, _pool_map, _select, space  # noqa: E402
 
 from forecaster_mcp import search as S  # noqa: E402
 
-POLICIES = ("next", "ranking", "p_faster", "fixed", "top4")
+POLICIES = ("next", "ranking", "p_faster", "fixed", "top4", "sweep")
 TOP_FEW = 4  # measurements per call of the "top4" policy
 
 
@@ -38,7 +40,7 @@ def _pick(policy: str, result: dict[str, Any], base: int, measured: set[int]) ->
     def index(cid: str) -> int:
         return int(cid[1:])
 
-    if policy in ("next", "fixed", "top4"):
+    if policy in ("next", "fixed", "top4", "sweep"):
         ids = [index(c) for c in result["measure_next"] if c != f"c{base}"]
     elif policy == "ranking":
         ids = [index(c) for c in result["ranking"] if c != f"c{base}"]
@@ -53,6 +55,7 @@ async def _run(sp: Any, policy: str, seed: int, measurements: int) -> float:
     rng = random.Random(seed)
     tracker = S._Tracker(sp, policy, seed)
     n = len(sp.entries)
+    cursor = 0  # the sweep policy's place in the listing
     for i in rng.sample(range(n), S.N_INIT):
         await tracker.measure(call, i)
     while len(tracker.measured) < measurements:
@@ -63,7 +66,13 @@ async def _run(sp: Any, policy: str, seed: int, measurements: int) -> float:
         if base is None:
             await tracker.measure(call, rng.choice(untried))
             continue
-        result = await S._compare(call, sp, base, rng.sample(untried, S.MAX_PER_CALL), tracker)
+        if policy == "sweep":  # the next slice of the listing, from where the last call's slice began
+            cursor = next((k for k, i in enumerate(untried) if i >= cursor), 0)
+            pool = (untried[cursor:] + untried[:cursor])[: S.MAX_PER_CALL]
+            cursor = pool[-1] + 1
+        else:
+            pool = rng.sample(untried, S.MAX_PER_CALL)
+        result = await S._compare(call, sp, base, pool, tracker)
         choice = _pick(policy, result, base, set(tracker.measured))
         await tracker.measure(call, choice if choice is not None else rng.choice(untried))
         if policy == "top4":  # the rest of the top few of the same answer
