@@ -44,6 +44,7 @@ from forecaster_mcp.forecast.local import member_key
 from forecaster_mcp.forecast.selective import (
     MAX_TARGET_ERROR,
     MIN_TARGET_ERROR,
+    ThresholdChoice,
     decide,
     decision_p,
     p_fail_baseline_of,
@@ -385,6 +386,9 @@ class Service:
         it = iter(forecasts)
         # Forecasts the threshold is out of reach for (threshold, their ceiling, the target that reaches it).
         out_of_reach: list[tuple[float, float, float]] = []
+        # The thresholds verdicts were decided at, as they apply to each forecast (engine.threshold_for: a capped
+        # or partial forecast at no lower than its regime's default), for the notes.
+        applied: list[ThresholdChoice] = []
         for p in pairs:
             cid = str(p.candidate.id)
             if p.truth is not None:
@@ -393,6 +397,7 @@ class Service:
             f = next(it)
             fc_by_id[cid] = f
             choice = self.engine.threshold_for(f, choices[(f.regime, family[cid])])
+            applied.append(choice)
             threshold = choice.threshold
             verdict = f.verdict(threshold)
             if choice.source == "default" and not f.from_measurements:
@@ -473,7 +478,7 @@ class Service:
                 await anyio.to_thread.run_sync(_source_notes, kernels, workload)
             )  # reads every source
         notes.extend(dict.fromkeys(n for f in forecasts for n in f.notes))  # e.g. a forecaster skipped
-        for c in dict.fromkeys(choices.values()):
+        for c in dict.fromkeys(applied):
             shown = f"{c.threshold:.3f}" if c.threshold < 0.9995 else f"{c.threshold:.6g}"  # not "1.000"
             notes.append(f"verdicts decided at confidence >= {shown} ({c.reason})")
         if out_of_reach:

@@ -17,6 +17,7 @@ import pytest
 from test_pycuda_measurer import WORKLOAD
 
 from forecaster_mcp.forecast.calibration import Calibrator, Platt
+from forecaster_mcp.forecast.engine import ForecastEngine
 from forecaster_mcp.forecast.features import (
     CONFIG_SD_LOG2,
     KERNEL_ERROR_SD_LOG2,
@@ -536,5 +537,40 @@ async def test_a_configuration_measured_under_two_spellings_counts_once(tmp_path
         await _measure(svc, kernel("tiled", UNROLL="1u"))
         row = await _compare(svc, best, nxt)
         assert "estimated from 1 measured configuration of its own kernel" in row.rationale
+    finally:
+        await svc.close()
+
+
+async def test_a_young_familys_unsure_estimate_is_not_shown_beside_a_threshold_it_clears(
+    tmp_path: Path,
+) -> None:
+    # The static prior's history certified 0.8; a young family's estimate, 85% sure of "slower", is decided at no
+    # lower than the default 0.95 (it decides nothing alone), yet the only threshold note said "verdicts decided at
+    # confidence >= 0.800": an unsure verdict at 0.85 (0.89 with its chance of failing) beside it, unexplained.
+    svc, best, first, nxt = await _best_and_a_young_family(tmp_path, tiled_ms=16.0)
+    try:
+        await _measure(svc, first)
+        hw = svc.resolve_hardware(DEVICE).name
+        svc.engine = ForecastEngine(svc.engine.forecasters, None)  # thresholds from the history set here
+        n = 300
+        svc.engine.set_history(
+            [hw] * n, [0.8] * n, [0.5 if i % 100 == 0 else 2.0 for i in range(n)], ["prior"] * n
+        )
+        assert (await svc.engine.threshold(hw, 0.1, "prior")).threshold == pytest.approx(0.8)
+        out = await svc.compare(
+            ledger="L",
+            candidates=[best, nxt],
+            workload=WORKLOAD,
+            baseline=None,
+            hardware=DEVICE,
+            target_error=0.1,
+            measure_if_unsure=False,
+            max_measurements=0,
+        )
+        row = out.candidates[0]
+        assert row.verdict == "unsure" and row.confidence > 0.8
+        decided_at = [n for n in out.notes if n.startswith("verdicts decided at confidence")]
+        assert len(decided_at) == 1 and decided_at[0].startswith("verdicts decided at confidence >= 0.950 (")
+        assert "capped and decides nothing on its own history" in decided_at[0]
     finally:
         await svc.close()
