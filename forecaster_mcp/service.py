@@ -135,11 +135,16 @@ _CONFIDENCE_EPS = 1e-12
 
 
 def _out_of_reach_note(
-    target: float, out_of_reach: Sequence[tuple[float, float, float]], n_forecasts: int, measuring: bool
+    target: float,
+    out_of_reach: Sequence[tuple[float, float, float]],
+    n_forecasts: int,
+    measuring: bool,
+    capped: bool = False,
 ) -> str:
     """Why forecasts stay unsure whatever they say: at this target_error their threshold is above the most
-    confident they can be (a target below about 2e-4 asked for verdicts no forecast can give), and the
-    target_error from which they can be decided."""
+    confident they can be (a target below about 2e-4 asked for verdicts no forecast can give; an answer its
+    forecaster capped, `capped`: a young family's estimate, at most 85% sure), and the target_error from which
+    they can be decided."""
     threshold = max(t for t, _, _ in out_of_reach)
     ceiling = max(c for _, c, _ in out_of_reach)
     needed = max(n for _, _, n in out_of_reach) * (1.0 - 1e-9)  # float slack, not a rounding up of the need
@@ -152,7 +157,9 @@ def _out_of_reach_note(
     )
     return (
         f"target_error {target:g} is out of the forecasts' reach: {len(out_of_reach)} of {n_forecasts} can be at "
-        f"most {ceiling:.6g} sure under this forecaster's calibration, below the {threshold:.6g} this target "
+        f"most {ceiling:.6g} sure under this forecaster's calibration"
+        f"{' and the caps its answers from few measurements set on themselves' if capped else ''}, below the "
+        f"{threshold:.6g} this target "
         f"needs, so they are unsure whatever they forecast; they can be decided from target_error {shown:.2g} "
         f"on ({measure}, up to max_measurements)"
     )
@@ -386,6 +393,7 @@ class Service:
         it = iter(forecasts)
         # Forecasts the threshold is out of reach for (threshold, their ceiling, the target that reaches it).
         out_of_reach: list[tuple[float, float, float]] = []
+        capped_out_of_reach = False  # one of them held to its forecaster's own cap (EngineForecast.caps)
         # The thresholds verdicts were decided at, as they apply to each forecast (engine.threshold_for: a capped
         # or partial forecast at no lower than its regime's default), for the notes.
         applied: list[ThresholdChoice] = []
@@ -404,6 +412,7 @@ class Service:
                 ceiling = self.engine.confidence_ceiling(f, hw.name)
                 if threshold > ceiling + _CONFIDENCE_EPS:
                     out_of_reach.append((threshold, ceiling, smallest_default_target(f.regime, ceiling)))
+                    capped_out_of_reach |= bool(f.caps)
             rationale = f.rationale
             if verdict == "unsure" and (plain := decide(f.p_faster, threshold)) != "unsure":
                 p_fail, whose = (
@@ -482,7 +491,11 @@ class Service:
             shown = f"{c.threshold:.3f}" if c.threshold < 0.9995 else f"{c.threshold:.6g}"  # not "1.000"
             notes.append(f"verdicts decided at confidence >= {shown} ({c.reason})")
         if out_of_reach:
-            notes.append(_out_of_reach_note(target, out_of_reach, len(forecasts), measure_if_unsure))
+            notes.append(
+                _out_of_reach_note(
+                    target, out_of_reach, len(forecasts), measure_if_unsure, capped_out_of_reach
+                )
+            )
         measurements: list[MeasureResult] = []
         charged = 0.0
         unsure = [i for i in measure_next if i != base.id and results[i].verdict == "unsure"]

@@ -574,3 +574,33 @@ async def test_a_young_familys_unsure_estimate_is_not_shown_beside_a_threshold_i
         assert "capped and decides nothing on its own history" in decided_at[0]
     finally:
         await svc.close()
+
+
+async def test_a_young_familys_estimate_says_from_what_target_error_it_can_be_decided(tmp_path: Path) -> None:
+    # Held at 85% (and to the default 0.95 at target_error 0.1), such an estimate is unsure whatever it says; the
+    # note that says so and names the target_error that decides it was missing: the ceiling it was checked
+    # against ignored the cap (0.9999 sure under the static prior's calibration).
+    svc, best, first, nxt = await _best_and_a_young_family(tmp_path, tiled_ms=16.0)
+    try:
+        await _measure(svc, first)
+        for target, verdict in ((0.1, "unsure"), (0.3, "slower")):
+            out = await svc.compare(
+                ledger="L",
+                candidates=[best, nxt],
+                workload=WORKLOAD,
+                baseline=None,
+                hardware=DEVICE,
+                target_error=target,
+                measure_if_unsure=False,
+                max_measurements=0,
+            )
+            assert out.candidates[0].verdict == verdict
+            reach = [n for n in out.notes if "out of the forecasts' reach" in n]
+            if target == 0.1:
+                (note,) = reach
+                assert "1 of 1 can be at most 0.85 sure" in note and "caps its answers" in note
+                assert "decided from target_error 0.3 on" in note
+            else:
+                assert not reach
+    finally:
+        await svc.close()

@@ -611,8 +611,9 @@ class ForecastEngine:
 
     def confidence_ceiling(self, forecast: EngineForecast, hardware: str) -> float:
         """The most confident `forecast`'s components can be in either direction under the current calibration
-        and combination (their raw answers are clipped at calibration.P_CLIP before calibrating): a threshold
-        above it decides none of their forecasts. 1.0 for an answer from measurements (not calibrated)."""
+        and combination (their raw answers are clipped at calibration.P_CLIP before calibrating), each held to the
+        cap its answer set (EngineForecast.caps): a threshold above it decides none of their forecasts. 1.0 for an
+        answer from measurements (not calibrated)."""
         if forecast.from_measurements or not forecast.raw:
             return 1.0
         top = (
@@ -622,8 +623,8 @@ class ForecastEngine:
             side: {n: [1.0 if i == side else 0.0 for i in range(bins.N_BINS)] for n in forecast.raw}
             for side in (0, top)
         }
-        p_high = bins.p_faster(self.combine_raw(certain[top], hardware, forecast.slots))
-        p_low = bins.p_faster(self.combine_raw(certain[0], hardware, forecast.slots))
+        p_high = bins.p_faster(self.combine_raw(certain[top], hardware, forecast.slots, forecast.caps))
+        p_low = bins.p_faster(self.combine_raw(certain[0], hardware, forecast.slots, forecast.caps))
         return max(p_high, 1.0 - p_low)
 
     # ------------------------------------------------------------------ selective threshold
