@@ -15,6 +15,7 @@ import pytest
 
 from forecaster_mcp.cli import main
 from forecaster_mcp.forecast import metrics as M
+from forecaster_mcp.forecast.base import MAX_CONFIDENCE
 from forecaster_mcp.forecast.evaluate import MemoryHistory, read_pairs_file
 from forecaster_mcp.hardware.specs import canonical_name
 from forecaster_mcp.models import Kernel, Workload
@@ -623,8 +624,8 @@ class _Keyed:
 
     version = "0"
 
-    def __init__(self, name: str, table: _Table, lookups: range = range(0)) -> None:
-        self.name, self._table, self._lookups = name, table, lookups
+    def __init__(self, name: str, table: _Table, lookups: range = range(0), capped: range = range(0)) -> None:
+        self.name, self._table, self._lookups, self._capped = name, table, lookups, capped
         self.calls: list[int] = []  # pairs asked per call
 
     async def forecast(self, queries: Any) -> list[Any]:
@@ -639,8 +640,10 @@ class _Keyed:
                 out.append(None)
             else:
                 pf = row[1]
-                measured = {"measured": 1.0, "baseline_measured": 1.0} if v in self._lookups else {}
-                out.append(BinForecast([(1 - pf) / 4] * 4 + [pf / 4] * 4, "keyed", measured))
+                extras = {"measured": 1.0, "baseline_measured": 1.0} if v in self._lookups else {}
+                if v in self._capped:
+                    extras[MAX_CONFIDENCE] = 0.85  # as the local model caps a young family's estimate
+                out.append(BinForecast([(1 - pf) / 4] * 4 + [pf / 4] * 4, "keyed", extras))
         return out
 
 
@@ -700,6 +703,20 @@ def test_a_forecast_missing_a_component_is_decided_at_the_default_as_the_server_
     assert "threshold on A100-SXM4-80GB: 0.574" in out  # certified on the combination's history
     assert set(verdicts) == {"unsure"}
     assert "20 pair(s) lack a component's answer" in out
+
+
+def test_capped_forecasts_are_not_said_to_lack_a_component(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A forecast its forecaster capped (base.MAX_CONFIDENCE) is decided at no lower than the default, as a
+    partial one is; the report said all 20 "lack a component's answer", which none did."""
+    cal, pairs, cal_table, main_table = _keyed_files(tmp_path)
+    local = _Keyed("local", {**cal_table, **main_table}, capped=range(1000, 1020))
+    verdicts = _eval_keyed(tmp_path, monkeypatch, (cal, pairs), local)
+    out = capsys.readouterr().out
+    assert set(verdicts) == {"unsure"}
+    assert "lack a component's answer" not in out
+    assert "20 pair(s) are capped by their forecaster" in out
 
 
 def test_calibration_pairs_missing_a_component_certify_no_threshold_of_the_combination(

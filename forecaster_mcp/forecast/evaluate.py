@@ -797,11 +797,18 @@ def run_eval(
     choices = [thresholds[(hw, f.regime)] for f, hw in zip(forecasts, hardware, strict=True)]
     applied = [engine.threshold_for(f, c) for f, c in zip(forecasts, choices, strict=True)]
     verdicts = [f.verdict(c.threshold) for f, c in zip(forecasts, applied, strict=True)]
-    raised = sum(a is not c for a, c in zip(applied, choices, strict=True))
-    if raised:
+    raised = [f for f, a, c in zip(forecasts, applied, choices, strict=True) if a is not c]
+    if partial := sum(f.partial for f in raised):
         notes.append(
-            f"{raised} pair(s) lack a component's answer: decided at no lower than their regime's default "
+            f"{partial} pair(s) lack a component's answer: decided at no lower than their regime's default "
             "threshold, as the server decides them, not at the threshold printed for the combination"
+        )
+    if capped := sum(not f.partial for f in raised):
+        # (threshold_for raises only partial and capped forecasts.)
+        notes.append(
+            f"{capped} pair(s) are capped by their forecaster (base.MAX_CONFIDENCE: a young family's estimate "
+            "decides nothing alone): decided at no lower than their regime's default threshold, as the server "
+            "decides them, not at the threshold printed"
         )
     d = M.decided_summary(verdicts, speedups)
     final.update(
