@@ -1813,6 +1813,22 @@ def test_the_hardware_row_of_a_gpu_without_matrix_units_does_not_claim_tensor_th
     assert "312 FP16 tensor TFLOP/s" in prompt.describe_hardware("A100 PCIe 40GB", lookup("A100-PCIE-40GB"))
 
 
+def test_the_hardware_row_of_a_consumer_pascal_gpu_says_how_slow_its_fp16_is() -> None:
+    # GP102/GP104 run FP16 arithmetic at 1/64 of FP32; the GTX 1080 Ti's row said "FP16 11.3 TFLOP/s", its FP32
+    # rate, so a half2 kernel against its float twin looked as fast to Claude, where it runs far slower. Maxwell
+    # has no FP16 arithmetic (half computes in FP32): its FP32 rate is right.
+    from forecaster_mcp.hardware.specs import lookup
+
+    row = prompt.describe_hardware("GTX 1080 Ti", lookup("GTX 1080 Ti"))
+    assert "11.3 FP32 TFLOP/s" in row and "(FP16 0.177 TFLOP/s)" in row
+    for name in ("GTX 1080 Ti", "TITAN Xp", "TITAN X Pascal", "GTX 1080", "GTX 1070", "P40", "P4"):
+        spec = lookup(name)
+        assert spec is not None and spec.fp16_tensor_tflops == pytest.approx(
+            spec.fp32_tflops / 64, rel=0.02
+        ), name
+    assert "(FP16 6.6 TFLOP/s)" in prompt.describe_hardware("GTX TITAN X", lookup("GTX TITAN X"))
+
+
 @pytest.mark.anyio
 async def test_eval_prompts_carry_the_compilers_registers_as_a_compares_do(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch

@@ -12,7 +12,8 @@ Conventions, so rows are comparable:
 - `fp32_tflops`: peak non-tensor FP32 at boost clock.
 - `fp16_tensor_tflops`: dense (no 2:4 sparsity) FP16 inputs with FP32 accumulation, the mode GEMMs use by
   default. GeForce cards run that mode at half their FP16-accumulate rate, so their figure is the halved one.
-  AMD parts without matrix units (MI50, RDNA2) list packed FP16 vector throughput instead.
+  GPUs without matrix units (Pascal, Maxwell, MI50, RDNA2) list vector FP16 throughput instead (packed half2
+  where the GPU has it; the FP32 rate on Maxwell, which computes half in FP32).
 - `mem_gib`: nominal capacity as marketed, in GiB (a GPU's "80GB" is 80 GiB of memory chips).
 - `shared_mem_per_sm_bytes` / `max_shared_mem_per_block_bytes`: the largest carveout and the opt-in per-block
   maximum (`cudaDevAttrMaxSharedMemoryPerBlockOptin`).
@@ -467,11 +468,12 @@ _SPECS: list[GpuSpec] = [
     _nv("RTX 2060", "7.5", sms=30, l2=3 * MIB, bw=336, fp32=6.5, fp16=25.8, mem=6),
     # Pascal GP102/GP104 (CC 6.1) and Maxwell GM200 (CC 5.2), the GPUs of many older autotuning recordings, at
     # reference boost clocks (1080 Ti 1582, Xp 1582, X Pascal 1531, 1080 1733, 1070 1683, P40 1531, P4 1063,
-    # GTX TITAN X 1075, 980 Ti 1075 MHz). No tensor cores, and FP16 arithmetic runs at 1/64 (GP10x) or not at
-    # all (GM200): half-precision code runs in FP32, so the fp16 column holds the FP32 rate. "TITAN X" alone
-    # names two cards (Maxwell 2015, Pascal 2016) and matches neither.
-    _nv("GTX 1080 Ti", "6.1", sms=28, l2=2816 * KIB, bw=484, fp32=11.3, fp16=11.3, mem=11),
-    _nv("TITAN Xp", "6.1", sms=30, l2=3 * MIB, bw=547.7, fp32=12.1, fp16=12.1, mem=12),
+    # GTX TITAN X 1075, 980 Ti 1075 MHz). No tensor cores. The fp16 column is vector FP16 arithmetic, as for the
+    # MI50: GP10x (CC 6.1) runs it at 1/64 of FP32 (the programming guide's throughput table: 2 results a clock
+    # an SM against 128; cuda_fp16's half and half2 arithmetic is native f16 from CC 5.3), GM200 has none
+    # (cuda_fp16 computes in FP32 below CC 5.3), so its rows hold the FP32 rate. "TITAN X" alone names two cards (Maxwell 2015, Pascal 2016) and matches neither.
+    _nv("GTX 1080 Ti", "6.1", sms=28, l2=2816 * KIB, bw=484, fp32=11.3, fp16=0.177, mem=11),
+    _nv("TITAN Xp", "6.1", sms=30, l2=3 * MIB, bw=547.7, fp32=12.1, fp16=0.190, mem=12),
     _nv(
         "TITAN X Pascal",
         "6.1",
@@ -479,14 +481,14 @@ _SPECS: list[GpuSpec] = [
         l2=3 * MIB,
         bw=480,
         fp32=11.0,
-        fp16=11.0,
+        fp16=0.171,
         mem=12,
         aliases=("TITAN X (Pascal)",),
     ),
-    _nv("GTX 1080", "6.1", sms=20, l2=2 * MIB, bw=320, fp32=8.9, fp16=8.9, mem=8),
-    _nv("GTX 1070", "6.1", sms=15, l2=2 * MIB, bw=256, fp32=6.5, fp16=6.5, mem=8),
-    _nv("P40", "6.1", sms=30, l2=3 * MIB, bw=346, fp32=11.8, fp16=11.8, mem=24),
-    _nv("P4", "6.1", sms=20, l2=2 * MIB, bw=192, fp32=5.4, fp16=5.4, mem=8),
+    _nv("GTX 1080", "6.1", sms=20, l2=2 * MIB, bw=320, fp32=8.9, fp16=0.139, mem=8),
+    _nv("GTX 1070", "6.1", sms=15, l2=2 * MIB, bw=256, fp32=6.5, fp16=0.101, mem=8),
+    _nv("P40", "6.1", sms=30, l2=3 * MIB, bw=346, fp32=11.8, fp16=0.184, mem=24),
+    _nv("P4", "6.1", sms=20, l2=2 * MIB, bw=192, fp32=5.4, fp16=0.085, mem=8),
     _nv("GTX TITAN X", "5.2", sms=24, l2=3 * MIB, bw=336.5, fp32=6.6, fp16=6.6, mem=12),
     _nv("GTX 980 Ti", "5.2", sms=22, l2=3 * MIB, bw=336.5, fp32=6.1, fp16=6.1, mem=6),
     # AMD CDNA. MI250X: one of its two GCDs (HIP sees each as a device); the package is 220 CUs, 128 GB,
