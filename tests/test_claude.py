@@ -1131,6 +1131,19 @@ async def test_default_features_adapt_a_per_kernel_extractor(monkeypatch: pytest
 
 
 @pytest.mark.anyio
+async def test_the_gpus_tensor_cores_are_not_listed_as_a_kernels_feature() -> None:
+    """StaticFeatures.tensor_cores (the GPU has matrix instructions, for the static prior) went into each kernel's
+    features: "- baseline.tensor_cores: True" beside "- baseline.source.tensor_core: 0" for two plain saxpy
+    kernels on an A100, which reads as kernels using tensor cores. The hardware row says what the GPU has."""
+    mock = scripted(tool_answer(FASTER))
+    await make(mock, features="auto").forecast([pair()])
+    user = user_text(mock.message_bodies[0])
+    assert "- baseline.source.tensor_core: 0" in user and "- candidate.source.tensor_core: 0" in user
+    assert "tensor_cores" not in user
+    assert "FP16 tensor TFLOP/s" in user  # the GPU's row
+
+
+@pytest.mark.anyio
 @pytest.mark.skipif(find_nvcc(None) is None, reason="needs nvcc")
 async def test_with_nvcc_the_prompt_carries_the_compilers_registers(tmp_path: Any) -> None:
     """The system prompt tells Claude that registers, shared memory and spills come from ptxas: with nvcc

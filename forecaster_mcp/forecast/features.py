@@ -1091,7 +1091,10 @@ class StaticFeatures:
     waves: float | None = None  # blocks / (SMs x resident blocks per SM)
     sm_utilisation: float | None = None  # busy share of SMs (idle SMs below a wave, partial last wave)
     fp64_ratio: float | None = None  # the GPU's FP32 over FP64 throughput (GpuSpec.fp64_ratio), with the spec
-    tensor_cores: bool | None = None  # whether the GPU has matrix instructions (GpuSpec.tensor_cores)
+    # Whether the GPU has matrix instructions (GpuSpec.tensor_cores). The GPU's, not the kernel's: left out of
+    # Claude's per-kernel features (the hardware row says it), where "baseline.tensor_cores: True" beside
+    # "baseline.source.tensor_core: 0" read as a plain kernel using tensor cores.
+    tensor_cores: bool | None = field(default=None, metadata={"prompt": False})
     numeric_defines: dict[str, float] = field(default_factory=dict)
 
     @property

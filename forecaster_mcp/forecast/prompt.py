@@ -532,11 +532,7 @@ def features_parts(
 ) -> tuple[str | None, str | None]:
     """As features_text, split into (the baseline's features, the rest) when the extractor answers per kernel (a
     mapping with a `baseline` key); otherwise (None, all of it)."""
-    value = _features_value(fn, query, ptxas)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        value = dataclasses.asdict(value)
-    elif hasattr(value, "model_dump"):
-        value = value.model_dump()
+    value = _as_mapping(_features_value(fn, query, ptxas))
     if isinstance(value, Mapping) and "baseline" in value:
         rest = {k: v for k, v in value.items() if k != "baseline"}
         return format_features({"baseline": value["baseline"]}), format_features(rest)
@@ -567,24 +563,33 @@ def format_features(value: object) -> str | None:
         return None
     if isinstance(value, str):
         return value.strip() or None
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        value = dataclasses.asdict(value)
-    elif hasattr(value, "model_dump"):
-        value = value.model_dump()
+    value = _as_mapping(value)
     if isinstance(value, Mapping):
         lines = _flatten(value, "")
         return "\n".join(lines) or None
     return str(value)
 
 
+def _as_mapping(value: object) -> object:
+    """A dataclass or pydantic model as a mapping, other values as they are. A dataclass field marked
+    `metadata={"prompt": False}` is left out: a GPU's property a kernel's features carry for the local model
+    (features.StaticFeatures.tensor_cores), which the hardware row states."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {
+            f.name: getattr(value, f.name)
+            for f in dataclasses.fields(value)
+            if f.metadata.get("prompt", True)
+        }
+    if hasattr(value, "model_dump"):
+        return value.model_dump()
+    return value
+
+
 def _flatten(mapping: Mapping[str, Any], prefix: str) -> list[str]:
     lines: list[str] = []
     for key, val in mapping.items():
         name = f"{prefix}{key}"
-        if dataclasses.is_dataclass(val) and not isinstance(val, type):
-            val = dataclasses.asdict(val)
-        elif hasattr(val, "model_dump"):
-            val = val.model_dump()
+        val = _as_mapping(val)
         if isinstance(val, Mapping):
             lines.extend(_flatten(val, f"{name}."))
         elif val is None:
