@@ -66,7 +66,7 @@ async def _run(sp: Any, policy: str, seed: int, measurements: int) -> float:
         if base is None:
             await tracker.measure(call, rng.choice(untried))
             continue
-        if policy == "sweep":  # the next slice of the listing, from where the last call's slice began
+        if policy == "sweep":  # the next slice of the listing, from just after the last call's slice
             cursor = next((k for k, i in enumerate(untried) if i >= cursor), 0)
             pool = (untried[cursor:] + untried[:cursor])[: S.MAX_PER_CALL]
             cursor = pool[-1] + 1
