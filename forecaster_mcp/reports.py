@@ -132,9 +132,11 @@ class GpuSpecRow(BaseModel):
     l2_bytes: int
     mem_bandwidth_gbs: float
     fp32_tflops: float
-    fp16_tensor_tflops: float
+    fp16_tensor_tflops: float  # vector FP16 where tensor_cores is false
     mem_gib: float
     aliases: list[str]
+    tensor_cores: bool  # matrix instructions (NVIDIA from CC 7.0, AMD CDNA and RDNA3)
+    fp64_ratio: float  # FP32 throughput over FP64 throughput (2: half rate; 64 on a GeForce)
 
     @classmethod
     def from_spec(cls, s: GpuSpec) -> GpuSpecRow:
@@ -150,4 +152,6 @@ class GpuSpecRow(BaseModel):
             fp16_tensor_tflops=s.fp16_tensor_tflops,
             mem_gib=s.mem_gib,
             aliases=list(s.aliases),
+            tensor_cores=s.tensor_cores,
+            fp64_ratio=s.fp64_ratio,
         )

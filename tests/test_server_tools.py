@@ -412,6 +412,9 @@ async def test_resource_lists_gpu_specs_and_prompt_teaches_workflow(tmp_path: Pa
         rows = json.loads(getattr(content, "text", "[]"))
         names = {r["name"] for r in rows}
         assert any("H100" in n for n in names) and any("A100" in n for n in names)
+        by_name = {r["name"]: r for r in rows}
+        assert by_name["H100-SXM5-80GB"]["tensor_cores"] and by_name["H100-SXM5-80GB"]["fp64_ratio"] == 2
+        assert not by_name["MI50"]["tensor_cores"] and by_name["RTX 4090"]["fp64_ratio"] == 64
         prompts = (await client.list_prompts()).prompts
         assert [p.name for p in prompts] == ["forecast_first"]
         text = (await client.get_prompt("forecast_first")).messages[0].content
