@@ -571,7 +571,7 @@ async def test_a_young_familys_unsure_estimate_is_not_shown_beside_a_threshold_i
         assert row.verdict == "unsure" and row.confidence > 0.8
         decided_at = [n for n in out.notes if n.startswith("verdicts decided at confidence")]
         assert len(decided_at) == 1 and decided_at[0].startswith("verdicts decided at confidence >= 0.950 (")
-        assert "capped and decides nothing on its own history" in decided_at[0]
+        assert "capped by their forecaster decide nothing on that history alone" in decided_at[0]
     finally:
         await svc.close()
 

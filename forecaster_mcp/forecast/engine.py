@@ -424,9 +424,9 @@ class ForecastEngine:
         not what that history certified, nor is one whose every answer is capped (base.MAX_CONFIDENCE: it
         decides nothing on its own), so each is decided at no lower a threshold than its regime's default."""
         if forecast.partial:
-            why = "this forecast lacks a component's answer"
+            why = "forecasts lacking a component's answer are not what that history certified"
         elif forecast.capped:
-            why = "this forecast is capped and decides nothing on its own history"
+            why = "forecasts capped by their forecaster decide nothing on that history alone"
         else:
             return choice
         floor = default_threshold_for(forecast.regime, choice.target_error)
