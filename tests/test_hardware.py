@@ -121,6 +121,7 @@ def spec(name: str) -> GpuSpec:
         ("1080 Ti", "GTX 1080 Ti"),
         ("GTX_1080", "GTX 1080"),
         ("NVIDIA TITAN Xp", "TITAN Xp"),
+        ("NVIDIA TITAN Xp COLLECTORS EDITION", "TITAN Xp"),
         ("NVIDIA TITAN X (Pascal)", "TITAN X Pascal"),
         ("GeForce GTX TITAN X", "GTX TITAN X"),
         ("GTX_Titan_X", "GTX TITAN X"),

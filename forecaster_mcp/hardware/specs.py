@@ -580,6 +580,7 @@ _NOISE = frozenset(
         "accelerator",
         "workstation",
         "edition",
+        "collectors",  # "NVIDIA TITAN Xp COLLECTORS EDITION", as nvidia-smi names the card
         "card",
         "vf",  # an SR-IOV virtual function of the card ("AMD Instinct MI300X VF" in a cloud VM)
         "hbm",
