@@ -115,18 +115,24 @@ async def _measure(svc: Service, k: Kernel, hardware: str = DEVICE) -> None:
     await svc.measure(ledger="L", kernel=k, workload=WORKLOAD, hardware=hardware)
 
 
-async def _compare(svc: Service, base: Kernel, cand: Kernel, baseline: str | None = None) -> Any:
-    out = await svc.compare(
+async def _compare_call(
+    svc: Service, base: Kernel, cand: Kernel, target_error: float = 0.1, baseline: str | None = None
+) -> Any:
+    """The whole answer (candidates and notes) of a compare of `cand` against `base` that measures nothing."""
+    return await svc.compare(
         ledger="L",
         candidates=[base, cand],
         workload=WORKLOAD,
         baseline=baseline,
         hardware=DEVICE,
-        target_error=0.1,
+        target_error=target_error,
         measure_if_unsure=False,
         max_measurements=0,
     )
-    return out.candidates[0]
+
+
+async def _compare(svc: Service, base: Kernel, cand: Kernel, baseline: str | None = None) -> Any:
+    return (await _compare_call(svc, base, cand, baseline=baseline)).candidates[0]
 
 
 async def test_a_new_kernel_is_forecast_from_every_kernel_measured_on_its_workload(tmp_path: Path) -> None:
@@ -557,16 +563,7 @@ async def test_a_young_familys_unsure_estimate_is_not_shown_beside_a_threshold_i
             [hw] * n, [0.8] * n, [0.5 if i % 100 == 0 else 2.0 for i in range(n)], ["prior"] * n
         )
         assert (await svc.engine.threshold(hw, 0.1, "prior")).threshold == pytest.approx(0.8)
-        out = await svc.compare(
-            ledger="L",
-            candidates=[best, nxt],
-            workload=WORKLOAD,
-            baseline=None,
-            hardware=DEVICE,
-            target_error=0.1,
-            measure_if_unsure=False,
-            max_measurements=0,
-        )
+        out = await _compare_call(svc, best, nxt)
         row = out.candidates[0]
         assert row.verdict == "unsure" and row.confidence > 0.8
         decided_at = [n for n in out.notes if n.startswith("verdicts decided at confidence")]
@@ -584,16 +581,7 @@ async def test_a_young_familys_estimate_says_from_what_target_error_it_can_be_de
     try:
         await _measure(svc, first)
         for target, verdict in ((0.1, "unsure"), (0.3, "slower")):
-            out = await svc.compare(
-                ledger="L",
-                candidates=[best, nxt],
-                workload=WORKLOAD,
-                baseline=None,
-                hardware=DEVICE,
-                target_error=target,
-                measure_if_unsure=False,
-                max_measurements=0,
-            )
+            out = await _compare_call(svc, best, nxt, target)
             assert out.candidates[0].verdict == verdict
             reach = [n for n in out.notes if "out of the forecasts' reach" in n]
             if target == 0.1:
