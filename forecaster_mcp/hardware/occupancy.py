@@ -44,10 +44,6 @@ def _round_up(x: int, unit: int) -> int:
     return -(-x // unit) * unit
 
 
-def _major(spec: GpuSpec) -> int:
-    return int((spec.compute_capability or "0.0").split(".")[0])
-
-
 def occupancy_limits(
     spec: GpuSpec, threads_per_block: int, registers_per_thread: int = 0, shared_mem_per_block: int = 0
 ) -> OccupancyLimits:
@@ -79,7 +75,7 @@ def occupancy_limits(
             per_partition = (spec.registers_per_sm // parts) // regs_per_warp
             by_regs = per_partition * parts // warps_per_block
 
-    major = _major(spec)
+    major = spec.cc_major
     reserved = 1024 if major >= 8 else 0
     unit = 128 if major >= 8 else 256
     allocated = _round_up(max(shared_mem_per_block, 0) + reserved, unit)

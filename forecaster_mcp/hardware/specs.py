@@ -63,12 +63,17 @@ class GpuSpec:
         return _FP64_RATIO.get(self.arch, 2.0)
 
     @property
+    def cc_major(self) -> int:
+        """The compute capability's major version (8 for "8.6"); 0 for AMD."""
+        return int((self.compute_capability or "0.0").split(".")[0])
+
+    @property
     def tensor_cores(self) -> bool:
         """Whether the GPU has matrix instructions: NVIDIA from Volta (CC 7.0) on, AMD CDNA (MFMA) and RDNA3
         (WMMA); not Pascal, Maxwell, Vega 20 (MI50) or RDNA2, whose `fp16_tensor_tflops` is vector FP16."""
         if self.vendor == "amd":
             return self.arch not in _AMD_WITHOUT_MATRIX
-        return int((self.compute_capability or "0").split(".")[0]) >= 7
+        return self.cc_major >= 7
 
 
 KIB = 1024
