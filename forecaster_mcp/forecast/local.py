@@ -1183,16 +1183,18 @@ def fit_family(
     fail_ls = (
         _fail_lengthscales(x_all, failed_arr, gp.ls if gp is not None else None) if n_failed else np.zeros(0)
     )
-    # One configuration per parameters: the measurement answering for them (by_row), not each spelling's.
-    answering = {id(m) for m in by_row.values()}
-    young = tuple(
-        p
-        for p in points
-        if (m := measured.get(p.content_key)) is not None
-        and m.ok
-        and m.log2_ms is not None
-        and id(m) in answering
-    )
+    young: tuple[FamilyPoint, ...] = ()
+    if gp is None:
+        # One configuration per parameters: the measurement answering for them (by_row), not each spelling's.
+        answering = {id(m) for m in by_row.values()}
+        young = tuple(
+            p
+            for p in points
+            if (m := measured.get(p.content_key)) is not None
+            and m.ok
+            and m.log2_ms is not None
+            and id(m) in answering
+        )
     return FamilyModel(
         encoder,
         gp,
@@ -1205,7 +1207,7 @@ def fit_family(
         gp_short,
         by_row,
         constant,
-        young if gp is None else (),
+        young,
     )
 
 
