@@ -803,8 +803,7 @@ def run_eval(
             f"{partial} pair(s) lack a component's answer: decided at no lower than their regime's default "
             "threshold, as the server decides them, not at the threshold printed for the combination"
         )
-    if capped := sum(not f.partial for f in raised):
-        # (threshold_for raises only partial and capped forecasts.)
+    if capped := sum(f.capped and not f.partial for f in raised):
         notes.append(
             f"{capped} pair(s) are capped by their forecaster (base.MAX_CONFIDENCE: a young family's estimate "
             "decides nothing alone): decided at no lower than their regime's default threshold, as the server "
