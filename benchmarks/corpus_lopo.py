@@ -44,7 +44,22 @@ def _features(kernel: Kernel, resources: dict[str, Any] | None, hardware: str) -
     return features.kernel_features(kernel, None, lookup(hardware), measured_entry(kernel, resources))
 
 
-def design(rows: list[dict[str, Any]], pairs: list[dict[str, Any]]) -> tuple[np.ndarray, ...]:
+def host_launched(kernel: dict[str, Any]) -> dict[str, Any]:
+    """The kernel without its `launch`, its source followed by host code launching it with that launch (as a
+    whole .cu file an agent sends without `launch`): what `--host-launch` forecasts."""
+    launch = kernel["launch"]
+    grid, block = ([*launch[k], 1, 1][:3] for k in ("grid", "block"))
+    entry = kernel["entry"]
+    host = (
+        f"\nvoid launch_{entry}() {{\n  dim3 grid({grid[0]}, {grid[1]}, {grid[2]});\n"
+        f"  {entry}<<<grid, dim3({block[0]}, {block[1]}, {block[2]}), {launch.get('shared_mem_bytes', 0)}>>>();\n}}\n"
+    )
+    return {**{k: v for k, v in kernel.items() if k != "launch"}, "source": kernel["source"] + host}
+
+
+def design(
+    rows: list[dict[str, Any]], pairs: list[dict[str, Any]], host_launch: bool = False
+) -> tuple[np.ndarray, ...]:
     """Values of the fitted terms (X), the hand-set shift (rest), log2 speedups and problems."""
     resources = {r["id"]: r["result"].get("resources") for r in rows}
     cache: dict[str, features.StaticFeatures] = {}
@@ -52,7 +67,7 @@ def design(rows: list[dict[str, Any]], pairs: list[dict[str, Any]]) -> tuple[np.
     for p in pairs:
         fs = []
         for side in ("baseline", "candidate"):
-            k = Kernel.model_validate(p[side])
+            k = Kernel.model_validate(host_launched(p[side]) if host_launch else p[side])
             if k.id not in cache:
                 cache[k.id] = _features(k, resources.get(k.id), p["hardware"])
             fs.append(cache[k.id])
@@ -81,10 +96,16 @@ def main() -> int:
         "--anchors", type=float, help="share of each workload's kernels measured (anchors), e.g. 0.5"
     )
     ap.add_argument("--draws", type=int, default=20, help="random draws of the measured kernels (--anchors)")
+    ap.add_argument(
+        "--host-launch",
+        action="store_true",
+        help="send each kernel without its launch, its source followed by host code launching it (read back by "
+        "forecast/host_launch.py): the figures must be those with the launches",
+    )
     args = ap.parse_args()
     rows = read_measured(args.measured)
     pairs = build_pairs(rows, args.corpus, seed=0)
-    x, rest, y, groups = design(rows, pairs)
+    x, rest, y, groups = design(rows, pairs, args.host_launch)
     if args.anchors is not None:
         return _anchored(rows, pairs, x, rest, y, groups, args)
     mu, sd = np.zeros_like(y), np.zeros_like(y)

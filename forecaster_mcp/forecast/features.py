@@ -1095,6 +1095,10 @@ class StaticFeatures:
     # Claude's per-kernel features (the hardware row says it), where "baseline.tensor_cores: True" beside
     # "baseline.source.tensor_core: 0" read as a plain kernel using tensor cores.
     tensor_cores: bool | None = field(default=None, metadata={"prompt": False})
+    # What of the launch was read from the source's own host code (host_launch.source_launch), as the rationale
+    # and Claude's prompt say it ("grid [256, 1, 1], block [128, 1, 1]"); None when the kernel came with its
+    # launch or the source says nothing. The numbers themselves are in the fields above.
+    launch_from_source: str | None = None
     numeric_defines: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -1196,9 +1200,9 @@ def _occupancy(spec: GpuSpec, threads: int, registers: int, shared: int) -> tupl
 def kernel_features(
     kernel: Kernel, workload: Workload | None, spec: GpuSpec | None, ptxas: PtxasEntry | None = None
 ) -> StaticFeatures:
-    """Static features of one kernel; hardware-specific ones only when `spec` is known."""
-    del workload  # sizes enter through the launch; kept in the signature for forecasters that use it
-    return with_resources(kernel_source_features(kernel, spec), kernel, spec, ptxas)
+    """Static features of one kernel; hardware-specific ones only when `spec` is known. The workload's sizes
+    enter through the launch: the kernel's own, or one its source's host code gives it (`with_resources`)."""
+    return with_resources(kernel_source_features(kernel, spec), kernel, spec, ptxas, workload)
 
 
 def kernel_source_features(kernel: Kernel, spec: GpuSpec | None) -> SourceFeatures:
@@ -1207,15 +1211,32 @@ def kernel_source_features(kernel: Kernel, spec: GpuSpec | None) -> SourceFeatur
 
 
 def with_resources(
-    src: SourceFeatures, kernel: Kernel, spec: GpuSpec | None, ptxas: PtxasEntry | None
+    src: SourceFeatures,
+    kernel: Kernel,
+    spec: GpuSpec | None,
+    ptxas: PtxasEntry | None,
+    workload: Workload | None = None,
 ) -> StaticFeatures:
     """A kernel's static features from its source features, its launch and (when known) ptxas's resources:
-    `kernel_features` without reading the source again."""
+    `kernel_features` without reading the source again. A kernel without a launch takes what its source's host
+    code launches it with, sizes from `workload` (host_launch.source_launch)."""
     threads = blocks = dyn = None
+    read: str | None = None
     if kernel.launch is not None:
         threads = kernel.launch.threads_per_block
         blocks = kernel.launch.blocks
         dyn = kernel.launch.shared_mem_bytes
+    else:
+        from forecaster_mcp.forecast.host_launch import source_launch
+
+        found = source_launch(kernel, workload)
+        if found is not None:
+            read = found.describe()
+            if found.block is not None:
+                threads = math.prod(found.block)
+                dyn = found.shared_mem_bytes
+            if found.grid is not None:
+                blocks = math.prod(found.grid)
     registers = ptxas.registers if ptxas else None
     static_smem = ptxas.shared_bytes if ptxas else None
     spills = ptxas.spill_bytes if ptxas else None
@@ -1248,6 +1269,7 @@ def with_resources(
         sm_utilisation=util,
         fp64_ratio=spec.fp64_ratio if spec is not None else None,
         tensor_cores=spec.tensor_cores if spec is not None else None,
+        launch_from_source=read,
         numeric_defines=_numeric_defines(dict(kernel.defines)),
     )
 

@@ -1613,10 +1613,12 @@ class LocalForecaster:
                     kernel = Kernel.model_validate_json(p.kernel_json)
                     src = kernel_source_features(kernel, q.hardware)
                     cached = (
-                        with_resources(src, kernel, q.hardware, measured_entry(kernel, p.resources)),
+                        with_resources(
+                            src, kernel, q.hardware, measured_entry(kernel, p.resources), q.workload
+                        ),
                         None,
                     )
-                    bare = (with_resources(src, kernel, q.hardware, None), None)
+                    bare = (with_resources(src, kernel, q.hardware, None, q.workload), None)
                 except Exception:
                     # Stored by an older version under rules this one refuses, or features this version cannot
                     # make of it: not an anchor (the pair is forecast from the others).
@@ -1657,7 +1659,7 @@ class LocalForecaster:
                         }
                     )
                     features = with_resources(
-                        kernel_source_features(sibling, q.hardware), sibling, q.hardware, None
+                        kernel_source_features(sibling, q.hardware), sibling, q.hardware, None, q.workload
                     )
                 except Exception:
                     log.debug("measured configuration %s left out", p.content_key, exc_info=True)
@@ -2068,7 +2070,11 @@ class LocalForecaster:
             target_is_candidate = c.kind == "unknown"
             target = fc if target_is_candidate else fb
             target = with_resources(
-                target.source, q.candidate if target_is_candidate else q.baseline, q.hardware, None
+                target.source,
+                q.candidate if target_is_candidate else q.baseline,
+                q.hardware,
+                None,
+                q.workload,
             )
             est = sibling_log2_ms(target, siblings, target_is_candidate)
             known = b if target_is_candidate else c
@@ -2105,6 +2111,13 @@ class LocalForecaster:
             )
         if embedded:
             rationale += f"; {' and '.join(embedded)} source read for the CUDA in its string literals"
+        read = [
+            f"{who}'s {f.launch_from_source}"
+            for who, f in (("baseline", fb), ("candidate", fc))
+            if f.launch_from_source
+        ]
+        if read:
+            rationale += f"; launch read from the source's host code: {'; '.join(read)}"
         failing = [(who, e) for who, e in (("candidate", ec), ("baseline", eb)) if e is not None]
         if ec is not None:
             extras["compile_error"] = 1.0
@@ -2133,8 +2146,8 @@ def _like_for_like(
     if fb.occupancy == 0.0 or fc.occupancy == 0.0:
         return fb, fc
     if fb.registers is not None:
-        return with_resources(fb.source, q.baseline, q.hardware, None), fc
-    return fb, with_resources(fc.source, q.candidate, q.hardware, None)
+        return with_resources(fb.source, q.baseline, q.hardware, None, q.workload), fc
+    return fb, with_resources(fc.source, q.candidate, q.hardware, None, q.workload)
 
 
 _MISSING_HEADER = re.compile(r"cannot open source file|No such file or directory")

@@ -1,0 +1,457 @@
+"""The launch a kernel's own host code gives it: for forecasting a kernel sent without `launch`.
+
+An agent often sends a whole .cu file (a `main`, or a PyTorch extension's wrapper) and no `launch`: forecasting
+does not need one (DESIGN.md), but without it the static prior knows neither the block size (occupancy, waves) nor
+how many threads share the work (its `work_per_thread` term). On the corpus of benchmarks/corpus_lopo.py (leave one
+problem out) the pairs sent without launches give accuracy 0.804, ECE 0.103 and 25.2% decided, against 0.822,
+0.075 and 30.9% with them; sent without launches but with host code launching each kernel (`--host-launch`), the
+figures with them. When the source launches `entry` itself, with
+`entry<<<grid, block[, shared[, stream]]>>>` or `hipLaunchKernelGGL(entry, grid, block, shared, stream, ...)`, and
+a dimension evaluates to a whole number from what the source and the workload say, that dimension is used:
+
+- literals, object-like `#define`s (after the kernel's own defines and `-D` flags pick the `#if` branches),
+  integer variables given one value in the whole source (`const int threads = 256;`, `int blocks = (n + 255) /
+  256;`), `dim3` variables (`dim3 block(16, 16);`), `min` / `max` and the usual ceiling divisions (`cdiv`,
+  `ceil_div`, `CEIL_DIV`, `DIV_UP`, `div_up`), casts;
+- the workload's `problem` sizes and scalar `args` by name (exact, else the one name equal ignoring case), and a
+  buffer argument's `x.numel()` and `x.size(i)` from its shape.
+
+A name assigned two different values, or changed in place (`+=`, `++`, `grid.x = ...`), a value known only at
+run time (a device query, an unnamed size), a ternary, or two launches of the entry that disagree leave that part
+unknown: a block without a grid still gives occupancy. Nothing is run; the expression evaluator is
+`features._cpp_value`'s, bounded to 64-bit values.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import itertools
+import json
+import math
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from forecaster_mcp.forecast import features
+from forecaster_mcp.models import (
+    MAX_BLOCK_XY,
+    MAX_BLOCK_Z,
+    MAX_GRID_X,
+    MAX_GRID_YZ,
+    MAX_SHARED_MEM_BYTES,
+    MAX_THREADS_PER_BLOCK,
+    BufferArg,
+    Kernel,
+    ScalarArg,
+    Workload,
+)
+
+Dim3 = tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class SourceLaunch:
+    """What the source's launches of the entry agree on; None where they do not say (or disagree)."""
+
+    grid: Dim3 | None
+    block: Dim3 | None
+    shared_mem_bytes: int | None
+
+    def describe(self) -> str:
+        parts = []
+        if self.grid is not None:
+            parts.append(f"grid {list(self.grid)}")
+        if self.block is not None:
+            parts.append(f"block {list(self.block)}")
+        return ", ".join(parts)
+
+
+# Launch sites: `entry<<<`, `entry<T, 4><<<` (template arguments one level deep), and HIP's macro.
+_TEMPLATE_ARGS = r"(?:\s*<(?:[^<>;]|<[^<>;]{0,200}>){0,400}>)?"
+_HIP_LAUNCH = (
+    r"\bhipLaunchKernelGGL\s*\(\s*(?:HIP_KERNEL_NAME\s*\(\s*)?(?:\(\s*void\s*\*\s*\)\s*)?&?\s*{entry}\b"
+)
+# Sources past this many launch sites of the entry, or config expressions past this many characters, are not
+# read: an agent's source may be anything, up to 1 MB.
+MAX_SITES = 32
+MAX_EXPR_CHARS = 400
+MAX_DEPTH = 8  # names defined by names, this deep
+
+# Of one name: an assignment (a declaration's initialiser too; its value is read up to the `;`), a change in
+# place, a declaration initialised in parentheses or braces (`dim3 grid(...)`, `int n{...}`).
+_ASSIGN = r"(?<![\w.]){name}\s*=(?!=)"
+_CHANGED = r"(?<![\w.]){name}\s*(?:\.\s*[xyz]\s*=(?!=)|(?:[-+*/%&|^]|<<|>>)=|\+\+|--)|(?:\+\+|--)\s*{name}\b"
+_DIM3_DECL = r"\bdim3\s+{name}\s*([({{])"
+_OTHER_DECL = (
+    r"\b(?:int|long|unsigned|signed|short|size_t|auto|int32_t|int64_t|uint32_t|uint64_t|const|constexpr)\s+"
+    r"{name}\s*[({{]"
+)
+MAX_ASSIGNMENTS = 64  # of one name: past them, it is not worth reading
+MAX_NAMES = 64  # names looked up per source
+_DIM3_EXPR = re.compile(r"dim3\s*[({](.*)[)}]|\{(.*)\}", re.DOTALL)
+_NAME = re.compile(r"[A-Za-z_]\w*")
+_NUMEL = re.compile(r"\b([A-Za-z_]\w*)\s*(?:\.|->)\s*numel\s*\(\s*\)")
+_SIZE = re.compile(r"\b([A-Za-z_]\w*)\s*(?:\.|->)\s*size\s*\(\s*(-?\d+)\s*\)")
+_CAST = re.compile(
+    r"\(\s*(?:const\s+)?(?:unsigned|signed|int|long|short|size_t|int64_t|int32_t|uint64_t|uint32_t|unsigned\s+int|"
+    r"long\s+long|unsigned\s+long(?:\s+long)?)\s*\)"
+)
+_CPP_CAST = re.compile(r"\b(?:static_cast|reinterpret_cast)\s*<[^<>()]{1,60}>\s*\(")
+_NAMESPACE = re.compile(r"\b(?:std|cuda|at|c10|torch)\s*::\s*")
+_SUFFIX = re.compile(r"\b(0[xX][0-9a-fA-F]+|\d+)[uUlLzZ]+\b")
+_SIZEOF = re.compile(r"\bsizeof\s*\(\s*([A-Za-z_][\w:]*(?:\s+[A-Za-z_]\w*)*)\s*\)")
+_SIZES_OF = {
+    **dict.fromkeys(("char", "signed char", "unsigned char", "int8_t", "uint8_t", "bool"), 1),
+    **dict.fromkeys(("short", "unsigned short", "int16_t", "uint16_t", "half", "__half", "__nv_bfloat16"), 2),
+    **dict.fromkeys(
+        ("int", "unsigned", "unsigned int", "float", "int32_t", "uint32_t", "half2", "__half2"), 4
+    ),
+    **dict.fromkeys(("double", "long long", "unsigned long long", "int64_t", "uint64_t", "size_t"), 8),
+    **dict.fromkeys(("float2", "int2", "uint2"), 8),
+    **dict.fromkeys(("float4", "int4", "uint4", "double2"), 16),
+}
+_FLOAT = re.compile(r"\d\.\d*|\.\d|\d[eE][+-]?\d")
+_CEIL_DIV = frozenset(
+    {"cdiv", "ceil_div", "ceildiv", "CEIL_DIV", "CEILDIV", "DIV_UP", "div_up", "DIVUP", "divup"}
+)
+_FUNCS = frozenset({"min", "max", "MIN", "MAX", "umin", "umax", *_CEIL_DIV})
+_UNKNOWN = object()
+
+
+def _split_args(text: str) -> list[str]:
+    """Top-level comma-separated parts of `text` (parentheses, braces and brackets nest)."""
+    out, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            out.append(text[start:i])
+            start = i + 1
+    out.append(text[start:])
+    return [p.strip() for p in out]
+
+
+_PARENS = re.compile(r"[()]")
+
+
+def _closing(text: str, start: int, limit: int = 4000) -> int | None:
+    """Index of the `)` closing the `(` just before `start`, within `limit` characters."""
+    depth = 1
+    for m in _PARENS.finditer(text, start, min(len(text), start + limit)):
+        depth += 1 if m.group(0) == "(" else -1
+        if depth == 0:
+            return m.start()
+    return None
+
+
+def _launch_sites(text: str, entry: str) -> list[list[str]] | None:
+    """Each launch of `entry`: its configuration's parts (grid, block[, shared[, stream]]). None: too many."""
+    sites: list[list[str]] = []
+    chevrons = re.compile(rf"(?<![\w.]){re.escape(entry)}{_TEMPLATE_ARGS}\s*<<<")
+    for m in chevrons.finditer(text):
+        end = text.find(">>>", m.end(), m.end() + 4 * MAX_EXPR_CHARS)
+        if end < 0:
+            continue
+        sites.append(_split_args(text[m.end() : end]))
+        if len(sites) > MAX_SITES:
+            return None
+    for m in re.finditer(_HIP_LAUNCH.format(entry=re.escape(entry)), text):
+        opened = text.find("(", m.start())
+        close = _closing(text, opened + 1)
+        if close is None:
+            continue
+        args = _split_args(text[opened + 1 : close])
+        if len(args) >= 5:
+            sites.append(args[1:4])
+            if len(sites) > MAX_SITES:
+                return None
+    return sites
+
+
+class _Names:
+    """What the source and the workload say a name's value is (each name looked up once, when first read)."""
+
+    def __init__(self, text: str, macros: Mapping[str, str], workload: Workload | None) -> None:
+        self.text = text
+        self.macros = macros
+        self._defs: dict[str, tuple[str, set[str]] | None] = {}
+        self._memo: dict[str, int | None] = {}
+        self.sizes: dict[str, int] = {}
+        self.shapes: dict[str, list[int]] = {}
+        if workload is not None:
+            for key, value in workload.problem.items():
+                if isinstance(value, int) and not isinstance(value, bool):
+                    self.sizes[key] = value
+            for arg in workload.args:
+                if isinstance(arg, ScalarArg) and isinstance(arg.value, int):
+                    self.sizes.setdefault(arg.name, arg.value)
+                elif isinstance(arg, BufferArg):
+                    self.shapes[arg.name] = list(arg.shape)
+
+    def definitions(self, name: str) -> tuple[str, set[str]] | None:
+        """("value", the expressions `name` is assigned) or ("dim3", a dim3 declaration's arguments); ("value",
+        empty) when the source never sets it; None when it sets it in a way that cannot be read (in place, more
+        than MAX_ASSIGNMENTS times, an initialiser in braces, past MAX_NAMES names)."""
+        if name not in self._defs:
+            self._defs[name] = self._definitions(name) if len(self._defs) < MAX_NAMES else None
+        return self._defs[name]
+
+    def _definitions(self, name: str) -> tuple[str, set[str]] | None:
+        quoted = re.escape(name)
+        text = self.text
+        if re.search(_CHANGED.format(name=quoted), text):
+            return None
+        exprs: set[str] = set()
+        for i, m in enumerate(re.finditer(_ASSIGN.format(name=quoted), text)):
+            stop = text.find(";", m.end(), m.end() + MAX_EXPR_CHARS)
+            value = text[m.end() : stop] if stop >= 0 else "{"
+            if i >= MAX_ASSIGNMENTS or "{" in value or "}" in value:
+                return None
+            exprs.add(" ".join(value.split()))
+        declared = list(
+            itertools.islice(re.finditer(_DIM3_DECL.format(name=quoted), text), MAX_ASSIGNMENTS + 1)
+        )
+        if not declared:
+            return None if re.search(_OTHER_DECL.format(name=quoted), text) else ("value", exprs)
+        if exprs or len(declared) > MAX_ASSIGNMENTS:
+            return None
+        args: set[str] = set()
+        for m in declared:
+            if m.group(1) == "(":
+                close = _closing(text, m.end(), MAX_EXPR_CHARS)
+            else:
+                found = text.find("}", m.end(), m.end() + MAX_EXPR_CHARS)
+                close = found if found >= 0 else None
+            if close is None:
+                return None
+            args.add(" ".join(text[m.end() : close].split()))
+        return ("dim3", args)
+
+    def _by_name(self, table: Mapping[str, object], name: str) -> object:
+        if name in table:
+            return table[name]
+        folded = [v for k, v in table.items() if k.lower() == name.lower()]
+        return folded[0] if len(folded) == 1 else _UNKNOWN
+
+    def shape(self, name: str) -> list[int] | None:
+        found = self._by_name(self.shapes, name)
+        return found if isinstance(found, list) else None
+
+    def value(self, name: str, depth: int) -> int | None:
+        """The one whole number `name` stands for, or None (each name worked out once: `a = b + b + b` over
+        eight levels of names must not cost 3^8 evaluations)."""
+        if name not in self._memo:
+            self._memo[name] = self._value(name, depth)
+        return self._memo[name]
+
+    def _value(self, name: str, depth: int) -> int | None:
+        if depth > MAX_DEPTH:
+            return None
+        if name in self.macros:
+            macro = self.macros[name]
+            return _evaluate(macro, self, depth) if macro != "" else None
+        defs = self.definitions(name)
+        if defs is None or defs[0] == "dim3" or len(defs[1]) > 1:
+            return None  # set in a way that cannot be read, twice over, or a dim3 where a number is read
+        if defs[1]:
+            return _evaluate(next(iter(defs[1])), self, depth)
+        found = self._by_name(self.sizes, name)
+        return found if isinstance(found, int) else None
+
+    def dims(self, expr: str, depth: int = 0) -> Dim3 | None:
+        """A launch dimension: `dim3(...)`, `{...}`, a dim3 variable, or a number (x; y and z are 1)."""
+        text = expr.strip()
+        if depth > MAX_DEPTH or len(text) > MAX_EXPR_CHARS:
+            return None
+        m = _DIM3_EXPR.fullmatch(text)
+        if m is not None:
+            inner = m.group(1) if m.group(1) is not None else m.group(2)
+            return self._dims_of(_split_args(inner), depth)
+        if _NAME.fullmatch(text) and text not in self.macros:
+            defs = self.definitions(text)
+            if defs is None or len(defs[1]) > 1:
+                return None
+            if defs[0] == "dim3":
+                return self._dims_of(_split_args(next(iter(defs[1]))), depth + 1)
+            if defs[1] and next(iter(defs[1])).startswith(("dim3", "{")):
+                return self.dims(next(iter(defs[1])), depth + 1)
+        x = _evaluate(text, self, depth + 1)
+        return (x, 1, 1) if x is not None else None
+
+    def _dims_of(self, parts: list[str], depth: int) -> Dim3 | None:
+        if not 1 <= len(parts) <= 3 or any(not p for p in parts):
+            return None
+        values = [_evaluate(p, self, depth + 1) for p in parts]
+        if any(v is None for v in values):
+            return None
+        full = [v for v in values if v is not None] + [1] * (3 - len(values))
+        return (full[0], full[1], full[2])
+
+
+def _evaluate(expr: str, names: _Names, depth: int) -> int | None:
+    """The whole-number value of a host expression, or None."""
+    if depth > MAX_DEPTH or len(expr) > MAX_EXPR_CHARS or "?" in expr or _FLOAT.search(expr):
+        return None
+
+    def numel(m: re.Match[str]) -> str:
+        shape = names.shape(m.group(1))
+        return str(math.prod(shape)) if shape is not None else "__unknown__"
+
+    def size(m: re.Match[str]) -> str:
+        shape = names.shape(m.group(1))
+        i = int(m.group(2))
+        return str(shape[i]) if shape is not None and -len(shape) <= i < len(shape) else "__unknown__"
+
+    def sizeof(m: re.Match[str]) -> str:
+        found = _SIZES_OF.get(re.sub(r"\s+", " ", m.group(1)).removeprefix("std::"))
+        return str(found) if found is not None else "__unknown__"
+
+    text = _SIZEOF.sub(sizeof, expr)
+    text = _NUMEL.sub(numel, text)
+    text = _SIZE.sub(size, text)
+    text = _CPP_CAST.sub("(", text)
+    text = _CAST.sub(" ", text)
+    text = _NAMESPACE.sub("", text)
+    text = _SUFFIX.sub(r"\1", text)
+    if re.search(r"->|\.|\[|'|\"|&&|\|\||!(?!=)", text):
+        return None  # members, subscripts, characters, logic: nothing a launch size needs
+    text = text.replace("/", "//")
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+    except (SyntaxError, RecursionError, MemoryError, ValueError):
+        return None
+    try:
+        value = _value(tree.body, names, depth)
+    except (ArithmeticError, ValueError, TypeError, KeyError, RecursionError):
+        return None
+    return value
+
+
+def _value(node: ast.AST, names: _Names, depth: int) -> int:
+    if isinstance(node, ast.Name):
+        found = names.value(node.id, depth + 1)
+        if found is None:
+            raise ValueError(f"{node.id} is not known")
+        return found
+    if isinstance(node, ast.Call):
+        if (
+            not isinstance(node.func, ast.Name)
+            or node.func.id not in _FUNCS
+            or len(node.args) != 2
+            or node.keywords
+        ):
+            raise ValueError("not a known function")
+        a, b = (_value(arg, names, depth) for arg in node.args)
+        name = node.func.id
+        if name in _CEIL_DIV:
+            return features._c_div(a + b - 1, b)
+        return min(a, b) if name.lower().endswith("min") else max(a, b)
+    if isinstance(node, ast.BinOp):
+        a, b = _value(node.left, names, depth), _value(node.right, names, depth)
+        if isinstance(node.op, ast.LShift | ast.RShift) and not 0 <= b < 64:
+            raise ArithmeticError("shift out of range")
+        op = features._BINARY.get(type(node.op))
+        if op is None:
+            raise TypeError("operator")
+        result = op(a, b)
+    elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
+        inner = _value(node.operand, names, depth)
+        result = -inner if isinstance(node.op, ast.USub) else inner
+    elif isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
+        result = node.value
+    else:
+        raise TypeError(f"unsupported {type(node).__name__}")
+    if not -features._CPP_LIMIT <= result < features._CPP_LIMIT:
+        raise ArithmeticError("beyond 64 bits")
+    return result
+
+
+def _valid_block(b: Dim3 | None) -> Dim3 | None:
+    if b is None or min(b) < 1 or b[0] > MAX_BLOCK_XY or b[1] > MAX_BLOCK_XY or b[2] > MAX_BLOCK_Z:
+        return None
+    return b if b[0] * b[1] * b[2] <= MAX_THREADS_PER_BLOCK else None
+
+
+def _valid_grid(g: Dim3 | None) -> Dim3 | None:
+    if g is None or min(g) < 1 or g[0] > MAX_GRID_X or g[1] > MAX_GRID_YZ or g[2] > MAX_GRID_YZ:
+        return None
+    return g
+
+
+def _agreed(values: list[object]) -> object:
+    first = values[0] if values else None
+    return first if first is not None and all(v == first for v in values) else None
+
+
+def _host_macros(kernel: Kernel) -> dict[str, str]:
+    """The macros of the host pass: the kernel's `-D` flags and defines (no `__CUDA_ARCH__`: host code)."""
+    macros: dict[str, str] = {}
+    for option in kernel.compile_options:
+        if option.startswith("-D"):
+            name, eq, value = option[2:].partition("=")
+            macros[name] = value if eq else "1"
+        elif option.startswith("-U"):
+            macros.pop(option[2:], None)
+    macros.update({k: str(int(v) if isinstance(v, bool) else v) for k, v in kernel.defines.items()})
+    return macros
+
+
+_DEFINE_LINE = re.compile(r"^\s*#\s*define\s+([A-Za-z_]\w*)(?![\w(])[ \t]*(.*)$", re.MULTILINE)
+
+
+def source_launch(kernel: Kernel, workload: Workload | None) -> SourceLaunch | None:
+    """The launch the source's host code gives `kernel.entry` (module doc); None when it launches it nowhere or
+    says nothing usable. Only CUDA and HIP sources are read (a Python launcher passes its sizes at run time)."""
+    if kernel.language not in ("cuda", "hip") or (
+        "<<<" not in kernel.source and "hipLaunchKernelGGL" not in kernel.source
+    ):
+        return None
+    macros = _host_macros(kernel)
+    workload_json = workload.model_dump_json() if workload is not None else ""
+    digest = hashlib.sha256(
+        json.dumps([kernel.source, kernel.entry, sorted(macros.items()), workload_json]).encode()
+    ).digest()
+    with _CACHE_LOCK:
+        if digest in _CACHE:
+            _CACHE.move_to_end(digest)
+            return _CACHE[digest]
+    found = _source_launch(kernel.source, kernel.entry, macros, workload)
+    with _CACHE_LOCK:
+        _CACHE[digest] = found
+        while len(_CACHE) > _CACHE_SIZE:
+            _CACHE.popitem(last=False)
+    return found
+
+
+# Results by a digest of what decides them (not the sources themselves: 1 MB each).
+_CACHE: OrderedDict[bytes, SourceLaunch | None] = OrderedDict()
+_CACHE_SIZE = 1024
+_CACHE_LOCK = threading.Lock()
+
+
+def _source_launch(
+    source: str, entry: str, macros: Mapping[str, str], workload: Workload | None
+) -> SourceLaunch | None:
+    text = features.preprocess(source, dict(macros))
+    sites = _launch_sites(text, entry)
+    if not sites:
+        return None
+    defined = dict(macros)
+    for m in _DEFINE_LINE.finditer(text):
+        defined.setdefault(m.group(1), m.group(2).strip())
+    names = _Names(text, defined, workload)
+    grids, blocks, shared = [], [], []
+    for parts in sites:
+        if len(parts) < 2:
+            return None
+        grids.append(_valid_grid(names.dims(parts[0])))
+        blocks.append(_valid_block(names.dims(parts[1])))
+        smem = _evaluate(parts[2], names, 0) if len(parts) >= 3 and parts[2] else 0
+        shared.append(smem if smem is not None and 0 <= smem <= MAX_SHARED_MEM_BYTES else None)
+    found = SourceLaunch(_agreed(grids), _agreed(blocks), _agreed(shared))  # type: ignore[arg-type]
+    return found if found.grid is not None or found.block is not None else None

@@ -1,0 +1,190 @@
+"""The launch a kernel's own host code gives it (forecast/host_launch.py), and the static prior that uses it."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from forecaster_mcp.forecast.base import PairQuery
+from forecaster_mcp.forecast.features import kernel_features
+from forecaster_mcp.forecast.host_launch import SourceLaunch, source_launch
+from forecaster_mcp.forecast.local import LocalForecaster
+from forecaster_mcp.hardware.specs import lookup
+from forecaster_mcp.models import Kernel, Launch, Workload
+
+N = 1 << 24
+WL = Workload.model_validate(
+    {
+        "problem": {"N": N},
+        "args": [
+            {
+                "name": "x",
+                "dtype": "float32",
+                "shape": [4096, 4096],
+                "init": "random_uniform",
+                "intent": "in",
+            },
+            {"name": "n", "dtype": "int32", "value": N},
+        ],
+    }
+)
+KERNEL = (
+    "__global__ void k(const float* x, float* y, int n) { int i = blockIdx.x * blockDim.x + threadIdx.x; }\n"
+)
+
+
+def read(host: str, workload: Workload | None = WL, **kw: object) -> SourceLaunch | None:
+    return source_launch(Kernel(source=KERNEL + host, entry="k", **kw), workload)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("host", "grid", "block", "shared"),
+    [
+        # literals and a ceiling division by the workload's size (problem N, matched ignoring case)
+        ("void f(int n) { k<<<(n + 255) / 256, 256>>>(0, 0, n); }", (65536, 1, 1), (256, 1, 1), 0),
+        # const variables, std::min, a stream argument
+        (
+            "void f(int n) { const int threads = 512; const int blocks = std::min((n + threads - 1) / threads, 4096);"
+            " k<<<blocks, threads, 0, stream>>>(0, 0, n); }",
+            (4096, 1, 1),
+            (512, 1, 1),
+            0,
+        ),
+        # dim3 variables, a #define, sizeof in the dynamic shared memory
+        (
+            "#define TILE 16\nvoid f() { dim3 block(TILE, TILE); dim3 grid((4096 + TILE - 1) / TILE, 4096 / TILE);"
+            " k<<<grid, block, TILE * TILE * sizeof(float)>>>(0, 0, 0); }",
+            (256, 256, 1),
+            (16, 16, 1),
+            1024,
+        ),
+        # a PyTorch extension: the size from a buffer argument's shape, template arguments on the kernel
+        (
+            "torch::Tensor forward(torch::Tensor x) { int n = x.numel(); int threads = 128;"
+            " k<<<CEIL_DIV(n, threads * 4), dim3(threads)>>>(x.data_ptr<float>(), 0, n); }",
+            (32768, 1, 1),
+            (128, 1, 1),
+            0,
+        ),
+        (
+            "void f() { hipLaunchKernelGGL(k, dim3(100), dim3(64), 0, 0, a, b, c); }",
+            (100, 1, 1),
+            (64, 1, 1),
+            0,
+        ),
+        # the kernel's defines pick the #if branch of the host code too
+        (
+            "#if WIDE\n#define B 1024\n#else\n#define B 64\n#endif\nvoid f() { k<<<8, B>>>(0, 0, 0); }",
+            (8, 1, 1),
+            (64, 1, 1),
+            0,
+        ),
+    ],
+)
+def test_reads_the_launch_the_host_code_gives(
+    host: str, grid: tuple[int, int, int], block: tuple[int, int, int], shared: int
+) -> None:
+    assert read(host) == SourceLaunch(grid, block, shared)
+
+
+@pytest.mark.parametrize(
+    "host",
+    [
+        "void f() { int b = 4; b *= 2; k<<<b, 128>>>(0, 0, 0); }",  # changed in place
+        "void f() { k<<<10, 128>>>(0, 0, 0); k<<<20, 128>>>(0, 0, 0); }",  # two launches disagree
+        "void f() { int sms; cudaDeviceGetAttribute(&sms, attr, 0); k<<<sms * 4, 128>>>(0, 0, 0); }",  # run time
+        "void f(int m) { k<<<(m + 127) / 128, 128>>>(0, 0, 0); }",  # a size the workload does not name
+        "void f() { k<<<1 << 70, 128>>>(0, 0, 0); }",  # beyond 64 bits
+        "void f(int n) { k<<<n > 10 ? 4 : 8, 128>>>(0, 0, 0); }",  # a ternary
+        "void f() { k<<<1.5e3, 128>>>(0, 0, 0); }",  # not a whole number
+        "void f() { k<<<(1 << 40), 128>>>(0, 0, 0); }",  # over the grid's limit
+    ],
+)
+def test_a_grid_it_cannot_be_sure_of_is_left_unknown_and_the_block_kept(host: str) -> None:
+    assert read(host) == SourceLaunch(None, (128, 1, 1), 0)
+
+
+def test_no_launch_or_an_impossible_block_says_nothing() -> None:
+    assert read("void f() { other<<<4, 128>>>(0, 0, 0); }") is None  # launches another kernel only
+    assert read("void f() { k<<<m, 2048>>>(0, 0, 0); }") is None  # 2048 threads: no GPU runs that block
+    assert read("", None) is None
+    # A name assigned two different values anywhere is not guessed between.
+    assert read("void f() { int t = 64; }\nvoid g() { int t = 128; k<<<4, t>>>(0, 0, 0); }") == SourceLaunch(
+        (4, 1, 1), None, 0
+    )
+
+
+def test_a_kernel_sent_with_its_launch_keeps_it_and_python_is_not_read() -> None:
+    host = "void f() { k<<<4, 64>>>(0, 0, 0); }"
+    given = Kernel(source=KERNEL + host, entry="k", launch=Launch(grid=(8, 1, 1), block=(256, 1, 1)))
+    f = kernel_features(given, WL, lookup("H100"))
+    assert (f.threads_per_block, f.blocks, f.launch_from_source) == (256, 8, None)
+    python = Kernel(source="k<<<4, 64>>>()", entry="k", language="python")
+    assert source_launch(python, WL) is None
+
+
+READ = SourceLaunch((4, 1, 1), (64, 1, 1), 0)
+
+
+@pytest.mark.parametrize(
+    ("junk", "expected"),
+    [
+        ("a=" * 400_000, READ),  # an assignment scanned to its `;` from every position
+        ("dim3 a(" * 120_000, READ),  # declarations whose parentheses never close
+        ("hipLaunchKernelGGL(" * 40_000, READ),  # calls that never close
+        ("k<<<" * 200_000, None),  # launches that never end: the last ones end at the real launch's `>>>`
+        ("a++ " * 200_000, READ),
+    ],
+)
+def test_hostile_host_code_stays_cheap(junk: str, expected: SourceLaunch | None) -> None:
+    # 1 MB of one of these took 2-8 s each before the name lookups were made per name and bounded (0.1-0.4 s).
+    started = time.perf_counter()
+    found = read((junk + "void f() { k<<<4, 64>>>(0, 0, 0); }")[-1_000_000:])
+    assert found == expected
+    assert time.perf_counter() - started < 10.0
+
+
+def test_names_are_worked_out_once_and_launch_sites_are_bounded() -> None:
+    # Names defined by names, each three times over: worked out once each, not 3^6 times.
+    chain = (
+        "".join(f"const int a{i} = a{i + 1} + a{i + 1} + a{i + 1};\n" for i in range(6))
+        + "const int a6 = 1;\n"
+    )
+    assert read(chain + "void f() { k<<<a0, 64>>>(0, 0, 0); }") == SourceLaunch((3**6, 1, 1), (64, 1, 1), 0)
+    # Past MAX_SITES launch sites nothing is read.
+    assert read("void f() {" + " k<<<4, 64>>>(0, 0, 0);" * 40 + "}") is None
+
+
+def _pair(host_b: str, host_c: str, launches: bool) -> PairQuery:
+    naive = (
+        "__global__ void k(const float* x, float* y, int n) {\n"
+        "  int i = blockIdx.x * blockDim.x + threadIdx.x;\n  if (i < n) y[i] = 2.0f * x[i];\n}\n"
+    )
+    strided = (
+        "__global__ void k(const float* x, float* y, int n) {\n"
+        "  int base = (blockIdx.x * blockDim.x + threadIdx.x) * 16;\n"
+        "  for (int j = 0; j < 16; ++j) if (base + j < n) y[base + j] = 2.0f * x[base + j];\n}\n"
+    )
+    b_launch = Launch(grid=(N // 256, 1, 1), block=(256, 1, 1)) if launches else None
+    c_launch = Launch(grid=(N // 256 // 16, 1, 1), block=(256, 1, 1)) if launches else None
+    b = Kernel(id="naive", source=naive + host_b, entry="k", launch=b_launch)
+    c = Kernel(id="per16", source=strided + host_c, entry="k", launch=c_launch)
+    return PairQuery(b, c, WL, "H100", lookup("H100"))
+
+
+@pytest.mark.anyio
+async def test_the_prior_forecasts_a_source_launched_kernel_as_one_sent_with_that_launch() -> None:
+    host_b = "void run(const float* x, float* y, int n) { k<<<(n + 255) / 256, 256>>>(x, y, n); }\n"
+    host_c = "void run(const float* x, float* y, int n) { k<<<(n / 16 + 255) / 256, 256>>>(x, y, n); }\n"
+    f = LocalForecaster(None, nvcc=None, ptxas_wait_s=0.0)
+    [given] = await f.forecast([_pair("", "", launches=True)])
+    [read_] = await f.forecast([_pair(host_b, host_c, launches=False)])
+    [neither] = await f.forecast([_pair("", "", launches=False)])
+    # The work-per-thread term needs both launches: without them the pair is forecast without it.
+    assert read_.p_faster == pytest.approx(given.p_faster, abs=1e-9)
+    assert read_.extras["mu_log2"] == pytest.approx(given.extras["mu_log2"], abs=1e-9)
+    assert neither.extras["mu_log2"] != pytest.approx(given.extras["mu_log2"], abs=1e-3)
+    assert "launch read from the source's host code" in read_.rationale
+    assert "candidate's grid [4096, 1, 1], block [256, 1, 1]" in read_.rationale
+    assert "launch read" not in given.rationale
