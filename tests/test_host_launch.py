@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +11,7 @@ from forecaster_mcp.forecast.base import PairQuery
 from forecaster_mcp.forecast.features import kernel_features
 from forecaster_mcp.forecast.host_launch import SourceLaunch, source_launch
 from forecaster_mcp.forecast.local import LocalForecaster
+from forecaster_mcp.forecast.ptxas import find_nvcc
 from forecaster_mcp.hardware.specs import lookup
 from forecaster_mcp.models import Kernel, Launch, Workload
 
@@ -188,3 +190,60 @@ async def test_the_prior_forecasts_a_source_launched_kernel_as_one_sent_with_tha
     assert "launch read from the source's host code" in read_.rationale
     assert "candidate's grid [4096, 1, 1], block [256, 1, 1]" in read_.rationale
     assert "launch read" not in given.rationale
+
+
+TORCH_HEAD = "#include <torch/extension.h>\n"
+TORCH_NAIVE = (
+    TORCH_HEAD
+    + """
+__global__ void relu(const float* __restrict__ x, float* __restrict__ y, int n) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) y[i] = fmaxf(x[i], 0.f);
+}
+torch::Tensor forward(torch::Tensor x) {
+  auto y = torch::empty_like(x);
+  int n = x.numel();
+  const int threads = 256;
+  relu<<<(n + threads - 1) / threads, threads>>>(x.data_ptr<float>(), y.data_ptr<float>(), n);
+  return y;
+}
+"""
+)
+TORCH_VEC4 = (
+    TORCH_HEAD
+    + """
+__global__ void relu(const float4* __restrict__ x, float4* __restrict__ y, int n4) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n4) { float4 v = x[i]; v.x = fmaxf(v.x, 0.f); v.y = fmaxf(v.y, 0.f);
+                v.z = fmaxf(v.z, 0.f); v.w = fmaxf(v.w, 0.f); y[i] = v; }
+}
+torch::Tensor forward(torch::Tensor x) {
+  auto y = torch::empty_like(x);
+  int n = x.numel();
+  const int threads = 256;
+  relu<<<(n / 4 + threads - 1) / threads, threads>>>(
+      reinterpret_cast<const float4*>(x.data_ptr<float>()), reinterpret_cast<float4*>(y.data_ptr<float>()), n / 4);
+  return y;
+}
+"""
+)
+
+
+@pytest.mark.anyio
+async def test_a_pytorch_extension_is_forecast_not_failed_where_torch_is_not_installed(
+    tmp_path: Path,
+) -> None:
+    """The real nvcc finds no torch/extension.h here. That is no compile error of the kernel's (it was p_fail 0.9
+    on both sides, so never `faster` and never in measure_next); its launch comes from its own wrapper."""
+    nvcc = find_nvcc(None)
+    if nvcc is None:
+        pytest.skip("no nvcc on this machine")
+    f = LocalForecaster(None, nvcc=nvcc, cache_dir=tmp_path / "ptxas", ptxas_wait_s=60.0)
+    base = Kernel(id="naive", source=TORCH_NAIVE, entry="relu")
+    cand = Kernel(id="vec4", source=TORCH_VEC4, entry="relu")
+    [out] = await f.forecast([PairQuery(base, cand, WL, "H100", lookup("H100"))])
+    assert out.extras["p_fail"] == 0.0 and out.extras["p_fail_baseline"] == 0.0
+    assert "compile_error" not in out.extras and "does not compile" not in out.rationale
+    assert "this server's nvcc has no torch/extension.h" in out.rationale
+    assert "candidate's grid [16384, 1, 1], block [256, 1, 1]" in out.rationale
+    assert out.p_faster > 0.5  # vector loads and four elements a thread: the prior's terms, as without torch

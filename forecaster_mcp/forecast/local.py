@@ -88,7 +88,8 @@ MAX_PTXAS_PER_CALL = 8
 P_FAIL_COMPILE_ERROR = 0.98
 # The same for an error found compiling for a stand-in architecture (an unknown GPU, or one outside this nvcc's
 # window, see ptxas.stand_in_arch): a syntax error recurs on any architecture, an intrinsic or instruction that
-# one architecture lacks may not. Also for a header this machine lacks: the machine measuring may have it.
+# one architecture lacks may not. A header this server's nvcc cannot find is no compile error of the kernel's
+# at all (`missing_header`).
 P_FAIL_COMPILE_ERROR_STAND_IN = 0.9
 _SQRT5 = math.sqrt(5.0)
 _OK_STATUS = "ok"
@@ -2025,6 +2026,15 @@ class LocalForecaster:
         # A kernel measured running compiled where it was measured, whatever this nvcc says.
         eb = eb if b.kind != "measured" else None
         ec = ec if c.kind != "measured" else None
+        # A header this server lacks (a PyTorch extension's torch/extension.h, CUTLASS) says nothing of the
+        # kernel: read without ptxas's figures, as a kernel of another language is, and the rationale says so.
+        unbuilt = [
+            (who, header)
+            for who, e in (("candidate", ec), ("baseline", eb))
+            if e is not None and (header := missing_header(e)) is not None
+        ]
+        eb = eb if eb is None or missing_header(eb) is None else None
+        ec = ec if ec is None or missing_header(ec) is None else None
         fb, fc = _like_for_like(fb, fc, q)
         same_family = q.baseline.family_key() == q.candidate.family_key()
         shift = prior_shift(fb, fc, same_family=same_family)
@@ -2118,6 +2128,10 @@ class LocalForecaster:
         ]
         if read:
             rationale += f"; launch read from the source's host code: {'; '.join(read)}"
+        if unbuilt:
+            who = " and ".join(w for w, _ in unbuilt)
+            headers = ", ".join(sorted({h for _, h in unbuilt}))
+            rationale += f"; {who} not compiled here (this server's nvcc has no {headers}): read without register counts"
         failing = [(who, e) for who, e in (("candidate", ec), ("baseline", eb)) if e is not None]
         if ec is not None:
             extras["compile_error"] = 1.0
@@ -2150,7 +2164,9 @@ def _like_for_like(
     return fb, with_resources(fc.source, q.candidate, q.hardware, None, q.workload)
 
 
-_MISSING_HEADER = re.compile(r"cannot open source file|No such file or directory")
+_MISSING_HEADER = re.compile(
+    r'cannot open source file "([^"\n]{1,200})"|fatal error: ([^\n:]{1,200}): No such file or directory'
+)
 _COMMENTS = re.compile(r"//[^\n]*|/\*.*?(?:\*/|\Z)", re.DOTALL)
 _CODE = re.compile(r"\S")
 
@@ -2165,8 +2181,18 @@ def _compile_p_fail(e: PtxasError | None, q: PairQuery) -> float:
     """A kernel's chance of failing for its compile error (0 without one): see P_FAIL_COMPILE_ERROR."""
     if e is None:
         return 0.0
-    sure = _on_own_arch(e, q) and _MISSING_HEADER.search(e.message) is None
-    return P_FAIL_COMPILE_ERROR if sure else P_FAIL_COMPILE_ERROR_STAND_IN
+    return P_FAIL_COMPILE_ERROR if _on_own_arch(e, q) else P_FAIL_COMPILE_ERROR_STAND_IN
+
+
+def missing_header(e: PtxasError) -> str | None:
+    """The header `e` says this server's nvcc could not find, or None for any other error.
+
+    Not the kernel's failure: a library header (torch/extension.h, cutlass/gemm.h) may be installed where the
+    kernel runs, and the same kernel sent as a Python source (torch's load_inline) is never compiled here at all.
+    It was p_fail 0.9 before, which made every PyTorch extension kernel `slower` than any plain one and left it
+    out of measure_next. A header that is nowhere is the measurement's compile_error to find."""
+    m = _MISSING_HEADER.search(e.message)
+    return None if m is None else (m.group(1) or m.group(2)).strip()
 
 
 def _compile_error_text(e: PtxasError, q: PairQuery) -> str:
@@ -2181,8 +2207,6 @@ def _compile_error_text(e: PtxasError, q: PairQuery) -> str:
             f"this server's nvcc for {e.arch}, a stand-in for {target}: an error tied to the architecture may not "
             "recur there"
         )
-    if _MISSING_HEADER.search(e.message):
-        where += "; a header missing here may be installed where it is measured"
     return f"does not compile ({where}): {e.message}"
 
 
