@@ -768,18 +768,24 @@ def entry_parameter_count(source: str, entry: str) -> int | None:
         listed = probe[paren + 1 : close - 1]
         if "#" in listed:
             return None
-        parts, depth, start = [], 0, 0
-        for i, ch in enumerate(listed):
-            if ch in "(<[":
-                depth += 1
-            elif ch in ")>]":
-                depth -= 1
-            elif ch == "," and depth == 0:
-                parts.append(listed[start:i])
-                start = i + 1
-        parts.append(listed[start:])
+        parts = split_top_level(listed, "(<[", ")>]")
         return sum(1 for part in parts if part.strip() not in ("", "void"))
     return None
+
+
+def split_top_level(text: str, opening: str = "([{", closing: str = ")]}") -> list[str]:
+    """`text` split at its commas outside the brackets in `opening` / `closing` (parts as written)."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch in opening:
+            depth += 1
+        elif ch in closing:
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return parts
 
 
 def source_features(

@@ -122,18 +122,8 @@ _UNKNOWN = object()
 
 
 def _split_args(text: str) -> list[str]:
-    """Top-level comma-separated parts of `text` (parentheses, braces and brackets nest)."""
-    out, depth, start = [], 0, 0
-    for i, ch in enumerate(text):
-        if ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-        elif ch == "," and depth == 0:
-            out.append(text[start:i])
-            start = i + 1
-    out.append(text[start:])
-    return [p.strip() for p in out]
+    """Top-level comma-separated parts of `text` (parentheses, braces and brackets nest), stripped."""
+    return [p.strip() for p in features.split_top_level(text)]
 
 
 _PARENS = re.compile(r"[()]")
