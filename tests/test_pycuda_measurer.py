@@ -639,8 +639,20 @@ async def test_requests_that_cannot_run_here(gpu: PycudaMeasurer) -> None:
     )
     with pytest.raises(NotMeasurable, match="CUDA C"):
         await gpu.measure(request(gpu, triton))
-    with pytest.raises(InvalidRequest, match="launch"):
+    with pytest.raises(InvalidRequest, match="launch") as refused:
         await gpu.measure(request(gpu, Kernel(source=SRC, entry="vadd")))
+    assert '{"grid": [4096, 1, 1], "block": [256, 1, 1]}' in str(refused.value)  # the shape of one
+    # A source that launches its kernel itself is told the launch its host code gives it, to pass (never used
+    # in its place: a launch read wrongly would be charged).
+    hosted = Kernel(
+        source=SRC + "\nvoid run(float* a, float* b, float* c) { vadd<<<64, 128>>>(a, b, c); }\n",
+        entry="vadd",
+    )
+    with pytest.raises(InvalidRequest, match="launch") as refused:
+        await gpu.measure(request(gpu, hosted))
+    assert 'launches it with {"grid": [64, 1, 1], "block": [128, 1, 1], "shared_mem_bytes": 0}' in str(
+        refused.value
+    )
     with pytest.raises(InvalidRequest, match=r"workload\.args"):
         await gpu.measure(request(gpu, kernel(), workload=Workload()))
 

@@ -1400,15 +1400,30 @@ def _check_runnable(kernel: Kernel, what: str, workload: Workload) -> None:
             "(other languages can be forecast, or measured through a replay recording)"
         )
     if kernel.launch is None:
-        raise InvalidRequest(
-            f"{what}.launch is required to run it: give grid and block, e.g. "
-            '{"grid": [4096, 1, 1], "block": [256, 1, 1]}'
-        )
+        raise InvalidRequest(f"{what}.launch is required to run it: {_launch_advice(kernel, workload)}")
     if not workload.args:
         raise InvalidRequest(
             "workload.args is required to run a kernel: list its parameters in order, buffers as "
             '{"name", "dtype", "shape", "init", "intent"} and scalars as {"name", "dtype", "value"}'
         )
+
+
+def _launch_advice(kernel: Kernel, workload: Workload) -> str:
+    """What to pass as `launch`: what the source's own host code launches the kernel with, where it says (the
+    forecasts read it: forecast/host_launch.py), else the shape of one. Never used in its place: a launch read
+    wrongly would be charged."""
+    from forecaster_mcp.forecast.host_launch import source_launch
+
+    found = source_launch(kernel, workload)
+    if found is not None and found.grid is not None and found.block is not None:
+        shared = found.shared_mem_bytes
+        shown = {"grid": list(found.grid), "block": list(found.block), "shared_mem_bytes": shared or 0}
+        return (
+            f"its source's host code launches it with {json.dumps(shown)}"
+            + ("" if shared is not None else " (its dynamic shared memory could not be read: give it)")
+            + "; pass that as launch if it is what you mean to measure"
+        )
+    return 'give grid and block, e.g. {"grid": [4096, 1, 1], "block": [256, 1, 1]}'
 
 
 def _check_shared_fits(what: str, shared_mem_bytes: int, info: DeviceInfo) -> None:
