@@ -44,9 +44,28 @@ def _features(kernel: Kernel, resources: dict[str, Any] | None, hardware: str) -
     return features.kernel_features(kernel, None, lookup(hardware), measured_entry(kernel, resources))
 
 
+# What an agent's whole .cu file adds to its kernel: a launcher, and a main that fills the inputs, times the
+# kernel and checks it in double precision (loops, divisions, fp64: none of them the kernel's).
+_HOST_MAIN = """
+#include <cstdio>
+#include <cstdlib>
+#include <cmath>
+int main() {
+  const int n = 1 << 20;
+  float* h = (float*)malloc(n * sizeof(float));
+  for (int i = 0; i < n; ++i) h[i] = rand() / (float)RAND_MAX;
+  for (int rep = 0; rep < 10; ++rep) launch_ENTRY();
+  double err = 0.0;
+  for (int i = 0; i < n; i += 7) err = fmax(err, fabs(2.0 * h[i] - h[(i * 2) % n]) / 3.0);
+  printf("max error %g\\n", err);
+  return 0;
+}
+"""
+
+
 def host_launched(kernel: dict[str, Any]) -> dict[str, Any]:
-    """The kernel without its `launch`, its source followed by host code launching it with that launch (as a
-    whole .cu file an agent sends without `launch`): what `--host-launch` forecasts."""
+    """The kernel without its `launch`, as a whole .cu file an agent sends: its source followed by host code
+    launching it with that launch and a main checking it (`_HOST_MAIN`). What `--host-launch` forecasts."""
     launch = kernel["launch"]
     grid, block = ([*launch[k], 1, 1][:3] for k in ("grid", "block"))
     entry = kernel["entry"]
@@ -54,7 +73,8 @@ def host_launched(kernel: dict[str, Any]) -> dict[str, Any]:
         f"\nvoid launch_{entry}() {{\n  dim3 grid({grid[0]}, {grid[1]}, {grid[2]});\n"
         f"  {entry}<<<grid, dim3({block[0]}, {block[1]}, {block[2]}), {launch.get('shared_mem_bytes', 0)}>>>();\n}}\n"
     )
-    return {**{k: v for k, v in kernel.items() if k != "launch"}, "source": kernel["source"] + host}
+    source = kernel["source"] + host + _HOST_MAIN.replace("ENTRY", entry)
+    return {**{k: v for k, v in kernel.items() if k != "launch"}, "source": source}
 
 
 def design(
@@ -99,8 +119,9 @@ def main() -> int:
     ap.add_argument(
         "--host-launch",
         action="store_true",
-        help="send each kernel without its launch, its source followed by host code launching it (read back by "
-        "forecast/host_launch.py): the figures must be those with the launches",
+        help="send each kernel without its launch, as a whole .cu file: followed by host code launching it (read "
+        "back by forecast/host_launch.py) and a main checking it in double precision (not the kernel's: "
+        "features.without_host_code); the figures must be those with the launches",
     )
     args = ap.parse_args()
     rows = read_measured(args.measured)

@@ -247,3 +247,93 @@ async def test_a_pytorch_extension_is_forecast_not_failed_where_torch_is_not_ins
     assert "this server's nvcc has no torch/extension.h" in out.rationale
     assert "candidate's grid [16384, 1, 1], block [256, 1, 1]" in out.rationale
     assert out.p_faster > 0.5  # vector loads and four elements a thread: the prior's terms, as without torch
+
+
+KERNEL_WITH_MAIN = """
+#include <cstdio>
+#define N_ELEMS (1 << 20)
+#define DEVICE_INLINE __device__ __forceinline__
+const int SCALE = 2;
+DEVICE_INLINE float twice(float v) { return SCALE * v; }
+__host__ __device__ float half_of(float v) { return 0.5f * v; }
+struct Pair { float a, b; __device__ float sum() const { return a + b; } };
+namespace util {
+void fill(float* h, int n) { for (int i = 0; i < n; ++i) h[i] = i / 3.0f; }
+__device__ float id(float v) { return v; }
+}
+__global__ void k(const float* x, float* y, int n) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) y[i] = twice(half_of(util::id(x[i])));
+}
+static double max_error(const float* a, const float* b, int n) {
+  double err = 0.0;
+  for (int i = 0; i < n; ++i) err = fmax(err, fabs((double)a[i] - (double)b[i]) / 7.0);
+  return err;
+}
+int main() {
+  float *h = (float*)malloc(N_ELEMS * sizeof(float));
+  util::fill(h, N_ELEMS);
+  k<<<N_ELEMS / 256, 256>>>(h, h, N_ELEMS);
+  printf("%g\\n", max_error(h, h, N_ELEMS));
+  return 0;
+}
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("forward", &main, "k"); }
+"""
+
+
+def test_host_code_is_not_read_as_the_kernels() -> None:
+    """main's double-precision check, its loops and divisions were counted as the kernel's (fp64 on a GeForce
+    weighs 6x in the prior); what the kernel uses stays: device functions (one qualified through a macro),
+    __host__ __device__ ones, structs, namespaces' device functions, file-scope constants and #defines."""
+    from forecaster_mcp.forecast.features import source_features, without_host_code
+
+    kept = without_host_code(KERNEL_WITH_MAIN, "k")
+    for gone in ("int main()", "max_error(const", "void fill(", "PYBIND11_MODULE"):
+        assert gone not in kept
+    for stays in (
+        "#define N_ELEMS",
+        "const int SCALE = 2;",
+        "DEVICE_INLINE float twice",
+        "__host__ __device__ float half_of",
+        "struct Pair",
+        "__device__ float id",
+        "__global__ void k(",
+    ):
+        assert stays in kept
+    f = source_features(KERNEL_WITH_MAIN, {}, "k")
+    assert f.fp64 == 0 and f.loops == 0 and f.divisions == 0
+    assert source_features(KERNEL_WITH_MAIN.replace("int main()", "__device__ int main2()"), {}, "k").fp64 > 0
+
+
+def test_host_code_cut_leaves_what_it_cannot_read_alone() -> None:
+    from forecaster_mcp.forecast.features import without_host_code
+
+    # A kernel qualified through a macro is the entry: never cut, even where __global__ is written elsewhere.
+    macro = (
+        "#define KERNEL __global__\n__global__ void other() {}\nKERNEL void k(float* y) { y[0] = 1.0 / 3; }\n"
+    )
+    assert "KERNEL void k" in without_host_code(macro, "k")
+    assert (
+        without_host_code("void f() { double d = 1; }\n", "f") == "void f() { double d = 1; }\n"
+    )  # no kernel
+    unbalanced = "__global__ void k() {}\nvoid f() { {\n"
+    assert without_host_code(unbalanced, "k") == unbalanced
+    many = "__global__ void k() {}\n" + "".join(f"void h{i}() {{ double d = {i}; }}\n" for i in range(300))
+    assert without_host_code(many, "k") == many  # past 256 host functions nothing is cut
+
+
+def test_host_code_cut_stays_cheap_on_a_crafted_source() -> None:
+    from forecaster_mcp.forecast.features import without_host_code
+
+    # 1 MB of device code beside 250 host functions that call each other, the first called from device code:
+    # a call search per function over the rest took 17 s; one scan of the rest per round 0.6 s.
+    dev = (
+        "__global__ void k(float* y) { y[0] = 1; }\n" + "__device__ float d(float v) { return v; }\n" * 22_000
+    )
+    host = "__device__ float z() { return h0(); }\n" + "".join(
+        f"void h{i}() {{ h{i + 1}(); }}\n" for i in range(250)
+    )
+    started = time.perf_counter()
+    kept = without_host_code(dev + host, "k")
+    assert time.perf_counter() - started < 10.0
+    assert "void h0()" in kept and "void h249()" not in kept

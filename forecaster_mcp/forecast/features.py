@@ -743,6 +743,94 @@ def entry_text(text: str, entry: str | None) -> str:
     return _cut(text, spans)
 
 
+# Host code: top-level function definitions (`int main()`, a PyTorch extension's `torch::Tensor forward(...)`,
+# `PYBIND11_MODULE(...)`) that are neither `__global__` nor `__device__`. A whole .cu file's verification in
+# `main` (a `double` error, loops, divisions) was read as the kernel's: fp64 on a GeForce weighs 6x.
+_TOP_LEVEL_MARK = re.compile(r"[{};]")
+_FUNCTION_HEADER_END = re.compile(
+    r"\)\s*(?:(?:const|noexcept|override|final|throw\s*\(\s*\))\s*|->\s*[\w:<>,*&\s]{1,200}?)*$"
+)
+_DEVICE_CODE = re.compile(r"\b__(?:global|device)__\b")
+_NOT_A_FUNCTION = re.compile(
+    r"^\s*(?:template\s*<[^{};]*>\s*)?(?:struct|class|union|enum|namespace|typedef)\b"
+)
+_TRANSPARENT_BLOCK = re.compile(r"(?:\bnamespace\b[\w\s:]*|\bextern\s*\"C(?:\+\+)?\"\s*)$")
+_NAME_BEFORE_PAREN = re.compile(r"([A-Za-z_]\w*)\s*(?:<[^<>;{}()]{0,200}>\s*)?$")
+_CALLED_NAME = re.compile(r"([A-Za-z_]\w*)\s*(?:<[^<>;{}()]{0,200}>\s*)?\(")
+_MAX_HOST_FUNCTIONS = 256  # past them, nothing is cut (a crafted source of many: a call search for each)
+_HEADER_WINDOW = 2000  # characters of a header read for its end and its name
+_NAMESPACE_DEPTH = 16
+
+
+def without_host_code(text: str, entry: str | None = None) -> str:
+    """`text` without its host-only function definitions (`_TOP_LEVEL_MARK` comment). Kept: anything `__global__`
+    or `__device__`, the entry itself, any function the rest of the text calls (a device function qualified
+    through a macro, `DEVICE_INLINE float f()`), structs, classes and everything at file scope that is not a
+    function body (constants the kernel reads, `#define`s). Namespaces and `extern "C"` blocks are looked into.
+    Unchanged for a source with no `__global__` (nothing to tell host from device by) or braces that do not
+    balance."""
+    if _GLOBAL not in text:
+        return text
+    braces = _closers(text, "{", "}")
+    found: list[tuple[int, int, str | None]] = []
+    if not _host_functions(text, 0, len(text), braces, found, 0) or not found:
+        return text
+    if len(found) > _MAX_HOST_FUNCTIONS:
+        return text
+    cut = [f for f in found if f[2] is None or f[2] != entry]
+    for _ in range(4):  # a kept function may call another
+        rest = _cut(text, [(a, b) for a, b, _ in cut])
+        calls = set(_CALLED_NAME.findall(rest))  # one scan, not one per function (1 MB x 256 took 17 s)
+        if not any(n in calls for _, _, n in cut):
+            break
+        cut = [f for f in cut if f[2] not in calls]
+    return _cut(text, [(a, b) for a, b, _ in cut])
+
+
+def _host_functions(
+    text: str, lo: int, hi: int, braces: dict[int, int], out: list[tuple[int, int, str | None]], depth: int
+) -> bool:
+    """Append (start, end, name) of each host-only function definition at file scope in text[lo:hi] (or in a
+    namespace there) to `out`; False where the braces cannot be followed."""
+    start = pos = lo
+    while (m := _TOP_LEVEL_MARK.search(text, pos, hi)) is not None:
+        at = m.start()
+        if m.group() != "{":
+            start = pos = at + 1
+            continue
+        close = braces.get(at)
+        if close is None or close > hi:
+            return False
+        header_start = start
+        header = text[start:at]
+        directive = header.rfind("\n#")
+        if directive >= 0 or header.lstrip().startswith("#"):
+            # After the header's last preprocessor line (a #define before the function stays).
+            line_end = header.find("\n", directive + 1 if directive >= 0 else header.find("#"))
+            if line_end < 0:
+                start = pos = close  # a brace on a preprocessor line: a macro's body
+                continue
+            header_start = start + line_end + 1
+            header = text[header_start:at]
+        window = header[-_HEADER_WINDOW:]
+        if _TRANSPARENT_BLOCK.search(window):
+            if depth >= _NAMESPACE_DEPTH or not _host_functions(
+                text, at + 1, close - 1, braces, out, depth + 1
+            ):
+                return False
+        elif (
+            "(" in window
+            and _FUNCTION_HEADER_END.search(window)
+            and not _NOT_A_FUNCTION.match(window)
+            and not _DEVICE_CODE.search(header)
+        ):
+            paren = window.find("(")
+            name = _NAME_BEFORE_PAREN.search(window[:paren])
+            out.append((header_start, close, name.group(1) if name else None))
+        start = pos = close
+    return True
+
+
 def _cut(text: str, spans: Sequence[tuple[int, int]]) -> str:
     """`text` without the (start, end) spans, which are in order and do not overlap."""
     out, at = [], 0
@@ -802,7 +890,7 @@ def source_features(
             return python_source_features(source, entry)
         cuda = source_features(embedded.text, defines, embedded.entry)
         return dataclasses.replace(cuda, embedded_cuda=1)
-    text = entry_text(_as_cuda(preprocess(source, defines), language), entry)
+    text = without_host_code(entry_text(_as_cuda(preprocess(source, defines), language), entry), entry)
     counts = {name: len(p.findall(text)) for name, p in _LANGUAGE_PATTERNS.get(language, _PATTERNS).items()}
     lines = sum(1 for line in text.splitlines() if line.strip())
     flow = text[:_MAX_FLOW_TEXT]
