@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from forecaster_mcp.forecast import host_launch
 from forecaster_mcp.forecast.base import PairQuery
 from forecaster_mcp.forecast.features import kernel_features
 from forecaster_mcp.forecast.host_launch import SourceLaunch, source_launch
@@ -137,6 +138,7 @@ READ = SourceLaunch((4, 1, 1), (64, 1, 1), 0)
         ("hipLaunchKernelGGL(" * 40_000, READ),  # calls that never close
         ("k<<<" * 200_000, None),  # launches that never end: the last ones end at the real launch's `>>>`
         ("a++ " * 200_000, READ),
+        (("hipLaunchKernelGGL(k," + "(" * 30) * 15_000, None),  # HIP launches of the entry that never close
     ],
 )
 def test_hostile_host_code_stays_cheap(junk: str, expected: SourceLaunch | None) -> None:
@@ -337,3 +339,21 @@ def test_host_code_cut_stays_cheap_on_a_crafted_source() -> None:
     kept = without_host_code(dev + host, "k")
     assert time.perf_counter() - started < 10.0
     assert "void h0()" in kept and "void h249()" not in kept
+
+
+def test_launch_sites_that_are_not_read_count_toward_the_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each `hipLaunchKernelGGL(k,` looks for its closing parenthesis over 4,000 characters: 1 MB of ones that
+    # never close (or have too few arguments) took 2-8 s when only the sites read counted toward MAX_SITES.
+    scans = []
+    real = host_launch._closing
+
+    def closing(text: str, start: int, limit: int = 4000) -> int | None:
+        scans.append(start)
+        return real(text, start, limit)
+
+    monkeypatch.setattr(host_launch, "_closing", closing)
+    for junk in ("hipLaunchKernelGGL(k," + "(" * 30, "hipLaunchKernelGGL(k, 1, 2)"):
+        scans.clear()
+        assert read(junk * 15_000 + "void f() { k<<<4, 64>>>(0, 0, 0); }") is None
+        assert len(scans) <= host_launch.MAX_SITES
+    assert read(" k<<<" * 100_000 + "void f() { k<<<4, 64>>>(0, 0, 0); }") is None

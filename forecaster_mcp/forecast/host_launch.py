@@ -141,16 +141,19 @@ def _closing(text: str, start: int, limit: int = 4000) -> int | None:
 
 def _launch_sites(text: str, entry: str) -> list[list[str]] | None:
     """Each launch of `entry`: its configuration's parts (grid, block[, shared[, stream]]). None: too many."""
+    # Every match counts toward MAX_SITES, read or not: each costs a scan of thousands of characters, and 1 MB
+    # of `hipLaunchKernelGGL(k,((((` (no call ever closing) took 8 s when only the read ones counted.
     sites: list[list[str]] = []
     chevrons = re.compile(rf"(?<![\w.]){re.escape(entry)}{_TEMPLATE_ARGS}\s*<<<")
-    for m in chevrons.finditer(text):
-        end = text.find(">>>", m.end(), m.end() + 4 * MAX_EXPR_CHARS)
-        if end < 0:
-            continue
-        sites.append(_split_args(text[m.end() : end]))
-        if len(sites) > MAX_SITES:
+    hip = re.compile(_HIP_LAUNCH.format(entry=re.escape(entry)))
+    for i, m in enumerate(itertools.chain(chevrons.finditer(text), hip.finditer(text))):
+        if i >= MAX_SITES:
             return None
-    for m in re.finditer(_HIP_LAUNCH.format(entry=re.escape(entry)), text):
+        if m.re is chevrons:
+            end = text.find(">>>", m.end(), m.end() + 4 * MAX_EXPR_CHARS)
+            if end >= 0:
+                sites.append(_split_args(text[m.end() : end]))
+            continue
         opened = text.find("(", m.start())
         close = _closing(text, opened + 1)
         if close is None:
@@ -158,8 +161,6 @@ def _launch_sites(text: str, entry: str) -> list[list[str]] | None:
         args = _split_args(text[opened + 1 : close])
         if len(args) >= 5:
             sites.append(args[1:4])
-            if len(sites) > MAX_SITES:
-                return None
     return sites
 
 
