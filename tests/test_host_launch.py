@@ -108,6 +108,52 @@ def test_a_grid_it_cannot_be_sure_of_is_left_unknown_and_the_block_kept(host: st
     assert read(host) == SourceLaunch(None, (128, 1, 1), 0)
 
 
+@pytest.mark.parametrize(
+    ("host", "expected"),
+    [
+        # a dim3's member changed in place: += /= ++
+        (
+            "void f(int n) { dim3 grid(n / 256); if (n % 256) grid.x += 1; k<<<grid, 256>>>(0, 0, n); }",
+            SourceLaunch(None, (256, 1, 1), 0),
+        ),
+        (
+            "void f() { dim3 block(256); block.x /= 2; k<<<64, block>>>(0, 0, 0); }",
+            SourceLaunch((64, 1, 1), None, 0),
+        ),
+        (
+            "void f() { dim3 block(256); block.x++; k<<<64, block>>>(0, 0, 0); }",
+            SourceLaunch((64, 1, 1), None, 0),
+        ),
+        # set through its address at run time: the initial value is not the one launched
+        (
+            "void f() { int bs = 256; int mg = 0; cudaOccupancyMaxPotentialBlockSize(&mg, &bs, k, 0, 0);"
+            " k<<<64, bs>>>(0, 0, 0); }",
+            SourceLaunch((64, 1, 1), None, 0),
+        ),
+        (
+            'int main() { int n = 1024; scanf("%d", &n); k<<<(n + 255) / 256, 256>>>(0, 0, n); }',
+            SourceLaunch(None, (256, 1, 1), 0),
+        ),
+        (
+            "int main() { int n = 1024; std::cin >> n; k<<<(n + 255) / 256, 256>>>(0, 0, n); }",
+            SourceLaunch(None, (256, 1, 1), 0),
+        ),
+        # a member through a pointer is not the variable
+        (
+            "void f(Opts* o, int threads) { o->threads = 1024; k<<<8, threads>>>(0, 0, 0); }",
+            SourceLaunch((8, 1, 1), None, 0),
+        ),
+        # a binary `&` is no address taken
+        (
+            "void f() { const int t = 128; int r = 7 & t; k<<<4, t>>>(0, 0, 0); }",
+            SourceLaunch((4, 1, 1), (128, 1, 1), 0),
+        ),
+    ],
+)
+def test_a_name_changed_at_run_time_is_not_read_at_its_first_value(host: str, expected: SourceLaunch) -> None:
+    assert read(host) == expected
+
+
 def test_no_launch_or_an_impossible_block_says_nothing() -> None:
     assert read("void f() { other<<<4, 128>>>(0, 0, 0); }") is None  # launches another kernel only
     assert read("void f() { k<<<m, 2048>>>(0, 0, 0); }") is None  # 2048 threads: no GPU runs that block

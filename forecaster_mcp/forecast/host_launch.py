@@ -16,9 +16,9 @@ a dimension evaluates to a whole number from what the source and the workload sa
 - the workload's `problem` sizes and scalar `args` by name (exact, else the one name equal ignoring case), and a
   buffer argument's `x.numel()` and `x.size(i)` from its shape.
 
-A name assigned two different values, or changed in place (`+=`, `++`, `grid.x = ...`), a value known only at
-run time (a device query, an unnamed size), a ternary, or two launches of the entry that disagree leave that part
-unknown: a block without a grid still gives occupancy. Nothing is run; the expression evaluator is
+A name assigned two different values, or changed in place (`+=`, `++`, `grid.x = ...`, `grid.x += 1`), its
+address taken (`&block_size`: set at run time) or read from `std::cin`, a value known only at run time (a device
+query, an unnamed size), a ternary, or two launches of the entry that disagree leave that part unknown: a block without a grid still gives occupancy. Nothing is run; the expression evaluator is
 `features._cpp_value`'s, bounded to 64-bit values.
 """
 
@@ -82,8 +82,15 @@ MAX_DEPTH = 8  # names defined by names, this deep
 
 # Of one name: an assignment (a declaration's initialiser too; its value is read up to the `;`), a change in
 # place, a declaration initialised in parentheses or braces (`dim3 grid(...)`, `int n{...}`).
-_ASSIGN = r"(?<![\w.]){name}\s*=(?!=)"
-_CHANGED = r"(?<![\w.]){name}\s*(?:\.\s*[xyz]\s*=(?!=)|(?:[-+*/%&|^]|<<|>>)=|\+\+|--)|(?:\+\+|--)\s*{name}\b"
+# Not a member: `o->threads = 1024` or `cfg.threads = 1024` sets no variable `threads`.
+_ASSIGN = r"(?<![\w.])(?<!->){name}\s*=(?!=)"
+# Changed in place, a dim3's member too (`grid.x += 1`, `block.x /= 2`, `grid.x++`); its address passed or kept
+# (`cudaOccupancyMaxPotentialBlockSize(&min_grid, &block_size, ...)`, `scanf("%d", &n)`: set at run time); read
+# from `std::cin`.
+_CHANGED = (
+    r"(?<![\w.])(?<!->){name}\s*(?:\.\s*[xyz]\s*(?:(?:[-+*/%&|^]|<<|>>)?=(?!=)|\+\+|--)|(?:[-+*/%&|^]|<<|>>)=|\+\+|--)"
+    r"|(?:\+\+|--)\s*{name}\b|[(,=]\s*&\s*{name}\b(?!\s*[.\[])|\bcin\s*>>(?:\s*[\w.]+\s*>>){{0,4}}\s*{name}\b"
+)
 _DIM3_DECL = r"\bdim3\s+{name}\s*([({{])"
 _OTHER_DECL = (
     r"\b(?:int|long|unsigned|signed|short|size_t|auto|int32_t|int64_t|uint32_t|uint64_t|const|constexpr)\s+"
