@@ -154,6 +154,29 @@ def test_a_name_changed_at_run_time_is_not_read_at_its_first_value(host: str, ex
     assert read(host) == expected
 
 
+@pytest.mark.parametrize(
+    ("defines", "block"),
+    [
+        ("#define B 64\n#undef B\n#define B 1024\n", None),  # defined again after #undef
+        ("#if FOO(3)\n#define B 1024\n#else\n#define B 64\n#endif\n", None),  # an #if that cannot be decided
+        ("#if CUDART_VERSION >= 11000\n#define B 1024\n#else\n#define B 64\n#endif\n", None),  # toolkit's
+        (
+            "#ifdef __CUDACC__\n#define B 1024\n#else\n#define B 64\n#endif\n",
+            (1024, 1, 1),
+        ),  # nvcc's host pass
+        (
+            "#ifdef __CUDA_ARCH__\n#define B 1024\n#else\n#define B 64\n#endif\n",
+            (64, 1, 1),
+        ),  # device pass only
+        ("#define B 64\n#define B 64\n", (64, 1, 1)),  # the same twice
+    ],
+)
+def test_a_define_the_host_pass_may_see_two_ways_is_not_read(
+    defines: str, block: tuple[int, int, int] | None
+) -> None:
+    assert read(defines + "void f() { k<<<8, B>>>(0, 0, 0); }") == SourceLaunch((8, 1, 1), block, 0)
+
+
 def test_no_launch_or_an_impossible_block_says_nothing() -> None:
     assert read("void f() { other<<<4, 128>>>(0, 0, 0); }") is None  # launches another kernel only
     assert read("void f() { k<<<m, 2048>>>(0, 0, 0); }") is None  # 2048 threads: no GPU runs that block

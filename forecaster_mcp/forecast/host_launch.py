@@ -386,9 +386,24 @@ def _agreed(values: list[object]) -> object:
     return first if first is not None and all(v == first for v in values) else None
 
 
+# What the compiler's host pass defines itself (no `__CUDA_ARCH__`, `__HIP_DEVICE_COMPILE__`: host code); the
+# toolkit's version is not known here ("?": its `#if`s count both ways, features.compile_macros' rule).
+_COMPILER_HOST_MACROS = {
+    "cuda": {
+        "__CUDACC__": "1",
+        "__NVCC__": "1",
+        "__CUDACC_VER_MAJOR__": "?",
+        "__CUDACC_VER_MINOR__": "?",
+        "CUDART_VERSION": "?",
+        "CUDA_VERSION": "?",
+    },
+    "hip": {"__HIPCC__": "1", "HIP_VERSION": "?", "HIP_VERSION_MAJOR": "?"},
+}
+
+
 def _host_macros(kernel: Kernel) -> dict[str, str]:
-    """The macros of the host pass: the kernel's `-D` flags and defines (no `__CUDA_ARCH__`: host code)."""
-    macros: dict[str, str] = {}
+    """The macros of the host pass: the compiler's own, then the kernel's `-D` flags and defines."""
+    macros: dict[str, str] = dict(_COMPILER_HOST_MACROS.get(kernel.language, {}))
     for option in kernel.compile_options:
         if option.startswith("-D"):
             name, eq, value = option[2:].partition("=")
@@ -439,9 +454,13 @@ def _source_launch(
     sites = _launch_sites(text, entry)
     if not sites:
         return None
+    # A name the source defines two ways (`#undef` and defined again, or in both branches of an `#if` that
+    # cannot be decided, both kept) is not read: which one the launch sees is not known here.
     defined = dict(macros)
     for m in _DEFINE_LINE.finditer(text):
-        defined.setdefault(m.group(1), m.group(2).strip())
+        name, value = m.group(1), m.group(2).strip()
+        if name not in macros and defined.setdefault(name, value) != value:
+            defined[name] = ""
     names = _Names(text, defined, workload)
     grids, blocks, shared = [], [], []
     for parts in sites:
