@@ -177,6 +177,31 @@ def test_a_define_the_host_pass_may_see_two_ways_is_not_read(
     assert read(defines + "void f() { k<<<8, B>>>(0, 0, 0); }") == SourceLaunch((8, 1, 1), block, 0)
 
 
+@pytest.mark.parametrize(
+    ("host", "grid"),
+    [
+        # a main's own test size, not the workload's n = N = 1 << 24: what it launches there is not read
+        ("int main() { const int n = 1 << 20; k<<<(n + 255) / 256, 256>>>(0, 0, n); }", None),
+        ("#define N (1 << 20)\nint main() { k<<<(N + 255) / 256, 256>>>(0, 0, N); }", None),
+        # the same size as the workload's (or from its buffer's shape), read
+        ("int main() { const int n = 1 << 24; k<<<(n + 255) / 256, 256>>>(0, 0, n); }", (65536, 1, 1)),
+        (
+            "void f(torch::Tensor x) { int n = x.numel(); k<<<(n + 255) / 256, 256>>>(0, 0, n); }",
+            (65536, 1, 1),
+        ),
+    ],
+)
+def test_a_size_the_source_and_the_workload_disagree_on_is_not_read(
+    host: str, grid: tuple[int, int, int] | None
+) -> None:
+    assert read(host) == SourceLaunch(grid, (256, 1, 1), 0)
+
+
+def test_the_kernels_own_define_is_what_it_is_compiled_with() -> None:
+    host = "void f() { k<<<(N + 255) / 256, 256>>>(0, 0, N); }"
+    assert read(host, defines={"N": 1 << 20}) == SourceLaunch((4096, 1, 1), (256, 1, 1), 0)
+
+
 def test_no_launch_or_an_impossible_block_says_nothing() -> None:
     assert read("void f() { other<<<4, 128>>>(0, 0, 0); }") is None  # launches another kernel only
     assert read("void f() { k<<<m, 2048>>>(0, 0, 0); }") is None  # 2048 threads: no GPU runs that block

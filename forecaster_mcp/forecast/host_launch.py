@@ -32,7 +32,7 @@ import math
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from forecaster_mcp.forecast import features
@@ -174,9 +174,12 @@ def _launch_sites(text: str, entry: str) -> list[list[str]] | None:
 class _Names:
     """What the source and the workload say a name's value is (each name looked up once, when first read)."""
 
-    def __init__(self, text: str, macros: Mapping[str, str], workload: Workload | None) -> None:
+    def __init__(
+        self, text: str, macros: Mapping[str, str], workload: Workload | None, given: Collection[str] = ()
+    ) -> None:
         self.text = text
         self.macros = macros
+        self.given = frozenset(given)  # the kernel's own defines and -D flags: what it is compiled with
         self._defs: dict[str, tuple[str, set[str]] | None] = {}
         self._memo: dict[str, int | None] = {}
         self.sizes: dict[str, int] = {}
@@ -252,14 +255,21 @@ class _Names:
             return None
         if name in self.macros:
             macro = self.macros[name]
-            return _evaluate(macro, self, depth) if macro != "" else None
+            value = _evaluate(macro, self, depth) if macro != "" else None
+            return value if name in self.given else self._agreeing(name, value)
         defs = self.definitions(name)
         if defs is None or defs[0] == "dim3" or len(defs[1]) > 1:
             return None  # set in a way that cannot be read, twice over, or a dim3 where a number is read
         if defs[1]:
-            return _evaluate(next(iter(defs[1])), self, depth)
+            return self._agreeing(name, _evaluate(next(iter(defs[1])), self, depth))
         found = self._by_name(self.sizes, name)
         return found if isinstance(found, int) else None
+
+    def _agreeing(self, name: str, value: int | None) -> int | None:
+        """`value`, the source's for `name`, unless the workload sizes that name otherwise: a `main`'s own test
+        size (`const int n = 1 << 20;`) is not the size the kernel is forecast (and run) at."""
+        size = self._by_name(self.sizes, name)
+        return None if isinstance(size, int) and size != value else value
 
     def dims(self, expr: str, depth: int = 0) -> Dim3 | None:
         """A launch dimension: `dim3(...)`, `{...}`, a dim3 variable, or a number (x; y and z are 1)."""
@@ -461,7 +471,7 @@ def _source_launch(
         name, value = m.group(1), m.group(2).strip()
         if name not in macros and defined.setdefault(name, value) != value:
             defined[name] = ""
-    names = _Names(text, defined, workload)
+    names = _Names(text, defined, workload, macros)
     grids, blocks, shared = [], [], []
     for parts in sites:
         if len(parts) < 2:
