@@ -202,6 +202,26 @@ def test_the_kernels_own_define_is_what_it_is_compiled_with() -> None:
     assert read(host, defines={"N": 1 << 20}) == SourceLaunch((4096, 1, 1), (256, 1, 1), 0)
 
 
+def test_a_hip_launch_of_a_template_split_at_its_comma_is_not_read() -> None:
+    host = "void f() { hipLaunchKernelGGL(k<float, 4>, dim3(64), dim3(256), 0, 0, a); }"
+    assert read(host) is None  # was block [64, 1, 1]: the grid, read one argument late
+    named = "void f() { hipLaunchKernelGGL(HIP_KERNEL_NAME(k<float, 4>), dim3(64), dim3(256), 0, 0, a); }"
+    assert read(named) == SourceLaunch((64, 1, 1), (256, 1, 1), 0)
+
+
+def test_occupancy_is_not_counted_without_the_dynamic_shared_memory_a_kernel_uses() -> None:
+    # `tile * sizeof(T)`: not read. The kernel uses dynamic shared memory, so its occupancy is not known; the
+    # block and grid still count (total threads).
+    kernel = (
+        "__global__ void k(const float* x, float* y, int n) { extern __shared__ float tile[]; }\n"
+        "template <typename T> void f(int n, int tile) { k<<<(n + 255) / 256, 256, tile * sizeof(T)>>>(0, 0, n); }"
+    )
+    f = kernel_features(Kernel(source=kernel, entry="k"), WL, lookup("H100"))
+    assert (f.threads_per_block, f.blocks, f.dynamic_shared_bytes, f.occupancy) == (256, 65536, None, None)
+    plain = kernel.replace("extern __shared__ float tile[];", "")
+    assert kernel_features(Kernel(source=plain, entry="k"), WL, lookup("H100")).occupancy is not None
+
+
 def test_no_launch_or_an_impossible_block_says_nothing() -> None:
     assert read("void f() { other<<<4, 128>>>(0, 0, 0); }") is None  # launches another kernel only
     assert read("void f() { k<<<m, 2048>>>(0, 0, 0); }") is None  # 2048 threads: no GPU runs that block

@@ -1304,6 +1304,9 @@ def kernel_source_features(kernel: Kernel, spec: GpuSpec | None) -> SourceFeatur
     return source_features(kernel.source, compile_macros(kernel, spec), kernel.entry, kernel.language)
 
 
+_EXTERN_SHARED = re.compile(r"\bextern\s+__shared__\b")
+
+
 def with_resources(
     src: SourceFeatures,
     kernel: Kernel,
@@ -1316,6 +1319,7 @@ def with_resources(
     code launches it with, sizes from `workload` (host_launch.source_launch)."""
     threads = blocks = dyn = None
     read: str | None = None
+    dyn_unknown = False
     if kernel.launch is not None:
         threads = kernel.launch.threads_per_block
         blocks = kernel.launch.blocks
@@ -1329,13 +1333,16 @@ def with_resources(
             if found.block is not None:
                 threads = math.prod(found.block)
                 dyn = found.shared_mem_bytes
+                # Its dynamic shared memory not read (`256 * sizeof(T)`, a run-time size) where the kernel
+                # has some: occupancy counted without it would be too high (a block of 48 KiB as one of none).
+                dyn_unknown = dyn is None and _EXTERN_SHARED.search(kernel.source) is not None
             if found.grid is not None:
                 blocks = math.prod(found.grid)
     registers = ptxas.registers if ptxas else None
     static_smem = ptxas.shared_bytes if ptxas else None
     spills = ptxas.spill_bytes if ptxas else None
     occupancy = blocks_per_sm = waves = util = None
-    if spec is not None and threads is not None:
+    if spec is not None and threads is not None and not dyn_unknown:
         occ = _occupancy(spec, threads, registers or 0, (static_smem or 0) + (dyn or 0))
         if occ is not None:
             occupancy, blocks_per_sm = occ

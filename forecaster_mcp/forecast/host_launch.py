@@ -166,7 +166,11 @@ def _launch_sites(text: str, entry: str) -> list[list[str]] | None:
         if close is None:
             continue
         args = _split_args(text[opened + 1 : close])
-        if len(args) >= 5:
+        if args[0].count("<") != args[0].count(">"):
+            # `hipLaunchKernelGGL(k<float, 4>, grid, block, ...)`: split at the template's comma, the grid
+            # would be read as the block. Such a site is read as unknown.
+            sites.append(["?", "?", "?"])
+        elif len(args) >= 5:
             sites.append(args[1:4])
     return sites
 
