@@ -471,3 +471,17 @@ def test_launch_sites_that_are_not_read_count_toward_the_bound(monkeypatch: pyte
         assert read(junk * 15_000 + "void f() { k<<<4, 64>>>(0, 0, 0); }") is None
         assert len(scans) <= host_launch.MAX_SITES
     assert read(" k<<<" * 100_000 + "void f() { k<<<4, 64>>>(0, 0, 0); }") is None
+
+
+def test_a_parameter_of_the_launching_function_is_its_callers() -> None:
+    # main's own `threads` is not the value `launch(512)` passes: unknown (it read block 128).
+    shadowed = "void launch(int threads) { k<<<8, threads>>>(0, 0, 0); }\nint main() { int threads = 128; launch(512); }"
+    assert read(shadowed) == SourceLaunch((8, 1, 1), None, 0)
+    dims = "void launch(dim3 grid, dim3 block) { k<<<grid, block>>>(0, 0, 0); }\n"
+    assert read(dims + "int main() { dim3 grid(4), block(64); launch(grid, block); }") is None
+    # A parameter the workload names is the workload's size (main's test size 1 << 20 is not).
+    sized = (
+        "void run(int n) { k<<<(n + 255) / 256, 256>>>(0, 0, n); }\nint main() { int n = 1 << 20; run(n); }"
+    )
+    assert read(sized) == SourceLaunch((65536, 1, 1), (256, 1, 1), 0)
+    assert read(sized, None) == SourceLaunch(None, (256, 1, 1), 0)

@@ -787,6 +787,13 @@ def without_host_code(text: str, entry: str | None = None) -> str:
     return _cut(text, [(a, b) for a, b, _ in cut])
 
 
+def host_function_spans(text: str) -> list[tuple[int, int, str | None]]:
+    """(start, end, name) of each host-only function definition at file scope (namespaces looked into; see
+    `without_host_code`), in order; empty where the braces cannot be followed."""
+    found: list[tuple[int, int, str | None]] = []
+    return found if _host_functions(text, 0, len(text), _closers(text, "{", "}"), found, 0) else []
+
+
 def _host_functions(
     text: str, lo: int, hi: int, braces: dict[int, int], out: list[tuple[int, int, str | None]], depth: int
 ) -> bool:

@@ -146,11 +146,12 @@ def _closing(text: str, start: int, limit: int = 4000) -> int | None:
     return None
 
 
-def _launch_sites(text: str, entry: str) -> list[list[str]] | None:
-    """Each launch of `entry`: its configuration's parts (grid, block[, shared[, stream]]). None: too many."""
+def _launch_sites(text: str, entry: str) -> list[tuple[int, list[str]]] | None:
+    """Each launch of `entry`: where it is, and its configuration's parts (grid, block[, shared[, stream]]).
+    None: too many."""
     # Every match counts toward MAX_SITES, read or not: each costs a scan of thousands of characters, and 1 MB
     # of `hipLaunchKernelGGL(k,((((` (no call ever closing) took 8 s when only the read ones counted.
-    sites: list[list[str]] = []
+    sites: list[tuple[int, list[str]]] = []
     chevrons = re.compile(rf"(?<![\w.]){re.escape(entry)}{_TEMPLATE_ARGS}\s*<<<")
     hip = re.compile(_HIP_LAUNCH.format(entry=re.escape(entry)))
     for i, m in enumerate(itertools.chain(chevrons.finditer(text), hip.finditer(text))):
@@ -159,7 +160,7 @@ def _launch_sites(text: str, entry: str) -> list[list[str]] | None:
         if m.re is chevrons:
             end = text.find(">>>", m.end(), m.end() + 4 * MAX_EXPR_CHARS)
             if end >= 0:
-                sites.append(_split_args(text[m.end() : end]))
+                sites.append((m.start(), _split_args(text[m.end() : end])))
             continue
         opened = text.find("(", m.start())
         close = _closing(text, opened + 1)
@@ -169,9 +170,9 @@ def _launch_sites(text: str, entry: str) -> list[list[str]] | None:
         if args[0].count("<") != args[0].count(">"):
             # `hipLaunchKernelGGL(k<float, 4>, grid, block, ...)`: split at the template's comma, the grid
             # would be read as the block. Such a site is read as unknown.
-            sites.append(["?", "?", "?"])
+            sites.append((m.start(), ["?", "?", "?"]))
         elif len(args) >= 5:
-            sites.append(args[1:4])
+            sites.append((m.start(), args[1:4]))
     return sites
 
 
@@ -179,11 +180,19 @@ class _Names:
     """What the source and the workload say a name's value is (each name looked up once, when first read)."""
 
     def __init__(
-        self, text: str, macros: Mapping[str, str], workload: Workload | None, given: Collection[str] = ()
+        self,
+        text: str,
+        macros: Mapping[str, str],
+        workload: Workload | None,
+        given: Collection[str] = (),
+        params: Collection[str] = (),
     ) -> None:
         self.text = text
         self.macros = macros
         self.given = frozenset(given)  # the kernel's own defines and -D flags: what it is compiled with
+        # The parameters of the host function the launch is in: their values are its callers' (`launch(512)`),
+        # whatever the source assigns a variable of that name elsewhere; only the workload can say.
+        self.params = frozenset(params)
         self._defs: dict[str, tuple[str, set[str]] | None] = {}
         self._memo: dict[str, int | None] = {}
         self.sizes: dict[str, int] = {}
@@ -261,6 +270,9 @@ class _Names:
             macro = self.macros[name]
             value = _evaluate(macro, self, depth) if macro != "" else None
             return value if name in self.given else self._agreeing(name, value)
+        if name in self.params:
+            size = self._by_name(self.sizes, name)
+            return size if isinstance(size, int) else None
         defs = self.definitions(name)
         if defs is None or defs[0] == "dim3" or len(defs[1]) > 1:
             return None  # set in a way that cannot be read, twice over, or a dim3 where a number is read
@@ -285,6 +297,8 @@ class _Names:
             inner = m.group(1) if m.group(1) is not None else m.group(2)
             return self._dims_of(_split_args(inner), depth)
         if _NAME.fullmatch(text) and text not in self.macros:
+            if text in self.params and self._by_name(self.sizes, text) is _UNKNOWN:
+                return None  # `void launch(dim3 grid, ...)`: the caller's
             defs = self.definitions(text)
             if defs is None or len(defs[1]) > 1:
                 return None
@@ -461,6 +475,24 @@ _CACHE_SIZE = 1024
 _CACHE_LOCK = threading.Lock()
 
 
+def _parameters(text: str, start: int, end: int) -> frozenset[str]:
+    """The parameter names of the function defined at text[start:end] (its header's first parameter list)."""
+    body = text.find("{", start, end)
+    header = text[start:body] if body >= 0 else ""
+    name = re.search(r"[A-Za-z_]\w*\s*(?:<[^<>;{}()]{0,200}>\s*)?\(", header)
+    if name is None:
+        return frozenset()
+    close = _closing(header, name.end(), len(header))
+    if close is None:
+        return frozenset()
+    out = set()
+    for param in features.split_top_level(header[name.end() : close], "(<[{", ")>]}"):
+        words = _NAME.findall(param.split("=", 1)[0])
+        if words and words[-1] != "void":
+            out.add(words[-1])
+    return frozenset(out)
+
+
 def _source_launch(
     source: str, entry: str, macros: Mapping[str, str], workload: Workload | None
 ) -> SourceLaunch | None:
@@ -475,11 +507,14 @@ def _source_launch(
         name, value = m.group(1), m.group(2).strip()
         if name not in macros and defined.setdefault(name, value) != value:
             defined[name] = ""
-    names = _Names(text, defined, workload, macros)
+    spans = features.host_function_spans(text)
+    by_params: dict[frozenset[str], _Names] = {}
     grids, blocks, shared = [], [], []
-    for parts in sites:
+    for at, parts in sites:
         if len(parts) < 2:
             return None
+        params = next((_parameters(text, a, b) for a, b, _ in spans if a <= at < b), frozenset())
+        names = by_params.setdefault(params, _Names(text, defined, workload, macros, params))
         grids.append(_valid_grid(names.dims(parts[0])))
         blocks.append(_valid_block(names.dims(parts[1])))
         smem = _evaluate(parts[2], names, 0) if len(parts) >= 3 and parts[2] else 0
