@@ -485,3 +485,20 @@ def test_a_parameter_of_the_launching_function_is_its_callers() -> None:
     )
     assert read(sized) == SourceLaunch((65536, 1, 1), (256, 1, 1), 0)
     assert read(sized, None) == SourceLaunch(None, (256, 1, 1), 0)
+
+
+def test_claude_is_told_where_the_launch_of_a_whole_file_comes_from() -> None:
+    from forecaster_mcp.forecast.prompt import build_user_prompt, default_features_fn, features_text
+
+    host = "void run(const float* x, float* y, int n) { k<<<(n + 255) / 256, 256>>>(x, y, n); }\n"
+    q = _pair(host, host, launches=False)
+    text = build_user_prompt(q, features_text(default_features_fn(), q))
+    # It said "derived by the caller from the defines", a tuning loop's case, beside a file that launches it.
+    assert "derived by the caller" not in text
+    assert (
+        "launch: not given; the source's host code launches it (what could be read of it: launch_from_source)"
+        in text
+    )
+    assert "launch_from_source: grid [65536, 1, 1], block [256, 1, 1]" in text
+    bare = _pair("", "", launches=False)
+    assert "launch: not given (derived by the caller from the defines)" in build_user_prompt(bare)

@@ -343,6 +343,11 @@ def describe_kernel(kernel: Kernel, spec: GpuSpec | None, *, with_source: bool) 
             # Per SM over the whole run; the static features' blocks_per_sm is how many are resident at once.
             line += f"; {la.blocks / spec.sms:.2f} grid blocks per SM over the run (not all resident at once)"
         rows.append(line)
+    elif "<<<" in kernel.source or "hipLaunchKernelGGL" in kernel.source:
+        # A whole file: what of its host code's launch could be read is the static features' launch_from_source.
+        rows.append(
+            "launch: not given; the source's host code launches it (what could be read of it: launch_from_source)"
+        )
     else:
         rows.append("launch: not given (derived by the caller from the defines)")
     if kernel.defines:
