@@ -150,6 +150,32 @@ def test_eval_notes_repeated_questions_and_pairs_the_history_answers(
     assert any("3 pair(s) have both kernels in the file's history (the first: p0)" in n for n in notes)
 
 
+def test_eval_notes_pairs_of_different_kernels_without_a_launch(tmp_path: Path) -> None:
+    """A kernel with no launch, given or read from its host code, turns the prior's launch terms off: said."""
+    other = {**_kernel(256), "source": SRC.replace("scale", "scale2"), "entry": "scale2"}
+    bare = {k: v for k, v in other.items() if k != "launch"}
+    hosted = {
+        **bare,
+        "source": bare["source"] + "\nvoid run(float* x, int n) { scale2<<<n / 256, 256>>>(x, n); }\n",
+    }
+    rows = [
+        {**_pair(0, 32, 256, 1.3), "candidate": other},  # launches given: nothing to say
+        {**_pair(1, 32, 256, 1.3), "candidate": bare},
+        {**_pair(2, 32, 256, 1.3), "candidate": hosted},  # read from its host code (WORKLOAD sizes n)
+        _pair(3, 32, 256, 1.3),
+    ]
+    rows[3]["candidate"] = {
+        k: v for k, v in rows[3]["candidate"].items() if k != "launch"
+    }  # one family: no prior
+    out = tmp_path / "out"
+    assert main(["eval", str(_write(tmp_path / "pairs.jsonl", rows)), "--out", str(out)]) == 0
+    notes = json.loads((out / "metrics.json").read_text())["notes"]
+    said = [n for n in notes if "have a kernel with no launch" in n]
+    assert (
+        len(said) == 1 and said[0].startswith("1 pair(s) of different kernels") and "the first: p1" in said[0]
+    )
+
+
 def test_bad_lines_name_the_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cases = {
         "not json": "not valid JSON",

@@ -706,7 +706,30 @@ def _pairs_notes(pairs_file: PairsFile) -> list[str]:
             f"{len(looked_up)} pair(s) have both kernels in the file's history (the first: {looked_up[0].id}): "
             "the local model answers them from those measurements, so they score a lookup, not a forecast"
         )
+    if unlaunched := _without_launch(pairs_file.pairs):
+        notes.append(
+            f"{len(unlaunched)} pair(s) of different kernels have a kernel with no launch (not given, and none its "
+            f"source's host code could be read for; the first: {unlaunched[0]}): the static prior's work-per-thread, "
+            "occupancy and waves terms are off for them. Give each kernel its launch (grid, block, "
+            "shared_mem_bytes) for the figures the prior is fitted for"
+        )
     return notes
+
+
+def _without_launch(pairs: Sequence[EvalPair]) -> list[str]:
+    """Ids of the pairs of two families in which a kernel has no launch, given or read from its host code."""
+    from forecaster_mcp.forecast.host_launch import source_launch
+
+    out = []
+    for p in pairs:
+        if p.baseline.family_key() == p.candidate.family_key():
+            continue
+        for k in (p.baseline, p.candidate):
+            found = source_launch(k, p.workload) if k.launch is None else None
+            if k.launch is None and (found is None or found.grid is None or found.block is None):
+                out.append(p.id)
+                break
+    return out
 
 
 def _refuse_overlap(main: PairsFile, cal: PairsFile) -> None:
