@@ -438,11 +438,47 @@ def test_host_code_cut_leaves_what_it_cannot_read_alone() -> None:
     assert without_host_code(many, "k") == many  # past 256 host functions nothing is cut
 
 
+def test_host_code_cut_keeps_device_code_reached_any_way() -> None:
+    """Device functions qualified through a macro are kept however the kernel reaches them: a call chain deeper
+    than the rounds once followed (f5 lost its shared memory and shuffle), an operator overload (no name to
+    look for), a function pointer and a template argument (named, not called)."""
+    from forecaster_mcp.forecast.features import source_features
+
+    main = "int main() { double err = 0.0; return 0; }\n"
+    chain = (
+        "#define DEV __device__ __forceinline__\n"
+        "DEV float f5(float x) { __shared__ float s[32]; return __shfl_down_sync(0xffffffff, x, 1) + s[0]; }\n"
+        + "".join(f"DEV float f{i}(float x) {{ return f{i + 1}(x); }}\n" for i in range(4, 0, -1))
+        + "__global__ void k(float* x) { x[threadIdx.x] = f1(x[threadIdx.x]); }\n"
+    )
+    f = source_features(chain + main, {}, "k")
+    assert (f.shared, f.warp_shuffles, f.fp64) == (1, 1, 0)
+    operator = (
+        "#define HD __host__ __device__ __forceinline__\n"
+        "HD float4 operator+(float4 a, float4 b) { return make_float4(a.x + b.x, a.y + b.y, a.z, (double)a.w); }\n"
+        "__global__ void k(float4* x) { x[threadIdx.x] = x[threadIdx.x] + x[0]; }\n"
+    )
+    f = source_features(operator + main, {}, "k")
+    assert f.fp64 == 1 and f.vector_types == 4
+    shuffle = "DEV float op(float a) { return __shfl_xor_sync(0xffffffff, a, 1); }\n"
+    pointer = (
+        "#define DEV __device__\ntypedef float (*op_t)(float);\n" + shuffle + "__device__ op_t p_op = op;\n"
+        "__global__ void k(float* x) { x[threadIdx.x] = p_op(x[threadIdx.x]); }\n"
+    )
+    assert source_features(pointer + main, {}, "k").warp_shuffles == 1
+    template = (
+        "#define DEV __device__\n" + shuffle + "template <float (*OP)(float)> __device__ float red(float a) "
+        "{ return OP(a); }\n__global__ void k(float* x) { x[threadIdx.x] = red<op>(x[threadIdx.x]); }\n"
+    )
+    assert source_features(template + main, {}, "k").warp_shuffles == 1
+
+
 def test_host_code_cut_stays_cheap_on_a_crafted_source() -> None:
     from forecaster_mcp.forecast.features import without_host_code
 
     # 1 MB of device code beside 250 host functions that call each other, the first called from device code:
-    # a call search per function over the rest took 17 s; one scan of the rest per round 0.6 s.
+    # a call search per function over the rest took 17 s; one scan of the rest and of each span kept, 0.6 s.
+    # Reached from device code, the whole chain is device code (macro-qualified): all of it is kept.
     dev = (
         "__global__ void k(float* y) { y[0] = 1; }\n" + "__device__ float d(float v) { return v; }\n" * 22_000
     )
@@ -452,7 +488,9 @@ def test_host_code_cut_stays_cheap_on_a_crafted_source() -> None:
     started = time.perf_counter()
     kept = without_host_code(dev + host, "k")
     assert time.perf_counter() - started < 10.0
-    assert "void h0()" in kept and "void h249()" not in kept
+    assert "void h0()" in kept and "void h249()" in kept
+    alone = without_host_code(dev + host.replace("return h0();", "return 0;"), "k")
+    assert "void h0()" not in alone and "void h249()" not in alone
 
 
 def test_launch_sites_that_are_not_read_count_toward_the_bound(monkeypatch: pytest.MonkeyPatch) -> None:
