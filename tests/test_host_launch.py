@@ -540,3 +540,29 @@ def test_claude_is_told_where_the_launch_of_a_whole_file_comes_from() -> None:
     assert "launch_from_source: grid [65536, 1, 1], block [256, 1, 1]" in text
     bare = _pair("", "", launches=False)
     assert "launch: not given (derived by the caller from the defines)" in build_user_prompt(bare)
+
+
+@pytest.mark.parametrize(
+    "host",
+    [
+        # `-> const` read two ways at each repeat (the trailing return type among the repeated qualifiers): 17 s
+        "void f()" + " -> const" * 16 + " !{}\n",
+        # a name looked for at every letter of a 2,000-letter word: 47 s for 1 MB of these
+        ("a" * 1990 + " !(x) {}\n") * 100,
+        (("f <" + "a" * 150 + "> ") * 12 + "!(x) {}\n") * 500,  # 3.4 s
+        ("namespace " * 199 + "!{}\n") * 500,  # 1.2 s
+    ],
+)
+def test_host_code_cut_has_no_slow_header(host: str) -> None:
+    from forecaster_mcp.forecast.features import source_features
+
+    started = time.perf_counter()
+    source_features(KERNEL + host, {}, "k")
+    assert time.perf_counter() - started < 2.0
+
+
+def test_launching_functions_parameters_are_read_cheaply() -> None:
+    # The enclosing function's name was looked for at every letter of its header's words: 33 s for a 40 KB one.
+    started = time.perf_counter()
+    assert read("a" * 200_000 + " !(int t) { k<<<3, t>>>(0, 0, 0); }\n") == SourceLaunch((3, 1, 1), None, 0)
+    assert time.perf_counter() - started < 2.0

@@ -747,15 +747,21 @@ def entry_text(text: str, entry: str | None) -> str:
 # `PYBIND11_MODULE(...)`) that are neither `__global__` nor `__device__`. A whole .cu file's verification in
 # `main` (a `double` error, loops, divisions) was read as the kernel's: fp64 on a GeForce weighs 6x.
 _TOP_LEVEL_MARK = re.compile(r"[{};]")
+# Qualifiers, then at most one trailing return type (which takes a later `override` in): one way to match. With
+# the return type one of the repeated alternatives, `-> const` could be read two ways each time: a 200-byte
+# `void f() -> const -> const ... !{` took 17 s.
 _FUNCTION_HEADER_END = re.compile(
-    r"\)\s*(?:(?:const|noexcept|override|final|throw\s*\(\s*\))\s*|->\s*[\w:<>,*&\s]{1,200}?)*$"
+    r"\)\s*(?:(?:const|noexcept|override|final|throw\s*\(\s*\))\s*)*(?:->[\w:<>,*&\s]{1,200})?$"
 )
 _DEVICE_CODE = re.compile(r"\b__(?:global|device)__\b")
 _NOT_A_FUNCTION = re.compile(
     r"^\s*(?:template\s*<[^{};]*>\s*)?(?:struct|class|union|enum|namespace|typedef)\b"
 )
-_TRANSPARENT_BLOCK = re.compile(r"(?:\bnamespace\b[\w\s:]*|\bextern\s*\"C(?:\+\+)?\"\s*)$")
-_NAME_BEFORE_PAREN = re.compile(r"([A-Za-z_]\w*)\s*(?:<[^<>;{}()]{0,200}>\s*)?$")
+# Each tried only where a word starts and taken whole (possessive): tried at every letter of a word, these were
+# quadratic in it (a 1 MB source of 2,000-letter words before `(x) {}` took 47 s, of `namespace namespace ...`
+# 1.2 s).
+_TRANSPARENT_BLOCK = re.compile(r"(?:\bnamespace\b[\w\s:]{0,200}+|\bextern\s*+\"C(?:\+\+)?\"\s*+)$")
+_NAME_BEFORE_PAREN = re.compile(r"(?<!\w)([A-Za-z_]\w*+)\s*+(?:<[^<>;{}()]{0,200}>\s*+)?$")
 _MAX_HOST_FUNCTIONS = 256  # past them, nothing is cut (a crafted source of many: a call search for each)
 _HEADER_WINDOW = 2000  # characters of a header read for its end and its name
 _NAMESPACE_DEPTH = 16

@@ -475,11 +475,16 @@ _CACHE_SIZE = 1024
 _CACHE_LOCK = threading.Lock()
 
 
+_FUNCTION_NAME = re.compile(r"(?<!\w)[A-Za-z_]\w*+\s*+(?:<[^<>;{}()]{0,200}>\s*+)?\(")
+
+
 def _parameters(text: str, start: int, end: int) -> frozenset[str]:
     """The parameter names of the function defined at text[start:end] (its header's first parameter list)."""
     body = text.find("{", start, end)
     header = text[start:body] if body >= 0 else ""
-    name = re.search(r"[A-Za-z_]\w*\s*(?:<[^<>;{}()]{0,200}>\s*)?\(", header)
+    # Tried only where a word starts, the word taken whole: at every letter, a 40 KB word before `(int t) {`
+    # took 33 s.
+    name = _FUNCTION_NAME.search(header)
     if name is None:
         return frozenset()
     close = _closing(header, name.end(), len(header))
