@@ -540,6 +540,9 @@ def test_claude_is_told_where_the_launch_of_a_whole_file_comes_from() -> None:
     assert "launch_from_source: grid [65536, 1, 1], block [256, 1, 1]" in text
     bare = _pair("", "", launches=False)
     assert "launch: not given (derived by the caller from the defines)" in build_user_prompt(bare)
+    # A file that launches another kernel only is not said to launch this one.
+    other = _pair("void run() { other<<<4, 64>>>(); }\n", "", launches=False)
+    assert build_user_prompt(other).count("launch: not given (derived by the caller from the defines)") == 2
 
 
 @pytest.mark.parametrize(

@@ -658,6 +658,21 @@ async def test_requests_that_cannot_run_here(gpu: PycudaMeasurer) -> None:
 
 
 @pytest.mark.anyio
+async def test_launch_advice_that_cannot_be_read_is_the_general_kind(
+    gpu: PycudaMeasurer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from forecaster_mcp.forecast import host_launch
+
+    def broken(kernel: Kernel, workload: Workload | None) -> None:
+        raise RecursionError("a source it cannot read")
+
+    monkeypatch.setattr(host_launch, "source_launch", broken)
+    hosted = Kernel(source=SRC + "\nvoid run() { vadd<<<64, 128>>>(0, 0, 0); }\n", entry="vadd")
+    with pytest.raises(InvalidRequest, match=r'give grid and block, e\.g\. \{"grid": \[4096, 1, 1\]'):
+        await gpu.measure(request(gpu, hosted))
+
+
+@pytest.mark.anyio
 async def test_aclose_stops_the_workers(tmp_path: Path) -> None:
     m = make(tmp_path)
     assert (await m.measure(request(m, kernel()))).status == "ok"

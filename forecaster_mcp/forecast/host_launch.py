@@ -146,6 +146,16 @@ def _closing(text: str, start: int, limit: int = 4000) -> int | None:
     return None
 
 
+def launches_itself(kernel: Kernel) -> bool:
+    """Whether the source (comments aside) launches `kernel.entry` itself, read or not."""
+    if kernel.language not in ("cuda", "hip"):
+        return False
+    if "<<<" not in kernel.source and "hipLaunchKernelGGL" not in kernel.source:
+        return False
+    sites = _launch_sites(features.strip_comments(kernel.source), kernel.entry)
+    return sites is None or bool(sites)  # None: more sites than MAX_SITES, so some
+
+
 def _launch_sites(text: str, entry: str) -> list[tuple[int, list[str]]] | None:
     """Each launch of `entry`: where it is, and its configuration's parts (grid, block[, shared[, stream]]).
     None: too many."""

@@ -343,7 +343,7 @@ def describe_kernel(kernel: Kernel, spec: GpuSpec | None, *, with_source: bool) 
             # Per SM over the whole run; the static features' blocks_per_sm is how many are resident at once.
             line += f"; {la.blocks / spec.sms:.2f} grid blocks per SM over the run (not all resident at once)"
         rows.append(line)
-    elif "<<<" in kernel.source or "hipLaunchKernelGGL" in kernel.source:
+    elif _launches_itself(kernel):
         # A whole file: what of its host code's launch could be read is the static features' launch_from_source.
         rows.append(
             "launch: not given; the source's host code launches it (what could be read of it: launch_from_source)"
@@ -359,6 +359,18 @@ def describe_kernel(kernel: Kernel, spec: GpuSpec | None, *, with_source: bool) 
     if with_source:
         rows.append("source:\n" + fence(kernel.source, kernel.language, kernel.entry))
     return "\n".join(rows)
+
+
+def _launches_itself(kernel: Kernel) -> bool:
+    """Whether the kernel's own host code launches it (host_launch.launches_itself; False where that cannot be
+    told: the prompt goes on without the static features' modules, as `default_features_fn` does)."""
+    try:
+        from forecaster_mcp.forecast.host_launch import launches_itself
+
+        return launches_itself(kernel)
+    except Exception:
+        log.debug("could not tell whether the source launches its kernel", exc_info=True)
+        return False
 
 
 def describe_differences(base: Kernel, cand: Kernel) -> str:

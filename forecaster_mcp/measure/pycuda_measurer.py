@@ -985,9 +985,9 @@ class PycudaMeasurer:
         """`measure`, plus the raw timed samples in ms (for recordings such as Kernel Tuner cache files)."""
         if self._closed:
             raise NotMeasurable("the GPU measurer is shut down")
-        _check_runnable(request.kernel, "kernel", request.workload)
+        await _check_runnable(request.kernel, "kernel", request.workload)
         if request.reference is not None:
-            _check_runnable(request.reference, "reference", request.workload)
+            await _check_runnable(request.reference, "reference", request.workload)
         slot = self._slot_for(request.device)
         info = await self._device_info(slot)
         for what, k in (("kernel", request.kernel), ("reference", request.reference)):
@@ -1393,14 +1393,16 @@ def _bounded(text: str, limit: int = _MESSAGE_LIMIT) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _check_runnable(kernel: Kernel, what: str, workload: Workload) -> None:
+async def _check_runnable(kernel: Kernel, what: str, workload: Workload) -> None:
     if kernel.language != "cuda":
         raise NotMeasurable(
             f"the {what} is {kernel.language}; the local GPU backend runs CUDA C++ kernels only "
             "(other languages can be forecast, or measured through a replay recording)"
         )
     if kernel.launch is None:
-        raise InvalidRequest(f"{what}.launch is required to run it: {_launch_advice(kernel, workload)}")
+        # Read in a worker thread: up to 0.4 s for a crafted 1 MB source, which the event loop must not wait on.
+        advice = await anyio.to_thread.run_sync(_launch_advice, kernel, workload)
+        raise InvalidRequest(f"{what}.launch is required to run it: {advice}")
     if not workload.args:
         raise InvalidRequest(
             "workload.args is required to run a kernel: list its parameters in order, buffers as "
@@ -1414,7 +1416,11 @@ def _launch_advice(kernel: Kernel, workload: Workload) -> str:
     wrongly would be charged."""
     from forecaster_mcp.forecast.host_launch import source_launch
 
-    found = source_launch(kernel, workload)
+    try:
+        found = source_launch(kernel, workload)
+    except Exception:  # advice only: a source it cannot read gets the general kind
+        log.debug("no launch read from the source", exc_info=True)
+        found = None
     if found is not None and found.grid is not None and found.block is not None:
         shared = found.shared_mem_bytes
         shown = {"grid": list(found.grid), "block": list(found.block), "shared_mem_bytes": shared or 0}
