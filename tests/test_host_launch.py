@@ -569,3 +569,16 @@ def test_launching_functions_parameters_are_read_cheaply() -> None:
     started = time.perf_counter()
     assert read("a" * 200_000 + " !(int t) { k<<<3, t>>>(0, 0, 0); }\n") == SourceLaunch((3, 1, 1), None, 0)
     assert time.perf_counter() - started < 2.0
+
+
+def test_a_brace_in_a_string_is_no_structure() -> None:
+    from forecaster_mcp.forecast.features import source_features, without_host_code
+
+    src = (
+        '__global__ void k(float* y) { if (threadIdx.x == 0) printf("}"); __shared__ float s[32]; y[0] = s[0]; }\n'
+        'int main() { double e = 0.0; printf("{%g", e); return 0; }\n'
+    )
+    kept = without_host_code(src, "k")
+    assert "__shared__ float s[32]" in kept and "int main" not in kept
+    f = source_features(src, {}, "k")
+    assert f.shared == 1 and f.fp64 == 0

@@ -777,9 +777,10 @@ def without_host_code(text: str, entry: str | None = None) -> str:
     (nothing to tell host from device by) or braces that do not balance."""
     if _GLOBAL not in text:
         return text
-    braces = _closers(text, "{", "}")
+    probe = _blank_literals(text)  # `printf("}")` in a kernel closed its body early
+    braces = _closers(probe, "{", "}")
     found: list[tuple[int, int, str | None]] = []
-    if not _host_functions(text, 0, len(text), braces, found, 0) or not found:
+    if not _host_functions(probe, 0, len(probe), braces, found, 0) or not found:
         return text
     if len(found) > _MAX_HOST_FUNCTIONS:
         return text
@@ -805,7 +806,21 @@ def host_function_spans(text: str) -> list[tuple[int, int, str | None]]:
     """(start, end, name) of each host-only function definition at file scope (namespaces looked into; see
     `without_host_code`), in order; empty where the braces cannot be followed."""
     found: list[tuple[int, int, str | None]] = []
-    return found if _host_functions(text, 0, len(text), _closers(text, "{", "}"), found, 0) else []
+    probe = _blank_literals(text)
+    return found if _host_functions(probe, 0, len(probe), _closers(probe, "{", "}"), found, 0) else []
+
+
+def _blank_literals(text: str) -> str:
+    """`text` with the insides of its string and character literals blanked, in place (the same length): a
+    brace or semicolon in `printf("}")` is no structure."""
+
+    def blank(m: re.Match[str]) -> str:
+        t = m.group(0)
+        if t[:1] not in "\"'" or len(t) < 2:
+            return t
+        return t[0] + " " * (len(t) - 2) + t[-1]
+
+    return _COMMENT_OR_STRING.sub(blank, text)
 
 
 def _host_functions(
