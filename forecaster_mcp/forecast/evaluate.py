@@ -725,8 +725,10 @@ def _without_launch(pairs: Sequence[EvalPair]) -> list[str]:
         if p.baseline.family_key() == p.candidate.family_key():
             continue
         for k in (p.baseline, p.candidate):
-            found = source_launch(k, p.workload) if k.launch is None else None
-            if k.launch is None and (found is None or found.grid is None or found.block is None):
+            if k.launch is not None:
+                continue
+            found = source_launch(k, p.workload)
+            if found is None or found.grid is None or found.block is None:
                 out.append(p.id)
                 break
     return out

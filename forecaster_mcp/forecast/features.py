@@ -777,12 +777,8 @@ def without_host_code(text: str, entry: str | None = None) -> str:
     (nothing to tell host from device by) or braces that do not balance."""
     if _GLOBAL not in text:
         return text
-    probe = _blank_literals(text)  # `printf("}")` in a kernel closed its body early
-    braces = _closers(probe, "{", "}")
-    found: list[tuple[int, int, str | None]] = []
-    if not _host_functions(probe, 0, len(probe), braces, found, 0) or not found:
-        return text
-    if len(found) > _MAX_HOST_FUNCTIONS:
+    found = host_function_spans(text)
+    if not found or len(found) > _MAX_HOST_FUNCTIONS:
         return text
     # An operator (`HD float4 operator+(...)`, used as `a + b`) has no name to look for: kept.
     cut = [(a, b, n) for a, b, n in found if n is not None and n != entry]
@@ -806,7 +802,7 @@ def host_function_spans(text: str) -> list[tuple[int, int, str | None]]:
     """(start, end, name) of each host-only function definition at file scope (namespaces looked into; see
     `without_host_code`), in order; empty where the braces cannot be followed."""
     found: list[tuple[int, int, str | None]] = []
-    probe = _blank_literals(text)
+    probe = _blank_literals(text)  # `printf("}")` in a kernel closed its body early
     return found if _host_functions(probe, 0, len(probe), _closers(probe, "{", "}"), found, 0) else []
 
 
@@ -1307,6 +1303,12 @@ def compile_macros(kernel: Kernel, spec: GpuSpec | None) -> dict[str, Any]:
         macros.update({"__CUDACC__": 1, "__NVCC__": 1, "__CUDA_ARCH__": arch})
     if kernel.language == "opencl":
         macros.update({"__OPENCL_VERSION__": _UNDECIDED, "__OPENCL_C_VERSION__": _UNDECIDED})
+    return with_command_line(macros, kernel)
+
+
+def with_command_line(macros: dict[str, Any], kernel: Kernel) -> dict[str, Any]:
+    """`macros` (a compiler's own) after the kernel's `-D` / `-U` flags in order, then its defines: the macros a
+    compile of it sees (compile_macros for the device pass, host_launch for the host pass)."""
     for option in kernel.compile_options:
         if option.startswith("-D"):
             name, eq, value = option[2:].partition("=")

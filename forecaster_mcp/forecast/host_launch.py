@@ -34,6 +34,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 from forecaster_mcp.forecast import features
 from forecaster_mcp.models import (
@@ -50,6 +51,7 @@ from forecaster_mcp.models import (
 )
 
 Dim3 = tuple[int, int, int]
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -146,11 +148,17 @@ def _closing(text: str, start: int, limit: int = 4000) -> int | None:
     return None
 
 
+def _may_launch(kernel: Kernel) -> bool:
+    """Whether the source could launch a kernel at all: CUDA or HIP (a Python launcher passes its sizes at run
+    time) with a `<<<` or `hipLaunchKernelGGL` in it."""
+    return kernel.language in ("cuda", "hip") and (
+        "<<<" in kernel.source or "hipLaunchKernelGGL" in kernel.source
+    )
+
+
 def launches_itself(kernel: Kernel) -> bool:
     """Whether the source (comments aside) launches `kernel.entry` itself, read or not."""
-    if kernel.language not in ("cuda", "hip"):
-        return False
-    if "<<<" not in kernel.source and "hipLaunchKernelGGL" not in kernel.source:
+    if not _may_launch(kernel):
         return False
     sites = _launch_sites(features.strip_comments(kernel.source), kernel.entry)
     return sites is None or bool(sites)  # None: more sites than MAX_SITES, so some
@@ -419,7 +427,8 @@ def _valid_grid(g: Dim3 | None) -> Dim3 | None:
     return g
 
 
-def _agreed(values: list[object]) -> object:
+def _agreed(values: list[_T | None]) -> _T | None:
+    """The value every launch site gave, or None (none read, or two that disagree)."""
     first = values[0] if values else None
     return first if first is not None and all(v == first for v in values) else None
 
@@ -441,15 +450,8 @@ _COMPILER_HOST_MACROS = {
 
 def _host_macros(kernel: Kernel) -> dict[str, str]:
     """The macros of the host pass: the compiler's own, then the kernel's `-D` flags and defines."""
-    macros: dict[str, str] = dict(_COMPILER_HOST_MACROS.get(kernel.language, {}))
-    for option in kernel.compile_options:
-        if option.startswith("-D"):
-            name, eq, value = option[2:].partition("=")
-            macros[name] = value if eq else "1"
-        elif option.startswith("-U"):
-            macros.pop(option[2:], None)
-    macros.update({k: str(int(v) if isinstance(v, bool) else v) for k, v in kernel.defines.items()})
-    return macros
+    macros = features.with_command_line(dict(_COMPILER_HOST_MACROS.get(kernel.language, {})), kernel)
+    return {k: str(int(v) if isinstance(v, bool) else v) for k, v in macros.items()}
 
 
 _DEFINE_LINE = re.compile(r"^\s*#\s*define\s+([A-Za-z_]\w*)(?![\w(])[ \t]*(.*)$", re.MULTILINE)
@@ -458,9 +460,7 @@ _DEFINE_LINE = re.compile(r"^\s*#\s*define\s+([A-Za-z_]\w*)(?![\w(])[ \t]*(.*)$"
 def source_launch(kernel: Kernel, workload: Workload | None) -> SourceLaunch | None:
     """The launch the source's host code gives `kernel.entry` (module doc); None when it launches it nowhere or
     says nothing usable. Only CUDA and HIP sources are read (a Python launcher passes its sizes at run time)."""
-    if kernel.language not in ("cuda", "hip") or (
-        "<<<" not in kernel.source and "hipLaunchKernelGGL" not in kernel.source
-    ):
+    if not _may_launch(kernel):
         return None
     macros = _host_macros(kernel)
     workload_json = workload.model_dump_json() if workload is not None else ""
@@ -534,5 +534,5 @@ def _source_launch(
         blocks.append(_valid_block(names.dims(parts[1])))
         smem = _evaluate(parts[2], names, 0) if len(parts) >= 3 and parts[2] else 0
         shared.append(smem if smem is not None and 0 <= smem <= MAX_SHARED_MEM_BYTES else None)
-    found = SourceLaunch(_agreed(grids), _agreed(blocks), _agreed(shared))  # type: ignore[arg-type]
+    found = SourceLaunch(_agreed(grids), _agreed(blocks), _agreed(shared))
     return found if found.grid is not None or found.block is not None else None

@@ -2028,13 +2028,11 @@ class LocalForecaster:
         ec = ec if c.kind != "measured" else None
         # A header this server lacks (a PyTorch extension's torch/extension.h, CUTLASS) says nothing of the
         # kernel: read without ptxas's figures, as a kernel of another language is, and the rationale says so.
-        unbuilt = [
-            (who, header)
-            for who, e in (("candidate", ec), ("baseline", eb))
-            if e is not None and (header := missing_header(e)) is not None
-        ]
-        eb = eb if eb is None or missing_header(eb) is None else None
-        ec = ec if ec is None or missing_header(ec) is None else None
+        hb = missing_header(eb) if eb is not None else None
+        hc = missing_header(ec) if ec is not None else None
+        unbuilt = [(who, h) for who, h in (("candidate", hc), ("baseline", hb)) if h is not None]
+        eb = None if hb is not None else eb
+        ec = None if hc is not None else ec
         fb, fc = _like_for_like(fb, fc, q)
         same_family = q.baseline.family_key() == q.candidate.family_key()
         shift = prior_shift(fb, fc, same_family=same_family)
