@@ -785,7 +785,7 @@ async def test_a_kernel_whose_source_does_not_compile_is_forecast_to_fail(tmp_pa
     assert "stand-in" in stand_in.rationale and first_line in stand_in.rationale
     # A header this machine lacks (a PyTorch extension's torch/extension.h) is no compile error of the kernel's:
     # no chance of failing, no compile_error flag (which makes the server call it slower and leave it out of
-    # measure_next), and the rationale says it was read without register counts.
+    # measure_next). Its device code is compiled without it for ptxas's figures, and the rationale says so.
     header = Kernel(source='#include "BROKEN/extension.h"\n' + SMALL, entry="add", launch=launch)
     missing = _fake_nvcc(
         tmp_path / "nvcc-no-header",
@@ -798,7 +798,8 @@ async def test_a_kernel_whose_source_does_not_compile_is_forecast_to_fail(tmp_pa
     assert no_header.extras["p_fail"] == 0.0 and no_header.extras["p_fail_baseline"] == 0.0
     assert "compile_error" not in no_header.extras and "does not compile" not in no_header.rationale
     assert no_header.rationale.endswith(
-        "; candidate not compiled here (this server's nvcc has no BROKEN/extension.h): read without register counts"
+        "; candidate: device code compiled here alone, without host code (this server's nvcc has no "
+        "BROKEN/extension.h)"
     )
     # The error is the source's own: kept in the cache with its line, as a restarted server reads it.
     _fake_nvcc(tmp_path / "nvcc", "release 13.0", _ptxas_says(32))

@@ -9,10 +9,17 @@ import pytest
 
 from forecaster_mcp.forecast import host_launch
 from forecaster_mcp.forecast.base import PairQuery
-from forecaster_mcp.forecast.features import kernel_features
+from forecaster_mcp.forecast.features import device_code_alone, kernel_features
 from forecaster_mcp.forecast.host_launch import SourceLaunch, source_launch
 from forecaster_mcp.forecast.local import LocalForecaster
-from forecaster_mcp.forecast.ptxas import find_nvcc
+from forecaster_mcp.forecast.ptxas import (
+    MAX_MISSING_HEADERS,
+    PtxasError,
+    PtxasUsage,
+    find_nvcc,
+    missing_header,
+    ptxas_results,
+)
 from forecaster_mcp.hardware.specs import lookup
 from forecaster_mcp.models import Kernel, Launch, Workload
 
@@ -363,6 +370,116 @@ async def test_a_pytorch_extension_is_forecast_not_failed_where_torch_is_not_ins
     assert "this server's nvcc has no torch/extension.h" in out.rationale
     assert "candidate's grid [16384, 1, 1], block [256, 1, 1]" in out.rationale
     assert out.p_faster > 0.5  # vector loads and four elements a thread: the prior's terms, as without torch
+
+
+def _nvcc() -> str:
+    nvcc = find_nvcc(None)
+    if nvcc is None:
+        pytest.skip("no nvcc on this machine")
+    return nvcc
+
+
+async def _compiled(nvcc: str, tmp_path: Path, *kernels: Kernel) -> dict[str, PtxasUsage | PtxasError]:
+    found = await ptxas_results({k.id: (k, "sm_90") for k in kernels}, nvcc, tmp_path / "cache", 120.0)
+    return {str(key): result for key, result in found.items()}
+
+
+@pytest.mark.anyio
+async def test_a_pytorch_extension_s_device_code_is_compiled_alone_for_its_register_counts(
+    tmp_path: Path,
+) -> None:
+    """Its kernel is plain CUDA: only the wrapper needs torch. Compiled without the headers this nvcc lacks (each
+    found by its own compile) and without the host code using them, ptxas gives the kernel's registers, and the
+    forecast says how they were had. Before, it was read without register counts."""
+    nvcc = _nvcc()
+    two_headers = TORCH_NAIVE.replace(
+        TORCH_HEAD,
+        TORCH_HEAD + "#include <ATen/cuda/CUDAContext.h>  /* stream */\n#include <cuda_runtime.h>\n",
+    )
+    kernels = [
+        Kernel(id="naive", source=two_headers, entry="relu"),
+        Kernel(id="vec4", source=TORCH_VEC4, entry="relu"),
+    ]
+    found = await _compiled(nvcc, tmp_path, *kernels)
+    for k in kernels:
+        usage = found[str(k.id)]
+        assert isinstance(usage, PtxasUsage), usage
+        entry = usage.for_entry("relu")
+        assert entry is not None and 0 < entry.registers <= 32
+    naive, vec4 = (found[str(k.id)] for k in kernels)
+    assert isinstance(naive, PtxasUsage) and isinstance(vec4, PtxasUsage)
+    assert naive.without_headers == ("ATen/cuda/CUDAContext.h", "torch/extension.h")
+    assert vec4.without_headers == ("torch/extension.h",)
+    # A restarted server reads the same from the cache.
+    again = await _compiled(nvcc, tmp_path, *kernels)
+    assert again == found
+
+    f = LocalForecaster(None, nvcc=nvcc, cache_dir=tmp_path / "cache", ptxas_wait_s=60.0)
+    [out] = await f.forecast([PairQuery(kernels[0], kernels[1], WL, "H100", lookup("H100"))])
+    assert out.extras["p_fail"] == 0.0 and out.extras["p_fail_baseline"] == 0.0
+    assert out.rationale.endswith(
+        "; candidate and baseline: device code compiled here alone, without host code (this server's nvcc has "
+        "no ATen/cuda/CUDAContext.h, torch/extension.h)"
+    )
+    assert "read without register counts" not in out.rationale
+
+
+@pytest.mark.anyio
+async def test_device_code_that_needs_the_missing_header_itself_stays_read_without_register_counts(
+    tmp_path: Path,
+) -> None:
+    """Device code using torch's types, a template instantiated only by the wrapper's AT_DISPATCH, or more
+    missing headers than are looked for: the compile alone gives nothing, and the kernel keeps the first missing
+    header as its (not failing) compile result, read without registers as before."""
+    nvcc = _nvcc()
+    typed = TORCH_NAIVE.replace(
+        "const float* __restrict__ x, float* __restrict__ y", "const at::Half* x, float* y"
+    )
+    typed = typed.replace("fmaxf(x[i], 0.f)", "fmaxf(static_cast<float>(x[i]), 0.f)")
+    template = (
+        TORCH_HEAD
+        + """
+template <typename scalar_t>
+__global__ void relu(const scalar_t* __restrict__ x, scalar_t* __restrict__ y, int n) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) y[i] = x[i] > 0 ? x[i] : 0;
+}
+torch::Tensor forward(torch::Tensor x) {
+  auto y = torch::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "relu", ([&] {
+    relu<scalar_t><<<(x.numel() + 255) / 256, 256>>>(x.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), x.numel());
+  }));
+  return y;
+}
+"""
+    )
+    many = "".join(f"#include <nowhere{i}.h>\n" for i in range(MAX_MISSING_HEADERS + 1)) + TORCH_NAIVE
+    kernels = [
+        Kernel(id="typed", source=typed, entry="relu"),
+        Kernel(id="template", source=template, entry="relu"),
+        Kernel(id="many", source=many, entry="relu"),
+    ]
+    found = await _compiled(nvcc, tmp_path, *kernels)
+    for k, first in zip(kernels, ("torch/extension.h", "torch/extension.h", "nowhere0.h"), strict=True):
+        error = found[str(k.id)]
+        assert isinstance(error, PtxasError) and missing_header(error) == first, (k.id, error)
+    f = LocalForecaster(None, nvcc=nvcc, cache_dir=tmp_path / "cache", ptxas_wait_s=60.0)
+    [out] = await f.forecast([PairQuery(kernels[0], kernels[1], WL, "H100", lookup("H100"))])
+    assert out.extras["p_fail"] == 0.0 and out.extras["p_fail_baseline"] == 0.0
+    assert "read without register counts" in out.rationale and "compiled here alone" not in out.rationale
+
+
+def test_device_code_alone_blanks_only_the_missing_headers_and_cuts_the_host_code() -> None:
+    source = (
+        '#include <torch/extension.h> // the wrapper\n  #  include "c10/cuda/CUDAGuard.h"\n#include <cuda_fp16.h>\n'
+        + TORCH_NAIVE.removeprefix(TORCH_HEAD)
+    )
+    alone = device_code_alone(source, frozenset({"torch/extension.h", "c10/cuda/CUDAGuard.h"}), "relu")
+    assert alone.startswith(" // the wrapper\n\n#include <cuda_fp16.h>\n")
+    assert "__global__ void relu" in alone and "forward" not in alone and "torch::" not in alone
+    assert device_code_alone(source, frozenset(), "relu").startswith(
+        "#include <torch/extension.h> // the wrapper"
+    )
 
 
 KERNEL_WITH_MAIN = """

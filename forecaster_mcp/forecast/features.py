@@ -798,6 +798,23 @@ def without_host_code(text: str, entry: str | None = None) -> str:
     return _cut(text, [(a, b) for i, (a, b, _) in enumerate(cut) if i not in kept])
 
 
+# An #include directive naming a header (`<x>` or `"x"`); what follows on its line (a comment) is not its.
+_INCLUDE_LINE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*[<"]([^>"\n]{1,200})[>"]', re.MULTILINE)
+
+
+def device_code_alone(text: str, headers: frozenset[str], entry: str | None = None) -> str:
+    """`text` as this server's nvcc can compile it for ptxas's figures when it lacks `headers` (a PyTorch
+    extension's torch/extension.h, ATen's, c10's): their #include lines blanked and its host-only functions cut
+    (`without_host_code`), which is where such headers are used (`torch::Tensor forward(...)`,
+    PYBIND11_MODULE). The device code is compiled as written; one that needs those headers itself still fails
+    to compile, and is read without register counts. A comment after a blanked directive is kept."""
+
+    def blank(m: re.Match[str]) -> str:
+        return "" if m.group(1).strip() in headers else m.group(0)
+
+    return without_host_code(_INCLUDE_LINE.sub(blank, text), entry)
+
+
 def host_function_spans(text: str) -> list[tuple[int, int, str | None]]:
     """(start, end, name) of each host-only function definition at file scope (namespaces looked into; see
     `without_host_code`), in order; empty where the braces cannot be followed."""
@@ -1225,6 +1242,9 @@ class StaticFeatures:
     # and Claude's prompt say it ("grid [256, 1, 1], block [128, 1, 1]"); None when the kernel came with its
     # launch or the source says nothing. The numbers themselves are in the fields above.
     launch_from_source: str | None = None
+    # The headers this server's nvcc lacks that were left out to compile the kernel's device code alone for the
+    # ptxas figures above (ptxas.PtxasUsage.without_headers): the rationale says so. Empty otherwise.
+    compiled_without: tuple[str, ...] = field(default=(), metadata={"prompt": False})
     numeric_defines: dict[str, float] = field(default_factory=dict)
 
     @property

@@ -34,7 +34,7 @@ import re
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -58,7 +58,7 @@ from forecaster_mcp.forecast.features import (
     sibling_spread,
     with_resources,
 )
-from forecaster_mcp.forecast.ptxas import PtxasError, PtxasUsage, measured_entry
+from forecaster_mcp.forecast.ptxas import PtxasError, PtxasUsage, measured_entry, missing_header
 from forecaster_mcp.models import C_INT, C_INT_SUFFIX, Kernel, Launch, c_integer
 from forecaster_mcp.store.db import AnchorPoint, FamilyPoint
 
@@ -1564,7 +1564,10 @@ class LocalForecaster:
                 u = usage.get((key[0], arch))
                 entry = u.for_entry(k.entry) if isinstance(u, PtxasUsage) else None
                 error = u if isinstance(u, PtxasError) else None
-                cached = (kernel_features(k, q.workload, q.hardware, entry), error)
+                feats = kernel_features(k, q.workload, q.hardware, entry)
+                if entry is not None and isinstance(u, PtxasUsage) and u.without_headers:
+                    feats = replace(feats, compiled_without=u.without_headers)
+                cached = (feats, error)
                 if key[0] not in skipped:
                     self._keep_features(key, cached)
             out.append(cached)
@@ -2126,6 +2129,15 @@ class LocalForecaster:
         ]
         if read:
             rationale += f"; launch read from the source's host code: {'; '.join(read)}"
+        alone = [
+            (who, f.compiled_without)
+            for who, f in (("candidate", fc), ("baseline", fb))
+            if f.compiled_without
+        ]
+        if alone:
+            who = " and ".join(w for w, _ in alone)
+            headers = ", ".join(sorted({h for _, hs in alone for h in hs}))
+            rationale += f"; {who}: device code compiled here alone, without host code (this server's nvcc has no {headers})"
         if unbuilt:
             who = " and ".join(w for w, _ in unbuilt)
             headers = ", ".join(sorted({h for _, h in unbuilt}))
@@ -2162,9 +2174,6 @@ def _like_for_like(
     return fb, with_resources(fc.source, q.candidate, q.hardware, None, q.workload)
 
 
-_MISSING_HEADER = re.compile(
-    r'cannot open source file "([^"\n]{1,200})"|fatal error: ([^\n:]{1,200}): No such file or directory'
-)
 _COMMENTS = re.compile(r"//[^\n]*|/\*.*?(?:\*/|\Z)", re.DOTALL)
 _CODE = re.compile(r"\S")
 
@@ -2180,17 +2189,6 @@ def _compile_p_fail(e: PtxasError | None, q: PairQuery) -> float:
     if e is None:
         return 0.0
     return P_FAIL_COMPILE_ERROR if _on_own_arch(e, q) else P_FAIL_COMPILE_ERROR_STAND_IN
-
-
-def missing_header(e: PtxasError) -> str | None:
-    """The header `e` says this server's nvcc could not find, or None for any other error.
-
-    Not the kernel's failure: a library header (torch/extension.h, cutlass/gemm.h) may be installed where the
-    kernel runs, and the same kernel sent as a Python source (torch's load_inline) is never compiled here at all.
-    It was p_fail 0.9 before, which made every PyTorch extension kernel `slower` than any plain one and left it
-    out of measure_next. A header that is nowhere is the measurement's compile_error to find."""
-    m = _MISSING_HEADER.search(e.message)
-    return None if m is None else (m.group(1) or m.group(2)).strip()
 
 
 def _compile_error_text(e: PtxasError, q: PairQuery) -> str:

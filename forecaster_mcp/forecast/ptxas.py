@@ -32,7 +32,7 @@ import sys
 import tempfile
 import traceback
 from collections.abc import AsyncIterable, Callable, Hashable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -107,6 +107,9 @@ class PtxasUsage:
 
     arch: str
     entries: tuple[PtxasEntry, ...]
+    # The headers this server's nvcc lacks (torch/extension.h) that were left out to compile the source's device
+    # code alone (`ptxas_results`, features.device_code_alone); empty for a source compiled as it was sent.
+    without_headers: tuple[str, ...] = ()
 
     def for_entry(self, entry: str) -> PtxasEntry | None:
         """The entry named `entry`: an extern "C" name, or the unqualified name of an Itanium-mangled one
@@ -124,6 +127,21 @@ class PtxasError:
 
     arch: str
     message: str  # the first error line, host paths stripped ("kernel.cu(3): error: expected a \";\"")
+
+
+_MISSING_HEADER = re.compile(
+    r'cannot open source file "([^"\n]{1,200})"|fatal error: ([^\n:]{1,200}): No such file or directory'
+)
+
+
+def missing_header(e: PtxasError) -> str | None:
+    """The header `e` says this server's nvcc could not find, or None for any other error.
+
+    Not the kernel's failure: a library header (torch/extension.h, cutlass/gemm.h) may be installed where the
+    kernel runs, and the same kernel sent as a Python source (torch's load_inline) is never compiled here at all.
+    A header that is nowhere is the measurement's compile_error to find."""
+    m = _MISSING_HEADER.search(e.message)
+    return None if m is None else (m.group(1) or m.group(2)).strip()
 
 
 def itanium_function_name(symbol: str) -> str | None:
@@ -713,6 +731,42 @@ async def ptxas_usages(
     return {key: r for key, r in found.items() if isinstance(r, PtxasUsage)}
 
 
+# The most headers this server's nvcc lacks that are left out of one source (each found by a compile of its own).
+MAX_MISSING_HEADERS = 4
+
+
+async def _device_code_alone(
+    kernel: Kernel, error: PtxasError, nvcc: str, cache_dir: Path | None, deadline: float
+) -> PtxasUsage | None:
+    """ptxas's figures for `kernel`'s device code compiled without the headers this server's nvcc lacks (`error`
+    names the first): their #include lines and the host code that uses them left out
+    (features.device_code_alone), the next missing header found by the next compile, up to MAX_MISSING_HEADERS.
+    A PyTorch extension's kernel is plain CUDA; only its wrapper needs torch/extension.h. None when the device
+    code needs the headers itself, or has no entry `kernel.entry` compiled alone (a template instantiated only by
+    the host code's AT_DISPATCH): the kernel is then read without register counts, as before."""
+    from forecaster_mcp.forecast.features import device_code_alone  # features reads ptxas's PtxasEntry
+
+    headers: set[str] = set()
+    found: str | None = missing_header(error)
+    while found is not None and found not in headers and len(headers) < MAX_MISSING_HEADERS:
+        headers.add(found)
+        left = deadline - anyio.current_time()
+        if left <= 0:
+            return None
+        # Up to 1 MB of source read for its host functions: off the event loop.
+        source = await anyio.to_thread.run_sync(
+            device_code_alone, kernel.source, frozenset(headers), kernel.entry
+        )
+        alone = kernel.model_copy(update={"source": source})
+        result = await ptxas_result(alone, error.arch, nvcc, cache_dir, timeout_s=left)
+        if isinstance(result, PtxasUsage):
+            if result.for_entry(kernel.entry) is None:
+                return None
+            return replace(result, without_headers=tuple(sorted(headers)))
+        found = missing_header(result) if isinstance(result, PtxasError) else None
+    return None
+
+
 async def ptxas_results(
     kernels: Mapping[_K, tuple[Kernel, str]],
     nvcc: str,
@@ -742,6 +796,8 @@ async def ptxas_results(
                 timeout_s=deadline - anyio.current_time(),
                 on_start=lambda: started.add(key),
             )
+            if isinstance(result, PtxasError) and missing_header(result) is not None:
+                result = await _device_code_alone(kernel, result, nvcc, cache_dir, deadline) or result
         if result is not None:
             out[key] = result
 
