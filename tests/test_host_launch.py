@@ -16,6 +16,7 @@ from forecaster_mcp.forecast.ptxas import (
     MAX_MISSING_HEADERS,
     PtxasError,
     PtxasUsage,
+    compiler_env,
     find_nvcc,
     missing_header,
     ptxas_results,
@@ -699,3 +700,33 @@ def test_a_brace_in_a_string_is_no_structure() -> None:
     assert "__shared__ float s[32]" in kept and "int main" not in kept
     f = source_features(src, {}, "k")
     assert f.shared == 1 and f.fp64 == 0
+
+
+@pytest.mark.parametrize(
+    ("message", "header"),
+    [
+        (
+            'kernel.cu(1): catastrophic error: cannot open source file "torch/extension.h"',
+            "torch/extension.h",
+        ),
+        ("kernel.cu:1:10: fatal error: torch/extension.h: No such file or directory", "torch/extension.h"),
+        ("kernel.cu:2:10: fatal error: 'ATen/ATen.h' file not found", "ATen/ATen.h"),  # nvcc -ccbin clang
+        (
+            "kernel.cu(3): fatal error C1083: Cannot open include file: 'cutlass/gemm.h': No such file or directory",
+            "cutlass/gemm.h",
+        ),  # MSVC
+        ('kernel.cu(5): error: identifier "BROKEN" is undefined', None),
+        ("kernel.cu:4:3: error: 'x' file not found in the kernel's own words", None),
+    ],
+)
+def test_missing_headers_are_read_from_each_host_compiler_s_message(message: str, header: str | None) -> None:
+    assert missing_header(PtxasError("sm_90", message)) == header
+
+
+def test_compiler_messages_are_asked_for_in_english(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gcc's messages follow gettext's LANGUAGE: under a German locale its missing header was 'schwerwiegender
+    Fehler: ...: Datei oder Verzeichnis nicht gefunden', which missing_header and first_error_line do not read."""
+    monkeypatch.setenv("LANGUAGE", "de")
+    monkeypatch.setenv("LC_ALL", "de_DE.UTF-8")
+    env = compiler_env(TMPDIR="/tmp/x")
+    assert env["LANGUAGE"] == "en" and env["LC_ALL"] == "de_DE.UTF-8" and env["TMPDIR"] == "/tmp/x"

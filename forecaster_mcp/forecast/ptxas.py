@@ -129,8 +129,13 @@ class PtxasError:
     message: str  # the first error line, host paths stripped ("kernel.cu(3): error: expected a \";\"")
 
 
+# The missing-header messages of nvcc's front end (EDG) and of its host preprocessor: gcc, clang (`-ccbin
+# clang`), MSVC (cl.exe). In English: compiler_env sets LANGUAGE=en, which gcc's translations follow.
 _MISSING_HEADER = re.compile(
-    r'cannot open source file "([^"\n]{1,200})"|fatal error: ([^\n:]{1,200}): No such file or directory'
+    r'cannot open source file "([^"\n]{1,200})"'
+    r"|fatal error: ([^\n:']{1,200}): No such file or directory"
+    r"|fatal error: '([^'\n]{1,200})' file not found"
+    r"|fatal error C1083: Cannot open include file: '([^'\n]{1,200})'"
 )
 
 
@@ -141,7 +146,7 @@ def missing_header(e: PtxasError) -> str | None:
     kernel runs, and the same kernel sent as a Python source (torch's load_inline) is never compiled here at all.
     A header that is nowhere is the measurement's compile_error to find."""
     m = _MISSING_HEADER.search(e.message)
-    return None if m is None else (m.group(1) or m.group(2)).strip()
+    return None if m is None else next(g for g in m.groups() if g is not None).strip()
 
 
 def itanium_function_name(symbol: str) -> str | None:
@@ -354,8 +359,12 @@ _SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL", re.IGNORECASE)
 
 
 def compiler_env(**extra: str) -> dict[str, str]:
-    """The environment for nvcc: the server's, without anything named like a secret (API keys, tokens)."""
-    return {**{k: v for k, v in os.environ.items() if not _SECRET_NAME.search(k)}, **extra}
+    """The environment for nvcc: the server's, without anything named like a secret (API keys, tokens), and with
+    its messages in English (LANGUAGE=en: gettext's choice of translation, which outranks LC_ALL and LANG and
+    changes nothing else of the locale), as `missing_header` and `first_error_line` read them. Under a German
+    locale gcc wrote "schwerwiegender Fehler: ...: Datei oder Verzeichnis nicht gefunden"."""
+    kept = {k: v for k, v in os.environ.items() if not _SECRET_NAME.search(k)}
+    return {**kept, "LANGUAGE": "en", **extra}
 
 
 # What one compile (nvcc and every program it runs) may use: address space and the size of any file it writes. A
