@@ -730,3 +730,73 @@ def test_compiler_messages_are_asked_for_in_english(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("LC_ALL", "de_DE.UTF-8")
     env = compiler_env(TMPDIR="/tmp/x")
     assert env["LANGUAGE"] == "en" and env["LC_ALL"] == "de_DE.UTF-8" and env["TMPDIR"] == "/tmp/x"
+
+
+def test_a_forward_declaration_does_not_keep_its_host_function() -> None:
+    """`void launch(...);` above the kernel read as a use of launch: its loop, its division and main's fp64 check
+    it calls were counted as the kernel's. Declaration and definition go together; a declared function kept code
+    really uses stays, declaration and all."""
+    from forecaster_mcp.forecast.features import source_features, without_host_code
+
+    declared = (
+        "#include <cstdio>\n"
+        "void launch(const float* x, float* y, int n);  // below main's kernel\n"
+        "double check(const float* y, int n);\n"
+        "int n_blocks(int n) noexcept;\n"
+        "__global__ void k(const float* x, float* y, int n) {\n"
+        "  int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < n) y[i] = 2.f * x[i];\n}\n"
+        'int main() { launch(0, 0, 1 << 20); printf("%g\\n", check(0, 1 << 20)); return 0; }\n'
+        "void launch(const float* x, float* y, int n) {\n"
+        "  for (int r = 0; r < 10; ++r) k<<<n_blocks(n), 256>>>(x, y, n);\n}\n"
+        "double check(const float* y, int n) { double e = 0.0; for (int i = 0; i < n; ++i) e += y[i] / 3.0; "
+        "return e; }\n"
+        "int n_blocks(int n) noexcept { return (n + 255) / 256; }\n"
+    )
+    kept = without_host_code(declared, "k")
+    for gone in ("launch", "check", "n_blocks", "int main"):
+        assert gone not in kept, gone
+    assert "__global__ void k(" in kept
+    f = source_features(declared, {}, "k")
+    assert (f.fp64, f.loops, f.divisions) == (0, 0, 0)
+    # A host function a struct the kernel's file keeps calls is used: kept with its declaration.
+    used = declared + "struct Runner { void go() { launch(0, 0, 1); } };\n"
+    kept = without_host_code(used, "k")
+    assert "void launch(const float* x, float* y, int n);" in kept and "for (int r = 0" in kept
+    assert "double check(" not in kept
+    # An initialised variable and a function pointer are not declarations of the function they name.
+    variables = (
+        declared + "int blocks = n_blocks(4096);\nvoid (*runner)(const float*, float*, int) = launch;\n"
+    )
+    kept = without_host_code(variables, "k")
+    assert (
+        "int n_blocks(int n) noexcept {" in kept and "void launch(const float* x, float* y, int n) {" in kept
+    )
+
+
+def test_a_comment_above_a_host_function_does_not_name_it() -> None:
+    """`// host side (the tile)` above `int tile()` named the function `side` (the word before the comment's
+    parenthesis): the struct using tile() lost it, and the device code compiled alone (device_code_alone) did
+    not compile."""
+    from forecaster_mcp.forecast.features import without_host_code
+
+    src = (
+        "// host side (the tile)\nconstexpr int tile() { return 32; }\n"
+        "struct Shape { int t = tile(); };\n"
+        "__global__ void k(float* y) { y[threadIdx.x] = 1.f; }\n"
+        "/* main (host) */ int main() { return 0; }\n"
+    )
+    kept = without_host_code(src, "k")
+    assert "constexpr int tile() { return 32; }" in kept and "int main" not in kept
+
+
+def test_declarations_are_read_cheaply() -> None:
+    from forecaster_mcp.forecast.features import source_features
+
+    for junk in (
+        ("a" * 1990 + " (x);\n") * 500,
+        "f(x) ;" * 150_000,
+        ("void g(" + "int, " * 400 + "int);\n") * 500,
+    ):
+        started = time.perf_counter()
+        source_features(KERNEL + junk + "int main() { return 0; }\n", {}, "k")
+        assert time.perf_counter() - started < 2.0

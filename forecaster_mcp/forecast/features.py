@@ -777,7 +777,8 @@ def without_host_code(text: str, entry: str | None = None) -> str:
     (nothing to tell host from device by) or braces that do not balance."""
     if _GLOBAL not in text:
         return text
-    found = host_function_spans(text)
+    declarations: list[tuple[int, int, str | None]] = []
+    found = _host_spans(text, declarations)
     if not found or len(found) > _MAX_HOST_FUNCTIONS:
         return text
     # An operator (`HD float4 operator+(...)`, used as `a + b`) has no name to look for: kept.
@@ -787,7 +788,10 @@ def without_host_code(text: str, entry: str | None = None) -> str:
     by_name: dict[str, list[int]] = {}
     for i, (_, _, n) in enumerate(cut):
         by_name.setdefault(n, []).append(i)
-    used = set(_IDENT.findall(_cut(text, [(a, b) for a, b, _ in cut])))
+    # A forward declaration (`void launch(float*, int);` above the kernel) is no use of the function: it kept
+    # the whole host function before, and went when the function did.
+    declared = [(a, b, n) for a, b, n in declarations if n in by_name]
+    used = set(_IDENT.findall(_cut(text, sorted([(a, b) for a, b, _ in cut + declared]))))
     kept: set[int] = set()
     queue = [n for n in used if n in by_name]
     while queue:
@@ -795,7 +799,9 @@ def without_host_code(text: str, entry: str | None = None) -> str:
             kept.add(i)
             a, b, _ = cut[i]
             queue.extend(n for n in set(_IDENT.findall(text, a, b)) if n in by_name)
-    return _cut(text, [(a, b) for i, (a, b, _) in enumerate(cut) if i not in kept])
+    kept_names = {cut[i][2] for i in kept}
+    gone = [(a, b) for i, (a, b, _) in enumerate(cut) if i not in kept]
+    return _cut(text, sorted(gone + [(a, b) for a, b, n in declared if n not in kept_names]))
 
 
 # An #include directive naming a header (`<x>` or `"x"`); what follows on its line (a comment) is not its.
@@ -818,18 +824,30 @@ def device_code_alone(text: str, headers: frozenset[str], entry: str | None = No
 def host_function_spans(text: str) -> list[tuple[int, int, str | None]]:
     """(start, end, name) of each host-only function definition at file scope (namespaces looked into; see
     `without_host_code`), in order; empty where the braces cannot be followed."""
+    return _host_spans(text)
+
+
+def _host_spans(
+    text: str, declarations: list[tuple[int, int, str | None]] | None = None
+) -> list[tuple[int, int, str | None]]:
+    """`host_function_spans`, and the (start, end, name) of each function declaration at file scope that is not
+    device code (`void launch(float*, int);`) added to `declarations`, when given."""
     found: list[tuple[int, int, str | None]] = []
     probe = _blank_literals(text)  # `printf("}")` in a kernel closed its body early
-    return found if _host_functions(probe, 0, len(probe), _closers(probe, "{", "}"), found, 0) else []
+    braces = _closers(probe, "{", "}")
+    return found if _host_functions(probe, 0, len(probe), braces, found, 0, declarations) else []
 
 
 def _blank_literals(text: str) -> str:
-    """`text` with the insides of its string and character literals blanked, in place (the same length): a
-    brace or semicolon in `printf("}")` is no structure."""
+    """`text` with the insides of its string and character literals blanked and its comments made spaces (line
+    breaks kept), in place (the same length): a brace or semicolon in `printf("}")` is no structure, and
+    `// launch it (host)` above a function does not name it `it`."""
 
     def blank(m: re.Match[str]) -> str:
         t = m.group(0)
-        if t[:1] not in "\"'" or len(t) < 2:
+        if t[:1] == "/":
+            return re.sub(r"[^\n]", " ", t)
+        if t[:1] not in "\"'" or len(t) < 2:  # a number (`1'000`) is not a literal to blank
             return t
         return t[0] + " " * (len(t) - 2) + t[-1]
 
@@ -837,34 +855,39 @@ def _blank_literals(text: str) -> str:
 
 
 def _host_functions(
-    text: str, lo: int, hi: int, braces: dict[int, int], out: list[tuple[int, int, str | None]], depth: int
+    text: str,
+    lo: int,
+    hi: int,
+    braces: dict[int, int],
+    out: list[tuple[int, int, str | None]],
+    depth: int,
+    declarations: list[tuple[int, int, str | None]] | None = None,
 ) -> bool:
     """Append (start, end, name) of each host-only function definition at file scope in text[lo:hi] (or in a
-    namespace there) to `out`; False where the braces cannot be followed."""
+    namespace there) to `out`, and of each function declaration that is not device code to `declarations` (when
+    given); False where the braces cannot be followed."""
     start = pos = lo
     while (m := _TOP_LEVEL_MARK.search(text, pos, hi)) is not None:
         at = m.start()
         if m.group() != "{":
+            if m.group() == ";" and declarations is not None:
+                declared = _declaration(text, start, at)
+                if declared is not None:
+                    declarations.append((declared[0], at + 1, declared[1]))
             start = pos = at + 1
             continue
         close = braces.get(at)
         if close is None or close > hi:
             return False
-        header_start = start
-        header = text[start:at]
-        directive = header.rfind("\n#")
-        if directive >= 0 or header.lstrip().startswith("#"):
-            # After the header's last preprocessor line (a #define before the function stays).
-            line_end = header.find("\n", directive + 1 if directive >= 0 else header.find("#"))
-            if line_end < 0:
-                start = pos = close  # a brace on a preprocessor line: a macro's body
-                continue
-            header_start = start + line_end + 1
-            header = text[header_start:at]
+        header_start = _after_directives(text, start, at)
+        if header_start is None:
+            start = pos = close  # a brace on a preprocessor line: a macro's body
+            continue
+        header = text[header_start:at]
         window = header[-_HEADER_WINDOW:]
         if _TRANSPARENT_BLOCK.search(window):
             if depth >= _NAMESPACE_DEPTH or not _host_functions(
-                text, at + 1, close - 1, braces, out, depth + 1
+                text, at + 1, close - 1, braces, out, depth + 1, declarations
             ):
                 return False
         elif (
@@ -878,6 +901,39 @@ def _host_functions(
             out.append((header_start, close, name.group(1) if name else None))
         start = pos = close
     return True
+
+
+def _after_directives(text: str, start: int, end: int) -> int | None:
+    """Where the statement text[start:end] starts after its last preprocessor line (a #define before a function
+    stays); None when it ends on one (a brace or semicolon in a macro's body)."""
+    header = text[start:end]
+    directive = header.rfind("\n#")
+    if directive < 0 and not header.lstrip().startswith("#"):
+        return start
+    line_end = header.find("\n", directive + 1 if directive >= 0 else header.find("#"))
+    return None if line_end < 0 else start + line_end + 1
+
+
+def _declaration(text: str, start: int, end: int) -> tuple[int, str] | None:
+    """(start, name) of the function declaration text[start:end] (a statement at file scope, before its `;`):
+    a name, a parameter list and qualifiers at the end, not device code, a type or an initialised variable
+    (`int n = size(3);`); None for anything else. Its preprocessor lines are not its."""
+    at = _after_directives(text, start, end)
+    if at is None:
+        return None
+    header = text[at:end]
+    window = header[-_HEADER_WINDOW:]
+    paren = window.find("(")
+    if (
+        paren < 0
+        or "=" in window[:paren]
+        or not _FUNCTION_HEADER_END.search(window)
+        or _NOT_A_FUNCTION.match(window)
+        or _DEVICE_CODE.search(header)
+    ):
+        return None
+    name = _NAME_BEFORE_PAREN.search(window[:paren])
+    return None if name is None else (at, name.group(1))
 
 
 def _cut(text: str, spans: Sequence[tuple[int, int]]) -> str:
