@@ -9,6 +9,9 @@ honest figure for kernels of problems the fit never saw; `forecaster-mcp eval` o
 Registers and shared memory come from the measured lines (what ptxas reported on the GPU machine), so the
 figures do not depend on the nvcc of the machine running this. Also prints the weights fitted on all pairs.
 
+--load-inline sends each kernel as KernelBench writes it: a Python module compiling the CUDA with torch's
+load_inline, the launch in the C++ wrapper of its CUDA string; the figures must be those with the launches.
+
 --anchors SHARE measures that share of each workload's kernels (drawn at random, --draws times) and forecasts the
 pairs of one measured and one unmeasured kernel twice, with features.anchored_log2_ms (the forecaster's own code,
 with the fold's weights and spread): from the pair's measured kernel alone (the plain prior), and anchored on every
@@ -77,8 +80,58 @@ def host_launched(kernel: dict[str, Any]) -> dict[str, Any]:
     return {**{k: v for k, v in kernel.items() if k != "launch"}, "source": source}
 
 
+# The same kernel as an agent writes it for torch (KernelBench's form): a Python module compiling the CUDA with
+# load_inline, a C++ wrapper in the CUDA string launching it, and a module calling the wrapper.
+_LOAD_INLINE = '''import torch
+import torch.nn as nn
+from torch.utils.cpp_extension import load_inline
+
+cuda_source = r"""
+#include <torch/extension.h>
+SOURCE
+torch::Tensor run(torch::Tensor x) {
+  dim3 grid(GRID);
+  ENTRY<<<grid, dim3(BLOCK), SHARED>>>();
+  return x;
+}
+"""
+
+module = load_inline(
+    name="ENTRY_ext",
+    cpp_sources="torch::Tensor run(torch::Tensor x);",
+    cuda_sources=cuda_source,
+    functions=["run"],
+)
+
+
+class ModelNew(nn.Module):
+    def forward(self, x):
+        return module.run(x)
+'''
+
+
+def load_inline_file(kernel: dict[str, Any]) -> dict[str, Any]:
+    """The kernel without its `launch`, as a Python source (`_LOAD_INLINE`) whose entry is its module class:
+    what `--load-inline` forecasts. The CUDA in its string is read (features.embedded_cuda), and the launch from
+    the wrapper there (host_launch)."""
+    launch = kernel["launch"]
+    grid, block = (", ".join(str(v) for v in [*launch[k], 1, 1][:3]) for k in ("grid", "block"))
+    source = (
+        _LOAD_INLINE.replace("SOURCE", kernel["source"])
+        .replace("GRID", grid)
+        .replace("BLOCK", block)
+        .replace("SHARED", str(launch.get("shared_mem_bytes", 0)))
+        .replace("ENTRY", kernel["entry"])
+    )
+    keep = {k: v for k, v in kernel.items() if k not in ("launch", "source", "entry", "language")}
+    return {**keep, "source": source, "entry": "ModelNew", "language": "python"}
+
+
 def design(
-    rows: list[dict[str, Any]], pairs: list[dict[str, Any]], host_launch: bool = False
+    rows: list[dict[str, Any]],
+    pairs: list[dict[str, Any]],
+    host_launch: bool = False,
+    load_inline: bool = False,
 ) -> tuple[np.ndarray, ...]:
     """Values of the fitted terms (X), the hand-set shift (rest), log2 speedups and problems."""
     resources = {r["id"]: r["result"].get("resources") for r in rows}
@@ -87,7 +140,14 @@ def design(
     for p in pairs:
         fs = []
         for side in ("baseline", "candidate"):
-            k = Kernel.model_validate(host_launched(p[side]) if host_launch else p[side])
+            sent = (
+                load_inline_file(p[side])
+                if load_inline
+                else host_launched(p[side])
+                if host_launch
+                else p[side]
+            )
+            k = Kernel.model_validate(sent)
             if k.id not in cache:
                 cache[k.id] = _features(k, resources.get(k.id), p["hardware"])
             fs.append(cache[k.id])
@@ -123,10 +183,17 @@ def main() -> int:
         "back by forecast/host_launch.py) and a main checking it in double precision (not the kernel's: "
         "features.without_host_code); the figures must be those with the launches",
     )
+    ap.add_argument(
+        "--load-inline",
+        action="store_true",
+        help="send each kernel without its launch, as a Python source compiling it with torch's load_inline, "
+        "launched by the C++ wrapper in its CUDA string (KernelBench's form); the figures must be those with the "
+        "launches",
+    )
     args = ap.parse_args()
     rows = read_measured(args.measured)
     pairs = build_pairs(rows, args.corpus, seed=0)
-    x, rest, y, groups = design(rows, pairs, args.host_launch)
+    x, rest, y, groups = design(rows, pairs, args.host_launch, args.load_inline)
     if args.anchors is not None:
         return _anchored(rows, pairs, x, rest, y, groups, args)
     mu, sd = np.zeros_like(y), np.zeros_like(y)

@@ -800,3 +800,68 @@ def test_declarations_are_read_cheaply() -> None:
         started = time.perf_counter()
         source_features(KERNEL + junk + "int main() { return 0; }\n", {}, "k")
         assert time.perf_counter() - started < 2.0
+
+
+def _load_inline(cuda: str) -> str:
+    return (
+        "import torch\nfrom torch.utils.cpp_extension import load_inline\n\n"
+        f'cuda_source = r"""\n{cuda}\n"""\n'
+        'module = load_inline(name="ext", cpp_sources="torch::Tensor forward(torch::Tensor x);", '
+        'cuda_sources=cuda_source, functions=["forward"])\n\n'
+        "class ModelNew(torch.nn.Module):\n    def forward(self, x):\n        return module.forward(x)\n"
+    )
+
+
+def test_the_launch_of_a_load_inline_kernel_is_read_from_its_cuda_string() -> None:
+    """KernelBench's form, which agents write for torch: a Python module whose CUDA string holds the kernel and
+    the C++ wrapper launching it. The launch was read only from a CUDA source: the Python twin of a CUDA file
+    lost its block size, grid and the work-per-thread term (corpus_lopo --load-inline: accuracy 0.796, ECE
+    0.094, 26.8% decided against 0.822, 0.075, 30.9% for the same kernels with their launches; now equal)."""
+    wl = Workload.model_validate(
+        {
+            "args": [
+                {
+                    "name": "x",
+                    "dtype": "float32",
+                    "shape": [1 << 24],
+                    "init": "random_uniform",
+                    "intent": "in",
+                }
+            ]
+        }
+    )
+    for cuda, grid in ((TORCH_NAIVE, 65536), (TORCH_VEC4, 16384)):
+        python = Kernel(source=_load_inline(cuda), entry="ModelNew", language="python")
+        assert source_launch(python, wl) == SourceLaunch((grid, 1, 1), (256, 1, 1), 0)
+        assert host_launch.launches_itself(python)
+        f = kernel_features(python, wl, lookup("H100"), None)
+        assert (f.threads_per_block, f.blocks) == (256, grid)
+        assert f.launch_from_source == f"grid [{grid}, 1, 1], block [256, 1, 1]"
+    # CuPy launches from Python (`kernel((grid,), (block,), args)`): nothing is read there.
+    cupy = (
+        "import cupy as cp\nk = cp.RawKernel(r'''extern \"C\" __global__ void relu(float* x, int n) {\n"
+        "  int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < n) x[i] = fmaxf(x[i], 0.f); }''', 'relu')\n"
+        "def run(x):\n    k(((x.size + 255) // 256,), (256,), (x, x.size))\n"
+    )
+    python = Kernel(source=cupy, entry="run", language="python")
+    assert source_launch(python, wl) is None and not host_launch.launches_itself(python)
+
+
+def test_a_kernel_with_launch_bounds_in_a_python_string_is_its_entry() -> None:
+    """`__global__ void __launch_bounds__(256) k(...)` in a Python source's CUDA was read as a kernel named
+    `__launch_bounds__`: its launch was looked for under that name, and the features were the whole text's."""
+    from forecaster_mcp.forecast.features import embedded_cuda
+
+    bounded = TORCH_NAIVE.replace("__global__ void relu(", "__global__ void __launch_bounds__(256) relu(")
+    embedded = embedded_cuda(_load_inline(bounded), "ModelNew")
+    assert embedded is not None and embedded.entry == "relu"
+    python = Kernel(source=_load_inline(bounded), entry="ModelNew", language="python")
+    assert source_launch(python, WL) == SourceLaunch((65536, 1, 1), (256, 1, 1), 0)
+
+
+def test_an_include_is_no_division_and_no_line_of_the_kernel() -> None:
+    from forecaster_mcp.forecast.features import source_features
+
+    plain = source_features(TORCH_NAIVE.removeprefix(TORCH_HEAD), {}, "relu")
+    with_torch = source_features(TORCH_NAIVE + '#include "ATen/cuda/CUDAContext.h"\n', {}, "relu")
+    assert with_torch == plain and plain.divisions == 0

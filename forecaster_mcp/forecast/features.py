@@ -695,6 +695,11 @@ _LAUNCH_BOUNDS = re.compile(
 )
 
 
+def _without_launch_bounds(text: str) -> str:
+    """`text` with its `_LAUNCH_BOUNDS` blanked in place (the same length), as `_global_names` must read it."""
+    return _LAUNCH_BOUNDS.sub(lambda m: " " * len(m.group(0)), text)
+
+
 def _closers(text: str, open_ch: str, close_ch: str) -> dict[int, int]:
     """For each `open_ch` in `text` that is closed, the index just past its closing bracket: one pass for
     every bracket (scanning from each kernel's bracket to its match was quadratic on a crafted source of nested
@@ -717,8 +722,7 @@ def entry_text(text: str, entry: str | None) -> str:
     use them). Unchanged when `entry` is not defined here (a macro-generated or templated name)."""
     if not entry or "__global__" not in text:
         return text
-    # Blanked in place (_LAUNCH_BOUNDS).
-    probe = _LAUNCH_BOUNDS.sub(lambda m: " " * len(m.group(0)), text)
+    probe = _without_launch_bounds(text)
     spans: list[tuple[int, int]] = []
     names: set[str] = set()
     parens, braces = _closers(probe, "(", ")"), _closers(probe, "{", "}")
@@ -949,7 +953,7 @@ def _cut(text: str, spans: Sequence[tuple[int, int]]) -> str:
 def entry_parameter_count(source: str, entry: str) -> int | None:
     """How many parameters the `__global__` function `entry` declares, or None where its definition cannot be
     read plainly (not found, a preprocessor line in its list, parentheses that never close)."""
-    probe = _LAUNCH_BOUNDS.sub(lambda m: " " * len(m.group(0)), strip_comments(source))
+    probe = _without_launch_bounds(strip_comments(source))
     parens: dict[int, int] | None = None
     for _, name, paren in _global_names(probe):
         if name != entry:
@@ -996,6 +1000,8 @@ def source_features(
         cuda = source_features(embedded.text, defines, embedded.entry)
         return dataclasses.replace(cuda, embedded_cuda=1)
     text = without_host_code(entry_text(_as_cuda(preprocess(source, defines), language), entry), entry)
+    # `#include <torch/extension.h>` is no division (every PyTorch extension had one) and no line of the kernel's.
+    text = _INCLUDE_LINE.sub("", text)
     counts = {name: len(p.findall(text)) for name, p in _LANGUAGE_PATTERNS.get(language, _PATTERNS).items()}
     lines = sum(1 for line in text.splitlines() if line.strip())
     flow = text[:_MAX_FLOW_TEXT]
@@ -1232,7 +1238,10 @@ def embedded_cuda(source: str, entry: str | None) -> EmbeddedCuda | None:
     if not any(s.literals for s in statements):
         return None
     kernels = {
-        t: {name for _, name, _ in _global_names(strip_comments(t))} for s in statements for t in s.literals
+        # `__global__ void __launch_bounds__(256) k(...)` named `__launch_bounds__`, and its launch was not read.
+        t: {name for _, name, _ in _global_names(_without_launch_bounds(strip_comments(t)))}
+        for s in statements
+        for t in s.literals
     }
     binders: dict[str, list[int]] = {}
     for i, s in enumerate(statements):

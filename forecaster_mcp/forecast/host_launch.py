@@ -1,6 +1,8 @@
 """The launch a kernel's own host code gives it: for forecasting a kernel sent without `launch`.
 
-An agent often sends a whole .cu file (a `main`, or a PyTorch extension's wrapper) and no `launch`: forecasting
+An agent often sends a whole .cu file (a `main`, or a PyTorch extension's wrapper), or a Python module whose CUDA
+string holds the kernel and the C++ wrapper launching it (torch's load_inline, KernelBench's form; read as that
+CUDA, `_as_launching_cuda`), and no `launch`: forecasting
 does not need one (DESIGN.md), but without it the static prior knows neither the block size (occupancy, waves) nor
 how many threads share the work (its `work_per_thread` term). On the corpus of benchmarks/corpus_lopo.py (leave one
 problem out) the pairs sent without launches give accuracy 0.804, ECE 0.103 and 25.2% decided, against 0.822,
@@ -156,8 +158,25 @@ def _may_launch(kernel: Kernel) -> bool:
     )
 
 
+def _as_launching_cuda(kernel: Kernel) -> Kernel:
+    """`kernel` as the source whose host code may launch it: a Python one's CUDA (features.embedded_cuda: torch's
+    load_inline, whose C++ wrapper in the same string launches the kernel), its entry the kernel that CUDA runs;
+    any other as it is. A Python source with no `<<<` (CuPy's `kernel((grid,), (block,), args)`, a launch in
+    Python) or no CUDA that its entry reaches stays as it is, and launches nothing read here."""
+    if kernel.language not in features.PYTHON_LANGUAGES or (
+        "<<<" not in kernel.source and "hipLaunchKernelGGL" not in kernel.source
+    ):
+        return kernel
+    embedded = features.embedded_cuda(kernel.source, kernel.entry)
+    if embedded is None or embedded.entry is None:
+        return kernel
+    return kernel.model_copy(update={"source": embedded.text, "entry": embedded.entry, "language": "cuda"})
+
+
 def launches_itself(kernel: Kernel) -> bool:
-    """Whether the source (comments aside) launches `kernel.entry` itself, read or not."""
+    """Whether the source (comments aside) launches `kernel.entry` itself, read or not; for a Python source,
+    whether the C++ in its strings launches the kernel that source runs."""
+    kernel = _as_launching_cuda(kernel)
     if not _may_launch(kernel):
         return False
     sites = _launch_sites(features.strip_comments(kernel.source), kernel.entry)
@@ -459,19 +478,25 @@ _DEFINE_LINE = re.compile(r"^\s*#\s*define\s+([A-Za-z_]\w*)(?![\w(])[ \t]*(.*)$"
 
 def source_launch(kernel: Kernel, workload: Workload | None) -> SourceLaunch | None:
     """The launch the source's host code gives `kernel.entry` (module doc); None when it launches it nowhere or
-    says nothing usable. Only CUDA and HIP sources are read (a Python launcher passes its sizes at run time)."""
-    if not _may_launch(kernel):
+    says nothing usable. CUDA and HIP sources are read, and the C++ in a Python source's strings (torch's
+    load_inline wrapper, `_as_launching_cuda`); a Python launcher passes its sizes at run time."""
+    if "<<<" not in kernel.source and "hipLaunchKernelGGL" not in kernel.source:
         return None
     macros = _host_macros(kernel)
     workload_json = workload.model_dump_json() if workload is not None else ""
     digest = hashlib.sha256(
-        json.dumps([kernel.source, kernel.entry, sorted(macros.items()), workload_json]).encode()
+        json.dumps(
+            [kernel.source, kernel.entry, kernel.language, sorted(macros.items()), workload_json]
+        ).encode()
     ).digest()
     with _CACHE_LOCK:
         if digest in _CACHE:
             _CACHE.move_to_end(digest)
             return _CACHE[digest]
-    found = _source_launch(kernel.source, kernel.entry, macros, workload)
+    launching = _as_launching_cuda(kernel)  # a Python source parsed once, not on every forecast
+    found = None
+    if _may_launch(launching):
+        found = _source_launch(launching.source, launching.entry, _host_macros(launching), workload)
     with _CACHE_LOCK:
         _CACHE[digest] = found
         while len(_CACHE) > _CACHE_SIZE:
