@@ -796,6 +796,9 @@ def test_declarations_are_read_cheaply() -> None:
         ("a" * 1990 + " (x);\n") * 500,
         "f(x) ;" * 150_000,
         ("void g(" + "int, " * 400 + "int);\n") * 500,
+        "#define A(x) f(x); g(x); h(x)\n" * 30_000,  # each line's marks: the macro's
+        "#;\n" * 330_000,
+        "#define A " + "f(x); " * 170_000 + "\n",
     ):
         started = time.perf_counter()
         source_features(KERNEL + junk + "int main() { return 0; }\n", {}, "k")
@@ -865,3 +868,34 @@ def test_an_include_is_no_division_and_no_line_of_the_kernel() -> None:
     plain = source_features(TORCH_NAIVE.removeprefix(TORCH_HEAD), {}, "relu")
     with_torch = source_features(TORCH_NAIVE + '#include "ATen/cuda/CUDAContext.h"\n', {}, "relu")
     assert with_torch == plain and plain.divisions == 0
+
+
+def test_a_statement_on_a_macro_line_does_not_start_the_next_function() -> None:
+    """The PyTorch tutorial's `#define CHECK_INPUT(x) CHECK_CUDA(x); CHECK_CONTIGUOUS(x)`, and a `do { ... }
+    while (0)` macro: the rest of the #define line after its `;` or `}` was read as the start of the next
+    statement. `torch::Tensor forward(torch::Tensor x);` below it was named `CHECK_CONTIGUOUS` (used by
+    CHECK_INPUT: not a declaration of forward, which it then kept, torch and all, in the device code compiled
+    alone), and a host function below the do-while macro was named `while` and cut with the macro's ` while (0)`."""
+    checks = (
+        "#include <torch/extension.h>\n"
+        '#define CHECK_CUDA(x) TORCH_CHECK(x.device().is_cuda(), #x " must be a CUDA tensor")\n'
+        '#define CHECK_CONTIGUOUS(x) TORCH_CHECK(x.is_contiguous(), #x " must be contiguous")\n'
+        "#define CHECK_INPUT(x) CHECK_CUDA(x); CHECK_CONTIGUOUS(x)\n\n"
+        "torch::Tensor forward(torch::Tensor x);\n"
+        + TORCH_NAIVE.removeprefix(TORCH_HEAD)
+        + 'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("forward", &forward); }\n'
+    )
+    alone = device_code_alone(checks, frozenset({"torch/extension.h"}), "relu")
+    assert "#define CHECK_INPUT(x) CHECK_CUDA(x); CHECK_CONTIGUOUS(x)\n" in alone
+    assert "__global__ void relu" in alone and "forward" not in alone and "torch::" not in alone
+
+    from forecaster_mcp.forecast.features import without_host_code
+
+    do_while = (
+        "#define SWAP(a, b) do { float t = a; a = b; b = t; } while (0)\n"
+        "void launch(float* x) { k<<<1, 1>>>(x, x, 1); }\n"
+        + KERNEL.replace("int i =", "float u = x[0], v = y[0]; SWAP(u, v); int i =")
+    )
+    kept = without_host_code(do_while, "k")
+    assert "#define SWAP(a, b) do { float t = a; a = b; b = t; } while (0)\n" in kept
+    assert "void launch" not in kept

@@ -19,6 +19,7 @@ thread issues.
 from __future__ import annotations
 
 import ast
+import bisect
 import dataclasses
 import math
 import operator
@@ -839,7 +840,36 @@ def _host_spans(
     found: list[tuple[int, int, str | None]] = []
     probe = _blank_literals(text)  # `printf("}")` in a kernel closed its body early
     braces = _closers(probe, "{", "}")
-    return found if _host_functions(probe, 0, len(probe), braces, found, 0, declarations) else []
+    lines = _Directives(probe)
+    return found if _host_functions(probe, 0, len(probe), braces, found, 0, declarations, lines) else []
+
+
+# A preprocessor line, with the lines its trailing backslashes continue it onto (possessive: one way to match).
+_PREPROCESSOR_LINE = re.compile(r"^[ \t]*(?:#|%:)(?:[^\\\n]++|\\\r?\n|\\.?)*+", re.MULTILINE)
+
+
+class _Directives:
+    """Where `text`'s preprocessor lines are, read once: a `;` or `}` on one
+    (`#define CHECK_INPUT(x) CHECK_CUDA(x); CHECK_CONTIGUOUS(x)`, `#define SWAP(a, b) do { ... } while (0)`)
+    is the macro's, and the rest of its line no start of the next statement. Looking back from each mark for its
+    line's start would be quadratic in a long line of them."""
+
+    def __init__(self, text: str) -> None:
+        spans = [m.span() for m in _PREPROCESSOR_LINE.finditer(text)]
+        self.starts = [a for a, _ in spans]
+        self.ends = [b for _, b in spans]
+        self.length = len(text)
+
+    def at(self, start: int, end: int) -> tuple[int | None, int]:
+        """Where the statement text[start:end] starts after its last preprocessor line (a #define before a
+        function stays), None when `end` is on one (a brace or semicolon in a macro's body); and just past the end
+        of that line (its line break too), `end` when `end` is on none."""
+        i = bisect.bisect_right(self.starts, end) - 1
+        if i < 0 or self.ends[i] <= start:
+            return start, end
+        if end < self.ends[i]:
+            return None, min(self.ends[i] + 1, self.length)
+        return min(self.ends[i] + 1, end), end
 
 
 def _blank_literals(text: str) -> str:
@@ -866,16 +896,25 @@ def _host_functions(
     out: list[tuple[int, int, str | None]],
     depth: int,
     declarations: list[tuple[int, int, str | None]] | None = None,
+    lines: _Directives | None = None,
 ) -> bool:
     """Append (start, end, name) of each host-only function definition at file scope in text[lo:hi] (or in a
     namespace there) to `out`, and of each function declaration that is not device code to `declarations` (when
-    given); False where the braces cannot be followed."""
+    given); False where the braces cannot be followed. `lines`: text's preprocessor lines, when read already."""
+    lines = _Directives(text) if lines is None else lines
     start = pos = lo
     while (m := _TOP_LEVEL_MARK.search(text, pos, hi)) is not None:
         at = m.start()
+        header_start, past = lines.at(start, at)
+        if header_start is None:
+            # A brace or semicolon on a preprocessor line: a macro's body, to the end of its line (its rest, as
+            # `CHECK_CONTIGUOUS(x)` after `CHECK_CUDA(x);`, is no start of the next statement). A brace it opens
+            # that closes past its line (`#define BEGIN {`) is followed to its close, as it was.
+            start = pos = max(braces.get(at, past) if m.group() == "{" else past, past)
+            continue
         if m.group() != "{":
             if m.group() == ";" and declarations is not None:
-                declared = _declaration(text, start, at)
+                declared = _declaration(text, header_start, at)
                 if declared is not None:
                     declarations.append((declared[0], at + 1, declared[1]))
             start = pos = at + 1
@@ -883,15 +922,11 @@ def _host_functions(
         close = braces.get(at)
         if close is None or close > hi:
             return False
-        header_start = _after_directives(text, start, at)
-        if header_start is None:
-            start = pos = close  # a brace on a preprocessor line: a macro's body
-            continue
         header = text[header_start:at]
         window = header[-_HEADER_WINDOW:]
         if _TRANSPARENT_BLOCK.search(window):
             if depth >= _NAMESPACE_DEPTH or not _host_functions(
-                text, at + 1, close - 1, braces, out, depth + 1, declarations
+                text, at + 1, close - 1, braces, out, depth + 1, declarations, lines
             ):
                 return False
         elif (
@@ -907,24 +942,11 @@ def _host_functions(
     return True
 
 
-def _after_directives(text: str, start: int, end: int) -> int | None:
-    """Where the statement text[start:end] starts after its last preprocessor line (a #define before a function
-    stays); None when it ends on one (a brace or semicolon in a macro's body)."""
-    header = text[start:end]
-    directive = header.rfind("\n#")
-    if directive < 0 and not header.lstrip().startswith("#"):
-        return start
-    line_end = header.find("\n", directive + 1 if directive >= 0 else header.find("#"))
-    return None if line_end < 0 else start + line_end + 1
-
-
 def _declaration(text: str, start: int, end: int) -> tuple[int, str] | None:
-    """(start, name) of the function declaration text[start:end] (a statement at file scope, before its `;`):
-    a name, a parameter list and qualifiers at the end, not device code, a type or an initialised variable
-    (`int n = size(3);`); None for anything else. Its preprocessor lines are not its."""
-    at = _after_directives(text, start, end)
-    if at is None:
-        return None
+    """(start, name) of the function declaration text[start:end] (a statement at file scope, before its `;`,
+    after any preprocessor lines): a name, a parameter list and qualifiers at the end, not device code, a type or
+    an initialised variable (`int n = size(3);`); None for anything else."""
+    at = start
     header = text[at:end]
     window = header[-_HEADER_WINDOW:]
     paren = window.find("(")
