@@ -899,3 +899,21 @@ def test_a_statement_on_a_macro_line_does_not_start_the_next_function() -> None:
     kept = without_host_code(do_while, "k")
     assert "#define SWAP(a, b) do { float t = a; a = b; b = t; } while (0)\n" in kept
     assert "void launch" not in kept
+
+
+def test_what_a_kept_declaration_uses_is_kept() -> None:
+    """A declaration is no use of the function it declares, but it is of what its default arguments call: a
+    kept `void launch(float* x, int n = threads());` lost `threads`, which the declaration kept before."""
+    from forecaster_mcp.forecast.features import without_host_code
+
+    src = (
+        "int threads() { return 256; }\n"
+        "void launch(float* x, int n = threads());\n"
+        + KERNEL
+        + "struct Runner { void go() { launch(0); } };\n"
+        "void launch(float* x, int n) { k<<<1, n>>>(x, x, n); }\n"
+        "int main() { return 0; }\n"
+    )
+    kept = without_host_code(src, "k")
+    assert "int threads() { return 256; }" in kept and "int n = threads());" in kept
+    assert "int main" not in kept

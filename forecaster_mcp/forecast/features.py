@@ -797,10 +797,17 @@ def without_host_code(text: str, entry: str | None = None) -> str:
     # the whole host function before, and went when the function did.
     declared = [(a, b, n) for a, b, n in declarations if n in by_name]
     used = set(_IDENT.findall(_cut(text, sorted([(a, b) for a, b, _ in cut + declared]))))
+    # A kept function's declarations stay with it, and what they use (`int n = threads()`) with them.
+    declared_spans: dict[str, list[tuple[int, int]]] = {}
+    for a, b, n in declared:
+        declared_spans.setdefault(n, []).append((a, b))
     kept: set[int] = set()
     queue = [n for n in used if n in by_name]
     while queue:
-        for i in by_name.pop(queue.pop(), ()):
+        name = queue.pop()
+        for a, b in declared_spans.pop(name, ()):
+            queue.extend(n for n in set(_IDENT.findall(text, a, b)) if n in by_name)
+        for i in by_name.pop(name, ()):
             kept.add(i)
             a, b, _ = cut[i]
             queue.extend(n for n in set(_IDENT.findall(text, a, b)) if n in by_name)
