@@ -917,3 +917,24 @@ def test_what_a_kept_declaration_uses_is_kept() -> None:
     kept = without_host_code(src, "k")
     assert "int threads() { return 256; }" in kept and "int n = threads());" in kept
     assert "int main" not in kept
+
+
+def test_host_functions_in_an_extern_c_block_are_cut() -> None:
+    """Read where string literals are blanked, `extern "C" {` was `extern " " {`: no block to look into, so the
+    ctypes wrapper inside it (its loop, its fp64 check) stayed as the kernel's, and a PyTorch extension's
+    `extern "C" { void launch(...) }` stayed in the device code compiled alone."""
+    from forecaster_mcp.forecast.features import source_features, without_host_code
+
+    for lang in ("C", "C++"):
+        src = (
+            KERNEL
+            + f'extern "{lang}" {{\n'
+            + "void launch(const float* x, float* y, int n) { for (int r = 0; r < 10; ++r) "
+            "k<<<(n + 255) / 256, 256>>>(x, y, n); }\n"
+            "double check(const float* y, int n) { double e = 0.0; for (int i = 0; i < n; ++i) e += y[i] / 3.0; "
+            "return e; }\n}\n"
+        )
+        kept = without_host_code(src, "k")
+        assert f'extern "{lang}" {{' in kept and "launch" not in kept and "check" not in kept, lang
+        f = source_features(src, {}, "k")
+        assert (f.fp64, f.loops, f.divisions) == (0, 0, 0), lang

@@ -765,7 +765,10 @@ _NOT_A_FUNCTION = re.compile(
 # Each tried only where a word starts and taken whole (possessive): tried at every letter of a word, these were
 # quadratic in it (a 1 MB source of 2,000-letter words before `(x) {}` took 47 s, of `namespace namespace ...`
 # 1.2 s).
-_TRANSPARENT_BLOCK = re.compile(r"(?:\bnamespace\b[\w\s:]{0,200}+|\bextern\s*+\"C(?:\+\+)?\"\s*+)$")
+# Read where literals are blanked (`_blank_literals`): `extern "C" {` is `extern " " {` there, "C++" three spaces.
+_TRANSPARENT_BLOCK = re.compile(
+    r"(?:\bnamespace\b[\w\s:]{0,200}+|\bextern\s*+\"(?:C(?:\+\+)?| (?:  )?)\"\s*+)$"
+)
 _NAME_BEFORE_PAREN = re.compile(r"(?<!\w)([A-Za-z_]\w*+)\s*+(?:<[^<>;{}()]{0,200}>\s*+)?$")
 _MAX_HOST_FUNCTIONS = 256  # past them, nothing is cut (a crafted source of many: a call search for each)
 _HEADER_WINDOW = 2000  # characters of a header read for its end and its name
