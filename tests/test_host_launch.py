@@ -938,3 +938,36 @@ def test_host_functions_in_an_extern_c_block_are_cut() -> None:
         assert f'extern "{lang}" {{' in kept and "launch" not in kept and "check" not in kept, lang
         f = source_features(src, {}, "k")
         assert (f.fp64, f.loops, f.divisions) == (0, 0, 0), lang
+
+
+@pytest.mark.anyio
+async def test_device_code_that_found_no_compile_slot_is_compiled_alone_by_a_later_call(
+    tmp_path: Path,
+) -> None:
+    """The compile alone is one more compile, which on a busy server may find no slot within the wait: it says
+    nothing of the kernel, as a first compile that found none does not. The key is `unstarted` (so the forecaster
+    keeps no features read without register counts for it), not settled as the missing header's."""
+    from forecaster_mcp.compile_slots import COMPILE_SLOTS
+    from forecaster_mcp.forecast.ptxas import ptxas_result
+
+    nvcc = _nvcc()
+    k = Kernel(id="naive", source=TORCH_NAIVE, entry="relu")
+    first = await ptxas_result(k, "sm_90", nvcc, tmp_path / "cache", timeout_s=120.0)  # cached: the header's
+    assert isinstance(first, PtxasError) and missing_header(first) == "torch/extension.h"
+    limit = COMPILE_SLOTS.limit
+    COMPILE_SLOTS.set_limit(1)
+    try:
+        assert await COMPILE_SLOTS.acquire(0)  # another call's compile holds the only slot
+        try:
+            unstarted: set[str] = set()
+            found = await ptxas_results(
+                {"naive": (k, "sm_90")}, nvcc, tmp_path / "cache", 0.5, unstarted=unstarted
+            )
+        finally:
+            COMPILE_SLOTS.release()
+    finally:
+        COMPILE_SLOTS.set_limit(limit)
+    assert unstarted == {"naive"}
+    assert isinstance(found.get("naive"), PtxasError)  # this call still reads it as not failing
+    again = await _compiled(nvcc, tmp_path, k)
+    assert isinstance(again["naive"], PtxasUsage) and again["naive"].without_headers == ("torch/extension.h",)

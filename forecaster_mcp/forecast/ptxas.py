@@ -745,29 +745,47 @@ MAX_MISSING_HEADERS = 4
 
 
 async def _device_code_alone(
-    kernel: Kernel, error: PtxasError, nvcc: str, cache_dir: Path | None, deadline: float
+    kernel: Kernel,
+    error: PtxasError,
+    nvcc: str,
+    cache_dir: Path | None,
+    deadline: float,
+    unstarted: list[bool] | None = None,
 ) -> PtxasUsage | None:
     """ptxas's figures for `kernel`'s device code compiled without the headers this server's nvcc lacks (`error`
     names the first): their #include lines and the host code that uses them left out
     (features.device_code_alone), the next missing header found by the next compile, up to MAX_MISSING_HEADERS.
     A PyTorch extension's kernel is plain CUDA; only its wrapper needs torch/extension.h. None when the device
     code needs the headers itself, or has no entry `kernel.entry` compiled alone (a template instantiated only by
-    the host code's AT_DISPATCH): the kernel is then read without register counts, as before."""
+    the host code's AT_DISPATCH): the kernel is then read without register counts, as before. A compile that
+    never started (no compile slot came free, or no time was left) appends True to `unstarted`, when given: that
+    None says nothing of the source."""
     from forecaster_mcp.forecast.features import device_code_alone  # features reads ptxas's PtxasEntry
 
     headers: set[str] = set()
+    started: list[bool] = []
     found: str | None = missing_header(error)
     while found is not None and found not in headers and len(headers) < MAX_MISSING_HEADERS:
         headers.add(found)
-        left = deadline - anyio.current_time()
-        if left <= 0:
+        started.clear()
+        result = None
+        if deadline > anyio.current_time():
+            # Up to 1 MB of source read for its host functions: off the event loop.
+            source = await anyio.to_thread.run_sync(
+                device_code_alone, kernel.source, frozenset(headers), kernel.entry
+            )
+            result = await ptxas_result(
+                kernel.model_copy(update={"source": source}),
+                error.arch,
+                nvcc,
+                cache_dir,
+                timeout_s=deadline - anyio.current_time(),
+                on_start=lambda: started.append(True),
+            )
+        if not started:
+            if unstarted is not None:
+                unstarted.append(True)
             return None
-        # Up to 1 MB of source read for its host functions: off the event loop.
-        source = await anyio.to_thread.run_sync(
-            device_code_alone, kernel.source, frozenset(headers), kernel.entry
-        )
-        alone = kernel.model_copy(update={"source": source})
-        result = await ptxas_result(alone, error.arch, nvcc, cache_dir, timeout_s=left)
         if isinstance(result, PtxasUsage):
             if result.for_entry(kernel.entry) is None:
                 return None
@@ -787,12 +805,14 @@ async def ptxas_results(
 ) -> dict[_K, PtxasUsage | PtxasError]:
     """`ptxas_usages`, with the kernels whose source failed to compile as their `PtxasError` (its `arch` the
     stand-in when one was used). Kernels no compile could tell about are left out; those whose compile never
-    started (no compile slot came free within the wait) are also added to `unstarted`, when given."""
+    started (no compile slot came free within the wait) are also added to `unstarted`, when given, as are those
+    whose device code was to be compiled alone (a missing header) by a compile that never started."""
     deadline = anyio.current_time() + wait_s
     archs = await anyio.to_thread.run_sync(supported_archs, nvcc)
     limiter = anyio.CapacityLimiter(concurrency)
     out: dict[_K, PtxasUsage | PtxasError] = {}
     started: set[_K] = set()
+    unsettled: set[_K] = set()
 
     async def one(key: _K, kernel: Kernel, arch: str) -> None:
         async with limiter:
@@ -806,7 +826,13 @@ async def ptxas_results(
                 on_start=lambda: started.add(key),
             )
             if isinstance(result, PtxasError) and missing_header(result) is not None:
-                result = await _device_code_alone(kernel, result, nvcc, cache_dir, deadline) or result
+                # Its compile alone may find no compile slot on a busy server: then unsettled, as a first compile
+                # that found none is (a later call compiles it), though this call reads the missing header.
+                alone_unstarted: list[bool] = []
+                alone = await _device_code_alone(kernel, result, nvcc, cache_dir, deadline, alone_unstarted)
+                result = alone or result
+                if alone_unstarted:
+                    unsettled.add(key)
         if result is not None:
             out[key] = result
 
@@ -816,4 +842,5 @@ async def ptxas_results(
                 tg.start_soon(one, key, kernel, arch)
     if unstarted is not None:
         unstarted.update(key for key in kernels if key not in out and key not in started)
+        unstarted.update(unsettled)
     return out
