@@ -715,6 +715,11 @@ def test_a_brace_in_a_string_is_no_structure() -> None:
             "kernel.cu(3): fatal error C1083: Cannot open include file: 'cutlass/gemm.h': No such file or directory",
             "cutlass/gemm.h",
         ),  # MSVC
+        (
+            "kernel.cu(3): fatal error C1083: Datei (Include) kann nicht ge\u00f6ffnet werden: 'torch/extension.h': "
+            "No such file or directory",
+            "torch/extension.h",
+        ),  # a German MSVC: read by its number
         ('kernel.cu(5): error: identifier "BROKEN" is undefined', None),
         ("kernel.cu:4:3: error: 'x' file not found in the kernel's own words", None),
     ],
