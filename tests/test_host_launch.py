@@ -976,3 +976,19 @@ async def test_device_code_that_found_no_compile_slot_is_compiled_alone_by_a_lat
     assert isinstance(found.get("naive"), PtxasError)  # this call still reads it as not failing
     again = await _compiled(nvcc, tmp_path, k)
     assert isinstance(again["naive"], PtxasUsage) and again["naive"].without_headers == ("torch/extension.h",)
+
+
+def test_a_wrapper_named_as_its_kernel_is_host_code() -> None:
+    """`torch::Tensor relu(torch::Tensor x)` beside `__global__ void relu(...)`: the wrapper was kept as the entry
+    (and by the kernel's own name), torch code and all, so the device code compiled alone did not compile. A
+    kernel qualified through a macro (`KERNEL void k(`) is still the entry."""
+    from forecaster_mcp.forecast.features import device_code_alone, without_host_code
+
+    same = TORCH_NAIVE.replace("torch::Tensor forward(", "torch::Tensor relu(")
+    kept = without_host_code(same, "relu")
+    assert "__global__ void relu(" in kept and "torch::Tensor relu(" not in kept
+    assert "torch::" not in device_code_alone(same, frozenset({"torch/extension.h"}), "relu")
+    macro = (
+        "#define KERNEL __global__\n__global__ void other() {}\nKERNEL void k(float* y) { y[0] = 1.0 / 3; }\n"
+    )
+    assert "KERNEL void k" in without_host_code(macro, "k")

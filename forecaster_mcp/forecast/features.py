@@ -789,8 +789,12 @@ def without_host_code(text: str, entry: str | None = None) -> str:
     found = _host_spans(text, declarations)
     if not found or len(found) > _MAX_HOST_FUNCTIONS:
         return text
+    # A host-looking function named as the entry is the kernel, qualified through a macro (`KERNEL void k(`),
+    # unless the entry is a plain `__global__` here: then it is a wrapper of the same name (`torch::Tensor
+    # relu(torch::Tensor x)` beside `__global__ void relu(...)`), and the kernel's own name is no use of it.
+    plain_entry = entry is not None and any(n == entry for _, _, n in found) and _defines_kernel(text, entry)
     # An operator (`HD float4 operator+(...)`, used as `a + b`) has no name to look for: kept.
-    cut = [(a, b, n) for a, b, n in found if n is not None and n != entry]
+    cut = [(a, b, n) for a, b, n in found if n is not None and (n != entry or plain_entry)]
     # Each span's names and the rest's read once (a search per function over the rest took 17 s on 1 MB), then
     # followed to a fixed point: DEV f1 calling f2 calling ... f5 lost f5 after a fixed number of rounds.
     by_name: dict[str, list[int]] = {}
@@ -800,6 +804,8 @@ def without_host_code(text: str, entry: str | None = None) -> str:
     # the whole host function before, and went when the function did.
     declared = [(a, b, n) for a, b, n in declarations if n in by_name]
     used = set(_IDENT.findall(_cut(text, sorted([(a, b) for a, b, _ in cut + declared]))))
+    if plain_entry:
+        used.discard(entry)
     # A kept function's declarations stay with it, and what they use (`int n = threads()`) with them.
     declared_spans: dict[str, list[tuple[int, int]]] = {}
     for a, b, n in declared:
@@ -817,6 +823,12 @@ def without_host_code(text: str, entry: str | None = None) -> str:
     kept_names = {cut[i][2] for i in kept}
     gone = [(a, b) for i, (a, b, _) in enumerate(cut) if i not in kept]
     return _cut(text, sorted(gone + [(a, b) for a, b, n in declared if n not in kept_names]))
+
+
+def _defines_kernel(text: str, entry: str) -> bool:
+    """Whether `text` defines `entry` as a plain `__global__` function (comments and literals aside)."""
+    probe = _without_launch_bounds(_blank_literals(text))
+    return any(name == entry for _, name, _ in _global_names(probe))
 
 
 # An #include directive naming a header (`<x>` or `"x"`); what follows on its line (a comment) is not its.
