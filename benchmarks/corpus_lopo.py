@@ -10,7 +10,8 @@ Registers and shared memory come from the measured lines (what ptxas reported on
 figures do not depend on the nvcc of the machine running this. Also prints the weights fitted on all pairs.
 
 --load-inline sends each kernel as KernelBench writes it: a Python module compiling the CUDA with torch's
-load_inline, the launch in the C++ wrapper of its CUDA string; the figures must be those with the launches.
+load_inline, the launch in the C++ wrapper of its CUDA string; --cupy as a CuPy RawKernel launched from Python.
+Both must give the figures with the launches.
 
 --anchors SHARE measures that share of each workload's kernels (drawn at random, --draws times) and forecasts the
 pairs of one measured and one unmeasured kernel twice, with features.anchored_log2_ms (the forecaster's own code,
@@ -114,17 +115,42 @@ def load_inline_file(kernel: dict[str, Any]) -> dict[str, Any]:
     """The kernel without its `launch`, as a Python source (`_LOAD_INLINE`) whose entry is its module class:
     what `--load-inline` forecasts. The CUDA in its string is read (features.embedded_cuda), and the launch from
     the wrapper there (host_launch)."""
+    return _as_python(kernel, _LOAD_INLINE, "ModelNew")
+
+
+def _as_python(kernel: dict[str, Any], template: str, entry: str) -> dict[str, Any]:
     launch = kernel["launch"]
     grid, block = (", ".join(str(v) for v in [*launch[k], 1, 1][:3]) for k in ("grid", "block"))
     source = (
-        _LOAD_INLINE.replace("SOURCE", kernel["source"])
+        template.replace("SOURCE", kernel["source"])
         .replace("GRID", grid)
         .replace("BLOCK", block)
         .replace("SHARED", str(launch.get("shared_mem_bytes", 0)))
         .replace("ENTRY", kernel["entry"])
     )
     keep = {k: v for k, v in kernel.items() if k not in ("launch", "source", "entry", "language")}
-    return {**keep, "source": source, "entry": "ModelNew", "language": "python"}
+    return {**keep, "source": source, "entry": entry, "language": "python"}
+
+
+# And as a CuPy user writes it: a RawKernel of the CUDA, launched from Python with sizes worked out there.
+_CUPY = '''import cupy as cp
+
+kernel = cp.RawKernel(r"""
+SOURCE
+""", "ENTRY")
+THREADS = (BLOCK)
+
+
+def run(x):
+    grid = (GRID)
+    kernel(grid, THREADS, (x,), shared_mem=SHARED)
+'''
+
+
+def cupy_file(kernel: dict[str, Any]) -> dict[str, Any]:
+    """The kernel without its `launch`, as a CuPy source (`_CUPY`) whose entry is the Python function launching
+    it: what `--cupy` forecasts. The launch is read from the Python call (forecast/python_launch.py)."""
+    return _as_python(kernel, _CUPY, "run")
 
 
 def design(
@@ -132,6 +158,7 @@ def design(
     pairs: list[dict[str, Any]],
     host_launch: bool = False,
     load_inline: bool = False,
+    cupy: bool = False,
 ) -> tuple[np.ndarray, ...]:
     """Values of the fitted terms (X), the hand-set shift (rest), log2 speedups and problems."""
     resources = {r["id"]: r["result"].get("resources") for r in rows}
@@ -143,6 +170,8 @@ def design(
             sent = (
                 load_inline_file(p[side])
                 if load_inline
+                else cupy_file(p[side])
+                if cupy
                 else host_launched(p[side])
                 if host_launch
                 else p[side]
@@ -190,10 +219,16 @@ def main() -> int:
         "launched by the C++ wrapper in its CUDA string (KernelBench's form); the figures must be those with the "
         "launches",
     )
+    ap.add_argument(
+        "--cupy",
+        action="store_true",
+        help="send each kernel without its launch, as a CuPy RawKernel launched from Python; the figures must be "
+        "those with the launches",
+    )
     args = ap.parse_args()
     rows = read_measured(args.measured)
     pairs = build_pairs(rows, args.corpus, seed=0)
-    x, rest, y, groups = design(rows, pairs, args.host_launch, args.load_inline)
+    x, rest, y, groups = design(rows, pairs, args.host_launch, args.load_inline, args.cupy)
     if args.anchors is not None:
         return _anchored(rows, pairs, x, rest, y, groups, args)
     mu, sd = np.zeros_like(y), np.zeros_like(y)

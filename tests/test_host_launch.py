@@ -845,14 +845,15 @@ def test_the_launch_of_a_load_inline_kernel_is_read_from_its_cuda_string() -> No
         f = kernel_features(python, wl, lookup("H100"), None)
         assert (f.threads_per_block, f.blocks) == (256, grid)
         assert f.launch_from_source == f"grid [{grid}, 1, 1], block [256, 1, 1]"
-    # CuPy launches from Python (`kernel((grid,), (block,), args)`): nothing is read there.
+    # CuPy launches from Python (`kernel((grid,), (block,), args)`): read by python_launch (tests/test_python_launch.py).
     cupy = (
         "import cupy as cp\nk = cp.RawKernel(r'''extern \"C\" __global__ void relu(float* x, int n) {\n"
         "  int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < n) x[i] = fmaxf(x[i], 0.f); }''', 'relu')\n"
         "def run(x):\n    k(((x.size + 255) // 256,), (256,), (x, x.size))\n"
     )
     python = Kernel(source=cupy, entry="run", language="python")
-    assert source_launch(python, wl) is None and not host_launch.launches_itself(python)
+    assert source_launch(python, wl) == SourceLaunch((65536, 1, 1), (256, 1, 1), 0)
+    assert host_launch.launches_itself(python)
 
 
 def test_a_kernel_with_launch_bounds_in_a_python_string_is_its_entry() -> None:

@@ -1163,7 +1163,7 @@ class EmbeddedCuda(NamedTuple):
     entry: str | None
 
 
-def _python_module(source: str) -> ast.Module | None:
+def python_module(source: str) -> ast.Module | None:
     """`source` parsed by Python, or None: too long to parse (_MAX_EMBEDDING_SOURCE), holding no CUDA kernel, or
     not Python (a syntax error, nesting beyond the parser's limits)."""
     if len(source) > _MAX_EMBEDDING_SOURCE or _GLOBAL not in source:
@@ -1228,7 +1228,7 @@ def _read_statement(stmt: ast.stmt) -> _Statement:
                 out.binds.add(node.id)
         elif kind is ast.Call:
             assert isinstance(node, ast.Call)
-            if (named := _launched_name(node)) is not None:
+            if (named := launched_name(node)) is not None:
                 out.launched.append(named)
         elif kind in _STRINGS:
             if id(node) in skip:
@@ -1253,7 +1253,7 @@ def _read_statement(stmt: ast.stmt) -> _Statement:
     return out
 
 
-def _launched_name(call: ast.Call) -> str | None:
+def launched_name(call: ast.Call) -> str | None:
     """The kernel name a RawKernel or get_function call is given as a literal, if it is one."""
     func = call.func
     called = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
@@ -1268,16 +1268,19 @@ def _launched_name(call: ast.Call) -> str | None:
 
 def embedded_cuda(source: str, entry: str | None) -> EmbeddedCuda | None:
     """The CUDA C a Python source holds in its string literals, as far as `entry` reaches it; None when it holds
-    none that `entry` reaches, or cannot be parsed (`_python_module`). Which literals: those of the top-level
+    none that `entry` reaches, or cannot be parsed (`python_module`). Which literals: those of the top-level
     statements `entry` names (a function or class of the module: the Python launching the kernel; a method of a
     class: the class; else the statements whose literals define `entry` as a `__global__` kernel) and of the
     statements those use, directly or through others, so not a naive twin kept beside it nor a Triton kernel's
     module; with `entry` none of these, all. They are read as one CUDA source, its entry `entry` when they define
     it, else the kernel named to RawKernel or get_function in those statements, else their only kernel, else
     none (every kernel of them: a Python function launching two runs both)."""
-    module = _python_module(source)
-    if module is None:
-        return None
+    module = python_module(source)
+    return None if module is None else embedded_cuda_in(module, entry)
+
+
+def embedded_cuda_in(module: ast.Module, entry: str | None) -> EmbeddedCuda | None:
+    """`embedded_cuda` of a module parsed already (`python_module`)."""
     statements = [_read_statement(stmt) for stmt in module.body]
     if not any(s.literals for s in statements):
         return None

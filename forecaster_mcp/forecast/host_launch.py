@@ -2,7 +2,7 @@
 
 An agent often sends a whole .cu file (a `main`, or a PyTorch extension's wrapper), or a Python module whose CUDA
 string holds the kernel and the C++ wrapper launching it (torch's load_inline, KernelBench's form; read as that
-CUDA, `_as_launching_cuda`), and no `launch`: forecasting
+CUDA, `_embedded`; a CuPy or PyCUDA one launches it from Python, read by python_launch), and no `launch`: forecasting
 does not need one (DESIGN.md), but without it the static prior knows neither the block size (occupancy, waves) nor
 how many threads share the work (its `work_per_thread` term). On the corpus of benchmarks/corpus_lopo.py (leave one
 problem out) the pairs sent without launches give accuracy 0.804, ECE 0.103 and 25.2% decided, against 0.822,
@@ -158,25 +158,32 @@ def _may_launch(kernel: Kernel) -> bool:
     )
 
 
-def _as_launching_cuda(kernel: Kernel) -> Kernel:
-    """`kernel` as the source whose host code may launch it: a Python one's CUDA (features.embedded_cuda: torch's
-    load_inline, whose C++ wrapper in the same string launches the kernel), its entry the kernel that CUDA runs;
-    any other as it is. A Python source with no `<<<` (CuPy's `kernel((grid,), (block,), args)`, a launch in
-    Python) or no CUDA that its entry reaches stays as it is, and launches nothing read here."""
-    if kernel.language not in features.PYTHON_LANGUAGES or (
-        "<<<" not in kernel.source and "hipLaunchKernelGGL" not in kernel.source
-    ):
-        return kernel
-    embedded = features.embedded_cuda(kernel.source, kernel.entry)
-    if embedded is None or embedded.entry is None:
-        return kernel
-    return kernel.model_copy(update={"source": embedded.text, "entry": embedded.entry, "language": "cuda"})
+def _embedded(kernel: Kernel) -> tuple[ast.Module, Kernel] | None:
+    """A Python source parsed, and the CUDA its entry reaches (features.embedded_cuda) as a kernel of its own: its
+    entry the kernel that CUDA runs. None for another language, or a Python source with no such CUDA."""
+    if kernel.language not in features.PYTHON_LANGUAGES:
+        return None
+    module = features.python_module(kernel.source)
+    embedded = features.embedded_cuda_in(module, kernel.entry) if module is not None else None
+    if module is None or embedded is None or embedded.entry is None:
+        return None
+    cuda = kernel.model_copy(update={"source": embedded.text, "entry": embedded.entry, "language": "cuda"})
+    return module, cuda
 
 
 def launches_itself(kernel: Kernel) -> bool:
     """Whether the source (comments aside) launches `kernel.entry` itself, read or not; for a Python source,
-    whether the C++ in its strings launches the kernel that source runs."""
-    kernel = _as_launching_cuda(kernel)
+    whether the C++ in its strings (torch's load_inline wrapper) or its Python (CuPy, PyCUDA) launches the kernel
+    that source runs."""
+    if kernel.language in features.PYTHON_LANGUAGES:
+        found = _embedded(kernel)
+        if found is None:
+            return False
+        module, kernel = found
+        from forecaster_mcp.forecast.python_launch import python_launches
+
+        if python_launches(module, kernel.entry):
+            return True
     if not _may_launch(kernel):
         return False
     sites = _launch_sites(features.strip_comments(kernel.source), kernel.entry)
@@ -478,9 +485,10 @@ _DEFINE_LINE = re.compile(r"^\s*#\s*define\s+([A-Za-z_]\w*)(?![\w(])[ \t]*(.*)$"
 
 def source_launch(kernel: Kernel, workload: Workload | None) -> SourceLaunch | None:
     """The launch the source's host code gives `kernel.entry` (module doc); None when it launches it nowhere or
-    says nothing usable. CUDA and HIP sources are read, and the C++ in a Python source's strings (torch's
-    load_inline wrapper, `_as_launching_cuda`); a Python launcher passes its sizes at run time."""
-    if "<<<" not in kernel.source and "hipLaunchKernelGGL" not in kernel.source:
+    says nothing usable. CUDA and HIP sources are read; a Python source's (`_python_launch`) by the C++ in its
+    strings (torch's load_inline wrapper), else by its Python calls of the kernel (CuPy, PyCUDA)."""
+    python = kernel.language in features.PYTHON_LANGUAGES
+    if not python and "<<<" not in kernel.source and "hipLaunchKernelGGL" not in kernel.source:
         return None
     macros = _host_macros(kernel)
     workload_json = workload.model_dump_json() if workload is not None else ""
@@ -493,15 +501,32 @@ def source_launch(kernel: Kernel, workload: Workload | None) -> SourceLaunch | N
         if digest in _CACHE:
             _CACHE.move_to_end(digest)
             return _CACHE[digest]
-    launching = _as_launching_cuda(kernel)  # a Python source parsed once, not on every forecast
     found = None
-    if _may_launch(launching):
-        found = _source_launch(launching.source, launching.entry, _host_macros(launching), workload)
+    if python:
+        found = _python_launch(kernel, workload)  # a Python source parsed once, not on every forecast
+    elif _may_launch(kernel):
+        found = _source_launch(kernel.source, kernel.entry, macros, workload)
     with _CACHE_LOCK:
         _CACHE[digest] = found
         while len(_CACHE) > _CACHE_SIZE:
             _CACHE.popitem(last=False)
     return found
+
+
+def _python_launch(kernel: Kernel, workload: Workload | None) -> SourceLaunch | None:
+    """A Python source's launch of the kernel it runs: the one the C++ wrapper in its CUDA string gives it (torch's
+    load_inline, KernelBench's form), else the one its Python calls give it (python_launch: CuPy, PyCUDA)."""
+    found = _embedded(kernel)
+    if found is None:
+        return None
+    module, cuda = found
+    if _may_launch(cuda):
+        launch = _source_launch(cuda.source, cuda.entry, _host_macros(cuda), workload)
+        if launch is not None:
+            return launch
+    from forecaster_mcp.forecast.python_launch import python_launch
+
+    return python_launch(module, cuda.entry, workload)
 
 
 # Results by a digest of what decides them (not the sources themselves: 1 MB each).

@@ -1,0 +1,150 @@
+"""The launch a CuPy or PyCUDA source gives its kernel from Python (forecast/python_launch.py)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from forecaster_mcp.forecast import host_launch
+from forecaster_mcp.forecast.features import kernel_features
+from forecaster_mcp.forecast.host_launch import SourceLaunch, source_launch
+from forecaster_mcp.hardware.specs import lookup
+from forecaster_mcp.models import Kernel, Workload
+
+N = 1 << 24
+WL = Workload.model_validate(
+    {
+        "problem": {"N": N},
+        "args": [
+            {"name": "x", "dtype": "float32", "shape": [N], "init": "random_uniform", "intent": "in"},
+            {
+                "name": "img",
+                "dtype": "float32",
+                "shape": [2048, 4096],
+                "init": "random_uniform",
+                "intent": "in",
+            },
+        ],
+    }
+)
+RELU = (
+    'r"""extern "C" __global__ void relu(float* x, int n) {\n'
+    '  int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < n) x[i] = fmaxf(x[i], 0.f); }"""'
+)
+
+
+def read(source: str, entry: str = "run", workload: Workload | None = WL) -> SourceLaunch | None:
+    return source_launch(Kernel(source=source, entry=entry, language="python"), workload)
+
+
+def cupy(body: str, head: str = "") -> str:
+    return f'import cupy as cp\nimport math\n{head}k = cp.RawKernel({RELU}, "relu")\n\ndef run(x):\n{body}\n'
+
+
+@pytest.mark.parametrize(
+    ("body", "head", "expected"),
+    [
+        ("    k((N // 256,), (256,), (x, N))", "", ((65536, 1, 1), (256, 1, 1))),
+        (
+            "    n = x.size\n    k(((n + T - 1) // T,), (T,), (x, n))",
+            "T = 128\n",
+            ((131072, 1, 1), (128, 1, 1)),
+        ),
+        ("    k((math.ceil(x.shape[0] / 512),), (512,), (x,))", "", ((32768, 1, 1), (512, 1, 1))),
+        ("    k((len(x) // 1024,), 1024, (x,))", "", ((16384, 1, 1), (1024, 1, 1))),  # an int is x
+        (
+            "    g = (img.shape[1] // 32, img.shape[0] // 8)\n    k(g, (32, 8), (img,))",
+            "",
+            ((128, 256, 1), (32, 8, 1)),
+        ),
+        ("    k((min(x.size // 256, 4096),), (256,), (x,))", "", ((4096, 1, 1), (256, 1, 1))),
+        (
+            "    k(grid=(N >> 8,), block=(256,), args=(x,))",
+            "",
+            None,
+        ),  # CuPy's keywords: PyCUDA's block= read below
+    ],
+)
+def test_reads_a_cupy_launch(body: str, head: str, expected: tuple[object, object] | None) -> None:
+    found = read(cupy(body, head))
+    if expected is None:
+        assert found is None or found.block is None or found == SourceLaunch((65536, 1, 1), (256, 1, 1), 0)
+    else:
+        assert found == SourceLaunch(*expected, 0)  # type: ignore[arg-type]
+    # Asked about by its kernel's name, the same.
+    assert read(cupy(body, head), "relu") == found
+
+
+def test_reads_a_pycuda_launch_and_its_handle_on_self() -> None:
+    source = (
+        "import math\nimport numpy as np\nfrom pycuda.compiler import SourceModule\n"
+        f"mod = SourceModule({RELU})\n"
+        "class Op:\n    def __init__(self):\n        self.fn = mod.get_function('relu')\n"
+        "    def __call__(self, x, N):\n"
+        "        self.fn(x, np.int32(N), block=(128, 1, 1), grid=(math.ceil(N / 128), 1), shared=512)\n"
+    )
+    assert read(source, "Op") == SourceLaunch((131072, 1, 1), (128, 1, 1), 512)
+    # PyCUDA's grid defaults to one block.
+    assert read(source.replace(", grid=(math.ceil(N / 128), 1)", ""), "Op") == SourceLaunch(
+        (1, 1, 1), (128, 1, 1), 512
+    )
+    f = kernel_features(Kernel(source=source, entry="Op", language="python"), WL, lookup("H100"), None)
+    assert (f.threads_per_block, f.blocks) == (128, 131072)
+    assert f.launch_from_source == "grid [131072, 1, 1], block [128, 1, 1]"
+    assert host_launch.launches_itself(Kernel(source=source, entry="Op", language="python"))
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "    t = 128\n    t = 256\n    k((N // t,), (t,), (x,))",  # assigned twice
+        "    for t in (128, 256):\n        k((N // t,), (t,), (x,))",  # a loop variable
+        "    t = 256\n    t += 1\n    k((N // t,), (t,), (x,))",  # changed in place
+        "    k((int(N / 256.0),), (256,), (x,))",  # a float
+        "    k((m // 256,), (256,), (x,))",  # not said anywhere
+        "    k((N // 256,), (256,), (x,))\n    k((N // 128,), (128,), (x,))",  # two that disagree
+    ],
+)
+def test_what_a_cupy_source_does_not_say_plainly_is_unknown(body: str) -> None:
+    found = read(cupy(body))
+    assert found is None or found.grid is None
+
+
+def test_a_parameter_is_the_callers_and_a_test_size_is_not_the_workloads() -> None:
+    # `def run(x, m)`: m is whatever the caller passes; the workload names no `m`.
+    assert read(
+        cupy("    m = 4096\n    k((m // 256,), (256,), (x,))").replace("def run(x)", "def run(x, m)")
+    ) == SourceLaunch(None, (256, 1, 1), 0)
+    # The module's own N (a test size) is not the workload's N.
+    assert read(cupy("    k((N // 256,), (256,), (x,))", "N = 1 << 20\n")) == SourceLaunch(
+        None, (256, 1, 1), 0
+    )
+    assert read(cupy("    k((N // 256,), (256,), (x,))", f"N = {N}\n")) == SourceLaunch(
+        (65536, 1, 1), (256, 1, 1), 0
+    )
+
+
+def test_only_the_kernel_that_runs_is_read() -> None:
+    # A naive twin kept beside it, launched with other sizes, is not the entry's launch.
+    source = cupy("    k((N // 256,), (256,), (x,))") + (
+        "\nnaive = cp.RawKernel(r'''extern \"C\" __global__ void naive(float* x) { x[0] = 0.f; }''', 'naive')\n"
+        "def slow(x):\n    naive((1,), (32,), (x,))\n"
+    )
+    assert read(source, "run") == SourceLaunch((65536, 1, 1), (256, 1, 1), 0)
+    assert read(source, "slow") == SourceLaunch((1, 1, 1), (32, 1, 1), 0)
+    # Launched through the naming call itself.
+    direct = f"import cupy as cp\ndef run(x):\n    cp.RawKernel({RELU}, 'relu')((N // 256,), (256,), (x,))\n"
+    assert read(direct) == SourceLaunch((65536, 1, 1), (256, 1, 1), 0)
+
+
+def test_hostile_python_launches_stay_cheap() -> None:
+    deep = "    t = " + "(" * 90 + "1" + ")" * 90 + "\n    k((N // t,), (t,), (x,))"
+    chain = "".join(f"a{i} = a{i - 1} + a{i - 1}\n" for i in range(1, 60))
+    many = "".join("    k((N // 256,), (256,), (x,))\n" for _ in range(20_000))
+    for body, head in ((deep, ""), ("    k((a59,), (256,), (x,))", "a0 = 1\n" + chain), (many, "")):
+        started = time.perf_counter()
+        read(cupy(body, head))
+        assert time.perf_counter() - started < 2.0
+    # 59 doublings: beyond any launch, so unknown rather than a huge grid.
+    assert read(cupy("    k((a59,), (256,), (x,))", "a0 = 1\n" + chain)) == SourceLaunch(None, (256, 1, 1), 0)
