@@ -993,3 +993,26 @@ def test_a_wrapper_named_as_its_kernel_is_host_code() -> None:
         "#define KERNEL __global__\n__global__ void other() {}\nKERNEL void k(float* y) { y[0] = 1.0 / 3; }\n"
     )
     assert "KERNEL void k" in without_host_code(macro, "k")
+
+
+def test_a_device_overload_named_as_its_kernel_and_called_by_it_is_kept() -> None:
+    """`HD float gelu(float v)` (HD a macro for `__host__ __device__`) called by `__global__ void gelu(...)`: a
+    host-looking function named as a plain `__global__` entry was cut as its wrapper, whatever the kernel's body
+    said, so the kernel lost its helper (its tanhf: transcendentals 0) and its device code compiled alone called a
+    function cut from it (nvcc: 'argument of type "float" is incompatible with parameter of type "const float *"').
+    A call of the entry's name outside its own definitions is a use, as any other name's is."""
+    from forecaster_mcp.forecast.features import source_features, without_host_code
+
+    helper = "HD inline float gelu(float v) { return 0.5f * v * (1.f + tanhf(0.79788456f * v)); }\n"
+    kernel = (
+        "__global__ void gelu(const float* x, float* y, int n) {\n"
+        "  int i = blockIdx.x * blockDim.x + threadIdx.x;\n  if (i < n) y[i] = gelu(x[i]);\n}\n"
+    )
+    wrapper = "int main() { gelu<<<1, 256>>>(nullptr, nullptr, 0); return 0; }\n"
+    source = "#define HD __host__ __device__\n" + helper + kernel + wrapper
+    kept = without_host_code(source, "gelu")
+    assert helper in kept and kernel in kept and "int main" not in kept
+    assert source_features(source, {}, "gelu").transcendentals == 1
+    # A comment naming the kernel is no call of it: the wrapper of its name is still cut.
+    same = TORCH_NAIVE.replace("torch::Tensor forward(", "// relu's wrapper\ntorch::Tensor relu(")
+    assert "torch::Tensor relu(" not in without_host_code(same, "relu")

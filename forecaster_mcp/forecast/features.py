@@ -803,8 +803,9 @@ def without_host_code(text: str, entry: str | None = None) -> str:
     # A forward declaration (`void launch(float*, int);` above the kernel) is no use of the function: it kept
     # the whole host function before, and went when the function did.
     declared = [(a, b, n) for a, b, n in declarations if n in by_name]
-    used = set(_IDENT.findall(_cut(text, sorted([(a, b) for a, b, _ in cut + declared]))))
-    if plain_entry:
+    rest = _cut(text, sorted([(a, b) for a, b, _ in cut + declared]))
+    used = set(_IDENT.findall(rest))
+    if plain_entry and entry is not None and not _calls_kernel_name(rest, entry):
         used.discard(entry)
     # A kept function's declarations stay with it, and what they use (`int n = threads()`) with them.
     declared_spans: dict[str, list[tuple[int, int]]] = {}
@@ -823,6 +824,15 @@ def without_host_code(text: str, entry: str | None = None) -> str:
     kept_names = {cut[i][2] for i in kept}
     gone = [(a, b) for i, (a, b, _) in enumerate(cut) if i not in kept]
     return _cut(text, sorted(gone + [(a, b) for a, b, n in declared if n not in kept_names]))
+
+
+def _calls_kernel_name(text: str, entry: str) -> bool:
+    """Whether `text` (comments and literals aside) names `entry` other than where it defines or declares it as a
+    `__global__`: a device overload of the kernel's name that its body calls (`HD float gelu(float v)` beside
+    `__global__ void gelu(...)`, calling `gelu(x[i])`) is used, not a wrapper."""
+    probe = _without_launch_bounds(_blank_literals(text))
+    named = sum(1 for _ in re.finditer(rf"(?<!\w){re.escape(entry)}(?!\w)", probe))
+    return named > sum(1 for _, name, _ in _global_names(probe) if name == entry)
 
 
 def _defines_kernel(text: str, entry: str) -> bool:
