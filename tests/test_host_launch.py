@@ -728,6 +728,45 @@ def test_missing_headers_are_read_from_each_host_compiler_s_message(message: str
     assert missing_header(PtxasError("sm_90", message)) == header
 
 
+@pytest.mark.parametrize(
+    ("message", "header"),
+    [
+        (
+            "kernel.cu(3): fatal error C1083: Impossible d'ouvrir le fichier include : 'torch/extension.h' : "
+            "No such file or directory",
+            "torch/extension.h",
+        ),  # French: the apostrophe of "d'ouvrir" opened the first quoted name
+        (
+            'kernel.cu(3): fatal error C1083: Datei (Include) kann nicht ge\u00f6ffnet werden: "torch/extension.h": '
+            "No such file or directory",
+            "torch/extension.h",
+        ),  # German: double quotes
+        (
+            "kernel.cu(3): fatal error C1083: \u65e0\u6cd5\u6253\u5f00\u5305\u62ec\u6587\u4ef6: "
+            "\u201ctorch/extension.h\u201d: No such file or directory",
+            "torch/extension.h",
+        ),  # Chinese: curly quotes
+        (
+            "kernel.cu(3): fatal error C1083: \u041d\u0435 \u0443\u0434\u0430\u0435\u0442\u0441\u044f "
+            "\u043e\u0442\u043a\u0440\u044b\u0442\u044c \u0444\u0430\u0439\u043b \u0432\u043a\u043b\u044e"
+            "\u0447\u0435\u043d\u0438\u0435: torch/extension.h: No such file or directory",
+            "torch/extension.h",
+        ),  # Russian: no quotes
+        (
+            "kernel.cu(3): fatal error C1083: include \u30d5\u30a1\u30a4\u30eb\u3092\u958b\u3051\u307e\u305b"
+            "\u3093\u3002'torch/extension.h':No such file or directory",
+            "torch/extension.h",
+        ),  # Japanese
+    ],
+)
+def test_a_localised_msvc_s_missing_header_is_read(message: str, header: str) -> None:
+    """MSVC's C1083 as its language packs word it (as public build logs show them, the C runtime's 'No such file or
+    directory' after the name in English in all of them): the first quoted name after the number was the French
+    "ouvrir le fichier include : " (the apostrophe of "d'ouvrir"), and German (double quotes), Chinese (curly
+    quotes) and Russian (none) were not read, so the device code was never compiled alone."""
+    assert missing_header(PtxasError("sm_90", message)) == header
+
+
 def test_compiler_messages_are_asked_for_in_english(monkeypatch: pytest.MonkeyPatch) -> None:
     """gcc's messages follow gettext's LANGUAGE: under a German locale its missing header was 'schwerwiegender
     Fehler: ...: Datei oder Verzeichnis nicht gefunden', which missing_header and first_error_line do not read."""

@@ -131,12 +131,17 @@ class PtxasError:
 
 # The missing-header messages of nvcc's front end (EDG) and of its host preprocessor: gcc, clang (`-ccbin
 # clang`), MSVC (cl.exe). In English: compiler_env sets LANGUAGE=en, which gcc's translations follow; MSVC's
-# follow its language pack, so its C1083 is read by number, the header its first quoted name in any wording.
+# follow its language pack, so its C1083 is read by number in any wording.
 _MISSING_HEADER = re.compile(
     r'cannot open source file "([^"\n]{1,200})"'
     r"|fatal error: ([^\n:']{1,200}): No such file or directory"
     r"|fatal error: '([^'\n]{1,200})' file not found"
-    r"|fatal error C1083: [^'\n]{0,200}'([^'\n]{1,200})'"
+    r"|fatal error C1083: Cannot open include file: '([^'\n]{1,200})'"
+    # Localised: the name quoted as its language quotes (French 'x', whose "d'ouvrir" opens no name; German "x";
+    # Chinese \u201cx\u201d) or not at all (Russian), just before the C runtime's words, English in every
+    # language pack.
+    r"|fatal error C1083: [^\n]{0,200}?(?:'([^'\n]{1,200})'|\"([^\"\n]{1,200})\"|\u201c([^\u201d\n]{1,200})\u201d"
+    r"|:[ \t]*([^\s'\"\u201c\u201d:]{1,200}))[ \t]*:[ \t]*No such file or directory"
 )
 
 
