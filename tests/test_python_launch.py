@@ -148,3 +148,38 @@ def test_hostile_python_launches_stay_cheap() -> None:
         assert time.perf_counter() - started < 2.0
     # 59 doublings: beyond any launch, so unknown rather than a huge grid.
     assert read(cupy("    k((a59,), (256,), (x,))", "a0 = 1\n" + chain)) == SourceLaunch(None, (256, 1, 1), 0)
+
+
+LOAD_INLINE = (
+    "import torch\nfrom torch.utils.cpp_extension import load_inline\n"
+    'kernels = r"""\nKERNELS\n"""\nwrapper = r"""\nWRAPPER\n"""\n'
+    'module = load_inline(name="ext", cpp_sources="torch::Tensor forward(torch::Tensor x);", '
+    "cuda_sources=CUDA_SOURCES, functions=['forward'])\n"
+    "class ModelNew(torch.nn.Module):\n    def forward(self, x):\n        return module.forward(x)\n"
+)
+FAST = "__global__ void fast(const float4* x, float4* y, int n4) { int i = blockIdx.x * blockDim.x + threadIdx.x; }"
+NAIVE = "__global__ void naive(const float* x, float* y, int n) { int i = blockIdx.x * blockDim.x + threadIdx.x; }"
+WRAPPER = (
+    "torch::Tensor forward(torch::Tensor x) {\n  auto y = torch::empty_like(x);\n  int n = x.numel();\n"
+    "  fast<<<(n / 4 + 255) / 256, 256>>>(0, 0, n / 4);\n  return y;\n}"
+)
+
+
+def test_a_load_inline_wrapper_chooses_the_kernel_it_launches() -> None:
+    """With a naive kernel kept beside the one the wrapper launches, no entry was chosen (neither is named in
+    Python), so no launch was read; a wrapper in a string of its own (no __global__ in it) was not read at all."""
+    from forecaster_mcp.forecast.features import embedded_cuda
+
+    one_string = LOAD_INLINE.replace("KERNELS", f"{NAIVE}\n{FAST}\n{WRAPPER}").replace(
+        "CUDA_SOURCES", "kernels"
+    )
+    two_strings = LOAD_INLINE.replace("KERNELS", f"{NAIVE}\n{FAST}").replace("WRAPPER", WRAPPER)
+    two_strings = two_strings.replace("CUDA_SOURCES", "[kernels, wrapper]")
+    for source in (one_string, two_strings):
+        embedded = embedded_cuda(source, "ModelNew")
+        assert embedded is not None and embedded.entry == "fast"
+        assert read(source, "ModelNew") == SourceLaunch((16384, 1, 1), (256, 1, 1), 0)
+    # A wrapper launching both kernels runs both: no one entry, no launch.
+    both = one_string.replace("  return y;", "  naive<<<n / 256, 256>>>(0, 0, n);\n  return y;")
+    embedded = embedded_cuda(both, "ModelNew")
+    assert embedded is not None and embedded.entry is None and read(both, "ModelNew") is None

@@ -1164,6 +1164,9 @@ _EMBEDDING_FILENAME = "<kernel source>"
 # The calls that name the kernel they launch: RawKernel(code, name), get_function(name) (CuPy's RawModule,
 # PyCUDA's SourceModule).
 _NAMING_CALLS = {"RawKernel": 1, "get_function": 0}
+# The kernel a C++ launch names (`k<<<`, `k<T><<<`). Possessive: tried where a word starts, taken whole (a 1 MB
+# word must not be scanned from each of its letters).
+_CHEVRON_TARGET = re.compile(r"(?<![\w.])([A-Za-z_]\w*+)\s*+(?:<[^<>;(){}]{0,200}>\s*+)?<<<")
 
 
 class EmbeddedCuda(NamedTuple):
@@ -1251,7 +1254,8 @@ def _read_statement(stmt: ast.stmt) -> _Statement:
                 continue
             text, made_of = value
             skip.update(id(n) for n in made_of)
-            if _GLOBAL in text or "__device__" in text:
+            # A wrapper in a string of its own (`cuda_sources=[kernels, wrapper]`) launches the kernel: kept.
+            if _GLOBAL in text or "__device__" in text or ("<<<" in text and ">>>" in text):
                 out.literals.append(text)
         elif kind is ast.Expr:
             assert isinstance(node, ast.Expr)
@@ -1333,8 +1337,13 @@ def embedded_cuda_in(module: ast.Module, entry: str | None) -> EmbeddedCuda | No
     if entry in defined:
         return EmbeddedCuda("\n".join(literals), entry)
     launched = {name for s in used for name in s.launched} & defined
+    text = "\n".join(literals)
+    if len(launched) != 1 and len(defined) > 1:
+        # torch's load_inline names no kernel in Python: its wrapper's `k<<<...>>>` does (a naive kernel kept
+        # beside the one it launches is not the entry). A wrapper launching two runs both: no one kernel.
+        launched = {m.group(1) for m in _CHEVRON_TARGET.finditer(strip_comments(text))} & defined
     chosen = launched if len(launched) == 1 else defined if len(defined) == 1 else set()
-    return EmbeddedCuda("\n".join(literals), next(iter(chosen), None))
+    return EmbeddedCuda(text, next(iter(chosen), None))
 
 
 # ---------------------------------------------------------------- launch, occupancy, all together
