@@ -183,3 +183,17 @@ def test_a_load_inline_wrapper_chooses_the_kernel_it_launches() -> None:
     both = one_string.replace("  return y;", "  naive<<<n / 256, 256>>>(0, 0, n);\n  return y;")
     embedded = embedded_cuda(both, "ModelNew")
     assert embedded is not None and embedded.entry is None and read(both, "ModelNew") is None
+
+
+def test_deeply_nested_expressions_are_unknown_not_an_error() -> None:
+    # `1 + 1 + ...` nests to the left: 600 terms (1.2 KB) went past Python's recursion limit in the evaluator,
+    # and the RecursionError reached the forecast. Nested through names, each expression short, the same.
+    sums = "1" + "+1" * 600
+    chain = "a0 = 1\n" + "".join(f"a{i} = a{i - 1}" + "+1" * 150 + "\n" for i in range(1, 8))
+    for body, head in (
+        (f"    k((N // 256,), ({sums},), (x,))", ""),
+        ("    k((N // 256,), (a7,), (x,))", chain),
+    ):
+        started = time.perf_counter()
+        assert read(cupy(body, head)) == SourceLaunch((65536, 1, 1), None, 0)
+        assert time.perf_counter() - started < 2.0

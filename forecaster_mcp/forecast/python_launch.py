@@ -47,6 +47,10 @@ _PY_BINARY: dict[type, Callable[[int, int], int]] = {
 }
 _CEIL_DIV = frozenset({"cdiv", "ceil_div", "ceildiv", "div_up", "divup"})
 _LIMIT = 2**64  # a launch dimension is at most 2^31 - 1: anything this big is no launch anyone means
+# Expressions nested this deep, through names too, are not read: the evaluator recurses (about three frames a
+# level), and `1 + 1 + ...` of 600 terms, 1.2 KB, went past Python's recursion limit of 1000. A launch nests a
+# handful of levels.
+_MAX_NESTING = 100
 
 
 class _Unknown(Exception):
@@ -113,11 +117,16 @@ class _Evaluator:
         self.scope = scope
         self.names = names  # host_launch's reading of the workload: sizes and buffer shapes by name
         self._memo: dict[tuple[int, str], int | None] = {}
+        self._nesting = 0  # value() calls open, through names too
 
     def value(self, node: ast.expr, depth: int = 0) -> int:
-        if depth > MAX_DEPTH:
+        if depth > MAX_DEPTH or self._nesting >= _MAX_NESTING:
             raise _Unknown
-        result = self._value(node, depth)
+        self._nesting += 1
+        try:
+            result = self._value(node, depth)
+        finally:
+            self._nesting -= 1
         if not -_LIMIT <= result < _LIMIT:
             raise _Unknown
         return result
