@@ -197,3 +197,10 @@ def test_deeply_nested_expressions_are_unknown_not_an_error() -> None:
         started = time.perf_counter()
         assert read(cupy(body, head)) == SourceLaunch((65536, 1, 1), None, 0)
         assert time.perf_counter() - started < 2.0
+
+
+def test_a_launch_tuple_named_in_the_module_is_read_in_the_module() -> None:
+    # `BLOCK = (T,)` is the module's T, whatever the calling function calls T: read in the function, 128.
+    assert read(
+        cupy("    T = 128\n    k((N // 256,), BLOCK, (x,))", "T = 256\nBLOCK = (T,)\n")
+    ) == SourceLaunch((65536, 1, 1), (256, 1, 1), 0)

@@ -254,13 +254,16 @@ class _Evaluator:
 
     def dims(self, node: ast.expr) -> Dim3 | None:
         """A launch dimension: a tuple or list of one to three numbers, a number (x), or a name given one."""
+        # A tuple a name is given is read in the scope that gives it (`BLOCK = (T,)` in the module: the module's T).
+        scope = self.scope
         for _ in range(MAX_DEPTH):
             if not isinstance(node, ast.Name):
                 break
-            values = self._assigned(node.id)
-            if values is None or not isinstance(values, ast.Tuple | ast.List):
+            found = _assigned(node.id, scope)
+            if found is None or not isinstance(found[0], ast.Tuple | ast.List):
                 break
-            node = values
+            node, scope = found
+        outer, self.scope = self.scope, scope
         try:
             if isinstance(node, ast.Tuple | ast.List):
                 if not 1 <= len(node.elts) <= 3:
@@ -271,17 +274,22 @@ class _Evaluator:
             return (self.value(node), 1, 1)
         except _Unknown:
             return None
+        finally:
+            self.scope = outer
 
-    def _assigned(self, name: str) -> ast.expr | None:
-        scope: _Scope | None = self.scope
-        while scope is not None:
-            if name in scope.params:
-                return None
-            values = scope.assigned.get(name)
-            if values is not None:
-                return values[0] if len(values) == 1 else None
-            scope = scope.outer
-        return None
+
+def _assigned(name: str, scope: _Scope | None) -> tuple[ast.expr, _Scope] | None:
+    """The one value `name` is given where `scope` sees it, with the scope giving it; None for a parameter, a name
+    given none or several."""
+    while scope is not None:
+        if name in scope.params:
+            return None
+        values = scope.assigned.get(name)
+        if values is not None:
+            value = values[0] if len(values) == 1 else None
+            return (value, scope) if value is not None else None
+        scope = scope.outer
+    return None
 
 
 def _ceil_div(a: int, b: int) -> int:
