@@ -204,3 +204,26 @@ def test_a_launch_tuple_named_in_the_module_is_read_in_the_module() -> None:
     assert read(
         cupy("    T = 128\n    k((N // 256,), BLOCK, (x,))", "T = 256\nBLOCK = (T,)\n")
     ) == SourceLaunch((65536, 1, 1), (256, 1, 1), 0)
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        # CuPy's keywords: its shared_mem, not PyCUDA's shared (read as none).
+        (
+            "    k(grid=(N >> 8,), block=(256,), args=(x,), shared_mem=4096)",
+            ((65536, 1, 1), (256, 1, 1), 4096),
+        ),
+        # CuPy's grid given first, its block by keyword: not PyCUDA's default grid of one block.
+        ("    k((N >> 8,), block=(256,), args=(x,))", ((65536, 1, 1), (256, 1, 1), 0)),
+        # Its configuration in a `**` (PyCUDA's grid in it, or CuPy's all): not said, so not one block.
+        ("    k(x, block=(256, 1, 1), **cfg)", None),
+        ("    k((N >> 8,), (256,), (x,))\n    k(**cfg)", None),
+    ],
+)
+def test_a_cupy_call_by_keywords_is_cupys(body: str, expected: tuple[object, object, object] | None) -> None:
+    found = read(cupy(body))
+    if expected is None:
+        assert found is None or found.grid is None
+    else:
+        assert found == SourceLaunch(*expected)  # type: ignore[arg-type]

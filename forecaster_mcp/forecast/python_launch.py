@@ -359,15 +359,24 @@ def python_launch(module: ast.Module, kernel: str, workload: Workload | None) ->
             return None
         evaluator = _Evaluator(scope, names)
         keywords: Mapping[str | None, ast.expr] = {k.arg: k.value for k in call.keywords}
-        if "block" in keywords:  # PyCUDA: func(*args, block=(...), grid=(...), shared=...)
+        positional = list(call.args)
+        if None in keywords:
+            block_node = None  # `**cfg`: its grid, block or shared memory said at run time
+        elif "block" in keywords and not keywords.keys() & {"args", "shared_mem"}:
+            # PyCUDA: func(*args, block=(...), grid=(...), shared=...), its grid one block by default
             grid_node, block_node = keywords.get("grid"), keywords["block"]
             grid = evaluator.dims(grid_node) if grid_node is not None else (1, 1, 1)
             shared_node = keywords.get("shared")
-        else:  # CuPy: kernel(grid, block, args, shared_mem=...)
-            if len(call.args) < 2:
-                continue
-            grid, block_node = evaluator.dims(call.args[0]), call.args[1]
+        else:  # CuPy: kernel(grid, block, args, shared_mem=...), by position or keyword
+            grid_node = keywords.get("grid", positional.pop(0) if positional else None)
+            block_node = keywords.get("block", positional.pop(0) if positional else None)
+            grid = evaluator.dims(grid_node) if grid_node is not None else None
             shared_node = keywords.get("shared_mem")
+        if block_node is None:  # a launch not read is one that may disagree with the rest
+            grids.append(None)
+            blocks.append(None)
+            shared.append(None)
+            continue
         grids.append(_valid_grid(grid))
         blocks.append(_valid_block(evaluator.dims(block_node)))
         if shared_node is None:
