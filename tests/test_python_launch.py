@@ -227,3 +227,30 @@ def test_a_cupy_call_by_keywords_is_cupys(body: str, expected: tuple[object, obj
         assert found is None or found.grid is None
     else:
         assert found == SourceLaunch(*expected)  # type: ignore[arg-type]
+
+
+LAUNCH_T = "    k((N // 256,), (T,), (x,))"
+
+
+@pytest.mark.parametrize(
+    ("body", "head"),
+    [
+        (f"    from cfg import T\n{LAUNCH_T}", "T = 256\n"),  # an import
+        (LAUNCH_T, "T = 256\nfrom cfg import T\n"),
+        (f"    def T():\n        pass\n{LAUNCH_T}", "T = 256\n"),  # a def or class
+        (f"    class T:\n        pass\n{LAUNCH_T}", "T = 256\n"),
+        (f"    try:\n        pass\n    except ValueError as T:\n        pass\n{LAUNCH_T}", "T = 256\n"),
+        (f"    *T, u = 512, 1\n{LAUNCH_T}", "T = 256\n"),  # T is [512]
+        (f"    match x.ndim:\n        case T:\n            pass\n{LAUNCH_T}", "T = 256\n"),
+        (LAUNCH_T, "T = 256\ndel T\n"),
+        (LAUNCH_T, "T = 256\ndef setup():\n    global T\n    T = 512\n"),  # set elsewhere
+        (
+            f"    T = 256\n    def bump():\n        nonlocal T\n        T = 512\n    bump()\n{LAUNCH_T}",
+            "",
+        ),
+        ("    [k((N // 256,), (T,), (x,)) for T in (128, 512)]", "T = 256\n"),  # the comprehension's own T
+    ],
+)
+def test_a_name_bound_other_than_by_assignment_is_unknown(body: str, head: str) -> None:
+    found = read(cupy(body, head))
+    assert found is None or found.block is None

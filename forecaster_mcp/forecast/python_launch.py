@@ -12,8 +12,8 @@ of a name bound to the kernel (`k = cp.RawKernel(code, "relu")`, `f = mod.get_fu
   workload says them), and a buffer argument's `x.size`, `x.numel()`, `len(x)`, `x.shape[i]`, `x.size(i)`;
 - `+ - * // % << >>`, `min`, `max`, `int(...)`, `math.ceil(a / b)`, and `cdiv` / `triton.cdiv`.
 
-Anything else (a name assigned twice, a float, a value known only at run time, calls that disagree) leaves that
-part unknown. Nothing is run.
+Anything else (a name assigned twice, or bound otherwise: an import, a def, `except ... as`, `global` in another
+function; a float, a value known only at run time, calls that disagree) leaves that part unknown. Nothing is run.
 """
 
 from __future__ import annotations
@@ -60,33 +60,55 @@ class _Unknown(Exception):
 class _Scope:
     """The names one function (or the module) assigns, with the function's parameters and the module around it."""
 
-    def __init__(self, body: list[ast.stmt], params: frozenset[str], outer: _Scope | None) -> None:
+    def __init__(
+        self, body: list[ast.stmt], params: frozenset[str], outer: _Scope | None, declared: frozenset[str]
+    ) -> None:
         self.params = params
         self.outer = outer
         self.assigned: dict[str, list[ast.expr | None]] = {}  # None: changed in a way that is not read
+        for name in declared:  # `global n` / `nonlocal n` somewhere: set from another function
+            self.assigned[name] = [None]
         for node in _own_nodes(body):
             if isinstance(node, ast.Assign):
                 for target in node.targets:
                     self._bind(target, node.value)
             elif isinstance(node, ast.AnnAssign) and node.value is not None:
                 self._bind(node.target, node.value)
-            elif isinstance(node, ast.AugAssign | ast.For | ast.AsyncFor | ast.NamedExpr):
-                self._changed(node.target)  # `n += 1`, a loop variable, `(n := ...)`: set at run time
+            elif isinstance(node, ast.AugAssign | ast.For | ast.AsyncFor | ast.NamedExpr | ast.comprehension):
+                # `n += 1`, a loop variable, `(n := ...)`: set at run time. A comprehension's variable is its
+                # own, but a launch in it would read this scope's: taken as unknown here.
+                self._changed(node.target)
             elif isinstance(node, ast.With | ast.AsyncWith):
                 for item in node.items:
                     if item.optional_vars is not None:
                         self._changed(item.optional_vars)
+            elif isinstance(node, ast.Delete):
+                for target in node.targets:
+                    self._changed(target)
+            elif isinstance(node, ast.Import | ast.ImportFrom):
+                for alias in node.names:
+                    self._unknown(alias.asname or alias.name.split(".")[0])
+            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                self._unknown(node.name)
+            elif isinstance(node, ast.ExceptHandler | ast.MatchAs | ast.MatchStar) and node.name is not None:
+                self._unknown(node.name)  # `except E as n`, `case n:`, `case [*n]`
+            elif isinstance(node, ast.MatchMapping) and node.rest is not None:
+                self._unknown(node.rest)
+
+    def _unknown(self, name: str) -> None:
+        self.assigned.setdefault(name, []).append(None)
 
     def _changed(self, target: ast.expr) -> None:
         for name in _names_in(target):
-            self.assigned.setdefault(name, []).append(None)
+            self._unknown(name)
 
     def _bind(self, target: ast.expr, value: ast.expr) -> None:
         if isinstance(target, ast.Name):
             self.assigned.setdefault(target.id, []).append(value)
         elif isinstance(target, ast.Tuple | ast.List):
             values = value.elts if isinstance(value, ast.Tuple | ast.List) else None
-            if values is not None and len(values) == len(target.elts):
+            starred = any(isinstance(t, ast.Starred) for t in target.elts)  # `*n, m = 1, 2`: n is [1]
+            if values is not None and len(values) == len(target.elts) and not starred:
                 for t, v in zip(target.elts, values, strict=True):
                     self._bind(t, v)
             else:
@@ -320,7 +342,13 @@ def _handles(module: ast.Module, kernel: str) -> set[str]:
 def _sites(module: ast.Module, kernel: str) -> Iterator[tuple[ast.Call, _Scope]]:
     """Each call launching `kernel`, with the scope it is made in."""
     handles = _handles(module, kernel)
-    top = _Scope(module.body, frozenset(), None)
+    declared = frozenset(
+        name
+        for node in ast.walk(module)
+        if isinstance(node, ast.Global | ast.Nonlocal)
+        for name in node.names
+    )
+    top = _Scope(module.body, frozenset(), None, declared)
 
     def visit(body: list[ast.stmt], scope: _Scope) -> Iterator[tuple[ast.Call, _Scope]]:
         for node in _own_nodes(body):
@@ -329,7 +357,7 @@ def _sites(module: ast.Module, kernel: str) -> Iterator[tuple[ast.Call, _Scope]]
                 params = frozenset(p.arg for p in [*a.posonlyargs, *a.args, *a.kwonlyargs]) | frozenset(
                     p.arg for p in (a.vararg, a.kwarg) if p is not None
                 )
-                yield from visit(node.body, _Scope(node.body, params, scope))
+                yield from visit(node.body, _Scope(node.body, params, scope, declared))
             elif isinstance(node, ast.ClassDef):
                 yield from visit(node.body, scope)
             elif isinstance(node, ast.Call):
