@@ -254,3 +254,19 @@ LAUNCH_T = "    k((N // 256,), (T,), (x,))"
 def test_a_name_bound_other_than_by_assignment_is_unknown(body: str, head: str) -> None:
     found = read(cupy(body, head))
     assert found is None or found.block is None
+
+
+@pytest.mark.parametrize("size", ["x.shape[0]", "len(x)", "x.size", "x.numel()", "x.size(0)"])
+def test_a_buffer_the_source_rebinds_is_not_the_workloads(size: str) -> None:
+    # x reshaped to N / 4 rows: its shape is no longer the workload's [N].
+    found = read(cupy(f"    x = x.reshape(-1, 4)\n    k(({size} // 256,), (256,), (x,))"))
+    assert found == SourceLaunch(None, (256, 1, 1), 0)
+    # A module's own buffer (a test's) is not the workload's either.
+    found = read(
+        cupy(f"    k(({size} // 256,), (256,), (x,))", "x = cp.zeros(1 << 20)\n").replace(
+            "def run(x)", "def run()"
+        )
+    )
+    assert found == SourceLaunch(None, (256, 1, 1), 0)
+    # The function's parameter is.
+    assert read(cupy(f"    k(({size} // 256,), (256,), (x,))")) == SourceLaunch((65536, 1, 1), (256, 1, 1), 0)

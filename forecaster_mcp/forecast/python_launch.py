@@ -220,6 +220,15 @@ class _Evaluator:
         return value
 
     def _shape(self, name: str) -> list[int]:
+        # The workload's buffer is the function's parameter, or a name the source never binds: one it binds is its
+        # own (`x = x.reshape(-1, 4)`, a test's `x = cp.zeros(1 << 20)`), of a shape the workload does not say.
+        scope: _Scope | None = self.scope
+        while scope is not None and name not in scope.params:
+            if name in scope.assigned:
+                raise _Unknown
+            scope = scope.outer
+        if scope is not None and name in scope.assigned:
+            raise _Unknown
         shape = self.names.shape(name)
         if shape is None:
             raise _Unknown
