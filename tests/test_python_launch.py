@@ -270,3 +270,42 @@ def test_a_buffer_the_source_rebinds_is_not_the_workloads(size: str) -> None:
     assert found == SourceLaunch(None, (256, 1, 1), 0)
     # The function's parameter is.
     assert read(cupy(f"    k(({size} // 256,), (256,), (x,))")) == SourceLaunch((65536, 1, 1), (256, 1, 1), 0)
+
+
+NAIVE_CODE = "r'''extern \"C\" __global__ void naive(float* x) { x[0] = 0.f; }'''"
+
+
+def test_a_handle_is_the_kernel_its_scope_binds() -> None:
+    # Each function binds `kernel` to its own: each launch is its own kernel's, not two that disagree.
+    pycuda = (
+        f"from pycuda.compiler import SourceModule\nmod = SourceModule({RELU} + {NAIVE_CODE})\n"
+        "def run(x):\n    kernel = mod.get_function('relu')\n"
+        "    kernel(x, block=(256, 1, 1), grid=(N // 256, 1))\n"
+        "def slow(x):\n    kernel = mod.get_function('naive')\n    kernel(x, block=(32, 1, 1), grid=(1, 1))\n"
+    )
+    assert read(pycuda, "run") == SourceLaunch((65536, 1, 1), (256, 1, 1), 0)
+    assert read(pycuda, "slow") == SourceLaunch((1, 1, 1), (32, 1, 1), 0)
+    # The same, by methods of two classes binding self.fn.
+    classes = (
+        f"from pycuda.compiler import SourceModule\nmod = SourceModule({RELU} + {NAIVE_CODE})\n"
+        "class Fast:\n    def __init__(self):\n        self.fn = mod.get_function('relu')\n"
+        "    def __call__(self, x):\n        self.fn(x, block=(256, 1, 1), grid=(N // 256, 1))\n"
+        "class Slow:\n    def __init__(self):\n        self.fn = mod.get_function('naive')\n"
+        "    def __call__(self, x):\n        self.fn(x, block=(32, 1, 1), grid=(1, 1))\n"
+    )
+    assert read(classes, "Fast") == SourceLaunch((65536, 1, 1), (256, 1, 1), 0)
+    assert read(classes, "Slow") == SourceLaunch((1, 1, 1), (32, 1, 1), 0)
+    # relu's handle passed to a launcher (not read), and another function's `k` naive's: naive's launch is not
+    # relu's.
+    passed = (
+        f"import cupy as cp\nk = cp.RawKernel({RELU}, 'relu')\n"
+        "def launch(kern, x):\n    kern((N // 256,), (256,), (x,))\n"
+        "def run(x):\n    launch(k, x)\n"
+        f"def other(x):\n    k = cp.RawKernel({NAIVE_CODE}, 'naive')\n    k((1,), (32,), (x,))\n"
+    )
+    assert read(passed) is None
+    # One name bound to either kernel: its launches may be either's.
+    either = (
+        cupy("    k((N // 256,), (256,), (x,))") + f"if SLOW:\n    k = cp.RawKernel({NAIVE_CODE}, 'naive')\n"
+    )
+    assert read(either) is None

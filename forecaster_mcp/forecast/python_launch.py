@@ -338,19 +338,44 @@ def _dotted(node: ast.expr) -> str | None:
     return None
 
 
-def _handles(module: ast.Module, kernel: str) -> set[str]:
-    """The names (`k`, `self.k`) bound to `kernel` by a RawKernel or get_function call naming it."""
-    out: set[str] = set()
-    for node in ast.walk(module):
-        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
-            if features.launched_name(node.value) == kernel:
-                out.update(name for t in node.targets if (name := _dotted(t)) is not None)
+def _bound_kernel(value: ast.expr | None) -> str | None:
+    """The kernel a value names (`cp.RawKernel(code, "relu")`, `mod.get_function("relu")`), else None."""
+    return features.launched_name(value) if isinstance(value, ast.Call) else None
+
+
+def _attribute_handles(module: ast.Module) -> dict[tuple[int, str], list[str | None]]:
+    """What `self.k = ...` binds, by the class it is bound in (its id; 0 outside any) and `self.k`: the kernel each
+    assignment names, None for one naming none."""
+    out: dict[tuple[int, str], list[str | None]] = {}
+    stack: list[tuple[ast.AST, int]] = [(module, 0)]
+    while stack:
+        node, owner = stack.pop()
+        if isinstance(node, ast.ClassDef):
+            owner = id(node)
+        if isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                if isinstance(target, ast.Attribute) and (name := _dotted(target)) is not None:
+                    out.setdefault((owner, name), []).append(_bound_kernel(node.value))
+        stack.extend((child, owner) for child in ast.iter_child_nodes(node))
     return out
 
 
-def _sites(module: ast.Module, kernel: str) -> Iterator[tuple[ast.Call, _Scope]]:
-    """Each call launching `kernel`, with the scope it is made in."""
-    handles = _handles(module, kernel)
+def _names_kernel(bound: list[str | None], kernel: str) -> bool | None:
+    """Whether a handle given these values is `kernel`: True, False, or None (`kernel` one of several)."""
+    if kernel not in bound:
+        return False
+    return True if all(b == kernel for b in bound) else None
+
+
+def _sites(module: ast.Module, kernel: str) -> Iterator[tuple[ast.Call, _Scope, bool]]:
+    """Each call that may launch `kernel`, with the scope it is made in and whether it surely does. A handle
+    (`k`, `self.k`) is the kernel its scope binds it to: `k` by Python's scopes (another function's `k` bound to
+    another kernel, or a parameter `k`, is not it), `self.k` by the class binding it, else by every binding of
+    it; one bound to this kernel and to another (or to something else) may launch either."""
+    attributes = _attribute_handles(module)
+    anywhere: dict[str, list[str | None]] = {}
+    for (_, name), values in attributes.items():
+        anywhere.setdefault(name, []).extend(values)
     declared = frozenset(
         name
         for node in ast.walk(module)
@@ -359,29 +384,42 @@ def _sites(module: ast.Module, kernel: str) -> Iterator[tuple[ast.Call, _Scope]]
     )
     top = _Scope(module.body, frozenset(), None, declared)
 
-    def visit(body: list[ast.stmt], scope: _Scope) -> Iterator[tuple[ast.Call, _Scope]]:
+    def handle(func: ast.expr, scope: _Scope, owner: int) -> bool | None:
+        if isinstance(func, ast.Call):  # the naming call itself: `cp.RawKernel(code, "relu")(grid, ...)`
+            return _bound_kernel(func) == kernel
+        if isinstance(func, ast.Name):
+            found: _Scope | None = scope
+            while found is not None and func.id not in found.params and func.id not in found.assigned:
+                found = found.outer
+            if found is None or func.id in found.params:
+                return False  # never bound here, or the caller's (`def launch(kern, ...)`): not read
+            return _names_kernel([_bound_kernel(v) for v in found.assigned[func.id]], kernel)
+        dotted = _dotted(func)
+        if dotted is None or "." not in dotted:
+            return False
+        # Bound in its class, else in a base class or from outside: any binding of it.
+        return _names_kernel(attributes.get((owner, dotted), anywhere.get(dotted, [])), kernel)
+
+    def visit(body: list[ast.stmt], scope: _Scope, owner: int) -> Iterator[tuple[ast.Call, _Scope, bool]]:
         for node in _own_nodes(body):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 a = node.args
                 params = frozenset(p.arg for p in [*a.posonlyargs, *a.args, *a.kwonlyargs]) | frozenset(
                     p.arg for p in (a.vararg, a.kwarg) if p is not None
                 )
-                yield from visit(node.body, _Scope(node.body, params, scope, declared))
+                yield from visit(node.body, _Scope(node.body, params, scope, declared), owner)
             elif isinstance(node, ast.ClassDef):
-                yield from visit(node.body, scope)
+                yield from visit(node.body, scope, id(node))
             elif isinstance(node, ast.Call):
-                func = node.func
-                named = _dotted(func) in handles or (
-                    isinstance(func, ast.Call) and features.launched_name(func) == kernel
-                )
-                if named:
-                    yield node, scope
+                launches = handle(node.func, scope, owner)
+                if launches is not False:
+                    yield node, scope, launches is True
 
-    yield from visit(module.body, top)
+    yield from visit(module.body, top, 0)
 
 
 def python_launches(module: ast.Module, kernel: str) -> bool:
-    """Whether the module's Python calls `kernel` (read or not)."""
+    """Whether the module's Python calls `kernel` (read or not), or may."""
     return next(_sites(module, kernel), None) is not None
 
 
@@ -391,13 +429,15 @@ def python_launch(module: ast.Module, kernel: str, workload: Workload | None) ->
     grids: list[Dim3 | None] = []
     blocks: list[Dim3 | None] = []
     shared: list[int | None] = []
-    for count, (call, scope) in enumerate(_sites(module, kernel)):
+    for count, (call, scope, surely) in enumerate(_sites(module, kernel)):
         if count >= MAX_SITES:
             return None
         evaluator = _Evaluator(scope, names)
         keywords: Mapping[str | None, ast.expr] = {k.arg: k.value for k in call.keywords}
         positional = list(call.args)
-        if None in keywords:
+        if not surely:
+            block_node = None  # a handle bound to this kernel and another: either's launch
+        elif None in keywords:
             block_node = None  # `**cfg`: its grid, block or shared memory said at run time
         elif "block" in keywords and not keywords.keys() & {"args", "shared_mem"}:
             # PyCUDA: func(*args, block=(...), grid=(...), shared=...), its grid one block by default
