@@ -309,3 +309,22 @@ def test_a_handle_is_the_kernel_its_scope_binds() -> None:
         cupy("    k((N // 256,), (256,), (x,))") + f"if SLOW:\n    k = cp.RawKernel({NAIVE_CODE}, 'naive')\n"
     )
     assert read(either) is None
+
+
+def test_a_kernel_python_names_is_not_passed_over_for_one_the_cuda_launches() -> None:
+    # Python names two kernels it runs (no one entry); the parent's device-side launch of its child (dynamic
+    # parallelism) is no host wrapper choosing the child.
+    from forecaster_mcp.forecast.features import embedded_cuda
+
+    code = (
+        "r'''__global__ void child(float* x) { x[threadIdx.x] = 0.f; }\n"
+        'extern "C" __global__ void parent(float* x) { child<<<1, 32>>>(x); }\n'
+        "extern \"C\" __global__ void init(float* x) { x[0] = 1.f; }'''"
+    )
+    source = (
+        f"import cupy as cp\ncode = {code}\n"
+        "def run(x):\n    cp.RawKernel(code, 'init')((1,), (1,), (x,))\n"
+        "    cp.RawKernel(code, 'parent')((1,), (1,), (x,))\n"
+    )
+    embedded = embedded_cuda(source, "run")
+    assert embedded is not None and embedded.entry is None

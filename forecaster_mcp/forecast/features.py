@@ -1338,9 +1338,10 @@ def embedded_cuda_in(module: ast.Module, entry: str | None) -> EmbeddedCuda | No
         return EmbeddedCuda("\n".join(literals), entry)
     launched = {name for s in used for name in s.launched} & defined
     text = "\n".join(literals)
-    if len(launched) != 1 and len(defined) > 1:
+    if not launched and len(defined) > 1:
         # torch's load_inline names no kernel in Python: its wrapper's `k<<<...>>>` does (a naive kernel kept
-        # beside the one it launches is not the entry). A wrapper launching two runs both: no one kernel.
+        # beside the one it launches is not the entry). A wrapper launching two runs both: no one kernel. Where
+        # Python names two (CuPy), it runs both: a kernel's device-side `child<<<...>>>` chooses nothing.
         launched = {m.group(1) for m in _CHEVRON_TARGET.finditer(strip_comments(text))} & defined
     chosen = launched if len(launched) == 1 else defined if len(defined) == 1 else set()
     return EmbeddedCuda(text, next(iter(chosen), None))
