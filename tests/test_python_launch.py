@@ -141,11 +141,14 @@ def test_only_the_kernel_that_runs_is_read() -> None:
 def test_hostile_python_launches_stay_cheap() -> None:
     deep = "    t = " + "(" * 90 + "1" + ")" * 90 + "\n    k((N // t,), (t,), (x,))"
     chain = "".join(f"a{i} = a{i - 1} + a{i - 1}\n" for i in range(1, 60))
-    many = "".join("    k((N // 256,), (256,), (x,))\n" for _ in range(20_000))
+    # Just under the 64 KB a Python source is parsed up to (features._MAX_EMBEDDING_SOURCE): all of it read.
+    many = "".join("    k((N // 256,), (256,), (x,))\n" for _ in range(1_900))
+    assert len(cupy(many)) < 64 * 1024
     for body, head in ((deep, ""), ("    k((a59,), (256,), (x,))", "a0 = 1\n" + chain), (many, "")):
         started = time.perf_counter()
         read(cupy(body, head))
         assert time.perf_counter() - started < 2.0
+    assert read(cupy(many)) is None  # past MAX_SITES calls, none is read
     # 59 doublings: beyond any launch, so unknown rather than a huge grid.
     assert read(cupy("    k((a59,), (256,), (x,))", "a0 = 1\n" + chain)) == SourceLaunch(None, (256, 1, 1), 0)
 
