@@ -331,3 +331,15 @@ def test_a_kernel_python_names_is_not_passed_over_for_one_the_cuda_launches() ->
     )
     embedded = embedded_cuda(source, "run")
     assert embedded is not None and embedded.entry is None
+
+
+def test_reads_a_pycuda_prepared_call() -> None:
+    source = (
+        "from pycuda.compiler import SourceModule\n"
+        f"mod = SourceModule({RELU})\nf = mod.get_function('relu')\nf.prepare('Pi')\n"
+        "def run(x, stream):\n    f.prepared_async_call((N // 256, 1), (256, 1, 1), stream, x, N, shared_size=1024)\n"
+    )
+    assert read(source) == SourceLaunch((65536, 1, 1), (256, 1, 1), 1024)
+    assert host_launch.launches_itself(Kernel(source=source, entry="run", language="python"))
+    # f.prepare(...) is no launch.
+    assert read(source.replace("f.prepared_async_call", "f.prepare")) is None

@@ -411,11 +411,18 @@ def _sites(module: ast.Module, kernel: str) -> Iterator[tuple[ast.Call, _Scope, 
             elif isinstance(node, ast.ClassDef):
                 yield from visit(node.body, scope, id(node))
             elif isinstance(node, ast.Call):
-                launches = handle(node.func, scope, owner)
+                func = node.func
+                if isinstance(func, ast.Attribute) and func.attr in _PREPARED_CALLS:
+                    func = func.value  # PyCUDA's f.prepared_call(grid, block, ...): a launch of f
+                launches = handle(func, scope, owner)
                 if launches is not False:
                     yield node, scope, launches is True
 
     yield from visit(module.body, top, 0)
+
+
+# PyCUDA's launches of a prepared function: grid and block first (a stream third for the async one).
+_PREPARED_CALLS = frozenset({"prepared_call", "prepared_async_call", "prepared_timed_call"})
 
 
 def python_launches(module: ast.Module, kernel: str) -> bool:
@@ -435,10 +442,16 @@ def python_launch(module: ast.Module, kernel: str, workload: Workload | None) ->
         evaluator = _Evaluator(scope, names)
         keywords: Mapping[str | None, ast.expr] = {k.arg: k.value for k in call.keywords}
         positional = list(call.args)
+        prepared = isinstance(call.func, ast.Attribute) and call.func.attr in _PREPARED_CALLS
         if not surely:
             block_node = None  # a handle bound to this kernel and another: either's launch
         elif None in keywords:
             block_node = None  # `**cfg`: its grid, block or shared memory said at run time
+        elif prepared:  # PyCUDA: f.prepared_call(grid, block, *args, shared_size=...)
+            grid_node = positional[0] if positional else None
+            block_node = positional[1] if len(positional) > 1 else None
+            grid = evaluator.dims(grid_node) if grid_node is not None else None
+            shared_node = keywords.get("shared_size")
         elif "block" in keywords and not keywords.keys() & {"args", "shared_mem"}:
             # PyCUDA: func(*args, block=(...), grid=(...), shared=...), its grid one block by default
             grid_node, block_node = keywords.get("grid"), keywords["block"]
