@@ -286,8 +286,6 @@ def test_a_handle_is_the_kernel_its_scope_binds() -> None:
         "    kernel(x, block=(256, 1, 1), grid=(N // 256, 1))\n"
         "def slow(x):\n    kernel = mod.get_function('naive')\n    kernel(x, block=(32, 1, 1), grid=(1, 1))\n"
     )
-    assert read(pycuda, "run") == SourceLaunch((65536, 1, 1), (256, 1, 1), 0)
-    assert read(pycuda, "slow") == SourceLaunch((1, 1, 1), (32, 1, 1), 0)
     # The same, by methods of two classes binding self.fn.
     classes = (
         f"from pycuda.compiler import SourceModule\nmod = SourceModule({RELU} + {NAIVE_CODE})\n"
@@ -296,8 +294,9 @@ def test_a_handle_is_the_kernel_its_scope_binds() -> None:
         "class Slow:\n    def __init__(self):\n        self.fn = mod.get_function('naive')\n"
         "    def __call__(self, x):\n        self.fn(x, block=(32, 1, 1), grid=(1, 1))\n"
     )
-    assert read(classes, "Fast") == SourceLaunch((65536, 1, 1), (256, 1, 1), 0)
-    assert read(classes, "Slow") == SourceLaunch((1, 1, 1), (32, 1, 1), 0)
+    for source, fast, slow in ((pycuda, "run", "slow"), (classes, "Fast", "Slow")):
+        assert read(source, fast) == SourceLaunch((65536, 1, 1), (256, 1, 1), 0)
+        assert read(source, slow) == SourceLaunch((1, 1, 1), (32, 1, 1), 0)
     # relu's handle passed to a launcher (not read), and another function's `k` naive's: naive's launch is not
     # relu's.
     passed = (
