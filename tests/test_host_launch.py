@@ -1055,3 +1055,34 @@ def test_a_device_overload_named_as_its_kernel_and_called_by_it_is_kept() -> Non
     # A comment naming the kernel is no call of it: the wrapper of its name is still cut.
     same = TORCH_NAIVE.replace("torch::Tensor forward(", "// relu's wrapper\ntorch::Tensor relu(")
     assert "torch::Tensor relu(" not in without_host_code(same, "relu")
+
+
+def test_a_wrapper_s_tensors_stand_for_the_workload_s_inputs_in_order() -> None:
+    """`torch::Tensor forward(torch::Tensor input)` sized by `input.numel()` beside a workload whose input is `x`:
+    only the block was read. A wrapper taking exactly the workload's inputs, none by its name, takes them by
+    position (a KernelBench module passes its inputs in order)."""
+
+    def workload(*inputs: str) -> Workload:
+        args = [
+            {"name": n, "dtype": "float32", "shape": [1 << 24], "init": "random_uniform", "intent": "in"}
+            for n in inputs
+        ]
+        args.append({"name": "out", "dtype": "float32", "shape": [1 << 24], "init": "zeros", "intent": "out"})
+        return Workload.model_validate({"args": args})
+
+    source = TORCH_NAIVE
+    for was in ("torch::Tensor x)", "empty_like(x)", "x.numel()", "x.data_ptr"):
+        source = source.replace(was, was.replace("x", "input"))
+    renamed = Kernel(source=source, entry="relu")
+    assert "input.numel()" in renamed.source and "x.numel()" not in renamed.source
+    assert source_launch(renamed, workload("x")) == SourceLaunch((65536, 1, 1), (256, 1, 1), 0)
+    # Two inputs for one tensor, or a tensor that is the workload's by name elsewhere: not by position.
+    assert source_launch(renamed, workload("x", "w")) == SourceLaunch(None, (256, 1, 1), 0)
+    two = TORCH_NAIVE.replace(
+        "torch::Tensor forward(torch::Tensor x)", "torch::Tensor forward(torch::Tensor out)"
+    )
+    assert source_launch(
+        Kernel(source=two.replace("x.numel()", "out.numel()"), entry="relu"), workload("x")
+    ) == (
+        SourceLaunch((65536, 1, 1), (256, 1, 1), 0)  # `out` by its own name
+    )

@@ -16,7 +16,8 @@ a dimension evaluates to a whole number from what the source and the workload sa
   256;`), `dim3` variables (`dim3 block(16, 16);`), `min` / `max` and the usual ceiling divisions (`cdiv`,
   `ceil_div`, `CEIL_DIV`, `DIV_UP`, `div_up`), casts;
 - the workload's `problem` sizes and scalar `args` by name (exact, else the one name equal ignoring case), and a
-  buffer argument's `x.numel()` and `x.size(i)` from its shape.
+  buffer argument's `x.numel()` and `x.size(i)` from its shape (a wrapper's tensor parameters stand for the
+  workload's input buffers in order where it takes exactly those and names none of them: `_tensor_aliases`).
 
 A name assigned two different values, or changed in place (`+=`, `++`, `grid.x = ...`, `grid.x += 1`), its
 address taken (`&block_size`: set at run time) or read from `std::cin`, a value known only at run time (a device
@@ -230,6 +231,7 @@ class _Names:
         workload: Workload | None,
         given: Collection[str] = (),
         params: Collection[str] = (),
+        aliases: Mapping[str, str] | None = None,
     ) -> None:
         self.text = text
         self.macros = macros
@@ -237,6 +239,9 @@ class _Names:
         # The parameters of the host function the launch is in: their values are its callers' (`launch(512)`),
         # whatever the source assigns a variable of that name elsewhere; only the workload can say.
         self.params = frozenset(params)
+        self.aliases = dict(
+            aliases or {}
+        )  # a wrapper's tensor parameter -> the workload buffer it stands for
         self._defs: dict[str, tuple[str, set[str]] | None] = {}
         self._memo: dict[str, int | None] = {}
         self.sizes: dict[str, int] = {}
@@ -297,7 +302,7 @@ class _Names:
         return folded[0] if len(folded) == 1 else _UNKNOWN
 
     def shape(self, name: str) -> list[int] | None:
-        found = self._by_name(self.shapes, name)
+        found = self._by_name(self.shapes, self.aliases.get(name, name))
         return found if isinstance(found, list) else None
 
     def value(self, name: str, depth: int) -> int | None:
@@ -538,24 +543,40 @@ _CACHE_LOCK = threading.Lock()
 _FUNCTION_NAME = re.compile(r"(?<!\w)[A-Za-z_]\w*+\s*+(?:<[^<>;{}()]{0,200}>\s*+)?\(")
 
 
-def _parameters(text: str, start: int, end: int) -> frozenset[str]:
-    """The parameter names of the function defined at text[start:end] (its header's first parameter list)."""
+def _parameters(text: str, start: int, end: int) -> tuple[tuple[str, bool], ...]:
+    """The parameters of the function defined at text[start:end] (its header's first parameter list), in order:
+    each name, and whether it is a tensor (`torch::Tensor x`, `const at::Tensor& x`)."""
     body = text.find("{", start, end)
     header = text[start:body] if body >= 0 else ""
     # Tried only where a word starts, the word taken whole: at every letter, a 40 KB word before `(int t) {`
     # took 33 s.
     name = _FUNCTION_NAME.search(header)
     if name is None:
-        return frozenset()
+        return ()
     close = _closing(header, name.end(), len(header))
     if close is None:
-        return frozenset()
-    out = set()
+        return ()
+    out: list[tuple[str, bool]] = []
     for param in features.split_top_level(header[name.end() : close], "(<[{", ")>]}"):
         words = _NAME.findall(param.split("=", 1)[0])
         if words and words[-1] != "void":
-            out.add(words[-1])
-    return frozenset(out)
+            out.append((words[-1], "Tensor" in words[:-1]))
+    return tuple(out)
+
+
+def _tensor_aliases(params: tuple[tuple[str, bool], ...], workload: Workload | None) -> dict[str, str]:
+    """The workload's buffers a wrapper's tensor parameters stand for, by position, where their names are not
+    the workload's: `torch::Tensor forward(torch::Tensor input)` sized by `input.numel()` beside a workload whose
+    input is `x`. Only when the wrapper takes exactly the workload's input buffers (intent in or inout), as many
+    and none of them by name (a KernelBench module passes its inputs in order); else none."""
+    tensors = [name for name, tensor in params if tensor]
+    if workload is None or not tensors:
+        return {}
+    inputs = [a.name for a in workload.args if isinstance(a, BufferArg) and a.intent in ("in", "inout")]
+    buffers = {a.name.lower() for a in workload.args if isinstance(a, BufferArg)}
+    if len(inputs) != len(tensors) or any(t.lower() in buffers for t in tensors):
+        return {}
+    return dict(zip(tensors, inputs, strict=True))
 
 
 def _source_launch(
@@ -573,13 +594,17 @@ def _source_launch(
         if name not in macros and defined.setdefault(name, value) != value:
             defined[name] = ""
     spans = features.host_function_spans(text)
-    by_params: dict[frozenset[str], _Names] = {}
+    by_params: dict[tuple[tuple[str, bool], ...], _Names] = {}
     grids, blocks, shared = [], [], []
     for at, parts in sites:
         if len(parts) < 2:
             return None
-        params = next((_parameters(text, a, b) for a, b, _ in spans if a <= at < b), frozenset())
-        names = by_params.setdefault(params, _Names(text, defined, workload, macros, params))
+        params = next((_parameters(text, a, b) for a, b, _ in spans if a <= at < b), ())
+        if params not in by_params:
+            by_params[params] = _Names(
+                text, defined, workload, macros, [n for n, _ in params], _tensor_aliases(params, workload)
+            )
+        names = by_params[params]
         grids.append(_valid_grid(names.dims(parts[0])))
         blocks.append(_valid_block(names.dims(parts[1])))
         smem = _evaluate(parts[2], names, 0) if len(parts) >= 3 and parts[2] else 0
