@@ -251,3 +251,32 @@ async def test_a_parse_error_names_its_own_lines_id_when_the_reader_is_ahead() -
         tg.cancel_scope.cancel()
     assert reply.message.id == 10 and reply.message.error.code == -32700
     assert forwarded.message.id == 13
+
+
+async def test_an_agent_s_load_inline_modules_are_forecast_with_the_launch_their_wrappers_give(
+    tmp_path: Path,
+) -> None:
+    """KernelBench's form through a real server: two Python modules compiling their CUDA with torch's
+    load_inline, sent without launches. The forecast reads each launch from the C++ wrapper in the module's
+    string, so the vector kernel's four elements a thread count (work per thread), as for .cu files."""
+    from test_host_launch import TORCH_NAIVE, TORCH_VEC4, _load_inline
+
+    workload = {
+        "name": "relu_16M",
+        "args": [
+            {"name": "x", "dtype": "float32", "shape": [1 << 24], "init": "random_uniform", "intent": "in"}
+        ],
+    }
+    kernels = [
+        {"id": kid, "source": _load_inline(cuda), "entry": "ModelNew", "language": "python"}
+        for kid, cuda in (("naive", TORCH_NAIVE), ("vec4", TORCH_VEC4))
+    ]
+    async with connect_stdio(tmp_path / "home") as (_, call):
+        out = await call("compare_kernels", {"candidates": kernels, "workload": workload, "hardware": "H100"})
+    [vec4] = out["candidates"]
+    assert vec4["id"] == "vec4" and vec4["p_faster"] > 0.75
+    assert "more work per thread" in vec4["rationale"]
+    assert (
+        "launch read from the source's host code: baseline's grid [65536, 1, 1], block [256, 1, 1]"
+        in (vec4["rationale"])
+    )
