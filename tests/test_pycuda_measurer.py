@@ -1301,3 +1301,31 @@ async def test_the_compile_cache_is_bounded_least_recently_used_first(
     before = entries()
     await compiler.compile(kernel(N=4), "sm_90")
     assert before <= entries()  # nothing used within the last hour is removed
+
+
+@pytest.mark.anyio
+async def test_a_python_module_holding_cuda_is_told_how_to_have_its_kernel_measured(
+    gpu: PycudaMeasurer,
+) -> None:
+    """A torch load_inline module (KernelBench's form) is not run here: the refusal names the CUDA kernel it holds,
+    how to send it, and the launch its wrapper gives it; a Python source holding no CUDA gets the plain refusal."""
+    module = (
+        "from torch.utils.cpp_extension import load_inline\n"
+        'cuda = r"""\n#include <torch/extension.h>\n' + SRC + "\n"
+        "torch::Tensor run(torch::Tensor a, torch::Tensor b, torch::Tensor c) {\n"
+        "  vadd<<<64, 128>>>(a.data_ptr<float>(), b.data_ptr<float>(), c.data_ptr<float>());\n  return c;\n}\n"
+        '"""\nmodule = load_inline(name="v", cpp_sources="", cuda_sources=cuda, functions=["run"])\n'
+        "def forward(a, b, c):\n    return module.run(a, b, c)\n"
+    )
+    python = Kernel(source=module, entry="forward", language="python", launch=launch(64, 128))
+    with pytest.raises(NotMeasurable, match="CUDA C") as refused:
+        await gpu.measure(request(gpu, python))
+    said = str(refused.value)
+    assert "Its CUDA kernel 'vadd' can be measured as a kernel of its own" in said
+    assert 'launches it with {"grid": [64, 1, 1], "block": [128, 1, 1], "shared_mem_bytes": 0}' in said
+    triton = Kernel(source="@triton.jit\ndef k(): pass\n", entry="k", language="triton", launch=launch(1, 1))
+    with pytest.raises(NotMeasurable, match="CUDA C") as refused:
+        await gpu.measure(request(gpu, triton))
+    assert str(refused.value).endswith(
+        "(other languages can be forecast, or measured through a replay recording)"
+    )

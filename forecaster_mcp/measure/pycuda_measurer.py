@@ -1395,9 +1395,11 @@ def _bounded(text: str, limit: int = _MESSAGE_LIMIT) -> str:
 
 async def _check_runnable(kernel: Kernel, what: str, workload: Workload) -> None:
     if kernel.language != "cuda":
+        # Read in a worker thread: a Python source is parsed for the CUDA in its strings.
+        held = await anyio.to_thread.run_sync(_embedded_advice, kernel, workload)
         raise NotMeasurable(
             f"the {what} is {kernel.language}; the local GPU backend runs CUDA C++ kernels only "
-            "(other languages can be forecast, or measured through a replay recording)"
+            f"(other languages can be forecast, or measured through a replay recording){held}"
         )
     if kernel.launch is None:
         # Read in a worker thread: up to 0.4 s for a crafted 1 MB source, which the event loop must not wait on.
@@ -1408,6 +1410,29 @@ async def _check_runnable(kernel: Kernel, what: str, workload: Workload) -> None
             "workload.args is required to run a kernel: list its parameters in order, buffers as "
             '{"name", "dtype", "shape", "init", "intent"} and scalars as {"name", "dtype", "value"}'
         )
+
+
+def _embedded_advice(kernel: Kernel, workload: Workload) -> str:
+    """For a Python source holding its kernel's CUDA (torch's load_inline, CuPy, PyCUDA: features.embedded_cuda),
+    how to have that kernel measured: as a CUDA kernel of its own, with the launch its wrapper or Python call
+    gives it where that could be read. Empty for any other source."""
+    from forecaster_mcp.forecast.features import PYTHON_LANGUAGES, embedded_cuda
+
+    if kernel.language not in PYTHON_LANGUAGES:
+        return ""
+    try:
+        embedded = embedded_cuda(kernel.source, kernel.entry)
+        advice = _launch_advice(kernel, workload) if embedded is not None and embedded.entry else ""
+    except Exception:  # advice only
+        log.debug("no CUDA read from the Python source", exc_info=True)
+        return ""
+    if embedded is None or not embedded.entry:
+        return ""
+    return (
+        f". Its CUDA kernel {embedded.entry!r} can be measured as a kernel of its own: send its device code as "
+        f"language 'cuda', entry {embedded.entry!r} (without the torch headers and the wrapper, which this server "
+        f"does not build), workload.args in that kernel's parameter order, and a launch: {advice}"
+    )
 
 
 def _launch_advice(kernel: Kernel, workload: Workload) -> str:
