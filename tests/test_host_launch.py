@@ -1086,3 +1086,76 @@ def test_a_wrapper_s_tensors_stand_for_the_workload_s_inputs_in_order() -> None:
     ) == (
         SourceLaunch((65536, 1, 1), (256, 1, 1), 0)  # `out` by its own name
     )
+
+
+def test_a_helper_s_tensors_are_its_caller_s_not_the_workload_s_inputs() -> None:
+    """A helper launching the kernel, called by the wrapper with other tensors (`launch(c, a)`: the output first),
+    took the workload's inputs by position: `out.numel()` read as the first input's, a grid 64 times too small.
+    Its tensors are the wrapper's, whatever Python passes."""
+    workload = Workload.model_validate(
+        {
+            "args": [
+                {
+                    "name": "x",
+                    "dtype": "float32",
+                    "shape": [1024, 64],
+                    "init": "random_uniform",
+                    "intent": "in",
+                },
+                {
+                    "name": "w",
+                    "dtype": "float32",
+                    "shape": [64, 4096],
+                    "init": "random_uniform",
+                    "intent": "in",
+                },
+            ]
+        }
+    )
+    helper = (
+        "static void launch(torch::Tensor out, torch::Tensor in) {\n"
+        "  int n = out.numel();\n"
+        "  k<<<(n + 255) / 256, 256>>>(in.data_ptr<float>(), out.data_ptr<float>(), n);\n"
+        "}\n"
+    )
+    wrapper = (
+        "torch::Tensor forward(torch::Tensor a, torch::Tensor b) {\n"
+        "  auto c = torch::empty({a.size(0), b.size(1)}, a.options());\n"
+        "  launch(c, a);\n  return c;\n}\n"
+    )
+    kernel = TORCH_HEAD + "__global__ void k(const float* x, float* y, int n) {}\n"
+    assert source_launch(Kernel(source=kernel + helper + wrapper, entry="k"), workload) == SourceLaunch(
+        None, (256, 1, 1), 0
+    )
+    # The same function called by none (the one Python calls) takes them by position.
+    alone = helper.replace("static void launch", "torch::Tensor forward").replace("}\n", "  return out;\n}\n")
+    assert source_launch(Kernel(source=kernel + alone, entry="k"), workload) == SourceLaunch(
+        (256, 1, 1), (256, 1, 1), 0
+    )
+
+
+def test_a_wrapper_named_in_its_binding_s_docstring_is_not_called_there() -> None:
+    """`m.def("forward", &forward, "relu forward (CUDA)")`: the docstring's `forward (` is no call of the
+    wrapper, which still takes the workload's input by position."""
+    source = TORCH_NAIVE
+    for was in ("torch::Tensor x)", "empty_like(x)", "x.numel()", "x.data_ptr"):
+        source = source.replace(was, was.replace("x", "input"))
+    bound = source + (
+        'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {\n  m.def("forward", &forward, "relu forward (CUDA)");\n}\n'
+    )
+    workload = Workload.model_validate(
+        {
+            "args": [
+                {
+                    "name": "x",
+                    "dtype": "float32",
+                    "shape": [1 << 24],
+                    "init": "random_uniform",
+                    "intent": "in",
+                }
+            ]
+        }
+    )
+    assert source_launch(Kernel(source=bound, entry="relu"), workload) == SourceLaunch(
+        (65536, 1, 1), (256, 1, 1), 0
+    )

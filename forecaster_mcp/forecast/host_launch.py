@@ -28,6 +28,7 @@ query, an unnamed size), a ternary, or two launches of the entry that disagree l
 from __future__ import annotations
 
 import ast
+import bisect
 import hashlib
 import itertools
 import json
@@ -579,6 +580,22 @@ def _tensor_aliases(params: tuple[tuple[str, bool], ...], workload: Workload | N
     return dict(zip(tensors, inputs, strict=True))
 
 
+def _called(text: str, span: tuple[int, int, str | None], spans: list[tuple[int, int, str | None]]) -> bool:
+    """Whether the host function at `span` is called from another host function of `text` (a helper of the
+    wrapper), or cannot be named; a declaration (`cpp_sources`' prototype), `&forward` or a docstring's
+    `forward (CUDA)` is no call."""
+    if span[2] is None:
+        return True
+    call = re.compile(rf"(?<![\w.]){re.escape(span[2])}\s*+(?:<[^<>;{{}}()]{{0,200}}>\s*+)?\(")
+    starts = [a for a, _, _ in spans]  # in order, none inside another
+    # Literals and comments blanked: `m.def("forward", &forward, "relu forward (CUDA)")` calls nothing.
+    for m in call.finditer(features._blank_literals(text)):
+        i = bisect.bisect_right(starts, m.start()) - 1
+        if i >= 0 and m.start() < spans[i][1] and spans[i][:2] != span[:2]:
+            return True
+    return False
+
+
 def _source_launch(
     source: str, entry: str, macros: Mapping[str, str], workload: Workload | None
 ) -> SourceLaunch | None:
@@ -594,17 +611,24 @@ def _source_launch(
         if name not in macros and defined.setdefault(name, value) != value:
             defined[name] = ""
     spans = features.host_function_spans(text)
-    by_params: dict[tuple[tuple[str, bool], ...], _Names] = {}
+    by_params: dict[tuple[tuple[tuple[str, bool], ...], bool], _Names] = {}
+    called_by: dict[tuple[int, int, str | None] | None, bool] = {}
     grids, blocks, shared = [], [], []
     for at, parts in sites:
         if len(parts) < 2:
             return None
-        params = next((_parameters(text, a, b) for a, b, _ in spans if a <= at < b), ())
-        if params not in by_params:
-            by_params[params] = _Names(
-                text, defined, workload, macros, [n for n, _ in params], _tensor_aliases(params, workload)
+        span = next(((a, b, name) for a, b, name in spans if a <= at < b), None)
+        params = _parameters(text, span[0], span[1]) if span is not None else ()
+        # A helper the wrapper calls (`launch(out, x)`) takes its tensors from it, not from Python in order.
+        if span not in called_by:  # read once a function: up to MAX_SITES launches in one
+            called_by[span] = span is None or _called(text, span, spans)
+        called = called_by[span]
+        if (params, called) not in by_params:
+            aliases = {} if called else _tensor_aliases(params, workload)
+            by_params[params, called] = _Names(
+                text, defined, workload, macros, [n for n, _ in params], aliases
             )
-        names = by_params[params]
+        names = by_params[params, called]
         grids.append(_valid_grid(names.dims(parts[0])))
         blocks.append(_valid_block(names.dims(parts[1])))
         smem = _evaluate(parts[2], names, 0) if len(parts) >= 3 and parts[2] else 0
