@@ -1159,3 +1159,40 @@ def test_a_wrapper_named_in_its_binding_s_docstring_is_not_called_there() -> Non
     assert source_launch(Kernel(source=bound, entry="relu"), workload) == SourceLaunch(
         (65536, 1, 1), (256, 1, 1), 0
     )
+
+
+@pytest.mark.parametrize("tensors", ["std::vector<torch::Tensor> xs", "at::TensorList xs"])
+def test_a_wrapper_taking_a_list_of_tensors_takes_none_by_position(tensors: str) -> None:
+    """`forward(std::vector<torch::Tensor> xs, torch::Tensor weight)`: the list holds inputs, so the next tensor is
+    no input at the next position; `weight` (a module's parameter here) was read as the workload's second input
+    (or first, beside an `at::TensorList` not counted)."""
+    workload = Workload.model_validate(
+        {
+            "args": [
+                {
+                    "name": "x",
+                    "dtype": "float32",
+                    "shape": [1 << 20],
+                    "init": "random_uniform",
+                    "intent": "in",
+                },
+                {
+                    "name": "y",
+                    "dtype": "float32",
+                    "shape": [1 << 22],
+                    "init": "random_uniform",
+                    "intent": "in",
+                },
+            ]
+        }
+    )
+    source = (
+        TORCH_HEAD + "__global__ void k(const float* x, float* y, int n) {}\n"
+        f"torch::Tensor forward({tensors}, torch::Tensor weight) {{\n"
+        "  int n = weight.size(0);\n  auto c = torch::empty({n});\n"
+        "  k<<<(n + 255) / 256, 256>>>(xs[0].data_ptr<float>(), c.data_ptr<float>(), n);\n  return c;\n}\n"
+    )
+    for inputs in (workload.args, workload.args[:1]):
+        assert source_launch(
+            Kernel(source=source, entry="k"), workload.model_copy(update={"args": inputs})
+        ) == SourceLaunch(None, (256, 1, 1), 0)

@@ -544,9 +544,14 @@ _CACHE_LOCK = threading.Lock()
 _FUNCTION_NAME = re.compile(r"(?<!\w)[A-Za-z_]\w*+\s*+(?:<[^<>;{}()]{0,200}>\s*+)?\(")
 
 
-def _parameters(text: str, start: int, end: int) -> tuple[tuple[str, bool], ...]:
+# The words of a parameter's type that leave it one tensor (`const at::Tensor&`, `c10::optional<torch::Tensor>`).
+_TENSOR_TYPE_WORDS = frozenset({"Tensor", "torch", "at", "c10", "std", "const", "volatile", "optional"})
+
+
+def _parameters(text: str, start: int, end: int) -> tuple[tuple[str, bool | None], ...]:
     """The parameters of the function defined at text[start:end] (its header's first parameter list), in order:
-    each name, and whether it is a tensor (`torch::Tensor x`, `const at::Tensor& x`)."""
+    each name, and whether it is a tensor (`torch::Tensor x`, `const at::Tensor& x`); None for another type
+    naming tensors (`std::vector<torch::Tensor>`, `at::TensorList`: several of the caller's at once)."""
     body = text.find("{", start, end)
     header = text[start:body] if body >= 0 else ""
     # Tried only where a word starts, the word taken whole: at every letter, a 40 KB word before `(int t) {`
@@ -557,21 +562,24 @@ def _parameters(text: str, start: int, end: int) -> tuple[tuple[str, bool], ...]
     close = _closing(header, name.end(), len(header))
     if close is None:
         return ()
-    out: list[tuple[str, bool]] = []
+    out: list[tuple[str, bool | None]] = []
     for param in features.split_top_level(header[name.end() : close], "(<[{", ")>]}"):
         words = _NAME.findall(param.split("=", 1)[0])
         if words and words[-1] != "void":
-            out.append((words[-1], "Tensor" in words[:-1]))
+            kind = words[:-1]
+            tensor = "Tensor" in kind and _TENSOR_TYPE_WORDS.issuperset(kind)
+            out.append((words[-1], tensor or (None if any("Tensor" in w for w in kind) else False)))
     return tuple(out)
 
 
-def _tensor_aliases(params: tuple[tuple[str, bool], ...], workload: Workload | None) -> dict[str, str]:
+def _tensor_aliases(params: tuple[tuple[str, bool | None], ...], workload: Workload | None) -> dict[str, str]:
     """The workload's buffers a wrapper's tensor parameters stand for, by position, where their names are not
     the workload's: `torch::Tensor forward(torch::Tensor input)` sized by `input.numel()` beside a workload whose
     input is `x`. Only when the wrapper takes exactly the workload's input buffers (intent in or inout), as many
-    and none of them by name (a KernelBench module passes its inputs in order); else none."""
+    and none of them by name (a KernelBench module passes its inputs in order), and no list of tensors beside
+    them (`std::vector<torch::Tensor> xs`: which inputs it holds is not known); else none."""
     tensors = [name for name, tensor in params if tensor]
-    if workload is None or not tensors:
+    if workload is None or not tensors or any(tensor is None for _, tensor in params):
         return {}
     inputs = [a.name for a in workload.args if isinstance(a, BufferArg) and a.intent in ("in", "inout")]
     buffers = {a.name.lower() for a in workload.args if isinstance(a, BufferArg)}
@@ -611,7 +619,7 @@ def _source_launch(
         if name not in macros and defined.setdefault(name, value) != value:
             defined[name] = ""
     spans = features.host_function_spans(text)
-    by_params: dict[tuple[tuple[tuple[str, bool], ...], bool], _Names] = {}
+    by_params: dict[tuple[tuple[tuple[str, bool | None], ...], bool], _Names] = {}
     called_by: dict[tuple[int, int, str | None] | None, bool] = {}
     grids, blocks, shared = [], [], []
     for at, parts in sites:
