@@ -1430,8 +1430,8 @@ def _embedded_advice(kernel: Kernel, workload: Workload) -> str:
         return ""
     return (
         f". Its CUDA kernel {embedded.entry!r} can be measured as a kernel of its own: send its device code as "
-        f"language 'cuda', entry {embedded.entry!r} (without the torch headers and the wrapper, which this server "
-        f"does not build), workload.args in that kernel's parameter order, and a launch: {advice}"
+        f"language 'cuda', entry {embedded.entry!r} (the CUDA alone: this server builds no torch extension or "
+        f"Python around it), workload.args in that kernel's parameter order, and a launch: {advice}"
     )
 
 
