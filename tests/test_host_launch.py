@@ -22,7 +22,7 @@ from forecaster_mcp.forecast.ptxas import (
     ptxas_results,
 )
 from forecaster_mcp.hardware.specs import lookup
-from forecaster_mcp.models import Kernel, Launch, Workload
+from forecaster_mcp.models import BufferArg, Kernel, Launch, Workload
 
 N = 1 << 24
 WL = Workload.model_validate(
@@ -859,24 +859,21 @@ def _load_inline(cuda: str) -> str:
     )
 
 
+def inputs(**shapes: list[int]) -> Workload:
+    """A workload of float32 input buffers, in the order given."""
+    args = [
+        {"name": n, "dtype": "float32", "shape": shape, "init": "random_uniform", "intent": "in"}
+        for n, shape in shapes.items()
+    ]
+    return Workload.model_validate({"args": args})
+
+
 def test_the_launch_of_a_load_inline_kernel_is_read_from_its_cuda_string() -> None:
     """KernelBench's form, which agents write for torch: a Python module whose CUDA string holds the kernel and
     the C++ wrapper launching it. The launch was read only from a CUDA source: the Python twin of a CUDA file
     lost its block size, grid and the work-per-thread term (corpus_lopo --load-inline: accuracy 0.796, ECE
     0.094, 26.8% decided against 0.822, 0.075, 30.9% for the same kernels with their launches; now equal)."""
-    wl = Workload.model_validate(
-        {
-            "args": [
-                {
-                    "name": "x",
-                    "dtype": "float32",
-                    "shape": [1 << 24],
-                    "init": "random_uniform",
-                    "intent": "in",
-                }
-            ]
-        }
-    )
+    wl = inputs(x=[1 << 24])
     for cuda, grid in ((TORCH_NAIVE, 65536), (TORCH_VEC4, 16384)):
         python = Kernel(source=_load_inline(cuda), entry="ModelNew", language="python")
         assert source_launch(python, wl) == SourceLaunch((grid, 1, 1), (256, 1, 1), 0)
@@ -1062,13 +1059,10 @@ def test_a_wrapper_s_tensors_stand_for_the_workload_s_inputs_in_order() -> None:
     only the block was read. A wrapper taking exactly the workload's inputs, none by its name, takes them by
     position (a KernelBench module passes its inputs in order)."""
 
-    def workload(*inputs: str) -> Workload:
-        args = [
-            {"name": n, "dtype": "float32", "shape": [1 << 24], "init": "random_uniform", "intent": "in"}
-            for n in inputs
-        ]
-        args.append({"name": "out", "dtype": "float32", "shape": [1 << 24], "init": "zeros", "intent": "out"})
-        return Workload.model_validate({"args": args})
+    def workload(*names: str) -> Workload:
+        out = {"name": "out", "dtype": "float32", "shape": [1 << 24], "init": "zeros", "intent": "out"}
+        ins = inputs(**{n: [1 << 24] for n in names})
+        return ins.model_copy(update={"args": [*ins.args, BufferArg.model_validate(out)]})
 
     source = TORCH_NAIVE
     for was in ("torch::Tensor x)", "empty_like(x)", "x.numel()", "x.data_ptr"):
@@ -1092,26 +1086,7 @@ def test_a_helper_s_tensors_are_its_caller_s_not_the_workload_s_inputs() -> None
     """A helper launching the kernel, called by the wrapper with other tensors (`launch(c, a)`: the output first),
     took the workload's inputs by position: `out.numel()` read as the first input's, a grid 64 times too small.
     Its tensors are the wrapper's, whatever Python passes."""
-    workload = Workload.model_validate(
-        {
-            "args": [
-                {
-                    "name": "x",
-                    "dtype": "float32",
-                    "shape": [1024, 64],
-                    "init": "random_uniform",
-                    "intent": "in",
-                },
-                {
-                    "name": "w",
-                    "dtype": "float32",
-                    "shape": [64, 4096],
-                    "init": "random_uniform",
-                    "intent": "in",
-                },
-            ]
-        }
-    )
+    workload = inputs(x=[1024, 64], w=[64, 4096])
     helper = (
         "static void launch(torch::Tensor out, torch::Tensor in) {\n"
         "  int n = out.numel();\n"
@@ -1143,19 +1118,7 @@ def test_a_wrapper_named_in_its_binding_s_docstring_is_not_called_there() -> Non
     bound = source + (
         'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {\n  m.def("forward", &forward, "relu forward (CUDA)");\n}\n'
     )
-    workload = Workload.model_validate(
-        {
-            "args": [
-                {
-                    "name": "x",
-                    "dtype": "float32",
-                    "shape": [1 << 24],
-                    "init": "random_uniform",
-                    "intent": "in",
-                }
-            ]
-        }
-    )
+    workload = inputs(x=[1 << 24])
     assert source_launch(Kernel(source=bound, entry="relu"), workload) == SourceLaunch(
         (65536, 1, 1), (256, 1, 1), 0
     )
@@ -1166,33 +1129,14 @@ def test_a_wrapper_taking_a_list_of_tensors_takes_none_by_position(tensors: str)
     """`forward(std::vector<torch::Tensor> xs, torch::Tensor weight)`: the list holds inputs, so the next tensor is
     no input at the next position; `weight` (a module's parameter here) was read as the workload's second input
     (or first, beside an `at::TensorList` not counted)."""
-    workload = Workload.model_validate(
-        {
-            "args": [
-                {
-                    "name": "x",
-                    "dtype": "float32",
-                    "shape": [1 << 20],
-                    "init": "random_uniform",
-                    "intent": "in",
-                },
-                {
-                    "name": "y",
-                    "dtype": "float32",
-                    "shape": [1 << 22],
-                    "init": "random_uniform",
-                    "intent": "in",
-                },
-            ]
-        }
-    )
+    workload = inputs(x=[1 << 20], y=[1 << 22])
     source = (
         TORCH_HEAD + "__global__ void k(const float* x, float* y, int n) {}\n"
         f"torch::Tensor forward({tensors}, torch::Tensor weight) {{\n"
         "  int n = weight.size(0);\n  auto c = torch::empty({n});\n"
         "  k<<<(n + 255) / 256, 256>>>(xs[0].data_ptr<float>(), c.data_ptr<float>(), n);\n  return c;\n}\n"
     )
-    for inputs in (workload.args, workload.args[:1]):
+    for args in (workload.args, workload.args[:1]):
         assert source_launch(
-            Kernel(source=source, entry="k"), workload.model_copy(update={"args": inputs})
+            Kernel(source=source, entry="k"), workload.model_copy(update={"args": args})
         ) == SourceLaunch(None, (256, 1, 1), 0)
