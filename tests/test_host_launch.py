@@ -1140,3 +1140,31 @@ def test_a_wrapper_taking_a_list_of_tensors_takes_none_by_position(tensors: str)
         assert source_launch(
             Kernel(source=source, entry="k"), workload.model_copy(update={"args": args})
         ) == SourceLaunch(None, (256, 1, 1), 0)
+
+
+def test_a_tensor_the_wrapper_makes_is_sized_as_it_is_made() -> None:
+    """`auto out = torch::empty({16}, x.options())` sized the launch by `out.numel()` from the workload's buffer
+    `out` of 4M elements (review finding). A tensor the source makes is not the workload's: one made like another
+    (`empty_like(x)`, `zeros_like`, `x.clone()`) has that one's shape, one made otherwise is not read."""
+    workload = inputs(x=[1 << 22])
+    out = BufferArg.model_validate(
+        {"name": "out", "dtype": "float32", "shape": [1 << 22], "init": "zeros", "intent": "out"}
+    )
+    workload = workload.model_copy(update={"args": [*workload.args, out]})
+
+    def wrapper(made: str) -> Kernel:
+        return Kernel(
+            source=TORCH_HEAD + "__global__ void k(const float* x, float* y, int n) {}\n"
+            "torch::Tensor forward(torch::Tensor x) {\n"
+            f"  auto out = {made};\n  int n = out.numel();\n"
+            "  k<<<(n + 255) / 256, 256>>>(x.data_ptr<float>(), out.data_ptr<float>(), n);\n  return out;\n}\n",
+            entry="k",
+        )
+
+    assert source_launch(wrapper("torch::empty({16}, x.options())"), workload) == SourceLaunch(
+        None, (256, 1, 1), 0
+    )
+    for like in ("torch::empty_like(x)", "at::zeros_like(x, x.options())", "x.clone()"):
+        assert source_launch(wrapper(like), workload) == SourceLaunch((16384, 1, 1), (256, 1, 1), 0), like
+    # Made like a tensor the workload does not size: not read.
+    assert source_launch(wrapper("torch::empty_like(w)"), workload) == SourceLaunch(None, (256, 1, 1), 0)

@@ -106,6 +106,12 @@ MAX_ASSIGNMENTS = 64  # of one name: past them, it is not worth reading
 MAX_NAMES = 64  # names looked up per source
 _DIM3_EXPR = re.compile(r"dim3\s*[({](.*)[)}]|\{(.*)\}", re.DOTALL)
 _NAME = re.compile(r"[A-Za-z_]\w*")
+# A tensor made with another's shape: `torch::empty_like(x)` (zeros, ones, rand, randn, full too; `at::` or none),
+# options after the tensor allowed, or `x.clone()`.
+_LIKE = re.compile(
+    r"(?:(?:torch|at)\s*::\s*)?(?:empty|zeros|ones|rand|randn|full)_like\s*\(\s*([A-Za-z_]\w*)\s*(?:,[^;]*)?\)"
+    r"|([A-Za-z_]\w*)\s*\.\s*clone\s*\(\s*\)"
+)
 _NUMEL = re.compile(r"\b([A-Za-z_]\w*)\s*(?:\.|->)\s*numel\s*\(\s*\)")
 _SIZE = re.compile(r"\b([A-Za-z_]\w*)\s*(?:\.|->)\s*size\s*\(\s*(-?\d+)\s*\)")
 _CAST = re.compile(
@@ -302,7 +308,18 @@ class _Names:
         folded = [v for k, v in table.items() if k.lower() == name.lower()]
         return folded[0] if len(folded) == 1 else _UNKNOWN
 
-    def shape(self, name: str) -> list[int] | None:
+    def shape(self, name: str, depth: int = 0) -> list[int] | None:
+        """The shape of the buffer `name` stands for: the workload's of that name (or of the input a wrapper's
+        tensor parameter stands for, `aliases`), unless the source makes its own tensor of that name. One made
+        like another (`auto y = torch::empty_like(x)`, `x.clone()`) has that one's shape; one made otherwise
+        (`auto out = torch::empty({16})`) is not the workload's `out`, and is not read."""
+        if name not in self.params and depth <= MAX_DEPTH:
+            defs = self.definitions(name)
+            if defs is None or defs[0] == "dim3" or len(defs[1]) > 1:
+                return None
+            if defs[1]:
+                like = _LIKE.fullmatch(next(iter(defs[1])))
+                return self.shape(like.group(1) or like.group(2), depth + 1) if like is not None else None
         found = self._by_name(self.shapes, self.aliases.get(name, name))
         return found if isinstance(found, list) else None
 
