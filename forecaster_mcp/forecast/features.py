@@ -955,43 +955,43 @@ def _host_functions(
         if close is None or close > hi:
             return False
         header = text[header_start:at]
-        window = header[-_HEADER_WINDOW:]
-        if _TRANSPARENT_BLOCK.search(window):
+        if _TRANSPARENT_BLOCK.search(header[-_HEADER_WINDOW:]):
             if depth >= _NAMESPACE_DEPTH or not _host_functions(
                 text, at + 1, close - 1, braces, out, depth + 1, declarations, lines
             ):
                 return False
-        elif (
-            "(" in window
-            and _FUNCTION_HEADER_END.search(window)
-            and not _NOT_A_FUNCTION.match(window)
-            and not _DEVICE_CODE.search(header)
-        ):
-            paren = window.find("(")
-            name = _NAME_BEFORE_PAREN.search(window[:paren])
-            out.append((header_start, close, name.group(1) if name else None))
+        elif (function := _host_header(header)) is not None:
+            out.append((header_start, close, function[1]))
         start = pos = close
     return True
 
 
-def _declaration(text: str, start: int, end: int) -> tuple[int, str] | None:
-    """(start, name) of the function declaration text[start:end] (a statement at file scope, before its `;`,
-    after any preprocessor lines): a name, a parameter list and qualifiers at the end, not device code, a type or
-    an initialised variable (`int n = size(3);`); None for anything else."""
-    at = start
-    header = text[at:end]
+def _host_header(header: str) -> tuple[str, str | None] | None:
+    """(the text before its parameter list, its name) where `header`, a statement at file scope up to its `{` or
+    `;` (after any preprocessor lines), reads as a host function's: a parameter list and qualifiers at its end,
+    not a type and not device code; the name None where it cannot be read (an operator). None for anything
+    else."""
     window = header[-_HEADER_WINDOW:]
     paren = window.find("(")
     if (
         paren < 0
-        or "=" in window[:paren]
         or not _FUNCTION_HEADER_END.search(window)
         or _NOT_A_FUNCTION.match(window)
         or _DEVICE_CODE.search(header)
     ):
         return None
     name = _NAME_BEFORE_PAREN.search(window[:paren])
-    return None if name is None else (at, name.group(1))
+    return window[:paren], name.group(1) if name else None
+
+
+def _declaration(text: str, start: int, end: int) -> tuple[int, str] | None:
+    """(start, name) of the function declaration text[start:end] (a statement at file scope, before its `;`,
+    after any preprocessor lines): a host function's header (`_host_header`) with a name, not an initialised
+    variable (`int n = size(3);`); None for anything else."""
+    function = _host_header(text[start:end])
+    if function is None or "=" in function[0] or function[1] is None:
+        return None
+    return start, function[1]
 
 
 def _cut(text: str, spans: Sequence[tuple[int, int]]) -> str:
