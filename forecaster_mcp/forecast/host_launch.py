@@ -308,6 +308,12 @@ class _Names:
         folded = [v for k, v in table.items() if k.lower() == name.lower()]
         return folded[0] if len(folded) == 1 else _UNKNOWN
 
+    def workload_size(self, name: str) -> int | None:
+        """The workload's size of that name (a `problem` size or a scalar arg; exact, else the one name equal
+        ignoring case), or None."""
+        found = self._by_name(self.sizes, name)
+        return found if isinstance(found, int) else None
+
     def shape(self, name: str, depth: int = 0) -> list[int] | None:
         """The shape of the buffer `name` stands for: the workload's of that name (or of the input a wrapper's
         tensor parameter stands for, `aliases`), unless the source makes its own tensor of that name. One made
@@ -338,21 +344,19 @@ class _Names:
             value = _evaluate(macro, self, depth) if macro != "" else None
             return value if name in self.given else self._agreeing(name, value)
         if name in self.params:
-            size = self._by_name(self.sizes, name)
-            return size if isinstance(size, int) else None
+            return self.workload_size(name)
         defs = self.definitions(name)
         if defs is None or defs[0] == "dim3" or len(defs[1]) > 1:
             return None  # set in a way that cannot be read, twice over, or a dim3 where a number is read
         if defs[1]:
             return self._agreeing(name, _evaluate(next(iter(defs[1])), self, depth))
-        found = self._by_name(self.sizes, name)
-        return found if isinstance(found, int) else None
+        return self.workload_size(name)
 
     def _agreeing(self, name: str, value: int | None) -> int | None:
         """`value`, the source's for `name`, unless the workload sizes that name otherwise: a `main`'s own test
         size (`const int n = 1 << 20;`) is not the size the kernel is forecast (and run) at."""
-        size = self._by_name(self.sizes, name)
-        return None if isinstance(size, int) and size != value else value
+        size = self.workload_size(name)
+        return None if size is not None and size != value else value
 
     def dims(self, expr: str, depth: int = 0) -> Dim3 | None:
         """A launch dimension: `dim3(...)`, `{...}`, a dim3 variable, or a number (x; y and z are 1)."""
@@ -364,7 +368,7 @@ class _Names:
             inner = m.group(1) if m.group(1) is not None else m.group(2)
             return self._dims_of(_split_args(inner), depth)
         if _NAME.fullmatch(text) and text not in self.macros:
-            if text in self.params and self._by_name(self.sizes, text) is _UNKNOWN:
+            if text in self.params and self.workload_size(text) is None:
                 return None  # `void launch(dim3 grid, ...)`: the caller's
             defs = self.definitions(text)
             if defs is None or len(defs[1]) > 1:

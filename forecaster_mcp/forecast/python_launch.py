@@ -194,16 +194,16 @@ class _Evaluator:
         return found
 
     def _name_value(self, name: str, scope: _Scope, depth: int) -> int:
-        workload = self.names._by_name(self.names.sizes, name)
+        workload = self.names.workload_size(name)
         if name in scope.params:
-            if isinstance(workload, int):
+            if workload is not None:
                 return workload
             raise _Unknown  # the caller's: only the workload could say
         values = scope.assigned.get(name)
         if values is None:
             if scope.outer is not None:
                 return self._name(name, scope.outer, depth)
-            if isinstance(workload, int):
+            if workload is not None:
                 return workload
             raise _Unknown
         if len(values) != 1 or values[0] is None:
@@ -215,7 +215,7 @@ class _Evaluator:
             self.scope = outer
         # A test size the source sets (`n = 1 << 20`) is not the size the kernel is forecast at, when the workload
         # sizes that name otherwise.
-        if isinstance(workload, int) and workload != value:
+        if workload is not None and workload != value:
             raise _Unknown
         return value
 
@@ -241,11 +241,7 @@ class _Evaluator:
             isinstance(base, ast.Attribute) and base.attr == "shape" and isinstance(base.value, ast.Name)
         ):
             raise _Unknown
-        shape = self._shape(base.value.id)
-        i = self.value(node.slice, depth)
-        if not -len(shape) <= i < len(shape):
-            raise _Unknown
-        return shape[i]
+        return _extent(self._shape(base.value.id), self.value(node.slice, depth))
 
     def _call(self, node: ast.Call, depth: int) -> int:
         if node.keywords:
@@ -257,11 +253,7 @@ class _Evaluator:
             if method == "numel" and not args:
                 return math.prod(self._shape(owner))  # torch
             if method == "size" and len(args) == 1:  # torch's x.size(i)
-                shape = self._shape(owner)
-                i = self.value(args[0], depth)
-                if not -len(shape) <= i < len(shape):
-                    raise _Unknown
-                return shape[i]
+                return _extent(self._shape(owner), self.value(args[0], depth))
             if owner == "math" and method == "ceil" and len(args) == 1:
                 inner = args[0]
                 if isinstance(inner, ast.BinOp) and isinstance(inner.op, ast.Div):
@@ -321,6 +313,13 @@ def _assigned(name: str, scope: _Scope | None) -> tuple[ast.expr, _Scope] | None
             return (value, scope) if value is not None else None
         scope = scope.outer
     return None
+
+
+def _extent(shape: list[int], i: int) -> int:
+    """`shape[i]`, Python's negative indices too; unknown past its dimensions."""
+    if not -len(shape) <= i < len(shape):
+        raise _Unknown
+    return shape[i]
 
 
 def _ceil_div(a: int, b: int) -> int:
