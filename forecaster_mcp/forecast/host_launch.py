@@ -609,16 +609,16 @@ def _tensor_aliases(params: tuple[tuple[str, bool | None], ...], workload: Workl
     return dict(zip(tensors, inputs, strict=True))
 
 
-def _called(text: str, span: tuple[int, int, str | None], spans: list[tuple[int, int, str | None]]) -> bool:
-    """Whether the host function at `span` is called from another host function of `text` (a helper of the
+def _called(probe: str, span: tuple[int, int, str | None], spans: list[tuple[int, int, str | None]]) -> bool:
+    """Whether the host function at `span` is called from another host function of the text (a helper of the
     wrapper), or cannot be named; a declaration (`cpp_sources`' prototype), `&forward` or a docstring's
-    `forward (CUDA)` is no call."""
+    `forward (CUDA)` is no call. `probe`: the text with its literals and comments blanked
+    (features._blank_literals), so that `m.def("forward", &forward, "relu forward (CUDA)")` calls nothing."""
     if span[2] is None:
         return True
     call = re.compile(rf"(?<![\w.]){re.escape(span[2])}\s*+(?:<[^<>;{{}}()]{{0,200}}>\s*+)?\(")
     starts = [a for a, _, _ in spans]  # in order, none inside another
-    # Literals and comments blanked: `m.def("forward", &forward, "relu forward (CUDA)")` calls nothing.
-    for m in call.finditer(features._blank_literals(text)):
+    for m in call.finditer(probe):
         i = bisect.bisect_right(starts, m.start()) - 1
         if i >= 0 and m.start() < spans[i][1] and spans[i][:2] != span[:2]:
             return True
@@ -642,6 +642,7 @@ def _source_launch(
     spans = features.host_function_spans(text)
     by_params: dict[tuple[tuple[tuple[str, bool | None], ...], bool], _Names] = {}
     called_by: dict[tuple[int, int, str | None] | None, bool] = {}
+    probe: str | None = None  # blanked once for every function asked about (_called), not once each
     grids, blocks, shared = [], [], []
     for at, parts in sites:
         if len(parts) < 2:
@@ -650,7 +651,9 @@ def _source_launch(
         params = _parameters(text, span[0], span[1]) if span is not None else ()
         # A helper the wrapper calls (`launch(out, x)`) takes its tensors from it, not from Python in order.
         if span not in called_by:  # read once a function: up to MAX_SITES launches in one
-            called_by[span] = span is None or _called(text, span, spans)
+            if span is not None and probe is None:
+                probe = features._blank_literals(text)
+            called_by[span] = span is None or probe is None or _called(probe, span, spans)
         called = called_by[span]
         if (params, called) not in by_params:
             aliases = {} if called else _tensor_aliases(params, workload)
