@@ -2135,12 +2135,10 @@ class LocalForecaster:
             if f.compiled_without
         ]
         if alone:
-            who = " and ".join(w for w, _ in alone)
-            headers = ", ".join(sorted({h for _, hs in alone for h in hs}))
+            who, headers = _who_lacks(alone)
             rationale += f"; {who}: device code compiled here alone, without host code (this server's nvcc has no {headers})"
         if unbuilt:
-            who = " and ".join(w for w, _ in unbuilt)
-            headers = ", ".join(sorted({h for _, h in unbuilt}))
+            who, headers = _who_lacks([(w, (h,)) for w, h in unbuilt])
             rationale += f"; {who} not compiled here (this server's nvcc has no {headers}): read without register counts"
         failing = [(who, e) for who, e in (("candidate", ec), ("baseline", eb)) if e is not None]
         if ec is not None:
@@ -2152,6 +2150,12 @@ class LocalForecaster:
             rationale = f"{said}; if both ran, {rationale}"
         probs, centers = bins.normal_bins(mean, sd)
         return BinForecast(probs, rationale, extras, centers)
+
+
+def _who_lacks(found: Sequence[tuple[str, Sequence[str]]]) -> tuple[str, str]:
+    """("candidate and baseline", "ATen/ATen.h, torch/extension.h"): the kernels named, and the headers this
+    server's nvcc lacks for them, each once."""
+    return " and ".join(w for w, _ in found), ", ".join(sorted({h for _, hs in found for h in hs}))
 
 
 def _like_for_like(
