@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 import pytest
+from timing import fastest_s
 
 from forecaster_mcp.forecast import host_launch
 from forecaster_mcp.forecast.base import PairQuery
@@ -677,16 +678,15 @@ def test_claude_is_told_where_the_launch_of_a_whole_file_comes_from() -> None:
 def test_host_code_cut_has_no_slow_header(host: str) -> None:
     from forecaster_mcp.forecast.features import source_features
 
-    started = time.perf_counter()
-    source_features(KERNEL + host, {}, "k")
-    assert time.perf_counter() - started < 2.0
+    assert fastest_s(lambda: source_features(KERNEL + host, {}, "k"), 2.0) < 2.0
 
 
 def test_launching_functions_parameters_are_read_cheaply() -> None:
     # The enclosing function's name was looked for at every letter of its header's words: 33 s for a 40 KB one.
-    started = time.perf_counter()
-    assert read("a" * 200_000 + " !(int t) { k<<<3, t>>>(0, 0, 0); }\n") == SourceLaunch((3, 1, 1), None, 0)
-    assert time.perf_counter() - started < 2.0
+    source = "a" * 200_000 + " !(int t) { k<<<3, t>>>(0, 0, 0); }\n"
+    assert read(source) == SourceLaunch((3, 1, 1), None, 0)
+    # Each run reads afresh, not from source_launch's cache of results.
+    assert fastest_s(lambda: (host_launch._CACHE.clear(), read(source)), 2.0) < 2.0
 
 
 def test_a_brace_in_a_string_is_no_structure() -> None:
@@ -844,9 +844,8 @@ def test_declarations_are_read_cheaply() -> None:
         "#;\n" * 330_000,
         "#define A " + "f(x); " * 170_000 + "\n",
     ):
-        started = time.perf_counter()
-        source_features(KERNEL + junk + "int main() { return 0; }\n", {}, "k")
-        assert time.perf_counter() - started < 2.0
+        source = KERNEL + junk + "int main() { return 0; }\n"
+        assert fastest_s(lambda text=source: source_features(text, {}, "k"), 2.0) < 2.0
 
 
 def _load_inline(cuda: str) -> str:
