@@ -1,16 +1,22 @@
-"""The launch a CuPy or PyCUDA source gives its kernel from Python (forecast/python_launch.py)."""
+"""The launch a CuPy, PyCUDA or Triton source gives its kernel from Python (forecast/python_launch.py)."""
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
+from mcp import Client
+from tool_calls import call
 
 from forecaster_mcp.forecast import host_launch
 from forecaster_mcp.forecast.features import kernel_features
 from forecaster_mcp.forecast.host_launch import SourceLaunch, source_launch
 from forecaster_mcp.hardware.specs import lookup
-from forecaster_mcp.models import Kernel, Workload
+from forecaster_mcp.models import Kernel, Language, Workload
+from forecaster_mcp.server.app import build_server
+from forecaster_mcp.service import Service
+from forecaster_mcp.settings import Settings
 
 N = 1 << 24
 WL = Workload.model_validate(
@@ -271,8 +277,12 @@ def test_a_buffer_the_source_rebinds_is_not_the_workloads(size: str) -> None:
         )
     )
     assert found == SourceLaunch(None, (256, 1, 1), 0)
-    # The function's parameter is.
+    # The function's parameter is, and an array made like it has its shape; not one made like it of another shape.
     assert read(cupy(f"    k(({size} // 256,), (256,), (x,))")) == SourceLaunch((65536, 1, 1), (256, 1, 1), 0)
+    made = f"    y = cp.empty_like(x)\n    k(({size.replace('x', 'y')} // 256,), (256,), (y,))"
+    assert read(cupy(made)) == SourceLaunch((65536, 1, 1), (256, 1, 1), 0)
+    other = made.replace("cp.empty_like(x)", "cp.zeros_like(x, shape=(4,))")
+    assert read(cupy(other)) == SourceLaunch(None, (256, 1, 1), 0)
 
 
 NAIVE_CODE = "r'''extern \"C\" __global__ void naive(float* x) { x[0] = 0.f; }'''"
@@ -342,3 +352,262 @@ def test_reads_a_pycuda_prepared_call() -> None:
     assert host_launch.launches_itself(Kernel(source=source, entry="run", language="python"))
     # f.prepare(...) is no launch.
     assert read(source.replace("f.prepared_async_call", "f.prepare")) is None
+
+
+# ---------------------------------------------------------------- Triton: `kernel[grid](...)`
+
+TRITON_HEAD = "import torch\nimport triton\nimport triton.language as tl\n"
+ADD_KERNEL = (
+    "def add_kernel(x_ptr, y_ptr, out_ptr, n_elements, BLOCK_SIZE: tl.constexpr):\n"
+    "    pid = tl.program_id(axis=0)\n"
+    "    offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)\n"
+    "    mask = offs < n_elements\n"
+    "    x = tl.load(x_ptr + offs, mask=mask)\n"
+    "    tl.store(out_ptr + offs, x + tl.load(y_ptr + offs, mask=mask), mask=mask)\n\n"
+)
+
+
+def triton(launch: str, head: str = "", decorators: str = "@triton.jit\n") -> str:
+    """Triton's tutorial add: `launch` in the wrapper, after `out` and `n` are made."""
+    return (
+        f"{TRITON_HEAD}{head}\n{decorators}{ADD_KERNEL}"
+        f"def add(x, y):\n    out = torch.empty_like(x)\n    n = out.numel()\n{launch}    return out\n"
+    )
+
+
+def read_triton(
+    source: str, language: Language = "triton", workload: Workload | None = WL
+) -> SourceLaunch | None:
+    return source_launch(Kernel(source=source, entry="add_kernel", language=language), workload)
+
+
+def programs(grid: tuple[int, ...] | None, warps: int | None = 4) -> SourceLaunch:
+    """What a Triton launch reads as: its programs the grid, num_warps warps of 32 threads a block, its shared
+    memory the compiler's (unknown)."""
+    full = (*grid, 1, 1, 1)[:3] if grid is not None else None
+    block = (warps * 32, 1, 1) if warps is not None else None
+    return SourceLaunch(full, block, None, warps)  # type: ignore[arg-type]
+
+
+TUTORIAL = (
+    '    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_SIZE"]),)\n'
+    "    add_kernel[grid](x, y, out, n, BLOCK_SIZE=1024)\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("launch", "head", "expected"),
+    [
+        (TUTORIAL, "", programs((16384,))),
+        (TUTORIAL.replace("=1024)", "=1024, num_warps=8, num_stages=3)"), "", programs((16384,), 8)),
+        ("    add_kernel[(triton.cdiv(n, 1024),)](x, y, out, n, BLOCK_SIZE=1024)\n", "", programs((16384,))),
+        # The module's constants; a 2-D and a 3-D grid.
+        (
+            "    grid = (img.shape[0] // BM, img.shape[1] // BN)\n"
+            "    add_kernel[grid](x, y, out, n, BLOCK_SIZE=BM * BN, num_warps=WARPS)\n",
+            "BM, BN = 32, 64\nWARPS = 2\n",
+            programs((64, 64), 2),
+        ),
+        ("    add_kernel[(4, 8, 2)](x, y, out, n, BLOCK_SIZE=1024)\n", "", programs((4, 8, 2))),
+        # META as well as meta; a lambda's default is read where the lambda is made.
+        (
+            "    grid = lambda META, total=n: (triton.cdiv(total, META['BLOCK_SIZE']),)\n"
+            "    add_kernel[grid](x, y, out, n, BLOCK_SIZE=256)\n",
+            "",
+            programs((65536,)),
+        ),
+        # meta holds the kernel's arguments by parameter name, positional ones too; the lambda given inline.
+        (
+            "    add_kernel[lambda m: (triton.cdiv(m['n_elements'], m['BLOCK_SIZE']),)](x, y, out, n, BLOCK_SIZE=512)\n",
+            "",
+            programs((32768,)),
+        ),
+        # A def returning the grid.
+        (
+            "    def grid(meta):\n        block = meta['BLOCK_SIZE']\n        return (triton.cdiv(n, block),)\n"
+            "    add_kernel[grid](x, y, out, n, BLOCK_SIZE=1024)\n",
+            "",
+            programs((16384,)),
+        ),
+    ],
+)
+def test_reads_a_triton_launch(launch: str, head: str, expected: SourceLaunch) -> None:
+    assert read_triton(triton(launch, head)) == expected
+    # A Python source whose entry is a Triton kernel, the same.
+    assert read_triton(triton(launch, head), "python") == expected
+
+
+CONFIGS = (
+    "@triton.autotune(configs=[triton.Config({'BLOCK_SIZE': 1024}, num_warps=W1), "
+    "triton.Config({'BLOCK_SIZE': B2}, num_warps=8)], key=['n_elements'])\n@triton.jit\n"
+)
+AUTOTUNED = "    add_kernel[lambda meta: (triton.cdiv(n, meta['BLOCK_SIZE']),)](x, y, out, n)\n"
+
+
+@pytest.mark.parametrize(
+    ("w1", "b2", "expected"),
+    [
+        ("8", "1024", programs((16384,), 8)),  # every config agrees: what the autotuner picks is known
+        ("8", "2048", programs(None, 8)),  # BLOCK_SIZE chosen at run time: the grid unknown
+        ("4", "1024", programs((16384,), None)),  # the warps chosen at run time
+        ("4", "2048", None),
+    ],
+)
+def test_an_autotuned_kernel_is_read_where_its_configs_agree(
+    w1: str, b2: str, expected: SourceLaunch | None
+) -> None:
+    assert read_triton(triton(AUTOTUNED, decorators=CONFIGS.replace("W1", w1).replace("B2", b2))) == expected
+    # A Config's num_warps defaults to 4, as a launch's does.
+    default = "@triton.autotune(configs=[triton.Config({'BLOCK_SIZE': 1024})], key=[])\n@triton.jit\n"
+    assert read_triton(triton(AUTOTUNED, decorators=default)) == programs((16384,))
+
+
+@pytest.mark.parametrize(
+    ("launch", "decorators", "head"),
+    [
+        # BLOCK_SIZE set by a heuristic at run time.
+        (
+            AUTOTUNED,
+            "@triton.heuristics({'BLOCK_SIZE': lambda args: triton.next_power_of_2(args['n_elements'])})\n"
+            "@triton.jit\n",
+            "",
+        ),
+        # Configs made at run time.
+        (AUTOTUNED, "@triton.autotune(configs=make_configs(), key=[])\n@triton.jit\n", ""),
+        (
+            "    add_kernel[lambda meta: (triton.cdiv(n, meta['B']),)](x, y, out, n, **cfg)\n",
+            "@triton.jit\n",
+            "",
+        ),
+        # A size the workload does not say; a name given two values.
+        ("    add_kernel[(triton.cdiv(m, 1024),)](x, y, out, n, BLOCK_SIZE=1024)\n", "@triton.jit\n", ""),
+        (
+            "    b = 1024\n    b = 512\n    add_kernel[(triton.cdiv(n, b),)](x, y, out, n, BLOCK_SIZE=b)\n",
+            "@triton.jit\n",
+            "",
+        ),
+        # Clusters of CTAs (num_ctas=2): more blocks than programs.
+        (TUTORIAL.replace("=1024)", "=1024, num_ctas=2)"), "@triton.jit\n", ""),
+        # A grid that is no tuple; a grid lambda Triton could not call with meta.
+        ("    add_kernel[n // 1024](x, y, out, n, BLOCK_SIZE=1024)\n", "@triton.jit\n", ""),
+        ("    add_kernel[lambda: (n // 1024,)](x, y, out, n, BLOCK_SIZE=1024)\n", "@triton.jit\n", ""),
+        # Two launches that disagree.
+        (
+            TUTORIAL + "    add_kernel[(1,)](x, y, out, n, BLOCK_SIZE=1024)\n",
+            "@triton.jit\n",
+            "",
+        ),
+    ],
+)
+def test_what_a_triton_source_does_not_say_plainly_is_unknown(
+    launch: str, decorators: str, head: str
+) -> None:
+    found = read_triton(triton(launch, head, decorators))
+    assert found is None or found.grid is None
+
+
+@pytest.mark.parametrize(
+    "decorators",
+    [
+        "@numba.cuda.jit\n",  # numba's `kernel[blocks, threads](...)`: its block is no num_warps
+        "@cuda.jit\n",
+        "@jit\n",  # a `jit` not imported from triton
+        "@triton.jit\n@my_wrapper\n",  # a decorator that may launch it otherwise
+        "",  # no kernel at all
+    ],
+)
+def test_only_a_triton_kernel_launch_is_read_as_one(decorators: str) -> None:
+    source = triton("    add_kernel[(n // 1024,), (256,)](x, y, out, n)\n" + TUTORIAL, decorators=decorators)
+    assert read_triton(source, "python") is None
+    assert not host_launch.launches_itself(Kernel(source=source, entry="add_kernel", language="python"))
+
+
+def test_a_triton_jit_imported_by_another_name_is_read() -> None:
+    source = triton(TUTORIAL, decorators="@tr.jit\n").replace("import triton\n", "import triton as tr\n")
+    assert read_triton(source) == programs((16384,))
+    source = triton(TUTORIAL, decorators="@jit\n").replace(
+        "import triton\n", "import triton\nfrom triton import jit\n"
+    )
+    assert read_triton(source) == programs((16384,))
+
+
+def test_hostile_triton_launches_are_unknown_and_run_nothing(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    deep = "min(" * 150 + "n" + ", n)" * 150
+    sums = "1" + "+1" * 600
+    for launch in (
+        # Calls of anything: nothing is run or imported.
+        f"    add_kernel[lambda meta: (open({str(marker)!r}, 'w').write('x'),)](x, y, out, n, BLOCK_SIZE=1)\n",
+        "    add_kernel[lambda meta: (__import__('os').system('true'),)](x, y, out, n, BLOCK_SIZE=1)\n",
+        "    add_kernel[lambda meta: (meta['g'](),)](x, y, out, n, BLOCK_SIZE=1, g=print)\n",
+        # Deep nesting; huge numbers.
+        f"    add_kernel[({deep} // 1024,)](x, y, out, n, BLOCK_SIZE=1024, num_warps={sums})\n",
+        "    add_kernel[(10 ** 30,)](x, y, out, n, BLOCK_SIZE=1, num_warps=2 ** 70)\n",
+        "    add_kernel[(1 << 62,)](x, y, out, n, BLOCK_SIZE=1, num_warps=1 << 40)\n",
+        # A grid defined by itself.
+        "    def grid(meta):\n        return grid(meta)\n    add_kernel[grid](x, y, out, n, BLOCK_SIZE=1)\n",
+        "    grid = lambda meta, g=grid: g\n    add_kernel[grid](x, y, out, n, BLOCK_SIZE=1)\n",
+    ):
+        started = time.perf_counter()
+        found = read_triton(triton(launch))
+        assert time.perf_counter() - started < 2.0
+        # The block is the default 4 warps where num_warps is not given.
+        assert found is None or (found.grid is None and found == programs(None)), launch
+    assert not marker.exists()
+    # Just under the 64 KB a source is parsed up to: 1,000 configs; 500 launches, none read past MAX_SITES.
+    configs = "".join(
+        f"    triton.Config({{'BLOCK_SIZE': {1 << (i % 10)}}}, num_warps=4),\n" for i in range(1000)
+    )
+    tuned = triton(AUTOTUNED, decorators=f"@triton.autotune(configs=[\n{configs}], key=[])\n@triton.jit\n")
+    launched = triton(TUTORIAL * 500)
+    for source in (tuned, launched):
+        assert len(source) < 64 * 1024
+        started = time.perf_counter()
+        found = read_triton(source)
+        assert found is None or found.grid is None
+        assert time.perf_counter() - started < 2.0
+    assert read_triton(launched) is None
+
+
+def test_a_triton_kernels_features_take_the_launch_its_source_gives() -> None:
+    kernel = Kernel(source=triton(TUTORIAL), entry="add_kernel", language="triton")
+    f = kernel_features(kernel, WL, lookup("H100"), None)
+    assert (f.threads_per_block, f.blocks) == (128, 16384)
+    assert f.launch_from_source == "grid [16384, 1, 1], num_warps 4"
+    assert f.occupancy is not None and f.waves is not None
+    # On AMD a warp is a wavefront of 64 threads: four are 256.
+    assert kernel_features(kernel, WL, lookup("MI300X"), None).threads_per_block == 256
+    assert host_launch.launches_itself(kernel)
+
+
+@pytest.mark.anyio
+async def test_compare_kernels_forecasts_a_triton_pair_from_the_launches_its_sources_give(
+    tmp_path: Path,
+) -> None:
+    """Two Triton kernels sent without launches: the prior's work-per-thread term reads the programs and warps
+    their wrappers launch (16,384 programs of 4 warps against 65,536 of 8: eight times the threads), and the
+    rationale says where that came from. Before, neither launch was read: no informative static difference."""
+    wide = TUTORIAL.replace("=1024)", "=256, num_warps=8)")
+    workload = WL.model_dump(mode="json")
+    candidates = [
+        {"id": "base", "source": triton(TUTORIAL), "entry": "add_kernel", "language": "triton"},
+        {"id": "wide", "source": triton(wide), "entry": "add_kernel", "language": "triton"},
+    ]
+    service = await Service.open(Settings.from_env(home=tmp_path, measurer="none"))
+    try:
+        async with Client(build_server(service)) as client:
+            out = await call(
+                client,
+                "compare_kernels",
+                {"candidates": candidates, "hardware": "H100", "workload": workload},
+            )
+    finally:
+        await service.close()
+    (result,) = [r for r in out["candidates"] if r["id"] == "wide"]
+    rationale = result["rationale"]
+    assert "more work per thread" in rationale, rationale
+    assert (
+        "launch read from the source's host code: baseline's grid [16384, 1, 1], num_warps 4; "
+        "candidate's grid [65536, 1, 1], num_warps 8"
+    ) in rationale
+    assert result["p_faster"] < 0.5  # eight times the threads for the same work: the baseline is favoured

@@ -1179,7 +1179,13 @@ class EmbeddedCuda(NamedTuple):
 def python_module(source: str) -> ast.Module | None:
     """`source` parsed by Python, or None: too long to parse (_MAX_EMBEDDING_SOURCE), holding no CUDA kernel, or
     not Python (a syntax error, nesting beyond the parser's limits)."""
-    if len(source) > _MAX_EMBEDDING_SOURCE or _GLOBAL not in source:
+    return parsed_python(source) if _GLOBAL in source else None
+
+
+def parsed_python(source: str) -> ast.Module | None:
+    """`source` parsed by Python, or None: too long to parse (_MAX_EMBEDDING_SOURCE), or not Python. A Triton
+    module's launches are read from it (python_launch) with no CUDA in it."""
+    if len(source) > _MAX_EMBEDDING_SOURCE:
         return None
     try:
         with warnings.catch_warnings():
@@ -1522,6 +1528,9 @@ def with_resources(
             read = found.describe()
             if found.block is not None:
                 threads = math.prod(found.block)
+                if found.warps is not None and spec is not None:
+                    # A Triton program's warps: on AMD, wavefronts of 64 threads.
+                    threads = found.warps * spec.warp_size
                 dyn = found.shared_mem_bytes
                 # Its dynamic shared memory not read (`256 * sizeof(T)`, a run-time size) where the kernel
                 # has some: occupancy counted without it would be too high (a block of 48 KiB as one of none).

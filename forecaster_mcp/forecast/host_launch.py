@@ -65,12 +65,17 @@ class SourceLaunch:
     grid: Dim3 | None
     block: Dim3 | None
     shared_mem_bytes: int | None
+    # A Triton program's warps (`num_warps`): its threads are these times the GPU's warp size (64 on AMD), the
+    # block above them at NVIDIA's 32. None for a CUDA launch, which says its threads.
+    warps: int | None = None
 
     def describe(self) -> str:
         parts = []
         if self.grid is not None:
             parts.append(f"grid {list(self.grid)}")
-        if self.block is not None:
+        if self.warps is not None:
+            parts.append(f"num_warps {self.warps}")  # as Triton says it: a block of threads is no Triton term
+        elif self.block is not None:
             parts.append(f"block {list(self.block)}")
         return ", ".join(parts)
 
@@ -182,11 +187,14 @@ def _embedded(kernel: Kernel) -> tuple[ast.Module, Kernel] | None:
 def launches_itself(kernel: Kernel) -> bool:
     """Whether the source (comments aside) launches `kernel.entry` itself, read or not; for a Python source,
     whether the C++ in its strings (torch's load_inline wrapper) or its Python (CuPy, PyCUDA) launches the kernel
-    that source runs."""
+    that source runs, or, holding no CUDA, whether it launches its Triton kernel `entry` (`entry[grid](...)`)."""
     if kernel.language in features.PYTHON_LANGUAGES:
         found = _embedded(kernel)
         if found is None:
-            return False
+            from forecaster_mcp.forecast.python_launch import triton_launches
+
+            module = _triton_module(kernel)
+            return module is not None and triton_launches(module, kernel.entry)
         module, kernel = found
         from forecaster_mcp.forecast.python_launch import python_launches
 
@@ -540,12 +548,24 @@ def source_launch(kernel: Kernel, workload: Workload | None) -> SourceLaunch | N
     return found
 
 
+def _triton_module(kernel: Kernel) -> ast.Module | None:
+    """A Python source parsed, where it may launch `kernel.entry` as a Triton kernel (`entry[grid](...)`): not
+    every Python source is parsed (features.parsed_python: up to 64 KB, 0.1-0.3 s at most)."""
+    if re.search(rf"(?<![\w.]){re.escape(kernel.entry)}\s*\[", kernel.source) is None:
+        return None
+    return features.parsed_python(kernel.source)
+
+
 def _python_launch(kernel: Kernel, workload: Workload | None) -> SourceLaunch | None:
     """A Python source's launch of the kernel it runs: the one the C++ wrapper in its CUDA string gives it (torch's
-    load_inline, KernelBench's form), else the one its Python calls give it (python_launch: CuPy, PyCUDA)."""
+    load_inline, KernelBench's form), else the one its Python calls give it (python_launch: CuPy, PyCUDA); for a
+    source holding no CUDA, its Triton kernel's (`kernel[grid](...)`, python_launch.triton_launch)."""
     found = _embedded(kernel)
     if found is None:
-        return None
+        from forecaster_mcp.forecast.python_launch import triton_launch
+
+        module = _triton_module(kernel)
+        return triton_launch(module, kernel.entry, workload) if module is not None else None
     module, cuda = found
     if _may_launch(cuda):
         launch = _source_launch(cuda.source, cuda.entry, _host_macros(cuda), workload)

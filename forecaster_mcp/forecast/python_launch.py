@@ -1,5 +1,5 @@
-"""The launch a Python source gives its CUDA kernel from Python: CuPy's `kernel(grid, block, args)` and PyCUDA's
-`func(*args, block=..., grid=...)`.
+"""The launch a Python source gives its kernel from Python: CuPy's `kernel(grid, block, args)`, PyCUDA's
+`func(*args, block=..., grid=...)`, and Triton's `kernel[grid](*args, BLOCK=..., num_warps=...)`.
 
 host_launch reads `<<<grid, block>>>` in C++ (a .cu file's host code, the wrapper in a load_inline string); a
 CuPy or PyCUDA kernel is launched by a Python call instead, and without that launch the static prior knows
@@ -12,8 +12,16 @@ of a name bound to the kernel (`k = cp.RawKernel(code, "relu")`, `f = mod.get_fu
   workload says them), and a buffer argument's `x.size`, `x.numel()`, `len(x)`, `x.shape[i]`, `x.size(i)`;
 - `+ - * // % << >>`, `min`, `max`, `int(...)`, `math.ceil(a / b)`, and `cdiv` / `triton.cdiv`.
 
-Anything else (a name assigned twice, or bound otherwise: an import, a def, `except ... as`, `global` in another
-function; a float, a value known only at run time, calls that disagree) leaves that part unknown. Nothing is run.
+An array made like another (`out = torch.empty_like(x)`, `x.clone()`) has that one's shape. Anything else (a name
+assigned twice, or bound otherwise: an import, a def, `except ... as`, `global` in another function; a float, a
+value known only at run time, calls that disagree) leaves that part unknown. Nothing is run.
+
+A Triton kernel (`@triton.jit`, the entry itself) is launched as programs of num_warps warps (`triton_launch`): the
+grid a tuple, or a grid function (`lambda meta: ...`, `def grid(meta)`, defaults read where it is made) whose
+`meta` holds the launch's arguments by the kernel's parameter names; num_warps the launch's, else 4, Triton's
+default. What `@triton.autotune` picks is known where every config agrees, what `@triton.heuristics` sets never;
+any other decorator, `**kwargs`, or num_ctas other than 1 (clusters: more blocks than programs) leaves it unknown.
+Its shared memory is the compiler's choice: unknown.
 """
 
 from __future__ import annotations
@@ -65,7 +73,13 @@ class _Scope:
     ) -> None:
         self.params = params
         self.outer = outer
+        self.declared = declared
         self.assigned: dict[str, list[ast.expr | None]] = {}  # None: changed in a way that is not read
+        # A grid function's parameters with defaults: each read where the function is made (`lambda meta, t=n:`).
+        self.given: dict[str, tuple[ast.expr, _Scope]] = {}
+        self.functions: dict[
+            str, list[ast.FunctionDef | ast.AsyncFunctionDef]
+        ] = {}  # Triton's `def grid(meta)`
         for name in declared:  # `global n` / `nonlocal n` somewhere: set from another function
             self.assigned[name] = [None]
         for node in _own_nodes(body):
@@ -90,10 +104,15 @@ class _Scope:
                     self._unknown(alias.asname or alias.name.split(".")[0])
             elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
                 self._unknown(node.name)
+                if not isinstance(node, ast.ClassDef):
+                    self.functions.setdefault(node.name, []).append(node)
             elif isinstance(node, ast.ExceptHandler | ast.MatchAs | ast.MatchStar) and node.name is not None:
                 self._unknown(node.name)  # `except E as n`, `case n:`, `case [*n]`
             elif isinstance(node, ast.MatchMapping) and node.rest is not None:
                 self._unknown(node.rest)
+
+    def binds(self, name: str) -> bool:
+        return name in self.params or name in self.given or name in self.assigned
 
     def _unknown(self, name: str) -> None:
         self.assigned.setdefault(name, []).append(None)
@@ -138,6 +157,7 @@ class _Evaluator:
     def __init__(self, scope: _Scope, names: _Names) -> None:
         self.scope = scope
         self.names = names  # host_launch's reading of the workload: sizes and buffer shapes by name
+        self.meta: _Meta | None = None  # a Triton grid function's `meta`, while its grid is read
         self._memo: dict[tuple[int, str], int | None] = {}
         self._nesting = 0  # value() calls open, through names too
 
@@ -194,6 +214,8 @@ class _Evaluator:
         return found
 
     def _name_value(self, name: str, scope: _Scope, depth: int) -> int:
+        if name in scope.given:
+            return self._value_in(*scope.given[name], depth)
         workload = self.names.workload_size(name)
         if name in scope.params:
             if workload is not None:
@@ -208,35 +230,66 @@ class _Evaluator:
             raise _Unknown
         if len(values) != 1 or values[0] is None:
             raise _Unknown
-        outer, self.scope = self.scope, scope
-        try:
-            value = self.value(values[0], depth)
-        finally:
-            self.scope = outer
+        value = self._value_in(values[0], scope, depth)
         # A test size the source sets (`n = 1 << 20`) is not the size the kernel is forecast at, when the workload
         # sizes that name otherwise.
         if workload is not None and workload != value:
             raise _Unknown
         return value
 
+    def _value_in(self, node: ast.expr, scope: _Scope, depth: int) -> int:
+        """`node`'s value read where it is written."""
+        outer, self.scope = self.scope, scope
+        try:
+            return self.value(node, depth)
+        finally:
+            self.scope = outer
+
     def _shape(self, name: str) -> list[int]:
         # The workload's buffer is the function's parameter, or a name the source never binds: one it binds is its
-        # own (`x = x.reshape(-1, 4)`, a test's `x = cp.zeros(1 << 20)`), of a shape the workload does not say.
+        # own (`x = x.reshape(-1, 4)`, a test's `x = cp.zeros(1 << 20)`), of a shape the workload does not say,
+        # unless it is made like another (`out = torch.empty_like(x)`, `x.clone()`): that one's.
         scope: _Scope | None = self.scope
-        while scope is not None and name not in scope.params:
-            if name in scope.assigned:
+        for _ in range(MAX_DEPTH):
+            while scope is not None and not scope.binds(name):
+                scope = scope.outer
+            if scope is None or (name in scope.params and name not in scope.assigned):
+                shape = self.names.shape(name)
+                if shape is None:
+                    raise _Unknown
+                return shape
+            value: ast.expr | None
+            if name in scope.given:
+                value, scope = scope.given[name]
+            else:
+                values = scope.assigned[name]
+                value = values[0] if len(values) == 1 else None
+            like = _made_like(value)
+            if like is None:
                 raise _Unknown
-            scope = scope.outer
-        if scope is not None and name in scope.assigned:
-            raise _Unknown
-        shape = self.names.shape(name)
-        if shape is None:
-            raise _Unknown
-        return shape
+            name = like
+        raise _Unknown
 
     def _subscript(self, node: ast.Subscript, depth: int) -> int:
-        # `x.shape[0]`
         base = node.value
+        meta = self.meta
+        if (
+            meta is not None
+            and isinstance(base, ast.Name)
+            and base.id == meta.name
+            and self.scope is meta.scope
+        ):
+            # A Triton grid function's `meta["BLOCK_SIZE"]`
+            key = node.slice
+            found = (
+                meta.values.get(key.value)
+                if isinstance(key, ast.Constant) and type(key.value) is str
+                else None
+            )
+            if found is None:
+                raise _Unknown
+            return found if isinstance(found, int) else self._value_in(*found, depth + 1)
+        # `x.shape[0]`
         if not (
             isinstance(base, ast.Attribute) and base.attr == "shape" and isinstance(base.value, ast.Name)
         ):
@@ -275,8 +328,9 @@ class _Evaluator:
             return _ceil_div(self.value(args[0], depth), self.value(args[1], depth))
         raise _Unknown
 
-    def dims(self, node: ast.expr) -> Dim3 | None:
-        """A launch dimension: a tuple or list of one to three numbers, a number (x), or a name given one."""
+    def dims(self, node: ast.expr, number: bool = True) -> Dim3 | None:
+        """A launch dimension: a tuple or list of one to three numbers, a number (x; not with `number` False), or
+        a name given one."""
         # A tuple a name is given is read in the scope that gives it (`BLOCK = (T,)` in the module: the module's T).
         scope = self.scope
         for _ in range(MAX_DEPTH):
@@ -294,7 +348,7 @@ class _Evaluator:
                 parts = [self.value(e) for e in node.elts]
                 full = parts + [1] * (3 - len(parts))
                 return (full[0], full[1], full[2])
-            return (self.value(node), 1, 1)
+            return (self.value(node), 1, 1) if number else None
         except _Unknown:
             return None
         finally:
@@ -305,6 +359,8 @@ def _assigned(name: str, scope: _Scope | None) -> tuple[ast.expr, _Scope] | None
     """The one value `name` is given where `scope` sees it, with the scope giving it; None for a parameter, a name
     given none or several."""
     while scope is not None:
+        if name in scope.given:
+            return scope.given[name]
         if name in scope.params:
             return None
         values = scope.assigned.get(name)
@@ -312,6 +368,27 @@ def _assigned(name: str, scope: _Scope | None) -> tuple[ast.expr, _Scope] | None
             value = values[0] if len(values) == 1 else None
             return (value, scope) if value is not None else None
         scope = scope.outer
+    return None
+
+
+# Made with another array's shape: torch's, CuPy's or NumPy's `empty_like(x)` and its kin, `x.clone()`, `x.copy()`.
+_LIKE = frozenset({"empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like"})
+_COPIES = frozenset({"clone", "copy"})
+
+
+def _made_like(value: ast.expr | None) -> str | None:
+    """The name of the array `value` has the shape of (`torch.empty_like(x)`, `x.clone()`, `x` itself), else None."""
+    if isinstance(value, ast.Name):
+        return value.id
+    if not isinstance(value, ast.Call):
+        return None
+    func = value.func
+    called = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+    if called in _LIKE and value.args and isinstance(value.args[0], ast.Name):
+        # NumPy's and CuPy's `zeros_like(x, shape=...)` is of another shape.
+        return value.args[0].id if all(k.arg != "shape" for k in value.keywords) else None
+    if called in _COPIES and isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+        return func.value.id if not value.args and not value.keywords else None
     return None
 
 
@@ -375,13 +452,6 @@ def _sites(module: ast.Module, kernel: str) -> Iterator[tuple[ast.Call, _Scope, 
     anywhere: dict[str, list[str | None]] = {}
     for (_, name), values in attributes.items():
         anywhere.setdefault(name, []).extend(values)
-    declared = frozenset(
-        name
-        for node in ast.walk(module)
-        if isinstance(node, ast.Global | ast.Nonlocal)
-        for name in node.names
-    )
-    top = _Scope(module.body, frozenset(), None, declared)
 
     def handle(func: ast.expr, scope: _Scope, owner: int) -> bool | None:
         if isinstance(func, ast.Call):  # the naming call itself: `cp.RawKernel(code, "relu")(grid, ...)`
@@ -399,23 +469,44 @@ def _sites(module: ast.Module, kernel: str) -> Iterator[tuple[ast.Call, _Scope, 
         # Bound in its class, else in a base class or from outside: any binding of it.
         return _names_kernel(attributes.get((owner, dotted), anywhere.get(dotted, [])), kernel)
 
-    def visit(body: list[ast.stmt], scope: _Scope, owner: int) -> Iterator[tuple[ast.Call, _Scope, bool]]:
+    for call, scope, owner in _calls(module, _module_scope(module)):
+        func = call.func
+        if isinstance(func, ast.Attribute) and func.attr in _PREPARED_CALLS:
+            func = func.value  # PyCUDA's f.prepared_call(grid, block, ...): a launch of f
+        launches = handle(func, scope, owner)
+        if launches is not False:
+            yield call, scope, launches is True
+
+
+def _module_scope(module: ast.Module) -> _Scope:
+    declared = frozenset(
+        name
+        for node in ast.walk(module)
+        if isinstance(node, ast.Global | ast.Nonlocal)
+        for name in node.names
+    )
+    return _Scope(module.body, frozenset(), None, declared)
+
+
+def _parameters(a: ast.arguments) -> frozenset[str]:
+    return frozenset(p.arg for p in [*a.posonlyargs, *a.args, *a.kwonlyargs]) | frozenset(
+        p.arg for p in (a.vararg, a.kwarg) if p is not None
+    )
+
+
+def _calls(module: ast.Module, top: _Scope) -> Iterator[tuple[ast.Call, _Scope, int]]:
+    """Each call in the module's functions and classes (not in a lambda), with the scope it is made in and the
+    class it is made in (its id; 0 outside any). `top`: the module's scope."""
+
+    def visit(body: list[ast.stmt], scope: _Scope, owner: int) -> Iterator[tuple[ast.Call, _Scope, int]]:
         for node in _own_nodes(body):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-                a = node.args
-                params = frozenset(p.arg for p in [*a.posonlyargs, *a.args, *a.kwonlyargs]) | frozenset(
-                    p.arg for p in (a.vararg, a.kwarg) if p is not None
-                )
-                yield from visit(node.body, _Scope(node.body, params, scope, declared), owner)
+                params = _parameters(node.args)
+                yield from visit(node.body, _Scope(node.body, params, scope, top.declared), owner)
             elif isinstance(node, ast.ClassDef):
                 yield from visit(node.body, scope, id(node))
             elif isinstance(node, ast.Call):
-                func = node.func
-                if isinstance(func, ast.Attribute) and func.attr in _PREPARED_CALLS:
-                    func = func.value  # PyCUDA's f.prepared_call(grid, block, ...): a launch of f
-                launches = handle(func, scope, owner)
-                if launches is not False:
-                    yield node, scope, launches is True
+                yield node, scope, owner
 
     yield from visit(module.body, top, 0)
 
@@ -479,3 +570,289 @@ def python_launch(module: ast.Module, kernel: str, workload: Workload | None) ->
         return None
     found = SourceLaunch(_agreed(grids), _agreed(blocks), _agreed(shared))
     return found if found.grid is not None or found.block is not None else None
+
+
+# ---------------------------------------------------------------- Triton: `kernel[grid](...)`
+
+# Triton's defaults: a program is 4 warps, and one CTA (num_ctas: a cluster of CTAs per program, Hopper on).
+_TRITON_WARPS = 4
+_TRITON_CTAS = 1
+# Autotuner configs past this many are not read: the launch is the one of them it picks at run time.
+_MAX_CONFIGS = 256
+
+
+class _Meta:
+    """What a Triton grid function's `meta` holds while its grid is read: the launch's arguments by the kernel's
+    parameter names (each with the scope it is written in), a value the decorators set (an int), or None for a
+    value chosen at run time."""
+
+    def __init__(self, scope: _Scope, name: str, values: Mapping[str, tuple[ast.expr, _Scope] | int | None]):
+        self.scope = scope  # the grid function's: `meta` is its parameter
+        self.name = name
+        self.values = values
+
+
+class _Decorated:
+    """What a Triton kernel's decorators set: `tuned` the values they give launch arguments (autotune's, where
+    every config agrees; None where chosen at run time: configs that disagree, heuristics), `opaque` when which
+    arguments they set is not known (configs made at run time)."""
+
+    def __init__(self) -> None:
+        self.tuned: dict[str, int | None] = {}
+        self.opaque = False
+
+
+def _triton_names(module: ast.Module) -> tuple[frozenset[str], dict[str, str]]:
+    """The names triton goes by (`triton`, `import triton as tr`), and those imported from it (`from triton import
+    jit as J`: J -> jit)."""
+    modules = {"triton"}
+    names: dict[str, str] = {}
+    for node in ast.walk(module):
+        if isinstance(node, ast.Import):
+            modules.update(a.asname for a in node.names if a.name == "triton" and a.asname)
+        elif isinstance(node, ast.ImportFrom) and node.module == "triton" and not node.level:
+            names.update((a.asname or a.name, a.name) for a in node.names)
+    return frozenset(modules), names
+
+
+def _triton_call(node: ast.expr, modules: frozenset[str], names: Mapping[str, str]) -> str | None:
+    """Which of triton's names `node` is (`triton.jit`, `jit` imported from it, `triton.jit(...)`), else None."""
+    if isinstance(node, ast.Call):
+        node = node.func
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules:
+        return node.attr
+    return names.get(node.id) if isinstance(node, ast.Name) else None
+
+
+def _triton_kernel(
+    module: ast.Module, top: _Scope, entry: str, names: _Names
+) -> tuple[ast.FunctionDef, _Decorated] | None:
+    """The module's Triton kernel `entry` (a `@triton.jit` function the module binds that name to alone) and what
+    its decorators set; None for any other (numba's `@cuda.jit` is launched `kernel[blocks, threads]`), or one
+    another decorator wraps (its launch may be anything)."""
+    defs = top.functions.get(entry, [])
+    if len(defs) != 1 or top.assigned.get(entry) != [None] or not isinstance(defs[0], ast.FunctionDef):
+        return None
+    kernel = defs[0]
+    modules, imported = _triton_names(module)
+    decorated = _Decorated()
+    evaluator = _Evaluator(top, names)
+    called = [_triton_call(d, modules, imported) for d in kernel.decorator_list]
+    if "jit" not in called:
+        return None
+    for decorator, name in zip(kernel.decorator_list, called, strict=True):
+        if name == "autotune" and isinstance(decorator, ast.Call):
+            _read_configs(decorator, evaluator, decorated, modules, imported)
+        elif name == "heuristics" and isinstance(decorator, ast.Call):
+            # Each value a function of the arguments, called at run time.
+            table = decorator.args[0] if decorator.args else None
+            keys = table.keys if isinstance(table, ast.Dict) else [None]
+            if any(not isinstance(k, ast.Constant) or type(k.value) is not str for k in keys):
+                decorated.opaque = True
+            decorated.tuned.update(
+                (k.value, None) for k in keys if isinstance(k, ast.Constant) and type(k.value) is str
+            )
+        elif name != "jit":
+            return None
+    return kernel, decorated
+
+
+def _read_configs(
+    decorator: ast.Call,
+    evaluator: _Evaluator,
+    decorated: _Decorated,
+    modules: frozenset[str],
+    imported: Mapping[str, str],
+) -> None:
+    """`@triton.autotune(configs=[triton.Config({...}, num_warps=...), ...])`: a value every config gives alike is
+    known, any other chosen at run time."""
+    node = next((k.value for k in decorator.keywords if k.arg == "configs"), None)
+    if node is None and decorator.args:
+        node = decorator.args[0]
+    if isinstance(node, ast.Name):
+        found = _assigned(node.id, evaluator.scope)
+        node = found[0] if found is not None else None
+    if not isinstance(node, ast.List | ast.Tuple) or not 1 <= len(node.elts) <= _MAX_CONFIGS:
+        decorated.opaque = True
+        return
+    configs: list[dict[str, int | None]] = []
+    for config in node.elts:
+        if not isinstance(config, ast.Call) or _triton_call(config, modules, imported) != "Config":
+            decorated.opaque = True
+            return
+        keywords: dict[str | None, ast.expr] = {k.arg: k.value for k in config.keywords}
+        table = keywords.pop("kwargs", config.args[0] if config.args else None)
+        if None in keywords or not isinstance(table, ast.Dict):
+            decorated.opaque = True
+            return
+        pairs: list[tuple[str, ast.expr]] = []
+        for key, value in zip(table.keys, table.values, strict=True):
+            if not isinstance(key, ast.Constant) or type(key.value) is not str:  # `**other`
+                decorated.opaque = True
+                return
+            pairs.append((key.value, value))
+        pairs += [(k, v) for k, v in keywords.items() if k in ("num_warps", "num_ctas")]
+        given: dict[str, int | None] = {"num_warps": _TRITON_WARPS, "num_ctas": _TRITON_CTAS}
+        for name, value in pairs:
+            try:
+                given[name] = evaluator.value(value)
+            except _Unknown:
+                given[name] = None
+        configs.append(given)
+    for option in {k for c in configs for k in c}:
+        decorated.tuned[option] = _agreed([c.get(option) for c in configs])
+
+
+def _grid_function(
+    node: ast.expr | ast.FunctionDef | ast.AsyncFunctionDef, scope: _Scope
+) -> tuple[ast.expr, _Scope, str] | None:
+    """A grid function's returned expression, the scope it is read in and its `meta` parameter's name: `lambda
+    meta: (...)` or a `def` whose last statement returns the grid, Triton calling it with meta alone; None for
+    anything else."""
+    if isinstance(node, ast.Lambda):
+        body: list[ast.stmt] = []
+        returned: ast.expr | None = node.body
+    elif isinstance(node, ast.FunctionDef) and not node.decorator_list and node.body:
+        body = node.body
+        last = body[-1]
+        returned = last.value if isinstance(last, ast.Return) else None
+        own = list(_own_nodes(body))
+        if sum(isinstance(n, ast.Return) for n in own) != 1 or any(
+            isinstance(n, ast.Yield | ast.YieldFrom | ast.Await) for n in own
+        ):
+            return None
+    else:
+        return None
+    a = node.args
+    positional = [*a.posonlyargs, *a.args]
+    if returned is None or not positional or len(a.defaults) < len(positional) - 1 or None in a.kw_defaults:
+        return None
+    defaulted = [
+        *zip(positional[len(positional) - len(a.defaults) :], a.defaults, strict=True),
+        *zip(a.kwonlyargs, a.kw_defaults, strict=True),
+    ]
+    meta = positional[0].arg
+    rest = frozenset(p.arg for p in (a.vararg, a.kwarg) if p is not None)
+    inner = _Scope(body, frozenset({meta}) | rest, scope, scope.declared)
+    inner.given = {p.arg: (d, scope) for p, d in defaulted if p.arg != meta and d is not None}
+    if meta in inner.assigned:
+        return None
+    return returned, inner, meta
+
+
+def _triton_grid(
+    evaluator: _Evaluator, node: ast.expr, meta: Mapping[str, tuple[ast.expr, _Scope] | int | None]
+) -> Dim3 | None:
+    """A Triton launch's grid in programs: a tuple (or a name given one), or a grid function of `meta`."""
+    scope = evaluator.scope
+    target: ast.expr | ast.FunctionDef | ast.AsyncFunctionDef = node
+    for _ in range(MAX_DEPTH):
+        if not isinstance(target, ast.Name):
+            break
+        found = _assigned(target.id, scope)
+        if found is None:
+            # `def grid(meta): ...`, the name bound to nothing else
+            binding: _Scope | None = scope
+            while binding is not None and not binding.binds(target.id):
+                binding = binding.outer
+            defs = binding.functions.get(target.id, []) if binding is not None else []
+            if binding is None or len(defs) != 1 or binding.assigned.get(target.id) != [None]:
+                return None
+            target, scope = defs[0], binding
+            break
+        target, scope = found
+    function = _grid_function(target, scope)
+    outer = evaluator.scope, evaluator.meta
+    try:
+        if function is None:
+            evaluator.scope = scope
+            return evaluator.dims(target, number=False) if isinstance(target, ast.Tuple | ast.List) else None
+        returned, evaluator.scope, name = function
+        evaluator.meta = _Meta(evaluator.scope, name, meta)
+        return evaluator.dims(returned, number=False)
+    finally:
+        evaluator.scope, evaluator.meta = outer
+
+
+def triton_launches(module: ast.Module, kernel: str) -> bool:
+    """Whether the module's Python launches its Triton kernel `kernel` (`kernel[grid](...)`), read or not."""
+    top = _module_scope(module)
+    if _triton_kernel(module, top, kernel, _Names("", {}, None)) is None:
+        return False
+    return next(_triton_sites(module, top, kernel), None) is not None
+
+
+def _triton_sites(module: ast.Module, top: _Scope, kernel: str) -> Iterator[tuple[ast.Call, _Scope]]:
+    for call, scope, _ in _calls(module, top):
+        func = call.func
+        if isinstance(func, ast.Subscript) and isinstance(func.value, ast.Name) and func.value.id == kernel:
+            found: _Scope | None = scope
+            while found is not None and not found.binds(kernel):
+                found = found.outer
+            if found is top:  # not a function's own `kernel`
+                yield call, scope
+
+
+def triton_launch(module: ast.Module, kernel: str, workload: Workload | None) -> SourceLaunch | None:
+    """The launch the module's `kernel[grid](...)` calls of its Triton kernel `kernel` agree on (module doc): the
+    grid its programs, a block of num_warps warps (Triton's default 4; 32 threads a warp here, the GPU's warp size
+    in features), its shared memory the compiler's (unknown). None where none is read."""
+    names = _Names("", {}, workload)
+    top = _module_scope(module)
+    found = _triton_kernel(module, top, kernel, names)
+    if found is None:
+        return None
+    definition, decorated = found
+    a = definition.args
+    parameters = [p.arg for p in [*a.posonlyargs, *a.args]]
+    grids: list[Dim3 | None] = []
+    warps: list[int | None] = []
+    for count, (call, scope) in enumerate(_triton_sites(module, top, kernel)):
+        if count >= MAX_SITES:
+            return None
+        assert isinstance(call.func, ast.Subscript)
+        evaluator = _Evaluator(scope, names)
+        if decorated.opaque or any(k.arg is None for k in call.keywords):
+            grids.append(None)  # `**cfg`, or configs made at run time: any argument may be set there
+            warps.append(None)
+            continue
+        meta: dict[str, tuple[ast.expr, _Scope] | int | None] = {}
+        for parameter, arg in zip(parameters, call.args, strict=False):
+            if isinstance(arg, ast.Starred):
+                break
+            meta[parameter] = (arg, scope)
+        meta.update((k.arg, (k.value, scope)) for k in call.keywords if k.arg is not None)
+        meta.update(decorated.tuned)
+        options = {
+            key: _option(meta, key, default, evaluator)
+            for key, default in (("num_warps", _TRITON_WARPS), ("num_ctas", _TRITON_CTAS))
+        }
+        w = options["num_warps"]
+        warps.append(
+            w if w is not None and w > 0 and w & (w - 1) == 0 else None
+        )  # a power of two, or no launch
+        grid = _triton_grid(evaluator, call.func.slice, meta) if options["num_ctas"] == 1 else None
+        grids.append(_valid_grid(grid))
+    if not grids:
+        return None
+    grid = _agreed(grids)
+    agreed_warps = _agreed(warps)
+    block = _valid_block((agreed_warps * 32, 1, 1)) if agreed_warps is not None else None
+    if grid is None and block is None:
+        return None
+    return SourceLaunch(grid, block, None, agreed_warps if block is not None else None)
+
+
+def _option(
+    meta: Mapping[str, tuple[ast.expr, _Scope] | int | None], key: str, default: int, evaluator: _Evaluator
+) -> int | None:
+    """A launch option (num_warps, num_ctas): the decorators', else the call's, else Triton's default."""
+    if key not in meta:
+        return default
+    found = meta[key]
+    if found is None or isinstance(found, int):
+        return found
+    try:
+        return evaluator._value_in(*found, 0)
+    except _Unknown:
+        return None
