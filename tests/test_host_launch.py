@@ -1167,3 +1167,125 @@ def test_a_tensor_the_wrapper_makes_is_sized_as_it_is_made() -> None:
         assert source_launch(wrapper(like), workload) == SourceLaunch((16384, 1, 1), (256, 1, 1), 0), like
     # Made like a tensor the workload does not size: not read.
     assert source_launch(wrapper("torch::empty_like(w)"), workload) == SourceLaunch(None, (256, 1, 1), 0)
+
+
+# A load_inline kernel whose block size is a template's placeholder (`{BLOCK}`), as agents write it: C's braces
+# doubled for Python's formatting.
+TEMPLATED = """
+#include <torch/extension.h>
+__global__ void relu(const float* x, float* y, int n) {{
+    __shared__ float tile[{BLOCK}];
+    int i = blockIdx.x * {BLOCK} + threadIdx.x;
+    if (i < n) {{ tile[threadIdx.x] = x[i]; y[i] = fmaxf(tile[threadIdx.x], 0.f) + i % 7; }}
+}}
+torch::Tensor forward(torch::Tensor x) {{
+    auto y = torch::empty_like(x);
+    int n = x.numel();
+    relu<<<(n + {BLOCK} - 1) / {BLOCK}, {BLOCK}>>>(x.data_ptr<float>(), y.data_ptr<float>(), n);
+    return y;
+}}
+"""
+
+
+def _templated(make: str, head: str = "BLOCK = 256\n") -> str:
+    """A load_inline module whose CUDA string `cuda_src` is made by `make` (its text as `T` there)."""
+    return (
+        "import string\nimport torch\nfrom torch.utils.cpp_extension import load_inline\n"
+        + head
+        + make
+        + '\nmod = load_inline(name="ext", cpp_sources="torch::Tensor forward(torch::Tensor x);", '
+        'cuda_sources=cuda_src, functions=["forward"])\n\n'
+        "class ModelNew(torch.nn.Module):\n    def forward(self, x):\n        return mod.forward(x)\n"
+    )
+
+
+_UNBRACED = TEMPLATED.replace("{{", "{").replace("}}", "}")
+_TEMPLATE_FORMS = {
+    "f-string": 'cuda_src = f"""' + TEMPLATED + '"""',
+    "format, a literal": 'cuda_src = """' + TEMPLATED + '""".format(BLOCK=256)',
+    "format, a constant": 'cuda_src = """' + TEMPLATED + '""".format(BLOCK=BLOCK)',
+    "format by position": 'cuda_src = """' + TEMPLATED.replace("{BLOCK}", "{0}") + '""".format(BLOCK)',
+    "a named template formatted": 'TEMPLATE = """'
+    + TEMPLATED
+    + '"""\ncuda_src = TEMPLATE.format(BLOCK=BLOCK)',
+    "% formatting": 'cuda_src = """'
+    + _UNBRACED.replace("%", "%%").replace("{BLOCK}", "%(BLOCK)d")
+    + '""" % {"BLOCK": BLOCK}',
+    "string.Template": 'cuda_src = string.Template("""'
+    + _UNBRACED.replace("{BLOCK}", "${BLOCK}")
+    + '""").substitute(BLOCK=BLOCK)',
+    "concatenation": 'cuda_src = """' + _UNBRACED.replace("{BLOCK}", '""" + str(BLOCK) + """') + '"""',
+}
+
+
+@pytest.mark.parametrize("form", list(_TEMPLATE_FORMS))
+def test_a_cuda_template_of_module_constants_is_read_as_the_cuda_it_makes(form: str) -> None:
+    """CUDA in a Python string made from a template whose values are literals or module constants (an f-string, a
+    `.format`, `%`, string.Template, `+ str(BLOCK) +`) reads as the CUDA it makes: the same features and launch
+    as the string written out. Before, an f-string was read as Python (no launch, no shared memory), `.format`'s
+    template was read raw (no launch: `<<<(n + {BLOCK} - 1) / {BLOCK}, {BLOCK}>>>`), `%`'s too (each `%(BLOCK)d`
+    a division more), and a concatenation's first piece alone."""
+    from forecaster_mcp.forecast.features import source_features
+
+    wl = inputs(x=[1 << 24])
+    plain = _templated('cuda_src = r"""' + _UNBRACED.replace("{BLOCK}", "256") + '"""')
+    templated = _templated(_TEMPLATE_FORMS[form])
+    for source in (plain, templated):
+        python = Kernel(source=source, entry="ModelNew", language="python")
+        assert source_launch(python, wl) == SourceLaunch((65536, 1, 1), (256, 1, 1), 0), form
+    assert source_features(templated, {}, "ModelNew", "python") == source_features(
+        plain, {}, "ModelNew", "python"
+    )
+
+
+@pytest.mark.parametrize(
+    "form", ["format, a literal", "% formatting", "string.Template", "f-string", "a named template, **values"]
+)
+def test_a_cuda_template_of_values_known_at_run_time_reads_no_placeholder(form: str) -> None:
+    """A template's value known only at run time (`BLOCK = int(os.environ.get(...))`) is not read: no launch of
+    it, and the template's own `{BLOCK}`, `{{`, `%(BLOCK)d` or `%%` are not read as the kernel's code. Before, a
+    `%` template's `%(BLOCK)d` and `%%` each read as a division. An f-string is not read as CUDA (as before)."""
+    from forecaster_mcp.forecast.features import python_source_features, source_features
+
+    head = "import os\nBLOCK = int(os.environ.get('BLOCK', 256))\n"
+    forms = {
+        **_TEMPLATE_FORMS,
+        "a named template, **values": 'TEMPLATE = """' + TEMPLATED + '"""\n'
+        'cuda_src = TEMPLATE.format(**{"BLOCK": BLOCK})',
+    }
+    make = forms[form].replace("format(BLOCK=256)", "format(BLOCK=BLOCK)")
+    templated = _templated(make, head)
+    plain = _templated('cuda_src = r"""' + _UNBRACED.replace("{BLOCK}", "256") + '"""', head)
+    python = Kernel(source=templated, entry="ModelNew", language="python")
+    assert source_launch(python, inputs(x=[1 << 24])) is None
+    read = source_features(templated, {}, "ModelNew", "python")
+    if form == "f-string":
+        assert read == python_source_features(templated, "ModelNew")
+        return
+    expected = source_features(plain, {}, "ModelNew", "python")
+    assert (read.divisions, read.shared, read.lines, read.embedded_cuda) == (
+        expected.divisions,
+        expected.shared,
+        expected.lines,
+        1,
+    )
+
+
+@pytest.mark.parametrize(
+    "fill",
+    [
+        'f"__global__ void k() {{}}' + "{A}" * 9_000 + '"',
+        '"__global__ void k() {{}}' + "{A}" * 9_000 + '".format(A=A)',
+        '"__global__ void k() {}' + "%(A)s" * 6_000 + '" % {"A": A}',
+    ],
+)
+def test_a_template_filled_past_any_kernel_s_size_is_not_read(fill: str) -> None:
+    """A 64 KB source filling a template with thousands of copies of a 30 KB constant would make a string of
+    hundreds of MB: a template's text is read only up to four times the largest source parsed."""
+    from forecaster_mcp.forecast.features import embedded_cuda
+
+    source = 'A = "' + "x" * 30_000 + '"\nsrc = ' + fill + "\n"
+    started = time.perf_counter()
+    found = embedded_cuda(source, "k")
+    assert found is None or len(found.text) <= 4 * 64 * 1024
+    assert time.perf_counter() - started < 2.0

@@ -25,10 +25,11 @@ import math
 import operator
 import re
 import statistics
+import string
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from forecaster_mcp.forecast.ptxas import PtxasEntry
 from forecaster_mcp.hardware.specs import GpuSpec
@@ -1153,9 +1154,10 @@ def python_source_features(source: str, entry: str | None = None) -> SourceFeatu
 
 # Agents often launch CUDA C from Python: CuPy's RawKernel(code, name) and RawModule(code=...), PyCUDA's
 # SourceModule(...).get_function(name), torch's load_inline(cuda_sources=...). That CUDA is read as a CUDA source
-# is. Python's own parser finds the literals (raw, triple-quoted, implicitly or `+`-concatenated, f-strings without
-# placeholders); nothing is run. A string made at run time (an f-string's placeholder, .format, a file read) is not
-# read, nor is a source Python cannot parse: those are read as Python, as before. Parsing and reading the tree
+# is. Python's own parser finds the literals (raw, triple-quoted, implicitly or `+`-concatenated, templates filled
+# with literals and module constants: `_RUNTIME_VALUE`); nothing is run. A string made at run time (an f-string's
+# placeholder of another value, a file read) is not read, nor is a source Python cannot parse: those are read as
+# Python, as before. Parsing and reading the tree
 # cost about 5 s and 500 MB per crafted megabyte (`x = 1` lines), the parse holding the GIL throughout, so only
 # sources up to _MAX_EMBEDDING_SOURCE that spell `__global__` are parsed (a module holding its kernels is a few KB
 # to a few tens; a crafted one of that size takes 0.1-0.3 s).
@@ -1196,10 +1198,79 @@ def parsed_python(source: str) -> ast.Module | None:
         return None
 
 
-def _string_value(node: ast.AST) -> tuple[str, list[ast.AST]] | None:
-    """The value of a string expression known without running anything (a literal, an f-string without
-    placeholders, a `+` of those), with the nodes it is made of; None for any other expression."""
-    parts: list[str] = []
+# A string made from a template is read where every value put in it is known without running anything: a literal,
+# or a module constant (`_module_constants`). Agents write the block size into their CUDA that way
+# (`f"""...{BLOCK}..."""`, `"""...""".format(BLOCK=256)`, `% {"BLOCK": BLOCK}`, string.Template,
+# `"..." + str(BLOCK) + "..."`). A `.format`, `%` or Template value that is not known is put in as
+# `_RUNTIME_VALUE`, a name nothing defines: the template's own `{BLOCK}`, `{{` or `%%` left in the text read
+# wrongly (a launch of `{BLOCK}` threads, a division for each `%`). An f-string's or `str()`'s is not read, as
+# before (its text is made at run time).
+_RUNTIME_VALUE = "__runtime_value__"
+_FORMATS = frozenset({"format", "substitute", "safe_substitute"})
+# `%` formatting read: `%d`, `%i`, `%s`, with or without a `(key)`, and `%%`; any other (a width, `%f`) is not.
+_PERCENT = re.compile(r"%(?:\((\w+)\))?(.?)")
+
+
+class _NotRead(Exception):
+    """A string not read: its text made at run time (an f-string's value, `str()` of a value, not known), or
+    longer than _MAX_FILLED."""
+
+
+# A template filled in is read up to this many characters: a 64 KB source filling one with thousands of copies of
+# a 30 KB constant made 270 MB, and took 39 s to read.
+_MAX_FILLED = 4 * 64 * 1024
+
+
+class _Text:
+    """The pieces of a string being made, at most _MAX_FILLED characters in all."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.size = 0
+
+    def add(self, piece: str) -> None:
+        self.size += len(piece)
+        if self.size > _MAX_FILLED:
+            raise _NotRead
+        self.parts.append(piece)
+
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+def _constant(node: ast.AST, constants: Mapping[str, int | str]) -> int | str | None:
+    """The value of an int or str literal, or a module constant by name; None for anything else."""
+    if isinstance(node, ast.Constant) and type(node.value) in (int, str):
+        return cast(int | str, node.value)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        inner = _constant(node.operand, {})
+        return -inner if isinstance(inner, int) else None
+    if isinstance(node, ast.Name):
+        value = constants.get(node.id)
+        # A string of CUDA is read where it is written (its own statement's literal), not again where it is put.
+        return None if isinstance(value, str) and _holds_cuda(value) else value
+    return None
+
+
+def _holds_cuda(text: str) -> bool:
+    """Whether a string is read as CUDA: a kernel or device function, or a wrapper launching one."""
+    return _GLOBAL in text or "__device__" in text or ("<<<" in text and ">>>" in text)
+
+
+def _string_value(
+    node: ast.AST, constants: Mapping[str, int | str] | None = None
+) -> tuple[str, list[ast.AST]] | None:
+    """The value of a string expression known without running anything (a literal, an f-string or template of
+    literals and module `constants`, a `+` of those), with the nodes it is made of; None for any other
+    expression."""
+    try:
+        return _string_parts(node, constants or {})
+    except (_NotRead, RecursionError):
+        return None
+
+
+def _string_parts(node: ast.AST, constants: Mapping[str, int | str]) -> tuple[str, list[ast.AST]] | None:
+    parts = _Text()
     made_of: list[ast.AST] = []
     stack = [node]
     while stack:  # a + b + c nests to the left: walked without recursion, however long
@@ -1208,13 +1279,293 @@ def _string_value(node: ast.AST) -> tuple[str, list[ast.AST]] | None:
         if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Add):
             stack.extend((n.right, n.left))
         elif isinstance(n, ast.Constant) and isinstance(n.value, str):
-            parts.append(n.value)
-        elif isinstance(n, ast.JoinedStr) and all(isinstance(v, ast.Constant) for v in n.values):
-            parts.extend(str(v.value) for v in n.values if isinstance(v, ast.Constant))
-            made_of.extend(n.values)
+            parts.add(n.value)
+        elif isinstance(n, ast.JoinedStr):
+            for v in n.values:
+                made_of.append(v)
+                if isinstance(v, ast.Constant):
+                    parts.add(str(v.value))
+                    continue
+                if (
+                    not isinstance(v, ast.FormattedValue)
+                    or v.format_spec is not None
+                    or v.conversion not in (-1, 115)
+                ):
+                    raise _NotRead  # 115: `!s`; a spec or `!r` may write the value otherwise
+                value = _constant(v.value, constants)
+                if value is None:
+                    raise _NotRead
+                parts.add(str(value))
+        elif n is not node and isinstance(n, ast.Call) and _is_str_call(n):
+            value = _constant(n.args[0], constants)
+            if value is None:
+                raise _NotRead
+            parts.add(str(value))
+        elif (formatted := _formatted(n, constants)) is not None:
+            parts.add(formatted)
+            made_of.extend(ast.walk(n))
         else:
             return None
-    return "".join(parts), made_of
+    return parts.text(), made_of
+
+
+def _is_str_call(node: ast.Call) -> bool:
+    return (
+        isinstance(node.func, ast.Name)
+        and node.func.id == "str"
+        and len(node.args) == 1
+        and not node.keywords
+    )
+
+
+def _formatted(node: ast.AST, constants: Mapping[str, int | str]) -> str | None:
+    """The text a template makes (`.format(...)`, `% ...`, `Template(...).substitute(...)`), its values not known
+    put in as `_RUNTIME_VALUE`; None where `node` is none of these, or its template is not a string known here."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod):
+        template = _template_text(node.left, constants)
+        return None if template is None else _percent(template, node.right, constants)
+    if not (
+        isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _FORMATS
+    ):
+        return None
+    receiver = node.func.value
+    keywords: dict[str, int | str | None] = {}
+    for k in node.keywords:
+        if k.arg is None:
+            return None  # `**values`: which names it gives is not known here
+        keywords[k.arg] = _constant(k.value, constants)
+    if node.func.attr == "format":
+        template = _template_text(receiver, constants)
+        if template is None:
+            return None
+        return _format(template, [_constant(a, constants) for a in node.args], keywords)
+    # string.Template(text).substitute(...): its mapping a dict of literals, or keywords
+    if not (
+        isinstance(receiver, ast.Call)
+        and len(receiver.args) == 1
+        and not receiver.keywords
+        and (
+            (isinstance(receiver.func, ast.Name) and receiver.func.id == "Template")
+            or (isinstance(receiver.func, ast.Attribute) and receiver.func.attr == "Template")
+        )
+    ):
+        return None
+    template = _template_text(receiver.args[0], constants)
+    if template is None or len(node.args) > 1:
+        return None
+    if node.args:
+        mapping = _mapping(node.args[0], constants)
+        if mapping is None:
+            return None
+        keywords = {**mapping, **keywords}
+    return _substitute(template, keywords)
+
+
+def _template_text(node: ast.AST, constants: Mapping[str, int | str]) -> str | None:
+    """A template's own text: a string literal (or `+` of them), or a module constant of one."""
+    if isinstance(node, ast.Name):
+        value = constants.get(node.id)
+        return value if isinstance(value, str) else None
+    found = _string_parts(node, constants)
+    return found[0] if found is not None else None
+
+
+def _mapping(node: ast.AST, constants: Mapping[str, int | str]) -> dict[str, int | str | None] | None:
+    """A dict literal of string keys: its values (None where not known); None for anything else."""
+    if not isinstance(node, ast.Dict):
+        return None
+    out: dict[str, int | str | None] = {}
+    for key, value in zip(node.keys, node.values, strict=True):
+        if not (isinstance(key, ast.Constant) and isinstance(key.value, str)):
+            return None
+        out[key.value] = _constant(value, constants)
+    return out
+
+
+def _put(value: int | str | None) -> str:
+    return _RUNTIME_VALUE if value is None else str(value)
+
+
+def _format(
+    template: str, args: list[int | str | None], keywords: Mapping[str, int | str | None]
+) -> str | None:
+    """`template.format(*args, **keywords)` for plain fields (`{}`, `{0}`, `{name}`, no spec or conversion but
+    `!s`); None for any other field or a malformed template."""
+    out = _Text()
+    auto = 0
+    try:
+        fields = list(string.Formatter().parse(template))
+    except ValueError:
+        return None
+    for literal, name, spec, conversion in fields:
+        out.add(literal)
+        if name is None:
+            continue
+        if spec or conversion not in (None, "s"):
+            return None
+        if name == "":
+            name, auto = str(auto), auto + 1
+        if name.isdigit():
+            if int(name) >= len(args):
+                return None
+            out.add(_put(args[int(name)]))
+        elif name.isidentifier():
+            out.add(_put(keywords[name]) if name in keywords else _RUNTIME_VALUE)
+        else:
+            return None  # `{x.y}`, `{x[0]}`: an attribute or an item of a value
+    return out.text()
+
+
+def _percent(template: str, right: ast.AST, constants: Mapping[str, int | str]) -> str | None:
+    """`template % right` for `%d`, `%i`, `%s` (keyed by a dict literal or in order of a tuple) and `%%`; None
+    for any other conversion or values that do not match them."""
+    by_key = _mapping(right, constants) if isinstance(right, ast.Dict) else None
+    values = (
+        [_constant(e, constants) for e in right.elts]
+        if isinstance(right, ast.Tuple)
+        else [_constant(right, constants)]
+        if by_key is None
+        else []
+    )
+    out = _Text()
+    at = 0
+    used = 0
+    for m in _PERCENT.finditer(template):
+        out.add(template[at : m.start()])
+        at = m.end()
+        key, kind = m.group(1), m.group(2)
+        if kind == "%" and key is None:
+            out.add("%")
+        elif kind not in ("d", "i", "s"):
+            return None
+        elif key is not None:
+            if by_key is None or key not in by_key:
+                return None
+            out.add(_put(by_key[key]))
+        else:
+            if by_key is not None or used >= len(values):
+                return None
+            out.add(_put(values[used]))
+            used += 1
+    if by_key is None and used != len(values):
+        return None
+    out.add(template[at:])
+    return out.text()
+
+
+def _substitute(template: str, values: Mapping[str, int | str | None]) -> str | None:
+    """string.Template(template).substitute(values) (safe_substitute's too); None for a malformed `$`."""
+    out = _Text()
+    at = 0
+    for m in string.Template.pattern.finditer(template):
+        out.add(template[at : m.start()])
+        at = m.end()
+        if m.group("escaped") is not None:
+            out.add("$")
+            continue
+        name = m.group("named") or m.group("braced")
+        if name is None:
+            return None
+        out.add(_put(values[name]) if name in values else _RUNTIME_VALUE)
+    out.add(template[at:])
+    return out.text()
+
+
+def _module_constants(module: ast.Module) -> tuple[dict[str, int | str], set[str]]:
+    """The names a module binds once, at its top level, to an int or str literal, and nowhere else (no other
+    assignment, parameter, import, def, `global`...): their values. And of those holding a string, the ones used
+    only as a template (`TEMPLATE.format(...)`): their literal is read where it is filled in, not as it stands."""
+    candidates = {
+        target.id
+        for stmt in module.body
+        if isinstance(stmt, ast.Assign | ast.AnnAssign)
+        and isinstance(target := stmt.targets[0] if isinstance(stmt, ast.Assign) else stmt.target, ast.Name)
+    }
+    if not candidates:
+        return {}, set()
+    bound: dict[str, int] = {}
+    loads: dict[str, int] = {}
+    as_template: dict[str, int] = {}
+    for node in ast.walk(module):  # by exact type, the commonest first: a walk of a whole module
+        kind = type(node)
+        if kind is ast.Name:
+            assert isinstance(node, ast.Name)
+            counts = loads if type(node.ctx) is ast.Load else bound
+            counts[node.id] = counts.get(node.id, 0) + 1
+        elif kind is ast.Call or kind is ast.BinOp:
+            receiver = _template_receiver(node)
+            if isinstance(receiver, ast.Name):
+                as_template[receiver.id] = as_template.get(receiver.id, 0) + 1
+        elif kind in _BINDERS:
+            for name in _bindings(node):
+                bound[name] = bound.get(name, 0) + 1
+    constants: dict[str, int | str] = {}
+    for stmt in module.body:
+        value: ast.expr | None
+        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
+            target, value = stmt.targets[0], stmt.value
+        elif isinstance(stmt, ast.AnnAssign):
+            target, value = stmt.target, stmt.value
+        else:
+            continue
+        if isinstance(target, ast.Name) and value is not None and bound.get(target.id) == 1:
+            found = _constant(value, {})
+            if found is not None:
+                constants[target.id] = found
+    templates = {
+        name
+        for name, value in constants.items()
+        if isinstance(value, str) and 0 < as_template.get(name, 0) == loads.get(name, 0)
+    }
+    return constants, templates
+
+
+def _names_template(func: ast.expr) -> bool:
+    return (isinstance(func, ast.Name) and func.id == "Template") or (
+        isinstance(func, ast.Attribute) and func.attr == "Template"
+    )
+
+
+def _template_receiver(node: ast.AST) -> ast.AST | None:
+    """The template a `.format(...)`, `%` or `Template(...)` fills in; None for any other node."""
+    if isinstance(node, ast.BinOp):
+        return node.left if isinstance(node.op, ast.Mod) else None
+    if not isinstance(node, ast.Call):
+        return None
+    if isinstance(node.func, ast.Attribute) and node.func.attr == "format":
+        return node.func.value
+    return node.args[0] if len(node.args) == 1 and _names_template(node.func) else None
+
+
+_BINDERS = (
+    ast.arg,
+    ast.FunctionDef,
+    ast.AsyncFunctionDef,
+    ast.ClassDef,
+    ast.alias,
+    ast.ExceptHandler,
+    ast.MatchAs,
+    ast.MatchStar,
+    ast.MatchMapping,
+    ast.Global,
+    ast.Nonlocal,
+)
+
+
+def _bindings(node: ast.AST) -> Iterator[str]:
+    """The names `node`, one of _BINDERS, binds (or declares bound elsewhere: `global`)."""
+    if isinstance(node, ast.arg):
+        yield node.arg
+    elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+        yield node.name
+    elif isinstance(node, ast.alias):
+        yield node.asname or node.name.split(".")[0]
+    elif isinstance(node, ast.ExceptHandler | ast.MatchAs | ast.MatchStar) and node.name is not None:
+        yield node.name
+    elif isinstance(node, ast.MatchMapping) and node.rest is not None:
+        yield node.rest
+    elif isinstance(node, ast.Global | ast.Nonlocal):
+        yield from node.names
 
 
 @dataclass
@@ -1228,31 +1579,53 @@ class _Statement:
 
 
 _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
-_STRINGS = (ast.Constant, ast.JoinedStr, ast.BinOp)
+_STRINGS = (ast.Constant, ast.JoinedStr, ast.BinOp, ast.Call)
 
 
-def _read_statement(stmt: ast.stmt) -> _Statement:
+def _fills_template(node: ast.AST) -> bool:
+    """Whether `node` fills a template in (`.format(...)`, `.substitute(...)`): read as a string, not for the
+    kernel it names."""
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _FORMATS
+
+
+def _read_statement(
+    stmt: ast.stmt, constants: Mapping[str, int | str] | None = None, templates: Collection[str] = ()
+) -> _Statement:
+    """What `stmt` binds, names and holds of CUDA, its strings read with the module's `constants`; a template
+    named in `templates` (`_module_constants`) is read where it is filled in, not where it is written."""
     out = _Statement()
     scope = isinstance(stmt, _SCOPES)
     if isinstance(stmt, _SCOPES):
         out.binds.add(stmt.name)  # what it assigns inside is its own
     skip: set[int] = set()
+    if (
+        isinstance(stmt, ast.Assign | ast.AnnAssign)
+        and isinstance(target := stmt.targets[0] if isinstance(stmt, ast.Assign) else stmt.target, ast.Name)
+        and target.id in templates
+        and stmt.value is not None
+    ):
+        skip.update(id(n) for n in ast.walk(stmt.value))
     for node in ast.walk(stmt):  # a node at a time by its exact type: this loop is most of the cost
         kind = type(node)
         if kind is ast.Name:
             assert isinstance(node, ast.Name)
             if type(node.ctx) is not ast.Store:
                 out.names.add(node.id)
+                if node.id in templates and id(node) not in skip and constants is not None:
+                    # A template filled in with what is not read here (`**cfg`, `%5d`): its text as written.
+                    text = str(constants[node.id])
+                    if _holds_cuda(text):
+                        out.literals.append(text)
             elif not scope:
                 out.binds.add(node.id)
-        elif kind is ast.Call:
+        elif kind is ast.Call and not _fills_template(node):
             assert isinstance(node, ast.Call)
             if (named := launched_name(node)) is not None:
                 out.launched.append(named)
         elif kind in _STRINGS:
-            if id(node) in skip:
+            if id(node) in skip or (kind is ast.Constant and type(node.value) is not str):  # type: ignore[attr-defined]
                 continue
-            value = _string_value(node)
+            value = _string_value(node, constants)
             if value is None:
                 if kind is ast.JoinedStr:
                     # Placeholders: its text is made at run time; its pieces are no kernel's source.
@@ -1261,7 +1634,7 @@ def _read_statement(stmt: ast.stmt) -> _Statement:
             text, made_of = value
             skip.update(id(n) for n in made_of)
             # A wrapper in a string of its own (`cuda_sources=[kernels, wrapper]`) launches the kernel: kept.
-            if _GLOBAL in text or "__device__" in text or ("<<<" in text and ">>>" in text):
+            if _holds_cuda(text):
                 out.literals.append(text)
         elif kind is ast.Expr:
             assert isinstance(node, ast.Expr)
@@ -1301,7 +1674,8 @@ def embedded_cuda(source: str, entry: str | None) -> EmbeddedCuda | None:
 
 def embedded_cuda_in(module: ast.Module, entry: str | None) -> EmbeddedCuda | None:
     """`embedded_cuda` of a module parsed already (`python_module`)."""
-    statements = [_read_statement(stmt) for stmt in module.body]
+    constants, templates = _module_constants(module)
+    statements = [_read_statement(stmt, constants, templates) for stmt in module.body]
     if not any(s.literals for s in statements):
         return None
     kernels = {
