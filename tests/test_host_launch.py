@@ -1289,3 +1289,30 @@ def test_a_template_filled_past_any_kernel_s_size_is_not_read(fill: str) -> None
     found = embedded_cuda(source, "k")
     assert found is None or len(found.text) <= 4 * 64 * 1024
     assert time.perf_counter() - started < 2.0
+
+
+@pytest.mark.parametrize(
+    "condition",
+    ["#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800", "#if (BLOCK > 128)", "#ifdef USE_BOUNDS"],
+)
+def test_a_directive_between_a_kernel_s_qualifier_and_its_name_is_not_its_name(condition: str) -> None:
+    """`__global__ void` then `#if defined(...)` / `__launch_bounds__(...)` / `#endif` then the name: the
+    directive's `defined(` was read as the kernel's parameter list, the kernel named `defined` (`#if (BLOCK > 128)`:
+    `if`). In a Python string the entry was then no kernel there: the naive kernel beside it counted in the
+    features (its atomics), and the launch was not read."""
+    from forecaster_mcp.forecast.features import embedded_cuda, entry_text, source_features
+
+    naive = "__global__ void naive(float* x, int n) { int i = threadIdx.x; if (i < n) atomicAdd(x, x[i]); }\n"
+    fast = (
+        f"template <int BLOCK>\n__global__ void\n{condition}\n__launch_bounds__(BLOCK, 2)\n#endif\n"
+        "fast(const float* x, float* y, int n) { int i = blockIdx.x * BLOCK + threadIdx.x; if (i < n) y[i] = x[i]; }\n"
+        "torch::Tensor forward(torch::Tensor x) { auto y = torch::empty_like(x); int n = x.numel();\n"
+        "  fast<256><<<(n + 255) / 256, 256>>>(x.data_ptr<float>(), y.data_ptr<float>(), n); return y; }\n"
+    )
+    assert "naive" not in entry_text(naive + fast, "fast")
+    source = _load_inline(naive + fast)
+    embedded = embedded_cuda(source, "ModelNew")
+    assert embedded is not None and embedded.entry == "fast"
+    assert source_features(source, {}, "ModelNew", "python").atomics == 0
+    python = Kernel(source=source, entry="ModelNew", language="python")
+    assert source_launch(python, inputs(x=[1 << 24])) == SourceLaunch((65536, 1, 1), (256, 1, 1), 0)

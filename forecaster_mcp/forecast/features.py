@@ -675,6 +675,10 @@ def _global_names(text: str) -> Iterator[tuple[int, str, int]]:
     while at != -1:
         after = at + len(_GLOBAL)
         window = text[after : after + _GLOBAL_REACH + 256]
+        if "#" in window or "%:" in window:
+            # `__global__ void` / `#if defined(X)` / `__launch_bounds__(256)` / `#endif` / `k(`: the directive's
+            # `defined(` is no parameter list.
+            window = _PREPROCESSOR_LINE.sub(lambda m: " " * len(m.group(0)), window)
         if not (window[:1].isalnum() or window[:1] == "_"):
             paren = window.find("(")
             if paren != -1 and not any(0 <= window.find(c, 0, paren) for c in ";{})"):
