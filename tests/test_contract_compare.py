@@ -70,3 +70,13 @@ async def test_forecast_fields_follow_the_contract(tmp_path: Path, conv_a100: Pa
         # Forecasts are free: the call charged nothing, and the ledger says so.
         assert out["gpu_seconds_charged"] == 0 and out["measurements"] == []
         assert (await call(client, "budget_status", {}))["spent_gpu_seconds"] == spent
+
+
+async def test_a_family_with_nothing_measured_is_said_to_have_none(tmp_path: Path, conv_a100: Path) -> None:
+    # An agent's first call on a tuning space read "only 0 measurements of this family (need 4)".
+    configs = _configurations(conv_a100, 3)
+    async with running(tmp_path, [conv_a100]) as (client, _):
+        out = await call(client, "compare_kernels", {"candidates": [conv(None, p) for p in configs]})
+    for c in out["candidates"]:
+        assert "no measurement of this family yet (need 4)" in c["rationale"], c["rationale"]
+        assert "only 0" not in c["rationale"]

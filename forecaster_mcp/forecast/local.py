@@ -2053,8 +2053,11 @@ class LocalForecaster:
         }
         if same_family:
             n_ok = int(extras["n_family_ok"])
+            # "only 0 measurements" read as if a count had been expected, on every first call of a tuning space.
             why = (
-                f"only {n_ok} measurement{'' if n_ok == 1 else 's'} of this family (need {MIN_FAMILY_POINTS})"
+                f"no measurement of this family yet (need {MIN_FAMILY_POINTS})"
+                if n_ok == 0
+                else f"only {n_ok} measurement{'' if n_ok == 1 else 's'} of this family (need {MIN_FAMILY_POINTS})"
             )
         else:
             why = "different kernels, not both measured or modelled"
