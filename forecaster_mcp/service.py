@@ -573,6 +573,15 @@ class Service:
                     measured_failing.add(cid)
                 elif base_failed is not None and m_cand is not None:
                     results[cid] = _one_side_failed(cid, base_failed, base_failed=True, by="measurement")
+            stale = [i for i in results if results[i].decided_by == "forecast"]
+            if measurements and stale:
+                # Their rationales still read as before these measurements ("no measurement of this family yet"
+                # beside the family's measurements in this answer): the next call is the one that learns.
+                notes.append(
+                    f"the forecasts of {_listed_ids(stale)} were made before this call's {len(measurements)} "
+                    f"measurement{'' if len(measurements) == 1 else 's'} and do not learn from them: ask "
+                    "compare_kernels again (free) for forecasts that do"
+                )
             measure_next = await next_to_measure()
             # measure_next lists what the caller should measure: not what this server just found it cannot.
             measure_next = [i for i in measure_next if i not in not_measurable]
@@ -1603,6 +1612,11 @@ def _cap_flags(result: MeasureResult, cap: float, server_cap: float, lowered_to_
         # The reference kernel faulted: the caller's check failed, not this kernel (store.REFERENCE_FAILED).
         flags.append(REFERENCE_FAILED)
     return list(dict.fromkeys(flags))
+
+
+def _listed_ids(ids: Sequence[str], limit: int = 10) -> str:
+    """ "k1, k2, k3" (the first `limit`, then "..."), for a note."""
+    return ", ".join(ids[:limit]) + (" ..." if len(ids) > limit else "")
 
 
 def _base_failed_note(base_id: str, status: str, measure_if_unsure: bool) -> str:

@@ -80,3 +80,26 @@ async def test_a_family_with_nothing_measured_is_said_to_have_none(tmp_path: Pat
     for c in out["candidates"]:
         assert "no measurement of this family yet (need 4)" in c["rationale"], c["rationale"]
         assert "only 0" not in c["rationale"]
+
+
+async def test_forecasts_made_before_this_calls_measurements_say_so(tmp_path: Path, conv_a100: Path) -> None:
+    """measure_if_unsure measured part of the family and the ledger ran dry: the candidates left unmeasured keep
+    forecasts made before those measurements (rationale "no measurement of this family yet"), and the answer
+    says so and that asking again is free; the next call learns from them."""
+    configs = _configurations(conv_a100, 10)
+    candidates = [conv(f"k{i}", p) for i, p in enumerate(configs)]
+    async with running(tmp_path, [conv_a100], ledger_seconds=0.35) as (client, _):
+        out = await call(
+            client,
+            "compare_kernels",
+            {"candidates": candidates, "measure_if_unsure": True, "max_measurements": 10},
+        )
+        measured = len(out["measurements"])
+        left = [c["id"] for c in out["candidates"] if c["decided_by"] == "forecast"]
+        assert measured >= 2 and left  # the budget stopped it part way
+        note = next(n for n in out["notes"] if "made before this call's" in n)
+        assert f"made before this call's {measured} measurements" in note
+        assert left[0] in note and "again" in note and "free" in note
+        again = await call(client, "compare_kernels", {"candidates": candidates})
+    later = {c["id"]: c["rationale"] for c in again["candidates"]}
+    assert not any("no measurement of this family yet" in later[i] for i in left)
