@@ -1217,25 +1217,39 @@ _PERCENT = re.compile(r"%(?:\((\w+)\))?(.?)")
 
 class _NotRead(Exception):
     """A string not read: its text made at run time (an f-string's value, `str()` of a value, not known), or
-    longer than _MAX_FILLED."""
+    past the module's _MAX_FILLED."""
 
 
-# A template filled in is read up to this many characters: a 64 KB source filling one with thousands of copies of
-# a 30 KB constant made 270 MB, and took 39 s to read.
+# The strings of one module (templates filled in, and their literals) are made up to this many characters in all:
+# a 64 KB source filling one template with thousands of copies of a 30 KB constant made 270 MB, and took 39 s to
+# read; 550 f-strings of eight copies each, every one under that bound, made 130 MB of CUDA and took 11 s.
 _MAX_FILLED = 4 * 64 * 1024
 
 
-class _Text:
-    """The pieces of a string being made, at most _MAX_FILLED characters in all."""
+class _OverBudget(_NotRead):
+    """A string past what is left of its module's _MAX_FILLED."""
+
+
+class _Budget:
+    """What is left of a module's _MAX_FILLED characters of strings, shared by every string read in it: a string
+    read is charged for its text, one not read (a value not known) for none, and once one goes past the bound no
+    other is read."""
 
     def __init__(self) -> None:
+        self.left = _MAX_FILLED
+
+
+class _Text:
+    """The pieces of a string being made, charged to the module's `budget`."""
+
+    def __init__(self, budget: _Budget) -> None:
         self.parts: list[str] = []
-        self.size = 0
+        self.budget = budget
 
     def add(self, piece: str) -> None:
-        self.size += len(piece)
-        if self.size > _MAX_FILLED:
-            raise _NotRead
+        self.budget.left -= len(piece)
+        if self.budget.left < 0:
+            raise _OverBudget
         self.parts.append(piece)
 
     def text(self) -> str:
@@ -1262,19 +1276,29 @@ def _holds_cuda(text: str) -> bool:
 
 
 def _string_value(
-    node: ast.AST, constants: Mapping[str, int | str] | None = None
+    node: ast.AST, constants: Mapping[str, int | str] | None = None, budget: _Budget | None = None
 ) -> tuple[str, list[ast.AST]] | None:
     """The value of a string expression known without running anything (a literal, an f-string or template of
     literals and module `constants`, a `+` of those), with the nodes it is made of; None for any other
-    expression."""
+    expression, or one past what is left of the module's `budget`."""
+    budget = budget or _Budget()
+    left = budget.left
     try:
-        return _string_parts(node, constants or {})
-    except (_NotRead, RecursionError):
+        found = _string_parts(node, constants or {}, budget)
+    except _OverBudget:
         return None
+    except (_NotRead, RecursionError):
+        found = None
+    if found is None:
+        # Nothing made (a value known only at run time): `a + x + b + c` is tried again from each `+` in it.
+        budget.left = left
+    return found
 
 
-def _string_parts(node: ast.AST, constants: Mapping[str, int | str]) -> tuple[str, list[ast.AST]] | None:
-    parts = _Text()
+def _string_parts(
+    node: ast.AST, constants: Mapping[str, int | str], budget: _Budget
+) -> tuple[str, list[ast.AST]] | None:
+    parts = _Text(budget)
     made_of: list[ast.AST] = []
     stack = [node]
     while stack:  # a + b + c nests to the left: walked without recursion, however long
@@ -1305,7 +1329,7 @@ def _string_parts(node: ast.AST, constants: Mapping[str, int | str]) -> tuple[st
             if value is None:
                 raise _NotRead
             parts.add(str(value))
-        elif (formatted := _formatted(n, constants)) is not None:
+        elif (formatted := _formatted(n, constants, budget)) is not None:
             parts.add(formatted)
             made_of.extend(ast.walk(n))
         else:
@@ -1322,12 +1346,12 @@ def _is_str_call(node: ast.Call) -> bool:
     )
 
 
-def _formatted(node: ast.AST, constants: Mapping[str, int | str]) -> str | None:
+def _formatted(node: ast.AST, constants: Mapping[str, int | str], budget: _Budget) -> str | None:
     """The text a template makes (`.format(...)`, `% ...`, `Template(...).substitute(...)`), its values not known
     put in as `_RUNTIME_VALUE`; None where `node` is none of these, or its template is not a string known here."""
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod):
-        template = _template_text(node.left, constants)
-        return None if template is None else _percent(template, node.right, constants)
+        template = _template_text(node.left, constants, budget)
+        return None if template is None else _percent(template, node.right, constants, budget)
     if not (
         isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _FORMATS
     ):
@@ -1339,10 +1363,10 @@ def _formatted(node: ast.AST, constants: Mapping[str, int | str]) -> str | None:
             return None  # `**values`: which names it gives is not known here
         keywords[k.arg] = _constant(k.value, constants)
     if node.func.attr == "format":
-        template = _template_text(receiver, constants)
+        template = _template_text(receiver, constants, budget)
         if template is None:
             return None
-        return _format(template, [_constant(a, constants) for a in node.args], keywords)
+        return _format(template, [_constant(a, constants) for a in node.args], keywords, budget)
     # string.Template(text).substitute(...): its mapping a dict of literals, or keywords
     if not (
         isinstance(receiver, ast.Call)
@@ -1354,7 +1378,7 @@ def _formatted(node: ast.AST, constants: Mapping[str, int | str]) -> str | None:
         )
     ):
         return None
-    template = _template_text(receiver.args[0], constants)
+    template = _template_text(receiver.args[0], constants, budget)
     if template is None or len(node.args) > 1:
         return None
     if node.args:
@@ -1362,15 +1386,15 @@ def _formatted(node: ast.AST, constants: Mapping[str, int | str]) -> str | None:
         if mapping is None:
             return None
         keywords = {**mapping, **keywords}
-    return _substitute(template, keywords)
+    return _substitute(template, keywords, budget)
 
 
-def _template_text(node: ast.AST, constants: Mapping[str, int | str]) -> str | None:
+def _template_text(node: ast.AST, constants: Mapping[str, int | str], budget: _Budget) -> str | None:
     """A template's own text: a string literal (or `+` of them), or a module constant of one."""
     if isinstance(node, ast.Name):
         value = constants.get(node.id)
         return value if isinstance(value, str) else None
-    found = _string_parts(node, constants)
+    found = _string_parts(node, constants, budget)
     return found[0] if found is not None else None
 
 
@@ -1391,11 +1415,11 @@ def _put(value: int | str | None) -> str:
 
 
 def _format(
-    template: str, args: list[int | str | None], keywords: Mapping[str, int | str | None]
+    template: str, args: list[int | str | None], keywords: Mapping[str, int | str | None], budget: _Budget
 ) -> str | None:
     """`template.format(*args, **keywords)` for plain fields (`{}`, `{0}`, `{name}`, no spec or conversion but
     `!s`); None for any other field or a malformed template."""
-    out = _Text()
+    out = _Text(budget)
     auto = 0
     try:
         fields = list(string.Formatter().parse(template))
@@ -1420,7 +1444,9 @@ def _format(
     return out.text()
 
 
-def _percent(template: str, right: ast.AST, constants: Mapping[str, int | str]) -> str | None:
+def _percent(
+    template: str, right: ast.AST, constants: Mapping[str, int | str], budget: _Budget
+) -> str | None:
     """`template % right` for `%d`, `%i`, `%s` (keyed by a dict literal or in order of a tuple) and `%%`; None
     for any other conversion or values that do not match them."""
     by_key = _mapping(right, constants) if isinstance(right, ast.Dict) else None
@@ -1431,7 +1457,7 @@ def _percent(template: str, right: ast.AST, constants: Mapping[str, int | str]) 
         if by_key is None
         else []
     )
-    out = _Text()
+    out = _Text(budget)
     at = 0
     used = 0
     for m in _PERCENT.finditer(template):
@@ -1457,9 +1483,9 @@ def _percent(template: str, right: ast.AST, constants: Mapping[str, int | str]) 
     return out.text()
 
 
-def _substitute(template: str, values: Mapping[str, int | str | None]) -> str | None:
+def _substitute(template: str, values: Mapping[str, int | str | None], budget: _Budget) -> str | None:
     """string.Template(template).substitute(values) (safe_substitute's too); None for a malformed `$`."""
-    out = _Text()
+    out = _Text(budget)
     at = 0
     for m in string.Template.pattern.finditer(template):
         out.add(template[at : m.start()])
@@ -1593,11 +1619,16 @@ def _fills_template(node: ast.AST) -> bool:
 
 
 def _read_statement(
-    stmt: ast.stmt, constants: Mapping[str, int | str] | None = None, templates: Collection[str] = ()
+    stmt: ast.stmt,
+    constants: Mapping[str, int | str] | None = None,
+    templates: Collection[str] = (),
+    budget: _Budget | None = None,
 ) -> _Statement:
-    """What `stmt` binds, names and holds of CUDA, its strings read with the module's `constants`; a template
-    named in `templates` (`_module_constants`) is read where it is filled in, not where it is written."""
+    """What `stmt` binds, names and holds of CUDA, its strings read with the module's `constants` and within what
+    is left of its `budget`; a template named in `templates` (`_module_constants`) is read where it is filled in,
+    not where it is written."""
     out = _Statement()
+    budget = budget or _Budget()
     scope = isinstance(stmt, _SCOPES)
     if isinstance(stmt, _SCOPES):
         out.binds.add(stmt.name)  # what it assigns inside is its own
@@ -1618,7 +1649,8 @@ def _read_statement(
                 if node.id in templates and id(node) not in skip and constants is not None:
                     # A template filled in with what is not read here (`**cfg`, `%5d`): its text as written.
                     text = str(constants[node.id])
-                    if _holds_cuda(text):
+                    if _holds_cuda(text) and budget.left >= len(text):
+                        budget.left -= len(text)
                         out.literals.append(text)
             elif not scope:
                 out.binds.add(node.id)
@@ -1629,7 +1661,7 @@ def _read_statement(
         elif kind in _STRINGS:
             if id(node) in skip or (kind is ast.Constant and type(node.value) is not str):  # type: ignore[attr-defined]
                 continue
-            value = _string_value(node, constants)
+            value = _string_value(node, constants, budget)
             if value is None:
                 if kind is ast.JoinedStr:
                     # Placeholders: its text is made at run time; its pieces are no kernel's source.
@@ -1679,7 +1711,8 @@ def embedded_cuda(source: str, entry: str | None) -> EmbeddedCuda | None:
 def embedded_cuda_in(module: ast.Module, entry: str | None) -> EmbeddedCuda | None:
     """`embedded_cuda` of a module parsed already (`python_module`)."""
     constants, templates = _module_constants(module)
-    statements = [_read_statement(stmt, constants, templates) for stmt in module.body]
+    budget = _Budget()  # shared: a module's strings are made up to _MAX_FILLED in all
+    statements = [_read_statement(stmt, constants, templates, budget) for stmt in module.body]
     if not any(s.literals for s in statements):
         return None
     kernels = {
