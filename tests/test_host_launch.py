@@ -1305,6 +1305,25 @@ def test_many_templates_filled_in_one_module_are_read_within_one_bound() -> None
 
 
 @pytest.mark.parametrize(
+    "fill",
+    [
+        'f"__global__ void k(int* x) {{ x[0] = {B}; }}"',
+        '"__global__ void k(int* x) {{ x[0] = {B}; }}".format(B=B)',
+        '"__global__ void k(int* x) { x[0] = %d; }" % B',
+        '"__global__ void k(int* x) { x[0] = " + str(B) + "; }"',
+    ],
+)
+def test_a_template_filled_with_a_huge_hexadecimal_constant_is_not_an_error(fill: str) -> None:
+    """`B = 0xfff...` of 5,000 digits is a valid literal, but `str()` of it raised ValueError (past Python's 4,300
+    digits of integer string conversion) out of the source's reading: such a value is not read."""
+    from forecaster_mcp.forecast.features import embedded_cuda
+
+    source = "B = 0x" + "f" * 5_000 + "\nsrc = " + fill + "\n"
+    found = embedded_cuda(source, "k")
+    assert found is None or "fff" not in found.text
+
+
+@pytest.mark.parametrize(
     "condition",
     ["#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800", "#if (BLOCK > 128)", "#ifdef USE_BOUNDS"],
 )

@@ -29,7 +29,7 @@ import string
 import warnings
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
 from forecaster_mcp.forecast.ptxas import PtxasEntry
 from forecaster_mcp.hardware.specs import GpuSpec
@@ -1224,6 +1224,9 @@ class _NotRead(Exception):
 # a 64 KB source filling one template with thousands of copies of a 30 KB constant made 270 MB, and took 39 s to
 # read; 550 f-strings of eight copies each, every one under that bound, made 130 MB of CUDA and took 11 s.
 _MAX_FILLED = 4 * 64 * 1024
+# An int put in a template is read up to this size: `str()` of one past 4,300 decimal digits raises (a hexadecimal
+# literal may be longer), and no kernel's constant is near it.
+_MAX_CONSTANT = 2**128
 
 
 class _OverBudget(_NotRead):
@@ -1258,8 +1261,10 @@ class _Text:
 
 def _constant(node: ast.AST, constants: Mapping[str, int | str]) -> int | str | None:
     """The value of an int or str literal, or a module constant by name; None for anything else."""
-    if isinstance(node, ast.Constant) and type(node.value) in (int, str):
-        return cast(int | str, node.value)
+    if isinstance(node, ast.Constant) and type(node.value) is str:
+        return node.value
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value if -_MAX_CONSTANT < node.value < _MAX_CONSTANT else None
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
         inner = _constant(node.operand, {})
         return -inner if isinstance(inner, int) else None
