@@ -281,14 +281,26 @@ class _Evaluator:
         ):
             # A Triton grid function's `meta["BLOCK_SIZE"]`
             key = node.slice
-            found = (
-                meta.values.get(key.value)
-                if isinstance(key, ast.Constant) and type(key.value) is str
-                else None
-            )
+            if not (isinstance(key, ast.Constant) and type(key.value) is str):
+                raise _Unknown
+            found = meta.values.get(key.value)
             if found is None:
                 raise _Unknown
-            return found if isinstance(found, int) else self._value_in(*found, depth + 1)
+            if isinstance(found, int):
+                return found
+            # Each `meta['a']` is the same argument: read once (a grid of thousands of them, each of an argument
+            # of thousands of terms, took seconds).
+            memo = key.value
+            if memo not in meta.read:
+                meta.read[memo] = None  # `meta['a']` in the argument of `a` itself: not known
+                try:
+                    meta.read[memo] = self._value_in(*found, depth + 1)
+                except _Unknown:
+                    pass
+            value = meta.read[memo]
+            if value is None:
+                raise _Unknown
+            return value
         # `x.shape[0]`
         if not (
             isinstance(base, ast.Attribute) and base.attr == "shape" and isinstance(base.value, ast.Name)
@@ -590,6 +602,7 @@ class _Meta:
         self.scope = scope  # the grid function's: `meta` is its parameter
         self.name = name
         self.values = values
+        self.read: dict[str, int | None] = {}  # the values read of `values`, None: not known
 
 
 class _Decorated:
