@@ -531,6 +531,48 @@ def test_a_triton_jit_imported_by_another_name_is_read() -> None:
     assert read_triton(source) == programs((16384,))
 
 
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        # Config(kwargs, num_warps=4, num_stages=3, num_ctas=1): num_warps is its second positional parameter.
+        ("triton.Config({'BLOCK_SIZE': 1024}, 8)", programs((16384,), 8)),
+        ("triton.Config({'BLOCK_SIZE': 1024}, 8, 3, 2)", programs(None, 8)),
+        ("triton.Config({'BLOCK_SIZE': 1024}, *OPTIONS)", None),
+        # A `num_warps` in its kwargs is a meta-parameter: the Config's own num_warps (4) is the launch's.
+        ("triton.Config({'BLOCK_SIZE': 1024, 'num_warps': 8})", programs((16384,), 4)),
+    ],
+)
+def test_an_autotune_config_s_options_are_read_as_triton_reads_them(
+    config: str, expected: SourceLaunch | None
+) -> None:
+    """`triton.Config({...}, 8)` was read as 4 warps (its positional num_warps passed over), and a `num_warps` in
+    its kwargs as the launch's."""
+    decorators = f"@triton.autotune(configs=[{config}], key=[])\n@triton.jit\n"
+    assert read_triton(triton(AUTOTUNED, head="OPTIONS = (8,)\n", decorators=decorators)) == expected
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        "CONFIGS.append(triton.Config({'BLOCK_SIZE': 256}, num_warps=2))",
+        "CONFIGS.extend(more)",
+        "CONFIGS[0] = triton.Config({'BLOCK_SIZE': 256}, num_warps=2)",
+        "CONFIGS += [triton.Config({'BLOCK_SIZE': 256}, num_warps=2)]",
+        "prune(CONFIGS)",
+    ],
+)
+def test_autotune_configs_changed_after_they_are_made_are_unknown(change: str) -> None:
+    """`CONFIGS = [...]` then `CONFIGS.append(...)`: the autotuner picks among every config, but the list was read
+    as written (a launch of 8 warps and BLOCK_SIZE 1024 where one of 2 warps and 256 may run)."""
+    head = f"CONFIGS = [triton.Config({{'BLOCK_SIZE': 1024}}, num_warps=8)]\n{change}\n"
+    decorators = "@triton.autotune(configs=CONFIGS, key=['n_elements'])\n@triton.jit\n"
+    assert read_triton(triton(AUTOTUNED, head=head, decorators=decorators)) is None
+    # Shared by two kernels' autotune, and not changed: read.
+    other = "@triton.autotune(configs=CONFIGS, key=[])\n@triton.jit\ndef other_kernel(x_ptr):\n    pass\n"
+    head = "CONFIGS = [triton.Config({'BLOCK_SIZE': 1024}, num_warps=8)]\n" + other
+    assert read_triton(triton(AUTOTUNED, head=head, decorators=decorators)) == programs((16384,), 8)
+
+
 def test_a_grid_function_reading_a_launch_argument_many_times_stays_cheap() -> None:
     """A grid function's `meta['a']` is the launch's argument, read again at each: 2,048 of them of an argument of
     2,048 terms took 5 s in a 27 KB source (20 s near 64 KB)."""

@@ -655,7 +655,7 @@ def _triton_kernel(
         return None
     for decorator, name in zip(kernel.decorator_list, called, strict=True):
         if name == "autotune" and isinstance(decorator, ast.Call):
-            _read_configs(decorator, evaluator, decorated, modules, imported)
+            _read_configs(module, decorator, evaluator, decorated, modules, imported)
         elif name == "heuristics" and isinstance(decorator, ast.Call):
             # Each value a function of the arguments, called at run time.
             table = decorator.args[0] if decorator.args else None
@@ -671,6 +671,7 @@ def _triton_kernel(
 
 
 def _read_configs(
+    module: ast.Module,
     decorator: ast.Call,
     evaluator: _Evaluator,
     decorated: _Decorated,
@@ -679,12 +680,13 @@ def _read_configs(
 ) -> None:
     """`@triton.autotune(configs=[triton.Config({...}, num_warps=...), ...])`: a value every config gives alike is
     known, any other chosen at run time."""
-    node = next((k.value for k in decorator.keywords if k.arg == "configs"), None)
-    if node is None and decorator.args:
-        node = decorator.args[0]
+    node = _configs_of(decorator)
     if isinstance(node, ast.Name):
+        # A list named once, and used only as autotune's configs: not one changed (`CONFIGS.append(...)`,
+        # `CONFIGS[0] = ...`, `prune(CONFIGS)`) after it is written.
         found = _assigned(node.id, evaluator.scope)
-        node = found[0] if found is not None else None
+        changed = found is None or _used_otherwise(module, node.id, modules, imported)
+        node = None if changed or found is None else found[0]
     if not isinstance(node, ast.List | ast.Tuple) or not 1 <= len(node.elts) <= _MAX_CONFIGS:
         decorated.opaque = True
         return
@@ -694,8 +696,16 @@ def _read_configs(
             decorated.opaque = True
             return
         keywords: dict[str | None, ast.expr] = {k.arg: k.value for k in config.keywords}
+        # Config(kwargs, num_warps=4, num_stages=3, num_ctas=1, ...): its options by position too.
+        keywords.update(
+            (k, v) for k, v in zip(_CONFIG_POSITIONS, config.args[1:], strict=False) if k is not None
+        )
         table = keywords.pop("kwargs", config.args[0] if config.args else None)
-        if None in keywords or not isinstance(table, ast.Dict):
+        if (
+            None in keywords
+            or not isinstance(table, ast.Dict)
+            or any(isinstance(a, ast.Starred) for a in config.args)
+        ):
             decorated.opaque = True
             return
         pairs: list[tuple[str, ast.expr]] = []
@@ -703,9 +713,13 @@ def _read_configs(
             if not isinstance(key, ast.Constant) or type(key.value) is not str:  # `**other`
                 decorated.opaque = True
                 return
-            pairs.append((key.value, value))
+            # Its own num_warps and num_ctas (4 and 1 unless given) are the launch's, not a meta-parameter's.
+            if key.value not in ("num_warps", "num_ctas"):
+                pairs.append((key.value, value))
         pairs += [(k, v) for k, v in keywords.items() if k in ("num_warps", "num_ctas")]
         given: dict[str, int | None] = {"num_warps": _TRITON_WARPS, "num_ctas": _TRITON_CTAS}
+        if len(config.args) > len(_CONFIG_POSITIONS):
+            given["num_ctas"] = None  # Triton 2.0's Config had no num_ctas: the fourth was its pre_hook
         for name, value in pairs:
             try:
                 given[name] = evaluator.value(value)
@@ -714,6 +728,30 @@ def _read_configs(
         configs.append(given)
     for option in {k for c in configs for k in c}:
         decorated.tuned[option] = _agreed([c.get(option) for c in configs])
+
+
+# triton.Config's parameters after its kwargs, by position (num_stages: not read).
+_CONFIG_POSITIONS = ("num_warps", None, "num_ctas")
+
+
+def _configs_of(autotune: ast.Call) -> ast.expr | None:
+    """An autotune call's configs: its keyword, else its first argument."""
+    node = next((k.value for k in autotune.keywords if k.arg == "configs"), None)
+    return autotune.args[0] if node is None and autotune.args else node
+
+
+def _used_otherwise(
+    module: ast.Module, name: str, modules: frozenset[str], imported: Mapping[str, str]
+) -> bool:
+    """Whether the module reads `name` other than as an autotune's configs (`@triton.autotune(configs=name)`)."""
+    as_configs = reads = 0
+    for node in ast.walk(module):
+        if isinstance(node, ast.Name) and node.id == name and isinstance(node.ctx, ast.Load):
+            reads += 1
+        elif isinstance(node, ast.Call) and _triton_call(node, modules, imported) == "autotune":
+            configs = _configs_of(node)
+            as_configs += isinstance(configs, ast.Name) and configs.id == name
+    return reads != as_configs
 
 
 def _grid_function(
