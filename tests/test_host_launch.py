@@ -644,6 +644,47 @@ def test_a_parameter_of_the_launching_function_is_its_callers() -> None:
     assert read(sized, None) == SourceLaunch(None, (256, 1, 1), 0)
 
 
+LAUNCH = (
+    "void launch(const float* x, float* y, int n, int threads = 256) {"
+    " k<<<(n + threads - 1) / threads, threads>>>(x, y, n); }\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("host", "expected"),
+    [
+        # every caller leaves `threads` out: it is 256 (nothing was read: the block is the grid's divisor)
+        (LAUNCH + "int main() { launch(0, 0, 1 << 24); }", SourceLaunch((65536, 1, 1), (256, 1, 1), 0)),
+        # the default on the forward declaration only, the definition after the caller
+        (
+            "void launch(const float*, float*, int, int threads = 256);\n"
+            "int main() { launch(0, 0, 1 << 24); }\n" + LAUNCH.replace(" = 256", ""),
+            SourceLaunch((65536, 1, 1), (256, 1, 1), 0),
+        ),
+        # a caller passing it: the caller's value, which is not read
+        (LAUNCH + "int main() { launch(0, 0, 1 << 24); launch(0, 0, 1 << 24, 128); }", None),
+        # called by none here (a library's entry), or bound to Python, which passes every argument (pybind11 and
+        # load_inline's `functions=[...]` do not carry C++ defaults): Python's
+        (LAUNCH, None),
+        (
+            LAUNCH + 'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("launch", &launch); }\n'
+            "int main() { launch(0, 0, 1 << 24); }",
+            None,
+        ),
+        # changed in the function itself: not the default any more
+        (
+            LAUNCH.replace("{ k<<<", "{ if (n < 4096) threads = 64; k<<<")
+            + "int main() { launch(0, 0, 1 << 24); }",
+            None,
+        ),
+    ],
+)
+def test_a_default_every_caller_leaves_out_is_the_parameter_s_value(
+    host: str, expected: SourceLaunch | None
+) -> None:
+    assert read(host) == expected
+
+
 def test_claude_is_told_where_the_launch_of_a_whole_file_comes_from() -> None:
     from forecaster_mcp.forecast.prompt import build_user_prompt, default_features_fn, features_text
 
@@ -1348,3 +1389,21 @@ def test_a_directive_between_a_kernel_s_qualifier_and_its_name_is_not_its_name(c
     assert source_features(source, {}, "ModelNew", "python").atomics == 0
     python = Kernel(source=source, entry="ModelNew", language="python")
     assert source_launch(python, inputs(x=[1 << 24])) == SourceLaunch((65536, 1, 1), (256, 1, 1), 0)
+
+
+def test_a_default_of_a_function_python_binds_is_python_s() -> None:
+    """load_inline's `functions=[...]` binds each function named to Python, which passes every argument: a
+    default the wrapper's own call leaves out is not the launch where Python calls `launch` itself."""
+    cuda = (
+        TORCH_HEAD + "__global__ void k(const float* x, float* y, int n) {}\n"
+        "void launch(const float* x, float* y, int n, int threads = 256) {\n"
+        "  k<<<(n + threads - 1) / threads, threads>>>(x, y, n);\n}\n"
+        "torch::Tensor forward(torch::Tensor x) {\n  auto y = torch::empty_like(x);\n"
+        "  launch(x.data_ptr<float>(), y.data_ptr<float>(), x.numel());\n  return y;\n}\n"
+    )
+    wl = inputs(x=[1 << 24])
+    source = _load_inline(cuda)
+    wrapped = Kernel(source=source, entry="ModelNew", language="python")
+    assert source_launch(wrapped, wl) == SourceLaunch(None, (256, 1, 1), 0)
+    bound = source.replace('functions=["forward"]', 'functions=["forward", "launch"]')
+    assert source_launch(Kernel(source=bound, entry="ModelNew", language="python"), wl) is None

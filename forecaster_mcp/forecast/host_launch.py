@@ -17,7 +17,10 @@ a dimension evaluates to a whole number from what the source and the workload sa
   `ceil_div`, `CEIL_DIV`, `DIV_UP`, `div_up`), casts;
 - the workload's `problem` sizes and scalar `args` by name (exact, else the one name equal ignoring case), and a
   buffer argument's `x.numel()` and `x.size(i)` from its shape (a wrapper's tensor parameters stand for the
-  workload's input buffers in order where it takes exactly those and names none of them: `_tensor_aliases`).
+  workload's input buffers in order where it takes exactly those and names none of them: `_tensor_aliases`);
+- a launching function's parameter default that every call of it leaves out (`launch(x, y, n)` of `void
+  launch(..., int threads = 256)`), where its callers are all in the text's host code (`_defaults`); any other
+  parameter is its callers', which only the workload says.
 
 A name assigned two different values, or changed in place (`+=`, `++`, `grid.x = ...`, `grid.x += 1`), its
 address taken (`&block_size`: set at run time) or read from `std::cin`, a value known only at run time (a device
@@ -247,6 +250,7 @@ class _Names:
         given: Collection[str] = (),
         params: Collection[str] = (),
         aliases: Mapping[str, str] | None = None,
+        defaults: Mapping[str, str] | None = None,
     ) -> None:
         self.text = text
         self.macros = macros
@@ -257,6 +261,8 @@ class _Names:
         self.aliases = dict(
             aliases or {}
         )  # a wrapper's tensor parameter -> the workload buffer it stands for
+        # A parameter's default that every caller leaves out (`_defaults`): its value, as the source's is.
+        self.defaults = dict(defaults or {})
         self._defs: dict[str, tuple[str, set[str]] | None] = {}
         self._memo: dict[str, int | None] = {}
         self.sizes: dict[str, int] = {}
@@ -352,7 +358,9 @@ class _Names:
             value = _evaluate(macro, self, depth) if macro != "" else None
             return value if name in self.given else self._agreeing(name, value)
         if name in self.params:
-            return self.workload_size(name)
+            default = self.defaults.get(name)
+            value = _evaluate(default, self, depth) if default is not None else None
+            return self._agreeing(name, value) if value is not None else self.workload_size(name)
         defs = self.definitions(name)
         if defs is None or defs[0] == "dim3" or len(defs[1]) > 1:
             return None  # set in a way that cannot be read, twice over, or a dim3 where a number is read
@@ -375,9 +383,13 @@ class _Names:
         if m is not None:
             inner = m.group(1) if m.group(1) is not None else m.group(2)
             return self._dims_of(_split_args(inner), depth)
-        if _NAME.fullmatch(text) and text not in self.macros:
-            if text in self.params and self.workload_size(text) is None:
+        if _NAME.fullmatch(text) and text in self.params and text not in self.macros:
+            default = self.defaults.get(text)
+            if default is not None and _DIM3_EXPR.fullmatch(default):
+                return self.dims(default, depth + 1)  # `dim3 block = dim3(256)`
+            if default is None and self.workload_size(text) is None:
                 return None  # `void launch(dim3 grid, ...)`: the caller's
+        elif _NAME.fullmatch(text) and text not in self.macros:
             defs = self.definitions(text)
             if defs is None or len(defs[1]) > 1:
                 return None
@@ -568,7 +580,14 @@ def _python_launch(kernel: Kernel, workload: Workload | None) -> SourceLaunch | 
         return triton_launch(module, kernel.entry, workload) if module is not None else None
     module, cuda = found
     if _may_launch(cuda):
-        launch = _source_launch(cuda.source, cuda.entry, _host_macros(cuda), workload)
+        # The names Python may bind C++ functions by (load_inline's `functions=["forward"]`): every string that
+        # is one word.
+        exported = {
+            node.value
+            for node in ast.walk(module)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and _NAME.fullmatch(node.value)
+        }
+        launch = _source_launch(cuda.source, cuda.entry, _host_macros(cuda), workload, exported)
         if launch is not None:
             return launch
     from forecaster_mcp.forecast.python_launch import python_launch
@@ -589,38 +608,63 @@ _FUNCTION_NAME = re.compile(r"(?<!\w)[A-Za-z_]\w*+\s*+(?:<[^<>;{}()]{0,200}>\s*+
 _TENSOR_TYPE_WORDS = frozenset({"Tensor", "torch", "at", "c10", "std", "const", "volatile", "optional"})
 
 
-def _parameters(text: str, start: int, end: int) -> tuple[tuple[str, bool | None], ...]:
-    """The parameters of the function defined at text[start:end] (its header's first parameter list), in order:
-    each name, and whether it is a tensor (`torch::Tensor x`, `const at::Tensor& x`); None for another type
-    naming tensors (`std::vector<torch::Tensor>`, `at::TensorList`: several of the caller's at once)."""
-    body = text.find("{", start, end)
-    header = text[start:body] if body >= 0 else ""
+@dataclass(frozen=True)
+class _Param:
+    """A parameter of a host function: its name, whether it is a tensor (`torch::Tensor x`, `const at::Tensor&
+    x`; None for another type naming tensors, `std::vector<torch::Tensor>`, `at::TensorList`: several of the
+    caller's at once), and its default's text (`int threads = 256`), if it has one."""
+
+    name: str
+    tensor: bool | None
+    default: str | None
+
+
+def _parameter_texts(header: str) -> list[str] | None:
+    """The parameters of a function header (its first parameter list) as written; None where it has none."""
     # Tried only where a word starts, the word taken whole: at every letter, a 40 KB word before `(int t) {`
     # took 33 s.
     name = _FUNCTION_NAME.search(header)
     if name is None:
-        return ()
+        return None
     close = _closing(header, name.end(), len(header))
     if close is None:
-        return ()
-    out: list[tuple[str, bool | None]] = []
-    for param in features.split_top_level(header[name.end() : close], "(<[{", ")>]}"):
+        return None
+    return [p.strip() for p in features.split_top_level(header[name.end() : close], "(<[{", ")>]}")]
+
+
+def _default(param: str) -> str | None:
+    """A parameter's default (`int threads = 256`: "256"), if it has one."""
+    _, eq, value = param.partition("=")
+    return " ".join(value.split()) or None if eq else None
+
+
+def _parameters(text: str, start: int, end: int) -> tuple[_Param, ...]:
+    """The parameters of the function defined at text[start:end], in order."""
+    body = text.find("{", start, end)
+    out: list[_Param] = []
+    for param in _parameter_texts(text[start:body] if body >= 0 else "") or []:
         words = _NAME.findall(param.split("=", 1)[0])
         if words and words[-1] != "void":
             kind = words[:-1]
             tensor = "Tensor" in kind and _TENSOR_TYPE_WORDS.issuperset(kind)
-            out.append((words[-1], tensor or (None if any("Tensor" in w for w in kind) else False)))
+            out.append(
+                _Param(
+                    words[-1],
+                    tensor or (None if any("Tensor" in w for w in kind) else False),
+                    _default(param),
+                )
+            )
     return tuple(out)
 
 
-def _tensor_aliases(params: tuple[tuple[str, bool | None], ...], workload: Workload | None) -> dict[str, str]:
+def _tensor_aliases(params: tuple[_Param, ...], workload: Workload | None) -> dict[str, str]:
     """The workload's buffers a wrapper's tensor parameters stand for, by position, where their names are not
     the workload's: `torch::Tensor forward(torch::Tensor input)` sized by `input.numel()` beside a workload whose
     input is `x`. Only when the wrapper takes exactly the workload's input buffers (intent in or inout), as many
     and none of them by name (a KernelBench module passes its inputs in order), and no list of tensors beside
     them (`std::vector<torch::Tensor> xs`: which inputs it holds is not known); else none."""
-    tensors = [name for name, tensor in params if tensor]
-    if workload is None or not tensors or any(tensor is None for _, tensor in params):
+    tensors = [p.name for p in params if p.tensor]
+    if workload is None or not tensors or any(p.tensor is None for p in params):
         return {}
     inputs = [a.name for a in workload.args if isinstance(a, BufferArg) and a.intent in ("in", "inout")]
     buffers = {a.name.lower() for a in workload.args if isinstance(a, BufferArg)}
@@ -645,8 +689,75 @@ def _called(probe: str, span: tuple[int, int, str | None], spans: list[tuple[int
     return False
 
 
+# After a function's name where it is called: template arguments one level deep, then the `(`.
+_CALL_TAIL = re.compile(r"\s*+(?:<[^<>;{}()]{0,200}>\s*+)?\(")
+
+
+def _defaults(
+    text: str,
+    probe: str,
+    span: tuple[int, int, str | None],
+    spans: list[tuple[int, int, str | None]],
+    declarations: list[tuple[int, int, str | None]],
+    params: tuple[_Param, ...],
+    exported: Collection[str],
+) -> dict[str, str]:
+    """The defaults of the parameters of the host function at `span` that every call of it leaves out
+    (`launch(x, y, n)` of `launch(..., int threads = 256)`), by name: its definition's default, else a
+    declaration's (`void launch(const float*, float*, int, int threads = 256);`). Only where the function is called
+    from the text's host functions and named nowhere else: one named otherwise (`m.def("launch", &launch)`, a
+    pointer kept), or none calling it (its callers not sent), may be called with any argument; so may one Python
+    binds by name (`exported`: load_inline's `functions=[...]`), and Python passes every argument, pybind11 not
+    knowing C++'s defaults. A default the function changes itself (`threads = 64;`), or an overload's, is not it.
+    `probe`: the text with its literals and comments blanked (features._blank_literals)."""
+    start, end, name = span
+    given = [p.default for p in params]
+    if name is None or name in exported:
+        return {}
+    declared = [d for d in declarations if d[2] == name]
+    if len(declared) > MAX_ASSIGNMENTS:
+        return {}
+    for a, b, _ in declared:
+        for i, written in enumerate(_parameter_texts(text[a:b]) or []):
+            if i < len(given) and given[i] is None:
+                given[i] = _default(written)
+    if all(g is None for g in given) or sum(s[2] == name for s in spans) != 1:
+        return {}
+    body = probe.find("{", start, end)
+    passed = 0  # the most arguments a call passes
+    called = False
+    for i, m in enumerate(re.finditer(rf"(?<![\w.])(?<!->){re.escape(name)}\b", probe)):
+        at = m.start()
+        if start <= at < body or any(a <= at < b for a, b, _ in declared):
+            continue  # its own header, a declaration of it
+        tail = _CALL_TAIL.match(probe, m.end())
+        inside = any(a <= at < b for a, b, _ in spans)
+        close = _closing(probe, tail.end()) if tail is not None and inside and i < MAX_ASSIGNMENTS else None
+        if tail is None or close is None:
+            return {}  # named otherwise, called outside the host functions, or too often to read
+        args = probe[tail.end() : close]
+        passed = max(passed, len(features.split_top_level(args)) if args.strip() else 0)
+        called = True
+    own = probe[body:end] if body >= 0 else ""
+    out: dict[str, str] = {}
+    for i, (param, default) in enumerate(zip(params, given, strict=True)):
+        changed = (
+            _ASSIGN.format(name=re.escape(param.name)),
+            _CHANGED.format(name=re.escape(param.name)),
+            _DIM3_DECL.format(name=re.escape(param.name)),
+            _OTHER_DECL.format(name=re.escape(param.name)),
+        )
+        if called and default is not None and passed <= i and not any(re.search(c, own) for c in changed):
+            out[param.name] = default
+    return out
+
+
 def _source_launch(
-    source: str, entry: str, macros: Mapping[str, str], workload: Workload | None
+    source: str,
+    entry: str,
+    macros: Mapping[str, str],
+    workload: Workload | None,
+    exported: Collection[str] = (),
 ) -> SourceLaunch | None:
     text = features.preprocess(source, dict(macros))
     sites = _launch_sites(text, entry)
@@ -659,9 +770,10 @@ def _source_launch(
         name, value = m.group(1), m.group(2).strip()
         if name not in macros and defined.setdefault(name, value) != value:
             defined[name] = ""
-    spans = features.host_function_spans(text)
-    by_params: dict[tuple[tuple[tuple[str, bool | None], ...], bool], _Names] = {}
-    called_by: dict[tuple[int, int, str | None] | None, bool] = {}
+    declarations: list[tuple[int, int, str | None]] = []
+    spans = features._host_spans(text, declarations)
+    by_params: dict[tuple[tuple[_Param, ...], bool, tuple[tuple[str, str], ...]], _Names] = {}
+    called_by: dict[tuple[int, int, str | None] | None, tuple[bool, dict[str, str]]] = {}
     probe: str | None = None  # blanked once for every function asked about (_called), not once each
     grids, blocks, shared = [], [], []
     for at, parts in sites:
@@ -671,16 +783,20 @@ def _source_launch(
         params = _parameters(text, span[0], span[1]) if span is not None else ()
         # A helper the wrapper calls (`launch(out, x)`) takes its tensors from it, not from Python in order.
         if span not in called_by:  # read once a function: up to MAX_SITES launches in one
-            if span is not None and probe is None:
-                probe = features._blank_literals(text)
-            called_by[span] = span is None or probe is None or _called(probe, span, spans)
-        called = called_by[span]
-        if (params, called) not in by_params:
+            if span is None:
+                called_by[span] = (True, {})
+            else:
+                probe = features._blank_literals(text) if probe is None else probe
+                defaults = _defaults(text, probe, span, spans, declarations, params, exported)
+                called_by[span] = (_called(probe, span, spans), defaults)
+        called, defaults = called_by[span]
+        key = (params, called, tuple(sorted(defaults.items())))
+        if key not in by_params:
             aliases = {} if called else _tensor_aliases(params, workload)
-            by_params[params, called] = _Names(
-                text, defined, workload, macros, [n for n, _ in params], aliases
+            by_params[key] = _Names(
+                text, defined, workload, macros, [p.name for p in params], aliases, defaults
             )
-        names = by_params[params, called]
+        names = by_params[key]
         grids.append(_valid_grid(names.dims(parts[0])))
         blocks.append(_valid_block(names.dims(parts[1])))
         smem = _evaluate(parts[2], names, 0) if len(parts) >= 3 and parts[2] else 0
