@@ -674,3 +674,57 @@ async def test_compare_kernels_forecasts_a_triton_pair_from_the_launches_its_sou
         "candidate's grid [65536, 1, 1], num_warps 8"
     ) in rationale
     assert result["p_faster"] < 0.5  # eight times the threads for the same work: the baseline is favoured
+
+
+DEFAULTED = cupy("    n = x.size\n    k(((n + block - 1) // block,), (block,), (x, n))").replace(
+    "def run(x)", "def run(x, block=256)"
+)
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        # called from outside only (a harness passes the workload's inputs): the default
+        (DEFAULTED, SourceLaunch((65536, 1, 1), (256, 1, 1), 0)),
+        (
+            DEFAULTED.replace("run(x, block=256)", "run(x, *, block=256)"),
+            SourceLaunch((65536, 1, 1), (256, 1, 1), 0),
+        ),
+        # every call in the module leaves it out
+        (DEFAULTED + "\nrun(cp.zeros(16))\n", SourceLaunch((65536, 1, 1), (256, 1, 1), 0)),
+        # a call passing it, by position, keyword or unpacking: the caller's
+        (DEFAULTED + "\nrun(cp.zeros(16), 128)\n", None),
+        (DEFAULTED + "\nrun(cp.zeros(16), block=128)\n", None),
+        (DEFAULTED + "\nrun(*args)\n", None),
+        # changed in the function: not the default
+        (DEFAULTED.replace("    n = x.size\n", "    n = x.size\n    block = 128\n"), None),
+    ],
+)
+def test_a_default_no_call_in_the_module_passes_is_the_parameter_s_value(
+    source: str, expected: SourceLaunch | None
+) -> None:
+    assert read(source) == expected
+
+
+def test_a_method_s_default_counts_its_calls_through_self() -> None:
+    method = (
+        f'import cupy as cp\nk = cp.RawKernel({RELU}, "relu")\n\nclass Op:\n'
+        "    def launch(self, x, block=512):\n        k((x.size // block,), (block,), (x, x.size))\n"
+        "    def run(self, x):\n        self.launch(x)\n"
+    )
+    assert read(method, "Op") == SourceLaunch((32768, 1, 1), (512, 1, 1), 0)
+    assert read(method.replace("self.launch(x)", "self.launch(x, 128)"), "Op") is None
+    # torch's `model(x, 128)` calls `forward(self, x, block)`: passed.
+    module = method.replace("def launch(", "def forward(").replace("self.launch(x)", "pass")
+    assert read(module + "\nm = Op()\nm(cp.zeros(16))\n", "Op") == SourceLaunch((32768, 1, 1), (512, 1, 1), 0)
+    assert read(module + "\nm = Op()\nm(cp.zeros(16), 128)\n", "Op") is None
+    assert read(module + "\nOp()(cp.zeros(16), 128)\n", "Op") is None
+
+
+def test_a_triton_wrapper_s_default_is_its_value() -> None:
+    wrapper = triton(
+        "    add_kernel[(triton.cdiv(n, BLOCK),)](x, y, out, n, BLOCK_SIZE=BLOCK, num_warps=W)\n"
+    )
+    wrapper = wrapper.replace("def add(x, y):", "def add(x, y, BLOCK=512, W=8):")
+    assert read_triton(wrapper) == programs((32768,), 8)
+    assert read_triton(wrapper + "\nadd(a, b, 256)\n") == programs(None, 8)

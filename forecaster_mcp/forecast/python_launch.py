@@ -9,7 +9,8 @@ of a name bound to the kernel (`k = cp.RawKernel(code, "relu")`, `f = mod.get_fu
 
 - integer literals, and names given one value in the function making the call, else in the module;
 - the workload's `problem` sizes and scalar `args` by name (the function's parameters are its callers': only the
-  workload says them), and a buffer argument's `x.size`, `x.numel()`, `len(x)`, `x.shape[i]`, `x.size(i)`;
+  workload says them, or a default no call in the module passes: `_Callers.defaults`), and a buffer argument's
+  `x.size`, `x.numel()`, `len(x)`, `x.shape[i]`, `x.size(i)`;
 - `+ - * // % << >>`, `min`, `max`, `int(...)`, `math.ceil(a / b)`, and `cdiv` / `triton.cdiv`.
 
 An array made like another (`out = torch.empty_like(x)`, `x.clone()`) has that one's shape. Anything else (a name
@@ -77,6 +78,9 @@ class _Scope:
         self.assigned: dict[str, list[ast.expr | None]] = {}  # None: changed in a way that is not read
         # A grid function's parameters with defaults: each read where the function is made (`lambda meta, t=n:`).
         self.given: dict[str, tuple[ast.expr, _Scope]] = {}
+        # A function's parameters whose defaults no call in the module passes (`_Callers.defaults`), read where it
+        # is made; unknown where the workload's size of that name says otherwise.
+        self.defaults: dict[str, tuple[ast.expr, _Scope]] = {}
         self.functions: dict[
             str, list[ast.FunctionDef | ast.AsyncFunctionDef]
         ] = {}  # Triton's `def grid(meta)`
@@ -218,9 +222,19 @@ class _Evaluator:
             return self._value_in(*scope.given[name], depth)
         workload = self.names.workload_size(name)
         if name in scope.params:
-            if workload is not None:
-                return workload
-            raise _Unknown  # the caller's: only the workload could say
+            default = None
+            if name in scope.defaults:
+                try:
+                    default = self._value_in(*scope.defaults[name], depth)
+                except _Unknown:
+                    pass  # `block=None`: the workload's, if it says
+            if workload is None:
+                if default is None:
+                    raise _Unknown  # the caller's: only the workload could say
+                return default
+            if default is not None and workload != default:
+                raise _Unknown
+            return workload
         values = scope.assigned.get(name)
         if values is None:
             if scope.outer is not None:
@@ -373,6 +387,8 @@ def _assigned(name: str, scope: _Scope | None) -> tuple[ast.expr, _Scope] | None
     while scope is not None:
         if name in scope.given:
             return scope.given[name]
+        if name in scope.defaults:
+            return scope.defaults[name]
         if name in scope.params:
             return None
         values = scope.assigned.get(name)
@@ -506,21 +522,109 @@ def _parameters(a: ast.arguments) -> frozenset[str]:
     )
 
 
+# Calls of one name past this many are not read (each defaulted parameter of each function of that name is checked
+# against each): its defaults are taken as passed.
+_MAX_CALLS = 64
+
+
+class _Callers:
+    """The module's calls by the name called (`run(...)`, `self.run(...)`; a class's instance called, `model(x)`,
+    as its `__call__` and `forward`), each with whether a method's `self` is bound before the call's own
+    arguments (a call through an attribute, `self.launch(x)`, or of an instance). Read once a module."""
+
+    def __init__(self, module: ast.Module) -> None:
+        self.calls: dict[str, list[tuple[ast.Call, bool]]] = {}
+        classes = {n.name for n in ast.walk(module) if isinstance(n, ast.ClassDef)}
+        instances: set[str] = set()  # the names (`m`) and attributes (`self.m`: `m`) bound to an instance
+        for node in ast.walk(module):
+            if isinstance(node, ast.Assign | ast.AnnAssign) and isinstance(node.value, ast.Call):
+                made = node.value.func
+                if isinstance(made, ast.Name) and made.id in classes:
+                    for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                        named = target.id if isinstance(target, ast.Name) else _dotted(target)
+                        if named is not None:
+                            instances.add(named.rsplit(".", 1)[-1])
+        for node in ast.walk(module):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            named = (
+                func.id
+                if isinstance(func, ast.Name)
+                else func.attr
+                if isinstance(func, ast.Attribute)
+                else None
+            )
+            if named is not None:
+                self.calls.setdefault(named, []).append((node, isinstance(func, ast.Attribute)))
+            fresh = isinstance(func, ast.Call) and isinstance(func.func, ast.Name) and func.func.id in classes
+            if named in instances or fresh:  # `m(x)`, `self.m(x)`, `Op()(x)`
+                for method in ("__call__", "forward"):  # torch's Module.__call__ calls forward
+                    self.calls.setdefault(method, []).append((node, True))
+
+    def defaults(self, node: ast.FunctionDef | ast.AsyncFunctionDef, method: bool) -> dict[str, ast.expr]:
+        """The defaults of `node`'s parameters that no call of its name in the module passes (by position, by
+        keyword, or maybe, through `*args` / `**kwargs`). One called from outside only keeps its defaults: an
+        agent's entry (`forward(x)`, `run(x)`) is called with the workload's inputs, its tuning knobs (`block=256`)
+        left as written. Calls are matched by name alone: another function of that name's calls count too."""
+        a = node.args
+        positional = [*a.posonlyargs, *a.args]
+        defaulted: list[tuple[int | None, ast.arg, ast.expr | None]] = [
+            (len(positional) - len(a.defaults) + i, p, d)
+            for i, (p, d) in enumerate(
+                zip(positional[len(positional) - len(a.defaults) :], a.defaults, strict=True)
+            )
+        ]
+        defaulted += [(None, p, d) for p, d in zip(a.kwonlyargs, a.kw_defaults, strict=True)]
+        calls = self.calls.get(node.name, [])
+        if len(calls) > _MAX_CALLS:
+            return {}
+        out: dict[str, ast.expr] = {}
+        for index, param, default in defaulted:
+            if default is None or any(
+                _passes(call, index, param.arg, method and bound) for call, bound in calls
+            ):
+                continue
+            out[param.arg] = default
+        return out
+
+
+def _passes(call: ast.Call, index: int | None, name: str, bound: bool) -> bool:
+    """Whether `call` may pass the parameter `name` (at position `index`; None: keyword only), the callee's `self`
+    bound first when `bound`."""
+    if any(isinstance(arg, ast.Starred) for arg in call.args) or any(
+        k.arg in (None, name) for k in call.keywords
+    ):
+        return True
+    return index is not None and len(call.args) + bound > index
+
+
 def _calls(module: ast.Module, top: _Scope) -> Iterator[tuple[ast.Call, _Scope, int]]:
     """Each call in the module's functions and classes (not in a lambda), with the scope it is made in and the
     class it is made in (its id; 0 outside any). `top`: the module's scope."""
+    callers: _Callers | None = None
 
-    def visit(body: list[ast.stmt], scope: _Scope, owner: int) -> Iterator[tuple[ast.Call, _Scope, int]]:
+    def visit(
+        body: list[ast.stmt], scope: _Scope, owner: int, in_class: bool
+    ) -> Iterator[tuple[ast.Call, _Scope, int]]:
+        nonlocal callers
         for node in _own_nodes(body):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-                params = _parameters(node.args)
-                yield from visit(node.body, _Scope(node.body, params, scope, top.declared), owner)
+                inner = _Scope(node.body, _parameters(node.args), scope, top.declared)
+                if node.args.defaults or node.args.kw_defaults:
+                    callers = _Callers(module) if callers is None else callers
+                    inner.defaults = {
+                        name: (default, scope)
+                        for name, default in callers.defaults(node, in_class).items()
+                        if name not in inner.assigned  # `block = 128` in the function: not the default
+                    }
+                yield from visit(node.body, inner, owner, False)
             elif isinstance(node, ast.ClassDef):
-                yield from visit(node.body, scope, id(node))
+                yield from visit(node.body, scope, id(node), True)
             elif isinstance(node, ast.Call):
                 yield node, scope, owner
 
-    yield from visit(module.body, top, 0)
+    yield from visit(module.body, top, 0, False)
 
 
 # PyCUDA's launches of a prepared function: grid and block first (a stream third for the async one).
