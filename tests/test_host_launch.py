@@ -1407,3 +1407,55 @@ def test_a_default_of_a_function_python_binds_is_python_s() -> None:
     assert source_launch(wrapped, wl) == SourceLaunch(None, (256, 1, 1), 0)
     bound = source.replace('functions=["forward"]', 'functions=["forward", "launch"]')
     assert source_launch(Kernel(source=bound, entry="ModelNew", language="python"), wl) is None
+
+
+def sized(**problem: int) -> Workload:
+    return Workload.model_validate({"problem": problem})
+
+
+BIG = inputs(x=[3_000_000_000])  # 3e9 elements: past int's 2^31 - 1
+FORWARD = "torch::Tensor forward(torch::Tensor x) {{ {n} k<<<(n + 255) / 256, 256>>>(0, 0, n); return x; }}"
+MN = "void f() {{ int M = 65536; int N = 65536; {total} k<<<total / 256, 256>>>(0, 0, 0); }}"
+
+
+@pytest.mark.parametrize(
+    ("host", "workload", "grid"),
+    [
+        # `1 << 31` is an int: past its range (negative since C++20, undefined before), not 2^31
+        ("void f() { int blocks = (1 << 31) / 1024; k<<<blocks, 256>>>(0, 0, 0); }", None, None),
+        ("void f() { k<<<(1 << 31) / 1024, 256>>>(0, 0, 0); }", None, None),
+        ("void f() { k<<<(1u << 31) / 1024, 256>>>(0, 0, 0); }", None, 2097152),
+        ("void f() { size_t blocks = (1ull << 31) / 1024; k<<<blocks, 256>>>(0, 0, 0); }", None, 2097152),
+        # an int holding a 3e9-element tensor's numel wraps; 64-bit ones hold it
+        (FORWARD.format(n="int n = x.numel();"), BIG, None),
+        (FORWARD.format(n="const int32_t n = x.numel();"), BIG, None),
+        (FORWARD.format(n="int64_t n = x.numel();"), BIG, 11718750),
+        (FORWARD.format(n="auto n = x.numel();"), BIG, 11718750),
+        (FORWARD.format(n="size_t n = x.size(0);"), BIG, 11718750),
+        # int * int overflows in int, stored where it may be: the product is int's
+        (MN.format(total="int total = M * N;"), None, None),
+        (MN.format(total="size_t total = M * N;"), None, None),
+        (MN.format(total="size_t total = (size_t)M * N;"), None, 16777216),
+        (MN.format(total="int64_t total = static_cast<int64_t>(M) * N;"), None, 16777216),
+        (MN.format(total="long long total = 1LL * M * N;"), None, 16777216),
+        # an int parameter the workload sizes past int's range; a 64-bit one holds it
+        ("void f(int n) { k<<<(n + 255) / 256, 256>>>(0, 0, n); }", sized(n=3_000_000_000), None),
+        ("void f(long long n) { k<<<(n + 255) / 256, 256>>>(0, 0, n); }", sized(n=3_000_000_000), 11718750),
+        # `n + 255` in int overflows for n near 2^31, before the division
+        ("void f(int n) { k<<<(n + 255) / 256, 256>>>(0, 0, n); }", sized(n=2**31 - 100), None),
+        ("void f(int n) { k<<<n / 256 + 1, 256>>>(0, 0, n); }", sized(n=2**31 - 100), 8388608),
+        ("void f(int n) { k<<<(int)((n + 255LL) / 256), 256>>>(0, 0, n); }", sized(n=2**31 - 100), 8388608),
+        # casts nest, each read in its turn
+        ("void f() { k<<<" + "(int)" * 75 + "4, 256>>>(0, 0, 0); }", None, 4),
+        # unsigned arithmetic wraps, as C++ defines: 0u - 1 is 2^32 - 1 (C division read as 0)
+        ("void f() { unsigned n = 0; k<<<(n - 1) / 256 + 1, 256>>>(0, 0, 0); }", None, 16777216),
+        ("void f() { unsigned n = 3000000000u; k<<<n / 256, 256>>>(0, 0, 0); }", None, 11718750),
+    ],
+)
+def test_launch_arithmetic_is_done_in_the_source_s_integer_types(
+    host: str, workload: Workload | None, grid: int | None
+) -> None:
+    """`int` is 32 bits: a value past its range in a launch expression (an int name given one, an int product, an
+    int parameter the workload sizes so) is undefined in C++ (or wraps negative), not the large grid it read as."""
+    expected = (grid, 1, 1) if grid is not None else None
+    assert read(host, workload) == SourceLaunch(expected, (256, 1, 1), 0)

@@ -24,8 +24,11 @@ a dimension evaluates to a whole number from what the source and the workload sa
 
 A name assigned two different values, or changed in place (`+=`, `++`, `grid.x = ...`, `grid.x += 1`), its
 address taken (`&block_size`: set at run time) or read from `std::cin`, a value known only at run time (a device
-query, an unnamed size), a ternary, or two launches of the entry that disagree leave that part unknown: a block without a grid still gives occupancy. Nothing is run; the expression evaluator is
-`features._cpp_value`'s, bounded to 64-bit values.
+query, an unnamed size), a ternary, or two launches of the entry that disagree leave that part unknown: a block without a grid still gives occupancy. Nothing is run; the expression evaluator
+(`_value`) computes as C++ does, in each value's integer type: a name's declared one (`int n`, `size_t total`, a
+parameter's), a literal's (`1 << 31` an int, `1u`, `1LL`), a cast's, `x.numel()`'s int64_t, the usual
+conversions between them. A value past a signed type's range (an `int n = x.numel()` of 3e9 elements, `M * N` of
+two ints at 65536) is unknown, as C++ leaves it undefined; unsigned types wrap, as C++ defines.
 """
 
 from __future__ import annotations
@@ -123,12 +126,45 @@ _LIKE = re.compile(
 _NUMEL = re.compile(r"\b([A-Za-z_]\w*)\s*(?:\.|->)\s*numel\s*\(\s*\)")
 _SIZE = re.compile(r"\b([A-Za-z_]\w*)\s*(?:\.|->)\s*size\s*\(\s*(-?\d+)\s*\)")
 _CAST = re.compile(
-    r"\(\s*(?:const\s+)?(?:unsigned|signed|int|long|short|size_t|int64_t|int32_t|uint64_t|uint32_t|unsigned\s+int|"
-    r"long\s+long|unsigned\s+long(?:\s+long)?)\s*\)"
+    r"\(\s*((?:const\s+)?(?:unsigned|signed|int|long|short|size_t|int64_t|int32_t|uint64_t|uint32_t|unsigned\s+int|"
+    r"long\s+long|unsigned\s+long(?:\s+long)?))\s*\)"
 )
-_CPP_CAST = re.compile(r"\b(?:static_cast|reinterpret_cast)\s*<[^<>()]{1,60}>\s*\(")
+_CPP_CAST = re.compile(r"\b(?:static_cast|reinterpret_cast)\s*<([^<>()]{1,60})>\s*\(")
 _NAMESPACE = re.compile(r"\b(?:std|cuda|at|c10|torch)\s*::\s*")
-_SUFFIX = re.compile(r"\b(0[xX][0-9a-fA-F]+|\d+)[uUlLzZ]+\b")
+_LITERAL = re.compile(r"\b(0[xX][0-9a-fA-F]+|\d+)([uUlLzZ]*)\b")
+# A C-style cast's operand: a name or number, a call or parenthesised expression after it.
+_OPERAND = re.compile(r"\s*(?:[A-Za-z_]\w*|(?:0[xX][0-9a-fA-F]+|\d+)[uUlLzZ]*)?\s*(\()?")
+
+# The integer types launch arithmetic is done in, as (bits, signed). C++'s `int` is 32 bits: `int n =
+# x.numel()` of 3e9 elements, `M * N` of two ints at 65536, `1 << 31` are past its range, which is undefined
+# (or, converting, wraps negative): no wrap is emulated, the value is unknown. Unsigned types wrap, as C++
+# defines. `long` is 64 bits (LP64: Linux, where the GPUs are).
+_Kind = tuple[int, bool]
+_INT: _Kind = (32, True)
+_UINT: _Kind = (32, False)
+_LONG: _Kind = (64, True)
+_ULONG: _Kind = (64, False)
+_KINDS: dict[str, _Kind] = {
+    **dict.fromkeys(("int", "signed", "signed int", "int32_t"), _INT),
+    **dict.fromkeys(("unsigned", "unsigned int", "uint32_t", "uint"), _UINT),
+    **dict.fromkeys(
+        ("long", "long int", "long long", "long long int", "int64_t", "ssize_t", "ptrdiff_t", "intptr_t"),
+        _LONG,
+    ),
+    **dict.fromkeys(
+        ("unsigned long", "unsigned long long", "unsigned long int", "uint64_t", "size_t", "uintptr_t"),
+        _ULONG,
+    ),
+}
+_QUALIFIERS = re.compile(r"\b(?:const|constexpr|static|volatile|register|inline)\b|\bstd\s*::")
+# The evaluator's names for a conversion to each type (casts, suffixed literals, a tensor's int64_t sizes).
+_AS = {"__as_int": _INT, "__as_uint": _UINT, "__as_long": _LONG, "__as_ulong": _ULONG}
+_AS_NAME = {kind: name for name, kind in _AS.items()}
+# The types a declaration may name before a variable (`const int n = ...;`), read back from its name.
+_DECLARED_TYPE = re.compile(
+    r"(?<![\w:])(?:(?:const|constexpr|static|volatile|register|unsigned|signed|short|long|int|auto|uint|size_t|"
+    r"ssize_t|ptrdiff_t|intptr_t|uintptr_t|int32_t|uint32_t|int64_t|uint64_t)\s+|std\s*::\s*)+$"
+)
 _SIZEOF = re.compile(r"\bsizeof\s*\(\s*([A-Za-z_][\w:]*(?:\s+[A-Za-z_]\w*)*)\s*\)")
 _SIZES_OF = {
     **dict.fromkeys(("char", "signed char", "unsigned char", "int8_t", "uint8_t", "bool"), 1),
@@ -146,6 +182,76 @@ _CEIL_DIV = frozenset(
 )
 _FUNCS = frozenset({"min", "max", "MIN", "MAX", "umin", "umax", *_CEIL_DIV})
 _UNKNOWN = object()
+
+
+def _kind_of(type_text: str) -> _Kind | None:
+    """The integer type a type names (`const int`, `std::size_t`); None for any other (`auto`, `float`, `T`)."""
+    return _KINDS.get(" ".join(_QUALIFIERS.sub(" ", type_text).split()))
+
+
+def _as(value: int, kind: _Kind) -> int:
+    """`value` converted to `kind`: an unsigned type wraps it; a signed type it does not fit is ArithmeticError."""
+    bits, signed = kind
+    if not signed:
+        return value % (1 << bits)
+    if not -(1 << (bits - 1)) <= value < 1 << (bits - 1):
+        raise ArithmeticError("past the type's range")
+    return value
+
+
+def _common(a: _Kind, b: _Kind) -> _Kind:
+    """The type C++'s usual arithmetic conversions give two operands: the wider, else the unsigned."""
+    if a[0] != b[0]:
+        return a if a[0] > b[0] else b
+    return a if not a[1] else b
+
+
+def _literal(m: re.Match[str]) -> str:
+    """A suffixed or hexadecimal literal as the evaluator's conversion to its type (`1u` is an unsigned int, `1ll`
+    a long long, `0xFFFFFFFF` an unsigned int: the first of its candidate types holding it); a plain decimal one
+    is left as written (an int, else a long: `_value`)."""
+    digits, suffix = m.group(1), m.group(2).lower()
+    hexadecimal = digits[:2].lower() == "0x"
+    if not suffix and not hexadecimal:
+        return m.group(0)
+    if not hexadecimal and digits != "0" and digits.startswith("0"):
+        return "__unknown__"  # octal
+    value = int(digits, 16 if hexadecimal else 10)
+    kinds = [_INT, _UINT, _LONG, _ULONG]
+    if "u" in suffix:
+        kinds = [k for k in kinds if not k[1]]
+    elif not hexadecimal:
+        kinds = [k for k in kinds if k[1]]
+    if "l" in suffix or "z" in suffix:
+        kinds = [k for k in kinds if k[0] == 64]
+    kind = next((k for k in kinds if value < 1 << (k[0] - k[1])), None)
+    return f"{_AS_NAME[kind]}({value})" if kind is not None else "__unknown__"
+
+
+def _typed_casts(text: str) -> str | None:
+    """`text` with its C-style integer casts as the evaluator's conversions: `(size_t)M * N` is
+    `__as_ulong(M) * N`; a cast of a type not read (`(short)`) dropped. None where an operand is not read."""
+    for _ in range(MAX_EXPR_CHARS):
+        last = next(reversed(list(_CAST.finditer(text))), None)  # the innermost first: `(int)(long)x`
+        if last is None:
+            return text
+        operand = _OPERAND.match(text, last.end())
+        if operand is None:
+            return None
+        end = operand.end()
+        if operand.group(1) is not None:  # `(int)(n + 1)`, `(int)min(a, b)`
+            close = _closing(
+                text, end, len(text)
+            )  # a few hundred characters: MAX_EXPR_CHARS, each cast named
+            if close is None:
+                return None
+            end = close + 1
+        if not text[last.end() : end].strip():
+            return None  # `(int)-n`: not read
+        kind = _kind_of(last.group(1))
+        called = _AS_NAME[kind] if kind is not None else ""
+        text = f"{text[: last.start()]} {called}({text[last.end() : end]}){text[end:]}"
+    return None
 
 
 def _split_args(text: str) -> list[str]:
@@ -251,6 +357,7 @@ class _Names:
         params: Collection[str] = (),
         aliases: Mapping[str, str] | None = None,
         defaults: Mapping[str, str] | None = None,
+        kinds: Mapping[str, _Kind] | None = None,
     ) -> None:
         self.text = text
         self.macros = macros
@@ -263,8 +370,9 @@ class _Names:
         )  # a wrapper's tensor parameter -> the workload buffer it stands for
         # A parameter's default that every caller leaves out (`_defaults`): its value, as the source's is.
         self.defaults = dict(defaults or {})
+        self.kinds = dict(kinds or {})  # a parameter's integer type, where it has one (`int n`)
         self._defs: dict[str, tuple[str, set[str]] | None] = {}
-        self._memo: dict[str, int | None] = {}
+        self._memo: dict[str, tuple[int, _Kind] | None] = {}
         self.sizes: dict[str, int] = {}
         self.shapes: dict[str, list[int]] = {}
         if workload is not None:
@@ -343,36 +451,68 @@ class _Names:
         found = self._by_name(self.shapes, self.aliases.get(name, name))
         return found if isinstance(found, list) else None
 
-    def value(self, name: str, depth: int) -> int | None:
-        """The one whole number `name` stands for, or None (each name worked out once: `a = b + b + b` over
-        eight levels of names must not cost 3^8 evaluations)."""
+    def value(self, name: str, depth: int) -> tuple[int, _Kind] | None:
+        """The one whole number `name` stands for, with its integer type, or None (each name worked out once:
+        `a = b + b + b` over eight levels of names must not cost 3^8 evaluations)."""
         if name not in self._memo:
-            self._memo[name] = self._value(name, depth)
+            try:
+                self._memo[name] = self._value(name, depth)
+            except ArithmeticError:
+                self._memo[name] = None  # past its type's range
         return self._memo[name]
 
-    def _value(self, name: str, depth: int) -> int | None:
+    def _value(self, name: str, depth: int) -> tuple[int, _Kind] | None:
         if depth > MAX_DEPTH:
             return None
         if name in self.macros:
             macro = self.macros[name]
-            value = _evaluate(macro, self, depth) if macro != "" else None
-            return value if name in self.given else self._agreeing(name, value)
+            found = _typed(macro, self, depth) if macro != "" else None
+            return found if name in self.given else self._agreeing(name, found)
         if name in self.params:
+            # Its declared type's (`int n`: a workload's 3e9 is past it), else 64 bits.
+            kind = self.kinds.get(name)
             default = self.defaults.get(name)
-            value = _evaluate(default, self, depth) if default is not None else None
-            return self._agreeing(name, value) if value is not None else self.workload_size(name)
+            found = _typed(default, self, depth) if default is not None else None
+            if found is not None:
+                return self._agreeing(name, (_as(found[0], kind), kind) if kind is not None else found)
+            size = self.workload_size(name)
+            return (_as(size, kind or _LONG), kind or _LONG) if size is not None else None
         defs = self.definitions(name)
         if defs is None or defs[0] == "dim3" or len(defs[1]) > 1:
             return None  # set in a way that cannot be read, twice over, or a dim3 where a number is read
         if defs[1]:
-            return self._agreeing(name, _evaluate(next(iter(defs[1])), self, depth))
-        return self.workload_size(name)
-
-    def _agreeing(self, name: str, value: int | None) -> int | None:
-        """`value`, the source's for `name`, unless the workload sizes that name otherwise: a `main`'s own test
-        size (`const int n = 1 << 20;`) is not the size the kernel is forecast (and run) at."""
+            found = _typed(next(iter(defs[1])), self, depth)
+            declared = self.declared(name)
+            if found is None or declared is None:
+                return None
+            # Stored in its declared type (`int n = x.numel();`), each if declared several ways; an `auto` or
+            # undeclared one keeps its value's.
+            value = found[0]
+            for kind in declared:
+                _as(value, kind)
+            return self._agreeing(name, (_as(value, declared[0]), declared[0]) if declared else found)
         size = self.workload_size(name)
-        return None if size is not None and size != value else value
+        return (size, _LONG) if size is not None else None
+
+    def declared(self, name: str) -> list[_Kind] | None:
+        """The integer types `name` is declared with (`const int n = ...;`, `unsigned n;`), in order; those of
+        other types (`auto`, `float`) and declarations read no type from (`int a = 1, n = 2;`) say none. None
+        past MAX_ASSIGNMENTS declarations."""
+        kinds: list[_Kind] = []
+        for i, m in enumerate(re.finditer(rf"(?<![\w.])(?<!->){re.escape(name)}\s*(?:=(?!=)|;)", self.text)):
+            if i >= MAX_ASSIGNMENTS:
+                return None
+            before = _DECLARED_TYPE.search(self.text, max(0, m.start() - 80), m.start())
+            kind = _kind_of(before.group(0)) if before is not None else None
+            if kind is not None:
+                kinds.append(kind)
+        return kinds
+
+    def _agreeing(self, name: str, found: tuple[int, _Kind] | None) -> tuple[int, _Kind] | None:
+        """`found`, the source's value for `name`, unless the workload sizes that name otherwise: a `main`'s own
+        test size (`const int n = 1 << 20;`) is not the size the kernel is forecast (and run) at."""
+        size = self.workload_size(name)
+        return None if size is not None and (found is None or size != found[0]) else found
 
     def dims(self, expr: str, depth: int = 0) -> Dim3 | None:
         """A launch dimension: `dim3(...)`, `{...}`, a dim3 variable, or a number (x; y and z are 1)."""
@@ -412,29 +552,43 @@ class _Names:
 
 def _evaluate(expr: str, names: _Names, depth: int) -> int | None:
     """The whole-number value of a host expression, or None."""
+    found = _typed(expr, names, depth)
+    return found[0] if found is not None else None
+
+
+def _typed(expr: str, names: _Names, depth: int) -> tuple[int, _Kind] | None:
+    """The whole-number value of a host expression and its integer type, or None (past its type's range too)."""
     if depth > MAX_DEPTH or len(expr) > MAX_EXPR_CHARS or "?" in expr or _FLOAT.search(expr):
         return None
 
     def numel(m: re.Match[str]) -> str:
         shape = names.shape(m.group(1))
-        return str(math.prod(shape)) if shape is not None else "__unknown__"
+        return f"__as_long({math.prod(shape)})" if shape is not None else "__unknown__"  # int64_t
 
     def size(m: re.Match[str]) -> str:
         shape = names.shape(m.group(1))
         i = int(m.group(2))
-        return str(shape[i]) if shape is not None and -len(shape) <= i < len(shape) else "__unknown__"
+        return (
+            f"__as_long({shape[i]})" if shape is not None and -len(shape) <= i < len(shape) else "__unknown__"
+        )
 
     def sizeof(m: re.Match[str]) -> str:
         found = _SIZES_OF.get(re.sub(r"\s+", " ", m.group(1)).removeprefix("std::"))
-        return str(found) if found is not None else "__unknown__"
+        return f"__as_ulong({found})" if found is not None else "__unknown__"  # a size_t
+
+    def cast(m: re.Match[str]) -> str:
+        kind = _kind_of(m.group(1))
+        return f"{_AS_NAME[kind]}(" if kind is not None else "("
 
     text = _SIZEOF.sub(sizeof, expr)
     text = _NUMEL.sub(numel, text)
     text = _SIZE.sub(size, text)
-    text = _CPP_CAST.sub("(", text)
-    text = _CAST.sub(" ", text)
-    text = _NAMESPACE.sub("", text)
-    text = _SUFFIX.sub(r"\1", text)
+    text = _CPP_CAST.sub(cast, text)
+    cast_free = _typed_casts(text)
+    if cast_free is None:
+        return None
+    text = _NAMESPACE.sub("", cast_free)
+    text = _LITERAL.sub(_literal, text)
     if re.search(r"->|\.|\[|'|\"|&&|\|\||!(?!=)", text):
         return None  # members, subscripts, characters, logic: nothing a launch size needs
     text = text.replace("/", "//")
@@ -443,49 +597,54 @@ def _evaluate(expr: str, names: _Names, depth: int) -> int | None:
     except (SyntaxError, RecursionError, MemoryError, ValueError):
         return None
     try:
-        value = _value(tree.body, names, depth)
+        return _value(tree.body, names, depth)
     except (ArithmeticError, ValueError, TypeError, KeyError, RecursionError):
         return None
-    return value
 
 
-def _value(node: ast.AST, names: _Names, depth: int) -> int:
+def _value(node: ast.AST, names: _Names, depth: int) -> tuple[int, _Kind]:
+    """A node's value and type, computed as C++ does in that type (ArithmeticError past a signed one's range)."""
     if isinstance(node, ast.Name):
         found = names.value(node.id, depth + 1)
         if found is None:
             raise ValueError(f"{node.id} is not known")
         return found
     if isinstance(node, ast.Call):
-        if (
-            not isinstance(node.func, ast.Name)
-            or node.func.id not in _FUNCS
-            or len(node.args) != 2
-            or node.keywords
-        ):
+        if not isinstance(node.func, ast.Name) or node.keywords:
             raise ValueError("not a known function")
-        a, b = (_value(arg, names, depth) for arg in node.args)
         name = node.func.id
+        if name in _AS and len(node.args) == 1:  # a cast, a suffixed literal
+            kind = _AS[name]
+            return _as(_value(node.args[0], names, depth)[0], kind), kind
+        if name not in _FUNCS or len(node.args) != 2:
+            raise ValueError("not a known function")
+        (a, ka), (b, kb) = (_value(arg, names, depth) for arg in node.args)
+        kind = _common(ka, kb)
+        a, b = _as(a, kind), _as(b, kind)
         if name in _CEIL_DIV:
-            return features._c_div(a + b - 1, b)
-        return min(a, b) if name.lower().endswith("min") else max(a, b)
+            return _as(features._c_div(_as(a + b - 1, kind), b), kind), kind
+        return (min(a, b) if name.lower().endswith("min") else max(a, b)), kind
     if isinstance(node, ast.BinOp):
-        a, b = _value(node.left, names, depth), _value(node.right, names, depth)
-        if isinstance(node.op, ast.LShift | ast.RShift) and not 0 <= b < 64:
-            raise ArithmeticError("shift out of range")
+        (a, ka), (b, kb) = _value(node.left, names, depth), _value(node.right, names, depth)
         op = features._BINARY.get(type(node.op))
         if op is None:
             raise TypeError("operator")
-        result = op(a, b)
-    elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
-        inner = _value(node.operand, names, depth)
-        result = -inner if isinstance(node.op, ast.USub) else inner
-    elif isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
-        result = node.value
-    else:
-        raise TypeError(f"unsupported {type(node).__name__}")
-    if not -features._CPP_LIMIT <= result < features._CPP_LIMIT:
-        raise ArithmeticError("beyond 64 bits")
-    return result
+        if isinstance(node.op, ast.LShift | ast.RShift):
+            # The left operand's type; a count past its width, or a negative one shifted left, is undefined.
+            if not 0 <= b < ka[0] or (isinstance(node.op, ast.LShift) and a < 0 and ka[1]):
+                raise ArithmeticError("shift out of range")
+            return _as(op(a, b), ka), ka
+        kind = _common(ka, kb)
+        return _as(op(_as(a, kind), _as(b, kind)), kind), kind
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
+        inner, kind = _value(node.operand, names, depth)
+        return (_as(-inner, kind) if isinstance(node.op, ast.USub) else inner), kind
+    if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
+        # A decimal literal is an int, else a long (`_literal` reads the others); none is wider.
+        if node.value >= 1 << 63:
+            raise ArithmeticError("beyond 64 bits")
+        return node.value, _INT if node.value < 1 << 31 else _LONG
+    raise TypeError(f"unsupported {type(node).__name__}")
 
 
 def _valid_block(b: Dim3 | None) -> Dim3 | None:
@@ -612,11 +771,13 @@ _TENSOR_TYPE_WORDS = frozenset({"Tensor", "torch", "at", "c10", "std", "const", 
 class _Param:
     """A parameter of a host function: its name, whether it is a tensor (`torch::Tensor x`, `const at::Tensor&
     x`; None for another type naming tensors, `std::vector<torch::Tensor>`, `at::TensorList`: several of the
-    caller's at once), and its default's text (`int threads = 256`), if it has one."""
+    caller's at once), its default's text (`int threads = 256`), if it has one, and its integer type, if it is
+    one (`int n`: a workload's 3e9 is past it)."""
 
     name: str
     tensor: bool | None
     default: str | None
+    kind: _Kind | None = None
 
 
 def _parameter_texts(header: str) -> list[str] | None:
@@ -643,7 +804,8 @@ def _parameters(text: str, start: int, end: int) -> tuple[_Param, ...]:
     body = text.find("{", start, end)
     out: list[_Param] = []
     for param in _parameter_texts(text[start:body] if body >= 0 else "") or []:
-        words = _NAME.findall(param.split("=", 1)[0])
+        declared = param.split("=", 1)[0]
+        words = _NAME.findall(declared)
         if words and words[-1] != "void":
             kind = words[:-1]
             tensor = "Tensor" in kind and _TENSOR_TYPE_WORDS.issuperset(kind)
@@ -652,6 +814,7 @@ def _parameters(text: str, start: int, end: int) -> tuple[_Param, ...]:
                     words[-1],
                     tensor or (None if any("Tensor" in w for w in kind) else False),
                     _default(param),
+                    _kind_of(declared.strip().removesuffix(words[-1])),
                 )
             )
     return tuple(out)
@@ -793,8 +956,9 @@ def _source_launch(
         key = (params, called, tuple(sorted(defaults.items())))
         if key not in by_params:
             aliases = {} if called else _tensor_aliases(params, workload)
+            kinds = {p.name: p.kind for p in params if p.kind is not None}
             by_params[key] = _Names(
-                text, defined, workload, macros, [p.name for p in params], aliases, defaults
+                text, defined, workload, macros, [p.name for p in params], aliases, defaults, kinds
             )
         names = by_params[key]
         grids.append(_valid_grid(names.dims(parts[0])))
