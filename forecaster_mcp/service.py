@@ -1947,6 +1947,13 @@ def build_measurers(settings: Settings) -> tuple[list[Measurer], list[str]]:
             measurers.append(gpu)
         elif settings.measurer == "pycuda":
             raise OperatorError(f"--measurer pycuda cannot measure on this machine: {detect_reason()}")
+        elif measurers:
+            # The replay measures: a missing GPU backend is no fault of this server (budget_status shows these
+            # notes, and a bare "pycuda is not installed" had an agent ask its user to install it).
+            notes.append(
+                "measurements replay the recordings given with --replay (their kernels are measured); no local "
+                f"GPU besides them: {detect_reason()}"
+            )
         else:
             notes.append(f"no local GPU measurement: {detect_reason()}")
     return measurers, notes

@@ -194,3 +194,16 @@ async def test_measure_if_unsure_on_a_server_without_a_gpu_does_not_send_the_age
     assert "measure that id with measure_kernel" not in note
     assert "not on this server: this server cannot measure" in note
     assert refused.is_error and "this server cannot measure" in str(refused.content)
+
+
+def test_a_replay_server_without_a_gpu_says_it_measures_by_replay(tmp_path: Path, conv_a100: Path) -> None:
+    # budget_status shows these notes: a replay server's read "no local GPU measurement: pycuda is not installed
+    # (pip install ...)" alone, and an agent told its user to install pycuda on a server measuring fine.
+    settings = Settings.from_env(home=tmp_path, replay=[conv_a100], measurer="auto")
+    measurers, notes = build_measurers(settings)
+    assert measurers  # the replay recording measures here
+    gpu_notes = [n for n in notes if "GPU" in n]
+    assert gpu_notes, notes
+    assert all(n.startswith("measurements replay the recordings given with --replay") for n in gpu_notes), (
+        notes
+    )
