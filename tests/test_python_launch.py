@@ -728,3 +728,42 @@ def test_a_triton_wrapper_s_default_is_its_value() -> None:
     wrapper = wrapper.replace("def add(x, y):", "def add(x, y, BLOCK=512, W=8):")
     assert read_triton(wrapper) == programs((32768,), 8)
     assert read_triton(wrapper + "\nadd(a, b, 256)\n") == programs(None, 8)
+
+
+@pytest.mark.parametrize(
+    ("default", "head", "launch", "decorators", "expected"),
+    [
+        # Not passed: Triton binds the parameter's default into meta.
+        ("1024", "", AUTOTUNED, "@triton.jit\n", programs((16384,))),
+        ("BLOCK", "BLOCK = 2048\n", AUTOTUNED, "@triton.jit\n", programs((8192,))),
+        # Passed by the launch, or set by autotune's configs: theirs.
+        (
+            "1024",
+            "",
+            AUTOTUNED.replace("out, n)", "out, n, BLOCK_SIZE=256)"),
+            "@triton.jit\n",
+            programs((65536,)),
+        ),
+        ("1024", "", AUTOTUNED.replace("out, n)", "out, n, 512)"), "@triton.jit\n", programs((32768,))),
+        (
+            "1024",
+            "",
+            AUTOTUNED,
+            "@triton.autotune(configs=[triton.Config({'BLOCK_SIZE': 512})], key=[])\n@triton.jit\n",
+            programs((32768,)),
+        ),
+        # Neither a literal nor a module constant: unknown.
+        ("make_block()", "", AUTOTUNED, "@triton.jit\n", programs(None)),
+        ("BLOCK", "BLOCK = 2048\nBLOCK = 512\n", AUTOTUNED, "@triton.jit\n", programs(None)),
+        ("BLOCK", "from cfg import BLOCK\n", AUTOTUNED, "@triton.jit\n", programs(None)),
+    ],
+)
+def test_a_triton_kernel_s_parameter_default_is_in_meta(
+    default: str, head: str, launch: str, decorators: str, expected: SourceLaunch
+) -> None:
+    """`def add_kernel(..., BLOCK_SIZE: tl.constexpr = 1024)` launched without BLOCK_SIZE: Triton's meta holds
+    the default, and the grid `cdiv(n, meta['BLOCK_SIZE'])` was read as unknown."""
+    source = triton(launch, head, decorators).replace(
+        "BLOCK_SIZE: tl.constexpr):", f"BLOCK_SIZE: tl.constexpr = {default}):"
+    )
+    assert read_triton(source) == expected

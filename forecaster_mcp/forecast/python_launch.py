@@ -19,9 +19,9 @@ value known only at run time, calls that disagree) leaves that part unknown. Not
 
 A Triton kernel (`@triton.jit`, the entry itself) is launched as programs of num_warps warps (`triton_launch`): the
 grid a tuple, or a grid function (`lambda meta: ...`, `def grid(meta)`, defaults read where it is made) whose
-`meta` holds the launch's arguments by the kernel's parameter names; num_warps the launch's, else 4, Triton's
-default. What `@triton.autotune` picks is known where every config agrees, what `@triton.heuristics` sets never;
-any other decorator, `**kwargs`, or num_ctas other than 1 (clusters: more blocks than programs) leaves it unknown.
+`meta` holds the launch's arguments by the kernel's parameter names, its defaults (a literal or a module constant)
+for those the launch leaves out; num_warps the launch's, else 4, Triton's default. What `@triton.autotune` picks
+is known where every config agrees, what `@triton.heuristics` sets never; any other decorator, `**kwargs`, or num_ctas other than 1 (clusters: more blocks than programs) leaves it unknown.
 Its shared memory is the compiler's choice: unknown.
 """
 
@@ -960,6 +960,7 @@ def triton_launch(module: ast.Module, kernel: str, workload: Workload | None) ->
     definition, decorated = found
     a = definition.args
     parameters = [p.arg for p in [*a.posonlyargs, *a.args]]
+    defaults = _kernel_defaults(a, top)
     grids: list[Dim3 | None] = []
     warps: list[int | None] = []
     for count, (call, scope) in enumerate(_triton_sites(module, top, kernel)):
@@ -971,7 +972,9 @@ def triton_launch(module: ast.Module, kernel: str, workload: Workload | None) ->
             grids.append(None)  # `**cfg`, or configs made at run time: any argument may be set there
             warps.append(None)
             continue
-        meta: dict[str, tuple[ast.expr, _Scope] | int | None] = {}
+        # What the launch leaves out is the parameter's default (Triton binds the call's arguments to the
+        # signature), what it passes its own, what the decorators set theirs.
+        meta: dict[str, tuple[ast.expr, _Scope] | int | None] = dict(defaults)
         for parameter, arg in zip(parameters, call.args, strict=False):
             if isinstance(arg, ast.Starred):
                 break
@@ -996,6 +999,26 @@ def triton_launch(module: ast.Module, kernel: str, workload: Workload | None) ->
     if grid is None and block is None:
         return None
     return SourceLaunch(grid, block, None, agreed_warps if block is not None else None)
+
+
+def _kernel_defaults(a: ast.arguments, top: _Scope) -> dict[str, tuple[ast.expr, _Scope] | int | None]:
+    """A Triton kernel's parameter defaults, read in the module (`BLOCK_SIZE: tl.constexpr = 1024`, `= BLOCK`): a
+    literal or a name; any other (`= make_block()`) a value not known. Not the launch's options (num_warps,
+    num_ctas): a parameter of that name is no option."""
+    positional = [*a.posonlyargs, *a.args]
+    pairs = [
+        *zip(positional[len(positional) - len(a.defaults) :], a.defaults, strict=True),
+        *zip(a.kwonlyargs, a.kw_defaults, strict=True),
+    ]
+    out: dict[str, tuple[ast.expr, _Scope] | int | None] = {}
+    for parameter, default in pairs:
+        if default is None or parameter.arg in ("num_warps", "num_ctas"):
+            continue
+        plain = isinstance(default, ast.Name) or (
+            isinstance(default, ast.Constant) and type(default.value) is int
+        )
+        out[parameter.arg] = (default, top) if plain else None
+    return out
 
 
 def _option(
