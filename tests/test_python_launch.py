@@ -767,3 +767,37 @@ def test_a_triton_kernel_s_parameter_default_is_in_meta(
         "BLOCK_SIZE: tl.constexpr):", f"BLOCK_SIZE: tl.constexpr = {default}):"
     )
     assert read_triton(source) == expected
+
+
+MATMUL = (
+    f"{TRITON_HEAD}\n@triton.jit\n"
+    "def matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,\n"
+    "                  BLOCK_K: tl.constexpr):\n"
+    "    pid_m = tl.program_id(0)\n    pid_n = tl.program_id(1)\n"
+    "    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)\n"
+    "    for k in range(0, K, BLOCK_K):\n"
+    "        a = tl.load(a_ptr + tl.arange(0, BLOCK_M)[:, None] * K + tl.arange(0, BLOCK_K)[None, :] + k)\n"
+    "        b = tl.load(b_ptr + tl.arange(0, BLOCK_K)[:, None] * N + tl.arange(0, BLOCK_N)[None, :] + k * N)\n"
+    "        acc += DOT\n"
+    "    tl.store(c_ptr + tl.arange(0, BLOCK_M)[:, None] * N + tl.arange(0, BLOCK_N)[None, :], acc)\n\n"
+    "def matmul(a, b, c):\n"
+    "    matmul_kernel[(2048 // 128, 4096 // 128)](a, b, c, 2048, 4096, 4096, BLOCK_M=128, BLOCK_N=128, BLOCK_K=32,\n"
+    "                                              num_warps=8, num_stages=4)\n"
+)
+
+
+@pytest.mark.parametrize("dot", ["tl.dot(a, b)", "tl.dot(a, b, input_precision='ieee')"])
+def test_a_triton_kernel_staging_tl_dot_tiles_has_no_occupancy_counted(dot: str) -> None:
+    """Triton stages a tl.dot's tiles in shared memory (num_stages of BLOCK_M x BLOCK_K and BLOCK_K x BLOCK_N: 64
+    KiB here in fp16), the compiler's choice and not read: the occupancy of a kernel using none (a block of 256
+    threads, 8 a SM on H100) overstated it, and its waves with it."""
+    kernel = Kernel(source=MATMUL.replace("DOT", dot), entry="matmul_kernel", language="triton")
+    f = kernel_features(kernel, WL, lookup("H100"), None)
+    assert (f.threads_per_block, f.blocks) == (256, 16 * 32)  # the launch is read
+    assert f.occupancy is None and f.waves is None and f.sm_utilisation is None
+    # A kernel without tl.dot (the tutorial's add) keeps its occupancy: Triton gives it no shared memory to stage.
+    add = Kernel(source=triton(TUTORIAL), entry="add_kernel", language="triton")
+    assert kernel_features(add, WL, lookup("H100"), None).occupancy is not None
+    # Nor does another kernel's tl.dot in the same file count.
+    both = Kernel(source=triton(TUTORIAL) + MATMUL.replace("DOT", dot), entry="add_kernel", language="triton")
+    assert kernel_features(both, WL, lookup("H100"), None).occupancy is not None

@@ -1917,6 +1917,18 @@ def kernel_source_features(kernel: Kernel, spec: GpuSpec | None) -> SourceFeatur
 
 
 _EXTERN_SHARED = re.compile(r"\bextern\s+__shared__\b")
+# Triton puts a tl.dot's operand tiles in shared memory, num_stages deep where its loads are pipelined (128 x 32 and
+# 32 x 128 fp16 tiles, 4 stages: 64 KiB), an amount the compiler decides.
+_TRITON_DOT = re.compile(r"\b(?:tl|triton\.language)\.dot(?:_scaled)?\s*\(")
+
+
+def _has_extern_shared(kernel: Kernel) -> bool:
+    return _EXTERN_SHARED.search(kernel.source) is not None
+
+
+def _stages_dot_tiles(kernel: Kernel) -> bool:
+    """Whether a Triton kernel (`entry` and what it calls) uses tl.dot, FMA's too (`input_precision="ieee"`)."""
+    return _TRITON_DOT.search(python_entry_text(_python_text(kernel.source), kernel.entry)) is not None
 
 
 def with_resources(
@@ -1950,7 +1962,11 @@ def with_resources(
                 dyn = found.shared_mem_bytes
                 # Its dynamic shared memory not read (`256 * sizeof(T)`, a run-time size) where the kernel
                 # has some: occupancy counted without it would be too high (a block of 48 KiB as one of none).
-                dyn_unknown = dyn is None and _EXTERN_SHARED.search(kernel.source) is not None
+                # A Triton kernel's is the compiler's, and it stages tl.dot's tiles there.
+                has_some = (
+                    _stages_dot_tiles(kernel) if found.warps is not None else _has_extern_shared(kernel)
+                )
+                dyn_unknown = dyn is None and has_some
             if found.grid is not None:
                 blocks = math.prod(found.grid)
     registers = ptxas.registers if ptxas else None
