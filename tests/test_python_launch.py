@@ -801,3 +801,38 @@ def test_a_triton_kernel_staging_tl_dot_tiles_has_no_occupancy_counted(dot: str)
     # Nor does another kernel's tl.dot in the same file count.
     both = Kernel(source=triton(TUTORIAL) + MATMUL.replace("DOT", dot), entry="add_kernel", language="triton")
     assert kernel_features(both, WL, lookup("H100"), None).occupancy is not None
+
+
+def test_a_triton_wrapper_sent_as_the_entry_is_read_by_the_kernel_it_launches() -> None:
+    """`entry="add"`, the Python wrapper launching `add_kernel[grid](...)`, had no launch read (no `add[`), though
+    the harness runs it and it launches one Triton kernel."""
+    wrapper = Kernel(source=triton(TUTORIAL), entry="add", language="triton")
+    assert source_launch(wrapper, WL) == programs((16384,))
+    assert source_launch(wrapper.model_copy(update={"language": "python"}), WL) == programs((16384,))
+    assert host_launch.launches_itself(wrapper)
+    # The kernel's body is read with it: its tl.dot, and the shared memory that stages it (no occupancy).
+    matmul = Kernel(source=MATMUL.replace("DOT", "tl.dot(a, b)"), entry="matmul", language="triton")
+    f = kernel_features(matmul, WL, lookup("H100"), None)
+    assert (f.threads_per_block, f.blocks, f.source.tensor_core) == (256, 512, 1)
+    assert f.occupancy is None
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        # Two kernels, or one launched many times: not one launch.
+        TUTORIAL + "    other_kernel[(1,)](x)\n",
+        "    for i in range(4):\n" + TUTORIAL.replace("    ", "        "),
+        "    [add_kernel[(16384,)](x, y, out, n, BLOCK_SIZE=1024) for _ in range(4)]\n",
+        # A subscript call of anything else; a launch in a function of its own.
+        TUTORIAL + "    ops[0](x)\n",
+        "    def go():\n" + TUTORIAL.replace("    ", "        ") + "    go()\n",
+        # A kernel of its own named so; no launch at all.
+        "    add_kernel = make()\n" + TUTORIAL,
+        "    pass\n",
+    ],
+)
+def test_a_triton_wrapper_not_launching_one_kernel_once_is_not_read(body: str) -> None:
+    other = "@triton.jit\ndef other_kernel(x_ptr):\n    pass\n"
+    source = triton(body, head=other)
+    assert source_launch(Kernel(source=source, entry="add", language="triton"), WL) is None

@@ -296,7 +296,8 @@ def _embedded(kernel: Kernel) -> tuple[ast.Module, Kernel] | None:
 def launches_itself(kernel: Kernel) -> bool:
     """Whether the source (comments aside) launches `kernel.entry` itself, read or not; for a Python source,
     whether the C++ in its strings (torch's load_inline wrapper) or its Python (CuPy, PyCUDA) launches the kernel
-    that source runs, or, holding no CUDA, whether it launches its Triton kernel `entry` (`entry[grid](...)`)."""
+    that source runs, or, holding no CUDA, whether it launches its Triton kernel `entry` (`entry[grid](...)`), or the one the wrapper
+    `entry` launches."""
     if kernel.language in features.PYTHON_LANGUAGES:
         found = _embedded(kernel)
         if found is None:
@@ -720,11 +721,13 @@ def source_launch(kernel: Kernel, workload: Workload | None) -> SourceLaunch | N
 
 
 def _triton_module(kernel: Kernel) -> ast.Module | None:
-    """A Python source parsed, where it may launch `kernel.entry` as a Triton kernel (`entry[grid](...)`): not
-    every Python source is parsed (features.parsed_python: up to 64 KB, 0.1-0.3 s at most)."""
-    if re.search(rf"(?<![\w.]){re.escape(kernel.entry)}\s*\[", kernel.source) is None:
-        return None
-    return features.parsed_python(kernel.source)
+    """A Python source parsed, where it may launch `kernel.entry` as a Triton kernel (`entry[grid](...)`), or
+    `entry` may be a wrapper launching one (`def entry(` in a source naming triton): not every Python source is
+    parsed (features.parsed_python: up to 64 KB, 0.1-0.3 s at most)."""
+    entry = re.escape(kernel.entry)
+    launched = re.search(rf"(?<![\w.]){entry}\s*\[", kernel.source) is not None
+    wrapper = "triton" in kernel.source and re.search(rf"\bdef\s+{entry}\s*\(", kernel.source) is not None
+    return features.parsed_python(kernel.source) if launched or wrapper else None
 
 
 def _python_launch(kernel: Kernel, workload: Workload | None) -> SourceLaunch | None:

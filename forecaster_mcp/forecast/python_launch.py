@@ -17,11 +17,13 @@ An array made like another (`out = torch.empty_like(x)`, `x.clone()`) has that o
 assigned twice, or bound otherwise: an import, a def, `except ... as`, `global` in another function; a float, a
 value known only at run time, calls that disagree) leaves that part unknown. Nothing is run.
 
-A Triton kernel (`@triton.jit`, the entry itself) is launched as programs of num_warps warps (`triton_launch`): the
-grid a tuple, or a grid function (`lambda meta: ...`, `def grid(meta)`, defaults read where it is made) whose
-`meta` holds the launch's arguments by the kernel's parameter names, its defaults (a literal or a module constant)
-for those the launch leaves out; num_warps the launch's, else 4, Triton's default. What `@triton.autotune` picks
-is known where every config agrees, what `@triton.heuristics` sets never; any other decorator, `**kwargs`, or num_ctas other than 1 (clusters: more blocks than programs) leaves it unknown.
+A Triton kernel (`@triton.jit`: the entry itself, or the one kernel a wrapper sent as the entry launches once) is
+launched as programs of num_warps warps (`triton_launch`): the grid a tuple, or a grid function (`lambda meta:
+...`, `def grid(meta)`, defaults read where it is made) whose `meta` holds the launch's arguments by the kernel's
+parameter names, its defaults (a literal or a module constant) for those the launch leaves out; num_warps the
+launch's, else 4, Triton's default. What `@triton.autotune` picks is known where every config agrees, what
+`@triton.heuristics` sets never; any other decorator, `**kwargs`, or num_ctas other than 1 (clusters: more blocks
+than programs) leaves it unknown.
 Its shared memory is the compiler's choice: unknown.
 """
 
@@ -929,12 +931,65 @@ def _triton_grid(
         evaluator.scope, evaluator.meta = outer
 
 
-def triton_launches(module: ast.Module, kernel: str) -> bool:
-    """Whether the module's Python launches its Triton kernel `kernel` (`kernel[grid](...)`), read or not."""
+def triton_launches(module: ast.Module, entry: str) -> bool:
+    """Whether the module's Python launches its Triton kernel `entry` (`entry[grid](...)`), or the one its wrapper
+    `entry` launches, read or not."""
     top = _module_scope(module)
-    if _triton_kernel(module, top, kernel, _Names("", {}, None)) is None:
-        return False
-    return next(_triton_sites(module, top, kernel), None) is not None
+    found = _entry_kernel(module, top, entry, _Names("", {}, None))
+    return found is not None and next(_triton_sites(module, top, found[0]), None) is not None
+
+
+def _entry_kernel(
+    module: ast.Module, top: _Scope, entry: str, names: _Names
+) -> tuple[str, ast.FunctionDef, _Decorated] | None:
+    """The Triton kernel `entry` runs, its definition and what its decorators set (`_triton_kernel`): itself, a
+    `@triton.jit` function; or, a Python wrapper (`def add(x, y): ... add_kernel[grid](...)`), the one kernel it
+    launches once (`_wrapped_kernel`). None for any other."""
+    found = _triton_kernel(module, top, entry, names)
+    if found is not None:
+        return entry, *found
+    kernel = _wrapped_kernel(top, entry)
+    found = _triton_kernel(module, top, kernel, names) if kernel is not None else None
+    return (kernel, *found) if kernel is not None and found is not None else None
+
+
+def _wrapped_kernel(top: _Scope, entry: str) -> str | None:
+    """The kernel a module's undecorated function `entry` launches (`name[grid](...)`), where it makes one such
+    call, of a module-level name, run once: not in a loop, a comprehension or a function of its own (a grid
+    function's body may hold no launch). None for any other: two kernels, a subscript call of anything else
+    (`ops[0](x)`), a launch run many times, the wrapper's own `add_kernel`."""
+    defs = top.functions.get(entry, [])
+    if len(defs) != 1 or top.assigned.get(entry) != [None] or defs[0].decorator_list:
+        return None
+    wrapper = defs[0]
+    inner = _Scope(wrapper.body, _parameters(wrapper.args), top, top.declared)
+    launched: list[str] = []
+    stack: list[tuple[ast.AST, bool]] = [(statement, False) for statement in wrapper.body]
+    while stack:
+        node, repeated = stack.pop()
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):
+            target = node.func.value
+            if repeated or not isinstance(target, ast.Name) or inner.binds(target.id):
+                return None
+            launched.append(target.id)
+            if len(launched) > 1:
+                return None
+        repeated = repeated or isinstance(
+            node,
+            ast.For
+            | ast.AsyncFor
+            | ast.While
+            | ast.ListComp
+            | ast.SetComp
+            | ast.DictComp
+            | ast.GeneratorExp
+            | ast.FunctionDef
+            | ast.AsyncFunctionDef
+            | ast.Lambda
+            | ast.ClassDef,
+        )
+        stack.extend((child, repeated) for child in ast.iter_child_nodes(node))
+    return launched[0] if launched else None
 
 
 def _triton_sites(module: ast.Module, top: _Scope, kernel: str) -> Iterator[tuple[ast.Call, _Scope]]:
@@ -948,16 +1003,17 @@ def _triton_sites(module: ast.Module, top: _Scope, kernel: str) -> Iterator[tupl
                 yield call, scope
 
 
-def triton_launch(module: ast.Module, kernel: str, workload: Workload | None) -> SourceLaunch | None:
-    """The launch the module's `kernel[grid](...)` calls of its Triton kernel `kernel` agree on (module doc): the
-    grid its programs, a block of num_warps warps (Triton's default 4; 32 threads a warp here, the GPU's warp size
-    in features), its shared memory the compiler's (unknown). None where none is read."""
+def triton_launch(module: ast.Module, entry: str, workload: Workload | None) -> SourceLaunch | None:
+    """The launch the module's `kernel[grid](...)` calls of its Triton kernel agree on (module doc): `entry`, or
+    the kernel its wrapper `entry` launches; the grid its programs, a block of num_warps warps (Triton's default 4;
+    32 threads a warp here, the GPU's warp size in features), its shared memory the compiler's (unknown). None
+    where none is read."""
     names = _Names("", {}, workload)
     top = _module_scope(module)
-    found = _triton_kernel(module, top, kernel, names)
+    found = _entry_kernel(module, top, entry, names)
     if found is None:
         return None
-    definition, decorated = found
+    kernel, definition, decorated = found
     a = definition.args
     parameters = [p.arg for p in [*a.posonlyargs, *a.args]]
     defaults = _kernel_defaults(a, top)
