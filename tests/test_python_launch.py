@@ -836,3 +836,29 @@ def test_a_triton_wrapper_not_launching_one_kernel_once_is_not_read(body: str) -
     other = "@triton.jit\ndef other_kernel(x_ptr):\n    pass\n"
     source = triton(body, head=other)
     assert source_launch(Kernel(source=source, entry="add", language="triton"), WL) is None
+
+
+@pytest.mark.parametrize(
+    ("launch", "expected"),
+    [
+        # JITFunction.run(*args, grid=..., warmup=False, **kwargs): what `kernel[grid](...)` calls.
+        (
+            "    add_kernel.run(x, y, out, n, grid=lambda meta: (triton.cdiv(n, meta['BLOCK_SIZE']),), warmup=False,\n"
+            "                   BLOCK_SIZE=1024, num_warps=8)\n",
+            programs((16384,), 8),
+        ),
+        (
+            "    add_kernel.run(x, y, out, n, BLOCK_SIZE=256, grid=(n // 256,), warmup=False)\n",
+            programs((65536,)),
+        ),
+        # A warmup compiles and launches nothing; a warmup not known may be either.
+        (
+            "    add_kernel.run(x, y, out, n, BLOCK_SIZE=256, grid=(1,), warmup=True)\n" + TUTORIAL,
+            programs((16384,)),
+        ),
+        ("    add_kernel.run(x, y, out, n, BLOCK_SIZE=256, grid=(1,), warmup=w)\n" + TUTORIAL, None),
+    ],
+)
+def test_a_triton_kernel_s_run_is_a_launch(launch: str, expected: SourceLaunch | None) -> None:
+    """`add_kernel.run(..., grid=..., warmup=False)` launched it unread."""
+    assert read_triton(triton(launch)) == expected

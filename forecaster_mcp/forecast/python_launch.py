@@ -995,7 +995,14 @@ def _wrapped_kernel(top: _Scope, entry: str) -> str | None:
 def _triton_sites(module: ast.Module, top: _Scope, kernel: str) -> Iterator[tuple[ast.Call, _Scope]]:
     for call, scope, _ in _calls(module, top):
         func = call.func
-        if isinstance(func, ast.Subscript) and isinstance(func.value, ast.Name) and func.value.id == kernel:
+        # `kernel[grid](...)`, or the JITFunction.run it calls: `kernel.run(..., grid=grid, warmup=False)`
+        if isinstance(func, ast.Attribute) and func.attr == "run":
+            func = func.value
+        elif not isinstance(func, ast.Subscript):
+            continue
+        if isinstance(func, ast.Subscript):
+            func = func.value
+        if isinstance(func, ast.Name) and func.id == kernel:
             found: _Scope | None = scope
             while found is not None and not found.binds(kernel):
                 found = found.outer
@@ -1022,9 +1029,20 @@ def triton_launch(module: ast.Module, entry: str, workload: Workload | None) -> 
     for count, (call, scope) in enumerate(_triton_sites(module, top, kernel)):
         if count >= MAX_SITES:
             return None
-        assert isinstance(call.func, ast.Subscript)
         evaluator = _Evaluator(scope, names)
-        if decorated.opaque or any(k.arg is None for k in call.keywords):
+        keywords = list(call.keywords)
+        if isinstance(call.func, ast.Subscript):
+            grid_node: ast.expr | None = call.func.slice
+        else:  # kernel.run(*args, grid, warmup, **kwargs), both by keyword
+            given = {k.arg: k.value for k in keywords}
+            warmup = given.get("warmup")
+            if isinstance(warmup, ast.Constant) and warmup.value is True:
+                continue  # compiled, not launched
+            grid_node = given.get("grid")
+            if not (isinstance(warmup, ast.Constant) and warmup.value is False):
+                grid_node = None  # a warmup not known: launched or not
+            keywords = [k for k in keywords if k.arg not in ("grid", "warmup")]
+        if decorated.opaque or grid_node is None or any(k.arg is None for k in keywords):
             grids.append(None)  # `**cfg`, or configs made at run time: any argument may be set there
             warps.append(None)
             continue
@@ -1035,7 +1053,7 @@ def triton_launch(module: ast.Module, entry: str, workload: Workload | None) -> 
             if isinstance(arg, ast.Starred):
                 break
             meta[parameter] = (arg, scope)
-        meta.update((k.arg, (k.value, scope)) for k in call.keywords if k.arg is not None)
+        meta.update((k.arg, (k.value, scope)) for k in keywords if k.arg is not None)
         meta.update(decorated.tuned)
         options = {
             key: _option(meta, key, default, evaluator)
@@ -1045,7 +1063,7 @@ def triton_launch(module: ast.Module, entry: str, workload: Workload | None) -> 
         warps.append(
             w if w is not None and w > 0 and w & (w - 1) == 0 else None
         )  # a power of two, or no launch
-        grid = _triton_grid(evaluator, call.func.slice, meta) if options["num_ctas"] == 1 else None
+        grid = _triton_grid(evaluator, grid_node, meta) if options["num_ctas"] == 1 else None
         grids.append(_valid_grid(grid))
     if not grids:
         return None
