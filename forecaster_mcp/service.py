@@ -39,7 +39,7 @@ from forecaster_mcp.errors import (
 )
 from forecaster_mcp.forecast.base import USAGE_LEDGER, Forecaster, PairQuery
 from forecaster_mcp.forecast.engine import one_line, smallest_default_target
-from forecaster_mcp.forecast.features import entry_parameter_count
+from forecaster_mcp.forecast.features import PYTHON_LANGUAGES, entry_parameter_count
 from forecaster_mcp.forecast.local import member_key
 from forecaster_mcp.forecast.selective import (
     MAX_TARGET_ERROR,
@@ -1751,23 +1751,31 @@ def _compile_errors_note(
 
 
 def _source_notes(kernels: Sequence[Kernel], workload: Workload) -> list[str]:
-    """Mistakes in a candidate that forecasts do not need but a measurement would fail on: an entry the source
-    does not define, a workload listing another number of arguments than the kernel takes. One note per
-    mistake, naming the candidates that make it (a search sends many members of one family)."""
+    """Mistakes in a candidate that a measurement would fail on, or (a Python or Triton module's) that leave its
+    forecast reading the whole module: an entry the source does not define, a workload listing another number of
+    arguments than the kernel takes. One note per mistake, naming the candidates that make it (a search sends many
+    members of one family)."""
     found: dict[str, list[str]] = {}
     checked: dict[tuple[str, str], str | None] = {}
     for k in kernels:
-        if k.language not in ("cuda", "hip"):
+        if k.language not in ("cuda", "hip", *PYTHON_LANGUAGES):
             continue
         key = (k.source_hash(), k.entry)
         if key not in checked:
             checked[key] = None
+            python = k.language in PYTHON_LANGUAGES
+            # In a Python source the raw text is searched, strings and all: a CuPy or load_inline kernel's name
+            # is in its CUDA string.
             if re.search(rf"\b{re.escape(k.entry)}\b", k.source) is None:
                 checked[key] = (
-                    f"the source never names {k.entry!r} (the entry): unless a macro builds that name, "
+                    f"the source never names {k.entry!r} (the entry): the forecast cannot tell which kernel runs "
+                    "and reads the whole module; pass the @triton.jit function's name (or, for CUDA in a Python "
+                    "string, its __global__ function's)"
+                    if python
+                    else f"the source never names {k.entry!r} (the entry): unless a macro builds that name, "
                     "measure_kernel will find no such kernel; pass the __global__ function's name"
                 )
-            else:
+            elif not python:  # (parameters against workload.args: read from a C source only)
                 count = entry_parameter_count(k.source, k.entry)
                 if workload.args and count is not None and count != len(workload.args):
                     checked[key] = (

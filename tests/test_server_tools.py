@@ -1065,3 +1065,35 @@ async def test_a_damaged_state_database_is_named_to_the_agent(tmp_path: Path, co
         text = await error_of(client, "budget_status", {})
     assert "the server's state database is damaged (database disk image is malformed)" in text, text
     assert "tell the server's operator" in text
+
+
+async def test_a_python_or_triton_entry_the_source_never_names_is_noted(tmp_path: Path) -> None:
+    # Only CUDA and HIP candidates were checked: a Triton candidate with a mistyped entry was forecast as its whole
+    # file (python_entry_text keeps everything when the entry is not defined) with nothing said.
+    triton_src = (
+        "import triton\nimport triton.language as tl\n\n@triton.jit\n"
+        "def add_kernel(x_ptr, n, BLOCK: tl.constexpr):\n"
+        "    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)\n"
+        "    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1, mask=offs < n)\n"
+    )
+    cupy_src = (
+        'import cupy as cp\nk = cp.RawKernel(r"""extern "C" __global__ void relu(float* x) {}""", "relu")\n'
+    )
+    candidates = [
+        {"id": "ok", "source": triton_src, "entry": "add_kernel", "language": "triton"},
+        {"id": "typo", "source": triton_src, "entry": "add_kernal", "language": "triton"},
+        # A name inside the module's CUDA string is the entry of a CuPy kernel: named, so no note.
+        {"id": "cupy", "source": cupy_src, "entry": "relu", "language": "python"},
+    ]
+    settings = Settings.from_env(home=tmp_path, measurer="none", ledger="default")
+    service = await Service.open(settings)
+    try:
+        async with Client(build_server(service)) as client:
+            out = await call(client, "compare_kernels", {"candidates": candidates})
+    finally:
+        await service.close()
+    named = [n for n in out["notes"] if "never names" in n]
+    assert len(named) == 1 and named[0].startswith("candidate typo: the source never names 'add_kernal'"), (
+        named
+    )
+    assert "@triton.jit" in named[0]
