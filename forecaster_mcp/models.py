@@ -906,7 +906,11 @@ DecidedBy = Literal["forecast", "measurement", "cache"]
 
 class CandidateForecast(BaseModel):
     id: str
-    p_faster: float = Field(description="probability that this candidate is faster than the baseline")
+    p_faster: float = Field(
+        description="probability that this candidate is faster than the baseline if both compile and run (the "
+        "mass of speedup_bins above 1); a chance that either fails is counted in confidence and the verdict, "
+        "and said in the rationale"
+    )
     speedup_bins: list[float] = Field(description="8 probabilities over log2 speedup bins (see bins)")
     expected_speedup: float = Field(
         description="t(baseline) / t(candidate), expected (geometric mean of the forecast distribution)"

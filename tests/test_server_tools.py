@@ -1097,3 +1097,17 @@ async def test_a_python_or_triton_entry_the_source_never_names_is_noted(tmp_path
         named
     )
     assert "@triton.jit" in named[0]
+
+
+async def test_the_published_p_faster_says_it_assumes_both_kernels_run(
+    tmp_path: Path, conv_a100: Path
+) -> None:
+    # p_faster is the bins' mass above a speedup of 1, a distribution over runtimes: a candidate that likely fails
+    # to compile reads p_faster 0.5 beside verdict "slower". The schema called it plainly "probability that this
+    # candidate is faster", and an outside client sorting by it took such a candidate for a coin flip.
+    async with running(tmp_path, [conv_a100]) as (client, _):
+        tools = {t.name: t for t in (await client.list_tools()).tools}
+    schema = tools["compare_kernels"].output_schema
+    assert schema is not None
+    text = json.dumps(schema)
+    assert "if both compile and run" in text and "confidence" in text
