@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -1459,3 +1460,17 @@ def test_launch_arithmetic_is_done_in_the_source_s_integer_types(
     int parameter the workload sizes so) is undefined in C++ (or wraps negative), not the large grid it read as."""
     expected = (grid, 1, 1) if grid is not None else None
     assert read(host, workload) == SourceLaunch(expected, (256, 1, 1), 0)
+
+
+def test_c_expressions_python_cannot_read_warn_nothing() -> None:
+    # Launch sizes and #if conditions are read through Python's parser: `256and` (a digit run against a keyword)
+    # made it print "SyntaxWarning: invalid decimal literal" to the server's stderr for each such source.
+    from forecaster_mcp.forecast.features import source_features
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert read("void f(int n) { k<<<(n + 255) / 256and, 256>>>(0, 0, n); }") == SourceLaunch(
+            None, (256, 1, 1), 0
+        )
+        source_features("#if 1and\n#endif\n" + KERNEL, {}, "k")
+    assert [str(w.message) for w in caught] == []

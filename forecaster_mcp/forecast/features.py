@@ -105,6 +105,18 @@ MAX_CONDITION_CHARS = 4096
 MAX_CONDITIONS = 2000  # #if / #elif conditions evaluated per source (preprocess)
 
 
+def parse_c_expression(text: str) -> ast.Expression | None:
+    """A C expression rewritten in Python's spelling (a #if condition, a launch size) parsed by Python, or None
+    where Python cannot read it. Quietly: `256and` made the parser print "SyntaxWarning: invalid decimal literal"
+    to the server's stderr, a sender's typo logged as if it were the server's."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", SyntaxWarning)
+            return ast.parse(text.strip(), mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError):  # RecursionError: `- - - ... 1`
+        return None
+
+
 def _eval_condition(expr: str, macros: dict[str, str]) -> bool | None:
     """Evaluate a #if expression; None when it cannot be evaluated safely (then both branches count)."""
     if len(expr) > MAX_CONDITION_CHARS:
@@ -127,9 +139,8 @@ def _eval_condition(expr: str, macros: dict[str, str]) -> bool | None:
         return None
     expr = expr.replace("&&", " and ").replace("||", " or ").replace("/", "//")
     expr = re.sub(r"!(?!=)", " not ", expr)
-    try:
-        tree = ast.parse(expr.strip(), mode="eval")
-    except (SyntaxError, RecursionError, MemoryError):  # `#if - - - ... 1`: the parser's own recursion
+    tree = parse_c_expression(expr)
+    if tree is None:
         return None
     if not all(isinstance(node, _ALLOWED_NODES) for node in ast.walk(tree)):
         return None

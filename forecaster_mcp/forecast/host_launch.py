@@ -593,9 +593,8 @@ def _typed(expr: str, names: _Names, depth: int) -> tuple[int, _Kind] | None:
     if re.search(r"->|\.|\[|'|\"|&&|\|\||!(?!=)", text):
         return None  # members, subscripts, characters, logic: nothing a launch size needs
     text = text.replace("/", "//")
-    try:
-        tree = ast.parse(text.strip(), mode="eval")
-    except (SyntaxError, RecursionError, MemoryError, ValueError):
+    tree = features.parse_c_expression(text)
+    if tree is None:
         return None
     try:
         return _value(tree.body, names, depth)
