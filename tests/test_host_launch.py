@@ -1474,3 +1474,17 @@ def test_c_expressions_python_cannot_read_warn_nothing() -> None:
         )
         source_features("#if 1and\n#endif\n" + KERNEL, {}, "k")
     assert [str(w.message) for w in caught] == []
+
+
+def test_the_defaults_of_many_launching_functions_are_read_cheaply() -> None:
+    """Each call of a launching function was placed among the host functions by walking them all: 32 defaulted
+    launchers called 63 times each after 80,000 small functions (1 MB) took 10 s."""
+    launchers = "".join(
+        f"void l{i}(int n, int t{i} = 256) {{ k<<<(n + t{i} - 1) / t{i}, t{i}>>>(0, 0, n); }}\n"
+        for i in range(32)
+    )
+    call_each = " ".join(f"l{i}(1);" for i in range(32))
+    calls = "".join(f"void c{j}() {{ {call_each} }}\n" for j in range(63))
+    source = "void z() {}\n" * 80_000 + launchers + calls
+    assert read(source, None) == SourceLaunch(None, (256, 1, 1), 0)
+    assert fastest_s(lambda: (host_launch._CACHE.clear(), read(source, None)), 2.0) < 2.0

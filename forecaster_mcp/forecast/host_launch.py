@@ -41,7 +41,7 @@ import json
 import math
 import re
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
@@ -838,15 +838,25 @@ def _tensor_aliases(params: tuple[_Param, ...], workload: Workload | None) -> di
     return dict(zip(tensors, inputs, strict=True))
 
 
-def _called(probe: str, span: tuple[int, int, str | None], spans: list[tuple[int, int, str | None]]) -> bool:
+def _named(name: str) -> str:
+    """A pattern of `name` where no word or `.` goes before it: the name first, the look behind after it, so that
+    a scan of the text looks for the name's letters (a look behind first is tried at every character: 30 ms a MB,
+    for each launching function)."""
+    quoted = re.escape(name)
+    return rf"{quoted}(?<![\w.]{quoted})"
+
+
+def _called(
+    probe: str, span: tuple[int, int, str | None], spans: list[tuple[int, int, str | None]], starts: list[int]
+) -> bool:
     """Whether the host function at `span` is called from another host function of the text (a helper of the
     wrapper), or cannot be named; a declaration (`cpp_sources`' prototype), `&forward` or a docstring's
     `forward (CUDA)` is no call. `probe`: the text with its literals and comments blanked
-    (features._blank_literals), so that `m.def("forward", &forward, "relu forward (CUDA)")` calls nothing."""
+    (features._blank_literals), so that `m.def("forward", &forward, "relu forward (CUDA)")` calls nothing.
+    `starts`: the spans' starts (in order, none inside another)."""
     if span[2] is None:
         return True
-    call = re.compile(rf"(?<![\w.]){re.escape(span[2])}\s*+(?:<[^<>;{{}}()]{{0,200}}>\s*+)?\(")
-    starts = [a for a, _, _ in spans]  # in order, none inside another
+    call = re.compile(rf"{_named(span[2])}\s*+(?:<[^<>;{{}}()]{{0,200}}>\s*+)?\(")
     for m in call.finditer(probe):
         i = bisect.bisect_right(starts, m.start()) - 1
         if i >= 0 and m.start() < spans[i][1] and spans[i][:2] != span[:2]:
@@ -866,6 +876,8 @@ def _defaults(
     declarations: list[tuple[int, int, str | None]],
     params: tuple[_Param, ...],
     exported: Collection[str],
+    starts: list[int],
+    named: Mapping[str | None, int],
 ) -> dict[str, str]:
     """The defaults of the parameters of the host function at `span` that every call of it leaves out
     (`launch(x, y, n)` of `launch(..., int threads = 256)`), by name: its definition's default, else a
@@ -874,7 +886,8 @@ def _defaults(
     pointer kept), or none calling it (its callers not sent), may be called with any argument; so may one Python
     binds by name (`exported`: load_inline's `functions=[...]`), and Python passes every argument, pybind11 not
     knowing C++'s defaults. A default the function changes itself (`threads = 64;`), or an overload's, is not it.
-    `probe`: the text with its literals and comments blanked (features._blank_literals)."""
+    `probe`: the text with its literals and comments blanked (features._blank_literals); `starts`: the spans'
+    starts, in order; `named`: how many of them have each name."""
     start, end, name = span
     given = [p.default for p in params]
     if name is None or name in exported:
@@ -886,17 +899,20 @@ def _defaults(
         for i, written in enumerate(_parameter_texts(text[a:b]) or []):
             if i < len(given) and given[i] is None:
                 given[i] = _default(written)
-    if all(g is None for g in given) or sum(s[2] == name for s in spans) != 1:
+    if all(g is None for g in given) or named[name] != 1:
         return {}
     body = probe.find("{", start, end)
     passed = 0  # the most arguments a call passes
     called = False
-    for i, m in enumerate(re.finditer(rf"(?<![\w.])(?<!->){re.escape(name)}\b", probe)):
+    for i, m in enumerate(re.finditer(rf"{_named(name)}(?<!->{re.escape(name)})\b", probe)):
         at = m.start()
         if start <= at < body or any(a <= at < b for a, b, _ in declared):
             continue  # its own header, a declaration of it
         tail = _CALL_TAIL.match(probe, m.end())
-        inside = any(a <= at < b for a, b, _ in spans)
+        # The spans are in order, none inside another: the one it may be in found by bisection (walking them all
+        # for each call of 32 launching functions took 10 s after 80,000 small ones).
+        j = bisect.bisect_right(starts, at) - 1
+        inside = j >= 0 and at < spans[j][1]
         close = _closing(probe, tail.end()) if tail is not None and inside and i < MAX_ASSIGNMENTS else None
         if tail is None or close is None:
             return {}  # named otherwise, called outside the host functions, or too often to read
@@ -937,6 +953,8 @@ def _source_launch(
             defined[name] = ""
     declarations: list[tuple[int, int, str | None]] = []
     spans = features._host_spans(text, declarations)
+    starts = [a for a, _, _ in spans]  # in order, none inside another
+    named = Counter(name for _, _, name in spans)
     by_params: dict[tuple[tuple[_Param, ...], bool, tuple[tuple[str, str], ...]], _Names] = {}
     called_by: dict[tuple[int, int, str | None] | None, tuple[bool, dict[str, str]]] = {}
     probe: str | None = None  # blanked once for every function asked about (_called), not once each
@@ -952,8 +970,8 @@ def _source_launch(
                 called_by[span] = (True, {})
             else:
                 probe = features._blank_literals(text) if probe is None else probe
-                defaults = _defaults(text, probe, span, spans, declarations, params, exported)
-                called_by[span] = (_called(probe, span, spans), defaults)
+                defaults = _defaults(text, probe, span, spans, declarations, params, exported, starts, named)
+                called_by[span] = (_called(probe, span, spans, starts), defaults)
         called, defaults = called_by[span]
         key = (params, called, tuple(sorted(defaults.items())))
         if key not in by_params:
