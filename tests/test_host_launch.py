@@ -1392,6 +1392,26 @@ def test_a_directive_between_a_kernel_s_qualifier_and_its_name_is_not_its_name(c
     assert source_launch(python, inputs(x=[1 << 24])) == SourceLaunch((65536, 1, 1), (256, 1, 1), 0)
 
 
+@pytest.mark.parametrize(
+    "caller",
+    [
+        "int main() { Op op; op.launch(1 << 24, 1024); op.run(1 << 24); }",
+        "int main() { Op* op = new Op(); op->launch(1 << 24, 1024); op->run(1 << 24); }",
+        "void Op::go(int n) { this->launch(n, 1024); }",
+    ],
+)
+def test_a_method_s_default_counts_its_calls_through_an_object(caller: str) -> None:
+    """A method defined outside its class (the class in a header not sent) called `op.launch(n, 1024)` passes
+    `threads`: its default is not the launch's, though its own class's call (`launch(n)`) leaves it out."""
+    host = (
+        '#include "op.h"\n'
+        "void Op::launch(int n, int threads = 256) { k<<<(n + threads - 1) / threads, threads>>>(0, 0, n); }\n"
+        "void Op::run(int n) { launch(n); }\n"
+    )
+    assert read(host + "int main() { Op op; op.run(1 << 24); }", None) == SourceLaunch(None, (256, 1, 1), 0)
+    assert read(host + caller, None) is None
+
+
 def test_a_default_of_a_function_python_binds_is_python_s() -> None:
     """load_inline's `functions=[...]` binds each function named to Python, which passes every argument: a
     default the wrapper's own call leaves out is not the launch where Python calls `launch` itself."""

@@ -904,7 +904,10 @@ def _defaults(
     body = probe.find("{", start, end)
     passed = 0  # the most arguments a call passes
     called = False
-    for i, m in enumerate(re.finditer(rf"{_named(name)}(?<!->{re.escape(name)})\b", probe)):
+    # A call through an object (`op.launch(n, 1024)`, `this->launch(...)`) counts: a method defined outside its
+    # class (`void Op::launch(int n, int threads = 256)`) is called so.
+    quoted = re.escape(name)
+    for i, m in enumerate(re.finditer(rf"{quoted}(?<!\w{quoted})\b", probe)):
         at = m.start()
         if start <= at < body or any(a <= at < b for a, b, _ in declared):
             continue  # its own header, a declaration of it
