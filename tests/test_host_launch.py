@@ -1508,3 +1508,59 @@ def test_the_defaults_of_many_launching_functions_are_read_cheaply() -> None:
     source = "void z() {}\n" * 80_000 + launchers + calls
     assert read(source, None) == SourceLaunch(None, (256, 1, 1), 0)
     assert fastest_s(lambda: (host_launch._CACHE.clear(), read(source, None)), 2.0) < 2.0
+
+
+U16 = "void f() {{ {decl} k<<<{grid}, 256>>>(0, 0, 0); }}"
+
+
+@pytest.mark.parametrize(
+    ("host", "workload", "grid"),
+    [
+        # narrow integer types hold what they can: a short past its range is unknown, a uint16_t wraps
+        (U16.format(decl="short b = 40000;", grid="b"), None, None),
+        (U16.format(decl="uint16_t b = 70000;", grid="b"), None, 4464),
+        (U16.format(decl="unsigned short b = 70000;", grid="b"), None, 4464),
+        (U16.format(decl="", grid="(short)70000"), None, None),
+        (U16.format(decl="", grid="static_cast<uint16_t>(70000)"), None, 4464),
+        # and are promoted to int: 65535 * 65535 overflows int; 256 * 256 is 65536, not 0
+        (U16.format(decl="uint16_t a = 65535;", grid="a * a / 65536"), None, None),
+        (U16.format(decl="unsigned short a = 256;", grid="a * a / 256"), None, 256),
+        # a char's sign is the platform's, a bool is 0 or 1, a float divides as floats: none read as integers
+        (U16.format(decl="char c = 200;", grid="c"), None, None),
+        (U16.format(decl="bool b = 5;", grid="b"), None, None),
+        (U16.format(decl="", grid="static_cast<float>(1000) / 256 * 2"), None, None),
+        (U16.format(decl="int b = static_cast<double>(1000) / 256 * 1000;", grid="b"), None, None),
+        # a type the source names (`using`, `typedef`) is that type; one not read is unknown, not 64 bits
+        ("using idx_t = int;\n" + FORWARD.format(n="idx_t n = x.numel();"), BIG, None),
+        ("typedef int idx_t;\n" + FORWARD.format(n="const idx_t n = x.numel();"), BIG, None),
+        ("typedef int64_t idx_t;\n" + FORWARD.format(n="idx_t n = x.numel();"), BIG, 11718750),
+        (FORWARD.format(n="index_t n = x.numel();"), BIG, None),
+        (
+            "using idx_t = int;\nvoid f(idx_t n) { k<<<(n + 255) / 256, 256>>>(0, 0, n); }",
+            sized(n=3 * 10**9),
+            None,
+        ),
+        (
+            "using idx_t = long;\nvoid f(idx_t n) { k<<<(n + 255) / 256, 256>>>(0, 0, n); }",
+            sized(n=3 * 10**9),
+            11718750,
+        ),
+        ("void f(index_t n) { k<<<(n + 255) / 256, 256>>>(0, 0, n); }", sized(n=3 * 10**9), None),
+        ("void f(const int& n) { k<<<(n + 255) / 256, 256>>>(0, 0, n); }", sized(n=3 * 10**9), None),
+        # still read: auto, a dim3 assigned a number, an int reference that holds the size
+        (FORWARD.format(n="const auto n = x.numel();"), BIG, 11718750),
+        (
+            "void f(const int& n) { dim3 g = (n + 255) / 256; k<<<g, 256>>>(0, 0, n); }",
+            sized(n=1 << 24),
+            65536,
+        ),
+    ],
+)
+def test_a_type_the_evaluator_does_not_read_is_not_taken_for_another(
+    host: str, workload: Workload | None, grid: int | None
+) -> None:
+    """e7a7a64 read a declaration or cast of a type it does not know (`short`, `uint16_t`, `char`, `bool`,
+    `float`, an alias) as its value's type, or dropped the cast: `uint16_t b = 70000` launched 70000 blocks, not
+    4464; `idx_t n = x.numel()` of 3e9 elements with `using idx_t = int;` read as the 3e9 an int cannot hold."""
+    expected = (grid, 1, 1) if grid is not None else None
+    assert read(host, workload) == SourceLaunch(expected, (256, 1, 1), 0)

@@ -25,9 +25,10 @@ a dimension evaluates to a whole number from what the source and the workload sa
 A name assigned two different values, or changed in place (`+=`, `++`, `grid.x = ...`, `grid.x += 1`), its
 address taken (`&block_size`: set at run time) or read from `std::cin`, a value known only at run time (a device
 query, an unnamed size), a ternary, or two launches of the entry that disagree leave that part unknown: a block without a grid still gives occupancy. Nothing is run; the expression evaluator
-(`_value`) computes as C++ does, in each value's integer type: a name's declared one (`int n`, `size_t total`, a
-parameter's), a literal's (`1 << 31` an int, `1u`, `1LL`), a cast's, `x.numel()`'s int64_t, the usual
-conversions between them. A value past a signed type's range (an `int n = x.numel()` of 3e9 elements, `M * N` of
+(`_value`) computes as C++ does, in each value's integer type: a name's declared one (`int n`, `size_t total`,
+`uint16_t b`, `idx_t n` of `using idx_t = int;`, a parameter's), a literal's (`1 << 31` an int, `1u`, `1LL`), a
+cast's, `x.numel()`'s int64_t, the usual conversions between them (`short` promoted to int). A value stored in or
+cast to a type not read (`float`, `char`, `bool`, `T`) is unknown. A value past a signed type's range (an `int n = x.numel()` of 3e9 elements, `M * N` of
 two ints at 65536) is unknown, as C++ leaves it undefined; unsigned types wrap, as C++ defines.
 """
 
@@ -127,7 +128,7 @@ _NUMEL = re.compile(r"\b([A-Za-z_]\w*)\s*(?:\.|->)\s*numel\s*\(\s*\)")
 _SIZE = re.compile(r"\b([A-Za-z_]\w*)\s*(?:\.|->)\s*size\s*\(\s*(-?\d+)\s*\)")
 _CAST = re.compile(
     r"\(\s*((?:const\s+)?(?:unsigned|signed|int|long|short|size_t|int64_t|int32_t|uint64_t|uint32_t|unsigned\s+int|"
-    r"long\s+long|unsigned\s+long(?:\s+long)?))\s*\)"
+    r"long\s+long|unsigned\s+long(?:\s+long)?|(?:unsigned\s+)?short(?:\s+int)?|u?int(?:8|16)_t))\s*\)"
 )
 _CPP_CAST = re.compile(r"\b(?:static_cast|reinterpret_cast)\s*<([^<>()]{1,60})>\s*\(")
 _NAMESPACE = re.compile(r"\b(?:std|cuda|at|c10|torch)\s*::\s*")
@@ -144,6 +145,9 @@ _INT: _Kind = (32, True)
 _UINT: _Kind = (32, False)
 _LONG: _Kind = (64, True)
 _ULONG: _Kind = (64, False)
+# A type the evaluator does not read (`float`, `char`, `bool`, `T`, an alias it cannot resolve): a value stored or
+# passed in it is unknown, not its value's type.
+_NOT_READ: _Kind = (0, True)
 _KINDS: dict[str, _Kind] = {
     **dict.fromkeys(("int", "signed", "signed int", "int32_t"), _INT),
     **dict.fromkeys(("unsigned", "unsigned int", "uint32_t", "uint"), _UINT),
@@ -155,16 +159,53 @@ _KINDS: dict[str, _Kind] = {
         ("unsigned long", "unsigned long long", "unsigned long int", "uint64_t", "size_t", "uintptr_t"),
         _ULONG,
     ),
+    # Narrower ones, promoted to int in arithmetic (`_promoted`); not `char`, whose sign is the platform's, nor
+    # `bool`, which a conversion makes 0 or 1. A dim3 is made of unsigned ints.
+    **dict.fromkeys(("signed char", "int8_t"), (8, True)),
+    **dict.fromkeys(("unsigned char", "uint8_t"), (8, False)),
+    **dict.fromkeys(("short", "short int", "signed short", "signed short int", "int16_t"), (16, True)),
+    **dict.fromkeys(("unsigned short", "unsigned short int", "uint16_t"), (16, False)),
+    "dim3": _UINT,
 }
+# Words before a name that make no declaration of it (`return n = 5;`, `else n = 5;`).
+_NOT_TYPES = frozenset(
+    {
+        "return",
+        "else",
+        "do",
+        "case",
+        "goto",
+        "throw",
+        "co_return",
+        "co_yield",
+        "new",
+        "delete",
+        "and",
+        "or",
+        "not",
+    }
+)
 _QUALIFIERS = re.compile(r"\b(?:const|constexpr|static|volatile|register|inline)\b|\bstd\s*::")
 # The evaluator's names for a conversion to each type (casts, suffixed literals, a tensor's int64_t sizes).
-_AS = {"__as_int": _INT, "__as_uint": _UINT, "__as_long": _LONG, "__as_ulong": _ULONG}
+_AS = {
+    "__as_int": _INT,
+    "__as_uint": _UINT,
+    "__as_long": _LONG,
+    "__as_ulong": _ULONG,
+    "__as_int8": (8, True),
+    "__as_uint8": (8, False),
+    "__as_int16": (16, True),
+    "__as_uint16": (16, False),
+}
 _AS_NAME = {kind: name for name, kind in _AS.items()}
 # The types a declaration may name before a variable (`const int n = ...;`), read back from its name.
-_DECLARED_TYPE = re.compile(
-    r"(?<![\w:])(?:(?:const|constexpr|static|volatile|register|unsigned|signed|short|long|int|auto|uint|size_t|"
-    r"ssize_t|ptrdiff_t|intptr_t|uintptr_t|int32_t|uint32_t|int64_t|uint64_t)\s+|std\s*::\s*)+$"
+# Any words (`const idx_t`, `unsigned short`, `float`), namespaces among them, a reference's `&` after them.
+_DECLARED_TYPE = re.compile(r"(?<![\w:])(?:[A-Za-z_]\w*\s*::\s*|[A-Za-z_]\w*\s+)*[A-Za-z_]\w*\s*&{0,2}\s*$")
+# The source's integer type aliases: `using idx_t = int;`, `typedef unsigned int u32;`.
+_ALIAS = re.compile(
+    r"\busing\s+([A-Za-z_]\w*)\s*=\s*([\w:\s]{1,80});|\btypedef\s+([\w:\s]{1,80}?)\s+([A-Za-z_]\w*)\s*;"
 )
+MAX_ALIASES = 256  # read per source: past them, no alias is read
 _SIZEOF = re.compile(r"\bsizeof\s*\(\s*([A-Za-z_][\w:]*(?:\s+[A-Za-z_]\w*)*)\s*\)")
 _SIZES_OF = {
     **dict.fromkeys(("char", "signed char", "unsigned char", "int8_t", "uint8_t", "bool"), 1),
@@ -185,13 +226,42 @@ _UNKNOWN = object()
 
 
 def _kind_of(type_text: str) -> _Kind | None:
-    """The integer type a type names (`const int`, `std::size_t`); None for any other (`auto`, `float`, `T`)."""
-    return _KINDS.get(" ".join(_QUALIFIERS.sub(" ", type_text).split()))
+    """The integer type a type names (`const int`, `std::size_t`, `const int&`); None for any other (`auto`,
+    `float`, `T`)."""
+    return _KINDS.get(" ".join(_QUALIFIERS.sub(" ", type_text.replace("&", " ")).split()))
+
+
+def _type_kind(type_text: str, aliases: Mapping[str, _Kind]) -> _Kind | None:
+    """The type a declaration or parameter names, the source's aliases read (`idx_t` of `using idx_t = int;`):
+    None for `auto` (or none named: its value's type); _NOT_READ for one not read (`float`, `char`, `T`)."""
+    kind = _kind_of(type_text)
+    if kind is not None:
+        return kind
+    words = _NAME.findall(_QUALIFIERS.sub(" ", type_text))
+    if not words or words == ["auto"]:
+        return None
+    return aliases.get(words[0], _NOT_READ) if len(words) == 1 else _NOT_READ
+
+
+def _aliases(text: str) -> dict[str, _Kind]:
+    """The source's integer type aliases (`_ALIAS`), each of one type; one aliased twice over is not read."""
+    if "using" not in text and "typedef" not in text:
+        return {}
+    out: dict[str, _Kind] = {}
+    for m in itertools.islice(_ALIAS.finditer(text), MAX_ALIASES):
+        name, aliased = (m.group(1), m.group(2)) if m.group(1) is not None else (m.group(4), m.group(3))
+        kind = _type_kind(aliased, out)
+        if kind is None or out.setdefault(name, kind) != kind:
+            out[name] = _NOT_READ
+    return out
 
 
 def _as(value: int, kind: _Kind) -> int:
-    """`value` converted to `kind`: an unsigned type wraps it; a signed type it does not fit is ArithmeticError."""
+    """`value` converted to `kind`: an unsigned type wraps it; a signed type it does not fit is ArithmeticError,
+    as is a type not read (_NOT_READ)."""
     bits, signed = kind
+    if bits == 0:
+        raise ArithmeticError("a type not read")
     if not signed:
         return value % (1 << bits)
     if not -(1 << (bits - 1)) <= value < 1 << (bits - 1):
@@ -199,8 +269,14 @@ def _as(value: int, kind: _Kind) -> int:
     return value
 
 
+def _promoted(kind: _Kind) -> _Kind:
+    """C++'s integer promotion: a type narrower than int (`short`, `uint16_t`) is computed in int."""
+    return _INT if kind[0] < 32 else kind
+
+
 def _common(a: _Kind, b: _Kind) -> _Kind:
-    """The type C++'s usual arithmetic conversions give two operands: the wider, else the unsigned."""
+    """The type C++'s usual arithmetic conversions give two operands: promoted, the wider, else the unsigned."""
+    a, b = _promoted(a), _promoted(b)
     if a[0] != b[0]:
         return a if a[0] > b[0] else b
     return a if not a[1] else b
@@ -230,7 +306,7 @@ def _literal(m: re.Match[str]) -> str:
 
 def _typed_casts(text: str) -> str | None:
     """`text` with its C-style integer casts as the evaluator's conversions: `(size_t)M * N` is
-    `__as_ulong(M) * N`; a cast of a type not read (`(short)`) dropped. None where an operand is not read."""
+    `__as_ulong(M) * N`; a cast of a type not read is unknown. None where an operand is not read."""
     for _ in range(MAX_EXPR_CHARS):
         last = next(reversed(list(_CAST.finditer(text))), None)  # the innermost first: `(int)(long)x`
         if last is None:
@@ -249,7 +325,7 @@ def _typed_casts(text: str) -> str | None:
         if not text[last.end() : end].strip():
             return None  # `(int)-n`: not read
         kind = _kind_of(last.group(1))
-        called = _AS_NAME[kind] if kind is not None else ""
+        called = _AS_NAME[kind] if kind is not None else "__unknown__"
         text = f"{text[: last.start()]} {called}({text[last.end() : end]}){text[end:]}"
     return None
 
@@ -359,6 +435,7 @@ class _Names:
         aliases: Mapping[str, str] | None = None,
         defaults: Mapping[str, str] | None = None,
         kinds: Mapping[str, _Kind] | None = None,
+        types: Mapping[str, _Kind] | None = None,
     ) -> None:
         self.text = text
         self.macros = macros
@@ -372,6 +449,7 @@ class _Names:
         # A parameter's default that every caller leaves out (`_defaults`): its value, as the source's is.
         self.defaults = dict(defaults or {})
         self.kinds = dict(kinds or {})  # a parameter's integer type, where it has one (`int n`)
+        self.types = dict(types or {})  # the source's integer type aliases (`using idx_t = int;`: `_aliases`)
         self._defs: dict[str, tuple[str, set[str]] | None] = {}
         self._memo: dict[str, tuple[int, _Kind] | None] = {}
         self.sizes: dict[str, int] = {}
@@ -496,15 +574,17 @@ class _Names:
         return (size, _LONG) if size is not None else None
 
     def declared(self, name: str) -> list[_Kind] | None:
-        """The integer types `name` is declared with (`const int n = ...;`, `unsigned n;`), in order; those of
-        other types (`auto`, `float`) and declarations read no type from (`int a = 1, n = 2;`) say none. None
-        past MAX_ASSIGNMENTS declarations."""
+        """The integer types `name` is declared with (`const int n = ...;`, `unsigned n;`, `idx_t n` of `using
+        idx_t = int;`), in order; _NOT_READ for another type (`float n`, `T n`, an alias not read); `auto`, and
+        declarations read no type from (`int a = 1, n = 2;`), say none. None past MAX_ASSIGNMENTS declarations."""
         kinds: list[_Kind] = []
         for i, m in enumerate(re.finditer(rf"(?<![\w.])(?<!->){re.escape(name)}\s*(?:=(?!=)|;)", self.text)):
             if i >= MAX_ASSIGNMENTS:
                 return None
             before = _DECLARED_TYPE.search(self.text, max(0, m.start() - 80), m.start())
-            kind = _kind_of(before.group(0)) if before is not None else None
+            type_text = before.group(0) if before is not None else ""
+            words = _NAME.findall(type_text)
+            kind = _type_kind(type_text, self.types) if words and words[-1] not in _NOT_TYPES else None
             if kind is not None:
                 kinds.append(kind)
         return kinds
@@ -578,8 +658,8 @@ def _typed(expr: str, names: _Names, depth: int) -> tuple[int, _Kind] | None:
         return f"__as_ulong({found})" if found is not None else "__unknown__"  # a size_t
 
     def cast(m: re.Match[str]) -> str:
-        kind = _kind_of(m.group(1))
-        return f"{_AS_NAME[kind]}(" if kind is not None else "("
+        kind = _type_kind(m.group(1), names.types)
+        return f"{_AS_NAME[kind]}(" if kind is not None and kind != _NOT_READ else "__unknown__("
 
     text = _SIZEOF.sub(sizeof, expr)
     text = _NUMEL.sub(numel, text)
@@ -633,11 +713,13 @@ def _value(node: ast.AST, names: _Names, depth: int) -> tuple[int, _Kind]:
             # The left operand's type; a count past its width, or a negative one shifted left, is undefined.
             if not 0 <= b < ka[0] or (isinstance(node.op, ast.LShift) and a < 0 and ka[1]):
                 raise ArithmeticError("shift out of range")
+            ka = _promoted(ka)
             return _as(op(a, b), ka), ka
         kind = _common(ka, kb)
         return _as(op(_as(a, kind), _as(b, kind)), kind), kind
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
         inner, kind = _value(node.operand, names, depth)
+        kind = _promoted(kind)
         return (_as(-inner, kind) if isinstance(node.op, ast.USub) else inner), kind
     if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
         # A decimal literal is an int, else a long (`_literal` reads the others); none is wider.
@@ -801,8 +883,9 @@ def _default(param: str) -> str | None:
     return " ".join(value.split()) or None if eq else None
 
 
-def _parameters(text: str, start: int, end: int) -> tuple[_Param, ...]:
-    """The parameters of the function defined at text[start:end], in order."""
+def _parameters(text: str, start: int, end: int, aliases: Mapping[str, _Kind]) -> tuple[_Param, ...]:
+    """The parameters of the function defined at text[start:end], in order; `aliases`: the source's integer type
+    aliases (`_aliases`)."""
     body = text.find("{", start, end)
     out: list[_Param] = []
     for param in _parameter_texts(text[start:body] if body >= 0 else "") or []:
@@ -816,7 +899,7 @@ def _parameters(text: str, start: int, end: int) -> tuple[_Param, ...]:
                     words[-1],
                     tensor or (None if any("Tensor" in w for w in kind) else False),
                     _default(param),
-                    _kind_of(declared.strip().removesuffix(words[-1])),
+                    _type_kind(declared.strip().removesuffix(words[-1]), aliases),
                 )
             )
     return tuple(out)
@@ -956,6 +1039,7 @@ def _source_launch(
             defined[name] = ""
     declarations: list[tuple[int, int, str | None]] = []
     spans = features._host_spans(text, declarations)
+    aliases = _aliases(text)
     starts = [a for a, _, _ in spans]  # in order, none inside another
     named = Counter(name for _, _, name in spans)
     by_params: dict[tuple[tuple[_Param, ...], bool, tuple[tuple[str, str], ...]], _Names] = {}
@@ -966,7 +1050,7 @@ def _source_launch(
         if len(parts) < 2:
             return None
         span = next(((a, b, name) for a, b, name in spans if a <= at < b), None)
-        params = _parameters(text, span[0], span[1]) if span is not None else ()
+        params = _parameters(text, span[0], span[1], aliases) if span is not None else ()
         # A helper the wrapper calls (`launch(out, x)`) takes its tensors from it, not from Python in order.
         if span not in called_by:  # read once a function: up to MAX_SITES launches in one
             if span is None:
@@ -978,10 +1062,10 @@ def _source_launch(
         called, defaults = called_by[span]
         key = (params, called, tuple(sorted(defaults.items())))
         if key not in by_params:
-            aliases = {} if called else _tensor_aliases(params, workload)
+            tensors = {} if called else _tensor_aliases(params, workload)
             kinds = {p.name: p.kind for p in params if p.kind is not None}
             by_params[key] = _Names(
-                text, defined, workload, macros, [p.name for p in params], aliases, defaults, kinds
+                text, defined, workload, macros, [p.name for p in params], tensors, defaults, kinds, aliases
             )
         names = by_params[key]
         grids.append(_valid_grid(names.dims(parts[0])))
