@@ -101,12 +101,13 @@ MAX_DEPTH = 8  # names defined by names, this deep
 # Of one name: an assignment (a declaration's initialiser too; its value is read up to the `;`), a change in
 # place, a declaration initialised in parentheses or braces (`dim3 grid(...)`, `int n{...}`).
 # Not a member: `o->threads = 1024` or `cfg.threads = 1024` sets no variable `threads`.
-_ASSIGN = r"(?<![\w.])(?<!->){name}\s*=(?!=)"
+# The name first, its look behinds after it: a scan looks for its letters, not at every character (`_named`).
+_ASSIGN = r"{name}(?<![\w.]{name})(?<!->{name})\s*=(?!=)"
 # Changed in place, a dim3's member too (`grid.x += 1`, `block.x /= 2`, `grid.x++`); its address passed or kept
 # (`cudaOccupancyMaxPotentialBlockSize(&min_grid, &block_size, ...)`, `scanf("%d", &n)`: set at run time); read
 # from `std::cin`.
 _CHANGED = (
-    r"(?<![\w.])(?<!->){name}\s*(?:\.\s*[xyz]\s*(?:(?:[-+*/%&|^]|<<|>>)?=(?!=)|\+\+|--)|(?:[-+*/%&|^]|<<|>>)=|\+\+|--)"
+    r"{name}(?<![\w.]{name})(?<!->{name})\s*(?:\.\s*[xyz]\s*(?:(?:[-+*/%&|^]|<<|>>)?=(?!=)|\+\+|--)|(?:[-+*/%&|^]|<<|>>)=|\+\+|--)"
     r"|(?:\+\+|--)\s*{name}\b|[(,=]\s*&\s*{name}\b(?!\s*[.\[])|\bcin\s*>>(?:\s*[\w.]+\s*>>){{0,4}}\s*{name}\b"
 )
 _DIM3_DECL = r"\bdim3\s+{name}\s*([({{])"
@@ -422,6 +423,16 @@ def _launch_sites(text: str, entry: str) -> list[tuple[int, list[str]]] | None:
     return sites
 
 
+class _Lookups:
+    """What the text says of each name (its assignments, its declared types), shared by the _Names of every
+    launching function of one source: they depend on the text alone, and looked up afresh for each of 32
+    launching functions reading 60 names, 0.9 MB took 350 s."""
+
+    def __init__(self) -> None:
+        self.defs: dict[str, tuple[str, set[str]] | None] = {}
+        self.declared: dict[str, list[_Kind] | None] = {}
+
+
 class _Names:
     """What the source and the workload say a name's value is (each name looked up once, when first read)."""
 
@@ -436,6 +447,7 @@ class _Names:
         defaults: Mapping[str, str] | None = None,
         kinds: Mapping[str, _Kind] | None = None,
         types: Mapping[str, _Kind] | None = None,
+        lookups: _Lookups | None = None,
     ) -> None:
         self.text = text
         self.macros = macros
@@ -450,7 +462,9 @@ class _Names:
         self.defaults = dict(defaults or {})
         self.kinds = dict(kinds or {})  # a parameter's integer type, where it has one (`int n`)
         self.types = dict(types or {})  # the source's integer type aliases (`using idx_t = int;`: `_aliases`)
-        self._defs: dict[str, tuple[str, set[str]] | None] = {}
+        self._lookups = (
+            lookups if lookups is not None else _Lookups()
+        )  # of `text`: shared by one source's _Names
         self._memo: dict[str, tuple[int, _Kind] | None] = {}
         self.sizes: dict[str, int] = {}
         self.shapes: dict[str, list[int]] = {}
@@ -468,9 +482,10 @@ class _Names:
         """("value", the expressions `name` is assigned) or ("dim3", a dim3 declaration's arguments); ("value",
         empty) when the source never sets it; None when it sets it in a way that cannot be read (in place, more
         than MAX_ASSIGNMENTS times, an initialiser in braces, past MAX_NAMES names)."""
-        if name not in self._defs:
-            self._defs[name] = self._definitions(name) if len(self._defs) < MAX_NAMES else None
-        return self._defs[name]
+        defs = self._lookups.defs
+        if name not in defs:
+            defs[name] = self._definitions(name) if len(defs) < MAX_NAMES else None
+        return defs[name]
 
     def _definitions(self, name: str) -> tuple[str, set[str]] | None:
         quoted = re.escape(name)
@@ -577,8 +592,14 @@ class _Names:
         """The integer types `name` is declared with (`const int n = ...;`, `unsigned n;`, `idx_t n` of `using
         idx_t = int;`), in order; _NOT_READ for another type (`float n`, `T n`, an alias not read); `auto`, and
         declarations read no type from (`int a = 1, n = 2;`), say none. None past MAX_ASSIGNMENTS declarations."""
+        if name not in self._lookups.declared:
+            self._lookups.declared[name] = self._declared(name)
+        return self._lookups.declared[name]
+
+    def _declared(self, name: str) -> list[_Kind] | None:
         kinds: list[_Kind] = []
-        for i, m in enumerate(re.finditer(rf"(?<![\w.])(?<!->){re.escape(name)}\s*(?:=(?!=)|;)", self.text)):
+        quoted = re.escape(name)
+        for i, m in enumerate(re.finditer(rf"{_named(name)}(?<!->{quoted})\s*(?:=(?!=)|;)", self.text)):
             if i >= MAX_ASSIGNMENTS:
                 return None
             before = _DECLARED_TYPE.search(self.text, max(0, m.start() - 80), m.start())
@@ -1043,6 +1064,7 @@ def _source_launch(
     starts = [a for a, _, _ in spans]  # in order, none inside another
     named = Counter(name for _, _, name in spans)
     by_params: dict[tuple[tuple[_Param, ...], bool, tuple[tuple[str, str], ...]], _Names] = {}
+    lookups = _Lookups()  # what the text says of each name: one for every launching function
     called_by: dict[tuple[int, int, str | None] | None, tuple[bool, dict[str, str]]] = {}
     probe: str | None = None  # blanked once for every function asked about (_called), not once each
     grids, blocks, shared = [], [], []
@@ -1065,7 +1087,16 @@ def _source_launch(
             tensors = {} if called else _tensor_aliases(params, workload)
             kinds = {p.name: p.kind for p in params if p.kind is not None}
             by_params[key] = _Names(
-                text, defined, workload, macros, [p.name for p in params], tensors, defaults, kinds, aliases
+                text,
+                defined,
+                workload,
+                macros,
+                [p.name for p in params],
+                tensors,
+                defaults,
+                kinds,
+                aliases,
+                lookups,
             )
         names = by_params[key]
         grids.append(_valid_grid(names.dims(parts[0])))
