@@ -1577,3 +1577,45 @@ def test_the_names_of_many_launching_functions_are_looked_up_once() -> None:
     source = launchers + "".join(f"int {n} = 1;\n" * 60 for n in names) + "void z() {}\n" * 5_000
     assert read(source, None) == SourceLaunch((60, 1, 1), (256, 1, 1), 0)
     assert fastest_s(lambda: (host_launch._CACHE.clear(), read(source, None)), 2.0) < 2.0
+
+
+@pytest.mark.parametrize(
+    ("host", "workload", "grid"),
+    [
+        # a later name of a declaration's comma list has the statement's type: an int cannot hold 3e9
+        (FORWARD.format(n="int a = 0, n = x.numel();"), BIG, None),
+        (FORWARD.format(n="const int a = 0, n = x.numel();"), BIG, None),
+        (FORWARD.format(n="int* p = nullptr, n = x.numel();"), BIG, None),
+        (FORWARD.format(n="int a = std::max(1, 2), n = x.numel();"), BIG, None),
+        (FORWARD.format(n="int a = 0, b = 1, n = x.numel();"), BIG, None),
+        (FORWARD.format(n="int m = x.size(0), n = x.size(1);"), inputs(x=[1, 3_000_000_000]), None),
+        (
+            "void f(torch::Tensor x) { for (int i = 0, n = x.numel(); i < 1; i++) k<<<(n + 255) / 256, 256>>>(0, 0, n); }",
+            BIG,
+            None,
+        ),
+        # a list in braces declares nothing
+        (
+            FORWARD.format(n="int64_t n = x.numel(); auto y = torch::empty({4, n, 4}, x.options());"),
+            BIG,
+            11718750,
+        ),
+        # a type the evaluator does not read, a pointer: unknown, not 64 bits
+        (FORWARD.format(n="int64_t a = 0, *n = nullptr;"), BIG, None),
+        (FORWARD.format(n="std::pair<int, int> p = {}, n = x.numel();"), BIG, None),
+        (FORWARD.format(n="float a = 0, n = x.numel();"), BIG, None),
+        # 64-bit ones hold it; the first name's value stops at the list's comma
+        (FORWARD.format(n="int64_t a = 0, n = x.numel();"), BIG, 11718750),
+        (FORWARD.format(n="long a = f(1, 2), n = x.numel();"), BIG, 11718750),
+        (FORWARD.format(n="int n = x.size(0), m = 2;"), inputs(x=[1 << 24]), 65536),
+        ("void f() { int M = 1 << 20, N = 2; k<<<M / 256, 256>>>(0, 0, 0); }", None, 4096),
+        ("void f() { int a = 1, M = 1 << 20; k<<<M / 256, 256>>>(0, 0, 0); }", None, 4096),
+    ],
+)
+def test_every_name_of_a_declaration_s_comma_list_has_its_type(
+    host: str, workload: Workload | None, grid: int | None
+) -> None:
+    """`int a = 0, n = x.numel();` declares `n` an int too: only the first name was given the type, a later one
+    kept its value's 64 bits (grid 11718750 of a 3e9-element tensor, which that int cannot hold)."""
+    expected = (grid, 1, 1) if grid is not None else None
+    assert read(host, workload) == SourceLaunch(expected, (256, 1, 1), 0)

@@ -423,6 +423,81 @@ def _launch_sites(text: str, entry: str) -> list[tuple[int, list[str]]] | None:
     return sites
 
 
+# How far back the statement of a name in a comma list is looked for (`int a = f(1, 2), n = x.numel();`).
+_STATEMENT_CHARS = 400
+# A comma list's first declarator, its type before it (`const int a = 0`, `unsigned long* p`, `int m(4)`), and
+# a later one (`*q`, `b = f(1, 2)`). A type with template arguments (`std::pair<int, int> p`) is not matched.
+_FIRST_DECLARATOR = re.compile(
+    r"\s*(?P<type>[A-Za-z_]\w*(?:\s*::\s*[A-Za-z_]\w*|\s+[A-Za-z_]\w*)*?)(?!\w)[\s*&]+[A-Za-z_]\w*\s*(?:[=({\[].*)?",
+    re.DOTALL,
+)
+_LATER_DECLARATOR = re.compile(r"[\s*&]*[A-Za-z_]\w*\s*(?:[=({\[].*)?", re.DOTALL)
+_TEMPLATED_FIRST = re.compile(r"\s*[A-Za-z_][\w:\s]*<(?!<)")
+
+
+def _in_statement(text: str, at: int) -> bool:
+    """Whether text[at] is outside any parentheses or brackets of its statement (after the last `;`, `{` or `}`
+    within _STATEMENT_CHARS): `int m, n;`, not `f(x, n, m)` nor a parameter list."""
+    low = max(0, at - _STATEMENT_CHARS)
+    start = max(text.rfind(";", low, at), text.rfind("{", low, at), text.rfind("}", low, at))
+    if start < 0 and low > 0:
+        return False
+    if (
+        start >= 0
+        and text[start] == "{"
+        and text[max(0, start - 40) : start].rstrip()[-1:] in ("(", "=", ",", "{", "[")
+    ):
+        return False  # a list in braces: `torch::empty({M, N, K}, ...)`, `shape = {M, N}`
+    piece = text[start + 1 : at]
+    return all(piece.count(a) == piece.count(b) for a, b in (("(", ")"), ("[", "]"), ("<<<", ">>>")))
+
+
+def _statement_start(text: str, at: int) -> int | None:
+    """Where the statement holding text[at] starts: after the `;`, `{`, `}` before it, or the `(` or `[` it is
+    in (`for (int i = 0, n = ...`); None past _STATEMENT_CHARS."""
+    depth = 0
+    for i in range(at - 1, max(-1, at - 1 - _STATEMENT_CHARS), -1):
+        ch = text[i]
+        if ch in ")]":
+            depth += 1
+        elif ch in "([":
+            if depth == 0:
+                return i + 1
+            depth -= 1
+        elif depth == 0 and ch in ";{}":
+            return i + 1
+    return 0 if at <= _STATEMENT_CHARS else None
+
+
+def _listed_kind(text: str, at: int, aliases: Mapping[str, _Kind]) -> tuple[bool, _Kind | None]:
+    """Whether the name at text[at] is a later one of a comma list (`int a = 0, n = x.numel();`), and then the
+    type its statement declares it: the first declarator's (`int* p = 0, n`: int), None where the statement
+    declares nothing (`a = 0, n = 1;`, `return a, n;`) or names `auto`, _NOT_READ where that cannot be read
+    (a pointer `*n`, a template's type, a statement not read)."""
+    gap = at
+    while gap > 0 and at - gap < 40 and text[gap - 1] in " \t\r\n*&":
+        gap -= 1
+    if gap == 0 or text[gap - 1] != ",":
+        return False, None
+    start = _statement_start(text, gap - 1)
+    if start is None:
+        return True, _NOT_READ
+    parts = features.split_top_level(text[start : gap - 1])
+    first = _FIRST_DECLARATOR.fullmatch(parts[0])
+    if first is None:
+        # A type with template arguments (`std::pair<int, int> p = {}, n`), or one in braces before it (`int
+        # a{1}, n`): a declaration not read. Anything else declares nothing (`a = 0, n = 1;`, `{M, N, K}`, `f(a,
+        # n = 3)`).
+        unread = not parts[0].strip() or _TEMPLATED_FIRST.match(parts[0]) is not None
+        return True, _NOT_READ if unread else None
+    words = _NAME.findall(first.group("type"))
+    if words[0] in _NOT_TYPES:
+        return True, None  # `return a, n;`
+    if "*" in text[gap:at] or any(_LATER_DECLARATOR.fullmatch(p) is None for p in parts[1:]):
+        return True, _NOT_READ
+    return True, _type_kind(first.group("type"), aliases)
+
+
 class _Lookups:
     """What the text says of each name (its assignments, its declared types), shared by the _Names of every
     launching function of one source: they depend on the text alone, and looked up afresh for each of 32
@@ -498,7 +573,8 @@ class _Names:
             value = text[m.end() : stop] if stop >= 0 else "{"
             if i >= MAX_ASSIGNMENTS or "{" in value or "}" in value:
                 return None
-            exprs.add(" ".join(value.split()))
+            # Up to a comma outside brackets: `int m = x.size(0), n = x.size(1);` gives m x.size(0).
+            exprs.add(" ".join(features.split_top_level(value)[0].split()))
         declared = list(
             itertools.islice(re.finditer(_DIM3_DECL.format(name=quoted), text), MAX_ASSIGNMENTS + 1)
         )
@@ -590,8 +666,8 @@ class _Names:
 
     def declared(self, name: str) -> list[_Kind] | None:
         """The integer types `name` is declared with (`const int n = ...;`, `unsigned n;`, `idx_t n` of `using
-        idx_t = int;`), in order; _NOT_READ for another type (`float n`, `T n`, an alias not read); `auto`, and
-        declarations read no type from (`int a = 1, n = 2;`), say none. None past MAX_ASSIGNMENTS declarations."""
+        idx_t = int;`, `int a = 1, n = 2;`: `_listed_kind`), in order; _NOT_READ for another type (`float n`, `T
+        n`, an alias not read, a pointer in a list); `auto` says none. None past MAX_ASSIGNMENTS declarations."""
         if name not in self._lookups.declared:
             self._lookups.declared[name] = self._declared(name)
         return self._lookups.declared[name]
@@ -599,13 +675,20 @@ class _Names:
     def _declared(self, name: str) -> list[_Kind] | None:
         kinds: list[_Kind] = []
         quoted = re.escape(name)
-        for i, m in enumerate(re.finditer(rf"{_named(name)}(?<!->{quoted})\s*(?:=(?!=)|;)", self.text)):
-            if i >= MAX_ASSIGNMENTS:
+        text = self.text
+        read = 0
+        for m in re.finditer(rf"{_named(name)}(?<!->{quoted})\s*(?:=(?!=)|;|(,))", text):
+            if m.group(1) is not None and not _in_statement(text, m.start()):
+                continue  # `f(x, n, m)`, `void g(int n, int m)`: an argument or a parameter, not declared here
+            read += 1
+            if read > MAX_ASSIGNMENTS:
                 return None
-            before = _DECLARED_TYPE.search(self.text, max(0, m.start() - 80), m.start())
-            type_text = before.group(0) if before is not None else ""
-            words = _NAME.findall(type_text)
-            kind = _type_kind(type_text, self.types) if words and words[-1] not in _NOT_TYPES else None
+            listed, kind = _listed_kind(text, m.start(), self.types)
+            if not listed:
+                before = _DECLARED_TYPE.search(text, max(0, m.start() - 80), m.start())
+                type_text = before.group(0) if before is not None else ""
+                words = _NAME.findall(type_text)
+                kind = _type_kind(type_text, self.types) if words and words[-1] not in _NOT_TYPES else None
             if kind is not None:
                 kinds.append(kind)
         return kinds
