@@ -1619,3 +1619,17 @@ def test_every_name_of_a_declaration_s_comma_list_has_its_type(
     kept its value's 64 bits (grid 11718750 of a 3e9-element tensor, which that int cannot hold)."""
     expected = (grid, 1, 1) if grid is not None else None
     assert read(host, workload) == SourceLaunch(expected, (256, 1, 1), 0)
+
+
+@pytest.mark.parametrize(
+    ("decl", "grid"),
+    [("int n;", None), ("int m, n;", None), ("int32_t n;", None), ("int64_t n;", 11718750), ("", 11718750)],
+)
+def test_a_name_declared_without_a_value_keeps_its_type_for_the_workload_s_size(
+    decl: str, grid: int | None
+) -> None:
+    """`int n;` set through a reference (`get_size(x, n)`) is the workload's n, in its declared type: 3e9 is past
+    an int's range (it read as 3e9)."""
+    host = f"void f() {{ {decl} get_size(x, n); k<<<(n + 255) / 256, 256>>>(0, 0, n); }}"
+    expected = (grid, 1, 1) if grid is not None else None
+    assert read(host, sized(n=3_000_000_000)) == SourceLaunch(expected, (256, 1, 1), 0)

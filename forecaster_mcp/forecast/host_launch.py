@@ -661,8 +661,15 @@ class _Names:
             for kind in declared:
                 _as(value, kind)
             return self._agreeing(name, (_as(value, declared[0]), declared[0]) if declared else found)
+        # Set where it cannot be read (`int n; get_size(x, n);`, or never): the workload's size, in its declared
+        # type (an int cannot hold 3e9).
         size = self.workload_size(name)
-        return (size, _LONG) if size is not None else None
+        declared = self.declared(name) if size is not None else None
+        if size is None or declared is None:
+            return None
+        for kind in declared:
+            _as(size, kind)
+        return (_as(size, declared[0]), declared[0]) if declared else (size, _LONG)
 
     def declared(self, name: str) -> list[_Kind] | None:
         """The integer types `name` is declared with (`const int n = ...;`, `unsigned n;`, `idx_t n` of `using
