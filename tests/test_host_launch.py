@@ -1633,3 +1633,33 @@ def test_a_name_declared_without_a_value_keeps_its_type_for_the_workload_s_size(
     host = f"void f() {{ {decl} get_size(x, n); k<<<(n + 255) / 256, 256>>>(0, 0, n); }}"
     expected = (grid, 1, 1) if grid is not None else None
     assert read(host, sized(n=3_000_000_000)) == SourceLaunch(expected, (256, 1, 1), 0)
+
+
+@pytest.mark.parametrize(
+    ("declaration", "default", "threads"),
+    [
+        # another overload's declaration (another parameter count): its default is not this one's
+        ("void launch(const half* x, half* y, int n, int threads = 64, cudaStream_t s = 0);\n", "", None),
+        (
+            "void launch(const half* x, half* y, int n, int threads = 64, cudaStream_t s = 0);\n",
+            " = 256",
+            256,
+        ),
+        # the same function's: its default, its parameters named or not
+        ("void launch(const float*, float*, int, int threads = 128);\n", "", 128),
+        ("void launch(const float* in, float* out, int count, int t = 128);\n", "", 128),
+        # one of the same count but other types: another overload's
+        ("void launch(const half*, half*, int, int threads = 64);\n", "", None),
+        # a default on both (illegal, agents write it): unknown where they differ
+        ("void launch(const float* x, float* y, int n, int threads = 64);\n", " = 256", None),
+    ],
+)
+def test_a_default_is_read_from_the_function_s_own_declarations_alone(
+    declaration: str, default: str, threads: int | None
+) -> None:
+    """A declaration's defaults were merged by position whatever its parameters (another overload's), and one
+    on both the declaration and the definition was read from the definition."""
+    definition = f"void launch(const float* x, float* y, int n, int threads{default}) {{ k<<<8, threads>>>(x, y, n); }}\n"
+    host = declaration + "int main() { launch(0, 0, 1 << 24); }\n" + definition
+    block = (threads, 1, 1) if threads is not None else None
+    assert read(host) == SourceLaunch((8, 1, 1), block, 0)

@@ -1062,6 +1062,44 @@ def _called(
 _CALL_TAIL = re.compile(r"\s*+(?:<[^<>;{}()]{0,200}>\s*+)?\(")
 
 
+# Words of a type that are no parameter's name (`void f(long long);` is unnamed, not a `long` named `long`).
+_TYPE_WORDS = frozenset(
+    {
+        "int",
+        "long",
+        "short",
+        "unsigned",
+        "signed",
+        "char",
+        "float",
+        "double",
+        "bool",
+        "void",
+        "const",
+        "volatile",
+    }
+)
+
+
+def _named_parameters(texts: list[str]) -> list[str]:
+    """The parameters `_parameters` reads of a parameter list as written (not `void`, nor an empty one)."""
+    out = []
+    for text in texts:
+        words = _NAME.findall(text.split("=", 1)[0])
+        if words and words[-1] != "void":
+            out.append(text)
+    return out
+
+
+def _same_type(declared: str, defined: str) -> bool:
+    """Whether a declaration's parameter (`const float*`, `int count = 4`) has the type of the definition's
+    (`const float* x`), its name left out or another."""
+    d = re.findall(r"[A-Za-z_]\w*|[*&]|::", declared.split("=", 1)[0])
+    f = re.findall(r"[A-Za-z_]\w*|[*&]|::", defined.split("=", 1)[0])
+    named = bool(d) and _NAME.fullmatch(d[-1]) is not None and d[-1] not in _TYPE_WORDS
+    return d == f[:-1] or (named and len(d) >= 2 and d[:-1] == f[:-1])
+
+
 def _defaults(
     text: str,
     probe: str,
@@ -1089,13 +1127,26 @@ def _defaults(
     declared = [d for d in declarations if d[2] == name]
     if len(declared) > MAX_ASSIGNMENTS:
         return {}
+    # Only its own declarations: as many parameters, of the same types (another overload's `void launch(const
+    # half*, half*, int, int threads = 64, cudaStream_t s = 0);` is not it). A default written on both (illegal
+    # C++, which agents write), or on two declarations, that differs is unknown.
+    body = probe.find("{", start, end)
+    mine = _named_parameters(_parameter_texts(text[start:body] if body >= 0 else "") or [])
+    conflicting: set[int] = set()
     for a, b, _ in declared:
-        for i, written in enumerate(_parameter_texts(text[a:b]) or []):
-            if i < len(given) and given[i] is None:
-                given[i] = _default(written)
+        texts = _named_parameters(_parameter_texts(text[a:b]) or [])
+        if len(texts) != len(mine) or not all(map(_same_type, texts, mine)):
+            continue
+        for i, written in enumerate(texts):
+            default = _default(written)
+            if default is not None and given[i] is None:
+                given[i] = default
+            elif default is not None and default != given[i]:
+                conflicting.add(i)
+    for i in conflicting:
+        given[i] = None
     if all(g is None for g in given) or named[name] != 1:
         return {}
-    body = probe.find("{", start, end)
     passed = 0  # the most arguments a call passes
     called = False
     # A call through an object (`op.launch(n, 1024)`, `this->launch(...)`) counts: a method defined outside its
