@@ -862,3 +862,35 @@ def test_a_triton_wrapper_not_launching_one_kernel_once_is_not_read(body: str) -
 def test_a_triton_kernel_s_run_is_a_launch(launch: str, expected: SourceLaunch | None) -> None:
     """`add_kernel.run(..., grid=..., warmup=False)` launched it unread."""
     assert read_triton(triton(launch)) == expected
+
+
+@pytest.mark.parametrize(
+    "use",
+    [
+        "import functools\nrun128 = functools.partial(run, block=128)\n",
+        "results = list(map(run, [cp.zeros(16)]))\n",
+        "import torch\nfast = torch.compile(run)\n",
+        "callbacks = [run]\n",
+        "class Holder:\n    def __init__(self):\n        self.fn = run\n",
+        "fn = run\nfn(cp.zeros(16), 128)\n",
+    ],
+)
+def test_a_function_passed_as_a_value_has_callers_not_seen(use: str) -> None:
+    """`functools.partial(run, block=128)`, `map(run, xs)`, `self.fn = run`: its callers are not the calls of its
+    name, so its defaults are not its values (`block` read as its default 256 where `partial` passes 128)."""
+    assert read(DEFAULTED + use) is None
+    # its own calls alone, or none in the module (an entry called from outside): the default
+    assert read(DEFAULTED + "\nrun(cp.zeros(16))\n") == SourceLaunch((65536, 1, 1), (256, 1, 1), 0)
+
+
+def test_a_method_or_instance_passed_as_a_value_has_callers_not_seen() -> None:
+    method = (
+        f'import cupy as cp\nk = cp.RawKernel({RELU}, "relu")\n\nclass Op:\n'
+        "    def launch(self, x, block=512):\n        k((x.size // block,), (block,), (x, x.size))\n"
+        "    def run(self, x):\n        self.launch(x)\n"
+    )
+    assert read(method, "Op") == SourceLaunch((32768, 1, 1), (512, 1, 1), 0)
+    assert read(method + "    def hook(self):\n        self.cb = self.launch\n", "Op") is None
+    module = method.replace("def launch(", "def forward(").replace("self.launch(x)", "pass")
+    assert read(module + "\nm = Op()\nm(cp.zeros(16))\n", "Op") == SourceLaunch((32768, 1, 1), (512, 1, 1), 0)
+    assert read(module + "\nm = Op()\nimport torch\nfast = torch.compile(m)\n", "Op") is None

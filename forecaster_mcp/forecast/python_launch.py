@@ -546,6 +546,29 @@ class _Callers:
                         named = target.id if isinstance(target, ast.Name) else _dotted(target)
                         if named is not None:
                             instances.add(named.rsplit(".", 1)[-1])
+        # Names used otherwise than called (`partial(run, block=128)`, `map(run, xs)`, `torch.compile(run)`,
+        # `self.fn = self.launch`, an instance passed, `torch.compile(m)`): their callers are not the calls of the
+        # name, so their defaults are not known. A name reached through (`m.eval()`, `k[grid]`) is no such use.
+        self.escaped: set[str] = set()
+        reached = {
+            id(n.func) if isinstance(n, ast.Call) else id(n.value)
+            for n in ast.walk(module)
+            if isinstance(n, ast.Call | ast.Attribute | ast.Subscript)
+        }
+        for node in ast.walk(module):
+            if id(node) in reached or not isinstance(getattr(node, "ctx", None), ast.Load):
+                continue
+            used = (
+                node.id
+                if isinstance(node, ast.Name)
+                else node.attr
+                if isinstance(node, ast.Attribute)
+                else None
+            )
+            if used is not None:
+                self.escaped.add(used)
+                if used in instances and isinstance(node, ast.Name):
+                    self.escaped.update(("__call__", "forward"))
         for node in ast.walk(module):
             if not isinstance(node, ast.Call):
                 continue
@@ -568,7 +591,9 @@ class _Callers:
         """The defaults of `node`'s parameters that no call of its name in the module passes (by position, by
         keyword, or maybe, through `*args` / `**kwargs`). One called from outside only keeps its defaults: an
         agent's entry (`forward(x)`, `run(x)`) is called with the workload's inputs, its tuning knobs (`block=256`)
-        left as written. Calls are matched by name alone: another function of that name's calls count too."""
+        left as written. Calls are matched by name alone: another function of that name's calls count too. A
+        name used otherwise than called (`partial(run, block=128)`, `callbacks = [run]`) keeps no default: who
+        calls it, with what, is not seen."""
         a = node.args
         positional = [*a.posonlyargs, *a.args]
         defaulted: list[tuple[int | None, ast.arg, ast.expr | None]] = [
@@ -579,7 +604,7 @@ class _Callers:
         ]
         defaulted += [(None, p, d) for p, d in zip(a.kwonlyargs, a.kw_defaults, strict=True)]
         calls = self.calls.get(node.name, [])
-        if len(calls) > _MAX_CALLS:
+        if len(calls) > _MAX_CALLS or node.name in self.escaped:
             return {}
         out: dict[str, ast.expr] = {}
         for index, param, default in defaulted:
