@@ -1172,10 +1172,11 @@ def python_source_features(source: str, entry: str | None = None) -> SourceFeatu
 # is. Python's own parser finds the literals (raw, triple-quoted, implicitly or `+`-concatenated, templates filled
 # with literals and module constants: `_RUNTIME_VALUE`); nothing is run. A string made at run time (an f-string's
 # placeholder of another value, a file read) is not read, nor is a source Python cannot parse: those are read as
-# Python, as before. Parsing and reading the tree
-# cost about 5 s and 500 MB per crafted megabyte (`x = 1` lines), the parse holding the GIL throughout, so only
-# sources up to _MAX_EMBEDDING_SOURCE that spell `__global__` are parsed (a module holding its kernels is a few KB
-# to a few tens; a crafted one of that size takes 0.1-0.3 s).
+# Python, as before. Parsing and reading the tree cost about 5 s and 500 MB per crafted megabyte (`x = 1` lines),
+# the parse holding the GIL throughout, so only sources up to _MAX_EMBEDDING_SOURCE are parsed: for their CUDA
+# those that spell `__global__`, for a Triton launch those that name the entry as one (`parsed_python`;
+# host_launch._triton_module). A module holding its kernels is a few KB to a few tens; a crafted one of that size
+# takes 0.1-0.3 s.
 _MAX_EMBEDDING_SOURCE = 64 * 1024
 _EMBEDDING_FILENAME = "<kernel source>"
 # The calls that name the kernel they launch: RawKernel(code, name), get_function(name) (CuPy's RawModule,
@@ -1388,10 +1389,7 @@ def _formatted(node: ast.AST, constants: Mapping[str, int | str], budget: _Budge
         isinstance(receiver, ast.Call)
         and len(receiver.args) == 1
         and not receiver.keywords
-        and (
-            (isinstance(receiver.func, ast.Name) and receiver.func.id == "Template")
-            or (isinstance(receiver.func, ast.Attribute) and receiver.func.attr == "Template")
-        )
+        and _names_template(receiver.func)
     ):
         return None
     template = _template_text(receiver.args[0], constants, budget)
