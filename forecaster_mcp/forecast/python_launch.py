@@ -413,7 +413,7 @@ def _made_like(value: ast.expr | None) -> str | None:
     if not isinstance(value, ast.Call):
         return None
     func = value.func
-    called = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+    called = _last_name(func)
     if called in _LIKE and value.args and isinstance(value.args[0], ast.Name):
         # NumPy's and CuPy's `zeros_like(x, shape=...)` is of another shape.
         return value.args[0].id if all(k.arg != "shape" for k in value.keywords) else None
@@ -524,6 +524,22 @@ def _parameters(a: ast.arguments) -> frozenset[str]:
     )
 
 
+def _defaulted(a: ast.arguments) -> list[tuple[int | None, ast.arg, ast.expr | None]]:
+    """The parameters that may have a default: each positional one given one, with its position, and each
+    keyword-only one (position None), its default None where it has none."""
+    positional = [*a.posonlyargs, *a.args]
+    first = len(positional) - len(a.defaults)
+    return [
+        *((first + i, p, d) for i, (p, d) in enumerate(zip(positional[first:], a.defaults, strict=True))),
+        *((None, p, d) for p, d in zip(a.kwonlyargs, a.kw_defaults, strict=True)),
+    ]
+
+
+def _last_name(node: ast.AST) -> str | None:
+    """The name a name or an attribute ends in (`run`, `self.launch`: `launch`); None for any other node."""
+    return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+
+
 # Calls of one name past this many are not read (each defaulted parameter of each function of that name is checked
 # against each): its defaults are taken as passed.
 _MAX_CALLS = 64
@@ -558,13 +574,7 @@ class _Callers:
         for node in ast.walk(module):
             if id(node) in reached or not isinstance(getattr(node, "ctx", None), ast.Load):
                 continue
-            used = (
-                node.id
-                if isinstance(node, ast.Name)
-                else node.attr
-                if isinstance(node, ast.Attribute)
-                else None
-            )
+            used = _last_name(node)
             if used is not None:
                 self.escaped.add(used)
                 if used in instances and isinstance(node, ast.Name):
@@ -573,13 +583,7 @@ class _Callers:
             if not isinstance(node, ast.Call):
                 continue
             func = node.func
-            named = (
-                func.id
-                if isinstance(func, ast.Name)
-                else func.attr
-                if isinstance(func, ast.Attribute)
-                else None
-            )
+            named = _last_name(func)
             if named is not None:
                 self.calls.setdefault(named, []).append((node, isinstance(func, ast.Attribute)))
             fresh = isinstance(func, ast.Call) and isinstance(func.func, ast.Name) and func.func.id in classes
@@ -594,20 +598,11 @@ class _Callers:
         left as written. Calls are matched by name alone: another function of that name's calls count too. A
         name used otherwise than called (`partial(run, block=128)`, `callbacks = [run]`) keeps no default: who
         calls it, with what, is not seen."""
-        a = node.args
-        positional = [*a.posonlyargs, *a.args]
-        defaulted: list[tuple[int | None, ast.arg, ast.expr | None]] = [
-            (len(positional) - len(a.defaults) + i, p, d)
-            for i, (p, d) in enumerate(
-                zip(positional[len(positional) - len(a.defaults) :], a.defaults, strict=True)
-            )
-        ]
-        defaulted += [(None, p, d) for p, d in zip(a.kwonlyargs, a.kw_defaults, strict=True)]
         calls = self.calls.get(node.name, [])
         if len(calls) > _MAX_CALLS or node.name in self.escaped:
             return {}
         out: dict[str, ast.expr] = {}
-        for index, param, default in defaulted:
+        for index, param, default in _defaulted(node.args):
             if default is None or any(
                 _passes(call, index, param.arg, method and bound) for call, bound in calls
             ):
@@ -909,14 +904,10 @@ def _grid_function(
     positional = [*a.posonlyargs, *a.args]
     if returned is None or not positional or len(a.defaults) < len(positional) - 1 or None in a.kw_defaults:
         return None
-    defaulted = [
-        *zip(positional[len(positional) - len(a.defaults) :], a.defaults, strict=True),
-        *zip(a.kwonlyargs, a.kw_defaults, strict=True),
-    ]
     meta = positional[0].arg
     rest = frozenset(p.arg for p in (a.vararg, a.kwarg) if p is not None)
     inner = _Scope(body, frozenset({meta}) | rest, scope, scope.declared)
-    inner.given = {p.arg: (d, scope) for p, d in defaulted if p.arg != meta and d is not None}
+    inner.given = {p.arg: (d, scope) for _, p, d in _defaulted(a) if p.arg != meta and d is not None}
     if meta in inner.assigned:
         return None
     return returned, inner, meta
@@ -1104,13 +1095,8 @@ def _kernel_defaults(a: ast.arguments, top: _Scope) -> dict[str, tuple[ast.expr,
     """A Triton kernel's parameter defaults, read in the module (`BLOCK_SIZE: tl.constexpr = 1024`, `= BLOCK`): a
     literal or a name; any other (`= make_block()`) a value not known. Not the launch's options (num_warps,
     num_ctas): a parameter of that name is no option."""
-    positional = [*a.posonlyargs, *a.args]
-    pairs = [
-        *zip(positional[len(positional) - len(a.defaults) :], a.defaults, strict=True),
-        *zip(a.kwonlyargs, a.kw_defaults, strict=True),
-    ]
     out: dict[str, tuple[ast.expr, _Scope] | int | None] = {}
-    for parameter, default in pairs:
+    for _, parameter, default in _defaulted(a):
         if default is None or parameter.arg in ("num_warps", "num_ctas"):
             continue
         plain = isinstance(default, ast.Name) or (
