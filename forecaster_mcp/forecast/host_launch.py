@@ -2,12 +2,12 @@
 
 An agent often sends a whole .cu file (a `main`, or a PyTorch extension's wrapper), or a Python module whose CUDA
 string holds the kernel and the C++ wrapper launching it (torch's load_inline, KernelBench's form; read as that
-CUDA, `_embedded`; a CuPy or PyCUDA one launches it from Python, read by python_launch), and no `launch`: forecasting
-does not need one (DESIGN.md), but without it the static prior knows neither the block size (occupancy, waves) nor
-how many threads share the work (its `work_per_thread` term). On the corpus of benchmarks/corpus_lopo.py (leave one
-problem out) the pairs sent without launches give accuracy 0.804, ECE 0.103 and 25.2% decided, against 0.822,
-0.075 and 30.9% with them; sent without launches but with host code launching each kernel (`--host-launch`), the
-figures with them. When the source launches `entry` itself, with
+CUDA, `_embedded`; a CuPy or PyCUDA one launches it from Python, as a Triton module its `@triton.jit` kernel, read
+by python_launch), and no `launch`: forecasting does not need one (DESIGN.md), but without it the static prior
+knows neither the block size (occupancy, waves) nor how many threads share the work (its `work_per_thread` term).
+On the corpus of benchmarks/corpus_lopo.py (leave one problem out) the pairs sent without launches give accuracy
+0.804, ECE 0.103 and 25.2% decided, against 0.822, 0.075 and 30.9% with them; sent without launches but with host
+code launching each kernel (`--host-launch`), the figures with them. When the source launches `entry` itself, with
 `entry<<<grid, block[, shared[, stream]]>>>` or `hipLaunchKernelGGL(entry, grid, block, shared, stream, ...)`, and
 a dimension evaluates to a whole number from what the source and the workload say, that dimension is used:
 
@@ -22,14 +22,15 @@ a dimension evaluates to a whole number from what the source and the workload sa
   launch(..., int threads = 256)`), where its callers are all in the text's host code (`_defaults`); any other
   parameter is its callers', which only the workload says.
 
-A name assigned two different values, or changed in place (`+=`, `++`, `grid.x = ...`, `grid.x += 1`), its
-address taken (`&block_size`: set at run time) or read from `std::cin`, a value known only at run time (a device
-query, an unnamed size), a ternary, or two launches of the entry that disagree leave that part unknown: a block without a grid still gives occupancy. Nothing is run; the expression evaluator
-(`_value`) computes as C++ does, in each value's integer type: a name's declared one (`int n`, `size_t total`,
-`uint16_t b`, `idx_t n` of `using idx_t = int;`, a parameter's), a literal's (`1 << 31` an int, `1u`, `1LL`), a
-cast's, `x.numel()`'s int64_t, the usual conversions between them (`short` promoted to int). A value stored in or
-cast to a type not read (`float`, `char`, `bool`, `T`) is unknown. A value past a signed type's range (an `int n = x.numel()` of 3e9 elements, `M * N` of
-two ints at 65536) is unknown, as C++ leaves it undefined; unsigned types wrap, as C++ defines.
+A name assigned two different values, or changed in place (`+=`, `++`, `grid.x = ...`, `grid.x += 1`), its address
+taken (`&block_size`: set at run time) or read from `std::cin`, a value known only at run time (a device query, an
+unnamed size), a ternary, or two launches of the entry that disagree leave that part unknown: a block without a
+grid still gives occupancy. Nothing is run; the expression evaluator (`_value`) computes as C++ does, in each
+value's integer type: a name's declared one (`int n`, `size_t total`, `uint16_t b`, `idx_t n` of `using idx_t =
+int;`, a parameter's), a literal's (`1 << 31` an int, `1u`, `1LL`), a cast's, `x.numel()`'s int64_t, the usual
+conversions between them (`short` promoted to int). A value stored in or cast to a type not read (`float`, `char`,
+`bool`, `T`) is unknown. A value past a signed type's range (an `int n = x.numel()` of 3e9 elements, `M * N` of two
+ints at 65536) is unknown, as C++ leaves it undefined; unsigned types wrap, as C++ defines.
 """
 
 from __future__ import annotations
@@ -885,7 +886,7 @@ _DEFINE_LINE = re.compile(r"^\s*#\s*define\s+([A-Za-z_]\w*)(?![\w(])[ \t]*(.*)$"
 def source_launch(kernel: Kernel, workload: Workload | None) -> SourceLaunch | None:
     """The launch the source's host code gives `kernel.entry` (module doc); None when it launches it nowhere or
     says nothing usable. CUDA and HIP sources are read; a Python source's (`_python_launch`) by the C++ in its
-    strings (torch's load_inline wrapper), else by its Python calls of the kernel (CuPy, PyCUDA)."""
+    strings (torch's load_inline wrapper), else by its Python calls of the kernel (CuPy, PyCUDA, Triton)."""
     python = kernel.language in features.PYTHON_LANGUAGES
     if not python and "<<<" not in kernel.source and "hipLaunchKernelGGL" not in kernel.source:
         return None

@@ -1,5 +1,6 @@
 """The launch a Python source gives its kernel from Python: CuPy's `kernel(grid, block, args)`, PyCUDA's
-`func(*args, block=..., grid=...)`, and Triton's `kernel[grid](*args, BLOCK=..., num_warps=...)`.
+`func(*args, block=..., grid=...)`, and Triton's `kernel[grid](*args, BLOCK=..., num_warps=...)` (or the
+`kernel.run(*args, grid=grid, warmup=False)` it calls).
 
 host_launch reads `<<<grid, block>>>` in C++ (a .cu file's host code, the wrapper in a load_inline string); a
 CuPy or PyCUDA kernel is launched by a Python call instead, and without that launch the static prior knows
@@ -9,8 +10,8 @@ of a name bound to the kernel (`k = cp.RawKernel(code, "relu")`, `f = mod.get_fu
 
 - integer literals, and names given one value in the function making the call, else in the module;
 - the workload's `problem` sizes and scalar `args` by name (the function's parameters are its callers': only the
-  workload says them, or a default no call in the module passes: `_Callers.defaults`), and a buffer argument's
-  `x.size`, `x.numel()`, `len(x)`, `x.shape[i]`, `x.size(i)`;
+  workload says them, or a default no call in the module passes, of a function the module uses only by calling
+  it: `_Callers.defaults`), and a buffer argument's `x.size`, `x.numel()`, `len(x)`, `x.shape[i]`, `x.size(i)`;
 - `+ - * // % << >>`, `min`, `max`, `int(...)`, `math.ceil(a / b)`, and `cdiv` / `triton.cdiv`.
 
 An array made like another (`out = torch.empty_like(x)`, `x.clone()`) has that one's shape. Anything else (a name
@@ -18,13 +19,13 @@ assigned twice, or bound otherwise: an import, a def, `except ... as`, `global` 
 value known only at run time, calls that disagree) leaves that part unknown. Nothing is run.
 
 A Triton kernel (`@triton.jit`: the entry itself, or the one kernel a wrapper sent as the entry launches once) is
-launched as programs of num_warps warps (`triton_launch`): the grid a tuple, or a grid function (`lambda meta:
-...`, `def grid(meta)`, defaults read where it is made) whose `meta` holds the launch's arguments by the kernel's
-parameter names, its defaults (a literal or a module constant) for those the launch leaves out; num_warps the
-launch's, else 4, Triton's default. What `@triton.autotune` picks is known where every config agrees, what
-`@triton.heuristics` sets never; any other decorator, `**kwargs`, or num_ctas other than 1 (clusters: more blocks
-than programs) leaves it unknown.
-Its shared memory is the compiler's choice: unknown.
+launched as programs of num_warps warps (`triton_launch`; a `.run` with `warmup=True` compiles and launches
+nothing): the grid a tuple, or a grid function (`lambda meta: ...`, `def grid(meta)`, defaults read where it is
+made) whose `meta` holds the launch's arguments by the kernel's parameter names, its defaults (a literal or a
+module constant) for those the launch leaves out; num_warps the launch's, else 4, Triton's default. What
+`@triton.autotune` picks is known where every config agrees, what `@triton.heuristics` sets never; any other
+decorator, `**kwargs`, or num_ctas other than 1 (clusters: more blocks than programs) leaves it unknown. Its shared
+memory is the compiler's choice: unknown.
 """
 
 from __future__ import annotations
@@ -1027,10 +1028,10 @@ def _triton_sites(module: ast.Module, top: _Scope, kernel: str) -> Iterator[tupl
 
 
 def triton_launch(module: ast.Module, entry: str, workload: Workload | None) -> SourceLaunch | None:
-    """The launch the module's `kernel[grid](...)` calls of its Triton kernel agree on (module doc): `entry`, or
-    the kernel its wrapper `entry` launches; the grid its programs, a block of num_warps warps (Triton's default 4;
-    32 threads a warp here, the GPU's warp size in features), its shared memory the compiler's (unknown). None
-    where none is read."""
+    """The launch the module's `kernel[grid](...)` and `kernel.run(..., grid=..., warmup=False)` calls of its
+    Triton kernel agree on (module doc): `entry`, or the kernel its wrapper `entry` launches; the grid its
+    programs, a block of num_warps warps (Triton's default 4; 32 threads a warp here, the GPU's warp size in
+    features), its shared memory the compiler's (unknown). None where none is read."""
     names = _Names("", {}, workload)
     top = _module_scope(module)
     found = _entry_kernel(module, top, entry, names)
