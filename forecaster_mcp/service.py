@@ -589,8 +589,7 @@ class Service:
             if stopped is None and base_failed is None and left and len(measurements) >= max_measurements:
                 notes.append(
                     f"measure_if_unsure measured {len(measurements)} (max_measurements {max_measurements}); still "
-                    f"unsure: {', '.join(left[:10])}{' ...' if len(left) > 10 else ''}. Raise max_measurements, "
-                    "or measure_kernel the head of measure_next"
+                    f"unsure: {_listed_ids(left)}. Raise max_measurements, or measure_kernel the head of measure_next"
                 )
 
         if base_failed is None:  # against a baseline that does not run, no forecast can ever be verified
@@ -1742,11 +1741,10 @@ def _compile_errors_note(
         ids.insert(0, f"{base_id} (the baseline)")
     if not ids:
         return None
-    shown = ", ".join(ids[:10]) + (" ..." if len(ids) > 10 else "")
     return (
-        f"left out of measure_next, as their source does not compile with this server's nvcc: {shown} (the first "
-        "error line is in each rationale); fix the source and ask again, or measure_kernel one for the compiler's "
-        "full output"
+        f"left out of measure_next, as their source does not compile with this server's nvcc: {_listed_ids(ids)} "
+        "(the first error line is in each rationale); fix the source and ask again, or measure_kernel one for the "
+        "compiler's full output"
     )
 
 
