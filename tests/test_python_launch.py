@@ -864,6 +864,15 @@ def test_a_triton_kernel_s_run_is_a_launch(launch: str, expected: SourceLaunch |
     assert read_triton(triton(launch)) == expected
 
 
+def test_a_triton_kernel_only_warmed_up_is_not_launched_by_its_source() -> None:
+    """`add_kernel.run(..., warmup=True)` compiles it and launches nothing, yet the prompt said the source's host
+    code launches it."""
+    warmed = triton("    add_kernel.run(x, y, out, n, BLOCK_SIZE=256, grid=(1,), warmup=True)\n")
+    assert not host_launch.launches_itself(Kernel(source=warmed, entry="add_kernel", language="triton"))
+    unknown = triton("    add_kernel.run(x, y, out, n, BLOCK_SIZE=256, grid=(1,), warmup=w)\n")
+    assert host_launch.launches_itself(Kernel(source=unknown, entry="add_kernel", language="triton"))
+
+
 @pytest.mark.parametrize(
     "use",
     [

@@ -1010,10 +1010,14 @@ def _wrapped_kernel(top: _Scope, entry: str) -> str | None:
 
 
 def _triton_sites(module: ast.Module, top: _Scope, kernel: str) -> Iterator[tuple[ast.Call, _Scope]]:
+    """The calls that may launch the module's Triton kernel `kernel`, each with the scope it is made in: not a
+    `kernel.run(..., warmup=True)`, which compiles it and launches nothing."""
     for call, scope, _ in _calls(module, top):
         func = call.func
         # `kernel[grid](...)`, or the JITFunction.run it calls: `kernel.run(..., grid=grid, warmup=False)`
         if isinstance(func, ast.Attribute) and func.attr == "run":
+            if any(_is_true(k.value) for k in call.keywords if k.arg == "warmup"):
+                continue
             func = func.value
         elif not isinstance(func, ast.Subscript):
             continue
@@ -1025,6 +1029,10 @@ def _triton_sites(module: ast.Module, top: _Scope, kernel: str) -> Iterator[tupl
                 found = found.outer
             if found is top:  # not a function's own `kernel`
                 yield call, scope
+
+
+def _is_true(node: ast.expr) -> bool:
+    return isinstance(node, ast.Constant) and node.value is True
 
 
 def triton_launch(module: ast.Module, entry: str, workload: Workload | None) -> SourceLaunch | None:
@@ -1052,9 +1060,7 @@ def triton_launch(module: ast.Module, entry: str, workload: Workload | None) -> 
             grid_node: ast.expr | None = call.func.slice
         else:  # kernel.run(*args, grid, warmup, **kwargs), both by keyword
             given = {k.arg: k.value for k in keywords}
-            warmup = given.get("warmup")
-            if isinstance(warmup, ast.Constant) and warmup.value is True:
-                continue  # compiled, not launched
+            warmup = given.get("warmup")  # not True: _triton_sites
             grid_node = given.get("grid")
             if not (isinstance(warmup, ast.Constant) and warmup.value is False):
                 grid_node = None  # a warmup not known: launched or not
