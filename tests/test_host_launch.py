@@ -1663,3 +1663,15 @@ def test_a_default_is_read_from_the_function_s_own_declarations_alone(
     host = declaration + "int main() { launch(0, 0, 1 << 24); }\n" + definition
     block = (threads, 1, 1) if threads is not None else None
     assert read(host) == SourceLaunch((8, 1, 1), block, 0)
+
+
+def test_a_brace_in_a_default_string_of_a_launching_function_is_no_error() -> None:
+    # The definition's parameters were read up to the first `{` of the raw text (inside the string here) and its
+    # declarations' up to the blanked text's: three defaults were matched against no parameters, an IndexError
+    # out of source_launch, and the pair went unforecast by the local model.
+    host = (
+        'void launch(int n, const char* s = "{", int t = 256) { k<<<(n + t - 1) / t, t>>>(0, 0, n); }\n'
+        'void launch(int n, const char* s = "{", int t = 256);\n'
+        "void run() { launch(1 << 20); }\n"
+    )
+    assert read(host) is None or read(host).block == (256, 1, 1)

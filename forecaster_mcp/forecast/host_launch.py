@@ -1133,6 +1133,10 @@ def _defaults(
     # C++, which agents write), or on two declarations, that differs is unknown.
     body = probe.find("{", start, end)
     mine = _named_parameters(_parameter_texts(text[start:body] if body >= 0 else "") or [])
+    if len(mine) != len(given):
+        # `params` read its header up to the raw text's first `{`, one in a string default (`s = "{"`): the two
+        # readings disagree, and neither is trusted.
+        return {}
     conflicting: set[int] = set()
     for a, b, _ in declared:
         texts = _named_parameters(_parameter_texts(text[a:b]) or [])
