@@ -44,7 +44,7 @@ import math
 import re
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -107,15 +107,32 @@ _ASSIGN = r"{name}(?<![\w.]{name})(?<!->{name})\s*=(?!=)"
 # Changed in place, a dim3's member too (`grid.x += 1`, `block.x /= 2`, `grid.x++`); its address passed or kept
 # (`cudaOccupancyMaxPotentialBlockSize(&min_grid, &block_size, ...)`, `scanf("%d", &n)`: set at run time); read
 # from `std::cin`.
-_CHANGED = (
-    r"{name}(?<![\w.]{name})(?<!->{name})\s*(?:\.\s*[xyz]\s*(?:(?:[-+*/%&|^]|<<|>>)?=(?!=)|\+\+|--)|(?:[-+*/%&|^]|<<|>>)=|\+\+|--)"
-    r"|(?:\+\+|--)\s*{name}\b|[(,=]\s*&\s*{name}\b(?!\s*[.\[])|\bcin\s*>>(?:\s*[\w.]+\s*>>){{0,4}}\s*{name}\b"
-)
+# Its first alternative starts at the name; the next two read back from it, to the `++` or `--` before it, or to
+# the `(`, `,` or `=` before its `&`; the last starts at a `cin` (`_Occurrences.changed`).
+_CHANGED_AT = r"{name}(?<![\w.]{name})(?<!->{name})\s*(?:\.\s*[xyz]\s*(?:(?:[-+*/%&|^]|<<|>>)?=(?!=)|\+\+|--)|(?:[-+*/%&|^]|<<|>>)=|\+\+|--)"
+_CHANGED_AFTER = r"(?:\+\+|--)\s*{name}\b|[(,=]\s*&\s*{name}\b(?!\s*[.\[])"
+_CIN_CHAIN = r"\s*>>(?:\s*[\w.]+\s*>>){{0,4}}\s*{name}\b"
+_CHANGED = rf"{_CHANGED_AT}|{_CHANGED_AFTER}|\bcin{_CIN_CHAIN}"
+# The last alternative alone, its `\b` after the `cin` (the same matches): a scan looks for the letters `cin`.
+_CIN = rf"cin(?<!\wcin){_CIN_CHAIN}"
 _DIM3_DECL = r"\bdim3\s+{name}\s*([({{])"
-_OTHER_DECL = (
-    r"\b(?:int|long|unsigned|signed|short|size_t|auto|int32_t|int64_t|uint32_t|uint64_t|const|constexpr)\s+"
-    r"{name}\s*[({{]"
+# The words a declaration not read begins with (`int n(4);`, `const n{4};`).
+_DECL_WORDS = (
+    "int",
+    "long",
+    "unsigned",
+    "signed",
+    "short",
+    "size_t",
+    "auto",
+    "int32_t",
+    "int64_t",
+    "uint32_t",
+    "uint64_t",
+    "const",
+    "constexpr",
 )
+_OTHER_DECL = rf"\b(?:{'|'.join(_DECL_WORDS)})\s+{{name}}\s*[({{{{]"
 MAX_ASSIGNMENTS = 64  # of one name: past them, it is not worth reading
 MAX_NAMES = 64  # names looked up per source
 _DIM3_EXPR = re.compile(r"dim3\s*[({](.*)[)}]|\{(.*)\}", re.DOTALL)
@@ -499,6 +516,117 @@ def _listed_kind(text: str, at: int, aliases: Mapping[str, _Kind]) -> tuple[bool
     return True, _type_kind(first.group("type"), aliases)
 
 
+_WORD = re.compile(r"\w+")
+
+
+def _spaces_before(text: str, at: int) -> int:
+    r"""Where the run of whitespace before text[at] starts (`at` where there is none). str.rstrip's whitespace is
+    the regex `\s` (both Py_UNICODE_ISSPACE); a long run is read in growing pieces."""
+    if at == 0 or not text[at - 1].isspace():
+        return at
+    size = 64
+    while True:
+        low = max(0, at - size)
+        kept = text[low:at].rstrip()
+        if kept or low == 0:
+            return low + len(kept)
+        size *= 4
+
+
+def _scan(pattern: re.Pattern[str], text: str, starts: list[int] | None) -> Iterator[re.Match[str]]:
+    """`pattern.finditer(text)`, tried only at `starts` (ascending): the same matches where every match of the
+    pattern starts at one of them and none is empty (a match at one start sees the whole text, before it too, as
+    the scan does). None: the scan itself."""
+    if starts is None:
+        yield from pattern.finditer(text)
+        return
+    end = 0
+    for start in starts:
+        if start >= end:
+            m = pattern.match(text, start)
+            if m is not None:
+                yield m
+                end = m.end()
+
+
+class _Occurrences:
+    r"""Where a name stands in the text after whitespace, `&`, `++`, `--` or `>>`, and where the whitespace before
+    each starts: where a pattern of a name that starts before it (_CHANGED_AFTER, `_CIN`, _DIM3_DECL, _OTHER_DECL)
+    may have it. Each puts `\s` or one of those right before the name, no word character after it (`\b`, `\s`
+    or a bracket), and a name of word characters alone stands nowhere else in a match; each starts at a fixed word
+    or operator before the name's whitespace (a `cin` chain's, any number of words before), so it is tried there
+    alone. Scanned for at every character (no letters to look for), each took 30-60 ms a MB for each of up to
+    MAX_NAMES names: 32 launchers reading 60 names, 0.9 MB, took 5.9 s. A name standing so more than once in 32
+    characters, each tried in Python, is scanned for as before."""
+
+    def __init__(self, text: str, name: str) -> None:
+        self.text = text
+        self.name = name
+        self.spaces: list[int] | None = None  # None: scanned for as before
+        if _WORD.fullmatch(name):
+            quoted = re.escape(name)
+            found = re.finditer(
+                rf"{quoted}(?:(?<=[\s&]{quoted})|(?<=\+\+{quoted})|(?<=--{quoted})|(?<=>>{quoted}))(?!\w)",
+                text,
+            )
+            most = max(MAX_ASSIGNMENTS, len(text) // 32)
+            standing = list(itertools.islice(found, most + 1))
+            if len(standing) <= most:
+                self.spaces = [_spaces_before(text, m.start()) for m in standing]
+
+    def after(self, words: tuple[str, ...]) -> list[int] | None:
+        """Where one of `words` ends right before the name's whitespace: where a pattern starting with it may
+        match, in order. None: anywhere."""
+        if self.spaces is None:
+            return None
+        text = self.text
+        return sorted(
+            {
+                spaces - len(w)
+                for spaces in self.spaces
+                for w in words
+                if spaces >= len(w) and text.startswith(w, spaces - len(w))
+            }
+        )
+
+    def changed(self) -> bool:
+        """Whether `_CHANGED` matches the text: the name changed in place, its address taken, read from cin."""
+        text = self.text
+        quoted = re.escape(self.name)
+        if self.spaces is None:
+            return re.search(_CHANGED.format(name=quoted), text) is not None
+        if re.search(_CHANGED_AT.format(name=quoted), text) is not None:
+            return True
+        starts = self.after(("++", "--")) or []
+        for spaces in self.spaces:
+            if spaces >= 1 and text[spaces - 1] == "&":
+                before = _spaces_before(text, spaces - 1)
+                if before >= 1:
+                    starts.append(before - 1)
+        after = re.compile(_CHANGED_AFTER.format(name=quoted))
+        if any(after.match(text, at) for at in starts):
+            return True
+        chained = any(spaces >= 2 and text.startswith(">>", spaces - 2) for spaces in self.spaces)
+        return chained and re.search(_CIN.format(name=quoted), text) is not None
+
+
+def _set_in(text: str, name: str) -> bool:
+    """Whether `text` assigns `name`, changes it (`_CHANGED`) or declares it (_DIM3_DECL, _OTHER_DECL): one of
+    those patterns matches it anywhere."""
+    quoted = re.escape(name)
+    if re.search(_ASSIGN.format(name=quoted), text) is not None:
+        return True
+    occurrences = _Occurrences(text, name)
+    if occurrences.changed():
+        return True
+    dim3 = re.compile(_DIM3_DECL.format(name=quoted))
+    other = re.compile(_OTHER_DECL.format(name=quoted))
+    return (
+        next(_scan(dim3, text, occurrences.after(("dim3",))), None) is not None
+        or next(_scan(other, text, occurrences.after(_DECL_WORDS)), None) is not None
+    )
+
+
 class _Lookups:
     """What the text says of each name (its assignments, its declared types), shared by the _Names of every
     launching function of one source: they depend on the text alone, and looked up afresh for each of 32
@@ -566,7 +694,8 @@ class _Names:
     def _definitions(self, name: str) -> tuple[str, set[str]] | None:
         quoted = re.escape(name)
         text = self.text
-        if re.search(_CHANGED.format(name=quoted), text):
+        occurrences = _Occurrences(text, name)
+        if occurrences.changed():
             return None
         exprs: set[str] = set()
         for i, m in enumerate(re.finditer(_ASSIGN.format(name=quoted), text)):
@@ -576,11 +705,14 @@ class _Names:
                 return None
             # Up to a comma outside brackets: `int m = x.size(0), n = x.size(1);` gives m x.size(0).
             exprs.add(" ".join(features.split_top_level(value)[0].split()))
+        dim3 = re.compile(_DIM3_DECL.format(name=quoted))
         declared = list(
-            itertools.islice(re.finditer(_DIM3_DECL.format(name=quoted), text), MAX_ASSIGNMENTS + 1)
+            itertools.islice(_scan(dim3, text, occurrences.after(("dim3",))), MAX_ASSIGNMENTS + 1)
         )
         if not declared:
-            return None if re.search(_OTHER_DECL.format(name=quoted), text) else ("value", exprs)
+            other = re.compile(_OTHER_DECL.format(name=quoted))
+            unread = next(_scan(other, text, occurrences.after(_DECL_WORDS)), None)
+            return None if unread is not None else ("value", exprs)
         if exprs or len(declared) > MAX_ASSIGNMENTS:
             return None
         args: set[str] = set()
@@ -1175,13 +1307,7 @@ def _defaults(
     own = probe[body:end] if body >= 0 else ""
     out: dict[str, str] = {}
     for i, (param, default) in enumerate(zip(params, given, strict=True)):
-        changed = (
-            _ASSIGN.format(name=re.escape(param.name)),
-            _CHANGED.format(name=re.escape(param.name)),
-            _DIM3_DECL.format(name=re.escape(param.name)),
-            _OTHER_DECL.format(name=re.escape(param.name)),
-        )
-        if called and default is not None and passed <= i and not any(re.search(c, own) for c in changed):
+        if called and default is not None and passed <= i and not _set_in(own, param.name):
             out[param.name] = default
     return out
 
