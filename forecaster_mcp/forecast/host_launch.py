@@ -99,8 +99,8 @@ MAX_SITES = 32
 MAX_EXPR_CHARS = 400
 MAX_DEPTH = 8  # names defined by names, this deep
 
-# Of one name: an assignment (a declaration's initialiser too; its value is read up to the `;`), a change in
-# place, a declaration initialised in parentheses or braces (`dim3 grid(...)`, `int n{...}`).
+# Of one name: an assignment (a declaration's initialiser too; its value is read up to the `;` or a comma outside
+# brackets), a change in place, a declaration initialised in parentheses or braces (`dim3 grid(...)`, `int n{...}`).
 # Not a member: `o->threads = 1024` or `cfg.threads = 1024` sets no variable `threads`.
 # The name first, its look behinds after it: a scan looks for its letters, not at every character (`_named`).
 _ASSIGN = r"{name}(?<![\w.]{name})(?<!->{name})\s*=(?!=)"
