@@ -1567,15 +1567,20 @@ def test_a_type_the_evaluator_does_not_read_is_not_taken_for_another(
     assert read(host, workload) == SourceLaunch(expected, (256, 1, 1), 0)
 
 
+def _many_names(small_functions: int) -> str:
+    """32 launchers reading the same 60 names, each name declared 60 times, then `small_functions` empty functions."""
+    names = [f"a{i}" for i in range(60)]
+    expr = " + ".join(names)
+    launchers = "".join(f"void l{j}(int p{j}) {{ k<<<{expr}, 256>>>(0, 0, p{j}); }}\n" for j in range(32))
+    return launchers + "".join(f"int {n} = 1;\n" * 60 for n in names) + "void z() {}\n" * small_functions
+
+
 def test_the_names_of_many_launching_functions_are_looked_up_once() -> None:
     """Each launching function's names were looked up afresh (a scan of the text each, several patterns): 32
     launchers reading the same 60 names, each declared 60 times, before 70,000 small functions (0.9 MB) took
     350 s. They are looked up once a source, as MAX_NAMES counts them: 0.9 s for this 0.12 MB one (2.1 s with
     20,000 small functions, too near the limit on a busy machine)."""
-    names = [f"a{i}" for i in range(60)]
-    expr = " + ".join(names)
-    launchers = "".join(f"void l{j}(int p{j}) {{ k<<<{expr}, 256>>>(0, 0, p{j}); }}\n" for j in range(32))
-    source = launchers + "".join(f"int {n} = 1;\n" * 60 for n in names) + "void z() {}\n" * 5_000
+    source = _many_names(small_functions=5_000)
     assert read(source, None) == SourceLaunch((60, 1, 1), (256, 1, 1), 0)
     assert fastest_s(lambda: (host_launch._CACHE.clear(), read(source, None)), 2.0) < 2.0
 
@@ -1585,10 +1590,7 @@ def test_a_name_is_looked_up_where_it_stands_not_at_every_character() -> None:
     every character of the text (none starts with letters to look for): 32 launchers reading 60 names, each
     declared 60 times, before 70,000 small functions (0.9 MB) took 5.9 s. They are tried where the name stands
     (`_Occurrences`): 0.7 s, most of it reading the host functions."""
-    names = [f"a{i}" for i in range(60)]
-    expr = " + ".join(names)
-    launchers = "".join(f"void l{j}(int p{j}) {{ k<<<{expr}, 256>>>(0, 0, p{j}); }}\n" for j in range(32))
-    source = launchers + "".join(f"int {n} = 1;\n" * 60 for n in names) + "void z() {}\n" * 70_000
+    source = _many_names(small_functions=70_000)
     assert read(source, None) == SourceLaunch((60, 1, 1), (256, 1, 1), 0)
     assert fastest_s(lambda: (host_launch._CACHE.clear(), read(source, None)), 3.0) < 3.0
 

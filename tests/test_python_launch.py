@@ -706,12 +706,16 @@ def test_a_default_no_call_in_the_module_passes_is_the_parameter_s_value(
     assert read(source) == expected
 
 
+# A CuPy launch in a method with a defaulted block, called through self.
+METHOD = (
+    f'import cupy as cp\nk = cp.RawKernel({RELU}, "relu")\n\nclass Op:\n'
+    "    def launch(self, x, block=512):\n        k((x.size // block,), (block,), (x, x.size))\n"
+    "    def run(self, x):\n        self.launch(x)\n"
+)
+
+
 def test_a_method_s_default_counts_its_calls_through_self() -> None:
-    method = (
-        f'import cupy as cp\nk = cp.RawKernel({RELU}, "relu")\n\nclass Op:\n'
-        "    def launch(self, x, block=512):\n        k((x.size // block,), (block,), (x, x.size))\n"
-        "    def run(self, x):\n        self.launch(x)\n"
-    )
+    method = METHOD
     assert read(method, "Op") == SourceLaunch((32768, 1, 1), (512, 1, 1), 0)
     assert read(method.replace("self.launch(x)", "self.launch(x, 128)"), "Op") is None
     # torch's `model(x, 128)` calls `forward(self, x, block)`: passed.
@@ -893,11 +897,7 @@ def test_a_function_passed_as_a_value_has_callers_not_seen(use: str) -> None:
 
 
 def test_a_method_or_instance_passed_as_a_value_has_callers_not_seen() -> None:
-    method = (
-        f'import cupy as cp\nk = cp.RawKernel({RELU}, "relu")\n\nclass Op:\n'
-        "    def launch(self, x, block=512):\n        k((x.size // block,), (block,), (x, x.size))\n"
-        "    def run(self, x):\n        self.launch(x)\n"
-    )
+    method = METHOD
     assert read(method, "Op") == SourceLaunch((32768, 1, 1), (512, 1, 1), 0)
     assert read(method + "    def hook(self):\n        self.cb = self.launch\n", "Op") is None
     module = method.replace("def launch(", "def forward(").replace("self.launch(x)", "pass")
