@@ -1700,3 +1700,22 @@ def test_a_brace_in_a_default_string_of_a_launching_function_is_no_error() -> No
         "void run() { launch(1 << 20); }\n"
     )
     assert read(host) is None or read(host).block == (256, 1, 1)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "n = 5000; k<<<(n + 255) / 256, 256>>>(0, 0, n);",
+        "n /= 2; k<<<(n + 255) / 256, 256>>>(0, 0, n);",
+        "if (n > 1024) n = 1024; k<<<(n + 255) / 256, 256>>>(0, 0, n);",
+        "int n = 4096; k<<<(n + 255) / 256, 256>>>(0, 0, n);",  # shadowed (an inner block's in real code)
+    ],
+)
+def test_a_parameter_its_own_function_changes_is_not_its_callers_value(body: str) -> None:
+    # A parameter's value is its callers' (the workload's here, n = 2^24): read as such though the function set it
+    # before the launch, the grid was 65536 where the kernel runs (5000 + 255) / 256 = 20 blocks, or half as many.
+    assert read(f"void f(int n) {{ {body} }}") == SourceLaunch(None, (256, 1, 1), 0)
+    # Unchanged, it is the callers' still.
+    assert read("void f(int n) { k<<<(n + 255) / 256, 256>>>(0, 0, n); }").grid == (65536, 1, 1)
+    # Another parameter changed changes nothing of this one's.
+    assert read("void f(int n, int m) { m = 3; k<<<(n + 255) / 256, 256>>>(0, 0, n); }").grid == (65536, 1, 1)

@@ -652,6 +652,8 @@ class _Names:
         kinds: Mapping[str, _Kind] | None = None,
         types: Mapping[str, _Kind] | None = None,
         lookups: _Lookups | None = None,
+        *,
+        changed: Collection[str] = (),
     ) -> None:
         self.text = text
         self.macros = macros
@@ -659,6 +661,9 @@ class _Names:
         # The parameters of the host function the launch is in: their values are its callers' (`launch(512)`),
         # whatever the source assigns a variable of that name elsewhere; only the workload can say.
         self.params = frozenset(params)
+        # Those the function sets itself before or after the launch (`n /= 2;`, `if (n > 1024) n = 1024;`): which
+        # value the launch sees is not known here.
+        self.changed = frozenset(changed)
         self.aliases = dict(
             aliases or {}
         )  # a wrapper's tensor parameter -> the workload buffer it stands for
@@ -772,6 +777,8 @@ class _Names:
             found = _typed(macro, self, depth) if macro != "" else None
             return found if name in self.given else self._agreeing(name, found)
         if name in self.params:
+            if name in self.changed:
+                return None
             # Its declared type's (`int n`: a workload's 3e9 is past it), else 64 bits.
             kind = self.kinds.get(name)
             default = self.defaults.get(name)
@@ -1335,9 +1342,9 @@ def _source_launch(
     aliases = _aliases(text)
     starts = [a for a, _, _ in spans]  # in order, none inside another
     named = Counter(name for _, _, name in spans)
-    by_params: dict[tuple[tuple[_Param, ...], bool, tuple[tuple[str, str], ...]], _Names] = {}
+    by_params: dict[tuple[tuple[_Param, ...], bool, tuple[tuple[str, str], ...], frozenset[str]], _Names] = {}
     lookups = _Lookups()  # what the text says of each name: one for every launching function
-    called_by: dict[tuple[int, int, str | None] | None, tuple[bool, dict[str, str]]] = {}
+    called_by: dict[tuple[int, int, str | None] | None, tuple[bool, dict[str, str], frozenset[str]]] = {}
     probe: str | None = None  # blanked once for every function asked about (_called), not once each
     grids, blocks, shared = [], [], []
     for at, parts in sites:
@@ -1348,13 +1355,16 @@ def _source_launch(
         # A helper the wrapper calls (`launch(out, x)`) takes its tensors from it, not from Python in order.
         if span not in called_by:  # read once a function: up to MAX_SITES launches in one
             if span is None:
-                called_by[span] = (True, {})
+                called_by[span] = (True, {}, frozenset())
             else:
                 probe = features._blank_literals(text) if probe is None else probe
                 defaults = _defaults(text, probe, span, spans, declarations, params, exported, starts, named)
-                called_by[span] = (_called(probe, span, spans, starts), defaults)
-        called, defaults = called_by[span]
-        key = (params, called, tuple(sorted(defaults.items())))
+                body = probe.find("{", span[0], span[1])
+                own = probe[body : span[1]] if body >= 0 else ""
+                changed = frozenset(p.name for p in params if _set_in(own, p.name))
+                called_by[span] = (_called(probe, span, spans, starts), defaults, changed)
+        called, defaults, changed = called_by[span]
+        key = (params, called, tuple(sorted(defaults.items())), changed)
         if key not in by_params:
             tensors = {} if called else _tensor_aliases(params, workload)
             kinds = {p.name: p.kind for p in params if p.kind is not None}
@@ -1369,6 +1379,7 @@ def _source_launch(
                 kinds,
                 aliases,
                 lookups,
+                changed=changed,
             )
         names = by_params[key]
         grids.append(_valid_grid(names.dims(parts[0])))
