@@ -629,8 +629,8 @@ class Service:
         if unmeasurable:
             first = next(iter(unmeasurable.values()))
             notes.append(
-                f"left out of measure_next, as this server cannot measure them: {', '.join(list(unmeasurable)[:10])}"
-                f"{' ...' if len(unmeasurable) > 10 else ''} ({one_line(first, 300)}); their forecasts stand, "
+                f"left out of measure_next, as this server cannot measure them: {_listed_ids(list(unmeasurable))} "
+                f"({one_line(first, 300)}); their forecasts stand, "
                 "but do not send them to measure_kernel here"
             )
         speed = {base.id: 1.0, **{r.id: r.measured_speedup or r.expected_speedup for r in ordered}}
