@@ -756,16 +756,15 @@ async def _device_code_alone(
     nvcc: str,
     cache_dir: Path | None,
     deadline: float,
-    unstarted: list[bool] | None = None,
-) -> PtxasUsage | None:
+) -> tuple[PtxasUsage | None, bool]:
     """ptxas's figures for `kernel`'s device code compiled without the headers this server's nvcc lacks (`error`
     names the first): their #include lines and the host code that uses them left out
     (features.device_code_alone), the next missing header found by the next compile, up to MAX_MISSING_HEADERS.
     A PyTorch extension's kernel is plain CUDA; only its wrapper needs torch/extension.h. None when the device
     code needs the headers itself, or has no entry `kernel.entry` compiled alone (a template instantiated only by
-    the host code's AT_DISPATCH): the kernel is then read without register counts, as before. A compile that
-    never started (no compile slot came free, or no time was left) appends True to `unstarted`, when given: that
-    None says nothing of the source."""
+    the host code's AT_DISPATCH): the kernel is then read without register counts, as before. With whether every
+    compile it needed started: one that never did (no compile slot came free, or no time was left) says nothing
+    of the source."""
     from forecaster_mcp.forecast.features import device_code_alone  # features reads ptxas's PtxasEntry
 
     headers: set[str] = set()
@@ -789,15 +788,13 @@ async def _device_code_alone(
                 on_start=lambda: started.append(True),
             )
         if not started:
-            if unstarted is not None:
-                unstarted.append(True)
-            return None
+            return None, False
         if isinstance(result, PtxasUsage):
             if result.for_entry(kernel.entry) is None:
-                return None
-            return replace(result, without_headers=tuple(sorted(headers)))
+                return None, True
+            return replace(result, without_headers=tuple(sorted(headers))), True
         found = missing_header(result) if isinstance(result, PtxasError) else None
-    return None
+    return None, True
 
 
 async def ptxas_results(
@@ -834,10 +831,9 @@ async def ptxas_results(
             if isinstance(result, PtxasError) and missing_header(result) is not None:
                 # Its compile alone may find no compile slot on a busy server: then unsettled, as a first compile
                 # that found none is (a later call compiles it), though this call reads the missing header.
-                alone_unstarted: list[bool] = []
-                alone = await _device_code_alone(kernel, result, nvcc, cache_dir, deadline, alone_unstarted)
+                alone, settled = await _device_code_alone(kernel, result, nvcc, cache_dir, deadline)
                 result = alone or result
-                if alone_unstarted:
+                if not settled:
                     unsettled.add(key)
         if result is not None:
             out[key] = result

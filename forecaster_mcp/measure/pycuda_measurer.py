@@ -1422,11 +1422,11 @@ def _embedded_advice(kernel: Kernel, workload: Workload) -> str:
         return ""
     try:
         embedded = embedded_cuda(kernel.source, kernel.entry)
-        advice = _launch_advice(kernel, workload) if embedded is not None and embedded.entry else ""
+        if embedded is None or not embedded.entry:
+            return ""
+        advice = _launch_advice(kernel, workload)
     except Exception:  # advice only
         log.debug("no CUDA read from the Python source", exc_info=True)
-        return ""
-    if embedded is None or not embedded.entry:
         return ""
     return (
         f". Its CUDA kernel {embedded.entry!r} can be measured as a kernel of its own: send its device code as "
