@@ -1540,8 +1540,8 @@ def _module_constants(module: ast.Module) -> tuple[dict[str, int | str], set[str
             receiver = _template_receiver(node)
             if isinstance(receiver, ast.Name):
                 as_template[receiver.id] = as_template.get(receiver.id, 0) + 1
-        elif kind in _BINDERS:
-            for name in _bindings(node):
+        elif kind in BINDERS:
+            for name in bindings(node):
                 bound[name] = bound.get(name, 0) + 1
     constants: dict[str, int | str] = {}
     for stmt in module.body:
@@ -1581,7 +1581,7 @@ def _template_receiver(node: ast.AST) -> ast.AST | None:
     return node.args[0] if len(node.args) == 1 and _names_template(node.func) else None
 
 
-_BINDERS = (
+BINDERS = (
     ast.arg,
     ast.FunctionDef,
     ast.AsyncFunctionDef,
@@ -1596,8 +1596,8 @@ _BINDERS = (
 )
 
 
-def _bindings(node: ast.AST) -> Iterator[str]:
-    """The names `node`, one of _BINDERS, binds (or declares bound elsewhere: `global`)."""
+def bindings(node: ast.AST) -> Iterator[str]:
+    """The names `node`, one of BINDERS, binds (or declares bound elsewhere: `global`)."""
     if isinstance(node, ast.arg):
         yield node.arg
     elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):

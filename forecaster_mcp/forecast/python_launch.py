@@ -106,20 +106,28 @@ class _Scope:
             elif isinstance(node, ast.Delete):
                 for target in node.targets:
                     self._changed(target)
-            elif isinstance(node, ast.Import | ast.ImportFrom):
-                for alias in node.names:
-                    self._unknown(alias.asname or alias.name.split(".")[0])
-            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-                self._unknown(node.name)
-                if not isinstance(node, ast.ClassDef):
+            elif isinstance(node, features.BINDERS) and not isinstance(node, ast.Global | ast.Nonlocal):
+                # An import, a def or class, `except E as n`, `case n:`, `case [*n]`, `case {**n}` (a `global`
+                # is read above: `declared`).
+                for name in features.bindings(node):
+                    self._unknown(name)
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                     self.functions.setdefault(node.name, []).append(node)
-            elif isinstance(node, ast.ExceptHandler | ast.MatchAs | ast.MatchStar) and node.name is not None:
-                self._unknown(node.name)  # `except E as n`, `case n:`, `case [*n]`
-            elif isinstance(node, ast.MatchMapping) and node.rest is not None:
-                self._unknown(node.rest)
 
     def binds(self, name: str) -> bool:
         return name in self.params or name in self.given or name in self.assigned
+
+    def binder(self, name: str) -> _Scope | None:
+        """The scope `name` is read from here: this one or the nearest around it that binds it; None for none."""
+        scope: _Scope | None = self
+        while scope is not None and not scope.binds(name):
+            scope = scope.outer
+        return scope
+
+    def sole_def(self, name: str) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+        """The one def this scope binds `name` to, where nothing else binds it; None otherwise."""
+        defs = self.functions.get(name, [])
+        return defs[0] if len(defs) == 1 and self.assigned.get(name) == [None] else None
 
     def _unknown(self, name: str) -> None:
         self.assigned.setdefault(name, []).append(None)
@@ -268,8 +276,7 @@ class _Evaluator:
         # unless it is made like another (`out = torch.empty_like(x)`, `x.clone()`): that one's.
         scope: _Scope | None = self.scope
         for _ in range(MAX_DEPTH):
-            while scope is not None and not scope.binds(name):
-                scope = scope.outer
+            scope = scope.binder(name) if scope is not None else None
             if scope is None or (name in scope.params and name not in scope.assigned):
                 shape = self.names.shape(name)
                 if shape is None:
@@ -560,7 +567,7 @@ class _Callers:
                 made = node.value.func
                 if isinstance(made, ast.Name) and made.id in classes:
                     for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
-                        named = target.id if isinstance(target, ast.Name) else _dotted(target)
+                        named = _dotted(target)
                         if named is not None:
                             instances.add(named.rsplit(".", 1)[-1])
         # Names used otherwise than called (`partial(run, block=128)`, `map(run, xs)`, `torch.compile(run)`,
@@ -770,10 +777,9 @@ def _triton_kernel(
     """The module's Triton kernel `entry` (a `@triton.jit` function the module binds that name to alone) and what
     its decorators set; None for any other (numba's `@cuda.jit` is launched `kernel[blocks, threads]`), or one
     another decorator wraps (its launch may be anything)."""
-    defs = top.functions.get(entry, [])
-    if len(defs) != 1 or top.assigned.get(entry) != [None] or not isinstance(defs[0], ast.FunctionDef):
+    kernel = top.sole_def(entry)
+    if not isinstance(kernel, ast.FunctionDef):
         return None
-    kernel = defs[0]
     modules, imported = _triton_names(module)
     decorated = _Decorated()
     evaluator = _Evaluator(top, names)
@@ -926,13 +932,11 @@ def _triton_grid(
         found = _assigned(target.id, scope)
         if found is None:
             # `def grid(meta): ...`, the name bound to nothing else
-            binding: _Scope | None = scope
-            while binding is not None and not binding.binds(target.id):
-                binding = binding.outer
-            defs = binding.functions.get(target.id, []) if binding is not None else []
-            if binding is None or len(defs) != 1 or binding.assigned.get(target.id) != [None]:
+            binding = scope.binder(target.id)
+            defined = binding.sole_def(target.id) if binding is not None else None
+            if binding is None or defined is None:
                 return None
-            target, scope = defs[0], binding
+            target, scope = defined, binding
             break
         target, scope = found
     function = _grid_function(target, scope)
@@ -975,10 +979,9 @@ def _wrapped_kernel(top: _Scope, entry: str) -> str | None:
     call, of a module-level name, run once: not in a loop, a comprehension or a function of its own (a grid
     function's body may hold no launch). None for any other: two kernels, a subscript call of anything else
     (`ops[0](x)`), a launch run many times, the wrapper's own `add_kernel`."""
-    defs = top.functions.get(entry, [])
-    if len(defs) != 1 or top.assigned.get(entry) != [None] or defs[0].decorator_list:
+    wrapper = top.sole_def(entry)
+    if wrapper is None or wrapper.decorator_list:
         return None
-    wrapper = defs[0]
     inner = _Scope(wrapper.body, _parameters(wrapper.args), top, top.declared)
     launched: list[str] = []
     stack: list[tuple[ast.AST, bool]] = [(statement, False) for statement in wrapper.body]
@@ -1024,10 +1027,7 @@ def _triton_sites(module: ast.Module, top: _Scope, kernel: str) -> Iterator[tupl
         if isinstance(func, ast.Subscript):
             func = func.value
         if isinstance(func, ast.Name) and func.id == kernel:
-            found: _Scope | None = scope
-            while found is not None and not found.binds(kernel):
-                found = found.outer
-            if found is top:  # not a function's own `kernel`
+            if scope.binder(kernel) is top:  # not a function's own `kernel`
                 yield call, scope
 
 
