@@ -802,7 +802,7 @@ def without_host_code(text: str, entry: str | None = None) -> str:
     if _GLOBAL not in text:
         return text
     declarations: list[tuple[int, int, str | None]] = []
-    found = _host_spans(text, declarations)
+    found = host_function_spans(text, declarations)
     if not found or len(found) > _MAX_HOST_FUNCTIONS:
         return text
     # A host-looking function named as the entry is the kernel, qualified through a macro (`KERNEL void k(`),
@@ -874,19 +874,17 @@ def device_code_alone(text: str, headers: frozenset[str], entry: str | None = No
     return without_host_code(_INCLUDE_LINE.sub(blank, text), entry)
 
 
-def host_function_spans(text: str) -> list[tuple[int, int, str | None]]:
-    """(start, end, name) of each host-only function definition at file scope (namespaces looked into; see
-    `without_host_code`), in order; empty where the braces cannot be followed."""
-    return _host_spans(text)
-
-
-def _host_spans(
-    text: str, declarations: list[tuple[int, int, str | None]] | None = None
+def host_function_spans(
+    text: str, declarations: list[tuple[int, int, str | None]] | None = None, probe: str | None = None
 ) -> list[tuple[int, int, str | None]]:
-    """`host_function_spans`, and the (start, end, name) of each function declaration at file scope that is not
-    device code (`void launch(float*, int);`) added to `declarations`, when given."""
+    """(start, end, name) of each host-only function definition at file scope (namespaces looked into; see
+    `without_host_code`), in order; empty where the braces cannot be followed. The (start, end, name) of each
+    function declaration at file scope that is not device code (`void launch(float*, int);`) is added to
+    `declarations`, when given. `probe`: the text with its literals blanked (`_blank_literals`), when the caller
+    has it already."""
     found: list[tuple[int, int, str | None]] = []
-    probe = _blank_literals(text)  # `printf("}")` in a kernel closed its body early
+    if probe is None:
+        probe = _blank_literals(text)  # `printf("}")` in a kernel closed its body early
     braces = _closers(probe, "{", "}")
     lines = _Directives(probe)
     return found if _host_functions(probe, 0, len(probe), braces, found, 0, declarations, lines) else []

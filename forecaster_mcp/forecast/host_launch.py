@@ -1139,20 +1139,19 @@ def _parameters(text: str, start: int, end: int, aliases: Mapping[str, _Kind]) -
     aliases (`_aliases`)."""
     body = text.find("{", start, end)
     out: list[_Param] = []
-    for param in _parameter_texts(text[start:body] if body >= 0 else "") or []:
+    for param in _named_parameters(_parameter_texts(text[start:body] if body >= 0 else "") or []):
         declared = param.split("=", 1)[0]
         words = _NAME.findall(declared)
-        if words and words[-1] != "void":
-            kind = words[:-1]
-            tensor = "Tensor" in kind and _TENSOR_TYPE_WORDS.issuperset(kind)
-            out.append(
-                _Param(
-                    words[-1],
-                    tensor or (None if any("Tensor" in w for w in kind) else False),
-                    _default(param),
-                    _type_kind(declared.strip().removesuffix(words[-1]), aliases),
-                )
+        kind = words[:-1]
+        tensor = "Tensor" in kind and _TENSOR_TYPE_WORDS.issuperset(kind)
+        out.append(
+            _Param(
+                words[-1],
+                tensor or (None if any("Tensor" in w for w in kind) else False),
+                _default(param),
+                _type_kind(declared.strip().removesuffix(words[-1]), aliases),
             )
+        )
     return tuple(out)
 
 
@@ -1180,6 +1179,20 @@ def _named(name: str) -> str:
     return rf"{quoted}(?<![\w.]{quoted})"
 
 
+# After a function's name where it is called: template arguments one level deep, then the `(`.
+_CALL_TAIL = re.compile(r"\s*+(?:<[^<>;{}()]{0,200}>\s*+)?\(")
+
+
+def _span_at(
+    spans: list[tuple[int, int, str | None]], starts: list[int], at: int
+) -> tuple[int, int, str | None] | None:
+    """The host function whose span holds position `at`, or None. The spans are in order, none inside another
+    (`starts`: theirs): found by bisection (walking them all for each call of 32 launching functions took 10 s
+    after 80,000 small ones)."""
+    i = bisect.bisect_right(starts, at) - 1
+    return spans[i] if i >= 0 and at < spans[i][1] else None
+
+
 def _called(
     probe: str, span: tuple[int, int, str | None], spans: list[tuple[int, int, str | None]], starts: list[int]
 ) -> bool:
@@ -1190,16 +1203,12 @@ def _called(
     `starts`: the spans' starts (in order, none inside another)."""
     if span[2] is None:
         return True
-    call = re.compile(rf"{_named(span[2])}\s*+(?:<[^<>;{{}}()]{{0,200}}>\s*+)?\(")
+    call = re.compile(_named(span[2]) + _CALL_TAIL.pattern)
     for m in call.finditer(probe):
-        i = bisect.bisect_right(starts, m.start()) - 1
-        if i >= 0 and m.start() < spans[i][1] and spans[i][:2] != span[:2]:
+        caller = _span_at(spans, starts, m.start())
+        if caller is not None and caller[:2] != span[:2]:
             return True
     return False
-
-
-# After a function's name where it is called: template arguments one level deep, then the `(`.
-_CALL_TAIL = re.compile(r"\s*+(?:<[^<>;{}()]{0,200}>\s*+)?\(")
 
 
 # Words of a type that are no parameter's name (`void f(long long);` is unnamed, not a `long` named `long`).
@@ -1257,7 +1266,8 @@ def _defaults(
     from the text's host functions and named nowhere else: one named otherwise (`m.def("launch", &launch)`, a
     pointer kept), or none calling it (its callers not sent), may be called with any argument; so may one Python
     binds by name (`exported`: load_inline's `functions=[...]`), and Python passes every argument, pybind11 not
-    knowing C++'s defaults. A default the function changes itself (`threads = 64;`), or an overload's, is not it.
+    knowing C++'s defaults. An overload's default is not it (one the function changes itself, `threads = 64;`,
+    is left out by the caller, with the parameter's callers' values).
     `probe`: the text with its literals and comments blanked (features._blank_literals); `starts`: the spans'
     starts, in order; `named`: how many of them have each name."""
     start, end, name = span
@@ -1301,20 +1311,16 @@ def _defaults(
         if start <= at < body or any(a <= at < b for a, b, _ in declared):
             continue  # its own header, a declaration of it
         tail = _CALL_TAIL.match(probe, m.end())
-        # The spans are in order, none inside another: the one it may be in found by bisection (walking them all
-        # for each call of 32 launching functions took 10 s after 80,000 small ones).
-        j = bisect.bisect_right(starts, at) - 1
-        inside = j >= 0 and at < spans[j][1]
+        inside = _span_at(spans, starts, at) is not None
         close = _closing(probe, tail.end()) if tail is not None and inside and i < MAX_ASSIGNMENTS else None
         if tail is None or close is None:
             return {}  # named otherwise, called outside the host functions, or too often to read
         args = probe[tail.end() : close]
         passed = max(passed, len(features.split_top_level(args)) if args.strip() else 0)
         called = True
-    own = probe[body:end] if body >= 0 else ""
     out: dict[str, str] = {}
     for i, (param, default) in enumerate(zip(params, given, strict=True)):
-        if called and default is not None and passed <= i and not _set_in(own, param.name):
+        if called and default is not None and passed <= i:
             out[param.name] = default
     return out
 
@@ -1338,30 +1344,36 @@ def _source_launch(
         if name not in macros and defined.setdefault(name, value) != value:
             defined[name] = ""
     declarations: list[tuple[int, int, str | None]] = []
-    spans = features._host_spans(text, declarations)
+    probe = features._blank_literals(text)  # read by the spans, and by each launching function's callers
+    spans = features.host_function_spans(text, declarations, probe)
     aliases = _aliases(text)
     starts = [a for a, _, _ in spans]  # in order, none inside another
     named = Counter(name for _, _, name in spans)
     by_params: dict[tuple[tuple[_Param, ...], bool, tuple[tuple[str, str], ...], frozenset[str]], _Names] = {}
     lookups = _Lookups()  # what the text says of each name: one for every launching function
     called_by: dict[tuple[int, int, str | None] | None, tuple[bool, dict[str, str], frozenset[str]]] = {}
-    probe: str | None = None  # blanked once for every function asked about (_called), not once each
     grids, blocks, shared = [], [], []
     for at, parts in sites:
         if len(parts) < 2:
             return None
-        span = next(((a, b, name) for a, b, name in spans if a <= at < b), None)
+        span = _span_at(spans, starts, at)
         params = _parameters(text, span[0], span[1], aliases) if span is not None else ()
         # A helper the wrapper calls (`launch(out, x)`) takes its tensors from it, not from Python in order.
         if span not in called_by:  # read once a function: up to MAX_SITES launches in one
             if span is None:
                 called_by[span] = (True, {}, frozenset())
             else:
-                probe = features._blank_literals(text) if probe is None else probe
-                defaults = _defaults(text, probe, span, spans, declarations, params, exported, starts, named)
                 body = probe.find("{", span[0], span[1])
                 own = probe[body : span[1]] if body >= 0 else ""
+                # Parameters the function sets itself: neither its callers' values nor its defaults.
                 changed = frozenset(p.name for p in params if _set_in(own, p.name))
+                defaults = {
+                    n: d
+                    for n, d in _defaults(
+                        text, probe, span, spans, declarations, params, exported, starts, named
+                    ).items()
+                    if n not in changed
+                }
                 called_by[span] = (_called(probe, span, spans, starts), defaults, changed)
         called, defaults, changed = called_by[span]
         key = (params, called, tuple(sorted(defaults.items())), changed)
