@@ -100,3 +100,16 @@ def test_output_piped_into_a_reader_that_stops_early_is_no_traceback(tmp_path: P
         os.close(write_end)
     assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
     assert proc.returncode == 141
+
+
+def test_demo_whose_server_cannot_start_ends_with_the_server_s_message_not_a_traceback(
+    tmp_path: Path,
+) -> None:
+    # A state folder the server cannot write: the server said so and exited, and the demo's client then raised
+    # an exception group ("Connection closed") forty lines long under it.
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    proc = cli(tmp_path, "--home", str(blocked / "home"), "demo", check=False)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert "exited before it answered" in proc.stderr + proc.stdout

@@ -16,7 +16,7 @@ from mcp import Client
 from mcp.client.stdio import StdioServerParameters
 from mcp.types import CallToolResult, TextContent
 
-from forecaster_mcp.errors import ForecasterMcpError
+from forecaster_mcp.errors import ForecasterMcpError, OperatorError
 
 ToolCaller = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
 
@@ -80,14 +80,26 @@ async def connect_stdio(
     extra_env: dict[str, str] | None = None,
     own_settings: bool = False,
 ) -> AsyncIterator[tuple[Client, ToolCaller]]:
-    """Start a server subprocess over stdio; yield the client and a structured-content tool caller."""
+    """Start a server subprocess over stdio; yield the client and a structured-content tool caller. A server
+    that exits before it answers (a state folder it cannot write, a setting it refuses) has printed why on its
+    stderr, which is the caller's: that ends in an OperatorError saying so, not the client's exception group."""
     params = stdio_params(home, replay=replay, ledger=ledger, extra_env=extra_env, own_settings=own_settings)
-    async with Client(params, read_timeout_seconds=300) as client:
+    started = False
+    try:
+        async with Client(params, read_timeout_seconds=300) as client:
+            started = True
 
-        async def call(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
-            return structured(await client.call_tool(name, arguments))
+            async def call(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+                return structured(await client.call_tool(name, arguments))
 
-        yield client, call
+            yield client, call
+    except Exception as exc:
+        if started:
+            raise
+        raise OperatorError(
+            "the server process started for this command (`forecaster-mcp serve` over stdio) exited before it "
+            "answered; its own message, printed above, says why"
+        ) from exc
 
 
 @asynccontextmanager
