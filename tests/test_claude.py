@@ -1532,6 +1532,34 @@ def test_an_overflowing_answer_is_invalid_not_uniform() -> None:
         prompt.parse_answer({"probabilities": [1e308] * 8, "reasoning": ""})
 
 
+def test_every_model_the_sdk_lists_is_priced() -> None:
+    """claude_model may be any model the installed SDK names: each is priced (Fable 5.2 and Mythos 5.2 were not, and
+    their tokens were recorded at cost 0). Mythos Preview's price is not published: it is reported as unpriced."""
+    import typing
+
+    from anthropic.types import Model
+
+    listed = [m for arg in typing.get_args(Model) for m in typing.get_args(arg)]
+    assert "claude-fable-5-2" in listed
+    unpriced = [m for m in listed if price_for(m) is None and m != "claude-mythos-preview"]
+    assert unpriced == []
+    # Fable 5.2 and Mythos 5.2: $8 / $40, 5-minute cache writes $10, cache reads $0.20 (20% below 5.1).
+    assert (
+        price_for("claude-fable-5-2")
+        == price_for("claude-mythos-5-2")
+        == claude_module.ModelPrice(8, 40, 10, 0.2)
+    )
+
+
+@pytest.mark.anyio
+async def test_fable_5_2_starts_in_json_mode() -> None:
+    """Fable 5.2, as 5.1, refuses forced tool use: its first request was a 400 before the switch to JSON output."""
+    for model in ("claude-fable-5-2", "claude-mythos-5-2"):
+        mock = scripted(json_answer(FASTER))
+        await make(mock, model=model).forecast([pair()])
+        assert "output_config" in mock.message_bodies[0] and "tool_choice" not in mock.message_bodies[0]
+
+
 def test_latest_aliases_are_priced() -> None:
     assert price_for("claude-3-5-haiku-latest") == price_for("claude-3-5-haiku")
     assert price_for("claude-3-5-haiku-latest") is not None

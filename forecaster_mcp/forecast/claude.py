@@ -55,6 +55,8 @@ _T = TypeVar("_T")
 # Models documented to reject a forced tool_choice (400): they get the JSON-schema output format instead.
 # Any other model that rejects it is switched at run time on the first such error.
 _NO_FORCED_TOOL_PREFIXES = (
+    "claude-fable-5-2",
+    "claude-mythos-5-2",
     "claude-opus-5-5",
     "claude-sonnet-5-5",
     "claude-haiku-5-5",
@@ -208,9 +210,12 @@ class ModelPrice:
     cache_read: float
 
 
-# From platform.claude.com/docs/en/about-claude/pricing (checked against the model pages, October 2026).
+# From platform.claude.com/docs/en/about-claude/pricing (checked against the model pages, October 2026; Fable and
+# Mythos 5.2, released 2026-11-09, at their list price: 20% below 5.1).
 # Haiku 5.5 has a second, higher band for prompts over 100k tokens (LONG_PROMPT_PRICES).
 PRICES: dict[str, ModelPrice] = {
+    "claude-fable-5-2": ModelPrice(8.0, 40.0, 10.0, 0.20),
+    "claude-mythos-5-2": ModelPrice(8.0, 40.0, 10.0, 0.20),
     "claude-fable-5-1": ModelPrice(10.0, 50.0, 12.5, 0.25),
     "claude-mythos-5-1": ModelPrice(10.0, 50.0, 12.5, 0.25),
     "claude-fable-5": ModelPrice(10.0, 50.0, 12.5, 1.0),
