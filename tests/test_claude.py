@@ -1289,6 +1289,16 @@ def test_parse_answer_rejects(payload: object, problem: str) -> None:
         prompt.parse_answer(payload)
 
 
+def test_parse_answer_accepts_probabilities_written_as_numeric_strings() -> None:
+    """A tool call's numbers written as strings ("0.05") are the numbers: the answer was retried twice and dropped,
+    three paid requests for a forecast it held. A string that is not a finite number is still refused."""
+    probs, _ = prompt.parse_answer({"probabilities": [str(p) for p in FASTER], "reasoning": "r"})
+    assert probs == pytest.approx(FASTER)
+    for bad in ("nan", "inf", "0x1", "", "one"):
+        with pytest.raises(prompt.InvalidAnswer):
+            prompt.parse_answer({"probabilities": [bad, *[str(p) for p in FASTER[1:]]]})
+
+
 def test_parse_answer_accepts_string_encoded_and_fenced_json() -> None:
     probs, reason = prompt.parse_answer({"probabilities": json.dumps(FASTER), "reasoning": " r "})
     assert probs == pytest.approx(FASTER) and reason == "r"

@@ -169,8 +169,10 @@ def parse_answer(payload: object) -> tuple[list[float], str]:
         raise InvalidAnswer(f"expected {bins.N_BINS} probabilities, got {len(raw)}")
     values: list[float] = []
     for p in raw:
+        if isinstance(p, str) and _NUMBER.fullmatch(p.strip()):
+            p = float(p)  # a number written as a string ("0.05"), as some models write tool inputs
         if isinstance(p, bool) or not isinstance(p, int | float):
-            raise InvalidAnswer(f"probability {p!r} is not a number")
+            raise InvalidAnswer(f"probability {str(p)[:40]!r} is not a number")
         try:
             value = float(p)
         except OverflowError:  # an integer of hundreds of digits
@@ -192,6 +194,8 @@ def parse_answer(payload: object) -> tuple[list[float], str]:
     return [v / total for v in values], text
 
 
+# A decimal number as a model writes one in a string (no nan, inf, hex or digit separators), at most 40 characters.
+_NUMBER = re.compile(r"[+-]?(?:\d{1,20}(?:\.\d{0,20})?|\.\d{1,20})(?:[eE][+-]?\d{1,3})?")
 # How far from 1 (or 100) a sum of probabilities may be and still be read as a distribution rounded by the model.
 SUM_TOLERANCE = 0.05
 
