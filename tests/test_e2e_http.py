@@ -429,3 +429,31 @@ def test_allowed_hosts_are_names_as_clients_send_them(tmp_path: Path) -> None:
         assert _post_initialize(srv, token, Host="gpu-box.example.com", Origin="https://evil.example") == 403
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("protocol_version", [None, "2099-01-01"])
+def test_a_client_that_hangs_up_mid_request_is_one_log_line_not_a_traceback(
+    tmp_path: Path, protocol_version: str | None
+) -> None:
+    """A search client timing out while it sends a call: the SDK (or, on its newer protocol path, uvicorn) logged
+    an ERROR with a ClientDisconnect traceback for each one, which reads as a crash in a busy server's log."""
+    home = tmp_path / "srv"
+    token = _ledger_and_token(home, "alice", 5)
+    srv = start_http(home)
+    try:
+        body = json.dumps(INITIALIZE).encode()
+        version = f"MCP-Protocol-Version: {protocol_version}\r\n" if protocol_version else ""
+        head = (
+            f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:{srv.port}\r\nAuthorization: Bearer {token}\r\n"
+            f"Content-Type: application/json\r\nAccept: application/json, text/event-stream\r\n{version}"
+            f"Content-Length: {len(body) + 100}\r\n\r\n"
+        ).encode()
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock:
+            sock.sendall(head + body[:20])  # and hang up before the rest
+        with httpx2.Client(timeout=10) as http:  # the server still answers
+            headers = {"Accept": "application/json, text/event-stream", "Authorization": f"Bearer {token}"}
+            assert http.post(srv.url, json=INITIALIZE, headers=headers).status_code == 200
+    finally:
+        err = _stopped_stderr(srv)
+    assert "Traceback" not in err and "ClientDisconnect" not in err, err
+    assert "disconnected" in err

@@ -752,6 +752,8 @@ async def serve(
                     timeout_graceful_shutdown=HTTP_SHUTDOWN_GRACE_S,
                 )
                 logging.getLogger("uvicorn.error").addFilter(_CancelledAtShutdown())
+                for name in ("uvicorn.error", "mcp.server.streamable_http"):
+                    logging.getLogger(name).addFilter(_ClientHungUp())
                 await _server_that_returns_on_signals(uvicorn, config).serve(sockets=list(sockets) or None)
             else:
                 tg.start_soon(_cancel_on_signals, tg.cancel_scope)
@@ -801,6 +803,30 @@ class _CancelledAtShutdown(logging.Filter):
                 "stopping: the calls still running after %g s are cancelled (a measurement is charged the device "
                 "time it used)",
                 (HTTP_SHUTDOWN_GRACE_S,),
+            )
+        return True
+
+
+def _client_disconnect(exc: BaseException | None) -> bool:
+    """Whether `exc` is (or, through task groups, holds only) starlette's ClientDisconnect."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_client_disconnect(inner) for inner in exc.exceptions)
+    return exc is not None and type(exc).__name__ == "ClientDisconnect"
+
+
+class _ClientHungUp(logging.Filter):
+    """A client that hangs up while it sends its request (a search client's timeout), in one line: the SDK
+    ("Error handling POST request") or, on its newer protocol path, uvicorn ("Exception in ASGI application")
+    logged each as an ERROR with a ClientDisconnect traceback, which read as a crash in a busy server's log.
+    The request was never read whole, so nothing of it ran or was charged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if _client_disconnect(record.exc_info[1] if record.exc_info else None):
+            record.exc_info, record.exc_text = None, None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.msg, record.args = (
+                "a client disconnected before its request was read whole: nothing of it ran or was charged",
+                (),
             )
         return True
 
