@@ -740,6 +740,8 @@ class Workload(_Strict):
                     f"workload.problem[{key[:80]!r}] is {value}: sizes must be finite numbers "
                     "(NaN and infinity are not valid input)"
                 )
+            # Held to 64 bits like defines and scalars: sizes reach launch arithmetic and forecasters' prompts.
+            _check_number(value, f"workload.problem[{key[:80]!r}]")
         # One form per meaning, so the key does not depend on how a client wrote the sizes: sorted by name,
         # and a whole float (4096.0) as the integer it is.
         return {k: _whole(v[k]) for k in sorted(v)}

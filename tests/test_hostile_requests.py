@@ -519,3 +519,28 @@ async def test_string_arguments_that_look_like_json_are_taken_as_sent(
         again = await call(client, "measure_kernel", {"kernel": conv("a", FAST), "idempotency_key": "null"})
         assert again["cost"]["gpu_seconds"] == 0 and again["measurement_id"] == first["measurement_id"]
         assert await spent(client) == pytest.approx(first["cost"]["gpu_seconds"])
+
+
+async def test_a_problem_size_past_64_bits_is_refused_like_a_define(tmp_path: Path, conv_a100: Path) -> None:
+    """workload.problem held integers of any size (10**400 was accepted), while defines and scalars are held to
+    64 bits: sizes reach the launch arithmetic and the forecasters' prompts."""
+    async with running(tmp_path, [conv_a100]) as (client, _):
+        pair = [conv("a", FAST), conv("b", SLOW)]
+        msg = await error_of(
+            client, "compare_kernels", {"candidates": pair, "workload": {"problem": {"N": 10**400}}}
+        )
+        assert "workload.problem['N'] is out of range" in msg, msg
+        out = await call(
+            client, "compare_kernels", {"candidates": pair, "workload": {"problem": {"N": 2**40}}}
+        )
+        assert len(out["candidates"]) == 1
+
+
+async def test_measure_if_unsure_takes_only_a_json_boolean(tmp_path: Path, conv_a100: Path) -> None:
+    """The flag that spends budget was coerced: "yes", "1" and 1 all measured and charged. Only true/false now."""
+    async with running(tmp_path, [conv_a100]) as (client, _):
+        pair = [conv("a", FAST), conv("b", SLOW)]
+        for sloppy in ("yes", "true", 1):
+            msg = await error_of(client, "compare_kernels", {"candidates": pair, "measure_if_unsure": sloppy})
+            assert "measure_if_unsure" in msg, msg
+        assert await spent(client) == 0

@@ -36,7 +36,7 @@ from mcp.server.mcpserver.exceptions import ToolError
 from mcp.server.mcpserver.utilities.func_metadata import FuncMetadata
 from mcp.server.transport_security import TransportSecuritySettings
 from mcp.types import ToolAnnotations
-from pydantic import AnyHttpUrl, BeforeValidator, Field, ValidationError
+from pydantic import AnyHttpUrl, BeforeValidator, Field, StrictBool, ValidationError
 
 from forecaster_mcp import __version__, bins
 from forecaster_mcp.errors import AgentError, OperatorError
@@ -340,7 +340,9 @@ def build_server(service: Service, *, http: bool = False) -> MCPServer:
             ),
         ] = None,
         measure_if_unsure: Annotated[
-            bool, Field(description="measure unsure candidates on the GPU, charged to your budget")
+            # Strict: it spends budget, so "yes", "1" or 1 from a sloppy client is refused, not read as true.
+            StrictBool,
+            Field(description="measure unsure candidates on the GPU, charged to your budget (true or false)"),
         ] = False,
         max_measurements: Annotated[
             int,
