@@ -833,6 +833,7 @@ class Service:
             )
             rows.append(row)
             per = getattr(fc_by_id[str(k.id)], "per_forecaster", None) or {}
+            caps = getattr(fc_by_id[str(k.id)], "per_forecaster_caps", None) or {}
             for comp, probs in per.items():
                 # Component rows (same pair, named raw:<name>@<version>[regime], never the engine's own name)
                 # feed per-forecaster calibration only; they are not the caller's forecasts.
@@ -846,6 +847,8 @@ class Service:
                         verdict="unsure",
                         p_fail=None,
                         p_fail_baseline=None,
+                        # Its own cap on its confidence: the history scores it again held to it, as it was issued.
+                        max_confidence=caps.get(comp),
                     )
                 )
         if rows:

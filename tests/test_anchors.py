@@ -422,6 +422,15 @@ async def test_a_young_familys_estimate_never_decides_a_verdict_alone(tmp_path: 
         sharpened = await _compare(svc, best, nxt)
         assert sharpened.p_faster == pytest.approx(1.0 - SIBLING_MAX_CONFIDENCE, abs=1e-3)
         assert sharpened.verdict == "unsure"
+        # Its raw row keeps the cap, so that its verified forecast is scored again no surer than it (the
+        # threshold history, ForecastEngine._rescored); the final row holds none of its own.
+        await _measure(svc, nxt)
+        caps = {
+            v.forecaster: v.max_confidence
+            for v in await svc.store.verified_pairs()
+            if v.pair and nxt.content_key() in v.pair
+        }
+        assert caps == {"local@1.0:prior": None, "raw:local@1.0:prior": SIBLING_MAX_CONFIDENCE}, caps
     finally:
         await svc.close()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import os
 import sqlite3
@@ -1029,6 +1030,37 @@ async def test_forecast_totals_migrate_from_the_rows_stored_before(
         assert (f["count"], f["decided"], f["deferred"]) == (3, 2, 1)
     finally:
         await s.close()
+
+
+async def test_forecasts_stored_before_caps_were_kept_migrate_with_no_cap_known(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A component's raw row keeps the cap its answer set on its own confidence (forecasts.max_confidence,
+    migration 15); rows a server of version 14 stored read as capped by nothing (the engine scores them as it
+    did), and new rows keep theirs."""
+    path = await _database_at_version(tmp_path / "db.sqlite3", 14, monkeypatch)
+    with raw(path) as conn:
+        conn.execute(
+            "INSERT INTO forecasts (forecaster, hardware, workload_key, baseline_key, candidate_key, probs_json, "
+            "p_faster, verdict, decided_by, actual_speedup, created_at, p_fail, p_fail_baseline) VALUES "
+            "('raw:local@0', 'A100', 'w', 'a', 'b', '[0,0,0,0.1,0.9,0,0,0]', 0.9, 'unsure', 'forecast', 2.0, 1, "
+            "NULL, NULL)"
+        )
+    s = await Store.open(path)
+    try:
+        [old] = await s.verified_pairs()
+        assert old.max_confidence is None and old.p_faster == 0.9
+        probs = [0.0, 0.0, 0.0, 0.2, 0.8, 0.0, 0.0, 0.0]
+        row = ForecastRow(None, "raw:local@0", "A100", "w", "a", "c", probs, 0.8, "unsure", "forecast")
+        await s.save_forecasts([dataclasses.replace(row, max_confidence=0.85)])
+        with pytest.raises(ValueError, match="max_confidence"):
+            await s.save_forecasts([dataclasses.replace(row, candidate_key="d", max_confidence=math.nan)])
+    finally:
+        await s.close()
+    with raw(path) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone() == (migrations.latest_version(),)
+        rows = conn.execute("SELECT candidate_key, max_confidence FROM forecasts ORDER BY id").fetchall()
+        assert rows == [("b", None), ("c", 0.85)]
 
 
 async def test_family_states_are_kept_per_family_gpu_and_workload(tmp_path: Path) -> None:

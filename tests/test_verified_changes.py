@@ -3,6 +3,7 @@ of the store would have put it: the same pairs, calibrations, combination weight
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 from typing import Any
@@ -219,13 +220,15 @@ async def test_history_scored_out_of_fold_is_each_forecast_as_its_fold_calibrati
 ) -> None:
     """Two components: each verified final forecast is found with its components' raw rows (stored right after
     it), each answer calibrated by its slot's fit without the forecast's fold, pooled by the combination weights,
-    its chances of failing weighed as its verdict weighed them: what the engine's own combine_raw and decision_p
-    give with those fits. A final row stored before its chances of failing were kept keeps its issued score."""
+    its chances of failing weighed as its verdict weighed them, each answer held to the cap it set on its own
+    confidence (a cap below 0.5 holds it at 0.5): what the engine's own combine_raw (given the caps, as eval gives
+    them) and decision_p give with those fits. A final row stored before its chances of failing were kept keeps
+    its issued score."""
     rng = random.Random(11)
     name = "local@0+claude@0"
     base = kernel(BS=0)
     await save(store, base, 1.0)
-    made: list[tuple[float, float, float, float, float | None]] = []
+    made: list[tuple[float, float, float, float, float | None, dict[str, float]]] = []
     for i in range(1, 81):
         cand = kernel(BS=i)
         faster = rng.random() < 0.5
@@ -235,19 +238,30 @@ async def test_history_scored_out_of_fold_is_each_forecast_as_its_fold_calibrati
         issued = rng.random()
         final = forecast(base, cand, issued, "unsure", forecaster=name)
         fails = {} if p_fail is None else {"p_fail": p_fail, "p_fail_baseline": 0.05}
+        caps = {
+            **({"local": 0.3 if i % 12 == 0 else 0.6} if i % 3 == 0 else {}),
+            **({"claude": 0.75} if i % 4 == 0 else {}),
+        }
+        components = [
+            forecast(base, cand, p, "unsure", forecaster=f"raw:{n}@0", ledger=None)
+            for n, p in (("local", p_local), ("claude", p_claude))
+        ]
         await store.save_forecasts(
             [
                 ForecastRow(**{**final.__dict__, **fails}),
-                forecast(base, cand, p_local, "unsure", forecaster="raw:local@0", ledger=None),
-                forecast(base, cand, p_claude, "unsure", forecaster="raw:claude@0", ledger=None),
+                *(
+                    dataclasses.replace(row, max_confidence=caps.get(n))
+                    for n, row in zip(("local", "claude"), components, strict=True)
+                ),
             ]
         )
         measurement = await save(store, cand, 0.5 if faster else 2.0)
-        made.append((p_local, p_claude, issued, measurement, p_fail))
+        made.append((p_local, p_claude, issued, measurement, p_fail, caps))
     engine = ForecastEngine([_scripted("local"), _scripted("claude")], store, refresh_interval_s=1e9)
     await engine.refresh(force=True)
     expected = []
-    for p_local, p_claude, issued, measurement, p_fail in made:
+    held = 0
+    for p_local, p_claude, issued, measurement, p_fail, caps in made:
         if p_fail is None:
             d = issued
         else:
@@ -255,10 +269,51 @@ async def test_history_scored_out_of_fold_is_each_forecast_as_its_fold_calibrati
             raw = {n: with_p_faster([1 / 8] * 8, p) for n, p in (("local", p_local), ("claude", p_claude))}
             engine_fits = dict(engine._calibrators)
             engine._calibrators.update({n: engine._oof[n][fold] for n in ("local", "claude")})
-            p = bins.p_faster(engine.combine_raw(raw, "A100"))
+            p = bins.p_faster(engine.combine_raw(raw, "A100", caps=caps))
+            held += p != pytest.approx(bins.p_faster(engine.combine_raw(raw, "A100")), abs=1e-6)
             engine._calibrators = engine_fits
             d = decision_p(p, p_fail, 0.05)
         expected.append(max(d, 1 - d))
     conf, _ = engine._history["model"]["A100"]
     assert len({round(c, 6) for c in conf}) > 40  # scored, not one number
+    assert held > 10  # the caps bind
     assert conf == pytest.approx(expected, abs=1e-6)
+
+
+async def test_forecasts_capped_by_their_forecaster_are_scored_again_no_surer_than_their_cap(
+    store: Store,
+) -> None:
+    """A young family's estimate is capped at 0.85 by the local model (base.MAX_CONFIDENCE), and the engine holds
+    its calibrated answer to that cap when it issues it. Scored again under a calibration that sharpens (raw
+    0.7 / 0.3, right 99% of the time), the capped forecasts entered the threshold history at about 0.94, a
+    confidence they could never be issued at. Their component rows keep the cap (forecasts.max_confidence) and
+    the history scores them at it, as eval's combine_raw(..., caps) does; rows without one are scored uncapped."""
+    base = kernel(BS=0)
+    await save(store, base, 1.0)
+    capped: list[bool] = []
+    for i in range(1, 201):
+        cand = kernel(BS=i)
+        faster = i % 2 == 0
+        says_faster = faster != (i % 100 == 1)  # wrong on 2 of 200
+        p = 0.7 if says_faster else 0.3
+        cap = 0.85 if i % 3 == 0 else None
+        final = forecast(base, cand, p, "unsure", forecaster="local@0")
+        raw = forecast(base, cand, p, "unsure", forecaster="raw:local@0", ledger=None)
+        await store.save_forecasts(
+            [
+                ForecastRow(**{**final.__dict__, "p_fail": 0.0, "p_fail_baseline": 0.0}),
+                dataclasses.replace(raw, max_confidence=cap),
+            ]
+        )
+        await save(store, cand, 0.5 if faster else 2.0)  # settles this pair alone
+        capped.append(cap is not None)
+    engine = ForecastEngine([_scripted("local")], store, refresh_interval_s=1e9)
+    await engine.refresh(force=True)
+    assert engine._calibrators["local"].p(0.7, "A100") > 0.9  # the calibration sharpens
+    conf, _ = engine._history["model"]["A100"]
+    held = [c for c, was in zip(conf, capped, strict=True) if was]
+    free = [c for c, was in zip(conf, capped, strict=True) if not was]
+    assert len(held) == 66
+    assert max(held) <= 0.85 + 1e-9, max(held)  # was 0.94
+    assert held == pytest.approx([0.85] * len(held))
+    assert min(free) > 0.9

@@ -6,6 +6,7 @@ dropped."""
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Any
 
@@ -46,6 +47,7 @@ def _pair(rng: random.Random, row_id: int, measurements: int = 8) -> VerifiedPai
         failure=rng.choice([None, None, None, "compile_error"]),
         verified_by=rng.choice([None, *range(measurements)]),  # several rows settled by one measurement
         row_id=row_id,
+        max_confidence=rng.choice([None, None, 0.85, 0.3]),
     )
 
 
@@ -82,6 +84,11 @@ def test_columns_match_a_recomputation_from_the_rows(seed: int) -> None:
 
         rows = sorted(current.values(), key=lambda v: v.row_id or 0)
         assert table.rows() == rows
+        row_ids, _, _, caps = table.raw_p()
+        assert row_ids.tolist() == [v.row_id for v in rows]
+        assert caps.tolist() == pytest.approx(
+            [math.nan if v.max_confidence is None else v.max_confidence for v in rows], nan_ok=True
+        )
         calibration_rows = [v for v in rows if v.failure is None]
         assert table.calibration_signature() == rows_signature(calibration_rows)
         expected = engine._fit_calibrator(
@@ -113,6 +120,7 @@ def test_a_changed_row_changes_the_signature() -> None:
         ],
         [*rows[:5], VerifiedPair(**{**rows[5].__dict__, "row_id": 99}), *rows[6:]],
         [*rows[:5], VerifiedPair(**{**rows[5].__dict__, "p_faster": 0.123}), *rows[6:]],
+        [*rows[:5], VerifiedPair(**{**rows[5].__dict__, "max_confidence": 0.501}), *rows[6:]],
         rows[1:],
     ]
     assert all(rows_signature(c) != base for c in changed)

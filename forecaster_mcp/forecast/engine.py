@@ -218,6 +218,9 @@ class EngineForecast:
     partial: bool = False
     # component -> the cap its answer set on its own confidence (base.MAX_CONFIDENCE), for those that set one.
     caps: dict[str, float] = field(default_factory=dict)
+    # The same caps by the name of the row each answer is stored under (the keys of `per_forecaster`): stored
+    # with it (forecasts.max_confidence), the history is scored again at no more than the cap (`_rescored`).
+    per_forecaster_caps: dict[str, float] = field(default_factory=dict)
 
     @property
     def capped(self) -> bool:
@@ -248,6 +251,13 @@ def _capped(calibrated: list[float], cap: float | None) -> list[float]:
     p, cap = bins.p_faster(calibrated), max(cap, 0.5)  # a cap below 0.5 would flip the answer's direction
     held = min(max(p, 1.0 - cap), cap)
     return calibrated if held == p else with_p_faster(calibrated, held)
+
+
+def _capped_p(p: np.ndarray[Any, Any], caps: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """`_capped` of calibrated p_faster values, each held to its cap (NaN: none set)."""
+    cap = np.maximum(np.where(np.isnan(caps), 1.0, caps), 0.5)
+    out: np.ndarray[Any, Any] = np.minimum(np.maximum(p, 1.0 - cap), cap)
+    return out
 
 
 def _family_slot(hardware: str, family: str | None) -> str:
@@ -583,6 +593,7 @@ class ForecastEngine:
             from_measurements=measured is not None,
             partial=len(raw) < len(self._names),
             caps=caps,
+            per_forecaster_caps={raw_name(self._stored(slots[n])): c for n, c in caps.items()},
         )
 
     def _calibrated(
@@ -957,7 +968,7 @@ class ForecastEngine:
         for i, n in enumerate(self._names):
             for regime in REGIMES:
                 s = n + _SUFFIX[regime]
-                raw_ids, keys, p_raw = tables.get(raw_name(self._stored(s)), empty).raw_p()
+                raw_ids, keys, p_raw, caps = tables.get(raw_name(self._stored(s)), empty).raw_p()
                 if raw_ids.size == 0 or s not in self._oof:
                     continue
                 # A forecast's raw rows are stored right after its final row, one per component (service
@@ -969,6 +980,7 @@ class ForecastEngine:
                     continue
                 # Each row's (fold, GPU): the calibration that scores it.
                 p_n = _calibrated_out_of_fold(self._oof[s], p_raw[near], fold_key, hw_code, code_names)
+                p_n = _capped_p(p_n, caps[near])  # held to its own cap, as it was issued (`_capped`)
                 answers[i] = np.where(hit, p_n, answers[i])
         if len(self._names) == 1:
             p = answers[0]

@@ -34,6 +34,8 @@ def row_digest(v: VerifiedPair, position: int) -> tuple[int, int]:
     where it has none): two 64-bit halves, summed modulo 2**64 into a signature (`signature_of`)."""
     place = v.row_id if v.row_id is not None else -1 - position
     numbers = struct.pack(f"<qdd{len(v.probs)}d", place, v.p_faster, v.actual_speedup, *v.probs)
+    if v.max_confidence is not None:  # the history is scored at it (rows without one sign as they did before)
+        numbers += struct.pack("<d", v.max_confidence)
     text = f"{v.hardware}\x1e{v.family_key!r}\x1e{v.pair!r}".encode()
     low, high = struct.unpack("<QQ", hashlib.blake2b(numbers + text, digest_size=16).digest())
     return int(low), int(high)
@@ -107,6 +109,7 @@ class VerifiedRows:
         self._question = np.zeros(n, np.uint64)  # combination_key: joins components' rows of one question
         self._p_fail = np.zeros(n, np.float64)  # NaN: not kept (a raw row, or stored before)
         self._p_fail_baseline = np.zeros(n, np.float64)
+        self._cap = np.zeros(n, np.float64)  # a component row's max_confidence (NaN: none known)
 
     def _code(self, key: str) -> int:
         code = self._codes.get(key)
@@ -182,6 +185,7 @@ class VerifiedRows:
         return (
             "_ids", "_vby", "_failure", "_tie", "_kept", "_hardware", "_hw_code", "_family_code", "_p_raw", "_faster",
             "_conf", "_right", "_low", "_high", "_join", "_fold_key", "_question", "_p_fail", "_p_fail_baseline",
+            "_cap",
         )  # fmt: skip
 
     def _rows_columns(self, rows: Sequence[VerifiedPair]) -> dict[str, npt.NDArray[Any]]:
@@ -227,6 +231,9 @@ class VerifiedRows:
             "_p_fail": np.array([math.nan if v.p_fail is None else v.p_fail for v in rows], np.float64),
             "_p_fail_baseline": np.array(
                 [math.nan if v.p_fail_baseline is None else v.p_fail_baseline for v in rows], np.float64
+            ),
+            "_cap": np.array(
+                [math.nan if v.max_confidence is None else v.max_confidence for v in rows], np.float64
             ),
         }
 
@@ -287,9 +294,14 @@ class VerifiedRows:
             self._p_fail[idx], self._p_fail_baseline[idx],
         )  # fmt: skip
 
-    def raw_p(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.uint64], npt.NDArray[np.float64]]:
-        """Each row's id, join key and raw p_faster (a component's rows), in id order."""
-        return self._ids, self._join, self._p_raw
+    def raw_p(
+        self,
+    ) -> tuple[
+        npt.NDArray[np.int64], npt.NDArray[np.uint64], npt.NDArray[np.float64], npt.NDArray[np.float64]
+    ]:
+        """Each row's id, join key, raw p_faster and the cap its answer set on its own confidence (NaN: none; a
+        component's rows), in id order."""
+        return self._ids, self._join, self._p_raw, self._cap
 
     def scores(self) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64], npt.NDArray[np.bool_]]:
         """Each row's confidence and right/wrong score as issued, and whether its candidate was faster."""

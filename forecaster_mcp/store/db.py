@@ -178,6 +178,9 @@ class VerifiedPair:
     # None on component rows and rows stored before they were kept.
     p_fail: float | None = None
     p_fail_baseline: float | None = None
+    # A component row's cap on its own confidence (base.MAX_CONFIDENCE, ForecastRow); None: it set none, a final
+    # row, or stored before caps were kept.
+    max_confidence: float | None = None
 
 
 # The pair a verified row belongs to, as verified_pairs groups rows: (forecaster, hardware, workload_key, the
@@ -244,6 +247,9 @@ class ForecastRow:
     # into p_faster): kept so the forecast can be scored again under another calibration. None on raw rows.
     p_fail: float | None = None
     p_fail_baseline: float | None = None
+    # A component's raw row: the cap its answer set on its own confidence (EngineForecast.caps), which the
+    # engine holds the answer to when scoring it again. None: no cap (and on final rows).
+    max_confidence: float | None = None
 
 
 # The measurements of one family on one GPU and workload (parameters: family_key, hardware, workload_key),
@@ -582,9 +588,9 @@ _GROUP_COLS = f"forecaster, {_PAIR}"  # PairGroup
 _VERIFIED_COLS = (
     "forecaster, hardware, probs_json, p_faster, actual_speedup, verdict, created_at, family_key, "
     "workload_key || '|' || baseline_key || '|' || candidate_key, verified_failure, verified_by_measurement, id, "
-    "p_fail, p_fail_baseline"
+    "p_fail, p_fail_baseline, max_confidence"
 )
-_N_VERIFIED_COLS = 14
+_N_VERIFIED_COLS = 15
 
 
 def _verified_pair(r: Any) -> VerifiedPair:
@@ -603,6 +609,7 @@ def _verified_pair(r: Any) -> VerifiedPair:
         row_id=int(r[11]),
         p_fail=None if r[12] is None else float(r[12]),
         p_fail_baseline=None if r[13] is None else float(r[13]),
+        max_confidence=None if r[14] is None else float(r[14]),
     )
 
 
@@ -1751,11 +1758,13 @@ class Store:
         for r in rows:
             if len(r.probs) != bins.N_BINS or not all(math.isfinite(p) for p in r.probs):
                 raise ValueError(f"a forecast needs {bins.N_BINS} finite probabilities, got {r.probs!r}")
+            if r.max_confidence is not None and not 0.0 <= r.max_confidence <= 1.0:
+                raise ValueError(f"a forecast's max_confidence is a probability, got {r.max_confidence!r}")
             params.append(
                 (
                     r.ledger, r.forecaster, r.hardware, r.workload_key, r.baseline_key, r.candidate_key,
                     json.dumps([float(p) for p in r.probs]), float(r.p_faster), r.verdict, r.decided_by, now,
-                    r.family_key, r.p_fail, r.p_fail_baseline,
+                    r.family_key, r.p_fail, r.p_fail_baseline, r.max_confidence,
                 )
             )  # fmt: skip
         ledgers = sorted({r.ledger for r in rows if r.ledger is not None})
@@ -1795,7 +1804,7 @@ class Store:
             await conn.executemany(
                 "INSERT INTO forecasts (ledger, forecaster, hardware, workload_key, baseline_key, "
                 "candidate_key, probs_json, p_faster, verdict, decided_by, created_at, family_key, p_fail, "
-                "p_fail_baseline) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "p_fail_baseline, max_confidence) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 params,
             )
             # We hold the write lock, so the new rows are exactly those above the previous maximum id.

@@ -293,6 +293,13 @@ _FORECAST_P_FAIL = (
     "ALTER TABLE forecasts ADD COLUMN p_fail_baseline REAL",
 )
 
+# The cap a component's answer set on its own confidence (base.MAX_CONFIDENCE: the local model's estimate from a
+# young family's few configurations), on that component's raw row (NULL on final rows, on answers that set none,
+# and on rows stored before: no cap known). The engine holds each answer to its cap when it issues a forecast
+# (engine._capped); scoring a verified forecast again under today's calibration must too, or a calibration that
+# sharpens puts capped forecasts into the threshold history surer than they could ever be issued.
+_FORECAST_MAX_CONFIDENCE = ("ALTER TABLE forecasts ADD COLUMN max_confidence REAL",)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "initial schema", _INITIAL),
     Migration(2, "idempotency keys on open reservations", _RESERVATION_IDEMPOTENCY),
@@ -308,6 +315,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(12, "an index of the charges whose result could not be stored", _NOT_SAVED_INDEX),
     Migration(13, "measurements by hardware and workload", _WORKLOAD_INDEX),
     Migration(14, "each final forecast's chances of its kernels failing", _FORECAST_P_FAIL),
+    Migration(15, "the cap each component's answer set on its own confidence", _FORECAST_MAX_CONFIDENCE),
 )
 
 
