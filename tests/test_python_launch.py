@@ -131,6 +131,17 @@ def test_a_parameter_is_the_callers_and_a_test_size_is_not_the_workloads() -> No
     )
 
 
+def test_a_workload_buffer_is_read_after_many_other_names() -> None:
+    # 64 defaults that read an array the workload does not have (each default is unknown, the workload's size of
+    # the parameter is taken instead), then x: x's shape is still the workload's, however many names came first.
+    params = ", ".join(f"n{i}=a{i}.size" for i in range(64))
+    total = " + ".join(f"n{i}" for i in range(64))
+    body = f"    t = {total}\n    k(((t + x.size) // 256,), (256,), (x,))"
+    source = cupy(body).replace("def run(x)", f"def run(x, {params})")
+    workload = WL.model_copy(update={"problem": {f"n{i}": 0 for i in range(64)}})
+    assert read(source, workload=workload) == SourceLaunch((65536, 1, 1), (256, 1, 1), 0)
+
+
 def test_only_the_kernel_that_runs_is_read() -> None:
     # A naive twin kept beside it, launched with other sizes, is not the entry's launch.
     source = cupy("    k((N // 256,), (256,), (x,))") + (

@@ -637,6 +637,39 @@ class _Lookups:
         self.declared: dict[str, list[_Kind] | None] = {}
 
 
+class _WorkloadNames:
+    """The workload's sizes (its `problem` sizes and integer scalar `args`) and buffer shapes, by name: exact, else
+    the one name equal ignoring case. A lookup in the workload alone, whatever the source says of the name."""
+
+    def __init__(self, workload: Workload | None) -> None:
+        self.sizes: dict[str, int] = {}
+        self.shapes: dict[str, list[int]] = {}
+        if workload is not None:
+            for key, value in workload.problem.items():
+                if isinstance(value, int) and not isinstance(value, bool):
+                    self.sizes[key] = value
+            for arg in workload.args:
+                if isinstance(arg, ScalarArg) and isinstance(arg.value, int):
+                    self.sizes.setdefault(arg.name, arg.value)
+                elif isinstance(arg, BufferArg):
+                    self.shapes[arg.name] = list(arg.shape)
+
+    def size(self, name: str) -> int | None:
+        found = _by_name(self.sizes, name)
+        return found if isinstance(found, int) else None
+
+    def shape(self, name: str) -> list[int] | None:
+        found = _by_name(self.shapes, name)
+        return found if isinstance(found, list) else None
+
+
+def _by_name(table: Mapping[str, object], name: str) -> object:
+    if name in table:
+        return table[name]
+    folded = [v for k, v in table.items() if k.lower() == name.lower()]
+    return folded[0] if len(folded) == 1 else _UNKNOWN
+
+
 class _Names:
     """What the source and the workload say a name's value is (each name looked up once, when first read)."""
 
@@ -675,17 +708,7 @@ class _Names:
             lookups if lookups is not None else _Lookups()
         )  # of `text`: shared by one source's _Names
         self._memo: dict[str, tuple[int, _Kind] | None] = {}
-        self.sizes: dict[str, int] = {}
-        self.shapes: dict[str, list[int]] = {}
-        if workload is not None:
-            for key, value in workload.problem.items():
-                if isinstance(value, int) and not isinstance(value, bool):
-                    self.sizes[key] = value
-            for arg in workload.args:
-                if isinstance(arg, ScalarArg) and isinstance(arg.value, int):
-                    self.sizes.setdefault(arg.name, arg.value)
-                elif isinstance(arg, BufferArg):
-                    self.shapes[arg.name] = list(arg.shape)
+        self.workload = _WorkloadNames(workload)
 
     def definitions(self, name: str) -> tuple[str, set[str]] | None:
         """("value", the expressions `name` is assigned) or ("dim3", a dim3 declaration's arguments); ("value",
@@ -732,17 +755,9 @@ class _Names:
             args.add(" ".join(text[m.end() : close].split()))
         return ("dim3", args)
 
-    def _by_name(self, table: Mapping[str, object], name: str) -> object:
-        if name in table:
-            return table[name]
-        folded = [v for k, v in table.items() if k.lower() == name.lower()]
-        return folded[0] if len(folded) == 1 else _UNKNOWN
-
     def workload_size(self, name: str) -> int | None:
-        """The workload's size of that name (a `problem` size or a scalar arg; exact, else the one name equal
-        ignoring case), or None."""
-        found = self._by_name(self.sizes, name)
-        return found if isinstance(found, int) else None
+        """The workload's size of that name (`_WorkloadNames.size`), or None."""
+        return self.workload.size(name)
 
     def shape(self, name: str, depth: int = 0) -> list[int] | None:
         """The shape of the buffer `name` stands for: the workload's of that name (or of the input a wrapper's
@@ -756,8 +771,7 @@ class _Names:
             if defs[1]:
                 like = _LIKE.fullmatch(next(iter(defs[1])))
                 return self.shape(like.group(1) or like.group(2), depth + 1) if like is not None else None
-        found = self._by_name(self.shapes, self.aliases.get(name, name))
-        return found if isinstance(found, list) else None
+        return self.workload.shape(self.aliases.get(name, name))
 
     def value(self, name: str, depth: int) -> tuple[int, _Kind] | None:
         """The one whole number `name` stands for, with its integer type, or None (each name worked out once:

@@ -42,9 +42,9 @@ from forecaster_mcp.forecast.host_launch import (
     Dim3,
     SourceLaunch,
     _agreed,
-    _Names,
     _valid_block,
     _valid_grid,
+    _WorkloadNames,
 )
 from forecaster_mcp.models import Workload
 
@@ -169,9 +169,9 @@ def _own_nodes(body: list[ast.stmt]) -> Iterator[ast.AST]:
 class _Evaluator:
     """Whole-number values of Python expressions in one scope, from the source and the workload."""
 
-    def __init__(self, scope: _Scope, names: _Names) -> None:
+    def __init__(self, scope: _Scope, names: _WorkloadNames) -> None:
         self.scope = scope
-        self.names = names  # host_launch's reading of the workload: sizes and buffer shapes by name
+        self.names = names  # the workload's sizes and buffer shapes by name
         self.meta: _Meta | None = None  # a Triton grid function's `meta`, while its grid is read
         self._memo: dict[tuple[int, str], int | None] = {}
         self._nesting = 0  # value() calls open, through names too
@@ -231,7 +231,7 @@ class _Evaluator:
     def _name_value(self, name: str, scope: _Scope, depth: int) -> int:
         if name in scope.given:
             return self._value_in(*scope.given[name], depth)
-        workload = self.names.workload_size(name)
+        workload = self.names.size(name)
         if name in scope.params:
             default = None
             if name in scope.defaults:
@@ -668,7 +668,7 @@ def python_launches(module: ast.Module, kernel: str) -> bool:
 
 def python_launch(module: ast.Module, kernel: str, workload: Workload | None) -> SourceLaunch | None:
     """The launch the Python calls of `kernel` (module doc) agree on; None where none is read."""
-    names = _Names("", {}, workload)
+    names = _WorkloadNames(workload)
     grids: list[Dim3 | None] = []
     blocks: list[Dim3 | None] = []
     shared: list[int | None] = []
@@ -772,7 +772,7 @@ def _triton_call(node: ast.expr, modules: frozenset[str], names: Mapping[str, st
 
 
 def _triton_kernel(
-    module: ast.Module, top: _Scope, entry: str, names: _Names
+    module: ast.Module, top: _Scope, entry: str, names: _WorkloadNames
 ) -> tuple[ast.FunctionDef, _Decorated] | None:
     """The module's Triton kernel `entry` (a `@triton.jit` function the module binds that name to alone) and what
     its decorators set; None for any other (numba's `@cuda.jit` is launched `kernel[blocks, threads]`), or one
@@ -956,12 +956,12 @@ def triton_launches(module: ast.Module, entry: str) -> bool:
     """Whether the module's Python launches its Triton kernel `entry` (`entry[grid](...)`), or the one its wrapper
     `entry` launches, read or not."""
     top = _module_scope(module)
-    found = _entry_kernel(module, top, entry, _Names("", {}, None))
+    found = _entry_kernel(module, top, entry, _WorkloadNames(None))
     return found is not None and next(_triton_sites(module, top, found[0]), None) is not None
 
 
 def _entry_kernel(
-    module: ast.Module, top: _Scope, entry: str, names: _Names
+    module: ast.Module, top: _Scope, entry: str, names: _WorkloadNames
 ) -> tuple[str, ast.FunctionDef, _Decorated] | None:
     """The Triton kernel `entry` runs, its definition and what its decorators set (`_triton_kernel`): itself, a
     `@triton.jit` function; or, a Python wrapper (`def add(x, y): ... add_kernel[grid](...)`), the one kernel it
@@ -1040,7 +1040,7 @@ def triton_launch(module: ast.Module, entry: str, workload: Workload | None) -> 
     Triton kernel agree on (module doc): `entry`, or the kernel its wrapper `entry` launches; the grid its
     programs, a block of num_warps warps (Triton's default 4; 32 threads a warp here, the GPU's warp size in
     features), its shared memory the compiler's (unknown). None where none is read."""
-    names = _Names("", {}, workload)
+    names = _WorkloadNames(workload)
     top = _module_scope(module)
     found = _entry_kernel(module, top, entry, names)
     if found is None:
