@@ -1702,6 +1702,18 @@ def test_a_brace_in_a_default_string_of_a_launching_function_is_no_error() -> No
     assert read(host) is None or read(host).block == (256, 1, 1)
 
 
+@pytest.mark.parametrize("string", ['"{"', '"}"', '","', '"("', "'{'"])
+@pytest.mark.parametrize("declared", [False, True])
+def test_a_default_string_s_brackets_and_commas_are_no_structure(string: str, declared: bool) -> None:
+    # The definition's header was read up to the raw text's first `{` (the one in the string), its parameters
+    # cut short and its defaults given up: `t = 256`, which every caller leaves out, was not read.
+    header = f"void launch(int n, const char* s = {string}, int t = 256)"
+    host = header + " { k<<<(n + t - 1) / t, t>>>(0, 0, n); }\n" + (header + ";\n" if declared else "")
+    assert read(host + "void run() { launch(1 << 20); }\n") == SourceLaunch((65536, 1, 1), (256, 1, 1), 0)
+    # A caller passing it: the caller's.
+    assert read(host + 'void run() { launch(1 << 20, "", 128); }\n') is None
+
+
 @pytest.mark.parametrize(
     "body",
     [

@@ -1129,8 +1129,11 @@ class _Param:
     kind: _Kind | None = None
 
 
-def _parameter_texts(header: str) -> list[str] | None:
-    """The parameters of a function header (its first parameter list) as written; None where it has none."""
+def _parameter_texts(text: str, probe: str, start: int, stop: int) -> list[str] | None:
+    """The parameters of the function header at text[start:stop] (its first parameter list) as written; None where
+    it has none. Its brackets and commas are read in `probe`, the text with its literals and comments blanked
+    (features._blank_literals): a `{`, `)` or `,` in a string default (`const char* s = "{"`) is none of its."""
+    header = probe[start:stop]
     # Tried only where a word starts, the word taken whole: at every letter, a 40 KB word before `(int t) {`
     # took 33 s.
     name = _FUNCTION_NAME.search(header)
@@ -1139,7 +1142,19 @@ def _parameter_texts(header: str) -> list[str] | None:
     close = _closing(header, name.end(), len(header))
     if close is None:
         return None
-    return [p.strip() for p in features.split_top_level(header[name.end() : close], "(<[{", ")>]}")]
+    out = []
+    at = start + name.end()
+    for part in features.split_top_level(header[name.end() : close], "(<[{", ")>]}"):
+        out.append(text[at : at + len(part)].strip())  # the blanked text is the raw one's length: same places
+        at += len(part) + 1
+    return out
+
+
+def _header_parameters(text: str, probe: str, start: int, end: int) -> list[str]:
+    """The parameters `_parameters` reads of the function defined at text[start:end] as written: its header up to
+    its body's `{`, found in `probe` (a `{` in a string default is no body)."""
+    body = probe.find("{", start, end)
+    return _named_parameters(_parameter_texts(text, probe, start, body) or []) if body >= 0 else []
 
 
 def _default(param: str) -> str | None:
@@ -1148,12 +1163,13 @@ def _default(param: str) -> str | None:
     return " ".join(value.split()) or None if eq else None
 
 
-def _parameters(text: str, start: int, end: int, aliases: Mapping[str, _Kind]) -> tuple[_Param, ...]:
-    """The parameters of the function defined at text[start:end], in order; `aliases`: the source's integer type
-    aliases (`_aliases`)."""
-    body = text.find("{", start, end)
+def _parameters(
+    text: str, probe: str, start: int, end: int, aliases: Mapping[str, _Kind]
+) -> tuple[_Param, ...]:
+    """The parameters of the function defined at text[start:end], in order; `probe`: the text with its literals
+    and comments blanked (features._blank_literals); `aliases`: the source's integer type aliases (`_aliases`)."""
     out: list[_Param] = []
-    for param in _named_parameters(_parameter_texts(text[start:body] if body >= 0 else "") or []):
+    for param in _header_parameters(text, probe, start, end):
         declared = param.split("=", 1)[0]
         words = _NAME.findall(declared)
         kind = words[:-1]
@@ -1295,14 +1311,10 @@ def _defaults(
     # half*, half*, int, int threads = 64, cudaStream_t s = 0);` is not it). A default written on both (illegal
     # C++, which agents write), or on two declarations, that differs is unknown.
     body = probe.find("{", start, end)
-    mine = _named_parameters(_parameter_texts(text[start:body] if body >= 0 else "") or [])
-    if len(mine) != len(given):
-        # `params` read its header up to the raw text's first `{`, one in a string default (`s = "{"`): the two
-        # readings disagree, and neither is trusted.
-        return {}
+    mine = _header_parameters(text, probe, start, end)  # `params`, as written
     conflicting: set[int] = set()
     for a, b, _ in declared:
-        texts = _named_parameters(_parameter_texts(text[a:b]) or [])
+        texts = _named_parameters(_parameter_texts(text, probe, a, b) or [])
         if len(texts) != len(mine) or not all(map(_same_type, texts, mine)):
             continue
         for i, written in enumerate(texts):
@@ -1371,7 +1383,7 @@ def _source_launch(
         if len(parts) < 2:
             return None
         span = _span_at(spans, starts, at)
-        params = _parameters(text, span[0], span[1], aliases) if span is not None else ()
+        params = _parameters(text, probe, span[0], span[1], aliases) if span is not None else ()
         # A helper the wrapper calls (`launch(out, x)`) takes its tensors from it, not from Python in order.
         if span not in called_by:  # read once a function: up to MAX_SITES launches in one
             if span is None:
