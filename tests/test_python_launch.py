@@ -142,6 +142,40 @@ def test_a_workload_buffer_is_read_after_many_other_names() -> None:
     assert read(source, workload=workload) == SourceLaunch((65536, 1, 1), (256, 1, 1), 0)
 
 
+@pytest.mark.parametrize(
+    "change",
+    [
+        "    N = 4096\n",
+        "    N //= 2\n",
+        "    if N > 4096:\n        N = 4096\n",
+        "    for N in (4096,):\n        pass\n",
+        "    N, t = 4096, 1\n",
+    ],
+)
+@pytest.mark.parametrize("parameter", ["N", "N=1024"])
+def test_a_parameter_its_own_function_changes_is_not_its_callers_value(change: str, parameter: str) -> None:
+    # A parameter's value is its callers' (the workload's here, N = 2^24): read as such though the function set it
+    # before the launch, the grid was 65536 where the kernel runs 16 blocks (host_launch reads C++ so too).
+    launch = "    k((N // 256,), (256,), (x, N))"
+    source = cupy(change + launch).replace("def run(x)", f"def run(x, {parameter})")
+    assert read(source) == SourceLaunch(None, (256, 1, 1), 0)
+    # Unchanged, it is the callers' still; another parameter changed changes nothing of this one's.
+    unchanged = cupy("    m = 3\n" + launch).replace("def run(x)", "def run(x, N, m)")
+    assert read(unchanged) == SourceLaunch((65536, 1, 1), (256, 1, 1), 0)
+
+
+def test_a_grid_function_s_parameter_it_changes_is_not_its_default() -> None:
+    # `def grid(meta, total=n)` read total as n (the default, where the grid function is made) though its body
+    # sets it.
+    launch = (
+        "    def grid(meta, total=n):\n        total = 4096\n"
+        "        return (triton.cdiv(total, meta['BLOCK_SIZE']),)\n"
+        "    add_kernel[grid](x, y, out, n, BLOCK_SIZE=1024)\n"
+    )
+    assert read_triton(triton(launch)) == programs(None)
+    assert read_triton(triton(launch.replace("        total = 4096\n", ""))) == programs((16384,))
+
+
 def test_only_the_kernel_that_runs_is_read() -> None:
     # A naive twin kept beside it, launched with other sizes, is not the entry's launch.
     source = cupy("    k((N // 256,), (256,), (x,))") + (

@@ -11,7 +11,8 @@ of a name bound to the kernel (`k = cp.RawKernel(code, "relu")`, `f = mod.get_fu
 - integer literals, and names given one value in the function making the call, else in the module;
 - the workload's `problem` sizes and scalar `args` by name (the function's parameters are its callers': only the
   workload says them, or a default no call in the module passes, of a function the module uses only by calling
-  it: `_Callers.defaults`), and a buffer argument's `x.size`, `x.numel()`, `len(x)`, `x.shape[i]`, `x.size(i)`;
+  it: `_Callers.defaults`; one the function sets itself, `n //= 2`, is none of these), and a buffer argument's
+  `x.size`, `x.numel()`, `len(x)`, `x.shape[i]`, `x.size(i)`;
 - `+ - * // % << >>`, `min`, `max`, `int(...)`, `math.ceil(a / b)`, and `cdiv` / `triton.cdiv`.
 
 An array made like another (`out = torch.empty_like(x)`, `x.clone()`) has that one's shape. Anything else (a name
@@ -229,6 +230,10 @@ class _Evaluator:
         return found
 
     def _name_value(self, name: str, scope: _Scope, depth: int) -> int:
+        if name in scope.assigned and (name in scope.given or name in scope.params):
+            # A parameter its own function sets (`n = 4096`, `n //= 2`, `if n > m: n = m`): whether the launch sees
+            # its callers' value, its default or the function's is not known here (host_launch's `changed`).
+            raise _Unknown
         if name in scope.given:
             return self._value_in(*scope.given[name], depth)
         workload = self.names.size(name)
