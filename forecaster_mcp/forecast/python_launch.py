@@ -34,6 +34,7 @@ from __future__ import annotations
 import ast
 import math
 import operator
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 
 from forecaster_mcp.forecast import features
@@ -462,20 +463,15 @@ def _bound_kernel(value: ast.expr | None) -> str | None:
     return features.launched_name(value) if isinstance(value, ast.Call) else None
 
 
-def _attribute_handles(module: ast.Module) -> dict[tuple[int, str], list[str | None]]:
+def _attribute_handles(read: _Module) -> dict[tuple[int, str], list[str | None]]:
     """What `self.k = ...` binds, by the class it is bound in (its id; 0 outside any) and `self.k`: the kernel each
     assignment names, None for one naming none."""
     out: dict[tuple[int, str], list[str | None]] = {}
-    stack: list[tuple[ast.AST, int]] = [(module, 0)]
-    while stack:
-        node, owner = stack.pop()
-        if isinstance(node, ast.ClassDef):
-            owner = id(node)
+    for node, owner in read.nodes:
         if isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
             for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
                 if isinstance(target, ast.Attribute) and (name := _dotted(target)) is not None:
                     out.setdefault((owner, name), []).append(_bound_kernel(node.value))
-        stack.extend((child, owner) for child in ast.iter_child_nodes(node))
     return out
 
 
@@ -486,12 +482,12 @@ def _names_kernel(bound: list[str | None], kernel: str) -> bool | None:
     return True if all(b == kernel for b in bound) else None
 
 
-def _sites(module: ast.Module, kernel: str) -> Iterator[tuple[ast.Call, _Scope, bool]]:
+def _sites(read: _Module, kernel: str) -> Iterator[tuple[ast.Call, _Scope, bool]]:
     """Each call that may launch `kernel`, with the scope it is made in and whether it surely does. A handle
     (`k`, `self.k`) is the kernel its scope binds it to: `k` by Python's scopes (another function's `k` bound to
     another kernel, or a parameter `k`, is not it), `self.k` by the class binding it, else by every binding of
     it; one bound to this kernel and to another (or to something else) may launch either."""
-    attributes = _attribute_handles(module)
+    attributes = _attribute_handles(read)
     anywhere: dict[str, list[str | None]] = {}
     for (_, name), values in attributes.items():
         anywhere.setdefault(name, []).extend(values)
@@ -512,7 +508,7 @@ def _sites(module: ast.Module, kernel: str) -> Iterator[tuple[ast.Call, _Scope, 
         # Bound in its class, else in a base class or from outside: any binding of it.
         return _names_kernel(attributes.get((owner, dotted), anywhere.get(dotted, [])), kernel)
 
-    for call, scope, owner in _calls(module, _module_scope(module)):
+    for call, scope, owner in _calls(read):
         func = call.func
         if isinstance(func, ast.Attribute) and func.attr in _PREPARED_CALLS:
             func = func.value  # PyCUDA's f.prepared_call(grid, block, ...): a launch of f
@@ -521,14 +517,27 @@ def _sites(module: ast.Module, kernel: str) -> Iterator[tuple[ast.Call, _Scope, 
             yield call, scope, launches is True
 
 
-def _module_scope(module: ast.Module) -> _Scope:
-    declared = frozenset(
-        name
-        for node in ast.walk(module)
-        if isinstance(node, ast.Global | ast.Nonlocal)
-        for name in node.names
-    )
-    return _Scope(module.body, frozenset(), None, declared)
+class _Module:
+    """A module as read: its nodes, each with the class it is in (its id; 0 outside any), walked once for every pass
+    that reads them all (a 56 KB module of 700 functions was walked nine times a read), and its scope."""
+
+    def __init__(self, module: ast.Module) -> None:
+        self.tree = module
+        # In ast.walk's order (breadth first), the class each is in carried along.
+        self.nodes: list[tuple[ast.AST, int]] = []
+        queue: deque[tuple[ast.AST, int]] = deque([(module, 0)])
+        while queue:
+            node, owner = queue.popleft()
+            self.nodes.append((node, owner))
+            inner = id(node) if isinstance(node, ast.ClassDef) else owner
+            queue.extend((child, inner) for child in ast.iter_child_nodes(node))
+        declared = frozenset(
+            name
+            for node, _ in self.nodes
+            if isinstance(node, ast.Global | ast.Nonlocal)
+            for name in node.names
+        )
+        self.top = _Scope(module.body, frozenset(), None, declared)
 
 
 def _parameters(a: ast.arguments) -> frozenset[str]:
@@ -563,11 +572,12 @@ class _Callers:
     as its `__call__` and `forward`), each with whether a method's `self` is bound before the call's own
     arguments (a call through an attribute, `self.launch(x)`, or of an instance). Read once a module."""
 
-    def __init__(self, module: ast.Module) -> None:
+    def __init__(self, read: _Module) -> None:
         self.calls: dict[str, list[tuple[ast.Call, bool]]] = {}
-        classes = {n.name for n in ast.walk(module) if isinstance(n, ast.ClassDef)}
+        nodes = [node for node, _ in read.nodes]
+        classes = {n.name for n in nodes if isinstance(n, ast.ClassDef)}
         instances: set[str] = set()  # the names (`m`) and attributes (`self.m`: `m`) bound to an instance
-        for node in ast.walk(module):
+        for node in nodes:
             if isinstance(node, ast.Assign | ast.AnnAssign) and isinstance(node.value, ast.Call):
                 made = node.value.func
                 if isinstance(made, ast.Name) and made.id in classes:
@@ -581,10 +591,10 @@ class _Callers:
         self.escaped: set[str] = set()
         reached = {
             id(n.func) if isinstance(n, ast.Call) else id(n.value)
-            for n in ast.walk(module)
+            for n in nodes
             if isinstance(n, ast.Call | ast.Attribute | ast.Subscript)
         }
-        for node in ast.walk(module):
+        for node in nodes:
             if id(node) in reached or not isinstance(getattr(node, "ctx", None), ast.Load):
                 continue
             used = _last_name(node)
@@ -592,7 +602,7 @@ class _Callers:
                 self.escaped.add(used)
                 if used in instances and isinstance(node, ast.Name):
                     self.escaped.update(("__call__", "forward"))
-        for node in ast.walk(module):
+        for node in nodes:
             if not isinstance(node, ast.Call):
                 continue
             func = node.func
@@ -634,9 +644,10 @@ def _passes(call: ast.Call, index: int | None, name: str, bound: bool) -> bool:
     return index is not None and len(call.args) + bound > index
 
 
-def _calls(module: ast.Module, top: _Scope) -> Iterator[tuple[ast.Call, _Scope, int]]:
+def _calls(read: _Module) -> Iterator[tuple[ast.Call, _Scope, int]]:
     """Each call in the module's functions and classes (not in a lambda), with the scope it is made in and the
-    class it is made in (its id; 0 outside any). `top`: the module's scope."""
+    class it is made in (its id; 0 outside any)."""
+    top = read.top
     callers: _Callers | None = None
 
     def visit(
@@ -647,7 +658,7 @@ def _calls(module: ast.Module, top: _Scope) -> Iterator[tuple[ast.Call, _Scope, 
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 inner = _Scope(node.body, _parameters(node.args), scope, top.declared)
                 if node.args.defaults or node.args.kw_defaults:
-                    callers = _Callers(module) if callers is None else callers
+                    callers = _Callers(read) if callers is None else callers
                     inner.defaults = {
                         name: (default, scope)
                         for name, default in callers.defaults(node, in_class).items()
@@ -659,7 +670,7 @@ def _calls(module: ast.Module, top: _Scope) -> Iterator[tuple[ast.Call, _Scope, 
             elif isinstance(node, ast.Call):
                 yield node, scope, owner
 
-    yield from visit(module.body, top, 0, False)
+    yield from visit(read.tree.body, top, 0, False)
 
 
 # PyCUDA's launches of a prepared function: grid and block first (a stream third for the async one).
@@ -668,7 +679,7 @@ _PREPARED_CALLS = frozenset({"prepared_call", "prepared_async_call", "prepared_t
 
 def python_launches(module: ast.Module, kernel: str) -> bool:
     """Whether the module's Python calls `kernel` (read or not), or may."""
-    return next(_sites(module, kernel), None) is not None
+    return next(_sites(_Module(module), kernel), None) is not None
 
 
 def python_launch(module: ast.Module, kernel: str, workload: Workload | None) -> SourceLaunch | None:
@@ -677,7 +688,7 @@ def python_launch(module: ast.Module, kernel: str, workload: Workload | None) ->
     grids: list[Dim3 | None] = []
     blocks: list[Dim3 | None] = []
     shared: list[int | None] = []
-    for count, (call, scope, surely) in enumerate(_sites(module, kernel)):
+    for count, (call, scope, surely) in enumerate(_sites(_Module(module), kernel)):
         if count >= MAX_SITES:
             return None
         evaluator = _Evaluator(scope, names)
@@ -754,12 +765,12 @@ class _Decorated:
         self.opaque = False
 
 
-def _triton_names(module: ast.Module) -> tuple[frozenset[str], dict[str, str]]:
+def _triton_names(read: _Module) -> tuple[frozenset[str], dict[str, str]]:
     """The names triton goes by (`triton`, `import triton as tr`), and those imported from it (`from triton import
     jit as J`: J -> jit)."""
     modules = {"triton"}
     names: dict[str, str] = {}
-    for node in ast.walk(module):
+    for node, _ in read.nodes:
         if isinstance(node, ast.Import):
             modules.update(a.asname for a in node.names if a.name == "triton" and a.asname)
         elif isinstance(node, ast.ImportFrom) and node.module == "triton" and not node.level:
@@ -777,23 +788,23 @@ def _triton_call(node: ast.expr, modules: frozenset[str], names: Mapping[str, st
 
 
 def _triton_kernel(
-    module: ast.Module, top: _Scope, entry: str, names: _WorkloadNames
+    read: _Module, entry: str, names: _WorkloadNames
 ) -> tuple[ast.FunctionDef, _Decorated] | None:
     """The module's Triton kernel `entry` (a `@triton.jit` function the module binds that name to alone) and what
     its decorators set; None for any other (numba's `@cuda.jit` is launched `kernel[blocks, threads]`), or one
     another decorator wraps (its launch may be anything)."""
-    kernel = top.sole_def(entry)
+    kernel = read.top.sole_def(entry)
     if not isinstance(kernel, ast.FunctionDef):
         return None
-    modules, imported = _triton_names(module)
+    modules, imported = _triton_names(read)
     decorated = _Decorated()
-    evaluator = _Evaluator(top, names)
+    evaluator = _Evaluator(read.top, names)
     called = [_triton_call(d, modules, imported) for d in kernel.decorator_list]
     if "jit" not in called:
         return None
     for decorator, name in zip(kernel.decorator_list, called, strict=True):
         if name == "autotune" and isinstance(decorator, ast.Call):
-            _read_configs(module, decorator, evaluator, decorated, modules, imported)
+            _read_configs(read, decorator, evaluator, decorated, modules, imported)
         elif name == "heuristics" and isinstance(decorator, ast.Call):
             # Each value a function of the arguments, called at run time.
             table = decorator.args[0] if decorator.args else None
@@ -809,7 +820,7 @@ def _triton_kernel(
 
 
 def _read_configs(
-    module: ast.Module,
+    read: _Module,
     decorator: ast.Call,
     evaluator: _Evaluator,
     decorated: _Decorated,
@@ -823,7 +834,7 @@ def _read_configs(
         # A list named once, and used only as autotune's configs: not one changed (`CONFIGS.append(...)`,
         # `CONFIGS[0] = ...`, `prune(CONFIGS)`) after it is written.
         found = _assigned(node.id, evaluator.scope)
-        changed = found is None or _used_otherwise(module, node.id, modules, imported)
+        changed = found is None or _used_otherwise(read, node.id, modules, imported)
         node = None if changed or found is None else found[0]
     if not isinstance(node, ast.List | ast.Tuple) or not 1 <= len(node.elts) <= _MAX_CONFIGS:
         decorated.opaque = True
@@ -878,12 +889,10 @@ def _configs_of(autotune: ast.Call) -> ast.expr | None:
     return autotune.args[0] if node is None and autotune.args else node
 
 
-def _used_otherwise(
-    module: ast.Module, name: str, modules: frozenset[str], imported: Mapping[str, str]
-) -> bool:
+def _used_otherwise(read: _Module, name: str, modules: frozenset[str], imported: Mapping[str, str]) -> bool:
     """Whether the module reads `name` other than as an autotune's configs (`@triton.autotune(configs=name)`)."""
     as_configs = reads = 0
-    for node in ast.walk(module):
+    for node, _ in read.nodes:
         if isinstance(node, ast.Name) and node.id == name and isinstance(node.ctx, ast.Load):
             reads += 1
         elif isinstance(node, ast.Call) and _triton_call(node, modules, imported) == "autotune":
@@ -960,22 +969,22 @@ def _triton_grid(
 def triton_launches(module: ast.Module, entry: str) -> bool:
     """Whether the module's Python launches its Triton kernel `entry` (`entry[grid](...)`), or the one its wrapper
     `entry` launches, read or not."""
-    top = _module_scope(module)
-    found = _entry_kernel(module, top, entry, _WorkloadNames(None))
-    return found is not None and next(_triton_sites(module, top, found[0]), None) is not None
+    read = _Module(module)
+    found = _entry_kernel(read, entry, _WorkloadNames(None))
+    return found is not None and next(_triton_sites(read, found[0]), None) is not None
 
 
 def _entry_kernel(
-    module: ast.Module, top: _Scope, entry: str, names: _WorkloadNames
+    read: _Module, entry: str, names: _WorkloadNames
 ) -> tuple[str, ast.FunctionDef, _Decorated] | None:
     """The Triton kernel `entry` runs, its definition and what its decorators set (`_triton_kernel`): itself, a
     `@triton.jit` function; or, a Python wrapper (`def add(x, y): ... add_kernel[grid](...)`), the one kernel it
     launches once (`_wrapped_kernel`). None for any other."""
-    found = _triton_kernel(module, top, entry, names)
+    found = _triton_kernel(read, entry, names)
     if found is not None:
         return entry, *found
-    kernel = _wrapped_kernel(top, entry)
-    found = _triton_kernel(module, top, kernel, names) if kernel is not None else None
+    kernel = _wrapped_kernel(read.top, entry)
+    found = _triton_kernel(read, kernel, names) if kernel is not None else None
     return (kernel, *found) if kernel is not None and found is not None else None
 
 
@@ -1017,10 +1026,11 @@ def _wrapped_kernel(top: _Scope, entry: str) -> str | None:
     return launched[0] if launched else None
 
 
-def _triton_sites(module: ast.Module, top: _Scope, kernel: str) -> Iterator[tuple[ast.Call, _Scope]]:
+def _triton_sites(read: _Module, kernel: str) -> Iterator[tuple[ast.Call, _Scope]]:
     """The calls that may launch the module's Triton kernel `kernel`, each with the scope it is made in: not a
     `kernel.run(..., warmup=True)`, which compiles it and launches nothing."""
-    for call, scope, _ in _calls(module, top):
+    top = read.top
+    for call, scope, _ in _calls(read):
         func = call.func
         # `kernel[grid](...)`, or the JITFunction.run it calls: `kernel.run(..., grid=grid, warmup=False)`
         if isinstance(func, ast.Attribute) and func.attr == "run":
@@ -1046,17 +1056,17 @@ def triton_launch(module: ast.Module, entry: str, workload: Workload | None) -> 
     programs, a block of num_warps warps (Triton's default 4; 32 threads a warp here, the GPU's warp size in
     features), its shared memory the compiler's (unknown). None where none is read."""
     names = _WorkloadNames(workload)
-    top = _module_scope(module)
-    found = _entry_kernel(module, top, entry, names)
+    read = _Module(module)
+    found = _entry_kernel(read, entry, names)
     if found is None:
         return None
     kernel, definition, decorated = found
     a = definition.args
     parameters = [p.arg for p in [*a.posonlyargs, *a.args]]
-    defaults = _kernel_defaults(a, top)
+    defaults = _kernel_defaults(a, read.top)
     grids: list[Dim3 | None] = []
     warps: list[int | None] = []
-    for count, (call, scope) in enumerate(_triton_sites(module, top, kernel)):
+    for count, (call, scope) in enumerate(_triton_sites(read, kernel)):
         if count >= MAX_SITES:
             return None
         evaluator = _Evaluator(scope, names)
