@@ -482,11 +482,11 @@ def _names_kernel(bound: list[str | None], kernel: str) -> bool | None:
     return True if all(b == kernel for b in bound) else None
 
 
-def _sites(read: _Module, kernel: str) -> Iterator[tuple[ast.Call, _Scope, bool]]:
+def _sites(read: _Module, kernel: str, defaults: bool = True) -> Iterator[tuple[ast.Call, _Scope, bool]]:
     """Each call that may launch `kernel`, with the scope it is made in and whether it surely does. A handle
     (`k`, `self.k`) is the kernel its scope binds it to: `k` by Python's scopes (another function's `k` bound to
     another kernel, or a parameter `k`, is not it), `self.k` by the class binding it, else by every binding of
-    it; one bound to this kernel and to another (or to something else) may launch either."""
+    it; one bound to this kernel and to another (or to something else) may launch either. `defaults`: `_calls`'."""
     attributes = _attribute_handles(read)
     anywhere: dict[str, list[str | None]] = {}
     for (_, name), values in attributes.items():
@@ -508,7 +508,7 @@ def _sites(read: _Module, kernel: str) -> Iterator[tuple[ast.Call, _Scope, bool]
         # Bound in its class, else in a base class or from outside: any binding of it.
         return _names_kernel(attributes.get((owner, dotted), anywhere.get(dotted, [])), kernel)
 
-    for call, scope, owner in _calls(read):
+    for call, scope, owner in _calls(read, defaults):
         func = call.func
         if isinstance(func, ast.Attribute) and func.attr in _PREPARED_CALLS:
             func = func.value  # PyCUDA's f.prepared_call(grid, block, ...): a launch of f
@@ -644,9 +644,10 @@ def _passes(call: ast.Call, index: int | None, name: str, bound: bool) -> bool:
     return index is not None and len(call.args) + bound > index
 
 
-def _calls(read: _Module) -> Iterator[tuple[ast.Call, _Scope, int]]:
+def _calls(read: _Module, defaults: bool = True) -> Iterator[tuple[ast.Call, _Scope, int]]:
     """Each call in the module's functions and classes (not in a lambda), with the scope it is made in and the
-    class it is made in (its id; 0 outside any)."""
+    class it is made in (its id; 0 outside any). Without `defaults`, no scope has its `defaults` read (the
+    module's calls, `_Callers`): only a value needs them, not whether a call is made."""
     top = read.top
     callers: _Callers | None = None
 
@@ -657,7 +658,7 @@ def _calls(read: _Module) -> Iterator[tuple[ast.Call, _Scope, int]]:
         for node in _own_nodes(body):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 inner = _Scope(node.body, _parameters(node.args), scope, top.declared)
-                if node.args.defaults or node.args.kw_defaults:
+                if defaults and (node.args.defaults or node.args.kw_defaults):
                     callers = _Callers(read) if callers is None else callers
                     inner.defaults = {
                         name: (default, scope)
@@ -679,7 +680,7 @@ _PREPARED_CALLS = frozenset({"prepared_call", "prepared_async_call", "prepared_t
 
 def python_launches(module: ast.Module, kernel: str) -> bool:
     """Whether the module's Python calls `kernel` (read or not), or may."""
-    return next(_sites(_Module(module), kernel), None) is not None
+    return next(_sites(_Module(module), kernel, defaults=False), None) is not None
 
 
 def python_launch(module: ast.Module, kernel: str, workload: Workload | None) -> SourceLaunch | None:
@@ -971,7 +972,7 @@ def triton_launches(module: ast.Module, entry: str) -> bool:
     `entry` launches, read or not."""
     read = _Module(module)
     found = _entry_kernel(read, entry, _WorkloadNames(None))
-    return found is not None and next(_triton_sites(read, found[0]), None) is not None
+    return found is not None and next(_triton_sites(read, found[0], defaults=False), None) is not None
 
 
 def _entry_kernel(
@@ -1026,11 +1027,11 @@ def _wrapped_kernel(top: _Scope, entry: str) -> str | None:
     return launched[0] if launched else None
 
 
-def _triton_sites(read: _Module, kernel: str) -> Iterator[tuple[ast.Call, _Scope]]:
+def _triton_sites(read: _Module, kernel: str, defaults: bool = True) -> Iterator[tuple[ast.Call, _Scope]]:
     """The calls that may launch the module's Triton kernel `kernel`, each with the scope it is made in: not a
-    `kernel.run(..., warmup=True)`, which compiles it and launches nothing."""
+    `kernel.run(..., warmup=True)`, which compiles it and launches nothing. `defaults`: `_calls`'."""
     top = read.top
-    for call, scope, _ in _calls(read):
+    for call, scope, _ in _calls(read, defaults):
         func = call.func
         # `kernel[grid](...)`, or the JITFunction.run it calls: `kernel.run(..., grid=grid, warmup=False)`
         if isinstance(func, ast.Attribute) and func.attr == "run":
