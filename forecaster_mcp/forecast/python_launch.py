@@ -35,7 +35,7 @@ import ast
 import math
 import operator
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from forecaster_mcp.forecast import features
 from forecaster_mcp.forecast.host_launch import (
@@ -89,9 +89,13 @@ class _Scope:
         self.functions: dict[
             str, list[ast.FunctionDef | ast.AsyncFunctionDef]
         ] = {}  # Triton's `def grid(meta)`
+        # Its calls, and the functions and classes it defines, in order: what `_calls` visits, read in this walk.
+        self.visited: list[ast.Call | ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef] = []
         for name in declared:  # `global n` / `nonlocal n` somewhere: set from another function
             self.assigned[name] = [None]
         for node in _own_nodes(body):
+            if isinstance(node, ast.Call | ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                self.visited.append(node)
             if isinstance(node, ast.Assign):
                 for target in node.targets:
                     self._bind(target, node.value)
@@ -652,10 +656,10 @@ def _calls(read: _Module, defaults: bool = True) -> Iterator[tuple[ast.Call, _Sc
     callers: _Callers | None = None
 
     def visit(
-        body: list[ast.stmt], scope: _Scope, owner: int, in_class: bool
+        nodes: Iterable[ast.AST], scope: _Scope, owner: int, in_class: bool
     ) -> Iterator[tuple[ast.Call, _Scope, int]]:
         nonlocal callers
-        for node in _own_nodes(body):
+        for node in nodes:
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 inner = _Scope(node.body, _parameters(node.args), scope, top.declared)
                 if defaults and (node.args.defaults or node.args.kw_defaults):
@@ -665,13 +669,14 @@ def _calls(read: _Module, defaults: bool = True) -> Iterator[tuple[ast.Call, _Sc
                         for name, default in callers.defaults(node, in_class).items()
                         if name not in inner.assigned  # `block = 128` in the function: not the default
                     }
-                yield from visit(node.body, inner, owner, False)
+                yield from visit(inner.visited, inner, owner, False)
             elif isinstance(node, ast.ClassDef):
-                yield from visit(node.body, scope, id(node), True)
+                # A class body is no scope of its own here (its names are not read): walked for its calls alone.
+                yield from visit(_own_nodes(node.body), scope, id(node), True)
             elif isinstance(node, ast.Call):
                 yield node, scope, owner
 
-    yield from visit(read.tree.body, top, 0, False)
+    yield from visit(top.visited, top, 0, False)
 
 
 # PyCUDA's launches of a prepared function: grid and block first (a stream third for the async one).
