@@ -888,7 +888,7 @@ def test_declarations_are_read_cheaply() -> None:
         "#define A " + "f(x); " * 170_000 + "\n",
     ):
         source = KERNEL + junk + "int main() { return 0; }\n"
-        assert fastest_s(lambda text=source: source_features(text, {}, "k"), 2.0) < 2.0
+        assert fastest_s(lambda text=source: source_features(text, {}, "k"), 5.0) < 5.0
 
 
 def _load_inline(cuda: str) -> str:
