@@ -1699,7 +1699,7 @@ def test_a_brace_in_a_default_string_of_a_launching_function_is_no_error() -> No
         'void launch(int n, const char* s = "{", int t = 256);\n'
         "void run() { launch(1 << 20); }\n"
     )
-    assert read(host) is None or read(host).block == (256, 1, 1)
+    assert read(host) == SourceLaunch((65536, 1, 1), (256, 1, 1), 0)
 
 
 @pytest.mark.parametrize("string", ['"{"', '"}"', '","', '"("', "'{'"])
