@@ -136,9 +136,31 @@ def scripted(*answers: Any) -> AnthropicMock:
 class FakeSink:
     def __init__(self) -> None:
         self.calls: list[dict[str, Any]] = []
+        self.recorded = asyncio.Event()  # set at each record (usage recorded after its call has returned)
 
     async def record_llm_usage(self, **kw: Any) -> None:
         self.calls.append(kw)
+        self.recorded.set()
+
+
+def slow_api(
+    mock: AnthropicMock, delay_s: float, *, never: str | None = None, cancelled: list[str] | None = None
+) -> httpx2.AsyncClient:
+    """An HTTP client to `mock` that answers each request `delay_s` late, and a request whose user message holds
+    `never` not at all; a request cancelled while it waits has its user message put in `cancelled`. The mock
+    records a request only once it answers: `mock.message_bodies` empty means nothing was answered yet."""
+
+    async def handle(request: httpx2.Request) -> httpx2.Response:
+        text = user_text(json.loads(request.content))
+        try:
+            await (asyncio.Event().wait() if never is not None and never in text else asyncio.sleep(delay_s))
+        except asyncio.CancelledError:
+            if cancelled is not None:
+                cancelled.append(text)
+            raise
+        return mock.handle(request)
+
+    return httpx2.AsyncClient(transport=httpx2.MockTransport(handle))
 
 
 # ---------------------------------------------------------------- request and answer
@@ -592,9 +614,9 @@ async def test_an_answer_cut_off_after_the_switch_to_json_is_retried_with_more_t
 
 @pytest.mark.anyio
 async def test_a_call_past_its_time_limit_keeps_the_pairs_already_answered() -> None:
-    """compare_kernels' time limit cancels the requests still running, but what was answered is paid for:
-    those pairs keep Claude's forecast (a pair with one of its two samples is aggregated from that one), the
-    exception names the limit, and every answered request is billed."""
+    """compare_kernels' time limit stops the call, and what was answered is paid for: those pairs keep Claude's
+    forecast (a pair with one of its two samples is aggregated from that one), the exception names the limit,
+    and every answered request is billed."""
     mock = AnthropicMock(lambda body: tool_answer(FASTER))
 
     async def handle(request: httpx2.Request) -> httpx2.Response:
@@ -615,6 +637,7 @@ async def test_a_call_past_its_time_limit_keeps_the_pairs_already_answered() -> 
     assert partial is not None and partial[1] is None
     assert all(p is not None and p.extras["claude_samples"] == 2 for p in (partial[0], partial[2]))
     assert sum(c["input_tokens"] for c in sink.calls) == 1000 * len(mock.message_bodies)
+    await f.aclose(wait_s=0)
 
 
 @pytest.mark.anyio
@@ -626,7 +649,8 @@ async def test_a_hanging_warm_up_does_not_hold_the_other_pairs_past_the_time_lim
     time left: when it hung, no other request was sent and every pair of the call lost Claude's answer at the
     limit. Now the others are sent without it and answered; the warm-up is not cancelled (it is paid for): its
     answer, when it comes, is one of its pair's two samples, and no extra one is sent. Still running at the
-    limit, it is cancelled there and its pair keeps the sample it has."""
+    limit, its pair keeps the sample it has, and the warm-up goes on in the background (not cancelled) until
+    the forecaster is closed."""
     mock = AnthropicMock(lambda body: tool_answer(FASTER))
     others = 5  # 3 pairs x 2 samples, less the warm-up
     answered_others = asyncio.Event()
@@ -657,8 +681,103 @@ async def test_a_hanging_warm_up_does_not_hold_the_other_pairs_past_the_time_lim
     out = await asyncio.wait_for(f.forecast(queries), timeout=20)
     assert seen == 1 + others
     assert [o.extras["claude_samples"] for o in out] == [2 if warm_up_answers else 1, 2, 2]
-    assert warm_up_cancelled == ([] if warm_up_answers else [True])
+    assert warm_up_cancelled == []
     assert sum(c["input_tokens"] for c in sink.calls) == 1000 * (others + warm_up_answers)
+    await f.aclose(wait_s=0)
+    assert warm_up_cancelled == ([] if warm_up_answers else [True])
+
+
+@pytest.mark.anyio
+async def test_a_request_cut_off_by_the_time_limit_is_billed_and_its_answer_kept_for_the_next_call() -> None:
+    """A request still running at the time limit was cancelled mid-flight, though the API had processed and
+    billed it: its usage was never recorded and its answer was thrown away. It now finishes in the background:
+    the call still returns at its limit and says so, the usage is recorded when the answer arrives, and the
+    same pair asked again is answered from it without a new paid request."""
+    mock = AnthropicMock(lambda body: tool_answer(FASTER))
+    sink = FakeSink()
+    f = ClaudeForecaster(
+        "test-key", MODEL, samples=1, features=None, usage_sink=sink, time_limit_s=0.1,
+        http_client=slow_api(mock, 0.5),
+    )  # fmt: skip
+    try:
+        with pytest.raises(ClaudeUnavailable, match=r"did not finish within 0\.1 s.*background"):
+            await asyncio.wait_for(f.forecast([pair()]), timeout=5)
+        assert mock.message_bodies == [] and sink.calls == []  # returned before the answer came
+        await asyncio.wait_for(sink.recorded.wait(), timeout=5)
+        [billed] = sink.calls
+        assert billed["input_tokens"] == 1000 and billed["cost_usd"] > 0
+        [again] = await asyncio.wait_for(f.forecast([pair()]), timeout=5)
+        assert again.p_faster == pytest.approx(0.95)
+        assert len(mock.message_bodies) == 1 and len(sink.calls) == 1  # no new request, nothing billed again
+    finally:
+        await f.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("outcome", ["unusable", "error", "hangs"])
+async def test_a_background_request_that_fails_is_logged_not_raised_into_the_next_call(
+    outcome: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A request finishing in the background that brings no answer (an unusable one, still billed; an API error;
+    none within request_timeout_s, when it is given up) is logged; the next call is not told, and asks again."""
+    first = {
+        "unusable": tool_answer([0.5, 0.5]),
+        "error": error(500, "api_error", "mock: boom"),
+        "hangs": None,
+    }[outcome]
+    mock = AnthropicMock(lambda body: tool_answer(FASTER))
+    seen = 0
+
+    async def handle(request: httpx2.Request) -> httpx2.Response:
+        nonlocal seen
+        seen += 1
+        if seen > 1:
+            return mock.handle(request)
+        if first is None:
+            await asyncio.Event().wait()
+        await asyncio.sleep(0.3)
+        return (
+            first
+            if isinstance(first, httpx2.Response)
+            else httpx2.Response(200, json={**first, "model": MODEL})
+        )
+
+    sink = FakeSink()
+    f = ClaudeForecaster(
+        "test-key", MODEL, samples=1, features=None, usage_sink=sink, time_limit_s=0.1, max_retries=0,
+        request_timeout_s=0.4, http_client=httpx2.AsyncClient(transport=httpx2.MockTransport(handle)),
+    )  # fmt: skip
+    try:
+        with caplog.at_level(logging.WARNING, logger="forecaster_mcp.forecast.claude"):
+            with pytest.raises(ClaudeUnavailable, match="background"):
+                await asyncio.wait_for(f.forecast([pair()]), timeout=5)
+            await asyncio.wait_for(asyncio.gather(*f._background), timeout=5)
+        assert any("its call's time limit" in r.getMessage() for r in caplog.records), caplog.text
+        # Billed when the API answered (an unusable answer is paid for), not otherwise.
+        assert [c["input_tokens"] for c in sink.calls] == ([1000] if outcome == "unusable" else [])
+        [out] = await asyncio.wait_for(f.forecast([pair()]), timeout=5)
+        assert out.p_faster == pytest.approx(0.95) and seen == 2
+    finally:
+        await f.aclose(wait_s=0)
+
+
+@pytest.mark.anyio
+async def test_closing_with_requests_in_flight_records_those_that_answer_soon_and_cancels_the_rest() -> None:
+    """Shutdown with requests still running in the background neither hangs on them nor loses what they cost:
+    aclose waits a little, so the one that answers meanwhile is recorded, and cancels the one that does not."""
+    mock = AnthropicMock(lambda body: tool_answer(FASTER))
+    cancelled: list[str] = []
+    sink = FakeSink()
+    f = ClaudeForecaster(
+        "test-key", MODEL, samples=1, features=None, usage_sink=sink, time_limit_s=0.1,
+        http_client=slow_api(mock, 0.3, never="saxpy4", cancelled=cancelled),
+    )  # fmt: skip
+    with pytest.raises(ClaudeUnavailable, match=r"2 of 2 pair"):
+        await asyncio.wait_for(f.forecast([pair(same_source=True), pair()]), timeout=5)
+    assert sink.calls == [] and cancelled == []
+    await asyncio.wait_for(f.aclose(wait_s=0.6), timeout=5)
+    assert [c["input_tokens"] for c in sink.calls] == [1000]  # answered while closing
+    assert len(cancelled) == 1 and "saxpy4" in cancelled[0]
 
 
 @pytest.mark.anyio

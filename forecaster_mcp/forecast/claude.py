@@ -14,7 +14,9 @@ How one pair is forecast:
 - `samples` separate requests are sampled, validated, averaged, and shrunk toward uniform by how much
   their p_faster disagree (their spread is a signal of uncertainty the mean alone hides);
 - the SDK retries rate limits and server errors itself; tenacity retries only unusable answers;
-- a pair answered with all its samples is kept: asked again (the same prompt), it is answered from them.
+- a pair answered with all its samples is kept: asked again (the same prompt), it is answered from them;
+- a request already sent when its call stops waiting (the time limit) is not cancelled (the API bills it all
+  the same): it finishes in the background, its usage is recorded and its answer kept for the pair's next call.
 """
 
 from __future__ import annotations
@@ -90,6 +92,8 @@ _PTXAS_WAIT_S = 20.0
 _ANSWERS_KEPT = 4096
 # Shared blocks (baselines) whose time in the prompt cache is kept track of.
 _SHARED_WARM_KEPT = 1024
+# How long aclose waits for requests still running in the background before it cancels them.
+CLOSE_WAIT_S = 3.0
 # The part of a call's time left that its other requests wait for a warm-up request (_warm_up_wait_s).
 _WARM_UP_SHARE = 0.5
 _TRANSIENT_BATCH_ERRORS = {"rate_limit_error", "api_error", "overloaded_error", "timeout_error"}
@@ -424,7 +428,13 @@ class ClaudeForecaster:
         self.ledger = ledger
         self.invalid_retries = invalid_retries
         self._usage_sink = usage_sink
+        # Held by each request from its sending to its end, also one finishing in the background: at most
+        # max_concurrency requests run, so the background ones are bounded too.
         self._semaphore = asyncio.Semaphore(max_concurrency)
+        self._request_timeout_s = request_timeout_s
+        # The tasks finishing requests whose call stopped waiting for them (_finish_late): owned here, so that
+        # they are not collected mid-run and aclose can wait for them.
+        self._background: set[asyncio.Task[None]] = set()
         self._output_mode = output_mode
         self._mode: Literal["tool", "json"] = (
             output_mode
@@ -466,15 +476,18 @@ class ClaudeForecaster:
         # this forecaster's own): the same compare sent again (say with measure_if_unsure this time) paid for
         # every sample a second time, and a new draw could turn a decided verdict unsure between the two calls.
         self._answers: OrderedDict[str, tuple[_Sample, ...]] = OrderedDict()
+        # Samples answered after their call had returned (_finish_late), by the same hash: paid for, they are the
+        # first samples of the pair's next call.
+        self._late_answers: OrderedDict[str, list[_Sample]] = OrderedDict()
 
     # ------------------------------------------------------------ public
 
     async def forecast(self, queries: Sequence[PairQuery]) -> list[BinForecast]:
         """One BinForecast per query. ClaudeUnavailable when some pair got no usable sample.
 
-        After `time_limit_s` the requests still running are cancelled and the pairs answered so far (a pair
-        with fewer samples than asked is aggregated from those it has) are kept in the exception's `partial`:
-        they are paid for."""
+        After `time_limit_s` the call returns: the pairs answered so far (a pair with fewer samples than asked is
+        aggregated from those it has) are kept in the exception's `partial`, they are paid for; the requests
+        still running finish in the background (their usage recorded, their answers kept for the next call)."""
         self._refuse_while_unreachable()
         usage = TokenUsage()
         problems: list[str] = []
@@ -510,9 +523,11 @@ class ClaudeForecaster:
                     # The key or model was refused mid-call: the answers already in are paid for; keep them.
                     raise ClaudeUnavailable(str(exc), partial=[self._aggregated(g) for g in got]) from exc
             if scope.cancelled_caught:
+                # The engine's note keeps about the first 130 characters of this: what matters comes first.
                 problems.append(
-                    f"Claude did not finish within {limit:g} s (forecast_timeout_s; raise it for compares of "
-                    "many candidates, or lower claude_samples)"
+                    f"Claude did not finish within {limit:g} s (forecast_timeout_s): requests sent end in the "
+                    "background, billed, answers kept for a next call; raise the limit for compares of many "
+                    "candidates, or lower claude_samples"
                 )
         finally:
             with anyio.CancelScope(shield=True):  # a timed-out call still paid for what it got
@@ -591,12 +606,25 @@ class ClaudeForecaster:
         ]
 
     def _answered(self, text: str) -> tuple[_Sample, ...]:
-        """The samples of an earlier complete answer to this prompt (none if there is none)."""
+        """The samples of an earlier complete answer to this prompt, else those answered in the background."""
         key = hashlib.sha256(text.encode()).hexdigest()
         samples = self._answers.get(key, ())
         if samples:
             self._answers.move_to_end(key)
-        return samples
+            return samples
+        return tuple(self._late_answers.get(key, ()))
+
+    def _keep_late(self, text: str, sample: _Sample) -> None:
+        """Keep a sample answered after its call had returned, for the pair's next call (_answered)."""
+        key = hashlib.sha256(text.encode()).hexdigest()
+        if key in self._answers:
+            return
+        kept = self._late_answers.setdefault(key, [])
+        if len(kept) < self.samples:
+            kept.append(sample)
+        self._late_answers.move_to_end(key)
+        while len(self._late_answers) > _ANSWERS_KEPT:
+            self._late_answers.popitem(last=False)
 
     def _remember(self, text: str, got: Sequence[_Sample | None]) -> None:
         """Keep a pair's samples once it has all it asked for (a pair missing some is asked again next time)."""
@@ -604,6 +632,7 @@ class ClaudeForecaster:
         if len(samples) < self.samples:
             return
         key = hashlib.sha256(text.encode()).hexdigest()
+        self._late_answers.pop(key, None)  # among `samples` now
         self._answers[key] = samples
         self._answers.move_to_end(key)
         while len(self._answers) > _ANSWERS_KEPT:
@@ -709,8 +738,20 @@ class ClaudeForecaster:
             problems.append(_unreadable_note(unreadable))  # the last problem: the one _finish names
         return self._finish(results, problems)
 
-    async def aclose(self) -> None:
-        """Close the HTTP client (also an injected one)."""
+    async def aclose(self, wait_s: float = CLOSE_WAIT_S) -> None:
+        """Close the HTTP client (also an injected one), after the requests still running in the background have
+        had up to `wait_s` to end (each records its usage); those still running then are cancelled."""
+        if self._background:
+            _, running = await asyncio.wait(set(self._background), timeout=wait_s)
+            if running:
+                log.warning(
+                    "%d Claude request(s) still running at shutdown were cancelled: if the API answered them "
+                    "later, they were billed but not recorded",
+                    len(running),
+                )
+                for task in running:
+                    task.cancel()
+                await asyncio.gather(*running, return_exceptions=True)
         await self._client.close()
 
     # ------------------------------------------------------------ one pair, one sample
@@ -833,56 +874,60 @@ class ClaudeForecaster:
         an = self._anthropic
         message: Message
         max_tokens = max(max_tokens, self._max_tokens())
-        async with self._semaphore:
+        try:
             try:
-                try:
-                    message = await self._client.messages.create(**self._params(text, mode, max_tokens))
-                except an.BadRequestError as exc:
-                    if _PROMPT_TOO_LONG in str(exc):
-                        # This pair's prompt only: the other pairs of the call still get their answers.
-                        raise _Dropped(f"Claude refused the request: {exc}") from exc
-                    if not self._switch_to_json(mode, str(exc)):
-                        raise
-                    mode = "json"
-                    max_tokens = max(max_tokens, self._max_tokens())
-                    message = await self._client.messages.create(**self._params(text, mode, max_tokens))
+                message = await self._send(text, mode, max_tokens)
             except an.BadRequestError as exc:
-                if (hint := _ACCOUNT_REFUSALS.get(_error_code(exc) or "")) is not None:
-                    raise self._account_refused(exc, hint) from exc
-                # Something about this request (a 400 is not billed): the call's other requests still run.
-                raise _Dropped(f"Claude refused the request ({type(exc).__name__}): {exc}") from exc
-            except (
-                an.AuthenticationError,
-                an.PermissionDeniedError,
-                an.NotFoundError,
-                an.PaymentRequiredError,
-            ) as exc:
-                # The key, the account's billing or the model: every other request would be refused too.
-                raise ClaudeUnavailable(
-                    f"Claude request rejected ({type(exc).__name__}): {self._rejection_hint(type(exc).__name__)}; "
-                    f"the API said: {exc}"
-                ) from exc
-            except an.APIConnectionError as exc:
-                raise _Transient(f"{_UNREACHABLE} ({type(exc).__name__}): {exc}") from exc
-            except an.APIStatusError as exc:
-                if (hint := _ACCOUNT_REFUSALS.get(_error_code(exc) or "")) is not None:
-                    raise self._account_refused(exc, hint) from exc
-                wait = _retry_after_s(exc.response.headers)
-                if wait is not None and wait > MAX_RETRY_AFTER_S:
-                    why = (
-                        f"the Anthropic API asked to wait {wait:.0f} s before the next request "
-                        f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]})"
-                    )
-                    until = time.monotonic() + min(wait, RETRY_AFTER_PAUSE_MAX_S)
-                    if self._told_to_wait is None or self._told_to_wait[0] < until:
-                        self._told_to_wait = (until, why)
-                    raise _Transient(f"Claude API error not retried: {why}") from exc
-                # The SDK retries only 408, 409, 429 and 5xx (a 413, request too large, is answered at once).
-                retried = self._client.max_retries > 0 and (
-                    exc.status_code in (408, 409, 429) or exc.status_code >= 500
+                if _PROMPT_TOO_LONG in str(exc):
+                    # This pair's prompt only: the other pairs of the call still get their answers.
+                    raise _Dropped(f"Claude refused the request: {exc}") from exc
+                if not self._switch_to_json(mode, str(exc)):
+                    raise
+                mode = "json"
+                max_tokens = max(max_tokens, self._max_tokens())
+                message = await self._send(text, mode, max_tokens)
+        except an.BadRequestError as exc:
+            if (hint := _ACCOUNT_REFUSALS.get(_error_code(exc) or "")) is not None:
+                raise self._account_refused(exc, hint) from exc
+            # Something about this request (a 400 is not billed): the call's other requests still run.
+            raise _Dropped(f"Claude refused the request ({type(exc).__name__}): {exc}") from exc
+        except (
+            an.AuthenticationError,
+            an.PermissionDeniedError,
+            an.NotFoundError,
+            an.PaymentRequiredError,
+        ) as exc:
+            # The key, the account's billing or the model: every other request would be refused too.
+            raise ClaudeUnavailable(
+                f"Claude request rejected ({type(exc).__name__}): {self._rejection_hint(type(exc).__name__)}; "
+                f"the API said: {exc}"
+            ) from exc
+        except an.APIConnectionError as exc:
+            raise _Transient(f"{_UNREACHABLE} ({type(exc).__name__}): {exc}") from exc
+        except an.APIStatusError as exc:
+            if (hint := _ACCOUNT_REFUSALS.get(_error_code(exc) or "")) is not None:
+                raise self._account_refused(exc, hint) from exc
+            wait = _retry_after_s(exc.response.headers)
+            if wait is not None and wait > MAX_RETRY_AFTER_S:
+                why = (
+                    f"the Anthropic API asked to wait {wait:.0f} s before the next request "
+                    f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]})"
                 )
-                when = "after retries" if retried else "not retried"
-                raise _Transient(f"Claude API error {when} ({type(exc).__name__}): {exc}") from exc
+                until = time.monotonic() + min(wait, RETRY_AFTER_PAUSE_MAX_S)
+                if self._told_to_wait is None or self._told_to_wait[0] < until:
+                    self._told_to_wait = (until, why)
+                raise _Transient(f"Claude API error not retried: {why}") from exc
+            # The SDK retries only 408, 409, 429 and 5xx (a 413, request too large, is answered at once).
+            retried = self._client.max_retries > 0 and (
+                exc.status_code in (408, 409, 429) or exc.status_code >= 500
+            )
+            when = "after retries" if retried else "not retried"
+            raise _Transient(f"Claude API error {when} ({type(exc).__name__}): {exc}") from exc
+        self._count(text, message, usage)
+        return message, mode, max_tokens
+
+    def _count(self, text: prompt.PairPrompt, message: Message, usage: TokenUsage) -> None:
+        """An answered request: its tokens in `usage`; what it wrote to the prompt cache, until when."""
         usage.add_usage(getattr(message, "usage", None))
         until = time.monotonic() + _CACHE_TTL_S
         self._cache_warm_until = until
@@ -890,7 +935,54 @@ class ClaudeForecaster:
         _note(self._shared_sent_until, key, until)
         if text.cache_shared:
             _note(self._shared_warm_until, key, until)
-        return message, mode, max_tokens
+
+    async def _send(self, text: prompt.PairPrompt, mode: Literal["tool", "json"], max_tokens: int) -> Message:
+        """One request, sent once one of the max_concurrency slots is free. Once sent, the request is billed
+        whether or not its answer is read: when the caller stops waiting (the call's time limit, the engine's
+        backstop, another request's refusal), it is not cancelled but finished in the background
+        (_finish_late), holding its slot until it ends."""
+        params = self._params(text, mode, max_tokens)
+        await self._semaphore.acquire()
+        try:
+            request: asyncio.Task[Message] = asyncio.ensure_future(self._client.messages.create(**params))
+        except BaseException:  # the SDK checks its arguments before it makes the coroutine
+            self._semaphore.release()
+            raise
+        request.add_done_callback(lambda _: self._semaphore.release())
+        try:
+            return await asyncio.shield(request)
+        except asyncio.CancelledError:
+            task = asyncio.ensure_future(self._finish_late(request, text, mode))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+            raise
+
+    async def _finish_late(
+        self, request: asyncio.Task[Message], text: prompt.PairPrompt, mode: Literal["tool", "json"]
+    ) -> None:
+        """A request whose caller stopped waiting, to its end (request_timeout_s at most): its usage recorded (on
+        the caller's ledger), its answer kept for the pair's next call. Its call has returned: a failure is
+        logged, never raised into a later call; an unusable answer is not asked again."""
+        usage = TokenUsage()
+        try:
+            message = await asyncio.wait_for(request, self._request_timeout_s)
+            self._count(text, message, usage)
+            self._keep_late(text.text, self._interpret(message, mode))
+        except TimeoutError:
+            log.warning(
+                "a Claude request still running %g s after its call's time limit was cancelled: if the API "
+                "answered it, it was billed but not recorded",
+                self._request_timeout_s,
+            )
+        except Exception as exc:
+            log.warning(
+                "a Claude request that ran past its call's time limit left no answer: %s: %s",
+                type(exc).__name__,
+                " ".join(str(exc).split())[:300],
+            )
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._record(usage, batch=False)
 
     def _account_refused(self, exc: Exception, hint: str) -> ClaudeUnavailable:
         return ClaudeUnavailable(
@@ -1358,8 +1450,9 @@ async def _after_warm_ups(
 ) -> None:
     """The warm-ups, then the requests `rest` builds (once the warm-ups are done: it counts what they got) beside
     any warm-up still running after `wait_s`. A warm-up left running is not cancelled (it is paid for, and its
-    answer is one of its pair's samples): it is awaited with the rest, and cancelled with them at the call's
-    time limit. The first exception (the key refused) cancels everything still running, as _gather_or_cancel."""
+    answer is one of its pair's samples): it is awaited with the rest, and no longer waited for with them at the
+    call's time limit (a request already sent then finishes in the background, _send). The first exception (the
+    key refused) stops the rest, as _gather_or_cancel."""
     tasks = [asyncio.ensure_future(c) for c in warm_ups]
     try:
         if tasks:
@@ -1377,7 +1470,8 @@ async def _after_warm_ups(
 
 
 async def _gather_or_cancel(coros: Sequence[Awaitable[_T]]) -> list[_T]:
-    """gather(), but the first exception cancels the siblings (no paid requests left running)."""
+    """gather(), but the first exception cancels the siblings: no request is sent after it (those already sent
+    finish in the background, _send)."""
     tasks = [asyncio.ensure_future(c) for c in coros]
     try:
         return list(await asyncio.gather(*tasks))
