@@ -227,6 +227,14 @@ class Service:
             log.warning("preloading the forecast engine failed", exc_info=True)
 
     async def close(self) -> None:
+        # The forecasters first: Claude's requests still running record their usage in the store.
+        for f in self.engine.forecasters:
+            closer = getattr(f, "aclose", None)
+            if closer is not None:
+                try:
+                    await closer()
+                except Exception:
+                    log.warning("closing forecaster %s failed", f.name, exc_info=True)
         for m in self.measurers:
             closer = getattr(m, "aclose", None)
             if closer is not None:

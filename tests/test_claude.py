@@ -1656,6 +1656,49 @@ async def test_in_a_compare_claude_bills_the_callers_ledger_and_a_refused_pair_c
         await service.close()
 
 
+@pytest.mark.anyio
+async def test_a_compare_past_claudes_time_limit_answers_locally_and_claude_is_billed_when_it_answers(
+    tmp_path: Any,
+) -> None:
+    """compare_kernels returns at Claude's time limit with the local model's answer and a note saying what became
+    of Claude's requests; the one still running finishes in the background, and its usage reaches the caller's
+    ledger (budget_status) even when the server shuts down first."""
+    import sqlite3
+
+    from forecaster_mcp.service import Service, build_forecasters
+    from forecaster_mcp.settings import Settings
+    from forecaster_mcp.store.db import Store
+
+    settings = Settings.from_env(home=tmp_path, measurer="none")
+    store = await Store.open(settings.db_path)
+    await store.ensure_ledger(settings.ledger, 600.0)
+    await store.create_ledger("agentA", 100.0)
+    mock = AnthropicMock(lambda body: tool_answer(FASTER))
+    claude = ClaudeForecaster(
+        "test-key", MODEL, samples=1, features=None, usage_sink=store, ledger=settings.ledger, time_limit_s=0.2,
+        http_client=slow_api(mock, 1.0),
+    )  # fmt: skip
+    service = Service(settings, store, [*build_forecasters(settings, store), claude], [])
+    kernels = [
+        Kernel(id="base", source=NAIVE, entry="saxpy", launch=Launch(grid=(65536, 1, 1), block=(256, 1, 1))),
+        Kernel(id="vec4", source=VEC4, entry="saxpy4", launch=Launch(grid=(16384, 1, 1), block=(256, 1, 1))),
+    ]
+    try:
+        res = await service.compare(
+            ledger="agentA", candidates=kernels, workload=WORKLOAD, baseline="base", hardware="A100",
+            target_error=None, measure_if_unsure=False, max_measurements=0,
+        )  # fmt: skip
+        [vec4] = res.candidates
+        assert "claude" not in vec4.rationale
+        assert [c.split("@")[0] for c in res.forecaster.answered or []] == ["local"]
+        assert any("claude" in n and "background" in n for n in res.notes), res.notes
+    finally:
+        await service.close()  # the request still running answers within the close's wait: it is recorded
+    with sqlite3.connect(settings.db_path) as db:
+        rows = db.execute("SELECT ledger, input_tokens, cost_usd > 0 FROM llm_usage").fetchall()
+    assert rows == [("agentA", 1000, 1)]
+
+
 def test_an_overflowing_answer_is_invalid_not_uniform() -> None:
     with pytest.raises(prompt.InvalidAnswer, match="not a positive finite number"):
         prompt.parse_answer({"probabilities": [1e308] * 8, "reasoning": ""})
