@@ -714,6 +714,29 @@ async def test_a_request_cut_off_by_the_time_limit_is_billed_and_its_answer_kept
 
 
 @pytest.mark.anyio
+async def test_a_pair_asked_again_while_its_request_still_runs_waits_for_it_and_pays_once() -> None:
+    """The same pair asked again while the request its first call gave up on was still running sent a new one:
+    two paid requests for one sample. The second call now waits for the running one (within its own limit)."""
+    mock = AnthropicMock(lambda body: tool_answer(FASTER))
+    sink = FakeSink()
+    f = ClaudeForecaster(
+        "test-key", MODEL, samples=1, features=None, usage_sink=sink, time_limit_s=0.1,
+        http_client=slow_api(mock, 0.6),
+    )  # fmt: skip
+    try:
+        with pytest.raises(ClaudeUnavailable, match="background"):
+            await asyncio.wait_for(f.forecast([pair()]), timeout=5)
+        f.time_limit_s = 3.0
+        [again] = await asyncio.wait_for(f.forecast([pair()]), timeout=5)
+        assert again.p_faster == pytest.approx(0.95)
+        assert len(mock.message_bodies) == 1  # the first request's answer, no second request
+        await asyncio.wait_for(sink.recorded.wait(), timeout=5)
+        assert len(sink.calls) == 1
+    finally:
+        await f.aclose()
+
+
+@pytest.mark.anyio
 @pytest.mark.parametrize("outcome", ["unusable", "error", "hangs"])
 async def test_a_background_request_that_fails_is_logged_not_raised_into_the_next_call(
     outcome: str, caplog: pytest.LogCaptureFixture

@@ -479,6 +479,9 @@ class ClaudeForecaster:
         # Samples answered after their call had returned (_finish_late), by the same hash: paid for, they are the
         # first samples of the pair's next call.
         self._late_answers: OrderedDict[str, list[_Sample]] = OrderedDict()
+        # The background tasks still finishing a pair's requests, by the same hash: the pair's next call waits for
+        # them instead of paying for new requests (forecast).
+        self._late_running: dict[str, set[asyncio.Task[None]]] = {}
 
     # ------------------------------------------------------------ public
 
@@ -499,6 +502,11 @@ class ClaudeForecaster:
             # The limit counts from the call: building the prompts (ptxas, features) is inside it too.
             with anyio.move_on_after(limit) as scope:
                 texts = await self._prompts(queries)
+                # A request an earlier call gave up on and still running is paid for: wait for its answer (within
+                # this call's limit) rather than send and pay for another.
+                running = {t for p in texts for t in self._late_running.get(_digest(p.text), ())}
+                if running:
+                    await asyncio.wait(running)
                 for i, p in enumerate(texts):
                     got[i].extend(self._answered(p.text))
                 fits = [
@@ -607,7 +615,7 @@ class ClaudeForecaster:
 
     def _answered(self, text: str) -> tuple[_Sample, ...]:
         """The samples of an earlier complete answer to this prompt, else those answered in the background."""
-        key = hashlib.sha256(text.encode()).hexdigest()
+        key = _digest(text)
         samples = self._answers.get(key, ())
         if samples:
             self._answers.move_to_end(key)
@@ -616,7 +624,7 @@ class ClaudeForecaster:
 
     def _keep_late(self, text: str, sample: _Sample) -> None:
         """Keep a sample answered after its call had returned, for the pair's next call (_answered)."""
-        key = hashlib.sha256(text.encode()).hexdigest()
+        key = _digest(text)
         if key in self._answers:
             return
         kept = self._late_answers.setdefault(key, [])
@@ -631,7 +639,7 @@ class ClaudeForecaster:
         samples = tuple(s for s in got if s is not None)
         if len(samples) < self.samples:
             return
-        key = hashlib.sha256(text.encode()).hexdigest()
+        key = _digest(text)
         self._late_answers.pop(key, None)  # among `samples` now
         self._answers[key] = samples
         self._answers.move_to_end(key)
@@ -955,7 +963,17 @@ class ClaudeForecaster:
             task = asyncio.ensure_future(self._finish_late(request, text, mode))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
+            key = _digest(text.text)
+            self._late_running.setdefault(key, set()).add(task)
+            task.add_done_callback(lambda t: self._late_ended(key, t))
             raise
+
+    def _late_ended(self, key: str, task: asyncio.Task[None]) -> None:
+        running = self._late_running.get(key)
+        if running is not None:
+            running.discard(task)
+            if not running:
+                del self._late_running[key]
 
     async def _finish_late(
         self, request: asyncio.Task[Message], text: prompt.PairPrompt, mode: Literal["tool", "json"]
