@@ -1329,3 +1329,26 @@ async def test_a_python_module_holding_cuda_is_told_how_to_have_its_kernel_measu
     assert str(refused.value).endswith(
         "(other languages can be forecast, or measured through a replay recording)"
     )
+
+
+@needs_nvcc
+@pytest.mark.anyio
+async def test_a_device_this_nvcc_cannot_target_is_not_measurable_not_the_kernels_compile_error(
+    tmp_path: Path,
+) -> None:
+    # nvcc 13 dropped sm_70 (V100) and older; an older toolkit lacks the newest GPUs. "Unsupported gpu
+    # architecture" is the server's toolkit, not the kernel: it was cached and stored as the kernel's compile_error.
+    assert NVCC is not None
+    from forecaster_mcp.forecast import ptxas
+
+    supported = ptxas.supported_archs(NVCC)
+    unsupported = next(a for a in ("sm_35", "sm_50", "sm_70", "sm_72") if supported and a not in supported)
+    compiler = NvccCompiler(tmp_path / "cache", NVCC)
+    plain = Kernel(source=SRC, entry="vadd", launch=launch(4, 256))
+    with pytest.raises(NotMeasurable, match=f"cannot compile for {unsupported}"):
+        await compiler.compile(plain, unsupported)
+    assert not list((tmp_path / "cache").rglob("meta.json"))  # nothing kept: a new toolkit may compile it
+    # An architecture the caller names in its own options is the caller's choice: its failure is a result.
+    own = plain.model_copy(update={"compile_options": [f"-arch={unsupported}"]})
+    outcome = await compiler.compile(own, "sm_90")
+    assert isinstance(outcome, CompileFailure) and "Unsupported gpu architecture" in outcome.message

@@ -387,6 +387,7 @@ class NvccCompiler:
                 "FORECASTER_MCP_NVCC to its path"
             )
         _refuse_unsafe_flags(kernel)
+        await self._refuse_untargetable(kernel, arch)
         key = self.key(kernel, arch)
         entry_dir = self.cache_dir / "kernels" / key
         meta_path = entry_dir / "meta.json"
@@ -414,6 +415,24 @@ class NvccCompiler:
             if isinstance(result, CompiledKernel):
                 await anyio.to_thread.run_sync(evict_compiled, self.cache_dir / "kernels", entry_dir)
         return result
+
+    async def _refuse_untargetable(self, kernel: Kernel, arch: str) -> None:
+        """NotMeasurable when this nvcc cannot compile for the device's `arch` at all (nvcc 13 dropped sm_70 and
+        older; an older toolkit lacks the newest GPUs): every kernel would fail with "Unsupported gpu
+        architecture", and that is the server's toolkit, not the kernel, so it must not be kept (or learned) as
+        the kernel's compile_error. A caller that names its own architecture in compile_options is not checked:
+        its failure is its own. Where nvcc cannot list its targets, nothing is refused."""
+        assert self.command is not None
+        if len(self.command) != 1 or any(opt.split("=")[0] in _ARCH_FLAGS for opt in kernel.compile_options):
+            return
+        supported = await anyio.to_thread.run_sync(ptxas.supported_archs, self.command[0])
+        if supported and arch not in supported:
+            raise NotMeasurable(
+                f"this server's nvcc ({self.version()}) cannot compile for {arch}, the measurement GPU's "
+                f"architecture (it targets {', '.join(supported)}): no kernel can be measured on this GPU until its "
+                "operator installs a CUDA toolkit that supports it (or sets FORECASTER_MCP_NVCC to one); nothing was "
+                "charged"
+            )
 
     def _command(self, kernel: Kernel, arch: str, relocatable: bool, out_name: str) -> list[str]:
         assert self.command is not None
