@@ -1679,10 +1679,23 @@ _MEASURED_Z = 1.959964
 _FEW_RUNS_LOG_SD = bins.TIE_LOG2 * math.log(2.0) / _MEASURED_Z  # ln(1.03) / z
 
 
+# CUDA events resolve about half a microsecond (cudaEventElapsedTime), and Kernel Tuner's recordings are event
+# times too: a median is known to within a tick at best, whatever its order statistics say. A few-microsecond
+# kernel's samples fall on a handful of ticks, often one, and its interval is then a point (z infinite: any
+# difference decided, a one-tick 0.8% one with p_faster 1.0).
+_EVENT_RESOLUTION_MS = 0.0005
+
+
 def _log_sd(interval: tuple[float, float, float, int]) -> float:
-    """Standard deviation of the log of a median from its 95% interval (0 when the interval is a point)."""
-    _, low, high, runs = interval
-    sd = math.log(high / low) / (2.0 * _MEASURED_Z) if low > 0 else 0.0
+    """Standard deviation of the log of a median from its 95% interval, widened to at least one timer tick
+    either side of the median (`_EVENT_RESOLUTION_MS`; a median within a tick of zero as if known to a factor
+    of two below)."""
+    median, low, high, runs = interval
+    high = max(high, median + _EVENT_RESOLUTION_MS)
+    low = min(low, median - _EVENT_RESOLUTION_MS)
+    if low <= 0:
+        low = median / 2.0
+    sd = math.log(high / low) / (2.0 * _MEASURED_Z) if low > 0 and high > 0 else 0.0
     return sd if median_ci_covers(runs) else max(sd, _FEW_RUNS_LOG_SD)
 
 

@@ -1111,3 +1111,18 @@ async def test_the_published_p_faster_says_it_assumes_both_kernels_run(
     assert schema is not None
     text = json.dumps(schema)
     assert "if both compile and run" in text and "confidence" in text
+
+
+def test_a_measured_difference_below_the_event_timer_s_resolution_is_not_decided() -> None:
+    """CUDA events resolve about half a microsecond: a few-microsecond kernel's samples fall on a handful of
+    timer ticks, often all on one, and its order-statistic interval is then a point. Two such kernels one tick
+    apart (4.096 vs 4.064 us, 0.8%) were decided 'faster' with p_faster 1.0 on the quantisation alone. The same
+    relative difference at 2 ms, far above the timer's resolution, is still decided."""
+    tiny_base, tiny_cand = (0.004096, 0.004096, 0.004096, 50), (0.004064, 0.004064, 0.004064, 50)
+    tiny = _from_measurement("c", tiny_base, tiny_cand, "measurement")
+    assert tiny.verdict == "unsure" and 0.5 < tiny.p_faster < 0.9
+    big = _from_measurement("c", (2.0, 2.0, 2.0, 50), (1.984, 1.984, 1.984, 50), "measurement")
+    assert big.verdict == "faster" and big.p_faster == 1.0
+    # A kernel at or under one tick is no better known than 'about a tick': never a point, never a crash.
+    at_tick = _from_measurement("c", (0.0004, 0.0004, 0.0004, 50), (0.0003, 0.0003, 0.0003, 50), "cache")
+    assert at_tick.verdict == "unsure"
