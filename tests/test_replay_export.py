@@ -65,6 +65,11 @@ async def test_an_export_replays_exactly_what_was_measured(
             assert again["cost"]["gpu_seconds"] == pytest.approx(before["cost"]["gpu_seconds"])  # type: ignore[index]
             assert again["device"]["backend"] == "replay" and again["device"]["recording"] == named
             assert again["kernel_id"] == f"{kid}2"
+            # Its outputs were never checked (a replayed recording, no reference): the replay does not say
+            # they were checked when measured.
+            assert again["correctness"]["checked"] is False
+            assert "checked when it was measured" not in again["correctness"]["detail"]
+            assert "replayed from an export" in again["correctness"]["detail"]
         # Exact matching: the same defines with another source, or an unexported configuration, are refused.
         other_source = {**conv("x", FAST), "source": conv("x", FAST)["source"] + "\n// edited\n"}
         message = await error_of(client, "measure_kernel", {"kernel": other_source})

@@ -772,7 +772,10 @@ def _exported_result(request: MeasureRequest, device: str, found: _Exported) -> 
             device=provenance,
             cost=MeasureCost(gpu_seconds=request.max_seconds, compile_seconds=recorded.cost.compile_seconds),
         )
-    note = "replayed from an export: checked when it was measured, not run again"
+    # Only a check that was made is "checked when it was measured": an export of a replay, or of a measurement
+    # without a reference, was never checked.
+    checked = "checked when it was measured, " if recorded.correctness.checked else ""
+    note = f"replayed from an export: {checked}not run again"
     if request.reference is not None:
         note += " (this request's reference kernel was not run)"
     detail = f"{recorded.correctness.detail}; {note}" if recorded.correctness.detail else note
