@@ -150,7 +150,8 @@ def _parser() -> argparse.ArgumentParser:
         type=Path,
         action="append",
         default=[],
-        help="Kernel Tuner cache file, `forecaster-mcp export` file (.jsonl) or folder of them to replay",
+        help="Kernel Tuner cache file, `forecaster-mcp export` file (.jsonl) or folder of them to replay; "
+        "repeatable",
     )
     serve.add_argument("--ledger", help="ledger a stdio server charges (env FORECASTER_MCP_LEDGER)")
     serve.add_argument("--hardware", help="default GPU for forecasts, e.g. H100")
