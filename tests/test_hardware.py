@@ -307,6 +307,10 @@ OCCUPANCY_CASES = [
     # GP100 splits registers over 2 processing blocks: 32768 // 1280 = 25 warps each (4 blocks give 24).
     ("P100-SXM2-16GB", 64, 40, 0, 25, 0.78125),
     ("P100-SXM2-16GB", 256, 32, 49152, 1, 0.125),
+    # ... but a block that fits GP100's 2 partitions and not GP10x's 4 is refused on every Pascal (the
+    # header's forward-compatibility check): 10 warps of 6144 registers pass as 10 x 6144, fail as 12 x 6144.
+    ("P100-SXM2-16GB", 320, 192, 0, 0, 0.0),
+    ("P100-PCIE-16GB", 565, 109, 0, 0, 0.0),
     ("GTX 1080 Ti", 128, 64, 0, 8, 0.5),
     ("GTX 1080 Ti", 256, 0, 49152, 2, 0.25),
     ("GTX TITAN X", 1024, 33, 0, 1, 0.5),

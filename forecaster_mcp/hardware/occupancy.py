@@ -66,9 +66,11 @@ def occupancy_limits(
     else:
         regs_per_warp = _round_up(registers_per_thread * warp, _REG_UNIT)
         # The hardware checks a block as if its warps were spread over all sub-partitions at once.
-        # GP100 (CC 6.0) SMs have two processing blocks, every other SM four (cuda_occupancy.h).
+        # GP100 (CC 6.0) SMs have two processing blocks, every other SM four (cuda_occupancy.h). A block that
+        # fits GP100 but not GP10x's four is refused on GP100 too (the header's forward-compatibility check
+        # within Pascal), so the four-partition check applies to every GPU.
         parts = 2 if spec.compute_capability == "6.0" else _SUB_PARTITIONS
-        assumed = regs_per_warp * _round_up(warps_per_block, parts)
+        assumed = regs_per_warp * _round_up(warps_per_block, _SUB_PARTITIONS)
         if assumed > spec.registers_per_sm or regs_per_warp * warps_per_block > spec.registers_per_sm:
             by_regs = 0
         else:
