@@ -303,6 +303,10 @@ OCCUPANCY_CASES = [
     ("H100", 384, 168, 100000, 1, 0.1875),
     ("H100", 128, 90, 0, 5, 0.3125),
     ("L4", 128, 0, 0, 12, 1.0),
+    # Hand-computed: 1024 x 32 registers on sm_90 is 1024 registers a warp, 16 warps a partition, 2 blocks;
+    # 128 x 255 on sm_86 rounds to 8192 a warp, 2 warps a partition, 2 blocks of 4 warps (8 of 48).
+    ("H100", 1024, 32, 0, 2, 1.0),
+    ("RTX 3090", 128, 255, 0, 2, 8 / 48),
     ("RTX 5090", 64, 0, 0, 24, 1.0),
     # GP100 splits registers over 2 processing blocks: 32768 // 1280 = 25 warps each (4 blocks give 24).
     ("P100-SXM2-16GB", 64, 40, 0, 25, 0.78125),
