@@ -176,6 +176,27 @@ def test_a_grid_function_s_parameter_it_changes_is_not_its_default() -> None:
     assert read_triton(triton(launch.replace("        total = 4096\n", ""))) == programs((16384,))
 
 
+@pytest.mark.parametrize(
+    ("default", "change", "returned", "unchanged"),
+    [
+        ("g=(64,)", "g = (128,)", "g", 64),  # a grid tuple: read as the default's 64 programs
+        # A buffer: read as x's 2^24 elements, 16384 programs.
+        ("a=x", "a = y[:4096]", "(triton.cdiv(a.numel(), meta['BLOCK_SIZE']),)", 16384),
+    ],
+)
+def test_a_grid_function_s_tuple_or_buffer_parameter_it_changes_is_not_its_default(
+    default: str, change: str, returned: str, unchanged: int
+) -> None:
+    # The value check covered a number only: a tuple the grid is named by, or a buffer sized in it, was still
+    # read from the default where the grid function is made, though its body sets it.
+    launch = (
+        f"    def grid(meta, {default}):\n        {change}\n        return {returned}\n"
+        "    add_kernel[grid](x, y, out, n, BLOCK_SIZE=1024)\n"
+    )
+    assert read_triton(triton(launch)) == programs(None)
+    assert read_triton(triton(launch.replace(f"        {change}\n", ""))) == programs((unchanged,))
+
+
 def test_only_the_kernel_that_runs_is_read() -> None:
     # A naive twin kept beside it, launched with other sizes, is not the entry's launch.
     source = cupy("    k((N // 256,), (256,), (x,))") + (

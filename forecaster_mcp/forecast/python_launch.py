@@ -293,7 +293,7 @@ class _Evaluator:
                     raise _Unknown
                 return shape
             value: ast.expr | None
-            if name in scope.given:
+            if name in scope.given and name not in scope.assigned:  # one its grid function sets: the body's
                 value, scope = scope.given[name]
             else:
                 values = scope.assigned[name]
@@ -406,7 +406,8 @@ def _assigned(name: str, scope: _Scope | None) -> tuple[ast.expr, _Scope] | None
     given none or several."""
     while scope is not None:
         if name in scope.given:
-            return scope.given[name]
+            # A grid function's defaulted parameter its body sets: the default or the body's (`_name_value`).
+            return scope.given[name] if name not in scope.assigned else None
         if name in scope.defaults:
             return scope.defaults[name]
         if name in scope.params:
