@@ -497,6 +497,12 @@ def _sites(read: _Module, kernel: str, defaults: bool = True) -> Iterator[tuple[
     for (_, name), values in attributes.items():
         anywhere.setdefault(name, []).extend(values)
 
+    # Each handle's answer by where it is bound (its scope, kept here so that no other takes its id; or its class)
+    # and its name: read once, not at each call (a handle rebound before each of its 3,300 calls read all its
+    # bindings at each, 10 s for 54 KB).
+    named: dict[tuple[_Scope, str], bool | None] = {}
+    dotted_in: dict[tuple[int, str], bool | None] = {}
+
     def handle(func: ast.expr, scope: _Scope, owner: int) -> bool | None:
         if isinstance(func, ast.Call):  # the naming call itself: `cp.RawKernel(code, "relu")(grid, ...)`
             return _bound_kernel(func) == kernel
@@ -506,12 +512,18 @@ def _sites(read: _Module, kernel: str, defaults: bool = True) -> Iterator[tuple[
                 found = found.outer
             if found is None or func.id in found.params:
                 return False  # never bound here, or the caller's (`def launch(kern, ...)`): not read
-            return _names_kernel([_bound_kernel(v) for v in found.assigned[func.id]], kernel)
+            if (found, func.id) not in named:
+                bound = [_bound_kernel(v) for v in found.assigned[func.id]]
+                named[found, func.id] = _names_kernel(bound, kernel)
+            return named[found, func.id]
         dotted = _dotted(func)
         if dotted is None or "." not in dotted:
             return False
         # Bound in its class, else in a base class or from outside: any binding of it.
-        return _names_kernel(attributes.get((owner, dotted), anywhere.get(dotted, [])), kernel)
+        key = (owner, dotted)
+        if key not in dotted_in:
+            dotted_in[key] = _names_kernel(attributes.get(key, anywhere.get(dotted, [])), kernel)
+        return dotted_in[key]
 
     for call, scope, owner in _calls(read, defaults):
         func = call.func
