@@ -164,6 +164,31 @@ def test_a_parameter_its_own_function_changes_is_not_its_callers_value(change: s
     assert read(unchanged) == SourceLaunch((65536, 1, 1), (256, 1, 1), 0)
 
 
+@pytest.mark.parametrize(
+    ("parameter", "launch", "expected"),
+    [
+        ("N", "    k((N // 256,), (256,), (x, N))", (65536, 1, 1)),  # the workload's N
+        ("N", "    k((x.size // 256,), (256,), (x, N))", (65536, 1, 1)),  # the workload's x
+        ("N, block=128", "    k((N // block,), (block,), (x, N))", (131072, 1, 1)),  # its default
+    ],
+)
+def test_a_global_elsewhere_is_not_a_parameter_set_in_its_function(
+    parameter: str, launch: str, expected: tuple[int, int, int]
+) -> None:
+    # `global N` (x, block) in another function names the module's N, never run's parameter (Python refuses it in
+    # run itself): since de9a773 the parameter read as one its own function sets, its grid unknown.
+    block = (128 if "block" in launch else 256, 1, 1)
+    for name in ("N", "x", "block"):
+        head = f"def setup():\n    global {name}\n    {name} = 7\n"
+        source = cupy(launch, head).replace("def run(x)", f"def run(x, {parameter})")
+        assert read(source) == SourceLaunch(expected, block, 0)
+    # `global N` in run itself (a source Python refuses, though ast parses it), or a function in it saying
+    # `nonlocal N`, may set N: a grid of N unknown.
+    for change in ("    global N\n", "    def shrink():\n        nonlocal N\n        N = 7\n    shrink()\n"):
+        source = cupy(change + launch).replace("def run(x)", f"def run(x, {parameter})")
+        assert read(source) == SourceLaunch(None if "N //" in launch else expected, block, 0)
+
+
 def test_a_grid_function_s_parameter_it_changes_is_not_its_default() -> None:
     # `def grid(meta, total=n)` read total as n (the default, where the grid function is made) though its body
     # sets it.

@@ -75,11 +75,18 @@ class _Scope:
     """The names one function (or the module) assigns, with the function's parameters and the module around it."""
 
     def __init__(
-        self, body: list[ast.stmt], params: frozenset[str], outer: _Scope | None, declared: frozenset[str]
+        self,
+        body: list[ast.stmt],
+        params: frozenset[str],
+        outer: _Scope | None,
+        declared: frozenset[str],
+        nonlocals: frozenset[str] = frozenset(),
     ) -> None:
         self.params = params
         self.outer = outer
         self.declared = declared
+        # The names some `nonlocal` declares (a part of `declared`): the module's, passed to its scope alone.
+        self.nonlocals: frozenset[str] = outer.nonlocals if outer is not None else nonlocals
         self.assigned: dict[str, list[ast.expr | None]] = {}  # None: changed in a way that is not read
         # A grid function's parameters with defaults: each read where the function is made (`lambda meta, t=n:`).
         self.given: dict[str, tuple[ast.expr, _Scope]] = {}
@@ -112,13 +119,23 @@ class _Scope:
             elif isinstance(node, ast.Delete):
                 for target in node.targets:
                     self._changed(target)
-            elif isinstance(node, features.BINDERS) and not isinstance(node, ast.Global | ast.Nonlocal):
-                # An import, a def or class, `except E as n`, `case n:`, `case [*n]`, `case {**n}` (a `global`
-                # is read above: `declared`).
+            elif isinstance(node, ast.Global | ast.Nonlocal):
+                # Unknown already (`declared`); once more as this function's own: a `global n` of its parameter n
+                # (a source Python refuses, though ast parses it) is one it sets (`sets`).
+                for name in node.names:
+                    self._unknown(name)
+            elif isinstance(node, features.BINDERS):
+                # An import, a def or class, `except E as n`, `case n:`, `case [*n]`, `case {**n}`.
                 for name in features.bindings(node):
                     self._unknown(name)
                 if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                     self.functions.setdefault(node.name, []).append(node)
+
+    def sets(self, name: str) -> bool:
+        """Whether this function sets its parameter `name` itself: its body binds it, or a function in it may
+        (`nonlocal name` somewhere). A `global name` is never a parameter's: Python refuses it in the parameter's
+        own function, and in any other it names the module's."""
+        return len(self.assigned.get(name, ())) > (name in self.declared) or name in self.nonlocals
 
     def binds(self, name: str) -> bool:
         return name in self.params or name in self.given or name in self.assigned
@@ -235,7 +252,7 @@ class _Evaluator:
         return found
 
     def _name_value(self, name: str, scope: _Scope, depth: int) -> int:
-        if name in scope.assigned and (name in scope.given or name in scope.params):
+        if (name in scope.given or name in scope.params) and scope.sets(name):
             # A parameter its own function sets (`n = 4096`, `n //= 2`, `if n > m: n = m`): whether the launch sees
             # its callers' value, its default or the function's is not known here (host_launch's `changed`).
             raise _Unknown
@@ -287,13 +304,13 @@ class _Evaluator:
         scope: _Scope | None = self.scope
         for _ in range(MAX_DEPTH):
             scope = scope.binder(name) if scope is not None else None
-            if scope is None or (name in scope.params and name not in scope.assigned):
+            if scope is None or (name in scope.params and not scope.sets(name)):
                 shape = self.names.shape(name)
                 if shape is None:
                     raise _Unknown
                 return shape
             value: ast.expr | None
-            if name in scope.given and name not in scope.assigned:  # one its grid function sets: the body's
+            if name in scope.given and not scope.sets(name):  # one its grid function sets: the body's
                 value, scope = scope.given[name]
             else:
                 values = scope.assigned[name]
@@ -407,7 +424,7 @@ def _assigned(name: str, scope: _Scope | None) -> tuple[ast.expr, _Scope] | None
     while scope is not None:
         if name in scope.given:
             # A grid function's defaulted parameter its body sets: the default or the body's (`_name_value`).
-            return scope.given[name] if name not in scope.assigned else None
+            return scope.given[name] if not scope.sets(name) else None
         if name in scope.defaults:
             return scope.defaults[name]
         if name in scope.params:
@@ -554,7 +571,10 @@ class _Module:
             if isinstance(node, ast.Global | ast.Nonlocal)
             for name in node.names
         )
-        self.top = _Scope(module.body, frozenset(), None, declared)
+        nonlocals = frozenset(
+            name for node, _ in self.nodes if isinstance(node, ast.Nonlocal) for name in node.names
+        )
+        self.top = _Scope(module.body, frozenset(), None, declared, nonlocals)
 
 
 def _parameters(a: ast.arguments) -> frozenset[str]:
@@ -680,7 +700,7 @@ def _calls(read: _Module, defaults: bool = True) -> Iterator[tuple[ast.Call, _Sc
                     inner.defaults = {
                         name: (default, scope)
                         for name, default in callers.defaults(node, in_class).items()
-                        if name not in inner.assigned  # `block = 128` in the function: not the default
+                        if not inner.sets(name)  # `block = 128` in the function: not the default
                     }
                 yield from visit(inner.visited, inner, owner, False)
             elif isinstance(node, ast.ClassDef):
