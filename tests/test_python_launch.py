@@ -189,6 +189,34 @@ def test_a_global_elsewhere_is_not_a_parameter_set_in_its_function(
         assert read(source) == SourceLaunch(None if "N //" in launch else expected, block, 0)
 
 
+def test_a_global_elsewhere_leaves_a_function_s_own_names_its_own() -> None:
+    # Every function's scope took each name any function declares `global` as set from elsewhere: a function's own
+    # `t = 256` was unknown beside `def setup(): global t`, though setup's t is the module's.
+    head = "def setup():\n    global t\n    t = 7\n"
+    assert read(cupy("    t = 256\n    k((N // t,), (t,), (x, N))", head)) == SourceLaunch(
+        (65536, 1, 1), (256, 1, 1), 0
+    )
+    # The module's t is set from setup: unknown where read; and so is one a function's `nonlocal t` may set.
+    assert read(cupy("    k((N // 256,), (t,), (x, N))", "t = 256\n" + head)) == SourceLaunch(
+        (65536, 1, 1), None, 0
+    )
+    nested = "    def shrink():\n        nonlocal t\n        t = 7\n"
+    assert read(cupy("    t = 256\n" + nested + "    k((N // 256,), (t,), (x, N))")) == SourceLaunch(
+        (65536, 1, 1), None, 0
+    )
+    # A buffer parameter a function inside sets (`nonlocal x`): not the workload's x.
+    shrunk = "    def shrink():\n        nonlocal x\n        x = x[:256]\n    shrink()\n"
+    assert read(cupy(shrunk + "    k((x.size // 256,), (256,), (x,))")) == SourceLaunch(None, (256, 1, 1), 0)
+    # Thousands of functions each declaring a global: each scope took them all (5 s for 63 KB).
+    many = "".join(f"def g{i}():global v{i}\n" for i in range(2_600))
+    assert len(cupy("", many)) < 64 * 1024
+    started = time.perf_counter()
+    assert read(cupy("    k((N // 256,), (256,), (x, N))", many)) == SourceLaunch(
+        (65536, 1, 1), (256, 1, 1), 0
+    )
+    assert time.perf_counter() - started < 1.0
+
+
 def test_a_grid_function_s_parameter_it_changes_is_not_its_default() -> None:
     # `def grid(meta, total=n)` read total as n (the default, where the grid function is made) though its body
     # sets it.

@@ -98,8 +98,9 @@ class _Scope:
         ] = {}  # Triton's `def grid(meta)`
         # Its calls, and the functions and classes it defines, in order: what `_calls` visits, read in this walk.
         self.visited: list[ast.Call | ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef] = []
-        for name in declared:  # `global n` / `nonlocal n` somewhere: set from another function
-            self.assigned[name] = [None]
+        if outer is None:
+            for name in declared:  # `global n` / `nonlocal n` somewhere: the module's n set from a function
+                self.assigned[name] = [None]
         for node in _own_nodes(body):
             if isinstance(node, ast.Call | ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
                 self.visited.append(node)
@@ -130,12 +131,19 @@ class _Scope:
                     self._unknown(name)
                 if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                     self.functions.setdefault(node.name, []).append(node)
+        if outer is not None:
+            # A function's own n is its own beside another's `global n` (the module's), but `nonlocal n` somewhere
+            # may be in a function inside it: set from there. Only the names it binds (a parameter too) are looked
+            # at (each scope taking every declared name made thousands of functions each declaring one a quadratic
+            # read).
+            for name in (self.assigned.keys() | params) & self.nonlocals:
+                self._unknown(name)
 
     def sets(self, name: str) -> bool:
         """Whether this function sets its parameter `name` itself: its body binds it, or a function in it may
         (`nonlocal name` somewhere). A `global name` is never a parameter's: Python refuses it in the parameter's
         own function, and in any other it names the module's."""
-        return len(self.assigned.get(name, ())) > (name in self.declared) or name in self.nonlocals
+        return name in self.assigned or name in self.nonlocals
 
     def binds(self, name: str) -> bool:
         return name in self.params or name in self.given or name in self.assigned
@@ -313,7 +321,8 @@ class _Evaluator:
             if name in scope.given and not scope.sets(name):  # one its grid function sets: the body's
                 value, scope = scope.given[name]
             else:
-                values = scope.assigned[name]
+                # Set in its function (`sets`): a grid function's given one, nonlocal elsewhere, is in no list.
+                values = scope.assigned.get(name, [])
                 value = values[0] if len(values) == 1 else None
             like = _made_like(value)
             if like is None:
