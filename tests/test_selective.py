@@ -17,6 +17,7 @@ from forecaster_mcp.forecast.selective import (
     default_min_history,
     default_threshold,
     min_count_zero_errors,
+    proof_count,
 )
 
 TARGET = 0.1
@@ -132,6 +133,39 @@ def test_with_history_but_nothing_certified_the_default_needs_its_own_record_wit
     )
     assert fine.source == "default" and fine.threshold == pytest.approx(0.95)
     assert fine.n_above == 30 and "2 of 30" in fine.reason
+
+
+def test_a_default_with_enough_history_to_prove_it_must_prove_it() -> None:
+    """The default was kept on its point estimate however long its record: 300 pairs at 0.96 erring 9% of the
+    time (bound 0.12, above target 0.1) kept deciding. A forecaster calibrated there errs at most 5% and with
+    this many pairs would certify it nearly always, so a record this long that does not is evidence enough."""
+    erring = choose_threshold(np.full(300, 0.96), np.r_[np.zeros(27), np.ones(273)], TARGET, DELTA)
+    assert erring.source == "never" and erring.threshold == NEVER
+    assert "27 of 300" in erring.reason
+    # Fewer pairs at the default: its point estimate still decides, as before.
+    short = choose_threshold(
+        np.r_[np.full(270, 0.7), np.full(60, 0.96)],
+        np.r_[np.zeros(81), np.ones(189), np.zeros(5), np.ones(55)],
+        TARGET,
+        DELTA,
+    )
+    assert short.source == "default" and short.n_above == 60
+
+
+@pytest.mark.parametrize("default", [0.95, 0.975])
+def test_a_calibrated_forecaster_at_the_default_keeps_deciding_on_a_long_record(default: float) -> None:
+    """The rule above must not stop a calibrated forecaster: at its error 1 - default, the record long enough to
+    demand proof certifies the default in at least 1 - delta of draws."""
+    rng = np.random.default_rng(3)
+    n, draws = int(proof_count(TARGET, DELTA, default)), 1000
+    assert n < 400
+    kept = 0
+    for _ in range(draws):
+        right = (rng.random(n) >= 1.0 - default).astype(float)
+        choice = choose_threshold(np.full(n, default), right, TARGET, DELTA, default=default)
+        kept += choice.threshold < NEVER
+    # At exactly the count, the chance is 1 - delta or a little more; three standard errors of slack for the draws.
+    assert kept / draws >= 1.0 - DELTA - 3 * math.sqrt(DELTA * (1 - DELTA) / draws)
 
 
 def test_min_history_knob_and_validation() -> None:
