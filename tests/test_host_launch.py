@@ -1282,6 +1282,25 @@ def test_a_cuda_template_of_module_constants_is_read_as_the_cuda_it_makes(form: 
 
 
 @pytest.mark.parametrize(
+    "make",
+    [
+        'cuda_src = """' + TEMPLATED.replace("{BLOCK}", "{1}") + '""".format(*SIZES, 256)',
+        'cuda_src = """'
+        + _UNBRACED.replace("%", "%%").replace("{BLOCK}", "%d")
+        + '""" % (*SIZES, 256, 256, 256, 256)',
+    ],
+    ids=["format", "percent"],
+)
+def test_a_template_value_after_a_starred_argument_is_not_known(make: str) -> None:
+    """`.format(*sizes, 256)` and `% (*sizes, 256)`: which value a position takes depends on how many the starred
+    one holds. `{1}` was read as the 256 written second (the grid of a 256-thread block), and the `%d`s after the
+    first as the 256s."""
+    wl = inputs(x=[1 << 24])
+    templated = _templated(make, "SIZES = make_sizes()\n")
+    assert source_launch(Kernel(source=templated, entry="ModelNew", language="python"), wl) is None
+
+
+@pytest.mark.parametrize(
     "form", ["format, a literal", "% formatting", "string.Template", "f-string", "a named template, **values"]
 )
 def test_a_cuda_template_of_values_known_at_run_time_reads_no_placeholder(form: str) -> None:

@@ -1381,7 +1381,8 @@ def _formatted(node: ast.AST, constants: Mapping[str, int | str], budget: _Budge
         template = _template_text(receiver, constants, budget)
         if template is None:
             return None
-        return _format(template, [_constant(a, constants) for a in node.args], keywords, budget)
+        args, more = _positional(node.args, constants)
+        return _format(template, args, keywords, budget, more)
     # string.Template(text).substitute(...): its mapping a dict of literals, or keywords
     if not (
         isinstance(receiver, ast.Call)
@@ -1422,15 +1423,31 @@ def _mapping(node: ast.AST, constants: Mapping[str, int | str]) -> dict[str, int
     return out
 
 
+def _positional(
+    nodes: Sequence[ast.expr], constants: Mapping[str, int | str]
+) -> tuple[list[int | str | None], bool]:
+    """Positional values as far as their positions are known (up to a `*starred` one), and whether a starred one
+    follows them: the values it holds, and so the positions of those after it, are not known here."""
+    for i, node in enumerate(nodes):
+        if isinstance(node, ast.Starred):
+            return [_constant(a, constants) for a in nodes[:i]], True
+    return [_constant(a, constants) for a in nodes], False
+
+
 def _put(value: int | str | None) -> str:
     return _RUNTIME_VALUE if value is None else str(value)
 
 
 def _format(
-    template: str, args: list[int | str | None], keywords: Mapping[str, int | str | None], budget: _Budget
+    template: str,
+    args: list[int | str | None],
+    keywords: Mapping[str, int | str | None],
+    budget: _Budget,
+    more: bool = False,
 ) -> str | None:
     """`template.format(*args, **keywords)` for plain fields (`{}`, `{0}`, `{name}`, no spec or conversion but
-    `!s`); None for any other field or a malformed template."""
+    `!s`); None for any other field or a malformed template. `more`: positional values past `args` exist but
+    are not known (a starred argument)."""
     out = _Text(budget)
     auto = 0
     try:
@@ -1447,8 +1464,11 @@ def _format(
             name, auto = str(auto), auto + 1
         if name.isdigit():
             if int(name) >= len(args):
-                return None
-            out.add(_put(args[int(name)]))
+                if not more:
+                    return None
+                out.add(_RUNTIME_VALUE)
+            else:
+                out.add(_put(args[int(name)]))
         elif name.isidentifier():
             out.add(_put(keywords[name]) if name in keywords else _RUNTIME_VALUE)
         else:
@@ -1462,12 +1482,10 @@ def _percent(
     """`template % right` for `%d`, `%i`, `%s` (keyed by a dict literal or in order of a tuple) and `%%`; None
     for any other conversion or values that do not match them."""
     by_key = _mapping(right, constants) if isinstance(right, ast.Dict) else None
-    values = (
-        [_constant(e, constants) for e in right.elts]
+    values, more = (
+        _positional(right.elts, constants)
         if isinstance(right, ast.Tuple)
-        else [_constant(right, constants)]
-        if by_key is None
-        else []
+        else ([_constant(right, constants)] if by_key is None else [], False)
     )
     out = _Text(budget)
     at = 0
@@ -1485,11 +1503,11 @@ def _percent(
                 return None
             out.add(_put(by_key[key]))
         else:
-            if by_key is not None or used >= len(values):
+            if by_key is not None or (used >= len(values) and not more):
                 return None
-            out.add(_put(values[used]))
+            out.add(_put(values[used]) if used < len(values) else _RUNTIME_VALUE)
             used += 1
-    if by_key is None and used != len(values):
+    if by_key is None and (used < len(values) if more else used != len(values)):
         return None
     out.add(template[at:])
     return out.text()
