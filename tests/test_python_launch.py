@@ -455,6 +455,46 @@ def test_a_handle_is_the_kernel_its_scope_binds() -> None:
     assert read(either) is None
 
 
+def lazy(setup: str, launch: str = "    k((x.size // 256,), (256,), (x, x.size))\n", head: str = "") -> str:
+    """A CuPy handle made in a function through `global k` (`setup`), launched in `run`."""
+    return f"import cupy as cp\nsrc = {RELU}\n{head}{setup}def run(x):\n{launch}"
+
+
+def launches(source: str, entry: str = "run") -> bool:
+    return host_launch.launches_itself(Kernel(source=source, entry=entry, language="python"))
+
+
+def test_a_handle_a_function_binds_through_global_is_the_modules() -> None:
+    # setup's `global k; k = cp.RawKernel(...)` was read as setup's own k: run's k bound to nothing the module
+    # says, so the source was taken to launch nothing, asked by the wrapper's name or the kernel's.
+    made = "def setup():\n    global k\n    k = cp.RawKernel(src, 'relu')\n"
+    for entry in ("run", "relu"):
+        assert launches(lazy(made), entry)
+        assert read(lazy(made), entry) == SourceLaunch((65536, 1, 1), (256, 1, 1), 0)
+    # A class's method, or a function inside another, binds the module's k alike.
+    method = "class Ops:\n    def setup(self):\n        global k\n        k = cp.RawKernel(src, 'relu')\n"
+    nested = (
+        "def setup():\n    def make():\n        global k\n        k = cp.RawKernel(src, 'relu')\n    make()\n"
+    )
+    for setup in (method, nested):
+        assert read(lazy(setup), "relu") == SourceLaunch((65536, 1, 1), (256, 1, 1), 0)
+    # Bound to relu in the module and to another kernel in a function (or to something else, or in a loop): a
+    # name bound more than once, its launch either's (launched, not read).
+    naive = f"naive_src = {NAIVE_CODE}\nk = cp.RawKernel(src, 'relu')\n"
+    for setup, head in (
+        ("def setup():\n    global k\n    k = cp.RawKernel(naive_src, 'naive')\n", naive),
+        ("def setup():\n    global k\n    k = make_kernel()\n", "k = cp.RawKernel(src, 'relu')\n"),
+        ("def setup(ks):\n    global k\n    for k in ks:\n        pass\n", "k = cp.RawKernel(src, 'relu')\n"),
+    ):
+        assert launches(lazy(setup, head=head), "relu")
+        assert read(lazy(setup, head=head), "relu") is None
+    # A number set through `global` is still unknown where read: set at run time, from another scope.
+    block = "def setup(t):\n    global T\n    T = t\n"
+    launch = "    k((x.size // 256,), (T,), (x, x.size))\n"
+    assert read(lazy(made + block, launch), "relu") == SourceLaunch((65536, 1, 1), None, 0)
+    assert read(lazy(made + block, launch, "T = 256\n"), "relu") == SourceLaunch((65536, 1, 1), None, 0)
+
+
 def test_a_kernel_python_names_is_not_passed_over_for_one_the_cuda_launches() -> None:
     # Python names two kernels it runs (no one entry); the parent's device-side launch of its child (dynamic
     # parallelism) is no host wrapper choosing the child.

@@ -1709,6 +1709,9 @@ def _read_statement(
         elif kind in _SCOPES and not scope:
             assert isinstance(node, _SCOPES)
             out.binds.add(node.name)  # a def under a top-level if or try
+        elif kind is ast.Global:
+            assert isinstance(node, ast.Global)
+            out.binds.update(node.names)  # `def setup(): global k; k = ...` binds the module's k
     return out
 
 

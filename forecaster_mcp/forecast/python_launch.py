@@ -6,7 +6,8 @@ host_launch reads `<<<grid, block>>>` in C++ (a .cu file's host code, the wrappe
 CuPy or PyCUDA kernel is launched by a Python call instead, and without that launch the static prior knows
 neither its block size (occupancy, waves) nor how many threads share the work. A launch is read from the calls
 of a name bound to the kernel (`k = cp.RawKernel(code, "relu")`, `f = mod.get_function("relu")`, or
-`self.k = ...`), or of the naming call itself, when each dimension works out to a whole number from:
+`self.k = ...`; a function's `global k; k = cp.RawKernel(...)` binds the module's k, one more binding of it beside
+the module's own), or of the naming call itself, when each dimension works out to a whole number from:
 
 - integer literals, and names given one value in the function making the call, else in the module;
 - the workload's `problem` sizes and scalar `args` by name (the function's parameters are its callers': only the
@@ -16,8 +17,8 @@ of a name bound to the kernel (`k = cp.RawKernel(code, "relu")`, `f = mod.get_fu
 - `+ - * // % << >>`, `min`, `max`, `int(...)`, `math.ceil(a / b)`, and `cdiv` / `triton.cdiv`.
 
 An array made like another (`out = torch.empty_like(x)`, `x.clone()`) has that one's shape. Anything else (a name
-assigned twice, or bound otherwise: an import, a def, `except ... as`, `global` in another function; a float, a
-value known only at run time, calls that disagree) leaves that part unknown. Nothing is run.
+assigned twice, or bound otherwise: an import, a def, `except ... as`, a value a function gives it through `global`;
+a float, a value known only at run time, calls that disagree) leaves that part unknown. Nothing is run.
 
 A Triton kernel (`@triton.jit`: the entry itself, or the one kernel a wrapper sent as the entry launches once) is
 launched as programs of num_warps warps (`triton_launch`; a `.run` with `warmup=True` compiles and launches
@@ -98,6 +99,9 @@ class _Scope:
         ] = {}  # Triton's `def grid(meta)`
         # Its calls, and the functions and classes it defines, in order: what `_calls` visits, read in this walk.
         self.visited: list[ast.Call | ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef] = []
+        # A function's bindings of the names it declares `global`: the module's, credited to it (`_Module`).
+        self.globals: dict[str, list[ast.expr | None]] = {}
+        declared_global: set[str] = set()
         if outer is None:
             for name in declared:  # `global n` / `nonlocal n` somewhere: the module's n set from a function
                 self.assigned[name] = [None]
@@ -120,9 +124,10 @@ class _Scope:
             elif isinstance(node, ast.Delete):
                 for target in node.targets:
                     self._changed(target)
+            elif isinstance(node, ast.Global) and outer is not None:
+                declared_global.update(node.names)
             elif isinstance(node, ast.Global | ast.Nonlocal):
-                # Unknown already (`declared`); once more as this function's own: a `global n` of its parameter n
-                # (a source Python refuses, though ast parses it) is one it sets (`sets`).
+                # `nonlocal n`: unknown already (`declared`), once more as this function's own.
                 for name in node.names:
                     self._unknown(name)
             elif isinstance(node, features.BINDERS):
@@ -131,6 +136,13 @@ class _Scope:
                     self._unknown(name)
                 if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                     self.functions.setdefault(node.name, []).append(node)
+        for name in declared_global:
+            # `global n`: each n it binds is the module's, none its own (a lookup of n here goes on to the module);
+            # but a `global n` of its parameter n (a source Python refuses, though ast parses it) is one it sets.
+            self.globals[name] = self.assigned.pop(name, [])
+            self.functions.pop(name, None)
+            if name in params:
+                self._unknown(name)
         if outer is not None:
             # A function's own n is its own beside another's `global n` (the module's), but `nonlocal n` somewhere
             # may be in a function inside it: set from there. Only the names it binds (a parameter too) are looked
@@ -568,22 +580,40 @@ class _Module:
         self.tree = module
         # In ast.walk's order (breadth first), the class each is in carried along.
         self.nodes: list[tuple[ast.AST, int]] = []
-        queue: deque[tuple[ast.AST, int]] = deque([(module, 0)])
+        # The functions saying `global` (theirs, not one inside them), and the names a class body declares so.
+        declaring: dict[int, ast.FunctionDef | ast.AsyncFunctionDef] = {}
+        in_classes: set[str] = set()
+        queue: deque[tuple[ast.AST, int, ast.AST]] = deque([(module, 0, module)])
         while queue:
-            node, owner = queue.popleft()
+            node, owner, scope = queue.popleft()
             self.nodes.append((node, owner))
+            if isinstance(node, ast.Global):
+                if isinstance(scope, ast.FunctionDef | ast.AsyncFunctionDef):
+                    declaring[id(scope)] = scope
+                elif isinstance(scope, ast.ClassDef):
+                    in_classes.update(node.names)
             inner = id(node) if isinstance(node, ast.ClassDef) else owner
-            queue.extend((child, inner) for child in ast.iter_child_nodes(node))
-        declared = frozenset(
-            name
-            for node, _ in self.nodes
-            if isinstance(node, ast.Global | ast.Nonlocal)
-            for name in node.names
-        )
+            within = (
+                node if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) else scope
+            )
+            queue.extend((child, inner, within) for child in ast.iter_child_nodes(node))
         nonlocals = frozenset(
             name for node, _ in self.nodes if isinstance(node, ast.Nonlocal) for name in node.names
         )
-        self.top = _Scope(module.body, frozenset(), None, declared, nonlocals)
+        # A class body's `global n` binds the module's n from a body not read here: set elsewhere, unknown; so is
+        # any n a `nonlocal` names.
+        self.top = _Scope(module.body, frozenset(), None, nonlocals | in_classes, nonlocals)
+        top = self.top
+        for function in declaring.values():
+            # What a function binds a name it declares `global` to is the module's binding of that name: one more
+            # beside the module's own, read as any name bound more than once is. A value is read in the scope that
+            # gives it, not the module's: one is credited as written only where that scope does not matter (a
+            # kernel its literal names, `cp.RawKernel(src, "relu")`); any other is a value set at run time.
+            declarer = _Scope(function.body, _parameters(function.args), top, top.declared)
+            for name, values in declarer.globals.items():
+                top.assigned.setdefault(name, []).extend(
+                    v if _bound_kernel(v) is not None else None for v in values
+                )
 
 
 def _parameters(a: ast.arguments) -> frozenset[str]:
