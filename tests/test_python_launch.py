@@ -495,6 +495,37 @@ def test_a_handle_a_function_binds_through_global_is_the_modules() -> None:
     assert read(lazy(made + block, launch, "T = 256\n"), "relu") == SourceLaunch((65536, 1, 1), None, 0)
 
 
+def test_a_handle_first_bound_to_none_is_the_kernel_it_is_later_bound_to() -> None:
+    # `k = None` until set up: a name bound twice, so its launch was taken as maybe another's and not read. None
+    # is never launched (calling it raises), so a launch that runs is the kernel's.
+    made = "def setup():\n    global k\n    k = cp.RawKernel(src, 'relu')\n"
+    lazily = (
+        "    global k\n    if k is None:\n        k = cp.RawKernel(src, 'relu')\n"
+        "    k((x.size // 256,), (256,), (x, x.size))\n"
+    )
+    for setup, launch, head in (
+        (made, "    k((x.size // 256,), (256,), (x, x.size))\n", "k = None\n"),
+        (made, "    k((x.size // 256,), (256,), (x, x.size))\n", "k: cp.RawKernel | None = None\n"),
+        ("", lazily, "k = None\n"),  # made where it is launched
+    ):
+        for entry in ("run", "relu"):
+            assert read(lazy(setup, launch, head), entry) == SourceLaunch((65536, 1, 1), (256, 1, 1), 0)
+    # `self.k = None` in __init__, made on first use.
+    method = (
+        f"import cupy as cp\nsrc = {RELU}\nclass Op:\n    def __init__(self):\n        self.k = None\n"
+        "    def __call__(self, x):\n        if self.k is None:\n            self.k = cp.RawKernel(src, 'relu')\n"
+        "        self.k((x.size // 256,), (256,), (x, x.size))\n"
+    )
+    assert read(method, "Op") == SourceLaunch((65536, 1, 1), (256, 1, 1), 0)
+    # Bound to None and to two kernels, or to None and something else: either's, not read.
+    other = "def other():\n    global k\n    k = cp.RawKernel(naive_src, 'naive')\n"
+    two = lazy(made + other, head=f"naive_src = {NAIVE_CODE}\nk = None\n")
+    assert launches(two, "relu") and read(two, "relu") is None
+    assert read(lazy(made, head="k = None\nif FALLBACK:\n    k = make_kernel()\n"), "relu") is None
+    # Bound to None alone: no launch.
+    assert not launches(lazy("", head="k = None\n"), "relu")
+
+
 def test_a_kernel_python_names_is_not_passed_over_for_one_the_cuda_launches() -> None:
     # Python names two kernels it runs (no one entry); the parent's device-side launch of its child (dynamic
     # parallelism) is no host wrapper choosing the child.

@@ -7,7 +7,7 @@ CuPy or PyCUDA kernel is launched by a Python call instead, and without that lau
 neither its block size (occupancy, waves) nor how many threads share the work. A launch is read from the calls
 of a name bound to the kernel (`k = cp.RawKernel(code, "relu")`, `f = mod.get_function("relu")`, or
 `self.k = ...`; a function's `global k; k = cp.RawKernel(...)` binds the module's k, one more binding of it beside
-the module's own), or of the naming call itself, when each dimension works out to a whole number from:
+the module's own; a placeholder `k = None` is none, never launched), or of the naming call itself, when each dimension works out to a whole number from:
 
 - integer literals, and names given one value in the function making the call, else in the module;
 - the workload's `problem` sizes and scalar `args` by name (the function's parameters are its callers': only the
@@ -506,15 +506,26 @@ def _bound_kernel(value: ast.expr | None) -> str | None:
     return features.launched_name(value) if isinstance(value, ast.Call) else None
 
 
+def _is_none(value: ast.expr | None) -> bool:
+    """Whether `value` is `None` as written: a handle's placeholder (`k = None` until set up), never launched (a
+    call of it raises), so no binding a launch that runs can be made through."""
+    return isinstance(value, ast.Constant) and value.value is None
+
+
+def _handle_values(values: Iterable[ast.expr | None]) -> list[str | None]:
+    """The kernels a handle's bindings name (`_bound_kernel`), its `None` placeholders left out."""
+    return [_bound_kernel(v) for v in values if not _is_none(v)]
+
+
 def _attribute_handles(read: _Module) -> dict[tuple[int, str], list[str | None]]:
     """What `self.k = ...` binds, by the class it is bound in (its id; 0 outside any) and `self.k`: the kernel each
-    assignment names, None for one naming none."""
+    assignment names, None for one naming none (`self.k = None`, a placeholder: none)."""
     out: dict[tuple[int, str], list[str | None]] = {}
     for node, owner in read.nodes:
         if isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
             for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
                 if isinstance(target, ast.Attribute) and (name := _dotted(target)) is not None:
-                    out.setdefault((owner, name), []).append(_bound_kernel(node.value))
+                    out.setdefault((owner, name), []).extend(_handle_values([node.value]))
     return out
 
 
@@ -529,7 +540,8 @@ def _sites(read: _Module, kernel: str, defaults: bool = True) -> Iterator[tuple[
     """Each call that may launch `kernel`, with the scope it is made in and whether it surely does. A handle
     (`k`, `self.k`) is the kernel its scope binds it to: `k` by Python's scopes (another function's `k` bound to
     another kernel, or a parameter `k`, is not it), `self.k` by the class binding it, else by every binding of
-    it; one bound to this kernel and to another (or to something else) may launch either. `defaults`: `_calls`'."""
+    it; one bound to this kernel and to another (or to something else) may launch either. A binding to `None` is
+    no launch's (`_is_none`). `defaults`: `_calls`'."""
     attributes = _attribute_handles(read)
     anywhere: dict[str, list[str | None]] = {}
     for (_, name), values in attributes.items():
@@ -551,7 +563,7 @@ def _sites(read: _Module, kernel: str, defaults: bool = True) -> Iterator[tuple[
             if found is None or func.id in found.params:
                 return False  # never bound here, or the caller's (`def launch(kern, ...)`): not read
             if (found, func.id) not in named:
-                bound = [_bound_kernel(v) for v in found.assigned[func.id]]
+                bound = _handle_values(found.assigned[func.id])
                 named[found, func.id] = _names_kernel(bound, kernel)
             return named[found, func.id]
         dotted = _dotted(func)
@@ -612,7 +624,7 @@ class _Module:
             declarer = _Scope(function.body, _parameters(function.args), top, top.declared)
             for name, values in declarer.globals.items():
                 top.assigned.setdefault(name, []).extend(
-                    v if _bound_kernel(v) is not None else None for v in values
+                    v if _bound_kernel(v) is not None or _is_none(v) else None for v in values
                 )
 
 
