@@ -526,6 +526,81 @@ def test_a_handle_first_bound_to_none_is_the_kernel_it_is_later_bound_to() -> No
     assert not launches(lazy("", head="k = None\n"), "relu")
 
 
+GETTER_LAUNCH = "    get()((x.size // 256,), (256,), (x, x.size))\n"
+
+
+@pytest.mark.parametrize(
+    ("getter", "head"),
+    [
+        (
+            "_k = None\ndef get():\n    global _k\n    if _k is None:\n        _k = cp.RawKernel(src, 'relu')\n"
+            "    return _k\n",
+            "",
+        ),
+        ("@functools.lru_cache\ndef get():\n    return cp.RawKernel(src, 'relu')\n", "import functools\n"),
+        (
+            "@functools.lru_cache(maxsize=None)\ndef get():\n    return cp.RawKernel(src, 'relu')\n",
+            "import functools\n",
+        ),
+        ("@functools.cache\ndef get():\n    return cp.RawKernel(src, 'relu')\n", "import functools\n"),
+        (
+            "@cache\ndef get():\n    k = cp.RawKernel(src, 'relu')\n    return k\n",
+            "from functools import cache\n",
+        ),
+        ("def get():\n    return cp.RawKernel(src, 'relu')\n", ""),  # made anew at each call
+    ],
+)
+def test_a_kernel_a_getter_returns_is_launched_through_its_call(getter: str, head: str) -> None:
+    # `get()(grid, block, args)` named no handle: the source was taken to launch nothing.
+    for launch in (GETTER_LAUNCH, "    k = get()\n    k((x.size // 256,), (256,), (x, x.size))\n"):
+        for entry in ("run", "relu"):
+            assert launches(lazy(getter, launch, head), entry)
+            assert read(lazy(getter, launch, head), entry) == SourceLaunch((65536, 1, 1), (256, 1, 1), 0)
+
+
+@pytest.mark.parametrize(
+    "getter",
+    [
+        # Another decorator may return anything.
+        "@torch.compile\ndef get():\n    return cp.RawKernel(src, 'relu')\n",
+        # A generator, a coroutine: nothing launchable.
+        "def get():\n    yield cp.RawKernel(src, 'relu')\n",
+        "async def get():\n    return cp.RawKernel(src, 'relu')\n",
+        # `get` bound otherwise too.
+        "def get():\n    return cp.RawKernel(src, 'relu')\nget = make_getter()\n",
+        # What it returns is not said: a table's, a parameter's.
+        "KERNELS = {'relu': cp.RawKernel(src, 'relu')}\ndef get(name):\n    return KERNELS[name]\n",
+        "def get(k):\n    return k\n",
+    ],
+)
+def test_a_getter_the_source_does_not_say_is_no_launch(getter: str) -> None:
+    assert launches(lazy("def get():\n    return cp.RawKernel(src, 'relu')\n", GETTER_LAUNCH), "relu")
+    assert read(lazy(getter, GETTER_LAUNCH), "relu") is None
+    assert not launches(lazy(getter, GETTER_LAUNCH), "relu")
+
+
+def test_a_getter_of_either_kernel_may_launch_either() -> None:
+    getter = (
+        f"naive_src = {NAIVE_CODE}\n@functools.cache\ndef get(slow):\n"
+        "    if slow:\n        return cp.RawKernel(naive_src, 'naive')\n    return cp.RawKernel(src, 'relu')\n"
+    )
+    source = lazy(getter, "    get(False)((x.size // 256,), (256,), (x, x.size))\n", "import functools\n")
+    assert launches(source, "relu") and read(source, "relu") is None
+    # One returning itself, or a chain of getters past what is read: no launch, and no recursion error.
+    selfish = "def get():\n    return get()\n"
+    chain = "def g0():\n    return cp.RawKernel(src, 'relu')\n" + "".join(
+        f"def g{i}():\n    return g{i - 1}()\n" for i in range(1, 2_000)
+    )
+    assert read(lazy(selfish, GETTER_LAUNCH), "relu") is None and not launches(lazy(selfish, GETTER_LAUNCH))
+    started = time.perf_counter()
+    deep = lazy(chain, "    g1999()((x.size // 256,), (256,), (x,))\n")
+    assert launches(deep, "relu") and read(deep, "relu") is None  # may be relu's: not read
+    assert read(lazy(chain, "    g3()((x.size // 256,), (256,), (x,))\n"), "relu") == SourceLaunch(
+        (65536, 1, 1), (256, 1, 1), 0
+    )
+    assert time.perf_counter() - started < 2.0
+
+
 def test_a_kernel_python_names_is_not_passed_over_for_one_the_cuda_launches() -> None:
     # Python names two kernels it runs (no one entry); the parent's device-side launch of its child (dynamic
     # parallelism) is no host wrapper choosing the child.

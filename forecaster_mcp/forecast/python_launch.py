@@ -7,7 +7,11 @@ CuPy or PyCUDA kernel is launched by a Python call instead, and without that lau
 neither its block size (occupancy, waves) nor how many threads share the work. A launch is read from the calls
 of a name bound to the kernel (`k = cp.RawKernel(code, "relu")`, `f = mod.get_function("relu")`, or
 `self.k = ...`; a function's `global k; k = cp.RawKernel(...)` binds the module's k, one more binding of it beside
-the module's own; a placeholder `k = None` is none, never launched), or of the naming call itself, when each dimension works out to a whole number from:
+the module's own; a placeholder `k = None` is none, never launched), of the naming call itself, or of a getter's
+call (`get()(grid, block, args)`, `k = get()`: a function the name is bound to alone, plain or under functools'
+`cache` / `lru_cache`, returning the kernel, a handle of it, or another such call; a method's, `self.get()`, one
+under any other decorator, a generator or a coroutine is not read: no launch), when each dimension works out to a
+whole number from:
 
 - integer literals, and names given one value in the function making the call, else in the module;
 - the workload's `problem` sizes and scalar `args` by name (the function's parameters are its callers': only the
@@ -529,6 +533,25 @@ def _attribute_handles(read: _Module) -> dict[tuple[int, str], list[str | None]]
     return out
 
 
+def _agreed_kernel(answers: Iterable[bool | None]) -> bool | None:
+    """Whether values each of which is the kernel (True), is not (False) or may be (None) are: True where all are,
+    False where none is or may be (none at all), else None."""
+    found = set(answers)
+    return False if found <= {False} else True if found == {True} else None
+
+
+# functools' caches: a function so decorated returns what its body returns.
+_CACHES = frozenset({"cache", "lru_cache"})
+
+
+def _caches(decorator: ast.expr) -> bool:
+    """Whether `decorator` is functools' `cache` or `lru_cache` (`@functools.lru_cache(maxsize=None)`, `@cache`)."""
+    node = decorator.func if isinstance(decorator, ast.Call) else decorator
+    if isinstance(node, ast.Attribute):
+        return node.attr in _CACHES and isinstance(node.value, ast.Name) and node.value.id == "functools"
+    return isinstance(node, ast.Name) and node.id in _CACHES
+
+
 def _names_kernel(bound: list[str | None], kernel: str) -> bool | None:
     """Whether a handle given these values is `kernel`: True, False, or None (`kernel` one of several)."""
     if kernel not in bound:
@@ -552,20 +575,61 @@ def _sites(read: _Module, kernel: str, defaults: bool = True) -> Iterator[tuple[
     # bindings at each, 10 s for 54 KB).
     named: dict[tuple[_Scope, str], bool | None] = {}
     dotted_in: dict[tuple[int, str], bool | None] = {}
+    getters: dict[int, bool | None] = {}  # a getter's answer by its def (`read` keeps it, so its id)
+
+    def value(node: ast.expr | None, scope: _Scope, depth: int) -> bool | None:
+        """Whether a handle's binding, or what a getter returns, is the kernel (None: maybe)."""
+        if isinstance(node, ast.Call):
+            # The naming call itself, `cp.RawKernel(code, "relu")`, else a getter's, `get()`.
+            bound = _bound_kernel(node)
+            return bound == kernel if bound is not None else getter(node, scope, depth)
+        return by_name(node.id, scope, depth) if isinstance(node, ast.Name) else False
+
+    def by_name(handle: str, scope: _Scope, depth: int) -> bool | None:
+        found: _Scope | None = scope
+        while found is not None and handle not in found.params and handle not in found.assigned:
+            found = found.outer
+        if found is None or handle in found.params:
+            return False  # never bound here, or the caller's (`def launch(kern, ...)`): not read
+        if (found, handle) not in named:
+            if depth >= MAX_DEPTH:
+                # Names bound to names (or getters' calls) past this many: not read, so may be the kernel. Not
+                # False: the answers read before this one are kept, and one of them is not "no kernel".
+                return None
+            named[found, handle] = False  # bound to itself (`k = k`): no kernel of its own
+            bindings = found.assigned[handle]
+            named[found, handle] = _agreed_kernel(
+                value(v, found, depth + 1) for v in bindings if not _is_none(v)
+            )
+        return named[found, handle]
+
+    def getter(call: ast.Call, scope: _Scope, depth: int) -> bool | None:
+        """`get()`: what the function `get` returns, where the source binds that name to it alone and it is
+        plain or cached (functools' `cache`, `lru_cache`), not a generator's or a coroutine's."""
+        func = call.func
+        binding = scope.binder(func.id) if isinstance(func, ast.Name) else None
+        defined = binding.sole_def(func.id) if binding is not None and isinstance(func, ast.Name) else None
+        if (
+            binding is None
+            or not isinstance(defined, ast.FunctionDef)
+            or not all(_caches(d) for d in defined.decorator_list)
+        ):
+            return False
+        if id(defined) not in getters:
+            if depth >= MAX_DEPTH:
+                return None  # as a name's
+            getters[id(defined)] = False  # returning its own call (`return get()`): no kernel of its own
+            own = list(_own_nodes(defined.body))
+            if any(isinstance(n, ast.Yield | ast.YieldFrom) for n in own):
+                return False
+            inner = _Scope(defined.body, _parameters(defined.args), binding, binding.declared)
+            returned = [n.value for n in own if isinstance(n, ast.Return) and not _is_none(n.value)]
+            getters[id(defined)] = _agreed_kernel(value(v, inner, depth + 1) for v in returned)
+        return getters[id(defined)]
 
     def handle(func: ast.expr, scope: _Scope, owner: int) -> bool | None:
-        if isinstance(func, ast.Call):  # the naming call itself: `cp.RawKernel(code, "relu")(grid, ...)`
-            return _bound_kernel(func) == kernel
-        if isinstance(func, ast.Name):
-            found: _Scope | None = scope
-            while found is not None and func.id not in found.params and func.id not in found.assigned:
-                found = found.outer
-            if found is None or func.id in found.params:
-                return False  # never bound here, or the caller's (`def launch(kern, ...)`): not read
-            if (found, func.id) not in named:
-                bound = _handle_values(found.assigned[func.id])
-                named[found, func.id] = _names_kernel(bound, kernel)
-            return named[found, func.id]
+        if isinstance(func, ast.Call | ast.Name):
+            return value(func, scope, 0)
         dotted = _dotted(func)
         if dotted is None or "." not in dotted:
             return False
