@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -986,7 +987,8 @@ class SparseNoisyClaude:
     GPUS = ("A100", "H100", "L4", "V100")
     PAIRS, ASKED = 120, 12
 
-    def __init__(self, seed: int = 7) -> None:
+    def __init__(self, seed: int = 7, local_cap: float | None = None) -> None:
+        self.local_cap = local_cap  # the cap local's answers set (base.MAX_CONFIDENCE), if any
         self.rng = np.random.default_rng(seed)
         self.scale = dict(zip(self.GPUS, self.rng.uniform(0.7, 1.3, len(self.GPUS)), strict=True))
         self.bias = dict(zip(self.GPUS, self.rng.normal(0.0, 0.7, len(self.GPUS)), strict=True))
@@ -1017,11 +1019,11 @@ class SparseNoisyClaude:
                     for name, p in (("local", p_local[i]), ("claude", p_claude[i]))[
                         : 2 if i < self.ASKED else 1
                     ]:
-                        rows.append(
-                            forecast(
-                                base, cand, p, "unsure", forecaster=f"raw:{name}@0", hardware=gpu, ledger=None
-                            )
+                        row = forecast(
+                            base, cand, p, "unsure", forecaster=f"raw:{name}@0", hardware=gpu, ledger=None
                         )
+                        cap = self.local_cap if name == "local" else None
+                        rows.append(dataclasses.replace(row, max_confidence=cap))
                 await store.save_forecasts(rows)
                 await save(store, base, 1.0, hardware=gpu)
                 for i in range(self.PAIRS):
@@ -1036,9 +1038,13 @@ class SparseNoisyClaude:
             faster, p_local, p_claude = self.draw(gpu, self.PAIRS)
             for i in range(self.PAIRS):
                 raw = {"local": _bins_with(float(p_local[i])), "claude": _bins_with(float(p_claude[i]))}
+                caps = {} if self.local_cap is None else {"local": self.local_cap}
                 out.append(
                     Outcome(
-                        gpu, 2.0 if faster[i] else 0.5, raw if i < self.ASKED else {"local": raw["local"]}
+                        gpu,
+                        2.0 if faster[i] else 0.5,
+                        raw if i < self.ASKED else {"local": raw["local"]},
+                        caps=caps,
                     )
                 )
         return out
@@ -1096,6 +1102,35 @@ def test_evaluation_fits_the_combination_weights_out_of_fold() -> None:
     assert w_claude < 0.5, (w_local, w_claude)
     pooled, alone = history.held_out_log_loss(engine)
     assert pooled < alone + 0.008, (pooled, alone)
+
+
+@pytest.mark.anyio
+async def test_combination_weights_are_fitted_on_answers_held_to_their_caps(tmp_path: Path) -> None:
+    """A live forecast combines each component's calibrated answer held to its own cap (`_capped`), but the weights
+    were fitted on the uncapped answers, in the server (`_fit_combiner`) and in `eval` (`ForecastEngine.fit`)
+    alike: a component capped at 0.6 on every answer was weighed as if it said what it may not. Held to the cap
+    its answers carry little, and the weights follow."""
+
+    async def served(history: SparseNoisyClaude, path: Path) -> tuple[float, ...]:
+        await history.store_history(path)
+        store = await Store.open(path)
+        try:
+            engine = ForecastEngine([_scripted("local"), _scripted("claude")], store, refresh_interval_s=1e9)
+            await engine.refresh(force=True)
+            return engine._combiner.weights
+        finally:
+            await store.close()
+
+    def evaluated(history: SparseNoisyClaude) -> tuple[float, ...]:
+        engine = ForecastEngine([_scripted("local"), _scripted("claude")])
+        engine.fit(history.outcomes())
+        return engine._combiner.weights
+
+    free_served = await served(SparseNoisyClaude(), tmp_path / "free.sqlite3")
+    capped_served = await served(SparseNoisyClaude(local_cap=0.6), tmp_path / "capped.sqlite3")
+    free_eval, capped_eval = evaluated(SparseNoisyClaude()), evaluated(SparseNoisyClaude(local_cap=0.6))
+    for free, capped in ((free_served, capped_served), (free_eval, capped_eval)):
+        assert capped != pytest.approx(free), (free, capped)
 
 
 @pytest.mark.anyio

@@ -186,6 +186,9 @@ class Outcome:
     speedup: float
     raw: Mapping[str, Sequence[float]]
     slots: Mapping[str, str] = field(default_factory=dict)  # component -> calibration slot (default: itself)
+    caps: Mapping[str, float] = field(
+        default_factory=dict
+    )  # component -> the cap its answer set (MAX_CONFIDENCE)
 
     def slot(self, component: str) -> str:
         return self.slots.get(component, component)
@@ -240,7 +243,7 @@ class EngineForecast:
 
     def outcome(self, hardware: str, speedup: float) -> Outcome:
         """This forecast's raw answers as a verified outcome (evaluation)."""
-        return Outcome(hardware, speedup, dict(self.raw), dict(self.slots))
+        return Outcome(hardware, speedup, dict(self.raw), dict(self.slots), dict(self.caps))
 
 
 def _capped(calibrated: list[float], cap: float | None) -> list[float]:
@@ -248,9 +251,17 @@ def _capped(calibrated: list[float], cap: float | None) -> list[float]:
     slot's other answers (an underconfident prior's slope above 1) must not make it surer than it said it may be."""
     if cap is None:
         return calibrated
-    p, cap = bins.p_faster(calibrated), max(cap, 0.5)  # a cap below 0.5 would flip the answer's direction
-    held = min(max(p, 1.0 - cap), cap)
+    p = bins.p_faster(calibrated)
+    held = _held(p, cap)
     return calibrated if held == p else with_p_faster(calibrated, held)
+
+
+def _held(p: float, cap: float | None) -> float:
+    """A calibrated p_faster held to a cap (None: none set)."""
+    if cap is None:
+        return p
+    cap = max(cap, 0.5)  # a cap below 0.5 would flip the answer's direction
+    return min(max(p, 1.0 - cap), cap)
 
 
 def _capped_p(p: np.ndarray[Any, Any], caps: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
@@ -795,8 +806,12 @@ class ForecastEngine:
                 for i, o in enumerate(outcomes)
                 if all(n in o.raw for n in self._names) and not bins.is_tie(o.speedup)
             ]
+            # Each answer held to its own cap, as a forecast combines it (`_capped`).
             p = [
-                [oof[o.slot(n)][fold[i]].p(bins.p_faster(o.raw[n]), o.hardware) for n in self._names]
+                [
+                    _held(oof[o.slot(n)][fold[i]].p(bins.p_faster(o.raw[n]), o.hardware), o.caps.get(n))
+                    for n in self._names
+                ]
                 for i, o in joint
             ]
             self._combiner = Combiner.fit(
@@ -828,14 +843,15 @@ class ForecastEngine:
         inputs = [tables.get(raw_name(self._stored(n)), empty).combination_inputs() for n in self._names]
         at = _joined([question for question, *_ in inputs])
         # The first component's row says whether the pair is a tie and which kernel was faster.
-        *_, faster, tie = inputs[0]
+        *_, faster, tie, _ = inputs[0]
         scored = ~tie[at[0]]
         p = np.empty((int(scored.sum()), len(self._names)))
         for j, n in enumerate(self._names):
-            _, p_raw, fold_key, hw_code, hw_names, _, _ = inputs[j]
+            _, p_raw, fold_key, hw_code, hw_names, _, _, caps = inputs[j]
             rows = at[j][scored]
-            p[:, j] = _calibrated_out_of_fold(
-                self._oof[n], p_raw[rows], fold_key[rows], hw_code[rows], hw_names
+            p[:, j] = _capped_p(  # each answer held to its own cap, as a forecast combines it (`_capped`)
+                _calibrated_out_of_fold(self._oof[n], p_raw[rows], fold_key[rows], hw_code[rows], hw_names),
+                caps[rows],
             )
         return Combiner.fit(self._names, p, faster[at[0][scored]])
 

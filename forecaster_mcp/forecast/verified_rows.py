@@ -270,14 +270,14 @@ class VerifiedRows:
 
     def combination_inputs(
         self,
-    ) -> tuple[npt.NDArray[np.uint64], Any, Any, Any, list[str], Any, Any]:
+    ) -> tuple[npt.NDArray[np.uint64], Any, Any, Any, list[str], Any, Any, Any]:
         """What the combination weights are fitted on, of the rows not verified by a kernel failing, in id order:
         each row's question (`combination_key`), raw p_faster, fold key, GPU code and the names they code, whether
-        the candidate was faster and whether the pair is a tie."""
+        the candidate was faster, whether the pair is a tie, and the cap the answer set (NaN: none)."""
         mask = ~self._failure
         return (
             self._question[mask], self._p_raw[mask], self._fold_key[mask], self._hw_code[mask], self._keys,
-            self._faster[mask], self._tie[mask],
+            self._faster[mask], self._tie[mask], self._cap[mask],
         )  # fmt: skip
 
     def rescoring_inputs(
