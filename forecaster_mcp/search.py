@@ -750,8 +750,9 @@ def summarize(traces: Sequence[SearchTrace]) -> dict[str, Any]:
 
 
 def _never_forecast(trace: SearchTrace) -> bool:
-    """A forecast-guided run whose budget ran out before its first compare_kernels call (in its random start)."""
-    return trace.strategy == "forecast" and trace.stopped_by_budget and trace.forecast_calls == 0
+    """A forecast-guided run that never called compare_kernels: its budget, its --measurements or the space
+    itself ended it within its random start, so it measured what the random run of its seed measured."""
+    return trace.strategy == "forecast" and trace.forecast_calls == 0
 
 
 def search_command(settings: Any, args: Any) -> int:
@@ -857,6 +858,8 @@ def search_command(settings: Any, args: Any) -> int:
                     f"{t.gpu_seconds:.3g} GPU-s"
                     + (
                         " (budget spent before the forecast was asked)"
+                        if _never_forecast(t) and t.stopped_by_budget
+                        else " (the forecast was never asked)"
                         if _never_forecast(t)
                         else " (budget spent)"
                         if t.stopped_by_budget
@@ -881,6 +884,23 @@ def search_command(settings: Any, args: Any) -> int:
             "refused the first one (a measurement is held at up to its cap); raise --gpu-seconds"
         )
     guided = [t for t in traces if t.strategy == "forecast"]
+    if guided and all(_never_forecast(t) for t in guided) and not any(t.stopped_by_budget for t in guided):
+        # Not a comparison either: --measurements (or the space) ended every guided run in its random start.
+        n_init = init_count(args.measurements)
+        n = len(space.entries)
+        why = (
+            f"the space holds {n} configuration{'' if n == 1 else 's'}, all measured in the random start"
+            if n <= n_init
+            else f"with --measurements {args.measurements} the random start ({n_init}) is the whole run"
+        )
+        raise OperatorError(
+            f"{why}: the forecast was never asked, so there is nothing to compare"
+            + (
+                ""
+                if n <= n_init
+                else f"; raise --measurements (the random start is half of it, at most {N_INIT})"
+            )
+        )
     if guided and all(_never_forecast(t) for t in guided):
         # Not a comparison: a guided run that never forecast measured its seed's random start, as random did.
         n_init = init_count(args.measurements)

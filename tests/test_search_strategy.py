@@ -633,3 +633,19 @@ async def test_the_emulator_answers_a_run_over_the_cap_as_the_replay_does(tmp_pa
         assert result["cost"]["gpu_seconds"] == pytest.approx(replayed.cost.gpu_seconds)
         statuses.append(result["status"])
     assert sorted(statuses) == ["ok", "timeout", "timeout"]
+
+
+def test_a_search_too_short_for_any_forecast_is_an_error_not_a_comparison(tmp_path: Path) -> None:
+    """--measurements 1 (or a space no larger than the random start) left every forecast-guided run inside its
+    random start: it never called compare_kernels, measured what the random run of its seed measured, and both
+    were printed as a comparison (forecast median 0.889, random median 0.889, exit 0)."""
+    from serverproc import cli
+
+    rec = small_recording(tmp_path / "A100.json", THREE)
+    for args in (("--measurements", "1"), ("--measurements", "40")):
+        done = cli(tmp_path / "home", "search", str(rec), *args, "--seeds", "1", check=False)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        assert "forecast was never asked" in done.stderr and "best-fraction median" not in done.stdout
+    # One measurement after the random start is a comparison (the forecast chose it).
+    two = cli(tmp_path / "home", "search", str(rec), "--measurements", "2", "--seeds", "1")
+    assert "forecast best-fraction median" in two.stdout
