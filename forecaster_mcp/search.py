@@ -757,6 +757,8 @@ def _never_forecast(trace: SearchTrace) -> bool:
 
 def search_command(settings: Any, args: Any) -> int:
     """`forecaster-mcp search RECORDING`: run the strategies over seeds through a stdio server per run."""
+    import os
+    import signal
     import tempfile
 
     import anyio
@@ -847,7 +849,26 @@ def search_command(settings: Any, args: Any) -> int:
                     run = forecast_guided_search(call, space, n, seed, n_init=n_init)
                 return await until_budget_spent(run)
 
+    terminated: list[bool] = []
+
     async def main() -> None:
+        # SIGTERM (timeout, a CI cancel, kill) ends the runs as Ctrl-C does: the run in flight is cancelled, its
+        # server closed and its throw-away state folder removed. Killed outright, the folder stayed in the temp
+        # folder and the server, writing into the closed pipe, printed a traceback.
+        async with anyio.create_task_group() as tg:
+
+            async def on_sigterm() -> None:
+                with anyio.open_signal_receiver(signal.SIGTERM) as signals:
+                    async for _ in signals:
+                        terminated.append(True)
+                        tg.cancel_scope.cancel()
+                        return
+
+            tg.start_soon(on_sigterm)
+            await runs()
+            tg.cancel_scope.cancel()
+
+    async def runs() -> None:
         for seed in range(args.seeds):
             for strategy in strategies:
                 t = await one(strategy, seed)
@@ -877,6 +898,11 @@ def search_command(settings: Any, args: Any) -> int:
         if failed is None:
             raise
         raise OperatorError(f"a search run stopped: the server answered {failed}") from exc
+    if terminated:
+        # Cleaned up: now end as the signal asked, so whoever sent it sees the process killed by it.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise SystemExit(128 + signal.SIGTERM)  # should the signal reach another thread first
     if args.gpu_seconds is not None and all(t.measurements == 0 for t in traces):
         # Not a result: "best 0.000 ... (budget spent)" at 0 GPU-s, and a space line for 1 measurement.
         raise OperatorError(

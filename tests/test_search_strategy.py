@@ -649,3 +649,55 @@ def test_a_search_too_short_for_any_forecast_is_an_error_not_a_comparison(tmp_pa
     # One measurement after the random start is a comparison (the forecast chose it).
     two = cli(tmp_path / "home", "search", str(rec), "--measurements", "2", "--seeds", "1")
     assert "forecast best-fraction median" in two.stdout
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads child processes from /proc")
+def test_a_terminated_search_leaves_no_server_and_no_state_behind(conv_a100: Path, tmp_path: Path) -> None:
+    """SIGTERM (timeout, a CI cancel, kill) ended `search` at once: its run's throw-away state folder (a
+    database) stayed in the temp folder, and its server, writing into a closed pipe, printed a traceback."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    err = tmp_path / "stderr.txt"
+    env = {**os.environ, "FORECASTER_MCP_HOME": str(tmp_path / "home"), "TMPDIR": str(tmp)}
+    args = ("search", str(conv_a100), "--measurements", "30", "--seeds", "3", "--strategy", "random")
+    with err.open("w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "forecaster_mcp", *args], env=env, stdout=subprocess.DEVNULL, stderr=stderr
+        )
+        try:
+            deadline = time.monotonic() + 90
+            # After the first run's line the second run's server is starting or running.
+            while "seed 0" not in err.read_text() and time.monotonic() < deadline and proc.poll() is None:
+                time.sleep(0.05)
+            servers = _children(proc.pid)
+            assert proc.poll() is None and servers and list(tmp.glob("fmcp-search-*")), err.read_text()
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{pid}").exists() for pid in servers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(Path(f"/proc/{pid}").exists() for pid in servers)
+    assert code in (-signal.SIGTERM, 128 + signal.SIGTERM)  # ended by the signal, as a shell reports it
+    assert list(tmp.glob("fmcp-search-*")) == []
+    assert "Traceback" not in err.read_text(), err.read_text()
