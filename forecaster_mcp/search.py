@@ -731,6 +731,7 @@ def summarize(traces: Sequence[SearchTrace]) -> dict[str, Any]:
             "runs": len(ts),
             "fraction_median": statistics.median(fr),
             "fraction_min": min(fr),
+            "worst_seed": min(ts, key=lambda t: t.fraction).seed,
             "fraction_max": max(fr),
             "measurements_mean": statistics.fmean(t.measurements for t in ts),
             "candidates_considered_mean": statistics.fmean(t.candidates_considered for t in ts),
@@ -938,13 +939,28 @@ def search_command(settings: Any, args: Any) -> int:
             f"of it, at most {N_INIT})"
         )
     summary = summarize(traces)
+    # What the numbers below were reached on, in the report itself (stdout is what gets kept or pasted).
+    n_init = init_count(args.measurements)
+    seeds = "0" if args.seeds == 1 else f"0-{args.seeds - 1}"
+    ledger = ""
+    if args.gpu_seconds is not None:
+        ledger = f", a ledger of {args.gpu_seconds:g} GPU-s per run" + (
+            ""
+            if any(t.stopped_by_budget for t in traces)
+            else " (no run spent it: each ended at --measurements)"
+        )
+    print(
+        f"{args.recording}: {args.seeds} seed{'' if args.seeds == 1 else 's'} ({seeds}), "
+        f"{args.measurements} measurements per run (the first {n_init} random){ledger}; forecaster {forecasters}"
+        + (f", client {args.client}" if "forecast" in strategies else "")
+    )
     for strategy, s in summary.items():
         if strategy == "at_equal_gpu_seconds":
             continue
         rate = s["candidates_per_gpu_second"]
         print(
             f"{strategy:8s} best-fraction median {s['fraction_median']:.3f} min {s['fraction_min']:.3f} "
-            f"over {s['runs']} seeds; {s['candidates_considered_mean']:.0f} candidates considered, "
+            f"(seed {s['worst_seed']}) over {s['runs']} seeds; {s['candidates_considered_mean']:.0f} candidates considered, "
             f"{s['gpu_seconds_mean']:.3g} GPU-s per run"
             + (f", {rate:.1f} candidates per GPU-second" if rate is not None else "")
         )

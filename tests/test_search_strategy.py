@@ -701,3 +701,23 @@ def test_a_terminated_search_leaves_no_server_and_no_state_behind(conv_a100: Pat
     assert code in (-signal.SIGTERM, 128 + signal.SIGTERM)  # ended by the signal, as a shell reports it
     assert list(tmp.glob("fmcp-search-*")) == []
     assert "Traceback" not in err.read_text(), err.read_text()
+
+
+def test_the_printed_report_names_its_budget_seeds_and_worst_seed(conv_a100: Path, tmp_path: Path) -> None:
+    """The summary printed (stdout, what is kept or pasted) gave medians and minima "over 2 seeds" but not the
+    budget they were reached on (--measurements, --gpu-seconds) nor which seed was the worst."""
+    import json
+
+    from serverproc import cli
+
+    out = tmp_path / "r.json"
+    args = ("search", str(conv_a100), "--measurements", "12", "--seeds", "2", "--gpu-seconds", "50")
+    done = cli(tmp_path / "home", *args, "--out", str(out))
+    first = done.stdout.splitlines()[0]
+    assert "2 seeds (0-1)" in first and "12 measurements per run (the first 6 random)" in first, first
+    assert "a ledger of 50 GPU-s per run" in first and "no run spent it" in first, first
+    runs = json.loads(out.read_text())["runs"]
+    for strategy in ("forecast", "random"):
+        worst = min((r for r in runs if r["strategy"] == strategy), key=lambda r: r["fraction"])
+        line = next(x for x in done.stdout.splitlines() if x.startswith(f"{strategy:8s} best-fraction"))
+        assert f"min {worst['fraction']:.3f} (seed {worst['seed']})" in line, line
