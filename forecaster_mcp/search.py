@@ -912,22 +912,24 @@ def search_command(settings: Any, args: Any) -> int:
         )
     guided = [t for t in traces if t.strategy == "forecast"]
     if guided and all(_never_forecast(t) for t in guided) and not any(t.stopped_by_budget for t in guided):
-        # Not a comparison either: --measurements (or the space) ended every guided run in its random start.
+        # Not a comparison either: --measurements or the space ended every guided run in its random start, or
+        # every configuration it measured failed (no baseline to forecast against: it kept sampling).
         n_init = init_count(args.measurements)
         n = len(space.entries)
-        why = (
-            f"the space holds {n} configuration{'' if n == 1 else 's'}, all measured in the random start"
-            if n <= n_init
-            else f"with --measurements {args.measurements} the random start ({n_init}) is the whole run"
-        )
-        raise OperatorError(
-            f"{why}: the forecast was never asked, so there is nothing to compare"
-            + (
-                ""
-                if n <= n_init
-                else f"; raise --measurements (the random start is half of it, at most {N_INIT})"
+        hint = ""
+        if n <= n_init:
+            why = (
+                f"the space holds {n} configuration{'' if n == 1 else 's'}, all measured in the random start"
             )
-        )
+        elif args.measurements <= n_init:
+            why = f"with --measurements {args.measurements} the random start ({n_init}) is the whole run"
+            hint = f"; raise --measurements (the random start is half of it, at most {N_INIT})"
+        else:
+            why = (
+                "none of the configurations the forecast-guided runs measured ran ok (see each run's line; a "
+                "recorded run over the server's time cap is a timeout), so there was no baseline to forecast against"
+            )
+        raise OperatorError(f"{why}: the forecast was never asked, so there is nothing to compare{hint}")
     if guided and all(_never_forecast(t) for t in guided):
         # Not a comparison: a guided run that never forecast measured its seed's random start, as random did.
         n_init = init_count(args.measurements)

@@ -721,3 +721,17 @@ def test_the_printed_report_names_its_budget_seeds_and_worst_seed(conv_a100: Pat
         worst = min((r for r in runs if r["strategy"] == strategy), key=lambda r: r["fraction"])
         line = next(x for x in done.stdout.splitlines() if x.startswith(f"{strategy:8s} best-fraction"))
         assert f"min {worst['fraction']:.3f} (seed {worst['seed']})" in line, line
+
+
+def test_a_search_whose_every_measurement_failed_says_so(tmp_path: Path) -> None:
+    """Every configuration runs over the server's 30 s cap (each measurement a timeout): a guided run had no
+    baseline to forecast against and kept sampling, and the error blamed --measurements ("the random start (1)
+    is the whole run") instead."""
+    from serverproc import cli
+
+    slow = {str(b): {"bx": b, "time": t, "times": [t]} for b, t in [(32, 4e4), (64, 5e4), (128, 4.5e4)]}
+    rec = small_recording(tmp_path / "A100.json", slow)
+    done = cli(tmp_path / "home", "search", str(rec), "--measurements", "3", "--seeds", "1", check=False)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "none of the configurations the forecast-guided runs measured ran ok" in done.stderr, done.stderr
+    assert "raise --measurements" not in done.stderr and "best-fraction median" not in done.stdout
