@@ -22,14 +22,14 @@ Replies = dict[int, dict[str, Any]]
 INITIALIZED = {"jsonrpc": "2.0", "method": "notifications/initialized"}
 
 
-def _serve_process(home: Path, replay: Path) -> subprocess.Popen[str]:
-    """A real `serve` process on `replay`, its stdin and stdout piped (text)."""
+def _serve_process(home: Path, replay: Path, stderr: int = subprocess.DEVNULL) -> subprocess.Popen[str]:
+    """A real `serve` process on `replay`, its stdin and stdout piped (text), stderr as asked."""
     params = stdio_params(home, replay=[replay])
     return subprocess.Popen(
         [params.command, *params.args],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+        stderr=stderr,
         env=params.env,
         text=True,
     )
@@ -218,6 +218,37 @@ def test_a_signal_ends_a_stdio_server_cleanly(tmp_path: Path, conv_a100: Path, s
     finally:
         proc.kill()
         proc.wait()
+    assert not (tmp_path / "forecaster.sqlite3-wal").exists()
+
+
+def test_a_client_that_stops_reading_ends_a_stdio_server_with_one_line(
+    tmp_path: Path, conv_a100: Path
+) -> None:
+    """A client that goes away (its read end closed) while the server still has answers to write: the server
+    printed a BrokenPipeError traceback through two exception groups and exited 1. It now stops as EOF stops it
+    (the service closed, the store's WAL gone), says so in one line, and exits 0."""
+    proc = _serve_process(tmp_path, conv_a100, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+        proc.stdin.write(json.dumps(INITIALIZE) + "\n")
+        proc.stdin.flush()
+        assert json.loads(proc.stdout.readline())["id"] == INITIALIZE["id"]
+        proc.stdin.write(json.dumps(INITIALIZED) + "\n")
+        proc.stdout.close()
+        try:
+            for i in range(5):
+                proc.stdin.write(json.dumps({"jsonrpc": "2.0", "id": 10 + i, "method": "tools/list"}) + "\n")
+                proc.stdin.flush()
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass  # the server had already gone
+        assert proc.wait(timeout=20) == 0
+        err = proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+    assert "the client stopped reading" in err, err
     assert not (tmp_path / "forecaster.sqlite3-wal").exists()
 
 

@@ -1030,6 +1030,13 @@ async def _run_stdio(server: MCPServer) -> None:
         os.dup2(wire, 0)
 
 
+def _only_broken_pipes(exc: BaseException) -> bool:
+    """Whether `exc` is a BrokenPipeError, or a group of nothing else (anyio's task groups wrap it)."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_only_broken_pipes(e) for e in exc.exceptions)
+    return isinstance(exc, BrokenPipeError)
+
+
 def serve_command(settings: Settings, args: argparse.Namespace) -> int:
     """`forecaster-mcp serve [--http --host H --port P] [--replay PATH]... [--ledger NAME]`."""
     logging.basicConfig(
@@ -1037,7 +1044,14 @@ def serve_command(settings: Settings, args: argparse.Namespace) -> int:
     )
     _check_ledger_name(settings.ledger)
     if not args.http:
-        anyio.run(lambda: serve(settings, http=False))
+        try:
+            anyio.run(lambda: serve(settings, http=False))
+        except (BrokenPipeError, BaseExceptionGroup) as exc:
+            if not _only_broken_pipes(exc):
+                raise
+            # The client closed its end of stdout: the service is closed (serve's finally), as at EOF.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error flushing at exit
+            log.warning("the client stopped reading the server's output: server stopped")
         return 0
     host = _check_address(args.host, args.port)
     sockets = _listen(host, args.port)
