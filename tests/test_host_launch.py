@@ -633,9 +633,10 @@ def test_launch_sites_that_are_not_read_count_toward_the_bound(monkeypatch: pyte
 
 
 def test_a_parameter_of_the_launching_function_is_its_callers() -> None:
-    # main's own `threads` is not the value `launch(512)` passes: unknown (it read block 128).
+    # main's own `threads` is not the value `launch(512)` passes (it read block 128): the 512 its one call passes.
     shadowed = "void launch(int threads) { k<<<8, threads>>>(0, 0, 0); }\nint main() { int threads = 128; launch(512); }"
-    assert read(shadowed) == SourceLaunch((8, 1, 1), None, 0)
+    assert read(shadowed) == SourceLaunch((8, 1, 1), (512, 1, 1), 0)
+    assert read(shadowed.replace("launch(512)", "launch(threads)")) == SourceLaunch((8, 1, 1), None, 0)
     dims = "void launch(dim3 grid, dim3 block) { k<<<grid, block>>>(0, 0, 0); }\n"
     assert read(dims + "int main() { dim3 grid(4), block(64); launch(grid, block); }") is None
     # A parameter the workload names is the workload's size (main's test size 1 << 20 is not).
@@ -1526,7 +1527,8 @@ def test_the_defaults_of_many_launching_functions_are_read_cheaply() -> None:
     call_each = " ".join(f"l{i}(1);" for i in range(32))
     calls = "".join(f"void c{j}() {{ {call_each} }}\n" for j in range(63))
     source = "void z() {}\n" * 80_000 + launchers + calls
-    assert read(source, None) == SourceLaunch(None, (256, 1, 1), 0)
+    # n: the 1 every call passes
+    assert read(source, None) == SourceLaunch((1, 1, 1), (256, 1, 1), 0)
     assert fastest_s(lambda: (host_launch._CACHE.clear(), read(source, None)), 2.0) < 2.0
 
 
@@ -1729,8 +1731,11 @@ def test_a_default_string_s_brackets_and_commas_are_no_structure(string: str, de
     header = f"void launch(int n, const char* s = {string}, int t = 256)"
     host = header + " { k<<<(n + t - 1) / t, t>>>(0, 0, n); }\n" + (header + ";\n" if declared else "")
     assert read(host + "void run() { launch(1 << 20); }\n") == SourceLaunch((65536, 1, 1), (256, 1, 1), 0)
-    # A caller passing it: the caller's.
-    assert read(host + 'void run() { launch(1 << 20, "", 128); }\n') is None
+    # A caller passing it: the caller's, here the constant 128 (n stays the workload's).
+    assert read(host + 'void run() { launch(1 << 20, "", 128); }\n') == SourceLaunch(
+        (131072, 1, 1), (128, 1, 1), 0
+    )
+    assert read(host + 'void run() { launch(1 << 20, "", 128); launch(1 << 20); }\n') is None
 
 
 @pytest.mark.parametrize(
@@ -1750,3 +1755,160 @@ def test_a_parameter_its_own_function_changes_is_not_its_callers_value(body: str
     assert read("void f(int n) { k<<<(n + 255) / 256, 256>>>(0, 0, n); }").grid == (65536, 1, 1)
     # Another parameter changed changes nothing of this one's.
     assert read("void f(int n, int m) { m = 3; k<<<(n + 255) / 256, 256>>>(0, 0, n); }").grid == (65536, 1, 1)
+
+
+# A launching function whose block is a parameter, and callers passing it (`{call}`).
+PASSED = (
+    "void launch(const float* x, float* y, int n, int block) {"
+    " k<<<(n + block - 1) / block, block>>>(x, y, n); }\n"
+)
+PASSED_MAIN = "int main() {{ float *x, *y; int n = 1 << 20; {call} }}\n"
+
+
+@pytest.mark.parametrize(
+    ("head", "call"),
+    [
+        # a literal, an expression of literals, a name bound once to a constant, a #define
+        ("", "launch(x, y, n, 256);"),
+        ("", "launch(x, y, n, 2 * 128);"),
+        ("constexpr int kBlock = 256;\n", "launch(x, y, n, kBlock);"),
+        ("static const int THREADS = 128;\n", "launch(x, y, n, THREADS * 2);"),
+        ("#define BLOCK 256\n", "launch(x, y, n, BLOCK);"),
+        ("", "const int threads = 256; launch(x, y, n, threads);"),
+        # every call agreeing, through an object too
+        ("", "launch(x, y, n, 256); launch(y, x, n, 256);"),
+    ],
+)
+def test_a_parameter_every_caller_passes_as_one_constant_is_that_constant(head: str, call: str) -> None:
+    """`launch(x, y, n, 256)` from main: the block is 256 (it was unknown, a parameter being only what the
+    workload says); n, main's own test size, stays the workload's (2^24)."""
+    host = head + PASSED + PASSED_MAIN.format(call=call)
+    assert read(host) == SourceLaunch((65536, 1, 1), (256, 1, 1), 0)
+
+
+def test_a_load_inline_helper_s_parameter_is_the_constant_its_wrapper_passes() -> None:
+    """The exported forward calls a helper with the block as a literal: the helper's block is it."""
+    cuda = (
+        TORCH_HEAD + "__global__ void k(const float* x, float* y, int n) {}\n"
+        "void launch(const float* x, float* y, int n, int block) {\n"
+        "  k<<<(n + block - 1) / block, block>>>(x, y, n);\n}\n"
+        "torch::Tensor forward(torch::Tensor x) {\n  auto y = torch::empty_like(x);\n  int n = x.numel();\n"
+        "  launch(x.data_ptr<float>(), y.data_ptr<float>(), n, 256);\n  return y;\n}\n"
+    )
+    wl = inputs(x=[1 << 24])
+    source = _load_inline(cuda)
+    assert source_launch(Kernel(source=source, entry="ModelNew", language="python"), wl) == SourceLaunch(
+        None, (256, 1, 1), 0
+    )
+    # Python binding the helper too calls it with any block.
+    bound = source.replace('functions=["forward"]', 'functions=["forward", "launch"]')
+    assert source_launch(Kernel(source=bound, entry="ModelNew", language="python"), wl) is None
+
+
+@pytest.mark.parametrize(
+    ("unknown", "why"),
+    [
+        (PASSED + PASSED_MAIN.format(call="launch(x, y, n, 256); launch(x, y, n, 128);"), "callers disagree"),
+        (PASSED + PASSED_MAIN.format(call="int b = 256; launch(x, y, n, b);"), "a variable, not a constant"),
+        (PASSED + PASSED_MAIN.format(call='launch(x, y, n, atoi("256"));'), "a call"),
+        (
+            PASSED
+            + "void run(float* x, float* y, int n, int b) { launch(x, y, n, b); }\n"
+            + PASSED_MAIN.format(call="run(x, y, n, 256);"),
+            "the caller's own parameter",
+        ),
+        (PASSED, "no call"),
+        (
+            PASSED
+            + PASSED_MAIN.format(call="launch(x, y, n, 256);")
+            + 'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("launch", &launch); }\n',
+            "bound to Python",
+        ),
+        (
+            PASSED
+            + PASSED_MAIN.format(call="launch(x, y, n, 256);")
+            + 'TORCH_LIBRARY(ext, m) { m.impl("launch", launch); }\n',
+            "registered with torch",
+        ),
+        ('extern "C" ' + PASSED + PASSED_MAIN.format(call="launch(x, y, n, 256);"), "extern C: ctypes"),
+        (
+            'extern "C" {\n' + PASSED + "}\n" + PASSED_MAIN.format(call="launch(x, y, n, 256);"),
+            "in an extern C block",
+        ),
+        (
+            PASSED + PASSED_MAIN.format(call="launch(x, y, n, 256); auto f = &launch; f(x, y, n, 64);"),
+            "its address taken",
+        ),
+        (
+            PASSED + PASSED_MAIN.format(call="launch(x, y, n, 256); std::thread t(launch, x, y, n, 64);"),
+            "passed as a value",
+        ),
+        (
+            PASSED.replace("int block)", "int block, ...)")
+            + PASSED_MAIN.format(call="launch(x, y, n, 256, 1);"),
+            "variadic",
+        ),
+        (
+            PASSED.replace("{ k<<<", "{ if (n < 4096) block = 64; k<<<")
+            + PASSED_MAIN.format(call="launch(x, y, n, 256);"),
+            "changed in its own function",
+        ),
+        (
+            PASSED.replace("{ k<<<", "{ if (n > 4096) { launch(x, y, n / 2, 256); return; } k<<<")
+            + PASSED_MAIN.format(call="launch(x, y, n, 256);"),
+            "recursive",
+        ),
+        (
+            "void launch(const half* x, half* y, int n, int block);\n"
+            + PASSED
+            + PASSED_MAIN.format(call="launch(x, y, n, 256);"),
+            "another overload declared: a call may be its",
+        ),
+        (
+            PASSED + PASSED_MAIN.format(call="launch(x, y, Traits<int, 4>::n, 256);"),
+            "template arguments' commas: the arguments' places not known",
+        ),
+    ],
+)
+def test_a_parameter_whose_callers_do_not_agree_on_a_constant_is_unknown(unknown: str, why: str) -> None:
+    """Each is unknown; the same launcher with main's `launch(x, y, n, 256)` alone is 256."""
+    assert read(PASSED + PASSED_MAIN.format(call="launch(x, y, n, 256);")).block == (256, 1, 1)
+    found = read(unknown)
+    assert found is None or found.block is None, why
+
+
+def test_a_default_counts_for_the_callers_that_leave_it_out() -> None:
+    defaulted = PASSED.replace("int block)", "int block = 256)")
+    both = PASSED_MAIN.format(call="launch(x, y, n); launch(x, y, n, 256);")
+    assert read(defaulted + both) == SourceLaunch((65536, 1, 1), (256, 1, 1), 0)
+    other = PASSED_MAIN.format(call="launch(x, y, n); launch(x, y, n, 128);")
+    assert read(defaulted + other) is None
+
+
+def test_a_constant_passed_for_a_size_the_workload_names_is_a_test_size() -> None:
+    """`launch(x, y, 1 << 20, 256)`: n is the workload's (2^24) where it names n; else the caller's constant."""
+    host = PASSED + PASSED_MAIN.format(call="launch(x, y, 1 << 20, 256);")
+    assert read(host) == SourceLaunch((65536, 1, 1), (256, 1, 1), 0)
+    assert read(host, None) == SourceLaunch((4096, 1, 1), (256, 1, 1), 0)
+
+
+def test_callers_passing_constants_are_read_cheaply() -> None:
+    """2,000 callers of one launcher are past what is read (MAX_ASSIGNMENTS calls): unknown, at once; 64 `constexpr`
+    names each passed by a caller and named 900 times elsewhere (0.9 MB) are each checked once."""
+    many = PASSED + "".join(
+        f"void c{i}(float* x, float* y, int n) {{ launch(x, y, n, 256); }}\n" for i in range(2000)
+    )
+    assert read(many) is None
+    names = [f"kB{i}" for i in range(64)]
+    launcher = (
+        "void launch(int n, int "
+        + ", int ".join(f"p{i}" for i in range(64))
+        + ") { k<<<"
+        + " + ".join(f"p{i}" for i in range(64))
+        + ", 256>>>(0, 0, n); }\n"
+    )
+    uses = "void w() {" + "".join(f"return {n} + 0;" for _ in range(900) for n in names) + "}\n"
+    host = "".join(f"constexpr int {n} = 1;\n" for n in names) + uses + launcher
+    host += "int main() { launch(1, " + ", ".join(names) + "); }\n"
+    assert read(host, None) == SourceLaunch((64, 1, 1), (256, 1, 1), 0)
+    assert fastest_s(lambda: (host_launch._CACHE.clear(), read(many), read(host, None)), 5.0) < 5.0

@@ -19,8 +19,13 @@ a dimension evaluates to a whole number from what the source and the workload sa
   buffer argument's `x.numel()` and `x.size(i)` from its shape (a wrapper's tensor parameters stand for the
   workload's input buffers in order where it takes exactly those and names none of them: `_tensor_aliases`);
 - a launching function's parameter default that every call of it leaves out (`launch(x, y, n)` of `void
-  launch(..., int threads = 256)`), where its callers are all in the text's host code (`_defaults`); any other
-  parameter is its callers', which only the workload says.
+  launch(..., int threads = 256)`), and an integer parameter every call passes as one constant (`launch(x, y,
+  n, 256)` from `main` or a load_inline wrapper; a literal, an expression of them, a `#define`, a name every
+  declaration of which is `const` or `constexpr` and initialised; the default counting for a call leaving it out),
+  where its callers are all in the text's host code (`_defaults`): not one exported (bound to Python by name,
+  `extern "C"`), named otherwise (`&launch`, `m.def`), calling itself, variadic, or with another overload declared.
+  A constant passed for a size the workload names is a test size: the workload's stands. Any other parameter is
+  its callers', which only the workload says (a caller's own parameter passed on, `launch(x, y, n, block)`, too).
 
 A name assigned two different values, or changed in place (`+=`, `++`, `grid.x = ...`, `grid.x += 1`), its address
 taken (`&block_size`: set at run time) or read from `std::cin`, a value known only at run time (a device query, an
@@ -134,6 +139,12 @@ _DECL_WORDS = (
 )
 _OTHER_DECL = rf"\b(?:{'|'.join(_DECL_WORDS)})\s+{{name}}\s*[({{{{]"
 MAX_ASSIGNMENTS = 64  # of one name: past them, it is not worth reading
+MAX_CONSTANT_NAMED = (
+    4096  # places a name passed as a constant stands (`_Names.constant`): past them, not read
+)
+_ASSIGNED = re.compile(r"\s*=(?!=)")
+_WORD_BEFORE = re.compile(r"(?<!\w)\w+$")
+_CONST_WORD = frozenset({"const", "constexpr"})
 MAX_NAMES = 64  # names looked up per source
 _DIM3_EXPR = re.compile(r"dim3\s*[({](.*)[)}]|\{(.*)\}", re.DOTALL)
 _NAME = re.compile(r"[A-Za-z_]\w*")
@@ -635,6 +646,7 @@ class _Lookups:
     def __init__(self) -> None:
         self.defs: dict[str, tuple[str, set[str]] | None] = {}
         self.declared: dict[str, list[_Kind] | None] = {}
+        self.constant: dict[str, bool] = {}  # `_Names.constant`
 
 
 class _WorkloadNames:
@@ -687,6 +699,7 @@ class _Names:
         lookups: _Lookups | None = None,
         *,
         changed: Collection[str] = (),
+        constants_only: bool = False,
     ) -> None:
         self.text = text
         self.macros = macros
@@ -709,6 +722,9 @@ class _Names:
         )  # of `text`: shared by one source's _Names
         self._memo: dict[str, tuple[int, _Kind] | None] = {}
         self.workload = _WorkloadNames(workload)
+        # A caller's argument is read as a constant of the source alone (`_Constants`): a variable it names is
+        # read only where every declaration of it is `const` or `constexpr` (`constant`).
+        self.constants_only = constants_only
 
     def definitions(self, name: str) -> tuple[str, set[str]] | None:
         """("value", the expressions `name` is assigned) or ("dim3", a dim3 declaration's arguments); ("value",
@@ -807,7 +823,7 @@ class _Names:
         if defs[1]:
             found = _typed(next(iter(defs[1])), self, depth)
             declared = self.declared(name)
-            if found is None or declared is None:
+            if found is None or declared is None or (self.constants_only and not self.constant(name)):
                 return None
             # Stored in its declared type (`int n = x.numel();`), each if declared several ways; an `auto` or
             # undeclared one keeps its value's.
@@ -824,6 +840,45 @@ class _Names:
         for kind in declared:
             _as(size, kind)
         return (_as(size, declared[0]), declared[0]) if declared else (size, _LONG)
+
+    def constant(self, name: str) -> bool:
+        """Whether `name` is a constant wherever the text names it: each declaration of it `const` or `constexpr`
+        and initialised with `=` (`constexpr int kBlock = 256;`, `const int threads = 256;` in a function), and
+        nothing else declaring it (a parameter `int threads`, a loop's `for (int threads : ...)`, an `int
+        threads;`, a later name of a comma list), whose value a caller's argument may be instead."""
+        memo = self._lookups.constant
+        if name not in memo:
+            memo[name] = self._constant(name)
+        return memo[name]
+
+    def _constant(self, name: str) -> bool:
+        text = self.text
+        standing = list(itertools.islice(re.finditer(rf"{_named(name)}\b", text), MAX_CONSTANT_NAMED + 1))
+        if len(standing) > MAX_CONSTANT_NAMED:
+            return False  # named too often to read
+        declared = False
+        for m in standing:
+            if m.start() >= 2 and text.startswith("->", m.start() - 2):
+                continue  # a member of that name (`_named` leaves out `.threads`)
+            assigned = _ASSIGNED.match(text, m.end()) is not None
+            gap = _spaces_before(text, m.start())
+            word = _WORD_BEFORE.search(text, max(0, gap - 40), gap) if not assigned else None
+            if (
+                not assigned
+                and (word is None or word.group(0) in _NOT_TYPES)
+                and not text.startswith("&", gap - 1)
+            ):
+                continue  # a use (`launch(x, kBlock)`, `return kBlock`): no type before it
+            before = _DECLARED_TYPE.search(text, max(0, m.start() - 80), m.start())
+            words = _NAME.findall(before.group(0)) if before is not None else []
+            if not words or words[-1] in _NOT_TYPES:
+                if assigned:
+                    return False  # `threads = 256;`, `int a = 1, threads = 2;`: no const's declaration
+                continue  # a use
+            if not assigned or not _CONST_WORD.intersection(words):
+                return False
+            declared = True
+        return declared
 
     def declared(self, name: str) -> list[_Kind] | None:
         """The integer types `name` is declared with (`const int n = ...;`, `unsigned n;`, `idx_t n` of `using
@@ -1279,6 +1334,71 @@ def _same_type(declared: str, defined: str) -> bool:
     return d == f[:-1] or (named and len(d) >= 2 and d[:-1] == f[:-1])
 
 
+class _Constants:
+    """The value each call's argument is where it is a constant of the source: a literal, an expression of them,
+    a `#define`, a `const` or `constexpr` name (`_Names.constant`), read as a launch's names are but without the
+    workload; the calling function's own parameters are its callers', not known. Read once for each expression
+    and set of the calling function's parameter names (callers by the thousand name the same few)."""
+
+    def __init__(
+        self,
+        text: str,
+        probe: str,
+        macros: Mapping[str, str],
+        given: Collection[str],
+        aliases: Mapping[str, _Kind],
+        lookups: _Lookups,
+    ) -> None:
+        self.text = text
+        self.probe = probe
+        self.macros = macros
+        self.given = given
+        self.aliases = aliases
+        self.lookups = lookups
+        self._own: dict[tuple[int, int, str | None], frozenset[str]] = {}
+        self._names: dict[frozenset[str], _Names] = {}
+        self._values: dict[tuple[str, frozenset[str], _Kind], int | None] = {}
+
+    def value(self, expr: str, caller: tuple[int, int, str | None] | None, kind: _Kind) -> int | None:
+        """`expr`'s value as a parameter of type `kind` takes it, where `expr` is a constant; the parameters of
+        `caller` (the host function making the call; None: none) its own."""
+        own: frozenset[str] = frozenset()
+        if caller is not None:
+            if caller not in self._own:
+                texts = _header_parameters(self.text, self.probe, caller[0], caller[1])
+                self._own[caller] = frozenset(_NAME.findall(p.split("=", 1)[0])[-1] for p in texts)
+            own = self._own[caller]
+        key = (expr, own, kind)
+        if key not in self._values:
+            if own not in self._names:
+                self._names[own] = _Names(
+                    self.text,
+                    self.macros,
+                    None,
+                    self.given,
+                    own,
+                    types=self.aliases,
+                    lookups=self.lookups,
+                    constants_only=True,
+                )
+            found = _typed(expr, self._names[own], 0)
+            try:
+                self._values[key] = _as(found[0], kind) if found is not None else None
+            except ArithmeticError:
+                self._values[key] = None  # past the parameter's type's range, or a type not read
+        return self._values[key]
+
+
+# An argument whose angle brackets do not balance (`Traits<int, 4>::n` cut at its comma, `a < b`): where the
+# call's arguments stand is not known.
+_ANGLES = re.compile(r"<<|>>|->|<=|>=|[<>]")
+
+
+def _balanced(arg: str) -> bool:
+    marks = [m.group(0) for m in _ANGLES.finditer(arg)]
+    return marks.count("<") == marks.count(">")
+
+
 def _defaults(
     text: str,
     probe: str,
@@ -1289,33 +1409,41 @@ def _defaults(
     exported: Collection[str],
     starts: list[int],
     named: Mapping[str | None, int],
-) -> dict[str, str]:
-    """The defaults of the parameters of the host function at `span` that every call of it leaves out
-    (`launch(x, y, n)` of `launch(..., int threads = 256)`), by name: its definition's default, else a
-    declaration's (`void launch(const float*, float*, int, int threads = 256);`). Only where the function is called
-    from the text's host functions and named nowhere else: one named otherwise (`m.def("launch", &launch)`, a
-    pointer kept), or none calling it (its callers not sent), may be called with any argument; so may one Python
-    binds by name (`exported`: load_inline's `functions=[...]`), and Python passes every argument, pybind11 not
-    knowing C++'s defaults. An overload's default is not it (one the function changes itself, `threads = 64;`,
-    is left out by the caller, with the parameter's callers' values).
+    constants: _Constants,
+) -> tuple[dict[str, str], dict[str, str]]:
+    """The values the calls of the host function at `span` give its parameters, by name: the defaults that every
+    call leaves out (`launch(x, y, n)` of `launch(..., int threads = 256)`), its definition's default, else a
+    declaration's (`void launch(const float*, float*, int, int threads = 256);`); and, of its integer parameters,
+    the one constant every call passes or leaves to a default of that value (`launch(x, y, n, 256)`: `_Constants`),
+    as an expression of it. Only where the function is called from the text's host functions and named nowhere
+    else: one named otherwise (`m.def("launch", &launch)`, a pointer kept), or none calling it (its callers not
+    sent), may be called with any argument; so may one Python binds by name (`exported`: load_inline's
+    `functions=[...]`, an `extern "C"` one's ctypes), and Python passes every argument, pybind11 not knowing C++'s
+    defaults. An overload's default is not it (one the function changes itself, `threads = 64;`, is left out by the
+    caller, with the parameter's callers' values). No constant is read of a function calling itself, taking any
+    number of arguments (`...`), declared with other parameter types beside it (another overload's calls are
+    matched by name too), or called with more arguments than it takes or with ones whose places are not known.
     `probe`: the text with its literals and comments blanked (features._blank_literals); `starts`: the spans'
     starts, in order; `named`: how many of them have each name."""
     start, end, name = span
     given = [p.default for p in params]
+    readable = [p.kind is not None and p.kind in _AS_NAME for p in params]
     if name is None or name in exported:
-        return {}
+        return {}, {}
     declared = [d for d in declarations if d[2] == name]
     if len(declared) > MAX_ASSIGNMENTS:
-        return {}
+        return {}, {}
     # Only its own declarations: as many parameters, of the same types (another overload's `void launch(const
     # half*, half*, int, int threads = 64, cudaStream_t s = 0);` is not it). A default written on both (illegal
     # C++, which agents write), or on two declarations, that differs is unknown.
     body = probe.find("{", start, end)
     mine = _header_parameters(text, probe, start, end)  # `params`, as written
     conflicting: set[int] = set()
+    overloaded = False
     for a, b, _ in declared:
         texts = _named_parameters(_parameter_texts(text, probe, a, b) or [])
         if len(texts) != len(mine) or not all(map(_same_type, texts, mine)):
+            overloaded = True
             continue
         for i, written in enumerate(texts):
             default = _default(written)
@@ -1325,10 +1453,11 @@ def _defaults(
                 conflicting.add(i)
     for i in conflicting:
         given[i] = None
-    if all(g is None for g in given) or named[name] != 1:
-        return {}
-    passed = 0  # the most arguments a call passes
-    called = False
+    if (all(g is None for g in given) and not any(readable)) or named[name] != 1:
+        return {}, {}
+    variadic = "..." in probe[start : body if body >= 0 else end]
+    calls: list[tuple[tuple[int, int, str | None], list[str]]] = []  # each call's caller and arguments
+    recursive = False
     # A call through an object (`op.launch(n, 1024)`, `this->launch(...)`) counts: a method defined outside its
     # class (`void Op::launch(int n, int threads = 256)`) is called so.
     quoted = re.escape(name)
@@ -1337,17 +1466,65 @@ def _defaults(
         if start <= at < body or any(a <= at < b for a, b, _ in declared):
             continue  # its own header, a declaration of it
         tail = _CALL_TAIL.match(probe, m.end())
-        inside = _span_at(spans, starts, at) is not None
-        close = _closing(probe, tail.end()) if tail is not None and inside and i < MAX_ASSIGNMENTS else None
-        if tail is None or close is None:
-            return {}  # named otherwise, called outside the host functions, or too often to read
-        args = probe[tail.end() : close]
-        passed = max(passed, len(features.split_top_level(args)) if args.strip() else 0)
-        called = True
+        caller = _span_at(spans, starts, at)
+        close = (
+            _closing(probe, tail.end())
+            if tail is not None and caller is not None and i < MAX_ASSIGNMENTS
+            else None
+        )
+        if tail is None or caller is None or close is None:
+            return {}, {}  # named otherwise, called outside the host functions, or too often to read
+        inside = probe[tail.end() : close]
+        calls.append((caller, _split_args(inside) if inside.strip() else []))
+        recursive = recursive or caller[:2] == span[:2]
+    passed = max((len(args) for _, args in calls), default=0)  # the most arguments a call passes
     out: dict[str, str] = {}
     for i, (param, default) in enumerate(zip(params, given, strict=True)):
-        if called and default is not None and passed <= i:
+        if calls and default is not None and passed <= i:
             out[param.name] = default
+    if not calls or recursive or variadic or overloaded or passed > len(params):
+        return out, {}
+    if not all(_balanced(arg) for _, args in calls for arg in args):
+        return out, {}
+    agreed: dict[str, str] = {}
+    for i, (param, default) in enumerate(zip(params, given, strict=True)):
+        kind = param.kind
+        if passed <= i or not readable[i] or kind is None:
+            continue  # left out by every call (its default, above), or of a type not read
+        values: set[int | None] = set()
+        for caller, args in calls:
+            if i < len(args):
+                values.add(constants.value(args[i], caller, kind))
+            else:
+                values.add(constants.value(default, None, kind) if default is not None else None)
+            if None in values or len(values) > 1:
+                break
+        else:
+            agreed[param.name] = f"{_AS_NAME[kind]}({values.pop()})"
+    return out, agreed
+
+
+# `extern "C"` where literals are blanked: a function of C linkage, which ctypes may call with any argument.
+_EXTERN_C = re.compile(r'\bextern\s*" "')
+_EXTERN_C_BLOCK = re.compile(r'\bextern\s*" "\s*\{')
+
+
+def _extern_c(probe: str, spans: list[tuple[int, int, str | None]]) -> set[str]:
+    """The names of the host functions at `spans` declared `extern "C"`, alone or in an `extern "C" { ... }`
+    block. `probe`: the text with its literals blanked (`extern "C"` is `extern " "` there)."""
+    if _EXTERN_C.search(probe) is None:
+        return set()
+    blocks: list[tuple[int, int]] = []
+    closers: dict[int, int] | None = None
+    for m in _EXTERN_C_BLOCK.finditer(probe):
+        closers = features._closers(probe, "{", "}") if closers is None else closers
+        close = closers.get(m.end() - 1)
+        blocks.append((m.end(), close if close is not None else len(probe)))
+    out = set()
+    for a, b, name in spans:
+        header = probe[a : probe.find("{", a, b)]
+        if name is not None and (_EXTERN_C.search(header) or any(lo <= a < hi for lo, hi in blocks)):
+            out.add(name)
     return out
 
 
@@ -1377,6 +1554,9 @@ def _source_launch(
     named = Counter(name for _, _, name in spans)
     by_params: dict[tuple[tuple[_Param, ...], bool, tuple[tuple[str, str], ...], frozenset[str]], _Names] = {}
     lookups = _Lookups()  # what the text says of each name: one for every launching function
+    constants = _Constants(text, probe, defined, macros, aliases, lookups)
+    exported = {*exported, *_extern_c(probe, spans)}
+    sized = _WorkloadNames(workload)
     called_by: dict[tuple[int, int, str | None] | None, tuple[bool, dict[str, str], frozenset[str]]] = {}
     grids, blocks, shared = [], [], []
     for at, parts in sites:
@@ -1393,13 +1573,13 @@ def _source_launch(
                 own = probe[body : span[1]] if body >= 0 else ""
                 # Parameters the function sets itself: neither its callers' values nor its defaults.
                 changed = frozenset(p.name for p in params if _set_in(own, p.name))
-                defaults = {
-                    n: d
-                    for n, d in _defaults(
-                        text, probe, span, spans, declarations, params, exported, starts, named
-                    ).items()
-                    if n not in changed
-                }
+                defaulted, passed = _defaults(
+                    text, probe, span, spans, declarations, params, exported, starts, named, constants
+                )
+                # A constant a caller passes for a size the workload names is a test size (`launch(x, y, 1 <<
+                # 20, 256)` from main): the workload's stands.
+                passed = {n: v for n, v in passed.items() if sized.size(n) is None}
+                defaults = {n: d for n, d in {**defaulted, **passed}.items() if n not in changed}
                 called_by[span] = (_called(probe, span, spans, starts), defaults, changed)
         called, defaults, changed = called_by[span]
         key = (params, called, tuple(sorted(defaults.items())), changed)
