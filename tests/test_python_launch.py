@@ -995,7 +995,11 @@ METHOD = (
 def test_a_method_s_default_counts_its_calls_through_self() -> None:
     method = METHOD
     assert read(method, "Op") == SourceLaunch((32768, 1, 1), (512, 1, 1), 0)
-    assert read(method.replace("self.launch(x)", "self.launch(x, 128)"), "Op") is None
+    # passed 128 by its one call: 128
+    assert read(method.replace("self.launch(x)", "self.launch(x, 128)"), "Op") == SourceLaunch(
+        (131072, 1, 1), (128, 1, 1), 0
+    )
+    assert read(method.replace("self.launch(x)", "self.launch(x)\n        self.launch(x, 128)"), "Op") is None
     # torch's `model(x, 128)` calls `forward(self, x, block)`: passed.
     module = method.replace("def launch(", "def forward(").replace("self.launch(x)", "pass")
     assert read(module + "\nm = Op()\nm(cp.zeros(16))\n", "Op") == SourceLaunch((32768, 1, 1), (512, 1, 1), 0)
@@ -1009,7 +1013,11 @@ def test_a_triton_wrapper_s_default_is_its_value() -> None:
     )
     wrapper = wrapper.replace("def add(x, y):", "def add(x, y, BLOCK=512, W=8):")
     assert read_triton(wrapper) == programs((32768,), 8)
-    assert read_triton(wrapper + "\nadd(a, b, 256)\n") == programs(None, 8)
+    # the wrapper's one call passes 256: its BLOCK, where the wrapper is not the entry the harness calls itself
+    assert read_triton(wrapper + "\nadd(a, b, 256)\n") == programs((65536,), 8)
+    as_entry = Kernel(source=wrapper + "\nadd(a, b, 256)\n", entry="add", language="triton")
+    assert source_launch(as_entry, WL) == programs(None, 8)
+    assert read_triton(wrapper + "\nadd(a, b, 256)\nadd(a, b, 128)\n") == programs(None, 8)
 
 
 @pytest.mark.parametrize(
@@ -1181,3 +1189,122 @@ def test_a_method_or_instance_passed_as_a_value_has_callers_not_seen() -> None:
     module = method.replace("def launch(", "def forward(").replace("self.launch(x)", "pass")
     assert read(module + "\nm = Op()\nm(cp.zeros(16))\n", "Op") == SourceLaunch((32768, 1, 1), (512, 1, 1), 0)
     assert read(module + "\nm = Op()\nimport torch\nfast = torch.compile(m)\n", "Op") is None
+
+
+# A helper launching the kernel with the block it is passed, called from the entry's forward (CALL).
+HELPER = (
+    f'import cupy as cp\nk = cp.RawKernel({RELU}, "relu")\nHEAD\n'
+    "def _launch(x, out, block):\n    k(((x.size + block - 1) // block,), (block,), (x, out, x.size))\n\n"
+    "class ModelNew:\n    def forward(self, x):\n        out = cp.empty_like(x)\n        CALL\n"
+    "        return out\n"
+)
+# The helper a method of the entry's class, called through self.
+METHOD_HELPER = (
+    f'import cupy as cp\nk = cp.RawKernel({RELU}, "relu")\n\n'
+    "class ModelNew:\n    def forward(self, x):\n        out = cp.empty_like(x)\n        CALL\n"
+    "        return out\n\n    def _launch(self, x, out, block):\n"
+    "        k(((x.size + block - 1) // block,), (block,), (x, out, x.size))\n"
+)
+PASSED = SourceLaunch((65536, 1, 1), (256, 1, 1), 0)
+
+
+def helper(call: str = "_launch(x, out, 256)", head: str = "") -> str:
+    return HELPER.replace("CALL", call).replace("HEAD", head)
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        helper(),
+        helper("_launch(x, out, block=256)"),
+        helper("_launch(x, out, 2 * 128)"),
+        helper("_launch(x, out, BLOCK)", "BLOCK = 256\n"),
+        helper("_launch(x, out, BLOCK * 2)", "WARP = 32\nBLOCK = WARP * 4\n"),
+        # a default counts for the calls that leave it out, the same value as the rest pass
+        helper("_launch(x, out)\n        _launch(x, out, 256)").replace(
+            "def _launch(x, out, block):", "def _launch(x, out, block=256):"
+        ),
+        # a method called through self
+        METHOD_HELPER.replace("CALL", "self._launch(x, out, 256)"),
+        METHOD_HELPER.replace("CALL", "self._launch(x, out, block=256)"),
+    ],
+)
+def test_a_parameter_every_caller_passes_as_one_constant_is_that_constant(source: str) -> None:
+    """`_launch(x, out, 256)` from the entry's forward: the block is 256 (it was unknown: a parameter with no
+    default is only what the workload says)."""
+    assert read(source, "ModelNew") == PASSED
+
+
+@pytest.mark.parametrize(
+    ("source", "why"),
+    [
+        (helper("_launch(x, out, 256)\n        _launch(x, out, 128)"), "callers disagree"),
+        (helper("b = x.size // 4\n        _launch(x, out, b)"), "a value known at run time"),
+        (helper("BLOCK = 128\n        _launch(x, out, BLOCK)", "BLOCK = 256\n"), "the caller's own BLOCK"),
+        (
+            helper("_launch(x, out, block)").replace("def forward(self, x)", "def forward(self, x, block)"),
+            "the caller's parameter",
+        ),
+        (helper("k(((x.size + 255) // 256,), (256,), (x, out, x.size))"), "no call of the helper"),
+        (helper() + "\nfn = _launch\n", "used as a value"),
+        (helper() + "\nimport functools\nfast = functools.partial(_launch, block=128)\n", "passed"),
+        (helper() + '\nlaunch = getattr(__import__(__name__), "_launch")\n', "looked up by name"),
+        (helper().replace("def _launch(", "@cp.fuse()\ndef _launch("), "decorated"),
+        (helper().replace("def _launch(x, out, block):", "def _launch(x, out, block, *rest):"), "*args"),
+        (helper().replace("def _launch(x, out, block):", "def _launch(x, out, block, **opts):"), "**kwargs"),
+        (helper("_launch(*(x, out, 256))"), "an unpacked call"),
+        (helper("_launch(x, out, **{'block': 256})"), "a ** call"),
+        (
+            helper().replace(
+                "def _launch(x, out, block):\n", "def _launch(x, out, block):\n    block = min(block, 128)\n"
+            ),
+            "changed in its own function",
+        ),
+        (
+            helper().replace(
+                "def _launch(x, out, block):\n",
+                "def _launch(x, out, block):\n    if x.size > 4096:\n        return _launch(x[:4096], out, 256)\n",
+            ),
+            "recursive",
+        ),
+    ],
+)
+def test_a_parameter_whose_callers_do_not_agree_on_a_constant_is_unknown(source: str, why: str) -> None:
+    """Each is unknown; the same helper with the entry's `_launch(x, out, 256)` alone is 256."""
+    assert read(helper(), "ModelNew") == PASSED
+    found = read(source, "ModelNew")
+    assert found is None or found.block is None, why
+
+
+def test_the_entry_s_parameter_is_not_its_self_test_s_constant() -> None:
+    """A module's self-test calling the entry (`run(x, 128)` under `__main__`) is not how the harness calls it;
+    a helper it calls keeps its callers' constant."""
+    entry = cupy("    n = x.size\n    k(((n + block - 1) // block,), (block,), (x, n))").replace(
+        "def run(x)", "def run(x, block)"
+    )
+    main = '\nif __name__ == "__main__":\n    run(cp.zeros(16), 256)\n'
+    assert read(entry + main) is None
+    wrapped = entry.replace("def run(x, block)", "def _run(x, block)") + "\ndef run(x):\n    _run(x, 256)\n"
+    assert read(wrapped + main.replace("run(cp.zeros(16), 256)", "run(cp.zeros(16))")) == PASSED
+    # the entry class's forward, called with a block from outside: the caller's
+    method = helper("_launch(x, out, block)").replace("def forward(self, x)", "def forward(self, x, block)")
+    assert read(method + "\nm = ModelNew()\nm(cp.zeros(16), 256)\n", "ModelNew") is None
+
+
+def test_callers_passing_constants_are_read_cheaply() -> None:
+    """Past 64 calls of one name nothing is read of them (unknown); 60 callers after 1,500 functions (55 KB, near
+    the 64 KB parse bound) are read once each."""
+    launcher = helper("c0(x, out)", "BLOCK = 256\n")
+    many = launcher + "".join(f"def c{i}(x, o):\n    _launch(x, o, BLOCK)\n" for i in range(1400))
+    wide = (
+        launcher
+        + "".join(f"def f{i}(a, b=1):\n    g(a, b, 2)\n" for i in range(1500))
+        + "".join(f"def c{i}(x, o):\n    _launch(x, o, BLOCK)\n" for i in range(60))
+    )
+    assert read(many, "ModelNew") is None
+    assert read(wide, "ModelNew") == PASSED
+    started = time.perf_counter()
+    for source in (many, wide):
+        host_launch._CACHE.clear()
+        read(source, "ModelNew")
+    assert time.perf_counter() - started < 5.0

@@ -1155,7 +1155,7 @@ def _python_launch(kernel: Kernel, workload: Workload | None) -> SourceLaunch | 
             return launch
     from forecaster_mcp.forecast.python_launch import python_launch
 
-    return python_launch(module, cuda.entry, workload)
+    return python_launch(module, cuda.entry, workload, kernel.entry)
 
 
 # Results by a digest of what decides them (not the sources themselves: 1 MB each).

@@ -16,8 +16,12 @@ whole number from:
 - integer literals, and names given one value in the function making the call, else in the module;
 - the workload's `problem` sizes and scalar `args` by name (the function's parameters are its callers': only the
   workload says them, or a default no call in the module passes, of a function the module uses only by calling
-  it: `_Callers.defaults`; one the function sets itself, `n //= 2`, is none of these), and a buffer argument's
-  `x.size`, `x.numel()`, `len(x)`, `x.shape[i]`, `x.size(i)`;
+  it: `_Callers.defaults`; or the one constant every call passes, by position or keyword, a default counting for
+  a call leaving it out: `_launch(x, out, 256)` from the entry's forward, a literal, an expression of them, a
+  module constant bound once and nowhere else; not of the entry itself, a dunder method or `forward`, a function
+  decorated, named in a string (`getattr`), taking `*args` / `**kwargs`, calling itself, or called unpacking
+  its arguments: `_Callers._agreed`; one the function sets itself, `n //= 2`, is none of these), and a buffer
+  argument's `x.size`, `x.numel()`, `len(x)`, `x.shape[i]`, `x.size(i)`;
 - `+ - * // % << >>`, `min`, `max`, `int(...)`, `math.ceil(a / b)`, and `cdiv` / `triton.cdiv`.
 
 An array made like another (`out = torch.empty_like(x)`, `x.clone()`) has that one's shape. Anything else (a name
@@ -40,7 +44,7 @@ import ast
 import math
 import operator
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 
 from forecaster_mcp.forecast import features
 from forecaster_mcp.forecast.host_launch import (
@@ -559,12 +563,14 @@ def _names_kernel(bound: list[str | None], kernel: str) -> bool | None:
     return True if all(b == kernel for b in bound) else None
 
 
-def _sites(read: _Module, kernel: str, defaults: bool = True) -> Iterator[tuple[ast.Call, _Scope, bool]]:
+def _sites(
+    read: _Module, kernel: str, defaults: bool = True, entry: str | None = None
+) -> Iterator[tuple[ast.Call, _Scope, bool]]:
     """Each call that may launch `kernel`, with the scope it is made in and whether it surely does. A handle
     (`k`, `self.k`) is the kernel its scope binds it to: `k` by Python's scopes (another function's `k` bound to
     another kernel, or a parameter `k`, is not it), `self.k` by the class binding it, else by every binding of
     it; one bound to this kernel and to another (or to something else) may launch either. A binding to `None` is
-    no launch's (`_is_none`). `defaults`: `_calls`'."""
+    no launch's (`_is_none`). `defaults`, `entry`: `_calls`'."""
     attributes = _attribute_handles(read)
     anywhere: dict[str, list[str | None]] = {}
     for (_, name), values in attributes.items():
@@ -639,7 +645,7 @@ def _sites(read: _Module, kernel: str, defaults: bool = True) -> Iterator[tuple[
             dotted_in[key] = _names_kernel(attributes.get(key, anywhere.get(dotted, [])), kernel)
         return dotted_in[key]
 
-    for call, scope, owner in _calls(read, defaults):
+    for call, scope, owner in _calls(read, defaults, entry):
         func = call.func
         if isinstance(func, ast.Attribute) and func.attr in _PREPARED_CALLS:
             func = func.value  # PyCUDA's f.prepared_call(grid, block, ...): a launch of f
@@ -728,6 +734,20 @@ class _Callers:
         self.calls: dict[str, list[tuple[ast.Call, bool]]] = {}
         nodes = [node for node, _ in read.nodes]
         classes = {n.name for n in nodes if isinstance(n, ast.ClassDef)}
+        self.classes = classes
+        # How many times each name is bound anywhere (a module constant passed is bound once, by the module), and
+        # the one-word strings (`getattr(m, "_launch")`, `__all__`: a function named there may be called so).
+        self.bound: dict[str, int] = {}
+        self.strings: set[str] = set()
+        for node in nodes:
+            if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+                self.bound[node.id] = self.bound.get(node.id, 0) + 1
+            elif isinstance(node, features.BINDERS):
+                for name in features.bindings(node):
+                    self.bound[name] = self.bound.get(name, 0) + 1
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
+                self.strings.add(node.value)
+        self._module = _Evaluator(read.top, _WorkloadNames(None))  # the module's constants, no workload
         instances: set[str] = set()  # the names (`m`) and attributes (`self.m`: `m`) bound to an instance
         for node in nodes:
             if isinstance(node, ast.Assign | ast.AnnAssign) and isinstance(node.value, ast.Call):
@@ -766,13 +786,16 @@ class _Callers:
                 for method in ("__call__", "forward"):  # torch's Module.__call__ calls forward
                     self.calls.setdefault(method, []).append((node, True))
 
-    def defaults(self, node: ast.FunctionDef | ast.AsyncFunctionDef, method: bool) -> dict[str, ast.expr]:
-        """The defaults of `node`'s parameters that no call of its name in the module passes (by position, by
-        keyword, or maybe, through `*args` / `**kwargs`). One called from outside only keeps its defaults: an
-        agent's entry (`forward(x)`, `run(x)`) is called with the workload's inputs, its tuning knobs (`block=256`)
-        left as written. Calls are matched by name alone: another function of that name's calls count too. A
-        name used otherwise than called (`partial(run, block=128)`, `callbacks = [run]`) keeps no default: who
-        calls it, with what, is not seen."""
+    def defaults(
+        self, node: ast.FunctionDef | ast.AsyncFunctionDef, method: bool, entry: str | None = None
+    ) -> dict[str, ast.expr]:
+        """The values the module's calls of `node` give its parameters: the defaults no call of its name passes
+        (by position, by keyword, or maybe, through `*args` / `**kwargs`), and the one constant every call passes
+        (`_agreed`). One called from outside only keeps its defaults: an agent's entry (`forward(x)`, `run(x)`) is
+        called with the workload's inputs, its tuning knobs (`block=256`) left as written. Calls are matched by
+        name alone: another function of that name's calls count too. A name used otherwise than called
+        (`partial(run, block=128)`, `callbacks = [run]`) keeps no default: who calls it, with what, is not seen.
+        `method`: `node` is a method; `entry`: the name the harness calls (its self-test's calls are not its)."""
         calls = self.calls.get(node.name, [])
         if len(calls) > _MAX_CALLS or node.name in self.escaped:
             return {}
@@ -783,7 +806,87 @@ class _Callers:
             ):
                 continue
             out[param.arg] = default
+        out.update(self._agreed(node, method, entry, calls, out))
         return out
+
+    def _agreed(
+        self,
+        node: ast.FunctionDef | ast.AsyncFunctionDef,
+        method: bool,
+        entry: str | None,
+        calls: list[tuple[ast.Call, bool]],
+        left_out: Collection[str],
+    ) -> dict[str, ast.expr]:
+        """The parameters of `node` every call passes as one constant (`_launch(x, out, 256)`, `block=BLOCK`,
+        `2 * WARP`; a default counting for a call leaving it out), not left out by all of them (`left_out`). None
+        where the function may be called otherwise than by the calls of its name: the entry, a dunder method or
+        `forward` (called through its instance), one decorated, named in a string (`getattr`), or taking `*args` /
+        `**kwargs`; nor where a call unpacks its arguments, calls it from its own body, or (of a method) not
+        through an instance (`Op.launch(self, ...)`), nor (of a function) through an attribute."""
+        a = node.args
+        name = node.name
+        if (
+            not calls
+            or name == entry
+            or name == "forward"
+            or (name.startswith("__") and name.endswith("__"))
+            or node.decorator_list
+            or name in self.strings
+            or a.vararg is not None
+            or a.kwarg is not None
+        ):
+            return {}
+        span = ((node.lineno, node.col_offset), (node.end_lineno or 0, node.end_col_offset or 0))
+        for call, _ in calls:
+            func = call.func
+            if (
+                span[0] <= (call.lineno, call.col_offset) <= span[1]
+                or any(isinstance(arg, ast.Starred) for arg in call.args)
+                or any(k.arg is None for k in call.keywords)
+                or (method and not isinstance(func, ast.Attribute))
+                or (method and isinstance(func, ast.Attribute) and _dotted(func.value) in self.classes)
+                or (not method and not isinstance(func, ast.Name))
+            ):
+                return {}
+        positional = [*a.posonlyargs, *a.args]
+        defaults: dict[str, ast.expr] = {p.arg: d for _, p, d in _defaulted(a) if d is not None}
+        params = [(i, p) for i, p in enumerate(positional)] + [(None, p) for p in a.kwonlyargs]
+        out: dict[str, ast.expr] = {}
+        for index, param in params[1:] if method else params:
+            if param.arg in left_out:
+                continue
+            values: set[int | None] = set()
+            for call, _ in calls:
+                passed = _argument(call, index, param.arg, method)
+                given = passed if passed is not None else defaults.get(param.arg)
+                values.add(self._constant(given) if given is not None else None)
+                if None in values or len(values) > 1:
+                    break
+            else:
+                value = values.pop()
+                if value is not None:
+                    out[param.arg] = ast.Constant(value)
+        return out
+
+    def _constant(self, node: ast.expr) -> int | None:
+        """`node`'s value where it is a constant of the module: literals, and names only the module binds, once
+        (`BLOCK = 256`; a function's own BLOCK, or a parameter of that name anywhere, may be the one passed)."""
+        if any(isinstance(n, ast.Name) and self.bound.get(n.id) != 1 for n in ast.walk(node)):
+            return None
+        try:
+            return self._module.value(node)
+        except _Unknown:
+            return None
+
+
+def _argument(call: ast.Call, index: int | None, name: str, bound: bool) -> ast.expr | None:
+    """The argument `call` passes the parameter `name` (at position `index`; None: keyword only), the callee's
+    `self` bound first when `bound`; None where it leaves it out (no `*args` or `**kwargs` in it)."""
+    for keyword in call.keywords:
+        if keyword.arg == name:
+            return keyword.value
+    at = index - bound if index is not None else None
+    return call.args[at] if at is not None and 0 <= at < len(call.args) else None
 
 
 def _passes(call: ast.Call, index: int | None, name: str, bound: bool) -> bool:
@@ -796,10 +899,13 @@ def _passes(call: ast.Call, index: int | None, name: str, bound: bool) -> bool:
     return index is not None and len(call.args) + bound > index
 
 
-def _calls(read: _Module, defaults: bool = True) -> Iterator[tuple[ast.Call, _Scope, int]]:
+def _calls(
+    read: _Module, defaults: bool = True, entry: str | None = None
+) -> Iterator[tuple[ast.Call, _Scope, int]]:
     """Each call in the module's functions and classes (not in a lambda), with the scope it is made in and the
     class it is made in (its id; 0 outside any). Without `defaults`, no scope has its `defaults` read (the
-    module's calls, `_Callers`): only a value needs them, not whether a call is made."""
+    module's calls, `_Callers`): only a value needs them, not whether a call is made. `entry`: the name the
+    harness calls, whose parameters no call in the module gives a constant (`_Callers.defaults`)."""
     top = read.top
     callers: _Callers | None = None
 
@@ -810,11 +916,11 @@ def _calls(read: _Module, defaults: bool = True) -> Iterator[tuple[ast.Call, _Sc
         for node in nodes:
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 inner = _Scope(node.body, _parameters(node.args), scope, top.declared)
-                if defaults and (node.args.defaults or node.args.kw_defaults):
+                if defaults and inner.params:
                     callers = _Callers(read) if callers is None else callers
                     inner.defaults = {
                         name: (default, scope)
-                        for name, default in callers.defaults(node, in_class).items()
+                        for name, default in callers.defaults(node, in_class, entry).items()
                         if not inner.sets(name)  # `block = 128` in the function: not the default
                     }
                 yield from visit(inner.visited, inner, owner, False)
@@ -836,13 +942,16 @@ def python_launches(module: ast.Module, kernel: str) -> bool:
     return next(_sites(_Module(module), kernel, defaults=False), None) is not None
 
 
-def python_launch(module: ast.Module, kernel: str, workload: Workload | None) -> SourceLaunch | None:
-    """The launch the Python calls of `kernel` (module doc) agree on; None where none is read."""
+def python_launch(
+    module: ast.Module, kernel: str, workload: Workload | None, entry: str | None = None
+) -> SourceLaunch | None:
+    """The launch the Python calls of `kernel` (module doc) agree on; None where none is read. `entry`: the
+    function or class the harness calls (its parameters are its caller's, whatever the module's own calls pass)."""
     names = _WorkloadNames(workload)
     grids: list[Dim3 | None] = []
     blocks: list[Dim3 | None] = []
     shared: list[int | None] = []
-    for count, (call, scope, surely) in enumerate(_sites(_Module(module), kernel)):
+    for count, (call, scope, surely) in enumerate(_sites(_Module(module), kernel, entry=entry)):
         if count >= MAX_SITES:
             return None
         evaluator = _Evaluator(scope, names)
@@ -1180,11 +1289,13 @@ def _wrapped_kernel(top: _Scope, entry: str) -> str | None:
     return launched[0] if launched else None
 
 
-def _triton_sites(read: _Module, kernel: str, defaults: bool = True) -> Iterator[tuple[ast.Call, _Scope]]:
+def _triton_sites(
+    read: _Module, kernel: str, defaults: bool = True, entry: str | None = None
+) -> Iterator[tuple[ast.Call, _Scope]]:
     """The calls that may launch the module's Triton kernel `kernel`, each with the scope it is made in: not a
-    `kernel.run(..., warmup=True)`, which compiles it and launches nothing. `defaults`: `_calls`'."""
+    `kernel.run(..., warmup=True)`, which compiles it and launches nothing. `defaults`, `entry`: `_calls`'."""
     top = read.top
-    for call, scope, _ in _calls(read, defaults):
+    for call, scope, _ in _calls(read, defaults, entry):
         func = call.func
         # `kernel[grid](...)`, or the JITFunction.run it calls: `kernel.run(..., grid=grid, warmup=False)`
         if isinstance(func, ast.Attribute) and func.attr == "run":
@@ -1220,7 +1331,7 @@ def triton_launch(module: ast.Module, entry: str, workload: Workload | None) -> 
     defaults = _kernel_defaults(a, read.top)
     grids: list[Dim3 | None] = []
     warps: list[int | None] = []
-    for count, (call, scope) in enumerate(_triton_sites(read, kernel)):
+    for count, (call, scope) in enumerate(_triton_sites(read, kernel, entry=entry)):
         if count >= MAX_SITES:
             return None
         evaluator = _Evaluator(scope, names)
