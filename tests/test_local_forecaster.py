@@ -1142,3 +1142,20 @@ def test_speedup_text_keeps_ordinary_values_and_reads_extreme_ones() -> None:
         "1.23e+03",
         "1e+10",
     ]
+
+
+@pytest.mark.anyio
+async def test_a_define_measured_at_both_ends_of_the_float_range_keeps_the_model_finite() -> None:
+    # Members measured at -1.7e308 and 1.7e308: the linear column's span (hi - lo) overflowed to inf, the top
+    # member encoded as inf / inf = NaN, and every prediction and P(fail) of the family came out NaN.
+    values = (-1.7e308, -1e300, 0.0, 1.0, 5.0, 1.7e308, 7.0)
+    enc = ParamEncoder([{"F": v} for v in values])
+    assert np.all(np.isfinite(enc.encode([{"F": v} for v in (*values, 3.0, -1.8e308)])))
+    h = FakeHistory()
+    for i, v in enumerate(values):
+        status = "compile_error" if i == len(values) - 1 else "ok"
+        h.add(_k({"F": v, "B": i}, f"m{i}"), None if status != "ok" else 1.0 + i + (v > 0), status)
+    f = LocalForecaster(h, ptxas_wait_s=0.0)
+    [out] = await f.forecast([query(_k({"F": 2.0, "B": 1}, "a"), _k({"F": 3.0, "B": 2}, "b"))])
+    assert all(math.isfinite(v) for v in out.extras.values()), out.extras
+    assert out.extras["n_family_ok"] == 6.0

@@ -222,6 +222,14 @@ class _Column:
     categories: tuple[str, ...] = ()
     default: float = 0.5  # encoded value used when a kernel lacks this parameter
     offset: float = 0.0  # a log column's shift, log2(x + offset): a range from 0 (unroll 0, 1, 2, 4...)
+    # A linear range wider than the largest float (-1.7e308 to 1.7e308): lo and span are halved, as is each value.
+    halved: bool = False
+
+    def scaled(self, number: float) -> float:
+        """A number's place in the column's range (0 at lo, 1 at its top)."""
+        if self.halved:
+            return (0.5 * number - self.lo) / self.span
+        return (number - self.lo) / self.span
 
 
 _BLOCK_NAME = re.compile(r"^block_?size_?[xyz]$", re.IGNORECASE)
@@ -319,7 +327,12 @@ class ParamEncoder:
                 if use_log:
                     lo, hi = math.log2(lo + offset), math.log2(hi + offset)
                 span = hi - lo if hi > lo else 1.0
-                col = _Column(name, "num", use_log, lo, span, offset=offset)
+                # hi - lo overflows past the largest float: the top member encoded as inf / inf, NaN, and with
+                # it every prediction and P(fail) of the family.
+                halved = not math.isfinite(span)
+                if halved:
+                    lo, span = 0.5 * lo, 0.5 * hi - 0.5 * lo
+                col = _Column(name, "num", use_log, lo, span, offset=offset, halved=halved)
                 col.default = 0.5 if hi > lo else 0.0
                 self.columns.append(col)
                 if name not in _COUNT_COLUMNS:
@@ -462,7 +475,7 @@ class ParamEncoder:
                     if c.log:
                         shifted = number + c.offset
                         number = math.log2(shifted) if shifted > 0 else c.lo - 1.0
-                    out[i, j] = (number - c.lo) / c.span
+                    out[i, j] = c.scaled(number)
                 j += 1
             for name, flag in self.flags:
                 number = _as_number(row.get(name))
