@@ -244,8 +244,11 @@ _MIN_RELATION_ROWS = 8
 
 
 _ENCODED_LIMIT = 1e3
-# Categories (one-hot dimensions) kept per text parameter (ParamEncoder).
+# Categories (one-hot dimensions) kept per text parameter (ParamEncoder), and by all text parameters together:
+# 64 text defines of 32 values each made 2,044 dimensions, and a fit of 200 members took 27 s and 2.6 GB (64
+# numeric defines, 256 dimensions with their flags: 5 s and 0.3 GB).
 MAX_CATEGORIES = 32
+MAX_CATEGORY_DIMS = 256
 # A pair with a member at a value of a parameter the family's runtimes never varied in (FamilyModel.novel):
 # its surprise component weighs at least NOVEL_TAIL_WEIGHT and is widened by NOVEL_EFFECT_VAR times the
 # family's spread (LocalForecaster._pair_forecast).
@@ -308,6 +311,13 @@ class ParamEncoder:
         self._always = {n for n in names if all(n in r for r in rows)}
         self.columns: list[_Column] = []
         self.flags: list[tuple[str, str]] = []  # (parameter, "pow2" | "mod32" | "mod64")
+        texts = sum(
+            1
+            for name in names
+            if not name.startswith(_FLAG_PREFIX)
+            and any(_as_number(r[name]) is None for r in rows if name in r)
+        )
+        per_text = max(2, min(MAX_CATEGORIES, MAX_CATEGORY_DIMS // max(1, texts)))
         for name in names:
             values = [r[name] for r in rows if name in r]
             numbers = [_as_number(v) for v in values]
@@ -341,9 +351,10 @@ class ParamEncoder:
                 # One category per value as the compiler reads it (16 and 16.0, True and 1 are one member), the
                 # MAX_CATEGORIES most measured of them: a define unique to each member (a variant name) made one
                 # dimension per member, and a compare of a 1000-member family took 18 s and 1.4 GB. A value
-                # beyond them is one the model cannot place (unknown_names), as a value never measured is.
+                # beyond them is one the model cannot place (unknown_names), as a value never measured is. Many
+                # text parameters share MAX_CATEGORY_DIMS.
                 counts = Counter(_category(v) for v in values)
-                most = sorted(counts, key=lambda c: (-counts[c], c))[:MAX_CATEGORIES]
+                most = sorted(counts, key=lambda c: (-counts[c], c))[:per_text]
                 self.columns.append(_Column(name, "cat", categories=tuple(sorted(most))))
         # A numeric parameter some members lack: absent, it encodes at its column's default (the middle of the
         # range, or the one value measured), where a member that has it may sit. A 0/1 "given" dimension keeps
