@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from mcp import Client
+from timing import fastest_s
 from tool_calls import call
 
 from forecaster_mcp.forecast import host_launch
@@ -210,11 +211,11 @@ def test_a_global_elsewhere_leaves_a_function_s_own_names_its_own() -> None:
     # Thousands of functions each declaring a global: each scope took them all (5 s for 63 KB).
     many = "".join(f"def g{i}():global v{i}\n" for i in range(2_600))
     assert len(cupy("", many)) < 64 * 1024
-    started = time.perf_counter()
     assert read(cupy("    k((N // 256,), (256,), (x, N))", many)) == SourceLaunch(
         (65536, 1, 1), (256, 1, 1), 0
     )
-    assert time.perf_counter() - started < 1.0
+    timed = cupy("    k((N // 256,), (256,), (x, N))", many)
+    assert fastest_s(lambda: (host_launch._CACHE.clear(), read(timed)), 2.0) < 2.0  # 0.1 s
 
 
 def test_a_grid_function_s_parameter_it_changes_is_not_its_default() -> None:
@@ -300,10 +301,16 @@ def test_a_handle_rebound_before_each_of_its_calls_stays_cheap() -> None:
     source = cupy(rebound)
     assert len(source) < 64 * 1024  # all of it parsed (features._MAX_EMBEDDING_SOURCE)
     kernel = Kernel(source=source, entry="relu", language="python")
-    started = time.perf_counter()
     assert read(source, "relu") is None  # no launch of relu
     assert not host_launch.launches_itself(kernel)
-    assert time.perf_counter() - started < 2.0
+
+    # 0.9 s on an idle machine, both together
+    def read_both() -> None:
+        host_launch._CACHE.clear()
+        read(source, "relu")
+        host_launch.launches_itself(kernel)
+
+    assert fastest_s(read_both, 6.0) < 6.0
 
 
 def test_a_load_inline_wrapper_chooses_the_kernel_it_launches() -> None:
@@ -592,13 +599,14 @@ def test_a_getter_of_either_kernel_may_launch_either() -> None:
         f"def g{i}():\n    return g{i - 1}()\n" for i in range(1, 2_000)
     )
     assert read(lazy(selfish, GETTER_LAUNCH), "relu") is None and not launches(lazy(selfish, GETTER_LAUNCH))
-    started = time.perf_counter()
     deep = lazy(chain, "    g1999()((x.size // 256,), (256,), (x,))\n")
     assert launches(deep, "relu") and read(deep, "relu") is None  # may be relu's: not read
     assert read(lazy(chain, "    g3()((x.size // 256,), (256,), (x,))\n"), "relu") == SourceLaunch(
         (65536, 1, 1), (256, 1, 1), 0
     )
-    assert time.perf_counter() - started < 2.0
+    assert (
+        fastest_s(lambda: (host_launch._CACHE.clear(), launches(deep, "relu"), read(deep, "relu")), 4.0) < 4.0
+    )
 
 
 def test_a_kernel_python_names_is_not_passed_over_for_one_the_cuda_launches() -> None:
@@ -1303,8 +1311,10 @@ def test_callers_passing_constants_are_read_cheaply() -> None:
     )
     assert read(many, "ModelNew") is None
     assert read(wide, "ModelNew") == PASSED
-    started = time.perf_counter()
-    for source in (many, wide):
-        host_launch._CACHE.clear()
-        read(source, "ModelNew")
-    assert time.perf_counter() - started < 5.0
+
+    def both() -> None:
+        for source in (many, wide):
+            host_launch._CACHE.clear()
+            read(source, "ModelNew")
+
+    assert fastest_s(both, 5.0) < 5.0  # 0.5 s
