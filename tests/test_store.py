@@ -875,6 +875,25 @@ async def test_a_newer_schema_is_refused(tmp_path: Path) -> None:
         await Store.open(path)
 
 
+async def test_a_newer_schema_is_refused_leaving_the_file_as_it_was(tmp_path: Path) -> None:
+    """The refusal came after the switch to WAL: a database of a newer version in another journal mode (one
+    copied, or written by a version that left WAL) was rewritten (header, -wal and -shm files) before this
+    forecaster-mcp said it would not touch it."""
+    path = tmp_path / "db.sqlite3"
+    await (await Store.open(path)).close()
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        conn.execute("PRAGMA journal_mode = DELETE")
+        conn.execute(f"PRAGMA user_version = {migrations.latest_version() + 1}")
+    finally:
+        conn.close()
+    before = path.read_bytes()
+    with pytest.raises(OperatorError, match="newer than this forecaster-mcp"):
+        await Store.open(path)
+    assert path.read_bytes() == before
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("db.")) == ["db.sqlite3"]
+
+
 async def test_a_newer_schema_is_refused_at_once_while_a_newer_server_writes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

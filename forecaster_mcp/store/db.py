@@ -53,7 +53,7 @@ from forecaster_mcp.models import (
     SUSPECT_FLAGS,
     MeasureResult,
 )
-from forecaster_mcp.store.migrations import NOT_SAVED_COMMITS, RESULT_NOT_SAVED, migrate
+from forecaster_mcp.store.migrations import NOT_SAVED_COMMITS, RESULT_NOT_SAVED, migrate, refuse_newer
 
 log = logging.getLogger(__name__)
 
@@ -761,6 +761,9 @@ class Store:
             ) from exc
         try:
             await conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+            # Refused before anything is written: the switch to WAL rewrote a newer database left in another
+            # journal mode (its header, new -wal and -shm files) before it was refused.
+            await refuse_newer(conn)
             await _wal_mode(conn)
             # NORMAL survives process crashes in WAL mode; only a power cut may lose the last commits.
             await conn.execute("PRAGMA synchronous = NORMAL")

@@ -331,6 +331,14 @@ def _refuse_newer(current: int) -> None:
         )
 
 
+async def refuse_newer(conn: Any) -> None:
+    """OperatorError when the database has a schema newer than this code knows. A read only: it runs before
+    anything else touches the file (the switch to WAL included), so that a refused database is left as it was."""
+    cursor = await conn.execute("PRAGMA user_version")
+    row = await cursor.fetchone()
+    _refuse_newer(int(row[0]) if row is not None else 0)
+
+
 async def migrate(conn: Any) -> int:
     """Apply pending migrations in one write transaction (safe when several processes open at once).
 
