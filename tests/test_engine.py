@@ -1104,6 +1104,17 @@ def test_evaluation_fits_the_combination_weights_out_of_fold() -> None:
     assert pooled < alone + 0.008, (pooled, alone)
 
 
+async def _served_weights(path: Path) -> tuple[float, ...]:
+    """The combination weights a local+claude server fits on the verified history in the store at `path`."""
+    store = await Store.open(path)
+    try:
+        engine = ForecastEngine([_scripted("local"), _scripted("claude")], store, refresh_interval_s=1e9)
+        await engine.refresh(force=True)
+        return engine._combiner.weights
+    finally:
+        await store.close()
+
+
 @pytest.mark.anyio
 async def test_combination_weights_are_fitted_on_answers_held_to_their_caps(tmp_path: Path) -> None:
     """A live forecast combines each component's calibrated answer held to its own cap (`_capped`), but the weights
@@ -1113,13 +1124,7 @@ async def test_combination_weights_are_fitted_on_answers_held_to_their_caps(tmp_
 
     async def served(history: SparseNoisyClaude, path: Path) -> tuple[float, ...]:
         await history.store_history(path)
-        store = await Store.open(path)
-        try:
-            engine = ForecastEngine([_scripted("local"), _scripted("claude")], store, refresh_interval_s=1e9)
-            await engine.refresh(force=True)
-            return engine._combiner.weights
-        finally:
-            await store.close()
+        return await _served_weights(path)
 
     def evaluated(history: SparseNoisyClaude) -> tuple[float, ...]:
         engine = ForecastEngine([_scripted("local"), _scripted("claude")])
@@ -1140,13 +1145,7 @@ async def test_combination_weights_fitted_in_sample_are_refitted_after_an_upgrad
     await SparseNoisyClaude().store_history(tmp_path / "db.sqlite3")
 
     async def weights() -> tuple[float, ...]:
-        store = await Store.open(tmp_path / "db.sqlite3")
-        try:
-            engine = ForecastEngine([_scripted("local"), _scripted("claude")], store, refresh_interval_s=1e9)
-            await engine.refresh(force=True)
-            return engine._combiner.weights
-        finally:
-            await store.close()
+        return await _served_weights(tmp_path / "db.sqlite3")
 
     fitted = await weights()
     store = await Store.open(tmp_path / "db.sqlite3")
