@@ -432,9 +432,6 @@ class ClaudeForecaster:
         # max_concurrency requests run, so the background ones are bounded too.
         self._semaphore = asyncio.Semaphore(max_concurrency)
         self._request_timeout_s = request_timeout_s
-        # The tasks finishing requests whose call stopped waiting for them (_finish_late): owned here, so that
-        # they are not collected mid-run and aclose can wait for them.
-        self._background: set[asyncio.Task[None]] = set()
         self._output_mode = output_mode
         self._mode: Literal["tool", "json"] = (
             output_mode
@@ -479,9 +476,15 @@ class ClaudeForecaster:
         # Samples answered after their call had returned (_finish_late), by the same hash: paid for, they are the
         # first samples of the pair's next call.
         self._late_answers: OrderedDict[str, list[_Sample]] = OrderedDict()
-        # The background tasks still finishing a pair's requests, by the same hash: the pair's next call waits for
-        # them instead of paying for new requests (forecast).
+        # The tasks finishing requests whose call stopped waiting for them (_finish_late), by the same hash: owned
+        # here, so that they are not collected mid-run; the pair's next call waits for them instead of paying for
+        # new requests (forecast), and aclose waits for them all (_background).
         self._late_running: dict[str, set[asyncio.Task[None]]] = {}
+
+    @property
+    def _background(self) -> set[asyncio.Task[None]]:
+        """Every task still finishing a request in the background."""
+        return {t for running in self._late_running.values() for t in running}
 
     # ------------------------------------------------------------ public
 
@@ -749,8 +752,8 @@ class ClaudeForecaster:
     async def aclose(self, wait_s: float = CLOSE_WAIT_S) -> None:
         """Close the HTTP client (also an injected one), after the requests still running in the background have
         had up to `wait_s` to end (each records its usage); those still running then are cancelled."""
-        if self._background:
-            _, running = await asyncio.wait(set(self._background), timeout=wait_s)
+        if background := self._background:
+            _, running = await asyncio.wait(background, timeout=wait_s)
             if running:
                 log.warning(
                     "%d Claude request(s) still running at shutdown were cancelled: if the API answered them "
@@ -961,8 +964,6 @@ class ClaudeForecaster:
             return await asyncio.shield(request)
         except asyncio.CancelledError:
             task = asyncio.ensure_future(self._finish_late(request, text, mode))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
             key = _digest(text.text)
             self._late_running.setdefault(key, set()).add(task)
             task.add_done_callback(lambda t: self._late_ended(key, t))
