@@ -505,7 +505,7 @@ class ParamEncoder:
                 threads = _threads(row, self.block_names)
                 if self.threads_col is not None:
                     col = self.threads_col
-                    out[i, j] = 0.5 if threads is None else (math.log2(threads) - col.lo) / col.span
+                    out[i, j] = 0.5 if threads is None else col.scaled(math.log2(threads))
                     j += 1
                 if self.threads_mod32:
                     out[i, j] = 0.5 if threads is None else float(threads % 32 == 0)

@@ -809,11 +809,16 @@ class _CancelledAtShutdown(logging.Filter):
         return True
 
 
+def _holds_only(exc: BaseException, is_it: Callable[[BaseException], bool]) -> bool:
+    """Whether `exc` is one `is_it` accepts, or (anyio's task groups wrap what they raise) a group of only such."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_holds_only(inner, is_it) for inner in exc.exceptions)
+    return is_it(exc)
+
+
 def _client_disconnect(exc: BaseException | None) -> bool:
     """Whether `exc` is (or, through task groups, holds only) starlette's ClientDisconnect."""
-    if isinstance(exc, BaseExceptionGroup):
-        return all(_client_disconnect(inner) for inner in exc.exceptions)
-    return exc is not None and type(exc).__name__ == "ClientDisconnect"
+    return exc is not None and _holds_only(exc, lambda e: type(e).__name__ == "ClientDisconnect")
 
 
 class _ClientHungUp(logging.Filter):
@@ -1030,13 +1035,6 @@ async def _run_stdio(server: MCPServer) -> None:
         os.dup2(wire, 0)
 
 
-def _only_broken_pipes(exc: BaseException) -> bool:
-    """Whether `exc` is a BrokenPipeError, or a group of nothing else (anyio's task groups wrap it)."""
-    if isinstance(exc, BaseExceptionGroup):
-        return all(_only_broken_pipes(e) for e in exc.exceptions)
-    return isinstance(exc, BrokenPipeError)
-
-
 def serve_command(settings: Settings, args: argparse.Namespace) -> int:
     """`forecaster-mcp serve [--http --host H --port P] [--replay PATH]... [--ledger NAME]`."""
     logging.basicConfig(
@@ -1047,7 +1045,7 @@ def serve_command(settings: Settings, args: argparse.Namespace) -> int:
         try:
             anyio.run(lambda: serve(settings, http=False))
         except (BrokenPipeError, BaseExceptionGroup) as exc:
-            if not _only_broken_pipes(exc):
+            if not _holds_only(exc, lambda e: isinstance(e, BrokenPipeError)):
                 raise
             # The client closed its end of stdout: the service is closed (serve's finally), as at EOF.
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error flushing at exit
