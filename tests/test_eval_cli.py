@@ -873,3 +873,57 @@ def test_a_file_given_to_the_wrong_command_is_named_with_the_command_that_reads_
     assert main(["search", str(pairs), "--measurements", "2", "--seeds", "1"]) == 2
     err = capsys.readouterr().err
     assert f"forecaster-mcp eval {pairs}` scores the forecaster on it" in err and "export" not in err
+
+
+def test_an_interrupted_eval_says_what_claude_cost_and_that_nothing_was_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C during a paid eval exited 130 without a word: the requests already answered are billed, and the
+    operator was not told what they cost (the report that says it is never written). A real SIGINT, raised while
+    the third request is answered, stops the run as a terminal's Ctrl-C does."""
+    import signal
+
+    from _anthropic_mock import AnthropicMock, tool_answer
+
+    from forecaster_mcp.forecast import evaluate
+    from forecaster_mcp.forecast.claude import ClaudeForecaster
+
+    faster = [0.0, 0.0, 0.0, 0.05, 0.15, 0.5, 0.25, 0.05]
+    sent = 0
+
+    def respond(body: Any) -> Any:
+        nonlocal sent
+        sent += 1
+        if sent == 3:
+            signal.raise_signal(signal.SIGINT)
+        return tool_answer(faster)
+
+    mock = AnthropicMock(respond)
+    built: list[ClaudeForecaster] = []
+
+    def claude_only(names: Any, settings: Any, history: Any, *, ptxas: bool = True) -> list[Any]:
+        built.append(
+            ClaudeForecaster(
+                "test-key",
+                "claude-sonnet-5",
+                samples=1,
+                max_concurrency=1,
+                warm_cache=False,
+                features=None,
+                http_client=mock.client(),
+            )
+        )
+        return built
+
+    monkeypatch.setattr(evaluate, "build_forecasters", claude_only)
+    pairs = _write(tmp_path / "pairs.jsonl", TINY)
+    out = tmp_path / "out"
+    assert main(["eval", str(pairs), "--out", str(out), "--forecaster", "claude"]) == 130
+    err = capsys.readouterr().err
+    [claude] = built
+    spent = claude.usage_total
+    assert spent.requests >= 2
+    assert f"claude: {spent.requests} requests, {spent.input_tokens} input" in err
+    assert f"${claude.cost_usd_total:.4f}" in err
+    assert "stopped" in err and f"nothing written to {out}" in err
+    assert not (out / "metrics.json").exists()

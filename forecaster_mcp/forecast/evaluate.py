@@ -445,6 +445,15 @@ class _Calibration:
 _LLM_COUNTS = ("requests", "input_tokens", "output_tokens", "cache_read_tokens", "cache_write_tokens")
 
 
+def _llm_line(llm: dict[str, float]) -> str:
+    """One line of what Claude cost, from `_llm_usage`."""
+    return (
+        f"claude: {llm['requests']:.0f} requests, {llm['input_tokens']:.0f} input "
+        f"(+{llm['cache_read_tokens']:.0f} cache read, {llm['cache_write_tokens']:.0f} cache write) / "
+        f"{llm['output_tokens']:.0f} output tokens, ${llm['cost_usd']:.4f}"
+    )
+
+
 def _llm_usage(forecasters: Sequence[object], into: dict[str, float] | None = None) -> dict[str, float]:
     """Requests, tokens and dollars the paid forecasters (Claude) spent, added to `into`."""
     out = dict(into or {})
@@ -459,13 +468,20 @@ def _llm_usage(forecasters: Sequence[object], into: dict[str, float] | None = No
 
 
 async def _calibrate_phase(
-    names: Sequence[str], settings: Settings, cal: PairsFile, ptxas: bool, batch: bool = False
+    names: Sequence[str],
+    settings: Settings,
+    cal: PairsFile,
+    ptxas: bool,
+    batch: bool = False,
+    built: list[Forecaster] | None = None,
 ) -> tuple[_Calibration, list[str]]:
     from forecaster_mcp.forecast.engine import ForecastEngine
 
     forecasters = build_forecasters(
         names, settings, MemoryHistory(cal.history), ptxas=ptxas and _worth_compiling(cal)
     )
+    if built is not None:
+        built.extend(forecasters)
     engine = ForecastEngine(forecasters, None)
     queries = _queries(cal.pairs)
     forecasts = await _forecast_in_chunks(engine, queries, batch)
@@ -630,6 +646,7 @@ async def _forecast_all(
     target: float,
     ptxas: bool,
     batch: bool = False,
+    built: list[Forecaster] | None = None,
 ) -> tuple[
     ForecastEngine,
     list[PairQuery],
@@ -638,16 +655,20 @@ async def _forecast_all(
     _Calibration | None,
     list[str],
 ]:
+    """Forecast the calibration file (if any) then the pairs; `built` gets every forecaster made, both phases,
+    for what they spent should the run be stopped."""
     from forecaster_mcp.forecast.engine import ForecastEngine
 
     notes: list[str] = []
     calibration = None
     if cal_file is not None:
-        calibration, cal_notes = await _calibrate_phase(names, settings, cal_file, ptxas, batch)
+        calibration, cal_notes = await _calibrate_phase(names, settings, cal_file, ptxas, batch, built)
         notes += [f"calibration file: {n}" for n in cal_notes]
     forecasters = build_forecasters(
         names, settings, MemoryHistory(main.history), ptxas=ptxas and _worth_compiling(main)
     )
+    if built is not None:
+        built.extend(forecasters)
     # Thresholds certified on every calibration pair: the newest-first window of a server (forecasts under an
     # older calibration stop counting) would keep only the file's last pairs here, often one recording's.
     engine = ForecastEngine(forecasters, None, history_window=None)
@@ -804,9 +825,23 @@ def run_eval(
     from forecaster_mcp.compile_slots import COMPILE_SLOTS
 
     COMPILE_SLOTS.set_limit(settings.max_concurrent_compiles)  # as a server's: eval compiles every kernel
-    engine, queries, forecasts, thresholds, calibration, notes = anyio.run(
-        _forecast_all, names, settings, main, cal_file, target, ptxas, batch
-    )
+    built: list[Forecaster] = []
+    try:
+        engine, queries, forecasts, thresholds, calibration, notes = anyio.run(
+            _forecast_all, names, settings, main, cal_file, target, ptxas, batch, built
+        )
+    except KeyboardInterrupt:
+        # The report that says what Claude cost is never written: say it here, since the answered requests are
+        # billed all the same. Those still in flight when the loop stopped are billed too, and not counted.
+        llm = _llm_usage(built)
+        if llm.get("requests"):
+            print(
+                f"forecaster-mcp: spent before the stop: {_llm_line(llm)} (at least: requests still in flight "
+                "are billed too)",
+                file=sys.stderr,
+            )
+        print(f"forecaster-mcp: eval stopped: nothing written to {out_dir}", file=sys.stderr)
+        raise
     if main.pairs and not any(f.raw for f in forecasts):
         # Metrics of the engine's even-odds stand-in would read as a coin-flip forecaster: refuse instead.
         raise OperatorError(
@@ -941,12 +976,7 @@ def run_eval(
     print_table(report, out)
     llm = report["llm"]
     if llm.get("requests"):
-        print(
-            f"claude: {llm['requests']:.0f} requests, {llm['input_tokens']:.0f} input "
-            f"(+{llm['cache_read_tokens']:.0f} cache read, {llm['cache_write_tokens']:.0f} cache write) / "
-            f"{llm['output_tokens']:.0f} output tokens, ${llm['cost_usd']:.4f}",
-            file=out,
-        )
+        print(_llm_line(llm), file=out)
     for n in notes:
         print(f"note: {n}", file=out)
     written = ", ".join(["metrics.json", "predictions.jsonl", *plots])
