@@ -1162,7 +1162,7 @@ def test_fp64_costs_as_much_more_as_the_gpu_runs_it_slower() -> None:
     assert shift("H100") == pytest.approx(-0.1) and shift("MI250X") == pytest.approx(-0.1)
     assert shift(None) == pytest.approx(-0.1)
     assert shift("RTX 4090") == pytest.approx(-0.6) and shift("T4") == pytest.approx(-0.5)
-    assert shift("RX 7900 XTX") == pytest.approx(-0.4)
+    assert shift("RX 7900 XTX") == pytest.approx(-0.5) and shift("RX 6900 XT") == pytest.approx(-0.4)
 
 
 def test_tensor_cores_count_only_on_a_gpu_that_has_them() -> None:

@@ -379,3 +379,22 @@ def test_waves() -> None:
     assert waves(a100, 217, 2) == pytest.approx(217 / 216)
     assert waves(a100, 0, 2) == 0.0
     assert math.isinf(waves(a100, 10, 0))
+
+
+def test_b200_is_the_hgx_board_gpu() -> None:
+    """NVIDIA's HGX B200 sheet gives each GPU 75 TFLOP/s FP32 and 7.7 TB/s of HBM3e (the 80 TFLOP/s and 8 TB/s the
+    row had are the GB200 NVL72's 1,200 W GPU's); the driver reports a 7680-bit bus at 3996 MHz, 7.67 TB/s. A
+    bandwidth-bound kernel on a B200 was forecast against 4 % more bandwidth than the GPU has."""
+    b200 = spec("NVIDIA B200")
+    assert (b200.fp32_tflops, b200.mem_bandwidth_gbs, b200.fp16_tensor_tflops) == (75.0, 7700, 2250.0)
+    assert (b200.sms, b200.mem_gib, b200.shared_mem_per_sm_bytes) == (148, 180, 228 * 1024)
+
+
+@pytest.mark.parametrize(("gpu", "fp64_tflops"), [("RX 7900 XTX", 1.92), ("Radeon PRO W7900", 1.92)])
+def test_rdna3_fp64_is_a_32nd_of_its_dual_issue_fp32(gpu: str, fp64_tflops: float) -> None:
+    """Navi 31 runs FP64 at 8 FLOPs a CU a clock, 1/16 of its single-issue FP32 rate; the table's FP32 counts
+    dual issue (61.4 TFLOP/s), so FP64 is 1/32 of that (1.92 TFLOP/s). The ratio of 16 said 3.8 TFLOP/s."""
+    s = spec(gpu)
+    assert s.fp32_tflops / s.fp64_ratio == pytest.approx(fp64_tflops, rel=0.02)
+    # RDNA2 counts no dual issue: its FP32 figure is single issue, and 1/16 of it is its FP64 (6900 XT: 1.44).
+    assert spec("RX 6900 XT").fp32_tflops / spec("RX 6900 XT").fp64_ratio == pytest.approx(1.44, rel=0.02)

@@ -99,8 +99,10 @@ _CC: dict[str, tuple[str, int, int, int, int]] = {
 
 # FP32 over FP64 arithmetic throughput by architecture (the CUDA programming guide's throughput table; AMD's
 # ISA and product pages): data-centre parts run FP64 at half rate (CDNA2/3 vector FP64 at the full FP32 rate),
-# Maxwell, consumer Pascal and Turing at 1/32, GeForce and workstation Ampere, Ada and Blackwell at 1/64, RDNA at
-# 1/16 (single issue). Export parts with FP64 cut further than their chip's are not told apart.
+# Maxwell, consumer Pascal and Turing at 1/32, GeForce and workstation Ampere, Ada and Blackwell at 1/64, RDNA2 at
+# 1/16. RDNA3 runs FP64 at the same 8 FLOPs a CU a clock as RDNA2, 1/16 of its single-issue FP32 rate, but its
+# rows' FP32 counts dual issue (RX 7900 XTX: 61.4 TFLOPS FP32, 1.92 FP64), so the ratio to that figure is 32.
+# Export parts with FP64 cut further than their chip's are not told apart.
 _FP64_RATIO: dict[str, float] = {
     "sm_52": 32.0,
     "sm_60": 2.0,
@@ -119,7 +121,7 @@ _FP64_RATIO: dict[str, float] = {
     "gfx942": 1.0,
     "gfx1030": 16.0,
     "gfx1032": 16.0,
-    "gfx1100": 16.0,
+    "gfx1100": 32.0,
 }
 
 
@@ -355,9 +357,11 @@ _SPECS: list[GpuSpec] = [
     ),
     # The HBM3e GH200: 144 GB at 4.9 TB/s; nvidia-smi names it "NVIDIA GH200 144G HBM3e" (G, not GB).
     _nv("GH200-144GB", "9.0", sms=132, l2=50 * MIB, bw=4900, fp32=66.9, fp16=989.4, mem=144),
-    # Blackwell B200 (HGX, 1000 W): 148 SMs, 180 GB usable HBM3e at 8 TB/s, FP16 tensor 2.25 PFLOPS dense.
+    # Blackwell B200 as the HGX B200 board's GPU (1000 W; NVIDIA's HGX/GB200 NVL72 sheet, per GPU): 148 SMs,
+    # 180 GB HBM3e at 7.7 TB/s (the driver's 7680-bit bus at 3996 MHz is 7.67), FP32 75 TFLOPS, FP16 tensor
+    # 2.25 PFLOPS dense (4.5 sparse). The 80 TFLOPS and 8 TB/s often quoted are the GB200 NVL72's 1200 W GPU.
     # NVIDIA publishes no L2 figure; 126 MB is what the CUDA runtime reports for the two dies together.
-    _nv("B200", "10.0", sms=148, l2=126 * MIB, bw=8000, fp32=80.0, fp16=2250.0, mem=180),
+    _nv("B200", "10.0", sms=148, l2=126 * MIB, bw=7700, fp32=75.0, fp16=2250.0, mem=180),
     # Ada, AD102/AD104.
     _nv("L40S", "8.9", sms=142, l2=96 * MIB, bw=864, fp32=91.6, fp16=362.05, mem=48),
     # L40: the L40S's AD102 without its doubled FP16/FP8 tensor rate.
