@@ -297,6 +297,16 @@ class Service:
                 device_spec = specs.lookup(d)
                 if spec is not None and device_spec is not None and specs.could_be(wanted, device_spec):
                     return HardwareChoice(d, device_spec, m)
+        # An architecture ("gfx942", "sm_90") is no one GPU: the one measurement device of it is what the caller
+        # means; without one, the caller is asked to name the GPU (below).
+        of_arch = specs.same_architecture(wanted)
+        if of_arch:
+            of_it = [
+                (d, m, s) for m in self.measurers for d in m.devices() if (s := specs.lookup(d)) in of_arch
+            ]
+            if len(of_it) == 1:
+                d, m, s = of_it[0]
+                return HardwareChoice(d, s, m)
         # A recording that names no GPU (device_name empty, a file name that is no GPU's): the only such device
         # is the one the caller means, whatever it calls it; the caller's name gives the specification.
         unnamed = [(d, m) for m in self.measurers for d in getattr(m, "unnamed_devices", list)()]
@@ -310,6 +320,15 @@ class Service:
             )
         if spec is not None:
             return HardwareChoice(spec.name, spec, None, self._measured_elsewhere_notes(spec.name))
+        if of_arch and hardware:
+            # Forecast as a GPU nobody knows, it lost every hardware feature the table has for each GPU of it. (A
+            # configured --hardware gets the note below instead: an error would refuse every call.)
+            names = [s.name for s in of_arch]
+            listed = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+            raise InvalidRequest(
+                f"hardware {wanted!r} is an architecture, not a GPU: name the GPU, one of {listed} (or another "
+                "GPU of it; the gpu-specs resource lists the known ones)"
+            )
         close = specs.suggest(wanted, limit=3)
         hint = f"did you mean {', '.join(close)}? " if close else ""
         return HardwareChoice(

@@ -311,6 +311,8 @@ def test_serve_warns_at_start_up_about_a_default_gpu_it_does_not_know(
     warned = asyncio.run(check("RTX 4900"))
     assert "warning: --hardware 'RTX 4900' is not a GPU this server knows (did you mean RTX 4090" in warned
     assert asyncio.run(check("h100")) == ""  # a known name, however spelled
+    # An architecture is no GPU: the warning names the GPUs of it (it named none for "gfx942").
+    assert "(did you mean MI300X, MI300A, MI325X?)" in asyncio.run(check("gfx942"))
 
 
 def test_serve_warns_when_the_default_gpu_is_not_the_one_it_measures_on(

@@ -16,7 +16,14 @@ from forecaster_mcp.hardware.occupancy import (
     theoretical_occupancy,
     waves,
 )
-from forecaster_mcp.hardware.specs import GpuSpec, all_specs, canonical_name, lookup, suggest
+from forecaster_mcp.hardware.specs import (
+    GpuSpec,
+    all_specs,
+    canonical_name,
+    lookup,
+    same_architecture,
+    suggest,
+)
 
 
 def spec(name: str) -> GpuSpec:
@@ -398,3 +405,26 @@ def test_rdna3_fp64_is_a_32nd_of_its_dual_issue_fp32(gpu: str, fp64_tflops: floa
     assert s.fp32_tflops / s.fp64_ratio == pytest.approx(fp64_tflops, rel=0.02)
     # RDNA2 counts no dual issue: its FP32 figure is single issue, and 1/16 of it is its FP64 (6900 XT: 1.44).
     assert spec("RX 6900 XT").fp32_tflops / spec("RX 6900 XT").fp64_ratio == pytest.approx(1.44, rel=0.02)
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("gfx942", ["MI300X", "MI300A", "MI325X"]),
+        ("gfx90a:sramecc+:xnack-", ["MI250X", "MI210"]),  # rocminfo's ISA name, target features and all
+        ("GFX1100", ["Radeon PRO W7800", "Radeon PRO W7900", "RX 7900 XTX"]),
+        ("sm_90", ["H100-SXM5-80GB", "H100-PCIE-80GB", "H100-NVL-94GB", "H200-SXM-141GB", "H200-NVL-141GB"]),
+        ("sm_90a", ["H100-SXM5-80GB", "H100-PCIE-80GB", "H100-NVL-94GB", "H200-SXM-141GB", "H200-NVL-141GB"]),
+        ("compute_100", ["B200"]),
+    ],
+)
+def test_an_architecture_names_every_gpu_of_it(name: str, expected: list[str]) -> None:
+    """An ISA or compute target ("gfx942", "sm_90") is no one GPU: lookup refuses it, and the rows it may mean are
+    listed (first of all by suggest, which offered nothing at all for "gfx942" or "sm_90")."""
+    assert lookup(name) is None
+    rows = [s.name for s in same_architecture(name)]
+    assert rows[: len(expected)] == expected
+    assert all(spec(r).arch == spec(expected[0]).arch for r in rows)
+    assert suggest(name, limit=3) == rows[:3]
+    for other in ("H100", "MI300X", "gfx", "sm", "A100 sm80 edition", ""):
+        assert same_architecture(other) == [], other

@@ -376,6 +376,20 @@ async def test_a_device_missing_from_the_spec_table_is_matched_on_whole_words(tm
             assert service.resolve_hardware(name).device_of is None, name
 
 
+async def test_an_architecture_for_hardware_is_an_error_listing_its_gpus(tmp_path: Path) -> None:
+    """hardware='gfx942' or 'sm_90' names an architecture, not a GPU: it was forecast as a GPU nobody knows (no
+    hardware features, no "did you mean"). Now it is an error listing the GPUs it may be, nothing charged; on a
+    server that measures on one GPU of it, that device is what the caller means."""
+    async with faking(tmp_path, [FakeMeasurer(["NVIDIA A100-SXM4-80GB"])]) as (client, service):
+        pair = [conv("a", FAST), conv("b", SLOW)]
+        msg = await error_of(client, "compare_kernels", {"candidates": pair, "hardware": "gfx942"})
+        assert "'gfx942' is an architecture" in msg and "MI300X, MI300A, MI325X" in msg
+        msg = await error_of(client, "compare_kernels", {"candidates": pair, "hardware": "sm_90"})
+        assert "H100-SXM5-80GB" in msg and "H200-SXM-141GB" in msg
+        assert await spent(client) == 0
+        assert service.resolve_hardware("sm_80").name == "NVIDIA A100-SXM4-80GB"
+
+
 # ---------------------------------------------------------------- 4. target_error
 
 

@@ -724,6 +724,21 @@ def lookup(name: str) -> GpuSpec | None:
     return spec
 
 
+# An ISA or compute target as compilers, rocminfo and HIP print them: "gfx942", "gfx90a:sramecc+:xnack-", "sm_90",
+# "sm_90a", "compute_80".
+_ARCH_NAME = re.compile(r"(gfx[0-9a-f]{3,4})(?::[a-z0-9+\-:]*)?|(?:sm|compute)_?(\d{2,3})[af]?")
+
+
+def same_architecture(name: str) -> list[GpuSpec]:
+    """The table's GPUs of the architecture `name` spells ("gfx942", "sm_90"), in table order: an architecture
+    is no one GPU (gfx942 is the MI300X, MI300A and MI325X), so `lookup` refuses it. Empty for any other name."""
+    found = _ARCH_NAME.fullmatch(name.strip().lower()) if len(name) <= 200 else None
+    if found is None:
+        return []
+    arch = found.group(1) or f"sm_{found.group(2)}"
+    return [s for s in _SPECS if s.arch == arch]
+
+
 def canonical_name(name: str) -> str:
     """The table's name for a known GPU, else the input stripped."""
     spec = lookup(name)
@@ -735,8 +750,8 @@ def suggest(name: str, limit: int = 5) -> list[str]:
     import difflib  # only error paths need it; keep it off the start-up path
 
     query = _parse(name)
-    out: list[str] = []
-    if query.model:
+    out: list[str] = [s.name for s in same_architecture(name)]
+    if query.model and not out:
         out += [row.spec.name for row in _rows() if query.model in row.models]
     by_key: dict[str, str] = {}
     for row in _rows():
