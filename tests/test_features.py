@@ -1213,3 +1213,72 @@ async def test_a_compiled_kernel_that_cannot_launch_says_so_beside_one_ptxas_did
     assert forward.extras["mu_log2"] == pytest.approx(-0.6)
     assert "baseline cannot launch at this block size" in reverse.rationale
     assert reverse.extras["mu_log2"] == pytest.approx(0.6)
+
+
+_WMMA = """#include <mma.h>
+using namespace nvcuda;
+__global__ void add(half* a, half* b, float* c) {
+  wmma::fragment<wmma::matrix_a, 16, 16, 16, half, wmma::row_major> fa;
+  wmma::fragment<wmma::matrix_b, 16, 16, 16, half, wmma::col_major> fb;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> fc;
+  wmma::fill_fragment(fc, 0.0f);
+  wmma::load_matrix_sync(fa, a, 16);
+  wmma::load_matrix_sync(fb, b, 16);
+  wmma::mma_sync(fc, fa, fb, fc);
+  wmma::store_matrix_sync(c, fc, 16, wmma::mem_row_major);
+}
+"""
+
+
+@pytest.mark.anyio
+async def test_tensor_core_instructions_on_a_gpu_without_them_are_forecast_to_fail(tmp_path: Path) -> None:
+    """A wmma kernel cannot compile for a Pascal GPU (CUDA declares wmma from sm_70 on), nor an MFMA builtin for
+    an MI50; ptxas, run for a newer stand-in architecture (nvcc 13 starts at sm_75), compiles it, so the pair
+    was forecast near 50/50 with no chance of failing. Now its chance of failing is high and the rationale
+    leads with why; a source that tests the architecture (a fallback path) is left as it was."""
+    from forecaster_mcp.forecast.local import P_FAIL_NO_MATRIX_UNITS, LocalForecaster
+
+    launch = Launch(grid=(1, 1, 1), block=(32, 1, 1))
+    plain = Kernel(source=SMALL, entry="add", launch=launch)
+    wmma = Kernel(source=_WMMA, entry="add", launch=launch)
+    guarded = Kernel(
+        source="#if __CUDA_ARCH__ >= 700\n" + _WMMA + "#else\n" + SMALL + "#endif\n",
+        entry="add",
+        launch=launch,
+    )
+    mfma_src = (
+        "__global__ void add(float* c, float a, float b) {\n"
+        "  float4 acc = {0, 0, 0, 0};\n"
+        "  acc = __builtin_amdgcn_mfma_f32_4x4x1f32(a, b, acc, 0, 0, 0);\n"
+        "  c[threadIdx.x] = acc.x;\n}\n"
+    )
+    mfma = Kernel(source=mfma_src, entry="add", launch=launch, language="hip")
+    hip_plain = Kernel(source=SMALL, entry="add", launch=launch, language="hip")
+    nvcc = _fake_nvcc(tmp_path / "nvcc", "release 13.0", "exit 0\n")
+    f = LocalForecaster(None, nvcc=nvcc, cache_dir=tmp_path / "cache", ptxas_wait_s=30.0)
+    pascal, p100, turing, base_pascal, fallback, mi50, mi250x = await f.forecast(
+        [
+            _pair(plain, wmma, "GTX 1080 Ti"),
+            _pair(plain, wmma, "P100"),
+            _pair(plain, wmma, "T4"),
+            _pair(wmma, plain, "GTX 1080 Ti"),
+            _pair(plain, guarded, "GTX 1080 Ti"),
+            _pair(hip_plain, mfma, "MI50"),
+            _pair(hip_plain, mfma, "MI250X"),
+        ]
+    )
+    assert pascal.extras["p_fail"] == p100.extras["p_fail"] == P_FAIL_NO_MATRIX_UNITS >= 0.9
+    assert pascal.rationale.startswith(
+        "candidate uses tensor-core instructions (wmma, mma, ldmatrix...), which sm_61 lacks (tensor cores from "
+        "sm_70 on): it cannot compile there; if both ran,"
+    )
+    assert turing.extras["p_fail"] == 0.0 and "cannot compile" not in turing.rationale
+    assert (
+        base_pascal.extras["p_fail_baseline"] == P_FAIL_NO_MATRIX_UNITS
+        and base_pascal.extras["p_fail"] == 0.0
+    )
+    assert base_pascal.rationale.startswith("baseline uses tensor-core instructions")
+    assert fallback.extras["p_fail"] == 0.0 and "cannot compile" not in fallback.rationale
+    assert mi50.extras["p_fail"] == P_FAIL_NO_MATRIX_UNITS
+    assert mi50.rationale.startswith("candidate uses matrix instructions (MFMA, WMMA), which gfx906 lacks")
+    assert mi250x.extras["p_fail"] == 0.0

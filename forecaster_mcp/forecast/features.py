@@ -2148,7 +2148,7 @@ def prior_shift(
     sa, sb = a.source, b.source
     if a.tensor_cores is not False and b.tensor_cores is not False:
         # A GPU without matrix instructions (Pascal, MI50, RDNA2) gains nothing from them; on Pascal and
-        # older nvcc refuses mma for the architecture, which ptxas, run for a newer stand-in, does not see.
+        # older nvcc refuses mma for the architecture (the local forecaster gives such a kernel a high p_fail).
         add(0.35 * _presence(sa.tensor_core, sb.tensor_core), "tensor cores")
     add(0.08 * _presence(sa.async_copy, sb.async_copy), "async copies")
     add(0.05 * _presence(sa.readonly, sb.readonly), "read-only loads")

@@ -91,6 +91,14 @@ P_FAIL_COMPILE_ERROR = 0.98
 # one architecture lacks may not. A header this server's nvcc cannot find is no compile error of the kernel's
 # at all (`missing_header`).
 P_FAIL_COMPILE_ERROR_STAND_IN = 0.9
+# The chance a kernel fails that uses tensor-core (matrix) instructions on a GPU without them (Pascal and older,
+# the MI50, RDNA2; GpuSpec.tensor_cores): CUDA declares wmma only from sm_70 on (crt/mma.h), mma.sync, ldmatrix,
+# wgmma and tcgen05 are PTX of sm_70 and later, and clang refuses MFMA and WMMA builtins on an ISA without them.
+# ptxas, run for a stand-in newer than such a GPU (nvcc 13 starts at sm_75), compiles them. Read from the source's
+# text, not a compiler's error: as sure as a stand-in's compile error. A source that tests the architecture
+# (_ARCH_TEST) may have a path without them, and is not counted.
+P_FAIL_NO_MATRIX_UNITS = 0.9
+_ARCH_TEST = re.compile(r"__CUDA_ARCH|\b__gfx[0-9a-f]+__\b|__has_builtin")
 _SQRT5 = math.sqrt(5.0)
 _OK_STATUS = "ok"
 
@@ -2061,14 +2069,19 @@ class LocalForecaster:
         eb = None if hb is not None else eb
         ec = None if hc is not None else ec
         fb, fc = _like_for_like(fb, fc, q)
+        # A kernel measured running ran, whatever its source says.
+        lacks_b = _without_matrix_units(q.baseline, fb, q) if b.kind != "measured" else None
+        lacks_c = _without_matrix_units(q.candidate, fc, q) if c.kind != "measured" else None
         same_family = q.baseline.family_key() == q.candidate.family_key()
         shift = prior_shift(fb, fc, same_family=same_family)
         n_points = float(len(cand_model.measured)) if cand_model is not None else 0.0
         extras = {
             "mu_log2": shift.mean_log2,
             "sd_log2": shift.sd_log2,
-            "p_fail": max(c.p_fail, _compile_p_fail(ec, q)),
-            "p_fail_baseline": max(b.p_fail, _compile_p_fail(eb, q)),
+            "p_fail": max(c.p_fail, _compile_p_fail(ec, q), P_FAIL_NO_MATRIX_UNITS if lacks_c else 0.0),
+            "p_fail_baseline": max(
+                b.p_fail, _compile_p_fail(eb, q), P_FAIL_NO_MATRIX_UNITS if lacks_b else 0.0
+            ),
             "n_family_points": n_points,
             "n_family_ok": float(cand_model.n_ok) if cand_model is not None else 0.0,
             "measured": 1.0 if c.kind == "measured" else 0.0,
@@ -2167,13 +2180,19 @@ class LocalForecaster:
         if unbuilt:
             who, headers = _who_lacks([(w, (h,)) for w, h in unbuilt])
             rationale += f"; {who} not compiled here (this server's nvcc has no {headers}): read without register counts"
+        lacking = [
+            (who, why) for who, why in (("candidate", lacks_c), ("baseline", lacks_b)) if why is not None
+        ]
         failing = [(who, e) for who, e in (("candidate", ec), ("baseline", eb)) if e is not None]
         if ec is not None:
             extras["compile_error"] = 1.0
         if eb is not None:
             extras["compile_error_baseline"] = 1.0
-        if failing:
-            said = "; ".join(f"{who} {_compile_error_text(e, q)}" for who, e in failing)
+        if failing or lacking:
+            said = "; ".join(
+                [f"{who} {_compile_error_text(e, q)}" for who, e in failing]
+                + [f"{who} {why}" for who, why in lacking if who not in dict(failing)]
+            )
             rationale = f"{said}; if both ran, {rationale}"
         probs, centers = bins.normal_bins(mean, sd)
         return BinForecast(probs, rationale, extras, centers)
@@ -2213,6 +2232,24 @@ def _on_own_arch(e: PtxasError, q: PairQuery) -> bool:
     """Whether `e` was found compiling for the pair's GPU's own architecture (not a stand-in)."""
     spec = q.hardware
     return spec is not None and spec.vendor == "nvidia" and e.arch == spec.arch
+
+
+def _without_matrix_units(kernel: Kernel, f: StaticFeatures, q: PairQuery) -> str | None:
+    """Why `kernel` cannot compile for the pair's GPU, when it uses tensor-core (matrix) instructions the GPU has
+    not (see P_FAIL_NO_MATRIX_UNITS); None when it may."""
+    spec = q.hardware
+    if spec is None or spec.tensor_cores or f.source.tensor_core == 0:
+        return None
+    if (spec.vendor, kernel.language) not in (("nvidia", "cuda"), ("amd", "hip")):
+        return None
+    if _ARCH_TEST.search(kernel.source):
+        return None
+    if spec.vendor == "nvidia":
+        return (
+            f"uses tensor-core instructions (wmma, mma, ldmatrix...), which {spec.arch} lacks (tensor cores from "
+            "sm_70 on): it cannot compile there"
+        )
+    return f"uses matrix instructions (MFMA, WMMA), which {spec.arch} lacks: it cannot compile there"
 
 
 def _compile_p_fail(e: PtxasError | None, q: PairQuery) -> float:
