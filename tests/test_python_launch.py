@@ -1318,3 +1318,26 @@ def test_callers_passing_constants_are_read_cheaply() -> None:
             read(source, "ModelNew")
 
     assert fastest_s(both, 5.0) < 5.0  # 0.5 s
+
+
+# ---------------------------------------------------------------- launches the walk did not see
+
+
+def test_a_launch_in_a_lambda_is_one_of_the_kernel_s_launches() -> None:
+    """`triton.testing.do_bench(lambda: add_kernel[(1,)](...))`, an agent's benchmark of a smaller launch, was
+    not seen (calls in a lambda were not walked): the wrapper's grid read as the kernel's only one."""
+    bench = "def bench(x, y, out):\n    triton.testing.do_bench(lambda: add_kernel[(1,)](x, y, out, 16, BLOCK_SIZE=16))\n"
+    assert read_triton(triton(TUTORIAL) + bench) == programs(None)
+    at_top = "x = y = out = None\nms = triton.testing.do_bench(lambda: add_kernel[(1,)](x, y, out, 16))\n"
+    assert read_triton(triton(TUTORIAL) + at_top) == programs(None)
+    # One that agrees, read in the wrapper's scope around it: the same launch.
+    agreeing = (
+        TUTORIAL + "    triton.testing.do_bench(lambda: add_kernel[grid](x, y, out, n, BLOCK_SIZE=1024))\n"
+    )
+    assert read_triton(triton(agreeing)) == programs((16384,))
+    # A CuPy launch alike.
+    timed = "def bench(x):\n    timeit(lambda: k((1,), (32,), (x, 32)))\n"
+    assert read(cupy("    k((N // 256,), (256,), (x, N))") + timed) is None
+    inline = "    f = lambda: k((N // 256,), (256,), (x, N))\n    f()"
+    assert read(cupy(inline)) == SourceLaunch((65536, 1, 1), (256, 1, 1), 0)
+    assert launches(cupy(inline), "relu")

@@ -105,8 +105,9 @@ class _Scope:
         self.functions: dict[
             str, list[ast.FunctionDef | ast.AsyncFunctionDef]
         ] = {}  # Triton's `def grid(meta)`
-        # Its calls, and the functions and classes it defines, in order: what `_calls` visits, read in this walk.
-        self.visited: list[ast.Call | ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef] = []
+        # Its calls, and the functions, lambdas and classes it defines, in order: what `_calls` visits, read in this
+        # walk.
+        self.visited: list[ast.Call | ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef | ast.Lambda] = []
         # A function's bindings of the names it declares `global`: the module's, credited to it (`_Module`).
         self.globals: dict[str, list[ast.expr | None]] = {}
         declared_global: set[str] = set()
@@ -114,7 +115,9 @@ class _Scope:
             for name in declared:  # `global n` / `nonlocal n` somewhere: the module's n set from a function
                 self.assigned[name] = [None]
         for node in _own_nodes(body):
-            if isinstance(node, ast.Call | ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            if isinstance(
+                node, ast.Call | ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef | ast.Lambda
+            ):
                 self.visited.append(node)
             if isinstance(node, ast.Assign):
                 for target in node.targets:
@@ -902,8 +905,8 @@ def _passes(call: ast.Call, index: int | None, name: str, bound: bool) -> bool:
 def _calls(
     read: _Module, defaults: bool = True, entry: str | None = None
 ) -> Iterator[tuple[ast.Call, _Scope, int]]:
-    """Each call in the module's functions and classes (not in a lambda), with the scope it is made in and the
-    class it is made in (its id; 0 outside any). Without `defaults`, no scope has its `defaults` read (the
+    """Each call in the module's functions, lambdas and classes, with the scope it is made in and the class it is
+    made in (its id; 0 outside any). Without `defaults`, no scope has its `defaults` read (the
     module's calls, `_Callers`): only a value needs them, not whether a call is made. `entry`: the name the
     harness calls, whose parameters no call in the module gives a constant (`_Callers.defaults`)."""
     top = read.top
@@ -923,6 +926,11 @@ def _calls(
                         for name, default in callers.defaults(node, in_class, entry).items()
                         if not inner.sets(name)  # `block = 128` in the function: not the default
                     }
+                yield from visit(inner.visited, inner, owner, False)
+            elif isinstance(node, ast.Lambda):
+                # `do_bench(lambda: kernel[grid](...))`: a launch like any other, its parameters its callers' (no
+                # default of them read: who calls it is not seen).
+                inner = _Scope([ast.Return(node.body)], _parameters(node.args), scope, top.declared)
                 yield from visit(inner.visited, inner, owner, False)
             elif isinstance(node, ast.ClassDef):
                 # A class body is no scope of its own here (its names are not read): walked for its calls alone.
