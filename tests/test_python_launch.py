@@ -1341,3 +1341,69 @@ def test_a_launch_in_a_lambda_is_one_of_the_kernel_s_launches() -> None:
     inline = "    f = lambda: k((N // 256,), (256,), (x, N))\n    f()"
     assert read(cupy(inline)) == SourceLaunch((65536, 1, 1), (256, 1, 1), 0)
     assert launches(cupy(inline), "relu")
+
+
+SMALL_LAUNCH = "[(1,)](x, y, out, 16, BLOCK_SIZE=16)\n"
+
+
+@pytest.mark.parametrize(
+    ("other", "expected"),
+    [
+        # An alias in another function: its launch read, and it disagrees.
+        ("def small(x, y, out):\n    k = add_kernel\n    k" + SMALL_LAUNCH, programs(None)),
+        ("K = add_kernel\ndef small(x, y, out):\n    K" + SMALL_LAUNCH, programs(None)),
+        # Held by an attribute, passed to a launcher, kept in a table: launches not read, any launch.
+        (
+            "class Small:\n    def __init__(self):\n        self.kernel = add_kernel\n"
+            "    def __call__(self, x, y, out):\n        self.kernel" + SMALL_LAUNCH,
+            None,
+        ),
+        (
+            "def launch(kern, x, y, out):\n    kern"
+            + SMALL_LAUNCH
+            + "def small(x, y, out):\n    launch(add_kernel, x, y, out)\n",
+            None,
+        ),
+        ("KERNELS = {'add': add_kernel}\ndef small(x, y, out):\n    KERNELS['add']" + SMALL_LAUNCH, None),
+    ],
+)
+def test_a_triton_kernel_launched_through_another_name_is_one_of_its_launches(
+    other: str, expected: SourceLaunch | None
+) -> None:
+    """`k = add_kernel; k[(1,)](...)`, `self.kernel[(1,)]`, `launch(add_kernel, ...)`: a launch by another name
+    was not seen, and the wrapper's grid read as the kernel's only one."""
+    assert read_triton(triton(TUTORIAL) + other) == expected
+
+
+@pytest.mark.parametrize(
+    "launch",
+    [
+        "    k = add_kernel\n    k[(triton.cdiv(n, 1024),)](x, y, out, n, BLOCK_SIZE=1024)\n",
+        "    K[(triton.cdiv(n, 1024),)](x, y, out, n, BLOCK_SIZE=1024)\n",
+    ],
+)
+def test_a_triton_kernel_launched_by_an_alias_alone_is_read(launch: str) -> None:
+    source = triton(launch).replace("def add(", "K = add_kernel\n\ndef add(")
+    assert read_triton(source) == programs((16384,))
+    assert host_launch.launches_itself(Kernel(source=source, entry="add_kernel", language="triton"))
+    # An alias bound to the kernel and to another: either's launch.
+    either = source.replace("def add(", "if SLOW:\n    K = other_kernel\n\ndef add(").replace(
+        "    k = add_kernel\n", "    k = add_kernel if FAST else other_kernel\n"
+    )
+    assert read_triton(either) in (None, programs(None, None), programs(None))
+
+
+def test_a_triton_kernel_s_many_aliases_are_read_cheaply() -> None:
+    aliases = "".join(
+        f"def f{i}(x, y, out):\n    k{i} = add_kernel\n    k{i}[(1,)](x, y, out, 16)\n" for i in range(750)
+    )
+    source = triton(TUTORIAL) + aliases
+    assert len(source) < 64 * 1024  # all of it parsed
+    assert read_triton(source) is None  # more launches than are read
+
+    def both() -> None:
+        host_launch._CACHE.clear()
+        read_triton(source)
+        host_launch.launches_itself(Kernel(source=source, entry="add_kernel", language="triton"))
+
+    assert fastest_s(both, 3.0) < 3.0  # 0.3 s

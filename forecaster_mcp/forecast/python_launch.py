@@ -35,7 +35,9 @@ made) whose `meta` holds the launch's arguments by the kernel's parameter names,
 module constant) for those the launch leaves out; num_warps the launch's, else 4, Triton's default. What
 `@triton.autotune` picks is known where every config agrees, what `@triton.heuristics` sets never; any other
 decorator, `**kwargs`, or num_ctas other than 1 (clusters: more blocks than programs) leaves it unknown. Its shared
-memory is the compiler's choice: unknown.
+memory is the compiler's choice: unknown. A launch through another name for it (`k = kernel; k[grid](...)`) is one
+of its launches; one held otherwise (`self.k = kernel`, `launch(kernel, x)`, a table) may be launched anywhere: its
+launch unknown. A launch in a lambda (`do_bench(lambda: kernel[grid](...))`) is one like any other.
 """
 
 from __future__ import annotations
@@ -663,6 +665,7 @@ class _Module:
 
     def __init__(self, module: ast.Module) -> None:
         self.tree = module
+        self.kernel_names: dict[str, tuple[frozenset[str], bool]] = {}  # `_kernel_names`, by kernel
         # In ast.walk's order (breadth first), the class each is in carried along.
         self.nodes: list[tuple[ast.AST, int]] = []
         # The functions saying `global` (theirs, not one inside them), and the names a class body declares so.
@@ -1297,12 +1300,49 @@ def _wrapped_kernel(top: _Scope, entry: str) -> str | None:
     return launched[0] if launched else None
 
 
+def _kernel_names(read: _Module, kernel: str) -> tuple[frozenset[str], bool]:
+    """The names the module's Triton kernel `kernel` may go by (its own, and those a plain `k = kernel` binds to it
+    or to such a name, anywhere), and whether it goes otherwise too, where launches of it are not read: one of
+    those names used other than launched or reached through (`kernel[grid]`, `kernel.run`, `kernel.fn`), bound to
+    an attribute (`self.k = kernel`) or put in anything else (`launch(kernel, x)`, `{"add": kernel}`). Read once
+    a module and kernel."""
+    if kernel in read.kernel_names:
+        return read.kernel_names[kernel]
+    reached: set[int] = set()
+    bound_to: dict[str, list[str]] = {}  # a name -> the names `target = name` binds to it
+    loads: list[ast.Name] = []
+    for node, _ in read.nodes:
+        if isinstance(node, ast.Subscript | ast.Attribute):
+            reached.add(id(node.value))
+        elif isinstance(node, ast.Call):
+            reached.add(id(node.func))
+        elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Name):
+            if len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                reached.add(id(node.value))
+                bound_to.setdefault(node.value.id, []).append(node.targets[0].id)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+            loads.append(node)
+    names = {kernel}
+    queue = [kernel]
+    while queue:
+        for alias in bound_to.get(queue.pop(), []):
+            if alias not in names:
+                names.add(alias)
+                queue.append(alias)
+    escapes = any(n.id in names and id(n) not in reached for n in loads)
+    read.kernel_names[kernel] = frozenset(names), escapes
+    return read.kernel_names[kernel]
+
+
 def _triton_sites(
     read: _Module, kernel: str, defaults: bool = True, entry: str | None = None
-) -> Iterator[tuple[ast.Call, _Scope]]:
-    """The calls that may launch the module's Triton kernel `kernel`, each with the scope it is made in: not a
-    `kernel.run(..., warmup=True)`, which compiles it and launches nothing. `defaults`, `entry`: `_calls`'."""
+) -> Iterator[tuple[ast.Call, _Scope, bool]]:
+    """The calls that may launch the module's Triton kernel `kernel`, each with the scope it is made in and whether
+    it surely does: not a `kernel.run(..., warmup=True)`, which compiles it and launches nothing. A launch through
+    another name for it (`k = kernel; k[grid](...)`, `_kernel_names`) is one where that name, where it is called,
+    is bound to the kernel alone; one bound to it and to something else may be. `defaults`, `entry`: `_calls`'."""
     top = read.top
+    names, _ = _kernel_names(read, kernel)
     for call, scope, _ in _calls(read, defaults, entry):
         func = call.func
         # `kernel[grid](...)`, or the JITFunction.run it calls: `kernel.run(..., grid=grid, warmup=False)`
@@ -1314,9 +1354,24 @@ def _triton_sites(
             continue
         if isinstance(func, ast.Subscript):
             func = func.value
-        if isinstance(func, ast.Name) and func.id == kernel:
+        if not isinstance(func, ast.Name) or func.id not in names:
+            continue
+        if func.id == kernel:
             if scope.binder(kernel) is top:  # not a function's own `kernel`
-                yield call, scope
+                yield call, scope, True
+            continue
+        binder = scope.binder(func.id)
+        if binder is None or func.id in binder.params or func.id in binder.given:
+            continue  # not bound here, or a parameter: the caller's (`launch(kern, ...)`: the kernel escapes)
+        values = [v for v in binder.assigned.get(func.id, []) if not _is_none(v)]
+        aliases = [isinstance(v, ast.Name) and v.id in names for v in values]
+        surely = (
+            all(isinstance(v, ast.Name) and v.id == kernel for v in values) and binder.binder(kernel) is top
+        )
+        if surely and values:
+            yield call, scope, True
+        elif any(aliases) or None in values:
+            yield call, scope, False
 
 
 def _is_true(node: ast.expr) -> bool:
@@ -1339,9 +1394,16 @@ def triton_launch(module: ast.Module, entry: str, workload: Workload | None) -> 
     defaults = _kernel_defaults(a, read.top)
     grids: list[Dim3 | None] = []
     warps: list[int | None] = []
-    for count, (call, scope) in enumerate(_triton_sites(read, kernel, entry=entry)):
+    if _kernel_names(read, kernel)[1]:
+        grids.append(None)  # launched where not read: any launch
+        warps.append(None)
+    for count, (call, scope, surely) in enumerate(_triton_sites(read, kernel, entry=entry)):
         if count >= MAX_SITES:
             return None
+        if not surely:
+            grids.append(None)  # maybe another kernel's launch
+            warps.append(None)
+            continue
         evaluator = _Evaluator(scope, names)
         keywords = list(call.keywords)
         if isinstance(call.func, ast.Subscript):
