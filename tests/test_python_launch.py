@@ -1407,3 +1407,28 @@ def test_a_triton_kernel_s_many_aliases_are_read_cheaply() -> None:
         host_launch.launches_itself(Kernel(source=source, entry="add_kernel", language="triton"))
 
     assert fastest_s(both, 3.0) < 3.0  # 0.3 s
+
+
+MODULE = METHOD.replace("def launch(", "def forward(").replace("self.launch(x)", "pass")
+
+
+@pytest.mark.parametrize(
+    "made",
+    [
+        "m = Op().cuda()\n",  # torch's Module.cuda(), .to(...), .eval() return the instance itself
+        "m = Op().eval().to('cuda')\n",
+        "import torch\nm = torch.compile(Op())\n",  # an instance passed: called with anything
+        "import torch\nmodels = [Op()]\nm = models[0]\n",
+    ],
+)
+def test_an_instance_made_and_then_wrapped_or_moved_counts_its_calls(made: str) -> None:
+    """`m = Op().cuda(); m(x, 128)`: m was taken as no instance of Op, so the call passing forward's block went
+    uncounted and its default 512 was read, where plain `m = Op()` leaves it unknown."""
+    assert read(MODULE + "\nm = Op()\nm(cp.zeros(16), 128)\n", "Op") is None
+    assert read(MODULE + "\n" + made + "m(cp.zeros(16), 128)\n", "Op") is None
+    # Moved but called with no block: the default.
+    moved = MODULE + "\nm = Op().cuda()\nm(cp.zeros(16))\n"
+    assert read(moved, "Op") == SourceLaunch((32768, 1, 1), (512, 1, 1), 0)
+    # An instance of a class none of whose instances is called, passed on: no call of forward.
+    settings = "class Settings:\n    pass\n\ndef configure(s):\n    pass\n\nconfigure(Settings())\n"
+    assert read(MODULE + settings, "Op") == SourceLaunch((32768, 1, 1), (512, 1, 1), 0)

@@ -740,6 +740,21 @@ class _Callers:
         self.calls: dict[str, list[tuple[ast.Call, bool]]] = {}
         nodes = [node for node, _ in read.nodes]
         classes = {n.name for n in nodes if isinstance(n, ast.ClassDef)}
+        # Those whose instances may be called: a `__call__` or `forward` of its own, or a base's.
+        callable_classes = {
+            n.name
+            for n in nodes
+            if isinstance(n, ast.ClassDef)
+            and (
+                n.bases
+                or n.keywords
+                or any(
+                    isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)
+                    and f.name in ("__call__", "forward")
+                    for f in n.body
+                )
+            )
+        }
         self.classes = classes
         # How many times each name is bound anywhere (a module constant passed is bound once, by the module), and
         # the one-word strings (`getattr(m, "_launch")`, `__all__`: a function named there may be called so).
@@ -754,15 +769,18 @@ class _Callers:
             elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
                 self.strings.add(node.value)
         self._module = _Evaluator(read.top, _WorkloadNames(None))  # the module's constants, no workload
-        instances: set[str] = set()  # the names (`m`) and attributes (`self.m`: `m`) bound to an instance
+        # The names (`m`) and attributes (`self.m`: `m`) bound to an instance: `Op()`, or what its methods give
+        # (`Op().cuda()`, `.to(device).eval()`: torch's return the instance itself; calls of another's counted too
+        # leave only fewer defaults read).
+        instances: set[str] = set()
+        assigned: set[int] = set()  # the values bound so
         for node in nodes:
-            if isinstance(node, ast.Assign | ast.AnnAssign) and isinstance(node.value, ast.Call):
-                made = node.value.func
-                if isinstance(made, ast.Name) and made.id in classes:
-                    for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
-                        named = _dotted(target)
-                        if named is not None:
-                            instances.add(named.rsplit(".", 1)[-1])
+            if isinstance(node, ast.Assign | ast.AnnAssign) and _makes_instance(node.value, classes):
+                assigned.add(id(node.value))
+                for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    named = _dotted(target)
+                    if named is not None:
+                        instances.add(named.rsplit(".", 1)[-1])
         # Names used otherwise than called (`partial(run, block=128)`, `map(run, xs)`, `torch.compile(run)`,
         # `self.fn = self.launch`, an instance passed, `torch.compile(m)`): their callers are not the calls of the
         # name, so their defaults are not known. A name reached through (`m.eval()`, `k[grid]`) is no such use.
@@ -773,7 +791,17 @@ class _Callers:
             if isinstance(n, ast.Call | ast.Attribute | ast.Subscript)
         }
         for node in nodes:
-            if id(node) in reached or not isinstance(getattr(node, "ctx", None), ast.Load):
+            if id(node) in reached or id(node) in assigned:
+                continue
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in callable_classes
+            ):
+                # An instance made and passed on, not bound (`torch.compile(Op())`, `[Op()]`): called with anything.
+                self.escaped.update(("__call__", "forward"))
+                continue
+            if not isinstance(getattr(node, "ctx", None), ast.Load):
                 continue
             used = _last_name(node)
             if used is not None:
@@ -883,6 +911,14 @@ class _Callers:
             return self._module.value(node)
         except _Unknown:
             return None
+
+
+def _makes_instance(value: ast.expr | None, classes: Collection[str]) -> bool:
+    """Whether `value` makes an instance of one of the module's `classes` (`Op(...)`), or calls a method of one
+    (`Op().cuda()`, `Op().to(device).eval()`)."""
+    while isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute):
+        value = value.func.value
+    return isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id in classes
 
 
 def _argument(call: ast.Call, index: int | None, name: str, bound: bool) -> ast.expr | None:
