@@ -555,6 +555,12 @@ GETTER_LAUNCH = "    get()((x.size // 256,), (256,), (x, x.size))\n"
             "from functools import cache\n",
         ),
         ("def get():\n    return cp.RawKernel(src, 'relu')\n", ""),  # made anew at each call
+        # functools by another name, or its cache imported as one.
+        ("@ft.lru_cache\ndef get():\n    return cp.RawKernel(src, 'relu')\n", "import functools as ft\n"),
+        (
+            "@lru(maxsize=None)\ndef get():\n    return cp.RawKernel(src, 'relu')\n",
+            "from functools import lru_cache as lru\n",
+        ),
     ],
 )
 def test_a_kernel_a_getter_returns_is_launched_through_its_call(getter: str, head: str) -> None:
@@ -570,6 +576,7 @@ def test_a_kernel_a_getter_returns_is_launched_through_its_call(getter: str, hea
     [
         # Another decorator may return anything.
         "@torch.compile\ndef get():\n    return cp.RawKernel(src, 'relu')\n",
+        "import fasttools as ft\n@ft.lru_cache\ndef get():\n    return cp.RawKernel(src, 'relu')\n",
         # A generator, a coroutine: nothing launchable.
         "def get():\n    yield cp.RawKernel(src, 'relu')\n",
         "async def get():\n    return cp.RawKernel(src, 'relu')\n",

@@ -9,9 +9,9 @@ of a name bound to the kernel (`k = cp.RawKernel(code, "relu")`, `f = mod.get_fu
 `self.k = ...`; a function's `global k; k = cp.RawKernel(...)` binds the module's k, one more binding of it beside
 the module's own; a placeholder `k = None` is none, never launched), of the naming call itself, or of a getter's
 call (`get()(grid, block, args)`, `k = get()`: a function the name is bound to alone, plain or under functools'
-`cache` / `lru_cache`, returning the kernel, a handle of it, or another such call; a method's, `self.get()`, one
-under any other decorator, a generator or a coroutine is not read: no launch), when each dimension works out to a
-whole number from:
+`cache` / `lru_cache` (by any name it is imported as), returning the kernel, a handle of it, or another such call;
+a method's, `self.get()`, one under any other decorator, a generator or a coroutine is not read: no launch), when
+each dimension works out to a whole number from:
 
 - integer literals, and names given one value in the function making the call, else in the module;
 - the workload's `problem` sizes and scalar `args` by name (the function's parameters are its callers': only the
@@ -553,12 +553,14 @@ def _agreed_kernel(answers: Iterable[bool | None]) -> bool | None:
 _CACHES = frozenset({"cache", "lru_cache"})
 
 
-def _caches(decorator: ast.expr) -> bool:
-    """Whether `decorator` is functools' `cache` or `lru_cache` (`@functools.lru_cache(maxsize=None)`, `@cache`)."""
+def _caches(decorator: ast.expr, modules: Collection[str], imported: Mapping[str, str]) -> bool:
+    """Whether `decorator` is functools' `cache` or `lru_cache` (`@functools.lru_cache(maxsize=None)`, `@cache`),
+    functools going by `modules` (`import functools as ft`: `@ft.cache`) and its names imported as `imported`
+    (`from functools import lru_cache as lru`: `@lru`)."""
     node = decorator.func if isinstance(decorator, ast.Call) else decorator
     if isinstance(node, ast.Attribute):
-        return node.attr in _CACHES and isinstance(node.value, ast.Name) and node.value.id == "functools"
-    return isinstance(node, ast.Name) and node.id in _CACHES
+        return node.attr in _CACHES and isinstance(node.value, ast.Name) and node.value.id in modules
+    return isinstance(node, ast.Name) and (node.id in _CACHES or imported.get(node.id) in _CACHES)
 
 
 def _names_kernel(bound: list[str | None], kernel: str) -> bool | None:
@@ -587,6 +589,7 @@ def _sites(
     named: dict[tuple[_Scope, str], bool | None] = {}
     dotted_in: dict[tuple[int, str], bool | None] = {}
     getters: dict[int, bool | None] = {}  # a getter's answer by its def (`read` keeps it, so its id)
+    functools, from_functools = _imported_names(read, "functools")
 
     def value(node: ast.expr | None, scope: _Scope, depth: int) -> bool | None:
         """Whether a handle's binding, or what a getter returns, is the kernel (None: maybe)."""
@@ -623,7 +626,7 @@ def _sites(
         if (
             binding is None
             or not isinstance(defined, ast.FunctionDef)
-            or not all(_caches(d) for d in defined.decorator_list)
+            or not all(_caches(d, functools, from_functools) for d in defined.decorator_list)
         ):
             return False
         if id(defined) not in getters:
@@ -1078,12 +1081,18 @@ class _Decorated:
 def _triton_names(read: _Module) -> tuple[frozenset[str], dict[str, str]]:
     """The names triton goes by (`triton`, `import triton as tr`), and those imported from it (`from triton import
     jit as J`: J -> jit)."""
-    modules = {"triton"}
+    return _imported_names(read, "triton")
+
+
+def _imported_names(read: _Module, module: str) -> tuple[frozenset[str], dict[str, str]]:
+    """The names the top-level `module` goes by (its own, `import functools as ft`), and those imported from it
+    (`from functools import lru_cache as lru`: lru -> lru_cache)."""
+    modules = {module}
     names: dict[str, str] = {}
     for node, _ in read.nodes:
         if isinstance(node, ast.Import):
-            modules.update(a.asname for a in node.names if a.name == "triton" and a.asname)
-        elif isinstance(node, ast.ImportFrom) and node.module == "triton" and not node.level:
+            modules.update(a.asname for a in node.names if a.name == module and a.asname)
+        elif isinstance(node, ast.ImportFrom) and node.module == module and not node.level:
             names.update((a.asname or a.name, a.name) for a in node.names)
     return frozenset(modules), names
 
