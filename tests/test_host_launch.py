@@ -1259,6 +1259,12 @@ _TEMPLATE_FORMS = {
     + _UNBRACED.replace("{BLOCK}", "${BLOCK}")
     + '""").substitute(BLOCK=BLOCK)',
     "concatenation": 'cuda_src = """' + _UNBRACED.replace("{BLOCK}", '""" + str(BLOCK) + """') + '"""',
+    "replace": 'cuda_src = """'
+    + _UNBRACED.replace("{BLOCK}", "BLOCK_SIZE")
+    + '""".replace("BLOCK_SIZE", str(BLOCK))',
+    "a named template replaced twice": 'TEMPLATE = """'
+    + _UNBRACED.replace("{BLOCK}", "BLOCK_SIZE").replace("float", "SCALAR")
+    + '"""\ncuda_src = TEMPLATE.replace("SCALAR", "float").replace("BLOCK_SIZE", str(BLOCK))',
 }
 
 
@@ -1302,7 +1308,15 @@ def test_a_template_value_after_a_starred_argument_is_not_known(make: str) -> No
 
 
 @pytest.mark.parametrize(
-    "form", ["format, a literal", "% formatting", "string.Template", "f-string", "a named template, **values"]
+    "form",
+    [
+        "format, a literal",
+        "% formatting",
+        "string.Template",
+        "f-string",
+        "a named template, **values",
+        "replace",
+    ],
 )
 def test_a_cuda_template_of_values_known_at_run_time_reads_no_placeholder(form: str) -> None:
     """A template's value known only at run time (`BLOCK = int(os.environ.get(...))`) is not read: no launch of
@@ -1340,6 +1354,8 @@ def test_a_cuda_template_of_values_known_at_run_time_reads_no_placeholder(form: 
         'f"__global__ void k() {{}}' + "{A}" * 9_000 + '"',
         '"__global__ void k() {{}}' + "{A}" * 9_000 + '".format(A=A)',
         '"__global__ void k() {}' + "%(A)s" * 6_000 + '" % {"A": A}',
+        '"__global__ void k() {}' + "Z" * 9_000 + '".replace("Z", A)',
+        '"__global__ void k() {}' + "Z" * 9_000 + '".replace("Z", A).replace("x", A)',
     ],
 )
 def test_a_template_filled_past_any_kernel_s_size_is_not_read(fill: str) -> None:
@@ -1912,3 +1928,22 @@ def test_callers_passing_constants_are_read_cheaply() -> None:
     host += "int main() { launch(1, " + ", ".join(names) + "); }\n"
     assert read(host, None) == SourceLaunch((64, 1, 1), (256, 1, 1), 0)
     assert fastest_s(lambda: (host_launch._CACHE.clear(), read(many), read(host, None)), 5.0) < 5.0
+
+
+def test_a_define_a_template_replaces_with_a_value_known_at_run_time_is_not_read() -> None:
+    """`.replace("#define BLOCK 128", f"#define BLOCK {block}")`: the template's text was read as written, its
+    `#define BLOCK 128` the launch's block, where the kernel runs with the block the caller chooses."""
+    template = _UNBRACED.replace("{BLOCK}", "BLOCK")
+    make = (
+        'TEMPLATE = """#define BLOCK 128\n' + template + '"""\n'
+        "def make(block):\n"
+        '    return TEMPLATE.replace("#define BLOCK 128", "#define BLOCK " + str(block))\n'
+        "cuda_src = make(BLOCK)\n"
+    )
+    head = "import os\nBLOCK = int(os.environ.get('BLOCK', 256))\n"
+    python = Kernel(source=_templated(make, head), entry="ModelNew", language="python")
+    assert source_launch(python, inputs(x=[1 << 24])) is None
+    # Replaced by a constant, it is that constant's.
+    known = make.replace("str(block)", "str(256)")
+    python = Kernel(source=_templated(known, head), entry="ModelNew", language="python")
+    assert source_launch(python, inputs(x=[1 << 24])) == SourceLaunch((65536, 1, 1), (256, 1, 1), 0)

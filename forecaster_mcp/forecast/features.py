@@ -1215,10 +1215,11 @@ def parsed_python(source: str) -> ast.Module | None:
 # A string made from a template is read where every value put in it is known without running anything: a literal,
 # or a module constant (`_module_constants`). Agents write the block size into their CUDA that way
 # (`f"""...{BLOCK}..."""`, `"""...""".format(BLOCK=256)`, `% {"BLOCK": BLOCK}`, string.Template,
-# `"..." + str(BLOCK) + "..."`). A `.format`, `%` or Template value that is not known is put in as
-# `_RUNTIME_VALUE`, a name nothing defines: the template's own `{BLOCK}`, `{{` or `%%` left in the text read
-# wrongly (a launch of `{BLOCK}` threads, a division for each `%`). An f-string's or `str()`'s is not read, as
-# before (its text is made at run time).
+# `"..." + str(BLOCK) + "..."`, `"...BLOCK...".replace("BLOCK", str(BLOCK))`). A `.format`, `%`, Template or
+# `.replace` value that is not known is put in as `_RUNTIME_VALUE`, a name nothing defines: the template's own
+# `{BLOCK}`, `{{`, `%%` or replaced `#define BLOCK 128` left in the text read wrongly (a launch of `{BLOCK}` or 128
+# threads, a division for each `%`). An f-string's or `str()`'s is not read, as before (its text is made at run
+# time).
 _RUNTIME_VALUE = "__runtime_value__"
 _FORMATS = frozenset({"format", "substitute", "safe_substitute"})
 # `%` formatting read: `%d`, `%i`, `%s`, with or without a `(key)`, and `%%`; any other (a width, `%f`) is not.
@@ -1367,6 +1368,9 @@ def _formatted(node: ast.AST, constants: Mapping[str, int | str], budget: _Budge
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod):
         template = _template_text(node.left, constants, budget)
         return None if template is None else _percent(template, node.right, constants, budget)
+    if _replaces(node):
+        assert isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+        return _replaced(node.func.value, node.args[0], node.args[1], constants, budget)
     if not (
         isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _FORMATS
     ):
@@ -1400,6 +1404,48 @@ def _formatted(node: ast.AST, constants: Mapping[str, int | str], budget: _Budge
             return None
         keywords = {**mapping, **keywords}
     return _substitute(template, keywords, budget)
+
+
+def _replaces(node: ast.AST) -> bool:
+    """Whether `node` is a `.replace(old, new)` call (every one: what it replaces in is read where known)."""
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "replace"
+        and len(node.args) == 2
+        and not node.keywords
+    )
+
+
+def _replaced(
+    receiver: ast.AST, old: ast.AST, new: ast.AST, constants: Mapping[str, int | str], budget: _Budget
+) -> str | None:
+    """A template's text with `.replace(old, new)` done (`src.replace("BLOCK", str(256))`): None where the template
+    or what it replaces is not a string known here; a `new` not known is put in as `_RUNTIME_VALUE` (the template's
+    own `BLOCK`, or `#define BLOCK 128`, is not the kernel's)."""
+    template = _template_text(receiver, constants, budget)
+    if template is None:
+        return None
+    found = _string_parts(old, constants, budget)
+    if found is None or not found[0]:
+        return None
+    if isinstance(new, ast.Name) or (
+        isinstance(new, ast.Call) and _is_str_call(new)
+    ):  # `DTYPE`, `str(BLOCK)`
+        known = _constant(new.args[0] if isinstance(new, ast.Call) else new, constants)
+        value = str(known) if known is not None else _RUNTIME_VALUE
+    else:
+        try:
+            put = _string_parts(new, constants, budget)
+        except _OverBudget:
+            raise
+        except _NotRead:
+            put = None
+        value = put[0] if put is not None else _RUNTIME_VALUE
+    # Charged before it is made: thousands of copies of a long value need not be made to be refused.
+    if template.count(found[0]) * len(value) > budget.left:
+        raise _OverBudget
+    return template.replace(found[0], value)
 
 
 def _template_text(node: ast.AST, constants: Mapping[str, int | str], budget: _Budget) -> str | None:
@@ -1592,7 +1638,7 @@ def _template_receiver(node: ast.AST) -> ast.AST | None:
         return node.left if isinstance(node.op, ast.Mod) else None
     if not isinstance(node, ast.Call):
         return None
-    if isinstance(node.func, ast.Attribute) and node.func.attr == "format":
+    if isinstance(node.func, ast.Attribute) and (node.func.attr == "format" or _replaces(node)):
         return node.func.value
     return node.args[0] if len(node.args) == 1 and _names_template(node.func) else None
 
@@ -1645,7 +1691,9 @@ _STRINGS = (ast.Constant, ast.JoinedStr, ast.BinOp, ast.Call)
 def _fills_template(node: ast.AST) -> bool:
     """Whether `node` fills a template in (`.format(...)`, `.substitute(...)`): read as a string, not for the
     kernel it names."""
-    return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _FORMATS
+    return (
+        isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _FORMATS
+    ) or _replaces(node)
 
 
 def _read_statement(
