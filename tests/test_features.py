@@ -13,6 +13,7 @@ from typing import Any
 
 import anyio
 import pytest
+from timing import fastest_s
 
 from forecaster_mcp.forecast.features import (
     FITTED_TERMS,
@@ -1040,6 +1041,20 @@ def test_a_crafted_source_is_read_in_linear_time(unit: str) -> None:
     entry_parameter_count(source, "k")
     strip_comments(source)
     assert time.perf_counter() - start < 10.0
+
+
+@pytest.mark.parametrize("name", ["__shfl_", "__reduce_"])
+def test_a_long_identifier_made_of_intrinsic_names_is_read_in_linear_time(name: str) -> None:
+    """`__shfl\\w*\\s*\\(` was tried from every `__shfl` inside one long identifier, each try a scan to its end:
+    20 KB of `__shfl_` took 4 s, 60 KB about 40 s, and a 1 MB source (the size a kernel may have) hours."""
+    source = (
+        name * (60_000 // len(name))
+        + "\n__global__ void k(float* x) { x[threadIdx.x] = __shfl_sync(~0u, 1.0f, 0); }\n"
+    )
+    kernel = Kernel(source=source, entry="k")
+    # A hang guard with generous headroom (it takes about 0.2 s), not a speed target.
+    assert fastest_s(lambda: kernel_features(kernel, None, lookup("A100")), 5.0) < 5.0
+    assert source_features(source, {}, "k").warp_shuffles == 1
 
 
 def test_nested_kernel_headers_are_matched_in_linear_time() -> None:

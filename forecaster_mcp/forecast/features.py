@@ -304,9 +304,10 @@ _PATTERNS: dict[str, re.Pattern[str]] = {
     ),
     "readonly": re.compile(r"__ldg\s*\(|\bconst\s+[\w:<>]+\s*\*\s*(?:const\s+)?__restrict__"),
     # Intrinsics, and the library calls agents write instead (cooperative-groups tiles and reduce, CUB's warp
-    # and block reductions), which compile to the same shuffles.
+    # and block reductions), which compile to the same shuffles. From a name's start only: tried from every
+    # `__shfl` inside one long identifier, each try read to its end (1 MB of `__shfl_`: hours).
     "warp_shuffles": re.compile(
-        r"__shfl\w*\s*\(|__reduce_\w+_sync\s*\(|\.shfl(?:_down|_up|_xor)?\s*\(|"
+        r"\b__shfl\w*+\s*\(|\b__reduce_\w+_sync\s*\(|\.shfl(?:_down|_up|_xor)?\s*\(|"
         r"\b(?:cg|cooperative_groups)::reduce\s*\(|\bcub::(?:WarpReduce|BlockReduce)\b"
     ),
     "divisions": re.compile(r"[^/*]/(?![/*=])|%(?!=)"),
