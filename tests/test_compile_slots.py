@@ -47,9 +47,11 @@ def _default_limit_after() -> Iterator[None]:
     COMPILE_SLOTS.set_limit(default_limit())
 
 
-def counting_nvcc(tmp_path: Path, hold_s: float = 0.4) -> Path:
+def counting_nvcc(tmp_path: Path, hold_s: float = 0.4, hangs_on: str | None = None) -> Path:
     """An nvcc (the tests' fake one) that keeps, in `<tmp>/counter`, how many of it run now, the most that ran at
-    once and how many ran in all; each run takes `hold_s` more, so that runs overlap wherever they may."""
+    once and how many ran in all; each run takes `hold_s` more, so that runs overlap wherever they may. A source
+    holding `hangs_on` takes it a minute to compile (as a big unrolled loop takes nvcc 24 s), each such run
+    counted in `<tmp>/hung`."""
     counter = tmp_path / "counter"
     script = tmp_path / "nvcc"
     script.write_text(
@@ -69,6 +71,9 @@ def counting_nvcc(tmp_path: Path, hold_s: float = 0.4) -> Path:
         "        f.write(f'{now} {max(peak, now)} {total + (d > 0)}')\n"
         "bump(1)\n"
         "try:\n"
+        f"    if {hangs_on!r} is not None and {hangs_on!r} in open(sys.argv[-1]).read():\n"
+        f"        open({str(tmp_path / 'hung')!r}, 'a').write('x')\n"
+        "        time.sleep(60)\n"
         f"    time.sleep({hold_s})\n"
         f"    rc = subprocess.run([sys.executable, {FAKE!r}, 'nvcc', *sys.argv[1:]]).returncode\n"
         "finally:\n"
@@ -128,6 +133,48 @@ async def test_concurrent_compares_never_run_more_compilers_than_the_limit(tmp_p
     assert now == 0
     assert total > 2  # the limit had something to hold back
     assert peak <= 2, f"{peak} compilers ran at once, over the limit of 2"
+
+
+async def test_a_kernel_that_compiles_past_the_wait_is_not_compiled_again_for_each_launch(
+    tmp_path: Path,
+) -> None:
+    """A kernel nvcc cannot compile within the ptxas wait (a loop of 2,000 unrolled steps took nvcc 24 s) cost
+    every compare asking about it under another launch or workload the whole wait again (10 s each), a compile
+    slot held throughout. Its compile is not tried again with no more time than it ran out of; with more (an
+    evaluation's long wait) it is."""
+    nvcc = counting_nvcc(tmp_path, hold_s=0.0, hangs_on="SLOW_TO_COMPILE")
+    settings = Settings(home=tmp_path / "home", measurer="none", nvcc=str(nvcc), max_concurrent_compiles=2)
+    store = await Store.open(settings.db_path)
+    await store.ensure_ledger("default", 10.0)
+    local = LocalForecaster(store, nvcc=str(nvcc), cache_dir=settings.home / "cache", ptxas_wait_s=2.0)
+    service = Service(settings, store, [local], [])
+    slow = {**_add("slow", 1), "source": _ADD + "// SLOW_TO_COMPILE\n"}
+    hung = tmp_path / "hung"
+
+    def compare(blocks: int) -> dict[str, Any]:
+        launch = {"grid": [4096, 1, 1], "block": [blocks, 1, 1]}
+        return {
+            "candidates": [{**slow, "launch": launch}, {**_add("base", 2), "launch": launch}],
+            "hardware": "H100",
+            "workload": {"problem": {"n": blocks << 12}},
+        }
+
+    took = []
+    try:
+        async with Client(build_server(service)) as client:
+            await call(client, "compare_kernels", compare(128))
+            assert hung.read_text() == "x"
+            for blocks in (256, 512, 1024):
+                start = anyio.current_time()
+                await call(client, "compare_kernels", compare(blocks))
+                took.append(anyio.current_time() - start)
+            assert hung.read_text() == "x", "compiled again, as long, for each launch"
+            local._ptxas_wait_s = 4.0  # twice the time: worth a try
+            await call(client, "compare_kernels", compare(64))
+    finally:
+        await service.close()
+    assert hung.read_text() == "xx"
+    assert min(took) < 1.0, f"compares took {took} s, the ptxas wait each"
 
 
 async def forecasting_service(tmp_path: Path, nvcc: Path, wait_s: float) -> tuple[Service, LocalForecaster]:

@@ -1,14 +1,14 @@
 """Resource usage from `ptxas -v`: registers, shared memory and spills per entry, when nvcc is present.
 
-Compiling takes a second or two, so results are cached on disk by content hash, architecture and compiler
-version (failed compiles too; a timeout, a kill or a full disk is not cached). Only device code is compiled
-(`-cubin`): the host compiler and assembler never see the source, so `asm(".incbin ...")` in host code can
-neither read the server's files nor write a huge object file. A compile error of the source itself is a
-`PtxasError` (`ptxas_result`: its first error line, host paths stripped): the forecaster reports such a kernel
-as one that does not compile. Anything else that stops a compile (no nvcc, a language nvcc does not take, a
-timeout, a kill, a full disk, no compile slot free in time) gives None: the forecaster then works without these
-features. Every compile holds one of the process's compile slots (`compile_slots.COMPILE_SLOTS`) while nvcc runs;
-the wait for one counts against the compile's time.
+Compiling takes a second or two, so results are cached on disk by content hash, architecture and compiler version
+(failed compiles too; a timeout, a kill or a full disk is not cached: a timeout is remembered a while in memory,
+`_OutOfTime`). Only device code is compiled (`-cubin`): the host compiler and assembler never see the source, so
+`asm(".incbin ...")` in host code can neither read the server's files nor write a huge object file. A compile error
+of the source itself is a `PtxasError` (`ptxas_result`: its first error line, host paths stripped): the forecaster
+reports such a kernel as one that does not compile. Anything else that stops a compile (no nvcc, a language nvcc
+does not take, a timeout, a kill, a full disk, no compile slot free in time) gives None: the forecaster then works
+without these features. Every compile holds one of the process's compile slots (`compile_slots.COMPILE_SLOTS`)
+while nvcc runs; the wait for one counts against the compile's time.
 
 An nvcc covers a window of architectures (CUDA 13 dropped sm_5x-sm_72; CUDA 12.2 knows nothing after sm_90).
 For a GPU outside the window, `stand_in_arch` picks the nearest one inside it: register and shared-memory
@@ -30,7 +30,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import traceback
+from collections import OrderedDict
 from collections.abc import AsyncIterable, Callable, Hashable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -349,6 +352,48 @@ def _write_cache(path: Path, result: PtxasUsage | PtxasError | None, arch: str) 
         log.debug("ptxas cache write failed: %s", exc)
 
 
+class _OutOfTime:
+    """The compiles that ran out of time, by cache key: how long nvcc ran before it was killed, and when.
+
+    A timeout is not cached on disk (a quieter moment may compile the source), but a kernel nvcc takes longer than
+    the ptxas wait to compile (2,000 unrolled steps of a loop took 24 s) was compiled again, as long, for every
+    compare that asked about it under another launch or workload: the whole wait (10 s) each, a compile slot held
+    throughout. For OUT_OF_TIME_MEMORY_S it is not compiled again unless given OUT_OF_TIME_RETRY_FACTOR times the
+    time it ran out of (an evaluation's long wait). The process's: forecasters on other event loops share it."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        # key -> (seconds nvcc ran, time.monotonic() then), oldest first
+        self._ran: OrderedDict[str, tuple[float, float]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._limit = limit
+
+    def add(self, key: str, ran_s: float) -> None:
+        with self._lock:
+            before = self._ran.pop(key, None)
+            if before is not None and time.monotonic() - before[1] < OUT_OF_TIME_MEMORY_S:
+                ran_s = max(ran_s, before[0])
+            self._ran[key] = (ran_s, time.monotonic())
+            while len(self._ran) > self._limit:
+                self._ran.popitem(last=False)
+
+    def too_little(self, key: str, timeout_s: float) -> bool:
+        """Whether a compile of `key` given `timeout_s` would run out of time again, as one did lately."""
+        with self._lock:
+            found = self._ran.get(key)
+            if found is None:
+                return False
+            ran_s, when = found
+            if time.monotonic() - when >= OUT_OF_TIME_MEMORY_S:
+                del self._ran[key]
+                return False
+            return timeout_s < ran_s * OUT_OF_TIME_RETRY_FACTOR
+
+
+OUT_OF_TIME_MEMORY_S = 600.0
+OUT_OF_TIME_RETRY_FACTOR = 1.5
+OUT_OF_TIME = _OutOfTime()
+
+
 def _kill_group(pid: int) -> None:
     try:
         os.killpg(pid, signal.SIGKILL)
@@ -572,6 +617,12 @@ async def ptxas_result(
                 on_start()
             return cached
     left = deadline - anyio.current_time()
+    if OUT_OF_TIME.too_little(key, left):
+        # An answer about the source (it takes longer than this): as a timeout is, so on_start.
+        if on_start is not None:
+            on_start()
+        log.info("nvcc ran out of time on %s lately, given as much: ptxas features unavailable", kernel.entry)
+        return None
     if left <= 0 or not await COMPILE_SLOTS.acquire(left):
         # Not cached: nothing was learned about the source, and a quieter moment compiles it.
         log.info(
@@ -585,7 +636,7 @@ async def ptxas_result(
     try:
         if on_start is not None:
             on_start()
-        return await _compile(kernel, arch, nvcc, flags, target, cache_path, deadline)
+        return await _compile(kernel, arch, nvcc, flags, target, cache_path, deadline, key)
     finally:
         COMPILE_SLOTS.release()
 
@@ -598,8 +649,10 @@ async def _compile(
     target: str,
     cache_path: Path | None,
     deadline: float,
+    key: str,
 ) -> PtxasUsage | PtxasError | None:
-    """ptxas_result's compile, its compile slot held, killed at `deadline` (anyio.current_time)."""
+    """ptxas_result's compile, its compile slot held, killed at `deadline` (anyio.current_time); one killed is
+    remembered in OUT_OF_TIME under `key`."""
     with tempfile.TemporaryDirectory(prefix="fmcp-ptxas-") as tmp:
         src = Path(tmp) / "kernel.cu"
         # As the measurer writes it: a lone surrogate (valid JSON, not valid UTF-8) must not raise here.
@@ -637,6 +690,7 @@ async def _compile(
             return None
         raw = b""
         timed_out = True
+        started = anyio.current_time()
         try:
             with anyio.move_on_after(deadline - anyio.current_time()):
                 if proc.stdout is not None:
@@ -652,6 +706,7 @@ async def _compile(
             await proc.aclose()
         made = None if timed_out else await anyio.to_thread.run_sync(made_directive, keep, kernel.source)
     if timed_out:
+        OUT_OF_TIME.add(key, max(0.0, deadline - started))
         log.info("nvcc did not finish in its time on %s: ptxas features unavailable", kernel.entry)
         return None
     output = raw.decode("utf-8", "replace")
