@@ -714,6 +714,42 @@ async def test_ptxas_cache_knows_the_compiler_version_and_skips_the_machines_fai
 
 
 @pytest.mark.anyio
+async def test_the_ptxas_cache_keeps_to_its_bound_dropping_the_least_recently_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Compares are free and every compile was kept: a client cycling a define over a source of a thousand kernels
+    (ptxas reports each) grew the cache by 500 KB a compare, without end. Past its bound the least recently used
+    results go (a later compare compiles them again)."""
+    from forecaster_mcp.forecast import ptxas
+
+    cache = tmp_path / "cache"
+    nvcc = _fake_nvcc(tmp_path / "nvcc", "release 13.1", _ptxas_says(24))
+
+    def kernel(n: int) -> Kernel:
+        return Kernel(source=SMALL, entry="add", defines={"BS": n})
+
+    def files() -> list[Path]:
+        return list((cache / "ptxas").glob("*.json"))
+
+    for n in range(3):
+        assert await ptxas_usage(kernel(n), "sm_80", nvcc, cache) is not None
+    one = files()[0].stat().st_size
+    bound = 10 * one
+    monkeypatch.setattr(ptxas, "PTXAS_CACHE_BYTES", bound)
+    for n in range(3, 40):
+        assert await ptxas_usage(kernel(n), "sm_80", nvcc, cache) is not None
+        # Kernel 0 is asked about again and again: never the least recently used.
+        assert await ptxas_usage(kernel(0), "sm_80", nvcc, cache) is not None
+        assert sum(f.stat().st_size for f in files()) <= bound + one, f"{len(files())} results kept"
+    kept = {f.name for f in files()}
+    key = ptxas._cache_key(kernel(0), "sm_80", nvcc, [], "-arch=sm_80")
+    assert f"{key}.json" in kept
+    assert f"{ptxas._cache_key(kernel(39), 'sm_80', nvcc, [], '-arch=sm_80')}.json" in kept
+    assert f"{ptxas._cache_key(kernel(1), 'sm_80', nvcc, [], '-arch=sm_80')}.json" not in kept
+    assert await ptxas_usage(kernel(1), "sm_80", nvcc, cache) is not None  # compiled again
+
+
+@pytest.mark.anyio
 async def test_ptxas_compiles_device_code_only(tmp_path: Path) -> None:
     """Host code never reaches the host compiler or assembler: `asm(".incbin ...")` in it made the compile's
     success tell whether a file on the server exists (and could write gigabytes of object file)."""
