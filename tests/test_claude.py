@@ -273,13 +273,18 @@ async def test_a_pair_asked_again_is_answered_as_before_not_paid_twice() -> None
 
 
 @pytest.mark.anyio
-async def test_a_pair_that_lacked_a_sample_is_asked_again_in_full() -> None:
-    mock = scripted(tool_answer(FASTER), refusal(), tool_answer(FASTER))
+async def test_a_pair_that_lacked_a_sample_is_asked_only_for_the_missing_one() -> None:
+    """A pair one of whose samples was refused was asked again in full: the sample it had, paid for, was paid for
+    a second time. Its next call keeps it and asks for the missing one."""
+    mock = scripted(tool_answer(FASTER), refusal(), tool_answer(SLOWER))
     f = make(mock, samples=2)
     [short] = await f.forecast([pair()])
     assert short.extras["claude_samples"] == 1
     [full] = await f.forecast([pair()])
-    assert full.extras["claude_samples"] == 2 and len(mock.message_bodies) == 4
+    assert full.extras["claude_samples"] == 2 and len(mock.message_bodies) == 3
+    assert sorted([full.extras["claude_p_faster_s0"], full.extras["claude_p_faster_s1"]]) == pytest.approx(
+        [0.05, 0.95]
+    )
 
 
 # ---------------------------------------------------------------- unusable answers
@@ -1484,6 +1489,42 @@ async def test_batch_flow() -> None:
 
 
 @pytest.mark.anyio
+async def test_a_batch_evaluation_run_again_pays_only_for_the_samples_it_lacks(tmp_path: Any) -> None:
+    """`eval --batch` run again (another process, the same state folder) paid for every sample again. The answers
+    of the first batch are kept as they are read: the second asks only for the one that was refused."""
+    mock = scripted(refusal(), tool_answer(FASTER))
+    _, fake_sleep = recording_sleep()
+    first = make(mock, samples=2, sleep=fake_sleep, cache_dir=tmp_path, invalid_retries=0)
+    [short] = await first.forecast_batch([pair()])
+    assert short.extras["claude_samples"] == 1
+    await first.aclose()
+    again = make(mock, samples=2, sleep=fake_sleep, cache_dir=tmp_path)
+    [full] = await again.forecast_batch([pair()])
+    assert full.extras["claude_samples"] == 2 and again.usage_total.requests == 1
+    assert [len(b.requests) for b in mock.batches.values()] == [2, 1]
+    await again.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_call_cancelled_midway_keeps_the_answers_it_got() -> None:
+    """A call cancelled (the engine's backstop, a client's cancel) after some pairs were answered lost their answers,
+    kept only once the call ended normally: the pairs were paid for again at their next call."""
+    mock = AnthropicMock(lambda body: tool_answer(FASTER))
+    f = ClaudeForecaster(
+        "test-key", MODEL, samples=1, features=None, max_concurrency=1,
+        http_client=slow_api(mock, 0.05, never="saxpy4"),
+    )  # fmt: skip
+    try:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(f.forecast([pair(same_source=True), pair()]), timeout=2)
+        assert len(mock.message_bodies) == 1
+        [again] = await asyncio.wait_for(f.forecast([pair(same_source=True)]), timeout=5)
+        assert again.p_faster == pytest.approx(0.95) and len(mock.message_bodies) == 1
+    finally:
+        await f.aclose(wait_s=0)
+
+
+@pytest.mark.anyio
 async def test_a_batch_result_the_sdk_cannot_make_sense_of_drops_that_sample_only() -> None:
     """Like a live sample: one paid answer that is not a message block (here a bare number) costs its own
     sample, not the whole batch's answers (it raised out of forecast_batch and Claude was skipped)."""
@@ -1720,6 +1761,71 @@ async def test_a_compare_past_claudes_time_limit_answers_locally_and_claude_is_b
     with sqlite3.connect(settings.db_path) as db:
         rows = db.execute("SELECT ledger, input_tokens, cost_usd > 0 FROM llm_usage").fetchall()
     assert rows == [("agentA", 1000, 1)]
+
+
+@pytest.mark.anyio
+async def test_a_restarted_server_answers_a_pair_claude_answered_without_asking_or_billing_again(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Claude's answers were kept in memory only: a restarted server paid again for every pair already asked. Each
+    answer is now kept in the state folder as it arrives: a server started again on it answers the same compare
+    from them, with no request and nothing billed (the ledger's usage stays what the first server recorded), while
+    another model, or another number of samples, asks again. Through the server's own wiring (its settings and
+    state folder) and an in-process MCP client; only the HTTP transport is mocked."""
+    from mcp import Client
+    from tool_calls import call
+
+    from forecaster_mcp.server.app import build_server
+    from forecaster_mcp.service import Service
+
+    mock = AnthropicMock(lambda body: tool_answer(FASTER))
+    real = claude_module.ClaudeForecaster
+
+    def claude(*args: Any, **kw: Any) -> ClaudeForecaster:
+        return real(*args, http_client=mock.client(), **{**kw, "features": None})
+
+    monkeypatch.setattr(claude_module, "ClaudeForecaster", claude)
+    monkeypatch.setenv("FORECASTER_MCP_ANTHROPIC_API_KEY", "test-key")
+    monkeypatch.setenv("FORECASTER_MCP_CLAUDE_MODEL", MODEL)
+    monkeypatch.setenv("FORECASTER_MCP_CLAUDE_SAMPLES", "2")
+    launch = {"grid": [65536, 1, 1], "block": [256, 1, 1]}
+    args = {
+        "candidates": [
+            {"id": "base", "source": NAIVE, "entry": "saxpy", "launch": launch},
+            {"id": "vec4", "source": VEC4, "entry": "saxpy4", "launch": {**launch, "grid": [16384, 1, 1]}},
+        ],
+        "workload": WORKLOAD.model_dump(mode="json"),
+        "hardware": "A100",
+        "measure_if_unsure": False,
+    }
+
+    async def serve_one_compare() -> tuple[dict[str, Any], Any]:
+        settings = Settings.from_env(home=tmp_path, measurer="none")
+        service = await Service.open(settings)
+        try:
+            async with Client(build_server(service)) as client:
+                out = await call(client, "compare_kernels", args)
+            return out, (await service.budget_status(settings.ledger)).llm
+        finally:
+            await service.close()
+
+    first, billed = await serve_one_compare()
+    [vec4] = first["candidates"]
+    assert "claude" in vec4["rationale"] and len(mock.message_bodies) == 2 and billed.calls == 1
+    again, billed_again = await serve_one_compare()  # restarted on the same state folder
+    assert len(mock.message_bodies) == 2
+    assert (
+        again["candidates"][0]["p_faster"] == vec4["p_faster"]
+        and "claude" in again["candidates"][0]["rationale"]
+    )
+    assert (billed_again.calls, billed_again.cost_usd) == (billed.calls, billed.cost_usd)
+    monkeypatch.setenv("FORECASTER_MCP_CLAUDE_MODEL", "claude-haiku-4-5")
+    await serve_one_compare()
+    assert [b["model"] for b in mock.message_bodies[2:]] == ["claude-haiku-4-5"] * 2
+    monkeypatch.setenv("FORECASTER_MCP_CLAUDE_MODEL", MODEL)
+    monkeypatch.setenv("FORECASTER_MCP_CLAUDE_SAMPLES", "3")
+    await serve_one_compare()
+    assert [b["model"] for b in mock.message_bodies[4:]] == [MODEL] * 3
 
 
 def test_an_overflowing_answer_is_invalid_not_uniform() -> None:

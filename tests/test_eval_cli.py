@@ -927,3 +927,89 @@ def test_an_interrupted_eval_says_what_claude_cost_and_that_nothing_was_written(
     assert f"${claude.cost_usd_total:.4f}" in err
     assert "stopped" in err and f"nothing written to {out}" in err
     assert not (out / "metrics.json").exists()
+
+
+def test_an_interrupted_eval_rerun_pays_only_for_the_answers_it_did_not_get(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C during a paid eval lost every answer already paid for: the rerun sent every request again. Each answer
+    is now kept in the state folder as it arrives (also the one in flight at the stop, answered within the close's
+    wait): the rerun asks only for what is missing, its report counts only what it paid, and its metrics are those
+    of a run never stopped. Through the real eval wiring (the settings' model and samples, its state folder), with
+    a real SIGINT raised while the mocked API takes its time over the fifth request."""
+    import asyncio
+    import hashlib
+    import signal
+    from collections import Counter
+
+    import httpx2
+    from _anthropic_mock import AnthropicMock, tool_answer, user_text
+
+    from forecaster_mcp.forecast import claude as claude_module
+
+    answers = [
+        [0.0, 0.0, 0.0, 0.05, 0.15, 0.5, 0.25, 0.05],
+        [0.05, 0.25, 0.5, 0.15, 0.05, 0.0, 0.0, 0.0],
+        [0.0, 0.1, 0.2, 0.2, 0.2, 0.2, 0.1, 0.0],
+    ]
+    asked: list[str] = []
+    stop_at: int | None = 5
+
+    def respond(body: Any) -> Any:
+        text = user_text(body)
+        asked.append(text)
+        # Each pair its own answer, and its two samples differ: a pair given another's samples shows in the metrics.
+        n = int(hashlib.sha256(f"{text}{asked.count(text)}".encode()).hexdigest(), 16)
+        return tool_answer(answers[n % len(answers)])
+
+    mock = AnthropicMock(respond)
+
+    async def handle(request: httpx2.Request) -> httpx2.Response:
+        if len(asked) + 1 == stop_at:
+            signal.raise_signal(signal.SIGINT)
+            await asyncio.sleep(0.3)  # answered after the stop, well within the close's wait
+        return mock.handle(request)
+
+    real = claude_module.ClaudeForecaster
+
+    def claude(*args: Any, **kw: Any) -> Any:
+        # The SDK over the mocked transport; one request at a time, so that the stop comes at a known request.
+        kw.update(features=None, max_concurrency=1, warm_cache=False)
+        return real(*args, http_client=httpx2.AsyncClient(transport=httpx2.MockTransport(handle)), **kw)
+
+    monkeypatch.setattr(claude_module, "ClaudeForecaster", claude)
+    monkeypatch.setenv("FORECASTER_MCP_ANTHROPIC_API_KEY", "test-key")
+    monkeypatch.setenv("FORECASTER_MCP_CLAUDE_MODEL", "claude-sonnet-5")
+    monkeypatch.setenv("FORECASTER_MCP_CLAUDE_SAMPLES", "2")
+    pairs = _write(tmp_path / "pairs.jsonl", TINY)
+
+    def run(out: Path) -> int:
+        return main(["eval", str(pairs), "--out", str(out), "--forecaster", "claude", "--no-ptxas"])
+
+    assert run(tmp_path / "stopped") == 130
+    err = capsys.readouterr().err
+    assert "spent before the stop: claude: 5 requests" in err
+    assert "the 5 Claude answer(s) received are kept in" in err and "reuses them" in err
+    stopped = list(asked)
+    assert len(stopped) == 5
+
+    asked.clear()
+    stop_at = None
+    assert run(tmp_path / "rerun") == 0
+    assert len(asked) == 2 * len(TINY) - 5
+    # Over both runs every pair was asked for its two samples once: no answer received was paid for again.
+    assert set(Counter(stopped + asked).values()) == {2} and len(set(stopped + asked)) == len(TINY)
+    rerun = json.loads((tmp_path / "rerun" / "metrics.json").read_text())
+    assert rerun["llm"]["requests"] == len(asked)  # what this run paid, the stopped run's not counted again
+    assert "5 answers" in capsys.readouterr().out
+
+    # The same pairs evaluated from scratch in another state folder, never stopped: the same forecasts.
+    monkeypatch.setenv("FORECASTER_MCP_HOME", str(tmp_path / "other-home"))
+    asked.clear()
+    assert run(tmp_path / "whole") == 0
+    assert len(asked) == 2 * len(TINY)
+    whole = json.loads((tmp_path / "whole" / "metrics.json").read_text())
+    assert rerun["final"] == whole["final"] and rerun["components"] == whole["components"]
+    assert (tmp_path / "rerun" / "predictions.jsonl").read_text() == (
+        tmp_path / "whole" / "predictions.jsonl"
+    ).read_text()

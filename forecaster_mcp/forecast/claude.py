@@ -14,7 +14,11 @@ How one pair is forecast:
 - `samples` separate requests are sampled, validated, averaged, and shrunk toward uniform by how much
   their p_faster disagree (their spread is a signal of uncertainty the mean alone hides);
 - the SDK retries rate limits and server errors itself; tenacity retries only unusable answers;
-- a pair answered with all its samples is kept: asked again (the same prompt), it is answered from them;
+- each answered sample is kept (by the hash of its prompt) as it arrives: asked again, a pair is answered from the
+  samples it has and only the missing ones are requested. With a `cache_dir` (the state folder's cache/, as the
+  server and `eval` give it) each is also appended to a file there at once, under the model, prompt version and
+  number of samples: a restarted server, or an `eval` rerun after a Ctrl-C, reuses them without a request; another
+  model, prompt or sample count asks again;
 - a request already sent when its call stops waiting (the time limit) is not cancelled (the API bills it all
   the same): it finishes in the background, its usage is recorded and its answer kept for the pair's next call.
 """
@@ -22,6 +26,7 @@ How one pair is forecast:
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import logging
@@ -90,6 +95,8 @@ MAX_PTXAS_KERNELS = 8
 _PTXAS_WAIT_S = 20.0
 # Complete answers kept per pair text (least recently used dropped first): a pair asked again is answered as before.
 _ANSWERS_KEPT = 4096
+# Under cache_dir: one file of JSON lines per pair and answer settings, a line per sample (_AnswerFiles).
+ANSWERS_DIR = "claude-answers"
 # Shared blocks (baselines) whose time in the prompt cache is kept track of.
 _SHARED_WARM_KEPT = 1024
 # How long aclose waits for requests still running in the background before it cancels them.
@@ -469,6 +476,12 @@ class ClaudeForecaster:
         self._ptxas_wait_s = ptxas_wait_s
         self.usage_total = TokenUsage()
         self.cost_usd_total = 0.0
+        # Every answered sample on disk as it arrives, for later processes (None: memory only).
+        self._answer_files = (
+            _AnswerFiles(cache_dir / ANSWERS_DIR, model, samples, output_mode)
+            if cache_dir is not None
+            else None
+        )
         # The samples of each pair answered in full, by the hash of its prompt (the model and system prompt are
         # this forecaster's own): the same compare sent again (say with measure_if_unsure this time) paid for
         # every sample a second time, and a new draw could turn a decided verdict unsure between the two calls.
@@ -541,10 +554,11 @@ class ClaudeForecaster:
                     "candidates, or lower claude_samples"
                 )
         finally:
+            # Kept before anything is awaited: a call cancelled here (Ctrl-C, a client's cancel) keeps them too.
+            for p, g in zip(texts, got, strict=False):
+                self._remember(p.text, g)
             with anyio.CancelScope(shield=True):  # a timed-out call still paid for what it got
                 await self._record(usage, batch=False)
-        for p, g in zip(texts, got, strict=False):
-            self._remember(p.text, g)
         results = [self._aggregated(g) for g in got]
         if queries and not any(results) and any(p.startswith(_UNREACHABLE) for p in problems):
             # Nothing answered and the API could not be reached (after the SDK's retries): the next calls
@@ -616,14 +630,37 @@ class ClaudeForecaster:
             for p in texts
         ]
 
+    @property
+    def answers_dir(self) -> Path | None:
+        """Where answered samples are kept for later processes (None: in memory only)."""
+        return None if self._answer_files is None else self._answer_files.folder
+
+    @property
+    def answers_saved(self) -> int:
+        """Samples this forecaster appended to `answers_dir`."""
+        return 0 if self._answer_files is None else self._answer_files.saved
+
+    @property
+    def answers_reused(self) -> int:
+        """Samples this forecaster read from `answers_dir` (kept by an earlier process) instead of asking again."""
+        return 0 if self._answer_files is None else self._answer_files.reused
+
     def _answered(self, text: str) -> tuple[_Sample, ...]:
-        """The samples of an earlier complete answer to this prompt, else those answered in the background."""
+        """The samples of an earlier complete answer to this prompt, else those kept of an incomplete one (answered
+        in the background, by a call stopped or refused midway, or by an earlier process: `_answer_files`)."""
         key = _digest(text)
         samples = self._answers.get(key, ())
         if samples:
             self._answers.move_to_end(key)
             return samples
-        return tuple(self._late_answers.get(key, ()))
+        kept = tuple(self._late_answers.get(key, ()))
+        if self._answer_files is not None:
+            # Every sample this process got is there too (unless its write failed): the longer one.
+            stored = self._answer_files.read(key, already=len(kept))
+            if len(stored) > len(kept):
+                kept = stored
+                self._keep(key, kept)
+        return kept[: self.samples]
 
     def _keep_late(self, text: str, sample: _Sample) -> None:
         """Keep a sample answered after its call had returned, for the pair's next call (_answered)."""
@@ -633,18 +670,39 @@ class ClaudeForecaster:
         kept = self._late_answers.setdefault(key, [])
         if len(kept) < self.samples:
             kept.append(sample)
+            self._save(text, sample)
         self._late_answers.move_to_end(key)
         while len(self._late_answers) > _ANSWERS_KEPT:
             self._late_answers.popitem(last=False)
 
+    def _save(self, text: str, sample: _Sample) -> None:
+        """An answered sample, on disk at once (before anything else can stop this process's work on it)."""
+        if self._answer_files is not None:
+            self._answer_files.append(_digest(text), sample)
+
     def _remember(self, text: str, got: Sequence[_Sample | None]) -> None:
-        """Keep a pair's samples once it has all it asked for (a pair missing some is asked again next time)."""
+        """Keep a pair's samples: once it has all it asked for, as its answer; fewer (a refused sample, a call
+        stopped midway), as the first of its next call's, which asks only for the rest."""
         samples = tuple(s for s in got if s is not None)
-        if len(samples) < self.samples:
+        if not samples:
             return
         key = _digest(text)
+        if len(samples) < self.samples:
+            # Samples answered in the background meanwhile are kept beside this call's (never twice).
+            late = self._late_answers.get(key, [])
+            samples += tuple(s for s in late if not any(s is t for t in samples))
+        self._keep(key, samples)
+
+    def _keep(self, key: str, samples: Sequence[_Sample]) -> None:
+        """`samples` as all that is known of the pair `key` (`_answers` once complete, else `_late_answers`)."""
+        if len(samples) < self.samples:
+            self._late_answers[key] = list(samples)
+            self._late_answers.move_to_end(key)
+            while len(self._late_answers) > _ANSWERS_KEPT:
+                self._late_answers.popitem(last=False)
+            return
         self._late_answers.pop(key, None)  # among `samples` now
-        self._answers[key] = samples
+        self._answers[key] = tuple(samples[: self.samples])
         self._answers.move_to_end(key)
         while len(self._answers) > _ANSWERS_KEPT:
             self._answers.popitem(last=False)
@@ -678,6 +736,7 @@ class ClaudeForecaster:
         problems: list[str] = []
         samples: list[list[_Sample]] = [[] for _ in queries]
         unreadable: list[str] = []  # the requests whose result line could not be read, named
+        texts: list[prompt.PairPrompt] = []
 
         def unanswered(message: str) -> ClaudeUnavailable:
             if unreadable:
@@ -686,13 +745,14 @@ class ClaudeForecaster:
 
         try:
             texts = await self._prompts(queries)
-            for p in texts:
+            for i, p in enumerate(texts):
                 if prompt.utf8_size(p.text) > prompt.MAX_PROMPT_BYTES:
                     problems.append(_too_long(p.text))
+                samples[i].extend(self._answered(p.text))  # kept from earlier: not asked (nor paid) again
             pending = {
                 (i, j): self._max_tokens()
                 for i in range(len(queries))
-                for j in range(self.samples)
+                for j in range(len(samples[i]), self.samples)
                 if prompt.utf8_size(texts[i].text) <= prompt.MAX_PROMPT_BYTES
             }
             for round_no in range(1 + self.invalid_retries):
@@ -718,6 +778,7 @@ class ClaudeForecaster:
                             f"{outcome.why}"
                         )
                         continue
+                    answered = len(samples[i])
                     try:
                         again = self._batch_outcome(outcome, mode, max_tokens, usage, problems, samples[i])
                     except ClaudeUnavailable as exc:
@@ -725,6 +786,8 @@ class ClaudeForecaster:
                         # other result of this batch is read, billed and kept.
                         rejected = rejected or exc
                         continue
+                    if len(samples[i]) > answered:
+                        self._save(texts[i].text, samples[i][-1])
                     if again is not None:
                         retry[(i, j)] = again
                 # Lines that name no request leave one unanswered, which is then missing: asked again above.
@@ -740,6 +803,8 @@ class ClaudeForecaster:
                     # What the cancelled or failed batches finished is counted and kept; no further round.
                     raise unanswered(gave_up)
         finally:
+            for p, s in zip(texts, samples, strict=False):
+                self._remember(p.text, s)
             with anyio.CancelScope(shield=True):  # a timed-out call still paid for what it got
                 await self._record(usage, batch=True)
             if unreadable:
@@ -860,10 +925,12 @@ class ClaudeForecaster:
                             > 0
                         )
                     try:
-                        return self._interpret(message, mode)
+                        sample = self._interpret(message, mode)
                     except _Truncated:
                         max_tokens = self._grown(max_tokens)
                         raise
+                    self._save(text.text, sample)  # paid for: kept whatever becomes of this call
+                    return sample
         except prompt.InvalidAnswer as exc:
             problems.append(f"unusable answer after {1 + self.invalid_retries} attempts: {exc}")
         except (_Dropped, _Transient) as exc:
@@ -1394,6 +1461,92 @@ class ClaudeForecaster:
         except Exception:
             # Accounting must not turn a paid, successful forecast into a failure.
             log.exception("could not record Claude usage (%d requests, $%.4f)", usage.requests, cost)
+
+
+@functools.cache
+def _prompt_version() -> str:
+    """What every request of a pair shares besides its text: the system prompt, the tool and the answer schema."""
+    parts = [prompt.SYSTEM_PROMPT, prompt.tool_definition(), prompt.answer_schema(strict=True)]
+    return _digest(json.dumps(parts, sort_keys=True))[:16]
+
+
+class _AnswerFiles:
+    """Answered samples on disk, for later processes (a restarted server, an `eval` rerun after Ctrl-C): one file
+    of JSON lines per pair and answer settings, a line per sample appended the moment it is answered (one write,
+    so that processes sharing the folder do not interleave lines, and a process killed right after has it kept).
+    A line holds what decides the answer (model, prompt version, output mode, samples asked, the prompt's hash)
+    and is used only when all of them match this forecaster's; a line that cannot be read (cut short by a crash,
+    edited) is skipped. Failures to write or read are logged once, never raised: the forecast goes on without."""
+
+    def __init__(self, folder: Path, model: str, samples: int, output_mode: str) -> None:
+        self.folder = folder
+        self._settings = {
+            "model": model,
+            "prompt_version": _prompt_version(),
+            "output_mode": output_mode,
+            "samples": samples,
+        }
+        self._settings_key = _digest(json.dumps(self._settings, sort_keys=True))
+        self._samples = samples
+        self._warned = False
+        self.saved = 0
+        self.reused = 0
+
+    def _path(self, key: str) -> Path:
+        return self.folder / f"{_digest(self._settings_key + key)[:40]}.jsonl"
+
+    def append(self, key: str, sample: _Sample) -> None:
+        line = {**self._settings, "prompt_sha256": key, "probs": sample.probs, "reasoning": sample.reasoning}
+        data = (json.dumps(line) + "\n").encode()
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self._path(key), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            self._warn(
+                f"could not keep a Claude answer in {self.folder} ({exc}): it is asked again next time"
+            )
+            return
+        self.saved += 1
+
+    def read(self, key: str, *, already: int = 0) -> tuple[_Sample, ...]:
+        """The samples kept for the pair `key` (at most as many as asked); `already`: how many of them this process
+        knew (the rest count as reused)."""
+        try:
+            text = self._path(key).read_text(encoding="utf-8", errors="replace")
+        except FileNotFoundError:
+            return ()
+        except OSError as exc:
+            self._warn(f"could not read the Claude answers kept in {self.folder} ({exc})")
+            return ()
+        out: list[_Sample] = []
+        for line in text.splitlines():
+            try:
+                item = json.loads(line)
+                if not isinstance(item, dict) or item.get("prompt_sha256") != key:
+                    continue
+                if any(item.get(k) != v for k, v in self._settings.items()):
+                    continue
+                prompt.parse_answer({"probabilities": item.get("probs"), "reasoning": item.get("reasoning")})
+            except (ValueError, RecursionError):  # not JSON (cut short), or not an answer (InvalidAnswer)
+                continue
+            # As answered (parse_answer normalised them then): normalising again could move their last bits.
+            reasoning = item.get("reasoning")
+            out.append(
+                _Sample([float(p) for p in item["probs"]], reasoning if isinstance(reasoning, str) else "")
+            )
+            if len(out) == self._samples:
+                break
+        self.reused += max(0, len(out) - already)
+        return tuple(out)
+
+    def _warn(self, message: str) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning("%s", message)
 
 
 @dataclass(frozen=True)

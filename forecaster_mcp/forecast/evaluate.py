@@ -21,6 +21,7 @@ so the threshold is certified on pairs the calibration never saw. Then PAIRS is 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import statistics
@@ -52,6 +53,8 @@ if TYPE_CHECKING:
     from forecaster_mcp.forecast.engine import EngineForecast, ForecastEngine, Regime
     from forecaster_mcp.settings import Settings
     from forecaster_mcp.store.db import AnchorPoint, FamilyPoint
+
+log = logging.getLogger(__name__)
 
 KNOWN_FORECASTERS = ("local", "claude")
 # make-pairs writes this into the stand-in source of recorded kernels: there is nothing to compile.
@@ -454,6 +457,14 @@ def _llm_line(llm: dict[str, float]) -> str:
     )
 
 
+def _answers_kept(forecasters: Sequence[object], counter: str) -> tuple[int, Path] | None:
+    """Claude's answers saved (`answers_saved`) or reused (`answers_reused`), and their folder; None: none."""
+    found = [(getattr(f, counter, 0), getattr(f, "answers_dir", None)) for f in forecasters]
+    total = sum(n for n, _ in found)
+    folder = next((d for n, d in found if n and d is not None), None)
+    return (total, folder) if total and folder is not None else None
+
+
 def _llm_usage(forecasters: Sequence[object], into: dict[str, float] | None = None) -> dict[str, float]:
     """Requests, tokens and dollars the paid forecasters (Claude) spent, added to `into`."""
     out = dict(into or {})
@@ -656,7 +667,42 @@ async def _forecast_all(
     list[str],
 ]:
     """Forecast the calibration file (if any) then the pairs; `built` gets every forecaster made, both phases,
-    for what they spent should the run be stopped."""
+    for what they spent should the run be stopped. The forecasters are closed at the end, also of a run stopped
+    (Ctrl-C): Claude's requests still running get CLOSE_WAIT_S to answer, so that what they cost is counted and
+    their answers kept for a rerun."""
+    import anyio
+
+    built = [] if built is None else built
+    try:
+        return await _forecast_both(names, settings, main, cal_file, target, ptxas, batch, built)
+    finally:
+        with anyio.CancelScope(shield=True):
+            for f in built:
+                closer = getattr(f, "aclose", None)
+                if closer is not None:
+                    try:
+                        await closer()
+                    except Exception:
+                        log.warning("closing forecaster %s failed", f.name, exc_info=True)
+
+
+async def _forecast_both(
+    names: Sequence[str],
+    settings: Settings,
+    main: PairsFile,
+    cal_file: PairsFile | None,
+    target: float,
+    ptxas: bool,
+    batch: bool,
+    built: list[Forecaster],
+) -> tuple[
+    ForecastEngine,
+    list[PairQuery],
+    list[EngineForecast],
+    dict[tuple[str, Regime], ThresholdChoice],
+    _Calibration | None,
+    list[str],
+]:
     from forecaster_mcp.forecast.engine import ForecastEngine
 
     notes: list[str] = []
@@ -667,8 +713,7 @@ async def _forecast_all(
     forecasters = build_forecasters(
         names, settings, MemoryHistory(main.history), ptxas=ptxas and _worth_compiling(main)
     )
-    if built is not None:
-        built.extend(forecasters)
+    built.extend(forecasters)
     # Thresholds certified on every calibration pair: the newest-first window of a server (forecasts under an
     # older calibration stop counting) would keep only the file's last pairs here, often one recording's.
     engine = ForecastEngine(forecasters, None, history_window=None)
@@ -840,8 +885,19 @@ def run_eval(
                 "are billed too)",
                 file=sys.stderr,
             )
+        if kept := _answers_kept(built, "answers_saved"):
+            print(
+                f"forecaster-mcp: the {kept[0]} Claude answer(s) received are kept in {kept[1]}: a rerun with the "
+                "same model and samples reuses them, without paying for them again",
+                file=sys.stderr,
+            )
         print(f"forecaster-mcp: eval stopped: nothing written to {out_dir}", file=sys.stderr)
         raise
+    if reused := _answers_kept(built, "answers_reused"):
+        notes.append(
+            f"claude: {reused[0]} answers kept by an earlier run (in {reused[1]}) were reused, not asked or paid for "
+            "again: the llm figures count only this run's requests"
+        )
     if main.pairs and not any(f.raw for f in forecasts):
         # Metrics of the engine's even-odds stand-in would read as a coin-flip forecaster: refuse instead.
         raise OperatorError(
