@@ -772,6 +772,11 @@ class Workload(_Strict):
         copy._scope = ledger
         return copy
 
+    @property
+    def scope(self) -> str | None:
+        """The ledger whose own history this workload holds where ledgers are isolated (`scoped`), else None."""
+        return self._scope
+
     def history_key(self) -> str:
         """What the store files measurements, forecasts and family models under: `key()`, and within an
         isolated ledger `<key>@<ledger>`. Measurers (and exports) use `key()`: the inputs are the same."""

@@ -378,7 +378,7 @@ class Service:
             )
         if max_measurements < 0 or max_measurements > MAX_CANDIDATES:
             raise InvalidRequest(f"max_measurements must be between 0 and {MAX_CANDIDATES}")
-        if measure_if_unsure and ledger is not None:
+        if ledger is not None and (measure_if_unsure or self._forecasts_paid()):
             await self._require_ledger(ledger)
         hw = self.resolve_hardware(hardware)
         base = by_id[base_id]
@@ -1032,12 +1032,23 @@ class Service:
             raise NotMeasurable(self._no_device_message(hardware))
         return hw.device_of, hw.name
 
+    def _forecasts_paid(self) -> bool:
+        """Whether a forecaster bills per request (Claude): its spending is recorded on the caller's ledger."""
+        return any(getattr(f, "paid", False) for f in self.engine.forecasters)
+
     async def _require_ledger(self, ledger: str) -> None:
         if await self.store.get_ledger(ledger) is None:
+            # Claude's spending is recorded on the caller's ledger: with no ledger to record it on, a compare
+            # paid the API and the record of it was lost (logged as an error), so it is refused first.
+            free = (
+                "Forecasts (compare_kernels) on this server use Claude, whose spending is recorded on the ledger, "
+                "so they need it too."
+                if self._forecasts_paid()
+                else "Forecasts (compare_kernels) are free."
+            )
             raise UnknownLedger(
                 f"ledger {ledger!r} does not exist; an operator creates it with "
-                f"`forecaster-mcp ledger create {shlex.quote(ledger)} --gpu-seconds N`. Forecasts (compare_kernels) "
-                "are free."
+                f"`forecaster-mcp ledger create {shlex.quote(ledger)} --gpu-seconds N`. {free}"
             )
 
     async def measure(

@@ -1763,6 +1763,59 @@ async def test_a_compare_past_claudes_time_limit_answers_locally_and_claude_is_b
     assert rows == [("agentA", 1000, 1)]
 
 
+class _ClaudeServer:
+    """Servers with Claude (2 samples) on one state folder, each started for one compare of saxpy against its
+    vectorised form through an in-process MCP client and the server's own wiring; only the HTTP transport is
+    mocked (`mock`)."""
+
+    def __init__(self, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.home = tmp_path
+        self.mock = AnthropicMock(lambda body: tool_answer(FASTER))
+        real = claude_module.ClaudeForecaster
+
+        def claude(*args: Any, **kw: Any) -> ClaudeForecaster:
+            return real(*args, http_client=self.mock.client(), **{**kw, "features": None})
+
+        monkeypatch.setattr(claude_module, "ClaudeForecaster", claude)
+        monkeypatch.setenv("FORECASTER_MCP_ANTHROPIC_API_KEY", "test-key")
+        monkeypatch.setenv("FORECASTER_MCP_CLAUDE_MODEL", MODEL)
+        monkeypatch.setenv("FORECASTER_MCP_CLAUDE_SAMPLES", "2")
+        launch = {"grid": [65536, 1, 1], "block": [256, 1, 1]}
+        self.args = {
+            "candidates": [
+                {"id": "base", "source": NAIVE, "entry": "saxpy", "launch": launch},
+                {
+                    "id": "vec4",
+                    "source": VEC4,
+                    "entry": "saxpy4",
+                    "launch": {**launch, "grid": [16384, 1, 1]},
+                },
+            ],
+            "workload": WORKLOAD.model_dump(mode="json"),
+            "hardware": "A100",
+            "measure_if_unsure": False,
+        }
+
+    async def compare(self, **settings: Any) -> tuple[dict[str, Any], Any]:
+        """One server's compare, and the Claude usage its ledger shows."""
+        from mcp import Client
+        from tool_calls import call
+
+        from forecaster_mcp.server.app import build_server
+        from forecaster_mcp.service import Service
+
+        chosen = Settings.from_env(home=self.home, measurer="none", **settings)
+        service = await Service.open(chosen)
+        try:
+            if await service.store.get_ledger(chosen.ledger) is None:
+                await service.store.create_ledger(chosen.ledger, 100.0)
+            async with Client(build_server(service)) as client:
+                out = await call(client, "compare_kernels", self.args)
+            return out, (await service.budget_status(chosen.ledger)).llm
+        finally:
+            await service.close()
+
+
 @pytest.mark.anyio
 async def test_a_restarted_server_answers_a_pair_claude_answered_without_asking_or_billing_again(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
@@ -1772,47 +1825,12 @@ async def test_a_restarted_server_answers_a_pair_claude_answered_without_asking_
     from them, with no request and nothing billed (the ledger's usage stays what the first server recorded), while
     another model, or another number of samples, asks again. Through the server's own wiring (its settings and
     state folder) and an in-process MCP client; only the HTTP transport is mocked."""
-    from mcp import Client
-    from tool_calls import call
-
-    from forecaster_mcp.server.app import build_server
-    from forecaster_mcp.service import Service
-
-    mock = AnthropicMock(lambda body: tool_answer(FASTER))
-    real = claude_module.ClaudeForecaster
-
-    def claude(*args: Any, **kw: Any) -> ClaudeForecaster:
-        return real(*args, http_client=mock.client(), **{**kw, "features": None})
-
-    monkeypatch.setattr(claude_module, "ClaudeForecaster", claude)
-    monkeypatch.setenv("FORECASTER_MCP_ANTHROPIC_API_KEY", "test-key")
-    monkeypatch.setenv("FORECASTER_MCP_CLAUDE_MODEL", MODEL)
-    monkeypatch.setenv("FORECASTER_MCP_CLAUDE_SAMPLES", "2")
-    launch = {"grid": [65536, 1, 1], "block": [256, 1, 1]}
-    args = {
-        "candidates": [
-            {"id": "base", "source": NAIVE, "entry": "saxpy", "launch": launch},
-            {"id": "vec4", "source": VEC4, "entry": "saxpy4", "launch": {**launch, "grid": [16384, 1, 1]}},
-        ],
-        "workload": WORKLOAD.model_dump(mode="json"),
-        "hardware": "A100",
-        "measure_if_unsure": False,
-    }
-
-    async def serve_one_compare() -> tuple[dict[str, Any], Any]:
-        settings = Settings.from_env(home=tmp_path, measurer="none")
-        service = await Service.open(settings)
-        try:
-            async with Client(build_server(service)) as client:
-                out = await call(client, "compare_kernels", args)
-            return out, (await service.budget_status(settings.ledger)).llm
-        finally:
-            await service.close()
-
-    first, billed = await serve_one_compare()
+    server = _ClaudeServer(tmp_path, monkeypatch)
+    mock = server.mock
+    first, billed = await server.compare()
     [vec4] = first["candidates"]
     assert "claude" in vec4["rationale"] and len(mock.message_bodies) == 2 and billed.calls == 1
-    again, billed_again = await serve_one_compare()  # restarted on the same state folder
+    again, billed_again = await server.compare()  # restarted on the same state folder
     assert len(mock.message_bodies) == 2
     assert (
         again["candidates"][0]["p_faster"] == vec4["p_faster"]
@@ -1820,12 +1838,57 @@ async def test_a_restarted_server_answers_a_pair_claude_answered_without_asking_
     )
     assert (billed_again.calls, billed_again.cost_usd) == (billed.calls, billed.cost_usd)
     monkeypatch.setenv("FORECASTER_MCP_CLAUDE_MODEL", "claude-haiku-4-5")
-    await serve_one_compare()
+    await server.compare()
     assert [b["model"] for b in mock.message_bodies[2:]] == ["claude-haiku-4-5"] * 2
     monkeypatch.setenv("FORECASTER_MCP_CLAUDE_MODEL", MODEL)
     monkeypatch.setenv("FORECASTER_MCP_CLAUDE_SAMPLES", "3")
-    await serve_one_compare()
+    await server.compare()
     assert [b["model"] for b in mock.message_bodies[4:]] == [MODEL] * 3
+
+
+@pytest.mark.anyio
+async def test_isolated_ledgers_do_not_share_claude_answers(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ledgers isolated, no agent's result may depend on which ran before it: agent B's compare of the pair
+    agent A had asked was answered from A's kept answers, B's ledger showing no Claude spending at all. Isolated,
+    each ledger asks (and pays) for its own; shared ledgers still answer the second from the first's."""
+    server = _ClaudeServer(tmp_path, monkeypatch)
+    _, a = await server.compare(ledger="agent-a", isolate_ledgers=True)
+    _, b = await server.compare(ledger="agent-b", isolate_ledgers=True)
+    assert (a.calls, b.calls, len(server.mock.message_bodies)) == (1, 1, 4)
+    _, a_again = await server.compare(ledger="agent-a", isolate_ledgers=True)
+    assert (a_again.calls, len(server.mock.message_bodies)) == (1, 4)  # its own answers, kept
+    _, c = await server.compare(ledger="agent-c")
+    _, d = await server.compare(ledger="agent-d")
+    assert (c.calls, d.calls, len(server.mock.message_bodies)) == (1, 0, 6)  # shared: d answered from c's
+
+
+@pytest.mark.anyio
+async def test_a_compare_for_a_ledger_that_does_not_exist_is_refused_before_claude_is_paid(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Claude's spending is recorded on the caller's ledger. A compare for a ledger that did not exist (a stdio
+    server started with --ledger before `ledger create`) paid the API, then failed to record it (logged as an
+    error) and answered with the forecast: money spent that no report shows. It is now refused first, with the
+    command that creates the ledger, and nothing is asked."""
+    from mcp import Client
+    from tool_calls import call
+
+    from forecaster_mcp.server.app import build_server
+    from forecaster_mcp.server.client import ToolCallFailed
+    from forecaster_mcp.service import Service
+
+    server = _ClaudeServer(tmp_path, monkeypatch)
+    settings = Settings.from_env(home=tmp_path, measurer="none", ledger="not-created")
+    service = await Service.open(settings)
+    try:
+        async with Client(build_server(service)) as client:
+            with pytest.raises(ToolCallFailed, match=r"ledger create not-created .*use Claude"):
+                await call(client, "compare_kernels", server.args)
+    finally:
+        await service.close()
+    assert server.mock.message_bodies == []
 
 
 def test_an_overflowing_answer_is_invalid_not_uniform() -> None:

@@ -73,7 +73,8 @@ class Forecaster(Protocol):
     """Anything that forecasts pairs. `name` and `version` are shown to the agent.
 
     Optional attributes the engine reads: `remote = True` (answers over a network: the engine's timeout
-    applies), `forecast_batch(queries)` (a cheaper bulk path, used by evaluations), and an exception's
+    applies), `paid = True` (bills per request: a server refuses a compare for a ledger that does not exist,
+    where its usage would be recorded), `forecast_batch(queries)` (a cheaper bulk path, used by evaluations), and an exception's
     `partial` list (the pairs it did answer before failing)."""
 
     name: str

@@ -374,6 +374,7 @@ class ClaudeForecaster:
 
     name = "claude"
     remote = True  # answers over the network: the engine's timeout applies
+    paid = True  # bills per request: a server records its usage on the caller's ledger, which must exist
     # A model's stated probabilities are not trusted as they are until verified pairs calibrate them: before
     # that its log-odds count 0.4 times (a claimed 0.9 counts as 0.7, a claimed 1.0 as 0.98), and its fits
     # start from there. Otherwise one answer of "surely faster", which a kernel's comments can talk it into,
@@ -520,11 +521,11 @@ class ClaudeForecaster:
                 texts = await self._prompts(queries)
                 # A request an earlier call gave up on and still running is paid for: wait for its answer (within
                 # this call's limit) rather than send and pay for another.
-                running = {t for p in texts for t in self._late_running.get(_digest(p.text), ())}
+                running = {t for p in texts for t in self._late_running.get(_answer_key(p), ())}
                 if running:
                     await asyncio.wait(running)
                 for i, p in enumerate(texts):
-                    got[i].extend(self._answered(p.text))
+                    got[i].extend(self._answered(_answer_key(p)))
                 fits = [
                     i
                     for i, p in enumerate(texts)
@@ -556,7 +557,7 @@ class ClaudeForecaster:
         finally:
             # Kept before anything is awaited: a call cancelled here (Ctrl-C, a client's cancel) keeps them too.
             for p, g in zip(texts, got, strict=False):
-                self._remember(p.text, g)
+                self._remember(_answer_key(p), g)
             with anyio.CancelScope(shield=True):  # a timed-out call still paid for what it got
                 await self._record(usage, batch=False)
         results = [self._aggregated(g) for g in got]
@@ -645,10 +646,10 @@ class ClaudeForecaster:
         """Samples this forecaster read from `answers_dir` (kept by an earlier process) instead of asking again."""
         return 0 if self._answer_files is None else self._answer_files.reused
 
-    def _answered(self, text: str) -> tuple[_Sample, ...]:
+    def _answered(self, key: str) -> tuple[_Sample, ...]:
         """The samples of an earlier complete answer to this prompt, else those kept of an incomplete one (answered
-        in the background, by a call stopped or refused midway, or by an earlier process: `_answer_files`)."""
-        key = _digest(text)
+        in the background, by a call stopped or refused midway, or by an earlier process: `_answer_files`).
+        `key`: the pair's `_answer_key`."""
         samples = self._answers.get(key, ())
         if samples:
             self._answers.move_to_end(key)
@@ -662,31 +663,29 @@ class ClaudeForecaster:
                 self._keep(key, kept)
         return kept[: self.samples]
 
-    def _keep_late(self, text: str, sample: _Sample) -> None:
+    def _keep_late(self, key: str, sample: _Sample) -> None:
         """Keep a sample answered after its call had returned, for the pair's next call (_answered)."""
-        key = _digest(text)
         if key in self._answers:
             return
         kept = self._late_answers.setdefault(key, [])
         if len(kept) < self.samples:
             kept.append(sample)
-            self._save(text, sample)
+            self._save(key, sample)
         self._late_answers.move_to_end(key)
         while len(self._late_answers) > _ANSWERS_KEPT:
             self._late_answers.popitem(last=False)
 
-    def _save(self, text: str, sample: _Sample) -> None:
+    def _save(self, key: str, sample: _Sample) -> None:
         """An answered sample, on disk at once (before anything else can stop this process's work on it)."""
         if self._answer_files is not None:
-            self._answer_files.append(_digest(text), sample)
+            self._answer_files.append(key, sample)
 
-    def _remember(self, text: str, got: Sequence[_Sample | None]) -> None:
+    def _remember(self, key: str, got: Sequence[_Sample | None]) -> None:
         """Keep a pair's samples: once it has all it asked for, as its answer; fewer (a refused sample, a call
         stopped midway), as the first of its next call's, which asks only for the rest."""
         samples = tuple(s for s in got if s is not None)
         if not samples:
             return
-        key = _digest(text)
         if len(samples) < self.samples:
             # Samples answered in the background meanwhile are kept beside this call's (never twice).
             late = self._late_answers.get(key, [])
@@ -748,7 +747,9 @@ class ClaudeForecaster:
             for i, p in enumerate(texts):
                 if prompt.utf8_size(p.text) > prompt.MAX_PROMPT_BYTES:
                     problems.append(_too_long(p.text))
-                samples[i].extend(self._answered(p.text))  # kept from earlier: not asked (nor paid) again
+                samples[i].extend(
+                    self._answered(_answer_key(p))
+                )  # kept from earlier: not asked (nor paid) again
             pending = {
                 (i, j): self._max_tokens()
                 for i in range(len(queries))
@@ -787,7 +788,7 @@ class ClaudeForecaster:
                         rejected = rejected or exc
                         continue
                     if len(samples[i]) > answered:
-                        self._save(texts[i].text, samples[i][-1])
+                        self._save(_answer_key(texts[i]), samples[i][-1])
                     if again is not None:
                         retry[(i, j)] = again
                 # Lines that name no request leave one unanswered, which is then missing: asked again above.
@@ -804,7 +805,7 @@ class ClaudeForecaster:
                     raise unanswered(gave_up)
         finally:
             for p, s in zip(texts, samples, strict=False):
-                self._remember(p.text, s)
+                self._remember(_answer_key(p), s)
             with anyio.CancelScope(shield=True):  # a timed-out call still paid for what it got
                 await self._record(usage, batch=True)
             if unreadable:
@@ -929,7 +930,7 @@ class ClaudeForecaster:
                     except _Truncated:
                         max_tokens = self._grown(max_tokens)
                         raise
-                    self._save(text.text, sample)  # paid for: kept whatever becomes of this call
+                    self._save(_answer_key(text), sample)  # paid for: kept whatever becomes of this call
                     return sample
         except prompt.InvalidAnswer as exc:
             problems.append(f"unusable answer after {1 + self.invalid_retries} attempts: {exc}")
@@ -1031,7 +1032,7 @@ class ClaudeForecaster:
             return await asyncio.shield(request)
         except asyncio.CancelledError:
             task = asyncio.ensure_future(self._finish_late(request, text, mode))
-            key = _digest(text.text)
+            key = _answer_key(text)
             self._late_running.setdefault(key, set()).add(task)
             task.add_done_callback(lambda t: self._late_ended(key, t))
             raise
@@ -1053,7 +1054,7 @@ class ClaudeForecaster:
         try:
             message = await asyncio.wait_for(request, self._request_timeout_s)
             self._count(text, message, usage)
-            self._keep_late(text.text, self._interpret(message, mode))
+            self._keep_late(_answer_key(text), self._interpret(message, mode))
         except TimeoutError:
             log.warning(
                 "a Claude request still running %g s after its call's time limit was cancelled: if the API "
@@ -1594,6 +1595,13 @@ def _note(until_by_key: OrderedDict[str, float], key: str, until: float) -> None
 
 def _digest(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _answer_key(text: prompt.PairPrompt) -> str:
+    """What a pair's answers are kept under (in memory and in `_AnswerFiles`): its prompt's hash, and where ledgers
+    are isolated the ledger asking, so that no ledger's forecasts or Claude spending depend on what another asked
+    before it (Settings.isolate_ledgers)."""
+    return _digest(text.text if text.scope is None else f"{text.scope}\x00{text.text}")
 
 
 def _too_long(text: str) -> str:

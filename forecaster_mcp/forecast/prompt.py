@@ -214,11 +214,13 @@ class PairPrompt:
     workload has in common (the GPU, the workload, the baseline with its source and its static features), sent as a
     block of its own that the prompt cache can hold; `own`: the candidate's part. `text` is the whole message.
     `cache_shared`: whether the shared block is marked for caching (a write costs 1.25x the input price, paid back
-    only by a later request that reads it)."""
+    only by a later request that reads it). `scope`: the ledger asking where ledgers are isolated (never sent:
+    answers are kept per ledger then)."""
 
     shared: str
     own: str
     cache_shared: bool = True
+    scope: str | None = None
 
     @property
     def text(self) -> str:
@@ -263,7 +265,9 @@ def build_pair_prompt(
         f"Answer with `reasoning` and the {bins.N_BINS} `probabilities` in bin order "
         f"({bins.LABELS[0]} first, {bins.LABELS[-1]} last)."
     )
-    return PairPrompt(_valid_utf8("\n\n".join(shared)), _valid_utf8("\n\n".join(own)))
+    return PairPrompt(
+        _valid_utf8("\n\n".join(shared)), _valid_utf8("\n\n".join(own)), scope=query.workload.scope
+    )
 
 
 def build_user_prompt(query: PairQuery, static_features: str | None = None) -> str:
