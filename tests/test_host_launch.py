@@ -237,8 +237,9 @@ def test_no_launch_or_an_impossible_block_says_nothing() -> None:
     assert read("void f() { other<<<4, 128>>>(0, 0, 0); }") is None  # launches another kernel only
     assert read("void f() { k<<<m, 2048>>>(0, 0, 0); }") is None  # 2048 threads: no GPU runs that block
     assert read("", None) is None
-    # A name assigned two different values anywhere is not guessed between.
-    assert read("void f() { int t = 64; }\nvoid g() { int t = 128; k<<<4, t>>>(0, 0, 0); }") == SourceLaunch(
+    # A variable assigned two different values is not guessed between (another function's `t` is another
+    # variable: test_a_name_is_the_declaration_its_scope_gives).
+    assert read("int t = 64;\nvoid f() { t = 128; }\nvoid g() { k<<<4, t>>>(0, 0, 0); }") == SourceLaunch(
         (4, 1, 1), None, 0
     )
 
@@ -1947,3 +1948,78 @@ def test_a_define_a_template_replaces_with_a_value_known_at_run_time_is_not_read
     known = make.replace("str(block)", "str(256)")
     python = Kernel(source=_templated(known, head), entry="ModelNew", language="python")
     assert source_launch(python, inputs(x=[1 << 24])) == SourceLaunch((65536, 1, 1), (256, 1, 1), 0)
+
+
+OTHER_BLOCK = "void other() { const int BLOCK = 128; g(BLOCK); }\n"
+
+
+@pytest.mark.parametrize(
+    ("host", "block"),
+    [
+        # Another function's local is not this one's name: the BLOCK here is a header's, a template's, a loop's or
+        # a lambda's (each read 128, the other function's).
+        (OTHER_BLOCK + "void f(int n) { k<<<1, BLOCK>>>(0, 0, n); }", None),
+        (OTHER_BLOCK + "void f(int n) { for (int BLOCK : {64, 256}) k<<<1, BLOCK>>>(0, 0, n); }", None),
+        (OTHER_BLOCK + "template <int BLOCK> void f(int n) { k<<<1, BLOCK>>>(0, 0, n); }", None),
+        (
+            OTHER_BLOCK
+            + "void f(int n) { auto run = [&](int BLOCK) { k<<<1, BLOCK>>>(0, 0, n); }; run(256); }",
+            None,
+        ),
+        (
+            "namespace a { const int BLOCK = 128; }\nnamespace b { void f(int n) { k<<<1, BLOCK>>>(0, 0, n); } }",
+            None,
+        ),
+        ("void f(int n) { if (n) { const int BLOCK = 128; g(BLOCK); } k<<<1, BLOCK>>>(0, 0, n); }", None),
+        # A lambda's parameter shadows the launching function's (read as the 256 f's caller passes; the lambda
+        # passes 128).
+        (
+            "void f(int BLOCK) { auto run = [](int BLOCK) { k<<<1, BLOCK>>>(0, 0, 0); }; run(128); }\n"
+            "int main() { f(256); }",
+            None,
+        ),
+        # A global shadowed by a template's parameter is the template's: its instantiation's, not read.
+        ("const int BLOCK = 128;\ntemplate <int BLOCK> void f(int n) { k<<<1, BLOCK>>>(0, 0, n); }", None),
+        # A global's initialiser means the globals it names, not the launching function's parameter of that name
+        # (read 32 * 4, f's caller's T).
+        (
+            "const int T = 64;\nconst int BLOCK = T * 4;\nvoid f(int n, int T) { k<<<1, BLOCK>>>(0, 0, n); }\n"
+            "int main() { f(1, 32); }",
+            256,
+        ),
+        # Each function's own BLOCK, and the global where a local shadows it only elsewhere (all unknown before:
+        # two values of one name).
+        (OTHER_BLOCK + "void f(int n) { const int BLOCK = 256; k<<<1, BLOCK>>>(0, 0, n); }", 256),
+        ("const int BLOCK = 256;\n" + OTHER_BLOCK + "void f(int n) { k<<<1, BLOCK>>>(0, 0, n); }", 256),
+        (
+            "const int BLOCK = 256;\nvoid f(int n) { k<<<1, BLOCK>>>(0, 0, n); const int BLOCK = 128; g(BLOCK); }",
+            256,
+        ),
+        ("const int BLOCK = 128;\nvoid f(int n) { const int BLOCK = 256; k<<<1, BLOCK>>>(0, 0, n); }", 256),
+        # A global another function assigns is one variable of two values, still.
+        (
+            "int BLOCK = 256;\nvoid other() { BLOCK = 128; }\nvoid f(int n) { k<<<1, BLOCK>>>(0, 0, n); }",
+            None,
+        ),
+    ],
+)
+def test_a_name_is_the_declaration_its_scope_gives(host: str, block: int | None) -> None:
+    """Names were looked up in the whole text, whatever function or namespace declared them: another function's
+    `const int BLOCK = 128;` gave the launch of `f` block 128 where its BLOCK is a template's, a loop's, a
+    lambda's parameter or a header's."""
+    assert read(host) == SourceLaunch((1, 1, 1), (block, 1, 1) if block is not None else None, 0)
+
+
+@pytest.mark.parametrize(
+    "declared",
+    [
+        "namespace a { constexpr int T = 128; }\n",
+        "void other() { constexpr int T = 128; g(T); }\n",
+    ],
+)
+def test_a_constant_a_caller_passes_is_the_one_its_scope_gives(declared: str) -> None:
+    """`launch(n, T)`, where the T in scope is a header's, read as another scope's `constexpr int T = 128`."""
+    host = declared + "void launch(int n, int t) { k<<<1, t>>>(0, 0, n); }\nvoid f(int n) { launch(n, T); }\n"
+    assert read(host) == SourceLaunch((1, 1, 1), None, 0)
+    inside = host.replace("void f(int n) {", "void f(int n) { constexpr int T = 256;")
+    assert read(inside) == SourceLaunch((1, 1, 1), (256, 1, 1), 0)

@@ -12,9 +12,11 @@ code launching each kernel (`--host-launch`), the figures with them. When the so
 a dimension evaluates to a whole number from what the source and the workload say, that dimension is used:
 
 - literals, object-like `#define`s (after the kernel's own defines and `-D` flags pick the `#if` branches),
-  integer variables given one value in the whole source (`const int threads = 256;`, `int blocks = (n + 255) /
-  256;`), `dim3` variables (`dim3 block(16, 16);`), `min` / `max` and the usual ceiling divisions (`cdiv`,
-  `ceil_div`, `CEIL_DIV`, `DIV_UP`, `div_up`), casts;
+  integer variables given one value (`const int threads = 256;`, `int blocks = (n + 255) / 256;`), `dim3`
+  variables (`dim3 block(16, 16);`), `min` / `max` and the usual ceiling divisions (`cdiv`, `ceil_div`,
+  `CEIL_DIV`, `DIV_UP`, `div_up`), casts. A name is the declaration C++'s scope gives it where it is written
+  (`_Scopes`): another function's, block's or namespace's `BLOCK` is not this one's, and one a template, a
+  lambda, a range-for or a structured binding declares is not read;
 - the workload's `problem` sizes and scalar `args` by name (exact, else the one name equal ignoring case), and a
   buffer argument's `x.numel()` and `x.size(i)` from its shape (a wrapper's tensor parameters stand for the
   workload's input buffers in order where it takes exactly those and names none of them: `_tensor_aliases`);
@@ -503,14 +505,20 @@ def _listed_kind(text: str, at: int, aliases: Mapping[str, _Kind]) -> tuple[bool
     type its statement declares it: the first declarator's (`int* p = 0, n`: int), None where the statement
     declares nothing (`a = 0, n = 1;`, `return a, n;`) or names `auto`, _NOT_READ where that cannot be read
     (a pointer `*n`, a template's type, a statement not read)."""
+    listed, _, kind = _listed(text, at, aliases)
+    return listed, kind
+
+
+def _listed(text: str, at: int, aliases: Mapping[str, _Kind]) -> tuple[bool, bool, _Kind | None]:
+    """`_listed_kind`, and whether the statement declares the name (an `auto` one too: `auto a = 0, n = 1;`)."""
     gap = at
     while gap > 0 and at - gap < 40 and text[gap - 1] in " \t\r\n*&":
         gap -= 1
     if gap == 0 or text[gap - 1] != ",":
-        return False, None
+        return False, False, None
     start = _statement_start(text, gap - 1)
     if start is None:
-        return True, _NOT_READ
+        return True, True, _NOT_READ
     parts = features.split_top_level(text[start : gap - 1])
     first = _FIRST_DECLARATOR.fullmatch(parts[0])
     if first is None:
@@ -518,13 +526,13 @@ def _listed_kind(text: str, at: int, aliases: Mapping[str, _Kind]) -> tuple[bool
         # a{1}, n`): a declaration not read. Anything else declares nothing (`a = 0, n = 1;`, `{M, N, K}`, `f(a,
         # n = 3)`).
         unread = not parts[0].strip() or _TEMPLATED_FIRST.match(parts[0]) is not None
-        return True, _NOT_READ if unread else None
+        return True, unread, _NOT_READ if unread else None
     words = _NAME.findall(first.group("type"))
     if words[0] in _NOT_TYPES:
-        return True, None  # `return a, n;`
+        return True, False, None  # `return a, n;`
     if "*" in text[gap:at] or any(_LATER_DECLARATOR.fullmatch(p) is None for p in parts[1:]):
-        return True, _NOT_READ
-    return True, _type_kind(first.group("type"), aliases)
+        return True, True, _NOT_READ
+    return True, True, _type_kind(first.group("type"), aliases)
 
 
 _WORD = re.compile(r"\w+")
@@ -638,15 +646,234 @@ def _set_in(text: str, name: str) -> bool:
     )
 
 
+# What a declaration of a name is, for the scope it is visible in (`_Scopes`): a variable, a parameter of a function
+# or lambda (visible in its body), a template's parameter (its instantiation's: not read), or one whose value cannot
+# be read (a range-for's, a structured binding's, a `catch`'s, two kinds of declaration at one scope).
+_Entity = tuple[int, int, str]  # (visible from, up to, what)
+_NOWHERE: _Entity = (
+    -1,
+    -1,
+    "nowhere",
+)  # no declaration of the name is visible here: a header's, or undeclared
+_UNREAD: _Entity = (-1, -1, "unread")  # which declaration a name is here is not known
+_SKIPPED: _Entity = (-1, -1, "skipped")  # a prototype's parameter: visible nowhere
+_OWN_PARAM: _Entity = (-1, -1, "own-param")  # a parameter of the function a launch (or call) is in (`_Names`)
+_STATEMENT_WORD = re.compile(r"\b(for|while|if|switch|catch)\s*$")
+_BINDING = re.compile(r"\bauto\s*&{0,2}\s*\[[\w\s,]*$")
+_TEMPLATE_HEAD = re.compile(r"template(?<!\wtemplate)\s*<[^;{}()<>]*$")
+_BODY_OR_END = re.compile(r"[{;]")
+_NOT_DECLARING = _NOT_TYPES | {"sizeof", "alignof", "co_await"}
+MAX_DECLARATIONS = 256  # of one name: past them, it is not read
+
+
+class _Nesting:
+    """Where one kind of bracket pairs nest in text[start:end], read once: the innermost pair holding a position,
+    found by bisection (walking up from the last one opened is quadratic in a crafted source's depth). One never
+    closed holds the rest of the text."""
+
+    def __init__(self, probe: str, brackets: str, start: int = 0, end: int | None = None) -> None:
+        self.end = len(probe) if end is None else end
+        self.closers: dict[int, int] = {}  # open -> just past its close
+        self.marks: list[int] = []  # each bracket read
+        self.tops: list[int] = []  # the innermost open after each (-1: none)
+        opener = brackets[0]
+        stack: list[int] = [-1]
+        for at in [
+            m.start() for m in re.compile(f"[{re.escape(brackets)}]").finditer(probe, start, self.end)
+        ]:
+            if probe[at] == opener:
+                stack.append(at)
+            elif len(stack) > 1:
+                self.closers[stack.pop()] = at + 1
+            else:
+                continue  # a close with no open: none of these
+            self.marks.append(at)
+            self.tops.append(stack[-1])
+
+    def around(self, at: int) -> tuple[int, int] | None:
+        """The innermost pair holding text[at] (not a bracket itself): its open's index and just past its close."""
+        i = bisect.bisect_left(self.marks, at) - 1
+        opened = self.tops[i] if i >= 0 else -1
+        return (opened, self.closers.get(opened, self.end)) if opened >= 0 else None
+
+
+class _Scopes:
+    """C++ scope, read from the braces of the text (literals and comments blanked): which declaration of a name a
+    use of it at a place means. A local of one function is no other function's; one declared in a function is
+    visible from its declaration to the end of its block, shadowing any outer one; a parameter in its function's
+    (or lambda's) body; one at namespace or class scope in all its block (the file's: everywhere). A `const int
+    BLOCK = 128;` in `launch_a` is not the `BLOCK` of `launch_b`, nor of `namespace y`, nor a template's or a
+    range-for's `BLOCK` there. A declaration is read as the words before a name (`int n`, `const idx_t& n`, `T
+    n`, a comma list's later name); one not seen so (`std::vector<int> n`) is not read as shadowing. The brackets
+    are read where a declaration needs them, each host function's apart and the rest once with those blanked: a
+    source of 80,000 small functions is not read bracket by bracket for a name declared in two."""
+
+    def __init__(self, probe: str, spans: list[tuple[int, int, str | None]], starts: list[int]) -> None:
+        self.probe = probe
+        self.spans = spans
+        self.starts = starts
+        self._inside: dict[int, tuple[_Nesting, _Nesting]] = {}  # of each host function, by its start
+        self._outside: tuple[_Nesting, _Nesting] | None = None
+        # Of each name: its entities, and the entity of each declaration by where its name stands; None: not read.
+        self._declared: dict[str, tuple[list[_Entity], dict[int, _Entity]] | None] = {}
+
+    def _nestings(self, at: int) -> tuple[_Nesting, _Nesting, bool]:
+        """The braces and parentheses around `at`, and whether it is in a host function."""
+        span = _span_at(self.spans, self.starts, at)
+        if span is not None:
+            if span[0] not in self._inside:
+                self._inside[span[0]] = (
+                    _Nesting(self.probe, "{}", span[0], span[1]),
+                    _Nesting(self.probe, "()", span[0], span[1]),
+                )
+            return (*self._inside[span[0]], True)
+        if self._outside is None:
+            pieces, last = [], 0
+            for a, b, _ in self.spans:
+                pieces += [self.probe[last:a], " " * (b - a)]
+                last = b
+            outside = "".join([*pieces, self.probe[last:]])
+            self._outside = (_Nesting(outside, "{}"), _Nesting(outside, "()"))
+        return (*self._outside, False)
+
+    def _body(self, at: int) -> _Entity | None:
+        """The braces a parameter list or template head before `at` opens (a function's or lambda's body): the
+        scope its parameters have; _SKIPPED where a `;` comes first (a declaration's); None where neither is."""
+        body = _BODY_OR_END.search(self.probe, at, at + 4 * _STATEMENT_CHARS)
+        if body is None:
+            return None
+        if body.group(0) == ";":
+            return _SKIPPED
+        closers = self._nestings(body.start())[0].closers
+        return (body.start(), closers.get(body.start(), len(self.probe)), "")
+
+    def _declaration(self, name: str, at: int) -> _Entity | None:
+        """The entity a declaration of `name` at `at` makes; None where `at` is no declaration's."""
+        probe = self.probe
+        gap = _spaces_before(probe, at)
+        before = probe[gap - 1] if gap > 0 else ""
+        binding = (
+            before in ("[", ",") and _BINDING.search(probe, max(0, at - _STATEMENT_CHARS), at) is not None
+        )
+        if binding:
+            pass  # `auto [n, m] = f();`
+        elif before == ",":
+            if not _listed(probe, at, {})[1]:
+                return None
+        else:
+            # A word before it, a reference's `&` or two between (`const int& n`), as `_DECLARED_TYPE` reads a
+            # type; not one that makes no declaration (`return n`, `case n`).
+            end = gap
+            while end > 0 and gap - end < 2 and probe[end - 1] == "&":
+                end = _spaces_before(probe, end - 1)
+            word = end
+            while word > 0 and end - word < 40 and (probe[word - 1].isalnum() or probe[word - 1] == "_"):
+                word -= 1
+            if word == end or not _NAME.fullmatch(probe[word:end]) or probe[word:end] in _NOT_DECLARING:
+                return None
+        line = probe.rfind("\n", max(0, at - _STATEMENT_CHARS), at)
+        if (line >= 0 or at <= _STATEMENT_CHARS) and probe[line + 1 : at].lstrip().startswith("#"):
+            return None  # a preprocessor line's (`#define GRID n / 256`)
+        head = probe.rfind("template", max(0, at - _STATEMENT_CHARS), at)
+        if head >= 0 and _TEMPLATE_HEAD.match(probe, head, at) is not None:
+            body = self._body(at)
+            return _UNREAD if body is None else body if body == _SKIPPED else (*body[:2], "template")
+        braces, parens, in_host = self._nestings(at)
+        block = braces.around(at)
+        paren = parens.around(at)
+        if paren is not None and (block is None or paren[0] > block[0]):
+            statement = _STATEMENT_WORD.search(probe, max(0, paren[0] - 16), paren[0])
+            if statement is None:  # a function's or lambda's parameter
+                body = self._body(paren[1])
+                return _UNREAD if body is None else body if body == _SKIPPED else (*body[:2], "param")
+            # `for (int i = 0; ...)`, `for (int b : sizes)`, `catch (int e)`: to the end of the block around
+            ranged = re.match(rf"{re.escape(name)}\s*:(?!:)", probe[at : at + len(name) + 40]) is not None
+            what = "unread" if binding or ranged or statement.group(1) == "catch" else "var"
+        else:
+            what = "unread" if binding else "var"
+        if block is None:
+            if in_host:
+                return _UNREAD  # in a host function's header, outside its parameters: not read
+            return (-1, len(probe), what)  # the file's
+        return (at, block[1], what) if in_host else (*block, what)  # a function's local from where it stands
+
+    def declared(self, name: str) -> tuple[list[_Entity], dict[int, _Entity]] | None:
+        """The entities `name` is declared as, and the one of each declaration by where its name stands; None
+        where it cannot be read (named or declared too often, a declaration whose scope is not found)."""
+        if name not in self._declared:
+            self._declared[name] = self._read(name)
+        return self._declared[name]
+
+    def _read(self, name: str) -> tuple[list[_Entity], dict[int, _Entity]] | None:
+        probe = self.probe
+        by_scope: dict[tuple[int, int], str] = {}
+        at_of: dict[int, _Entity] = {}
+        # Where a declaration may stand: after whitespace, a `&`, a comma or a `[`, not after `return ` or `case `
+        # (uses by the thousand are passed over without a step in Python).
+        quoted = re.escape(name)
+        may = re.compile(rf"{quoted}(?<=[\s&,\[]{quoted})(?<!return {quoted})(?<!case {quoted})\b")
+        for i, m in enumerate(may.finditer(probe)):
+            if i >= MAX_CONSTANT_NAMED or len(at_of) > MAX_DECLARATIONS:
+                return None
+            at = m.start()
+            entity = self._declaration(name, at)
+            if entity is None:
+                continue
+            if entity == _UNREAD:
+                return None
+            at_of[at] = entity
+            if entity != _SKIPPED:
+                scope = entity[:2]
+                # Two kinds of declaration at one scope (a parameter and a variable): not read.
+                kept = by_scope.setdefault(scope, entity[2])
+                if kept != entity[2]:
+                    by_scope[scope] = "unread"
+        entities = [(lo, hi, what) for (lo, hi), what in by_scope.items()]
+        for at, entity in at_of.items():
+            if entity != _SKIPPED:
+                at_of[at] = (entity[0], entity[1], by_scope[entity[:2]])
+        return entities, at_of
+
+    def resolve(self, name: str, at: int) -> _Entity:
+        """The entity `name` at `at` is: the innermost declaration visible there, _NOWHERE where none is, _UNREAD
+        where that is not known."""
+        declared = self.declared(name)
+        if declared is None:
+            return _UNREAD
+        best: _Entity | None = None
+        for entity in declared[0]:
+            if entity[0] <= at < entity[1] and (best is None or entity[0] >= best[0]):
+                if best is not None and entity[0] == best[0]:
+                    return _UNREAD  # two at one place, neither inside the other
+                best = entity
+        return best if best is not None else _NOWHERE
+
+    def site(self, name: str, at: int) -> _Entity:
+        """The entity a definition of `name` whose name stands at `at` sets: its own declaration's, else the one
+        visible there (an assignment `n = 5;`)."""
+        declared = self.declared(name)
+        if declared is None:
+            return _UNREAD
+        return declared[1].get(at) or self.resolve(name, at)
+
+
 class _Lookups:
     """What the text says of each name (its assignments, its declared types), shared by the _Names of every
     launching function of one source: they depend on the text alone, and looked up afresh for each of 32
     launching functions reading 60 names, 0.9 MB took 350 s."""
 
-    def __init__(self) -> None:
-        self.defs: dict[str, tuple[str, set[str]] | None] = {}
-        self.declared: dict[str, list[_Kind] | None] = {}
+    def __init__(self, scopes: _Scopes) -> None:
+        self.scopes = scopes
+        self.defs: dict[str, tuple[str, list[tuple[str, int]]] | None] = {}
+        self.of_entity: dict[tuple[str, _Entity], tuple[str, dict[str, list[int]]] | None] = {}
+        self.declared: dict[str, list[tuple[int, _Kind]] | None] = {}
         self.constant: dict[str, bool] = {}  # `_Names.constant`
+        # The values of declarations whose definitions stand outside the function a _Names reads parameters of
+        # (a global, another function's local): the same for every _Names of the source, of either kind.
+        self.values: dict[tuple[str, _Entity, bool], tuple[int, _Kind] | None] = {}
+        self.places: dict[
+            tuple[str, _Entity], list[int]
+        ] = {}  # where each entity's definitions stand, in order
 
 
 class _WorkloadNames:
@@ -698,6 +925,7 @@ class _Names:
         types: Mapping[str, _Kind] | None = None,
         lookups: _Lookups | None = None,
         *,
+        span: tuple[int, int] | None = None,
         changed: Collection[str] = (),
         constants_only: bool = False,
     ) -> None:
@@ -707,6 +935,9 @@ class _Names:
         # The parameters of the host function the launch is in: their values are its callers' (`launch(512)`),
         # whatever the source assigns a variable of that name elsewhere; only the workload can say.
         self.params = frozenset(params)
+        # The function they are the parameters of (where it starts and ends), and its body's `{`: they are what
+        # their names mean in it, where no declaration inside it shadows them.
+        self.span = span
         # Those the function sets itself before or after the launch (`n /= 2;`, `if (n > 1024) n = 1024;`): which
         # value the launch sees is not known here.
         self.changed = frozenset(changed)
@@ -718,37 +949,76 @@ class _Names:
         self.kinds = dict(kinds or {})  # a parameter's integer type, where it has one (`int n`)
         self.types = dict(types or {})  # the source's integer type aliases (`using idx_t = int;`: `_aliases`)
         self._lookups = (
-            lookups if lookups is not None else _Lookups()
+            lookups if lookups is not None else _Lookups(_Scopes(text, [], []))
         )  # of `text`: shared by one source's _Names
-        self._memo: dict[str, tuple[int, _Kind] | None] = {}
+        self.scopes = self._lookups.scopes
+        self.body = self.scopes.probe.find("{", span[0], span[1]) if span is not None else -1
+        self._memo: dict[tuple[str, _Entity | int], tuple[int, _Kind] | None] = {}
         self.workload = _WorkloadNames(workload)
         # A caller's argument is read as a constant of the source alone (`_Constants`): a variable it names is
         # read only where every declaration of it is `const` or `constexpr` (`constant`).
         self.constants_only = constants_only
 
-    def definitions(self, name: str) -> tuple[str, set[str]] | None:
-        """("value", the expressions `name` is assigned) or ("dim3", a dim3 declaration's arguments); ("value",
-        empty) when the source never sets it; None when it sets it in a way that cannot be read (in place, more
-        than MAX_ASSIGNMENTS times, an initialiser in braces, past MAX_NAMES names)."""
+    def entity(self, name: str, at: int) -> _Entity:
+        """What `name` at `at` is (`_Scopes.resolve`): _OWN_PARAM for a parameter of the function of `params` in
+        it, where no declaration inside its body shadows it."""
+        entity = self.scopes.resolve(name, at)
+        if (
+            name in self.params
+            and self.span is not None
+            and self.span[0] <= at < self.span[1]
+            and entity != _UNREAD
+            and entity[0] <= self.body
+        ):
+            return _OWN_PARAM
+        return entity
+
+    def definitions(self, name: str, entity: _Entity) -> tuple[str, dict[str, list[int]]] | None:
+        """("value", the expressions the entity `name` is there is assigned, each with where its name stands) or
+        ("dim3", a dim3 declaration's arguments); ("value", empty) when the source never sets it (a parameter of a
+        function, a template's: their callers'); None when the source sets `name` in a way that cannot be read (in
+        place anywhere, more than MAX_ASSIGNMENTS times, an initialiser in braces, past MAX_NAMES names), or which
+        declaration it is is not known."""
+        if entity == _UNREAD:
+            return None
+        key = (name, entity)
+        if key not in self._lookups.of_entity:
+            self._lookups.of_entity[key] = self._of_entity(name, entity)
+        return self._lookups.of_entity[key]
+
+    def _of_entity(self, name: str, entity: _Entity) -> tuple[str, dict[str, list[int]]] | None:
         defs = self._lookups.defs
         if name not in defs:
             defs[name] = self._definitions(name) if len(defs) < MAX_NAMES else None
-        return defs[name]
+        found = defs[name]
+        if found is None:
+            return None
+        kind, sites = found
+        out: dict[str, list[int]] = {}
+        if entity[2] in ("param", "template", "own-param"):
+            return kind, out  # set by its callers (a default is theirs to leave out)
+        for expr, at in sites:
+            site = self.scopes.site(name, at)
+            if site == _UNREAD:
+                return None
+            if site == entity:
+                out.setdefault(expr, []).append(at)
+        return kind, out
 
-    def _definitions(self, name: str) -> tuple[str, set[str]] | None:
+    def _definitions(self, name: str) -> tuple[str, list[tuple[str, int]]] | None:
         quoted = re.escape(name)
         text = self.text
         occurrences = _Occurrences(text, name)
         if occurrences.changed():
             return None
-        exprs: set[str] = set()
+        exprs: list[tuple[str, int]] = []
         for i, m in enumerate(re.finditer(_ASSIGN.format(name=quoted), text)):
             stop = text.find(";", m.end(), m.end() + MAX_EXPR_CHARS)
             value = text[m.end() : stop] if stop >= 0 else "{"
             if i >= MAX_ASSIGNMENTS or "{" in value or "}" in value:
                 return None
             # Up to a comma outside brackets: `int m = x.size(0), n = x.size(1);` gives m x.size(0).
-            exprs.add(" ".join(features.split_top_level(value)[0].split()))
+            exprs.append((" ".join(features.split_top_level(value)[0].split()), m.start()))
         dim3 = re.compile(_DIM3_DECL.format(name=quoted))
         declared = list(
             itertools.islice(_scan(dim3, text, occurrences.after(("dim3",))), MAX_ASSIGNMENTS + 1)
@@ -759,7 +1029,7 @@ class _Names:
             return None if unread is not None else ("value", exprs)
         if exprs or len(declared) > MAX_ASSIGNMENTS:
             return None
-        args: set[str] = set()
+        args: list[tuple[str, int]] = []
         for m in declared:
             if m.group(1) == "(":
                 close = _closing(text, m.end(), MAX_EXPR_CHARS)
@@ -768,61 +1038,106 @@ class _Names:
                 close = found if found >= 0 else None
             if close is None:
                 return None
-            args.add(" ".join(text[m.end() : close].split()))
+            named = text.find(name, m.start() + 4, m.end())  # where its name stands
+            args.append((" ".join(text[m.end() : close].split()), named))
         return ("dim3", args)
 
     def workload_size(self, name: str) -> int | None:
         """The workload's size of that name (`_WorkloadNames.size`), or None."""
         return self.workload.size(name)
 
-    def shape(self, name: str, depth: int = 0) -> list[int] | None:
+    def shape(self, name: str, depth: int, at: int) -> list[int] | None:
         """The shape of the buffer `name` stands for: the workload's of that name (or of the input a wrapper's
         tensor parameter stands for, `aliases`), unless the source makes its own tensor of that name. One made
         like another (`auto y = torch::empty_like(x)`, `x.clone()`) has that one's shape; one made otherwise
         (`auto out = torch::empty({16})`) is not the workload's `out`, and is not read."""
-        if name not in self.params and depth <= MAX_DEPTH:
-            defs = self.definitions(name)
+        entity = self.entity(name, at)
+        if entity != _OWN_PARAM and depth <= MAX_DEPTH:
+            defs = self.definitions(name, entity)
             if defs is None or defs[0] == "dim3" or len(defs[1]) > 1:
                 return None
+            if entity[2] in ("param", "template"):
+                return None  # another function's (a lambda's) tensor: its caller's
             if defs[1]:
-                like = _LIKE.fullmatch(next(iter(defs[1])))
-                return self.shape(like.group(1) or like.group(2), depth + 1) if like is not None else None
+                made, places = next(iter(defs[1].items()))
+                like = _LIKE.fullmatch(made)
+                if like is None:
+                    return None
+                shapes = [self.shape(like.group(1) or like.group(2), depth + 1, a) for a in places]
+                return _agreed(shapes)
+        elif entity != _OWN_PARAM:
+            return None
         return self.workload.shape(self.aliases.get(name, name))
 
-    def value(self, name: str, depth: int) -> tuple[int, _Kind] | None:
-        """The one whole number `name` stands for, with its integer type, or None (each name worked out once:
-        `a = b + b + b` over eight levels of names must not cost 3^8 evaluations)."""
-        if name not in self._memo:
+    def value(self, name: str, depth: int, at: int) -> tuple[int, _Kind] | None:
+        """The one whole number `name` at `at` stands for, with its integer type, or None (each name worked out
+        once a declaration: `a = b + b + b` over eight levels of names must not cost 3^8 evaluations). A macro's
+        names are the place's it is used at."""
+        entity = self.entity(name, at) if name not in self.macros else at
+        memo: dict[tuple[str, _Entity | int], tuple[int, _Kind] | None] = self._memo
+        key: tuple[str, _Entity | int] = (name, entity)
+        if isinstance(entity, tuple) and self._shared(name, entity):
+            memo, key = self._lookups.values, (name, entity, self.constants_only)  # type: ignore[assignment]
+        if key not in memo:
             try:
-                self._memo[name] = self._value(name, depth)
+                memo[key] = self._value(name, depth, at, entity)
             except ArithmeticError:
-                self._memo[name] = None  # past its type's range
-        return self._memo[name]
+                memo[key] = None  # past its type's range
+        return memo[key]
 
-    def _value(self, name: str, depth: int) -> tuple[int, _Kind] | None:
+    def _shared(self, name: str, entity: _Entity) -> bool:
+        """Whether the value of `entity` is every _Names' of the source: a variable no definition of which stands
+        in the function whose parameters this one reads."""
+        if entity[2] != "var" and entity != _NOWHERE:
+            return False
+        defs = self.definitions(name, entity)
+        span = self.span
+        if defs is None or span is None:
+            return False
+        places = self._lookups.places
+        if (name, entity) not in places:
+            places[name, entity] = sorted(a for found in defs[1].values() for a in found)
+        found = places[name, entity]
+        i = bisect.bisect_left(found, span[0])
+        return i == len(found) or found[i] >= span[1]
+
+    def _typed_at(self, expr: str, places: list[int], depth: int) -> tuple[int, _Kind] | None:
+        """`expr`'s value where it stands at each of `places`, where they agree (its names may mean others there):
+        read once for each meaning of its names."""
+        names = sorted(set(_NAME.findall(expr)))
+        found: dict[tuple[_Entity, ...], tuple[int, _Kind] | None] = {}
+        for at in places:
+            meant = tuple(self.entity(n, at) for n in names)
+            if meant not in found:
+                found[meant] = _typed(expr, self, depth, at)
+        return _agreed(list(found.values()))
+
+    def _value(self, name: str, depth: int, at: int, entity: _Entity | int) -> tuple[int, _Kind] | None:
         if depth > MAX_DEPTH:
             return None
-        if name in self.macros:
+        if isinstance(entity, int):
             macro = self.macros[name]
-            found = _typed(macro, self, depth) if macro != "" else None
+            found = _typed(macro, self, depth, at) if macro != "" else None
             return found if name in self.given else self._agreeing(name, found)
-        if name in self.params:
+        if entity == _OWN_PARAM:
             if name in self.changed:
                 return None
             # Its declared type's (`int n`: a workload's 3e9 is past it), else 64 bits.
             kind = self.kinds.get(name)
             default = self.defaults.get(name)
-            found = _typed(default, self, depth) if default is not None else None
+            # A default's names are the function's declaration's, at its start.
+            start = self.span[0] if self.span is not None else 0
+            found = _typed(default, self, depth, start) if default is not None else None
             if found is not None:
                 return self._agreeing(name, (_as(found[0], kind), kind) if kind is not None else found)
             size = self.workload_size(name)
             return (_as(size, kind or _LONG), kind or _LONG) if size is not None else None
-        defs = self.definitions(name)
+        defs = self.definitions(name, entity)
         if defs is None or defs[0] == "dim3" or len(defs[1]) > 1:
             return None  # set in a way that cannot be read, twice over, or a dim3 where a number is read
         if defs[1]:
-            found = _typed(next(iter(defs[1])), self, depth)
-            declared = self.declared(name)
+            found = self._typed_at(*next(iter(defs[1].items())), depth)
+            declared = self.declared(name, entity)
             if found is None or declared is None or (self.constants_only and not self.constant(name)):
                 return None
             # Stored in its declared type (`int n = x.numel();`), each if declared several ways; an `auto` or
@@ -834,7 +1149,7 @@ class _Names:
         # Set where it cannot be read (`int n; get_size(x, n);`, or never): the workload's size, in its declared
         # type (an int cannot hold 3e9).
         size = self.workload_size(name)
-        declared = self.declared(name) if size is not None else None
+        declared = self.declared(name, entity) if size is not None else None
         if size is None or declared is None:
             return None
         for kind in declared:
@@ -880,16 +1195,26 @@ class _Names:
             declared = True
         return declared
 
-    def declared(self, name: str) -> list[_Kind] | None:
+    def declared(self, name: str, entity: _Entity) -> list[_Kind] | None:
         """The integer types `name` is declared with (`const int n = ...;`, `unsigned n;`, `idx_t n` of `using
         idx_t = int;`, `int a = 1, n = 2;`: `_listed_kind`), in order; _NOT_READ for another type (`float n`, `T
         n`, an alias not read, a pointer in a list); `auto` says none. None past MAX_ASSIGNMENTS declarations."""
         if name not in self._lookups.declared:
             self._lookups.declared[name] = self._declared(name)
-        return self._lookups.declared[name]
+        found = self._lookups.declared[name]
+        if found is None:
+            return None
+        kinds = []
+        for at, kind in found:
+            site = self.scopes.site(name, at)
+            if site == _UNREAD:
+                return None
+            if site == entity:
+                kinds.append(kind)
+        return kinds
 
-    def _declared(self, name: str) -> list[_Kind] | None:
-        kinds: list[_Kind] = []
+    def _declared(self, name: str) -> list[tuple[int, _Kind]] | None:
+        kinds: list[tuple[int, _Kind]] = []
         quoted = re.escape(name)
         text = self.text
         read = 0
@@ -906,7 +1231,7 @@ class _Names:
                 words = _NAME.findall(type_text)
                 kind = _type_kind(type_text, self.types) if words and words[-1] not in _NOT_TYPES else None
             if kind is not None:
-                kinds.append(kind)
+                kinds.append((m.start(), kind))
         return kinds
 
     def _agreeing(self, name: str, found: tuple[int, _Kind] | None) -> tuple[int, _Kind] | None:
@@ -915,59 +1240,67 @@ class _Names:
         size = self.workload_size(name)
         return None if size is not None and (found is None or size != found[0]) else found
 
-    def dims(self, expr: str, depth: int = 0) -> Dim3 | None:
-        """A launch dimension: `dim3(...)`, `{...}`, a dim3 variable, or a number (x; y and z are 1)."""
+    def dims(self, expr: str, depth: int, at: int) -> Dim3 | None:
+        """A launch dimension written at `at`: `dim3(...)`, `{...}`, a dim3 variable, or a number (x; y and z
+        are 1)."""
         text = expr.strip()
         if depth > MAX_DEPTH or len(text) > MAX_EXPR_CHARS:
             return None
         m = _DIM3_EXPR.fullmatch(text)
         if m is not None:
             inner = m.group(1) if m.group(1) is not None else m.group(2)
-            return self._dims_of(_split_args(inner), depth)
-        if _NAME.fullmatch(text) and text in self.params and text not in self.macros:
+            return self._dims_of(_split_args(inner), depth, at)
+        entity = self.entity(text, at) if _NAME.fullmatch(text) and text not in self.macros else None
+        if entity == _OWN_PARAM:
             default = self.defaults.get(text)
             if default is not None and _DIM3_EXPR.fullmatch(default):
-                return self.dims(default, depth + 1)  # `dim3 block = dim3(256)`
+                start = self.span[0] if self.span is not None else 0
+                return self.dims(default, depth + 1, start)  # `dim3 block = dim3(256)`
             if default is None and self.workload_size(text) is None:
                 return None  # `void launch(dim3 grid, ...)`: the caller's
-        elif _NAME.fullmatch(text) and text not in self.macros:
-            defs = self.definitions(text)
+        elif entity is not None:
+            defs = self.definitions(text, entity)
             if defs is None or len(defs[1]) > 1:
                 return None
-            if defs[0] == "dim3":
-                return self._dims_of(_split_args(next(iter(defs[1]))), depth + 1)
-            if defs[1] and next(iter(defs[1])).startswith(("dim3", "{")):
-                return self.dims(next(iter(defs[1])), depth + 1)
-        x = _evaluate(text, self, depth + 1)
+            if defs[1]:
+                made, places = next(iter(defs[1].items()))
+                if defs[0] == "dim3":
+                    return _agreed([self._dims_of(_split_args(made), depth + 1, a) for a in places])
+                if made.startswith(("dim3", "{")):
+                    return _agreed([self.dims(made, depth + 1, a) for a in places])
+            elif defs[0] == "dim3":
+                return None
+        x = _evaluate(text, self, depth + 1, at)
         return (x, 1, 1) if x is not None else None
 
-    def _dims_of(self, parts: list[str], depth: int) -> Dim3 | None:
+    def _dims_of(self, parts: list[str], depth: int, at: int) -> Dim3 | None:
         if not 1 <= len(parts) <= 3 or any(not p for p in parts):
             return None
-        values = [_evaluate(p, self, depth + 1) for p in parts]
+        values = [_evaluate(p, self, depth + 1, at) for p in parts]
         if any(v is None for v in values):
             return None
         full = [v for v in values if v is not None] + [1] * (3 - len(values))
         return (full[0], full[1], full[2])
 
 
-def _evaluate(expr: str, names: _Names, depth: int) -> int | None:
-    """The whole-number value of a host expression, or None."""
-    found = _typed(expr, names, depth)
+def _evaluate(expr: str, names: _Names, depth: int, at: int) -> int | None:
+    """The whole-number value of a host expression written at `at`, or None."""
+    found = _typed(expr, names, depth, at)
     return found[0] if found is not None else None
 
 
-def _typed(expr: str, names: _Names, depth: int) -> tuple[int, _Kind] | None:
-    """The whole-number value of a host expression and its integer type, or None (past its type's range too)."""
+def _typed(expr: str, names: _Names, depth: int, at: int) -> tuple[int, _Kind] | None:
+    """The whole-number value of a host expression written at `at` (where its names are looked up) and its
+    integer type, or None (past its type's range too)."""
     if depth > MAX_DEPTH or len(expr) > MAX_EXPR_CHARS or "?" in expr or _FLOAT.search(expr):
         return None
 
     def numel(m: re.Match[str]) -> str:
-        shape = names.shape(m.group(1))
+        shape = names.shape(m.group(1), 0, at)
         return f"__as_long({math.prod(shape)})" if shape is not None else "__unknown__"  # int64_t
 
     def size(m: re.Match[str]) -> str:
-        shape = names.shape(m.group(1))
+        shape = names.shape(m.group(1), 0, at)
         i = int(m.group(2))
         return (
             f"__as_long({shape[i]})" if shape is not None and -len(shape) <= i < len(shape) else "__unknown__"
@@ -997,15 +1330,15 @@ def _typed(expr: str, names: _Names, depth: int) -> tuple[int, _Kind] | None:
     if tree is None:
         return None
     try:
-        return _value(tree.body, names, depth)
+        return _value(tree.body, names, depth, at)
     except (ArithmeticError, ValueError, TypeError, KeyError, RecursionError):
         return None
 
 
-def _value(node: ast.AST, names: _Names, depth: int) -> tuple[int, _Kind]:
+def _value(node: ast.AST, names: _Names, depth: int, at: int) -> tuple[int, _Kind]:
     """A node's value and type, computed as C++ does in that type (ArithmeticError past a signed one's range)."""
     if isinstance(node, ast.Name):
-        found = names.value(node.id, depth + 1)
+        found = names.value(node.id, depth + 1, at)
         if found is None:
             raise ValueError(f"{node.id} is not known")
         return found
@@ -1015,17 +1348,17 @@ def _value(node: ast.AST, names: _Names, depth: int) -> tuple[int, _Kind]:
         name = node.func.id
         if name in _AS and len(node.args) == 1:  # a cast, a suffixed literal
             kind = _AS[name]
-            return _as(_value(node.args[0], names, depth)[0], kind), kind
+            return _as(_value(node.args[0], names, depth, at)[0], kind), kind
         if name not in _FUNCS or len(node.args) != 2:
             raise ValueError("not a known function")
-        (a, ka), (b, kb) = (_value(arg, names, depth) for arg in node.args)
+        (a, ka), (b, kb) = (_value(arg, names, depth, at) for arg in node.args)
         kind = _common(ka, kb)
         a, b = _as(a, kind), _as(b, kind)
         if name in _CEIL_DIV:
             return _as(features._c_div(_as(a + b - 1, kind), b), kind), kind
         return (min(a, b) if name.lower().endswith("min") else max(a, b)), kind
     if isinstance(node, ast.BinOp):
-        (a, ka), (b, kb) = _value(node.left, names, depth), _value(node.right, names, depth)
+        (a, ka), (b, kb) = _value(node.left, names, depth, at), _value(node.right, names, depth, at)
         op = features._BINARY.get(type(node.op))
         if op is None:
             raise TypeError("operator")
@@ -1038,7 +1371,7 @@ def _value(node: ast.AST, names: _Names, depth: int) -> tuple[int, _Kind]:
         kind = _common(ka, kb)
         return _as(op(_as(a, kind), _as(b, kind)), kind), kind
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
-        inner, kind = _value(node.operand, names, depth)
+        inner, kind = _value(node.operand, names, depth, at)
         kind = _promoted(kind)
         return (_as(-inner, kind) if isinstance(node.op, ast.USub) else inner), kind
     if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
@@ -1355,33 +1688,36 @@ class _Constants:
         self.given = given
         self.aliases = aliases
         self.lookups = lookups
-        self._own: dict[tuple[int, int, str | None], frozenset[str]] = {}
-        self._names: dict[frozenset[str], _Names] = {}
-        self._values: dict[tuple[str, frozenset[str], _Kind], int | None] = {}
+        self._names: dict[tuple[int, int, str | None] | None, _Names] = {}
+        self._values: dict[tuple[str, tuple[_Entity, ...], _Kind], int | None] = {}
 
-    def value(self, expr: str, caller: tuple[int, int, str | None] | None, kind: _Kind) -> int | None:
-        """`expr`'s value as a parameter of type `kind` takes it, where `expr` is a constant; the parameters of
-        `caller` (the host function making the call; None: none) its own."""
-        own: frozenset[str] = frozenset()
-        if caller is not None:
-            if caller not in self._own:
+    def value(
+        self, expr: str, caller: tuple[int, int, str | None] | None, kind: _Kind, at: int
+    ) -> int | None:
+        """`expr`'s value as a parameter of type `kind` takes it, where `expr` is a constant written at `at`; the
+        parameters of `caller` (the host function making the call; None: none) its own."""
+        if caller not in self._names:
+            own: frozenset[str] = frozenset()
+            if caller is not None:
                 texts = _header_parameters(self.text, self.probe, caller[0], caller[1])
-                self._own[caller] = frozenset(_NAME.findall(p.split("=", 1)[0])[-1] for p in texts)
-            own = self._own[caller]
-        key = (expr, own, kind)
+                own = frozenset(_NAME.findall(p.split("=", 1)[0])[-1] for p in texts)
+            self._names[caller] = _Names(
+                self.text,
+                self.macros,
+                None,
+                self.given,
+                own,
+                types=self.aliases,
+                lookups=self.lookups,
+                span=caller[:2] if caller is not None else None,
+                constants_only=True,
+            )
+        names = self._names[caller]
+        # What each of its names means there: the same expression of the same constants is read once.
+        meant = tuple(names.entity(n, at) for n in sorted(set(_NAME.findall(expr))))
+        key = (expr, meant, kind)
         if key not in self._values:
-            if own not in self._names:
-                self._names[own] = _Names(
-                    self.text,
-                    self.macros,
-                    None,
-                    self.given,
-                    own,
-                    types=self.aliases,
-                    lookups=self.lookups,
-                    constants_only=True,
-                )
-            found = _typed(expr, self._names[own], 0)
+            found = _typed(expr, names, 0, at)
             try:
                 self._values[key] = _as(found[0], kind) if found is not None else None
             except ArithmeticError:
@@ -1456,7 +1792,8 @@ def _defaults(
     if (all(g is None for g in given) and not any(readable)) or named[name] != 1:
         return {}, {}
     variadic = "..." in probe[start : body if body >= 0 else end]
-    calls: list[tuple[tuple[int, int, str | None], list[str]]] = []  # each call's caller and arguments
+    # Each call's caller, its arguments, and where it stands.
+    calls: list[tuple[tuple[int, int, str | None], list[str], int]] = []
     recursive = False
     # A call through an object (`op.launch(n, 1024)`, `this->launch(...)`) counts: a method defined outside its
     # class (`void Op::launch(int n, int threads = 256)`) is called so.
@@ -1475,16 +1812,16 @@ def _defaults(
         if tail is None or caller is None or close is None:
             return {}, {}  # named otherwise, called outside the host functions, or too often to read
         inside = probe[tail.end() : close]
-        calls.append((caller, _split_args(inside) if inside.strip() else []))
+        calls.append((caller, _split_args(inside) if inside.strip() else [], at))
         recursive = recursive or caller[:2] == span[:2]
-    passed = max((len(args) for _, args in calls), default=0)  # the most arguments a call passes
+    passed = max((len(args) for _, args, _ in calls), default=0)  # the most arguments a call passes
     out: dict[str, str] = {}
     for i, (param, default) in enumerate(zip(params, given, strict=True)):
         if calls and default is not None and passed <= i:
             out[param.name] = default
     if not calls or recursive or variadic or overloaded or passed > len(params):
         return out, {}
-    if not all(_balanced(arg) for _, args in calls for arg in args):
+    if not all(_balanced(arg) for _, args, _ in calls for arg in args):
         return out, {}
     agreed: dict[str, str] = {}
     for i, (param, default) in enumerate(zip(params, given, strict=True)):
@@ -1492,11 +1829,11 @@ def _defaults(
         if passed <= i or not readable[i] or kind is None:
             continue  # left out by every call (its default, above), or of a type not read
         values: set[int | None] = set()
-        for caller, args in calls:
+        for caller, args, at in calls:
             if i < len(args):
-                values.add(constants.value(args[i], caller, kind))
+                values.add(constants.value(args[i], caller, kind, at))
             else:
-                values.add(constants.value(default, None, kind) if default is not None else None)
+                values.add(constants.value(default, None, kind, start) if default is not None else None)
             if None in values or len(values) > 1:
                 break
         else:
@@ -1552,8 +1889,19 @@ def _source_launch(
     aliases = _aliases(text)
     starts = [a for a, _, _ in spans]  # in order, none inside another
     named = Counter(name for _, _, name in spans)
-    by_params: dict[tuple[tuple[_Param, ...], bool, tuple[tuple[str, str], ...], frozenset[str]], _Names] = {}
-    lookups = _Lookups()  # what the text says of each name: one for every launching function
+    by_params: dict[
+        tuple[
+            tuple[_Param, ...],
+            bool,
+            tuple[tuple[str, str], ...],
+            frozenset[str],
+            tuple[int, int, str | None] | None,
+        ],
+        _Names,
+    ] = {}
+    lookups = _Lookups(
+        _Scopes(probe, spans, starts)
+    )  # what the text says of each name: one for every launcher
     constants = _Constants(text, probe, defined, macros, aliases, lookups)
     exported = {*exported, *_extern_c(probe, spans)}
     sized = _WorkloadNames(workload)
@@ -1582,7 +1930,7 @@ def _source_launch(
                 defaults = {n: d for n, d in {**defaulted, **passed}.items() if n not in changed}
                 called_by[span] = (_called(probe, span, spans, starts), defaults, changed)
         called, defaults, changed = called_by[span]
-        key = (params, called, tuple(sorted(defaults.items())), changed)
+        key = (params, called, tuple(sorted(defaults.items())), changed, span)
         if key not in by_params:
             tensors = {} if called else _tensor_aliases(params, workload)
             kinds = {p.name: p.kind for p in params if p.kind is not None}
@@ -1597,12 +1945,13 @@ def _source_launch(
                 kinds,
                 aliases,
                 lookups,
+                span=span[:2] if span is not None else None,
                 changed=changed,
             )
         names = by_params[key]
-        grids.append(_valid_grid(names.dims(parts[0])))
-        blocks.append(_valid_block(names.dims(parts[1])))
-        smem = _evaluate(parts[2], names, 0) if len(parts) >= 3 and parts[2] else 0
+        grids.append(_valid_grid(names.dims(parts[0], 0, at)))
+        blocks.append(_valid_block(names.dims(parts[1], 0, at)))
+        smem = _evaluate(parts[2], names, 0, at) if len(parts) >= 3 and parts[2] else 0
         shared.append(smem if smem is not None and 0 <= smem <= MAX_SHARED_MEM_BYTES else None)
     found = SourceLaunch(_agreed(grids), _agreed(blocks), _agreed(shared))
     return found if found.grid is not None or found.block is not None else None
