@@ -271,9 +271,8 @@ def test_hostile_python_launches_stay_cheap() -> None:
     many = "".join("    k((N // 256,), (256,), (x,))\n" for _ in range(1_900))
     assert len(cupy(many)) < 64 * 1024
     for body, head in ((deep, ""), ("    k((a59,), (256,), (x,))", "a0 = 1\n" + chain), (many, "")):
-        started = time.perf_counter()
-        read(cupy(body, head))
-        assert time.perf_counter() - started < 2.0
+        source = cupy(body, head)
+        assert fastest_s(lambda source=source: (host_launch._CACHE.clear(), read(source)), 2.0) < 2.0
     assert read(cupy(many)) is None  # past MAX_SITES calls, none is read
     # 59 doublings: beyond any launch, so unknown rather than a huge grid.
     assert read(cupy("    k((a59,), (256,), (x,))", "a0 = 1\n" + chain)) == SourceLaunch(None, (256, 1, 1), 0)
