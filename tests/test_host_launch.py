@@ -1365,10 +1365,9 @@ def test_a_template_filled_past_any_kernel_s_size_is_not_read(fill: str) -> None
     from forecaster_mcp.forecast.features import embedded_cuda
 
     source = 'A = "' + "x" * 30_000 + '"\nsrc = ' + fill + "\n"
-    started = time.perf_counter()
+    assert fastest_s(lambda: embedded_cuda(source, "k"), 2.0) < 2.0  # nothing kept between runs
     found = embedded_cuda(source, "k")
     assert found is None or len(found.text) <= 4 * 64 * 1024
-    assert time.perf_counter() - started < 2.0
 
 
 def test_many_templates_filled_in_one_module_are_read_within_one_bound() -> None:
