@@ -739,3 +739,43 @@ def test_a_large_json_file_that_is_no_cache_file_is_refused_without_rescanning_i
     with pytest.raises(ValueError, match="not a Kernel Tuner cache file"):
         read_header(other)
     assert scans <= 12
+
+
+def test_a_configuration_recorded_twice_is_one_configuration_answered_as_measured(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A merged cache file spelling one configuration twice (bx 32 and 32.0, as a run with float tune_params
+    writes it) with other times: measuring bx=32 answered the later entry (5 ms) while the space's best was the
+    earlier one (1 ms), which no measurement could reach (a search's best-fraction at most 0.2), and make-pairs
+    wrote pairs of that kernel against itself with speedup 5 and 0.2."""
+    from replay_kernels import small_recording
+
+    from forecaster_mcp.cli import main
+
+    path = small_recording(
+        tmp_path / "r.json",
+        {
+            "32": {"bx": 32, "time": 1.0, "times": [1.0, 1.0]},
+            "32.0": {"bx": 32.0, "time": 5.0, "times": [5.0, 5.0]},
+            "64": {"bx": 64, "time": 2.0, "times": [2.0, 2.0]},
+        },
+    )
+    with caplog.at_level(logging.WARNING):
+        space = load_space(path)
+    assert len(space.entries) == 2
+    answered = space.find({"bx": 32})
+    assert (
+        answered is not None and answered.time_ms == 5.0
+    )  # the later entry wins, as for a repeated JSON key
+    assert space.best_time_ms == 2.0
+    assert "1 configuration" in caplog.text and "r.json" in caplog.text
+
+    out = tmp_path / "pairs.jsonl"
+    assert (
+        main(["--home", str(tmp_path / "home"), "make-pairs", str(path), "-n", "10", "--out", str(out)]) == 0
+    )
+    pairs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert pairs
+    for pair in pairs:
+        base, cand = pair["baseline"]["defines"]["bx"], pair["candidate"]["defines"]["bx"]
+        assert normalize_value(base) != normalize_value(cand), pair

@@ -575,7 +575,21 @@ def _space_from(path: Path, doc: Mapping[str, Any]) -> ReplaySpace:
             f"its entries record no 'time' ({named}): a replay answers with recorded kernel runtimes (Kernel "
             "Tuner's 'time', in ms) and this recording holds none"
         )
-    entries = [_entry(k, rec, keys) for k, rec in records]
+    # One entry per configuration as requests are matched (normalize_value): a merged file spelling one twice
+    # (bx 32 and 32.0) with other times answered the later while the earlier stood as the space's best, which no
+    # measurement could reach, and make-pairs paired the kernel with itself. The later wins, as for a JSON key.
+    index: dict[tuple[Any, ...], ReplayEntry] = {}
+    for k, rec in records:
+        e = _entry(k, rec, keys)
+        index[tuple(normalize_value(e.params.get(p)) for p in keys)] = e
+    entries = list(index.values())
+    if len(entries) < len(records):
+        log.warning(
+            "replay: %s records %d configuration(s) more than once (values spelt alike, such as 32 and 32.0); "
+            "the later entry of each is replayed",
+            path,
+            len(records) - len(entries),
+        )
     tune_params = dict(header.tune_params)
     if not tune_params:
         for k in keys:
@@ -591,6 +605,7 @@ def _space_from(path: Path, doc: Mapping[str, Any]) -> ReplaySpace:
         tune_params=tune_params,
         entries=entries,
         best_time_ms=min(valid) if valid else None,
+        _index=index,
     )
 
 
