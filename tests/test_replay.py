@@ -779,3 +779,21 @@ def test_a_configuration_recorded_twice_is_one_configuration_answered_as_measure
     for pair in pairs:
         base, cand = pair["baseline"]["defines"]["bx"], pair["candidate"]["defines"]["bx"]
         assert normalize_value(base) != normalize_value(cand), pair
+
+
+@pytest.mark.anyio
+async def test_an_edited_source_is_answered_with_the_recorded_time_and_told_so(conv_a100: Path) -> None:
+    """A Kernel Tuner recording holds no source: a request is matched by entry and tuning parameters only. An agent
+    that edited the kernel and measured it again got the recorded kernel's time, said nowhere, and could take its
+    edit as timed. The first source replayed from a recording is the recorded kernel's; another is told."""
+    raw = json.loads(gzip.open(conv_a100).read())
+    defines = {k: raw["cache"]["16,1,1,1,0,0,0,1,15,15"][k] for k in raw["tune_params_keys"]}
+    m = ReplayMeasurer([conv_a100])
+    first = await _measure(m, kernel("convolution_kernel", defines), "A100-PCIE-40GB")
+    assert first.status == "ok" and first.message is None
+    edited = Kernel(source=SRC + "// unrolled by hand\n", entry="convolution_kernel", defines=defines)
+    told = await _measure(m, edited, "A100-PCIE-40GB")
+    assert told.runtime_ms == first.runtime_ms
+    assert told.message is not None and "source differs from the first one replayed" in told.message
+    again = await _measure(m, kernel("convolution_kernel", defines), "A100-PCIE-40GB")
+    assert again.message is None

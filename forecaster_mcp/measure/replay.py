@@ -855,6 +855,8 @@ class ReplayMeasurer:
         recordings: dict[tuple[str, str, frozenset[str]], _Recording] = {}
         self._exported: dict[ExportKey, _Exported] = {}
         self._export_digests: dict[str, list[str]] = {}  # device -> digests of the exports that hold it
+        # Recording identifier -> hash of the first kernel source replayed from it (_edited_source_note).
+        self._first_source: dict[str, str] = {}
         for path, explicit in _expand(paths):
             if path.name.endswith(".jsonl"):
                 try:
@@ -1197,12 +1199,28 @@ class ReplayMeasurer:
         if entry is None:
             raise NotMeasurable(self._values_message(device, request.kernel, space))
         result = _result(request, device, rec.identifier(), entry)
-        note = _unchecked_note(request.kernel, request.workload, rec.header)
-        if note is not None:
-            result.message = f"{result.message}; {note}" if result.message else note
+        for note in (
+            _unchecked_note(request.kernel, request.workload, rec.header),
+            self._edited_source_note(rec, request.kernel),
+        ):
+            if note is not None:
+                result.message = f"{result.message}; {note}" if result.message else note
         if progress is not None:
             await progress(1.0, 1.0, f"replayed from {rec.header.path.name}")
         return result
+
+    def _edited_source_note(self, rec: _Recording, kernel: Kernel) -> str | None:
+        """A Kernel Tuner recording holds one kernel's times, matched by entry and tuning parameters only (it holds
+        no source): a source other than the first this measurer replayed from it (an agent's edit of the kernel)
+        is answered with the recorded kernel's time all the same. Said, so that the edit is not taken as timed."""
+        digest = hashlib.sha256(kernel.source.encode("utf-8", "surrogatepass")).hexdigest()
+        if self._first_source.setdefault(rec.identifier(), digest) == digest:
+            return None
+        return (
+            f"this kernel's source differs from the first one replayed from {rec.header.path.name} by this "
+            "server: a recording holds one kernel's times, matched by entry and tuning parameters only, so the "
+            "time replayed is the recorded kernel's, not this source's"
+        )
 
 
 @dataclass(frozen=True)
