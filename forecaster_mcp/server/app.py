@@ -841,9 +841,23 @@ class _ClientHungUp(logging.Filter):
 def _server_that_returns_on_signals(uvicorn: Any, config: Any) -> Any:
     """uvicorn's server, except that the SIGTERM / SIGINT it shut down for is not raised again once it has:
     raised, it killed the process before `serve` closed the service (the store never closed, its WAL left
-    behind). `serve` returns instead, the service closes, and the command exits."""
+    behind). `serve` returns instead, the service closes, and the command exits.
+
+    A second Ctrl-C does not skip the orderly stop either: uvicorn's "force quit" returned without cancelling the
+    calls in flight, so the service closed under them (a "the store is closed" traceback for each, their holds
+    left open and released free at the next start, the device time used never charged). The stop takes at most
+    HTTP_SHUTDOWN_GRACE_S and the cancellation; a third Ctrl-C still forces it, for a call that cannot be
+    cancelled."""
 
     class Server(uvicorn.Server):  # type: ignore[misc]
+        _interrupts = 0
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            self._interrupts += sig == signal.SIGINT
+            super().handle_exit(sig, frame)
+            if self._interrupts < 3:
+                self.force_exit = False
+
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
             with super().capture_signals():
