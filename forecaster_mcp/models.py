@@ -87,6 +87,15 @@ DefineValue = int | float | str
 # of parameters: 200 of them took 30 s and 1 GB on 200 points) proportionate.
 MAX_DEFINES = 64
 MAX_DEFINE_NAME = 128
+
+
+def _too_many_defines(count: int) -> str:
+    return (
+        f"{count} defines, over the limit of {MAX_DEFINES}: pass the tuning parameters only (constants the source "
+        "always needs belong in the source)"
+    )
+
+
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # fullmatch: "$" would let a trailing newline through
 # C0 and C1 control characters, DEL, and the Unicode line and paragraph separators: a NUL cannot reach a
 # process argument at all, the others have no place in a macro value or a compiler flag, and each of NEL,
@@ -309,6 +318,13 @@ def _one_line(value: str, what: str, limit: int) -> str:
 MAX_PROBLEM_ENTRIES = 64
 
 
+def _too_many_problem_entries(count: int) -> str:
+    return (
+        f"workload.problem has {count} entries, over {MAX_PROBLEM_ENTRIES}: pass the sizes that matter (M, N, K, "
+        "batch, ...)"
+    )
+
+
 def _whole(value: int | float | str) -> int | float | str:
     """A float that is a whole number of safe size (4096.0) as an int; anything else as it is."""
     if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
@@ -506,14 +522,20 @@ class Kernel(_Strict):
             raise ValueError(f"entry {v[:80]!r} is not a C identifier: pass the __global__ function's name")
         return v
 
+    @field_validator("defines", mode="before")
+    @classmethod
+    def _defines_counted_first(cls, v: Any) -> Any:
+        """The count before the entries: pydantic validated every entry of a dict of millions (seconds of an
+        HTTP server's event loop, every other client waiting) only for the count to refuse it."""
+        if isinstance(v, dict) and len(v) > MAX_DEFINES:
+            raise ValueError(_too_many_defines(len(v)))
+        return v
+
     @field_validator("defines")
     @classmethod
     def _defines(cls, v: dict[str, DefineValue]) -> dict[str, DefineValue]:
         if len(v) > MAX_DEFINES:
-            raise ValueError(
-                f"{len(v)} defines, over the limit of {MAX_DEFINES}: pass the tuning parameters only (constants "
-                "the source always needs belong in the source)"
-            )
+            raise ValueError(_too_many_defines(len(v)))
         for name, value in v.items():
             if not _IDENT.fullmatch(name):
                 raise ValueError(f"define name {name[:80]!r} is not a C identifier")
@@ -723,14 +745,19 @@ class Workload(_Strict):
     def _name(cls, v: str | None) -> str | None:
         return None if v is None else _one_line(v, "workload.name", 256)
 
+    @field_validator("problem", mode="before")
+    @classmethod
+    def _problem_counted_first(cls, v: Any) -> Any:
+        """The count before the entries, as for Kernel.defines."""
+        if isinstance(v, dict) and len(v) > MAX_PROBLEM_ENTRIES:
+            raise ValueError(_too_many_problem_entries(len(v)))
+        return v
+
     @field_validator("problem")
     @classmethod
     def _problem(cls, v: dict[str, int | float | str]) -> dict[str, int | float | str]:
         if len(v) > MAX_PROBLEM_ENTRIES:
-            raise ValueError(
-                f"workload.problem has {len(v)} entries, over {MAX_PROBLEM_ENTRIES}: pass the sizes that "
-                "matter (M, N, K, batch, ...)"
-            )
+            raise ValueError(_too_many_problem_entries(len(v)))
         for key, value in v.items():
             _one_line(key, "workload.problem key", 128)
             if isinstance(value, str):

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import sqlite3
 from pathlib import Path
+from typing import Any
 
+import anyio
 import pytest
 from mcp import Client
 from replay_kernels import FAILS, FAST, SLOW, conv
@@ -1126,3 +1128,46 @@ def test_a_measured_difference_below_the_event_timer_s_resolution_is_not_decided
     # A kernel at or under one tick is no better known than 'about a tick': never a point, never a crash.
     at_tick = _from_measurement("c", (0.0004, 0.0004, 0.0004, 50), (0.0003, 0.0003, 0.0003, 50), "cache")
     assert at_tick.verdict == "unsure"
+
+
+@pytest.mark.parametrize(
+    ("tool", "arguments", "refusal"),
+    [
+        (
+            "compare_kernels",
+            lambda many: {"candidates": [{**conv("a", FAST), "defines": many}, conv("b", FAST)]},
+            "1000000 defines, over the limit of 64",
+        ),
+        (
+            "measure_kernel",
+            lambda many: {"kernel": conv("a", FAST), "workload": {"problem": many}},
+            "workload.problem has 1000000 entries, over 64",
+        ),
+    ],
+    ids=["defines", "problem"],
+)
+async def test_a_dict_of_a_million_entries_is_refused_at_its_count_without_reading_them(
+    tmp_path: Path, conv_a100: Path, tool: str, arguments: Any, refusal: str
+) -> None:
+    """Only the count of `defines` or `workload.problem` was checked after pydantic had validated every entry,
+    and the refusal's sample was the repr of the whole dict: on an HTTP server one 92 MB request (7.5 million
+    defines) held the event loop, every other agent's call waiting, for 47 s. The count now comes first."""
+    from mcp.server.mcpserver.exceptions import ToolError
+    from timing import fastest_s
+
+    many = {f"d{i}": 1 for i in range(1_000_000)}
+    async with running(tmp_path, [conv_a100]) as (_, service):
+        server = build_server(service)
+        messages: list[str] = []
+
+        def refused() -> None:
+            async def one() -> None:
+                with pytest.raises(ToolError) as info:
+                    await server.call_tool(tool, arguments(many))
+                messages.append(str(info.value))
+
+            anyio.from_thread.run(one)
+
+        took = await anyio.to_thread.run_sync(lambda: fastest_s(refused, limit_s=0.2))
+    assert refusal in messages[0] and len(messages[0]) < 2000, messages[0]
+    assert took < 0.2, f"{took:.2f} s to refuse the arguments"
