@@ -1525,6 +1525,25 @@ async def test_a_call_cancelled_midway_keeps_the_answers_it_got() -> None:
 
 
 @pytest.mark.anyio
+async def test_a_pair_asked_by_two_calls_at_once_is_paid_for_once() -> None:
+    """Two compares of the same pair at once (an agent's parallel tool calls, a client retrying a compare still
+    running) each sent every sample: twice the requests, and two draws that could decide differently. The second
+    now waits for the first's answers (within its own limit)."""
+    mock = AnthropicMock(lambda body: tool_answer(FASTER))
+    f = ClaudeForecaster(
+        "test-key", MODEL, samples=2, features=None, http_client=slow_api(mock, 0.2),
+    )  # fmt: skip
+    try:
+        [a], [b] = await asyncio.wait_for(
+            asyncio.gather(f.forecast([pair()]), f.forecast([pair()])), timeout=5
+        )
+        assert len(mock.message_bodies) == 2 and f.usage_total.requests == 2
+        assert a.probs == pytest.approx(b.probs) and b.extras["claude_samples"] == 2
+    finally:
+        await f.aclose()
+
+
+@pytest.mark.anyio
 async def test_a_batch_result_the_sdk_cannot_make_sense_of_drops_that_sample_only() -> None:
     """Like a live sample: one paid answer that is not a message block (here a bare number) costs its own
     sample, not the whole batch's answers (it raised out of forecast_batch and Claude was skipped)."""

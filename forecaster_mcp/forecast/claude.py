@@ -20,7 +20,9 @@ How one pair is forecast:
   number of samples: a restarted server, or an `eval` rerun after a Ctrl-C, reuses them without a request; another
   model, prompt or sample count asks again;
 - a request already sent when its call stops waiting (the time limit) is not cancelled (the API bills it all
-  the same): it finishes in the background, its usage is recorded and its answer kept for the pair's next call.
+  the same): it finishes in the background, its usage is recorded and its answer kept for the pair's next call;
+- a call for a pair another call is asking for at that moment (parallel compares, a client's retry) waits for that
+  call's answers (within its own limit) instead of paying for its own.
 """
 
 from __future__ import annotations
@@ -494,6 +496,8 @@ class ClaudeForecaster:
         # here, so that they are not collected mid-run; the pair's next call waits for them instead of paying for
         # new requests (forecast), and aclose waits for them all (_background).
         self._late_running: dict[str, set[asyncio.Task[None]]] = {}
+        # The pairs a call is asking for now (_claim), by the same hash: another call for one of them waits.
+        self._asking: dict[str, asyncio.Future[None]] = {}
 
     @property
     def _background(self) -> set[asyncio.Task[None]]:
@@ -513,24 +517,27 @@ class ClaudeForecaster:
         problems: list[str] = []
         got: list[list[_Sample | None]] = [[] for _ in queries]
         texts: list[prompt.PairPrompt] = []
+        asking: tuple[list[str], asyncio.Future[None]] | None = None
         try:
             limit = math.inf if self.time_limit_s is None else self.time_limit_s
             deadline = time.monotonic() + limit
             # The limit counts from the call: building the prompts (ptxas, features) is inside it too.
             with anyio.move_on_after(limit) as scope:
                 texts = await self._prompts(queries)
-                # A request an earlier call gave up on and still running is paid for: wait for its answer (within
-                # this call's limit) rather than send and pay for another.
-                running = {t for p in texts for t in self._late_running.get(_answer_key(p), ())}
-                if running:
-                    await asyncio.wait(running)
-                for i, p in enumerate(texts):
-                    got[i].extend(self._answered(_answer_key(p)))
+                keys = [_answer_key(p) for p in texts]
+                # A request an earlier call gave up on and still running, or another call asking for the same pair
+                # right now, is paid for: wait for their answers (within this call's limit) rather than send and
+                # pay for more.
+                while waits := self._paid_meanwhile(keys):
+                    await asyncio.wait(waits)
+                for i, key in enumerate(keys):
+                    got[i].extend(self._answered(key))
                 fits = [
                     i
                     for i, p in enumerate(texts)
                     if prompt.utf8_size(p.text) <= prompt.MAX_PROMPT_BYTES and len(got[i]) < self.samples
                 ]
+                asking = self._claim([keys[i] for i in fits])  # no await since the wait: none asked meanwhile
                 texts = self._marked(texts, [(i, self.samples - len(got[i])) for i in fits])
                 marked = texts
 
@@ -558,6 +565,8 @@ class ClaudeForecaster:
             # Kept before anything is awaited: a call cancelled here (Ctrl-C, a client's cancel) keeps them too.
             for p, g in zip(texts, got, strict=False):
                 self._remember(_answer_key(p), g)
+            if asking is not None:
+                self._release(*asking)
             with anyio.CancelScope(shield=True):  # a timed-out call still paid for what it got
                 await self._record(usage, batch=False)
         results = [self._aggregated(g) for g in got]
@@ -662,6 +671,33 @@ class ClaudeForecaster:
                 kept = stored
                 self._keep(key, kept)
         return kept[: self.samples]
+
+    def _paid_meanwhile(self, keys: Sequence[str]) -> set[asyncio.Future[Any]]:
+        """What to wait for before asking for the pairs `keys`: requests an earlier call gave up on that still
+        run, and other calls asking for one of them now (`_claim`)."""
+        waits: set[asyncio.Future[Any]] = set()
+        for key in set(keys):
+            waits.update(self._late_running.get(key, ()))
+            if (other := self._asking.get(key)) is not None:
+                waits.add(other)
+        return waits
+
+    def _claim(self, keys: Sequence[str]) -> tuple[list[str], asyncio.Future[None]]:
+        """The pairs `keys` as being asked by this call, until `_release`: another call asking for one of them
+        meanwhile waits for its answers instead of paying for its own."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        claimed = list(set(keys))
+        for key in claimed:
+            self._asking[key] = done
+        return claimed, done
+
+    def _release(self, keys: Sequence[str], done: asyncio.Future[None]) -> None:
+        """The end of a `_claim`, once its answers are kept (`_remember`)."""
+        for key in keys:
+            if self._asking.get(key) is done:
+                del self._asking[key]
+        if not done.done():
+            done.set_result(None)
 
     def _keep_late(self, key: str, sample: _Sample) -> None:
         """Keep a sample answered after its call had returned, for the pair's next call (_answered)."""
