@@ -1544,6 +1544,24 @@ async def test_a_pair_asked_by_two_calls_at_once_is_paid_for_once() -> None:
 
 
 @pytest.mark.anyio
+async def test_an_answer_kept_after_a_line_cut_short_is_read_by_the_next_process(tmp_path: Any) -> None:
+    """A process killed or a disk filled while an answer was written leaves its line cut short, without its end of
+    line; the next answer appended to the file ran on from it, and the two made one unreadable line: that answer,
+    paid for, was asked and paid for again by every later process until another line came."""
+    mock = AnthropicMock(lambda body: tool_answer(FASTER))
+    await make(mock, samples=2, cache_dir=tmp_path).forecast([pair()])
+    [kept] = (tmp_path / "claude-answers").iterdir()
+    first, second = kept.read_text().splitlines()
+    kept.write_text(first + "\n" + second[: len(second) // 2])  # the second line cut short
+    again = make(mock, samples=2, cache_dir=tmp_path)
+    await again.forecast([pair()])
+    assert again.usage_total.requests == 1  # the one cut short
+    third = make(mock, samples=2, cache_dir=tmp_path)
+    [answer] = await third.forecast([pair()])
+    assert third.usage_total.requests == 0 and answer.extras["claude_samples"] == 2
+
+
+@pytest.mark.anyio
 async def test_a_batch_result_the_sdk_cannot_make_sense_of_drops_that_sample_only() -> None:
     """Like a live sample: one paid answer that is not a message block (here a bare number) costs its own
     sample, not the whole batch's answers (it raised out of forecast_batch and Claude was skipped)."""

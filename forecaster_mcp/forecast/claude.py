@@ -1513,7 +1513,8 @@ class _AnswerFiles:
     so that processes sharing the folder do not interleave lines, and a process killed right after has it kept).
     A line holds what decides the answer (model, prompt version, output mode, samples asked, the prompt's hash)
     and is used only when all of them match this forecaster's; a line that cannot be read (cut short by a crash,
-    edited) is skipped. Failures to write or read are logged once, never raised: the forecast goes on without."""
+    edited) is skipped, and ended by the next append. Failures to write or read are logged once, never raised:
+    the forecast goes on without."""
 
     def __init__(self, folder: Path, model: str, samples: int, output_mode: str) -> None:
         self.folder = folder
@@ -1537,8 +1538,13 @@ class _AnswerFiles:
         data = (json.dumps(line) + "\n").encode()
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self._path(key), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            fd = os.open(self._path(key), os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
             try:
+                size = os.fstat(fd).st_size
+                if size and os.pread(fd, 1, size - 1) != b"\n":
+                    # A line cut short (a process killed, a disk full mid-write): ended here, so that this one
+                    # does not run on from it into one unreadable line.
+                    data = b"\n" + data
                 os.write(fd, data)
             finally:
                 os.close(fd)
