@@ -1860,7 +1860,7 @@ async def test_a_restarted_server_answers_a_pair_claude_answered_without_asking_
     """Claude's answers were kept in memory only: a restarted server paid again for every pair already asked. Each
     answer is now kept in the state folder as it arrives: a server started again on it answers the same compare
     from them, with no request and nothing billed (the ledger's usage stays what the first server recorded), while
-    another model, or another number of samples, asks again. Through the server's own wiring (its settings and
+    another model asks again and more samples ask only for those lacking. Through the server's own wiring (its settings and
     state folder) and an in-process MCP client; only the HTTP transport is mocked."""
     server = _ClaudeServer(tmp_path, monkeypatch)
     mock = server.mock
@@ -1877,10 +1877,15 @@ async def test_a_restarted_server_answers_a_pair_claude_answered_without_asking_
     monkeypatch.setenv("FORECASTER_MCP_CLAUDE_MODEL", "claude-haiku-4-5")
     await server.compare()
     assert [b["model"] for b in mock.message_bodies[2:]] == ["claude-haiku-4-5"] * 2
+    # More samples: the two kept are independent draws of the same prompt, only the third is asked (it paid for
+    # all three). Fewer: answered from those kept.
     monkeypatch.setenv("FORECASTER_MCP_CLAUDE_MODEL", MODEL)
     monkeypatch.setenv("FORECASTER_MCP_CLAUDE_SAMPLES", "3")
     await server.compare()
-    assert [b["model"] for b in mock.message_bodies[4:]] == [MODEL] * 3
+    assert [b["model"] for b in mock.message_bodies[4:]] == [MODEL]
+    monkeypatch.setenv("FORECASTER_MCP_CLAUDE_SAMPLES", "1")
+    await server.compare()
+    assert len(mock.message_bodies) == 5
 
 
 @pytest.mark.anyio

@@ -17,8 +17,9 @@ How one pair is forecast:
 - each answered sample is kept (by the hash of its prompt) as it arrives: asked again, a pair is answered from the
   samples it has and only the missing ones are requested. With a `cache_dir` (the state folder's cache/, as the
   server and `eval` give it) each is also appended to a file there at once, under the model, prompt version and
-  number of samples: a restarted server, or an `eval` rerun after a Ctrl-C, reuses them without a request; another
-  model, prompt or sample count asks again;
+  output mode: a restarted server, or an `eval` rerun after a Ctrl-C, reuses them without a request; another
+  model or prompt asks again, while a larger `samples` asks only for the samples it lacks (each is an independent
+  draw of the same prompt);
 - a request already sent when its call stops waiting (the time limit) is not cancelled (the API bills it all
   the same): it finishes in the background, its usage is recorded and its answer kept for the pair's next call;
 - a call for a pair another call is asking for at that moment (parallel compares, a client's retry) waits for that
@@ -1511,8 +1512,9 @@ class _AnswerFiles:
     """Answered samples on disk, for later processes (a restarted server, an `eval` rerun after Ctrl-C): one file
     of JSON lines per pair and answer settings, a line per sample appended the moment it is answered (one write,
     so that processes sharing the folder do not interleave lines, and a process killed right after has it kept).
-    A line holds what decides the answer (model, prompt version, output mode, samples asked, the prompt's hash)
-    and is used only when all of them match this forecaster's; a line that cannot be read (cut short by a crash,
+    A line holds what decides the answer (model, prompt version, output mode, the prompt's hash) and is used only
+    when all of them match this forecaster's; the number of samples asked does not decide a sample (each is an
+    independent draw), so a forecaster asking for more reads those kept and asks only for the rest; a line that cannot be read (cut short by a crash,
     edited) is skipped, and ended by the next append. Failures to write or read are logged once, never raised:
     the forecast goes on without."""
 
@@ -1522,7 +1524,6 @@ class _AnswerFiles:
             "model": model,
             "prompt_version": _prompt_version(),
             "output_mode": output_mode,
-            "samples": samples,
         }
         self._settings_key = _digest(json.dumps(self._settings, sort_keys=True))
         self._samples = samples
