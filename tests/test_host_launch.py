@@ -2022,3 +2022,71 @@ def test_a_constant_a_caller_passes_is_the_one_its_scope_gives(declared: str) ->
     assert read(host) == SourceLaunch((1, 1, 1), None, 0)
     inside = host.replace("void f(int n) {", "void f(int n) { constexpr int T = 256;")
     assert read(inside) == SourceLaunch((1, 1, 1), (256, 1, 1), 0)
+
+
+@pytest.mark.parametrize(
+    ("host", "block"),
+    [
+        # A namespace's or class's BLOCK reaches a function outside its braces: a reopened namespace, a member or
+        # namespace function defined out of line, a derived class, a using-declaration (each read 256, the
+        # global's, where C++ takes the 128).
+        (
+            "const int BLOCK = 256;\nnamespace a { const int BLOCK = 128; }\n"
+            "namespace a { void f(int n) { k<<<1, BLOCK>>>(0, 0, n); } }",
+            None,
+        ),
+        (
+            "const int BLOCK = 256;\nnamespace a { const int BLOCK = 128; void f(int n); }\n"
+            "void a::f(int n) { k<<<1, BLOCK>>>(0, 0, n); }",
+            None,
+        ),
+        (
+            "const int BLOCK = 256;\nstruct S { static const int BLOCK = 128; void f(int n); };\n"
+            "void S::f(int n) { k<<<1, BLOCK>>>(0, 0, n); }",
+            None,
+        ),
+        (
+            "const int BLOCK = 256;\nstruct Base { static const int BLOCK = 128; };\n"
+            "struct D : Base { void f(int n) { k<<<1, BLOCK>>>(0, 0, n); } };",
+            None,
+        ),
+        (
+            "const int BLOCK = 256;\nnamespace a { const int BLOCK = 128; }\n"
+            "void f(int n) { using a::BLOCK; k<<<1, BLOCK>>>(0, 0, n); }",
+            None,
+        ),
+        # A for's or if's own BLOCK ends with its statement (read 128 after it).
+        (
+            "const int BLOCK = 256;\nvoid f(int n) { for (int BLOCK = 128; n; ) { g(BLOCK); } k<<<1, BLOCK>>>(0, 0, n); }",
+            256,
+        ),
+        (
+            "const int BLOCK = 256;\nvoid f(int n) { if (const int BLOCK = 128; n) { g(BLOCK); } k<<<1, BLOCK>>>(0, 0, n); }",
+            256,
+        ),
+        ("void f(int n) { for (int BLOCK = 128; n; ) { k<<<1, BLOCK>>>(0, 0, n); } }", 128),
+        # A statement whose end is not seen (a loop of a loop): its own name not read (the 128 after it before).
+        (
+            "const int BLOCK = 256;\nvoid f(int n) { for (int BLOCK = 128; n; ) for (int j = 0; j < n; ++j) g(BLOCK);"
+            " k<<<1, BLOCK>>>(0, 0, n); }",
+            None,
+        ),
+        # A struct's field, or another namespace's constant, is no free function's name; an anonymous namespace's
+        # and an extern "C" block's are the file's (unknown since scopes were read).
+        (
+            "struct P { int BLOCK; };\nconst int BLOCK = 256;\nvoid f(int n) { k<<<1, BLOCK>>>(0, 0, n); }",
+            256,
+        ),
+        (
+            "struct P { int BLOCK; };\nnamespace a { const int BLOCK = 256; void f(int n) { k<<<1, BLOCK>>>(0, 0, n); } }",
+            256,
+        ),
+        ("namespace { const int BLOCK = 256; }\nvoid f(int n) { k<<<1, BLOCK>>>(0, 0, n); }", 256),
+        ('extern "C" { const int BLOCK = 256; }\nvoid f(int n) { k<<<1, BLOCK>>>(0, 0, n); }', 256),
+    ],
+)
+def test_a_name_another_scope_reaches_is_not_the_global(host: str, block: int | None) -> None:
+    """C++ lets a namespace's or class's name reach past its braces (a namespace reopened, `void S::f()`, a base
+    class, `using a::BLOCK`), and ends a for's or if's own name with its statement: read by braces alone, the
+    global BLOCK (or the loop's) was given as the launch's block where C++ gives another."""
+    assert read(host) == SourceLaunch((1, 1, 1), (block, 1, 1) if block is not None else None, 0)

@@ -663,6 +663,14 @@ _BINDING = re.compile(r"\bauto\s*&{0,2}\s*\[[\w\s,]*$")
 _TEMPLATE_HEAD = re.compile(r"template(?<!\wtemplate)\s*<[^;{}()<>]*$")
 _BODY_OR_END = re.compile(r"[{;]")
 _NOT_DECLARING = _NOT_TYPES | {"sizeof", "alignof", "co_await"}
+_ELSE = re.compile(r"\s*else\b")
+_SPACES = re.compile(r"\s*")
+_NAMESPACE_HEAD = re.compile(r"\b(inline\s+)?namespace\b\s*([\w:]*)\s*$")
+_EXTERN_HEAD = re.compile(r'\bextern\s*"[^"]*"\s*$')
+_CLASS_HEAD = re.compile(r"\b(?:struct|class|union)\b")
+_QUALIFIED_NAME = re.compile(r"::\s*~?\s*\w+\s*$")
+_USING_NAMESPACE = re.compile(r"\busing\s+namespace\s+([\w:]+)")
+MAX_HEADS = 64  # namespaces and classes around a function: past them, its names may be any's
 MAX_DECLARATIONS = 256  # of one name: past them, it is not read
 
 
@@ -703,7 +711,11 @@ class _Scopes:
     visible from its declaration to the end of its block, shadowing any outer one; a parameter in its function's
     (or lambda's) body; one at namespace or class scope in all its block (the file's: everywhere). A `const int
     BLOCK = 128;` in `launch_a` is not the `BLOCK` of `launch_b`, nor of `namespace y`, nor a template's or a
-    range-for's `BLOCK` there. A declaration is read as the words before a name (`int n`, `const idx_t& n`, `T
+    range-for's `BLOCK` there, and a for's, if's or catch's own name ends with its statement. Where a namespace's
+    or class's declaration may reach past its braces (a function defined as `S::f`, a class's body for a base's,
+    the namespace reopened, a `using` of it), a name that would otherwise be the global (or none) is not known; an
+    anonymous namespace's and an `extern "C"` block's are the scope's around. A declaration is read as the words
+    before a name (`int n`, `const idx_t& n`, `T
     n`, a comma list's later name); one not seen so (`std::vector<int> n`) is not read as shadowing. The brackets
     are read where a declaration needs them, each host function's apart and the rest once with those blanked: a
     source of 80,000 small functions is not read bracket by bracket for a name declared in two."""
@@ -716,6 +728,12 @@ class _Scopes:
         self._outside: tuple[_Nesting, _Nesting] | None = None
         # Of each name: its entities, and the entity of each declaration by where its name stands; None: not read.
         self._declared: dict[str, tuple[list[_Entity], dict[int, _Entity]] | None] = {}
+        # Of each name: its namespaces' and classes' entities, each with its kind and the namespace's name (`_head`).
+        self._members: dict[str, list[tuple[_Entity, str, str]]] = {}
+        self._heads: dict[int, tuple[str, str]] = {}  # `_head`, by the brace
+        self._contexts: dict[int, tuple[bool, list[tuple[str, str]]]] = {}  # `_context`, by where it is read
+        self._usings: dict[str, bool] = {}  # `_reaches`: a using-declaration of the name, by name
+        self._using_spaces: list[frozenset[str]] | None = None  # the namespaces `using namespace` names
 
     def _nestings(self, at: int) -> tuple[_Nesting, _Nesting, bool]:
         """The braces and parentheses around `at`, and whether it is in a host function."""
@@ -727,6 +745,10 @@ class _Scopes:
                     _Nesting(self.probe, "()", span[0], span[1]),
                 )
             return (*self._inside[span[0]], True)
+        return (*self._outer(), False)
+
+    def _outer(self) -> tuple[_Nesting, _Nesting]:
+        """The braces and parentheses outside the host functions (theirs blanked)."""
         if self._outside is None:
             pieces, last = [], 0
             for a, b, _ in self.spans:
@@ -734,7 +756,73 @@ class _Scopes:
                 last = b
             outside = "".join([*pieces, self.probe[last:]])
             self._outside = (_Nesting(outside, "{}"), _Nesting(outside, "()"))
-        return (*self._outside, False)
+        return self._outside
+
+    def _head(self, brace: int) -> tuple[str, str]:
+        """What the braces opened at `brace` are the body of: ("namespace", its name), ("class", "") for a struct,
+        class or union, ("open", "") where their names are the enclosing scope's (an anonymous or inline
+        namespace, `extern "C" { ... }`), else ("other", "") (a function's, a block's, an initialiser's)."""
+        if brace not in self._heads:
+            probe = self.probe
+            low = max(0, brace - _STATEMENT_CHARS)
+            start = max(
+                probe.rfind(";", low, brace), probe.rfind("{", low, brace), probe.rfind("}", low, brace)
+            )
+            segment = probe[max(start + 1, low) : brace]
+            found = ("other", "")
+            space = _NAMESPACE_HEAD.search(segment)
+            if space is not None:
+                name = space.group(2) or ""
+                found = ("open", "") if space.group(1) or not name else ("namespace", name)
+            elif _EXTERN_HEAD.search(segment) is not None:
+                found = ("open", "")
+            elif _CLASS_HEAD.search(segment) is not None and "=" not in segment and "(" not in segment:
+                found = ("class", "")
+            self._heads[brace] = found
+        return self._heads[brace]
+
+    def _context(self, at: int) -> tuple[bool, list[tuple[str, str]]]:
+        """Of a name used at `at`: whether its function is defined by a qualified name (`void S::f()`, where a
+        class's or namespace's names are visible), and the namespace and class bodies around it, innermost first
+        (past MAX_HEADS of them: read as qualified)."""
+        span = _span_at(self.spans, self.starts, at)
+        where = span[0] if span is not None else at
+        if where not in self._contexts:
+            qualified = False
+            if span is not None:
+                paren = self.probe.find("(", span[0], span[1])
+                qualified = paren >= 0 and _QUALIFIED_NAME.search(self.probe, span[0], paren) is not None
+            braces = self._outer()[0]
+            heads: list[tuple[str, str]] = []
+            block = braces.around(where)
+            while block is not None and not qualified:
+                if len(heads) >= MAX_HEADS:
+                    qualified = True
+                heads.append(self._head(block[0]))
+                block = braces.around(block[0])
+            self._contexts[where] = (qualified, heads)
+        return self._contexts[where]
+
+    def _reaches(self, name: str, at: int, kind: str, space: str) -> bool:
+        """Whether a name a class's (`kind` "class") or namespace `space`'s braces declare may be the one used at
+        `at`, outside them: from a function defined by a qualified name, a class's body (a base's member), the
+        same namespace reopened, or through a `using` of it or of its namespace."""
+        if name not in self._usings:
+            using = rf"\busing\s+(?:typename\s+)?[\w:<>\s]{{0,200}}::\s*{re.escape(name)}\s*;"
+            self._usings[name] = re.search(using, self.probe) is not None
+        qualified, heads = self._context(at)
+        if self._usings[name] or qualified:
+            return True
+        if kind == "class":
+            return any(k == "class" for k, _ in heads)
+        parts = frozenset(space.split("::")) - {""}
+        if self._using_spaces is None:
+            self._using_spaces = [
+                frozenset(m.group(1).split("::")) for m in _USING_NAMESPACE.finditer(self.probe)
+            ]
+        return any(k == "namespace" and parts & set(n.split("::")) for k, n in heads) or any(
+            parts & used for used in self._using_spaces
+        )
 
     def _body(self, at: int) -> _Entity | None:
         """The braces a parameter list or template head before `at` opens (a function's or lambda's body): the
@@ -746,6 +834,22 @@ class _Scopes:
             return _SKIPPED
         closers = self._nestings(body.start())[0].closers
         return (body.start(), closers.get(body.start(), len(self.probe)), "")
+
+    def _statement_end(self, braces: _Nesting, start: int, limit: int) -> int | None:
+        """Just past the statement from `start` (a for's, while's, if's or catch's body): its braces, else up to a
+        `;` with nothing bracketed on the way; None where that is not seen before `limit`."""
+        probe = self.probe
+        body = _SPACES.match(probe, start, limit).end()  # type: ignore[union-attr]
+        if body < limit and probe[body] == "{":
+            return braces.closers.get(body)
+        semi = probe.find(";", body, min(limit, body + 4 * _STATEMENT_CHARS))
+        if (
+            semi < 0
+            or "{" in probe[body:semi]
+            or probe.count("(", body, semi) != probe.count(")", body, semi)
+        ):
+            return None
+        return semi + 1
 
     def _declaration(self, name: str, at: int) -> _Entity | None:
         """The entity a declaration of `name` at `at` makes; None where `at` is no declaration's."""
@@ -786,16 +890,29 @@ class _Scopes:
             if statement is None:  # a function's or lambda's parameter
                 body = self._body(paren[1])
                 return _UNREAD if body is None else body if body == _SKIPPED else (*body[:2], "param")
-            # `for (int i = 0; ...)`, `for (int b : sizes)`, `catch (int e)`: to the end of the block around
+            # `for (int i = 0; ...)`, `for (int b : sizes)`, `catch (int e)`: to the end of its statement (an
+            # `if`'s through its `else`), else of the block around
             ranged = re.match(rf"{re.escape(name)}\s*:(?!:)", probe[at : at + len(name) + 40]) is not None
             what = "unread" if binding or ranged or statement.group(1) == "catch" else "var"
+            if in_host and block is not None:
+                stop = self._statement_end(braces, paren[1], block[1])
+                otherwise = _ELSE.match(probe, stop) if stop is not None else None
+                if otherwise is not None and statement.group(1) == "if":
+                    stop = self._statement_end(braces, otherwise.end(), block[1])
+                if stop is not None:
+                    return (at, stop, what)
+            what = "unread"  # its statement's end not seen: not read to the end of the block
         else:
             what = "unread" if binding else "var"
         if block is None:
             if in_host:
                 return _UNREAD  # in a host function's header, outside its parameters: not read
             return (-1, len(probe), what)  # the file's
-        return (at, block[1], what) if in_host else (*block, what)  # a function's local from where it stands
+        if in_host:
+            return (at, block[1], what)  # a function's local from where it stands
+        while block is not None and self._head(block[0])[0] == "open":
+            block = braces.around(block[0])  # `namespace { ... }`, `extern "C" { ... }`: the scope around
+        return (*block, what) if block is not None else (-1, len(probe), what)
 
     def declared(self, name: str) -> tuple[list[_Entity], dict[int, _Entity]] | None:
         """The entities `name` is declared as, and the one of each declaration by where its name stands; None
@@ -808,6 +925,7 @@ class _Scopes:
         probe = self.probe
         by_scope: dict[tuple[int, int], str] = {}
         at_of: dict[int, _Entity] = {}
+        members = self._members.setdefault(name, [])
         # Where a declaration may stand: after whitespace, a `&`, a comma or a `[`, not after `return ` or `case `
         # (uses by the thousand are passed over without a step in Python).
         quoted = re.escape(name)
@@ -822,6 +940,10 @@ class _Scopes:
             if entity == _UNREAD:
                 return None
             at_of[at] = entity
+            if entity[0] >= 0 and probe[entity[0]] == "{" and entity[2] in ("var", "unread"):
+                kind, space = self._head(entity[0])
+                if kind in ("namespace", "class"):
+                    members.append((entity, kind, space))
             if entity != _SKIPPED:
                 scope = entity[:2]
                 # Two kinds of declaration at one scope (a parameter and a variable): not read.
@@ -846,6 +968,13 @@ class _Scopes:
                 if best is not None and entity[0] == best[0]:
                     return _UNREAD  # two at one place, neither inside the other
                 best = entity
+        # A namespace's or class's declaration reaches past its braces (`void S::f()`, a reopened namespace, a
+        # base class, `using`): where one may, the name is not known to be the one around, or none.
+        members = self._members.get(name)
+        if members and (best is None or best[0] < 0 or any(best[:2] == m[0][:2] for m in members)):
+            for (lo, hi, _), kind, space in members:
+                if not lo <= at < hi and self._reaches(name, at, kind, space):
+                    return _UNREAD
         return best if best is not None else _NOWHERE
 
     def site(self, name: str, at: int) -> _Entity:
@@ -979,7 +1108,7 @@ class _Names:
         function, a template's: their callers'); None when the source sets `name` in a way that cannot be read (in
         place anywhere, more than MAX_ASSIGNMENTS times, an initialiser in braces, past MAX_NAMES names), or which
         declaration it is is not known."""
-        if entity == _UNREAD:
+        if entity == _UNREAD or entity[2] == "unread":
             return None
         key = (name, entity)
         if key not in self._lookups.of_entity:
