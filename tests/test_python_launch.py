@@ -1346,6 +1346,20 @@ def test_a_launch_in_a_lambda_is_one_of_the_kernel_s_launches() -> None:
     assert launches(cupy(inline), "relu")
 
 
+@pytest.mark.parametrize(
+    "body",
+    [
+        "    f = lambda n: k(((n + 255) // 256,), (256,), (x, n))\n    f(1024)",
+        "    f = lambda x: k(((x.size + 255) // 256,), (256,), (x, x.size))\n    f(cp.zeros(1024))",
+        "    timeit(lambda n: k(((n + 255) // 256,), (256,), (x, n)), 1024)",
+    ],
+)
+def test_a_lambda_s_parameter_is_not_the_workload_s(body: str) -> None:
+    """A lambda's parameters are what its callers pass, not seen: one named as a workload size or buffer (`n`,
+    `x`) was read as the workload's, a benchmark's `f(1024)` launch given the workload's grid (65536)."""
+    assert read(cupy(body)) == SourceLaunch(None, (256, 1, 1), 0)
+
+
 SMALL_LAUNCH = "[(1,)](x, y, out, 16, BLOCK_SIZE=16)\n"
 
 

@@ -94,6 +94,8 @@ class _Scope:
         nonlocals: frozenset[str] = frozenset(),
     ) -> None:
         self.params = params
+        # Whether its parameters are what callers not seen pass (a lambda's): never the workload's by name.
+        self.unseen_callers = False
         self.outer = outer
         self.declared = declared
         # The names some `nonlocal` declares (a part of `declared`): the module's, passed to its scope alone.
@@ -292,6 +294,8 @@ class _Evaluator:
         if name in scope.given:
             return self._value_in(*scope.given[name], depth)
         workload = self.names.size(name)
+        if name in scope.params and scope.unseen_callers:
+            raise _Unknown  # `f = lambda n: k(...); f(1024)`: not the workload's n
         if name in scope.params:
             default = None
             if name in scope.defaults:
@@ -338,6 +342,8 @@ class _Evaluator:
         for _ in range(MAX_DEPTH):
             scope = scope.binder(name) if scope is not None else None
             if scope is None or (name in scope.params and not scope.sets(name)):
+                if scope is not None and scope.unseen_callers:
+                    raise _Unknown  # `f = lambda x: k(...); f(cp.zeros(1024))`: not the workload's x
                 shape = self.names.shape(name)
                 if shape is None:
                     raise _Unknown
@@ -971,8 +977,9 @@ def _calls(
                 yield from visit(inner.visited, inner, owner, False)
             elif isinstance(node, ast.Lambda):
                 # `do_bench(lambda: kernel[grid](...))`: a launch like any other, its parameters its callers' (no
-                # default of them read: who calls it is not seen).
+                # default of them read, nor the workload's of their names: who calls it, with what, is not seen).
                 inner = _Scope([ast.Return(node.body)], _parameters(node.args), scope, top.declared)
+                inner.unseen_callers = True
                 yield from visit(inner.visited, inner, owner, False)
             elif isinstance(node, ast.ClassDef):
                 # A class body is no scope of its own here (its names are not read): walked for its calls alone.
