@@ -1382,6 +1382,16 @@ SMALL_LAUNCH = "[(1,)](x, y, out, 16, BLOCK_SIZE=16)\n"
             None,
         ),
         ("KERNELS = {'add': add_kernel}\ndef small(x, y, out):\n    KERNELS['add']" + SMALL_LAUNCH, None),
+        # A launcher held or passed (`add_kernel[(1,)]` kept, wrapped in a partial): its launch not read, any.
+        (
+            "def small(x, y, out):\n    launch = add_kernel[(1,)]\n    launch(x, y, out, 16, BLOCK_SIZE=16)\n",
+            None,
+        ),
+        (
+            "import functools\ndef small(x, y, out):\n"
+            "    functools.partial(add_kernel[(1,)], x, y)(out, 16, BLOCK_SIZE=16)\n",
+            None,
+        ),
     ],
 )
 def test_a_triton_kernel_launched_through_another_name_is_one_of_its_launches(

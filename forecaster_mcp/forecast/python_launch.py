@@ -1356,16 +1356,19 @@ def _kernel_names(read: _Module, kernel: str) -> tuple[frozenset[str], bool]:
     """The names the module's Triton kernel `kernel` may go by (its own, and those a plain `k = kernel` binds to it
     or to such a name, anywhere), and whether it goes otherwise too, where launches of it are not read: one of
     those names used other than launched or reached through (`kernel[grid]`, `kernel.run`, `kernel.fn`), bound to
-    an attribute (`self.k = kernel`) or put in anything else (`launch(kernel, x)`, `{"add": kernel}`). Read once
-    a module and kernel."""
+    an attribute (`self.k = kernel`) or put in anything else (`launch(kernel, x)`, `{"add": kernel}`), or a
+    launcher of it made and not called there (`launch = kernel[grid]`). Read once a module and kernel."""
     if kernel in read.kernel_names:
         return read.kernel_names[kernel]
     reached: set[int] = set()
     bound_to: dict[str, list[str]] = {}  # a name -> the names `target = name` binds to it
     loads: list[ast.Name] = []
+    launchers: list[ast.Subscript] = []  # `name[grid]`
     for node, _ in read.nodes:
         if isinstance(node, ast.Subscript | ast.Attribute):
             reached.add(id(node.value))
+            if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name):
+                launchers.append(node)
         elif isinstance(node, ast.Call):
             reached.add(id(node.func))
         elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Name):
@@ -1381,7 +1384,10 @@ def _kernel_names(read: _Module, kernel: str) -> tuple[frozenset[str], bool]:
             if alias not in names:
                 names.add(alias)
                 queue.append(alias)
-    escapes = any(n.id in names and id(n) not in reached for n in loads)
+    # A launcher not called where it is made (`launch = kernel[grid]`, `partial(kernel[grid], x)`) is held too.
+    escapes = any(n.id in names and id(n) not in reached for n in loads) or any(
+        isinstance(s.value, ast.Name) and s.value.id in names and id(s) not in reached for s in launchers
+    )
     read.kernel_names[kernel] = frozenset(names), escapes
     return read.kernel_names[kernel]
 
