@@ -2090,3 +2090,23 @@ def test_a_name_another_scope_reaches_is_not_the_global(host: str, block: int | 
     class, `using a::BLOCK`), and ends a for's or if's own name with its statement: read by braces alone, the
     global BLOCK (or the loop's) was given as the launch's block where C++ gives another."""
     assert read(host) == SourceLaunch((1, 1, 1), (block, 1, 1) if block is not None else None, 0)
+
+
+def test_a_define_a_template_replaces_a_counted_number_of_times_is_the_replaced_one() -> None:
+    """`.replace("#define BLOCK 128", "#define BLOCK 256", 1)`, with a count, was not read as a fill: the
+    template's own `#define BLOCK 128` was the launch's block where the kernel runs with 256."""
+    template = _UNBRACED.replace("{BLOCK}", "BLOCK")
+    make = (
+        'TEMPLATE = """#define BLOCK 128\n' + template + '"""\n'
+        'cuda_src = TEMPLATE.replace("#define BLOCK 128", "#define BLOCK 256", 1)\n'
+    )
+    python = Kernel(source=_templated(make, ""), entry="ModelNew", language="python")
+    assert source_launch(python, inputs(x=[1 << 24])) == SourceLaunch((65536, 1, 1), (256, 1, 1), 0)
+    # None replaced (a count of 0): the template's own.
+    none = make.replace(", 1)", ", 0)")
+    python = Kernel(source=_templated(none, ""), entry="ModelNew", language="python")
+    assert source_launch(python, inputs(x=[1 << 24])) == SourceLaunch((131072, 1, 1), (128, 1, 1), 0)
+    # A count not known here: which are replaced is not known.
+    unknown = "import os\nCOUNT = int(os.environ['COUNT'])\n" + make.replace(", 1)", ", COUNT)")
+    python = Kernel(source=_templated(unknown, ""), entry="ModelNew", language="python")
+    assert source_launch(python, inputs(x=[1 << 24])) is None

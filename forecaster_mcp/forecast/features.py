@@ -1371,7 +1371,8 @@ def _formatted(node: ast.AST, constants: Mapping[str, int | str], budget: _Budge
         return None if template is None else _percent(template, node.right, constants, budget)
     if _replaces(node):
         assert isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-        return _replaced(node.func.value, node.args[0], node.args[1], constants, budget)
+        count = node.args[2] if len(node.args) == 3 else node.keywords[0].value if node.keywords else None
+        return _replaced(node.func.value, node.args[0], node.args[1], count, constants, budget)
     if not (
         isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _FORMATS
     ):
@@ -1408,23 +1409,35 @@ def _formatted(node: ast.AST, constants: Mapping[str, int | str], budget: _Budge
 
 
 def _replaces(node: ast.AST) -> bool:
-    """Whether `node` is a `.replace(old, new)` call (every one: what it replaces in is read where known)."""
+    """Whether `node` is a `.replace(old, new)` call, or `.replace(old, new, count)` (every one: what it replaces
+    in is read where known)."""
     return (
         isinstance(node, ast.Call)
         and isinstance(node.func, ast.Attribute)
         and node.func.attr == "replace"
-        and len(node.args) == 2
-        and not node.keywords
+        and (
+            (len(node.args) in (2, 3) and not node.keywords)
+            or (len(node.args) == 2 and len(node.keywords) == 1 and node.keywords[0].arg == "count")
+        )
     )
 
 
 def _replaced(
-    receiver: ast.AST, old: ast.AST, new: ast.AST, constants: Mapping[str, int | str], budget: _Budget
+    receiver: ast.AST,
+    old: ast.AST,
+    new: ast.AST,
+    count: ast.AST | None,
+    constants: Mapping[str, int | str],
+    budget: _Budget,
 ) -> str | None:
-    """A template's text with `.replace(old, new)` done (`src.replace("BLOCK", str(256))`): None where the template
-    or what it replaces is not a string known here; a `new` not known is put in as `_RUNTIME_VALUE` (the template's
-    own `BLOCK`, or `#define BLOCK 128`, is not the kernel's)."""
+    """A template's text with `.replace(old, new)` (or `.replace(old, new, count)`) done (`src.replace("BLOCK",
+    str(256))`): None where the template or what it replaces is not known here; a `new`, or a count, not known puts
+    `_RUNTIME_VALUE` in for each (the template's own `BLOCK`, or `#define BLOCK 128`, is not the kernel's)."""
     template = _template_text(receiver, constants, budget)
+    times: int | None = -1
+    if count is not None:
+        known_count = _constant(count, constants)
+        times = known_count if isinstance(known_count, int) and not isinstance(known_count, bool) else None
     if template is None:
         return None
     found = _string_parts(old, constants, budget)
@@ -1444,9 +1457,11 @@ def _replaced(
             put = None
         value = put[0] if put is not None else _RUNTIME_VALUE
     # Charged before it is made: thousands of copies of a long value need not be made to be refused.
+    if times is None:
+        value, times = _RUNTIME_VALUE, -1  # how many are replaced is not known: each may be
     if template.count(found[0]) * len(value) > budget.left:
         raise _OverBudget
-    return template.replace(found[0], value)
+    return template.replace(found[0], value, times)
 
 
 def _template_text(node: ast.AST, constants: Mapping[str, int | str], budget: _Budget) -> str | None:
