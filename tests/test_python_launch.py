@@ -1446,6 +1446,9 @@ MODULE = METHOD.replace("def launch(", "def forward(").replace("self.launch(x)",
         "m = Op().eval().to('cuda')\n",
         "import torch\nm = torch.compile(Op())\n",  # an instance passed: called with anything
         "import torch\nmodels = [Op()]\nm = models[0]\n",
+        # Moved, then passed on: called with anything.
+        "import torch\nm = torch.compile(Op().cuda())\n",
+        "import torch\nmodels = [Op().to('cuda')]\nm = models[0]\n",
     ],
 )
 def test_an_instance_made_and_then_wrapped_or_moved_counts_its_calls(made: str) -> None:

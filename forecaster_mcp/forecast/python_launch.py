@@ -802,12 +802,9 @@ class _Callers:
         for node in nodes:
             if id(node) in reached or id(node) in assigned:
                 continue
-            if (
-                isinstance(node, ast.Call)
-                and isinstance(node.func, ast.Name)
-                and node.func.id in callable_classes
-            ):
-                # An instance made and passed on, not bound (`torch.compile(Op())`, `[Op()]`): called with anything.
+            if isinstance(node, ast.Call) and _makes_instance(node, callable_classes):
+                # An instance made (or moved: `Op().cuda()`) and passed on, not bound (`torch.compile(Op())`,
+                # `[Op().to(device)]`): called with anything.
                 self.escaped.update(("__call__", "forward"))
                 continue
             if not isinstance(getattr(node, "ctx", None), ast.Load):
