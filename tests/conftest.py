@@ -8,6 +8,13 @@ from pathlib import Path
 
 import pytest
 
+# One BLAS thread, as `forecaster-mcp serve` sets for itself (cli.main): the family model's factorisations are
+# small, and the tests that run it in this process (or in CLI commands started from here) took 5-10x as long
+# with OpenBLAS threads fighting each other and the other work on a busy 2-core machine. Set before anything
+# imports numpy (OpenBLAS reads it once, when loaded); a value already in the environment is kept.
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 DATASETS = SHARED / "datasets" / "kernel_tuner_benchmark_hub"
 
