@@ -672,9 +672,14 @@ class Service:
             fails.add(base.id)
         # Kernels measured against a baseline that failed all have the extreme bin's speedup (none is defined
         # against it): their measured runtimes order them, not the order they were sent in.
-        ranking = sorted(
-            speed, key=lambda i: (i in fails, -speed[i], measured[i][0] if i in measured else math.inf)
-        )
+        # So do unmeasured ones against it, by the runtime the family model predicts for them, where it does.
+        runtime = {
+            r.id: 2.0 ** fc_by_id[r.id].extras["cand_log2_ms"]
+            for r in ordered
+            if r.decided_by == "forecast" and "cand_log2_ms" in fc_by_id[r.id].extras
+        }
+        runtime.update({i: m[0] for i, m in measured.items()})
+        ranking = sorted(speed, key=lambda i: (i in fails, -speed[i], runtime.get(i, math.inf)))
         return CompareResult(
             baseline=base.id,
             hardware=hw.name,
@@ -760,13 +765,10 @@ class Service:
 
         # A candidate decided faster is what a search wants to measure next, as much as an unsure one; one
         # decided slower only while its expected gain is still real (acquisition.MIN_VALUE_LOG2). Each is
-        # valued against the best kernel of its family measured so far, when that beats the baseline.
+        # valued against the best kernel of its family measured so far, when that beats the baseline or the
+        # baseline has no measured runtime (not measured yet, or failed: acquisition.against_best).
         t_base = measured[str(base.id)][0] if str(base.id) in measured else None
-        best = (
-            {f: await self.store.best_runtime(f, hardware, wkey) for f in set(family.values())}
-            if t_base is not None
-            else {}  # nothing is revalued against an unmeasured baseline (acquisition.against_best)
-        )
+        best = {f: await self.store.best_runtime(f, hardware, wkey) for f in set(family.values())}
         base_family = base.family_key()
         items = [
             against_best(

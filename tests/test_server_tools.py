@@ -1171,3 +1171,52 @@ async def test_a_dict_of_a_million_entries_is_refused_at_its_count_without_readi
         took = await anyio.to_thread.run_sync(lambda: fastest_s(refused, limit_s=0.2))
     assert refusal in messages[0] and len(messages[0]) < 2000, messages[0]
     assert took < 0.2, f"{took:.2f} s to refuse the arguments"
+
+
+async def test_against_a_failed_baseline_measure_next_and_ranking_follow_the_family_model(
+    tmp_path: Path, conv_a100: Path
+) -> None:
+    """A baseline measured failing defines no speedup: every candidate's forecast is the extreme bin, so
+    measure_next (by value) and ranking (by expected speedup) came back in the order the candidates were sent,
+    with the recording's fastest configuration last. The family's best measured kernel is the best so far:
+    measure_next values each candidate against it, and ranking orders them by their predicted runtimes."""
+    from forecaster_mcp.measure.replay import load_space
+
+    ok = load_space(conv_a100).valid_entries()
+    best_t = min(e.time_ms for e in ok if e.time_ms is not None)
+    measured = [e for e in ok[3::70] if e.params != FAST][:12]
+    slow = [e for e in ok[5::31] if e.time_ms and e.time_ms > 6 * best_t and e not in measured][:6]
+    assert len(slow) == 6
+    async with running(tmp_path, [conv_a100]) as (client, _):
+        for i, e in enumerate(measured):
+            await call(client, "measure_kernel", {"kernel": conv(f"m{i}", e.params)})
+        failed = await call(client, "measure_kernel", {"kernel": conv("fails", FAILS)})
+        assert failed["status"] == "launch_error"
+        candidates = [conv("fails", FAILS), *(conv(f"s{i}", e.params) for i, e in enumerate(slow))]
+        out = await call(client, "compare_kernels", {"candidates": [*candidates, conv("fast", FAST)]})
+    assert all(c["decided_by"] == "forecast" for c in out["candidates"])
+    assert out["measure_next"][0] == "fast", out["measure_next"]
+    assert out["ranking"][0] == "fast" and out["ranking"][-1] == "fails", out["ranking"]
+
+
+async def test_an_unmeasured_baseline_does_not_reorder_measure_next(tmp_path: Path, conv_a100: Path) -> None:
+    """An agent naming an unmeasured kernel as its baseline gets it at the head of measure_next; the candidates
+    after it were valued against that baseline's predicted runtime and its uncertainty, so which unmeasured
+    kernel was named reordered them. They are valued against the family's best measured kernel, as with a
+    measured baseline: the same candidates come in the same order whichever baseline is named."""
+    from forecaster_mcp.measure.replay import load_space
+
+    ok = [e.params for e in load_space(conv_a100).valid_entries()]
+    measured, unmeasured = ok[5::290], ok[7::150][:24]
+    async with running(tmp_path, [conv_a100]) as (client, _):
+        for i, params in enumerate(measured):
+            await call(client, "measure_kernel", {"kernel": conv(f"m{i}", params)})
+        cands = [conv(f"c{i}", p) for i, p in enumerate(unmeasured[2:])]
+        orders = []
+        for base in ("u0", "u1"):
+            kernel = conv(base, unmeasured[int(base[1:])])
+            out = await call(client, "compare_kernels", {"candidates": [kernel, *cands], "baseline": base})
+            assert out["measure_next"][0] == base
+            orders.append(out["measure_next"][1:])
+    assert len(orders[0]) >= 8
+    assert orders[0] == orders[1]

@@ -136,8 +136,15 @@ def against_best(item: AcqItem, t_base_ms: float | None, t_best_ms: float | None
     baseline (`t_base_ms`, then a constant); others, and a best no faster than the baseline, are left as
     they are. A forecast of bins only (several forecasters combined) keeps its bins and carries the gain
     (`extras["best_gain_log2"]`), which `expected_improvement` takes off each faster bin's value.
+
+    A baseline without a measured runtime (`t_base_ms` None: not measured yet, or measured failing, against
+    which every forecast is the extreme bin) says nothing about the best: a forecast that carries the
+    candidate's own predicted runtime (`extras["cand_log2_ms"]`, with its spread) is valued against the best
+    directly, as it would be against a measured baseline that is the best.
     """
     mu = item.extras.get("mu_log2")
+    if t_base_ms is None and t_best_ms is not None and t_best_ms > 0.0:
+        return _against_best_directly(item, t_best_ms)
     if t_base_ms is None or t_best_ms is None or not 0.0 < t_best_ms < t_base_ms:
         return item
     if item.extras.get("baseline_measured", 0.0) < 1.0:
@@ -146,6 +153,20 @@ def against_best(item: AcqItem, t_base_ms: float | None, t_best_ms: float | None
     if mu is None or not math.isfinite(mu):
         return dataclasses.replace(item, extras={**item.extras, "best_gain_log2": gain})
     return dataclasses.replace(item, extras={**item.extras, "mu_log2": mu - gain})
+
+
+def _against_best_directly(item: AcqItem, t_best_ms: float) -> AcqItem:
+    """The item valued against a measured best from the candidate's own predicted runtime (`against_best`);
+    as it is where the forecast carries none."""
+    ex = item.extras
+    own, sd = ex.get("cand_log2_ms"), ex.get("cand_sd_log2")
+    if own is None or sd is None or not (math.isfinite(own) and math.isfinite(sd)):
+        return item
+    extras = {k: v for k, v in ex.items() if k not in ("tail_weight", "tail_scale")}
+    extras.update(mu_log2=math.log2(t_best_ms) - own, sd_log2=sd)
+    if (w := float(ex.get("cand_tail_weight", 0.0))) > 0.0:
+        extras.update(tail_weight=w, tail_scale=float(ex.get("cand_tail_scale", 1.0)))
+    return dataclasses.replace(item, extras=extras)
 
 
 # While the baseline's family has fewer measurements than this, a call of configurations of that family only

@@ -156,7 +156,18 @@ OOF_FOLDS = 5
 # verdict unsure, and makes thresholds monotone wherever the looser of two targets is one of these.
 _LOOSER_TARGETS: tuple[float, ...] = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3)
 # Extras that describe one component's own predictive distribution (acquisition.expected_improvement).
-_OWN_DISTRIBUTION = frozenset({"mu_log2", "sd_log2", "tail_weight", "tail_scale"})
+_OWN_DISTRIBUTION = frozenset(
+    {
+        "mu_log2",
+        "sd_log2",
+        "tail_weight",
+        "tail_scale",
+        "cand_log2_ms",
+        "cand_sd_log2",
+        "cand_tail_weight",
+        "cand_tail_scale",
+    }
+)
 
 
 def _component_of(slot: str) -> str:

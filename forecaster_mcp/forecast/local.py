@@ -1258,6 +1258,22 @@ def _tail_weight(predicted: int) -> float:
     return TAIL_WEIGHT * predicted if predicted <= 1 else 1.0 - (1.0 - TAIL_WEIGHT) ** predicted
 
 
+def _spread(var: float, predicted: int, novel: bool, model: FamilyModel | None) -> tuple[float, float, float]:
+    """Core sd, tail weight and tail scale of a log2 speedup of variance `var` with `predicted` runtimes
+    predicted (not measured), `novel` when either is at a parameter value the family never varied in."""
+    sd = math.sqrt(max(var, 1e-8))
+    weight = _tail_weight(predicted)
+    scale = TAIL_SCALE
+    if novel and model is not None and model.gp is not None:
+        # A member at a value of a parameter the family's runtimes never varied in: most such switches
+        # change little, some (shared memory on or off) change more than the whole measured spread. The
+        # surprise component is widened by the family's spread and weighs more (NOVEL_TAIL_WEIGHT).
+        spread = model.gp.prior_var * max(1.0, model.gp.loo_scale) ** 2
+        scale = math.sqrt(TAIL_SCALE**2 + NOVEL_EFFECT_VAR * spread / sd**2)
+        weight = 1.0 - (1.0 - weight) * (1.0 - NOVEL_TAIL_WEIGHT)
+    return sd, weight, scale
+
+
 def _mixture_bins(
     mean: float, core_sd: float, weight: float, scale: float = TAIL_SCALE
 ) -> tuple[list[float], list[float]]:
@@ -1981,6 +1997,17 @@ class LocalForecaster:
             "measured": 1.0 if c.kind in ("measured", "failed") else 0.0,
             "baseline_measured": 1.0 if b.kind in ("measured", "failed") else 0.0,
         }
+        if c.kind == "model" and model is not None:
+            # The candidate against a measured kernel of its family, its predicted runtime alone: what measure_next
+            # values it by against the family's best measured kernel when the baseline has no measured runtime
+            # (not measured, or failed; acquisition.against_best). The spread is what a measured baseline gives.
+            c_sd, c_weight, c_scale = _spread(model.measurement_sd_log2**2 + c.var, 1, bool(c.novel), model)
+            extras.update(
+                cand_log2_ms=c.mean,
+                cand_sd_log2=c_sd * _tail_sd_factor(c_weight, c_scale),
+                cand_tail_weight=c_weight,
+                cand_tail_scale=c_scale,
+            )
         if c.kind == "failed":
             extras.update(mu_log2=-4.0, sd_log2=0.0)
             return BinForecast(bins.one_hot(2.0**-4), f"candidate failed when measured ({c.status})", extras)
@@ -1992,16 +2019,8 @@ class LocalForecaster:
         if b.kind == "model" and c.kind == "model" and b.group == c.group and b.cov_row is not None:
             # Model errors of two members of one family are correlated: the GP's joint posterior says how much.
             var -= 2.0 * float(b.cov_row[c.index])
-        sd = math.sqrt(max(var, 1e-8))
-        weight = _tail_weight(int(b.kind == "model") + int(c.kind == "model"))
-        scale = TAIL_SCALE
-        if (b.novel or c.novel) and model is not None and model.gp is not None:
-            # A member at a value of a parameter the family's runtimes never varied in: most such switches
-            # change little, some (shared memory on or off) change more than the whole measured spread. The
-            # surprise component is widened by the family's spread and weighs more (NOVEL_TAIL_WEIGHT).
-            spread = model.gp.prior_var * max(1.0, model.gp.loo_scale) ** 2
-            scale = math.sqrt(TAIL_SCALE**2 + NOVEL_EFFECT_VAR * spread / sd**2)
-            weight = 1.0 - (1.0 - weight) * (1.0 - NOVEL_TAIL_WEIGHT)
+        predicted = int(b.kind == "model") + int(c.kind == "model")
+        sd, weight, scale = _spread(var, predicted, bool(b.novel or c.novel), model)
         # sd_log2 is the overall spread; acquisition recovers the core from it and the tail shape.
         extras.update(mu_log2=mean, sd_log2=sd * _tail_sd_factor(weight, scale))
         if weight > 0.0:
