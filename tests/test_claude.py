@@ -92,7 +92,8 @@ FASTER = [0.0, 0.0, 0.0, 0.05, 0.15, 0.5, 0.25, 0.05]  # p_faster 0.95
 SLOWER = list(reversed(FASTER))  # p_faster 0.05
 
 
-def pair(hardware: GpuSpec | None = A100, same_source: bool = False) -> PairQuery:
+def pair(hardware: GpuSpec | None = A100, same_source: bool = False, cand_id: str = "k1") -> PairQuery:
+    """A pair; another `cand_id` makes another prompt (the same prompt twice in a call is asked once)."""
     base = Kernel(
         id="k0",
         source=NAIVE,
@@ -101,7 +102,7 @@ def pair(hardware: GpuSpec | None = A100, same_source: bool = False) -> PairQuer
         defines={"BLOCK": 256},
     )
     cand = Kernel(
-        id="k1",
+        id=cand_id,
         source=NAIVE if same_source else VEC4,
         entry="saxpy" if same_source else "saxpy4",
         launch=Launch(grid=(16384, 1, 1), block=(256, 1, 1)),
@@ -109,6 +110,11 @@ def pair(hardware: GpuSpec | None = A100, same_source: bool = False) -> PairQuer
         compile_options=["-O3"],
     )
     return PairQuery(base, cand, WORKLOAD, hardware.name if hardware else "RTX 9999", hardware)
+
+
+def pairs(n: int, same_source: bool = False) -> list[PairQuery]:
+    """`n` pairs of different prompts (candidates k1, k2, ...): each is asked."""
+    return [pair(same_source=same_source, cand_id=f"k{i}") for i in range(1, n + 1)]
 
 
 def make(mock: AnthropicMock, **kw: Any) -> ClaudeForecaster:
@@ -339,7 +345,7 @@ async def test_a_malformed_response_is_retried_and_costs_only_its_pair(bad: Any)
     )
     mock = AnthropicMock(responder)
     with pytest.raises(ClaudeUnavailable, match="1 of 3 pair") as info:
-        await make(mock, invalid_retries=1).forecast([pair(), bad_pair, pair()])
+        await make(mock, invalid_retries=1).forecast([pair(), bad_pair, pair(cand_id="k2")])
     assert len(mock.message_bodies) == 3 + 1  # one retry of the bad answer
     good, lost, good_too = info.value.partial
     assert lost is None and good is not None and good_too is not None
@@ -463,7 +469,7 @@ async def test_a_rate_limit_asking_for_an_hour_is_not_waited_out(wait: dict[str,
 async def test_bad_key_fails_at_once() -> None:
     mock = scripted(error(401, "authentication_error", "invalid x-api-key"))
     with pytest.raises(ClaudeUnavailable, match="AuthenticationError"):
-        await make(mock, samples=3).forecast([pair(), pair()])
+        await make(mock, samples=3).forecast(pairs(2))
     assert len(mock.message_bodies) == 1  # the first failure stops every other request
 
 
@@ -682,7 +688,7 @@ async def test_a_hanging_warm_up_does_not_hold_the_other_pairs_past_the_time_lim
         "test-key", MODEL, samples=2, features=None, usage_sink=sink, time_limit_s=6.0,
         http_client=httpx2.AsyncClient(transport=httpx2.MockTransport(handle)),
     )  # fmt: skip
-    queries = [pair(), pair(same_source=True), replace(pair(same_source=True), hardware_name="H100")]
+    queries = [pair(), *pairs(2, same_source=True)]
     out = await asyncio.wait_for(f.forecast(queries), timeout=20)
     assert seen == 1 + others
     assert [o.extras["claude_samples"] for o in out] == [2 if warm_up_answers else 1, 2, 2]
@@ -920,7 +926,7 @@ async def test_concurrency_is_bounded_by_the_semaphore() -> None:
     f = ClaudeForecaster(
         "k", MODEL, samples=1, http_client=client, max_concurrency=2, features=None, warm_cache=False
     )
-    out = await f.forecast([pair() for _ in range(6)])
+    out = await f.forecast(pairs(6))
     assert len(out) == 6
     assert peak == 2
 
@@ -1544,6 +1550,52 @@ async def test_a_pair_asked_by_two_calls_at_once_is_paid_for_once() -> None:
 
 
 @pytest.mark.anyio
+async def test_the_same_pair_twice_in_one_call_is_asked_once_and_both_get_its_answer() -> None:
+    """One call holding the same prompt twice (a pairs file asking a question twice in one evaluation chunk) sent
+    every sample for each copy: paid twice, and two independent draws that could decide the one question both
+    ways. It is asked once; each copy gets that answer, its cost recorded once."""
+    mock = scripted(tool_answer(FASTER), tool_answer(SLOWER), tool_answer(FASTER))
+    sink = FakeSink()
+    f = make(mock, samples=3, usage_sink=sink)
+    first, other, copy = await f.forecast([pair(), pair(same_source=True), pair()])
+    assert len(mock.message_bodies) == 3 + 3  # not 9
+    assert copy.probs == pytest.approx(first.probs) and copy.rationale == first.rationale
+    assert copy.extras == first.extras and first.extras["claude_samples"] == 3
+    assert other.extras["claude_samples"] == 3
+    assert f.usage_total.requests == 6 and [c["input_tokens"] for c in sink.calls] == [6000]
+    # Kept as one pair's answer: asked again, nothing is sent.
+    [again] = await f.forecast([pair()])
+    assert again.probs == pytest.approx(first.probs) and len(mock.message_bodies) == 6
+
+
+@pytest.mark.anyio
+async def test_the_same_pair_twice_in_one_batch_is_asked_once_and_both_get_its_answer() -> None:
+    """forecast_batch (`eval --batch`) with a pair twice: one batch request per sample of the pair, not per copy."""
+    mock = scripted(tool_answer(FASTER), tool_answer(SLOWER))
+    _, fake_sleep = recording_sleep()
+    sink = FakeSink()
+    f = make(mock, samples=2, sleep=fake_sleep, usage_sink=sink)
+    first, copy, other = await f.forecast_batch([pair(), pair(), pair(same_source=True)])
+    [batch] = mock.batches.values()
+    assert len(batch.requests) == 2 + 2  # not 6
+    assert copy.probs == pytest.approx(first.probs) and copy.extras == first.extras
+    assert first.extras["claude_samples"] == 2 and other.extras["claude_samples"] == 2
+    assert f.usage_total.requests == 4 and [c["input_tokens"] for c in sink.calls] == [4000]
+
+
+@pytest.mark.anyio
+async def test_a_pair_twice_in_one_call_that_got_no_answer_fails_for_both_copies() -> None:
+    """Every copy of a pair Claude would not answer is counted unanswered (and the other pair is kept)."""
+    mock = AnthropicMock(lambda body: refusal() if "saxpy4" in user_text(body) else tool_answer(FASTER))
+    f = make(mock, samples=2, invalid_retries=0)
+    with pytest.raises(ClaudeUnavailable, match=r"for 2 of 3 pair\(s\)") as caught:
+        await f.forecast([pair(), pair(same_source=True), pair()])
+    a, b, c = caught.value.partial
+    assert a is None and c is None and b is not None
+    assert len(mock.message_bodies) == 2 + 2
+
+
+@pytest.mark.anyio
 async def test_an_answer_kept_after_a_line_cut_short_is_read_by_the_next_process(tmp_path: Any) -> None:
     """A process killed or a disk filled while an answer was written leaves its line cut short, without its end of
     line; the next answer appended to the file ran on from it, and the two made one unreadable line: that answer,
@@ -1595,7 +1647,7 @@ async def test_a_batch_request_refused_for_the_account_keeps_the_other_paid_resu
     _, no_sleep = recording_sleep()
     f = make(AnthropicMock(responder), sleep=no_sleep)
     with pytest.raises(ClaudeUnavailable, match="billing_error") as info:
-        await f.forecast_batch([pair(same_source=True)] * 3 + [pair()])
+        await f.forecast_batch([*pairs(3, same_source=True), pair(cand_id="k4")])
     partial = info.value.partial
     assert partial is not None and partial[3] is None and all(p is not None for p in partial[:3])
     assert f.usage_total.requests == 3
@@ -1622,7 +1674,7 @@ async def test_a_cancelled_batch_keeps_and_bills_what_it_finished() -> None:
     _, no_sleep = recording_sleep()
     f = make(mock, sleep=no_sleep, usage_sink=sink, batch_poll_interval_s=60.0, batch_max_wait_s=120.0)
     with pytest.raises(ClaudeUnavailable, match="cancelled it") as info:
-        await f.forecast_batch([pair(), pair(), pair()])
+        await f.forecast_batch(pairs(3))
     # Results come back in reverse request order: the first request had finished, the other two not.
     assert [p is not None for p in info.value.partial] == [True, False, False]
     [call] = sink.calls
@@ -1652,7 +1704,7 @@ async def test_a_later_batch_that_never_ends_keeps_the_answers_of_the_earlier_on
     _, no_sleep = recording_sleep()
     f = make(mock, sleep=no_sleep, usage_sink=sink, batch_poll_interval_s=60.0, batch_max_wait_s=120.0)
     with pytest.raises(ClaudeUnavailable, match="cancelled it") as info:
-        await f.forecast_batch([pair(), pair()])
+        await f.forecast_batch(pairs(2))
     assert [p is not None for p in info.value.partial] == [True, False]  # the first batch's answer kept
     [call] = sink.calls
     assert call["input_tokens"] == 1000  # and billed
@@ -1668,7 +1720,7 @@ async def test_a_failed_batch_creation_cancels_the_batches_already_created(
     mock = AnthropicMock(lambda body: tool_answer(FASTER), batch_creates_allowed=1)
     f = make(mock, max_retries=0)
     with pytest.raises(ClaudeUnavailable, match="batch failed"):
-        await f.forecast_batch([pair(), pair()])
+        await f.forecast_batch(pairs(2))
     [first] = mock.batches.values()
     assert first.canceled  # not left running (and billed) after the call gave up
 
@@ -1684,7 +1736,7 @@ async def test_an_interrupted_batch_evaluation_cancels_its_batches() -> None:
             interrupt.cancel()
             await anyio.lowlevel.checkpoint()
 
-        await make(mock, sleep=sleep).forecast_batch([pair(), pair()])
+        await make(mock, sleep=sleep).forecast_batch(pairs(2))
     assert interrupt.cancelled_caught
     [batch] = mock.batches.values()
     assert batch.canceled
@@ -2029,7 +2081,7 @@ async def test_a_billing_refusal_stops_the_call_and_keeps_what_was_answered() ->
 
     mock = AnthropicMock(responder)
     with pytest.raises(ClaudeUnavailable, match="PaymentRequiredError") as info:
-        await make(mock, samples=3, warm_cache=True).forecast([pair(), pair(), pair()])
+        await make(mock, samples=3, warm_cache=True).forecast(pairs(3))
     # The warm-up answer, then the requests already in flight; not all 9 (3 pairs x 3 samples).
     assert len(mock.message_bodies) < 9
     answered = [p for p in info.value.partial or [] if p is not None]
@@ -2051,7 +2103,7 @@ async def test_a_results_download_that_breaks_keeps_and_bills_the_results_read(
     # anthropic up to 2.16 let the transport's ReadError through a results download; 2.17 wraps it in
     # APIConnectionError. Either is the same broken download.
     with pytest.raises(ClaudeUnavailable, match=r"batch failed.*(ReadError|APIConnectionError)") as info:
-        await f.forecast_batch([pair(), pair()])
+        await f.forecast_batch(pairs(2))
     assert [p is not None for p in info.value.partial or []] == [True, False]  # the first batch's answer
     [call] = sink.calls
     assert call["input_tokens"] == 1000 and call["cost_usd"] > 0
@@ -2134,7 +2186,7 @@ async def test_batches_outlast_a_status_blip_and_a_broken_download() -> None:
     sink = FakeSink()
     _, no_sleep = recording_sleep()
     f = make(mock, sleep=no_sleep, usage_sink=sink, batch_poll_interval_s=1.0)
-    out = await f.forecast_batch([pair(), pair()])
+    out = await f.forecast_batch(pairs(2))
     assert all(o is not None and bins.p_faster(o.probs) > 0.5 for o in out)
     assert not any(r.path.endswith("/cancel") for r in mock.requests)
     assert sum(r.path.endswith("/results") for r in mock.requests) == 2  # cut once, read again
@@ -2164,7 +2216,7 @@ async def test_an_errored_batch_result_of_unknown_shape_drops_only_itself() -> N
     _, no_sleep = recording_sleep()
     f = make(mock, sleep=no_sleep, batch_poll_interval_s=1.0, invalid_retries=0)
     with pytest.raises(ClaudeUnavailable) as info:
-        await f.forecast_batch([pair(), pair()])
+        await f.forecast_batch(pairs(2))
     kept = [p for p in info.value.partial or [] if p is not None]
     assert len(kept) == 1
 
@@ -2203,7 +2255,7 @@ async def test_an_unreadable_line_of_batch_results_leaves_its_pair_unanswered_an
     sink = FakeSink()
     _, no_sleep = recording_sleep()
     f = make(mock, samples=1, usage_sink=sink, sleep=no_sleep, batch_poll_interval_s=1.0)
-    queries = [pair(), pair(same_source=True), pair(same_source=True)]
+    queries = [pair(), *pairs(2, same_source=True)]
     with pytest.raises(ClaudeUnavailable) as info:
         await f.forecast_batch(queries)
     assert [p is not None for p in info.value.partial or []] == [False, True, True]
@@ -2222,9 +2274,7 @@ async def test_a_batch_results_line_naming_no_request_leaves_it_missing_and_aske
 
     mock = AnthropicMock(lambda body: tool_answer(FASTER), mangle_results=mangle)
     _, no_sleep = recording_sleep()
-    out = await make(mock, samples=1, sleep=no_sleep, batch_poll_interval_s=1.0).forecast_batch(
-        [pair(), pair()]
-    )
+    out = await make(mock, samples=1, sleep=no_sleep, batch_poll_interval_s=1.0).forecast_batch(pairs(2))
     assert all(o is not None for o in out)
     _, second = mock.batches.values()
     assert [r["custom_id"] for r in second.requests] == ["q0-s0-r1"]

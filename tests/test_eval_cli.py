@@ -500,6 +500,53 @@ def test_eval_batch_sends_claude_through_the_batches_api(
     assert "--batch applies to the Claude forecaster" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("batch", [False, True])
+def test_eval_asks_claude_once_for_a_pair_the_file_holds_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, batch: bool
+) -> None:
+    """A pairs file asking the same question twice (the same kernels, measured again: each is scored) paid Claude
+    for each copy's samples in one chunk, and the two draws could forecast the one question differently. It is
+    asked once, and both copies get that forecast."""
+    from _anthropic_mock import AnthropicMock, tool_answer
+
+    from forecaster_mcp.forecast import evaluate
+    from forecaster_mcp.forecast.claude import ClaudeForecaster
+
+    faster = [0.0, 0.0, 0.0, 0.05, 0.15, 0.5, 0.25, 0.05]
+    mock = AnthropicMock(lambda params: tool_answer(faster))
+
+    async def no_sleep(s: float) -> None:
+        return None
+
+    def claude_only(names: Any, settings: Any, history: Any, *, ptxas: bool = True) -> list[Any]:
+        return [
+            ClaudeForecaster(
+                "test-key",
+                "claude-sonnet-5",
+                samples=2,
+                features=None,
+                http_client=mock.client(),
+                sleep=no_sleep,
+            )
+        ]
+
+    monkeypatch.setattr(evaluate, "build_forecasters", claude_only)
+    repeat = {**_pair(0, 32, 256, 1.7), "id": "p0-again"}
+    pairs = _write(tmp_path / "pairs.jsonl", [*TINY, repeat])
+    out = tmp_path / "out"
+    assert (
+        main(
+            ["eval", str(pairs), "--out", str(out), "--forecaster", "claude", *(["--batch"] if batch else [])]
+        )
+        == 0
+    )
+    sent = sum(len(b.requests) for b in mock.batches.values()) if batch else len(mock.message_bodies)
+    assert sent == 2 * len(TINY)  # not 2 * (len(TINY) + 1)
+    preds = {p["id"]: p for p in map(json.loads, (out / "predictions.jsonl").read_text().splitlines())}
+    assert len(preds) == len(TINY) + 1 and preds["p0-again"]["raw"] == preds["p0"]["raw"]
+    assert json.loads((out / "metrics.json").read_text())["llm"]["requests"] == 2 * len(TINY)
+
+
 def test_eval_fails_when_no_forecaster_answered_any_pair(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

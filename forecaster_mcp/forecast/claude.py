@@ -23,7 +23,8 @@ How one pair is forecast:
 - a request already sent when its call stops waiting (the time limit) is not cancelled (the API bills it all
   the same): it finishes in the background, its usage is recorded and its answer kept for the pair's next call;
 - a call for a pair another call is asking for at that moment (parallel compares, a client's retry) waits for that
-  call's answers (within its own limit) instead of paying for its own.
+  call's answers (within its own limit) instead of paying for its own; a pair a call holds twice (the same prompt:
+  a pairs file's repeat) is asked once, and every copy gets that answer.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ log = logging.getLogger(__name__)
 FORBID_REAL_API_ENV = "FORECASTER_MCP_FORBID_REAL_API"
 OutputMode = Literal["auto", "tool", "json"]
 _T = TypeVar("_T")
+_L = TypeVar("_L", bound=list[Any])
 
 # Models documented to reject a forced tool_choice (400): they get the JSON-schema output format instead.
 # Any other model that rejects it is switched at run time on the first such error.
@@ -526,26 +528,26 @@ class ClaudeForecaster:
             with anyio.move_on_after(limit) as scope:
                 texts = await self._prompts(queries)
                 keys = [_answer_key(p) for p in texts]
+                once = _share_copies(keys, got)
                 # A request an earlier call gave up on and still running, or another call asking for the same pair
                 # right now, is paid for: wait for their answers (within this call's limit) rather than send and
                 # pay for more.
                 while waits := self._paid_meanwhile(keys):
                     await asyncio.wait(waits)
-                for i, key in enumerate(keys):
-                    got[i].extend(self._answered(key))
+                for i in once:
+                    got[i].extend(self._answered(keys[i]))
                 fits = [
                     i
-                    for i, p in enumerate(texts)
-                    if prompt.utf8_size(p.text) <= prompt.MAX_PROMPT_BYTES and len(got[i]) < self.samples
+                    for i in once
+                    if prompt.utf8_size(texts[i].text) <= prompt.MAX_PROMPT_BYTES
+                    and len(got[i]) < self.samples
                 ]
                 asking = self._claim([keys[i] for i in fits])  # no await since the wait: none asked meanwhile
                 texts = self._marked(texts, [(i, self.samples - len(got[i])) for i in fits])
                 marked = texts
 
                 def pairs() -> list[Coroutine[Any, Any, None]]:
-                    return [
-                        self._forecast_one(p, usage, problems, got[i], deadline) for i, p in enumerate(marked)
-                    ]
+                    return [self._forecast_one(marked[i], usage, problems, got[i], deadline) for i in once]
 
                 try:
                     if fits and self._warm_cache:
@@ -564,8 +566,9 @@ class ClaudeForecaster:
                 )
         finally:
             # Kept before anything is awaited: a call cancelled here (Ctrl-C, a client's cancel) keeps them too.
-            for p, g in zip(texts, got, strict=False):
-                self._remember(_answer_key(p), g)
+            # (Once a pair: its copies share its samples.)
+            for key, g in {_answer_key(p): g for p, g in zip(texts, got, strict=False)}.items():
+                self._remember(key, g)
             if asking is not None:
                 self._release(*asking)
             with anyio.CancelScope(shield=True):  # a timed-out call still paid for what it got
@@ -781,15 +784,15 @@ class ClaudeForecaster:
 
         try:
             texts = await self._prompts(queries)
-            for i, p in enumerate(texts):
-                if prompt.utf8_size(p.text) > prompt.MAX_PROMPT_BYTES:
-                    problems.append(_too_long(p.text))
-                samples[i].extend(
-                    self._answered(_answer_key(p))
-                )  # kept from earlier: not asked (nor paid) again
+            keys = [_answer_key(p) for p in texts]
+            once = _share_copies(keys, samples)
+            for i in once:
+                if prompt.utf8_size(texts[i].text) > prompt.MAX_PROMPT_BYTES:
+                    problems.append(_too_long(texts[i].text))
+                samples[i].extend(self._answered(keys[i]))  # kept from earlier: not asked (nor paid) again
             pending = {
                 (i, j): self._max_tokens()
-                for i in range(len(queries))
+                for i in once
                 for j in range(len(samples[i]), self.samples)
                 if prompt.utf8_size(texts[i].text) <= prompt.MAX_PROMPT_BYTES
             }
@@ -841,8 +844,8 @@ class ClaudeForecaster:
                     # What the cancelled or failed batches finished is counted and kept; no further round.
                     raise unanswered(gave_up)
         finally:
-            for p, s in zip(texts, samples, strict=False):
-                self._remember(_answer_key(p), s)
+            for key, s in {_answer_key(p): s for p, s in zip(texts, samples, strict=False)}.items():
+                self._remember(key, s)
             with anyio.CancelScope(shield=True):  # a timed-out call still paid for what it got
                 await self._record(usage, batch=True)
             if unreadable:
@@ -1645,6 +1648,17 @@ def _answer_key(text: prompt.PairPrompt) -> str:
     are isolated the ledger asking, so that no ledger's forecasts or Claude spending depend on what another asked
     before it (Settings.isolate_ledgers)."""
     return _digest(text.text if text.scope is None else f"{text.scope}\x00{text.text}")
+
+
+def _share_copies(keys: Sequence[str], answers: list[_L]) -> list[int]:
+    """The first query of each prompt (`keys`: their `_answer_key`s), which alone is asked; every later copy of a
+    prompt in the call gets its first's list of samples (`answers`, made to share it), hence its answer. A pairs file
+    asking a question twice in one chunk paid for each copy's samples, two independent draws that could answer the
+    one question both ways."""
+    first: dict[str, int] = {}
+    for i, key in enumerate(keys):
+        answers[i] = answers[first.setdefault(key, i)]
+    return list(first.values())
 
 
 def _too_long(text: str) -> str:
