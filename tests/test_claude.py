@@ -93,7 +93,8 @@ SLOWER = list(reversed(FASTER))  # p_faster 0.05
 
 
 def pair(hardware: GpuSpec | None = A100, same_source: bool = False, cand_id: str = "k1") -> PairQuery:
-    """A pair; another `cand_id` makes another prompt (the same prompt twice in a call is asked once)."""
+    """A pair; another `cand_id` makes another prompt (the same prompt twice in a call is asked once): the id is
+    not in the prompt, so a define naming it is."""
     base = Kernel(
         id="k0",
         source=NAIVE,
@@ -106,7 +107,7 @@ def pair(hardware: GpuSpec | None = A100, same_source: bool = False, cand_id: st
         source=NAIVE if same_source else VEC4,
         entry="saxpy" if same_source else "saxpy4",
         launch=Launch(grid=(16384, 1, 1), block=(256, 1, 1)),
-        defines={"BLOCK": 256, "VEC": 4},
+        defines={"BLOCK": 256, "VEC": 4} if cand_id == "k1" else {"BLOCK": 256, "VEC": 4, "COPY": cand_id},
         compile_options=["-O3"],
     )
     return PairQuery(base, cand, WORKLOAD, hardware.name if hardware else "RTX 9999", hardware)
@@ -2351,4 +2352,26 @@ async def test_eval_prompts_carry_the_compilers_registers_as_a_compares_do(
     prompts = await forecaster._prompts(queries)
     assert all(
         "- baseline.registers: 40" in p.shared and "- candidate.registers: 40" in p.own for p in prompts
+    )
+
+
+@pytest.mark.anyio
+async def test_the_same_pair_under_other_ids_is_not_asked_again() -> None:
+    """Kernel ids are the caller's labels: they were in the prompt, so a search loop naming its candidates afresh in
+    each call (or two copies of one kernel in a compare) made a new prompt of the same pair, asked and paid for
+    again, and possibly decided otherwise. The prompt now holds the kernels, not their ids."""
+    mock = AnthropicMock(lambda body: tool_answer(FASTER))
+    f = make(mock, samples=2)
+    first = pair()
+    [answer] = await f.forecast([first])
+    assert len(mock.message_bodies) == 2
+    renamed = replace(
+        first,
+        baseline=first.baseline.model_copy(update={"id": "best-so-far"}),
+        candidate=first.candidate.model_copy(update={"id": "candidate-17"}),
+    )
+    [again] = await f.forecast([renamed])
+    assert len(mock.message_bodies) == 2 and again.probs == answer.probs
+    assert "best-so-far" not in user_text(mock.message_bodies[0]) and "k0" not in user_text(
+        mock.message_bodies[0]
     )

@@ -1001,12 +1001,16 @@ def test_an_interrupted_eval_rerun_pays_only_for_the_answers_it_did_not_get(
     ]
     asked: list[str] = []
     stop_at: int | None = 5
+    # Requests per prompt over one state folder's runs (the stopped one and its rerun together): a pair's second
+    # sample gets the second answer whichever run asks for it.
+    sampled: Counter[str] = Counter()
 
     def respond(body: Any) -> Any:
         text = user_text(body)
         asked.append(text)
+        sampled[text] += 1
         # Each pair its own answer, and its two samples differ: a pair given another's samples shows in the metrics.
-        n = int(hashlib.sha256(f"{text}{asked.count(text)}".encode()).hexdigest(), 16)
+        n = int(hashlib.sha256(f"{text}{sampled[text]}".encode()).hexdigest(), 16)
         return tool_answer(answers[n % len(answers)])
 
     mock = AnthropicMock(respond)
@@ -1053,6 +1057,7 @@ def test_an_interrupted_eval_rerun_pays_only_for_the_answers_it_did_not_get(
     # The same pairs evaluated from scratch in another state folder, never stopped: the same forecasts.
     monkeypatch.setenv("FORECASTER_MCP_HOME", str(tmp_path / "other-home"))
     asked.clear()
+    sampled.clear()
     assert run(tmp_path / "whole") == 0
     assert len(asked) == 2 * len(TINY)
     whole = json.loads((tmp_path / "whole" / "metrics.json").read_text())

@@ -338,7 +338,10 @@ def describe_workload(workload: Workload, spec: GpuSpec | None) -> str:
 
 
 def describe_kernel(kernel: Kernel, spec: GpuSpec | None, *, with_source: bool) -> str:
-    rows = [f"id: {kernel.id or '-'}; entry: {kernel.entry}; language: {kernel.language}"]
+    # No id: a label the caller chooses, not the kernel. With it, the same pair under other ids (a search loop
+    # naming candidates afresh each call, two copies of one kernel in a compare) was a new prompt, asked and paid
+    # for again, and could be decided otherwise.
+    rows = [f"entry: {kernel.entry}; language: {kernel.language}"]
     if kernel.launch is not None:
         la = kernel.launch
         line = (
