@@ -2110,3 +2110,74 @@ def test_a_define_a_template_replaces_a_counted_number_of_times_is_the_replaced_
     unknown = "import os\nCOUNT = int(os.environ['COUNT'])\n" + make.replace(", 1)", ", COUNT)")
     python = Kernel(source=_templated(unknown, ""), entry="ModelNew", language="python")
     assert source_launch(python, inputs(x=[1 << 24])) is None
+
+
+_DEFINED = 'SRC = """#define BLOCK 128\n' + _UNBRACED.replace("{BLOCK}", "BLOCK") + '"""\n'
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        # rebound, then replaced through the new name
+        "def make(b):\n    src = SRC\n    src = src.replace('#define BLOCK 128', f'#define BLOCK {b}')\n    return src\n"
+        "cuda_src = make(BLOCK)\n",
+        "cuda_src = SRC\ncuda_src = cuda_src.replace('#define BLOCK 128', '#define BLOCK ' + str(BLOCK))\n",
+        # passed, or held by an attribute, and replaced there
+        "def make(src, b):\n    return src.replace('#define BLOCK 128', f'#define BLOCK {b}')\n"
+        "cuda_src = make(SRC, BLOCK)\n",
+        "class Maker:\n    def __init__(self, b):\n        self.src = SRC\n"
+        "        self.src = self.src.replace('#define BLOCK 128', f'#define BLOCK {b}')\n"
+        "cuda_src = Maker(BLOCK).src\n",
+        # replaced in a loop: what is replaced is not known here
+        "def make(subs):\n    src = SRC\n    for k, v in subs.items():\n        src = src.replace(k, v)\n"
+        "    return src\ncuda_src = make({'#define BLOCK 128': '#define BLOCK 256'})\n",
+        "SUBS = {'#define BLOCK 128': '#define BLOCK 256'}\ncuda_src = SRC\nfor k, v in SUBS.items():\n"
+        "    cuda_src = cuda_src.replace(k, v)\n",
+        "cuda_src = SRC.replace(OLD, '#define BLOCK 256')\n",
+    ],
+    ids=["function", "module", "parameter", "attribute", "loop", "module loop", "unknown old"],
+)
+def test_a_template_replaced_through_another_name_is_not_read_as_written(make: str) -> None:
+    """`src = SRC; src = src.replace("#define BLOCK 128", f"#define BLOCK {b}")`, or a loop of `.replace(k, v)`:
+    the template's text as written was read, its `#define BLOCK 128` the launch's block (a grid of 131,072) where
+    the kernel runs with the block the caller chooses."""
+    head = "import os\nBLOCK = int(os.environ.get('BLOCK', 256))\nOLD = os.environ['OLD']\n"
+    python = Kernel(source=_templated(_DEFINED + make, head), entry="ModelNew", language="python")
+    assert source_launch(python, inputs(x=[1 << 24])) is None
+    # The template used as written, its `.replace` of another string's text: its own 128.
+    plain = _DEFINED + "cuda_src = SRC\nname = os.environ['NAME'].replace('-', '_')\n"
+    python = Kernel(source=_templated(plain, head), entry="ModelNew", language="python")
+    assert source_launch(python, inputs(x=[1 << 24])) == SourceLaunch((131072, 1, 1), (128, 1, 1), 0)
+
+
+def test_a_replace_of_one_template_leaves_another_s_define_its_own() -> None:
+    """A replace not followed to the string it edits is put in for the text it replaces in every string, each
+    place a value of its own: another string's `#define BLOCK 128` is not the edited one's BLOCK."""
+    other = 'OTHER = """#define BLOCK 128\n__device__ int unused() { return BLOCK; }\n"""\n'
+    template = 'SRC = """' + _UNBRACED.replace("{BLOCK}", "BLOCK") + '"""\n'
+    make = (
+        other
+        + template
+        + "def make(b):\n    src = SRC\n    return src.replace('BLOCK', str(b))\n"
+        + "cuda_src = [OTHER, make(BLOCK)]\n"
+    )
+    head = "import os\nBLOCK = int(os.environ.get('BLOCK', 256))\n"
+    python = Kernel(source=_templated(make, head), entry="ModelNew", language="python")
+    assert source_launch(python, inputs(x=[1 << 24])) is None
+
+
+def test_replaces_not_followed_stay_cheap() -> None:
+    """Each text a `.replace` not followed replaces is put in for in every string read, up to 32 texts and 4,096
+    places (past those the text is taken as edited: no launch read): 200 KB of strings and 32 texts are one pass."""
+    from forecaster_mcp.forecast.features import embedded_cuda
+
+    filled = 'src = f"__global__ void k() {{}}' + "{A}" * 8 + '"\n'
+    olds = "".join(f"def f{i}(s):\n    return s.replace('Q{i:02}', 'y')\n" for i in range(32))
+    few = 'A = "' + "Q05 xyz " * 400 + '"\n' + filled + olds  # 3,200 places
+    many = 'A = "' + "Q05 " * 6_000 + '"\n' + filled + olds  # 48,000
+    assert len(few) < 64 * 1024 and len(many) < 64 * 1024
+    found = embedded_cuda(few, "k")
+    assert found is not None and not found.edited and "Q05" not in found.text
+    found = embedded_cuda(many, "k")
+    assert found is not None and found.edited
+    assert fastest_s(lambda: (embedded_cuda(few, "k"), embedded_cuda(many, "k")), 2.0) < 2.0  # 0.03 s

@@ -1187,10 +1187,13 @@ _CHEVRON_TARGET = re.compile(r"(?<![\w.])([A-Za-z_]\w*+)\s*+(?:<[^<>;(){}]{0,200
 
 
 class EmbeddedCuda(NamedTuple):
-    """The CUDA a Python source's entry reaches, and the `__global__` kernel read (None: every kernel in it)."""
+    """The CUDA a Python source's entry reaches, and the `__global__` kernel read (None: every kernel in it).
+    `edited`: the source edits strings in ways not read here (`src.replace(k, v)` in a loop), so any of this text
+    may differ at run time: its host code's launch is not read."""
 
     text: str
     entry: str | None
+    edited: bool = False
 
 
 def python_module(source: str) -> ast.Module | None:
@@ -1220,7 +1223,9 @@ def parsed_python(source: str) -> ast.Module | None:
 # `.replace` value that is not known is put in as `_RUNTIME_VALUE`, a name nothing defines: the template's own
 # `{BLOCK}`, `{{`, `%%` or replaced `#define BLOCK 128` left in the text read wrongly (a launch of `{BLOCK}` or 128
 # threads, a division for each `%`). An f-string's or `str()`'s is not read, as before (its text is made at run
-# time).
+# time). A `.replace` of a string not known here (`src = SRC; src = src.replace(...)`, a parameter's, a loop's
+# `src.replace(k, v)`) is not followed to the string it edits: what it replaces is put in as a value known at run
+# time in every string read (`_edited`), or, not known itself, leaves the text's launch unread (`EmbeddedCuda.edited`).
 _RUNTIME_VALUE = "__runtime_value__"
 _FORMATS = frozenset({"format", "substitute", "safe_substitute"})
 # `%` formatting read: `%d`, `%i`, `%s`, with or without a `(key)`, and `%%`; any other (a width, `%f`) is not.
@@ -1698,6 +1703,10 @@ class _Statement:
     names: set[str] = field(default_factory=set)
     literals: list[str] = field(default_factory=list)  # those holding CUDA, in order
     launched: list[str] = field(default_factory=list)  # kernel names given to RawKernel / get_function
+    # `.replace(old, new)` calls of a string not known here (`src.replace(...)` after `src = SRC`): the name it is
+    # called on, or None, and `old` ("": not known); `_Edits`.
+    edits: list[tuple[str | None, str]] = field(default_factory=list)
+    modules: set[str] = field(default_factory=set)  # `import os`: os.replace(a, b) edits no string
 
 
 _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
@@ -1757,6 +1766,11 @@ def _read_statement(
                 continue
             value = _string_value(node, constants, budget)
             if value is None:
+                if kind is ast.Call and _replaces(node):
+                    assert isinstance(node, ast.Call)
+                    edit = _unread_edit(node, constants or {})
+                    if edit is not None:
+                        out.edits.append(edit)
                 if kind is ast.JoinedStr:
                     # Placeholders: its text is made at run time; its pieces are no kernel's source.
                     skip.update(id(n) for n in ast.walk(node))
@@ -1776,7 +1790,65 @@ def _read_statement(
         elif kind is ast.Global:
             assert isinstance(node, ast.Global)
             out.binds.update(node.names)  # `def setup(): global k; k = ...` binds the module's k
+        elif kind is ast.Import:
+            assert isinstance(node, ast.Import)
+            out.modules.update(a.asname or a.name.split(".")[0] for a in node.names)
     return out
+
+
+def _unread_edit(call: ast.Call, constants: Mapping[str, int | str]) -> tuple[str | None, str] | None:
+    """A `.replace(old, new)` whose string is not known here (`_Statement.edits`): the name it is called on (None:
+    another expression) and `old`, "" where not known. None for one that edits no CUDA: of a string literal or
+    f-string (an f-string is never read as CUDA), of `str(...)`, or replacing text with no letter, digit or `_` in
+    it (`name.replace("-", "_")`: no kernel's launch is edited so)."""
+    assert isinstance(call.func, ast.Attribute)
+    receiver = call.func.value
+    if (
+        (
+            isinstance(receiver, ast.Constant)
+            and not (isinstance(receiver.value, str) and _holds_cuda(receiver.value))
+        )
+        or isinstance(receiver, ast.JoinedStr)
+        or (isinstance(receiver, ast.Call) and _is_str_call(receiver))
+    ):
+        return None
+    try:
+        found = _string_parts(call.args[0], constants, _Budget())
+    except _NotRead:
+        found = None
+    old = found[0] if found is not None else ""
+    if found is not None and not _WORD.search(old):
+        return None
+    return (receiver.id if isinstance(receiver, ast.Name) else None), old
+
+
+_WORD = re.compile(r"\w")
+# Distinct texts put in for by edits not read (`_edited`) past this many: the whole text taken as edited.
+_MAX_EDITS = 32
+# Places put in for past this many (each a name of its own, longer than what it replaces): the text taken as edited.
+_MAX_EDITED_PLACES = 4096
+
+
+def _edited(statements: Sequence[_Statement]) -> bool:
+    """Put in, for each text some `.replace` not read replaces (`_Statement.edits`), a value known only at run
+    time in every string read: which string it edits is not followed, so each may be. Each place gets a name of
+    its own (`__runtime_value_3__`): another string's `#define BLOCK 128` is not the edited one's BLOCK. Whether
+    the text may be edited otherwise (what is replaced not known, or too many places): its launch is not read."""
+    modules = set().union(*(s.modules for s in statements))
+    olds = {old for s in statements for name, old in s.edits if name is None or name not in modules}
+    if not olds:
+        return False
+    if "" in olds or len(olds) > _MAX_EDITS:
+        return True
+    # Longest first: of two that overlap where they start, the longer is the one put in for.
+    pattern = re.compile("|".join(re.escape(o) for o in sorted(olds, key=len, reverse=True)))
+    places = sum(len(pattern.findall(t)) for s in statements for t in s.literals)
+    if places > _MAX_EDITED_PLACES:
+        return True
+    count = iter(range(places))
+    for s in statements:
+        s.literals = [pattern.sub(lambda _: f"{_RUNTIME_VALUE}{next(count)}__", t) for t in s.literals]
+    return False
 
 
 def launched_name(call: ast.Call) -> str | None:
@@ -1812,6 +1884,7 @@ def embedded_cuda_in(module: ast.Module, entry: str | None) -> EmbeddedCuda | No
     statements = [_read_statement(stmt, constants, templates, budget) for stmt in module.body]
     if not any(s.literals for s in statements):
         return None
+    edited = _edited(statements)
     kernels = {
         # `__global__ void __launch_bounds__(256) k(...)` named `__launch_bounds__`, and its launch was not read.
         t: {name for _, name, _ in _global_names(_without_launch_bounds(strip_comments(t)))}
@@ -1849,7 +1922,7 @@ def embedded_cuda_in(module: ast.Module, entry: str | None) -> EmbeddedCuda | No
         return None
     defined = set().union(*(kernels[t] for t in literals))
     if entry in defined:
-        return EmbeddedCuda("\n".join(literals), entry)
+        return EmbeddedCuda("\n".join(literals), entry, edited)
     launched = {name for s in used for name in s.launched} & defined
     text = "\n".join(literals)
     if not launched and len(defined) > 1:
@@ -1858,7 +1931,7 @@ def embedded_cuda_in(module: ast.Module, entry: str | None) -> EmbeddedCuda | No
         # Python names two (CuPy), it runs both: a kernel's device-side `child<<<...>>>` chooses nothing.
         launched = {m.group(1) for m in _CHEVRON_TARGET.finditer(strip_comments(text))} & defined
     chosen = launched if len(launched) == 1 else defined if len(defined) == 1 else set()
-    return EmbeddedCuda(text, next(iter(chosen), None))
+    return EmbeddedCuda(text, next(iter(chosen), None), edited)
 
 
 # ---------------------------------------------------------------- launch, occupancy, all together

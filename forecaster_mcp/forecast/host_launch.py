@@ -388,9 +388,10 @@ def _may_launch(kernel: Kernel) -> bool:
     )
 
 
-def _embedded(kernel: Kernel) -> tuple[ast.Module, Kernel] | None:
+def _embedded(kernel: Kernel) -> tuple[ast.Module, Kernel, bool] | None:
     """A Python source parsed, and the CUDA its entry reaches (features.embedded_cuda) as a kernel of its own: its
-    entry the kernel that CUDA runs. None for another language, or a Python source with no such CUDA."""
+    entry the kernel that CUDA runs; and whether the source edits that text in ways not read (`EmbeddedCuda.edited`).
+    None for another language, or a Python source with no such CUDA."""
     if kernel.language not in features.PYTHON_LANGUAGES:
         return None
     module = features.python_module(kernel.source)
@@ -398,7 +399,7 @@ def _embedded(kernel: Kernel) -> tuple[ast.Module, Kernel] | None:
     if module is None or embedded is None or embedded.entry is None:
         return None
     cuda = kernel.model_copy(update={"source": embedded.text, "entry": embedded.entry, "language": "cuda"})
-    return module, cuda
+    return module, cuda, embedded.edited
 
 
 def launches_itself(kernel: Kernel) -> bool:
@@ -413,7 +414,7 @@ def launches_itself(kernel: Kernel) -> bool:
 
             module = _triton_module(kernel)
             return module is not None and triton_launches(module, kernel.entry)
-        module, kernel = found
+        module, kernel, _ = found
         from forecaster_mcp.forecast.python_launch import python_launches
 
         if python_launches(module, kernel.entry):
@@ -1603,8 +1604,8 @@ def _python_launch(kernel: Kernel, workload: Workload | None) -> SourceLaunch | 
 
         module = _triton_module(kernel)
         return triton_launch(module, kernel.entry, workload) if module is not None else None
-    module, cuda = found
-    if _may_launch(cuda):
+    module, cuda, edited = found
+    if _may_launch(cuda) and not edited:  # text edited as not read: its launch may be any
         # The names Python may bind C++ functions by (load_inline's `functions=["forward"]`): every string that
         # is one word.
         exported = {
