@@ -1462,3 +1462,25 @@ def test_an_instance_made_and_then_wrapped_or_moved_counts_its_calls(made: str) 
     # An instance of a class none of whose instances is called, passed on: no call of forward.
     settings = "class Settings:\n    pass\n\ndef configure(s):\n    pass\n\nconfigure(Settings())\n"
     assert read(MODULE + settings, "Op") == SourceLaunch((32768, 1, 1), (512, 1, 1), 0)
+
+
+@pytest.mark.parametrize(
+    "made",
+    [
+        "M = Op\nM()(cp.zeros(16), 128)\n",
+        "M = Op\nm = M()\nm(cp.zeros(16), 128)\n",
+        "def make(cls):\n    return cls()\n\nmake(Op)(cp.zeros(16), 128)\n",
+        "OPS = {'op': Op}\nOPS['op']()(cp.zeros(16), 128)\n",
+    ],
+)
+def test_a_class_held_by_another_name_counts_its_instances_calls(made: str) -> None:
+    """`M = Op; M()(x, 128)`: the instance made through another name was no instance of Op, so its call passing
+    forward's block went uncounted and forward's default 512 was read where the call passes 128."""
+    assert read(MODULE + "\n" + made, "Op") is None
+    # Named only to make, check or initialise an instance of it: forward's default.
+    for named in (
+        "m = Op()\nm(cp.zeros(16))\n",
+        "def check(m: Op) -> Op:\n    assert isinstance(m, Op)\n    return m\n",
+        "class Sub(Op):\n    def __init__(self):\n        super(Sub, self).__init__()\n",
+    ):
+        assert read(MODULE + "\n" + named, "Op") == SourceLaunch((32768, 1, 1), (512, 1, 1), 0), named

@@ -799,6 +799,7 @@ class _Callers:
             for n in nodes
             if isinstance(n, ast.Call | ast.Attribute | ast.Subscript)
         }
+        naming = _naming_a_class(nodes)
         for node in nodes:
             if id(node) in reached or id(node) in assigned:
                 continue
@@ -812,7 +813,11 @@ class _Callers:
             used = _last_name(node)
             if used is not None:
                 self.escaped.add(used)
-                if used in instances and isinstance(node, ast.Name):
+                if isinstance(node, ast.Name) and (
+                    used in instances or (used in callable_classes and id(node) not in naming)
+                ):
+                    # An instance, or a class held by another name (`M = Op; M()(x, 128)`, `make(Op)`): its
+                    # instances called where not seen.
                     self.escaped.update(("__call__", "forward"))
         for node in nodes:
             if not isinstance(node, ast.Call):
@@ -917,6 +922,30 @@ class _Callers:
             return self._module.value(node)
         except _Unknown:
             return None
+
+
+# Calls a class is named in without making or holding an instance of it.
+_CLASS_CHECKS = frozenset({"super", "isinstance", "issubclass"})
+
+
+def _naming_a_class(nodes: Iterable[ast.AST]) -> set[int]:
+    """The nodes (by id) that name a class without holding it: a base of another class (its instances are that
+    class's), an annotation, an argument of `super`, `isinstance`, `issubclass`."""
+    out: set[int] = set()
+    for node in nodes:
+        roots: list[ast.expr | None] = []
+        if isinstance(node, ast.ClassDef):
+            roots = [*node.bases]
+        elif isinstance(node, ast.arg | ast.AnnAssign):
+            roots = [node.annotation]
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            roots = [node.returns]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _CLASS_CHECKS:
+            roots = [*node.args]
+        for root in roots:
+            if root is not None and id(root) not in out:  # one walked already (`isinstance(isinstance(...))`)
+                out.update(id(n) for n in ast.walk(root))
+    return out
 
 
 def _makes_instance(value: ast.expr | None, classes: Collection[str]) -> bool:
