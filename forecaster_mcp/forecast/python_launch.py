@@ -20,7 +20,8 @@ each dimension works out to a whole number from:
   a call leaving it out: `_launch(x, out, 256)` from the entry's forward, a literal, an expression of them, a
   module constant bound once and nowhere else; not of the entry itself, a dunder method or `forward`, a function
   decorated, named in a string (`getattr`), taking `*args` / `**kwargs`, calling itself, or called unpacking
-  its arguments: `_Callers._agreed`; one the function sets itself, `n //= 2`, is none of these), and a buffer
+  its arguments: `_Callers._agreed`; one the function sets itself, `n //= 2`, is none of these; nor the
+  workload's where a call passes it another value, `f(cp.zeros(32))`: `_Callers.forwarded`), and a buffer
   argument's `x.size`, `x.numel()`, `len(x)`, `x.shape[i]`, `x.size(i)`;
 - `+ - * // % << >>`, `min`, `max`, `int(...)`, `math.ceil(a / b)`, and `cdiv` / `triton.cdiv`.
 
@@ -106,6 +107,9 @@ class _Scope:
         # A function's parameters whose defaults no call in the module passes (`_Callers.defaults`), read where it
         # is made; unknown where the workload's size of that name says otherwise.
         self.defaults: dict[str, tuple[ast.expr, _Scope]] = {}
+        # A function's parameters some call in the module passes other than as the workload's of that name (`f(x)`
+        # from the entry, `x` the entry's own): not the workload's (`_Callers.forwarded`).
+        self.passed: frozenset[str] = frozenset()
         self.functions: dict[
             str, list[ast.FunctionDef | ast.AsyncFunctionDef]
         ] = {}  # Triton's `def grid(meta)`
@@ -296,6 +300,8 @@ class _Evaluator:
         workload = self.names.size(name)
         if name in scope.params and scope.unseen_callers:
             raise _Unknown  # `f = lambda n: k(...); f(1024)`: not the workload's n
+        if name in scope.passed:
+            workload = None  # `f(32)`, `f(x.size)`: the caller's, not the workload's n
         if name in scope.params:
             default = None
             if name in scope.defaults:
@@ -342,8 +348,10 @@ class _Evaluator:
         for _ in range(MAX_DEPTH):
             scope = scope.binder(name) if scope is not None else None
             if scope is None or (name in scope.params and not scope.sets(name)):
-                if scope is not None and scope.unseen_callers:
-                    raise _Unknown  # `f = lambda x: k(...); f(cp.zeros(1024))`: not the workload's x
+                if scope is not None and (scope.unseen_callers or name in scope.passed):
+                    # `f = lambda x: k(...); f(cp.zeros(1024))`, `def f(x)` called `f(cp.zeros(32))`: not the
+                    # workload's x
+                    raise _Unknown
                 shape = self.names.shape(name)
                 if shape is None:
                     raise _Unknown
@@ -819,6 +827,8 @@ class _Callers:
                     # An instance, or a class held by another name (`M = Op; M()(x, 128)`, `make(Op)`): its
                     # instances called where not seen.
                     self.escaped.update(("__call__", "forward"))
+        self._binders = _call_binders(read.tree)
+        self._forwarded: dict[tuple[int, str], bool] = {}
         for node in nodes:
             if not isinstance(node, ast.Call):
                 continue
@@ -853,6 +863,75 @@ class _Callers:
             out[param.arg] = default
         out.update(self._agreed(node, method, entry, calls, out))
         return out
+
+    def forwarded(
+        self,
+        node: ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda,
+        param: str,
+        method: bool,
+        entry: str | None,
+        depth: int = 0,
+    ) -> bool:
+        """Whether `node`'s parameter `param` is the workload's of that name (`x`, `n`) as far as the module's calls
+        say: where the function is called from outside (the entry, a dunder method or `forward`; or none of its
+        calls seen), or every call passes it a name the source leaves unbound (its caller's, as the entry's
+        parameters), or a parameter of that name of the caller's own that is the workload's (`def run(x): f(x)`).
+        Not where a call passes anything else (`f(cp.zeros(32))`, `f(x[:32])`, `f(*xs)`), leaves it out, or passes
+        a name the caller sets (`x = cp.zeros(32); f(x)`); nor of a lambda, or a function used otherwise than
+        called (`map(f, xs)`): who calls it, with what, is not seen. `method`: `node` is a method."""
+        if isinstance(node, ast.Lambda):
+            return False
+        name = node.name
+        if name == entry or name == "forward" or (name.startswith("__") and name.endswith("__")):
+            return True
+        calls = self.calls.get(name, [])
+        if not calls:
+            return True
+        if name in self.escaped or len(calls) > _MAX_CALLS or depth >= MAX_DEPTH:
+            return False
+        key = (id(node), param)
+        if key in self._forwarded:
+            return self._forwarded[key]
+        self._forwarded[key] = False  # passed on to itself (`def f(x): f(x)`): none of its own
+        a = node.args
+        positional = [p.arg for p in [*a.posonlyargs, *a.args]]
+        index = positional.index(param) if param in positional else None
+        if index is None and param not in (p.arg for p in a.kwonlyargs):
+            return False  # `*args`, `**kwargs`
+        for call, bound in calls:
+            if any(isinstance(arg, ast.Starred) for arg in call.args) or any(
+                k.arg is None for k in call.keywords
+            ):
+                return False
+            passed = _argument(call, index, param, method and bound)
+            if not isinstance(passed, ast.Name) or not self._forwarded_at(
+                call, passed.id, param, entry, depth
+            ):
+                return False
+        self._forwarded[key] = True
+        return True
+
+    def _forwarded_at(self, call: ast.Call, name: str, param: str, entry: str | None, depth: int) -> bool:
+        """Whether the name `name` `call` passes its callee's `param` is the workload's `param`: a name no scope
+        around the call binds (what the source leaves to its caller, as the entry's parameters), or a parameter
+        `param` of the function making it that is (`forwarded`)."""
+        binder = self._binders.get(id(call))
+        if binder is None:
+            return False  # a call not placed (a decorator's, a default's)
+        for _ in range(_MAX_NESTING):
+            if binder is None:
+                return True
+            if name in binder.binds:
+                return False
+            if name in binder.params:
+                function = binder.function
+                return (
+                    name == param
+                    and function is not None
+                    and self.forwarded(function, name, binder.method, entry, depth + 1)
+                )
+            binder = binder.outer
+        return False
 
     def _agreed(
         self,
@@ -922,6 +1001,64 @@ class _Callers:
             return self._module.value(node)
         except _Unknown:
             return None
+
+
+class _Binder:
+    """The names a call sees where it is made: its function's (a lambda's; None: the module's or a class body's)
+    parameters and the names it binds otherwise, whether that function is a method, and the scope around it."""
+
+    def __init__(
+        self,
+        function: ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda | None,
+        params: frozenset[str],
+        binds: frozenset[str],
+        method: bool,
+        outer: _Binder | None,
+        in_class: bool,
+    ) -> None:
+        self.function = function
+        self.params = params
+        self.binds = binds
+        self.method = method
+        self.outer = outer
+        # The scope a function defined here sees around it: a class body's names are not seen from its methods.
+        self.enclosing: _Binder | None = outer if in_class else self
+
+
+def _call_binders(module: ast.Module) -> dict[int, _Binder]:
+    """Each call's `_Binder`, by the call's id: the module's, a function's, a lambda's or a class body's own calls
+    (not a decorator's or a default's: those none)."""
+    out: dict[int, _Binder] = {}
+    pending: list[
+        tuple[
+            list[ast.stmt],
+            ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda | None,
+            bool,
+            bool,
+            _Binder | None,
+        ]
+    ] = [(module.body, None, False, False, None)]
+    while pending:
+        body, function, method, in_class, outer = pending.pop()
+        own = list(_own_nodes(body))
+        binds: set[str] = set()
+        for node in own:
+            if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+                binds.add(node.id)
+            elif isinstance(node, features.BINDERS):
+                binds.update(features.bindings(node))
+        params = _parameters(function.args) if function is not None else frozenset()
+        binder = _Binder(function, params, frozenset(binds), method, outer, in_class)
+        for node in own:
+            if isinstance(node, ast.Call):
+                out[id(node)] = binder
+            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                pending.append((node.body, node, in_class, False, binder.enclosing))
+            elif isinstance(node, ast.Lambda):
+                pending.append(([ast.Expr(node.body)], node, False, False, binder.enclosing))
+            elif isinstance(node, ast.ClassDef):
+                pending.append((node.body, None, False, True, binder.enclosing))
+    return out
 
 
 # Calls a class is named in without making or holding an instance of it.
@@ -1000,6 +1137,9 @@ def _calls(
                         for name, default in callers.defaults(node, in_class, entry).items()
                         if not inner.sets(name)  # `block = 128` in the function: not the default
                     }
+                    inner.passed = frozenset(
+                        p for p in inner.params if not callers.forwarded(node, p, in_class, entry)
+                    )
                 yield from visit(inner.visited, inner, owner, False)
             elif isinstance(node, ast.Lambda):
                 # `do_bench(lambda: kernel[grid](...))`: a launch like any other, its parameters its callers' (no
