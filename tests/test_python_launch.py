@@ -1529,3 +1529,15 @@ def test_helpers_passing_buffers_on_are_read_cheaply() -> None:
             read(source)
 
     assert fastest_s(both, 5.0) < 5.0
+
+
+def test_a_triton_launch_through_getitem_is_one_of_its_launches() -> None:
+    """`add_kernel.__getitem__((1,))(...)` is `add_kernel[(1,)](...)`: it was not seen, and the wrapper's grid
+    read as the kernel's only one."""
+    small = "def small(x, y, out):\n    add_kernel.__getitem__((1,))(x, y, out, 16, BLOCK_SIZE=16)\n"
+    assert read_triton(triton(TUTORIAL) + small) == programs(None)
+    held = "def small(x, y, out):\n    launch = add_kernel.__getitem__((1,))\n    launch(x, y, out, 16)\n"
+    assert read_triton(triton(TUTORIAL) + held) is None  # a launcher held: any launch
+    alone = triton("    add_kernel.__getitem__((triton.cdiv(n, 1024),))(x, y, out, n, BLOCK_SIZE=1024)\n")
+    assert read_triton(alone) == programs((16384,))
+    assert host_launch.launches_itself(Kernel(source=alone, entry="add_kernel", language="triton"))

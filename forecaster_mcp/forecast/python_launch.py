@@ -1493,8 +1493,9 @@ def _wrapped_kernel(top: _Scope, entry: str) -> str | None:
     stack: list[tuple[ast.AST, bool]] = [(statement, False) for statement in wrapper.body]
     while stack:
         node, repeated = stack.pop()
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):
-            target = node.func.value
+        launcher = _launcher(node.func) if isinstance(node, ast.Call) else None
+        if launcher is not None:
+            target = launcher[0]
             if repeated or not isinstance(target, ast.Name) or inner.binds(target.id):
                 return None
             launched.append(target.id)
@@ -1529,7 +1530,7 @@ def _kernel_names(read: _Module, kernel: str) -> tuple[frozenset[str], bool]:
     reached: set[int] = set()
     bound_to: dict[str, list[str]] = {}  # a name -> the names `target = name` binds to it
     loads: list[ast.Name] = []
-    launchers: list[ast.Subscript] = []  # `name[grid]`
+    launchers: list[ast.expr] = []  # `name[grid]`, `name.__getitem__(grid)`
     for node, _ in read.nodes:
         if isinstance(node, ast.Subscript | ast.Attribute):
             reached.add(id(node.value))
@@ -1537,6 +1538,8 @@ def _kernel_names(read: _Module, kernel: str) -> tuple[frozenset[str], bool]:
                 launchers.append(node)
         elif isinstance(node, ast.Call):
             reached.add(id(node.func))
+            if (launcher := _launcher(node)) is not None and isinstance(launcher[0], ast.Name):
+                launchers.append(node)
         elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Name):
             if len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
                 reached.add(id(node.value))
@@ -1552,7 +1555,11 @@ def _kernel_names(read: _Module, kernel: str) -> tuple[frozenset[str], bool]:
                 queue.append(alias)
     # A launcher not called where it is made (`launch = kernel[grid]`, `partial(kernel[grid], x)`) is held too.
     escapes = any(n.id in names and id(n) not in reached for n in loads) or any(
-        isinstance(s.value, ast.Name) and s.value.id in names and id(s) not in reached for s in launchers
+        (found := _launcher(s)) is not None
+        and isinstance(found[0], ast.Name)
+        and found[0].id in names
+        and id(s) not in reached
+        for s in launchers
     )
     read.kernel_names[kernel] = frozenset(names), escapes
     return read.kernel_names[kernel]
@@ -1570,14 +1577,16 @@ def _triton_sites(
     for call, scope, _ in _calls(read, defaults, entry):
         func = call.func
         # `kernel[grid](...)`, or the JITFunction.run it calls: `kernel.run(..., grid=grid, warmup=False)`
-        if isinstance(func, ast.Attribute) and func.attr == "run":
+        run = isinstance(func, ast.Attribute) and func.attr == "run"
+        if isinstance(func, ast.Attribute) and run:
             if any(_is_true(k.value) for k in call.keywords if k.arg == "warmup"):
                 continue
             func = func.value
-        elif not isinstance(func, ast.Subscript):
+        launcher = _launcher(func)  # `kernel[grid]`, `kernel.__getitem__(grid)`
+        if launcher is None and not run:
             continue
-        if isinstance(func, ast.Subscript):
-            func = func.value
+        if launcher is not None:
+            func = launcher[0]
         if not isinstance(func, ast.Name) or func.id not in names:
             continue
         if func.id == kernel:
@@ -1596,6 +1605,23 @@ def _triton_sites(
             yield call, scope, True
         elif any(aliases) or None in values:
             yield call, scope, False
+
+
+def _launcher(node: ast.expr) -> tuple[ast.expr, ast.expr] | None:
+    """The kernel and grid of a Triton launcher, `kernel[grid]` or `kernel.__getitem__(grid)`; None for anything
+    else."""
+    if isinstance(node, ast.Subscript):
+        return node.value, node.slice
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "__getitem__"
+        and len(node.args) == 1
+        and not isinstance(node.args[0], ast.Starred)
+        and not node.keywords
+    ):
+        return node.func.value, node.args[0]
+    return None
 
 
 def _is_true(node: ast.expr) -> bool:
@@ -1630,8 +1656,9 @@ def triton_launch(module: ast.Module, entry: str, workload: Workload | None) -> 
             continue
         evaluator = _Evaluator(scope, names)
         keywords = list(call.keywords)
-        if isinstance(call.func, ast.Subscript):
-            grid_node: ast.expr | None = call.func.slice
+        launcher = _launcher(call.func)
+        if launcher is not None:
+            grid_node: ast.expr | None = launcher[1]
         else:  # kernel.run(*args, grid, warmup, **kwargs), both by keyword
             given = {k.arg: k.value for k in keywords}
             warmup = given.get("warmup")  # not True: _triton_sites
