@@ -575,6 +575,13 @@ def test_a_kernel_a_getter_returns_is_launched_through_its_call(getter: str, hea
         # Another decorator may return anything.
         "@torch.compile\ndef get():\n    return cp.RawKernel(src, 'relu')\n",
         "import fasttools as ft\n@ft.lru_cache\ndef get():\n    return cp.RawKernel(src, 'relu')\n",
+        # Named as functools' caches, but not them: another function imported as `cache`, another module as
+        # `functools`, or the name bound otherwise too.
+        "from functools import wraps as cache\n@cache\ndef get():\n    return cp.RawKernel(src, 'relu')\n",
+        "import fasttools as functools\n@functools.cache\ndef get():\n    return cp.RawKernel(src, 'relu')\n",
+        "from functools import cache\ncache = make_decorator()\n@cache\ndef get():\n"
+        "    return cp.RawKernel(src, 'relu')\n",
+        "@cache\ndef get():\n    return cp.RawKernel(src, 'relu')\n",
         # A generator, a coroutine: nothing launchable.
         "def get():\n    yield cp.RawKernel(src, 'relu')\n",
         "async def get():\n    return cp.RawKernel(src, 'relu')\n",

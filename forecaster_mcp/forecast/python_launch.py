@@ -567,14 +567,38 @@ def _agreed_kernel(answers: Iterable[bool | None]) -> bool | None:
 _CACHES = frozenset({"cache", "lru_cache"})
 
 
-def _caches(decorator: ast.expr, modules: Collection[str], imported: Mapping[str, str]) -> bool:
+def _caches(decorator: ast.expr, modules: Collection[str], caches: Collection[str]) -> bool:
     """Whether `decorator` is functools' `cache` or `lru_cache` (`@functools.lru_cache(maxsize=None)`, `@cache`),
-    functools going by `modules` (`import functools as ft`: `@ft.cache`) and its names imported as `imported`
-    (`from functools import lru_cache as lru`: `@lru`)."""
+    functools going by `modules` (`import functools as ft`: `@ft.cache`) and those caches by `caches` (`from
+    functools import lru_cache as lru`: `@lru`): `_functools_caches`."""
     node = decorator.func if isinstance(decorator, ast.Call) else decorator
     if isinstance(node, ast.Attribute):
         return node.attr in _CACHES and isinstance(node.value, ast.Name) and node.value.id in modules
-    return isinstance(node, ast.Name) and (node.id in _CACHES or imported.get(node.id) in _CACHES)
+    return isinstance(node, ast.Name) and node.id in caches
+
+
+def _functools_caches(read: _Module) -> tuple[frozenset[str], frozenset[str]]:
+    """The names functools goes by (`import functools`, `import functools as ft`), and those its `cache` and
+    `lru_cache` go by (`from functools import cache`, `lru_cache as lru`), each where the module binds that name
+    there alone: `from functools import wraps as cache`, `import fasttools as functools`, or a `cache` bound
+    otherwise too, is none of them."""
+    bound: dict[str, int] = {}
+    modules: set[str] = set()
+    caches: set[str] = set()
+    for node, _ in read.nodes:
+        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            bound[node.id] = bound.get(node.id, 0) + 1
+        elif isinstance(node, features.BINDERS):
+            for name in features.bindings(node):
+                bound[name] = bound.get(name, 0) + 1
+        if isinstance(node, ast.Import):
+            modules.update(a.asname or a.name for a in node.names if a.name == "functools")
+        elif isinstance(node, ast.ImportFrom) and node.module == "functools" and not node.level:
+            caches.update(a.asname or a.name for a in node.names if a.name in _CACHES)
+    return (
+        frozenset(n for n in modules if bound.get(n) == 1),
+        frozenset(n for n in caches if bound.get(n) == 1),
+    )
 
 
 def _names_kernel(bound: list[str | None], kernel: str) -> bool | None:
@@ -603,7 +627,7 @@ def _sites(
     named: dict[tuple[_Scope, str], bool | None] = {}
     dotted_in: dict[tuple[int, str], bool | None] = {}
     getters: dict[int, bool | None] = {}  # a getter's answer by its def (`read` keeps it, so its id)
-    functools, from_functools = _imported_names(read, "functools")
+    functools, caches = _functools_caches(read)
 
     def value(node: ast.expr | None, scope: _Scope, depth: int) -> bool | None:
         """Whether a handle's binding, or what a getter returns, is the kernel (None: maybe)."""
@@ -640,7 +664,7 @@ def _sites(
         if (
             binding is None
             or not isinstance(defined, ast.FunctionDef)
-            or not all(_caches(d, functools, from_functools) for d in defined.decorator_list)
+            or not all(_caches(d, functools, caches) for d in defined.decorator_list)
         ):
             return False
         if id(defined) not in getters:
