@@ -1458,12 +1458,19 @@ class Service:
                         )  # budget_status: not cancelled
                         try:
                             charged = await self.store.commit(lost, expected)
+                            how = f"was charged {fmt_gpu_seconds(charged)} GPU-seconds"
                         except Exception:
+                            # Not charged yet: the charge is kept only in this process until the database
+                            # takes writes again (Store.commit_later), so the caller is not told it was.
                             self.store.commit_later(lost, expected)
                             charged = expected
+                            how = (
+                                f"is charged {fmt_gpu_seconds(charged)} GPU-seconds once the server can write its "
+                                "database again"
+                            )
                         raise ResultNotSaved(
-                            f"the measurement of {kernel.id} ran and was charged {fmt_gpu_seconds(charged)} "
-                            f"GPU-seconds, but the server could not store its result ({type(exc).__name__}: "
+                            f"the measurement of {kernel.id} ran and {how}, but the server could not store its "
+                            f"result ({type(exc).__name__}: "
                             f"{one_line(str(exc), 200)}): tell the server's operator (its state folder may be full "
                             "or locked); a retry measures, and is charged, again",
                             charged,

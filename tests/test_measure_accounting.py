@@ -710,6 +710,94 @@ async def test_a_commit_that_fails_is_retried_in_the_background_until_the_databa
         await store.close()
 
 
+async def _fill_the_disk(store: Store) -> None:
+    """Make the store's database refuse its money writes as a full disk does (SQLITE_FULL, "database or disk is
+    full"): it may not grow (max_page_count), and every ledger event written needs more pages than it has."""
+    conn = store._conn
+    assert conn is not None
+    await conn.execute("CREATE TABLE IF NOT EXISTS filler (b BLOB)")
+    pages = (await conn.execute_fetchall("PRAGMA page_count"))[0][0]
+    page_size = (await conn.execute_fetchall("PRAGMA page_size"))[0][0]
+    await conn.execute(f"PRAGMA max_page_count = {pages}")
+    await conn.execute(
+        "CREATE TEMP TRIGGER IF NOT EXISTS disk_full BEFORE INSERT ON main.ledger_events BEGIN "
+        f"INSERT INTO filler VALUES (zeroblob({(pages + 1) * page_size})); END"
+    )
+
+
+async def _free_the_disk(store: Store) -> None:
+    assert store._conn is not None
+    await store._conn.execute("DROP TRIGGER IF EXISTS temp.disk_full")
+    await store._conn.execute("PRAGMA max_page_count = 1073741823")
+
+
+async def test_a_charge_pending_on_a_full_disk_lands_with_the_next_write_once_space_is_back(
+    tmp_path: Path,
+) -> None:
+    """A charge whose commit failed on a full disk waited out its backoff (10 s, 20 s, ... up to 300 s) after the
+    disk was freed, while other measurements were saved and charged meanwhile: a real HTTP server on a 3 MB tmpfs
+    held it open 42 s after space was back, and a SIGKILL then released it free at the next start."""
+    store = await Store.open(tmp_path / "s.sqlite3")
+    try:
+        await store.ensure_ledger("L", 10.0)
+        await store.ensure_ledger("M", 10.0)
+        hold = await store.reserve("L", 2.0, "measure k")
+        await _fill_the_disk(store)
+        with pytest.raises(sqlite3.OperationalError, match="full"):
+            await store.commit(hold, 1.5)
+        store.commit_later(hold, 1.5)  # as the service does, with its default backoff
+        await _free_the_disk(store)
+        other = await store.reserve("M", 1.0, "measure j")  # the database takes writes again
+        with anyio.fail_after(5):  # the next retry was due 10 s later
+            await asyncio.gather(*store._retrying)
+        view = await store.get_ledger("L")
+        assert view is not None and view.spent_gpu_seconds == 1.5 and view.reserved_gpu_seconds == 0
+        assert [r["state"] for r in await store.reservations("L")] == ["committed"]
+        await store.release(other)
+    finally:
+        await store.close()
+
+
+class _DiskFullWhileMeasuring(ScriptedMeasurer):
+    """Measures, and meanwhile the database's disk fills up: neither the result nor its charge can be written."""
+
+    store: Store
+
+    async def measure(
+        self, request: MeasureRequest, progress: ProgressCallback | None = None
+    ) -> MeasureResult:
+        await _fill_the_disk(self.store)
+        return await super().measure(request, progress)
+
+
+async def test_a_charge_that_cannot_be_written_yet_is_not_told_as_charged_and_lands_once_space_is_back(
+    tmp_path: Path,
+) -> None:
+    """The caller was told "ran and was charged" for a charge only pending in the server's memory (the budget
+    still showed it reserved, and a SIGKILL released it free); it is now told the charge lands once the server
+    can write again, and it does, with the next write after space is back."""
+    from forecaster_mcp.errors import ResultNotSaved
+
+    m = _DiskFullWhileMeasuring(["ok"])
+    svc = await make_service(tmp_path, m)
+    m.store = svc.store
+    try:
+        with pytest.raises(ResultNotSaved) as failed:
+            await svc.measure(ledger="L", kernel=kernel(SIZE=1 << 20), workload=WORKLOAD, max_seconds=3)
+        text = str(failed.value)
+        assert "was charged" not in text
+        assert "is charged 0.25 GPU-seconds once the server can write its database again" in text
+        await _free_the_disk(svc.store)
+        await svc.store.ensure_ledger("M", 1.0)  # the database takes writes again
+        with anyio.fail_after(5):
+            await asyncio.gather(*svc.store._retrying)
+        status = await svc.budget_status("L")
+        assert status.spent_gpu_seconds == 0.25 and status.reserved_gpu_seconds == 0
+        assert status.measurements.not_saved_gpu_seconds == 0.25
+    finally:
+        await svc.close()
+
+
 async def test_a_commit_still_failing_at_close_gets_a_last_attempt(tmp_path: Path) -> None:
     """The caller was told the run was charged: closing the store does not drop the pending charge."""
     store = await Store.open(tmp_path / "s.sqlite3")

@@ -736,6 +736,9 @@ class Store:
         self._retrying: dict[asyncio.Future[Any], tuple[Reservation, float | None]] = {}
         # release_claim's retries, cancelled at close (a claim left then is taken over once this process is gone).
         self._releasing_claims: dict[asyncio.Future[Any], KeyClaim] = {}
+        # Set (and replaced by a new one) each time a write transaction commits: the database takes writes
+        # again, and the retries above try at once instead of waiting out their backoff (_retry_wait).
+        self._wrote = asyncio.Event()
 
     @classmethod
     async def open(cls, path: Path) -> Store:
@@ -849,7 +852,19 @@ class Store:
                 if conn.in_transaction:
                     await conn.execute("ROLLBACK")
                 raise
+            if begin != "BEGIN":  # a write: wake the retries of writes that failed (full disk, locked)
+                wrote, self._wrote = self._wrote, asyncio.Event()
+                wrote.set()
             return result
+
+    async def _retry_wait(self, seconds: float) -> None:
+        """Sleep `seconds`, or until a write transaction of this store commits (whichever comes first): a
+        retry of a write that failed on a full disk or a locked database tries again as soon as the database
+        takes writes again. (It waited out its backoff, up to 300 s, while other measurements were saved and
+        charged: 42 s and more after a full disk was freed, on a real server; a SIGKILL then let the hold be
+        released free at the next start.)"""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wrote.wait(), seconds)
 
     async def _run(
         self,
@@ -1148,12 +1163,13 @@ class Store:
         lives (and once more at `close`): a run that used the device is charged once the database takes
         writes again, and its hold does not stay open (reserved budget, a retry under its key "still
         running") meanwhile. (It gave up after 60 tries, about 10 minutes: the device time was then never
-        charged and the hold stayed open until the next start released it free.)"""
+        charged and the hold stayed open until the next start released it free.) Any other write of this store
+        that commits meanwhile makes it try again at once (`_retry_wait`)."""
 
         async def retry() -> None:
             wait = interval_s
             while True:
-                await asyncio.sleep(wait)
+                await self._retry_wait(wait)
                 try:
                     await self._settle_now(reservation, actual_gpu_seconds)
                     return
@@ -1310,7 +1326,7 @@ class Store:
             async def retry() -> None:
                 wait = 1.0
                 while True:
-                    await asyncio.sleep(wait)
+                    await self._retry_wait(wait)
                     try:
                         await self._write(body)
                         return
