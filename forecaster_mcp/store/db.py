@@ -1156,7 +1156,7 @@ class Store:
         actual_gpu_seconds: float | None,
         *,
         interval_s: float = 10.0,
-        max_interval_s: float = 300.0,
+        max_interval_s: float = 60.0,
     ) -> None:
         """Keep trying `commit` (`release` for None) in the background after it failed on a locked or full
         database, every `interval_s` at first, backing off to `max_interval_s`, for as long as the process
@@ -1164,7 +1164,9 @@ class Store:
         writes again, and its hold does not stay open (reserved budget, a retry under its key "still
         running") meanwhile. (It gave up after 60 tries, about 10 minutes: the device time was then never
         charged and the hold stayed open until the next start released it free.) Any other write of this store
-        that commits meanwhile makes it try again at once (`_retry_wait`)."""
+        that commits meanwhile makes it try again at once (`_retry_wait`); an idle server's retry waits a minute
+        at most (a settle on a full disk is one failed write: cheap), since a hold still open when the process is
+        killed is released free at the next start."""
 
         async def retry() -> None:
             wait = interval_s
