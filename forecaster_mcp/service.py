@@ -37,7 +37,7 @@ from forecaster_mcp.errors import (
     ServerBusy,
     UnknownLedger,
 )
-from forecaster_mcp.forecast.base import USAGE_LEDGER, Forecaster, PairQuery
+from forecaster_mcp.forecast.base import USAGE_LEDGER, Forecaster, PairQuery, close_forecasters
 from forecaster_mcp.forecast.engine import one_line, smallest_default_target
 from forecaster_mcp.forecast.features import PYTHON_LANGUAGES, entry_parameter_count
 from forecaster_mcp.forecast.local import member_key
@@ -228,13 +228,7 @@ class Service:
 
     async def close(self) -> None:
         # The forecasters first: Claude's requests still running record their usage in the store.
-        for f in self.engine.forecasters:
-            closer = getattr(f, "aclose", None)
-            if closer is not None:
-                try:
-                    await closer()
-                except Exception:
-                    log.warning("closing forecaster %s failed", f.name, exc_info=True)
+        await close_forecasters(self.engine.forecasters)
         for m in self.measurers:
             closer = getattr(m, "aclose", None)
             if closer is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -11,6 +12,8 @@ from forecaster_mcp import bins
 from forecaster_mcp.errors import ForecasterMcpError
 from forecaster_mcp.hardware.specs import GpuSpec
 from forecaster_mcp.models import Kernel, Workload
+
+log = logging.getLogger(__name__)
 
 # The ledger a forecast is made for (set by the service around each compare): a forecaster that pays per
 # call (Claude) records its usage there. A context variable, not an argument, so the Forecaster protocol
@@ -83,6 +86,18 @@ class Forecaster(Protocol):
     async def forecast(self, queries: Sequence[PairQuery]) -> list[BinForecast]:
         """One BinForecast per query, in order."""
         ...
+
+
+async def close_forecasters(forecasters: Sequence[object]) -> None:
+    """Close each forecaster that has `aclose` (Claude waits there for its requests still running, so that what
+    they cost is recorded and their answers kept); one failing to close is logged, the others still closed."""
+    for f in forecasters:
+        closer = getattr(f, "aclose", None)
+        if closer is not None:
+            try:
+                await closer()
+            except Exception:
+                log.warning("closing forecaster %s failed", getattr(f, "name", f), exc_info=True)
 
 
 class ScriptedForecaster:

@@ -37,6 +37,7 @@ from pydantic import ValidationError
 
 from forecaster_mcp.errors import OperatorError, validation_message
 from forecaster_mcp.forecast import metrics as M
+from forecaster_mcp.forecast.base import close_forecasters
 from forecaster_mcp.forecast.selective import (
     MAX_TARGET_ERROR,
     MIN_TARGET_ERROR,
@@ -53,6 +54,17 @@ if TYPE_CHECKING:
     from forecaster_mcp.forecast.engine import EngineForecast, ForecastEngine, Regime
     from forecaster_mcp.settings import Settings
     from forecaster_mcp.store.db import AnchorPoint, FamilyPoint
+
+    # What _forecast_all gives: the engine, the pairs' queries and forecasts, the thresholds chosen (per forecaster
+    # and regime), the calibration fitted (with --calibrate-on) and the notes.
+    _Forecasted = tuple[
+        ForecastEngine,
+        list[PairQuery],
+        list[EngineForecast],
+        dict[tuple[str, Regime], ThresholdChoice],
+        "_Calibration | None",
+        list[str],
+    ]
 
 log = logging.getLogger(__name__)
 
@@ -658,14 +670,7 @@ async def _forecast_all(
     ptxas: bool,
     batch: bool = False,
     built: list[Forecaster] | None = None,
-) -> tuple[
-    ForecastEngine,
-    list[PairQuery],
-    list[EngineForecast],
-    dict[tuple[str, Regime], ThresholdChoice],
-    _Calibration | None,
-    list[str],
-]:
+) -> _Forecasted:
     """Forecast the calibration file (if any) then the pairs; `built` gets every forecaster made, both phases,
     for what they spent should the run be stopped. The forecasters are closed at the end, also of a run stopped
     (Ctrl-C): Claude's requests still running get CLOSE_WAIT_S to answer, so that what they cost is counted and
@@ -677,13 +682,7 @@ async def _forecast_all(
         return await _forecast_both(names, settings, main, cal_file, target, ptxas, batch, built)
     finally:
         with anyio.CancelScope(shield=True):
-            for f in built:
-                closer = getattr(f, "aclose", None)
-                if closer is not None:
-                    try:
-                        await closer()
-                    except Exception:
-                        log.warning("closing forecaster %s failed", f.name, exc_info=True)
+            await close_forecasters(built)
 
 
 async def _forecast_both(
@@ -695,14 +694,7 @@ async def _forecast_both(
     ptxas: bool,
     batch: bool,
     built: list[Forecaster],
-) -> tuple[
-    ForecastEngine,
-    list[PairQuery],
-    list[EngineForecast],
-    dict[tuple[str, Regime], ThresholdChoice],
-    _Calibration | None,
-    list[str],
-]:
+) -> _Forecasted:
     from forecaster_mcp.forecast.engine import ForecastEngine
 
     notes: list[str] = []
