@@ -1220,3 +1220,72 @@ async def test_an_unmeasured_baseline_does_not_reorder_measure_next(tmp_path: Pa
             orders.append(out["measure_next"][1:])
     assert len(orders[0]) >= 8
     assert orders[0] == orders[1]
+
+
+def _two_families(tmp_path: Path) -> tuple[Path, Path]:
+    """Recordings of two kernels on one A100 and workload: 'slowk' (11 to 20 ms, faster as bx grows) and
+    'fastk' (about 1 ms everywhere), over bx 1..16 and by 1..4; fastk at bx 16, by 4 fails to run."""
+
+    def recording(name: str, time_of: Any) -> Path:
+        grid = [(bx, by) for bx in range(1, 17) for by in range(1, 5)]
+        doc = {
+            "device_name": "NVIDIA A100-PCIE-40GB",
+            "kernel_name": name,
+            "problem_size": [1024],
+            "tune_params_keys": ["bx", "by"],
+            "tune_params": {"bx": list(range(1, 17)), "by": list(range(1, 5))},
+            "objective": "time",
+            "cache": {
+                f"{bx},{by}": {"bx": bx, "by": by, "time": (t := time_of(bx, by)), "times": [t]}
+                for bx, by in grid
+            },
+        }
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(doc))
+        return path
+
+    return (
+        recording("slowk", lambda bx, by: 20.0 / (1 + 0.15 * bx) * (1 + 0.05 * by)),
+        recording(
+            "fastk",
+            lambda bx, by: (
+                "RuntimeFailedConfig" if (bx, by) == (16, 4) else (1 + 0.01 * abs(bx - 8)) * (1 + 0.02 * by)
+            ),
+        ),
+    )
+
+
+def _kk(kid: str, entry: str, bx: int, by: int) -> dict[str, Any]:
+    return {
+        "id": kid,
+        "source": f"__global__ void {entry}() {{}}\n",
+        "entry": entry,
+        "defines": {"bx": bx, "by": by},
+    }
+
+
+@pytest.mark.parametrize("baseline", [(15, 4), (16, 4)], ids=["unmeasured", "failed"])
+async def test_against_a_baseline_without_a_runtime_measure_next_values_every_family_against_the_fastest(
+    tmp_path: Path, baseline: tuple[int, int]
+) -> None:
+    """Two approaches measured on one problem: 'slowk' at best 11 ms, 'fastk' at best 1 ms. Against a baseline
+    without a measured runtime (a new fastk configuration, or one that failed), a slowk candidate predicted at
+    8 ms beats its own family's best, but not the 1 ms measured: measure_next listed the slowk candidates
+    first, ahead of fastk configurations that may beat 1 ms, and an agent measuring its head spent the GPU on
+    kernels eight times slower than the one it has."""
+    slow, fast = _two_families(tmp_path)
+    async with running(tmp_path / "home", [slow, fast]) as (client, _):
+        for bx in range(1, 7):
+            for by in (1, 3):
+                await call(client, "measure_kernel", {"kernel": _kk(f"ms{bx}{by}", "slowk", bx, by)})
+                await call(client, "measure_kernel", {"kernel": _kk(f"mf{bx}{by}", "fastk", bx + 6, by)})
+        base = _kk("base", "fastk", *baseline)
+        if baseline == (16, 4):
+            assert (await call(client, "measure_kernel", {"kernel": base}))["status"] != "ok"
+        cands = [_kk(f"s{bx}", "slowk", bx, 2) for bx in (9, 12, 16)]
+        cands += [_kk(f"f{bx}", "fastk", bx, 2) for bx in (7, 8, 9)]
+        out = await call(client, "compare_kernels", {"candidates": [base, *cands], "baseline": "base"})
+    listed = [i for i in out["measure_next"] if i != "base"]
+    fast_first = [i for i in listed if i.startswith("f")]
+    assert fast_first and listed[: len(fast_first)] == fast_first, out["measure_next"]
+    assert out["ranking"].index("f8") < min(out["ranking"].index(s) for s in ("s9", "s12", "s16"))

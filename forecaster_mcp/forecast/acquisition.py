@@ -140,7 +140,8 @@ def against_best(item: AcqItem, t_base_ms: float | None, t_best_ms: float | None
     A baseline without a measured runtime (`t_base_ms` None: not measured yet, or measured failing, against
     which every forecast is the extreme bin) says nothing about the best: a forecast that carries the
     candidate's own predicted runtime (`extras["cand_log2_ms"]`, with its spread) is valued against the best
-    directly, as it would be against a measured baseline that is the best.
+    directly, as it would be against a measured baseline that is the best. The server passes the fastest
+    kernel measured of any family in the call then, not the candidate's own family's best alone.
     """
     mu = item.extras.get("mu_log2")
     if t_base_ms is None and t_best_ms is not None and t_best_ms > 0.0:
