@@ -1289,3 +1289,37 @@ async def test_against_a_baseline_without_a_runtime_measure_next_values_every_fa
     fast_first = [i for i in listed if i.startswith("f")]
     assert fast_first and listed[: len(fast_first)] == fast_first, out["measure_next"]
     assert out["ranking"].index("f8") < min(out["ranking"].index(s) for s in ("s9", "s12", "s16"))
+
+
+async def test_a_deeply_nested_argument_is_refused_without_reading_it_all(
+    tmp_path: Path, conv_a100: Path
+) -> None:
+    """An argument error shows a 40-character sample of what was sent; it was taken from a copy of the input
+    holding 16 items of every container at every level, which for a tree 16 wide (a JSON body of nested
+    lists sent as `defines`) is the whole of it: 16.7 million leaves at depth 6 (a 50 MB body) held an HTTP
+    server's event loop for seconds to show 40 characters. (The tree here shares its branches to stay small in
+    the test; a JSON body cannot, but reads the same.)"""
+    from mcp.server.mcpserver.exceptions import ToolError
+    from timing import fastest_s
+
+    tree: Any = 1
+    for _ in range(6):
+        tree = [tree] * 16
+    async with running(tmp_path, [conv_a100]) as (_, service):
+        server = build_server(service)
+        messages: list[str] = []
+
+        def refused() -> None:
+            async def one() -> None:
+                with pytest.raises(ToolError) as info:
+                    await server.call_tool("measure_kernel", {"kernel": {**conv("k", FAST), "defines": tree}})
+                messages.append(str(info.value))
+
+            anyio.from_thread.run(one)
+
+        took = await anyio.to_thread.run_sync(lambda: fastest_s(refused, limit_s=0.2))
+    assert (
+        "kernel.defines: Input should be a valid dictionary; got [[[[[[1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1...;"
+        in messages[0]
+    )
+    assert took < 0.2, f"{took:.2f} s to refuse the arguments"

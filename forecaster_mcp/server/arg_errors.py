@@ -9,7 +9,6 @@ expected, and a short sample of what was sent.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,28 +45,55 @@ def _path(loc: Loc, any_item: bool = False) -> str:
     return out or "arguments"
 
 
-# A sample shows 40 characters: 16 items of a container, or 40 levels of nesting, already take more of its repr.
-_SAMPLE_ITEMS = 16
-_SAMPLE_DEPTH = 40
+# A sample shows this many characters of the repr of what was sent.
+_SAMPLE_CHARS = 40
 
 
-def _head(value: Any, depth: int = 0) -> Any:
-    """`value` with each dict, list or tuple cut to its first _SAMPLE_ITEMS items (past _SAMPLE_DEPTH, emptied),
-    which the sample shows as it would show `value`: the repr of a whole dict of a million entries (the input of
-    a refused count) took a second of the server's event loop, only to be cut to 40 characters."""
-    keep = _SAMPLE_ITEMS if depth < _SAMPLE_DEPTH else 0
-    if isinstance(value, dict):
-        return {k: _head(v, depth + 1) for k, v in itertools.islice(value.items(), keep)}
-    if isinstance(value, list):
-        return [_head(v, depth + 1) for v in value[:keep]]
-    if isinstance(value, tuple):
-        return tuple(_head(v, depth + 1) for v in value[:keep])
-    return value
+class _Full(Exception):
+    """The sample has its characters (`_sample`)."""
 
 
 def _sample(value: Any) -> str:
-    text = repr(_head(value))
-    return text if len(text) <= 40 else text[:37] + "..."
+    """The repr of `value`, cut to _SAMPLE_CHARS characters, written only as far as that: the repr of a whole
+    dict of a million entries (the input of a refused count), or a copy holding a few items of each container
+    of a nested one (16 items at every level of a tree 16 wide are all of it), took seconds of the server's
+    event loop, only to be cut to 40 characters."""
+    parts: list[str] = []
+    size = 0
+
+    def put(text: str) -> None:
+        nonlocal size
+        parts.append(text)
+        size += len(text)
+        if size > _SAMPLE_CHARS:
+            raise _Full
+
+    def write(v: Any) -> None:
+        if isinstance(v, dict):
+            put("{")
+            for i, (key, item) in enumerate(v.items()):
+                put(", " if i else "")
+                write(key)
+                put(": ")
+                write(item)
+            put("}")
+        elif isinstance(v, list | tuple):
+            put("[" if isinstance(v, list) else "(")
+            for i, item in enumerate(v):
+                put(", " if i else "")
+                write(item)
+            put("]" if isinstance(v, list) else ",)" if len(v) == 1 else ")")
+        elif isinstance(v, str):
+            put(repr(v[: _SAMPLE_CHARS + 1]))  # (any longer is cut anyway)
+        else:
+            put(repr(v))
+
+    try:
+        write(value)
+    except _Full:
+        pass
+    text = "".join(parts)
+    return text if len(text) <= _SAMPLE_CHARS else text[: _SAMPLE_CHARS - 3] + "..."
 
 
 def _merged(errors: Sequence[ErrorDetails]) -> list[tuple[Loc, str, Any]]:
