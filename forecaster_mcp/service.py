@@ -759,16 +759,17 @@ class Service:
 
         # A candidate decided faster is what a search wants to measure next, as much as an unsure one; one
         # decided slower only while its expected gain is still real (acquisition.MIN_VALUE_LOG2). Each is
-        # valued against the best kernel of its family measured so far, when that beats the baseline. Against a
-        # baseline without a measured runtime (not measured yet, or failed: acquisition.against_best) each is
-        # valued against the fastest kernel measured of any family in the call, the baseline's included: a
-        # candidate that beats its own family's best but not another family's is no gain on what the caller has.
+        # valued against the best so far: the fastest kernel measured of any family in the call (the baseline's
+        # included), or the measured baseline where it is faster; against a baseline without a measured runtime
+        # (not measured yet, or failed) through the candidate's own predicted runtime (acquisition.against_best).
+        # A candidate that beats its own family's best but not another family's is no gain on what the caller
+        # has. (Each family was valued against its own best: with a measured baseline of 5 ms and another
+        # family's 1 ms kernel, a family whose best is 11 ms headed the list with its 3 ms forecasts.)
         t_base = measured[str(base.id)][0] if str(base.id) in measured else None
         base_family = base.family_key()
         best = {f: await self.store.best_runtime(f, hardware, wkey) for f in {*family.values(), base_family}}
-        if t_base is None:
-            fastest = min((t for t in best.values() if t is not None), default=None)
-            best = dict.fromkeys(best, fastest)
+        fastest = min((t for t in best.values() if t is not None), default=None)
+        best = dict.fromkeys(best, fastest)
         items = [
             against_best(
                 AcqItem(
