@@ -1551,6 +1551,38 @@ async def test_a_pair_asked_by_two_calls_at_once_is_paid_for_once() -> None:
 
 
 @pytest.mark.anyio
+async def test_a_call_waiting_for_a_pair_another_call_asks_waits_only_until_that_pair_is_answered() -> None:
+    """Two compares at once sharing one pair: the second waited for the first call's end, not for that pair's
+    answer. With one of the first call's other pairs past the time limit, the second, whose own pairs take a
+    fraction of a second, sent them at its own limit and answered none of them. It now goes on once the shared pair
+    is answered: both its pairs answered, the shared one asked once."""
+    mock = AnthropicMock(lambda body: tool_answer(FASTER))
+    f = ClaudeForecaster(
+        "test-key", MODEL, samples=2, features=None, time_limit_s=2.0,
+        http_client=slow_api(mock, 0.05, never="hangs"),
+    )  # fmt: skip
+    shared, hangs, fresh = pair(cand_id="k2"), pair(cand_id="hangs"), pair(cand_id="k3")
+
+    async def second() -> list[Any]:
+        await asyncio.sleep(0.01)  # the first call has claimed its pairs
+        return await f.forecast([shared, fresh])
+
+    try:
+        first, then = await asyncio.wait_for(
+            asyncio.gather(f.forecast([shared, hangs]), second(), return_exceptions=True), timeout=5
+        )
+        assert isinstance(first, ClaudeUnavailable)  # its pair that hangs
+        assert not isinstance(then, BaseException), then
+        a, b = then
+        assert a.extras["claude_samples"] == 2 and b.extras["claude_samples"] == 2
+        assert (
+            sum("k2" in user_text(b) for b in mock.message_bodies) == 2
+        )  # the shared pair's 2 samples, once
+    finally:
+        await f.aclose(wait_s=0)
+
+
+@pytest.mark.anyio
 async def test_the_same_pair_twice_in_one_call_is_asked_once_and_both_get_its_answer() -> None:
     """One call holding the same prompt twice (a pairs file asking a question twice in one evaluation chunk) sent
     every sample for each copy: paid twice, and two independent draws that could decide the one question both

@@ -23,8 +23,9 @@ How one pair is forecast:
 - a request already sent when its call stops waiting (the time limit) is not cancelled (the API bills it all
   the same): it finishes in the background, its usage is recorded and its answer kept for the pair's next call;
 - a call for a pair another call is asking for at that moment (parallel compares, a client's retry) waits for that
-  call's answers (within its own limit) instead of paying for its own; a pair a call holds twice (the same prompt:
-  a pairs file's repeat) is asked once, and every copy gets that answer.
+  pair's answers (within its own limit; until the pair has all its samples or the other call ends, not for the
+  other call's other pairs) instead of paying for its own; a pair a call holds twice (the same prompt: a pairs
+  file's repeat) is asked once, and every copy gets that answer.
 """
 
 from __future__ import annotations
@@ -499,7 +500,8 @@ class ClaudeForecaster:
         # here, so that they are not collected mid-run; the pair's next call waits for them instead of paying for
         # new requests (forecast), and aclose waits for them all (_background).
         self._late_running: dict[str, set[asyncio.Task[None]]] = {}
-        # The pairs a call is asking for now (_claim), by the same hash: another call for one of them waits.
+        # The pairs a call is asking for now (_claim), by the same hash: another call for one of them waits for the
+        # pair's future, done once the pair has all its samples (_settled) or the call ends (_release).
         self._asking: dict[str, asyncio.Future[None]] = {}
 
     @property
@@ -520,7 +522,7 @@ class ClaudeForecaster:
         problems: list[str] = []
         got: list[list[_Sample | None]] = [[] for _ in queries]
         texts: list[prompt.PairPrompt] = []
-        asking: tuple[list[str], asyncio.Future[None]] | None = None
+        asking: dict[str, asyncio.Future[None]] = {}
         try:
             limit = math.inf if self.time_limit_s is None else self.time_limit_s
             deadline = time.monotonic() + limit
@@ -569,8 +571,7 @@ class ClaudeForecaster:
             # (Once a pair: its copies share its samples.)
             for key, g in {_answer_key(p): g for p, g in zip(texts, got, strict=False)}.items():
                 self._remember(key, g)
-            if asking is not None:
-                self._release(*asking)
+            self._release(asking)
             with anyio.CancelScope(shield=True):  # a timed-out call still paid for what it got
                 await self._record(usage, batch=False)
         results = [self._aggregated(g) for g in got]
@@ -686,21 +687,34 @@ class ClaudeForecaster:
                 waits.add(other)
         return waits
 
-    def _claim(self, keys: Sequence[str]) -> tuple[list[str], asyncio.Future[None]]:
-        """The pairs `keys` as being asked by this call, until `_release`: another call asking for one of them
-        meanwhile waits for its answers instead of paying for its own."""
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        claimed = list(set(keys))
-        for key in claimed:
-            self._asking[key] = done
-        return claimed, done
+    def _claim(self, keys: Sequence[str]) -> dict[str, asyncio.Future[None]]:
+        """The pairs `keys` as being asked by this call, each until it has all its samples (`_settled`) or the
+        call ends (`_release`): another call asking for one of them meanwhile waits for that pair's answers instead
+        of paying for its own. A future per pair: a call waiting for one pair of a compare of many, whose other
+        pairs run to the time limit, was held to the limit too and sent its own pairs too late."""
+        loop = asyncio.get_running_loop()
+        claims: dict[str, asyncio.Future[None]] = {key: loop.create_future() for key in keys}
+        self._asking.update(claims)
+        return claims
 
-    def _release(self, keys: Sequence[str], done: asyncio.Future[None]) -> None:
-        """The end of a `_claim`, once its answers are kept (`_remember`)."""
-        for key in keys:
+    def _release(self, claims: dict[str, asyncio.Future[None]]) -> None:
+        """The end of a call's `_claim`, once its answers are kept (`_remember`)."""
+        for key, done in claims.items():
             if self._asking.get(key) is done:
                 del self._asking[key]
-        if not done.done():
+            if not done.done():
+                done.set_result(None)
+
+    def _settled(self, text: prompt.PairPrompt, got: Sequence[_Sample | None]) -> None:
+        """A sample of the pair `text` has come in `got`: once the pair has all it asks for (none still in flight
+        then), it is kept, and a call waiting for it goes on. Only the call that claimed a pair sends its
+        requests."""
+        if sum(s is not None for s in got) < self.samples:
+            return
+        key = _answer_key(text)
+        self._remember(key, got)
+        done = self._asking.pop(key, None)
+        if done is not None and not done.done():
             done.set_result(None)
 
     def _keep_late(self, key: str, sample: _Sample) -> None:
@@ -898,6 +912,7 @@ class ClaudeForecaster:
 
         async def one() -> None:
             got.append(await self._sample(text, usage, problems))
+            self._settled(text, got)
 
         await _after_warm_ups(
             warm, _warm_up_wait_s(deadline), lambda: [one() for _ in range(self.samples - len(got))]
@@ -926,6 +941,7 @@ class ClaudeForecaster:
     ) -> None:
         cached: list[bool] = []
         got[slot] = await self._sample(text, usage, problems, cached)
+        self._settled(text, got)
         if not cached or any(cached) or not text.cache_shared:
             return  # (an unmarked shared block: only the system prompt was asked to be cached)
         if len(text.shared) > self._shared_uncacheable_chars:
