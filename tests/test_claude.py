@@ -1582,6 +1582,117 @@ async def test_a_call_waiting_for_a_pair_another_call_asks_waits_only_until_that
         await f.aclose(wait_s=0)
 
 
+def logged_api(
+    mock: AnthropicMock, delays: dict[str, float], events: list[tuple[str, str]], *, default_s: float = 0.05
+) -> httpx2.AsyncClient:
+    """An HTTP client to `mock` answering a request whose user message holds a key of `delays` that late (math.inf:
+    never), any other `default_s` late; `events` gets ("sent", key) as each such request arrives and ("answered",
+    key) as it is answered (key "" for the others)."""
+
+    async def handle(request: httpx2.Request) -> httpx2.Response:
+        text = user_text(json.loads(request.content))
+        key = next((k for k in delays if k in text), "")
+        events.append(("sent", key))
+        delay = delays.get(key, default_s)
+        await (asyncio.Event().wait() if math.isinf(delay) else asyncio.sleep(delay))
+        events.append(("answered", key))
+        return mock.handle(request)
+
+    return httpx2.AsyncClient(transport=httpx2.MockTransport(handle))
+
+
+@pytest.mark.anyio
+async def test_a_call_waiting_for_a_pair_another_call_holds_answers_its_other_pairs_meanwhile() -> None:
+    """A compare sharing one pair with a compare still asking Claude about it waited for that pair before sending
+    any of its own: with the shared pair hanging in the other call, its own pairs, each a fraction of a second, got
+    no answer within its time limit. They are now sent at once: answered, the shared pair reported unanswered (and
+    not asked by it: the other call's requests are paid)."""
+    events: list[tuple[str, str]] = []
+    mock = AnthropicMock(lambda body: tool_answer(FASTER))
+    f = ClaudeForecaster(
+        "test-key", MODEL, samples=2, features=None, time_limit_s=1.0,
+        http_client=logged_api(mock, {"held": math.inf, "fresh": 0.05}, events),
+    )  # fmt: skip
+    held, fresh = pair(cand_id="held"), pair(cand_id="fresh")
+
+    async def second() -> list[Any]:
+        await asyncio.sleep(0.01)  # the first call has claimed its pair
+        return await f.forecast([held, fresh])
+
+    try:
+        first, then = await asyncio.wait_for(
+            asyncio.gather(f.forecast([held]), second(), return_exceptions=True), timeout=10
+        )
+        assert isinstance(first, ClaudeUnavailable)
+        assert isinstance(then, ClaudeUnavailable), then
+        p, q = then.partial
+        assert p is None  # reported unanswered
+        assert q is not None and q.extras["claude_samples"] == 2
+        assert "did not finish" in str(then)
+        assert events.count(("sent", "held")) == 2  # the first call's 2 samples only
+    finally:
+        await f.aclose(wait_s=0)
+
+
+@pytest.mark.anyio
+async def test_a_call_waiting_for_a_pair_another_call_holds_sends_its_own_before_that_answer() -> None:
+    """The shared pair answered within the waiting call's limit: the waiting call gets both pairs, the shared one
+    asked once, and its own pair was sent without waiting for the shared one's answer."""
+    events: list[tuple[str, str]] = []
+    mock = AnthropicMock(lambda body: tool_answer(FASTER))
+    f = ClaudeForecaster(
+        "test-key", MODEL, samples=2, features=None, time_limit_s=5.0,
+        http_client=logged_api(mock, {"held": 0.5, "fresh": 0.05}, events),
+    )  # fmt: skip
+    held, fresh = pair(cand_id="held"), pair(cand_id="fresh")
+
+    async def second() -> list[Any]:
+        await asyncio.sleep(0.01)
+        return await f.forecast([held, fresh])
+
+    try:
+        [a], (p, q) = await asyncio.wait_for(asyncio.gather(f.forecast([held]), second()), timeout=10)
+        assert p.extras["claude_samples"] == 2 and q.extras["claude_samples"] == 2
+        assert p.probs == pytest.approx(a.probs)
+        assert events.count(("sent", "held")) == 2  # paid once
+        assert events.index(("sent", "fresh")) < events.index(("answered", "held"))
+    finally:
+        await f.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_call_whose_limit_passes_while_waiting_for_a_pair_keeps_its_samples_kept_so_far() -> None:
+    """A pair with a sample kept and its other sample still running in the background of an earlier call: a call
+    for it waits for that request; its limit passing meanwhile, it gave no forecast at all, not even from the
+    sample kept. It now answers from the kept sample (as a call stopped midway does), and its other pair too."""
+    sent_held = 0  # requests of the pair sent
+    mock = AnthropicMock(lambda body: tool_answer(FASTER))
+
+    async def handle(request: httpx2.Request) -> httpx2.Response:
+        nonlocal sent_held
+        text = user_text(json.loads(request.content))
+        if "held" in text:
+            sent_held += 1
+            if sent_held > 1:  # the pair's second sample never answers
+                await asyncio.Event().wait()
+        await asyncio.sleep(0.05)
+        return mock.handle(request)
+
+    f = ClaudeForecaster(
+        "test-key", MODEL, samples=2, features=None, time_limit_s=1.0,
+        http_client=httpx2.AsyncClient(transport=httpx2.MockTransport(handle)),
+    )  # fmt: skip
+    held, fresh = pair(cand_id="held"), pair(cand_id="fresh")
+    try:
+        [short] = await asyncio.wait_for(f.forecast([held]), timeout=10)  # the limit: one sample of two
+        assert short.extras["claude_samples"] == 1
+        p, q = await asyncio.wait_for(f.forecast([held, fresh]), timeout=10)
+        assert p.extras["claude_samples"] == 1 and q.extras["claude_samples"] == 2
+        assert sent_held == 2  # the running request waited for, not asked again
+    finally:
+        await f.aclose(wait_s=0)
+
+
 @pytest.mark.anyio
 async def test_the_same_pair_twice_in_one_call_is_asked_once_and_both_get_its_answer() -> None:
     """One call holding the same prompt twice (a pairs file asking a question twice in one evaluation chunk) sent

@@ -24,8 +24,9 @@ How one pair is forecast:
   the same): it finishes in the background, its usage is recorded and its answer kept for the pair's next call;
 - a call for a pair another call is asking for at that moment (parallel compares, a client's retry) waits for that
   pair's answers (within its own limit; until the pair has all its samples or the other call ends, not for the
-  other call's other pairs) instead of paying for its own; a pair a call holds twice (the same prompt: a pairs
-  file's repeat) is asked once, and every copy gets that answer.
+  other call's other pairs) instead of paying for its own, its other pairs sent meanwhile; stopped while waiting (the
+  limit), it answers that pair from what is kept of it; a pair a call holds twice (the same prompt: a pairs file's
+  repeat) is asked once, and every copy gets that answer.
 """
 
 from __future__ import annotations
@@ -522,7 +523,46 @@ class ClaudeForecaster:
         problems: list[str] = []
         got: list[list[_Sample | None]] = [[] for _ in queries]
         texts: list[prompt.PairPrompt] = []
+        keys: list[str] = []
         asking: dict[str, asyncio.Future[None]] = {}
+        # The pairs waiting for another call's answers (after_others), not yet given what is kept of them.
+        waiting: set[int] = set()
+
+        def kept_of_waiting() -> None:
+            # Stopped while waiting (the limit, a refused key): what is kept of those pairs is theirs.
+            for i in sorted(waiting):
+                got[i].extend(self._answered(keys[i]))
+            waiting.clear()
+
+        def ask(now: Sequence[int], deadline: float) -> Coroutine[Any, Any, object]:
+            """Send the pairs `now` (firsts of their prompts), less what is kept of them. Claimed at once, before
+            anything is awaited: a call checking the claims meanwhile sees them."""
+            for i in now:
+                got[i].extend(self._answered(keys[i]))
+            fits = [
+                i
+                for i in now
+                if prompt.utf8_size(texts[i].text) <= prompt.MAX_PROMPT_BYTES and len(got[i]) < self.samples
+            ]
+            asking.update(self._claim([keys[i] for i in fits]))
+            marked = self._marked(texts, [(i, self.samples - len(got[i])) for i in fits])
+
+            def pairs() -> list[Coroutine[Any, Any, None]]:
+                return [self._forecast_one(marked[i], usage, problems, got[i], deadline) for i in now]
+
+            if fits and self._warm_cache:
+                return self._warm_up_shared(marked, fits, usage, problems, got, deadline, pairs)
+            return _gather_or_cancel(pairs())
+
+        async def after_others(i: int, deadline: float) -> None:
+            # A request an earlier call gave up on and still running, or another call asking for the same pair
+            # right now, is paid for: wait for their answers (within this call's limit) rather than send and pay
+            # for more. This call's other pairs are sent meanwhile.
+            while waits := self._paid_meanwhile([keys[i]]):
+                await asyncio.wait(waits)
+            waiting.discard(i)
+            await ask([i], deadline)  # no await since the wait: none asked meanwhile
+
         try:
             limit = math.inf if self.time_limit_s is None else self.time_limit_s
             deadline = time.monotonic() + limit
@@ -531,34 +571,19 @@ class ClaudeForecaster:
                 texts = await self._prompts(queries)
                 keys = [_answer_key(p) for p in texts]
                 once = _share_copies(keys, got)
-                # A request an earlier call gave up on and still running, or another call asking for the same pair
-                # right now, is paid for: wait for their answers (within this call's limit) rather than send and
-                # pay for more.
-                while waits := self._paid_meanwhile(keys):
-                    await asyncio.wait(waits)
-                for i in once:
-                    got[i].extend(self._answered(keys[i]))
-                fits = [
-                    i
-                    for i in once
-                    if prompt.utf8_size(texts[i].text) <= prompt.MAX_PROMPT_BYTES
-                    and len(got[i]) < self.samples
-                ]
-                asking = self._claim([keys[i] for i in fits])  # no await since the wait: none asked meanwhile
-                texts = self._marked(texts, [(i, self.samples - len(got[i])) for i in fits])
-                marked = texts
-
-                def pairs() -> list[Coroutine[Any, Any, None]]:
-                    return [self._forecast_one(marked[i], usage, problems, got[i], deadline) for i in once]
-
+                waiting.update(i for i in once if self._paid_meanwhile([keys[i]]))
                 try:
-                    if fits and self._warm_cache:
-                        await self._warm_up_shared(texts, fits, usage, problems, got, deadline, pairs)
-                    else:
-                        await _gather_or_cancel(pairs())
+                    await _gather_or_cancel(
+                        [
+                            ask([i for i in once if i not in waiting], deadline),
+                            *(after_others(i, deadline) for i in sorted(waiting)),
+                        ]
+                    )
                 except ClaudeUnavailable as exc:
                     # The key or model was refused mid-call: the answers already in are paid for; keep them.
+                    kept_of_waiting()
                     raise ClaudeUnavailable(str(exc), partial=[self._aggregated(g) for g in got]) from exc
+            kept_of_waiting()
             if scope.cancelled_caught:
                 # The engine's note keeps about the first 130 characters of this: what matters comes first.
                 problems.append(
