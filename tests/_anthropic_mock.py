@@ -253,15 +253,18 @@ class AnthropicMock:
     def _batch_json(self, batch: _Batch, status: str) -> dict[str, Any]:
         n = len(batch.requests)
         ended = status == "ended"
+        # As the API: every request counts as processing until the whole batch ends; a cancelled one then counts
+        # those it had finished as succeeded, the rest as canceled.
+        done = min(n, self.finished_before_cancel) if batch.canceled else n
         return {
             "id": batch.id,
             "type": "message_batch",
             "processing_status": status,
             "request_counts": {
                 "processing": 0 if ended else n,
-                "succeeded": n if ended else 0,
+                "succeeded": done if ended else 0,
                 "errored": 0,
-                "canceled": 0,
+                "canceled": n - done if ended else 0,
                 "expired": 0,
             },
             "created_at": "2026-10-01T00:00:00Z",

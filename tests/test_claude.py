@@ -1886,6 +1886,82 @@ async def test_an_interrupted_batch_evaluation_cancels_its_batches() -> None:
     assert batch.canceled
 
 
+@pytest.mark.anyio
+async def test_an_interrupted_batch_evaluation_keeps_and_bills_what_its_batch_finished(tmp_path: Any) -> None:
+    """`eval --batch` stopped with Ctrl-C: the batch was cancelled without reading the requests it had finished.
+    The API bills those, but their tokens went unrecorded and their answers were lost, so a rerun paid for them
+    again. Now they are read after the cancel: billed, kept, and the rerun asks only for the rest."""
+    mock = AnthropicMock(lambda body: tool_answer(FASTER), batch_never_ends=True, finished_before_cancel=1)
+    sink = FakeSink()
+    with anyio.CancelScope() as interrupt:
+
+        async def sleep(seconds: float) -> None:  # the user interrupts during the first wait
+            interrupt.cancel()
+            await anyio.lowlevel.checkpoint()
+
+        f = make(mock, sleep=sleep, usage_sink=sink, cache_dir=tmp_path)
+        await f.forecast_batch(pairs(3))
+    assert interrupt.cancelled_caught
+    [batch] = mock.batches.values()
+    assert batch.canceled
+    [call] = sink.calls
+    assert call["input_tokens"] == 1000  # the one finished request, billed
+    await f.aclose()
+
+    mock.batch_never_ends = False
+    again = make(mock, sleep=recording_sleep()[1], cache_dir=tmp_path)
+    out = await again.forecast_batch(pairs(3))
+    assert all(bins.p_faster(o.probs) > 0.5 for o in out)
+    _, rerun = mock.batches.values()
+    assert sorted(r["custom_id"] for r in rerun.requests) == ["q1-s0-r0", "q2-s0-r0"]  # not the one kept
+    await again.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_failed_batch_creation_keeps_and_bills_what_the_cancelled_batches_finished(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The second batch's creation fails: the first, cancelled, had finished a request, billed by the API. It was
+    cancelled without reading it (tokens unrecorded, answer lost); now it is read after the cancel."""
+    monkeypatch.setattr(claude_module, "_BATCH_MAX_REQUESTS", 1)  # one batch per request
+    mock = AnthropicMock(
+        lambda body: tool_answer(FASTER),
+        batch_creates_allowed=1,
+        batch_never_ends=True,
+        finished_before_cancel=1,
+    )
+    sink = FakeSink()
+    f = make(mock, max_retries=0, usage_sink=sink, sleep=recording_sleep()[1])
+    with pytest.raises(ClaudeUnavailable, match="batch failed") as info:
+        await f.forecast_batch(pairs(2))
+    [first] = mock.batches.values()
+    assert first.canceled
+    assert [p is not None for p in info.value.partial or []] == [True, False]
+    [call] = sink.calls
+    assert call["input_tokens"] == 1000
+
+
+@pytest.mark.anyio
+async def test_a_stopped_batch_that_does_not_end_in_time_is_logged_as_billed_but_not_recorded(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Ctrl-C, and the cancelled batch does not end within the short wait: the stop is not held up by it, and
+    the log says its finished requests may be billed without being recorded."""
+    mock = AnthropicMock(lambda body: tool_answer(FASTER), batch_never_ends=True, cancel_ends=False)
+    with anyio.CancelScope() as interrupt:
+
+        async def sleep(seconds: float) -> None:
+            interrupt.cancel()
+            await anyio.lowlevel.checkpoint()
+
+        with caplog.at_level(logging.WARNING, logger="forecaster_mcp.forecast.claude"):
+            await make(mock, sleep=sleep).forecast_batch(pairs(2))
+    assert interrupt.cancelled_caught
+    [batch] = mock.batches.values()
+    assert batch.canceled
+    assert "billed but not recorded" in caplog.text and batch.id in caplog.text
+
+
 # ---------------------------------------------------------------- guards
 
 

@@ -1065,3 +1065,60 @@ def test_an_interrupted_eval_rerun_pays_only_for_the_answers_it_did_not_get(
     assert (tmp_path / "rerun" / "predictions.jsonl").read_text() == (
         tmp_path / "whole" / "predictions.jsonl"
     ).read_text()
+
+
+def test_an_interrupted_batch_eval_bills_and_keeps_what_its_batch_finished(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C during `eval --batch`: the batch was cancelled without reading the requests it had finished. The API
+    bills those, yet the stop said nothing of them and a rerun paid for them again. Now they are read after the
+    cancel: counted in what the stop says was spent, kept, and the rerun's batch asks only for the rest. A real
+    SIGINT, raised while the batch's status is checked."""
+    import signal
+
+    import httpx2
+    from _anthropic_mock import AnthropicMock, tool_answer
+
+    from forecaster_mcp.forecast import claude as claude_module
+
+    faster = [0.0, 0.0, 0.0, 0.05, 0.15, 0.5, 0.25, 0.05]
+    mock = AnthropicMock(lambda params: tool_answer(faster), batch_never_ends=True, finished_before_cancel=2)
+    interrupt = True
+
+    def handle(request: httpx2.Request) -> httpx2.Response:
+        nonlocal interrupt
+        if interrupt and request.method == "GET" and request.url.path.endswith(tuple(mock.batches)):
+            interrupt = False
+            signal.raise_signal(signal.SIGINT)
+        return mock.handle(request)
+
+    real = claude_module.ClaudeForecaster
+
+    def claude(*args: Any, **kw: Any) -> Any:
+        kw.update(features=None, batch_poll_interval_s=0.01)
+        return real(*args, http_client=httpx2.AsyncClient(transport=httpx2.MockTransport(handle)), **kw)
+
+    monkeypatch.setattr(claude_module, "ClaudeForecaster", claude)
+    monkeypatch.setenv("FORECASTER_MCP_ANTHROPIC_API_KEY", "test-key")
+    monkeypatch.setenv("FORECASTER_MCP_CLAUDE_MODEL", "claude-sonnet-5")
+    monkeypatch.setenv("FORECASTER_MCP_CLAUDE_SAMPLES", "1")
+    pairs = _write(tmp_path / "pairs.jsonl", TINY)
+
+    def run(out: Path) -> int:
+        return main(
+            ["eval", str(pairs), "--out", str(out), "--forecaster", "claude", "--no-ptxas", "--batch"]
+        )
+
+    assert run(tmp_path / "stopped") == 130
+    err = capsys.readouterr().err
+    [stopped] = mock.batches.values()
+    assert stopped.canceled
+    assert "spent before the stop: claude: 2 requests" in err
+    assert "the 2 Claude answer(s) received are kept in" in err
+
+    mock.batch_never_ends = False
+    assert run(tmp_path / "rerun") == 0
+    _, rerun = mock.batches.values()
+    assert (
+        len(rerun.requests) == len(TINY) - 2
+    )  # the two answers the stopped batch finished are not paid again

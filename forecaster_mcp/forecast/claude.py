@@ -22,6 +22,8 @@ How one pair is forecast:
   draw of the same prompt);
 - a request already sent when its call stops waiting (the time limit) is not cancelled (the API bills it all
   the same): it finishes in the background, its usage is recorded and its answer kept for the pair's next call;
+- batches stopped midway (Ctrl-C, a failed creation, an API error) are cancelled, then what they had finished
+  (billed all the same) is read for a few seconds: its usage recorded and its answers kept for a rerun;
 - a call for a pair another call is asking for at that moment (parallel compares, a client's retry) waits for that
   pair's answers (within its own limit; until the pair has all its samples or the other call ends, not for the
   other call's other pairs) instead of paying for its own, its other pairs sent meanwhile; stopped while waiting (the
@@ -82,6 +84,9 @@ _CACHE_TTL_S = 270.0
 # Polls a cancelled batch gets to end (so what it finished can be read) before its results are given up.
 _CANCEL_POLLS = 3
 _RESULTS_READS = 3  # attempts at one ended batch's results download (_read_results)
+# How long a stop (Ctrl-C, a failed batch creation, an API error) waits, after cancelling its batches, to read what
+# they had finished: those requests are billed, and read they are recorded and kept (a rerun does not pay again).
+_STOP_READ_WAIT_S = 10.0
 # Message Batches limits: 100,000 requests and 256 MB per batch; stay well under both.
 _BATCH_MAX_REQUESTS = 10_000
 _BATCH_MAX_BYTES = 100 * 2**20
@@ -821,6 +826,44 @@ class ClaudeForecaster:
                 message = f"{_unreadable_note(unreadable)}; {message}"
             return ClaudeUnavailable(message, partial=[self._aggregate(s) if s else None for s in samples])
 
+        def take(
+            outcomes: dict[str, Any],
+            round_no: int,
+            pending: dict[tuple[int, int], int],
+            mode: Literal["tool", "json"],
+            requests: dict[str, Any],
+            retry: dict[tuple[int, int], int],
+        ) -> ClaudeUnavailable | None:
+            """A round's results: each sample answered is kept (on disk at once) and its tokens counted, each
+            unusable one put in `retry`. Returns the refusal of the account or model, if one came."""
+            rejected: ClaudeUnavailable | None = None
+            for (i, j), max_tokens in pending.items():
+                outcome = outcomes.get(f"q{i}-s{j}-r{round_no}")
+                if isinstance(outcome, _Unreadable):
+                    q = queries[i]
+                    unreadable.append(
+                        f"pair {i + 1} ({q.candidate.id or '-'} vs {q.baseline.id or '-'}) sample {j + 1}: "
+                        f"{outcome.why}"
+                    )
+                    continue
+                answered = len(samples[i])
+                try:
+                    again = self._batch_outcome(outcome, mode, max_tokens, usage, problems, samples[i])
+                except ClaudeUnavailable as exc:
+                    # The account or model is refused (billing, permission): no further round, but every
+                    # other result of this batch is read, billed and kept.
+                    rejected = rejected or exc
+                    continue
+                if len(samples[i]) > answered:
+                    self._save(_answer_key(texts[i]), samples[i][-1])
+                if again is not None:
+                    retry[(i, j)] = again
+            # Lines that name no request leave one unanswered, which is then missing: asked again above.
+            nameless = sum(1 for k, v in outcomes.items() if isinstance(v, _Unreadable) and k not in requests)
+            if nameless:
+                unreadable.append(f"{nameless} line(s) naming no request, whose requests are asked again")
+            return rejected
+
         try:
             texts = await self._prompts(queries)
             keys = [_answer_key(p) for p in texts]
@@ -846,36 +889,12 @@ class ClaudeForecaster:
                     f"q{i}-s{j}-r{round_no}": self._params(marked[i], mode, max_tokens)
                     for (i, j), max_tokens in pending.items()
                 }
-                outcomes, gave_up = await self._run_batches(requests)
+                outcomes: dict[str, Any] = {}
                 retry: dict[tuple[int, int], int] = {}
-                rejected: ClaudeUnavailable | None = None
-                for (i, j), max_tokens in pending.items():
-                    outcome = outcomes.get(f"q{i}-s{j}-r{round_no}")
-                    if isinstance(outcome, _Unreadable):
-                        q = queries[i]
-                        unreadable.append(
-                            f"pair {i + 1} ({q.candidate.id or '-'} vs {q.baseline.id or '-'}) sample {j + 1}: "
-                            f"{outcome.why}"
-                        )
-                        continue
-                    answered = len(samples[i])
-                    try:
-                        again = self._batch_outcome(outcome, mode, max_tokens, usage, problems, samples[i])
-                    except ClaudeUnavailable as exc:
-                        # The account or model is refused (billing, permission): no further round, but every
-                        # other result of this batch is read, billed and kept.
-                        rejected = rejected or exc
-                        continue
-                    if len(samples[i]) > answered:
-                        self._save(_answer_key(texts[i]), samples[i][-1])
-                    if again is not None:
-                        retry[(i, j)] = again
-                # Lines that name no request leave one unanswered, which is then missing: asked again above.
-                nameless = sum(
-                    1 for k, v in outcomes.items() if isinstance(v, _Unreadable) and k not in requests
-                )
-                if nameless:
-                    unreadable.append(f"{nameless} line(s) naming no request, whose requests are asked again")
+                try:
+                    gave_up = await self._run_batches(requests, outcomes)
+                finally:  # also when stopped (Ctrl-C): what the stopped batches finished is paid for, kept too
+                    rejected = take(outcomes, round_no, pending, mode, requests, retry)
                 pending = retry
                 if rejected is not None:
                     raise unanswered(str(rejected))
@@ -1306,14 +1325,14 @@ class ClaudeForecaster:
 
     # ------------------------------------------------------------ batches
 
-    async def _run_batches(self, requests: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], str | None]:
-        """Submit `requests` (custom_id -> params) as one or more batches. Returns custom_id -> result object,
-        and why the batches were given up (None: every batch ended and was read). A batch still running after
-        `batch_max_wait_s` is cancelled and what it had finished is read all the same (those answers are
-        paid for). On an API or transport error (also one while a result stream is read) every batch not yet
-        read is cancelled (best effort), and the results read until then are returned with the error: they
-        are paid for too, and their tokens must be recorded. A call cancelled while it waits cancels its batches
-        too before it ends."""
+    async def _run_batches(self, requests: dict[str, dict[str, Any]], outcomes: dict[str, Any]) -> str | None:
+        """Submit `requests` (custom_id -> params) as one or more batches, their results into `outcomes`
+        (custom_id -> result object). Returns why the batches were given up (None: every batch ended and was
+        read). A batch still running after `batch_max_wait_s` is cancelled and what it had finished is read all
+        the same (those answers are paid for). On an API or transport error (also one while a result stream is
+        read), or when the call is cancelled (Ctrl-C), every batch not yet read is cancelled and what it had
+        finished is read too, for at most _STOP_READ_WAIT_S (_stop_batches): paid for, their tokens must be
+        recorded and their answers kept. `outcomes` holds what was read also when this raises."""
         import httpx2
 
         chunks: list[list[Any]] = [[]]
@@ -1327,7 +1346,6 @@ class ClaudeForecaster:
             chunks[-1].append(entry)
             size += n
         an = self._anthropic
-        outcomes: dict[str, Any] = {}
         created: list[str] = []
         read: set[str] = set()
         gave_up: str | None = None
@@ -1341,25 +1359,60 @@ class ClaudeForecaster:
                 if gave_up is not None:  # this batch and the ones after it: cancel, read what they finished
                     await self._cancel_batch(batch_id)
                     if not await self._ended_after_cancel(batch_id):
+                        _log_unread([batch_id])
                         continue  # still not ended: its results cannot be read yet
                 await self._read_results(batch_id, outcomes)
                 read.add(batch_id)
         except (an.APIError, httpx2.TransportError) as exc:
             log.warning("claude batch failed; keeping the %d results read", len(outcomes), exc_info=True)
-            with anyio.CancelScope(shield=True):
-                for batch_id in created:
-                    if batch_id not in read:
-                        await self._cancel_batch(batch_id)
-            return outcomes, f"Claude batch failed ({type(exc).__name__}): {exc}"
+            await self._stop_batches([b for b in created if b not in read], outcomes)
+            return f"Claude batch failed ({type(exc).__name__}): {exc}"
         except BaseException:
             # Cancelled (an evaluation stopped with Ctrl-C) or failed otherwise: a batch left running goes on for
             # up to 24 h and is billed in full for answers no one will read.
-            with anyio.CancelScope(shield=True):
-                for batch_id in created:
-                    if batch_id not in read:
-                        await self._cancel_batch(batch_id)
+            await self._stop_batches([b for b in created if b not in read], outcomes)
             raise
-        return outcomes, gave_up
+        return gave_up
+
+    async def _stop_batches(self, batch_ids: list[str], outcomes: dict[str, Any]) -> None:
+        """Cancel the batches, then read what each had finished into `outcomes`: the API bills those requests, and
+        unread their tokens go unrecorded and their answers are asked (and paid) again by a rerun. Shielded (a
+        Ctrl-C stops here too) and bounded: a batch that has not ended (its results are readable only then), or
+        whose results are not read, within _STOP_READ_WAIT_S is logged as billed but not recorded."""
+        import httpx2
+
+        if not batch_ids:
+            return
+        unread = list(batch_ids)
+        with anyio.CancelScope(shield=True):
+            for batch_id in batch_ids:
+                await self._cancel_batch(batch_id)
+            interval = min(self._batch_poll_interval_s, _STOP_READ_WAIT_S / (_CANCEL_POLLS + 1))
+            with anyio.move_on_after(_STOP_READ_WAIT_S):
+                for batch_id in batch_ids:
+                    try:
+                        finished = await self._finished_after_cancel(batch_id, interval)
+                        if finished is None:
+                            continue  # not ended yet: its results cannot be read
+                        if finished:
+                            await self._read_results(batch_id, outcomes)
+                        unread.remove(batch_id)
+                    except (self._anthropic.APIError, httpx2.TransportError) as exc:
+                        log.warning("could not read what cancelled batch %s finished: %s", batch_id, exc)
+        if unread:
+            _log_unread(unread)
+
+    async def _finished_after_cancel(self, batch_id: str, interval: float) -> bool | None:
+        """Whether a cancelled batch had finished any request (billed: its results are worth reading), once it
+        has ended; None when it has not ended within _CANCEL_POLLS more polls `interval` apart."""
+        for poll in range(_CANCEL_POLLS + 1):
+            if poll:
+                await self._sleep(interval)
+            batch = await self._client.messages.batches.retrieve(batch_id)
+            if batch.processing_status == "ended":
+                counts = batch.request_counts
+                return bool(counts.succeeded or counts.errored)
+        return None
 
     async def _wait_batch(self, batch_id: str) -> str | None:
         """Poll until the batch ends (None), or for batch_max_wait_s: then why the wait is given up (the caller
@@ -1745,6 +1798,14 @@ async def _after_warm_ups(
             await asyncio.gather(*tasks, return_exceptions=True)
         raise
     await _gather_or_cancel([*(t for t in tasks if not t.done()), *rest()])
+
+
+def _log_unread(batch_ids: Sequence[str]) -> None:
+    log.warning(
+        "cancelled Claude batch(es) %s not read: the requests they finished are billed but not recorded, and "
+        "their answers not kept (a rerun asks, and pays for, them again)",
+        ", ".join(batch_ids),
+    )
 
 
 async def _gather_or_cancel(coros: Sequence[Awaitable[_T]]) -> list[_T]:
