@@ -1152,25 +1152,32 @@ async def test_a_dict_of_a_million_entries_is_refused_at_its_count_without_readi
     """Only the count of `defines` or `workload.problem` was checked after pydantic had validated every entry,
     and the refusal's sample was the repr of the whole dict: on an HTTP server one 92 MB request (7.5 million
     defines) held the event loop, every other agent's call waiting, for 47 s. The count now comes first."""
+    many = {f"d{i}": 1 for i in range(1_000_000)}
+    async with running(tmp_path, [conv_a100]) as (_, service):
+        took, message = await _refused_in(service, tool, arguments(many))
+    assert refusal in message and len(message) < 2000, message
+    assert took < 0.2, f"{took:.2f} s to refuse the arguments"
+
+
+async def _refused_in(service: Any, tool: str, arguments: dict[str, Any]) -> tuple[float, str]:
+    """The fastest of a few calls of `tool` the server refuses (ToolError), in seconds, and the refusal's text:
+    on a thread, as an HTTP server's event loop would be held."""
     from mcp.server.mcpserver.exceptions import ToolError
     from timing import fastest_s
 
-    many = {f"d{i}": 1 for i in range(1_000_000)}
-    async with running(tmp_path, [conv_a100]) as (_, service):
-        server = build_server(service)
-        messages: list[str] = []
+    server = build_server(service)
+    messages: list[str] = []
 
-        def refused() -> None:
-            async def one() -> None:
-                with pytest.raises(ToolError) as info:
-                    await server.call_tool(tool, arguments(many))
-                messages.append(str(info.value))
+    def refused() -> None:
+        async def one() -> None:
+            with pytest.raises(ToolError) as info:
+                await server.call_tool(tool, arguments)
+            messages.append(str(info.value))
 
-            anyio.from_thread.run(one)
+        anyio.from_thread.run(one)
 
-        took = await anyio.to_thread.run_sync(lambda: fastest_s(refused, limit_s=0.2))
-    assert refusal in messages[0] and len(messages[0]) < 2000, messages[0]
-    assert took < 0.2, f"{took:.2f} s to refuse the arguments"
+    took = await anyio.to_thread.run_sync(lambda: fastest_s(refused, limit_s=0.2))
+    return took, messages[0]
 
 
 async def test_against_a_failed_baseline_measure_next_and_ranking_follow_the_family_model(
@@ -1304,27 +1311,15 @@ async def test_a_deeply_nested_argument_is_refused_without_reading_it_all(
     lists sent as `defines`) is the whole of it: 16.7 million leaves at depth 6 (a 50 MB body) held an HTTP
     server's event loop for seconds to show 40 characters. (The tree here shares its branches to stay small in
     the test; a JSON body cannot, but reads the same.)"""
-    from mcp.server.mcpserver.exceptions import ToolError
-    from timing import fastest_s
-
     tree: Any = 1
     for _ in range(6):
         tree = [tree] * 16
     async with running(tmp_path, [conv_a100]) as (_, service):
-        server = build_server(service)
-        messages: list[str] = []
-
-        def refused() -> None:
-            async def one() -> None:
-                with pytest.raises(ToolError) as info:
-                    await server.call_tool("measure_kernel", {"kernel": {**conv("k", FAST), "defines": tree}})
-                messages.append(str(info.value))
-
-            anyio.from_thread.run(one)
-
-        took = await anyio.to_thread.run_sync(lambda: fastest_s(refused, limit_s=0.2))
+        took, message = await _refused_in(
+            service, "measure_kernel", {"kernel": {**conv("k", FAST), "defines": tree}}
+        )
     assert (
         "kernel.defines: Input should be a valid dictionary; got [[[[[[1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1...;"
-        in messages[0]
+        in message
     )
     assert took < 0.2, f"{took:.2f} s to refuse the arguments"
