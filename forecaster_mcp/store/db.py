@@ -64,6 +64,10 @@ MAX_GPU_SECONDS = (
     1e12  # ~31,000 GPU-years: far above any real budget, far below int64 overflow in micro units
 )
 BUSY_TIMEOUT_S = 30.0
+# Below this much free space on the database's filesystem, every write is followed by a checkpoint (`_locked`):
+# SQLite's own comes at 1000 pages of write-ahead log (about 4 MB), and a log that filled the disk before it
+# could never be checkpointed again (the checkpoint must grow the database, on a disk with no byte left).
+LOW_DISK_BYTES = 64 * 1024 * 1024
 TOKEN_PREFIX = "fmcp_"
 FINGERPRINT_CHARS = 12
 _LEDGER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@+-]{0,127}")  # fullmatch: `$` takes a final newline
@@ -770,6 +774,9 @@ class Store:
             await _wal_mode(conn)
             # NORMAL survives process crashes in WAL mode; only a power cut may lose the last commits.
             await conn.execute("PRAGMA synchronous = NORMAL")
+            # A log checkpointed to its end is cut back to the next transaction's size when it restarts, so
+            # the space it took is the database's again (`_checkpoint_if_low`).
+            await conn.execute("PRAGMA journal_size_limit = 0")
             await conn.execute("PRAGMA foreign_keys = ON")
             await migrate(conn)
             store = cls(conn, path)
@@ -851,11 +858,33 @@ class Store:
             except BaseException:
                 if conn.in_transaction:
                     await conn.execute("ROLLBACK")
+                if begin != "BEGIN":
+                    await self._checkpoint_if_low(conn)
                 raise
             if begin != "BEGIN":  # a write: wake the retries of writes that failed (full disk, locked)
+                await self._checkpoint_if_low(conn)
                 wrote, self._wrote = self._wrote, asyncio.Event()
                 wrote.set()
             return result
+
+    async def _checkpoint_if_low(self, conn: Any) -> None:
+        """On a disk with less than LOW_DISK_BYTES free, copy the write-ahead log into the database now (outside
+        any transaction, under the store's lock), so that the next write restarts the log at its start and cuts
+        it back (journal_size_limit) instead of growing it into the space the database needs. (With SQLite's
+        own checkpoint, at about 4 MB of log, a 3 MB disk took 57 holds and charges: then the log had filled it,
+        every write failed "database or disk is full", and no checkpoint could run any more, also not at close
+        or after a restart.) PASSIVE: it never waits for another process's readers; what it cannot copy now
+        is copied after a later write. Best effort: the write itself is done (or failed) already."""
+        try:
+            fs = os.statvfs(self.path.parent)
+        except OSError:
+            return
+        if fs.f_bavail * fs.f_frsize >= LOW_DISK_BYTES:
+            return
+        try:
+            await conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+        except sqlite3.Error as exc:
+            log.debug("checkpoint on a low disk failed: %s", exc)
 
     async def _retry_wait(self, seconds: float) -> None:
         """Sleep `seconds`, or until a write transaction of this store commits (whichever comes first): a
