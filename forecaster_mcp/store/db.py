@@ -23,6 +23,7 @@ import os
 import re
 import secrets
 import shlex
+import shutil
 import socket
 import sqlite3
 import statistics
@@ -876,10 +877,10 @@ class Store:
         or after a restart.) PASSIVE: it never waits for another process's readers; what it cannot copy now
         is copied after a later write. Best effort: the write itself is done (or failed) already."""
         try:
-            fs = os.statvfs(self.path.parent)
+            free = shutil.disk_usage(self.path.parent).free  # os.statvfs is POSIX only
         except OSError:
             return
-        if fs.f_bavail * fs.f_frsize >= LOW_DISK_BYTES:
+        if free >= LOW_DISK_BYTES:
             return
         try:
             await conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
