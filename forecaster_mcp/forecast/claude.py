@@ -1358,7 +1358,7 @@ class ClaudeForecaster:
                     gave_up = await self._wait_batch(batch_id)
                 if gave_up is not None:  # this batch and the ones after it: cancel, read what they finished
                     await self._cancel_batch(batch_id)
-                    if not await self._ended_after_cancel(batch_id):
+                    if await self._ended_after_cancel(batch_id, self._batch_poll_interval_s) is None:
                         _log_unread([batch_id])
                         continue  # still not ended: its results cannot be read yet
                 await self._read_results(batch_id, outcomes)
@@ -1391,10 +1391,11 @@ class ClaudeForecaster:
             with anyio.move_on_after(_STOP_READ_WAIT_S):
                 for batch_id in batch_ids:
                     try:
-                        finished = await self._finished_after_cancel(batch_id, interval)
-                        if finished is None:
+                        ended = await self._ended_after_cancel(batch_id, interval)
+                        if ended is None:
                             continue  # not ended yet: its results cannot be read
-                        if finished:
+                        # Any request finished is billed: its results are worth reading.
+                        if ended.request_counts.succeeded or ended.request_counts.errored:
                             await self._read_results(batch_id, outcomes)
                         unread.remove(batch_id)
                     except (self._anthropic.APIError, httpx2.TransportError) as exc:
@@ -1402,16 +1403,15 @@ class ClaudeForecaster:
         if unread:
             _log_unread(unread)
 
-    async def _finished_after_cancel(self, batch_id: str, interval: float) -> bool | None:
-        """Whether a cancelled batch had finished any request (billed: its results are worth reading), once it
-        has ended; None when it has not ended within _CANCEL_POLLS more polls `interval` apart."""
+    async def _ended_after_cancel(self, batch_id: str, interval: float) -> Any | None:
+        """A cancelled batch once it has ended (its results are then readable); None when it has not ended within
+        _CANCEL_POLLS more polls `interval` apart."""
         for poll in range(_CANCEL_POLLS + 1):
             if poll:
                 await self._sleep(interval)
             batch = await self._client.messages.batches.retrieve(batch_id)
             if batch.processing_status == "ended":
-                counts = batch.request_counts
-                return bool(counts.succeeded or counts.errored)
+                return batch
         return None
 
     async def _wait_batch(self, batch_id: str) -> str | None:
@@ -1473,15 +1473,6 @@ class ClaudeForecaster:
             await self._client.messages.batches.cancel(batch_id)
         except self._anthropic.APIError as exc:
             log.warning("could not cancel batch %s: %s", batch_id, exc)
-
-    async def _ended_after_cancel(self, batch_id: str) -> bool:
-        """Whether a cancelled batch ends within _CANCEL_POLLS more polls (its results are then readable)."""
-        for _ in range(_CANCEL_POLLS):
-            batch = await self._client.messages.batches.retrieve(batch_id)
-            if batch.processing_status == "ended":
-                return True
-            await self._sleep(self._batch_poll_interval_s)
-        return False
 
     def _batch_outcome(
         self,
