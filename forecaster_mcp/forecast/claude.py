@@ -599,7 +599,7 @@ class ClaudeForecaster:
         finally:
             # Kept before anything is awaited: a call cancelled here (Ctrl-C, a client's cancel) keeps them too.
             # (Once a pair: its copies share its samples.)
-            for key, g in {_answer_key(p): g for p, g in zip(texts, got, strict=False)}.items():
+            for key, g in dict(zip(keys, got, strict=False)).items():
                 self._remember(key, g)
             self._release(asking)
             with anyio.CancelScope(shield=True):  # a timed-out call still paid for what it got
@@ -820,6 +820,7 @@ class ClaudeForecaster:
         samples: list[list[_Sample]] = [[] for _ in queries]
         unreadable: list[str] = []  # the requests whose result line could not be read, named
         texts: list[prompt.PairPrompt] = []
+        keys: list[str] = []  # each text's _answer_key
 
         def unanswered(message: str) -> ClaudeUnavailable:
             if unreadable:
@@ -855,7 +856,7 @@ class ClaudeForecaster:
                     rejected = rejected or exc
                     continue
                 if len(samples[i]) > answered:
-                    self._save(_answer_key(texts[i]), samples[i][-1])
+                    self._save(keys[i], samples[i][-1])
                 if again is not None:
                     retry[(i, j)] = again
             # Lines that name no request leave one unanswered, which is then missing: asked again above.
@@ -902,7 +903,7 @@ class ClaudeForecaster:
                     # What the cancelled or failed batches finished is counted and kept; no further round.
                     raise unanswered(gave_up)
         finally:
-            for key, s in {_answer_key(p): s for p, s in zip(texts, samples, strict=False)}.items():
+            for key, s in dict(zip(keys, samples, strict=False)).items():
                 self._remember(key, s)
             with anyio.CancelScope(shield=True):  # a timed-out call still paid for what it got
                 await self._record(usage, batch=True)
