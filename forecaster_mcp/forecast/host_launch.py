@@ -1053,8 +1053,8 @@ class _Names:
         defaults: Mapping[str, str] | None = None,
         kinds: Mapping[str, _Kind] | None = None,
         types: Mapping[str, _Kind] | None = None,
-        lookups: _Lookups | None = None,
         *,
+        lookups: _Lookups,
         span: tuple[int, int] | None = None,
         changed: Collection[str] = (),
         constants_only: bool = False,
@@ -1078,9 +1078,7 @@ class _Names:
         self.defaults = dict(defaults or {})
         self.kinds = dict(kinds or {})  # a parameter's integer type, where it has one (`int n`)
         self.types = dict(types or {})  # the source's integer type aliases (`using idx_t = int;`: `_aliases`)
-        self._lookups = (
-            lookups if lookups is not None else _Lookups(_Scopes(text, [], []))
-        )  # of `text`: shared by one source's _Names
+        self._lookups = lookups  # of `text`: shared by one source's _Names
         self.scopes = self._lookups.scopes
         self.body = self.scopes.probe.find("{", span[0], span[1]) if span is not None else -1
         self._memo: dict[tuple[str, _Entity | int], tuple[int, _Kind] | None] = {}
@@ -1829,8 +1827,9 @@ class _Constants:
         if caller not in self._names:
             own: frozenset[str] = frozenset()
             if caller is not None:
-                texts = _header_parameters(self.text, self.probe, caller[0], caller[1])
-                own = frozenset(_NAME.findall(p.split("=", 1)[0])[-1] for p in texts)
+                own = frozenset(
+                    p.name for p in _parameters(self.text, self.probe, caller[0], caller[1], self.aliases)
+                )
             self._names[caller] = _Names(
                 self.text,
                 self.macros,
@@ -2074,7 +2073,7 @@ def _source_launch(
                 defaults,
                 kinds,
                 aliases,
-                lookups,
+                lookups=lookups,
                 span=span[:2] if span is not None else None,
                 changed=changed,
             )
