@@ -1439,12 +1439,12 @@ def _replaced(
     str(256))`): None where the template or what it replaces is not known here; a `new`, or a count, not known puts
     `_RUNTIME_VALUE` in for each (the template's own `BLOCK`, or `#define BLOCK 128`, is not the kernel's)."""
     template = _template_text(receiver, constants, budget)
+    if template is None:
+        return None
     times: int | None = -1
     if count is not None:
         known_count = _constant(count, constants)
         times = known_count if isinstance(known_count, int) and not isinstance(known_count, bool) else None
-    if template is None:
-        return None
     found = _string_parts(old, constants, budget)
     if found is None or not found[0]:
         return None
@@ -1452,15 +1452,13 @@ def _replaced(
         isinstance(new, ast.Call) and _is_str_call(new)
     ):  # `DTYPE`, `str(BLOCK)`
         known = _constant(new.args[0] if isinstance(new, ast.Call) else new, constants)
-        value = str(known) if known is not None else _RUNTIME_VALUE
+        value = _put(known)
     else:
         try:
             put = _string_parts(new, constants, budget)
-        except _OverBudget:
-            raise
-        except _NotRead:
+        except _NotRead:  # (over the budget: raised on)
             put = None
-        value = put[0] if put is not None else _RUNTIME_VALUE
+        value = _put(put[0] if put is not None else None)
     # Charged before it is made: thousands of copies of a long value need not be made to be refused.
     if times is None:
         value, times = _RUNTIME_VALUE, -1  # how many are replaced is not known: each may be
@@ -1812,10 +1810,7 @@ def _unread_edit(call: ast.Call, constants: Mapping[str, int | str]) -> tuple[st
         or (isinstance(receiver, ast.Call) and _is_str_call(receiver))
     ):
         return None
-    try:
-        found = _string_parts(call.args[0], constants, _Budget())
-    except _NotRead:
-        found = None
+    found = _string_value(call.args[0], constants)
     old = found[0] if found is not None else ""
     if found is not None and not _WORD.search(old):
         return None

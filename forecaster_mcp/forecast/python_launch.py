@@ -601,13 +601,6 @@ def _functools_caches(read: _Module) -> tuple[frozenset[str], frozenset[str]]:
     )
 
 
-def _names_kernel(bound: list[str | None], kernel: str) -> bool | None:
-    """Whether a handle given these values is `kernel`: True, False, or None (`kernel` one of several)."""
-    if kernel not in bound:
-        return False
-    return True if all(b == kernel for b in bound) else None
-
-
 def _sites(
     read: _Module, kernel: str, defaults: bool = True, entry: str | None = None
 ) -> Iterator[tuple[ast.Call, _Scope, bool]]:
@@ -688,7 +681,9 @@ def _sites(
         # Bound in its class, else in a base class or from outside: any binding of it.
         key = (owner, dotted)
         if key not in dotted_in:
-            dotted_in[key] = _names_kernel(attributes.get(key, anywhere.get(dotted, [])), kernel)
+            dotted_in[key] = _agreed_kernel(
+                b == kernel for b in attributes.get(key, anywhere.get(dotted, []))
+            )
         return dotted_in[key]
 
     for call, scope, owner in _calls(read, defaults, entry):
