@@ -1827,7 +1827,7 @@ _MAX_EDITED_PLACES = 4096
 def _edited(statements: Sequence[_Statement]) -> bool:
     """Put in, for each text some `.replace` not read replaces (`_Statement.edits`), a value known only at run
     time in every string read: which string it edits is not followed, so each may be. Each place gets a name of
-    its own (`__runtime_value_3__`): another string's `#define BLOCK 128` is not the edited one's BLOCK. Whether
+    its own (`__runtime_value__3__`): another string's `#define BLOCK 128` is not the edited one's BLOCK. Whether
     the text may be edited otherwise (what is replaced not known, or too many places): its launch is not read."""
     modules = set().union(*(s.modules for s in statements))
     olds = {old for s in statements for name, old in s.edits if name is None or name not in modules}
