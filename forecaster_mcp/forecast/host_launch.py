@@ -1229,13 +1229,17 @@ class _Names:
         i = bisect.bisect_left(found, span[0])
         return i == len(found) or found[i] >= span[1]
 
+    def meanings(self, expr: str, at: int) -> tuple[_Entity, ...]:
+        """What each name of `expr` means where it stands at `at` (`entity`), its names in order: an expression
+        whose names mean the same is read once."""
+        return tuple(self.entity(n, at) for n in sorted(set(_NAME.findall(expr))))
+
     def _typed_at(self, expr: str, places: list[int], depth: int) -> tuple[int, _Kind] | None:
         """`expr`'s value where it stands at each of `places`, where they agree (its names may mean others there):
         read once for each meaning of its names."""
-        names = sorted(set(_NAME.findall(expr)))
         found: dict[tuple[_Entity, ...], tuple[int, _Kind] | None] = {}
         for at in places:
-            meant = tuple(self.entity(n, at) for n in names)
+            meant = self.meanings(expr, at)
             if meant not in found:
                 found[meant] = _typed(expr, self, depth, at)
         return _agreed(list(found.values()))
@@ -1264,9 +1268,11 @@ class _Names:
         if defs is None or defs[0] == "dim3" or len(defs[1]) > 1:
             return None  # set in a way that cannot be read, twice over, or a dim3 where a number is read
         if defs[1]:
+            if self.constants_only and not self.constant(name):
+                return None  # not const or constexpr wherever declared: a caller's argument reads constants alone
             found = self._typed_at(*next(iter(defs[1].items())), depth)
             declared = self.declared(name, entity)
-            if found is None or declared is None or (self.constants_only and not self.constant(name)):
+            if found is None or declared is None:
                 return None
             # Stored in its declared type (`int n = x.numel();`), each if declared several ways; an `auto` or
             # undeclared one keeps its value's.
@@ -1843,8 +1849,7 @@ class _Constants:
             )
         names = self._names[caller]
         # What each of its names means there: the same expression of the same constants is read once.
-        meant = tuple(names.entity(n, at) for n in sorted(set(_NAME.findall(expr))))
-        key = (expr, meant, kind)
+        key = (expr, names.meanings(expr, at), kind)
         if key not in self._values:
             found = _typed(expr, names, 0, at)
             try:
@@ -2018,34 +2023,25 @@ def _source_launch(
     aliases = _aliases(text)
     starts = [a for a, _, _ in spans]  # in order, none inside another
     named = Counter(name for _, _, name in spans)
-    by_params: dict[
-        tuple[
-            tuple[_Param, ...],
-            bool,
-            tuple[tuple[str, str], ...],
-            frozenset[str],
-            tuple[int, int, str | None] | None,
-        ],
-        _Names,
-    ] = {}
     lookups = _Lookups(
         _Scopes(probe, spans, starts)
     )  # what the text says of each name: one for every launcher
     constants = _Constants(text, probe, defined, macros, aliases, lookups)
     exported = {*exported, *_extern_c(probe, spans)}
     sized = _WorkloadNames(workload)
-    called_by: dict[tuple[int, int, str | None] | None, tuple[bool, dict[str, str], frozenset[str]]] = {}
+    # The names of each launching function (None: launches outside any), read once for its up to MAX_SITES launches.
+    by_span: dict[tuple[int, int, str | None] | None, _Names] = {}
     grids, blocks, shared = [], [], []
     for at, parts in sites:
         if len(parts) < 2:
             return None
         span = _span_at(spans, starts, at)
-        params = _parameters(text, probe, span[0], span[1], aliases) if span is not None else ()
-        # A helper the wrapper calls (`launch(out, x)`) takes its tensors from it, not from Python in order.
-        if span not in called_by:  # read once a function: up to MAX_SITES launches in one
-            if span is None:
-                called_by[span] = (True, {}, frozenset())
-            else:
+        if span not in by_span:
+            params = _parameters(text, probe, span[0], span[1], aliases) if span is not None else ()
+            called = True
+            defaults: dict[str, str] = {}
+            changed: frozenset[str] = frozenset()
+            if span is not None:
                 body = probe.find("{", span[0], span[1])
                 own = probe[body : span[1]] if body >= 0 else ""
                 # Parameters the function sets itself: neither its callers' values nor its defaults.
@@ -2057,13 +2053,11 @@ def _source_launch(
                 # 20, 256)` from main): the workload's stands.
                 passed = {n: v for n, v in passed.items() if sized.size(n) is None}
                 defaults = {n: d for n, d in {**defaulted, **passed}.items() if n not in changed}
-                called_by[span] = (_called(probe, span, spans, starts), defaults, changed)
-        called, defaults, changed = called_by[span]
-        key = (params, called, tuple(sorted(defaults.items())), changed, span)
-        if key not in by_params:
+                called = _called(probe, span, spans, starts)
+            # A helper the wrapper calls (`launch(out, x)`) takes its tensors from it, not from Python in order.
             tensors = {} if called else _tensor_aliases(params, workload)
             kinds = {p.name: p.kind for p in params if p.kind is not None}
-            by_params[key] = _Names(
+            by_span[span] = _Names(
                 text,
                 defined,
                 workload,
@@ -2077,7 +2071,7 @@ def _source_launch(
                 span=span[:2] if span is not None else None,
                 changed=changed,
             )
-        names = by_params[key]
+        names = by_span[span]
         grids.append(_valid_grid(names.dims(parts[0], 0, at)))
         blocks.append(_valid_block(names.dims(parts[1], 0, at)))
         smem = _evaluate(parts[2], names, 0, at) if len(parts) >= 3 and parts[2] else 0
