@@ -583,21 +583,16 @@ def _functools_caches(read: _Module) -> tuple[frozenset[str], frozenset[str]]:
     there alone: `from functools import wraps as cache`, `import fasttools as functools`, or a `cache` bound
     otherwise too, is none of them."""
     bound: dict[str, int] = {}
-    modules: set[str] = set()
-    caches: set[str] = set()
     for node, _ in read.nodes:
         if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
             bound[node.id] = bound.get(node.id, 0) + 1
         elif isinstance(node, features.BINDERS):
             for name in features.bindings(node):
                 bound[name] = bound.get(name, 0) + 1
-        if isinstance(node, ast.Import):
-            modules.update(a.asname or a.name for a in node.names if a.name == "functools")
-        elif isinstance(node, ast.ImportFrom) and node.module == "functools" and not node.level:
-            caches.update(a.asname or a.name for a in node.names if a.name in _CACHES)
+    modules, names = _imported_names(read, "functools")
     return (
         frozenset(n for n in modules if bound.get(n) == 1),
-        frozenset(n for n in caches if bound.get(n) == 1),
+        frozenset(n for n, name in names.items() if name in _CACHES and bound.get(n) == 1),
     )
 
 
@@ -1273,17 +1268,18 @@ class _Decorated:
 def _triton_names(read: _Module) -> tuple[frozenset[str], dict[str, str]]:
     """The names triton goes by (`triton`, `import triton as tr`), and those imported from it (`from triton import
     jit as J`: J -> jit)."""
-    return _imported_names(read, "triton")
+    modules, names = _imported_names(read, "triton")
+    return modules | {"triton"}, names
 
 
 def _imported_names(read: _Module, module: str) -> tuple[frozenset[str], dict[str, str]]:
-    """The names the top-level `module` goes by (its own, `import functools as ft`), and those imported from it
-    (`from functools import lru_cache as lru`: lru -> lru_cache)."""
-    modules = {module}
+    """The names the top-level `module` is imported as (`import functools`, `import functools as ft`), and those
+    imported from it (`from functools import lru_cache as lru`: lru -> lru_cache)."""
+    modules: set[str] = set()
     names: dict[str, str] = {}
     for node, _ in read.nodes:
         if isinstance(node, ast.Import):
-            modules.update(a.asname for a in node.names if a.name == module and a.asname)
+            modules.update(a.asname or a.name for a in node.names if a.name == module)
         elif isinstance(node, ast.ImportFrom) and node.module == module and not node.level:
             names.update((a.asname or a.name, a.name) for a in node.names)
     return frozenset(modules), names
