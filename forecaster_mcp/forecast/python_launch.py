@@ -896,7 +896,7 @@ class _Callers:
         if isinstance(node, ast.Lambda):
             return False
         name = node.name
-        if name == entry or name == "forward" or (name.startswith("__") and name.endswith("__")):
+        if _called_from_outside(name, entry):
             return True
         calls = self.calls.get(name, [])
         if not calls:
@@ -913,9 +913,7 @@ class _Callers:
         if index is None and param not in (p.arg for p in a.kwonlyargs):
             return False  # `*args`, `**kwargs`
         for call, bound in calls:
-            if any(isinstance(arg, ast.Starred) for arg in call.args) or any(
-                k.arg is None for k in call.keywords
-            ):
+            if _unpacks(call):
                 return False
             passed = _argument(call, index, param, method and bound)
             if not isinstance(passed, ast.Name) or not self._forwarded_at(
@@ -965,9 +963,7 @@ class _Callers:
         name = node.name
         if (
             not calls
-            or name == entry
-            or name == "forward"
-            or (name.startswith("__") and name.endswith("__"))
+            or _called_from_outside(name, entry)
             or node.decorator_list
             or name in self.strings
             or a.vararg is not None
@@ -979,8 +975,7 @@ class _Callers:
             func = call.func
             if (
                 span[0] <= (call.lineno, call.col_offset) <= span[1]
-                or any(isinstance(arg, ast.Starred) for arg in call.args)
-                or any(k.arg is None for k in call.keywords)
+                or _unpacks(call)
                 or (method and not isinstance(func, ast.Attribute))
                 or (method and isinstance(func, ast.Attribute) and _dotted(func.value) in self.classes)
                 or (not method and not isinstance(func, ast.Name))
@@ -1117,12 +1112,21 @@ def _argument(call: ast.Call, index: int | None, name: str, bound: bool) -> ast.
     return call.args[at] if at is not None and 0 <= at < len(call.args) else None
 
 
+def _unpacks(call: ast.Call) -> bool:
+    """Whether `call` unpacks arguments (`f(*xs)`, `f(**kw)`): which parameters they are is not seen."""
+    return any(isinstance(arg, ast.Starred) for arg in call.args) or any(k.arg is None for k in call.keywords)
+
+
+def _called_from_outside(name: str, entry: str | None) -> bool:
+    """Whether a function of that name is called from outside the module's calls: the entry (the harness's),
+    `forward` (torch's Module.__call__ calls it) or a dunder method (Python's)."""
+    return name == entry or name == "forward" or (name.startswith("__") and name.endswith("__"))
+
+
 def _passes(call: ast.Call, index: int | None, name: str, bound: bool) -> bool:
     """Whether `call` may pass the parameter `name` (at position `index`; None: keyword only), the callee's `self`
     bound first when `bound`."""
-    if any(isinstance(arg, ast.Starred) for arg in call.args) or any(
-        k.arg in (None, name) for k in call.keywords
-    ):
+    if _unpacks(call) or any(k.arg == name for k in call.keywords):
         return True
     return index is not None and len(call.args) + bound > index
 
