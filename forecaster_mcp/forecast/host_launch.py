@@ -1642,13 +1642,14 @@ _TENSOR_TYPE_WORDS = frozenset({"Tensor", "torch", "at", "c10", "std", "const", 
 class _Param:
     """A parameter of a host function: its name, whether it is a tensor (`torch::Tensor x`, `const at::Tensor&
     x`; None for another type naming tensors, `std::vector<torch::Tensor>`, `at::TensorList`: several of the
-    caller's at once), its default's text (`int threads = 256`), if it has one, and its integer type, if it is
-    one (`int n`: a workload's 3e9 is past it)."""
+    caller's at once), its default's text (`int threads = 256`), if it has one, its integer type, if it is one
+    (`int n`: a workload's 3e9 is past it), and the parameter as written (`const int n = 4`)."""
 
     name: str
     tensor: bool | None
     default: str | None
-    kind: _Kind | None = None
+    kind: _Kind | None
+    written: str
 
 
 def _parameter_texts(text: str, probe: str, start: int, stop: int) -> list[str] | None:
@@ -1702,6 +1703,7 @@ def _parameters(
                 tensor or (None if any("Tensor" in w for w in kind) else False),
                 _default(param),
                 _type_kind(declared.strip().removesuffix(words[-1]), aliases),
+                param,
             )
         )
     return tuple(out)
@@ -1907,7 +1909,7 @@ def _defaults(
     # half*, half*, int, int threads = 64, cudaStream_t s = 0);` is not it). A default written on both (illegal
     # C++, which agents write), or on two declarations, that differs is unknown.
     body = probe.find("{", start, end)
-    mine = _header_parameters(text, probe, start, end)  # `params`, as written
+    mine = [p.written for p in params]
     conflicting: set[int] = set()
     overloaded = False
     for a, b, _ in declared:
