@@ -505,6 +505,27 @@ async def test_misspelt_argument_names_are_refused_with_the_valid_ones(
         assert status["measurements"]["count"] == 0 and status["forecasts"]["count"] == 0
 
 
+async def test_a_misnamed_required_argument_is_named_with_the_valid_ones(
+    tmp_path: Path, conv_a100: Path
+) -> None:
+    """`kernels` for `candidates`, `kernal` for `kernel`: the argument check that names a misspelt argument ran
+    only once validation passed, and a required argument sent under another name fails validation first, so the
+    agent read "candidates: Field required; got {'kernels': [...": never that `kernels` is no argument, nor which
+    are. With another argument wrong as well, the misspelt one was named only on the resend."""
+    async with running(tmp_path, [conv_a100]) as (client, _):
+        pair = [conv("a", FAST), conv("b", SLOW)]
+        msg = await error_of(client, "compare_kernels", {"kernels": pair, "hardware": "A100"})
+        assert "no argument 'kernels'" in msg and "candidates, workload, baseline, hardware" in msg
+        assert "candidates: Field required" in msg
+        msg = await error_of(client, "measure_kernel", {"kernal": conv("a", FAST)})
+        assert "no argument 'kernal' (did you mean 'kernel'?)" in msg
+        msg = await error_of(
+            client, "compare_kernels", {"candidates": [conv("a", FAST), {"source": "x"}], "target_eror": 0.01}
+        )
+        assert "'target_eror' (did you mean 'target_error'?)" in msg and "candidates[1].entry" in msg
+        assert await spent(client) == 0
+
+
 async def test_a_buffer_shape_beyond_any_memory_is_a_clear_error(tmp_path: Path, conv_a100: Path) -> None:
     """A product of huge dimensions overflowed a float while the error was written: an internal error the
     agent saw as a bare "Error executing tool"."""

@@ -137,19 +137,24 @@ def _refuse_unknown_arguments(ctx: Context, tool: Callable[..., Any]) -> None:
     if not isinstance(raw, dict):
         return
     valid = [name for name in inspect.signature(tool).parameters if name != "ctx"]
+    problem = _unknown_arguments(tool.__name__, raw, valid)
+    if problem is not None:
+        raise ToolError(f"{problem}. Nothing was run or charged: resend with the names corrected.")
+
+
+def _unknown_arguments(tool_name: str, raw: dict[Any, Any], valid: Sequence[str]) -> str | None:
+    """What names in `raw` the tool does not take ("compare_kernels has no argument 'target_eror' (did you mean
+    'target_error'?); its arguments are: ..."), or None when every one is in `valid`."""
     unknown = [str(k) for k in raw if k not in valid]
     if not unknown:
-        return
+        return None
     named = []
     for name in unknown[:5]:
         close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         named.append(f"{name[:40]!r}{hint}")
     more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
-    raise ToolError(
-        f"{tool.__name__} has no argument {', '.join(named)}{more}; its arguments are: {', '.join(valid)}. "
-        "Nothing was run or charged: resend with the names corrected."
-    )
+    return f"{tool_name} has no argument {', '.join(named)}{more}; its arguments are: {', '.join(valid)}"
 
 
 def _refuse_past_the_hard_bound(value: Any) -> Any:
@@ -186,7 +191,13 @@ class _CompactArgumentErrors(FuncMetadata):
         try:
             return super().validate_arguments(arguments_to_validate)
         except ValidationError as exc:
-            raise compact_validation_error(exc, field_names(self.arg_model)) from None
+            # A required argument sent under another name (`kernels` for `candidates`) fails validation before
+            # the tool can name it (_refuse_unknown_arguments): the names it does not take are said here too.
+            tool_name = self.arg_model.__name__.removesuffix("Arguments")
+            unknown = _unknown_arguments(tool_name, arguments_to_validate, list(self.arg_model.model_fields))
+            raise compact_validation_error(
+                exc, field_names(self.arg_model), [unknown] if unknown is not None else []
+            ) from None
 
 
 def _registered(mcp: MCPServer, tool: Callable[..., Any]) -> Any:

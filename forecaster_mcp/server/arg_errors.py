@@ -157,9 +157,12 @@ def _did_you_mean(loc: Loc, msg: str, known: frozenset[str]) -> str:
     return f"{msg} (did you mean {' or '.join(repr(c) for c in close)}?)" if close else msg
 
 
-def summary(exc: ValidationError, known_fields: frozenset[str] = frozenset()) -> str:
+def summary(
+    exc: ValidationError, known_fields: frozenset[str] = frozenset(), first: Sequence[str] = ()
+) -> str:
     """The errors of `exc`, one line per (place, message), naming the list items that share it; a field not
-    taken gets the closest of `known_fields` as a suggestion. One problem comes on one line."""
+    taken gets the closest of `known_fields` as a suggestion. `first`: problems found apart from `exc` (argument
+    names the tool does not take), said before its errors. One problem comes on one line."""
     groups: dict[tuple[str, str], list[tuple[Loc, Any]]] = {}
     if exc.error_count() > MAX_ERRORS_READ:
         # Each error costs a dict of its own (with its input): a list of a million bad items took gigabytes to
@@ -171,7 +174,7 @@ def summary(exc: ValidationError, known_fields: frozenset[str] = frozenset()) ->
     for loc, msg, value in merged:
         msg = _did_you_mean(loc, msg, known_fields)
         groups.setdefault((_path(loc, any_item=True), msg), []).append((loc, value))
-    lines = []
+    lines = [f"- {problem}" for problem in first]
     for (pattern, msg), found in list(groups.items())[:MAX_LINES]:
         where = _path(found[0][0]) if len(found) == 1 else pattern
         value = found[0][1]
@@ -208,15 +211,16 @@ class ArgumentsError(ValidationError):
 
 
 def compact_validation_error(
-    exc: ValidationError, known_fields: frozenset[str] = frozenset()
+    exc: ValidationError, known_fields: frozenset[str] = frozenset(), first: Sequence[str] = ()
 ) -> ValidationError:
-    """A ValidationError whose text is `summary(exc)` (the SDK reports a ValidationError's text to the agent)."""
+    """A ValidationError whose text is `summary(exc, known_fields, first)` (the SDK reports a ValidationError's
+    text to the agent)."""
     return ArgumentsError.from_exception_data(
         exc.title,
         [
             {
                 "type": PydanticCustomError(
-                    "invalid_arguments", "{summary}", {"summary": summary(exc, known_fields)}
+                    "invalid_arguments", "{summary}", {"summary": summary(exc, known_fields, first)}
                 ),
                 "loc": (),
                 "input": "(above)",
