@@ -75,7 +75,7 @@ class CalibrationSummary(BaseModel):
     brier: float | None = Field(
         default=None,
         description="Brier score on those pairs of the probability verdicts are decided by (p_faster, with "
-        "either kernel's chance of failing counted: selective.decision_p)",
+        "either kernel's chance of failing to compile or run counted, as in confidence)",
     )
 
 

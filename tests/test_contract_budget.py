@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import math
+import pkgutil
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 from mcp import Client
 from replay_kernels import FAST, SLOW, conv
-from tool_calls import call
+from tool_calls import call, running
 
+import forecaster_mcp
 from forecaster_mcp import bins
 from forecaster_mcp.forecast.base import BinForecast, PairQuery, PartialForecast, ScriptedForecaster
 from forecaster_mcp.forecast.calibration import with_p_faster
@@ -207,3 +211,30 @@ def test_a_replay_server_without_a_gpu_says_it_measures_by_replay(tmp_path: Path
     assert all(n.startswith("measurements replay the recordings given with --replay") for n in gpu_notes), (
         notes
     )
+
+
+async def test_budget_status_description_names_what_it_answers_and_no_internal_names(
+    tmp_path: Path, conv_a100: Path
+) -> None:
+    """An agent picks a tool by its description. budget_status's said GPU-seconds, measurements, forecasts and
+    savings, not that it also answers Claude's tokens and dollar cost (`llm`), what an agent whose forecasts use
+    Claude asks for; and the published Brier score was explained by an internal function's name
+    (selective.decision_p), which no client can look up."""
+    async with running(tmp_path, [conv_a100]) as (client, _):
+        tools = {t.name: t for t in (await client.list_tools()).tools}
+    description = tools["budget_status"].description or ""
+    for part in (
+        "remaining_gpu_seconds",
+        "spent_gpu_seconds",
+        "gpu_seconds_saved",
+        "llm",
+        "cost_usd",
+        "calibration",
+    ):
+        assert part in description, part
+    published = json.dumps([t.model_dump() for t in tools.values()])
+    modules = {
+        m.name.rsplit(".", 1)[-1] for m in pkgutil.walk_packages(forecaster_mcp.__path__, "forecaster_mcp.")
+    }
+    named = {m for m in re.findall(r"\b([a-z_]+)\.[a-z_]+\b", published) if m in modules}
+    assert not named, named

@@ -477,8 +477,11 @@ def build_server(service: Service, *, http: bool = False) -> MCPServer:
             str | None, Field(description="must match this connection's ledger if given")
         ] = None,
     ) -> BudgetStatus:
-        """Your ledger: limit, spent, reserved and remaining GPU-seconds; measurements; forecasts and how many
-        were verified right; GPU-seconds saved by forecasts and cache."""
+        """Your ledger, free to ask: limit_gpu_seconds, spent_gpu_seconds, reserved_gpu_seconds (held by
+        measurements running now) and remaining_gpu_seconds; measurements (count, cache hits, failures); forecasts
+        (decided, deferred as unsure, and how many a measurement verified right); gpu_seconds_saved by forecasts
+        and cache; llm: Claude's tokens and cost_usd (zero when the server forecasts without Claude); calibration
+        (Brier score on the verified pairs); the devices this server measures on."""
         _refuse_unknown_arguments(ctx, budget_status)
         own = ledger_for(ledger)
         return await _call(lambda: service.budget_status(own))
