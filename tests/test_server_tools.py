@@ -92,6 +92,23 @@ async def test_published_schemas_carry_the_bounds_the_server_enforces(
         assert (await call(client, "budget_status", {}))["spent_gpu_seconds"] == 0
 
 
+async def test_max_measurements_without_measure_if_unsure_says_it_measured_nothing(
+    tmp_path: Path, conv_a100: Path
+) -> None:
+    """max_measurements caps measure_if_unsure, which is false unless sent: an agent that sent only
+    `max_measurements: 3` expected three measurements and got none, and the answer did not say why (an argument
+    ignored in silence, as a misspelt one was before it was refused)."""
+    async with running(tmp_path, [conv_a100]) as (client, _):
+        pair = [conv("a", FAST), conv("b", SLOW)]
+        out = await call(client, "compare_kernels", {"candidates": pair, "max_measurements": 3})
+        assert out["measurements"] == [] and out["gpu_seconds_charged"] == 0
+        (note,) = [n for n in out["notes"] if "max_measurements" in n]
+        assert "measure_if_unsure" in note and "nothing was measured" in note
+        out = await call(client, "compare_kernels", {"candidates": pair})
+        assert not [n for n in out["notes"] if "max_measurements" in n]
+        assert (await call(client, "budget_status", {}))["spent_gpu_seconds"] == 0
+
+
 async def test_compare_fills_every_contract_field(tmp_path: Path, conv_a100: Path) -> None:
     async with running(tmp_path, [conv_a100]) as (client, _):
         out = await call(client, "compare_kernels", {"candidates": [conv("a", FAST), conv("b", SLOW)]})

@@ -129,17 +129,23 @@ def _refuse_unknown_arguments(ctx: Context, tool: Callable[..., Any]) -> None:
     The SDK validates the arguments a tool declares and drops any others, so a misspelt one
     (`target_eror`, `idempotencykey`) would be ignored while the caller believes its cap or key applies.
     """
-    try:
-        params = ctx.request_context.params
-    except ValueError:  # invoked outside a request: there are no raw arguments to check
-        return
-    raw = params.get("arguments") if params else None
-    if not isinstance(raw, dict):
+    raw = _raw_arguments(ctx)
+    if raw is None:
         return
     valid = [name for name in inspect.signature(tool).parameters if name != "ctx"]
     problem = _unknown_arguments(tool.__name__, raw, valid)
     if problem is not None:
         raise ToolError(f"{problem}. Nothing was run or charged: resend with the names corrected.")
+
+
+def _raw_arguments(ctx: Context) -> dict[Any, Any] | None:
+    """The arguments as the client sent them (before validation and defaults), or None outside a request."""
+    try:
+        params = ctx.request_context.params
+    except ValueError:  # invoked outside a request: there are no raw arguments
+        return None
+    raw = params.get("arguments") if params else None
+    return raw if isinstance(raw, dict) else None
 
 
 def _unknown_arguments(tool_name: str, raw: dict[Any, Any], valid: Sequence[str]) -> str | None:
@@ -373,7 +379,7 @@ def build_server(service: Service, *, http: bool = False) -> MCPServer:
         leaves a real expected gain; measure those with measure_kernel and trust the other decided verdicts."""
         _refuse_unknown_arguments(ctx, compare_kernels)
         own = ledger_for(ledger)
-        return await _call(
+        result = await _call(
             lambda: service.compare(
                 ledger=own,
                 candidates=candidates,
@@ -386,6 +392,13 @@ def build_server(service: Service, *, http: bool = False) -> MCPServer:
                 progress=progress_of(ctx),
             )
         )
+        if not measure_if_unsure and "max_measurements" in (_raw_arguments(ctx) or {}):
+            # The cap of a measuring the caller did not ask for: one sent alone expected measurements.
+            result.notes.append(
+                f"max_measurements {max_measurements} was not used and nothing was measured: it caps "
+                "measure_if_unsure, which is false; pass measure_if_unsure=true to measure the unsure candidates"
+            )
+        return result
 
     @tool(
         title="Measure a kernel on the GPU",
