@@ -1548,3 +1548,38 @@ def test_a_triton_launch_through_getitem_is_one_of_its_launches() -> None:
     alone = triton("    add_kernel.__getitem__((triton.cdiv(n, 1024),))(x, y, out, n, BLOCK_SIZE=1024)\n")
     assert read_triton(alone) == programs((16384,))
     assert host_launch.launches_itself(Kernel(source=alone, entry="add_kernel", language="triton"))
+
+
+# A helper launching for a buffer its caller makes like the workload's (`out = cp.empty_like(x)`; `_launch(x, out)`).
+MADE_LIKE = "def _launch(x, out):\n    n = out.size\n    k(((n + 255) // 256,), (256,), (x, out, n))\n\n"
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ("    out = cp.empty_like(x)\n    _launch(x, out)\n    return out", (65536, 1, 1)),
+        ("    y = x\n    out = y.copy()\n    _launch(x, out=out)", (65536, 1, 1)),
+        # Passed on through another helper making it: x's too.
+        (
+            "    return _outer(x)\n\ndef _outer(a):\n    b = cp.zeros_like(a)\n    _launch(a, b)",
+            (65536, 1, 1),
+        ),
+        ("    out = cp.empty(32)\n    _launch(x, out)", None),
+        ("    out = cp.empty_like(x[:32])\n    _launch(x, out)", None),
+        ("    out = cp.zeros_like(x, shape=(32,))\n    _launch(x, out)", None),
+        ("    out = cp.empty_like(x)\n    out = out[:32]\n    _launch(x, out)", None),
+        ("    out = cp.empty_like(x)\n    x = x[:32]\n    _launch(x, out)", None),  # made like what x became
+        (
+            "    out = cp.empty_like(x)\n    _launch(x, out)\n    small = cp.empty(32)\n    _launch(small, small)",
+            None,
+        ),
+        ("    out = cp.empty_like(x)\n    _launch(x, out)\n\nout = cp.empty(32)\n_launch(out, out)", None),
+    ],
+)
+def test_a_helper_s_buffer_made_like_the_workload_s_has_its_shape(
+    body: str, expected: tuple[int, int, int] | None
+) -> None:
+    """`out = cp.empty_like(x); _launch(x, out)`, the helper's grid from `out.size`: unknown, where out is x's
+    shape (65,536 blocks of 256). One made otherwise, or passed something else by another call: unknown."""
+    found = read(cupy(body, MADE_LIKE))
+    assert found == SourceLaunch(expected, (256, 1, 1), 0), body

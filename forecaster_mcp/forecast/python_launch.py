@@ -21,8 +21,9 @@ each dimension works out to a whole number from:
   module constant bound once and nowhere else; not of the entry itself, a dunder method or `forward`, a function
   decorated, named in a string (`getattr`), taking `*args` / `**kwargs`, calling itself, or called unpacking
   its arguments: `_Callers._agreed`; one the function sets itself, `n //= 2`, is none of these; nor the
-  workload's where a call passes it another value, `f(cp.zeros(32))`: `_Callers.forwarded`), and a buffer
-  argument's `x.size`, `x.numel()`, `len(x)`, `x.shape[i]`, `x.size(i)`;
+  workload's where a call passes it another value, `f(cp.zeros(32))`: `_Callers.forwarded`; a buffer every
+  call passes one made like the workload's has its shape, `out = cp.empty_like(x); f(x, out)`:
+  `_Callers.shaped_like`), and a buffer argument's `x.size`, `x.numel()`, `len(x)`, `x.shape[i]`, `x.size(i)`;
 - `+ - * // % << >>`, `min`, `max`, `int(...)`, `math.ceil(a / b)`, and `cdiv` / `triton.cdiv`.
 
 An array made like another (`out = torch.empty_like(x)`, `x.clone()`) has that one's shape. Anything else (a name
@@ -110,6 +111,9 @@ class _Scope:
         # A function's parameters some call in the module passes other than as the workload's of that name (`f(x)`
         # from the entry, `x` the entry's own): not the workload's (`_Callers.forwarded`).
         self.passed: frozenset[str] = frozenset()
+        # Those of them a buffer made like the workload's of another name is passed (`out = cp.empty_like(x);
+        # f(x, out)`: f's out is x's shape), by that name (`_Callers.shaped_like`).
+        self.like: dict[str, str] = {}
         self.functions: dict[
             str, list[ast.FunctionDef | ast.AsyncFunctionDef]
         ] = {}  # Triton's `def grid(meta)`
@@ -350,8 +354,10 @@ class _Evaluator:
             if scope is None or (name in scope.params and not scope.sets(name)):
                 if scope is not None and (scope.unseen_callers or name in scope.passed):
                     # `f = lambda x: k(...); f(cp.zeros(1024))`, `def f(x)` called `f(cp.zeros(32))`: not the
-                    # workload's x
-                    raise _Unknown
+                    # workload's x; `out = cp.empty_like(x); f(x, out)`: f's out is the workload's x's shape
+                    if scope.unseen_callers or name not in scope.like:
+                        raise _Unknown
+                    name = scope.like[name]
                 shape = self.names.shape(name)
                 if shape is None:
                     raise _Unknown
@@ -843,6 +849,7 @@ class _Callers:
                     self.escaped.update(("__call__", "forward"))
         self._binders = _call_binders(read.tree)
         self._forwarded: dict[tuple[int, str], bool] = {}
+        self._shaped: dict[tuple[int, str], str | None] = {}
         for node in nodes:
             if not isinstance(node, ast.Call):
                 continue
@@ -945,6 +952,74 @@ class _Callers:
             binder = binder.outer
         return False
 
+    def shaped_like(
+        self,
+        node: ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda,
+        param: str,
+        method: bool,
+        entry: str | None,
+        depth: int = 0,
+    ) -> str | None:
+        """The workload's buffer `node`'s parameter `param` has the shape of, as far as the module's calls say: its
+        own name's where it is the workload's (`forwarded`); else the one every call passes a name made like
+        (`out = cp.empty_like(x); _launch(x, out)`, x the entry's: x's). None where a call passes anything else
+        (`cp.empty(32)`, `cp.empty_like(x[:32])`, a name bound twice or otherwise), or calls disagree."""
+        if self.forwarded(node, param, method, entry, depth):
+            return param
+        if isinstance(node, ast.Lambda):
+            return None
+        calls = self.calls.get(node.name, [])
+        if not calls or node.name in self.escaped or len(calls) > _MAX_CALLS or depth >= MAX_DEPTH:
+            return None
+        key = (id(node), param)
+        if key in self._shaped:
+            return self._shaped[key]
+        self._shaped[key] = None  # passed on to itself: none of its own
+        a = node.args
+        positional = [p.arg for p in [*a.posonlyargs, *a.args]]
+        index = positional.index(param) if param in positional else None
+        if index is None and param not in (p.arg for p in a.kwonlyargs):
+            return None  # `*args`, `**kwargs`
+        found: set[str | None] = set()
+        for call, bound in calls:
+            if any(isinstance(arg, ast.Starred) for arg in call.args) or any(
+                k.arg is None for k in call.keywords
+            ):
+                return None
+            passed = _argument(call, index, param, method and bound)
+            found.add(
+                self._shaped_at(call, passed.id, entry, depth) if isinstance(passed, ast.Name) else None
+            )
+            if None in found or len(found) > 1:
+                return None
+        like = found.pop() if found else None
+        self._shaped[key] = like
+        return like
+
+    def _shaped_at(self, call: ast.Call, name: str, entry: str | None, depth: int) -> str | None:
+        """The workload's buffer the name `name` `call` passes has the shape of: its own where no scope around the
+        call binds it, the one its function's parameter of that name has (`shaped_like`), or, one the scope binds
+        once to an array made like another (`_made_like`), that one's."""
+        binder = self._binders.get(id(call))
+        if binder is None:
+            return None  # a call not placed (a decorator's, a default's)
+        for _ in range(_MAX_NESTING):
+            if binder is None:
+                return name
+            if name in binder.binds:
+                name_ = _made_like(binder.values.get(name))
+                if name_ is None:
+                    return None
+                name = name_  # read where the scope binds it: from this scope out
+                continue
+            if name in binder.params:
+                function = binder.function
+                if function is None:
+                    return None
+                return self.shaped_like(function, name, binder.method, entry, depth + 1)
+            binder = binder.outer
+        return None
+
     def _agreed(
         self,
         node: ast.FunctionDef | ast.AsyncFunctionDef,
@@ -1028,6 +1103,8 @@ class _Binder:
         self.function = function
         self.params = params
         self.binds = binds
+        # The names it binds once, by `name = value` alone (`out = torch.empty_like(x)`): that value.
+        self.values: dict[str, ast.expr] = {}
         self.method = method
         self.outer = outer
         # The scope a function defined here sees around it: a class body's names are not seen from its methods.
@@ -1050,14 +1127,23 @@ def _call_binders(module: ast.Module) -> dict[int, _Binder]:
     while pending:
         body, function, method, in_class, outer = pending.pop()
         own = list(_own_nodes(body))
-        binds: set[str] = set()
+        counted: dict[str, int] = {}
+        values: dict[str, ast.expr] = {}
         for node in own:
             if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
-                binds.add(node.id)
+                counted[node.id] = counted.get(node.id, 0) + 1
             elif isinstance(node, features.BINDERS):
-                binds.update(features.bindings(node))
+                for name in features.bindings(node):
+                    counted[name] = counted.get(name, 0) + 1
+            if (
+                isinstance(node, ast.Assign)
+                and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name)
+            ):
+                values[node.targets[0].id] = node.value
         params = _parameters(function.args) if function is not None else frozenset()
-        binder = _Binder(function, params, frozenset(binds), method, outer, in_class)
+        binder = _Binder(function, params, frozenset(counted), method, outer, in_class)
+        binder.values = {name: value for name, value in values.items() if counted[name] == 1}
         for node in own:
             if isinstance(node, ast.Call):
                 out[id(node)] = binder
@@ -1158,6 +1244,10 @@ def _calls(
                     inner.passed = frozenset(
                         p for p in inner.params if not callers.forwarded(node, p, in_class, entry)
                     )
+                    for p in inner.passed:
+                        like = callers.shaped_like(node, p, in_class, entry)
+                        if like is not None:
+                            inner.like[p] = like
                 yield from visit(inner.visited, inner, owner, False)
             elif isinstance(node, ast.Lambda):
                 # `do_bench(lambda: kernel[grid](...))`: a launch like any other, its parameters its callers' (no
