@@ -1583,3 +1583,111 @@ def test_a_helper_s_buffer_made_like_the_workload_s_has_its_shape(
     shape (65,536 blocks of 256). One made otherwise, or passed something else by another call: unknown."""
     found = read(cupy(body, MADE_LIKE))
     assert found == SourceLaunch(expected, (256, 1, 1), 0), body
+
+
+# Triton's vector-add tutorial as published: a self-test and a benchmark at the module's top level, unguarded.
+VECTOR_ADD_TUTORIAL = """import torch
+import triton
+import triton.language as tl
+
+DEVICE = triton.runtime.driver.active.get_active_torch_device()
+
+
+@triton.jit
+def add_kernel(x_ptr, y_ptr, output_ptr, n_elements, BLOCK_SIZE: tl.constexpr):
+    pid = tl.program_id(axis=0)
+    block_start = pid * BLOCK_SIZE
+    offsets = block_start + tl.arange(0, BLOCK_SIZE)
+    mask = offsets < n_elements
+    x = tl.load(x_ptr + offsets, mask=mask)
+    y = tl.load(y_ptr + offsets, mask=mask)
+    output = x + y
+    tl.store(output_ptr + offsets, output, mask=mask)
+
+
+def add(x: torch.Tensor, y: torch.Tensor):
+    output = torch.empty_like(x)
+    assert x.device == DEVICE and y.device == DEVICE and output.device == DEVICE
+    n_elements = output.numel()
+    grid = lambda meta: (triton.cdiv(n_elements, meta['BLOCK_SIZE']), )
+    add_kernel[grid](x, y, output, n_elements, BLOCK_SIZE=1024)
+    return output
+
+
+torch.manual_seed(0)
+size = 98432
+x = torch.rand(size, device=DEVICE)
+y = torch.rand(size, device=DEVICE)
+output_torch = x + y
+output_triton = add(x, y)
+print(output_torch)
+print(output_triton)
+print(f'The maximum difference between torch and triton is '
+      f'{torch.max(torch.abs(output_torch - output_triton))}')
+
+
+@triton.testing.perf_report(
+    triton.testing.Benchmark(
+        x_names=['size'],
+        x_vals=[2**i for i in range(12, 28, 1)],
+        x_log=True,
+        line_arg='provider',
+        line_vals=['triton', 'torch'],
+        line_names=['Triton', 'Torch'],
+        styles=[('blue', '-'), ('green', '-')],
+        ylabel='GB/s',
+        plot_name='vector-add-performance',
+        args={},
+    ))
+def benchmark(size, provider):
+    x = torch.rand(size, device=DEVICE, dtype=torch.float32)
+    y = torch.rand(size, device=DEVICE, dtype=torch.float32)
+    quantiles = [0.5, 0.2, 0.8]
+    if provider == 'torch':
+        ms, min_ms, max_ms = triton.testing.do_bench(lambda: x + y, quantiles=quantiles)
+    if provider == 'triton':
+        ms, min_ms, max_ms = triton.testing.do_bench(lambda: add(x, y), quantiles=quantiles)
+    gbps = lambda ms: 3 * x.numel() * x.element_size() * 1e-9 / (ms * 1e-3)
+    return gbps(ms), gbps(max_ms), gbps(min_ms)
+
+
+benchmark.run(print_data=True, show_plots=True)
+"""
+
+
+@pytest.mark.parametrize("language", ["triton", "python"])
+def test_the_triton_tutorial_s_kernel_is_read_at_the_workload_s_size(language: Language) -> None:
+    """The kernel sent as the entry, its wrapper `add(x, y)` called by the tutorial's own self-test and benchmark
+    with tensors they make: the harness runs the kernel, at the workload's sizes, so those calls are not its; read
+    as with the wrapper sent as the entry (2^24 elements, 16,384 programs), not unknown."""
+    unguarded = VECTOR_ADD_TUTORIAL
+    head, test = unguarded.split("torch.manual_seed(0)\n")
+    test, bench = test.split("\n\n\n@triton.testing")
+    indented = "".join(f"    {line}\n" for line in ["torch.manual_seed(0)", *test.splitlines()])
+    guarded = f"{head}if __name__ == '__main__':\n{indented}\n\n@triton.testing{bench}"
+    for source in (unguarded, guarded):
+        assert read_triton(source, language) == programs((16384,))
+        assert source_launch(Kernel(source=source, entry="add", language=language), WL) == programs((16384,))
+
+
+LAUNCHING_ADD = (
+    "def _add(x, y):\n    out = torch.empty_like(x)\n    n = out.numel()\n"
+    "    add_kernel[(triton.cdiv(n, 1024),)](x, y, out, n, BLOCK_SIZE=1024)\n    return out\n"
+)
+
+
+@pytest.mark.parametrize(
+    "wrapper",
+    [
+        # Launched by a helper the wrapper passes a slice, or a tensor of its own: 32 elements, not the workload's.
+        f"def add(x, y):\n    return _add(x[:32], y)\n\n{LAUNCHING_ADD}",
+        f"def add(x, y):\n    return _add(torch.rand(32), y)\n\n{LAUNCHING_ADD}",
+    ],
+)
+def test_a_triton_kernel_s_launcher_passed_another_tensor_by_its_wrapper_is_unknown(
+    wrapper: str,
+) -> None:
+    """A Triton kernel entry's launcher is read at the workload's sizes where only the module's test code calls
+    it; a wrapper passing it something else is part of the launch."""
+    source = f"{TRITON_HEAD}\n@triton.jit\n{ADD_KERNEL}{wrapper}\nx = torch.rand(98432)\nadd(x, x)\n"
+    assert read_triton(source) == programs(None)

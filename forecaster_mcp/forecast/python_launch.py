@@ -23,7 +23,9 @@ each dimension works out to a whole number from:
   its arguments: `_Callers._agreed`; one the function sets itself, `n //= 2`, is none of these; nor the
   workload's where a call passes it another value, `f(cp.zeros(32))`: `_Callers.forwarded`; a buffer every
   call passes one made like the workload's has its shape, `out = cp.empty_like(x); f(x, out)`:
-  `_Callers.shaped_like`), and a buffer argument's `x.size`, `x.numel()`, `len(x)`, `x.shape[i]`, `x.size(i)`;
+  `_Callers.shaped_like`; of a Triton kernel entry, its module's own test code, a self-test or a benchmark,
+  passes no such other value: `_Callers._tested`), and a buffer argument's `x.size`, `x.numel()`, `len(x)`,
+  `x.shape[i]`, `x.size(i)`;
 - `+ - * // % << >>`, `min`, `max`, `int(...)`, `math.ceil(a / b)`, and `cdiv` / `triton.cdiv`.
 
 An array made like another (`out = torch.empty_like(x)`, `x.clone()`) has that one's shape. Anything else (a name
@@ -773,8 +775,11 @@ class _Callers:
     as its `__call__` and `forward`), each with whether a method's `self` is bound before the call's own
     arguments (a call through an attribute, `self.launch(x)`, or of an instance). Read once a module."""
 
-    def __init__(self, read: _Module) -> None:
+    def __init__(self, read: _Module, kernel_entry: bool = False) -> None:
         self.calls: dict[str, list[tuple[ast.Call, bool]]] = {}
+        # The entry is a Triton kernel: the harness launches it and calls none of the module's functions, so calls
+        # made by the module's own test code (`_tested`) pass none of its arguments.
+        self.kernel_entry = kernel_entry
         nodes = [node for node, _ in read.nodes]
         classes = {n.name for n in nodes if isinstance(n, ast.ClassDef)}
         # Those whose instances may be called: a `__call__` or `forward` of its own, or a base's.
@@ -905,7 +910,7 @@ class _Callers:
         name = node.name
         if _called_from_outside(name, entry):
             return True
-        calls = self.calls.get(name, [])
+        calls = self._counted(name)
         if not calls:
             return True
         if name in self.escaped or len(calls) > _MAX_CALLS or depth >= MAX_DEPTH:
@@ -929,6 +934,37 @@ class _Callers:
                 return False
         self._forwarded[key] = True
         return True
+
+    def _counted(self, name: str) -> list[tuple[ast.Call, bool]]:
+        """The calls of `name` that say what its parameters are: all of them, but a Triton kernel entry's module's
+        test code's (`_tested`)."""
+        calls = self.calls.get(name, [])
+        return [c for c in calls if not self._tested(c[0])] if self.kernel_entry else calls
+
+    def _tested(self, call: ast.Call) -> bool:
+        """Whether `call` is made by the module's own test code: at its top level (a self-test, guarded by
+        `__name__ == "__main__"` or not), or in a module-level function (a lambda in it too) no call of its name is
+        made to and not used otherwise (`@triton.testing.perf_report def benchmark(...)`, run as
+        `benchmark.run()`). Not in a class, a method, a nested function, or a function called by name (`main()`:
+        it may be a wrapper passing its own arguments on: `add(x)` calling `_add(x[:32])`)."""
+        binder = self._binders.get(id(call))
+        while binder is not None and isinstance(binder.function, ast.Lambda):
+            binder = binder.outer
+        if binder is None:
+            return False
+        function = binder.function
+        if function is None:
+            return binder.outer is None  # the module's own statements, not a class body's
+        module = binder.outer
+        return (
+            isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef)
+            and not binder.method
+            and module is not None
+            and module.function is None
+            and module.outer is None
+            and function.name not in self.calls
+            and function.name not in self.escaped
+        )
 
     def _forwarded_at(self, call: ast.Call, name: str, param: str, entry: str | None, depth: int) -> bool:
         """Whether the name `name` `call` passes its callee's `param` is the workload's `param`: a name no scope
@@ -968,7 +1004,7 @@ class _Callers:
             return param
         if isinstance(node, ast.Lambda):
             return None
-        calls = self.calls.get(node.name, [])
+        calls = self._counted(node.name)
         if not calls or node.name in self.escaped or len(calls) > _MAX_CALLS or depth >= MAX_DEPTH:
             return None
         key = (id(node), param)
@@ -1218,12 +1254,13 @@ def _passes(call: ast.Call, index: int | None, name: str, bound: bool) -> bool:
 
 
 def _calls(
-    read: _Module, defaults: bool = True, entry: str | None = None
+    read: _Module, defaults: bool = True, entry: str | None = None, kernel_entry: bool = False
 ) -> Iterator[tuple[ast.Call, _Scope, int]]:
     """Each call in the module's functions, lambdas and classes, with the scope it is made in and the class it is
     made in (its id; 0 outside any). Without `defaults`, no scope has its `defaults` read (the
     module's calls, `_Callers`): only a value needs them, not whether a call is made. `entry`: the name the
-    harness calls, whose parameters no call in the module gives a constant (`_Callers.defaults`)."""
+    harness calls, whose parameters no call in the module gives a constant (`_Callers.defaults`); `kernel_entry`:
+    it is a Triton kernel, whose module's test code's calls say nothing of the workload (`_Callers._tested`)."""
     top = read.top
     callers: _Callers | None = None
 
@@ -1235,7 +1272,7 @@ def _calls(
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 inner = _Scope(node.body, _parameters(node.args), scope, top.declared)
                 if defaults and inner.params:
-                    callers = _Callers(read) if callers is None else callers
+                    callers = _Callers(read, kernel_entry) if callers is None else callers
                     inner.defaults = {
                         name: (default, scope)
                         for name, default in callers.defaults(node, in_class, entry).items()
@@ -1683,7 +1720,7 @@ def _triton_sites(
     is bound to the kernel alone; one bound to it and to something else may be. `defaults`, `entry`: `_calls`'."""
     top = read.top
     names, _ = _kernel_names(read, kernel)
-    for call, scope, _ in _calls(read, defaults, entry):
+    for call, scope, _ in _calls(read, defaults, entry, kernel_entry=entry == kernel):
         func = call.func
         # `kernel[grid](...)`, or the JITFunction.run it calls: `kernel.run(..., grid=grid, warmup=False)`
         run = isinstance(func, ast.Attribute) and func.attr == "run"
