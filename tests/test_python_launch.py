@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -1691,3 +1692,38 @@ def test_a_triton_kernel_s_launcher_passed_another_tensor_by_its_wrapper_is_unkn
     it; a wrapper passing it something else is part of the launch."""
     source = f"{TRITON_HEAD}\n@triton.jit\n{ADD_KERNEL}{wrapper}\nx = torch.rand(98432)\nadd(x, x)\n"
     assert read_triton(source) == programs(None)
+
+
+@pytest.mark.parametrize(
+    ("source", "reader", "expected"),
+    [
+        (
+            cupy(
+                "    k((x.size // 256,), (256,), (x, N))\n"
+                "    f = lambda x: k(((x.size + 255) // 256,), (256,), (x, x.size))"
+            ),
+            read,
+            SourceLaunch((65536, 1, 1), (256, 1, 1), 0),
+        ),
+        (
+            triton(TUTORIAL + "    warm = lambda: add_kernel[(1,)](x, y, out, 16, BLOCK_SIZE=16)\n"),
+            read_triton,
+            programs((16384,)),
+        ),
+    ],
+)
+def test_a_lambda_never_used_launches_nothing(
+    source: str, reader: Callable[[str], SourceLaunch | None], expected: SourceLaunch
+) -> None:
+    """A launch in a lambda bound to a name nothing uses never runs: it was read as one of the kernel's launches,
+    unknown, and left the whole grid unknown. One called, passed on, or named elsewhere still counts."""
+    assert reader(source) == expected
+    name = "f" if "f = lambda" in source else "warm"
+    indent = "    "
+    for use in (f"{name}()", f"{name}(x)", f"timeit({name})", f"eval('{name}(x)')"):
+        used = (
+            source.replace("    return out\n", f"{indent}{use}\n    return out\n")
+            if reader is read_triton
+            else (source + f"{indent}{use}\n")
+        )
+        assert reader(used) != expected, use

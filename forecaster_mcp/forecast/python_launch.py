@@ -41,7 +41,9 @@ module constant) for those the launch leaves out; num_warps the launch's, else 4
 decorator, `**kwargs`, or num_ctas other than 1 (clusters: more blocks than programs) leaves it unknown. Its shared
 memory is the compiler's choice: unknown. A launch through another name for it (`k = kernel; k[grid](...)`) is one
 of its launches; one held otherwise (`self.k = kernel`, `launch(kernel, x)`, a table) may be launched anywhere: its
-launch unknown. A launch in a lambda (`do_bench(lambda: kernel[grid](...))`) is one like any other.
+launch unknown. A launch in a lambda (`do_bench(lambda: kernel[grid](...))`) is one like any other, of a Triton or
+any other kernel; not in one bound to a name nothing else names (`warm = lambda: k(...)`, never called:
+`_Module.unused_lambdas`).
 """
 
 from __future__ import annotations
@@ -705,6 +707,7 @@ class _Module:
     def __init__(self, module: ast.Module) -> None:
         self.tree = module
         self.kernel_names: dict[str, tuple[frozenset[str], bool]] = {}  # `_kernel_names`, by kernel
+        self._unused: set[int] | None = None  # `unused_lambdas`
         # In ast.walk's order (breadth first), the class each is in carried along.
         self.nodes: list[tuple[ast.AST, int]] = []
         # The functions saying `global` (theirs, not one inside them), and the names a class body declares so.
@@ -741,6 +744,55 @@ class _Module:
                 top.assigned.setdefault(name, []).extend(
                     v if _bound_kernel(v) is not None or _is_none(v) else None for v in values
                 )
+
+    def unused_lambdas(self) -> set[int]:
+        """The lambdas (their ids) bound by `name = lambda ...` in a function or the module, not a class body, to a
+        name nothing else in the module names: no other use of the name (a call, passed on, `del`, `global`),
+        attribute of it (`self.name`) or string of it (`getattr(m, "name")`), and no `eval`, `exec`, `locals`,
+        `globals` or `vars` anywhere. Never called, they launch nothing. Read once a module."""
+        if self._unused is not None:
+            return self._unused
+        in_classes = {
+            id(statement)
+            for node, _ in self.nodes
+            if isinstance(node, ast.ClassDef)
+            for statement in node.body
+        }
+        bound: dict[str, list[ast.Lambda]] = {}
+        named: dict[str, int] = {}
+        for node, _ in self.nodes:
+            if (
+                isinstance(node, ast.Assign)
+                and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name)
+                and isinstance(node.value, ast.Lambda)
+                and id(node) not in in_classes
+            ):
+                bound.setdefault(node.targets[0].id, []).append(node.value)
+            name = (
+                node.id
+                if isinstance(node, ast.Name)
+                else node.attr
+                if isinstance(node, ast.Attribute)
+                else node.value
+                if isinstance(node, ast.Constant) and isinstance(node.value, str)
+                else None
+            )
+            if name is not None:
+                named[name] = named.get(name, 0) + 1
+            elif isinstance(node, ast.Global | ast.Nonlocal):
+                for declared in node.names:
+                    named[declared] = named.get(declared, 0) + 2
+        if any(named.get(dynamic) for dynamic in ("eval", "exec", "locals", "globals", "vars")):
+            self._unused = set()
+        else:
+            self._unused = {
+                id(value)
+                for name, values in bound.items()
+                if named.get(name, 0) == len(values)  # the binding targets alone
+                for value in values
+            }
+        return self._unused
 
 
 def _parameters(a: ast.arguments) -> frozenset[str]:
@@ -1287,6 +1339,8 @@ def _calls(
                             inner.like[p] = like
                 yield from visit(inner.visited, inner, owner, False)
             elif isinstance(node, ast.Lambda):
+                if id(node) in read.unused_lambdas():
+                    continue  # `f = lambda n: k(...)`, f never named again: never called
                 # `do_bench(lambda: kernel[grid](...))`: a launch like any other, its parameters its callers' (no
                 # default of them read, nor the workload's of their names: who calls it, with what, is not seen).
                 inner = _Scope([ast.Return(node.body)], _parameters(node.args), scope, top.declared)
