@@ -899,8 +899,12 @@ class DeviceProvenance(BaseModel):
 
 class MeasureCost(BaseModel):
     gpu_seconds: float = Field(description="GPU-seconds charged to the ledger by this call")
-    compile_seconds: float = 0.0
-    cached: bool = False
+    compile_seconds: float = Field(
+        default=0.0, description="seconds spent compiling, recorded apart and not charged to the ledger"
+    )
+    cached: bool = Field(
+        default=False, description="answered from an earlier measurement: nothing was charged"
+    )
     max_seconds: float | None = Field(
         default=None,
         description="the cap on GPU-seconds the measurement ran under (a cached copy: the original's)",
@@ -953,7 +957,10 @@ class CandidateForecast(BaseModel):
         description="faster / slower than the baseline, or unsure; for a measured pair (decided_by measurement "
         "or cache) unsure means the speedup's 95% interval includes 1"
     )
-    decided_by: DecidedBy
+    decided_by: DecidedBy = Field(
+        description="what settled the verdict: forecast (no GPU used), measurement (both kernels measured in "
+        "this call) or cache (both measured before, free)"
+    )
     rationale: str
     confidence: float = Field(
         description=(
@@ -962,7 +969,11 @@ class CandidateForecast(BaseModel):
             "compared with; max(p_faster, 1 - p_faster) when neither may fail"
         )
     )
-    measured_speedup: float | None = None
+    measured_speedup: float | None = Field(
+        default=None,
+        description="t(baseline) / t(candidate) as measured, where both kernels ran (decided_by "
+        "measurement or cache); None otherwise",
+    )
 
 
 class ForecasterInfo(BaseModel):
@@ -981,7 +992,10 @@ class CompareResult(BaseModel):
 
     baseline: str
     hardware: str
-    hardware_known: bool
+    hardware_known: bool = Field(
+        description="whether the GPU is in the specification table (gpu-specs resource); false: forecast "
+        "without hardware-specific features, see notes"
+    )
     candidates: list[CandidateForecast]
     ranking: list[str] = Field(
         description="all ids, fastest first (by expected speedup; a kernel measured failing, or more likely "
@@ -989,8 +1003,9 @@ class CompareResult(BaseModel):
         "measure next in a search, use measure_next (measuring ranking's head every time gets stuck)"
     )
     measure_next: list[str] = Field(
-        description="ids worth measuring, most valuable first (the chance and size of beating the best "
-        "kernel of their family measured so far, or the baseline when that is faster or nothing is measured): "
+        description="ids worth measuring, most valuable first (the chance and size of beating the fastest "
+        "kernel measured so far among this call's families, the baseline's included; with nothing measured, the "
+        "baseline): "
         "unsure and faster candidates, and slower ones whose wide forecast still leaves a real expected gain; "
         "while the baseline's tuning family has fewer than 10 measurements, its configurations come in a "
         "random order (a random start: too few points to rank by)"
