@@ -1962,6 +1962,51 @@ async def test_a_stopped_batch_that_does_not_end_in_time_is_logged_as_billed_but
     assert "billed but not recorded" in caplog.text and batch.id in caplog.text
 
 
+@pytest.mark.anyio
+async def test_a_stopped_batch_evaluation_against_a_stalled_api_is_out_within_seconds_and_names_the_cancels_unconfirmed(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Ctrl-C during `eval --batch` against a stalled API: each batch's cancel was sent in turn, shielded, with the
+    SDK's default timeout (120 s) and retries: minutes per batch before a second Ctrl-C got out (here, with a
+    transport that never times out, forever). The cancels now go together, each once (no retries) with a short
+    timeout, under one short wait, and the log names the batches whose cancel was not confirmed."""
+    monkeypatch.setattr(claude_module, "_BATCH_MAX_REQUESTS", 1)  # one batch per request
+    monkeypatch.setattr(claude_module, "CANCEL_WAIT_S", 0.5)
+    mock = AnthropicMock(lambda body: tool_answer(FASTER), batch_never_ends=True)
+    cancels: list[tuple[str, dict[str, Any]]] = []
+
+    async def handle(request: httpx2.Request) -> httpx2.Response:
+        if request.url.path.endswith("/cancel"):
+            batch_id = request.url.path.split("/")[-2]
+            cancels.append((batch_id, dict(request.extensions.get("timeout") or {})))
+            if batch_id == next(iter(mock.batches)):
+                await asyncio.sleep(40)  # the first cancel stalls (a transport that never times out)
+            return error(503, "overloaded_error", "mock: overloaded")  # the others fail
+        return mock.handle(request)
+
+    client = httpx2.AsyncClient(transport=httpx2.MockTransport(handle))
+    f = ClaudeForecaster("test-key", MODEL, samples=1, features=None, http_client=client)
+    started = time.monotonic()
+    with anyio.CancelScope() as interrupt:
+
+        async def sleep(seconds: float) -> None:  # the user interrupts during the first wait
+            interrupt.cancel()
+            await anyio.lowlevel.checkpoint()
+
+        f._sleep = sleep
+        with caplog.at_level(logging.WARNING, logger="forecaster_mcp.forecast.claude"):
+            await f.forecast_batch(pairs(3))
+    assert interrupt.cancelled_caught
+    assert time.monotonic() - started < 20
+    ids = list(mock.batches)
+    assert sorted(b for b, _ in cancels) == sorted(
+        ids
+    )  # each sent once, the stalled one not holding the rest
+    assert all(0 < max(t.values()) <= claude_module.CANCEL_WAIT_S for _, t in cancels)
+    [unconfirmed] = [r.getMessage() for r in caplog.records if "not confirmed" in r.getMessage()]
+    assert all(b in unconfirmed for b in ids) and "billed" in unconfirmed
+
+
 # ---------------------------------------------------------------- guards
 
 

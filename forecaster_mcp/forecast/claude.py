@@ -22,8 +22,9 @@ How one pair is forecast:
   draw of the same prompt);
 - a request already sent when its call stops waiting (the time limit) is not cancelled (the API bills it all
   the same): it finishes in the background, its usage is recorded and its answer kept for the pair's next call;
-- batches stopped midway (Ctrl-C, a failed creation, an API error) are cancelled, then what they had finished
-  (billed all the same) is read for a few seconds: its usage recorded and its answers kept for a rerun;
+- batches stopped midway (Ctrl-C, a failed creation, an API error) are cancelled (together, within a few seconds;
+  a cancel not confirmed is logged), then what they had finished (billed all the same) is read for a few seconds:
+  its usage recorded and its answers kept for a rerun;
 - a call for a pair another call is asking for at that moment (parallel compares, a client's retry) waits for that
   pair's answers (within its own limit; until the pair has all its samples or the other call ends, not for the
   other call's other pairs) instead of paying for its own, its other pairs sent meanwhile; stopped while waiting (the
@@ -87,6 +88,9 @@ _RESULTS_READS = 3  # attempts at one ended batch's results download (_read_resu
 # How long a stop (Ctrl-C, a failed batch creation, an API error) waits, after cancelling its batches, to read what
 # they had finished: those requests are billed, and read they are recorded and kept (a rerun does not pay again).
 _STOP_READ_WAIT_S = 10.0
+# How long a stop waits for its batches' cancels, sent together, each once (no SDK retries) and with this timeout:
+# a stalled API held a Ctrl-C minutes per batch (the SDK's 120 s timeout and its retries, one batch after another).
+CANCEL_WAIT_S = 5.0
 # Message Batches limits: 100,000 requests and 256 MB per batch; stay well under both.
 _BATCH_MAX_REQUESTS = 10_000
 _BATCH_MAX_BYTES = 100 * 2**20
@@ -1378,16 +1382,17 @@ class ClaudeForecaster:
     async def _stop_batches(self, batch_ids: list[str], outcomes: dict[str, Any]) -> None:
         """Cancel the batches, then read what each had finished into `outcomes`: the API bills those requests, and
         unread their tokens go unrecorded and their answers are asked (and paid) again by a rerun. Shielded (a
-        Ctrl-C stops here too) and bounded: a batch that has not ended (its results are readable only then), or
-        whose results are not read, within _STOP_READ_WAIT_S is logged as billed but not recorded."""
+        Ctrl-C stops here too) and bounded: the cancels take CANCEL_WAIT_S at most (_cancel_batches), a batch whose
+        cancel was not confirmed (nor seen ended) is logged as possibly billed in full; a batch that has not ended
+        (its results are readable only then), or whose results are not read, within _STOP_READ_WAIT_S is logged as
+        billed but not recorded."""
         import httpx2
 
         if not batch_ids:
             return
         unread = list(batch_ids)
         with anyio.CancelScope(shield=True):
-            for batch_id in batch_ids:
-                await self._cancel_batch(batch_id)
+            unconfirmed = await self._cancel_batches(batch_ids)
             interval = min(self._batch_poll_interval_s, _STOP_READ_WAIT_S / (_CANCEL_POLLS + 1))
             with anyio.move_on_after(_STOP_READ_WAIT_S):
                 for batch_id in batch_ids:
@@ -1395,14 +1400,45 @@ class ClaudeForecaster:
                         ended = await self._ended_after_cancel(batch_id, interval)
                         if ended is None:
                             continue  # not ended yet: its results cannot be read
+                        unconfirmed.discard(batch_id)  # ended: it bills nothing more
                         # Any request finished is billed: its results are worth reading.
                         if ended.request_counts.succeeded or ended.request_counts.errored:
                             await self._read_results(batch_id, outcomes)
                         unread.remove(batch_id)
                     except (self._anthropic.APIError, httpx2.TransportError) as exc:
                         log.warning("could not read what cancelled batch %s finished: %s", batch_id, exc)
+        if unconfirmed:
+            log.warning(
+                "the cancel of Claude batch(es) %s was not confirmed within %g s: they may run on (up to 24 h) and "
+                "be billed in full; cancel them in the Anthropic Console",
+                ", ".join(b for b in batch_ids if b in unconfirmed),
+                CANCEL_WAIT_S,
+            )
         if unread:
             _log_unread(unread)
+
+    async def _cancel_batches(self, batch_ids: Sequence[str]) -> set[str]:
+        """Cancel the batches together, each request sent once (no SDK retries) with a CANCEL_WAIT_S timeout, all
+        given up after CANCEL_WAIT_S (the transport's timeout bounds each wait on it, not a whole request); the
+        batches whose cancel was not confirmed."""
+        import httpx2
+
+        canceller = self._client.with_options(max_retries=0, timeout=CANCEL_WAIT_S)
+        unconfirmed = set(batch_ids)
+
+        async def cancel(batch_id: str) -> None:
+            try:
+                await canceller.messages.batches.cancel(batch_id)
+            except (self._anthropic.APIError, httpx2.TransportError) as exc:
+                log.info("could not cancel batch %s: %s", batch_id, exc)
+            else:
+                unconfirmed.discard(batch_id)
+
+        with anyio.move_on_after(CANCEL_WAIT_S):
+            async with anyio.create_task_group() as tg:
+                for batch_id in batch_ids:
+                    tg.start_soon(cancel, batch_id)
+        return unconfirmed
 
     async def _ended_after_cancel(self, batch_id: str, interval: float) -> Any | None:
         """A cancelled batch once it has ended (its results are then readable); None when it has not ended within
