@@ -1758,6 +1758,24 @@ async def test_an_answer_kept_after_a_line_cut_short_is_read_by_the_next_process
 
 
 @pytest.mark.anyio
+async def test_answers_reused_counts_only_answers_paid_for_before_this_process(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """eval's rerun note ("N answers kept by an earlier run were reused, not asked or paid for again") counted this
+    run's own answers once read back from the folder (a pair asked again after more pairs than memory keeps), and an
+    earlier run's answer each time it was read back: it said answers were free that this run had paid for."""
+    monkeypatch.setattr(claude_module, "_ANSWERS_KEPT", 1)  # memory keeps one pair: the others are read back
+    mock = AnthropicMock(lambda body: tool_answer(FASTER))
+    a, b, c = pairs(3)
+    await make(mock, cache_dir=tmp_path).forecast([a])  # an earlier run paid for pair a
+    f = make(mock, cache_dir=tmp_path)
+    for q in (a, b, a, c, b):
+        await f.forecast([q])
+    assert f.usage_total.requests == 2  # b and c, each once
+    assert f.answers_reused == 1  # a's one sample, paid for by the earlier run
+
+
+@pytest.mark.anyio
 async def test_a_batch_result_the_sdk_cannot_make_sense_of_drops_that_sample_only() -> None:
     """Like a live sample: one paid answer that is not a message block (here a bare number) costs its own
     sample, not the whole batch's answers (it raised out of forecast_batch and Claude was skipped)."""

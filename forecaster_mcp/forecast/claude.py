@@ -705,7 +705,7 @@ class ClaudeForecaster:
         kept = tuple(self._late_answers.get(key, ()))
         if self._answer_files is not None:
             # Every sample this process got is there too (unless its write failed): the longer one.
-            stored = self._answer_files.read(key, already=len(kept))
+            stored = self._answer_files.read(key)
             if len(stored) > len(kept):
                 kept = stored
                 self._keep(key, kept)
@@ -1654,12 +1654,18 @@ class _AnswerFiles:
         self._samples = samples
         self._warned = False
         self.saved = 0
+        # Samples of earlier processes (or others sharing the folder) this one used: those a pair's file held when
+        # this process first looked at it (`_looked`: read or written). A process reads a pair's file before it
+        # asks for the pair, so what it later reads back of its own answers (memory keeps _ANSWERS_KEPT pairs) or
+        # of an earlier run's again is not counted: the count says what this run did not pay for.
         self.reused = 0
+        self._looked: set[str] = set()
 
     def _path(self, key: str) -> Path:
         return self.folder / f"{_digest(self._settings_key + key)[:40]}.jsonl"
 
     def append(self, key: str, sample: _Sample) -> None:
+        self._looked.add(key)
         line = {**self._settings, "prompt_sha256": key, "probs": sample.probs, "reasoning": sample.reasoning}
         data = (json.dumps(line) + "\n").encode()
         try:
@@ -1681,9 +1687,11 @@ class _AnswerFiles:
             return
         self.saved += 1
 
-    def read(self, key: str, *, already: int = 0) -> tuple[_Sample, ...]:
-        """The samples kept for the pair `key` (at most as many as asked); `already`: how many of them this process
-        knew (the rest count as reused)."""
+    def read(self, key: str) -> tuple[_Sample, ...]:
+        """The samples kept for the pair `key` (at most as many as asked); at the first look at `key`, they count
+        as reused."""
+        first = key not in self._looked
+        self._looked.add(key)
         try:
             text = self._path(key).read_text(encoding="utf-8", errors="replace")
         except FileNotFoundError:
@@ -1709,7 +1717,8 @@ class _AnswerFiles:
             )
             if len(out) == self._samples:
                 break
-        self.reused += max(0, len(out) - already)
+        if first:
+            self.reused += len(out)
         return tuple(out)
 
     def _warn(self, message: str) -> None:
