@@ -44,6 +44,7 @@ import anyio
 import anyio.to_thread
 
 from forecaster_mcp.compile_slots import COMPILE_SLOTS
+from forecaster_mcp.disk_cache import WritesSinceScan, evict_least_recent
 from forecaster_mcp.models import Kernel, compile_option_allowed, is_arch_option
 
 _K = TypeVar("_K", bound=Hashable)
@@ -360,67 +361,24 @@ def _write_cache(path: Path, result: PtxasUsage | PtxasError | None, arch: str) 
 # The disk cache's bound: compares are free, and every compile's result was kept (a source of a thousand kernels,
 # each reported by ptxas, 500 KB a compare): a client cycling a define over one grew the cache without end. Past
 # the bound the least recently used results go (a later compare compiles them again), down to
-# PTXAS_CACHE_LOW_WATER of it. A process scans the folder on its first write to it and again each time it wrote
-# another tenth of the bound: the folder may stand that much over it between scans.
+# PTXAS_CACHE_LOW_WATER of it (forecaster_mcp.disk_cache).
 PTXAS_CACHE_BYTES = 256 << 20
 PTXAS_CACHE_LOW_WATER = 0.8
 
 
-class _CacheWrites:
-    """The bytes this process wrote to each cache folder since it last scanned it (`evict_ptxas_cache`)."""
-
-    def __init__(self) -> None:
-        self._written: dict[Path, int] = {}
-        self._lock = threading.Lock()
-
-    def due(self, folder: Path, size: int) -> bool:
-        """Whether `folder` is due a scan now that `size` more bytes were written to it."""
-        with self._lock:
-            before = self._written.get(folder)
-            written = size + (before or 0)
-            due = before is None or written >= PTXAS_CACHE_BYTES * 0.1
-            self._written[folder] = 0 if due else written
-            return due
-
-
-_CACHE_WRITES = _CacheWrites()
+_CACHE_WRITES = WritesSinceScan()
 
 
 def evict_ptxas_cache(folder: Path, keep: Path) -> int:
-    """Remove the least recently used (by modification time: a hit touches it) files of the cache `folder` while
-    it is over PTXAS_CACHE_BYTES, down to PTXAS_CACHE_LOW_WATER of it, never `keep`; how many went."""
-    files: list[tuple[float, int, str]] = []
-    total = 0
-    try:
-        with os.scandir(folder) as it:
-            for f in it:
-                try:
-                    st = f.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                if f.is_file(follow_symlinks=False):
-                    files.append((st.st_mtime, st.st_size, f.path))
-                    total += st.st_size
-    except OSError:
-        return 0
-    if total <= PTXAS_CACHE_BYTES:
-        return 0
-    removed = 0
-    for _, size, path in sorted(files):
-        if total <= PTXAS_CACHE_BYTES * PTXAS_CACHE_LOW_WATER:
-            break
-        if path == str(keep):
-            continue
-        try:
-            os.unlink(path)
-        except OSError:
-            continue
-        total -= size
-        removed += 1
-    log.info(
-        "ptxas cache over %d MiB: removed %d least recently used results", PTXAS_CACHE_BYTES >> 20, removed
+    """Remove the least recently used (a hit touches it) results of the cache `folder` while it is over
+    PTXAS_CACHE_BYTES, down to PTXAS_CACHE_LOW_WATER of it, never `keep`; how many went."""
+    return evict_least_recent(
+        folder,
+        PTXAS_CACHE_BYTES,
+        PTXAS_CACHE_LOW_WATER,
+        what="ptxas cache",
+        spare=lambda path: path == str(keep),
     )
-    return removed
 
 
 class _OutOfTime:
@@ -809,7 +767,7 @@ async def _compile(
         result = PtxasError(arch, line)
     if cache_path is not None:
         written = _write_cache(cache_path, result, arch)
-        if written and _CACHE_WRITES.due(cache_path.parent, written):
+        if written and _CACHE_WRITES.due(cache_path.parent, written, PTXAS_CACHE_BYTES):
             await anyio.to_thread.run_sync(evict_ptxas_cache, cache_path.parent, cache_path)
     return result
 

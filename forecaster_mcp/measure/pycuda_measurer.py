@@ -43,6 +43,7 @@ from anyio.abc import Process
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from forecaster_mcp.compile_slots import COMPILE_SLOTS, MEASURE_COMPILE_WAIT_S
+from forecaster_mcp.disk_cache import evict_least_recent
 from forecaster_mcp.errors import InvalidRequest, NotMeasurable, ServerBusy
 from forecaster_mcp.forecast import ptxas
 from forecaster_mcp.measure.base import OCCUPIED_ATTR, MeasureRequest, ProgressCallback
@@ -564,42 +565,14 @@ KERNEL_CACHE_MIN_AGE_S = 600.0
 def evict_compiled(kernels_dir: Path, keep: Path) -> int:
     """Remove the least recently used compile-cache entries while the cache is over KERNEL_CACHE_BYTES (not
     `keep`, nor any used in the last KERNEL_CACHE_MIN_AGE_S); how many went."""
-    entries: list[tuple[float, int, str]] = []
-    total = 0
-    try:
-        with os.scandir(kernels_dir) as it:
-            for d in it:
-                if not d.is_dir(follow_symlinks=False):
-                    continue
-                size, used = 0, 0.0
-                with contextlib.suppress(OSError), os.scandir(d.path) as files:
-                    for f in files:
-                        st = f.stat(follow_symlinks=False)
-                        size += st.st_size
-                        used = max(used, st.st_mtime)
-                entries.append((used, size, d.path))
-                total += size
-    except OSError:
-        return 0
-    if total <= KERNEL_CACHE_BYTES:
-        return 0
-    now = time.time()
-    removed = 0
-    for used, size, path in sorted(entries):
-        if total <= KERNEL_CACHE_BYTES * KERNEL_CACHE_LOW_WATER:
-            break
-        if path == str(keep) or now - used < KERNEL_CACHE_MIN_AGE_S:
-            continue
-        shutil.rmtree(path, ignore_errors=True)
-        total -= size
-        removed += 1
-    if removed:
-        log.info(
-            "compile cache over %d MiB: removed %d least recently used entries",
-            KERNEL_CACHE_BYTES >> 20,
-            removed,
-        )
-    return removed
+    return evict_least_recent(
+        kernels_dir,
+        KERNEL_CACHE_BYTES,
+        KERNEL_CACHE_LOW_WATER,
+        what="compile cache",
+        spare=lambda path: path == str(keep),
+        min_age_s=KERNEL_CACHE_MIN_AGE_S,
+    )
 
 
 def _read_meta(path: Path) -> CompiledKernel | CompileFailure | None:
