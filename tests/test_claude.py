@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import math
+import os
 import re
 import subprocess
 import sys
@@ -1755,6 +1756,61 @@ async def test_an_answer_kept_after_a_line_cut_short_is_read_by_the_next_process
     third = make(mock, samples=2, cache_dir=tmp_path)
     [answer] = await third.forecast([pair()])
     assert third.usage_total.requests == 0 and answer.extras["claude_samples"] == 2
+
+
+@pytest.mark.anyio
+async def test_the_answers_folder_keeps_to_its_bound_least_recently_used_first_never_a_pair_in_flight(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cache/claude-answers (about 1 KB a sample) grew without end. Past its bound the least recently used pairs go
+    (a read touches a pair), but never one a call is asking for: its kept samples gone meanwhile, the call's new one
+    was all a later process found, and that process paid again for the rest."""
+    folder = tmp_path / "claude-answers"
+
+    def files() -> set[Any]:
+        return set(folder.iterdir()) if folder.exists() else set()
+
+    mock = AnthropicMock(lambda body: tool_answer(FASTER))
+    arrived, release = asyncio.Event(), asyncio.Event()
+
+    async def handle(request: httpx2.Request) -> httpx2.Response:
+        if "inflight" in user_text(json.loads(request.content)):
+            arrived.set()
+            await release.wait()
+        return mock.handle(request)
+
+    inflight = pair(cand_id="inflight")
+    k1, k2, k3, *new = pairs(6)
+    earlier = make(mock, cache_dir=tmp_path)  # an earlier process kept one sample of each
+    named = {}
+    for name, q in (("inflight", inflight), ("k1", k1), ("k2", k2), ("k3", k3)):
+        before = files()
+        await earlier.forecast([q])
+        [named[name]] = files() - before
+    one = named["k1"].stat().st_size
+    monkeypatch.setattr(claude_module, "ANSWERS_CACHE_BYTES", 8 * one)
+    client = httpx2.AsyncClient(transport=httpx2.MockTransport(handle))
+    f = ClaudeForecaster("test-key", MODEL, samples=2, features=None, cache_dir=tmp_path, http_client=client)
+    asking = asyncio.ensure_future(f.forecast([inflight]))  # its second sample hangs until released
+    await asyncio.wait_for(arrived.wait(), 10)
+    for age, name in enumerate(("inflight", "k1", "k2", "k3"), start=1):
+        os.utime(named[name], (age, age))  # long unused: inflight the oldest
+    reader = make(mock, cache_dir=tmp_path)  # one sample: answered from the folder
+    for q in (new[0], new[1], k2, new[2]):  # k2 only read back (a use), before the last
+        await asyncio.sleep(0.05)  # file times apart
+        await (reader if q is k2 else f).forecast([q])
+    assert reader.usage_total.requests == 0
+    release.set()
+    await asyncio.wait_for(asking, 10)
+    await f.aclose()
+    await reader.aclose()
+    left = files()
+    assert sum(p.stat().st_size for p in left) <= 8 * one
+    assert named["k1"] not in left and named["k3"] not in left  # the least recently used went
+    assert named["k2"] in left  # read back lately: kept
+    later = make(mock, samples=2, cache_dir=tmp_path)
+    [answer] = await later.forecast([inflight])
+    assert later.usage_total.requests == 0 and answer.extras["claude_samples"] == 2  # both kept
 
 
 @pytest.mark.anyio

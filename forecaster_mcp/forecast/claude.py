@@ -19,7 +19,8 @@ How one pair is forecast:
   server and `eval` give it) each is also appended to a file there at once, under the model, prompt version and
   output mode: a restarted server, or an `eval` rerun after a Ctrl-C, reuses them without a request; another
   model or prompt asks again, while a larger `samples` asks only for the samples it lacks (each is an independent
-  draw of the same prompt);
+  draw of the same prompt); that folder is bounded (ANSWERS_CACHE_BYTES), least recently used pairs first, never
+  a pair a call is asking for;
 - a request already sent when its call stops waiting (the time limit) is not cancelled (the API bills it all
   the same): it finishes in the background, its usage is recorded and its answer kept for the pair's next call;
 - batches stopped midway (Ctrl-C, a failed creation, an API error) are cancelled (together, within a few seconds;
@@ -35,6 +36,7 @@ How one pair is forecast:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hashlib
 import json
@@ -43,6 +45,7 @@ import math
 import os
 import re
 import statistics
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -53,6 +56,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 import anyio
 
 from forecaster_mcp import bins
+from forecaster_mcp.disk_cache import WritesSinceScan, evict_least_recent
 from forecaster_mcp.forecast import prompt
 from forecaster_mcp.forecast.base import USAGE_LEDGER, BinForecast, PairQuery, PartialForecast
 from forecaster_mcp.models import Kernel
@@ -113,6 +117,11 @@ _PTXAS_WAIT_S = 20.0
 _ANSWERS_KEPT = 4096
 # Under cache_dir: one file of JSON lines per pair and answer settings, a line per sample (_AnswerFiles).
 ANSWERS_DIR = "claude-answers"
+# Its bound (about 1 KB a sample: a quarter of a million samples); it grew without end. Past it the least recently
+# used pairs go (a use touches a pair's file; forecaster_mcp.disk_cache), down to ANSWERS_CACHE_LOW_WATER of it,
+# never a pair a call of this process is asking for (_ANSWERS_IN_USE): a later process would pay again for them.
+ANSWERS_CACHE_BYTES = 256 << 20
+ANSWERS_CACHE_LOW_WATER = 0.8
 # Shared blocks (baselines) whose time in the prompt cache is kept track of.
 _SHARED_WARM_KEPT = 1024
 # How long aclose waits for requests still running in the background before it cancels them.
@@ -534,6 +543,7 @@ class ClaudeForecaster:
         texts: list[prompt.PairPrompt] = []
         keys: list[str] = []
         asking: dict[str, asyncio.Future[None]] = {}
+        held: list[str] = []  # the call's pairs' answer files, spared by the folder's eviction
         # The pairs waiting for another call's answers (after_others), not yet given what is kept of them.
         waiting: set[int] = set()
 
@@ -579,6 +589,7 @@ class ClaudeForecaster:
             with anyio.move_on_after(limit) as scope:
                 texts = await self._prompts(queries)
                 keys = [_answer_key(p) for p in texts]
+                held = self._hold(keys)  # before any is read
                 once = _share_copies(keys, got)
                 waiting.update(i for i in once if self._paid_meanwhile([keys[i]]))
                 try:
@@ -606,8 +617,10 @@ class ClaudeForecaster:
             for key, g in dict(zip(keys, got, strict=False)).items():
                 self._remember(key, g)
             self._release(asking)
+            self._let_go(held)
             with anyio.CancelScope(shield=True):  # a timed-out call still paid for what it got
                 await self._record(usage, batch=False)
+        await self._bound_answers()
         results = [self._aggregated(g) for g in got]
         if queries and not any(results) and any(p.startswith(_UNREACHABLE) for p in problems):
             # Nothing answered and the API could not be reached (after the SDK's retries): the next calls
@@ -701,6 +714,8 @@ class ClaudeForecaster:
         samples = self._answers.get(key, ())
         if samples:
             self._answers.move_to_end(key)
+            if self._answer_files is not None:
+                self._answer_files.touch(key)  # used: not among the least recently used on disk
             return samples
         kept = tuple(self._late_answers.get(key, ()))
         if self._answer_files is not None:
@@ -768,6 +783,32 @@ class ClaudeForecaster:
         if self._answer_files is not None:
             self._answer_files.append(key, sample)
 
+    def _hold(self, keys: Sequence[str]) -> list[str]:
+        """The answer files of the pairs `keys`, spared by the folder's eviction until `_let_go`."""
+        return [] if self._answer_files is None else _ANSWERS_IN_USE.hold(self._answer_files.paths(keys))
+
+    def _let_go(self, held: list[str]) -> None:
+        _ANSWERS_IN_USE.let_go(held)
+        held.clear()
+
+    async def _bound_answers(self) -> None:
+        """Keep the answers folder to ANSWERS_CACHE_BYTES when enough was written to it since its last scan."""
+        files = self._answer_files
+        if files is None or not files.scan_due:
+            return
+        files.scan_due = False
+        await anyio.to_thread.run_sync(
+            functools.partial(
+                evict_least_recent,
+                files.folder,
+                ANSWERS_CACHE_BYTES,
+                ANSWERS_CACHE_LOW_WATER,
+                what="Claude answers folder",
+                spare=_ANSWERS_IN_USE.__contains__,
+                spare_lock=_ANSWERS_IN_USE.lock,
+            )
+        )
+
     def _remember(self, key: str, got: Sequence[_Sample | None]) -> None:
         """Keep a pair's samples: once it has all it asked for, as its answer; fewer (a refused sample, a call
         stopped midway), as the first of its next call's, which asks only for the rest."""
@@ -825,6 +866,7 @@ class ClaudeForecaster:
         unreadable: list[str] = []  # the requests whose result line could not be read, named
         texts: list[prompt.PairPrompt] = []
         keys: list[str] = []  # each text's _answer_key
+        held: list[str] = []  # their answer files, spared by the folder's eviction
 
         def unanswered(message: str) -> ClaudeUnavailable:
             if unreadable:
@@ -872,6 +914,7 @@ class ClaudeForecaster:
         try:
             texts = await self._prompts(queries)
             keys = [_answer_key(p) for p in texts]
+            held = self._hold(keys)  # before any is read
             once = _share_copies(keys, samples)
             for i in once:
                 if prompt.utf8_size(texts[i].text) > prompt.MAX_PROMPT_BYTES:
@@ -909,10 +952,12 @@ class ClaudeForecaster:
         finally:
             for key, s in dict(zip(keys, samples, strict=False)).items():
                 self._remember(key, s)
+            self._let_go(held)
             with anyio.CancelScope(shield=True):  # a timed-out call still paid for what it got
                 await self._record(usage, batch=True)
             if unreadable:
                 log.warning("%s", _unreadable_note(unreadable))
+        await self._bound_answers()
         results = [self._aggregate(s) if s else None for s in samples]
         if unreadable and not all(results):
             problems.append(_unreadable_note(unreadable))  # the last problem: the one _finish names
@@ -1138,11 +1183,13 @@ class ClaudeForecaster:
         except asyncio.CancelledError:
             task = asyncio.ensure_future(self._finish_late(request, text, mode))
             key = _answer_key(text)
+            held = self._hold([key])  # its answer is appended to the pair's file
             self._late_running.setdefault(key, set()).add(task)
-            task.add_done_callback(lambda t: self._late_ended(key, t))
+            task.add_done_callback(lambda t: self._late_ended(key, t, held))
             raise
 
-    def _late_ended(self, key: str, task: asyncio.Task[None]) -> None:
+    def _late_ended(self, key: str, task: asyncio.Task[None], held: list[str]) -> None:
+        self._let_go(held)
         running = self._late_running.get(key)
         if running is not None:
             running.discard(task)
@@ -1660,9 +1707,18 @@ class _AnswerFiles:
         # of an earlier run's again is not counted: the count says what this run did not pay for.
         self.reused = 0
         self._looked: set[str] = set()
+        self.scan_due = False  # enough written since the folder's last scan (ClaudeForecaster._bound_answers)
 
     def _path(self, key: str) -> Path:
         return self.folder / f"{_digest(self._settings_key + key)[:40]}.jsonl"
+
+    def paths(self, keys: Sequence[str]) -> list[str]:
+        return [str(self._path(key)) for key in keys]
+
+    def touch(self, key: str) -> None:
+        """The pair `key` used now: its file not among the least recently used (the folder's eviction)."""
+        with contextlib.suppress(OSError):
+            os.utime(self._path(key))
 
     def append(self, key: str, sample: _Sample) -> None:
         self._looked.add(key)
@@ -1686,6 +1742,8 @@ class _AnswerFiles:
             )
             return
         self.saved += 1
+        if _ANSWER_WRITES.due(self.folder, len(data), ANSWERS_CACHE_BYTES):
+            self.scan_due = True
 
     def read(self, key: str) -> tuple[_Sample, ...]:
         """The samples kept for the pair `key` (at most as many as asked); at the first look at `key`, they count
@@ -1719,12 +1777,45 @@ class _AnswerFiles:
                 break
         if first:
             self.reused += len(out)
+        if out:
+            self.touch(key)
         return tuple(out)
 
     def _warn(self, message: str) -> None:
         if not self._warned:
             self._warned = True
             log.warning("%s", message)
+
+
+class _PathsInUse:
+    """The answer files the process's calls are using (a count each), spared by the folder's eviction: checked and
+    removed under `lock`, taken under it, so that a file is either spared or gone before its call reads it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self._count: dict[str, int] = {}
+
+    def hold(self, paths: list[str]) -> list[str]:
+        with self.lock:
+            for path in paths:
+                self._count[path] = self._count.get(path, 0) + 1
+        return paths
+
+    def let_go(self, paths: Sequence[str]) -> None:
+        with self.lock:
+            for path in paths:
+                left = self._count.get(path, 0) - 1
+                if left > 0:
+                    self._count[path] = left
+                else:
+                    self._count.pop(path, None)
+
+    def __contains__(self, path: object) -> bool:
+        return path in self._count
+
+
+_ANSWERS_IN_USE = _PathsInUse()
+_ANSWER_WRITES = WritesSinceScan()
 
 
 @dataclass(frozen=True)
