@@ -42,14 +42,107 @@ def _ledger(home: Path, name: str) -> dict[str, Any]:
     return out[0] if isinstance(out, list) else out
 
 
-def test_missing_or_wrong_token_gets_401(server: tuple[HttpServer, dict[str, str]]) -> None:
-    srv, _ = server
-    body = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}}
-    headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+_TOOLS_LIST = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}}
+_MCP_HEADERS = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+
+
+def _refusal(srv: HttpServer, authorization: str | None) -> str:
+    """POST tools/list with this Authorization header (None: none); assert a standard 401 (the SDK's
+    `invalid_token` challenge, the same description in header and body); return the description."""
+    headers = dict(_MCP_HEADERS)
+    if authorization is not None:
+        headers["Authorization"] = authorization
     with httpx2.Client(timeout=10) as http:
-        assert http.post(srv.url, json=body, headers=headers).status_code == 401
-        wrong = {**headers, "Authorization": "Bearer fmcp_not-a-real-token"}
-        assert http.post(srv.url, json=body, headers=wrong).status_code == 401
+        refused = http.post(srv.url, json=_TOOLS_LIST, headers=headers)
+    assert refused.status_code == 401, refused.text
+    assert refused.headers["content-type"] == "application/json"
+    body = refused.json()
+    assert body["error"] == "invalid_token"
+    challenge = refused.headers["www-authenticate"]
+    assert challenge == f'Bearer error="invalid_token", error_description="{body["error_description"]}"'
+    return str(body["error_description"])
+
+
+def test_a_401_says_whether_the_token_is_missing_or_refused_and_what_to_do(
+    server: tuple[HttpServer, dict[str, str]],
+) -> None:
+    """Every refusal was "Authentication required": a client with no token configured and one with a wrong or
+    revoked token could not tell which, nor what to do next."""
+    srv, tokens = server
+    missing = _refusal(srv, None)
+    assert "no bearer token" in missing and "Authorization: Bearer <token>" in missing
+    assert "forecaster-mcp token issue --ledger" in missing
+
+    assert "not a bearer token" in _refusal(srv, "Basic dXNlcjpwYXNz")
+    assert "without `Bearer `" in _refusal(srv, tokens["alice"])
+    # `Bearer ${FORECASTER_MCP_TOKEN}` with the variable unset, as the server reads it (trailing space stripped).
+    assert "no token after `Bearer`" in _refusal(srv, "Bearer")
+
+    unknown = _refusal(srv, "Bearer fmcp_not-a-real-token")
+    assert "not known to this server or was revoked" in unknown
+    assert "forecaster-mcp token list" in unknown and "FORECASTER_MCP_HOME" in unknown
+    cli(srv.home, "token", "revoke", tokens["bob"])
+    # A revoked token reads as one never issued: a refusal tells nothing about which tokens exist.
+    assert _refusal(srv, f"Bearer {tokens['bob']}") == unknown
+    for shown in (missing, unknown):
+        assert "alice" not in shown and "bob" not in shown and "fmcp_not" not in shown
+    assert "start with fmcp_" in _refusal(srv, "Bearer sk-ant-123")
+    assert "quotes or spaces" in _refusal(srv, f'Bearer "{tokens["alice"]}"')
+
+    # The right token still opens a session (a refused request's session id is dropped, not an accepted one's).
+    with httpx2.Client(timeout=10) as http:
+        ok = http.post(
+            srv.url, json=INITIALIZE, headers={**_MCP_HEADERS, "Authorization": f"Bearer {tokens['alice']}"}
+        )
+    assert ok.status_code == 200 and ok.headers["mcp-session-id"]
+
+
+def test_first_contact_mistakes_are_answered_with_what_to_send(
+    server: tuple[HttpServer, dict[str, str]],
+) -> None:
+    """The mistakes of a first hand-written client got bare answers ("Not Found", "Invalid Content-Type header",
+    "Missing session ID", "Request body too large") that did not say what the server wanted instead."""
+    srv, tokens = server
+    auth = {"Authorization": f"Bearer {tokens['alice']}"}
+    base = srv.url.removesuffix("/mcp")
+    with httpx2.Client(timeout=10) as http:
+        for path in ("/", "/sse", "/mcp/v1"):  # the server's root, another transport's path, a guessed one
+            lost = http.post(base + path, json=INITIALIZE, headers={**_MCP_HEADERS, **auth})
+            assert lost.status_code == 404
+            assert "MCP at /mcp" in lost.text and "streamable HTTP" in lost.text
+        assert http.get(base + "/").status_code == 404  # no token needed to learn the path
+
+        untyped = http.post(
+            srv.url, content=json.dumps(INITIALIZE), headers={"Accept": _MCP_HEADERS["Accept"], **auth}
+        )
+        assert untyped.status_code == 400 and "Content-Type: application/json" in untyped.text
+
+        no_session = http.post(srv.url, json=_TOOLS_LIST, headers={**_MCP_HEADERS, **auth})
+        assert no_session.status_code == 400
+        message = no_session.json()["error"]["message"]
+        assert message.startswith("Bad Request: Missing session ID") and "initialize" in message
+        assert "mcp-session-id" in message
+        # The session the refused request would have opened is gone: its id is not offered to reuse.
+        assert "mcp-session-id" not in no_session.headers
+
+    # A body declared past the limit is refused before it is read, saying the limit.
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock:
+        sock.sendall(
+            (
+                f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:{srv.port}\r\nAuthorization: Bearer {tokens['alice']}\r\n"
+                "Content-Type: application/json\r\nAccept: application/json, text/event-stream\r\n"
+                f"Content-Length: {97 * 2**20}\r\n\r\n"
+            ).encode()
+        )
+        answer = sock.makefile("rb")
+        status = answer.readline()
+        length = 0
+        while (line := answer.readline().strip()) != b"":
+            name, _, value = line.partition(b":")
+            length = int(value) if name.lower() == b"content-length" else length
+        refused = status + answer.read(length)
+    assert refused.startswith(b"HTTP/1.1 413"), refused
+    assert refused.endswith(b"at most 96 MiB"), refused
 
 
 @pytest.mark.anyio
@@ -71,19 +164,6 @@ async def test_each_token_charges_its_own_ledger(server: tuple[HttpServer, dict[
     # The server charges the tokens' ledgers only: it adds no `default` ledger of its own to the operator's.
     shown = json.loads(cli(srv.home, "ledger", "show", "--json").stdout)
     assert sorted(row["name"] for row in shown) == ["alice", "bob"]
-
-
-def test_revoked_token_is_refused(server: tuple[HttpServer, dict[str, str]]) -> None:
-    srv, tokens = server
-    cli(srv.home, "token", "revoke", tokens["bob"])
-    body = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}}
-    headers = {
-        "Accept": "application/json, text/event-stream",
-        "Content-Type": "application/json",
-        "Authorization": f"Bearer {tokens['bob']}",
-    }
-    with httpx2.Client(timeout=10) as http:
-        assert http.post(srv.url, json=body, headers=headers).status_code == 401
 
 
 @pytest.mark.anyio

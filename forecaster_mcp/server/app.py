@@ -55,6 +55,7 @@ from forecaster_mcp.models import (
 )
 from forecaster_mcp.reports import BudgetStatus, GpuSpecRow
 from forecaster_mcp.server.arg_errors import compact_validation_error, field_names
+from forecaster_mcp.server.http_answers import Reworded
 from forecaster_mcp.service import Service
 from forecaster_mcp.settings import Settings, host_key
 from forecaster_mcp.store.db import damaged
@@ -774,7 +775,7 @@ async def serve(
                 logging.getLogger("mcp.server.transport_security").addFilter(_RefusedHostHint())
                 _limit_sessions_per_ledger(server.session_manager, settings.max_sessions_per_ledger)
                 config = uvicorn.Config(
-                    _ComparableHost(app),
+                    _ComparableHost(Reworded(app, max_body_bytes=MAX_HTTP_BODY_BYTES)),
                     host=host,
                     port=port,
                     log_level="warning",
