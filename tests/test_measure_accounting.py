@@ -138,6 +138,77 @@ async def test_cancelled_measurement_charges_the_device_time_it_used(tmp_path: P
         await svc.close()
 
 
+def _reporting_then_hanging_gpu(tmp_path: Path) -> PycudaMeasurer:
+    """The stand-in GPU whose FAKE_MODE=hang kernels report progress N times, then hang (or crash after
+    CRASH_AFTER_S)."""
+    return PycudaMeasurer(
+        tmp_path / "cache",
+        worker_cmd=[sys.executable, str(Path(__file__).with_name("progress_then_hang_worker.py"))],
+        device_names=[DEVICE],
+        nvcc=FAKE_NVCC,
+        kill_slack_s=0.3,
+        startup_grace_s=20.0,
+    )
+
+
+async def _slow_reader(done: float, total: float | None, message: str | None) -> None:
+    """A client that takes 3 s to read a progress report (an SSE stream read slowly, a busy client)."""
+    await anyio.sleep(3.0)
+
+
+async def test_a_client_reading_progress_slowly_then_leaving_is_charged_all_the_device_time(
+    tmp_path: Path,
+) -> None:
+    """The worker goes on running while the server waits on a slow client's progress stream; that wait was
+    taken off the charge of a cancelled run. A client that read its first report for 3 s and then hung up
+    after 4.5 s on the device was charged about 1.5 GPU-seconds for 4.5 (up to PROGRESS_WAIT_S, 5 s, free per
+    measurement)."""
+    svc = await make_service(tmp_path, _reporting_then_hanging_gpu(tmp_path))
+    try:
+        hung = kernel(FAKE_MODE="hang", N=1)
+
+        async def client() -> None:
+            await svc.measure(
+                ledger="L", kernel=hung, workload=WORKLOAD, max_seconds=20, progress=_slow_reader
+            )
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(client)
+            for _ in range(1500):  # 30 s at most
+                if list((tmp_path / "cache" / "locks").glob("gpu-*.lock")):
+                    break
+                await anyio.sleep(0.02)
+            assert list((tmp_path / "cache" / "locks").glob("gpu-*.lock")), "the job never got the device"
+            await anyio.sleep(4.5)  # the device is held all along: 3 s of it while the client read a report
+            tg.cancel_scope.cancel()
+        view = await svc.store.get_ledger("L")
+        assert view is not None and view.reserved_gpu_seconds == 0
+        assert 3.5 < view.spent_gpu_seconds <= 20.0
+    finally:
+        await svc.close()
+
+
+async def test_a_crash_after_a_slow_clients_progress_wait_is_charged_all_the_device_time(
+    tmp_path: Path,
+) -> None:
+    """As above for a kernel that faults 4 s into its run: the 3 s the client spent reading a report were
+    taken off, and the crash was charged about 1 GPU-second."""
+    gpu = _reporting_then_hanging_gpu(tmp_path)
+    svc = await make_service(tmp_path, gpu)
+    try:
+        crashing = kernel(FAKE_MODE="hang", N=1, CRASH_AFTER_S=4)
+        r = await svc.measure(
+            ledger="L", kernel=crashing, workload=WORKLOAD, max_seconds=20, progress=_slow_reader
+        )
+        assert r.status == "worker_crashed", r.message
+        assert 3.5 < r.cost.gpu_seconds <= 20.0
+        view = await svc.store.get_ledger("L")
+        assert view is not None and view.spent_gpu_seconds == pytest.approx(r.cost.gpu_seconds)
+    finally:
+        await gpu.aclose()
+        await svc.close()
+
+
 async def test_failure_before_the_device_still_releases_the_hold(tmp_path: Path) -> None:
     svc = await make_service(tmp_path, fake_gpu(tmp_path))
     try:

@@ -1211,7 +1211,9 @@ class PycudaMeasurer:
         worker = await self._ensure_worker(slot)
         cap = job.max_seconds
         started = time.perf_counter()
-        stalled = 0.0  # seconds spent forwarding progress to a slow client (not the job's device time)
+        # Seconds spent forwarding progress to a slow client: the worker goes on meanwhile, so they move the kill
+        # deadline but stay in a crash's or a cancellation's charge (the device was held all along).
+        stalled = 0.0
         done = False
         sent = False
         phase = PHASE_KERNEL  # what the job was doing, as the worker last said (worker_protocol.PHASE_*)
@@ -1261,7 +1263,7 @@ class PycudaMeasurer:
                     None,
                     "worker_crashed",
                     f"{what}. The device went to a fresh worker; check the kernel for faults, or retry.",
-                    min(max(elapsed - stalled, 0.0), cap),
+                    min(elapsed, cap),
                 )
             elapsed = time.perf_counter() - started
             if scope.cancelled_caught:
@@ -1283,7 +1285,7 @@ class PycudaMeasurer:
                 # Cancelled from outside (or the progress callback raised) with the job on the device: that
                 # occupancy is charged like a run's (the service commits it), and the exception goes on.
                 with contextlib.suppress(AttributeError, TypeError):
-                    setattr(exc, OCCUPIED_ATTR, min(max(time.perf_counter() - started - stalled, 0.0), cap))
+                    setattr(exc, OCCUPIED_ATTR, min(time.perf_counter() - started, cap))
             raise
         finally:
             if not done:
