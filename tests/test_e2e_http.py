@@ -111,6 +111,12 @@ def test_first_contact_mistakes_are_answered_with_what_to_send(
             assert lost.status_code == 404
             assert "MCP at /mcp" in lost.text and "streamable HTTP" in lost.text
         assert http.get(base + "/").status_code == 404  # no token needed to learn the path
+        # /mcp/ is /mcp: it was a 307 to http://<Host>/mcp, which behind a TLS proxy sent the client to plain http
+        slash = http.post(srv.url + "/", json=INITIALIZE, headers={**_MCP_HEADERS, **auth})
+        assert slash.status_code == 200 and "mcp-session-id" in slash.headers, (
+            slash.status_code,
+            slash.headers,
+        )
 
         untyped = http.post(
             srv.url, content=json.dumps(INITIALIZE), headers={"Accept": _MCP_HEADERS["Accept"], **auth}

@@ -83,7 +83,7 @@ def _with_body(start: Message, body: bytes, **replaced: bytes) -> Message:
 class Reworded:
     """ASGI wrapper over the SDK's streamable-HTTP app: its bare refusals (module docstring) say what to send.
 
-    Also drops the `mcp-session-id` header from a refused request that carried none: the SDK opened a session
+    Also serves /mcp/ as /mcp, and drops the `mcp-session-id` header from a refused request that carried none: the SDK opened a session
     for it and discarded it again at once, so the id it names only answers "Session not found"."""
 
     def __init__(self, app: Any, *, max_body_bytes: int) -> None:
@@ -94,6 +94,10 @@ class Reworded:
         if scope.get("type") != "http":
             await self.app(scope, receive, send)
             return
+        if scope.get("path") == MCP_PATH + "/":
+            # Served as /mcp. Starlette's own answer is a 307 to http://<Host>/mcp, which behind a TLS proxy that
+            # keeps the Host header sends the client to plain http.
+            scope = {**scope, "path": MCP_PATH, "raw_path": MCP_PATH.encode()}
         held: Message | None = None
         chunks: list[bytes] = []
 
