@@ -579,3 +579,30 @@ async def test_measure_if_unsure_takes_only_a_json_boolean(tmp_path: Path, conv_
             msg = await error_of(client, "compare_kernels", {"candidates": pair, "measure_if_unsure": sloppy})
             assert "measure_if_unsure" in msg, msg
         assert await spent(client) == 0
+
+
+@pytest.mark.parametrize(
+    ("tool", "args"),
+    [
+        ("measure_kernel", {"max_seconds": True}),
+        ("measure_kernel", {"max_runs": True}),
+        ("measure_kernel", {"atol": False}),
+        ("compare_kernels", {"max_measurements": True, "measure_if_unsure": True}),
+        ("compare_kernels", {"target_error": True}),
+    ],
+)
+async def test_a_boolean_sent_for_a_number_is_refused_free(
+    tmp_path: Path, conv_a100: Path, tool: str, args: dict[str, Any]
+) -> None:
+    """A sloppy client's `true` for a number was read as 1 (max_seconds: true measured under a 1 GPU-s cap, max_runs:
+    true timed one run): a number the caller never wrote. It is refused, naming the argument, and nothing runs."""
+    async with running(tmp_path, [conv_a100], ledger_seconds=5.0) as (client, _):
+        base = (
+            {"kernel": conv("a", FAST)}
+            if tool == "measure_kernel"
+            else {"candidates": [conv("a", FAST), conv("b", SLOW)]}
+        )
+        text = await error_of(client, tool, {**base, **args})
+        (name,) = [n for n in args if n != "measure_if_unsure"]
+        assert name in text and "number" in text, text
+        assert await spent(client) == 0

@@ -173,6 +173,16 @@ def _refuse_past_the_hard_bound(value: Any) -> Any:
     return value
 
 
+def _refuse_bool(value: Any) -> Any:
+    """A number argument sent as true / false: pydantic reads it as 1 / 0, a cap or tolerance nobody wrote."""
+    if isinstance(value, bool):
+        raise ValueError(f"a number is wanted here, not {str(value).lower()}")
+    return value
+
+
+_NUMBER = BeforeValidator(_refuse_bool)
+
+
 def _accepts_str(annotation: Any) -> bool:
     """Whether a field's type takes a string as it is (str, or a union with str in it)."""
     return annotation is str or str in get_args(annotation)
@@ -350,6 +360,7 @@ def build_server(service: Service, *, http: bool = False) -> MCPServer:
         ] = None,
         target_error: Annotated[
             float | None,
+            _NUMBER,
             Field(
                 description="largest acceptable error rate among decided verdicts (default the server's "
                 "setting, 0.1 unless configured; answers give the one used; at least "
@@ -364,6 +375,7 @@ def build_server(service: Service, *, http: bool = False) -> MCPServer:
         ] = False,
         max_measurements: Annotated[
             int,
+            _NUMBER,
             Field(
                 description=f"cap on measurements when measure_if_unsure (0 to {MAX_CANDIDATES})",
                 json_schema_extra={"minimum": 0, "maximum": MAX_CANDIDATES},
@@ -416,6 +428,7 @@ def build_server(service: Service, *, http: bool = False) -> MCPServer:
         ] = None,
         atol: Annotated[
             float,
+            _NUMBER,
             Field(
                 description="absolute tolerance of the output check: |got - want| <= atol + rtol*|want|",
                 json_schema_extra={"minimum": 0},
@@ -423,6 +436,7 @@ def build_server(service: Service, *, http: bool = False) -> MCPServer:
         ] = 1e-5,
         rtol: Annotated[
             float,
+            _NUMBER,
             Field(
                 description="relative tolerance of the output check (see atol) of floating-point outputs; for "
                 "float16 and bfloat16 at least one unit in their last place (2^-10, 2^-7). Integer and bool "
@@ -432,6 +446,7 @@ def build_server(service: Service, *, http: bool = False) -> MCPServer:
         ] = 1e-3,
         max_seconds: Annotated[
             float | None,
+            _NUMBER,
             Field(
                 description=f"cap on GPU-seconds for this measurement (at least {MIN_MEASURE_SECONDS:g}), reserved "
                 "from your budget up front and the unused part released; maximum the server's cap (30 s unless "
@@ -440,7 +455,9 @@ def build_server(service: Service, *, http: bool = False) -> MCPServer:
             ),
         ] = None,
         max_runs: Annotated[
-            int, Field(description="cap on timed runs (at least 1)", json_schema_extra={"minimum": 1})
+            int,
+            _NUMBER,
+            Field(description="cap on timed runs (at least 1)", json_schema_extra={"minimum": 1}),
         ] = 1000,
         idempotency_key: Annotated[
             str | None,
