@@ -211,3 +211,20 @@ def test_risk_coverage_groups_confidences_equal_but_for_the_last_bit() -> None:
     assert first.risk.tolist() == pytest.approx([0.0, 0.25, 1 / 3, 0.5])
     assert second.risk.tolist() == pytest.approx(first.risk.tolist())
     assert second.risk_at(0.5) == pytest.approx(0.25)
+
+
+def test_mirrored_forecasts_share_their_ece_bin() -> None:
+    # Bins as a forecaster writes them: p_faster = 0.05 + 0.1 + 0.15 + 0.05 sums to 0.35000000000000003, so its
+    # confidence max(p, 1 - p) is 0.6499999999999999, one bit under the edge 0.65 that "0.65 faster" sits on.
+    slower = [0.1, 0.25, 0.05, 0.25, 0.05, 0.1, 0.15, 0.05]
+    faster = [0.05, 0.15, 0.1, 0.05, 0.25, 0.05, 0.25, 0.1]
+    p = M.p_faster_of([faster, slower])
+    assert 1.0 - p[1] < 0.65  # the rounding this guards against
+    # Both are 65% sure; the first is right, the second wrong: one bin [0.65, 0.7), accuracy 0.5.
+    s = [2.0, 2.0]
+    table = M.reliability(p, s)
+    assert [(b.low, b.count) for b in table if b.count] == [(0.65, 2)]
+    assert M.ece(p, s) == pytest.approx(0.15)
+    assert M.summarize([faster, slower], s)["ece"] == pytest.approx(0.15)
+    # The calibrated reference bins them the same way: two pairs in one bin, not each alone in its own.
+    assert M.ece_if_calibrated(p, s) == pytest.approx(M.ece_if_calibrated([0.65, 0.35], s))

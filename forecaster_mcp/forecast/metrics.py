@@ -145,6 +145,16 @@ def _confidence_edges(n_bins: int) -> FloatArray:
     return np.round(np.linspace(0.5, 1.0, n_bins + 1), 12)
 
 
+def _confidence_bin(conf: FloatArray, n_bins: int) -> tuple[FloatArray, npt.NDArray[np.intp]]:
+    """The bin edges and each confidence's bin, [low, high) and the last closed. Confidences are compared to 12
+    decimals, as risk_coverage groups them: max(p, 1 - p) of a forecast written in decimals lands a bit under the
+    decimal it means (0.05 + 0.1 + 0.15 + 0.05 = 0.35000000000000003, so 1 - p = 0.6499999999999999), which put
+    "0.35 faster" in the bin below "0.65 faster" and split two equally sure forecasts across bins."""
+    edges = _confidence_edges(n_bins)
+    index = np.clip(np.searchsorted(edges, np.round(conf, 12), side="right") - 1, 0, n_bins - 1)
+    return edges, index
+
+
 def reliability(p_faster: ArrayLike, speedups: ArrayLike, n_bins: int = 10) -> list[ReliabilityBin]:
     """Non-tie pairs grouped into `n_bins` equal-width bins of confidence over [0.5, 1].
 
@@ -154,8 +164,7 @@ def reliability(p_faster: ArrayLike, speedups: ArrayLike, n_bins: int = 10) -> l
     keep = ~tie_mask(speedups)
     conf = confidence(p_faster)[keep]
     score = direction_scores(p_faster, speedups)[keep]
-    edges = _confidence_edges(n_bins)
-    index = np.clip(np.searchsorted(edges, conf, side="right") - 1, 0, n_bins - 1)
+    edges, index = _confidence_bin(conf, n_bins)
     out = []
     for b in range(n_bins):
         sel = index == b
@@ -197,8 +206,7 @@ def ece_if_calibrated(
     conf = confidence(p_faster)[keep]
     if conf.size == 0:
         return math.nan, math.nan
-    edges = _confidence_edges(n_bins)
-    index = np.clip(np.searchsorted(edges, conf, side="right") - 1, 0, n_bins - 1)
+    _, index = _confidence_bin(conf, n_bins)
     onehot = np.zeros((conf.size, n_bins))
     onehot[np.arange(conf.size), index] = 1.0
     rng = np.random.default_rng(seed)
