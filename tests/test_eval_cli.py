@@ -1122,3 +1122,33 @@ def test_an_interrupted_batch_eval_bills_and_keeps_what_its_batch_finished(
     assert (
         len(rerun.requests) == len(TINY) - 2
     )  # the two answers the stopped batch finished are not paid again
+
+
+def test_pairs_no_forecaster_answered_are_counted_and_said_how_final_scores_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A forecaster that answered 8 of 10 pairs: its own row leaves the 2 out, the final row scores them as the
+    server answers them, p_faster 0.5 (a coin flip, 0.5 in pairwise_accuracy) and unsure. The report printed
+    acc 1.000 over 8 pairs and 0.900 over 10 with no word of why the two rows disagree."""
+    from forecaster_mcp.forecast import evaluate
+    from forecaster_mcp.forecast.base import PartialForecast
+
+    class PartlyFailing(_Keyed):
+        async def forecast(self, queries: Any) -> list[Any]:
+            out = await super().forecast(queries)
+            raise PartialForecast("no answer for 2 pairs", out)
+
+    local = PartlyFailing("local", {i: (2.0, 0.9) for i in range(10) if i not in (3, 7)})
+    monkeypatch.setattr(evaluate, "build_forecasters", lambda *a, **k: [local])
+    _, pairs = _table_files(tmp_path, {}, {i: (2.0, 0.9) for i in range(10)})
+    out = tmp_path / "out"
+    assert main(["eval", str(pairs), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    report = json.loads((out / "metrics.json").read_text())
+    assert report["components"]["local"]["raw"]["pairwise_accuracy"] == pytest.approx(1.0)
+    assert report["final"]["pairwise_accuracy"] == pytest.approx((8 + 0.5 + 0.5) / 10)
+    assert report["final"]["n_unanswered"] == 2
+    assert (
+        "2 of 10 pair(s) no forecaster answered (the first: main3): the final row scores them as the server "
+        "answers them, p_faster 0.5 (0.5 in pairwise_accuracy) and unsure; the components' rows leave them out"
+    ) in printed

@@ -901,6 +901,15 @@ def run_eval(
 
     final_probs = np.array([f.probs for f in forecasts])
     final = M.summarize(final_probs, speedups)
+    # Pairs no forecaster answered keep the engine's stand-in: scored in `final`, left out of the components' rows.
+    unanswered = [p.id for p, f in zip(main.pairs, forecasts, strict=True) if not f.raw]
+    final["n_unanswered"] = len(unanswered)
+    if unanswered:
+        notes.append(
+            f"{len(unanswered)} of {len(main.pairs)} pair(s) no forecaster answered (the first: {unanswered[0]}): "
+            "the final row scores them as the server answers them, p_faster 0.5 (0.5 in pairwise_accuracy) and "
+            "unsure; the components' rows leave them out"
+        )
     # As the server decides: a forecast lacking a component's answer at no lower than its regime's default.
     choices = [thresholds[(hw, f.regime)] for f, hw in zip(forecasts, hardware, strict=True)]
     applied = [engine.threshold_for(f, c) for f, c in zip(forecasts, choices, strict=True)]
