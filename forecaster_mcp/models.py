@@ -28,6 +28,17 @@ from pydantic import (
 
 MAX_SOURCE_BYTES = 1_000_000
 HISTORY_SCOPE_MARK = "@"  # between a workload key (hex) and the ledger of an isolated history (history_key)
+# A replayed device's history (measurements, forecasts, calibration) is filed under "<GPU> (replay <digest of its
+# recordings>)", apart from a real GPU of that name and from other recordings of it (ReplayMeasurer.history_device);
+# replayed measurements stored before that are filed under "<GPU> (replay)" (store migration 16).
+REPLAY_HISTORY_MARK = " (replay"
+
+
+def history_gpu(hardware: str) -> str:
+    """The GPU a stored history's `hardware` is of: "A100-PCIE-40GB (replay 1a2b...)" is an A100-PCIE-40GB."""
+    return hardware.split(REPLAY_HISTORY_MARK, 1)[0]
+
+
 MAX_CANDIDATES = 64
 MIN_CANDIDATES = 2
 

@@ -50,7 +50,13 @@ from forecaster_mcp.forecast.selective import (
     p_fail_baseline_of,
 )
 from forecaster_mcp.hardware import specs
-from forecaster_mcp.measure.base import OCCUPIED_ATTR, Measurer, MeasureRequest, ProgressCallback
+from forecaster_mcp.measure.base import (
+    OCCUPIED_ATTR,
+    Measurer,
+    MeasureRequest,
+    ProgressCallback,
+    history_device,
+)
 from forecaster_mcp.measure.timing import median_ci_covers
 from forecaster_mcp.measure.worker_protocol import REFERENCE_FAILURE_PREFIX
 from forecaster_mcp.models import (
@@ -117,10 +123,16 @@ def _names_device(wanted: str, spec: specs.GpuSpec | None, device: str) -> bool:
 
 @dataclass
 class HardwareChoice:
-    name: str  # canonical name used for storage and answers
+    name: str  # canonical name used in answers
     spec: specs.GpuSpec | None
     device_of: Measurer | None  # the measurer that has this device, if any
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def key(self) -> str:
+        """What this GPU's measurements, forecasts and calibration are stored under (measure.base.history_device):
+        its name, or for a replayed device its name and recordings."""
+        return history_device(self.device_of, self.name)
 
 
 @dataclass
@@ -378,10 +390,11 @@ class Service:
         base = by_id[base_id]
         assert base.id is not None
         wkey = workload.history_key()
+        hkey = hw.key  # a replay's own history, apart from a real GPU's of the same name
         others = [k for k in kernels if k.id != base_id]
 
-        measured, suspect = await self._measured(kernels, hw.name, wkey)
-        base_failed = await self._failed(base, hw.name, wkey)
+        measured, suspect = await self._measured(kernels, hkey, wkey)
+        base_failed = await self._failed(base, hkey, wkey)
         pairs = [_Pair(k) for k in others]
         for p in pairs:
             m_base, m_cand = measured.get(base.id), measured.get(str(p.candidate.id))
@@ -390,7 +403,7 @@ class Service:
                     str(p.candidate.id), m_base, m_cand, "cache", _suspicion(base.id, p.candidate.id, suspect)
                 )
             else:
-                p.query = PairQuery(base, p.candidate, workload, hw.name, hw.spec)
+                p.query = PairQuery(base, p.candidate, workload, hkey, hw.spec)
 
         queries = [p.query for p in pairs if p.query is not None]
         # A paid forecaster (Claude) records its usage on the caller's ledger, not the server's default.
@@ -404,7 +417,7 @@ class Service:
         # thresholded on it (forecast/engine.py).
         family = {str(q.candidate.id): q.candidate.family_key() for q in queries}  # hashes the source: once
         choices = {
-            (f.regime, fam): await self.engine.threshold(hw.name, target, f.regime, fam)
+            (f.regime, fam): await self.engine.threshold(hkey, target, f.regime, fam)
             for f, fam in zip(forecasts, family.values(), strict=True)
         }
         results: dict[str, CandidateForecast] = {}
@@ -430,7 +443,7 @@ class Service:
             threshold = choice.threshold
             verdict = f.verdict(threshold)
             if choice.source == "default" and not f.from_measurements:
-                ceiling = self.engine.confidence_ceiling(f, hw.name)
+                ceiling = self.engine.confidence_ceiling(f, hkey)
                 if threshold > ceiling + _CONFIDENCE_EPS:
                     out_of_reach.append((threshold, ceiling, smallest_default_target(f.regime, ceiling)))
                     capped_out_of_reach |= bool(f.caps)
@@ -497,7 +510,7 @@ class Service:
         async def next_to_measure() -> list[str]:
             """measure_next as things stand (measured and results as they are now)."""
             return await self._measure_next(
-                base, measured, results, fc_by_id, family, hw.name, wkey, by_id, base_failed
+                base, measured, results, fc_by_id, family, hkey, wkey, by_id, base_failed
             )
 
         measure_next = await next_to_measure()
@@ -562,9 +575,9 @@ class Service:
                 )
             if stopped is not None:
                 notes.append(stopped)
-            measured, suspect = await self._measured(kernels, hw.name, wkey)
+            measured, suspect = await self._measured(kernels, hkey, wkey)
             m_base = measured.get(base.id)
-            base_failed = await self._failed(base, hw.name, wkey)
+            base_failed = await self._failed(base, hkey, wkey)
             if base_failed is not None:
                 # Measured in this call and it failed: measure_if_unsure measures nothing more against it.
                 notes.append(_base_failed_note(base.id, base_failed, measure_if_unsure=False))
@@ -614,9 +627,7 @@ class Service:
                 )
 
         if base_failed is None:  # against a baseline that does not run, no forecast can ever be verified
-            await self._save_forecasts(
-                ledger, hw.name, wkey, base, others, forecast_results, fc_by_id, family
-            )
+            await self._save_forecasts(ledger, hkey, wkey, base, others, forecast_results, fc_by_id, family)
         ordered = [results[str(k.id)] for k in others]
         if measure_if_unsure and not unsure and base_failed is None:
             cannot = self._no_device_message(hw.name) if hw.device_of is None else None
@@ -1128,7 +1139,15 @@ class Service:
         else:
             async with self._alone(("idempotency", ledger, idempotency_key)):
                 result = await self._measure_under_key(
-                    ledger, idempotency_key, kernel, workload, device, checks, max_seconds, progress, run
+                    ledger,
+                    idempotency_key,
+                    kernel,
+                    workload,
+                    history_device(measurer, device),
+                    checks,
+                    max_seconds,
+                    progress,
+                    run,
                 )
         if reference_not_run:
             said = result.correctness.detail
@@ -1162,7 +1181,7 @@ class Service:
         key: str,
         kernel: Kernel,
         workload: Workload,
-        device: str,
+        stored_as: str,
         checks: tuple[str, ...],
         max_seconds: float | None,
         progress: ProgressCallback | None,
@@ -1172,19 +1191,19 @@ class Service:
         claim comes before the cache is looked in, so that a free answer and a paid one cannot both take the key);
         the recorded answer if the key was used for the same request; a refusal if it was used, or is in use, for
         another one. While another process runs the same request under the key, this one waits for its answer
-        (for about as long as that measurement may take), free."""
+        (for about as long as that measurement may take), free. `stored_as`: the device's `history_device`."""
         cap = min(max_seconds or self.settings.max_measure_seconds, self.settings.max_measure_seconds)
         request = {
             "kernel": kernel.content_key(),
             "workload": workload.history_key(),
-            "hardware": device,
+            "hardware": stored_as,
             "check": checks[0],
         }
         may_take = (SAME_MEASUREMENT_WAIT_FACTOR + 1) * cap + SAME_MEASUREMENT_WAIT_S
         wait_until = time.monotonic() + SAME_MEASUREMENT_WAIT_FACTOR * cap + SAME_MEASUREMENT_WAIT_S
         told = False
         while True:
-            prior = await self._idempotent_prior(ledger, key, kernel, workload, device, checks)
+            prior = await self._idempotent_prior(ledger, key, kernel, workload, stored_as, checks)
             if prior is not None:
                 return prior
             try:
@@ -1230,18 +1249,19 @@ class Service:
         key: str,
         kernel: Kernel,
         workload: Workload,
-        device: str,
+        stored_as: str,
         checks: tuple[str, ...],
     ) -> MeasureResult | None:
         """The free answer to a retry under `key`, or None if the key is new; a key already used for another
         kernel, workload or device is refused (answering with that measurement would mislabel it), and so is
         one whose first measurement checked its outputs otherwise (`checks`: this request's `check_key`, then
         its earlier spelling; another reference kernel or none, other atol/rtol). For a measurement saved
-        before check keys were kept, only whether it was checked at all is known, and that is compared."""
+        before check keys were kept, only whether it was checked at all is known, and that is compared.
+        `stored_as`: the device's `history_device` (a replay's is not the real GPU's of its name)."""
         used = await self.store.idempotent_request(ledger, key)
         if used is None:
             return None
-        differs = _differences(used, kernel, workload.history_key(), device)
+        differs = _differences(used, kernel, workload.history_key(), stored_as)
         if used.check_key is not None:
             if used.check_key not in checks:
                 differs.append("reference or atol/rtol")
@@ -1320,7 +1340,7 @@ class Service:
             "workload_key": workload.history_key(),
             "family_key": kernel.family_key(),
             "content_key": kernel.content_key(),
-            "hardware": device,
+            "hardware": history_device(measurer, device),
             "check_key": checks[0],
         }
         # One measurement of the same request at a time: concurrent callers (parallel search clients sharing
@@ -1383,7 +1403,7 @@ class Service:
                     # Another server process on this database finished the same key first.
                     assert idempotency_key is not None
                     prior = await self._idempotent_prior(
-                        ledger, idempotency_key, kernel, workload, device, checks
+                        ledger, idempotency_key, kernel, workload, save["hardware"], checks
                     )
                     assert prior is not None
                     return prior
@@ -1869,11 +1889,11 @@ def check_key(reference: Kernel | None, atol: float, rtol: float, *, earlier: bo
     return json.dumps({"reference": key, **tolerances}, sort_keys=True)
 
 
-def _differences(used: IdempotentRequest, kernel: Kernel, workload_key: str, device: str) -> list[str]:
+def _differences(used: IdempotentRequest, kernel: Kernel, workload_key: str, stored_as: str) -> list[str]:
     """What a retry under a used idempotency key changed (a kernel saved under its earlier content key is
     the same kernel)."""
     out = [] if used.content_key in (kernel.content_key(), kernel.earlier_content_key()) else ["kernel"]
-    pairs = (("workload", used.workload_key, workload_key), ("hardware", used.hardware, device))
+    pairs = (("workload", used.workload_key, workload_key), ("hardware", used.hardware, stored_as))
     return out + [what for what, theirs, mine in pairs if theirs != mine]
 
 

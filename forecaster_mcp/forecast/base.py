@@ -46,7 +46,9 @@ class PairQuery:
     baseline: Kernel
     candidate: Kernel
     workload: Workload
-    hardware_name: str  # canonical name when known, else what the caller passed
+    # Canonical name when known, else what the caller passed; for a replayed device, what its history is stored
+    # under ("A100-PCIE-40GB (replay 1a2b...)", measure.base.history_device; models.history_gpu names the GPU).
+    hardware_name: str
     hardware: GpuSpec | None  # None: no specification known, hardware-specific features unused
 
 

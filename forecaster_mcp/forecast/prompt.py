@@ -20,7 +20,7 @@ from typing import Any
 from forecaster_mcp import bins
 from forecaster_mcp.forecast.base import PairQuery
 from forecaster_mcp.hardware.specs import GpuSpec
-from forecaster_mcp.models import BufferArg, Kernel, ScalarArg, Workload
+from forecaster_mcp.models import BufferArg, Kernel, ScalarArg, Workload, history_gpu
 
 log = logging.getLogger(__name__)
 
@@ -238,7 +238,7 @@ def build_pair_prompt(
     by kernel)."""
     shared = [
         "Forecast S = t(BASELINE) / t(CANDIDATE) for the pair below.",
-        "## GPU\n" + describe_hardware(query.hardware_name, query.hardware),
+        "## GPU\n" + describe_hardware(history_gpu(query.hardware_name), query.hardware),
         "## Workload\n" + describe_workload(query.workload, query.hardware),
     ]
     base, cand = query.baseline, query.candidate
@@ -535,7 +535,7 @@ def _per_kernel_adapter(fn: Callable[..., object]) -> FeaturesFn:
                 "hardware": query.hardware,
                 "spec": query.hardware,
                 "gpu": query.hardware,
-                "hardware_name": query.hardware_name,
+                "hardware_name": history_gpu(query.hardware_name),
                 "ptxas": (ptxas or {}).get(kernel.content_key()),
             }
             kwargs = {name: by_name[name] for name in params if name in by_name}

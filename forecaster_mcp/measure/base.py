@@ -56,3 +56,12 @@ class Measurer(Protocol):
         Raises NotMeasurable when this backend cannot measure the kernel (nothing is charged).
         """
         ...
+
+
+def history_device(measurer: Measurer | None, device: str) -> str:
+    """What the store files `device`'s measurements, forecasts and calibration under (compare answers from them,
+    the family models learn them): the GPU's name where kernels run on it, so that real measurements of one GPU
+    model pool across restarts, drivers and clocks; a measurer whose times are some other machine's (a replay)
+    names its own (`history_device(device)`), kept apart from the GPU's."""
+    own = getattr(measurer, "history_device", None)
+    return device if own is None else str(own(device))

@@ -55,6 +55,7 @@ from forecaster_mcp.hardware.specs import canonical_name, lookup
 from forecaster_mcp.measure.base import MeasureRequest, ProgressCallback
 from forecaster_mcp.measure.timing import median_ci_covers, median_ci_ranks
 from forecaster_mcp.models import (
+    REPLAY_HISTORY_MARK,
     Correctness,
     DeviceProvenance,
     Kernel,
@@ -1104,6 +1105,12 @@ class ReplayMeasurer:
         )
         combined = hashlib.sha256("\n".join(digests).encode()).hexdigest()[:16]
         return f"replay:{resolved}:{combined}"
+
+    def history_device(self, device: str) -> str:
+        """What the store files `device`'s measurements, forecasts and calibration under: the device and its
+        recordings (as the fingerprint), so that neither a real GPU of the same name nor a replay of other
+        recordings of it is answered or taught by these replayed times, nor these by theirs."""
+        return f"{self._device(device)}{REPLAY_HISTORY_MARK} {self.device_fingerprint(device).rsplit(':', 1)[1]})"
 
     def cache_request(self, request: MeasureRequest) -> MeasureRequest:
         """The request whose stored results answer `request` (the service keys its cache by its kernel and

@@ -240,7 +240,7 @@ def export_command(settings: Settings, args: argparse.Namespace) -> int:
     from forecaster_mcp.cli import check_writable_file
     from forecaster_mcp.hardware.specs import canonical_name
     from forecaster_mcp.measure.replay import export_line
-    from forecaster_mcp.models import HISTORY_SCOPE_MARK, Kernel, MeasureResult
+    from forecaster_mcp.models import HISTORY_SCOPE_MARK, Kernel, MeasureResult, history_gpu
 
     out = Path(args.out)
     if out.suffix != ".jsonl":
@@ -252,7 +252,10 @@ def export_command(settings: Settings, args: argparse.Namespace) -> int:
     check_writable_file(out)
     if (missing := _no_database(settings)) is not None:
         raise OperatorError(f"nothing to export: {missing}")
-    rows = _with_store(settings, lambda s: s.export_rows())
+    # A replayed device's history is filed apart from the GPU's own ("A100 (replay 1a2b...)"): exported as the GPU.
+    rows = [
+        (history_gpu(hw), wk, kj, rj) for hw, wk, kj, rj in _with_store(settings, lambda s: s.export_rows())
+    ]
     stored = sorted({r[0] for r in rows})
     if args.device is not None:
         wanted = {args.device, canonical_name(args.device)}

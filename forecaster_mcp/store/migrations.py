@@ -300,6 +300,21 @@ _FORECAST_P_FAIL = (
 # sharpens puts capped forecasts into the threshold history surer than they could ever be issued.
 _FORECAST_MAX_CONFIDENCE = ("ALTER TABLE forecasts ADD COLUMN max_confidence REAL",)
 
+# A replayed device's history is filed apart from the real GPU of its name (measure.base.history_device): a
+# server on a real A100 answered compare_kernels "measured" from a replay's recorded times, learned them as its
+# own, and certified thresholds on forecasts they verified (and a replay server so used a real GPU's times). The
+# replayed measurements stored before, and the forecasts they verified, move to "<GPU> (replay)": no server's
+# history, as the recordings they came from are not known (a replay server's measure_kernel still finds them by
+# cache key, free, and files its copies under its own history).
+_REPLAYED = (
+    "CASE WHEN json_valid(result_json) THEN json_extract(result_json, '$.device.backend') END = 'replay'"
+)
+_REPLAY_HISTORY = (
+    "UPDATE forecasts SET hardware = hardware || ' (replay)' WHERE verified_by_measurement IN "
+    f"(SELECT id FROM measurements WHERE {_REPLAYED})",
+    f"UPDATE measurements SET hardware = hardware || ' (replay)' WHERE {_REPLAYED}",
+)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "initial schema", _INITIAL),
     Migration(2, "idempotency keys on open reservations", _RESERVATION_IDEMPOTENCY),
@@ -316,6 +331,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(13, "measurements by hardware and workload", _WORKLOAD_INDEX),
     Migration(14, "each final forecast's chances of its kernels failing", _FORECAST_P_FAIL),
     Migration(15, "the cap each component's answer set on its own confidence", _FORECAST_MAX_CONFIDENCE),
+    Migration(16, "replayed measurements apart from the real GPU of their name", _REPLAY_HISTORY),
 )
 
 

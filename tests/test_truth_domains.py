@@ -1,0 +1,202 @@
+"""Whose measurements answer and teach a server: a replay's recording is some other machine's times, so a server
+on a real GPU of the same name neither answers from them nor learns from them, a replay server uses only its own
+recordings' measurements, and a real GPU's measurements still pool across restarts (one state folder each)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from replay_kernels import small_recording
+
+from forecaster_mcp.measure.fake import FakeMeasurer
+from forecaster_mcp.measure.replay import ReplayMeasurer
+from forecaster_mcp.models import Kernel, Workload
+
+pytestmark = pytest.mark.anyio
+
+GPU = "A100-PCIE-40GB"  # what the small recording's "NVIDIA A100-PCIE-40GB" resolves to
+
+
+def _recording(path: Path, fast_ms: float, slow_ms: float) -> Path:
+    return small_recording(
+        path,
+        {
+            "32": {"bx": 32, "time": fast_ms, "times": [fast_ms] * 5},
+            "64": {"bx": 64, "time": slow_ms, "times": [slow_ms] * 5},
+            "128": {"bx": 128, "time": slow_ms, "times": [slow_ms] * 5},
+        },
+    )
+
+
+def _kernels() -> list[Kernel]:
+    # The recording's kernel "kk" with its one parameter; replay matches entry and defines, the fake runs anything.
+    return [Kernel(id=f"b{bx}", source="// kk\n", entry="kk", defines={"bx": bx}) for bx in (32, 64, 128)]
+
+
+async def _service(home: Path, measurer: Any) -> Any:
+    from forecaster_mcp.service import Service, build_forecasters
+    from forecaster_mcp.settings import Settings
+    from forecaster_mcp.store.db import Store
+
+    settings = Settings.from_env(home=home, measurer="none", ledger="team", max_measure_seconds=5)
+    store = await Store.open(settings.db_path)
+    await store.ensure_ledger("team", 100.0)
+    return Service(settings, store, build_forecasters(settings, store), [measurer])
+
+
+async def _measure_all(svc: Any, kernels: list[Kernel]) -> None:
+    for k in kernels:
+        r = await svc.measure(ledger="team", kernel=k, workload=Workload(), hardware=GPU)
+        assert r.status == "ok", r
+
+
+async def _compare(svc: Any, kernels: list[Kernel]) -> Any:
+    return await svc.compare(
+        ledger="team", candidates=kernels, workload=Workload(), baseline=None, hardware=GPU,
+        target_error=None, measure_if_unsure=False, max_measurements=0,
+    )  # fmt: skip
+
+
+def _real_gpu() -> FakeMeasurer:
+    # Stands in for pycuda on a real A100: b32 is the *slower* one here, unlike the recording.
+    fake = FakeMeasurer([GPU], gpu_seconds=0.2)
+    fake.script("kk", defines={"bx": 32}, runtime_ms=9.0)
+    fake.script("kk", defines={"bx": 64}, runtime_ms=1.0)
+    fake.script("kk", defines={"bx": 128}, runtime_ms=2.0)
+    return fake
+
+
+async def test_a_real_gpu_is_neither_answered_nor_taught_by_a_replay_of_the_same_gpu(tmp_path: Path) -> None:
+    home = tmp_path / "state"
+    ks = _kernels()
+    replay = await _service(home, ReplayMeasurer([_recording(tmp_path / "A100.json", 1.0, 4.0)]))
+    try:
+        await _measure_all(replay, ks[:2])
+        # The replay server itself answers from its recording's measurements.
+        assert (await _compare(replay, ks[:2])).candidates[0].decided_by == "cache"
+    finally:
+        await replay.close()
+
+    fake = _real_gpu()
+    real = await _service(home, fake)
+    try:
+        res = await _compare(real, ks)
+        # Not "measured" from the recording's times (b64 4x slower there; 9x faster on this GPU).
+        assert [c.decided_by for c in res.candidates] == ["forecast", "forecast"]
+        assert all(c.measured_speedup is None for c in res.candidates)
+        # Nor learned: the family model has no measurement of this family on this GPU (it counted the replay's 2).
+        assert "no measurement of this family yet" in res.candidates[1].rationale, res.candidates[1].rationale
+        # measure_kernel measures on this GPU (and charges for it) rather than answering from the replay.
+        first = await real.measure(ledger="team", kernel=ks[0], workload=Workload(), hardware=GPU)
+        assert not first.cost.cached and first.runtime_ms is not None and first.runtime_ms.median == 9.0
+    finally:
+        await real.close()
+
+
+async def test_a_replay_is_not_answered_from_a_real_gpus_measurements(tmp_path: Path) -> None:
+    home = tmp_path / "state"
+    ks = _kernels()
+    real = await _service(home, _real_gpu())
+    try:
+        await _measure_all(real, ks[:2])
+    finally:
+        await real.close()
+
+    replay = await _service(home, ReplayMeasurer([_recording(tmp_path / "A100.json", 1.0, 4.0)]))
+    try:
+        res = await _compare(replay, ks[:2])
+        assert res.candidates[0].decided_by == "forecast"
+        await _measure_all(replay, ks[:2])
+        # Now its own recording decides the pair: b64 is 4x slower, not the real GPU's 9x faster.
+        res = await _compare(replay, ks[:2])
+        assert res.candidates[0].decided_by == "cache" and res.candidates[0].verdict == "slower"
+    finally:
+        await replay.close()
+
+
+async def test_two_recordings_of_one_gpu_keep_their_own_measurements(tmp_path: Path) -> None:
+    home = tmp_path / "state"
+    ks = _kernels()
+    first = await _service(home, ReplayMeasurer([_recording(tmp_path / "one" / "A100.json", 1.0, 4.0)]))
+    try:
+        await _measure_all(first, ks[:2])
+    finally:
+        await first.close()
+
+    second = await _service(home, ReplayMeasurer([_recording(tmp_path / "two" / "A100.json", 4.0, 1.0)]))
+    try:
+        assert (await _compare(second, ks[:2])).candidates[0].decided_by == "forecast"
+    finally:
+        await second.close()
+
+
+async def test_a_real_gpus_measurements_still_answer_after_a_restart(tmp_path: Path) -> None:
+    home = tmp_path / "state"
+    ks = _kernels()
+    for make in (_real_gpu, lambda: ReplayMeasurer([_recording(tmp_path / "A100.json", 1.0, 4.0)])):
+        before = await _service(home / type(make()).__name__, make())
+        try:
+            await _measure_all(before, ks[:2])
+        finally:
+            await before.close()
+        after = await _service(home / type(make()).__name__, make())
+        try:
+            res = await _compare(after, ks[:2])
+            assert res.candidates[0].decided_by == "cache"
+        finally:
+            await after.close()
+
+
+async def test_replayed_measurements_stored_before_are_moved_off_the_real_gpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A state folder a replay server of the previous version wrote: its measurements (and the forecasts they
+    # verified) filed under the GPU's own name.
+    from forecaster_mcp.store import migrations
+
+    home = tmp_path / "state"
+    ks = _kernels()
+    rec = _recording(tmp_path / "A100.json", 1.0, 4.0)
+    with monkeypatch.context() as m:
+        m.setattr(migrations, "MIGRATIONS", migrations.MIGRATIONS[:15])
+        m.delattr(ReplayMeasurer, "history_device")
+        old = await _service(home, ReplayMeasurer([rec]))
+        try:
+            await _compare(old, ks[:2])
+            await _measure_all(old, ks[:2])
+            assert len(await old.store.verified_pairs(hardware=GPU)) > 0
+        finally:
+            await old.close()
+
+    real = await _service(home, _real_gpu())
+    try:
+        assert await real.store.verified_pairs(hardware=GPU) == []
+        assert [c.decided_by for c in (await _compare(real, ks)).candidates] == ["forecast", "forecast"]
+        first = await real.measure(ledger="team", kernel=ks[0], workload=Workload(), hardware=GPU)
+        assert not first.cost.cached
+    finally:
+        await real.close()
+    # The replay server's measure_kernel still answers from them, free, and then its compare does too.
+    replay = await _service(home, ReplayMeasurer([rec]))
+    try:
+        for k in ks[:2]:
+            again = await replay.measure(ledger="team", kernel=k, workload=Workload(), hardware=GPU)
+            assert again.cost.cached
+        assert (await _compare(replay, ks[:2])).candidates[0].decided_by == "cache"
+    finally:
+        await replay.close()
+
+
+def test_claude_is_told_the_gpu_not_where_a_replays_history_is_stored(tmp_path: Path) -> None:
+    from forecaster_mcp.forecast.base import PairQuery
+    from forecaster_mcp.forecast.prompt import build_pair_prompt
+
+    replay = ReplayMeasurer([_recording(tmp_path / "MYSTERY.json", 1.0, 4.0)])
+    stored_as = replay.history_device(GPU)
+    assert stored_as.startswith(f"{GPU} (replay ")
+    a, b = _kernels()[:2]
+    # A GPU without a specification row is described by its name alone.
+    text = build_pair_prompt(PairQuery(a, b, Workload(), "Mystery-GPU (replay 1a2b3c4d)", None)).text
+    assert "unknown GPU: 'Mystery-GPU'" in text and "replay" not in text
