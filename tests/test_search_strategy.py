@@ -735,3 +735,39 @@ def test_a_search_whose_every_measurement_failed_says_so(tmp_path: Path) -> None
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert "none of the configurations the forecast-guided runs measured ran ok" in done.stderr, done.stderr
     assert "raise --measurements" not in done.stderr and "best-fraction median" not in done.stdout
+
+
+def test_a_random_run_on_a_gpu_budget_does_not_depend_on_a_measurement_cap_it_never_reached(
+    conv_a100: Path, tmp_path: Path
+) -> None:
+    """The random arm drew its configurations with one `random.sample` of `--measurements` of them, and Python
+    draws differently for a large sample: the same seed on the same --gpu-seconds gave other runs (seed 1: 67
+    measurements, then 68 and other GPU-seconds) when --measurements was raised from 100 to 2000, a cap neither
+    reached. Its order is now the same whatever the cap, and begins with the forecast run's random start."""
+    import json
+
+    from serverproc import cli
+
+    runs = []
+    for cap in ("100", "2000"):
+        out = tmp_path / f"r{cap}.json"
+        args = ("search", str(conv_a100), "--strategy", "random", "--seeds", "3", "--gpu-seconds", "5")
+        cli(tmp_path / f"home{cap}", *args, "--measurements", cap, "--out", str(out))
+        report = json.loads(out.read_text())["runs"]
+        assert all(r["stopped_by_budget"] and r["measurements"] < 100 for r in report)
+        runs.append([{k: v for k, v in r.items() if k != "wall_seconds"} for r in report])
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.anyio
+async def test_random_search_order_is_one_draw_whatever_the_budget() -> None:
+    """The first k configurations a random run measures are the same for any budget of at least k, and are the
+    forecast-guided run's random start of the same seed (the two arms of a seed start alike)."""
+    space = synthetic_space()  # 640 configurations: random.sample draws 30 and 200 of them differently
+    for seed in range(4):
+        short = await random_search(ToolEmulator(space), space, 30, seed)
+        long = await random_search(ToolEmulator(space), space, 200, seed)
+        assert long.per_step_best[:30] == short.per_step_best
+        assert long.per_step_gpu_seconds[:30] == short.per_step_gpu_seconds
+        guided = await forecast_guided_search(ToolEmulator(space), space, 12, seed, n_init=10)
+        assert guided.per_step_gpu_seconds[:10] == short.per_step_gpu_seconds[:10]
