@@ -968,8 +968,12 @@ def search_command(settings: Any, args: Any) -> int:
         )
     print(
         f"{args.recording}: {args.seeds} seed{'' if args.seeds == 1 else 's'} ({seeds}), "
-        f"{args.measurements} measurements per run (the first {n_init} random){ledger}; forecaster {forecasters}"
-        + (f", client {args.client}" if "forecast" in strategies else "")
+        f"{args.measurements} measurements per run (the first {n_init} random){ledger}"
+        + (f"; forecaster {forecasters}, client {args.client}" if "forecast" in strategies else "")
+    )
+    print(
+        "(best-fraction: the space's best runtime over the best a run found; candidates considered: the distinct "
+        "configurations a run forecast or measured)"
     )
     for strategy, s in summary.items():
         if strategy == "at_equal_gpu_seconds":

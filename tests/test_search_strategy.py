@@ -413,8 +413,10 @@ def test_search_command_checks_out_before_the_runs(tmp_path: Path) -> None:
         assert bad.stderr.startswith("forecaster-mcp: ") and f"--out {out}" in bad.stderr
         assert message in bad.stderr and "seed 0" not in bad.stderr
     made = tmp_path / "new" / "dir" / "report.json"
-    cli(tmp_path / "home", *args, "--out", str(made))
+    ran = cli(tmp_path / "home", *args, "--out", str(made))
     assert json.loads(made.read_text())["summary"]["random"]["runs"] == 1
+    # A random-only run names no forecaster (it printed "forecaster local"), and the report says what its terms mean.
+    assert "forecaster" not in ran.stdout and "candidates considered: the distinct" in ran.stdout, ran.stdout
 
 
 def test_search_command_refuses_a_recording_with_nothing_to_find(tmp_path: Path) -> None:
