@@ -24,9 +24,10 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@pytest.fixture(autouse=True)
-def _isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    home = tmp_path / "home"
+def isolate(monkeypatch: pytest.MonkeyPatch, tmp: Path) -> Path:
+    """Point FORECASTER_MCP_HOME at `tmp`/home and make paid API calls fail loudly (every test; fixtures of a
+    wider scope, set up before any test's, call it for the processes they start)."""
+    home = tmp / "home"
     monkeypatch.setenv("FORECASTER_MCP_HOME", str(home))
     monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
     monkeypatch.delenv("FORECASTER_MCP_ANTHROPIC_API_KEY", raising=False)
@@ -35,8 +36,13 @@ def _isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[
     monkeypatch.setenv("FORECASTER_MCP_FORBID_REAL_API", "1")
     # The stand-in GPUs of every test share one PCI bus id: without a scope of its own, a test's jobs would take
     # turns with those of other tests running on this machine (pycuda_measurer._machine_lock).
-    monkeypatch.setenv("FORECASTER_MCP_GPU_LOCK_SCOPE", f"forecaster-mcp-test-{os.getpid()}-{id(tmp_path):x}")
-    yield home
+    monkeypatch.setenv("FORECASTER_MCP_GPU_LOCK_SCOPE", f"forecaster-mcp-test-{os.getpid()}-{id(tmp):x}")
+    return home
+
+
+@pytest.fixture(autouse=True)
+def _isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    yield isolate(monkeypatch, tmp_path)
 
 
 def dataset(*parts: str) -> Path:

@@ -14,6 +14,7 @@ from typing import Any
 import anyio
 import httpx2
 import pytest
+from conftest import dataset, isolate
 from replay_kernels import conv_block as kernel
 from serverproc import INITIALIZE, HttpServer, cli, free_port, start_http
 
@@ -26,15 +27,21 @@ def _ledger_and_token(home: Path, ledger: str, gpu_seconds: float) -> str:
     return cli(home, "token", "issue", "--ledger", ledger).stdout.strip().splitlines()[-1]
 
 
-@pytest.fixture
-def server(tmp_path: Path, conv_a100: Path) -> Iterator[tuple[HttpServer, dict[str, str]]]:
-    home = tmp_path / "srv"
-    tokens = {name: _ledger_and_token(home, name, 50) for name in ("alice", "bob")}
-    srv = start_http(home, ["--replay", str(conv_a100)])
-    try:
-        yield srv, tokens
-    finally:
-        srv.stop()
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[HttpServer, dict[str, str]]]:
+    """One server process for the tests below (five processes each, set up per test, took a third of this
+    file's time): none of them depends on a fresh one. Only alice measures, and only once; the token revoked is
+    one issued for it; the rest read."""
+    tmp = tmp_path_factory.mktemp("e2e_http")
+    with pytest.MonkeyPatch.context() as env:
+        isolate(env, tmp)  # set up before any test's own isolation: the processes started here need it too
+        home = tmp / "srv"
+        tokens = {name: _ledger_and_token(home, name, 50) for name in ("alice", "bob")}
+        srv = start_http(home, ["--replay", str(dataset("cachefiles", "convolution_milo", "A100.json.gz"))])
+        try:
+            yield srv, tokens
+        finally:
+            srv.stop()
 
 
 def _ledger(home: Path, name: str) -> dict[str, Any]:
@@ -81,9 +88,12 @@ def test_a_401_says_whether_the_token_is_missing_or_refused_and_what_to_do(
     unknown = _refusal(srv, "Bearer fmcp_not-a-real-token")
     assert "not known to this server or was revoked" in unknown
     assert "forecaster-mcp token list" in unknown and "FORECASTER_MCP_HOME" in unknown
-    cli(srv.home, "token", "revoke", tokens["bob"])
-    # A revoked token reads as one never issued: a refusal tells nothing about which tokens exist.
-    assert _refusal(srv, f"Bearer {tokens['bob']}") == unknown
+    # A token of its own (the server is shared), used, then revoked while the server runs: it reads as one never
+    # issued, so a refusal tells nothing about which tokens exist.
+    revoked = cli(srv.home, "token", "issue", "--ledger", "bob").stdout.strip().splitlines()[-1]
+    assert _post_initialize(srv, revoked) == 200
+    cli(srv.home, "token", "revoke", revoked)
+    assert _refusal(srv, f"Bearer {revoked}") == unknown
     for shown in (missing, unknown):
         assert "alice" not in shown and "bob" not in shown and "fmcp_not" not in shown
     assert "start with fmcp_" in _refusal(srv, "Bearer sk-ant-123")
