@@ -109,6 +109,20 @@ async def test_max_measurements_without_measure_if_unsure_says_it_measured_nothi
         assert (await call(client, "budget_status", {}))["spent_gpu_seconds"] == 0
 
 
+async def test_max_measurements_with_measure_if_unsure_false_gets_no_note(
+    tmp_path: Path, conv_a100: Path
+) -> None:
+    """A client that sends measure_if_unsure: false itself (every argument written out, defaults included) asked
+    for no measurement, and so did one sending max_measurements: 0: neither is told to pass measure_if_unsure=true
+    (a nudge to spend budget it had declined)."""
+    async with running(tmp_path, [conv_a100]) as (client, _):
+        pair = [conv("a", FAST), conv("b", SLOW)]
+        for args in ({"measure_if_unsure": False, "max_measurements": 4}, {"max_measurements": 0}):
+            out = await call(client, "compare_kernels", {"candidates": pair, **args})
+            assert out["measurements"] == []
+            assert not [n for n in out["notes"] if "max_measurements" in n], args
+
+
 async def test_compare_fills_every_contract_field(tmp_path: Path, conv_a100: Path) -> None:
     async with running(tmp_path, [conv_a100]) as (client, _):
         out = await call(client, "compare_kernels", {"candidates": [conv("a", FAST), conv("b", SLOW)]})

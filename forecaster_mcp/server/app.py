@@ -405,11 +405,15 @@ def build_server(service: Service, *, http: bool = False) -> MCPServer:
                 progress=progress_of(ctx),
             )
         )
-        if not measure_if_unsure and "max_measurements" in (_raw_arguments(ctx) or {}):
-            # The cap of a measuring the caller did not ask for: one sent alone expected measurements.
+        sent = _raw_arguments(ctx) or {}
+        if "max_measurements" in sent and "measure_if_unsure" not in sent and max_measurements > 0:
+            # The cap of a measuring the caller did not ask for: one sent alone expected measurements. Not when
+            # the caller wrote measure_if_unsure: false itself (a client sending every argument, defaults
+            # included) or a cap of 0: it asked for none, and is not to be told to spend budget.
             result.notes.append(
                 f"max_measurements {max_measurements} was not used and nothing was measured: it caps "
-                "measure_if_unsure, which is false; pass measure_if_unsure=true to measure the unsure candidates"
+                "measure_if_unsure, which was not sent (false); pass measure_if_unsure=true to measure the unsure "
+                "candidates"
             )
         return result
 
