@@ -1726,10 +1726,12 @@ class _AnswerFiles:
         data = (json.dumps(line) + "\n").encode()
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self._path(key), os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+            # O_BINARY: Windows would write "\r\n" (0 elsewhere).
+            flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | getattr(os, "O_BINARY", 0)
+            fd = os.open(self._path(key), flags, 0o644)
             try:
                 size = os.fstat(fd).st_size
-                if size and os.pread(fd, 1, size - 1) != b"\n":
+                if size and _byte_at(fd, size - 1) != b"\n":
                     # A line cut short (a process killed, a disk full mid-write): ended here, so that this one
                     # does not run on from it into one unreadable line.
                     data = b"\n" + data
@@ -1863,6 +1865,12 @@ def _note(until_by_key: OrderedDict[str, float], key: str, until: float) -> None
 
 def _digest(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _byte_at(fd: int, offset: int) -> bytes:
+    """The byte of open file `fd` at `offset` (os.pread does not exist on Windows)."""
+    os.lseek(fd, offset, os.SEEK_SET)
+    return os.read(fd, 1)
 
 
 def _answer_key(text: prompt.PairPrompt) -> str:
