@@ -63,6 +63,7 @@ from forecaster_mcp.models import (
     CONTROL_CHARACTER,
     MAX_CANDIDATES,
     MIN_MEASURE_SECONDS,
+    REPLAY_HISTORY_MARK,
     SUSPECT_FLAGS,
     BufferArg,
     CandidateForecast,
@@ -74,6 +75,7 @@ from forecaster_mcp.models import (
     Verdict,
     Workload,
     candidate_count_problem,
+    history_gpu,
 )
 from forecaster_mcp.reports import BudgetStatus, GpuSpecRow
 from forecaster_mcp.settings import Settings
@@ -1891,10 +1893,21 @@ def check_key(reference: Kernel | None, atol: float, rtol: float, *, earlier: bo
 
 def _differences(used: IdempotentRequest, kernel: Kernel, workload_key: str, stored_as: str) -> list[str]:
     """What a retry under a used idempotency key changed (a kernel saved under its earlier content key is
-    the same kernel)."""
+    the same kernel; a replay of the same GPU is the same device, whichever recordings it has now)."""
     out = [] if used.content_key in (kernel.content_key(), kernel.earlier_content_key()) else ["kernel"]
-    pairs = (("workload", used.workload_key, workload_key), ("hardware", used.hardware, stored_as))
-    return out + [what for what, theirs, mine in pairs if theirs != mine]
+    if used.workload_key != workload_key:
+        out.append("workload")
+    if used.hardware != stored_as and not _same_replayed_gpu(used.hardware, stored_as):
+        out.append("hardware")
+    return out
+
+
+def _same_replayed_gpu(a: str, b: str) -> bool:
+    """Whether two stored histories are replays of one GPU: a retry under an idempotency key is the same request
+    after the operator adds a recording of that GPU (its history key names the recordings), and after an upgrade
+    moved the replayed measurements stored before to "<GPU> (replay)" (store migration 16); the key's recorded
+    answer answers it, free (it was refused as another device's)."""
+    return REPLAY_HISTORY_MARK in a and REPLAY_HISTORY_MARK in b and history_gpu(a) == history_gpu(b)
 
 
 # Flags that describe the request a result answered, not the result: not carried to the copies others get.

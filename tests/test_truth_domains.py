@@ -4,6 +4,7 @@ recordings' measurements, and a real GPU's measurements still pool across restar
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -200,3 +201,68 @@ def test_claude_is_told_the_gpu_not_where_a_replays_history_is_stored(tmp_path: 
     # A GPU without a specification row is described by its name alone.
     text = build_pair_prompt(PairQuery(a, b, Workload(), "Mystery-GPU (replay 1a2b3c4d)", None)).text
     assert "unknown GPU: 'Mystery-GPU'" in text and "replay" not in text
+
+
+async def test_a_retry_under_an_idempotency_key_used_before_the_upgrade_is_answered_free(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A replay server of the previous version measured under an idempotency key; the agent's retry of that very
+    # request reaches the upgraded server (migration 16 moved the measurement to "<GPU> (replay)").
+    from forecaster_mcp.store import migrations
+
+    home = tmp_path / "state"
+    ks = _kernels()
+    rec = _recording(tmp_path / "A100.json", 1.0, 4.0)
+    with monkeypatch.context() as m:
+        m.setattr(migrations, "MIGRATIONS", migrations.MIGRATIONS[:15])
+        m.delattr(ReplayMeasurer, "history_device")
+        old = await _service(home, ReplayMeasurer([rec]))
+        try:
+            first = await old.measure(
+                ledger="team", kernel=ks[0], workload=Workload(), hardware=GPU, idempotency_key="run-1"
+            )
+            assert first.status == "ok" and not first.cost.cached
+        finally:
+            await old.close()
+
+    replay = await _service(home, ReplayMeasurer([rec]))
+    try:
+        again = await replay.measure(
+            ledger="team", kernel=ks[0], workload=Workload(), hardware=GPU, idempotency_key="run-1"
+        )
+        assert again.cost.cached and again.runtime_ms == first.runtime_ms
+        # Another kernel under the key is still refused.
+        with pytest.raises(Exception, match="different kernel"):
+            await replay.measure(
+                ledger="team", kernel=ks[1], workload=Workload(), hardware=GPU, idempotency_key="run-1"
+            )
+    finally:
+        await replay.close()
+
+
+async def test_a_retry_is_answered_after_the_operator_adds_a_recording_of_the_same_gpu(
+    tmp_path: Path,
+) -> None:
+    # The replay's history key names its recordings: one more recording of the GPU (another kernel) is another
+    # history, but the request under the key is the same one, on the same GPU, and its retry is answered free.
+    home = tmp_path / "state"
+    ks = _kernels()
+    rec = _recording(tmp_path / "A100.json", 1.0, 4.0)
+    before = await _service(home, ReplayMeasurer([rec]))
+    try:
+        first = await before.measure(
+            ledger="team", kernel=ks[0], workload=Workload(), hardware=GPU, idempotency_key="run-1"
+        )
+    finally:
+        await before.close()
+    other = _recording(tmp_path / "other" / "A100.json", 2.0, 3.0)
+    doc = json.loads(other.read_text())
+    other.write_text(json.dumps({**doc, "kernel_name": "other_kernel"}))
+    after = await _service(home, ReplayMeasurer([rec, other]))
+    try:
+        again = await after.measure(
+            ledger="team", kernel=ks[0], workload=Workload(), hardware=GPU, idempotency_key="run-1"
+        )
+        assert again.cost.cached and again.runtime_ms == first.runtime_ms
+    finally:
+        await after.close()
