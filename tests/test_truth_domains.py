@@ -266,3 +266,39 @@ async def test_a_retry_is_answered_after_the_operator_adds_a_recording_of_the_sa
         assert again.cost.cached and again.runtime_ms == first.runtime_ms
     finally:
         await after.close()
+
+
+async def test_a_real_gpus_family_model_does_not_start_from_what_a_replay_fitted_before_the_upgrade(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The family model keeps its fitted hyperparameters per family, GPU and workload across restarts: those a
+    # replay server of the previous version fitted on the recording's times, under the GPU's own name, would
+    # be a real GPU's starting point after the upgrade (and, past 100 measurements, its hyperparameters until
+    # it has 10% more measurements than the replay had).
+    from forecaster_mcp.store import migrations
+
+    home = tmp_path / "state"
+    values = [8, 16, 32, 64, 128, 256]
+    path = tmp_path / "A100.json"
+    doc = json.loads(_recording(path, 1.0, 4.0).read_text())
+    doc["tune_params"] = {"bx": values}
+    doc["cache"] = {str(v): {"bx": v, "time": 1.0 + v / 64, "times": [1.0 + v / 64] * 5} for v in values}
+    path.write_text(json.dumps(doc))
+    ks = [Kernel(id=f"b{v}", source="// kk\n", entry="kk", defines={"bx": v}) for v in values]
+    with monkeypatch.context() as m:
+        m.setattr(migrations, "MIGRATIONS", migrations.MIGRATIONS[:15])
+        m.delattr(ReplayMeasurer, "history_device")
+        old = await _service(home, ReplayMeasurer([path]))
+        try:
+            await _measure_all(old, ks[:5])
+            await _compare(old, ks)  # the family model fits its 5 measurements, and keeps what it fitted
+            key = (ks[0].family_key(), GPU, Workload().history_key())
+            assert await old.store.load_family_state(*key) is not None
+        finally:
+            await old.close()
+
+    real = await _service(home, _real_gpu())
+    try:
+        assert await real.store.load_family_state(*key) is None
+    finally:
+        await real.close()

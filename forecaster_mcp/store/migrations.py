@@ -315,6 +315,17 @@ _REPLAY_HISTORY = (
     f"UPDATE measurements SET hardware = hardware || ' (replay)' WHERE {_REPLAYED}",
 )
 
+# The family models' fitted hyperparameters (family_state) are kept per family, GPU and workload; those fitted
+# while replayed measurements were filed under the GPU's own name were fitted on the recording's times, and a
+# server on the real GPU started from them (past 100 measurements of the family, kept them until it had 10% more
+# than the replay had). Dropped where migration 16 moved replayed measurements of that family: refitted on what
+# the GPU measured itself.
+_REPLAY_FAMILY_STATE = (
+    "DELETE FROM family_state WHERE EXISTS (SELECT 1 FROM measurements AS m WHERE m.family_key = "
+    "family_state.family_key AND m.hardware = family_state.hardware || ' (replay)' "
+    "AND m.workload_key = family_state.workload_key)",
+)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "initial schema", _INITIAL),
     Migration(2, "idempotency keys on open reservations", _RESERVATION_IDEMPOTENCY),
@@ -332,6 +343,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(14, "each final forecast's chances of its kernels failing", _FORECAST_P_FAIL),
     Migration(15, "the cap each component's answer set on its own confidence", _FORECAST_MAX_CONFIDENCE),
     Migration(16, "replayed measurements apart from the real GPU of their name", _REPLAY_HISTORY),
+    Migration(17, "no family model starts from what replayed measurements fitted", _REPLAY_FAMILY_STATE),
 )
 
 
