@@ -302,3 +302,23 @@ async def test_a_real_gpus_family_model_does_not_start_from_what_a_replay_fitted
         assert await real.store.load_family_state(*key) is None
     finally:
         await real.close()
+
+
+async def test_a_replay_server_still_forecasts_after_its_recording_is_removed_from_disk(
+    tmp_path: Path,
+) -> None:
+    # The replay's history key names its recordings by their contents: read once, when the server loads them
+    # (serve preloads at start-up), not at each compare. A recording moved or deleted once the server had
+    # parsed it made every compare_kernels on its device fail (FileNotFoundError), though forecasts read none.
+    rec = _recording(tmp_path / "A100.json", 1.0, 4.0)
+    svc = await _service(tmp_path / "state", ReplayMeasurer([rec]))
+    try:
+        await svc.preload()
+        rec.unlink()
+        res = await _compare(svc, _kernels())
+        assert [c.decided_by for c in res.candidates] == ["forecast", "forecast"]
+        # Its parsed times still answer measure_kernel, and then compare.
+        await _measure_all(svc, _kernels()[:2])
+        assert (await _compare(svc, _kernels()[:2])).candidates[0].decided_by == "cache"
+    finally:
+        await svc.close()

@@ -658,6 +658,9 @@ class _Recording:
                         f"{why}; this server's operator must replace or remove the recording"
                     ) from exc
                 space.index()  # built here, off the event loop
+                # The history key names the recording by its contents (ReplayMeasurer.history_device): read
+                # now, with it, so that a recording moved or deleted once parsed does not fail every compare.
+                self.file_digest()
                 self.space = space
             return self.space
 
