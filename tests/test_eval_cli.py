@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -922,14 +925,33 @@ def test_a_file_given_to_the_wrong_command_is_named_with_the_command_that_reads_
     assert f"forecaster-mcp eval {pairs}` scores the forecaster on it" in err and "export" not in err
 
 
+@pytest.fixture
+def ctrl_c() -> Iterator[None]:
+    """SIGINT raises KeyboardInterrupt, as a terminal's Ctrl-C does, for the tests that raise one. pytest started
+    as a background job of a non-interactive shell (`bash -c 'pytest ... &'`, a script's `nohup pytest &`) inherits
+    SIGINT ignored, and Python leaves it so: their SIGINT had no effect, and the batch test polled forever."""
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        signal.signal(signal.SIGINT, handler)
+
+
+def _raise_sigint(states: list[str]) -> None:
+    """A terminal's Ctrl-C; `states` gets how SIGINT was handled then, for a failure's message."""
+    blocked = signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    states.append(f"SIGINT handler {signal.getsignal(signal.SIGINT)!r}, blocked: {blocked}")
+    signal.raise_signal(signal.SIGINT)
+
+
 def test_an_interrupted_eval_says_what_claude_cost_and_that_nothing_was_written(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], ctrl_c: None
 ) -> None:
     """Ctrl-C during a paid eval exited 130 without a word: the requests already answered are billed, and the
     operator was not told what they cost (the report that says it is never written). A real SIGINT, raised while
     the third request is answered, stops the run as a terminal's Ctrl-C does."""
-    import signal
-
     from _anthropic_mock import AnthropicMock, tool_answer
 
     from forecaster_mcp.forecast import evaluate
@@ -937,12 +959,13 @@ def test_an_interrupted_eval_says_what_claude_cost_and_that_nothing_was_written(
 
     faster = [0.0, 0.0, 0.0, 0.05, 0.15, 0.5, 0.25, 0.05]
     sent = 0
+    sigint: list[str] = []
 
     def respond(body: Any) -> Any:
         nonlocal sent
         sent += 1
         if sent == 3:
-            signal.raise_signal(signal.SIGINT)
+            _raise_sigint(sigint)
         return tool_answer(faster)
 
     mock = AnthropicMock(respond)
@@ -965,7 +988,8 @@ def test_an_interrupted_eval_says_what_claude_cost_and_that_nothing_was_written(
     monkeypatch.setattr(evaluate, "build_forecasters", claude_only)
     pairs = _write(tmp_path / "pairs.jsonl", TINY)
     out = tmp_path / "out"
-    assert main(["eval", str(pairs), "--out", str(out), "--forecaster", "claude"]) == 130
+    code = main(["eval", str(pairs), "--out", str(out), "--forecaster", "claude"])
+    assert code == 130, f"the SIGINT did not stop the eval (exit {code}; when raised: {sigint})"
     err = capsys.readouterr().err
     [claude] = built
     spent = claude.usage_total
@@ -977,7 +1001,7 @@ def test_an_interrupted_eval_says_what_claude_cost_and_that_nothing_was_written(
 
 
 def test_an_interrupted_eval_rerun_pays_only_for_the_answers_it_did_not_get(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], ctrl_c: None
 ) -> None:
     """Ctrl-C during a paid eval lost every answer already paid for: the rerun sent every request again. Each answer
     is now kept in the state folder as it arrives (also the one in flight at the stop, answered within the close's
@@ -986,7 +1010,6 @@ def test_an_interrupted_eval_rerun_pays_only_for_the_answers_it_did_not_get(
     a real SIGINT raised while the mocked API takes its time over the fifth request."""
     import asyncio
     import hashlib
-    import signal
     from collections import Counter
 
     import httpx2
@@ -1014,10 +1037,11 @@ def test_an_interrupted_eval_rerun_pays_only_for_the_answers_it_did_not_get(
         return tool_answer(answers[n % len(answers)])
 
     mock = AnthropicMock(respond)
+    sigint: list[str] = []
 
     async def handle(request: httpx2.Request) -> httpx2.Response:
         if len(asked) + 1 == stop_at:
-            signal.raise_signal(signal.SIGINT)
+            _raise_sigint(sigint)
             await asyncio.sleep(0.3)  # answered after the stop, well within the close's wait
         return mock.handle(request)
 
@@ -1037,7 +1061,8 @@ def test_an_interrupted_eval_rerun_pays_only_for_the_answers_it_did_not_get(
     def run(out: Path) -> int:
         return main(["eval", str(pairs), "--out", str(out), "--forecaster", "claude", "--no-ptxas"])
 
-    assert run(tmp_path / "stopped") == 130
+    code = run(tmp_path / "stopped")
+    assert code == 130, f"the SIGINT did not stop the eval (exit {code}; when raised: {sigint})"
     err = capsys.readouterr().err
     assert "spent before the stop: claude: 5 requests" in err
     assert "the 5 Claude answer(s) received are kept in" in err and "reuses them" in err
@@ -1068,14 +1093,12 @@ def test_an_interrupted_eval_rerun_pays_only_for_the_answers_it_did_not_get(
 
 
 def test_an_interrupted_batch_eval_bills_and_keeps_what_its_batch_finished(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], ctrl_c: None
 ) -> None:
     """Ctrl-C during `eval --batch`: the batch was cancelled without reading the requests it had finished. The API
     bills those, yet the stop said nothing of them and a rerun paid for them again. Now they are read after the
     cancel: counted in what the stop says was spent, kept, and the rerun's batch asks only for the rest. A real
     SIGINT, raised while the batch's status is checked."""
-    import signal
-
     import httpx2
     from _anthropic_mock import AnthropicMock, tool_answer
 
@@ -1083,13 +1106,20 @@ def test_an_interrupted_batch_eval_bills_and_keeps_what_its_batch_finished(
 
     faster = [0.0, 0.0, 0.0, 0.05, 0.15, 0.5, 0.25, 0.05]
     mock = AnthropicMock(lambda params: tool_answer(faster), batch_never_ends=True, finished_before_cancel=2)
-    interrupt = True
+    signalled_at: float | None = None
+    sigint: list[str] = []
+    ignored = False
 
     def handle(request: httpx2.Request) -> httpx2.Response:
-        nonlocal interrupt
-        if interrupt and request.method == "GET" and request.url.path.endswith(tuple(mock.batches)):
-            interrupt = False
-            signal.raise_signal(signal.SIGINT)
+        nonlocal signalled_at, ignored
+        if request.method == "GET" and request.url.path.endswith(tuple(mock.batches)):
+            if signalled_at is None:
+                signalled_at = time.monotonic()
+                _raise_sigint(sigint)
+            elif mock.batch_never_ends and time.monotonic() - signalled_at > 20:
+                # Still polled 20 s after the SIGINT: the stop never came, and the batch, never ending, would be
+                # polled for ever. It ends instead: the run returns and the test fails, saying why.
+                ignored, mock.batch_never_ends = True, False
         return mock.handle(request)
 
     real = claude_module.ClaudeForecaster
@@ -1109,7 +1139,11 @@ def test_an_interrupted_batch_eval_bills_and_keeps_what_its_batch_finished(
             ["eval", str(pairs), "--out", str(out), "--forecaster", "claude", "--no-ptxas", "--batch"]
         )
 
-    assert run(tmp_path / "stopped") == 130
+    code = run(tmp_path / "stopped")
+    assert not ignored and code == 130, (
+        f"the SIGINT raised at the batch's first status check did not stop the eval within 20 s (exit {code}; "
+        f"when raised: {sigint})"
+    )
     err = capsys.readouterr().err
     [stopped] = mock.batches.values()
     assert stopped.canceled
