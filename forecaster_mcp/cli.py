@@ -262,12 +262,13 @@ def _parser() -> argparse.ArgumentParser:
     se.add_argument(
         "--client",
         choices=["full", "plain", "unsure"],
-        default="full",
-        help="forecast-guided client, each after 10 random measurements: full (local moves + several random "
-        "pools per step), plain (one pool of 63 random untried configurations per step in one compare_kernels "
-        "call against the best so far; the first two of measure_next and of the faster verdicts go to a final "
-        "call, and its measure_next head is measured unless a faster one is worth more) or unsure (the plain "
-        "client letting compare_kernels measure with measure_if_unsure, max_measurements 1)",
+        default="plain",
+        help="forecast-guided client, each after 10 random measurements: plain (the default: one pool of 63 "
+        "random untried configurations per step in one compare_kernels call against the best so far; the first "
+        "two of measure_next and of the faster verdicts go to a final call, and its measure_next head is "
+        "measured unless a faster one is worth more), full (local moves + several random pools per step: "
+        "stranded more seeds on rugged spaces at 100 measurements) or unsure (the plain client letting "
+        "compare_kernels measure with measure_if_unsure, max_measurements 1)",
     )
     se.add_argument(
         "--claude",
