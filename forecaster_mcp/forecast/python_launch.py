@@ -971,10 +971,8 @@ class _Callers:
         if key in self._forwarded:
             return self._forwarded[key]
         self._forwarded[key] = False  # passed on to itself (`def f(x): f(x)`): none of its own
-        a = node.args
-        positional = [p.arg for p in [*a.posonlyargs, *a.args]]
-        index = positional.index(param) if param in positional else None
-        if index is None and param not in (p.arg for p in a.kwonlyargs):
+        named, index = _slot(node, param)
+        if not named:
             return False  # `*args`, `**kwargs`
         for call, bound in calls:
             if _unpacks(call):
@@ -1063,16 +1061,12 @@ class _Callers:
         if key in self._shaped:
             return self._shaped[key]
         self._shaped[key] = None  # passed on to itself: none of its own
-        a = node.args
-        positional = [p.arg for p in [*a.posonlyargs, *a.args]]
-        index = positional.index(param) if param in positional else None
-        if index is None and param not in (p.arg for p in a.kwonlyargs):
+        named, index = _slot(node, param)
+        if not named:
             return None  # `*args`, `**kwargs`
         found: set[str | None] = set()
         for call, bound in calls:
-            if any(isinstance(arg, ast.Starred) for arg in call.args) or any(
-                k.arg is None for k in call.keywords
-            ):
+            if _unpacks(call):
                 return None
             passed = _argument(call, index, param, method and bound)
             found.add(
@@ -1284,6 +1278,16 @@ def _argument(call: ast.Call, index: int | None, name: str, bound: bool) -> ast.
             return keyword.value
     at = index - bound if index is not None else None
     return call.args[at] if at is not None and 0 <= at < len(call.args) else None
+
+
+def _slot(node: ast.FunctionDef | ast.AsyncFunctionDef, param: str) -> tuple[bool, int | None]:
+    """Whether `param` is a named parameter of `node` (not what `*args` / `**kwargs` collect), and its place among
+    the positional ones (None: keyword-only)."""
+    a = node.args
+    positional = [p.arg for p in [*a.posonlyargs, *a.args]]
+    if param in positional:
+        return True, positional.index(param)
+    return any(p.arg == param for p in a.kwonlyargs), None
 
 
 def _unpacks(call: ast.Call) -> bool:
