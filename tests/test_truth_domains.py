@@ -5,6 +5,8 @@ recordings' measurements, and a real GPU's measurements still pool across restar
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,24 @@ def _recording(path: Path, fast_ms: float, slow_ms: float) -> Path:
 def _kernels() -> list[Kernel]:
     # The recording's kernel "kk" with its one parameter; replay matches entry and defines, the fake runs anything.
     return [Kernel(id=f"b{bx}", source="// kk\n", entry="kk", defines={"bx": bx}) for bx in (32, 64, 128)]
+
+
+@asynccontextmanager
+async def _previous_version_replay(
+    monkeypatch: pytest.MonkeyPatch, home: Path, recordings: list[Path]
+) -> AsyncIterator[Any]:
+    """A replay server of the version before replays had a history of their own: its store migrated only to 15,
+    its measurements filed under the GPU's own name."""
+    from forecaster_mcp.store import migrations
+
+    with monkeypatch.context() as m:
+        m.setattr(migrations, "MIGRATIONS", migrations.MIGRATIONS[:15])
+        m.delattr(ReplayMeasurer, "history_device")
+        old = await _service(home, ReplayMeasurer(recordings))
+        try:
+            yield old
+        finally:
+            await old.close()
 
 
 async def _service(home: Path, measurer: Any) -> Any:
@@ -155,21 +175,13 @@ async def test_replayed_measurements_stored_before_are_moved_off_the_real_gpu(
 ) -> None:
     # A state folder a replay server of the previous version wrote: its measurements (and the forecasts they
     # verified) filed under the GPU's own name.
-    from forecaster_mcp.store import migrations
-
     home = tmp_path / "state"
     ks = _kernels()
     rec = _recording(tmp_path / "A100.json", 1.0, 4.0)
-    with monkeypatch.context() as m:
-        m.setattr(migrations, "MIGRATIONS", migrations.MIGRATIONS[:15])
-        m.delattr(ReplayMeasurer, "history_device")
-        old = await _service(home, ReplayMeasurer([rec]))
-        try:
-            await _compare(old, ks[:2])
-            await _measure_all(old, ks[:2])
-            assert len(await old.store.verified_pairs(hardware=GPU)) > 0
-        finally:
-            await old.close()
+    async with _previous_version_replay(monkeypatch, home, [rec]) as old:
+        await _compare(old, ks[:2])
+        await _measure_all(old, ks[:2])
+        assert len(await old.store.verified_pairs(hardware=GPU)) > 0
 
     real = await _service(home, _real_gpu())
     try:
@@ -208,22 +220,14 @@ async def test_a_retry_under_an_idempotency_key_used_before_the_upgrade_is_answe
 ) -> None:
     # A replay server of the previous version measured under an idempotency key; the agent's retry of that very
     # request reaches the upgraded server (migration 16 moved the measurement to "<GPU> (replay)").
-    from forecaster_mcp.store import migrations
-
     home = tmp_path / "state"
     ks = _kernels()
     rec = _recording(tmp_path / "A100.json", 1.0, 4.0)
-    with monkeypatch.context() as m:
-        m.setattr(migrations, "MIGRATIONS", migrations.MIGRATIONS[:15])
-        m.delattr(ReplayMeasurer, "history_device")
-        old = await _service(home, ReplayMeasurer([rec]))
-        try:
-            first = await old.measure(
-                ledger="team", kernel=ks[0], workload=Workload(), hardware=GPU, idempotency_key="run-1"
-            )
-            assert first.status == "ok" and not first.cost.cached
-        finally:
-            await old.close()
+    async with _previous_version_replay(monkeypatch, home, [rec]) as old:
+        first = await old.measure(
+            ledger="team", kernel=ks[0], workload=Workload(), hardware=GPU, idempotency_key="run-1"
+        )
+        assert first.status == "ok" and not first.cost.cached
 
     replay = await _service(home, ReplayMeasurer([rec]))
     try:
@@ -275,8 +279,6 @@ async def test_a_real_gpus_family_model_does_not_start_from_what_a_replay_fitted
     # replay server of the previous version fitted on the recording's times, under the GPU's own name, would
     # be a real GPU's starting point after the upgrade (and, past 100 measurements, its hyperparameters until
     # it has 10% more measurements than the replay had).
-    from forecaster_mcp.store import migrations
-
     home = tmp_path / "state"
     values = [8, 16, 32, 64, 128, 256]
     path = tmp_path / "A100.json"
@@ -285,17 +287,11 @@ async def test_a_real_gpus_family_model_does_not_start_from_what_a_replay_fitted
     doc["cache"] = {str(v): {"bx": v, "time": 1.0 + v / 64, "times": [1.0 + v / 64] * 5} for v in values}
     path.write_text(json.dumps(doc))
     ks = [Kernel(id=f"b{v}", source="// kk\n", entry="kk", defines={"bx": v}) for v in values]
-    with monkeypatch.context() as m:
-        m.setattr(migrations, "MIGRATIONS", migrations.MIGRATIONS[:15])
-        m.delattr(ReplayMeasurer, "history_device")
-        old = await _service(home, ReplayMeasurer([path]))
-        try:
-            await _measure_all(old, ks[:5])
-            await _compare(old, ks)  # the family model fits its 5 measurements, and keeps what it fitted
-            key = (ks[0].family_key(), GPU, Workload().history_key())
-            assert await old.store.load_family_state(*key) is not None
-        finally:
-            await old.close()
+    async with _previous_version_replay(monkeypatch, home, [path]) as old:
+        await _measure_all(old, ks[:5])
+        await _compare(old, ks)  # the family model fits its 5 measurements, and keeps what it fitted
+        key = (ks[0].family_key(), GPU, Workload().history_key())
+        assert await old.store.load_family_state(*key) is not None
 
     real = await _service(home, _real_gpu())
     try:
